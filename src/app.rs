@@ -1,0 +1,180 @@
+//! The binary's edge: turns the command line into work and every outcome into an exit code.
+
+use std::io::Write;
+
+use crate::cli::{self, Command, Parsed};
+use crate::config::{self, env::EnvLayers, manifest};
+
+/// Exit codes, documented in the README.
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_RUNTIME: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+pub const EXIT_CREDENTIALS: i32 = 3;
+
+pub fn run(args: &[String]) -> i32 {
+    let inv = match cli::parse(args) {
+        Ok(Parsed::Version) => {
+            println!("cyberwave-cloud-node {}", cli::VERSION);
+            return EXIT_OK;
+        }
+        Ok(Parsed::Help(text)) => {
+            print!("{text}");
+            return EXIT_OK;
+        }
+        Ok(Parsed::Run(inv)) => inv,
+        Err(e) => {
+            eprintln!("error: {}\n(see: cyberwave-cloud-node --help)", e.0);
+            return EXIT_USAGE;
+        }
+    };
+    init_logging(inv.verbosity);
+    let cwd = match std::env::current_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: cannot read the current directory: {e}");
+            return EXIT_RUNTIME;
+        }
+    };
+    match inv.command {
+        Command::Validate => validate(&inv.flags, &cwd),
+        Command::Config | Command::Start => {
+            let settings = match config::resolve(&inv.flags, EnvLayers::from_process(), &cwd) {
+                Ok(s) => s,
+                Err(e) => {
+                    for line in &e.0 {
+                        eprintln!("error: {line}");
+                    }
+                    return EXIT_USAGE;
+                }
+            };
+            if inv.command == Command::Config {
+                print_config(&settings, inv.json)
+            } else {
+                for w in &settings.manifest_warnings {
+                    log::warn!("{w}");
+                }
+                crate::node::run(settings)
+            }
+        }
+    }
+}
+
+fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
+    let explicit = flags
+        .config
+        .clone()
+        .or_else(|| Some(cwd.join("cyberwave.yml")));
+    let (path, text) = match manifest::locate(explicit.as_deref(), cwd) {
+        Ok(Some(found)) => found,
+        Ok(None) => unreachable_none(),
+        Err(e) => {
+            println!("error: {e}");
+            return EXIT_RUNTIME;
+        }
+    };
+    let (m, problems) = manifest::parse(&path, &text, flags.lenient);
+    for p in &problems {
+        println!("{p}");
+    }
+    let errors = problems.iter().filter(|p| !p.warning).count();
+    let warnings = problems.len() - errors;
+    match m {
+        Some(m) => {
+            if m.wrapper.as_deref() == Some(manifest::WRAPPER_LEGACY) {
+                println!(
+                    "{}: note: `cyberwave-cloud-node:` is the legacy wrapper; `cyberwave:` is preferred",
+                    path.display()
+                );
+            }
+            for (kind, cmd) in [
+                ("inference", &m.inference),
+                ("simulate", &m.simulate),
+                ("training", &m.training),
+            ] {
+                if let Some(c) = cmd {
+                    let mode = if c.trim().ends_with(".py") && !c.trim().contains(' ') {
+                        "module mode: not supported by this node, use a shell command"
+                    } else {
+                        "shell mode"
+                    };
+                    println!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
+                }
+            }
+            println!(
+                "{}: OK ({warnings} warning{})",
+                path.display(),
+                if warnings == 1 { "" } else { "s" }
+            );
+            EXIT_OK
+        }
+        None => {
+            println!(
+                "{}: {errors} error{}, {warnings} warning{}",
+                path.display(),
+                plural(errors),
+                plural(warnings)
+            );
+            EXIT_RUNTIME
+        }
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+/// `locate` with an explicit path never answers "no manifest": it errors instead.
+fn unreachable_none() -> ! {
+    eprintln!("error: internal: no manifest located");
+    std::process::exit(EXIT_RUNTIME)
+}
+
+fn print_config(settings: &config::Settings, json: bool) -> i32 {
+    let rows = settings.rows();
+    let mut out = std::io::stdout().lock();
+    if json {
+        let obj: serde_json::Map<String, serde_json::Value> = rows
+            .into_iter()
+            .map(|(k, v, s)| (k.to_string(), serde_json::json!({"value": v, "source": s})))
+            .collect();
+        let _ = writeln!(out, "{}", serde_json::Value::Object(obj));
+    } else {
+        for (k, v, s) in rows {
+            let _ = writeln!(out, "{k:<26} {v:<40} ({s})");
+        }
+        for w in &settings.manifest_warnings {
+            let _ = writeln!(out, "{w}");
+        }
+    }
+    EXIT_OK
+}
+
+fn init_logging(verbosity: u8) {
+    let level = match verbosity {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    // Paho's Rust wrapper is chatty at debug; it only speaks up with -vv.
+    let default = if verbosity >= 2 {
+        level.to_string()
+    } else {
+        format!("{level},paho_mqtt=warn")
+    };
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
+        .format(|buf, record| {
+            writeln!(
+                buf,
+                "{} {:<5} {}",
+                crate::util::rfc3339(std::time::SystemTime::now()),
+                record.level(),
+                record.args()
+            )
+        })
+        .target(env_logger::Target::Stderr)
+        .try_init();
+}

@@ -1,0 +1,324 @@
+//! The command line. Flags are accepted before or after the subcommand; `--flag value` and
+//! `--flag=value` both work; no subcommand means `start`.
+
+use std::path::PathBuf;
+
+use crate::config::Flags;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    Start,
+    Validate,
+    Config,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Parsed {
+    Run(Invocation),
+    Help(String),
+    Version,
+}
+
+#[derive(Debug, Clone)]
+pub struct Invocation {
+    pub command: Command,
+    pub flags: Flags,
+    pub verbosity: u8,
+    pub json: bool,
+}
+
+impl PartialEq for Invocation {
+    fn eq(&self, other: &Self) -> bool {
+        self.command == other.command
+            && self.verbosity == other.verbosity
+            && format!("{:?}", self.flags) == format!("{:?}", other.flags)
+    }
+}
+
+/// A usage error: one line, exit code 2.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageError(pub String);
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+const START_FLAGS: &[&str] = &[
+    "--config",
+    "--slug",
+    "--profile",
+    "--environment",
+    "--mqtt-host",
+    "--mqtt-port",
+    "--mqtt-tls",
+    "--no-mqtt-tls",
+    "--standalone",
+    "--lenient",
+];
+
+fn allowed(cmd: Command) -> &'static [&'static str] {
+    match cmd {
+        Command::Start => START_FLAGS,
+        Command::Config => &[
+            "--config",
+            "--slug",
+            "--profile",
+            "--environment",
+            "--mqtt-host",
+            "--mqtt-port",
+            "--mqtt-tls",
+            "--no-mqtt-tls",
+            "--standalone",
+            "--lenient",
+            "--json",
+        ],
+        Command::Validate => &["--config", "--lenient"],
+    }
+}
+
+fn takes_value(flag: &str) -> bool {
+    matches!(
+        flag,
+        "--config" | "--slug" | "--profile" | "--environment" | "--mqtt-host" | "--mqtt-port"
+    )
+}
+
+pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
+    let mut command = None;
+    let mut positional: Vec<String> = Vec::new();
+    let mut pairs: Vec<(String, Option<String>)> = Vec::new();
+    let mut verbosity = 0u8;
+    let mut help = false;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "-h" | "--help" => help = true,
+            "-V" | "--version" => return Ok(Parsed::Version),
+            "-v" | "--verbose" => verbosity = verbosity.saturating_add(1),
+            "-vv" => verbosity = verbosity.saturating_add(2),
+            a if a.starts_with("--") => {
+                let (name, inline) = match a.split_once('=') {
+                    Some((n, v)) => (n.to_string(), Some(v.to_string())),
+                    None => (a.to_string(), None),
+                };
+                let value = if takes_value(&name) {
+                    match inline {
+                        Some(v) => Some(v),
+                        None => Some(
+                            it.next()
+                                .cloned()
+                                .ok_or_else(|| UsageError(format!("{name} needs a value")))?,
+                        ),
+                    }
+                } else if inline.is_some() {
+                    return Err(UsageError(format!("{name} takes no value")));
+                } else {
+                    None
+                };
+                pairs.push((name, value));
+            }
+            a if a.starts_with('-') && a.len() > 1 => {
+                return Err(UsageError(format!("unknown option {a}")))
+            }
+            a if command.is_none() && positional.is_empty() => {
+                command = Some(match a {
+                    "start" => Command::Start,
+                    "validate" => Command::Validate,
+                    "config" => Command::Config,
+                    "help" => {
+                        help = true;
+                        Command::Start
+                    }
+                    other => {
+                        return Err(UsageError(format!(
+                            "unknown command '{other}' (commands: start, validate, config)"
+                        )))
+                    }
+                })
+            }
+            a => positional.push(a.to_string()),
+        }
+    }
+    let explicit = command.is_some();
+    let command = command.unwrap_or(Command::Start);
+    if help {
+        return Ok(Parsed::Help(help_text(if explicit || !pairs.is_empty() {
+            Some(command)
+        } else {
+            None
+        })));
+    }
+    let mut flags = Flags::default();
+    let mut json = false;
+    // `validate PATH` takes the manifest path as a positional argument too.
+    match (command, positional.as_slice()) {
+        (_, []) => {}
+        (Command::Validate, [p]) => flags.config = Some(PathBuf::from(p)),
+        (_, [p, ..]) => return Err(UsageError(format!("unexpected argument '{p}'"))),
+    }
+    for (name, value) in pairs {
+        if !allowed(command).contains(&name.as_str()) {
+            return Err(UsageError(format!(
+                "unknown flag {name} for '{}'",
+                name_of(command)
+            )));
+        }
+        let v = value.unwrap_or_default();
+        match name.as_str() {
+            "--config" => flags.config = Some(PathBuf::from(v)),
+            "--slug" => flags.slug = Some(non_empty(&name, v)?),
+            "--profile" => flags.profile = Some(non_empty(&name, v)?),
+            "--environment" => flags.environment = Some(non_empty(&name, v)?),
+            "--mqtt-host" => flags.mqtt_host = Some(non_empty(&name, v)?),
+            "--mqtt-port" => {
+                flags.mqtt_port =
+                    Some(v.parse::<u16>().ok().filter(|p| *p >= 1).ok_or_else(|| {
+                        UsageError(format!(
+                            "--mqtt-port: expected a whole number from 1 to 65535, got {v:?}"
+                        ))
+                    })?)
+            }
+            "--mqtt-tls" => flags.mqtt_tls = Some(true),
+            "--no-mqtt-tls" => flags.mqtt_tls = Some(false),
+            "--standalone" => flags.standalone = true,
+            "--lenient" => flags.lenient = true,
+            "--json" => json = true,
+            _ => return Err(UsageError(format!("unknown flag {name}"))),
+        }
+    }
+    Ok(Parsed::Run(Invocation {
+        command,
+        flags,
+        verbosity,
+        json,
+    }))
+}
+
+fn non_empty(name: &str, v: String) -> Result<String, UsageError> {
+    if v.trim().is_empty() {
+        Err(UsageError(format!("{name} needs a non-empty value")))
+    } else {
+        Ok(v)
+    }
+}
+
+fn name_of(c: Command) -> &'static str {
+    match c {
+        Command::Start => "start",
+        Command::Validate => "validate",
+        Command::Config => "config",
+    }
+}
+
+pub fn help_text(cmd: Option<Command>) -> String {
+    let start_flags = "\
+  --config PATH        manifest (default ./cyberwave.yml, else ./README.md front matter);
+                       its folder is the working dir of workloads and of ./.env
+  --slug SLUG          slug hint for registration (the backend may assign another)
+  --profile SLUG       node profile (overrides profile_slug)
+  --environment UUID   reserve this node for one Cyberwave environment
+  --mqtt-host HOST     broker host (overrides mqtt_host / CYBERWAVE_MQTT_HOST)
+  --mqtt-port N        broker port; 8883 means TLS unless --mqtt-tls/--no-mqtt-tls says otherwise
+  --mqtt-tls, --no-mqtt-tls
+                       force TLS on or off
+  --standalone         no Cyberwave backend: give itself a UUID, skip token check,
+                       registration and heartbeats (air-gapped sites, local testing)
+  --lenient            unknown manifest keys are warnings, not errors
+  -v, -vv              more logging (or RUST_LOG)";
+    match cmd {
+        Some(Command::Start) => format!(
+            "Run the node: connect to the broker, register, take commands.\n\nUsage: cyberwave-cloud-node [start] [FLAGS]\n\n{start_flags}\n"
+        ),
+        Some(Command::Validate) => "Check a manifest and print every problem with its line.\n\n\
+Usage: cyberwave-cloud-node validate [PATH | --config PATH] [--lenient]\n\n\
+Exit 0 when the manifest can run (warnings allowed), 1 when it has errors, 2 on usage errors.\n"
+            .to_string(),
+        Some(Command::Config) => format!(
+            "Print the resolved settings and where each came from (secrets masked).\n\n\
+Usage: cyberwave-cloud-node config [FLAGS] [--json]\n\nAccepts every flag of 'start':\n{start_flags}\n  --json               machine-readable output\n"
+        ),
+        None => format!(
+            "cyberwave-cloud-node {VERSION}: turns this host into a Cyberwave cloud node.\n\n\
+Usage: cyberwave-cloud-node [COMMAND] [FLAGS]\n\n\
+Commands:\n  start     run the node (the default)\n  validate  check a manifest (cyberwave.yml)\n  config    print the resolved settings and their sources\n\n\
+Flags: --version, --help (also per command: cyberwave-cloud-node COMMAND --help)\n\n\
+Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 credentials rejected\n"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(args: &[&str]) -> Result<Parsed, UsageError> {
+        parse(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    fn run(args: &[&str]) -> Invocation {
+        match p(args) {
+            Ok(Parsed::Run(i)) => i,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn no_subcommand_means_start() {
+        assert_eq!(run(&[]).command, Command::Start);
+        assert_eq!(run(&["--slug", "x"]).flags.slug.as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn flags_before_or_after_subcommand() {
+        let a = run(&["-v", "start", "--mqtt-port", "1883"]);
+        let b = run(&["start", "-v", "--mqtt-port=1883"]);
+        let c = run(&["--mqtt-port", "1883", "-v", "start"]);
+        assert_eq!(a, b);
+        assert_eq!(b, c);
+        assert_eq!(a.verbosity, 1);
+        assert_eq!(a.flags.mqtt_port, Some(1883));
+        assert_eq!(run(&["start", "-vv"]).verbosity, 2);
+        assert_eq!(run(&["-v", "-v"]).verbosity, 2);
+    }
+
+    #[test]
+    fn usage_errors() {
+        for args in [
+            &["--mqtt-port", "abc"][..],
+            &["--mqtt-port", "0"],
+            &["--mqtt-port", "70000"],
+            &["--bogus"],
+            &["start", "--json"],
+            &["validate", "--slug", "x"],
+            &["frobnicate"],
+            &["--config"],
+            &["--standalone=yes"],
+            &["-x"],
+            &["start", "extra"],
+        ] {
+            assert!(p(args).is_err(), "{args:?}");
+        }
+    }
+
+    #[test]
+    fn validate_takes_a_path() {
+        let i = run(&["validate", "m.yml", "--lenient"]);
+        assert_eq!(i.command, Command::Validate);
+        assert_eq!(i.flags.config, Some(PathBuf::from("m.yml")));
+        assert!(i.flags.lenient);
+    }
+
+    #[test]
+    fn help_and_version() {
+        assert_eq!(p(&["--version"]).unwrap(), Parsed::Version);
+        assert!(
+            matches!(p(&["validate", "--help"]).unwrap(), Parsed::Help(t) if t.contains("validate [PATH"))
+        );
+        assert!(matches!(p(&["--help"]).unwrap(), Parsed::Help(t) if t.contains("Exit codes")));
+        assert!(matches!(p(&["config", "-h"]).unwrap(), Parsed::Help(t) if t.contains("--json")));
+    }
+
+    #[test]
+    fn tls_switches() {
+        assert_eq!(run(&["--no-mqtt-tls"]).flags.mqtt_tls, Some(false));
+        assert_eq!(run(&["--mqtt-tls"]).flags.mqtt_tls, Some(true));
+    }
+}

@@ -1,0 +1,1055 @@
+//! Configuration, resolved once into one [`Settings`] value. Precedence, for every setting that
+//! has all three: command-line flag > `cyberwave.yml` > environment variable (process env >
+//! `./.env` > `<config dir>/.env`) > `credentials.json` > default. Exceptions, each documented in
+//! the README: the command-template env vars (`CYBERWAVE_*_CMD`, `CYBERWAVE_INSTALL_SCRIPT`)
+//! override the file, so a deployment can swap a command without editing the repository's
+//! manifest; and the API token comes from the environment layers, then `credentials.json`.
+
+pub mod credentials;
+pub mod env;
+pub mod manifest;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use credentials::{Credentials, Identity};
+use env::EnvLayers;
+use manifest::{Manifest, Problem};
+
+/// Where a resolved value came from; `config` prints it next to the value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    Default,
+    Flag(String),
+    File(PathBuf),
+    Env(String),
+    DotEnv(PathBuf, String),
+    Credentials(PathBuf),
+    Identity(PathBuf),
+    /// Worked out from another setting (e.g. TLS from the port).
+    Derived(String),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Default => write!(f, "default"),
+            Source::Flag(s) => write!(f, "flag {s}"),
+            Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Env(v) => write!(f, "env {v}"),
+            Source::DotEnv(p, v) => write!(f, "{v} in {}", p.display()),
+            Source::Credentials(p) => write!(f, "{}", p.display()),
+            Source::Identity(p) => write!(f, "{}", p.display()),
+            Source::Derived(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sourced<T> {
+    pub value: T,
+    pub source: Source,
+}
+
+fn sourced<T>(value: T, source: Source) -> Sourced<T> {
+    Sourced { value, source }
+}
+
+/// Flags from the command line that feed the settings.
+#[derive(Debug, Clone, Default)]
+pub struct Flags {
+    pub config: Option<PathBuf>,
+    pub slug: Option<String>,
+    pub profile: Option<String>,
+    pub environment: Option<String>,
+    pub mqtt_host: Option<String>,
+    pub mqtt_port: Option<u16>,
+    pub mqtt_tls: Option<bool>,
+    pub lenient: bool,
+    pub standalone: bool,
+}
+
+/// Timings that production never changes but tests shorten (env `CYBERWAVE_NODE_*`, listed in
+/// the README under "Tuning").
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tuning {
+    pub reconnect_base: Duration,
+    pub reconnect_max: Duration,
+    pub register_retry_max: Duration,
+    pub heartbeat_timeout: Duration,
+    pub auth_retry_base: Duration,
+    pub session_expiry: Duration,
+    pub token_check_timeout: Duration,
+    pub shutdown_flush: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            reconnect_base: Duration::from_millis(500),
+            reconnect_max: Duration::from_secs(30),
+            register_retry_max: Duration::from_secs(30),
+            heartbeat_timeout: Duration::from_secs(10),
+            auth_retry_base: Duration::from_secs(2),
+            session_expiry: Duration::from_secs(3600),
+            token_check_timeout: Duration::from_secs(10),
+            shutdown_flush: Duration::from_secs(5),
+        }
+    }
+}
+
+pub const DEFAULT_BASE_URL: &str = "https://api.cyberwave.com";
+pub const DEFAULT_MQTT_HOST: &str = "mqtt.cyberwave.com";
+pub const DEFAULT_MQTT_PORT: u16 = 8883;
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config_dir: Sourced<PathBuf>,
+    pub working_dir: PathBuf,
+    pub manifest: Option<Manifest>,
+    pub manifest_warnings: Vec<Problem>,
+    pub api_token: Option<Sourced<String>>,
+    pub base_url: Sourced<String>,
+    pub workspace_slug: Option<Sourced<String>>,
+    pub topic_prefix: Sourced<String>,
+    pub instance_uuid: Option<Sourced<String>>,
+    pub slug_hint: Option<Sourced<String>>,
+    pub profile_slug: Sourced<String>,
+    pub install: Option<Sourced<String>>,
+    pub inference: Option<Sourced<String>>,
+    pub simulate: Option<Sourced<String>>,
+    pub training: Option<Sourced<String>>,
+    pub heartbeat_interval: Sourced<Duration>,
+    pub mqtt_host: Sourced<String>,
+    pub mqtt_port: Sourced<u16>,
+    pub mqtt_use_tls: Sourced<bool>,
+    pub mqtt_ca_certs: Option<Sourced<PathBuf>>,
+    pub mqtt_username: Option<Sourced<String>>,
+    pub mqtt_password: Option<Sourced<String>>,
+    pub upload_results: Sourced<bool>,
+    pub results_folder: Sourced<PathBuf>,
+    pub environment_uuid: Option<Sourced<String>>,
+    pub max_concurrent_workloads: Sourced<u32>,
+    pub log_stream_interval: Sourced<Duration>,
+    pub standalone: bool,
+    pub identity: Option<Identity>,
+    pub tuning: Tuning,
+    pub env: EnvLayers,
+}
+
+/// A configuration that cannot run: one line each, exit code 2.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError(pub Vec<String>);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0.join("\n"))
+    }
+}
+
+impl Settings {
+    pub fn identity_path(&self) -> PathBuf {
+        self.config_dir.value.join("instance_identity.json")
+    }
+
+    /// Path of the file that holds the node's MQTT client id (decision D15).
+    pub fn node_id_path(&self) -> PathBuf {
+        self.config_dir.value.join("node_id")
+    }
+
+    pub fn command_template(&self, kind: &str) -> Option<&str> {
+        match kind {
+            "inference" => self.inference.as_ref(),
+            "simulate" => self.simulate.as_ref(),
+            "training" => self.training.as_ref(),
+            _ => None,
+        }
+        .map(|s| s.value.as_str())
+    }
+
+    /// Every setting as (name, printable value, source), secrets masked.
+    pub fn rows(&self) -> Vec<(&'static str, String, String)> {
+        fn row<T: std::fmt::Display>(
+            name: &'static str,
+            s: &Sourced<T>,
+        ) -> (&'static str, String, String) {
+            (name, s.value.to_string(), s.source.to_string())
+        }
+        fn opt<T: std::fmt::Display>(
+            name: &'static str,
+            s: &Option<Sourced<T>>,
+        ) -> (&'static str, String, String) {
+            match s {
+                Some(s) => row(name, s),
+                None => (name, "(unset)".to_string(), "-".to_string()),
+            }
+        }
+        fn secret(
+            name: &'static str,
+            s: &Option<Sourced<String>>,
+        ) -> (&'static str, String, String) {
+            match s {
+                Some(s) => (
+                    name,
+                    crate::util::mask_secret(&s.value),
+                    s.source.to_string(),
+                ),
+                None => (name, "(unset)".to_string(), "-".to_string()),
+            }
+        }
+        let path = |s: &Sourced<PathBuf>| sourced(s.value.display().to_string(), s.source.clone());
+        let secs = |s: &Sourced<Duration>| {
+            sourced(format!("{}s", s.value.as_secs_f64()), s.source.clone())
+        };
+        vec![
+            row("config_dir", &path(&self.config_dir)),
+            (
+                "manifest",
+                self.manifest
+                    .as_ref()
+                    .map(|m| m.path.display().to_string())
+                    .unwrap_or_else(|| "(none: environment only)".into()),
+                self.manifest
+                    .as_ref()
+                    .and_then(|m| m.wrapper.clone())
+                    .map(|w| format!("`{w}:` wrapper"))
+                    .unwrap_or_else(|| "-".into()),
+            ),
+            (
+                "working_dir",
+                self.working_dir.display().to_string(),
+                "-".to_string(),
+            ),
+            secret("api_token", &self.api_token),
+            row("base_url", &self.base_url),
+            opt("workspace_slug", &self.workspace_slug),
+            row(
+                "topic_prefix",
+                &sourced(
+                    format!("{:?}", self.topic_prefix.value),
+                    self.topic_prefix.source.clone(),
+                ),
+            ),
+            opt("instance_uuid", &self.instance_uuid),
+            opt("slug_hint", &self.slug_hint),
+            row("profile_slug", &self.profile_slug),
+            opt("environment_uuid", &self.environment_uuid),
+            opt("install", &self.install),
+            opt("inference", &self.inference),
+            opt("simulate", &self.simulate),
+            opt("training", &self.training),
+            row("heartbeat_interval", &secs(&self.heartbeat_interval)),
+            row("mqtt_host", &self.mqtt_host),
+            row("mqtt_port", &self.mqtt_port),
+            row("mqtt_use_tls", &self.mqtt_use_tls),
+            opt(
+                "mqtt_tls_ca_certs",
+                &self.mqtt_ca_certs.as_ref().map(|p| path(p)),
+            ),
+            opt("mqtt_username", &self.mqtt_username),
+            secret("mqtt_password", &self.mqtt_password),
+            row("upload_results", &self.upload_results),
+            row("results_folder", &path(&self.results_folder)),
+            row("max_concurrent_workloads", &self.max_concurrent_workloads),
+            row("log_stream_interval", &secs(&self.log_stream_interval)),
+            (
+                "standalone",
+                self.standalone.to_string(),
+                if self.standalone {
+                    "flag --standalone"
+                } else {
+                    "default"
+                }
+                .to_string(),
+            ),
+        ]
+    }
+}
+
+/// The config dir (resolved from the process environment only, before any `.env` is read):
+/// `CYBERWAVE_EDGE_CONFIG_DIR`, else `~/.cyberwave`.
+pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> {
+    if let Some((v, src)) = process.get("CYBERWAVE_EDGE_CONFIG_DIR") {
+        return Ok(sourced(PathBuf::from(v), src));
+    }
+    match process.value("HOME") {
+        Some(home) => Ok(sourced(
+            Path::new(&home).join(".cyberwave"),
+            Source::Default,
+        )),
+        None => Err(ConfigError(vec![
+            "cannot find a config dir: neither CYBERWAVE_EDGE_CONFIG_DIR nor HOME is set".into(),
+        ])),
+    }
+}
+
+/// Resolves every setting. `process` is the process environment; `cwd` the current directory.
+pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings, ConfigError> {
+    let mut errors = Vec::new();
+    let config_dir = config_dir(&process)?;
+    let working_dir = match &flags.config {
+        Some(p) => {
+            let parent = p.parent().filter(|p| !p.as_os_str().is_empty());
+            let parent = parent
+                .map(|p| cwd.join(p))
+                .unwrap_or_else(|| cwd.to_path_buf());
+            parent.canonicalize().unwrap_or(parent)
+        }
+        None => cwd.to_path_buf(),
+    };
+
+    let mut env = process;
+    for path in [working_dir.join(".env"), config_dir.value.join(".env")] {
+        if let Err(e) = env.add_dotenv(&path) {
+            errors.push(e);
+        }
+    }
+
+    // The manifest.
+    let mut manifest = None;
+    let mut manifest_warnings = Vec::new();
+    match manifest::locate(flags.config.as_deref(), cwd) {
+        Ok(Some((path, text))) => {
+            let (m, problems) = manifest::parse(&path, &text, flags.lenient);
+            for p in problems {
+                if p.warning {
+                    manifest_warnings.push(p);
+                } else {
+                    errors.push(p.to_string());
+                }
+            }
+            manifest = m;
+        }
+        Ok(None) => {}
+        Err(e) => errors.push(e),
+    }
+    let m = manifest.clone().unwrap_or_default();
+    let file = || Source::File(m.path.clone());
+    let creds = Credentials::load(&config_dir.value.join("credentials.json"));
+    let cred_src = || Source::Credentials(creds.path.clone());
+
+    // Helpers for the common chains.
+    let env_str = |name: &str| env.get(name);
+    let parse_env = |name: &str,
+                     expected: &str,
+                     errors: &mut Vec<String>,
+                     parse: &dyn Fn(&str) -> Option<f64>|
+     -> Option<Sourced<f64>> {
+        let (v, src) = env.get(name)?;
+        match parse(v.trim()) {
+            Some(n) => Some(sourced(n, src)),
+            None => {
+                errors.push(format!("{name} ({src}): expected {expected}, got {v:?}"));
+                None
+            }
+        }
+    };
+    let pos_secs = |s: &str| s.parse::<f64>().ok().filter(|f| f.is_finite() && *f > 0.0);
+    let port = |s: &str| s.parse::<u16>().ok().filter(|p| *p >= 1).map(f64::from);
+    let whole1 = |s: &str| s.parse::<u32>().ok().filter(|n| *n >= 1).map(f64::from);
+
+    let api_token = env_str("CYBERWAVE_API_KEY")
+        .map(|(v, s)| sourced(v.trim().to_string(), s))
+        .or_else(|| creds.token.clone().map(|t| sourced(t, cred_src())));
+    let base_url = env_str("CYBERWAVE_BASE_URL")
+        .map(|(v, s)| sourced(v.trim().trim_end_matches('/').to_string(), s))
+        .or_else(|| {
+            creds
+                .env_value("CYBERWAVE_BASE_URL")
+                .map(|v| sourced(v.trim_end_matches('/').to_string(), cred_src()))
+        })
+        .unwrap_or_else(|| sourced(DEFAULT_BASE_URL.to_string(), Source::Default));
+    let workspace_slug = env_str("CYBERWAVE_WORKSPACE_SLUG")
+        .map(|(v, s)| sourced(v.trim().to_string(), s))
+        .or_else(|| creds.workspace_slug.clone().map(|w| sourced(w, cred_src())));
+    let topic_prefix = match env_str("CYBERWAVE_MQTT_TOPIC_PREFIX") {
+        Some((v, s)) => sourced(v.trim().to_string(), s),
+        None => {
+            let (v, s) = env_str("CYBERWAVE_ENVIRONMENT")
+                .or_else(|| {
+                    creds
+                        .env_value("CYBERWAVE_ENVIRONMENT")
+                        .map(|v| (v, cred_src()))
+                })
+                .unwrap_or_default_with(Source::Default);
+            let v = v.trim();
+            let prefix = if v.eq_ignore_ascii_case("production") {
+                ""
+            } else {
+                v
+            };
+            sourced(prefix.to_string(), s)
+        }
+    };
+
+    let identity_path = config_dir.value.join("instance_identity.json");
+    let identity = match Identity::load(&identity_path) {
+        Ok(i) => i,
+        Err(e) => {
+            log::warn!("{e}; the node will register a new instance");
+            None
+        }
+    };
+    let instance_uuid = env_str("CYBERWAVE_CLOUD_NODE_INSTANCE_UUID")
+        .map(|(v, s)| sourced(v.trim().to_string(), s))
+        .or_else(|| {
+            identity
+                .as_ref()
+                .map(|i| sourced(i.uuid.clone(), Source::Identity(identity_path.clone())))
+        });
+    let slug_hint = flags
+        .slug
+        .clone()
+        .map(|s| sourced(s, Source::Flag("--slug".into())))
+        .or_else(|| {
+            env_str("CYBERWAVE_INSTANCE_SLUG").map(|(v, s)| sourced(v.trim().to_string(), s))
+        })
+        .or_else(|| {
+            identity
+                .as_ref()
+                .filter(|i| !i.slug.is_empty())
+                .map(|i| sourced(i.slug.clone(), Source::Identity(identity_path.clone())))
+        });
+    let profile_slug = flags
+        .profile
+        .clone()
+        .map(|s| sourced(s, Source::Flag("--profile".into())))
+        .or_else(|| m.profile_slug.clone().map(|s| sourced(s, file())))
+        .or_else(|| {
+            env_str("CYBERWAVE_PROFILE_SLUG").map(|(v, s)| sourced(v.trim().to_string(), s))
+        })
+        .unwrap_or_else(|| sourced("default".into(), Source::Default));
+
+    // Command templates: the env vars override the file (see the module docs).
+    let command = |var: &str, from_file: &Option<String>| {
+        env_str(var)
+            .map(|(v, s)| sourced(v, s))
+            .or_else(|| from_file.clone().map(|v| sourced(v, file())))
+    };
+    let install = command("CYBERWAVE_INSTALL_SCRIPT", &m.install);
+    let inference = command("CYBERWAVE_INFERENCE_CMD", &m.inference);
+    let simulate = command("CYBERWAVE_SIMULATE_CMD", &m.simulate);
+    let training = command("CYBERWAVE_TRAINING_CMD", &m.training);
+
+    let heartbeat_interval = match m.heartbeat_interval {
+        Some(s) => sourced(Duration::from_secs_f64(s), file()),
+        None => parse_env(
+            "CYBERWAVE_HEARTBEAT_INTERVAL",
+            "a number of seconds greater than 0",
+            &mut errors,
+            &pos_secs,
+        )
+        .map(|s| sourced(Duration::from_secs_f64(s.value), s.source))
+        .unwrap_or_else(|| sourced(Duration::from_secs(30), Source::Default)),
+    };
+
+    let mqtt_host = flags
+        .mqtt_host
+        .clone()
+        .map(|h| sourced(h, Source::Flag("--mqtt-host".into())))
+        .or_else(|| m.mqtt_host.clone().map(|h| sourced(h, file())))
+        .or_else(|| env_str("CYBERWAVE_MQTT_HOST").map(|(v, s)| sourced(v.trim().to_string(), s)))
+        .or_else(|| {
+            creds
+                .env_value("CYBERWAVE_MQTT_HOST")
+                .map(|v| sourced(v, cred_src()))
+        })
+        .unwrap_or_else(|| sourced(DEFAULT_MQTT_HOST.into(), Source::Default));
+    let mqtt_port = match (flags.mqtt_port, m.mqtt_port) {
+        (Some(p), _) => sourced(p, Source::Flag("--mqtt-port".into())),
+        (None, Some(p)) => sourced(p, file()),
+        (None, None) => match parse_env(
+            "CYBERWAVE_MQTT_PORT",
+            "a whole number from 1 to 65535",
+            &mut errors,
+            &port,
+        ) {
+            Some(p) => sourced(p.value as u16, p.source),
+            None => match creds.env_value("CYBERWAVE_MQTT_PORT") {
+                Some(v) => match v.trim().parse::<u16>() {
+                    Ok(p) if p >= 1 => sourced(p, cred_src()),
+                    _ => {
+                        errors.push(format!(
+                            "CYBERWAVE_MQTT_PORT in {}: expected a whole number from 1 to 65535, got {v:?}",
+                            creds.path.display()
+                        ));
+                        sourced(DEFAULT_MQTT_PORT, Source::Default)
+                    }
+                },
+                None => sourced(DEFAULT_MQTT_PORT, Source::Default),
+            },
+        },
+    };
+    // Decision D11: an explicit switch decides; otherwise the effective port does.
+    let mqtt_use_tls = match (flags.mqtt_tls, m.mqtt_use_tls) {
+        (Some(t), _) => sourced(
+            t,
+            Source::Flag(if t { "--mqtt-tls" } else { "--no-mqtt-tls" }.into()),
+        ),
+        (None, Some(t)) => sourced(t, file()),
+        (None, None) => match env_str("CYBERWAVE_MQTT_USE_TLS") {
+            Some((v, s)) => match env::parse_bool(&v) {
+                Some(b) => sourced(b, s),
+                None => {
+                    errors.push(format!(
+                        "CYBERWAVE_MQTT_USE_TLS ({s}): expected one of 1,true,yes,on / 0,false,no,off, got {v:?}"
+                    ));
+                    sourced(false, s)
+                }
+            },
+            None => sourced(
+                mqtt_port.value == 8883,
+                Source::Derived(format!(
+                    "port {} {} 8883",
+                    mqtt_port.value,
+                    if mqtt_port.value == 8883 {
+                        "is"
+                    } else {
+                        "is not"
+                    }
+                )),
+            ),
+        },
+    };
+    let mqtt_ca_certs = m
+        .mqtt_tls_ca_certs
+        .clone()
+        .map(|p| sourced(p, file()))
+        .or_else(|| {
+            env_str("CYBERWAVE_MQTT_TLS_CA_CERTS").map(|(v, s)| sourced(v.trim().to_string(), s))
+        })
+        .map(|s| sourced(working_dir.join(s.value), s.source));
+    let mqtt_username = m
+        .mqtt_username
+        .clone()
+        .filter(|s| !s.is_empty())
+        .map(|v| sourced(v, file()))
+        .or_else(|| env_str("CYBERWAVE_MQTT_USERNAME").map(|(v, s)| sourced(v, s)));
+    let mqtt_password = m
+        .mqtt_password
+        .clone()
+        .filter(|s| !s.is_empty())
+        .map(|v| sourced(v, file()))
+        .or_else(|| env_str("CYBERWAVE_MQTT_PASSWORD").map(|(v, s)| sourced(v, s)))
+        .or_else(|| api_token.clone());
+
+    let upload_results = match m.upload_results {
+        Some(b) => sourced(b, file()),
+        None => match env_str("CYBERWAVE_UPLOAD_RESULTS") {
+            Some((v, s)) => match env::parse_bool(&v) {
+                Some(b) => sourced(b, s),
+                None => {
+                    errors.push(format!(
+                        "CYBERWAVE_UPLOAD_RESULTS ({s}): expected true or false, got {v:?}"
+                    ));
+                    sourced(true, s)
+                }
+            },
+            None => sourced(true, Source::Default),
+        },
+    };
+    let results_folder = m
+        .results_folder
+        .clone()
+        .map(|f| sourced(f, file()))
+        .or_else(|| {
+            env_str("CYBERWAVE_RESULTS_FOLDER").map(|(v, s)| sourced(v.trim().to_string(), s))
+        })
+        .unwrap_or_else(|| sourced("/results".into(), Source::Default));
+    let results_folder = sourced(
+        working_dir.join(&results_folder.value),
+        results_folder.source,
+    );
+
+    let environment_uuid = flags
+        .environment
+        .clone()
+        .filter(|s| !s.trim().is_empty())
+        .map(|e| sourced(e, Source::Flag("--environment".into())))
+        .or_else(|| m.environment_uuid.clone().map(|e| sourced(e, file())))
+        .or_else(|| {
+            env_str("CYBERWAVE_NODE_ENVIRONMENT_UUID")
+                .map(|(v, s)| sourced(v.trim().to_string(), s))
+        });
+
+    let max_concurrent_workloads = match m.max_concurrent_workloads {
+        Some(n) => sourced(n, file()),
+        None => parse_env(
+            "CYBERWAVE_MAX_CONCURRENT_WORKLOADS",
+            "a whole number ≥ 1",
+            &mut errors,
+            &whole1,
+        )
+        .map(|n| sourced(n.value as u32, n.source))
+        .unwrap_or_else(|| sourced(1, Source::Default)),
+    };
+    let log_stream_interval = parse_env(
+        "CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL",
+        "a number of seconds greater than 0",
+        &mut errors,
+        &pos_secs,
+    )
+    .map(|s| sourced(Duration::from_secs_f64(s.value), s.source))
+    .unwrap_or_else(|| sourced(Duration::from_secs(3), Source::Default));
+
+    let mut tuning = Tuning::default();
+    {
+        let mut knob = |name: &str, slot: &mut Duration| {
+            if let Some(s) = parse_env(
+                name,
+                "a number of seconds greater than 0",
+                &mut errors,
+                &pos_secs,
+            ) {
+                *slot = Duration::from_secs_f64(s.value);
+            }
+        };
+        knob(
+            "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
+            &mut tuning.reconnect_base,
+        );
+        knob(
+            "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
+            &mut tuning.reconnect_max,
+        );
+        knob(
+            "CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS",
+            &mut tuning.register_retry_max,
+        );
+        knob(
+            "CYBERWAVE_NODE_HEARTBEAT_TIMEOUT_SECONDS",
+            &mut tuning.heartbeat_timeout,
+        );
+        knob(
+            "CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS",
+            &mut tuning.auth_retry_base,
+        );
+        knob(
+            "CYBERWAVE_NODE_SESSION_EXPIRY_SECONDS",
+            &mut tuning.session_expiry,
+        );
+        knob(
+            "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS",
+            &mut tuning.token_check_timeout,
+        );
+        knob(
+            "CYBERWAVE_NODE_SHUTDOWN_FLUSH_SECONDS",
+            &mut tuning.shutdown_flush,
+        );
+    }
+
+    if !errors.is_empty() {
+        return Err(ConfigError(errors));
+    }
+    Ok(Settings {
+        config_dir,
+        working_dir,
+        manifest,
+        manifest_warnings,
+        api_token,
+        base_url,
+        workspace_slug,
+        topic_prefix,
+        instance_uuid,
+        slug_hint,
+        profile_slug,
+        install,
+        inference,
+        simulate,
+        training,
+        heartbeat_interval,
+        mqtt_host,
+        mqtt_port,
+        mqtt_use_tls,
+        mqtt_ca_certs,
+        mqtt_username,
+        mqtt_password,
+        upload_results,
+        results_folder,
+        environment_uuid,
+        max_concurrent_workloads,
+        log_stream_interval,
+        standalone: flags.standalone,
+        identity,
+        tuning,
+        env,
+    })
+}
+
+trait OrDefaultWith {
+    fn unwrap_or_default_with(self, s: Source) -> (String, Source);
+}
+
+impl OrDefaultWith for Option<(String, Source)> {
+    fn unwrap_or_default_with(self, s: Source) -> (String, Source) {
+        self.unwrap_or((String::new(), s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    struct Dir(PathBuf);
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let p = std::env::temp_dir().join(format!("cw-cfg-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&p);
+            std::fs::create_dir_all(p.join("cfg")).unwrap();
+            std::fs::create_dir_all(p.join("work")).unwrap();
+            Dir(p)
+        }
+        fn write(&self, rel: &str, text: &str) {
+            std::fs::write(self.0.join(rel), text).unwrap();
+        }
+        fn env(&self, vars: &[(&str, &str)]) -> EnvLayers {
+            let mut m: BTreeMap<String, String> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            m.insert(
+                "CYBERWAVE_EDGE_CONFIG_DIR".into(),
+                self.0.join("cfg").display().to_string(),
+            );
+            EnvLayers::new(m)
+        }
+        fn resolve(&self, flags: &Flags, vars: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+            resolve(flags, self.env(vars), &self.0.join("work"))
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn token_order_is_env_then_local_dotenv_then_shared_dotenv_then_credentials() {
+        let d = Dir::new("tok");
+        d.write("cfg/credentials.json", r#"{"token":"cw_from_credentials"}"#);
+        let s = d.resolve(&Flags::default(), &[]).unwrap();
+        assert_eq!(s.api_token.unwrap().value, "cw_from_credentials");
+        d.write("cfg/.env", "CYBERWAVE_API_KEY=cw_shared\n");
+        assert_eq!(
+            d.resolve(&Flags::default(), &[])
+                .unwrap()
+                .api_token
+                .unwrap()
+                .value,
+            "cw_shared"
+        );
+        d.write("work/.env", "CYBERWAVE_API_KEY=cw_local\n");
+        let s = d.resolve(&Flags::default(), &[]).unwrap();
+        assert_eq!(s.api_token.as_ref().unwrap().value, "cw_local");
+        assert!(
+            matches!(s.api_token.unwrap().source, Source::DotEnv(p, _) if p.ends_with("work/.env"))
+        );
+        let s = d
+            .resolve(&Flags::default(), &[("CYBERWAVE_API_KEY", "cw_env")])
+            .unwrap();
+        assert_eq!(
+            s.api_token.unwrap().source,
+            Source::Env("CYBERWAVE_API_KEY".into())
+        );
+    }
+
+    #[test]
+    fn flag_beats_file_beats_env() {
+        let d = Dir::new("prec");
+        let env = [
+            ("CYBERWAVE_MQTT_HOST", "env-host"),
+            ("CYBERWAVE_PROFILE_SLUG", "env-prof"),
+        ];
+        let s = d.resolve(&Flags::default(), &env).unwrap();
+        assert_eq!(s.mqtt_host.value, "env-host");
+        assert_eq!(s.profile_slug.value, "env-prof");
+        d.write(
+            "work/cyberwave.yml",
+            "cyberwave:\n  mqtt_host: file-host\n  profile_slug: file-prof\n",
+        );
+        let s = d.resolve(&Flags::default(), &env).unwrap();
+        assert_eq!(s.mqtt_host.value, "file-host");
+        assert_eq!(s.profile_slug.value, "file-prof");
+        let flags = Flags {
+            mqtt_host: Some("flag-host".into()),
+            profile: Some("flag-prof".into()),
+            ..Default::default()
+        };
+        let s = d.resolve(&flags, &env).unwrap();
+        assert_eq!(s.mqtt_host.value, "flag-host");
+        assert_eq!(s.profile_slug.value, "flag-prof");
+    }
+
+    #[test]
+    fn credentials_fill_mqtt_and_base_url_last() {
+        let d = Dir::new("credfill");
+        d.write(
+            "cfg/credentials.json",
+            r#"{"token":"t","envs":{"CYBERWAVE_MQTT_HOST":"ch","CYBERWAVE_MQTT_PORT":"1884","CYBERWAVE_BASE_URL":"http://c/","CYBERWAVE_ENVIRONMENT":"dev"}}"#,
+        );
+        let s = d.resolve(&Flags::default(), &[]).unwrap();
+        assert_eq!(s.mqtt_host.value, "ch");
+        assert_eq!(s.mqtt_port.value, 1884);
+        assert_eq!(s.base_url.value, "http://c");
+        assert_eq!(s.topic_prefix.value, "dev");
+        let s = d
+            .resolve(&Flags::default(), &[("CYBERWAVE_MQTT_PORT", "1885")])
+            .unwrap();
+        assert_eq!(s.mqtt_port.value, 1885);
+    }
+
+    #[test]
+    fn tls_follows_the_effective_port_unless_switched() {
+        let d = Dir::new("tls");
+        assert!(
+            d.resolve(&Flags::default(), &[])
+                .unwrap()
+                .mqtt_use_tls
+                .value
+        );
+        let flags = Flags {
+            mqtt_port: Some(1883),
+            ..Default::default()
+        };
+        assert!(
+            !d.resolve(&flags, &[]).unwrap().mqtt_use_tls.value,
+            "--mqtt-port 1883 ⇒ no TLS"
+        );
+        assert!(
+            d.resolve(&flags, &[("CYBERWAVE_MQTT_USE_TLS", "yes")])
+                .unwrap()
+                .mqtt_use_tls
+                .value
+        );
+        d.write("work/cyberwave.yml", "mqtt_use_tls: false\n");
+        let s = d
+            .resolve(&Flags::default(), &[("CYBERWAVE_MQTT_USE_TLS", "1")])
+            .unwrap();
+        assert!(!s.mqtt_use_tls.value, "file beats env");
+        let flags = Flags {
+            mqtt_tls: Some(true),
+            ..Default::default()
+        };
+        assert!(
+            d.resolve(&flags, &[]).unwrap().mqtt_use_tls.value,
+            "flag beats file"
+        );
+    }
+
+    #[test]
+    fn prefix_rule() {
+        let d = Dir::new("prefix");
+        let p = |vars: &[(&str, &str)]| {
+            d.resolve(&Flags::default(), vars)
+                .unwrap()
+                .topic_prefix
+                .value
+        };
+        assert_eq!(p(&[]), "");
+        assert_eq!(p(&[("CYBERWAVE_ENVIRONMENT", " Production ")]), "");
+        assert_eq!(p(&[("CYBERWAVE_ENVIRONMENT", "local")]), "local");
+        assert_eq!(
+            p(&[
+                ("CYBERWAVE_ENVIRONMENT", "local"),
+                ("CYBERWAVE_MQTT_TOPIC_PREFIX", "x/")
+            ]),
+            "x/"
+        );
+    }
+
+    #[test]
+    fn command_env_vars_work_alone_and_override_the_file() {
+        let d = Dir::new("cmd");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_INFERENCE_CMD", "env-inf {body}")],
+            )
+            .unwrap();
+        assert_eq!(s.inference.unwrap().value, "env-inf {body}");
+        d.write(
+            "work/cyberwave.yml",
+            "inference: file-inf\ntraining: file-train\n",
+        );
+        let s = d
+            .resolve(&Flags::default(), &[("CYBERWAVE_INFERENCE_CMD", "env-inf")])
+            .unwrap();
+        assert_eq!(s.inference.unwrap().value, "env-inf");
+        assert_eq!(s.training.unwrap().value, "file-train");
+    }
+
+    #[test]
+    fn environment_reservation_precedence() {
+        let d = Dir::new("envres");
+        let env = [("CYBERWAVE_NODE_ENVIRONMENT_UUID", "env-e")];
+        assert_eq!(
+            d.resolve(&Flags::default(), &env)
+                .unwrap()
+                .environment_uuid
+                .unwrap()
+                .value,
+            "env-e"
+        );
+        d.write("work/cyberwave.yml", "environment_uuid: file-e\n");
+        assert_eq!(
+            d.resolve(&Flags::default(), &env)
+                .unwrap()
+                .environment_uuid
+                .unwrap()
+                .value,
+            "file-e"
+        );
+        let flags = Flags {
+            environment: Some("flag-e".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            d.resolve(&flags, &env)
+                .unwrap()
+                .environment_uuid
+                .unwrap()
+                .value,
+            "flag-e"
+        );
+    }
+
+    #[test]
+    fn heartbeat_and_capacity_from_file_or_env() {
+        let d = Dir::new("hb");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[
+                    ("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5"),
+                    ("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "3"),
+                ],
+            )
+            .unwrap();
+        assert_eq!(s.heartbeat_interval.value, Duration::from_millis(500));
+        assert_eq!(s.max_concurrent_workloads.value, 3);
+        d.write(
+            "work/cyberwave.yml",
+            "heartbeat_interval: 7\nmax_concurrent_workloads: 2\n",
+        );
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5")],
+            )
+            .unwrap();
+        assert_eq!(s.heartbeat_interval.value, Duration::from_secs(7));
+        assert_eq!(s.max_concurrent_workloads.value, 2);
+    }
+
+    #[test]
+    fn bad_env_values_are_errors_naming_the_variable() {
+        let d = Dir::new("badenv");
+        for (var, val) in [
+            ("CYBERWAVE_MQTT_PORT", "abc"),
+            ("CYBERWAVE_MQTT_PORT", "70000"),
+            ("CYBERWAVE_HEARTBEAT_INTERVAL", "soon"),
+            ("CYBERWAVE_HEARTBEAT_INTERVAL", "-1"),
+            ("CYBERWAVE_MQTT_USE_TLS", "perhaps"),
+            ("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0"),
+            ("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "0"),
+            ("CYBERWAVE_UPLOAD_RESULTS", "sometimes"),
+        ] {
+            let e = d.resolve(&Flags::default(), &[(var, val)]).unwrap_err();
+            assert_eq!(e.0.len(), 1, "{e}");
+            assert!(
+                e.0[0].starts_with(var) && e.0[0].contains("expected"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_manifest_is_an_error_with_its_line_and_lenient_warns() {
+        let d = Dir::new("badman");
+        d.write(
+            "work/cyberwave.yml",
+            "cyberwave:\n  inference: x\n  provider: aws\n",
+        );
+        let e = d.resolve(&Flags::default(), &[]).unwrap_err();
+        assert!(
+            e.0[0].contains("cyberwave.yml:3: error: provider: unknown field"),
+            "{e}"
+        );
+        let flags = Flags {
+            lenient: true,
+            ..Default::default()
+        };
+        let s = d.resolve(&flags, &[]).unwrap();
+        assert_eq!(s.manifest_warnings.len(), 1);
+        assert_eq!(s.inference.unwrap().value, "x");
+    }
+
+    #[test]
+    fn explicit_config_sets_working_dir_and_falls_back_to_readme() {
+        let d = Dir::new("explicit");
+        std::fs::create_dir_all(d.0.join("repo")).unwrap();
+        d.write(
+            "repo/README.md",
+            "# x\n---\ncyberwave:\n  simulate: sim {body}\n  results_folder: out\n---\n",
+        );
+        d.write("repo/.env", "CYBERWAVE_API_KEY=cw_repo_local_token\n");
+        let flags = Flags {
+            config: Some(d.0.join("repo/cyberwave.yml")),
+            ..Default::default()
+        };
+        let s = d.resolve(&flags, &[]).unwrap();
+        assert_eq!(s.simulate.unwrap().value, "sim {body}");
+        assert!(s.working_dir.ends_with("repo"));
+        assert!(s.results_folder.value.ends_with("repo/out"));
+        assert_eq!(s.api_token.unwrap().value, "cw_repo_local_token");
+        let missing = Flags {
+            config: Some(d.0.join("nowhere/cyberwave.yml")),
+            ..Default::default()
+        };
+        assert!(d.resolve(&missing, &[]).unwrap_err().0[0].contains("does not exist"));
+    }
+
+    #[test]
+    fn password_falls_back_to_token_and_identity_feeds_uuid_and_slug() {
+        let d = Dir::new("pw");
+        d.write(
+            "cfg/instance_identity.json",
+            r#"{"uuid":"u-1","slug":"s-1"}"#,
+        );
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_API_KEY", "cw_tokentokentoken")],
+            )
+            .unwrap();
+        assert_eq!(s.mqtt_password.unwrap().value, "cw_tokentokentoken");
+        assert_eq!(s.instance_uuid.unwrap().value, "u-1");
+        assert_eq!(s.slug_hint.unwrap().value, "s-1");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[
+                    ("CYBERWAVE_CLOUD_NODE_INSTANCE_UUID", "u-env"),
+                    ("CYBERWAVE_MQTT_PASSWORD", "p"),
+                ],
+            )
+            .unwrap();
+        assert_eq!(s.instance_uuid.unwrap().value, "u-env");
+        assert_eq!(s.mqtt_password.unwrap().value, "p");
+    }
+
+    #[test]
+    fn rows_mask_secrets() {
+        let d = Dir::new("rows");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_API_KEY", "cw_supersecretvalue9876")],
+            )
+            .unwrap();
+        let text = format!("{:?}", s.rows());
+        assert!(!text.contains("supersecret"), "{text}");
+        assert!(text.contains("cw_…9876"));
+    }
+}

@@ -1,0 +1,840 @@
+//! The node: start-up (install script → token check → MQTT), then one event loop on the main
+//! thread that owns every piece of state and selects over the feeders' channels. Nothing in the
+//! loop waits on the network: requests are published and their replies (or deadlines) come
+//! back as events; the loop wakes at least every [`TICK`].
+
+mod startup;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use crossbeam_channel::{select, Receiver};
+use serde_json::{json, Value};
+
+use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::config::credentials::Identity;
+use crate::config::Settings;
+use crate::mqtt::{Mqtt, MqttEvent};
+use crate::protocol::messages::{self, Incoming};
+use crate::protocol::topics::Topics;
+use crate::signals::Signal;
+use crate::util;
+
+/// The loop's longest sleep.
+pub const TICK: Duration = Duration::from_millis(250);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const MAX_AUTH_FAILURES: u32 = 5;
+const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
+
+/// Time, injected so timers can be driven in tests without sleeping.
+pub trait Clock {
+    fn now(&self) -> Instant;
+}
+
+pub struct SystemClock;
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+/// Runs the node until it shuts down; returns the exit code.
+pub fn run(settings: Settings) -> i32 {
+    match startup::prepare(settings) {
+        Ok((node, signals)) => node.run(signals),
+        Err(code) => code,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Conn {
+    Disconnected { next_attempt: Instant, attempt: u32 },
+    Connecting { attempt: u32 },
+    Connected,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Registration {
+    /// Send R1 (create) or R2 (register a known uuid) once connected and `next_try` is due.
+    Needed {
+        next_try: Instant,
+        attempt: u32,
+        create: bool,
+    },
+    AwaitingCreate {
+        attempt: u32,
+    },
+    AwaitingRegister {
+        attempt: u32,
+        uuid: String,
+        slug: Option<String>,
+    },
+    Done,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Op {
+    Create,
+    Register,
+    Heartbeat,
+    Terminate,
+    Fail,
+}
+
+struct Pending {
+    op: Op,
+    deadline: Instant,
+}
+
+struct Heartbeat {
+    next_due: Option<Instant>,
+    auth_failures: u32,
+    failures: u32,
+    last_ok: Option<SystemTime>,
+}
+
+struct Shutdown {
+    deadline: Instant,
+    exit_code: i32,
+    /// Correlation of the R5 (or R6) request whose reply ends the shutdown early.
+    waiting_for: Option<Vec<u8>>,
+}
+
+pub struct Node {
+    s: Settings,
+    clock: Box<dyn Clock>,
+    mqtt: Mqtt,
+    events: Receiver<MqttEvent>,
+    topics: Topics,
+    token: String,
+    conn: Conn,
+    reg: Registration,
+    identity: Option<Identity>,
+    /// Command topics the node is subscribed to (renewed on every connect).
+    command_topics: Vec<String>,
+    pending: HashMap<Vec<u8>, Pending>,
+    hb: Heartbeat,
+    shutdown: Option<Shutdown>,
+    /// An install-script failure: reported with R6 once registered, then the node exits 1.
+    startup_failure: Option<String>,
+    started: Instant,
+    exit: Option<i32>,
+}
+
+impl Node {
+    fn run(mut self, signals: Receiver<Signal>) -> i32 {
+        self.start_connect();
+        loop {
+            let now = self.clock.now();
+            let wait = self.next_wake(now).saturating_duration_since(now).min(TICK);
+            select! {
+                recv(self.events) -> ev => match ev {
+                    Ok(ev) => self.on_mqtt(ev),
+                    Err(_) => { log::error!("the MQTT client stopped"); self.exit = Some(EXIT_RUNTIME); }
+                },
+                recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
+                default(wait) => {}
+            }
+            self.tick();
+            if let Some(code) = self.exit {
+                self.mqtt.disconnect(Duration::from_millis(500));
+                log::info!("cyberwave-cloud-node stopped (exit code {code})");
+                return code;
+            }
+        }
+    }
+
+    /// The earliest moment something is due.
+    fn next_wake(&self, now: Instant) -> Instant {
+        let mut t = now + TICK;
+        if let Conn::Disconnected { next_attempt, .. } = self.conn {
+            t = t.min(next_attempt);
+        }
+        if let Registration::Needed { next_try, .. } = self.reg {
+            t = t.min(next_try);
+        }
+        if let Some(d) = self.hb.next_due {
+            t = t.min(d);
+        }
+        for p in self.pending.values() {
+            t = t.min(p.deadline);
+        }
+        if let Some(s) = &self.shutdown {
+            t = t.min(s.deadline);
+        }
+        t
+    }
+
+    fn uuid(&self) -> &str {
+        self.identity
+            .as_ref()
+            .map(|i| i.uuid.as_str())
+            .unwrap_or("")
+    }
+
+    fn slug(&self) -> &str {
+        self.identity
+            .as_ref()
+            .map(|i| i.slug.as_str())
+            .unwrap_or("")
+    }
+
+    // ---- connection -------------------------------------------------------------------------
+
+    fn start_connect(&mut self) {
+        let attempt = match self.conn {
+            Conn::Disconnected { attempt, .. } => attempt,
+            _ => 0,
+        };
+        log::debug!(
+            "connecting to {} (attempt {})",
+            self.mqtt.endpoint(),
+            attempt + 1
+        );
+        self.conn = Conn::Connecting { attempt };
+        self.mqtt.start_connect();
+    }
+
+    fn on_mqtt(&mut self, ev: MqttEvent) {
+        match ev {
+            MqttEvent::Connect(Ok(session_present)) => {
+                log::info!(
+                    "connected to MQTT broker {} ({})",
+                    self.mqtt.endpoint(),
+                    if session_present {
+                        "session resumed"
+                    } else {
+                        "new session"
+                    }
+                );
+                self.conn = Conn::Connected;
+                // Renew every subscription on every connect: harmless when the broker kept the
+                // session, essential when it did not.
+                let mut topics = vec![self.topics.inbox()];
+                topics.extend(self.command_topics.iter().cloned());
+                self.mqtt.subscribe(&topics);
+            }
+            MqttEvent::Connect(Err(why)) => {
+                let attempt = match self.conn {
+                    Conn::Connecting { attempt } => attempt,
+                    _ => 0,
+                };
+                self.schedule_reconnect(attempt, &why);
+            }
+            MqttEvent::Lost(why) => {
+                if matches!(self.conn, Conn::Connected) {
+                    self.schedule_reconnect(0, &why);
+                }
+            }
+            MqttEvent::Message {
+                topic,
+                payload,
+                correlation,
+            } => {
+                if topic == self.topics.inbox() {
+                    self.on_reply(correlation, &payload);
+                } else if self.command_topics.contains(&topic) {
+                    self.on_command(&payload);
+                } else {
+                    log::debug!("message on unexpected topic {topic} ignored");
+                }
+            }
+        }
+    }
+
+    fn schedule_reconnect(&mut self, attempt: u32, why: &str) {
+        let t = &self.s.tuning;
+        let delay = util::backoff_full_jitter(attempt, t.reconnect_base, t.reconnect_max);
+        log::warn!(
+            "MQTT {}: {why}; retrying in {:.1}s",
+            if attempt == 0 {
+                "connection problem"
+            } else {
+                "connect failed again"
+            },
+            delay.as_secs_f64()
+        );
+        self.conn = Conn::Disconnected {
+            next_attempt: self.clock.now() + delay,
+            attempt: attempt + 1,
+        };
+    }
+
+    // ---- requests -----------------------------------------------------------------------------
+
+    fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
+        let corr = util::random_bytes::<16>().to_vec();
+        let payload = serde_json::to_vec(&body).unwrap_or_default();
+        self.mqtt
+            .publish_request(topic, payload, &self.topics.inbox(), &corr, &self.token);
+        self.pending.insert(
+            corr.clone(),
+            Pending {
+                op,
+                deadline: self.clock.now() + timeout,
+            },
+        );
+        corr
+    }
+
+    fn on_reply(&mut self, correlation: Option<Vec<u8>>, payload: &[u8]) {
+        let Some(p) = correlation.as_ref().and_then(|c| self.pending.remove(c)) else {
+            log::debug!("reply with no matching request dropped (late or foreign)");
+            return;
+        };
+        let body: Value = serde_json::from_slice(payload).unwrap_or(json!({}));
+        let corr = correlation.unwrap_or_default();
+        self.on_outcome(p.op, Some(body), &corr);
+    }
+
+    /// A request's reply (`Some`) or its timeout (`None`).
+    fn on_outcome(&mut self, op: Op, body: Option<Value>, corr: &[u8]) {
+        match op {
+            Op::Create => self.on_create_reply(body),
+            Op::Register => self.on_register_reply(body),
+            Op::Heartbeat => self.on_heartbeat_reply(body),
+            Op::Terminate | Op::Fail => {
+                if body.is_none() {
+                    log::warn!("the backend did not acknowledge the {op:?} notice in time");
+                }
+                if let Some(s) = &mut self.shutdown {
+                    if s.waiting_for.as_deref() == Some(corr) {
+                        s.waiting_for = None;
+                        s.deadline = self.clock.now();
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- registration (R1, R2) ----------------------------------------------------------------
+
+    fn send_registration_step(&mut self, attempt: u32, create: bool) {
+        let mut body = json!({"profile_slug": self.s.profile_slug.value});
+        if let Some(e) = &self.s.environment_uuid {
+            body["environment_uuid"] = json!(e.value);
+        }
+        if create {
+            body["provider"] = json!("self-hosted");
+            body["visibility"] = json!("private");
+            if let Some(slug) = &self.s.slug_hint {
+                body["slug"] = json!(slug.value);
+            }
+            log::info!("registering: asking the backend for a new instance (R1)");
+            let topic = self.topics.request_instance(&self.token);
+            self.request(Op::Create, &topic, body, REQUEST_TIMEOUT);
+            self.reg = Registration::AwaitingCreate { attempt };
+        } else {
+            let uuid = self.known_uuid().unwrap_or_default();
+            self.send_register(attempt, uuid, None, body);
+        }
+    }
+
+    fn send_register(&mut self, attempt: u32, uuid: String, slug: Option<String>, body: Value) {
+        log::info!("registering instance {uuid} (R2)");
+        let topic = self.topics.register(&uuid);
+        self.request(Op::Register, &topic, body, REQUEST_TIMEOUT);
+        self.reg = Registration::AwaitingRegister {
+            attempt,
+            uuid,
+            slug,
+        };
+    }
+
+    fn known_uuid(&self) -> Option<String> {
+        self.identity
+            .as_ref()
+            .map(|i| i.uuid.clone())
+            .or_else(|| self.s.instance_uuid.as_ref().map(|u| u.value.clone()))
+            .filter(|u| !u.is_empty())
+    }
+
+    fn registration_failed(&mut self, why: &str, create: bool) {
+        let attempt = match &self.reg {
+            Registration::AwaitingCreate { attempt }
+            | Registration::AwaitingRegister { attempt, .. } => *attempt,
+            Registration::Needed { attempt, .. } => *attempt,
+            Registration::Done => 0,
+        };
+        let delay = util::backoff_full_jitter(
+            attempt,
+            Duration::from_millis(500),
+            self.s.tuning.register_retry_max,
+        );
+        log::warn!(
+            "registration failed: {why}; retrying in {:.1}s",
+            delay.as_secs_f64()
+        );
+        self.reg = Registration::Needed {
+            next_try: self.clock.now() + delay,
+            attempt: attempt + 1,
+            create,
+        };
+    }
+
+    fn on_create_reply(&mut self, body: Option<Value>) {
+        let Registration::AwaitingCreate { attempt } = self.reg else {
+            return;
+        };
+        let Some(body) = body else {
+            return self.registration_failed("no reply to the instance request", true);
+        };
+        let uuid = str_field(&body, "uuid");
+        let slug = str_field(&body, "slug");
+        match (success(&body), uuid) {
+            (true, Some(uuid)) => {
+                let mut req = json!({"profile_slug": self.s.profile_slug.value});
+                if let Some(e) = &self.s.environment_uuid {
+                    req["environment_uuid"] = json!(e.value);
+                }
+                self.send_register(attempt, uuid, slug, req);
+            }
+            (true, None) => {
+                self.registration_failed("the backend created an instance but sent no uuid", true)
+            }
+            (false, _) => {
+                let why = format!("instance creation refused: {}", message(&body));
+                self.registration_failed(&why, true)
+            }
+        }
+    }
+
+    fn on_register_reply(&mut self, body: Option<Value>) {
+        let Registration::AwaitingRegister { uuid, slug, .. } = self.reg.clone() else {
+            return;
+        };
+        let Some(body) = body else {
+            return self.registration_failed("no reply to the registration", false);
+        };
+        if !success(&body) {
+            if code(&body) == Some(404) {
+                // D6: the instance no longer exists; create a new one.
+                log::warn!("instance {uuid} is unknown to the backend; creating a new instance");
+                self.identity = None;
+                self.reg = Registration::Needed {
+                    next_try: self.clock.now(),
+                    attempt: 0,
+                    create: true,
+                };
+                return;
+            }
+            let why = format!("registration refused: {}", message(&body));
+            return self.registration_failed(&why, false);
+        }
+        let uuid = str_field(&body, "uuid").unwrap_or(uuid);
+        let slug = str_field(&body, "slug")
+            .or(slug)
+            .or_else(|| self.s.slug_hint.as_ref().map(|s| s.value.clone()))
+            .unwrap_or_else(|| format!("cn-{}", uuid.chars().take(8).collect::<String>()));
+        let identity = Identity {
+            uuid,
+            slug,
+            workspace_slug: self.s.workspace_slug.as_ref().map(|w| w.value.clone()),
+            registered_at: Some(util::rfc3339(SystemTime::now())),
+            standalone: false,
+        };
+        self.become_registered(identity);
+    }
+
+    fn become_registered(&mut self, identity: Identity) {
+        if let Err(e) = identity.save(&self.s.identity_path()) {
+            log::error!(
+                "cannot save the instance identity to {}: {e}",
+                self.s.identity_path().display()
+            );
+        }
+        self.reg = Registration::Done;
+        self.identity = Some(identity);
+        if let Some(err) = self.startup_failure.clone() {
+            let uuid = self.uuid().to_string();
+            log::error!("reporting the start-up failure to the backend, then exiting");
+            if self.s.standalone {
+                return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
+            }
+            let topic = self.topics.fail(&uuid);
+            let corr = self.request(
+                Op::Fail,
+                &topic,
+                json!({"instance_uuid": uuid, "error": err}),
+                self.s.tuning.heartbeat_timeout,
+            );
+            self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
+            if let Some(s) = &mut self.shutdown {
+                s.waiting_for = Some(corr);
+            }
+            return;
+        }
+        let new_topics = vec![
+            self.topics.command(self.uuid()),
+            self.topics.command(self.slug()),
+        ];
+        for old in self
+            .command_topics
+            .iter()
+            .filter(|t| !new_topics.contains(t))
+        {
+            self.mqtt.unsubscribe(old);
+        }
+        self.command_topics = new_topics;
+        self.mqtt.subscribe(&self.command_topics);
+        if !self.s.standalone {
+            self.hb.next_due = Some(self.clock.now());
+        }
+        log::info!(
+            "node ready: instance {} (slug {}){}; commands on {} and {}",
+            self.uuid(),
+            self.slug(),
+            self.s
+                .environment_uuid
+                .as_ref()
+                .map(|e| format!(", reserved for environment {}", e.value))
+                .unwrap_or_default(),
+            self.command_topics[0],
+            self.command_topics[1]
+        );
+    }
+
+    // ---- heartbeat (R3) -------------------------------------------------------------------------
+
+    fn send_heartbeat(&mut self) {
+        let interval = self.s.heartbeat_interval.value;
+        self.hb.next_due = Some(self.clock.now() + interval);
+        if self.conn != Conn::Connected {
+            self.hb.failures += 1;
+            log::debug!("heartbeat skipped: not connected");
+            return;
+        }
+        let body = json!({
+            "node_version": crate::cli::VERSION,
+            "active_workloads": 0,
+            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
+            "accepting": self.shutdown.is_none(),
+            "draining": false,
+            "uptime_s": self.started.elapsed().as_secs(),
+        });
+        let topic = self.topics.heartbeat(self.uuid());
+        self.request(Op::Heartbeat, &topic, body, self.s.tuning.heartbeat_timeout);
+    }
+
+    fn on_heartbeat_reply(&mut self, body: Option<Value>) {
+        if self.shutdown.is_some() || self.reg != Registration::Done {
+            return;
+        }
+        let interval = self.s.heartbeat_interval.value;
+        match body {
+            Some(b) if success(&b) => {
+                if self.hb.failures > 0 || self.hb.auth_failures > 0 {
+                    log::info!("heartbeats acknowledged again");
+                }
+                self.hb.failures = 0;
+                self.hb.auth_failures = 0;
+                self.hb.last_ok = Some(SystemTime::now());
+            }
+            Some(b) if code(&b) == Some(401) => {
+                self.hb.auth_failures += 1;
+                let n = self.hb.auth_failures;
+                if n >= MAX_AUTH_FAILURES {
+                    log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
+                    return self.begin_shutdown(EXIT_CREDENTIALS, "token rejected");
+                }
+                let delay = self
+                    .s
+                    .tuning
+                    .auth_retry_base
+                    .mul_f64(2f64.powi(n as i32 - 1))
+                    .min(AUTH_RETRY_CAP);
+                log::warn!("heartbeat rejected: authentication failed ({n}/{MAX_AUTH_FAILURES}); retrying in {:.1}s", delay.as_secs_f64());
+                self.hb.next_due = Some(self.clock.now() + delay);
+            }
+            Some(b)
+                if code(&b) == Some(404)
+                    || (code(&b) == Some(400)
+                        && message(&b).to_lowercase().contains("terminat")) =>
+            {
+                // D5: the instance is gone; register a new one and move the subscriptions.
+                log::warn!(
+                    "the backend says instance {} is gone ({}); registering a new instance",
+                    self.uuid(),
+                    message(&b)
+                );
+                self.hb = Heartbeat {
+                    next_due: None,
+                    auth_failures: 0,
+                    failures: 0,
+                    last_ok: self.hb.last_ok,
+                };
+                self.pending.retain(|_, p| p.op != Op::Heartbeat);
+                if let Some(i) = &mut self.identity {
+                    i.uuid.clear();
+                }
+                self.s.instance_uuid = None;
+                self.reg = Registration::Needed {
+                    next_try: self.clock.now(),
+                    attempt: 0,
+                    create: true,
+                };
+            }
+            other => {
+                self.hb.failures += 1;
+                let why = match &other {
+                    Some(b) => format!("refused: {}", message(b)),
+                    None => "no reply in time".to_string(),
+                };
+                let threshold = (120 / interval.as_secs().max(1)).max(1) as u32;
+                if self.hb.failures >= threshold {
+                    log::error!("heartbeat failed {} times in a row ({why}); the backend may reap this instance", self.hb.failures);
+                } else {
+                    log::warn!("heartbeat failed ({why})");
+                }
+            }
+        }
+    }
+
+    // ---- commands -------------------------------------------------------------------------------
+
+    fn on_command(&mut self, payload: &[u8]) {
+        let (command, request_id, params) = match messages::parse_command(payload) {
+            Incoming::Echo => return,
+            Incoming::Invalid {
+                request_id: Some(rid),
+                reason,
+            } => {
+                log::warn!("refused a command: {reason}");
+                return self.reply_error(&rid, &reason);
+            }
+            Incoming::Invalid {
+                request_id: None,
+                reason,
+            } => {
+                log::warn!("ignored a command without a readable request id: {reason}");
+                return;
+            }
+            Incoming::Command {
+                command,
+                request_id,
+                params,
+            } => (command, request_id, params),
+        };
+        log::info!(
+            "command {command} (request {})",
+            messages::request_id_text(&request_id)
+        );
+        if self.shutdown.is_some() {
+            return self.reply_error(
+                &request_id,
+                "node is shutting down and not accepting new commands",
+            );
+        }
+        match command.as_str() {
+            "status" => {
+                let out = self.status_output();
+                self.reply_ok(&request_id, out);
+            }
+            "inference" | "simulate" | "training" => self.on_start(&command, &request_id, &params),
+            "cancel" => self.reply_error(
+                &request_id,
+                "no workload matches: this node has no running workloads",
+            ),
+            "workload_received" => {
+                let uuid = params
+                    .get("workload_uuid")
+                    .and_then(Value::as_str)
+                    .unwrap_or("None")
+                    .to_string();
+                self.reply_ok(
+                    &request_id,
+                    json!({"message": format!("Workload {uuid} received and acknowledged")}),
+                );
+            }
+            other => self.reply_error(&request_id, &format!("Unknown command: {other}")),
+        }
+    }
+
+    fn on_start(&mut self, kind: &str, request_id: &Value, params: &Value) {
+        if !params.is_object() {
+            return self.reply_error(request_id, "params must be a JSON object");
+        }
+        if let (Some(mine), Some(theirs)) = (
+            &self.s.environment_uuid,
+            params.get("environment_uuid").and_then(Value::as_str),
+        ) {
+            if mine.value != theirs {
+                return self.reply_error(
+                    request_id,
+                    &format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value),
+                );
+            }
+        }
+        if self.s.command_template(kind).is_none() {
+            return self.reply_error(
+                request_id,
+                &format!("No {kind} command configured on this node"),
+            );
+        }
+        self.reply_error(
+            request_id,
+            &format!("{kind} workloads are not supported by this build yet"),
+        );
+    }
+
+    fn status_output(&self) -> Value {
+        json!({
+            "slug": self.slug(),
+            "instance_uuid": self.uuid(),
+            "profile_slug": self.s.profile_slug.value,
+            "has_inference": self.s.inference.is_some(),
+            "has_simulate": self.s.simulate.is_some(),
+            "has_training": self.s.training.is_some(),
+            "is_busy": false,
+            "active_workloads": [],
+            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
+            "accepting": self.shutdown.is_none(),
+            "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
+            "node_version": crate::cli::VERSION,
+        })
+    }
+
+    fn reply_ok(&self, request_id: &Value, output: Value) {
+        self.publish_reply(true, request_id, output);
+    }
+
+    fn reply_error(&self, request_id: &Value, error: &str) {
+        self.publish_reply(false, request_id, json!(error));
+    }
+
+    fn publish_reply(&self, ok: bool, request_id: &Value, body: Value) {
+        let payload = messages::reply(ok, request_id, self.slug(), self.uuid(), body);
+        let topic = self.topics.reply(self.uuid());
+        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
+        self.mqtt
+            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
+    }
+
+    // ---- signals and shutdown -------------------------------------------------------------------
+
+    fn on_signal(&mut self, sig: Signal) {
+        match sig {
+            Signal::Term | Signal::Int => {
+                if self.shutdown.is_some() {
+                    log::warn!("second {sig:?}: exiting now");
+                    self.exit = Some(EXIT_OK);
+                    return;
+                }
+                self.begin_shutdown(EXIT_OK, &format!("{sig:?} received"));
+            }
+            Signal::Hup => {
+                log::info!("SIGHUP ignored (restart the service to reload the configuration)")
+            }
+            Signal::Usr1 | Signal::Usr2 => log::info!("{sig:?} ignored"),
+        }
+    }
+
+    fn begin_shutdown(&mut self, exit_code: i32, why: &str) {
+        if self.shutdown.is_some() {
+            return;
+        }
+        log::info!("shutting down ({why}); running workloads are left running");
+        let now = self.clock.now();
+        self.hb.next_due = None;
+        let mut waiting_for = None;
+        if self.reg == Registration::Done
+            && self.conn == Conn::Connected
+            && !self.s.standalone
+            && self.startup_failure.is_none()
+        {
+            let topic = self.topics.terminate(self.uuid());
+            waiting_for = Some(self.request(
+                Op::Terminate,
+                &topic,
+                json!({}),
+                self.s.tuning.shutdown_flush,
+            ));
+        }
+        let deadline = if waiting_for.is_some() {
+            now + self.s.tuning.shutdown_flush
+        } else {
+            now
+        };
+        self.shutdown = Some(Shutdown {
+            deadline,
+            exit_code,
+            waiting_for,
+        });
+    }
+
+    // ---- timers ---------------------------------------------------------------------------------
+
+    fn tick(&mut self) {
+        let now = self.clock.now();
+        if let Conn::Disconnected { next_attempt, .. } = self.conn {
+            if now >= next_attempt && self.shutdown.is_none() {
+                self.start_connect();
+            }
+        }
+        // Expired requests.
+        let expired: Vec<Vec<u8>> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| now >= p.deadline)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for corr in expired {
+            if let Some(p) = self.pending.remove(&corr) {
+                self.on_outcome(p.op, None, &corr);
+            }
+        }
+        if self.conn == Conn::Connected && self.shutdown.is_none() {
+            if let Registration::Needed {
+                next_try,
+                attempt,
+                create,
+            } = self.reg
+            {
+                if self.s.standalone {
+                    // No backend: the node's own identity stands in for a registration.
+                    if let Some(identity) = self.identity.clone() {
+                        self.become_registered(identity);
+                    }
+                } else if now >= next_try {
+                    let create = create || self.known_uuid().is_none();
+                    self.send_registration_step(attempt, create);
+                }
+            }
+        }
+        if let Some(due) = self.hb.next_due {
+            if now >= due && self.reg == Registration::Done && self.shutdown.is_none() {
+                self.send_heartbeat();
+            }
+        }
+        if let Some(s) = &self.shutdown {
+            if now >= s.deadline {
+                self.exit = Some(s.exit_code);
+            }
+        }
+    }
+}
+
+fn success(b: &Value) -> bool {
+    b.get("success").and_then(Value::as_bool).unwrap_or(false)
+}
+
+fn code(b: &Value) -> Option<i64> {
+    b.get("code").and_then(Value::as_i64)
+}
+
+fn message(b: &Value) -> String {
+    b.get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("no message")
+        .to_string()
+}
+
+fn str_field(b: &Value, k: &str) -> Option<String> {
+    b.get(k)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+}
+
+#[allow(dead_code)]
+const _: i32 = EXIT_USAGE;

@@ -1,0 +1,342 @@
+//! Everything before the event loop: state dir, signal thread, install script, token check,
+//! MQTT client. Each step logs one line; a step that makes running pointless returns the exit
+//! code instead of a node.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use crossbeam_channel::{unbounded, Receiver};
+
+use super::{Conn, Heartbeat, Node, Registration, SystemClock};
+use crate::app::{EXIT_CREDENTIALS, EXIT_RUNTIME, EXIT_USAGE};
+use crate::backend::{self, TokenCheck};
+use crate::config::credentials::Identity;
+use crate::config::Settings;
+use crate::mqtt::{self, Mqtt, MqttOptions};
+use crate::protocol::topics::Topics;
+use crate::signals::{self, Signal};
+use crate::{store, util};
+
+/// Environment variables that hold the node's own secrets; never passed to child processes
+/// (workloads get their own credentials explicitly).
+pub const NODE_SECRETS: &[&str] = &["CYBERWAVE_API_KEY", "CYBERWAVE_MQTT_PASSWORD"];
+
+pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
+    let started = Instant::now();
+    let dir = &s.config_dir.value;
+    if let Err(e) = store::ensure_private_dir(dir) {
+        log::error!("cannot create the state dir {}: {e}", dir.display());
+        return Err(EXIT_RUNTIME);
+    }
+    log::info!(
+        "cyberwave-cloud-node {} starting: state dir {}, manifest {}",
+        crate::cli::VERSION,
+        dir.display(),
+        s.manifest
+            .as_ref()
+            .map(|m| m.path.display().to_string())
+            .unwrap_or_else(|| "(none: environment only)".into())
+    );
+    let (sig_tx, sig_rx) = unbounded();
+    if let Err(e) = signals::spawn(sig_tx) {
+        log::error!("cannot start the signal thread: {e}");
+        return Err(EXIT_RUNTIME);
+    }
+
+    let token = match (&s.api_token, s.standalone) {
+        (Some(t), _) => t.value.clone(),
+        (None, true) => String::new(),
+        (None, false) => {
+            log::error!(
+                "no API token: set CYBERWAVE_API_KEY (environment, {}, or {}) or log in with `cyberwave login` ({})",
+                s.working_dir.join(".env").display(),
+                dir.join(".env").display(),
+                dir.join("credentials.json").display()
+            );
+            return Err(EXIT_USAGE);
+        }
+    };
+
+    // 1. Install script.
+    let startup_failure = match &s.install {
+        Some(script) => run_install_script(&s, &script.value),
+        None => None,
+    };
+
+    // 2. Token check (REST E1).
+    if !s.standalone {
+        let src = s
+            .api_token
+            .as_ref()
+            .map(|t| t.source.to_string())
+            .unwrap_or_default();
+        match backend::check_token(
+            &s.base_url.value,
+            &token,
+            s.workspace_slug.as_ref().map(|w| w.value.as_str()),
+            s.tuning.token_check_timeout,
+        ) {
+            TokenCheck::Accepted => log::info!(
+                "API token {} accepted by {}",
+                util::mask_secret(&token),
+                s.base_url.value
+            ),
+            TokenCheck::Rejected(status) => {
+                log::error!(
+                    "the backend rejected the API token {} (HTTP {status}); it came from {src}. Fix or replace it there (e.g. `cyberwave login`).",
+                    util::mask_secret(&token)
+                );
+                return Err(EXIT_CREDENTIALS);
+            }
+            TokenCheck::Inconclusive(why) => {
+                log::warn!("could not validate the API token at start-up ({why}); continuing")
+            }
+        }
+    }
+
+    // 3. MQTT client.
+    let client_id = match client_id(&s.node_id_path()) {
+        Ok(id) => id,
+        Err(e) => {
+            log::error!("cannot read or create {}: {e}", s.node_id_path().display());
+            return Err(EXIT_RUNTIME);
+        }
+    };
+    let ca_file = if s.mqtt_use_tls.value {
+        match mqtt::trust_store(
+            s.mqtt_ca_certs.as_ref().map(|c| c.value.as_path()),
+            s.env.value("SSL_CERT_FILE").as_deref(),
+        ) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                log::error!("{e}");
+                return Err(EXIT_USAGE);
+            }
+        }
+    } else {
+        None
+    };
+    let username = s
+        .mqtt_username
+        .as_ref()
+        .map(|u| u.value.clone())
+        .or_else(|| s.instance_uuid.as_ref().map(|u| u.value.clone()))
+        .or_else(|| s.slug_hint.as_ref().map(|u| u.value.clone()))
+        .unwrap_or_else(|| {
+            format!(
+                "cloud-node-bootstrap-{}",
+                util::hex(&util::random_bytes::<4>())
+            )
+        });
+    let opts = MqttOptions {
+        host: s.mqtt_host.value.clone(),
+        port: s.mqtt_port.value,
+        tls: s.mqtt_use_tls.value,
+        ca_file,
+        client_id: client_id.clone(),
+        username,
+        password: s.mqtt_password.as_ref().map(|p| p.value.clone()),
+        keep_alive: std::time::Duration::from_secs(60),
+        session_expiry: s.tuning.session_expiry,
+    };
+    let (tx, rx) = unbounded();
+    let mqtt = match Mqtt::new(opts, tx) {
+        Ok(m) => m,
+        Err(e) => {
+            log::error!("{e}");
+            return Err(EXIT_RUNTIME);
+        }
+    };
+    log::info!("MQTT client {client_id} → {}", mqtt.endpoint());
+
+    // Identity: a standalone node names itself; otherwise the backend does, at registration.
+    let identity = if s.standalone {
+        let existing = s.identity.clone().filter(|i| i.standalone);
+        Some(existing.unwrap_or_else(|| {
+            let uuid = util::uuid_v4();
+            let slug = s
+                .slug_hint
+                .as_ref()
+                .map(|h| h.value.clone())
+                .unwrap_or_else(|| format!("cn-{}", &uuid[..8]));
+            Identity {
+                uuid,
+                slug,
+                workspace_slug: None,
+                registered_at: Some(util::rfc3339(std::time::SystemTime::now())),
+                standalone: true,
+            }
+        }))
+    } else {
+        None
+    };
+    let topics = Topics::new(&s.topic_prefix.value, &client_id);
+    let now = Instant::now();
+    let node = Node {
+        clock: Box::new(SystemClock),
+        mqtt,
+        events: rx,
+        topics,
+        token,
+        conn: Conn::Connecting { attempt: 0 },
+        reg: Registration::Needed {
+            next_try: now,
+            attempt: 0,
+            create: s.instance_uuid.is_none(),
+        },
+        identity,
+        command_topics: Vec::new(),
+        pending: HashMap::new(),
+        hb: Heartbeat {
+            next_due: None,
+            auth_failures: 0,
+            failures: 0,
+            last_ok: None,
+        },
+        shutdown: None,
+        startup_failure,
+        started,
+        exit: None,
+        s,
+    };
+    Ok((node, sig_rx))
+}
+
+/// The MQTT client id, generated once and kept (decision D15) so restarts resume the session.
+fn client_id(path: &Path) -> std::io::Result<String> {
+    if let Ok(text) = std::fs::read_to_string(path) {
+        let id = text.trim();
+        if id.starts_with("cloud_node_")
+            && id.len() <= 23
+            && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            return Ok(id.to_string());
+        }
+        log::warn!(
+            "{} holds no valid client id; generating a new one",
+            path.display()
+        );
+    }
+    let id = format!("cloud_node_{}", util::hex(&util::random_bytes::<4>()));
+    store::write_atomic(path, id.as_bytes(), 0o600)?;
+    Ok(id)
+}
+
+/// Runs the install script with bash (sh when there is no bash) in the working dir; its output
+/// goes to the node's log and to `<state dir>/install_logs/`. Returns the failure, if any.
+fn run_install_script(s: &Settings, script: &str) -> Option<String> {
+    let first = script.split_whitespace().next().unwrap_or("");
+    if first.starts_with("./") || first.starts_with('/') || first.starts_with("../") {
+        let p = s.working_dir.join(first);
+        if !p.is_file() {
+            let msg = format!(
+                "install script {first} not found (looked for {})",
+                p.display()
+            );
+            log::error!("{msg}");
+            return Some(msg);
+        }
+    }
+    log::info!("running the install script in {}", s.working_dir.display());
+    let log_dir = s.config_dir.value.join("install_logs");
+    if let Err(e) = store::ensure_private_dir(&log_dir) {
+        log::warn!(
+            "cannot create {}: {e}; install output goes to the node's log only",
+            log_dir.display()
+        );
+    }
+    let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
+        "bash"
+    } else {
+        "sh"
+    };
+    let mut env = s.env.merged();
+    for k in NODE_SECRETS {
+        env.remove(*k);
+    }
+    let mut cmd = Command::new(shell);
+    cmd.arg("-c")
+        .arg(script)
+        .current_dir(&s.working_dir)
+        .env_clear()
+        .envs(&env)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(signals::unblock_all);
+    }
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let msg = format!("cannot run the install script with {shell}: {e}");
+            log::error!("{msg}");
+            return Some(msg);
+        }
+    };
+    let pump = |stream: Box<dyn std::io::Read + Send>, name: &'static str| {
+        let path = log_dir.join(format!("install.{name}.log"));
+        std::thread::spawn(move || {
+            let mut file = std::fs::File::create(&path).ok();
+            let mut tail: Vec<String> = Vec::new();
+            for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
+                let line = String::from_utf8_lossy(&line).into_owned();
+                if let Some(f) = file.as_mut() {
+                    let _ = writeln!(f, "{line}");
+                }
+                log::info!("[install {name}] {line}");
+                if !line.trim().is_empty() {
+                    tail.push(line);
+                    if tail.len() > 5 {
+                        tail.remove(0);
+                    }
+                }
+            }
+            tail
+        })
+    };
+    let out = child.stdout.take().map(|o| pump(Box::new(o), "stdout"));
+    let err = child.stderr.take().map(|e| pump(Box::new(e), "stderr"));
+    let status = child.wait();
+    if let Some(h) = out {
+        let _ = h.join();
+    }
+    let stderr_tail = err.and_then(|h| h.join().ok()).unwrap_or_default();
+    match status {
+        Ok(st) if st.success() => {
+            log::info!("install script completed");
+            None
+        }
+        Ok(st) => {
+            let code = st
+                .code()
+                .map(|c| format!("exit code {c}"))
+                .unwrap_or_else(|| format!("{st}"));
+            let mut msg = format!("install script failed with {code}");
+            if !stderr_tail.is_empty() {
+                let tail = stderr_tail.join("\n");
+                let tail: String = tail
+                    .chars()
+                    .rev()
+                    .take(1000)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
+                msg.push_str(&format!(": {tail}"));
+            }
+            log::error!("{msg}");
+            Some(msg)
+        }
+        Err(e) => {
+            let msg = format!("install script: cannot wait for it: {e}");
+            log::error!("{msg}");
+            Some(msg)
+        }
+    }
+}

@@ -1,0 +1,2 @@
+pub mod messages;
+pub mod topics;

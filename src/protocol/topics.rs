@@ -1,0 +1,90 @@
+//! Every topic string the node uses, in one place. The prefix (from `CYBERWAVE_ENVIRONMENT`,
+//! `production` = none) is glued on without a separator, for wire compatibility: `local` gives
+//! `localcyberwave/…` (protocol §2.3).
+
+#[derive(Debug, Clone)]
+pub struct Topics {
+    prefix: String,
+    client_id: String,
+}
+
+impl Topics {
+    pub fn new(prefix: &str, client_id: &str) -> Topics {
+        Topics {
+            prefix: prefix.to_string(),
+            client_id: client_id.to_string(),
+        }
+    }
+
+    /// The node's private inbox for request/response replies.
+    pub fn inbox(&self) -> String {
+        format!("{}cyberwave/response/{}", self.prefix, self.client_id)
+    }
+
+    /// R1. The API token is part of the topic name: wire-mandated (never logged).
+    pub fn request_instance(&self, token: &str) -> String {
+        format!(
+            "{}cyberwave/cloud-node-token/{token}/request-instance",
+            self.prefix
+        )
+    }
+
+    fn node(&self, id: &str, leaf: &str) -> String {
+        format!("{}cyberwave/cloud-node/{id}/{leaf}", self.prefix)
+    }
+
+    pub fn register(&self, uuid: &str) -> String {
+        self.node(uuid, "register")
+    }
+    pub fn heartbeat(&self, uuid: &str) -> String {
+        self.node(uuid, "heartbeat")
+    }
+    pub fn terminate(&self, uuid: &str) -> String {
+        self.node(uuid, "terminate")
+    }
+    pub fn fail(&self, uuid: &str) -> String {
+        self.node(uuid, "fail")
+    }
+    #[allow(dead_code)] // used once log streaming lands
+    pub fn logs(&self, uuid: &str) -> String {
+        self.node(uuid, "logs")
+    }
+    /// Commands arrive on `…/{uuid}/command` and `…/{slug}/command`.
+    pub fn command(&self, uuid_or_slug: &str) -> String {
+        self.node(uuid_or_slug, "command")
+    }
+    /// Command replies go to `…/{uuid}/response`.
+    pub fn reply(&self, uuid: &str) -> String {
+        self.node(uuid, "response")
+    }
+    /// R7/R8.
+    #[allow(dead_code)] // used once workloads land
+    pub fn workload_status(&self, workload_uuid: &str) -> String {
+        format!(
+            "{}cyberwave/cloud-workload/{workload_uuid}/update-status",
+            self.prefix
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_is_glued_without_separator() {
+        let t = Topics::new("local", "cloud_node_1");
+        assert_eq!(t.command("u"), "localcyberwave/cloud-node/u/command");
+        assert_eq!(t.inbox(), "localcyberwave/response/cloud_node_1");
+        assert_eq!(
+            t.workload_status("w"),
+            "localcyberwave/cloud-workload/w/update-status"
+        );
+        let t = Topics::new("", "c");
+        assert_eq!(t.reply("u"), "cyberwave/cloud-node/u/response");
+        assert_eq!(
+            t.request_instance("cw_x"),
+            "cyberwave/cloud-node-token/cw_x/request-instance"
+        );
+    }
+}

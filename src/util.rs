@@ -1,0 +1,148 @@
+//! Small helpers with no better home: randomness, time formatting, secret masking, backoff.
+
+use std::io::Read;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// `n` bytes from the kernel's CSPRNG. Falls back to a time-and-pid mix if /dev/urandom is
+/// unreadable (never on Linux in practice), so ids stay unique even then.
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut buf = [0u8; N];
+    let ok = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .is_ok();
+    if !ok {
+        let mut x = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+            ^ (u64::from(std::process::id()) << 32);
+        for b in buf.iter_mut() {
+            // xorshift64*
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            *b = (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8;
+        }
+    }
+    buf
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A random version-4 UUID in its canonical text form.
+pub fn uuid_v4() -> String {
+    let mut b = random_bytes::<16>();
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = hex(&b);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// Shows a secret as `cw_…last4` (or `…last4` without the `cw_` prefix); short secrets show
+/// nothing of themselves at all.
+pub fn mask_secret(secret: &str) -> String {
+    let chars: Vec<char> = secret.chars().collect();
+    let prefix = if secret.starts_with("cw_") { "cw_" } else { "" };
+    if chars.len() < 12 {
+        return format!("{prefix}…");
+    }
+    let tail: String = chars[chars.len() - 4..].iter().collect();
+    format!("{prefix}…{tail}")
+}
+
+/// RFC 3339 UTC timestamp with microseconds, e.g. `2026-11-29T15:48:12.123456Z`.
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    let secs = d.as_secs() as i64;
+    let (y, m, day) = civil_from_days(secs.div_euclid(86_400));
+    let rem = secs.rem_euclid(86_400);
+    format!(
+        "{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60,
+        d.subsec_micros()
+    )
+}
+
+/// Days since 1970-01-01 → (year, month, day), Howard Hinnant's algorithm.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// Exponential backoff with full jitter: attempt 0 waits up to `base`, each later attempt
+/// doubles the ceiling up to `cap`; the actual wait is uniform in [0, ceiling], never below
+/// 10 ms so a tight loop is impossible.
+pub fn backoff_full_jitter(attempt: u32, base: Duration, cap: Duration) -> Duration {
+    let ceiling = base
+        .checked_mul(1u32 << attempt.min(20))
+        .unwrap_or(cap)
+        .min(cap);
+    let r = u64::from_le_bytes(random_bytes::<8>());
+    let frac = (r >> 11) as f64 / (1u64 << 53) as f64;
+    ceiling.mul_f64(frac).max(Duration::from_millis(10))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_secrets_without_revealing_short_ones() {
+        assert_eq!(mask_secret("cw_abcdefghijklmnop"), "cw_…mnop");
+        assert_eq!(mask_secret("plainsecret-1234"), "…1234");
+        assert_eq!(mask_secret("cw_short"), "cw_…");
+        assert_eq!(mask_secret(""), "…");
+    }
+
+    #[test]
+    fn formats_rfc3339() {
+        let t = UNIX_EPOCH + Duration::from_micros(1_764_431_292_123_456);
+        assert_eq!(rfc3339(t), "2025-11-29T15:48:12.123456Z");
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000Z");
+        // a leap day
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00.000000Z"
+        );
+    }
+
+    #[test]
+    fn uuid_has_v4_shape() {
+        let u = uuid_v4();
+        assert_eq!(u.len(), 36);
+        assert_eq!(&u[14..15], "4");
+        assert_ne!(uuid_v4(), u);
+    }
+
+    #[test]
+    fn backoff_stays_within_ceiling() {
+        let base = Duration::from_millis(500);
+        let cap = Duration::from_secs(30);
+        for attempt in 0..40 {
+            let d = backoff_full_jitter(attempt, base, cap);
+            assert!(d <= cap, "{d:?}");
+            if attempt == 0 {
+                assert!(d <= base);
+            }
+        }
+    }
+}

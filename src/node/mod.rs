@@ -25,6 +25,7 @@ pub const TICK: Duration = Duration::from_millis(250);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_AUTH_FAILURES: u32 = 5;
 const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
+const MAX_EARLY_COMMANDS: usize = 1000;
 
 /// Time, injected so timers can be driven in tests without sleeping.
 pub trait Clock {
@@ -112,6 +113,8 @@ pub struct Node {
     identity: Option<Identity>,
     /// Command topics the node is subscribed to (renewed on every connect).
     command_topics: Vec<String>,
+    /// Commands that arrived before registration finished.
+    early_commands: Vec<Vec<u8>>,
     pending: HashMap<Vec<u8>, Pending>,
     hb: Heartbeat,
     shutdown: Option<Shutdown>,
@@ -235,6 +238,14 @@ impl Node {
                     self.on_reply(correlation, &payload);
                 } else if self.command_topics.contains(&topic) {
                     self.on_command(&payload);
+                } else if self.reg != Registration::Done && self.topics.is_command_topic(&topic) {
+                    // A resumed session delivers queued commands before registration is done:
+                    // keep them (bounded) and handle them once the node is registered.
+                    if self.early_commands.len() < MAX_EARLY_COMMANDS {
+                        self.early_commands.push(payload);
+                    } else {
+                        log::warn!("dropped a command that arrived before registration: too many queued");
+                    }
                 } else {
                     log::debug!("message on unexpected topic {topic} ignored");
                 }
@@ -477,6 +488,9 @@ impl Node {
         }
         self.command_topics = new_topics;
         self.mqtt.subscribe(&self.command_topics);
+        for payload in std::mem::take(&mut self.early_commands) {
+            self.on_command(&payload);
+        }
         if !self.s.standalone {
             self.hb.next_due = Some(self.clock.now());
         }

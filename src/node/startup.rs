@@ -190,6 +190,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         },
         identity,
         command_topics: Vec::new(),
+        early_commands: Vec::new(),
         pending: HashMap::new(),
         hb: Heartbeat {
             next_due: None,

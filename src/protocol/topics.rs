@@ -53,6 +53,15 @@ impl Topics {
     pub fn command(&self, uuid_or_slug: &str) -> String {
         self.node(uuid_or_slug, "command")
     }
+    /// Whether `topic` is some node's command topic (`…/cloud-node/{id}/command`).
+    pub fn is_command_topic(&self, topic: &str) -> bool {
+        topic
+            .strip_prefix(&self.prefix)
+            .and_then(|t| t.strip_prefix("cyberwave/cloud-node/"))
+            .and_then(|t| t.strip_suffix("/command"))
+            .is_some_and(|id| !id.is_empty() && !id.contains('/'))
+    }
+
     /// Command replies go to `…/{uuid}/response`.
     pub fn reply(&self, uuid: &str) -> String {
         self.node(uuid, "response")

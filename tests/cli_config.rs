@@ -1,0 +1,185 @@
+//! The command line, `validate`, `config` and configuration errors, end to end.
+
+use serde_json::Value;
+
+use crate::support::node::NodeSetup;
+use crate::support::{Broker, ControlPlane};
+use std::time::Duration;
+
+fn config_json(setup: &NodeSetup, extra: &[&str]) -> Value {
+    let mut args = vec!["config", "--json"];
+    args.extend_from_slice(extra);
+    let out = setup.run(&args);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", out.stdout))
+}
+
+fn value(cfg: &Value, key: &str) -> String {
+    cfg[key]["value"].as_str().unwrap_or_default().to_string()
+}
+
+fn source(cfg: &Value, key: &str) -> String {
+    cfg[key]["source"].as_str().unwrap_or_default().to_string()
+}
+
+/// One clear line on stderr, no panic, no backtrace.
+fn assert_one_clear_error(out: &crate::support::node::Output, needle: &str) {
+    let lines: Vec<&str> = out.stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{out:?}");
+    assert!(lines[0].contains(needle), "{out:?}");
+    assert!(!out.stderr.contains("panicked") && !out.stderr.contains("backtrace"), "{out:?}");
+}
+
+#[test]
+fn version_and_help() {
+    let s = NodeSetup::bare();
+    let out = s.run(&["--version"]);
+    assert_eq!(out.code, Some(0));
+    assert!(out.stdout.starts_with("cyberwave-cloud-node "), "{out:?}");
+    for args in [&["--help"][..], &["start", "--help"], &["validate", "-h"], &["config", "--help"]] {
+        let out = s.run(args);
+        assert_eq!(out.code, Some(0), "{args:?}");
+        assert!(out.stdout.contains("Usage:"), "{args:?}: {out:?}");
+    }
+}
+
+#[test]
+fn bad_flags_exit_2_with_one_line() {
+    let s = NodeSetup::bare();
+    for (args, needle) in [
+        (&["start", "--mqtt-port", "eighty"][..], "--mqtt-port"),
+        (&["--frobnicate"], "--frobnicate"),
+        (&["launch"], "unknown command"),
+    ] {
+        let out = s.run(args);
+        assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
+        assert_one_clear_error(&out, needle);
+    }
+}
+
+#[test]
+fn bad_manifest_and_bad_env_exit_2_on_start() {
+    let mut s = NodeSetup::bare();
+    s.set("CYBERWAVE_API_KEY", "cw_x");
+    s.write("cyberwave.yml", "cyberwave:\n  inference: x\n  heartbeat_interval: soon\n");
+    let out = s.run(&["start"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert_one_clear_error(&out, "cyberwave.yml:3: error: heartbeat_interval: expected a number of seconds greater than 0");
+
+    s.write("cyberwave.yml", "cyberwave:\n  inference: x\n");
+    s.set("CYBERWAVE_MQTT_PORT", "not-a-port");
+    let out = s.run(&["start"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert_one_clear_error(&out, "CYBERWAVE_MQTT_PORT (env CYBERWAVE_MQTT_PORT): expected a whole number from 1 to 65535");
+}
+
+#[test]
+fn missing_token_is_a_configuration_error() {
+    let s = NodeSetup::bare();
+    let out = s.run(&["start", "--mqtt-port", "1"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("no API token"), "{out:?}");
+    assert!(out.stderr.contains("credentials.json"), "{out:?}");
+}
+
+#[test]
+fn validate_good_manifest() {
+    let s = NodeSetup::bare();
+    s.write(
+        "cyberwave.yml",
+        "cyberwave:\n  install: ./install.sh\n  inference: |\n    source venv/bin/activate && \\\n      python infer.py --params {body}\n  training: python train.py {body}\n  max_concurrent_workloads: 2\n",
+    );
+    let out = s.run(&["validate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("OK (0 warnings)"), "{out:?}");
+    assert!(out.stdout.contains("inference: [shell mode]"), "{out:?}");
+}
+
+#[test]
+fn validate_lists_every_problem_with_its_line() {
+    let s = NodeSetup::bare();
+    let path = s.write(
+        "m.yml",
+        "cyberwave:\n  inferense: python x.py\n  mqtt_port: 99999\n  upload_results: \"yes\"\n  provider: aws\n",
+    );
+    let out = s.run(&["validate", path.to_str().unwrap_or_default()]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    for needle in [
+        "m.yml:2: error: inferense: unknown field (did you mean `inference`?)",
+        "m.yml:3: error: mqtt_port: expected a whole number from 1 to 65535, got 99999",
+        "m.yml:4: error: upload_results: expected true or false",
+        "m.yml:5: error: provider: unknown field",
+        "4 errors, 0 warnings",
+    ] {
+        assert!(out.stdout.contains(needle), "missing {needle:?} in:\n{}", out.stdout);
+    }
+    // --lenient: unknown keys become warnings; the type error still fails.
+    let out = s.run(&["validate", "--config", path.to_str().unwrap_or_default(), "--lenient"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stdout.contains("m.yml:5: warning: provider"), "{out:?}");
+    assert!(out.stdout.contains("2 errors, 2 warnings"), "{out:?}");
+    // A legacy wrapper with only unknown keys passes with --lenient.
+    s.write("cyberwave.yml", "cyberwave-cloud-node:\n  simulate: s {body}\n  server_port: 8080\n");
+    let out = s.run(&["validate", "--lenient"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("legacy wrapper"), "{out:?}");
+    let out = s.run(&["validate", "nope.yml"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+}
+
+#[test]
+fn config_precedence_end_to_end() {
+    let mut s = NodeSetup::bare();
+    // credentials.json is the last resort for the token and the broker.
+    s.home.write(
+        ".cyberwave/credentials.json",
+        r#"{"token":"cw_credentials_token_aaaa","envs":{"CYBERWAVE_MQTT_HOST":"cred-host"}}"#,
+    );
+    let cfg = config_json(&s, &[]);
+    assert_eq!(value(&cfg, "api_token"), "cw_…aaaa");
+    assert!(source(&cfg, "api_token").ends_with("credentials.json"), "{cfg}");
+    assert_eq!(value(&cfg, "mqtt_host"), "cred-host");
+
+    // <config dir>/.env beats credentials.json …
+    s.home.write(".cyberwave/.env", "CYBERWAVE_API_KEY=cw_shared_env_token_bbbb\nCYBERWAVE_MQTT_HOST=shared-host\n");
+    let cfg = config_json(&s, &[]);
+    assert_eq!(value(&cfg, "api_token"), "cw_…bbbb");
+    assert_eq!(value(&cfg, "mqtt_host"), "shared-host");
+    // … ./.env beats <config dir>/.env (the documented order) …
+    s.write(".env", "CYBERWAVE_API_KEY=cw_local_env_token_cccc\nCYBERWAVE_MQTT_HOST=local-host\n");
+    let cfg = config_json(&s, &[]);
+    assert_eq!(value(&cfg, "api_token"), "cw_…cccc");
+    assert!(source(&cfg, "api_token").contains("work/.env"), "{cfg}");
+    assert_eq!(value(&cfg, "mqtt_host"), "local-host");
+    // … the process environment beats both …
+    s.set("CYBERWAVE_API_KEY", "cw_process_env_token_dddd");
+    s.set("CYBERWAVE_MQTT_HOST", "env-host");
+    let cfg = config_json(&s, &[]);
+    assert_eq!(value(&cfg, "api_token"), "cw_…dddd");
+    assert_eq!(source(&cfg, "api_token"), "env CYBERWAVE_API_KEY");
+    assert_eq!(value(&cfg, "mqtt_host"), "env-host");
+    // … the file beats the environment …
+    s.write("cyberwave.yml", "cyberwave:\n  mqtt_host: file-host\n  mqtt_port: 1883\n");
+    let cfg = config_json(&s, &[]);
+    assert_eq!(value(&cfg, "mqtt_host"), "file-host");
+    assert_eq!(value(&cfg, "mqtt_use_tls"), "false", "port 1883 ⇒ no TLS: {cfg}");
+    // … and a flag beats the file; the flag's port decides TLS.
+    let cfg = config_json(&s, &["--mqtt-host", "flag-host", "--mqtt-port", "8883"]);
+    assert_eq!(value(&cfg, "mqtt_host"), "flag-host");
+    assert_eq!(source(&cfg, "mqtt_host"), "flag --mqtt-host");
+    assert_eq!(value(&cfg, "mqtt_use_tls"), "true");
+    // Secrets never appear in full.
+    let out = s.run(&["config"]);
+    assert!(!out.stdout.contains("cw_process_env_token_dddd"), "{out:?}");
+}
+
+#[test]
+fn node_starts_connects_and_exits_0_on_sigterm() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(Duration::from_secs(10));
+    assert!(node.log().contains("connected to MQTT broker"), "{}", node.log());
+    node.sigterm();
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)), "{}", node.log());
+}

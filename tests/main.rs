@@ -1,0 +1,6 @@
+//! Integration tests: the real binary against a real mosquitto and a fake control plane.
+
+mod support;
+
+mod cli_config;
+mod wire;

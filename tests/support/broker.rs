@@ -1,0 +1,120 @@
+//! A real mosquitto on a free loopback port, with its own config and data dir; stopped on drop.
+
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{free_port, wait_for, TempDir};
+
+pub struct Broker {
+    pub port: u16,
+    dir: TempDir,
+    child: Option<Child>,
+    tls: Option<(PathBuf, PathBuf, PathBuf)>,
+}
+
+fn mosquitto_bin() -> String {
+    for p in ["/usr/sbin/mosquitto", "/usr/bin/mosquitto", "/usr/local/sbin/mosquitto"] {
+        if std::path::Path::new(p).exists() {
+            return p.to_string();
+        }
+    }
+    "mosquitto".to_string()
+}
+
+impl Broker {
+    pub fn start() -> Broker {
+        Self::start_inner(None)
+    }
+
+    /// A TLS-only listener with the given CA, server certificate and key.
+    pub fn start_tls(ca: PathBuf, cert: PathBuf, key: PathBuf) -> Broker {
+        Self::start_inner(Some((ca, cert, key)))
+    }
+
+    fn start_inner(tls: Option<(PathBuf, PathBuf, PathBuf)>) -> Broker {
+        let dir = TempDir::new("broker");
+        // mosquitto started as root drops to its own user; let it write its log here.
+        let _ = std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777));
+        let mut b = Broker {
+            port: 0,
+            dir,
+            child: None,
+            tls,
+        };
+        for _ in 0..10 {
+            b.port = free_port();
+            if b.spawn() {
+                return b;
+            }
+        }
+        panic!("mosquitto did not start (is it installed? scripts/test installs it)");
+    }
+
+    fn spawn(&mut self) -> bool {
+        let mut conf = format!(
+            "listener {} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\nlog_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
+            self.port,
+            self.dir.join("mosquitto.log").display()
+        );
+        if let Some((ca, cert, key)) = &self.tls {
+            conf.push_str(&format!(
+                "cafile {}\ncertfile {}\nkeyfile {}\n",
+                ca.display(),
+                cert.display(),
+                key.display()
+            ));
+        }
+        let conf_path = self.dir.write("mosquitto.conf", &conf);
+        let child = Command::new(mosquitto_bin())
+            .arg("-c")
+            .arg(&conf_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn mosquitto");
+        self.child = Some(child);
+        let port = self.port;
+        let up = wait_for(Duration::from_secs(5), || {
+            TcpStream::connect(("127.0.0.1", port)).ok().map(|_| ())
+        })
+        .is_some();
+        let alive = self.child.as_mut().map(|c| matches!(c.try_wait(), Ok(None))).unwrap_or(false);
+        if !(up && alive) {
+            self.stop();
+            return false;
+        }
+        true
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port (a fresh broker: sessions are gone).
+    pub fn restart(&mut self) {
+        self.stop();
+        for _ in 0..50 {
+            if self.spawn() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("mosquitto did not restart on port {}", self.port);
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("mosquitto.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

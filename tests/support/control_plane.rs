@@ -1,0 +1,326 @@
+//! The fake Cyberwave backend: an MQTT v5 responder that answers requests on their response
+//! topic with their correlation data, plus a small HTTP server for the REST endpoints. Its
+//! behaviour is scriptable per test; everything it saw is recorded.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use paho_mqtt as paho;
+use serde_json::{json, Value};
+
+use super::wait_for;
+
+#[derive(Clone, Debug)]
+pub enum HeartbeatMode {
+    Ok,
+    /// Answer every heartbeat after this long.
+    Delay(Duration),
+    /// Refuse with this code and message.
+    Code(i64, &'static str),
+    /// Never answer.
+    Silent,
+}
+
+#[derive(Clone, Debug)]
+pub struct Behaviour {
+    /// Status of `GET /api/v1/cloud-node/instances` (the token check).
+    pub token_status: u16,
+    pub heartbeat: HeartbeatMode,
+    /// Refuse the next N registrations (R2) with this code.
+    pub register_refusals: Option<(u32, i64)>,
+    /// Delay before acknowledging R5 terminate.
+    pub terminate_delay: Duration,
+    /// Do not answer any request at all.
+    pub mute: bool,
+}
+
+impl Default for Behaviour {
+    fn default() -> Self {
+        Behaviour {
+            token_status: 200,
+            heartbeat: HeartbeatMode::Ok,
+            register_refusals: None,
+            terminate_delay: Duration::ZERO,
+            mute: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// `request-instance`, `register`, `heartbeat`, `terminate`, `fail`, `logs`,
+    /// `workload:update-status`, …
+    pub op: String,
+    pub topic: String,
+    /// The instance uuid (or token) segment of the topic.
+    pub id: String,
+    pub body: Value,
+    pub at: Instant,
+    pub api_token: Option<String>,
+    pub has_correlation: bool,
+}
+
+#[derive(Default)]
+struct State {
+    requests: Vec<Request>,
+    replies: Vec<(Instant, String, Value)>,
+    http: Vec<(String, Option<String>)>,
+    behaviour: Behaviour,
+    created: u32,
+}
+
+pub struct ControlPlane {
+    pub prefix: String,
+    client: paho::AsyncClient,
+    state: Arc<Mutex<State>>,
+    pub http_url: String,
+    _http: Arc<tiny_http::Server>,
+}
+
+fn lock(s: &Arc<Mutex<State>>) -> std::sync::MutexGuard<'_, State> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ControlPlane {
+    pub fn start(broker_port: u16, prefix: &str) -> ControlPlane {
+        Self::start_with(broker_port, prefix, Behaviour::default())
+    }
+
+    pub fn start_with(broker_port: u16, prefix: &str, behaviour: Behaviour) -> ControlPlane {
+        let state = Arc::new(Mutex::new(State {
+            behaviour,
+            ..Default::default()
+        }));
+        let client = paho::CreateOptionsBuilder::new()
+            .server_uri(format!("tcp://127.0.0.1:{broker_port}"))
+            .client_id(format!("fake_backend_{}", std::process::id()))
+            .mqtt_version(paho::MQTT_VERSION_5)
+            .persistence(None)
+            .create_client()
+            .expect("control plane client");
+        let topics: Vec<String> = [
+            "cyberwave/cloud-node-token/+/request-instance",
+            "cyberwave/cloud-node/+/register",
+            "cyberwave/cloud-node/+/heartbeat",
+            "cyberwave/cloud-node/+/terminate",
+            "cyberwave/cloud-node/+/fail",
+            "cyberwave/cloud-node/+/logs",
+            "cyberwave/cloud-node/+/response",
+            "cyberwave/cloud-workload/#",
+        ]
+        .iter()
+        .map(|t| format!("{prefix}{t}"))
+        .collect();
+        let st = state.clone();
+        let pfx = prefix.to_string();
+        client.set_message_callback(move |cli, msg| {
+            if let Some(msg) = msg {
+                handle(cli, &st, &pfx, &msg);
+            }
+        });
+        let subs = topics.clone();
+        client.set_connected_callback(move |cli| {
+            let qos = vec![1; subs.len()];
+            cli.subscribe_many(&subs, &qos);
+        });
+        let opts = paho::ConnectOptionsBuilder::new_v5()
+            .clean_start(true)
+            .automatic_reconnect(Duration::from_millis(100), Duration::from_millis(500))
+            .finalize();
+        client.connect(opts).wait().expect("control plane connects to the broker");
+        let qos = vec![1; topics.len()];
+        client.subscribe_many(&topics, &qos).wait().expect("control plane subscribes");
+
+        let http = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("http server"));
+        let port = http.server_addr().to_ip().map(|a| a.port()).unwrap_or(0);
+        let (srv, st) = (http.clone(), state.clone());
+        std::thread::spawn(move || {
+            for req in srv.incoming_requests() {
+                let auth = req
+                    .headers()
+                    .iter()
+                    .find(|h| h.field.equiv("Authorization"))
+                    .map(|h| h.value.to_string());
+                let url = req.url().to_string();
+                let status = {
+                    let mut s = lock(&st);
+                    s.http.push((url.clone(), auth));
+                    if url.starts_with("/api/v1/cloud-node/instances") {
+                        s.behaviour.token_status
+                    } else {
+                        404
+                    }
+                };
+                let _ = req.respond(tiny_http::Response::from_string("[]").with_status_code(status));
+            }
+        });
+        ControlPlane {
+            prefix: prefix.to_string(),
+            client,
+            state,
+            http_url: format!("http://127.0.0.1:{port}"),
+            _http: http,
+        }
+    }
+
+    pub fn set_behaviour(&self, f: impl FnOnce(&mut Behaviour)) {
+        f(&mut lock(&self.state).behaviour);
+    }
+
+    pub fn requests(&self, op: &str) -> Vec<Request> {
+        lock(&self.state).requests.iter().filter(|r| r.op == op).cloned().collect()
+    }
+
+    pub fn all_requests(&self) -> Vec<Request> {
+        lock(&self.state).requests.clone()
+    }
+
+    pub fn wait_requests(&self, op: &str, n: usize, timeout: Duration) -> Vec<Request> {
+        wait_for(timeout, || {
+            let r = self.requests(op);
+            (r.len() >= n).then_some(r)
+        })
+        .unwrap_or_else(|| self.requests(op))
+    }
+
+    pub fn http_hits(&self) -> Vec<(String, Option<String>)> {
+        lock(&self.state).http.clone()
+    }
+
+    /// Publishes a command (QoS 1) to `…/cloud-node/{id}/command`.
+    pub fn command(&self, id: &str, body: Value) {
+        self.command_raw(id, serde_json::to_vec(&body).unwrap_or_default());
+    }
+
+    pub fn command_raw(&self, id: &str, payload: Vec<u8>) {
+        let msg = paho::MessageBuilder::new()
+            .topic(format!("{}cyberwave/cloud-node/{id}/command", self.prefix))
+            .payload(payload)
+            .qos(1)
+            .finalize();
+        // The fake backend may itself be reconnecting (after a broker restart): retry a while.
+        let sent = wait_for(Duration::from_secs(10), || self.client.publish(msg.clone()).wait().ok());
+        assert!(sent.is_some(), "the fake backend could not publish a command");
+    }
+
+    /// Every command reply with this request id, in arrival order.
+    pub fn replies_for(&self, request_id: &str) -> Vec<Value> {
+        lock(&self.state)
+            .replies
+            .iter()
+            .filter(|(_, _, v)| v["request_id"] == json!(request_id))
+            .map(|(_, _, v)| v.clone())
+            .collect()
+    }
+
+    pub fn reply_time(&self, request_id: &str) -> Option<Instant> {
+        lock(&self.state)
+            .replies
+            .iter()
+            .find(|(_, _, v)| v["request_id"] == json!(request_id))
+            .map(|(t, _, _)| *t)
+    }
+
+    pub fn reply_topic(&self, request_id: &str) -> Option<String> {
+        lock(&self.state)
+            .replies
+            .iter()
+            .find(|(_, _, v)| v["request_id"] == json!(request_id))
+            .map(|(_, t, _)| t.clone())
+    }
+
+    pub fn wait_reply(&self, request_id: &str, timeout: Duration) -> Option<Value> {
+        wait_for(timeout, || self.replies_for(request_id).into_iter().next())
+    }
+
+    /// Sends `status` to `id` and waits for the reply.
+    pub fn status(&self, id: &str, request_id: &str, timeout: Duration) -> Option<Value> {
+        self.command(id, json!({"command": "status", "request_id": request_id}));
+        self.wait_reply(request_id, timeout)
+    }
+}
+
+fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &paho::Message) {
+    let topic = msg.topic().to_string();
+    let body: Value = serde_json::from_slice(msg.payload()).unwrap_or(Value::Null);
+    let rest = topic.strip_prefix(prefix).unwrap_or(&topic);
+    let parts: Vec<&str> = rest.split('/').collect();
+    let (op, id) = match parts.as_slice() {
+        ["cyberwave", "cloud-node-token", t, "request-instance"] => ("request-instance".to_string(), t.to_string()),
+        ["cyberwave", "cloud-node", id, leaf] => (leaf.to_string(), id.to_string()),
+        ["cyberwave", "cloud-workload", wl, leaf] => (format!("workload:{leaf}"), wl.to_string()),
+        _ => ("other".to_string(), String::new()),
+    };
+    if op == "response" {
+        lock(st).replies.push((Instant::now(), topic, body));
+        return;
+    }
+    let props = msg.properties();
+    let response_topic = props.get_string(paho::PropertyCode::ResponseTopic);
+    let correlation = props.get_binary(paho::PropertyCode::CorrelationData);
+    let api_token = props
+        .user_iter()
+        .find(|(k, _)| k == "X-API-Token")
+        .map(|(_, v)| v);
+    let (reply, delay) = {
+        let mut s = lock(st);
+        s.requests.push(Request {
+            op: op.clone(),
+            topic: topic.clone(),
+            id: id.clone(),
+            body: body.clone(),
+            at: Instant::now(),
+            api_token,
+            has_correlation: correlation.is_some(),
+        });
+        if s.behaviour.mute {
+            return;
+        }
+        match op.as_str() {
+            "request-instance" => {
+                s.created += 1;
+                let n = s.created;
+                let slug = body["slug"].as_str().map(String::from).unwrap_or_else(|| format!("node-{n}"));
+                (
+                    Some(json!({"success": true, "uuid": format!("00000000-0000-4000-8000-{n:012}"), "slug": slug})),
+                    Duration::ZERO,
+                )
+            }
+            "register" => match s.behaviour.register_refusals {
+                Some((left, code)) if left > 0 => {
+                    s.behaviour.register_refusals = Some((left - 1, code));
+                    (Some(json!({"success": false, "code": code, "message": "refused by the test"})), Duration::ZERO)
+                }
+                _ => (Some(json!({"success": true, "uuid": id, "slug": format!("slug-{}", &id[id.len().saturating_sub(4)..])})), Duration::ZERO),
+            },
+            "heartbeat" => match s.behaviour.heartbeat.clone() {
+                HeartbeatMode::Ok => (Some(json!({"success": true})), Duration::ZERO),
+                HeartbeatMode::Delay(d) => (Some(json!({"success": true})), d),
+                HeartbeatMode::Code(c, m) => (Some(json!({"success": false, "code": c, "message": m})), Duration::ZERO),
+                HeartbeatMode::Silent => (None, Duration::ZERO),
+            },
+            "terminate" => (Some(json!({"success": true})), s.behaviour.terminate_delay),
+            _ => (Some(json!({"success": true})), Duration::ZERO),
+        }
+    };
+    let (Some(reply), Some(rt), Some(corr)) = (reply, response_topic, correlation) else {
+        return;
+    };
+    let mut p = paho::Properties::new();
+    let _ = p.push_binary(paho::PropertyCode::CorrelationData, corr.to_vec());
+    let out = paho::MessageBuilder::new()
+        .topic(rt)
+        .payload(serde_json::to_vec(&reply).unwrap_or_default())
+        .qos(1)
+        .properties(p)
+        .finalize();
+    if delay.is_zero() {
+        let _ = cli.try_publish(out);
+    } else {
+        let cli = cli.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            let _ = cli.try_publish(out);
+        });
+    }
+}

@@ -1,0 +1,87 @@
+//! The test rig: a real mosquitto per test, a fake Cyberwave control plane, and the real node
+//! binary as a child process. Shared with the benchmarks (`benches/node.rs`).
+
+#![allow(dead_code)] // not every test binary uses every helper
+
+pub mod broker;
+pub mod control_plane;
+pub mod node;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub use broker::Broker;
+pub use control_plane::{ControlPlane, HeartbeatMode};
+pub use node::NodeProcess;
+
+/// A directory removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!(
+            "cwtest-{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+    pub fn join(&self, rel: &str) -> PathBuf {
+        self.0.join(rel)
+    }
+    pub fn write(&self, rel: &str, text: &str) -> PathBuf {
+        let p = self.0.join(rel);
+        if let Some(d) = p.parent() {
+            std::fs::create_dir_all(d).expect("mkdir");
+        }
+        std::fs::write(&p, text).expect("write");
+        p
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("CW_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A free TCP port on loopback (there is a small window before the user binds it; callers
+/// that bind retry on a clash).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Polls `f` every 20 ms until it returns `Some` or `timeout` passes.
+pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The node binary under test: `CYBERWAVE_NODE_BIN` (e.g. the static release build), else the
+/// one cargo built for this test run.
+pub fn node_bin() -> PathBuf {
+    match std::env::var_os("CYBERWAVE_NODE_BIN") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_BIN_EXE_cyberwave-cloud-node")),
+    }
+}

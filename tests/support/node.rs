@@ -1,0 +1,246 @@
+//! The real node binary as a child process, with a temporary HOME and config dir; its stdout
+//! and stderr are captured for assertions.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{node_bin, wait_for, Broker, ControlPlane, TempDir};
+
+pub const TOKEN: &str = "cw_test_token_0123456789abcdef";
+
+/// Environment and arguments for a node; `spawn` starts it.
+pub struct NodeSetup {
+    pub home: Arc<TempDir>,
+    pub env: BTreeMap<String, String>,
+    pub args: Vec<String>,
+    pub cwd: PathBuf,
+}
+
+impl NodeSetup {
+    /// A node pointed at `broker` and `cp`, with short timings.
+    pub fn new(broker: &Broker, cp: &ControlPlane) -> NodeSetup {
+        let mut s = Self::bare();
+        s.set("CYBERWAVE_BASE_URL", &cp.http_url);
+        s.set("CYBERWAVE_API_KEY", TOKEN);
+        s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+        s.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
+        if !cp.prefix.is_empty() {
+            s.set("CYBERWAVE_ENVIRONMENT", &cp.prefix);
+        }
+        s
+    }
+
+    /// Only HOME, PATH, the config dir and fast timings.
+    pub fn bare() -> NodeSetup {
+        let home = Arc::new(TempDir::new("node"));
+        let work = home.join("work");
+        std::fs::create_dir_all(&work).expect("work dir");
+        let mut env = BTreeMap::new();
+        env.insert("HOME".into(), home.path().display().to_string());
+        env.insert("PATH".into(), std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()));
+        env.insert("CYBERWAVE_EDGE_CONFIG_DIR".into(), home.join(".cyberwave").display().to_string());
+        env.insert("CYBERWAVE_NODE_RECONNECT_MAX_SECONDS".into(), "0.5".into());
+        env.insert("CYBERWAVE_NODE_RECONNECT_BASE_SECONDS".into(), "0.1".into());
+        env.insert("CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS".into(), "0.5".into());
+        env.insert("CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS".into(), "3".into());
+        env.insert("RUST_LOG".into(), "debug,paho_mqtt=warn".into());
+        NodeSetup {
+            home,
+            env,
+            args: vec!["start".into()],
+            cwd: work,
+        }
+    }
+
+    pub fn set(&mut self, k: &str, v: &str) -> &mut Self {
+        self.env.insert(k.into(), v.into());
+        self
+    }
+
+    pub fn unset(&mut self, k: &str) -> &mut Self {
+        self.env.remove(k);
+        self
+    }
+
+    pub fn arg(&mut self, a: &str) -> &mut Self {
+        self.args.push(a.into());
+        self
+    }
+
+    pub fn config_dir(&self) -> PathBuf {
+        self.home.join(".cyberwave")
+    }
+
+    /// Writes a file relative to the node's working dir.
+    pub fn write(&self, rel: &str, text: &str) -> PathBuf {
+        self.home.write(&format!("work/{rel}"), text)
+    }
+
+    pub fn spawn(&self) -> NodeProcess {
+        NodeProcess::spawn(self)
+    }
+
+    /// Runs to completion (for short commands like `validate` or `config`).
+    pub fn run(&self, args: &[&str]) -> Output {
+        let out = Command::new(node_bin())
+            .args(args)
+            .env_clear()
+            .envs(&self.env)
+            .current_dir(&self.cwd)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run node");
+        Output {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Output {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+pub struct NodeProcess {
+    child: Child,
+    out: Arc<Mutex<String>>,
+    err: Arc<Mutex<String>>,
+    pub home: Arc<TempDir>,
+    pub started: Instant,
+    exit: Option<Option<i32>>,
+}
+
+impl NodeProcess {
+    fn spawn(setup: &NodeSetup) -> NodeProcess {
+        let mut child = Command::new(node_bin())
+            .args(&setup.args)
+            .env_clear()
+            .envs(&setup.env)
+            .current_dir(&setup.cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn node");
+        let pump = |mut r: Box<dyn Read + Send>, buf: Arc<Mutex<String>>| {
+            std::thread::spawn(move || {
+                let mut chunk = [0u8; 8192];
+                while let Ok(n) = r.read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    buf.lock().unwrap_or_else(|e| e.into_inner()).push_str(&String::from_utf8_lossy(&chunk[..n]));
+                }
+            });
+        };
+        let out = Arc::new(Mutex::new(String::new()));
+        let err = Arc::new(Mutex::new(String::new()));
+        if let Some(o) = child.stdout.take() {
+            pump(Box::new(o), out.clone());
+        }
+        if let Some(e) = child.stderr.take() {
+            pump(Box::new(e), err.clone());
+        }
+        NodeProcess {
+            child,
+            out,
+            err,
+            home: setup.home.clone(),
+            started: Instant::now(),
+            exit: None,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn stdout(&self) -> String {
+        self.out.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The node's log (stderr).
+    pub fn log(&self) -> String {
+        self.err.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
+        wait_for(timeout, || self.log().contains(needle).then_some(())).is_some()
+    }
+
+    /// Waits for the "node ready" line; panics with the log if it does not come.
+    pub fn wait_ready(&self, timeout: Duration) {
+        assert!(self.wait_log("node ready", timeout), "node not ready in {timeout:?}; log:\n{}", self.log());
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill on our own child's pid.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    pub fn sigterm(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The exit code once the process ended, waiting at most `timeout`; `None` if it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<Option<i32>> {
+        if let Some(e) = self.exit {
+            return Some(e);
+        }
+        let end = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                self.exit = Some(st.code());
+                // Let the pump threads drain the pipes.
+                std::thread::sleep(Duration::from_millis(50));
+                return self.exit;
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn identity(&self) -> Option<Value> {
+        let text = std::fs::read_to_string(self.home.join(".cyberwave/instance_identity.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    pub fn uuid(&self) -> String {
+        self.identity().and_then(|i| i["uuid"].as_str().map(String::from)).unwrap_or_default()
+    }
+
+    pub fn slug(&self) -> String {
+        self.identity().and_then(|i| i["slug"].as_str().map(String::from)).unwrap_or_default()
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        if self.exit.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("---- node log ----\n{}\n---- node stdout ----\n{}", self.log(), self.stdout());
+        }
+    }
+}

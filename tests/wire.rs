@@ -1,0 +1,566 @@
+//! Life on the wire: token check, registration, identity, heartbeat, reconnects, TLS, shutdown.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::control_plane::Behaviour;
+use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+
+#[test]
+fn first_start_registers_and_second_start_reuses_the_identity() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let creates = cp.requests("request-instance");
+    let registers = cp.requests("register");
+    assert_eq!(creates.len(), 1, "one R1");
+    assert_eq!(registers.len(), 1, "one R2");
+    assert!(creates[0].at <= registers[0].at, "R1 before R2");
+    assert_eq!(creates[0].id, TOKEN, "R1 carries the token in its topic");
+    assert_eq!(creates[0].body["provider"], "self-hosted");
+    assert_eq!(creates[0].body["profile_slug"], "default");
+    assert_eq!(creates[0].api_token.as_deref(), Some(TOKEN), "X-API-Token user property");
+    assert!(creates[0].has_correlation);
+    let uuid = node.uuid();
+    assert_eq!(registers[0].id, uuid);
+    let ident = node.identity().unwrap_or_default();
+    assert!(ident["registered_at"].is_string(), "{ident}");
+    node.sigterm();
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+
+    let mut again = setup.spawn();
+    again.wait_ready(READY);
+    assert_eq!(cp.requests("request-instance").len(), 1, "no second R1");
+    let registers = cp.requests("register");
+    assert_eq!(registers.len(), 2);
+    assert_eq!(registers[1].id, uuid, "same instance re-registered");
+    assert_eq!(again.uuid(), uuid);
+    again.sigterm();
+    assert_eq!(again.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+}
+
+#[test]
+fn env_uuid_overrides_the_identity_file() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.home.write(".cyberwave/instance_identity.json", r#"{"uuid":"file-uuid","slug":"file-slug"}"#);
+    setup.set("CYBERWAVE_CLOUD_NODE_INSTANCE_UUID", "env-uuid");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(cp.requests("request-instance").is_empty());
+    let r = cp.requests("register");
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].id, "env-uuid");
+    assert_eq!(node.uuid(), "env-uuid");
+}
+
+#[test]
+fn both_command_topics_answer_status_with_the_local_prefix() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "local");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_INFERENCE_CMD", "echo {body}");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(cp.requests("register")[0].topic.starts_with("localcyberwave/cloud-node/"));
+    let by_uuid = cp.status(&node.uuid(), "s-uuid", REPLY).expect("reply on the uuid topic");
+    let by_slug = cp.status(&node.slug(), "s-slug", REPLY).expect("reply on the slug topic");
+    for r in [&by_uuid, &by_slug] {
+        assert_eq!(r["status"], "ok");
+        assert_eq!(r["instance_uuid"], node.uuid());
+        assert_eq!(r["output"]["is_busy"], false);
+        assert_eq!(r["output"]["has_inference"], true);
+        assert_eq!(r["output"]["has_training"], false);
+        assert!(r["output"]["active_workloads"].is_array(), "{r}");
+    }
+    assert_eq!(
+        cp.reply_topic("s-slug").unwrap_or_default(),
+        format!("localcyberwave/cloud-node/{}/response", node.uuid())
+    );
+}
+
+#[test]
+fn production_environment_means_no_prefix() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_ENVIRONMENT", "production");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(cp.requests("register")[0].topic.starts_with("cyberwave/cloud-node/"));
+    assert!(cp.status(&node.uuid(), "p1", REPLY).is_some());
+}
+
+#[test]
+fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
+    let broker = Broker::start();
+    let delay = Duration::from_millis(1500);
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            heartbeat: HeartbeatMode::Delay(delay),
+            ..Default::default()
+        },
+    );
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = cp.wait_requests("heartbeat", 1, REPLY);
+    assert!(!first.is_empty());
+    // Status commands while heartbeat replies are outstanding.
+    for i in 0..3 {
+        std::thread::sleep(Duration::from_millis(700));
+        let hb = cp.requests("heartbeat");
+        let last_hb = hb.last().map(|r| r.at).unwrap_or_else(Instant::now);
+        let rid = format!("slow-{i}");
+        let sent = Instant::now();
+        cp.command(&node.uuid(), json!({"command": "status", "request_id": rid}));
+        assert!(cp.wait_reply(&rid, REPLY).is_some());
+        let answered = cp.reply_time(&rid).unwrap_or_else(Instant::now);
+        assert!(
+            answered < last_hb + delay,
+            "status answered {:?} after sending, not before the pending heartbeat reply",
+            answered - sent
+        );
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let hb = cp.requests("heartbeat");
+    let span = hb.last().map(|l| l.at - hb[0].at).unwrap_or_default();
+    let expected = (span.as_secs_f64() / 0.5) as usize;
+    assert!(hb.len() >= 8, "{} heartbeats over {span:?}", hb.len());
+    assert!(hb.len() + 1 >= expected, "{} heartbeats over {span:?}: cadence slipped", hb.len());
+    for w in hb.windows(2) {
+        let gap = w[1].at - w[0].at;
+        assert!(gap < Duration::from_millis(900), "heartbeat gap {gap:?}");
+    }
+    let body = &hb[0].body;
+    for field in ["node_version", "active_workloads", "max_concurrent_workloads", "accepting", "draining", "uptime_s"] {
+        assert!(body.get(field).is_some(), "heartbeat lacks {field}: {body}");
+    }
+}
+
+#[test]
+fn reconnects_and_resubscribes_after_a_broker_outage() {
+    let mut broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(READY);
+    assert!(cp.status(&node.uuid(), "before", REPLY).is_some());
+    broker.stop();
+    std::thread::sleep(Duration::from_secs(10));
+    broker.restart(); // a fresh broker: the node's session is gone
+    let back = Instant::now();
+    let mut answered = None;
+    for i in 0..30 {
+        let rid = format!("after-{i}");
+        if cp.status(&node.uuid(), &rid, Duration::from_millis(500)).is_some() {
+            answered = Some(back.elapsed());
+            break;
+        }
+    }
+    let took = answered.unwrap_or_else(|| panic!("no status answered after the outage; log:\n{}", node.log()));
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    assert!(node.log().contains("MQTT connection problem"), "{}", node.log());
+    assert!(node.log().contains("connection refused"), "the reason is logged: {}", node.log());
+}
+
+#[test]
+fn a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let uuid = node.uuid();
+    node.kill9();
+    cp.command(&uuid, json!({"command": "status", "request_id": "while-down"}));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(cp.replies_for("while-down").is_empty());
+    let again = setup.spawn();
+    again.wait_ready(READY);
+    assert!(cp.wait_reply("while-down", REPLY).is_some(), "queued command answered; log:\n{}", again.log());
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(cp.replies_for("while-down").len(), 1, "answered exactly once");
+    assert!(again.log().contains("session resumed"), "{}", again.log());
+}
+
+#[test]
+fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            heartbeat: HeartbeatMode::Code(404, "instance not found"),
+            ..Default::default()
+        },
+    );
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
+    setup.set("CYBERWAVE_NODE_ENVIRONMENT_UUID", "env-1");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = node.uuid();
+    assert!(cp.wait_requests("request-instance", 2, READY).len() >= 2, "{}", node.log());
+    cp.set_behaviour(|b| b.heartbeat = HeartbeatMode::Ok);
+    let second = wait_for(READY, || {
+        let u = node.uuid();
+        (u != first && !u.is_empty()).then_some(u)
+    })
+    .expect("identity file changed");
+    let creates = cp.requests("request-instance");
+    assert_eq!(creates[1].body["environment_uuid"], "env-1", "D5: environment sent again");
+    assert!(wait_for(READY, || cp.status(&second, "new-topic", Duration::from_millis(500))).is_some());
+}
+
+#[test]
+fn register_404_for_a_known_uuid_creates_a_new_instance() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            register_refusals: Some((1, 404)),
+            ..Default::default()
+        },
+    );
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.home.write(".cyberwave/instance_identity.json", r#"{"uuid":"gone-uuid","slug":"gone"}"#);
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let regs = cp.requests("register");
+    assert_eq!(regs[0].id, "gone-uuid");
+    assert_eq!(cp.requests("request-instance").len(), 1);
+    assert_ne!(node.uuid(), "gone-uuid");
+}
+
+#[test]
+fn registration_is_retried_until_the_backend_answers() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            register_refusals: Some((3, 500)),
+            ..Default::default()
+        },
+    );
+    let node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(READY);
+    assert_eq!(cp.requests("register").len(), 4);
+    assert!(node.log().contains("registration failed"), "{}", node.log());
+}
+
+#[test]
+fn persistent_heartbeat_401_exits_3() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            heartbeat: HeartbeatMode::Code(401, "token revoked"),
+            ..Default::default()
+        },
+    );
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.2");
+    setup.set("CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS", "0.05");
+    let mut node = setup.spawn();
+    assert_eq!(node.wait_exit(Duration::from_secs(20)), Some(Some(3)), "{}", node.log());
+    assert_eq!(cp.requests("heartbeat").len(), 5, "five attempts, then stop");
+    assert!(node.log().contains("invalid or revoked"), "{}", node.log());
+}
+
+#[test]
+fn token_rejected_at_start_exits_3_without_retrying() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            token_status: 401,
+            ..Default::default()
+        },
+    );
+    let mut node = NodeSetup::new(&broker, &cp).spawn();
+    let started = Instant::now();
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(3)), "{}", node.log());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let hits = cp.http_hits();
+    assert_eq!(hits.len(), 1, "no retry: {hits:?}");
+    assert_eq!(hits[0].1.as_deref(), Some(format!("Token {TOKEN}").as_str()));
+    let log = node.log();
+    assert!(log.contains("cw_…cdef") && log.contains("env CYBERWAVE_API_KEY"), "{log}");
+    assert!(!log.contains(TOKEN), "the token never reaches the log");
+    assert!(cp.all_requests().is_empty(), "no MQTT request after a rejected token");
+}
+
+#[test]
+fn backend_down_at_start_still_becomes_ready() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_BASE_URL", &format!("http://127.0.0.1:{}", crate::support::free_port()));
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(node.log().contains("could not validate the API token"), "{}", node.log());
+}
+
+#[test]
+fn sigterm_sends_terminate_and_refuses_commands_meanwhile() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            terminate_delay: Duration::from_millis(2500),
+            ..Default::default()
+        },
+    );
+    let mut node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(READY);
+    node.sigterm();
+    assert!(node.wait_log("shutting down", REPLY));
+    let reply = cp.status(&node.uuid(), "during-shutdown", REPLY).expect("error reply");
+    assert_eq!(reply["status"], "error");
+    assert!(reply["error"].as_str().unwrap_or_default().contains("shutting down"), "{reply}");
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(cp.requests("terminate").len(), 1, "R5 sent once");
+}
+
+#[test]
+fn sigterm_exits_promptly_when_the_broker_is_healthy() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(READY);
+    let t = Instant::now();
+    node.sigterm();
+    assert_eq!(node.wait_exit(Duration::from_secs(5)), Some(Some(0)), "{}", node.log());
+    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+    assert_eq!(cp.requests("terminate").len(), 1);
+}
+
+#[test]
+fn a_second_signal_exits_at_once() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start_with(
+        broker.port,
+        "",
+        Behaviour {
+            mute: false,
+            terminate_delay: Duration::from_secs(30),
+            ..Default::default()
+        },
+    );
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_NODE_SHUTDOWN_FLUSH_SECONDS", "30");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    node.sigterm();
+    assert!(node.wait_log("shutting down", REPLY));
+    assert_eq!(node.wait_exit(Duration::from_millis(500)), None, "still waiting for the R5 reply");
+    node.signal(libc::SIGINT);
+    assert!(node.wait_exit(Duration::from_secs(3)).is_some(), "{}", node.log());
+}
+
+#[test]
+fn install_script_failure_is_reported_and_exits_1() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  install: echo preparing; echo 'pip exploded' >&2; exit 7\n");
+    let mut node = setup.spawn();
+    assert_eq!(node.wait_exit(Duration::from_secs(15)), Some(Some(1)), "{}", node.log());
+    let fails = cp.requests("fail");
+    assert_eq!(fails.len(), 1, "R6 sent: {:?}", cp.all_requests());
+    let err = fails[0].body["error"].as_str().unwrap_or_default();
+    assert!(err.contains("exit code 7") && err.contains("pip exploded"), "{err}");
+    assert!(node.log().contains("[install stdout] preparing"), "{}", node.log());
+    let logged = std::fs::read_to_string(setup.config_dir().join("install_logs/install.stderr.log")).unwrap_or_default();
+    assert!(logged.contains("pip exploded"));
+}
+
+#[test]
+fn missing_install_script_is_a_clear_error() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  install: ./setup.sh --gpu\n");
+    let mut node = setup.spawn();
+    assert_eq!(node.wait_exit(Duration::from_secs(15)), Some(Some(1)), "{}", node.log());
+    assert!(node.log().contains("install script ./setup.sh not found"), "{}", node.log());
+    let fails = cp.requests("fail");
+    assert_eq!(fails.len(), 1);
+    assert!(fails[0].body["error"].as_str().unwrap_or_default().contains("not found"));
+}
+
+#[test]
+fn a_good_install_script_runs_before_registration() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("install.sh", "#!/bin/sh\necho \"token:${CYBERWAVE_API_KEY:-none}\" > installed.txt\n");
+    setup.write("cyberwave.yml", "cyberwave:\n  install: bash ./install.sh\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let marker = std::fs::read_to_string(setup.cwd.join("installed.txt")).unwrap_or_default();
+    assert_eq!(marker.trim(), "token:none", "the node's token is not handed to the install script");
+}
+
+#[test]
+fn environment_reservation_is_sent_and_enforced() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_NODE_ENVIRONMENT_UUID", "env-from-var");
+    setup.set("CYBERWAVE_INFERENCE_CMD", "echo {body}");
+    setup.arg("--environment").arg("env-from-flag");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(cp.requests("request-instance")[0].body["environment_uuid"], "env-from-flag");
+    assert_eq!(cp.requests("register")[0].body["environment_uuid"], "env-from-flag");
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "wrong-env", "params": {"environment_uuid": "other-env"}}),
+    );
+    let r = cp.wait_reply("wrong-env", REPLY).expect("reply");
+    assert_eq!(r["status"], "error");
+    assert!(r["error"].as_str().unwrap_or_default().contains("reserved for environment env-from-flag"), "{r}");
+}
+
+#[test]
+fn bad_commands_get_clear_errors_and_the_node_keeps_serving() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(READY);
+    let uuid = node.uuid();
+    cp.command_raw(&uuid, b"{not json".to_vec());
+    cp.command(&uuid, json!({"request_id": "no-command"}));
+    cp.command(&uuid, json!({"command": "reboot", "request_id": "unknown"}));
+    cp.command(&uuid, json!({"command": "training", "request_id": "bad-params", "params": [1, 2]}));
+    cp.command(&uuid, json!({"status": "ok", "request_id": "echo"}));
+    for (rid, needle) in [
+        ("no-command", "no 'command' field"),
+        ("unknown", "Unknown command: reboot"),
+        ("bad-params", "params must be a JSON object"),
+    ] {
+        let r = cp.wait_reply(rid, REPLY).unwrap_or_else(|| panic!("no reply to {rid}"));
+        assert_eq!(r["status"], "error", "{r}");
+        assert!(r["error"].as_str().unwrap_or_default().contains(needle), "{r}");
+    }
+    assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
+    assert!(cp.replies_for("echo").is_empty(), "echoes are ignored");
+    assert!(node.log().contains("not valid JSON"), "{}", node.log());
+}
+
+#[test]
+fn standalone_needs_no_backend() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.unset("CYBERWAVE_API_KEY");
+    setup.arg("--standalone").arg("--slug").arg("lab-gpu");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let uuid = node.uuid();
+    assert!(!uuid.is_empty());
+    assert!(cp.status(&uuid, "sa-1", REPLY).is_some());
+    assert!(cp.status("lab-gpu", "sa-2", REPLY).is_some());
+    node.sigterm();
+    assert_eq!(node.wait_exit(Duration::from_secs(5)), Some(Some(0)));
+    assert!(cp.all_requests().is_empty(), "no backend requests: {:?}", cp.all_requests());
+    assert!(cp.http_hits().is_empty());
+    // The identity persists across restarts.
+    let again = setup.spawn();
+    again.wait_ready(READY);
+    assert_eq!(again.uuid(), uuid);
+}
+
+// ---- TLS --------------------------------------------------------------------------------------
+
+struct Pki {
+    dir: TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let dir = TempDir::new("pki");
+        let sh = |script: &str| {
+            let ok = Command::new("sh")
+                .arg("-c")
+                .arg(script)
+                .current_dir(dir.path())
+                .output()
+                .map(|o| o.status.success())
+                .unwrap_or(false);
+            assert!(ok, "openssl failed: {script}");
+        };
+        sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=cw-test-ca 2>/dev/null");
+        for (name, san) in [("good", "DNS:localhost,IP:127.0.0.1"), ("wrong", "DNS:other.example")] {
+            sh(&format!(
+                "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && \
+                 printf 'subjectAltName={san}\\n' > {name}.ext && \
+                 openssl x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out {name}.pem -days 2 -extfile {name}.ext 2>/dev/null"
+            ));
+        }
+        // mosquitto started as root drops to its own user: it must be able to read the key.
+        sh("chmod 644 good.key wrong.key");
+        Pki { dir }
+    }
+
+    fn broker(&self, name: &str) -> Broker {
+        Broker::start_tls(
+            self.dir.join("ca.pem"),
+            self.dir.join(&format!("{name}.pem")),
+            self.dir.join(&format!("{name}.key")),
+        )
+    }
+}
+
+fn tls_node(broker: &Broker, ca: Option<&std::path::Path>) -> crate::support::NodeProcess {
+    let mut setup = NodeSetup::bare();
+    setup.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+    setup.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
+    setup.set("CYBERWAVE_MQTT_USE_TLS", "true");
+    if let Some(ca) = ca {
+        setup.set("CYBERWAVE_MQTT_TLS_CA_CERTS", &ca.display().to_string());
+    }
+    setup.arg("--standalone");
+    setup.spawn()
+}
+
+#[test]
+fn tls_connects_with_the_right_ca_and_refuses_otherwise() {
+    let pki = Pki::new();
+    let good = pki.broker("good");
+    let node = tls_node(&good, Some(&pki.dir.join("ca.pem")));
+    node.wait_ready(READY);
+    assert!(node.log().contains("(TLS)"), "{}", node.log());
+    drop(node);
+
+    // A certificate for another host name.
+    let wrong = pki.broker("wrong");
+    let node = tls_node(&wrong, Some(&pki.dir.join("ca.pem")));
+    assert!(node.wait_log("TLS handshake", READY), "{}", node.log());
+    assert!(!node.log().contains("node ready"));
+    assert!(node.log().contains("another host name"), "{}", node.log());
+    drop(node);
+
+    // Without the test CA the system trust store does not know the broker.
+    let node = tls_node(&good, None);
+    assert!(node.wait_log("TLS handshake", READY), "{}", node.log());
+    assert!(!node.log().contains("node ready"));
+}

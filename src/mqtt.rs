@@ -241,11 +241,11 @@ impl Mqtt {
         }
         let qos = vec![1; topics.len()];
         // Queued; a failure shows up as a lost connection, which re-subscribes.
-        let _ = self.client.subscribe_many(topics, &qos);
+        drop(self.client.subscribe_many(topics, &qos));
     }
 
     pub fn unsubscribe(&self, topic: &str) {
-        let _ = self.client.unsubscribe(topic);
+        drop(self.client.unsubscribe(topic));
     }
 
     /// Sends DISCONNECT and waits at most `timeout` (shutdown only).

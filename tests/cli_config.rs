@@ -24,10 +24,17 @@ fn source(cfg: &Value, key: &str) -> String {
 
 /// One clear line on stderr, no panic, no backtrace.
 fn assert_one_clear_error(out: &crate::support::node::Output, needle: &str) {
-    let lines: Vec<&str> = out.stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    let lines: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("error:"))
+        .collect();
     assert_eq!(lines.len(), 1, "{out:?}");
     assert!(lines[0].contains(needle), "{out:?}");
-    assert!(!out.stderr.contains("panicked") && !out.stderr.contains("backtrace"), "{out:?}");
+    assert!(
+        !out.stderr.contains("panicked") && !out.stderr.contains("backtrace"),
+        "{out:?}"
+    );
 }
 
 #[test]
@@ -36,7 +43,12 @@ fn version_and_help() {
     let out = s.run(&["--version"]);
     assert_eq!(out.code, Some(0));
     assert!(out.stdout.starts_with("cyberwave-cloud-node "), "{out:?}");
-    for args in [&["--help"][..], &["start", "--help"], &["validate", "-h"], &["config", "--help"]] {
+    for args in [
+        &["--help"][..],
+        &["start", "--help"],
+        &["validate", "-h"],
+        &["config", "--help"],
+    ] {
         let out = s.run(args);
         assert_eq!(out.code, Some(0), "{args:?}");
         assert!(out.stdout.contains("Usage:"), "{args:?}: {out:?}");
@@ -61,16 +73,25 @@ fn bad_flags_exit_2_with_one_line() {
 fn bad_manifest_and_bad_env_exit_2_on_start() {
     let mut s = NodeSetup::bare();
     s.set("CYBERWAVE_API_KEY", "cw_x");
-    s.write("cyberwave.yml", "cyberwave:\n  inference: x\n  heartbeat_interval: soon\n");
+    s.write(
+        "cyberwave.yml",
+        "cyberwave:\n  inference: x\n  heartbeat_interval: soon\n",
+    );
     let out = s.run(&["start"]);
     assert_eq!(out.code, Some(2), "{out:?}");
-    assert_one_clear_error(&out, "cyberwave.yml:3: error: heartbeat_interval: expected a number of seconds greater than 0");
+    assert_one_clear_error(
+        &out,
+        "cyberwave.yml:3: error: heartbeat_interval: expected a number of seconds greater than 0",
+    );
 
     s.write("cyberwave.yml", "cyberwave:\n  inference: x\n");
     s.set("CYBERWAVE_MQTT_PORT", "not-a-port");
     let out = s.run(&["start"]);
     assert_eq!(out.code, Some(2), "{out:?}");
-    assert_one_clear_error(&out, "CYBERWAVE_MQTT_PORT (env CYBERWAVE_MQTT_PORT): expected a whole number from 1 to 65535");
+    assert_one_clear_error(
+        &out,
+        "CYBERWAVE_MQTT_PORT (env CYBERWAVE_MQTT_PORT): expected a whole number from 1 to 65535",
+    );
 }
 
 #[test]
@@ -111,15 +132,27 @@ fn validate_lists_every_problem_with_its_line() {
         "m.yml:5: error: provider: unknown field",
         "4 errors, 0 warnings",
     ] {
-        assert!(out.stdout.contains(needle), "missing {needle:?} in:\n{}", out.stdout);
+        assert!(
+            out.stdout.contains(needle),
+            "missing {needle:?} in:\n{}",
+            out.stdout
+        );
     }
     // --lenient: unknown keys become warnings; the type error still fails.
-    let out = s.run(&["validate", "--config", path.to_str().unwrap_or_default(), "--lenient"]);
+    let out = s.run(&[
+        "validate",
+        "--config",
+        path.to_str().unwrap_or_default(),
+        "--lenient",
+    ]);
     assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stdout.contains("m.yml:5: warning: provider"), "{out:?}");
     assert!(out.stdout.contains("2 errors, 2 warnings"), "{out:?}");
     // A legacy wrapper with only unknown keys passes with --lenient.
-    s.write("cyberwave.yml", "cyberwave-cloud-node:\n  simulate: s {body}\n  server_port: 8080\n");
+    s.write(
+        "cyberwave.yml",
+        "cyberwave-cloud-node:\n  simulate: s {body}\n  server_port: 8080\n",
+    );
     let out = s.run(&["validate", "--lenient"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.contains("legacy wrapper"), "{out:?}");
@@ -137,16 +170,25 @@ fn config_precedence_end_to_end() {
     );
     let cfg = config_json(&s, &[]);
     assert_eq!(value(&cfg, "api_token"), "cw_…aaaa");
-    assert!(source(&cfg, "api_token").ends_with("credentials.json"), "{cfg}");
+    assert!(
+        source(&cfg, "api_token").ends_with("credentials.json"),
+        "{cfg}"
+    );
     assert_eq!(value(&cfg, "mqtt_host"), "cred-host");
 
     // <config dir>/.env beats credentials.json …
-    s.home.write(".cyberwave/.env", "CYBERWAVE_API_KEY=cw_shared_env_token_bbbb\nCYBERWAVE_MQTT_HOST=shared-host\n");
+    s.home.write(
+        ".cyberwave/.env",
+        "CYBERWAVE_API_KEY=cw_shared_env_token_bbbb\nCYBERWAVE_MQTT_HOST=shared-host\n",
+    );
     let cfg = config_json(&s, &[]);
     assert_eq!(value(&cfg, "api_token"), "cw_…bbbb");
     assert_eq!(value(&cfg, "mqtt_host"), "shared-host");
     // … ./.env beats <config dir>/.env (the documented order) …
-    s.write(".env", "CYBERWAVE_API_KEY=cw_local_env_token_cccc\nCYBERWAVE_MQTT_HOST=local-host\n");
+    s.write(
+        ".env",
+        "CYBERWAVE_API_KEY=cw_local_env_token_cccc\nCYBERWAVE_MQTT_HOST=local-host\n",
+    );
     let cfg = config_json(&s, &[]);
     assert_eq!(value(&cfg, "api_token"), "cw_…cccc");
     assert!(source(&cfg, "api_token").contains("work/.env"), "{cfg}");
@@ -159,10 +201,17 @@ fn config_precedence_end_to_end() {
     assert_eq!(source(&cfg, "api_token"), "env CYBERWAVE_API_KEY");
     assert_eq!(value(&cfg, "mqtt_host"), "env-host");
     // … the file beats the environment …
-    s.write("cyberwave.yml", "cyberwave:\n  mqtt_host: file-host\n  mqtt_port: 1883\n");
+    s.write(
+        "cyberwave.yml",
+        "cyberwave:\n  mqtt_host: file-host\n  mqtt_port: 1883\n",
+    );
     let cfg = config_json(&s, &[]);
     assert_eq!(value(&cfg, "mqtt_host"), "file-host");
-    assert_eq!(value(&cfg, "mqtt_use_tls"), "false", "port 1883 ⇒ no TLS: {cfg}");
+    assert_eq!(
+        value(&cfg, "mqtt_use_tls"),
+        "false",
+        "port 1883 ⇒ no TLS: {cfg}"
+    );
     // … and a flag beats the file; the flag's port decides TLS.
     let cfg = config_json(&s, &["--mqtt-host", "flag-host", "--mqtt-port", "8883"]);
     assert_eq!(value(&cfg, "mqtt_host"), "flag-host");
@@ -179,7 +228,16 @@ fn node_starts_connects_and_exits_0_on_sigterm() {
     let cp = ControlPlane::start(broker.port, "");
     let mut node = NodeSetup::new(&broker, &cp).spawn();
     node.wait_ready(Duration::from_secs(10));
-    assert!(node.log().contains("connected to MQTT broker"), "{}", node.log());
+    assert!(
+        node.log().contains("connected to MQTT broker"),
+        "{}",
+        node.log()
+    );
     node.sigterm();
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)), "{}", node.log());
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(10)),
+        Some(Some(0)),
+        "{}",
+        node.log()
+    );
 }

@@ -27,7 +27,11 @@ fn first_start_registers_and_second_start_reuses_the_identity() {
     assert_eq!(creates[0].id, TOKEN, "R1 carries the token in its topic");
     assert_eq!(creates[0].body["provider"], "self-hosted");
     assert_eq!(creates[0].body["profile_slug"], "default");
-    assert_eq!(creates[0].api_token.as_deref(), Some(TOKEN), "X-API-Token user property");
+    assert_eq!(
+        creates[0].api_token.as_deref(),
+        Some(TOKEN),
+        "X-API-Token user property"
+    );
     assert!(creates[0].has_correlation);
     let uuid = node.uuid();
     assert_eq!(registers[0].id, uuid);
@@ -52,7 +56,10 @@ fn env_uuid_overrides_the_identity_file() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);
-    setup.home.write(".cyberwave/instance_identity.json", r#"{"uuid":"file-uuid","slug":"file-slug"}"#);
+    setup.home.write(
+        ".cyberwave/instance_identity.json",
+        r#"{"uuid":"file-uuid","slug":"file-slug"}"#,
+    );
     setup.set("CYBERWAVE_CLOUD_NODE_INSTANCE_UUID", "env-uuid");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -71,9 +78,15 @@ fn both_command_topics_answer_status_with_the_local_prefix() {
     setup.set("CYBERWAVE_INFERENCE_CMD", "echo {body}");
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert!(cp.requests("register")[0].topic.starts_with("localcyberwave/cloud-node/"));
-    let by_uuid = cp.status(&node.uuid(), "s-uuid", REPLY).expect("reply on the uuid topic");
-    let by_slug = cp.status(&node.slug(), "s-slug", REPLY).expect("reply on the slug topic");
+    assert!(cp.requests("register")[0]
+        .topic
+        .starts_with("localcyberwave/cloud-node/"));
+    let by_uuid = cp
+        .status(&node.uuid(), "s-uuid", REPLY)
+        .expect("reply on the uuid topic");
+    let by_slug = cp
+        .status(&node.slug(), "s-slug", REPLY)
+        .expect("reply on the slug topic");
     for r in [&by_uuid, &by_slug] {
         assert_eq!(r["status"], "ok");
         assert_eq!(r["instance_uuid"], node.uuid());
@@ -96,7 +109,9 @@ fn production_environment_means_no_prefix() {
     setup.set("CYBERWAVE_ENVIRONMENT", "production");
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert!(cp.requests("register")[0].topic.starts_with("cyberwave/cloud-node/"));
+    assert!(cp.requests("register")[0]
+        .topic
+        .starts_with("cyberwave/cloud-node/"));
     assert!(cp.status(&node.uuid(), "p1", REPLY).is_some());
 }
 
@@ -125,7 +140,10 @@ fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
         let last_hb = hb.last().map(|r| r.at).unwrap_or_else(Instant::now);
         let rid = format!("slow-{i}");
         let sent = Instant::now();
-        cp.command(&node.uuid(), json!({"command": "status", "request_id": rid}));
+        cp.command(
+            &node.uuid(),
+            json!({"command": "status", "request_id": rid}),
+        );
         assert!(cp.wait_reply(&rid, REPLY).is_some());
         let answered = cp.reply_time(&rid).unwrap_or_else(Instant::now);
         assert!(
@@ -139,13 +157,24 @@ fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
     let span = hb.last().map(|l| l.at - hb[0].at).unwrap_or_default();
     let expected = (span.as_secs_f64() / 0.5) as usize;
     assert!(hb.len() >= 8, "{} heartbeats over {span:?}", hb.len());
-    assert!(hb.len() + 1 >= expected, "{} heartbeats over {span:?}: cadence slipped", hb.len());
+    assert!(
+        hb.len() + 1 >= expected,
+        "{} heartbeats over {span:?}: cadence slipped",
+        hb.len()
+    );
     for w in hb.windows(2) {
         let gap = w[1].at - w[0].at;
         assert!(gap < Duration::from_millis(900), "heartbeat gap {gap:?}");
     }
     let body = &hb[0].body;
-    for field in ["node_version", "active_workloads", "max_concurrent_workloads", "accepting", "draining", "uptime_s"] {
+    for field in [
+        "node_version",
+        "active_workloads",
+        "max_concurrent_workloads",
+        "accepting",
+        "draining",
+        "uptime_s",
+    ] {
         assert!(body.get(field).is_some(), "heartbeat lacks {field}: {body}");
     }
 }
@@ -164,15 +193,27 @@ fn reconnects_and_resubscribes_after_a_broker_outage() {
     let mut answered = None;
     for i in 0..30 {
         let rid = format!("after-{i}");
-        if cp.status(&node.uuid(), &rid, Duration::from_millis(500)).is_some() {
+        if cp
+            .status(&node.uuid(), &rid, Duration::from_millis(500))
+            .is_some()
+        {
             answered = Some(back.elapsed());
             break;
         }
     }
-    let took = answered.unwrap_or_else(|| panic!("no status answered after the outage; log:\n{}", node.log()));
+    let took = answered
+        .unwrap_or_else(|| panic!("no status answered after the outage; log:\n{}", node.log()));
     assert!(took < Duration::from_secs(15), "took {took:?}");
-    assert!(node.log().contains("MQTT connection problem"), "{}", node.log());
-    assert!(node.log().contains("connection refused"), "the reason is logged: {}", node.log());
+    assert!(
+        node.log().contains("MQTT connection problem"),
+        "{}",
+        node.log()
+    );
+    assert!(
+        node.log().contains("connection refused"),
+        "the reason is logged: {}",
+        node.log()
+    );
 }
 
 #[test]
@@ -184,14 +225,25 @@ fn a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
     node.wait_ready(READY);
     let uuid = node.uuid();
     node.kill9();
-    cp.command(&uuid, json!({"command": "status", "request_id": "while-down"}));
+    cp.command(
+        &uuid,
+        json!({"command": "status", "request_id": "while-down"}),
+    );
     std::thread::sleep(Duration::from_millis(300));
     assert!(cp.replies_for("while-down").is_empty());
     let again = setup.spawn();
     again.wait_ready(READY);
-    assert!(cp.wait_reply("while-down", REPLY).is_some(), "queued command answered; log:\n{}", again.log());
+    assert!(
+        cp.wait_reply("while-down", REPLY).is_some(),
+        "queued command answered; log:\n{}",
+        again.log()
+    );
     std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(cp.replies_for("while-down").len(), 1, "answered exactly once");
+    assert_eq!(
+        cp.replies_for("while-down").len(),
+        1,
+        "answered exactly once"
+    );
     assert!(again.log().contains("session resumed"), "{}", again.log());
 }
 
@@ -212,7 +264,11 @@ fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
     let node = setup.spawn();
     node.wait_ready(READY);
     let first = node.uuid();
-    assert!(cp.wait_requests("request-instance", 2, READY).len() >= 2, "{}", node.log());
+    assert!(
+        cp.wait_requests("request-instance", 2, READY).len() >= 2,
+        "{}",
+        node.log()
+    );
     cp.set_behaviour(|b| b.heartbeat = HeartbeatMode::Ok);
     let second = wait_for(READY, || {
         let u = node.uuid();
@@ -220,8 +276,16 @@ fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
     })
     .expect("identity file changed");
     let creates = cp.requests("request-instance");
-    assert_eq!(creates[1].body["environment_uuid"], "env-1", "D5: environment sent again");
-    assert!(wait_for(READY, || cp.status(&second, "new-topic", Duration::from_millis(500))).is_some());
+    assert_eq!(
+        creates[1].body["environment_uuid"], "env-1",
+        "D5: environment sent again"
+    );
+    assert!(wait_for(READY, || cp.status(
+        &second,
+        "new-topic",
+        Duration::from_millis(500)
+    ))
+    .is_some());
 }
 
 #[test]
@@ -236,7 +300,10 @@ fn register_404_for_a_known_uuid_creates_a_new_instance() {
         },
     );
     let setup = NodeSetup::new(&broker, &cp);
-    setup.home.write(".cyberwave/instance_identity.json", r#"{"uuid":"gone-uuid","slug":"gone"}"#);
+    setup.home.write(
+        ".cyberwave/instance_identity.json",
+        r#"{"uuid":"gone-uuid","slug":"gone"}"#,
+    );
     let node = setup.spawn();
     node.wait_ready(READY);
     let regs = cp.requests("register");
@@ -277,8 +344,17 @@ fn persistent_heartbeat_401_exits_3() {
     setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.2");
     setup.set("CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS", "0.05");
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(Duration::from_secs(20)), Some(Some(3)), "{}", node.log());
-    assert_eq!(cp.requests("heartbeat").len(), 5, "five attempts, then stop");
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(20)),
+        Some(Some(3)),
+        "{}",
+        node.log()
+    );
+    assert_eq!(
+        cp.requests("heartbeat").len(),
+        5,
+        "five attempts, then stop"
+    );
     assert!(node.log().contains("invalid or revoked"), "{}", node.log());
 }
 
@@ -295,15 +371,29 @@ fn token_rejected_at_start_exits_3_without_retrying() {
     );
     let mut node = NodeSetup::new(&broker, &cp).spawn();
     let started = Instant::now();
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(3)), "{}", node.log());
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(10)),
+        Some(Some(3)),
+        "{}",
+        node.log()
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
     let hits = cp.http_hits();
     assert_eq!(hits.len(), 1, "no retry: {hits:?}");
-    assert_eq!(hits[0].1.as_deref(), Some(format!("Token {TOKEN}").as_str()));
+    assert_eq!(
+        hits[0].1.as_deref(),
+        Some(format!("Token {TOKEN}").as_str())
+    );
     let log = node.log();
-    assert!(log.contains("cw_…cdef") && log.contains("env CYBERWAVE_API_KEY"), "{log}");
+    assert!(
+        log.contains("cw_…cdef") && log.contains("env CYBERWAVE_API_KEY"),
+        "{log}"
+    );
     assert!(!log.contains(TOKEN), "the token never reaches the log");
-    assert!(cp.all_requests().is_empty(), "no MQTT request after a rejected token");
+    assert!(
+        cp.all_requests().is_empty(),
+        "no MQTT request after a rejected token"
+    );
 }
 
 #[test]
@@ -311,10 +401,17 @@ fn backend_down_at_start_still_becomes_ready() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_BASE_URL", &format!("http://127.0.0.1:{}", crate::support::free_port()));
+    setup.set(
+        "CYBERWAVE_BASE_URL",
+        &format!("http://127.0.0.1:{}", crate::support::free_port()),
+    );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert!(node.log().contains("could not validate the API token"), "{}", node.log());
+    assert!(
+        node.log().contains("could not validate the API token"),
+        "{}",
+        node.log()
+    );
 }
 
 #[test]
@@ -332,9 +429,17 @@ fn sigterm_sends_terminate_and_refuses_commands_meanwhile() {
     node.wait_ready(READY);
     node.sigterm();
     assert!(node.wait_log("shutting down", REPLY));
-    let reply = cp.status(&node.uuid(), "during-shutdown", REPLY).expect("error reply");
+    let reply = cp
+        .status(&node.uuid(), "during-shutdown", REPLY)
+        .expect("error reply");
     assert_eq!(reply["status"], "error");
-    assert!(reply["error"].as_str().unwrap_or_default().contains("shutting down"), "{reply}");
+    assert!(
+        reply["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("shutting down"),
+        "{reply}"
+    );
     assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
     assert_eq!(cp.requests("terminate").len(), 1, "R5 sent once");
 }
@@ -347,8 +452,17 @@ fn sigterm_exits_promptly_when_the_broker_is_healthy() {
     node.wait_ready(READY);
     let t = Instant::now();
     node.sigterm();
-    assert_eq!(node.wait_exit(Duration::from_secs(5)), Some(Some(0)), "{}", node.log());
-    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(5)),
+        Some(Some(0)),
+        "{}",
+        node.log()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
     assert_eq!(cp.requests("terminate").len(), 1);
 }
 
@@ -370,9 +484,17 @@ fn a_second_signal_exits_at_once() {
     node.wait_ready(READY);
     node.sigterm();
     assert!(node.wait_log("shutting down", REPLY));
-    assert_eq!(node.wait_exit(Duration::from_millis(500)), None, "still waiting for the R5 reply");
+    assert_eq!(
+        node.wait_exit(Duration::from_millis(500)),
+        None,
+        "still waiting for the R5 reply"
+    );
     node.signal(libc::SIGINT);
-    assert!(node.wait_exit(Duration::from_secs(3)).is_some(), "{}", node.log());
+    assert!(
+        node.wait_exit(Duration::from_secs(3)).is_some(),
+        "{}",
+        node.log()
+    );
 }
 
 #[test]
@@ -380,15 +502,32 @@ fn install_script_failure_is_reported_and_exits_1() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);
-    setup.write("cyberwave.yml", "cyberwave:\n  install: echo preparing; echo 'pip exploded' >&2; exit 7\n");
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  install: echo preparing; echo 'pip exploded' >&2; exit 7\n",
+    );
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(Duration::from_secs(15)), Some(Some(1)), "{}", node.log());
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(15)),
+        Some(Some(1)),
+        "{}",
+        node.log()
+    );
     let fails = cp.requests("fail");
     assert_eq!(fails.len(), 1, "R6 sent: {:?}", cp.all_requests());
     let err = fails[0].body["error"].as_str().unwrap_or_default();
-    assert!(err.contains("exit code 7") && err.contains("pip exploded"), "{err}");
-    assert!(node.log().contains("[install stdout] preparing"), "{}", node.log());
-    let logged = std::fs::read_to_string(setup.config_dir().join("install_logs/install.stderr.log")).unwrap_or_default();
+    assert!(
+        err.contains("exit code 7") && err.contains("pip exploded"),
+        "{err}"
+    );
+    assert!(
+        node.log().contains("[install stdout] preparing"),
+        "{}",
+        node.log()
+    );
+    let logged =
+        std::fs::read_to_string(setup.config_dir().join("install_logs/install.stderr.log"))
+            .unwrap_or_default();
     assert!(logged.contains("pip exploded"));
 }
 
@@ -399,11 +538,23 @@ fn missing_install_script_is_a_clear_error() {
     let setup = NodeSetup::new(&broker, &cp);
     setup.write("cyberwave.yml", "cyberwave:\n  install: ./setup.sh --gpu\n");
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(Duration::from_secs(15)), Some(Some(1)), "{}", node.log());
-    assert!(node.log().contains("install script ./setup.sh not found"), "{}", node.log());
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(15)),
+        Some(Some(1)),
+        "{}",
+        node.log()
+    );
+    assert!(
+        node.log().contains("install script ./setup.sh not found"),
+        "{}",
+        node.log()
+    );
     let fails = cp.requests("fail");
     assert_eq!(fails.len(), 1);
-    assert!(fails[0].body["error"].as_str().unwrap_or_default().contains("not found"));
+    assert!(fails[0].body["error"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("not found"));
 }
 
 #[test]
@@ -411,12 +562,22 @@ fn a_good_install_script_runs_before_registration() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);
-    setup.write("install.sh", "#!/bin/sh\necho \"token:${CYBERWAVE_API_KEY:-none}\" > installed.txt\n");
-    setup.write("cyberwave.yml", "cyberwave:\n  install: bash ./install.sh\n");
+    setup.write(
+        "install.sh",
+        "#!/bin/sh\necho \"token:${CYBERWAVE_API_KEY:-none}\" > installed.txt\n",
+    );
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  install: bash ./install.sh\n",
+    );
     let node = setup.spawn();
     node.wait_ready(READY);
     let marker = std::fs::read_to_string(setup.cwd.join("installed.txt")).unwrap_or_default();
-    assert_eq!(marker.trim(), "token:none", "the node's token is not handed to the install script");
+    assert_eq!(
+        marker.trim(),
+        "token:none",
+        "the node's token is not handed to the install script"
+    );
 }
 
 #[test]
@@ -429,15 +590,27 @@ fn environment_reservation_is_sent_and_enforced() {
     setup.arg("--environment").arg("env-from-flag");
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(cp.requests("request-instance")[0].body["environment_uuid"], "env-from-flag");
-    assert_eq!(cp.requests("register")[0].body["environment_uuid"], "env-from-flag");
+    assert_eq!(
+        cp.requests("request-instance")[0].body["environment_uuid"],
+        "env-from-flag"
+    );
+    assert_eq!(
+        cp.requests("register")[0].body["environment_uuid"],
+        "env-from-flag"
+    );
     cp.command(
         &node.uuid(),
         json!({"command": "inference", "request_id": "wrong-env", "params": {"environment_uuid": "other-env"}}),
     );
     let r = cp.wait_reply("wrong-env", REPLY).expect("reply");
     assert_eq!(r["status"], "error");
-    assert!(r["error"].as_str().unwrap_or_default().contains("reserved for environment env-from-flag"), "{r}");
+    assert!(
+        r["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("reserved for environment env-from-flag"),
+        "{r}"
+    );
 }
 
 #[test]
@@ -450,16 +623,24 @@ fn bad_commands_get_clear_errors_and_the_node_keeps_serving() {
     cp.command_raw(&uuid, b"{not json".to_vec());
     cp.command(&uuid, json!({"request_id": "no-command"}));
     cp.command(&uuid, json!({"command": "reboot", "request_id": "unknown"}));
-    cp.command(&uuid, json!({"command": "training", "request_id": "bad-params", "params": [1, 2]}));
+    cp.command(
+        &uuid,
+        json!({"command": "training", "request_id": "bad-params", "params": [1, 2]}),
+    );
     cp.command(&uuid, json!({"status": "ok", "request_id": "echo"}));
     for (rid, needle) in [
         ("no-command", "no 'command' field"),
         ("unknown", "Unknown command: reboot"),
         ("bad-params", "params must be a JSON object"),
     ] {
-        let r = cp.wait_reply(rid, REPLY).unwrap_or_else(|| panic!("no reply to {rid}"));
+        let r = cp
+            .wait_reply(rid, REPLY)
+            .unwrap_or_else(|| panic!("no reply to {rid}"));
         assert_eq!(r["status"], "error", "{r}");
-        assert!(r["error"].as_str().unwrap_or_default().contains(needle), "{r}");
+        assert!(
+            r["error"].as_str().unwrap_or_default().contains(needle),
+            "{r}"
+        );
     }
     assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
     assert!(cp.replies_for("echo").is_empty(), "echoes are ignored");
@@ -481,7 +662,11 @@ fn standalone_needs_no_backend() {
     assert!(cp.status("lab-gpu", "sa-2", REPLY).is_some());
     node.sigterm();
     assert_eq!(node.wait_exit(Duration::from_secs(5)), Some(Some(0)));
-    assert!(cp.all_requests().is_empty(), "no backend requests: {:?}", cp.all_requests());
+    assert!(
+        cp.all_requests().is_empty(),
+        "no backend requests: {:?}",
+        cp.all_requests()
+    );
     assert!(cp.http_hits().is_empty());
     // The identity persists across restarts.
     let again = setup.spawn();
@@ -509,7 +694,10 @@ impl Pki {
             assert!(ok, "openssl failed: {script}");
         };
         sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=cw-test-ca 2>/dev/null");
-        for (name, san) in [("good", "DNS:localhost,IP:127.0.0.1"), ("wrong", "DNS:other.example")] {
+        for (name, san) in [
+            ("good", "DNS:localhost,IP:127.0.0.1"),
+            ("wrong", "DNS:other.example"),
+        ] {
             sh(&format!(
                 "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && \
                  printf 'subjectAltName={san}\\n' > {name}.ext && \

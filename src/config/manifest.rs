@@ -312,11 +312,7 @@ pub fn parse(path: &Path, text: &str, lenient: bool) -> (Option<Manifest>, Vec<P
         match key.as_str() {
             "name" => m.name = s(),
             "install" => m.install = s(),
-            "install_script" => {
-                if m.install.is_none() {
-                    m.install = s()
-                }
-            }
+            "install_script" if m.install.is_none() => m.install = s(),
             "inference" => m.inference = s(),
             "simulate" => m.simulate = s(),
             "training" => m.training = s(),

@@ -242,10 +242,7 @@ impl Settings {
             row("mqtt_host", &self.mqtt_host),
             row("mqtt_port", &self.mqtt_port),
             row("mqtt_use_tls", &self.mqtt_use_tls),
-            opt(
-                "mqtt_tls_ca_certs",
-                &self.mqtt_ca_certs.as_ref().map(|p| path(p)),
-            ),
+            opt("mqtt_tls_ca_certs", &self.mqtt_ca_certs.as_ref().map(path)),
             opt("mqtt_username", &self.mqtt_username),
             secret("mqtt_password", &self.mqtt_password),
             row("upload_results", &self.upload_results),

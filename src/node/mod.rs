@@ -142,6 +142,10 @@ impl Node {
             if let Some(code) = self.exit {
                 self.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
+                // Dropping the Paho client joins Paho C's worker threads, which poll with 1 s
+                // timeouts: an exiting process has no use for that second. Every state file
+                // was already written and synced when it changed.
+                std::mem::forget(self);
                 return code;
             }
         }
@@ -244,7 +248,9 @@ impl Node {
                     if self.early_commands.len() < MAX_EARLY_COMMANDS {
                         self.early_commands.push(payload);
                     } else {
-                        log::warn!("dropped a command that arrived before registration: too many queued");
+                        log::warn!(
+                            "dropped a command that arrived before registration: too many queued"
+                        );
                     }
                 } else {
                     log::debug!("message on unexpected topic {topic} ignored");

@@ -15,7 +15,11 @@ pub struct Broker {
 }
 
 fn mosquitto_bin() -> String {
-    for p in ["/usr/sbin/mosquitto", "/usr/bin/mosquitto", "/usr/local/sbin/mosquitto"] {
+    for p in [
+        "/usr/sbin/mosquitto",
+        "/usr/bin/mosquitto",
+        "/usr/local/sbin/mosquitto",
+    ] {
         if std::path::Path::new(p).exists() {
             return p.to_string();
         }
@@ -36,7 +40,10 @@ impl Broker {
     fn start_inner(tls: Option<(PathBuf, PathBuf, PathBuf)>) -> Broker {
         let dir = TempDir::new("broker");
         // mosquitto started as root drops to its own user; let it write its log here.
-        let _ = std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777));
+        let _ = std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        );
         let mut b = Broker {
             port: 0,
             dir,
@@ -54,7 +61,7 @@ impl Broker {
 
     fn spawn(&mut self) -> bool {
         let mut conf = format!(
-            "listener {} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\nlog_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
+            "listener {} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\nmax_queued_messages 100000\nlog_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
             self.port,
             self.dir.join("mosquitto.log").display()
         );
@@ -81,7 +88,11 @@ impl Broker {
             TcpStream::connect(("127.0.0.1", port)).ok().map(|_| ())
         })
         .is_some();
-        let alive = self.child.as_mut().map(|c| matches!(c.try_wait(), Ok(None))).unwrap_or(false);
+        let alive = self
+            .child
+            .as_mut()
+            .map(|c| matches!(c.try_wait(), Ok(None)))
+            .unwrap_or(false);
         if !(up && alive) {
             self.stop();
             return false;

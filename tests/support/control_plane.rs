@@ -127,9 +127,15 @@ impl ControlPlane {
             .clean_start(true)
             .automatic_reconnect(Duration::from_millis(100), Duration::from_millis(500))
             .finalize();
-        client.connect(opts).wait().expect("control plane connects to the broker");
+        client
+            .connect(opts)
+            .wait()
+            .expect("control plane connects to the broker");
         let qos = vec![1; topics.len()];
-        client.subscribe_many(&topics, &qos).wait().expect("control plane subscribes");
+        client
+            .subscribe_many(&topics, &qos)
+            .wait()
+            .expect("control plane subscribes");
 
         let http = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("http server"));
         let port = http.server_addr().to_ip().map(|a| a.port()).unwrap_or(0);
@@ -151,7 +157,8 @@ impl ControlPlane {
                         404
                     }
                 };
-                let _ = req.respond(tiny_http::Response::from_string("[]").with_status_code(status));
+                let _ =
+                    req.respond(tiny_http::Response::from_string("[]").with_status_code(status));
             }
         });
         ControlPlane {
@@ -168,7 +175,12 @@ impl ControlPlane {
     }
 
     pub fn requests(&self, op: &str) -> Vec<Request> {
-        lock(&self.state).requests.iter().filter(|r| r.op == op).cloned().collect()
+        lock(&self.state)
+            .requests
+            .iter()
+            .filter(|r| r.op == op)
+            .cloned()
+            .collect()
     }
 
     pub fn all_requests(&self) -> Vec<Request> {
@@ -199,8 +211,13 @@ impl ControlPlane {
             .qos(1)
             .finalize();
         // The fake backend may itself be reconnecting (after a broker restart): retry a while.
-        let sent = wait_for(Duration::from_secs(10), || self.client.publish(msg.clone()).wait().ok());
-        assert!(sent.is_some(), "the fake backend could not publish a command");
+        let sent = wait_for(Duration::from_secs(10), || {
+            self.client.publish(msg.clone()).wait().ok()
+        });
+        assert!(
+            sent.is_some(),
+            "the fake backend could not publish a command"
+        );
     }
 
     /// Every command reply with this request id, in arrival order.
@@ -246,7 +263,9 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
     let rest = topic.strip_prefix(prefix).unwrap_or(&topic);
     let parts: Vec<&str> = rest.split('/').collect();
     let (op, id) = match parts.as_slice() {
-        ["cyberwave", "cloud-node-token", t, "request-instance"] => ("request-instance".to_string(), t.to_string()),
+        ["cyberwave", "cloud-node-token", t, "request-instance"] => {
+            ("request-instance".to_string(), t.to_string())
+        }
         ["cyberwave", "cloud-node", id, leaf] => (leaf.to_string(), id.to_string()),
         ["cyberwave", "cloud-workload", wl, leaf] => (format!("workload:{leaf}"), wl.to_string()),
         _ => ("other".to_string(), String::new()),
@@ -280,23 +299,41 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
             "request-instance" => {
                 s.created += 1;
                 let n = s.created;
-                let slug = body["slug"].as_str().map(String::from).unwrap_or_else(|| format!("node-{n}"));
+                let slug = body["slug"]
+                    .as_str()
+                    .map(String::from)
+                    .unwrap_or_else(|| format!("node-{n}"));
                 (
-                    Some(json!({"success": true, "uuid": format!("00000000-0000-4000-8000-{n:012}"), "slug": slug})),
+                    Some(
+                        json!({"success": true, "uuid": format!("00000000-0000-4000-8000-{n:012}"), "slug": slug}),
+                    ),
                     Duration::ZERO,
                 )
             }
             "register" => match s.behaviour.register_refusals {
                 Some((left, code)) if left > 0 => {
                     s.behaviour.register_refusals = Some((left - 1, code));
-                    (Some(json!({"success": false, "code": code, "message": "refused by the test"})), Duration::ZERO)
+                    (
+                        Some(
+                            json!({"success": false, "code": code, "message": "refused by the test"}),
+                        ),
+                        Duration::ZERO,
+                    )
                 }
-                _ => (Some(json!({"success": true, "uuid": id, "slug": format!("slug-{}", &id[id.len().saturating_sub(4)..])})), Duration::ZERO),
+                _ => (
+                    Some(
+                        json!({"success": true, "uuid": id, "slug": format!("slug-{}", &id[id.len().saturating_sub(4)..])}),
+                    ),
+                    Duration::ZERO,
+                ),
             },
             "heartbeat" => match s.behaviour.heartbeat.clone() {
                 HeartbeatMode::Ok => (Some(json!({"success": true})), Duration::ZERO),
                 HeartbeatMode::Delay(d) => (Some(json!({"success": true})), d),
-                HeartbeatMode::Code(c, m) => (Some(json!({"success": false, "code": c, "message": m})), Duration::ZERO),
+                HeartbeatMode::Code(c, m) => (
+                    Some(json!({"success": false, "code": c, "message": m})),
+                    Duration::ZERO,
+                ),
                 HeartbeatMode::Silent => (None, Duration::ZERO),
             },
             "terminate" => (Some(json!({"success": true})), s.behaviour.terminate_delay),

@@ -63,7 +63,7 @@ pub fn free_port() -> u16 {
         .expect("free port")
 }
 
-/// Polls `f` every 20 ms until it returns `Some` or `timeout` passes.
+/// Polls `f` every 2 ms until it returns `Some` or `timeout` passes.
 pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let end = Instant::now() + timeout;
     loop {
@@ -73,7 +73,7 @@ pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Optio
         if Instant::now() >= end {
             return None;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

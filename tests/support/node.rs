@@ -43,12 +43,24 @@ impl NodeSetup {
         std::fs::create_dir_all(&work).expect("work dir");
         let mut env = BTreeMap::new();
         env.insert("HOME".into(), home.path().display().to_string());
-        env.insert("PATH".into(), std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()));
-        env.insert("CYBERWAVE_EDGE_CONFIG_DIR".into(), home.join(".cyberwave").display().to_string());
+        env.insert(
+            "PATH".into(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
+        );
+        env.insert(
+            "CYBERWAVE_EDGE_CONFIG_DIR".into(),
+            home.join(".cyberwave").display().to_string(),
+        );
         env.insert("CYBERWAVE_NODE_RECONNECT_MAX_SECONDS".into(), "0.5".into());
         env.insert("CYBERWAVE_NODE_RECONNECT_BASE_SECONDS".into(), "0.1".into());
-        env.insert("CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS".into(), "0.5".into());
-        env.insert("CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS".into(), "3".into());
+        env.insert(
+            "CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS".into(),
+            "0.5".into(),
+        );
+        env.insert(
+            "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS".into(),
+            "3".into(),
+        );
         env.insert("RUST_LOG".into(), "debug,paho_mqtt=warn".into());
         NodeSetup {
             home,
@@ -139,7 +151,9 @@ impl NodeProcess {
                     if n == 0 {
                         break;
                     }
-                    buf.lock().unwrap_or_else(|e| e.into_inner()).push_str(&String::from_utf8_lossy(&chunk[..n]));
+                    buf.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push_str(&String::from_utf8_lossy(&chunk[..n]));
                 }
             });
         };
@@ -180,7 +194,11 @@ impl NodeProcess {
 
     /// Waits for the "node ready" line; panics with the log if it does not come.
     pub fn wait_ready(&self, timeout: Duration) {
-        assert!(self.wait_log("node ready", timeout), "node not ready in {timeout:?}; log:\n{}", self.log());
+        assert!(
+            self.wait_log("node ready", timeout),
+            "node not ready in {timeout:?}; log:\n{}",
+            self.log()
+        );
     }
 
     pub fn signal(&self, sig: i32) {
@@ -220,16 +238,21 @@ impl NodeProcess {
     }
 
     pub fn identity(&self) -> Option<Value> {
-        let text = std::fs::read_to_string(self.home.join(".cyberwave/instance_identity.json")).ok()?;
+        let text =
+            std::fs::read_to_string(self.home.join(".cyberwave/instance_identity.json")).ok()?;
         serde_json::from_str(&text).ok()
     }
 
     pub fn uuid(&self) -> String {
-        self.identity().and_then(|i| i["uuid"].as_str().map(String::from)).unwrap_or_default()
+        self.identity()
+            .and_then(|i| i["uuid"].as_str().map(String::from))
+            .unwrap_or_default()
     }
 
     pub fn slug(&self) -> String {
-        self.identity().and_then(|i| i["slug"].as_str().map(String::from)).unwrap_or_default()
+        self.identity()
+            .and_then(|i| i["slug"].as_str().map(String::from))
+            .unwrap_or_default()
     }
 }
 
@@ -240,7 +263,11 @@ impl Drop for NodeProcess {
             let _ = self.child.wait();
         }
         if std::thread::panicking() {
-            eprintln!("---- node log ----\n{}\n---- node stdout ----\n{}", self.log(), self.stdout());
+            eprintln!(
+                "---- node log ----\n{}\n---- node stdout ----\n{}",
+                self.log(),
+                self.stdout()
+            );
         }
     }
 }

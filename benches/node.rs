@@ -1,0 +1,152 @@
+//! Benchmarks of the real binary against a local mosquitto and the fake backend (the test rig).
+//! Prints named figures with the machine they ran on; judges nothing. Run: `./scripts/bench`.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::node::NodeSetup;
+use support::{Broker, ControlPlane};
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn report(name: &str, mut samples: Vec<Duration>, target: &str) {
+    samples.sort();
+    println!(
+        "{name:<44} n={:<4} p50={:>9.3} ms  p99={:>9.3} ms  max={:>9.3} ms  (target {target})",
+        samples.len(),
+        percentile(&samples, 0.5).as_secs_f64() * 1e3,
+        percentile(&samples, 0.99).as_secs_f64() * 1e3,
+        samples.last().copied().unwrap_or_default().as_secs_f64() * 1e3
+    );
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown cpu".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!("{cpu}, {cores} cores, Linux {}", kernel.trim())
+}
+
+/// (peak RSS KiB, current RSS KiB, CPU seconds) of a process.
+fn proc_stats(pid: i32) -> (u64, u64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    // After the command name: state is field 0, utime 11, stime 12 (in clock ticks).
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // SAFETY: sysconf is always safe to call.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (
+        kib("VmHWM:"),
+        kib("VmRSS:"),
+        (ticks(11) + ticks(12)) / hz.max(1.0),
+    )
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // `cargo test --benches` asks for a list; nothing to list
+    }
+    println!("cyberwave-cloud-node benchmarks on {}", machine());
+    println!("binary: {}", support::node_bin().display());
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+
+    // 1. exec → first status answered, and SIGTERM → exit.
+    let mut first_status = Vec::new();
+    let mut term_to_exit = Vec::new();
+    let setup = NodeSetup::new(&broker, &cp);
+    for i in 0..15 {
+        let t0 = Instant::now();
+        let mut node = setup.spawn();
+        let rid = format!("first-{i}");
+        // Poll with status commands until one is answered (the first one may beat registration).
+        let uuid = support::wait_for(Duration::from_secs(10), || {
+            Some(node.uuid()).filter(|u| !u.is_empty())
+        });
+        let Some(uuid) = uuid else { continue };
+        let mut answered = false;
+        for k in 0..200 {
+            let r = format!("{rid}-{k}");
+            cp.command(&uuid, json!({"command": "status", "request_id": r}));
+            if cp.wait_reply(&r, Duration::from_millis(50)).is_some() {
+                answered = true;
+                break;
+            }
+        }
+        if answered {
+            first_status.push(t0.elapsed());
+        }
+        let t1 = Instant::now();
+        node.sigterm();
+        if node.wait_exit(Duration::from_secs(10)).is_some() {
+            term_to_exit.push(t1.elapsed());
+        }
+    }
+    report(
+        "exec → first status answered (restart)",
+        first_status,
+        "< 100 ms",
+    );
+    report("SIGTERM → exit (R5 acknowledged)", term_to_exit, "< 1 s");
+
+    // 2. status round trip on a running node, and its footprint.
+    let node = setup.spawn();
+    node.wait_ready(Duration::from_secs(10));
+    let uuid = node.uuid();
+    let mut rtt = Vec::new();
+    for i in 0..300 {
+        let r = format!("rtt-{i}");
+        let t = Instant::now();
+        cp.command(&uuid, json!({"command": "status", "request_id": r}));
+        if cp.wait_reply(&r, Duration::from_secs(2)).is_some() {
+            rtt.push(t.elapsed());
+        }
+    }
+    report("status command round trip (broker + node)", rtt, "-");
+    let (peak, rss, cpu) = proc_stats(node.pid());
+    println!(
+        "{:<44} peak RSS {} KiB, RSS {} KiB, CPU {:.3} s after 300 commands",
+        "node footprint (idle + 300 status)", peak, rss, cpu
+    );
+    let before = proc_stats(node.pid()).2;
+    std::thread::sleep(Duration::from_secs(3));
+    let idle = proc_stats(node.pid()).2 - before;
+    println!("{:<44} {:.4} CPU s per second", "node idle CPU", idle / 3.0);
+}

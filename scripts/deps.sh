@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs, on Debian/Ubuntu, what building and testing the node needs when it is missing:
+# cmake (Paho C), a C toolchain, OpenSSL headers, mosquitto and its clients, openssl (test CA).
+set -euo pipefail
+need=()
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v cc >/dev/null 2>&1 || need+=(build-essential)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev)
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+command -v mosquitto_pub >/dev/null 2>&1 || need+=(mosquitto-clients)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+[ -f /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "missing: ${need[*]} (install them with your package manager)" >&2
+  exit 1
+fi
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+echo "installing: ${need[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -12,6 +12,10 @@ pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_CREDENTIALS: i32 = 3;
 
 pub fn run(args: &[String]) -> i32 {
+    // The workload supervisor mode (started by the node itself, never by a person).
+    if args.first().map(String::as_str) == Some("__shim") {
+        return crate::workload::shim::run(&args[1..]);
+    }
     let inv = match cli::parse(args) {
         Ok(Parsed::Version) => {
             println!("cyberwave-cloud-node {}", cli::VERSION);

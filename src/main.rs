@@ -4,12 +4,15 @@ mod app;
 mod backend;
 mod cli;
 mod config;
+mod ledger;
 mod mqtt;
 mod node;
+mod outbox;
 mod protocol;
 mod signals;
 mod store;
 mod util;
+mod workload;
 
 fn main() {
     // Signals are blocked before any thread exists, so every thread inherits the mask and only

@@ -50,7 +50,6 @@ pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
 /// `[A-Za-z0-9._-]`, replaces anything else with `_`, at most 64 characters; an id that was
 /// changed or cut (a leading `.` becomes `_`), or that is empty, gets `-<8 hex>` of a stable hash of the
 /// original appended, so two different ids never share files.
-#[allow(dead_code)] // used by the workload store (next issue)
 pub fn safe_id(id: &str) -> String {
     let mut out: String = id
         .chars()

@@ -81,6 +81,9 @@ pub struct Tuning {
     pub session_expiry: Duration,
     pub token_check_timeout: Duration,
     pub shutdown_flush: Duration,
+    /// How long a request to the backend waits for its reply (registration, workload
+    /// statuses, outbox messages).
+    pub request_timeout: Duration,
 }
 
 impl Default for Tuning {
@@ -94,6 +97,7 @@ impl Default for Tuning {
             session_expiry: Duration::from_secs(3600),
             token_check_timeout: Duration::from_secs(10),
             shutdown_flush: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -632,6 +636,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         knob(
             "CYBERWAVE_NODE_SHUTDOWN_FLUSH_SECONDS",
             &mut tuning.shutdown_flush,
+        );
+        knob(
+            "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
+            &mut tuning.request_timeout,
         );
     }
 

@@ -4,25 +4,31 @@
 //! back as events; the loop wakes at least every [`TICK`].
 
 mod startup;
+mod workloads;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{select, Receiver};
 use serde_json::{json, Value};
 
-use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
+use crate::ledger::Ledger;
 use crate::mqtt::{Mqtt, MqttEvent};
+use crate::outbox::Outbox;
 use crate::protocol::messages::{self, Incoming};
 use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
+use crate::workload::reaper::{Reaped, Reaper};
+use crate::workload::Layout;
+use workloads::Active;
 
 /// The loop's longest sleep.
 pub const TICK: Duration = Duration::from_millis(250);
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_AUTH_FAILURES: u32 = 5;
 const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
 const MAX_EARLY_COMMANDS: usize = 1000;
@@ -80,6 +86,10 @@ enum Op {
     Heartbeat,
     Terminate,
     Fail,
+    /// A non-terminal workload status (R7), fire and forget.
+    WorkloadStatus,
+    /// An outbox message (terminal status, completion), removed once acknowledged.
+    Outbox(u64),
 }
 
 struct Pending {
@@ -122,6 +132,15 @@ pub struct Node {
     startup_failure: Option<String>,
     started: Instant,
     exit: Option<i32>,
+    layout: Layout,
+    /// This binary, for starting shims.
+    exe: PathBuf,
+    /// Active workloads by safe id.
+    active: BTreeMap<String, Active>,
+    ledger: Ledger,
+    outbox: Outbox,
+    reaper: Reaper,
+    reaped: Receiver<Reaped>,
 }
 
 impl Node {
@@ -136,6 +155,7 @@ impl Node {
                     Err(_) => { log::error!("the MQTT client stopped"); self.exit = Some(EXIT_RUNTIME); }
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
+                recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
                 default(wait) => {}
             }
             self.tick();
@@ -168,6 +188,11 @@ impl Node {
         }
         if let Some(s) = &self.shutdown {
             t = t.min(s.deadline);
+        }
+        if let Some(o) = self.outbox.next_try() {
+            if self.conn == Conn::Connected {
+                t = t.min(o);
+            }
         }
         t
     }
@@ -220,6 +245,7 @@ impl Node {
                 let mut topics = vec![self.topics.inbox()];
                 topics.extend(self.command_topics.iter().cloned());
                 self.mqtt.subscribe(&topics);
+                self.flush_outbox();
             }
             MqttEvent::Connect(Err(why)) => {
                 let attempt = match self.conn {
@@ -231,6 +257,9 @@ impl Node {
             MqttEvent::Lost(why) => {
                 if matches!(self.conn, Conn::Connected) {
                     self.schedule_reconnect(0, &why);
+                    // Outbox messages in flight are sent again after the reconnect.
+                    self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
+                    self.outbox.reset_in_flight();
                 }
             }
             MqttEvent::Message {
@@ -310,6 +339,12 @@ impl Node {
             Op::Create => self.on_create_reply(body),
             Op::Register => self.on_register_reply(body),
             Op::Heartbeat => self.on_heartbeat_reply(body),
+            Op::Outbox(seq) => self.on_outbox_reply(seq, body),
+            Op::WorkloadStatus => match body {
+                Some(b) if success(&b) => {}
+                Some(b) => log::warn!("workload status update refused: {}", message(&b)),
+                None => log::warn!("workload status update not acknowledged in time"),
+            },
             Op::Terminate | Op::Fail => {
                 if body.is_none() {
                     log::warn!("the backend did not acknowledge the {op:?} notice in time");
@@ -339,7 +374,7 @@ impl Node {
             }
             log::info!("registering: asking the backend for a new instance (R1)");
             let topic = self.topics.request_instance(&self.token);
-            self.request(Op::Create, &topic, body, REQUEST_TIMEOUT);
+            self.request(Op::Create, &topic, body, self.s.tuning.request_timeout);
             self.reg = Registration::AwaitingCreate { attempt };
         } else {
             let uuid = self.known_uuid().unwrap_or_default();
@@ -350,7 +385,7 @@ impl Node {
     fn send_register(&mut self, attempt: u32, uuid: String, slug: Option<String>, body: Value) {
         log::info!("registering instance {uuid} (R2)");
         let topic = self.topics.register(&uuid);
-        self.request(Op::Register, &topic, body, REQUEST_TIMEOUT);
+        self.request(Op::Register, &topic, body, self.s.tuning.request_timeout);
         self.reg = Registration::AwaitingRegister {
             attempt,
             uuid,
@@ -526,7 +561,7 @@ impl Node {
         }
         let body = json!({
             "node_version": crate::cli::VERSION,
-            "active_workloads": 0,
+            "active_workloads": self.active.len(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
             "accepting": self.shutdown.is_none(),
             "draining": false,
@@ -651,29 +686,16 @@ impl Node {
                 self.reply_ok(&request_id, out);
             }
             "inference" | "simulate" | "training" => self.on_start(&command, &request_id, &params),
-            "cancel" => self.reply_error(
-                &request_id,
-                "no workload matches: this node has no running workloads",
-            ),
-            "workload_received" => {
-                let uuid = params
-                    .get("workload_uuid")
-                    .and_then(Value::as_str)
-                    .unwrap_or("None")
-                    .to_string();
-                self.reply_ok(
-                    &request_id,
-                    json!({"message": format!("Workload {uuid} received and acknowledged")}),
-                );
-            }
+            "cancel" => self.cancel_command(&request_id, &params),
+            "workload_received" => self.workload_received(&request_id, &params),
             other => self.reply_error(&request_id, &format!("Unknown command: {other}")),
         }
     }
 
     fn on_start(&mut self, kind: &str, request_id: &Value, params: &Value) {
-        if !params.is_object() {
+        let Value::Object(map) = params else {
             return self.reply_error(request_id, "params must be a JSON object");
-        }
+        };
         if let (Some(mine), Some(theirs)) = (
             &self.s.environment_uuid,
             params.get("environment_uuid").and_then(Value::as_str),
@@ -685,16 +707,7 @@ impl Node {
                 );
             }
         }
-        if self.s.command_template(kind).is_none() {
-            return self.reply_error(
-                request_id,
-                &format!("No {kind} command configured on this node"),
-            );
-        }
-        self.reply_error(
-            request_id,
-            &format!("{kind} workloads are not supported by this build yet"),
-        );
+        self.start_workload(kind, request_id, map.clone());
     }
 
     fn status_output(&self) -> Value {
@@ -705,8 +718,8 @@ impl Node {
             "has_inference": self.s.inference.is_some(),
             "has_simulate": self.s.simulate.is_some(),
             "has_training": self.s.training.is_some(),
-            "is_busy": false,
-            "active_workloads": [],
+                        "is_busy": self.active.len() >= self.s.max_concurrent_workloads.value as usize,
+            "active_workloads": self.active_workloads_json(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
             "accepting": self.shutdown.is_none(),
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
@@ -754,6 +767,7 @@ impl Node {
             return;
         }
         log::info!("shutting down ({why}); running workloads are left running");
+        self.log_running_workloads();
         let now = self.clock.now();
         self.hb.next_due = None;
         let mut waiting_for = None;
@@ -821,6 +835,8 @@ impl Node {
                 }
             }
         }
+        self.tick_workloads();
+        self.flush_outbox();
         if let Some(due) = self.hb.next_due {
             if now >= due && self.reg == Registration::Done && self.shutdown.is_none() {
                 self.send_heartbeat();
@@ -855,6 +871,3 @@ fn str_field(b: &Value, k: &str) -> Option<String> {
         .filter(|s| !s.is_empty())
         .map(String::from)
 }
-
-#[allow(dead_code)]
-const _: i32 = EXIT_USAGE;

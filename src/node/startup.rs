@@ -2,10 +2,11 @@
 //! MQTT client. Each step logs one line; a step that makes running pointless returns the exit
 //! code instead of a node.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
@@ -16,14 +17,18 @@ use crate::app::{EXIT_CREDENTIALS, EXIT_RUNTIME, EXIT_USAGE};
 use crate::backend::{self, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
+use crate::ledger::Ledger;
 use crate::mqtt::{self, Mqtt, MqttOptions};
+use crate::outbox::Outbox;
 use crate::protocol::topics::Topics;
 use crate::signals::{self, Signal};
+use crate::workload::reaper::Reaper;
+use crate::workload::Layout;
 use crate::{store, util};
 
 /// Environment variables that hold the node's own secrets; never passed to child processes
 /// (workloads get their own credentials explicitly).
-pub const NODE_SECRETS: &[&str] = &["CYBERWAVE_API_KEY", "CYBERWAVE_MQTT_PASSWORD"];
+pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     let started = Instant::now();
@@ -175,6 +180,34 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         None
     };
     let topics = Topics::new(&s.topic_prefix.value, &client_id);
+    let layout = Layout { state: dir.clone() };
+    let exe = match std::env::current_exe() {
+        // After an in-place upgrade /proc/self/exe names the deleted inode; the new binary sits
+        // at the same path.
+        Ok(p) => PathBuf::from(p.to_string_lossy().trim_end_matches(" (deleted)")),
+        Err(e) => {
+            log::error!("cannot find this program's path (needed to supervise workloads): {e}");
+            return Err(EXIT_RUNTIME);
+        }
+    };
+    let outbox = match Outbox::load(dir.join("outbox")) {
+        Ok(o) => o,
+        Err(e) => {
+            log::error!(
+                "cannot open the outbox in {}: {e}",
+                dir.join("outbox").display()
+            );
+            return Err(EXIT_RUNTIME);
+        }
+    };
+    let (reaped_tx, reaped) = unbounded();
+    let reaper = match Reaper::start(reaped_tx) {
+        Ok(r) => r,
+        Err(e) => {
+            log::error!("cannot start the reaper thread: {e}");
+            return Err(EXIT_RUNTIME);
+        }
+    };
     let now = Instant::now();
     let node = Node {
         clock: Box::new(SystemClock),
@@ -202,8 +235,23 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         startup_failure,
         started,
         exit: None,
+        layout,
+        exe,
+        active: BTreeMap::new(),
+        ledger: Ledger::load(dir.join("ledger.jsonl")),
+        outbox,
+        reaper,
+        reaped,
         s,
     };
+    let mut node = node;
+    node.recover();
+    if node.outbox.len() > 0 {
+        log::info!(
+            "{} message(s) in the outbox will be sent once connected",
+            node.outbox.len()
+        );
+    }
     Ok((node, sig_rx))
 }
 

@@ -67,7 +67,6 @@ impl Topics {
         self.node(uuid, "response")
     }
     /// R7/R8.
-    #[allow(dead_code)] // used once workloads land
     pub fn workload_status(&self, workload_uuid: &str) -> String {
         format!(
             "{}cyberwave/cloud-workload/{workload_uuid}/update-status",

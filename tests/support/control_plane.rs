@@ -195,6 +195,24 @@ impl ControlPlane {
         .unwrap_or_else(|| self.requests(op))
     }
 
+    /// Bodies of every workload status update (R7/R8) for workload `wl`, in arrival order.
+    pub fn statuses(&self, wl: &str) -> Vec<Value> {
+        lock(&self.state)
+            .requests
+            .iter()
+            .filter(|r| r.op == "workload:update-status" && r.id == wl)
+            .map(|r| r.body.clone())
+            .collect()
+    }
+
+    /// Waits until workload `wl` has a status update with `status` = `want`; returns them all.
+    pub fn wait_status(&self, wl: &str, want: &str, timeout: Duration) -> Option<Vec<Value>> {
+        wait_for(timeout, || {
+            let all = self.statuses(wl);
+            all.iter().any(|b| b["status"] == want).then_some(all)
+        })
+    }
+
     pub fn http_hits(&self) -> Vec<(String, Option<String>)> {
         lock(&self.state).http.clone()
     }

@@ -61,6 +61,7 @@ impl NodeSetup {
             "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS".into(),
             "3".into(),
         );
+        env.insert("CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS".into(), "2".into());
         env.insert("RUST_LOG".into(), "debug,paho_mqtt=warn".into());
         NodeSetup {
             home,

@@ -1,0 +1,52 @@
+//! The reaper thread: `waitpid(-1)` on the node's children (the shims) and one message per
+//! exit. The node learns of an exit at once, without polling. When the node has no children
+//! the thread sleeps until [`Reaper::spawned`] wakes it.
+
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Reaped {
+    pub pid: i32,
+}
+
+pub struct Reaper {
+    wake: Sender<()>,
+}
+
+impl Reaper {
+    pub fn start(tx: Sender<Reaped>) -> std::io::Result<Reaper> {
+        let (wake, wake_rx) = bounded::<()>(1);
+        std::thread::Builder::new()
+            .name("reaper".into())
+            .spawn(move || run(tx, wake_rx))?;
+        Ok(Reaper { wake })
+    }
+
+    /// Call after starting a child.
+    pub fn spawned(&self) {
+        let _ = self.wake.try_send(());
+    }
+}
+
+fn run(tx: Sender<Reaped>, wake: Receiver<()>) {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid with a valid out pointer.
+        let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
+        if pid > 0 {
+            if tx.send(Reaped { pid }).is_err() {
+                return;
+            }
+            continue;
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EINTR) => continue,
+            // No children: wait for the next spawn (or check again in a while).
+            _ => match wake.recv_timeout(Duration::from_secs(1)) {
+                Ok(()) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            },
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! `cyberwave-cloud-node __shim`: the supervisor between the node and a workload (conmon-style).
+//!
+//! 1. Detaches into its own session (`setsid`), so nothing that happens to the node (SIGKILL,
+//!    `systemctl restart`, an upgrade) reaches it or the workload.
+//! 2. Starts the workload in a process group of its own, with stdout/stderr on the log files.
+//!    The shim is *not* in that group: a cancel that SIGKILLs the group cannot kill the shim,
+//!    so the exit record is always written.
+//! 3. Records the workload's pid and start time (`started.json`), tells the node the pid on
+//!    its stdout, and closes that pipe.
+//! 4. Waits for the workload, then writes `exit.json` atomically and exits.
+//!
+//! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
+//! SIGTERM/SIGINT/SIGHUP; the workload starts with a clean mask (std resets it in children).
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+use super::procinfo;
+use crate::{store, util};
+
+/// Written by the shim once the workload runs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Started {
+    pub pid: i32,
+    pub start_ticks: u64,
+    pub shim_pid: i32,
+    pub shim_start_ticks: u64,
+    pub boot_id: String,
+    pub started_at: String,
+}
+
+/// Written by the shim when the workload ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Exit {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    pub started_at: String,
+    pub ended_at: String,
+}
+
+impl Exit {
+    /// The exit code as the protocol reports it: a signal N is `-N`.
+    pub fn code(&self) -> i32 {
+        match (self.exit_code, self.signal) {
+            (Some(c), _) => c,
+            (None, Some(s)) => -s,
+            (None, None) => -1,
+        }
+    }
+}
+
+pub struct ShimArgs {
+    pub dir: PathBuf,
+    pub cwd: PathBuf,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+    pub shell: String,
+    pub command: String,
+}
+
+impl ShimArgs {
+    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
+        vec![
+            "__shim".into(),
+            self.dir.clone().into(),
+            self.cwd.clone().into(),
+            self.stdout.clone().into(),
+            self.stderr.clone().into(),
+            self.shell.clone().into(),
+            self.command.clone().into(),
+        ]
+    }
+
+    pub fn parse(args: &[String]) -> Option<ShimArgs> {
+        match args {
+            [dir, cwd, out, err, shell, command] => Some(ShimArgs {
+                dir: dir.into(),
+                cwd: cwd.into(),
+                stdout: out.into(),
+                stderr: err.into(),
+                shell: shell.clone(),
+                command: command.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
+pub fn run(args: &[String]) -> i32 {
+    let Some(a) = ShimArgs::parse(args) else {
+        println!("error: usage: __shim DIR CWD STDOUT STDERR SHELL COMMAND");
+        return 2;
+    };
+    // SAFETY: setsid has no memory-safety preconditions.
+    unsafe {
+        libc::setsid();
+    }
+    let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
+        (Ok(o), Ok(e)) => (o, e),
+        (Err(e), _) | (_, Err(e)) => {
+            println!("error: cannot open the log files: {e}");
+            return 1;
+        }
+    };
+    let mut cmd = Command::new(&a.shell);
+    cmd.arg("-c")
+        .arg(&a.command)
+        .current_dir(&a.cwd)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    // SAFETY: setpgid is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let started_at = util::rfc3339(SystemTime::now());
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            println!(
+                "error: cannot start {} in {}: {e}",
+                a.shell,
+                a.cwd.display()
+            );
+            return 1;
+        }
+    };
+    let pid = child.id() as i32;
+    let me = std::process::id() as i32;
+    let started = Started {
+        pid,
+        start_ticks: procinfo::start_ticks(pid).unwrap_or(0),
+        shim_pid: me,
+        shim_start_ticks: procinfo::start_ticks(me).unwrap_or(0),
+        boot_id: procinfo::boot_id(),
+        started_at: started_at.clone(),
+    };
+    if let Ok(json) = serde_json::to_vec(&started) {
+        let _ = store::write_atomic(&a.dir.join("started.json"), &json, 0o600);
+    }
+    {
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "pid {pid}");
+        let _ = stdout.flush();
+    }
+    // Close the pipe to the node: from here on the shim owes the node nothing.
+    if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: dup2 onto fd 1 with a valid open descriptor.
+        unsafe {
+            libc::dup2(null.as_raw_fd(), 1);
+        }
+    }
+    let status = loop {
+        match child.wait() {
+            Ok(s) => break Some(s),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => break None,
+        }
+    };
+    let exit = Exit {
+        exit_code: status.and_then(|s| s.code()),
+        signal: status.and_then(|s| s.signal()),
+        started_at,
+        ended_at: util::rfc3339(SystemTime::now()),
+    };
+    match serde_json::to_vec(&exit) {
+        Ok(json) => match store::write_atomic(&a.dir.join("exit.json"), &json, 0o600) {
+            Ok(()) => 0,
+            Err(_) => 1,
+        },
+        Err(_) => 1,
+    }
+}

@@ -1,0 +1,690 @@
+//! Workloads end to end: starts, exactly-once, capacity, hostile input, cancel, completion,
+//! recovery after the node was killed, and the outbox across a broker outage.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(20);
+
+struct Rig {
+    broker: Broker,
+    cp: ControlPlane,
+    setup: NodeSetup,
+}
+
+impl Rig {
+    fn new(manifest: &str) -> Rig {
+        let broker = Broker::start();
+        let cp = ControlPlane::start(broker.port, "");
+        let setup = NodeSetup::new(&broker, &cp);
+        setup.write("cyberwave.yml", manifest);
+        Rig { broker, cp, setup }
+    }
+
+    fn node(&self) -> NodeProcess {
+        let node = self.setup.spawn();
+        node.wait_ready(READY);
+        node
+    }
+
+    fn start(&self, node: &NodeProcess, kind: &str, rid: &str, params: Value) -> Value {
+        self.cp.command(
+            &node.uuid(),
+            json!({"command": kind, "request_id": rid, "params": params}),
+        );
+        self.cp
+            .wait_reply(rid, REPLY)
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
+    }
+
+    fn completion(&self, wl: &str) -> Value {
+        let all = self
+            .cp
+            .wait_status(wl, "completed", DONE)
+            .unwrap_or_else(|| panic!("no completion for {wl}: {:?}", self.cp.statuses(wl)));
+        let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
+        assert_eq!(done.len(), 1, "exactly one completion for {wl}: {all:?}");
+        done[0].clone()
+    }
+
+    fn work(&self, rel: &str) -> std::path::PathBuf {
+        self.setup.cwd.join(rel)
+    }
+}
+
+fn pid_alive(pid: i64) -> bool {
+    // SAFETY: signal 0 only probes.
+    unsafe { libc::kill(pid as i32, 0) == 0 }
+}
+
+fn files_below(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            out.push(p.display().to_string());
+            if p.is_dir() {
+                out.extend(files_below(&p));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn completions_carry_the_real_exit_code() {
+    let rig = Rig::new(
+        "cyberwave:\n  training: |\n    mode=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"mode\"])' {body})\n    case $mode in\n      ok) echo fine ;;\n      three) echo 'it broke badly' >&2; exit 3 ;;\n      signal) kill -KILL $$ ;;\n      fast) exit 0 ;;\n    esac\n  max_concurrent_workloads: 4\n",
+    );
+    let node = rig.node();
+    for (mode, wl) in [
+        ("ok", "wl-ok"),
+        ("three", "wl-three"),
+        ("signal", "wl-signal"),
+        ("fast", "wl-fast"),
+    ] {
+        let r = rig.start(
+            &node,
+            "training",
+            &format!("r-{mode}"),
+            json!({"workload_uuid": wl, "mode": mode}),
+        );
+        assert_eq!(r["status"], "ok", "{r}");
+        assert!(r["output"]["pid"].as_i64().unwrap_or(0) > 0, "{r}");
+        assert_eq!(r["output"]["workload_request_id"], format!("r-{mode}"));
+    }
+    let ok = rig.completion("wl-ok");
+    assert_eq!(
+        ok,
+        json!({"status": "completed", "success": true, "exit_code": 0})
+    );
+    let three = rig.completion("wl-three");
+    assert_eq!(three["success"], false);
+    assert_eq!(three["exit_code"], 3);
+    assert_eq!(three["error"], "it broke badly");
+    assert_eq!(three["stderr"], "it broke badly");
+    let sig = rig.completion("wl-signal");
+    assert_eq!(sig["success"], false);
+    assert_eq!(sig["exit_code"], -9, "killed by signal 9: {sig}");
+    let fast = rig.completion("wl-fast");
+    assert_eq!(fast["exit_code"], 0);
+    assert_eq!(fast["success"], true);
+    // R7 running came first, with the workload's pid.
+    let all = rig.cp.statuses("wl-ok");
+    assert_eq!(all[0]["status"], "running");
+    assert!(all[0]["pid"].as_i64().unwrap_or(0) > 0);
+}
+
+#[test]
+fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
+    let rig = Rig::new("cyberwave:\n  simulate: echo started >> starts.txt; sleep 3\n");
+    let node = rig.node();
+    let first = rig.start(&node, "simulate", "dup", json!({"workload_uuid": "wl-dup"}));
+    rig.cp.command(
+        &node.uuid(),
+        json!({"command": "simulate", "request_id": "dup", "params": {"workload_uuid": "wl-dup"}}),
+    );
+    assert!(wait_for(REPLY, || (rig.cp.replies_for("dup").len() == 2)
+        .then_some(()))
+    .is_some());
+    let replies = rig.cp.replies_for("dup");
+    assert_eq!(
+        replies[0], replies[1],
+        "the redelivery gets the original answer"
+    );
+    assert_eq!(first["output"]["pid"], replies[1]["output"]["pid"]);
+    // Two more at once: capacity 1 rejects both.
+    for rid in ["busy-1", "busy-2"] {
+        rig.cp.command(
+            &node.uuid(),
+            json!({"command": "simulate", "request_id": rid, "params": {"workload_uuid": rid}}),
+        );
+    }
+    for rid in ["busy-1", "busy-2"] {
+        let r = rig.cp.wait_reply(rid, REPLY).expect("reply");
+        assert_eq!(r["status"], "error");
+        let err = r["error"].as_str().unwrap_or_default();
+        assert!(
+            err.starts_with("Controller host is busy with 1 active workload(s)"),
+            "{err}"
+        );
+        let failed = rig.cp.wait_status(rid, "failed", REPLY).expect("R7 failed");
+        assert_eq!(failed[0]["rejection_reason"], "host_busy");
+        assert_eq!(failed[0]["rejecting_instance_uuid"], node.uuid());
+        assert!(failed[0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("Controller host is busy with"));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let starts = std::fs::read_to_string(rig.work("starts.txt")).unwrap_or_default();
+    assert_eq!(starts.lines().count(), 1, "spawned exactly once");
+    let status = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(status["output"]["is_busy"], true);
+    assert_eq!(
+        status["output"]["active_workloads"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    // Once it is done, the same request id is still answered from the ledger, not run again.
+    rig.completion("wl-dup");
+    rig.cp.command(
+        &node.uuid(),
+        json!({"command": "simulate", "request_id": "dup", "params": {}}),
+    );
+    assert!(wait_for(REPLY, || (rig.cp.replies_for("dup").len() == 3)
+        .then_some(()))
+    .is_some());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        std::fs::read_to_string(rig.work("starts.txt"))
+            .unwrap_or_default()
+            .lines()
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn hostile_params_reach_the_workload_intact_and_never_a_shell() {
+    let rig = Rig::new("cyberwave:\n  inference: mkdir -p got && cp {body} \"got/$(date +%s%N).json\"\n  max_concurrent_workloads: 8\n");
+    let node = rig.node();
+    let values = [
+        json!("it's \"quoted\""),
+        json!("$(touch canary)"),
+        json!("`touch canary2`"),
+        json!("line1\nline2; touch canary3"),
+        json!("ünïcødé ✅ 🚀"),
+        json!("x".repeat(1024 * 1024)),
+    ];
+    let params = json!({"workload_uuid": "wl-hostile", "a": values[0], "b": values[1], "c": values[2], "d": values[3], "e": values[4], "f": values[5], "cyberwave_workload_token": "cw_workload_secret"});
+    let r = rig.start(&node, "inference", "hostile", params.clone());
+    assert_eq!(r["status"], "ok", "{r}");
+    rig.completion("wl-hostile");
+    let got_dir = rig.work("got");
+    let files = files_below(&got_dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let received: Value =
+        serde_json::from_str(&std::fs::read_to_string(&files[0]).unwrap_or_default())
+            .unwrap_or_default();
+    let mut expected = params;
+    expected
+        .as_object_mut()
+        .map(|m| m.remove("cyberwave_workload_token"));
+    assert_eq!(
+        received, expected,
+        "params reach the workload unchanged, token removed"
+    );
+    for c in ["canary", "canary2", "canary3"] {
+        assert!(
+            !rig.work(c).exists(),
+            "{c} was created: request data reached a shell"
+        );
+    }
+    // Hostile request ids create nothing outside the state dir.
+    let home = rig.setup.home.path().to_path_buf();
+    let before: Vec<String> = files_below(&home)
+        .into_iter()
+        .filter(|f| !f.contains("/.cyberwave/") && !f.contains("/got"))
+        .collect();
+    let long = "y".repeat(10_000);
+    for (i, rid) in ["../../x", "/etc/cw-hostile-x", &long, "a\u{0}b", "..", "."]
+        .iter()
+        .enumerate()
+    {
+        rig.cp.command(&node.uuid(), json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("wl-id-{i}")}}));
+        let r = rig
+            .cp
+            .wait_reply(rid, REPLY)
+            .unwrap_or_else(|| panic!("no reply for id #{i}"));
+        assert_eq!(r["status"], "ok", "{r}");
+        rig.completion(&format!("wl-id-{i}"));
+    }
+    let after: Vec<String> = files_below(&home)
+        .into_iter()
+        .filter(|f| !f.contains("/.cyberwave/") && !f.contains("/got"))
+        .collect();
+    assert_eq!(before, after, "files appeared outside the state dir");
+    assert!(!Path::new("/etc/cw-hostile-x").exists());
+    for f in files_below(&home.join(".cyberwave/workload_logs")) {
+        let name = Path::new(&f)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        assert!(name.len() < 100 && !name.starts_with('.'), "{name}");
+    }
+}
+
+#[test]
+fn the_workload_gets_its_own_credentials_and_context() {
+    let rig = Rig::new("cyberwave:\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n");
+    let mut setup_env = rig.setup.env.clone();
+    setup_env.insert(
+        "CYBERWAVE_MQTT_PASSWORD".into(),
+        "node-broker-password".into(),
+    );
+    let node = rig.node();
+    rig.start(
+        &node,
+        "training",
+        "env-1",
+        json!({"workload_uuid": "wl-env", "cyberwave_workload_token": "cw_scoped_workload_token"}),
+    );
+    rig.completion("wl-env");
+    let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
+    assert!(
+        env.contains("CYBERWAVE_API_KEY=cw_scoped_workload_token\n"),
+        "{env}"
+    );
+    assert!(
+        env.contains("CYBERWAVE_MQTT_PASSWORD=cw_scoped_workload_token\n"),
+        "{env}"
+    );
+    assert!(env.contains("CYBERWAVE_REQUEST_ID=env-1\n"), "{env}");
+    assert!(env.contains("CYBERWAVE_WORKLOAD_UUID=wl-env\n"), "{env}");
+    assert!(env.contains("CYBERWAVE_WORKLOAD_TYPE=training\n"), "{env}");
+    assert!(env.contains("CYBERWAVE_PARAMS_FILE=/"), "{env}");
+    assert!(
+        !env.contains(TOKEN),
+        "the node's own token is not passed on when a workload token came: {env}"
+    );
+    // Without a workload token the node's token is used (as the original does).
+    rig.start(
+        &node,
+        "training",
+        "env-2",
+        json!({"workload_uuid": "wl-env2"}),
+    );
+    rig.completion("wl-env2");
+    let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
+    assert!(
+        env.contains(&format!("CYBERWAVE_API_KEY={TOKEN}\n")),
+        "{env}"
+    );
+    // The params file holds no token.
+    assert!(
+        !node.log().contains("cw_scoped_workload_token"),
+        "a workload token reached the log"
+    );
+}
+
+#[test]
+fn cancel_by_pid_and_by_request_id_with_each_signal() {
+    let rig = Rig::new(
+        "cyberwave:\n  simulate: sleep 30\n  training: sleep 30\n  max_concurrent_workloads: 3\n",
+    );
+    let node = rig.node();
+    let a = rig.start(
+        &node,
+        "simulate",
+        "c-term",
+        json!({"workload_uuid": "wl-term"}),
+    );
+    let b = rig.start(
+        &node,
+        "training",
+        "c-int",
+        json!({"workload_uuid": "wl-int"}),
+    );
+    let c = rig.start(
+        &node,
+        "simulate",
+        "c-kill",
+        json!({"workload_uuid": "wl-kill"}),
+    );
+    let pid_a = a["output"]["pid"].as_i64().unwrap_or(0);
+    let pid_c = c["output"]["pid"].as_i64().unwrap_or(0);
+    rig.cp.command(
+        &node.uuid(),
+        json!({"command": "cancel", "request_id": "x1", "params": {"pid": pid_a}}),
+    );
+    rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "x2", "params": {"workload_request_id": "c-int", "signal": "SIGINT"}}));
+    rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "x3", "params": {"pid": pid_c, "signal": "SIGKILL"}}));
+    let r1 = rig.cp.wait_reply("x1", REPLY).expect("x1");
+    assert_eq!(r1["status"], "ok", "{r1}");
+    assert_eq!(
+        r1["output"],
+        json!({"message": "Workload cancelled with SIGTERM", "pid": pid_a, "workload_type": "simulate", "workload_request_id": "c-term", "signal": "SIGTERM"})
+    );
+    let r2 = rig.cp.wait_reply("x2", REPLY).expect("x2");
+    assert_eq!(r2["output"]["signal"], "SIGINT");
+    assert_eq!(r2["output"]["pid"], b["output"]["pid"]);
+    let r3 = rig.cp.wait_reply("x3", REPLY).expect("x3");
+    assert_eq!(r3["output"]["signal"], "SIGKILL");
+    let cancelled = rig
+        .cp
+        .wait_status("wl-term", "cancelled", DONE)
+        .expect("R7 cancelled");
+    let last = cancelled.last().cloned().unwrap_or_default();
+    assert_eq!(
+        last,
+        json!({"status": "cancelled", "message": "Workload cancelled by SIGTERM", "signal": "SIGTERM", "pid": pid_a})
+    );
+    let training = rig
+        .cp
+        .wait_status("wl-int", "failed", DONE)
+        .expect("training → failed");
+    assert_eq!(
+        training.last().map(|b| b["signal"].clone()),
+        Some(json!("SIGINT"))
+    );
+    assert!(rig.cp.wait_status("wl-kill", "cancelled", DONE).is_some());
+    for wl in ["wl-term", "wl-int", "wl-kill"] {
+        let all = rig.cp.statuses(wl);
+        assert!(
+            all.iter().all(|b| b["status"] != "completed"),
+            "a cancel is reported once, as the cancel: {all:?}"
+        );
+        assert_eq!(
+            all.iter().filter(|b| b["status"] != "running").count(),
+            1,
+            "{all:?}"
+        );
+    }
+    assert!(!pid_alive(pid_a) && !pid_alive(pid_c));
+    let st = rig.cp.status(&node.uuid(), "after", REPLY).expect("status");
+    assert_eq!(st["output"]["active_workloads"], json!([]));
+}
+
+#[test]
+fn cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
+    let rig = Rig::new(
+        "cyberwave:\n  simulate: |\n    trap '' TERM\n    (trap '' TERM; sleep 60) &\n    echo $! > child.pid\n    sleep 60\n",
+    );
+    let node = rig.node();
+    let r = rig.start(
+        &node,
+        "simulate",
+        "stubborn",
+        json!({"workload_uuid": "wl-stubborn"}),
+    );
+    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
+    let child: i64 = wait_for(REPLY, || {
+        std::fs::read_to_string(rig.work("child.pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .expect("child pid");
+    // A pid that is not the node's workload is never signalled.
+    let mut bystander = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("sleep");
+    rig.cp.command(
+        &node.uuid(),
+        json!({"command": "cancel", "request_id": "foreign", "params": {"pid": bystander.id()}}),
+    );
+    let f = rig.cp.wait_reply("foreign", REPLY).expect("reply");
+    assert_eq!(f["status"], "error");
+    assert!(
+        f["error"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("No active workload found with PID"),
+        "{f}"
+    );
+    assert!(pid_alive(i64::from(bystander.id())));
+    let _ = bystander.kill();
+    let _ = bystander.wait();
+    // Invalid signal.
+    rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "badsig", "params": {"pid": pid, "signal": "SIGSTOP"}}));
+    let b = rig.cp.wait_reply("badsig", REPLY).expect("reply");
+    assert_eq!(
+        b["error"],
+        "Invalid signal: SIGSTOP. Must be SIGTERM, SIGKILL, or SIGINT"
+    );
+    // SIGTERM is ignored by both; after the grace period the group is killed.
+    let t = Instant::now();
+    rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "esc", "params": {"pid": pid, "grace_seconds": 1}}));
+    assert_eq!(
+        rig.cp.wait_reply("esc", REPLY).expect("reply")["status"],
+        "ok"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        pid_alive(pid) && pid_alive(child),
+        "SIGTERM alone does not stop them"
+    );
+    assert!(
+        rig.cp
+            .wait_status("wl-stubborn", "cancelled", DONE)
+            .is_some(),
+        "{}",
+        node.log()
+    );
+    assert!(t.elapsed() >= Duration::from_secs(1));
+    assert!(!pid_alive(pid), "the workload is gone");
+    assert!(
+        wait_for(REPLY, || (!pid_alive(child)).then_some(())).is_some(),
+        "its child is gone too"
+    );
+}
+
+#[test]
+fn max_runtime_cancels_and_reports_a_timeout() {
+    let rig = Rig::new("cyberwave:\n  training: sleep 30\n  max_runtime_seconds: 60\n");
+    let node = rig.node();
+    rig.start(
+        &node,
+        "training",
+        "slow",
+        json!({"workload_uuid": "wl-slow", "max_runtime_seconds": 0.5}),
+    );
+    let done = rig.completion("wl-slow");
+    assert_eq!(done["success"], false);
+    assert_eq!(done["error"], "timed out after 0.5s");
+}
+
+#[test]
+fn workload_received_dispatches_a_start() {
+    let rig = Rig::new("cyberwave:\n  simulate: cp {body} wr.json\n");
+    let node = rig.node();
+    rig.cp.command(
+        &node.uuid(),
+        json!({"command": "workload_received", "request_id": "wr", "params": {"workload_uuid": "wl-wr", "command_type": "simulate", "command_params": {"scene": 1}}}),
+    );
+    assert_eq!(
+        rig.cp.wait_reply("wr", REPLY).expect("reply")["status"],
+        "ok"
+    );
+    rig.completion("wl-wr");
+    let got: Value =
+        serde_json::from_str(&std::fs::read_to_string(rig.work("wr.json")).unwrap_or_default())
+            .unwrap_or_default();
+    assert_eq!(got, json!({"scene": 1, "workload_uuid": "wl-wr"}));
+    rig.cp.command(&node.uuid(), json!({"command": "workload_received", "request_id": "wr2", "params": {"workload_uuid": "wl-x", "command_type": "other"}}));
+    let r = rig.cp.wait_reply("wr2", REPLY).expect("reply");
+    assert_eq!(
+        r["output"]["message"],
+        "Workload wl-x received and acknowledged"
+    );
+}
+
+#[test]
+fn workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
+    let rig = Rig::new(
+        "cyberwave:\n  training: |\n    n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"n\"])' {body})\n    while [ ! -f release-$n ]; do sleep 0.05; done\n    exit $n\n  max_concurrent_workloads: 3\n",
+    );
+    let mut node = rig.node();
+    let mut pids = Vec::new();
+    for n in 1..=3 {
+        let r = rig.start(
+            &node,
+            "training",
+            &format!("k{n}"),
+            json!({"workload_uuid": format!("wl-k{n}"), "n": n}),
+        );
+        pids.push(r["output"]["pid"].as_i64().unwrap_or(0));
+    }
+    node.kill9();
+    std::thread::sleep(Duration::from_millis(300));
+    for p in &pids {
+        assert!(pid_alive(*p), "workload {p} died with the node");
+    }
+    // One ends while the node is down.
+    std::fs::write(rig.work("release-1"), "").expect("release");
+    assert!(wait_for(REPLY, || (!pid_alive(pids[0])).then_some(())).is_some());
+    let node = rig.node();
+    assert!(
+        node.log().contains("re-adopted running workload k2"),
+        "{}",
+        node.log()
+    );
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let listed: Vec<i64> = st["output"]["active_workloads"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|w| w["pid"].as_i64()).collect())
+        .unwrap_or_default();
+    assert_eq!(listed.len(), 2, "{st}");
+    assert_eq!(
+        rig.completion("wl-k1")["exit_code"],
+        1,
+        "ended while the node was down"
+    );
+    std::fs::write(rig.work("release-2"), "").expect("release");
+    assert_eq!(rig.completion("wl-k2")["exit_code"], 2);
+    // Cancel works on an adopted workload.
+    rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "ck3", "params": {"workload_request_id": "k3", "grace_seconds": 1}}));
+    assert_eq!(
+        rig.cp.wait_reply("ck3", REPLY).expect("reply")["status"],
+        "ok"
+    );
+    assert!(
+        rig.cp.wait_status("wl-k3", "failed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    for wl in ["wl-k1", "wl-k2", "wl-k3"] {
+        let terminal = rig
+            .cp
+            .statuses(wl)
+            .into_iter()
+            .filter(|b| b["status"] != "running")
+            .count();
+        assert_eq!(terminal, 1, "{wl}: {:?}", rig.cp.statuses(wl));
+    }
+}
+
+#[test]
+fn a_completion_during_a_broker_outage_arrives_once_afterwards() {
+    let mut rig =
+        Rig::new("cyberwave:\n  inference: while [ ! -f go ]; do sleep 0.05; done; exit 4\n");
+    let node = rig.node();
+    rig.start(
+        &node,
+        "inference",
+        "out-1",
+        json!({"workload_uuid": "wl-outage"}),
+    );
+    rig.broker.stop();
+    std::fs::write(rig.work("go"), "").expect("go");
+    assert!(
+        node.wait_log("finished: failure, exit code 4", DONE),
+        "{}",
+        node.log()
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    rig.broker.restart();
+    let done = rig.completion("wl-outage");
+    assert_eq!(done["exit_code"], 4);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        rig.cp
+            .statuses("wl-outage")
+            .iter()
+            .filter(|b| b["status"] == "completed")
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn completion_survives_a_node_restart_before_acknowledgement() {
+    let rig = Rig::new("cyberwave:\n  inference: exit 5\n");
+    let mut node = rig.node();
+    rig.cp.set_behaviour(|b| b.mute = true);
+    rig.start_muted(&node);
+    assert!(
+        node.wait_log("finished: failure, exit code 5", DONE),
+        "{}",
+        node.log()
+    );
+    node.kill9();
+    rig.cp.set_behaviour(|b| b.mute = false);
+    let node = rig.node();
+    assert!(node.log().contains("in the outbox"), "{}", node.log());
+
+    assert_eq!(rig.completion_last("wl-restart")["exit_code"], 5);
+    std::thread::sleep(Duration::from_millis(500));
+    let all = rig.cp.statuses("wl-restart");
+    assert!(
+        all.iter()
+            .all(|b| b["status"] != "completed" || b["exit_code"] == 5),
+        "never reported as lost: {all:?}"
+    );
+}
+
+impl Rig {
+    /// Starts `wl-restart` while the backend answers nothing (the command reply still flows).
+    fn start_muted(&self, node: &NodeProcess) {
+        self.cp.command(&node.uuid(), json!({"command": "inference", "request_id": "mr", "params": {"workload_uuid": "wl-restart"}}));
+        assert!(self.cp.wait_reply("mr", REPLY).is_some());
+    }
+
+    /// The last completion for `wl` (the unacknowledged first one may also have reached the
+    /// backend: a repeat is allowed, a loss is not).
+    fn completion_last(&self, wl: &str) -> Value {
+        let all = wait_for(DONE, || {
+            let n = self
+                .cp
+                .statuses(wl)
+                .into_iter()
+                .filter(|b| b["status"] == "completed")
+                .count();
+            (n >= 2).then_some(())
+        });
+        assert!(all.is_some(), "{:?}", self.cp.statuses(wl));
+        self.cp
+            .statuses(wl)
+            .into_iter()
+            .rfind(|b| b["status"] == "completed")
+            .unwrap_or_default()
+    }
+}
+
+#[test]
+fn sigterm_leaves_workloads_running_and_names_them() {
+    let rig = Rig::new("cyberwave:\n  training: sleep 20\n");
+    let mut node = rig.node();
+    let r = rig.start(&node, "training", "keep", json!({}));
+    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
+    node.sigterm();
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert!(
+        node.log()
+            .contains(&format!("left running: training keep pid {pid}")),
+        "{}",
+        node.log()
+    );
+    assert!(
+        node.log().contains("training_keep.stdout.log"),
+        "{}",
+        node.log()
+    );
+    assert!(pid_alive(pid));
+    // SAFETY: cleaning up the test's own workload group.
+    unsafe {
+        libc::kill(-(pid as i32), libc::SIGKILL);
+    }
+}

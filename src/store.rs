@@ -74,7 +74,6 @@ pub fn safe_id(id: &str) -> String {
 }
 
 /// FNV-1a, 32 bit: stable across builds and platforms (unlike std's hasher).
-#[allow(dead_code)]
 fn fnv1a32(data: &[u8]) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
     for b in data {

@@ -4,7 +4,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 use support::node::NodeSetup;
@@ -149,4 +149,66 @@ fn main() {
     std::thread::sleep(Duration::from_secs(3));
     let idle = proc_stats(node.pid()).2 - before;
     println!("{:<44} {:.4} CPU s per second", "node idle CPU", idle / 3.0);
+    drop(node);
+
+    workloads(&broker, &cp);
+}
+
+/// Seconds since the epoch, as bash's $EPOCHREALTIME prints them.
+fn epoch(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// 3. Workloads: command → workload process running, and workload exit → completion published.
+fn workloads(broker: &Broker, cp: &ControlPlane) {
+    let setup = NodeSetup::new(broker, cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  inference: |\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.start\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.end\n",
+    );
+    std::fs::create_dir_all(setup.cwd.join("t")).ok();
+    let node = setup.spawn();
+    node.wait_ready(Duration::from_secs(10));
+    let uuid = node.uuid();
+    let (mut start, mut done) = (Vec::new(), Vec::new());
+    let read = |p: std::path::PathBuf| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+    };
+    for i in 0..100 {
+        let rid = format!("b{i}");
+        let wl = format!("wb{i}");
+        let sent = SystemTime::now();
+        cp.command(
+            &uuid,
+            json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": wl}}),
+        );
+        let Some(all) = cp.wait_status(&wl, "completed", Duration::from_secs(10)) else {
+            continue;
+        };
+        let _ = all;
+        let arrived = cp
+            .all_requests()
+            .into_iter()
+            .find(|r| r.id == wl && r.body["status"] == "completed")
+            .map(|r| epoch(r.wall));
+        if let (Some(s), Some(e), Some(a)) = (
+            read(setup.cwd.join(format!("t/{rid}.start"))),
+            read(setup.cwd.join(format!("t/{rid}.end"))),
+            arrived,
+        ) {
+            start.push(Duration::from_secs_f64((s - epoch(sent)).max(0.0)));
+            done.push(Duration::from_secs_f64((a - e).max(0.0)));
+        }
+    }
+    report("command → workload process running", start, "< 5 ms");
+    report("workload exit → completion published", done, "< 20 ms");
+    let (peak, rss, cpu) = proc_stats(node.pid());
+    println!(
+        "{:<44} peak RSS {} KiB, RSS {} KiB, CPU {:.3} s after 100 workloads",
+        "node footprint (100 workloads)", peak, rss, cpu
+    );
 }

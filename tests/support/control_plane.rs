@@ -56,6 +56,7 @@ pub struct Request {
     pub id: String,
     pub body: Value,
     pub at: Instant,
+    pub wall: std::time::SystemTime,
     pub api_token: Option<String>,
     pub has_correlation: bool,
 }
@@ -307,6 +308,7 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
             id: id.clone(),
             body: body.clone(),
             at: Instant::now(),
+            wall: std::time::SystemTime::now(),
             api_token,
             has_correlation: correlation.is_some(),
         });

@@ -3,6 +3,7 @@
 //! loop waits on the network: requests are published and their replies (or deadlines) come
 //! back as events; the loop wakes at least every [`TICK`].
 
+mod logs;
 mod startup;
 mod workloads;
 
@@ -24,6 +25,7 @@ use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
 use crate::workload::reaper::{Reaped, Reaper};
+use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
 use workloads::Active;
 
@@ -90,6 +92,8 @@ enum Op {
     WorkloadStatus,
     /// An outbox message (terminal status, completion), removed once acknowledged.
     Outbox(u64),
+    /// A log chunk of a workload stream.
+    Log(Key),
 }
 
 struct Pending {
@@ -141,6 +145,9 @@ pub struct Node {
     outbox: Outbox,
     reaper: Reaper,
     reaped: Receiver<Reaped>,
+    tailer: Tailer,
+    chunks: Receiver<Chunk>,
+    next_stream_pass: Instant,
 }
 
 impl Node {
@@ -156,6 +163,7 @@ impl Node {
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
                 recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
+                recv(self.chunks) -> c => if let Ok(c) = c { self.on_chunk(c) },
                 default(wait) => {}
             }
             self.tick();
@@ -189,6 +197,7 @@ impl Node {
         if let Some(s) = &self.shutdown {
             t = t.min(s.deadline);
         }
+        t = t.min(self.next_stream_pass);
         if let Some(o) = self.outbox.next_try() {
             if self.conn == Conn::Connected {
                 t = t.min(o);
@@ -260,6 +269,7 @@ impl Node {
                     // Outbox messages in flight are sent again after the reconnect.
                     self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
                     self.outbox.reset_in_flight();
+                    self.reset_streams();
                 }
             }
             MqttEvent::Message {
@@ -340,6 +350,7 @@ impl Node {
             Op::Register => self.on_register_reply(body),
             Op::Heartbeat => self.on_heartbeat_reply(body),
             Op::Outbox(seq) => self.on_outbox_reply(seq, body),
+            Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(success)),
             Op::WorkloadStatus => match body {
                 Some(b) if success(&b) => {}
                 Some(b) => log::warn!("workload status update refused: {}", message(&b)),
@@ -837,6 +848,9 @@ impl Node {
         }
         self.tick_workloads();
         self.flush_outbox();
+        if now >= self.next_stream_pass {
+            self.pump_streams(true);
+        }
         if let Some(due) = self.hb.next_due {
             if now >= due && self.reg == Registration::Done && self.shutdown.is_none() {
                 self.send_heartbeat();

@@ -23,6 +23,7 @@ use crate::outbox::Outbox;
 use crate::protocol::topics::Topics;
 use crate::signals::{self, Signal};
 use crate::workload::reaper::Reaper;
+use crate::workload::tail::Tailer;
 use crate::workload::Layout;
 use crate::{store, util};
 
@@ -200,6 +201,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
             return Err(EXIT_RUNTIME);
         }
     };
+    let (chunk_tx, chunks) = unbounded();
+    let tailer = match Tailer::start(chunk_tx) {
+        Ok(t) => t,
+        Err(e) => {
+            log::error!("cannot start the tailer thread: {e}");
+            return Err(EXIT_RUNTIME);
+        }
+    };
     let (reaped_tx, reaped) = unbounded();
     let reaper = match Reaper::start(reaped_tx) {
         Ok(r) => r,
@@ -242,6 +251,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         outbox,
         reaper,
         reaped,
+        tailer,
+        chunks,
+        next_stream_pass: now,
         s,
     };
     let mut node = node;

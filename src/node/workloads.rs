@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use super::logs::{Cursor, Stream, DRAIN_LIMIT};
 use super::{Node, Op};
 use crate::outbox::Item;
 use crate::protocol::messages::request_id_text;
@@ -28,6 +29,16 @@ pub struct Active {
     /// The shim reported the end, but a cancel's process group is still being cleared.
     pub exited: Option<Option<Exit>>,
     pub next_check: Instant,
+    /// stdout, stderr.
+    pub streams: [Stream; 2],
+    /// The workload ended; its logs are being drained before the completion goes out.
+    pub ending: Option<Ending>,
+}
+
+pub struct Ending {
+    pub exit: Option<Exit>,
+    pub lost: Option<&'static str>,
+    pub drain_deadline: Instant,
 }
 
 impl Active {
@@ -43,11 +54,15 @@ impl Active {
             runtime_deadline,
             exited: None,
             next_check: now,
+            streams: [Stream::default(), Stream::default()],
+            ending: None,
         }
     }
 
     pub fn state(&self) -> &'static str {
-        if self.meta.cancel.is_some() {
+        if self.ending.is_some() {
+            "finishing"
+        } else if self.meta.cancel.is_some() {
             "cancelling"
         } else {
             "running"
@@ -372,11 +387,29 @@ impl Node {
         let lost = exit
             .is_none()
             .then_some("workload lost: its supervisor ended without recording an exit status");
-        self.complete(safe_id, exit, lost);
+        self.begin_ending(safe_id, exit, lost);
+    }
+
+    /// The workload ended: ship what is left of its logs, then report it.
+    fn begin_ending(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&'static str>) {
+        let now = self.clock.now();
+        let Some(a) = self.active.get_mut(safe_id) else {
+            return;
+        };
+        if a.ending.is_some() {
+            return;
+        }
+        a.exited = None;
+        a.ending = Some(Ending {
+            exit,
+            lost,
+            drain_deadline: now + DRAIN_LIMIT,
+        });
+        self.pump_streams(false);
     }
 
     /// Reports the end of a workload exactly once (through the outbox) and forgets it.
-    pub(super) fn complete(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&str>) {
+    fn complete(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&str>) {
         let Some(a) = self.active.remove(safe_id) else {
             return;
         };
@@ -559,12 +592,20 @@ impl Node {
             let Some(a) = self.active.get(&id) else {
                 continue;
             };
+            if a.ending.is_some() {
+                if self.drained(&id, now) {
+                    if let Some(e) = self.active.get_mut(&id).and_then(|a| a.ending.take()) {
+                        self.complete(&id, e.exit, e.lost);
+                    }
+                }
+                continue;
+            }
             if let Some(exit) = a.exited.clone() {
                 if !procinfo::group_alive(pid) {
                     let lost = exit.is_none().then_some(
                         "workload lost: its supervisor ended without recording an exit status",
                     );
-                    self.complete(&id, exit, lost);
+                    self.begin_ending(&id, exit, lost);
                 }
                 continue;
             }
@@ -643,21 +684,30 @@ impl Node {
             };
             let exit: Option<Exit> = workload::read_json(&dir.join("exit.json"));
             let rid = meta.request_id_text();
-            self.active
-                .insert(name.clone(), Active::new(meta, false, now));
+            let mut active = Active::new(meta, false, now);
+            let cursor: Cursor = workload::read_json(&dir.join("cursor.json")).unwrap_or_default();
+            for (s, at) in active
+                .streams
+                .iter_mut()
+                .zip([cursor.stdout, cursor.stderr])
+            {
+                s.acked = at;
+                s.mirrored = at;
+            }
+            self.active.insert(name.clone(), active);
             if exit.is_some() {
                 log::info!("workload {rid} ended while the node was down; reporting it");
-                self.complete(&name, exit, None);
+                self.begin_ending(&name, exit, None);
             } else if !st.boot_id.is_empty() && st.boot_id != boot {
                 log::warn!("workload {rid} was lost: the host rebooted");
-                self.complete(&name, None, Some("workload lost: host rebooted"));
+                self.begin_ending(&name, None, Some("workload lost: host rebooted"));
             } else if procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
                 || procinfo::same_process_alive(st.pid, st.start_ticks)
             {
                 log::info!("re-adopted running workload {rid} (pid {})", st.pid);
             } else {
                 log::warn!("workload {rid} was lost while the node was down");
-                self.complete(
+                self.begin_ending(
                     &name,
                     None,
                     Some("workload lost: node restarted and no exit status was recorded"),

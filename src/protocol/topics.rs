@@ -45,7 +45,7 @@ impl Topics {
     pub fn fail(&self, uuid: &str) -> String {
         self.node(uuid, "fail")
     }
-    #[allow(dead_code)] // used once log streaming lands
+
     pub fn logs(&self, uuid: &str) -> String {
         self.node(uuid, "logs")
     }

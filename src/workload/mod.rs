@@ -5,6 +5,7 @@
 pub mod procinfo;
 pub mod reaper;
 pub mod shim;
+pub mod tail;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};

@@ -3,5 +3,6 @@
 mod support;
 
 mod cli_config;
+mod logs;
 mod wire;
 mod workloads;

@@ -1,0 +1,263 @@
+//! Log streaming and console mirroring end to end.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::control_plane::Request;
+use crate::support::node::NodeSetup;
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(60);
+
+fn rig(manifest: &str, interval: &str) -> (Broker, ControlPlane, NodeSetup) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", interval);
+    setup.write("cyberwave.yml", manifest);
+    (broker, cp, setup)
+}
+
+fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) {
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
+    );
+    assert_eq!(
+        cp.wait_reply(rid, REPLY).expect("start reply")["status"],
+        "ok"
+    );
+}
+
+/// Log chunks of workload `wl`, by stream: offset → the longest chunk sent from there. A chunk
+/// sent again after a restart may reach further than the first time; the shorter one must be a
+/// prefix of the longer.
+fn chunks(cp: &ControlPlane, wl: &str) -> [BTreeMap<u64, String>; 2] {
+    let mut out: [BTreeMap<u64, String>; 2] = [BTreeMap::new(), BTreeMap::new()];
+    for r in cp.requests("logs") {
+        if r.body["workload_uuid"] != json!(wl) {
+            continue;
+        }
+        let i = usize::from(r.body["log_type"] == "stderr");
+        let offset = r.body["offset"].as_u64().expect("offset");
+        let text = r.body["log_content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let slot = out[i].entry(offset).or_default();
+        assert!(
+            slot.starts_with(&text) || text.starts_with(slot.as_str()),
+            "offset {offset} carried different bytes"
+        );
+        if text.len() > slot.len() {
+            *slot = text;
+        }
+    }
+    out
+}
+
+/// The union of what the backend got, as the backend would rebuild it by offset; panics on a gap
+/// or on overlapping chunks that disagree.
+fn rebuild(chunks: &BTreeMap<u64, String>) -> String {
+    let mut text = String::new();
+    for (offset, c) in chunks {
+        let at = *offset as usize;
+        assert!(
+            at <= text.len(),
+            "gap before offset {at} (have {} bytes)",
+            text.len()
+        );
+        let overlap = (text.len() - at).min(c.len());
+        assert_eq!(
+            &text[at..at + overlap],
+            &c[..overlap],
+            "overlap at {at} disagrees"
+        );
+        text.push_str(&c[overlap..]);
+    }
+    text
+}
+
+fn numbered(prefix: &str, n: usize) -> String {
+    (1..=n).map(|i| format!("{prefix} {i}\n")).collect()
+}
+
+fn completion_request(cp: &ControlPlane, wl: &str) -> Option<Request> {
+    cp.all_requests()
+        .into_iter()
+        .find(|r| r.op == "workload:update-status" && r.id == wl && r.body["status"] == "completed")
+}
+
+#[test]
+fn every_line_is_streamed_once_in_order_and_mirrored() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    for i in $(seq 1 200); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
+        "0.2",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "lines", "wl-lines");
+    assert!(
+        cp.wait_status("wl-lines", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let [out, err] = chunks(&cp, "wl-lines");
+    assert_eq!(rebuild(&out), numbered("out", 200));
+    assert_eq!(rebuild(&err), numbered("err", 200));
+    let logs: Vec<Request> = cp.requests("logs");
+    let done = completion_request(&cp, "wl-lines").expect("completion");
+    let first = logs.first().expect("log chunks").at;
+    assert!(
+        done.at - first > Duration::from_millis(800),
+        "the first chunk came before the workload ended"
+    );
+    assert!(
+        logs.iter().all(|l| l.at <= done.at),
+        "the completion comes after the logs"
+    );
+    assert!(
+        out.len() > 2,
+        "streamed in several chunks while running, not at the end: {}",
+        out.len()
+    );
+    for l in &logs {
+        assert_eq!(l.body["workload_request_id"], "lines");
+        assert_eq!(l.body["instance_uuid"], node.uuid());
+    }
+    // Mirroring: each line once, tagged, on the matching stream of the node.
+    let stdout = node.stdout();
+    let stderr = node.log();
+    for i in 1..=200 {
+        let o = format!("[workload wl-lines stdout] out {i}\n");
+        let e = format!("[workload wl-lines stderr] err {i}\n");
+        assert_eq!(stdout.matches(&o).count(), 1, "{o:?}");
+        assert_eq!(stderr.matches(&e).count(), 1, "{e:?}");
+        assert!(!stdout.contains(&e) && !stderr.contains(&o));
+    }
+}
+
+#[test]
+fn a_partial_last_line_is_mirrored_at_the_end_and_invalid_utf8_is_replaced() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: printf 'first\\nsec\\377ond'\n",
+        "0.2",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "partial", "wl-partial");
+    assert!(cp.wait_status("wl-partial", "completed", DONE).is_some());
+    let out = node.stdout();
+    assert!(
+        out.contains("[workload wl-partial stdout] first\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[workload wl-partial stdout] sec\u{FFFD}ond\n"),
+        "{out}"
+    );
+    let [o, _] = chunks(&cp, "wl-partial");
+    assert_eq!(rebuild(&o), "first\nsec\u{FFFD}ond");
+    let lens: u64 = cp
+        .requests("logs")
+        .iter()
+        .map(|r| r.body["length"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(lens, 13, "offsets and lengths stay in bytes");
+}
+
+#[test]
+fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    for i in $(seq 1 300); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
+        "0.2",
+    );
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "kill", "wl-kill");
+    assert!(wait_for(REPLY, || (chunks(&cp, "wl-kill")[0].len() >= 2)
+        .then_some(()))
+    .is_some());
+    node.kill9();
+    std::thread::sleep(Duration::from_millis(700));
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        cp.wait_status("wl-kill", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let [out, err] = chunks(&cp, "wl-kill");
+    assert_eq!(rebuild(&out), numbered("out", 300));
+    assert_eq!(rebuild(&err), numbered("err", 300));
+}
+
+#[test]
+fn a_broker_outage_mid_stream_loses_nothing() {
+    let (mut broker, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    for i in $(seq 1 150); do echo \"out $i\"; sleep 0.01; done\n    while [ ! -f go ]; do sleep 0.05; done\n    for i in $(seq 151 300); do echo \"out $i\"; sleep 0.01; done\n",
+        "0.2",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "outage", "wl-outage");
+    assert!(wait_for(REPLY, || (rebuild(&chunks(&cp, "wl-outage")[0])
+        == numbered("out", 150))
+    .then_some(()))
+    .is_some());
+    broker.stop();
+    std::fs::write(setup.cwd.join("go"), "").expect("go");
+    std::thread::sleep(Duration::from_secs(10));
+    broker.restart();
+    assert!(
+        cp.wait_status("wl-outage", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let [out, _] = chunks(&cp, "wl-outage");
+    assert_eq!(rebuild(&out), numbered("out", 300));
+}
+
+#[test]
+fn a_flood_of_output_does_not_starve_commands() {
+    let (_b, cp, setup) = rig("cyberwave:\n  training: yes 0123456789abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz | head -c 500000000\n", "0.5");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "flood", "wl-flood");
+    let log = setup
+        .home
+        .join(".cyberwave/workload_logs/training_flood.stdout.log");
+    let mut answered = 0;
+    for i in 0..20 {
+        let rid = format!("during-{i}");
+        if cp
+            .status(&node.uuid(), &rid, Duration::from_secs(2))
+            .is_some()
+        {
+            answered += 1;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(answered, 20, "every status during the flood was answered");
+    let size = wait_for(Duration::from_secs(60), || {
+        let len = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+        (len == 500_000_000).then_some(len)
+    });
+    assert_eq!(
+        size,
+        Some(500_000_000),
+        "the whole output is in the log file"
+    );
+    let shipped: u64 = cp
+        .requests("logs")
+        .iter()
+        .map(|r| r.body["length"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(shipped < 500_000_000, "shipping is paced, not all at once");
+    let status: Value = cp.status(&node.uuid(), "after", REPLY).expect("status");
+    assert_eq!(status["status"], "ok");
+}

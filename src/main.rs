@@ -12,6 +12,7 @@ mod protocol;
 mod signals;
 mod store;
 mod util;
+mod workers;
 mod workload;
 
 fn main() {

@@ -4,5 +4,6 @@ mod support;
 
 mod cli_config;
 mod logs;
+mod results;
 mod wire;
 mod workloads;

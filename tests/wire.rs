@@ -263,7 +263,8 @@ fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
     setup.set("CYBERWAVE_NODE_ENVIRONMENT_UUID", "env-1");
     let node = setup.spawn();
     node.wait_ready(READY);
-    let first = node.uuid();
+    // The first instance, as the backend saw it (the node may already have moved on).
+    let first = cp.requests("register")[0].id.clone();
     assert!(
         cp.wait_requests("request-instance", 2, READY).len() >= 2,
         "{}",

@@ -4,7 +4,9 @@
 //! back as events; the loop wakes at least every [`TICK`].
 
 mod logs;
+mod selfheal;
 mod startup;
+mod uploads;
 mod workloads;
 
 use std::collections::{BTreeMap, HashMap};
@@ -24,6 +26,7 @@ use crate::protocol::messages::{self, Incoming};
 use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
+use crate::workers::{Done, Workers};
 use crate::workload::reaper::{Reaped, Reaper};
 use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
@@ -94,6 +97,10 @@ enum Op {
     Outbox(u64),
     /// A log chunk of a workload stream.
     Log(Key),
+    /// R9 for the workload with this safe id.
+    SignedUrl(String),
+    /// R10 for the workload with this safe id.
+    UploadResults(String),
 }
 
 struct Pending {
@@ -148,6 +155,9 @@ pub struct Node {
     tailer: Tailer,
     chunks: Receiver<Chunk>,
     next_stream_pass: Instant,
+    workers: Workers,
+    worker_done: Receiver<Done>,
+    heal: selfheal::Heal,
 }
 
 impl Node {
@@ -164,6 +174,7 @@ impl Node {
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
                 recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
                 recv(self.chunks) -> c => if let Ok(c) = c { self.on_chunk(c) },
+                recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 default(wait) => {}
             }
             self.tick();
@@ -351,6 +362,8 @@ impl Node {
             Op::Heartbeat => self.on_heartbeat_reply(body),
             Op::Outbox(seq) => self.on_outbox_reply(seq, body),
             Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(success)),
+            Op::SignedUrl(id) => self.on_signed_url_reply(&id, body),
+            Op::UploadResults(id) => self.on_upload_reply(&id, body.as_ref().is_some_and(success)),
             Op::WorkloadStatus => match body {
                 Some(b) if success(&b) => {}
                 Some(b) => log::warn!("workload status update refused: {}", message(&b)),
@@ -563,6 +576,8 @@ impl Node {
     // ---- heartbeat (R3) -------------------------------------------------------------------------
 
     fn send_heartbeat(&mut self) {
+        // Self-heal runs beside the heartbeat, never in front of it.
+        self.start_heal_pass();
         let interval = self.s.heartbeat_interval.value;
         self.hb.next_due = Some(self.clock.now() + interval);
         if self.conn != Conn::Connected {
@@ -847,6 +862,7 @@ impl Node {
             }
         }
         self.tick_workloads();
+        self.retry_deferred_starts();
         self.flush_outbox();
         if now >= self.next_stream_pass {
             self.pump_streams(true);

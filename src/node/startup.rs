@@ -14,7 +14,7 @@ use crossbeam_channel::{unbounded, Receiver};
 
 use super::{Conn, Heartbeat, Node, Registration, SystemClock};
 use crate::app::{EXIT_CREDENTIALS, EXIT_RUNTIME, EXIT_USAGE};
-use crate::backend::{self, TokenCheck};
+use crate::backend::{self, Backend, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::ledger::Ledger;
@@ -22,6 +22,7 @@ use crate::mqtt::{self, Mqtt, MqttOptions};
 use crate::outbox::Outbox;
 use crate::protocol::topics::Topics;
 use crate::signals::{self, Signal};
+use crate::workers::Workers;
 use crate::workload::reaper::Reaper;
 use crate::workload::tail::Tailer;
 use crate::workload::Layout;
@@ -209,6 +210,19 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
             return Err(EXIT_RUNTIME);
         }
     };
+    let (done_tx, worker_done) = unbounded();
+    let backend = Backend {
+        base_url: s.base_url.value.clone(),
+        token: token.clone(),
+        workspace: s.workspace_slug.as_ref().map(|w| w.value.clone()),
+    };
+    let workers = match Workers::start(backend, done_tx) {
+        Ok(w) => w,
+        Err(e) => {
+            log::error!("cannot start the HTTP worker threads: {e}");
+            return Err(EXIT_RUNTIME);
+        }
+    };
     let (reaped_tx, reaped) = unbounded();
     let reaper = match Reaper::start(reaped_tx) {
         Ok(r) => r,
@@ -254,6 +268,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         tailer,
         chunks,
         next_stream_pass: now,
+        workers,
+        worker_done,
+        heal: Default::default(),
         s,
     };
     let mut node = node;

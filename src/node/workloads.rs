@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use super::logs::{Cursor, Stream, DRAIN_LIMIT};
+use super::uploads::Upload;
 use super::{Node, Op};
 use crate::outbox::Item;
 use crate::protocol::messages::request_id_text;
@@ -33,6 +34,8 @@ pub struct Active {
     pub streams: [Stream; 2],
     /// The workload ended; its logs are being drained before the completion goes out.
     pub ending: Option<Ending>,
+    /// Result files are being uploaded (the workload still counts as busy).
+    pub upload: Option<Upload>,
 }
 
 pub struct Ending {
@@ -56,11 +59,14 @@ impl Active {
             next_check: now,
             streams: [Stream::default(), Stream::default()],
             ending: None,
+            upload: None,
         }
     }
 
     pub fn state(&self) -> &'static str {
-        if self.ending.is_some() {
+        if self.upload.is_some() {
+            "finalizing"
+        } else if self.ending.is_some() {
             "finishing"
         } else if self.meta.cancel.is_some() {
             "cancelling"
@@ -87,6 +93,26 @@ impl Node {
         kind: &str,
         request_id: &Value,
         params: Map<String, Value>,
+    ) {
+        self.start_workload_inner(kind, request_id, params, true);
+    }
+
+    /// A start after the self-heal pass it waited for: no second wait.
+    pub(super) fn start_workload_now(
+        &mut self,
+        kind: &str,
+        request_id: &Value,
+        params: Map<String, Value>,
+    ) {
+        self.start_workload_inner(kind, request_id, params, false);
+    }
+
+    fn start_workload_inner(
+        &mut self,
+        kind: &str,
+        request_id: &Value,
+        params: Map<String, Value>,
+        may_wait: bool,
     ) {
         let rid = request_id_text(request_id);
         let rid = if rid.is_empty() {
@@ -123,14 +149,26 @@ impl Node {
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, None);
         };
         let capacity = self.s.max_concurrent_workloads.value as usize;
+        if self.active.len() >= capacity
+            && may_wait
+            && self.defer_start_for_heal(kind, request_id, &params)
+        {
+            return;
+        }
         if self.active.len() >= capacity {
             let what = if kind == "inference" {
                 "controller"
             } else {
                 "workload"
             };
+            let uploading = self.uploading();
+            let detail = if uploading > 0 {
+                format!(" ({uploading} uploading results)")
+            } else {
+                String::new()
+            };
             let why = format!(
-                "Controller host is busy with {} active workload(s). Stop the existing {what} before starting a new one.",
+                "Controller host is busy with {} active workload(s){detail}. Stop the existing {what} before starting a new one.",
                 self.active.len()
             );
             return self.reject_start(
@@ -350,6 +388,7 @@ impl Node {
                 requested_unix: workload::unix_now(),
                 grace_s: grace.as_secs_f64(),
                 timed_out,
+                stale: false,
             });
             if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
                 log::warn!("workload {safe_id}: cannot record the cancel: {e}");
@@ -359,9 +398,24 @@ impl Node {
         Ok(message)
     }
 
+    /// Self-heal: terminate a stale workload; it will be forgotten without a report.
+    pub(super) fn cancel_stale(&mut self, safe_id: &str, grace: Duration) -> Result<(), String> {
+        self.cancel_workload(safe_id, libc::SIGTERM, "SIGTERM", grace, false)?;
+        if let Some(a) = self.active.get_mut(safe_id) {
+            if let Some(c) = a.meta.cancel.as_mut() {
+                c.stale = true;
+            }
+            if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
+                log::warn!("workload {safe_id}: cannot record the stale mark: {e}");
+            }
+        }
+        Ok(())
+    }
+
     // ---- exits and completion ---------------------------------------------------------------
 
     pub(super) fn on_reaped(&mut self, pid: i32) {
+        log::debug!("supervisor pid {pid} exited");
         let found = self
             .active
             .iter()
@@ -375,6 +429,7 @@ impl Node {
 
     /// The workload's supervisor ended (`exit` is its record, if it wrote one).
     fn on_exit(&mut self, safe_id: &str, exit: Option<Exit>) {
+        log::debug!("workload {safe_id} ended: {exit:?}");
         let Some(a) = self.active.get_mut(safe_id) else {
             return;
         };
@@ -409,13 +464,22 @@ impl Node {
     }
 
     /// Reports the end of a workload exactly once (through the outbox) and forgets it.
-    fn complete(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&str>) {
+    pub(super) fn complete(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&str>) {
         let Some(a) = self.active.remove(safe_id) else {
             return;
         };
         let meta = a.meta;
         let pid = meta.pid();
         let rid = meta.request_id_text();
+        if meta.cancel.as_ref().is_some_and(|c| c.stale) {
+            log::info!(
+                "stale {} {rid} (pid {pid}) is gone; forgotten without a completion",
+                meta.kind
+            );
+            self.retire(safe_id);
+            self.retry_deferred_starts();
+            return;
+        }
         let (body, label) = match &meta.cancel {
             Some(c) if !c.timed_out => {
                 let status = if meta.kind == "training" {
@@ -499,6 +563,7 @@ impl Node {
             }
         }
         self.retire(safe_id);
+        self.retry_deferred_starts();
     }
 
     /// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
@@ -595,9 +660,15 @@ impl Node {
             if a.ending.is_some() {
                 if self.drained(&id, now) {
                     if let Some(e) = self.active.get_mut(&id).and_then(|a| a.ending.take()) {
-                        self.complete(&id, e.exit, e.lost);
+                        if e.lost.is_some() || !self.begin_uploads(&id, e.exit.clone()) {
+                            self.complete(&id, e.exit, e.lost);
+                        }
                     }
                 }
+                continue;
+            }
+            if a.upload.is_some() {
+                self.step_upload(&id);
                 continue;
             }
             if let Some(exit) = a.exited.clone() {

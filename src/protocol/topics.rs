@@ -66,6 +66,22 @@ impl Topics {
     pub fn reply(&self, uuid: &str) -> String {
         self.node(uuid, "response")
     }
+    /// R9.
+    pub fn signed_url(&self, workload_uuid: &str) -> String {
+        format!(
+            "{}cyberwave/cloud-workload/{workload_uuid}/request-signed-url",
+            self.prefix
+        )
+    }
+
+    /// R10.
+    pub fn upload_results(&self, workload_uuid: &str) -> String {
+        format!(
+            "{}cyberwave/cloud-workload/{workload_uuid}/upload-results",
+            self.prefix
+        )
+    }
+
     /// R7/R8.
     pub fn workload_status(&self, workload_uuid: &str) -> String {
         format!(

@@ -40,6 +40,9 @@ pub struct Cancel {
     /// Set when the cancel came from the max-runtime limit.
     #[serde(default)]
     pub timed_out: bool,
+    /// Set when self-healing found the workload stale: it ends without any report.
+    #[serde(default)]
+    pub stale: bool,
 }
 
 /// `workloads/<safe-id>/meta.json`: everything needed to report the workload after a restart.

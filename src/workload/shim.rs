@@ -10,7 +10,7 @@
 //! 4. Waits for the workload, then writes `exit.json` atomically and exits.
 //!
 //! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
-//! SIGTERM/SIGINT/SIGHUP; the workload starts with a clean mask (std resets it in children).
+//! SIGTERM/SIGINT/SIGHUP; the workload starts with an empty mask, reset between fork and exec.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -127,13 +127,15 @@ pub fn run(args: &[String]) -> i32 {
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
-    // SAFETY: setpgid is async-signal-safe.
+    // SAFETY: setpgid and sigprocmask are async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {
             if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            // The shim blocks the node's signals; the workload must start with none blocked,
+            // or a SIGTERM cancel would never reach it (std does not reset the mask).
+            crate::signals::unblock_all()
         });
     }
     let started_at = util::rfc3339(SystemTime::now());

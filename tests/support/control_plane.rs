@@ -32,6 +32,12 @@ pub struct Behaviour {
     pub terminate_delay: Duration,
     /// Do not answer any request at all.
     pub mute: bool,
+    /// The next N signed-URL PUTs answer 503.
+    pub put_failures: u32,
+    /// Each PUT takes at least this long.
+    pub put_delay: Duration,
+    /// E7 answers by workload uuid: (HTTP status, body); `None` = hang for 30 s.
+    pub workloads: std::collections::HashMap<String, Option<(u16, Value)>>,
 }
 
 impl Default for Behaviour {
@@ -42,6 +48,9 @@ impl Default for Behaviour {
             register_refusals: None,
             terminate_delay: Duration::ZERO,
             mute: false,
+            put_failures: 0,
+            put_delay: Duration::ZERO,
+            workloads: Default::default(),
         }
     }
 }
@@ -68,6 +77,10 @@ struct State {
     http: Vec<(String, Option<String>)>,
     behaviour: Behaviour,
     created: u32,
+    http_url: String,
+    /// Bytes received through signed URLs, by attachment file name.
+    uploads: std::collections::BTreeMap<String, Vec<u8>>,
+    attachments: u32,
 }
 
 pub struct ControlPlane {
@@ -140,26 +153,12 @@ impl ControlPlane {
 
         let http = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("http server"));
         let port = http.server_addr().to_ip().map(|a| a.port()).unwrap_or(0);
+        lock(&state).http_url = format!("http://127.0.0.1:{port}");
         let (srv, st) = (http.clone(), state.clone());
         std::thread::spawn(move || {
             for req in srv.incoming_requests() {
-                let auth = req
-                    .headers()
-                    .iter()
-                    .find(|h| h.field.equiv("Authorization"))
-                    .map(|h| h.value.to_string());
-                let url = req.url().to_string();
-                let status = {
-                    let mut s = lock(&st);
-                    s.http.push((url.clone(), auth));
-                    if url.starts_with("/api/v1/cloud-node/instances") {
-                        s.behaviour.token_status
-                    } else {
-                        404
-                    }
-                };
-                let _ =
-                    req.respond(tiny_http::Response::from_string("[]").with_status_code(status));
+                let st = st.clone();
+                std::thread::spawn(move || serve_http(req, &st));
             }
         });
         ControlPlane {
@@ -212,6 +211,11 @@ impl ControlPlane {
             let all = self.statuses(wl);
             all.iter().any(|b| b["status"] == want).then_some(all)
         })
+    }
+
+    /// Bytes that reached the signed-URL sink, by attachment file name.
+    pub fn uploads(&self) -> std::collections::BTreeMap<String, Vec<u8>> {
+        lock(&self.state).uploads.clone()
     }
 
     pub fn http_hits(&self) -> Vec<(String, Option<String>)> {
@@ -274,6 +278,51 @@ impl ControlPlane {
         self.command(id, json!({"command": "status", "request_id": request_id}));
         self.wait_reply(request_id, timeout)
     }
+}
+
+fn serve_http(mut req: tiny_http::Request, st: &Arc<Mutex<State>>) {
+    let auth = req
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv("Authorization"))
+        .map(|h| h.value.to_string());
+    let url = req.url().to_string();
+    let path = url.split('?').next().unwrap_or("").to_string();
+    lock(st).http.push((url.clone(), auth));
+    let (status, body): (u16, String) = if path.starts_with("/api/v1/cloud-node/instances") {
+        (lock(st).behaviour.token_status, "[]".into())
+    } else if let Some(name) = path.strip_prefix("/upload/") {
+        let mut bytes = Vec::new();
+        let _ = std::io::Read::read_to_end(req.as_reader(), &mut bytes);
+        let (fail, delay) = {
+            let mut s = lock(st);
+            let fail = s.behaviour.put_failures > 0;
+            if fail {
+                s.behaviour.put_failures -= 1;
+            }
+            (fail, s.behaviour.put_delay)
+        };
+        std::thread::sleep(delay);
+        if fail {
+            (503, "try later".into())
+        } else {
+            lock(st).uploads.insert(name.to_string(), bytes);
+            (200, String::new())
+        }
+    } else if let Some(wl) = path.strip_prefix("/api/v1/cloud-node-workloads/") {
+        let answer = lock(st).behaviour.workloads.get(wl).cloned();
+        match answer {
+            None => (200, json!({"status": "running"}).to_string()),
+            Some(Some((code, body))) => (code, body.to_string()),
+            Some(None) => {
+                std::thread::sleep(Duration::from_secs(30));
+                (504, String::new())
+            }
+        }
+    } else {
+        (404, String::new())
+    };
+    let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(status));
 }
 
 fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &paho::Message) {
@@ -357,6 +406,21 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
                 HeartbeatMode::Silent => (None, Duration::ZERO),
             },
             "terminate" => (Some(json!({"success": true})), s.behaviour.terminate_delay),
+            "workload:request-signed-url" => {
+                s.attachments += 1;
+                let name = body["filename"].as_str().unwrap_or("file");
+                let ext = name
+                    .rsplit_once('.')
+                    .map(|(_, e)| format!(".{e}"))
+                    .unwrap_or_default();
+                let att = format!("att-{:04}{ext}", s.attachments);
+                (
+                    Some(
+                        json!({"signed_url": format!("{}/upload/{att}", s.http_url), "filename": att}),
+                    ),
+                    Duration::ZERO,
+                )
+            }
             _ => (Some(json!({"success": true})), Duration::ZERO),
         }
     };

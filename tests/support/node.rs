@@ -263,6 +263,23 @@ impl Drop for NodeProcess {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+        // Workloads outlive the node by design; a test's must not outlive the test.
+        if let Ok(rd) = std::fs::read_dir(self.home.join(".cyberwave/workloads")) {
+            for e in rd.flatten() {
+                let started =
+                    std::fs::read_to_string(e.path().join("started.json")).unwrap_or_default();
+                let pid = serde_json::from_str::<Value>(&started)
+                    .ok()
+                    .and_then(|v| v["pid"].as_i64())
+                    .unwrap_or(0);
+                if pid > 1 {
+                    // SAFETY: the test's own workload group.
+                    unsafe {
+                        libc::kill(-(pid as i32), libc::SIGKILL);
+                    }
+                }
+            }
+        }
         if std::thread::panicking() {
             eprintln!(
                 "---- node log ----\n{}\n---- node stdout ----\n{}",

@@ -1,0 +1,304 @@
+//! Result uploads: after a successful workload, every regular file inside the results folder
+//! goes to a signed URL (R9, REST E8 as fallback; PUT on the upload thread; up to 3 attempts),
+//! then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
+//! workload stays busy ("finalizing") the whole time.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::{Conn, Node, Op};
+use crate::workers::{Done, Job};
+use crate::workload::shim::Exit;
+
+const ATTEMPTS: u32 = 3;
+
+pub struct Upload {
+    pub exit: Option<Exit>,
+    /// (name relative to the folder, path)
+    pub files: Vec<(String, PathBuf)>,
+    pub idx: usize,
+    pub attempt: u32,
+    pub retry_at: Option<Instant>,
+    /// A request or transfer for the current step is under way.
+    pub busy: bool,
+    /// (name, signed url, attachment uuid) of the files uploaded.
+    pub done: Vec<(String, String, String)>,
+    pub notifying: bool,
+}
+
+/// Every regular file below `root` (sorted), never following a symlink: a workload must not be
+/// able to upload a file outside its results folder.
+pub fn collect(root: &Path) -> Vec<(String, PathBuf)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let Ok(md) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if md.file_type().is_symlink() {
+                log::warn!("result upload: skipping symlink {} (only regular files inside the results folder are uploaded)", p.display());
+            } else if md.is_dir() {
+                walk(root, &p, out);
+            } else if md.is_file() {
+                if let Ok(rel) = p.strip_prefix(root) {
+                    out.push((rel.to_string_lossy().into_owned(), p));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if std::fs::symlink_metadata(root).is_ok_and(|m| m.is_dir()) {
+        walk(root, root, &mut out);
+    }
+    out.sort();
+    out
+}
+
+impl Node {
+    /// Starts the uploads of a finished workload; false when there is nothing to upload.
+    pub(super) fn begin_uploads(&mut self, id: &str, exit: Option<Exit>) -> bool {
+        let Some(a) = self.active.get(id) else {
+            return false;
+        };
+        let Some(wl) = a.meta.workload_uuid.clone() else {
+            return false;
+        };
+        if !self.s.upload_results.value
+            || self.s.standalone
+            || a.meta.cancel.is_some()
+            || exit.as_ref().map(Exit::code) != Some(0)
+        {
+            return false;
+        }
+        let files = collect(&self.s.results_folder.value);
+        if files.is_empty() {
+            return false;
+        }
+        log::info!(
+            "{} {}: uploading {} result file(s) from {}",
+            a.meta.kind,
+            a.meta.request_id_text(),
+            files.len(),
+            self.s.results_folder.value.display()
+        );
+        let count = files.len();
+        if let Some(a) = self.active.get_mut(id) {
+            a.upload = Some(Upload {
+                exit,
+                files,
+                idx: 0,
+                attempt: 0,
+                retry_at: None,
+                busy: false,
+                done: Vec::new(),
+                notifying: false,
+            });
+        }
+        self.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
+        self.step_upload(id);
+        true
+    }
+
+    /// Moves an upload on by one step when nothing is under way.
+    pub(super) fn step_upload(&mut self, id: &str) {
+        let now = self.clock.now();
+        let connected = self.conn == Conn::Connected;
+        let Some(a) = self.active.get_mut(id) else {
+            return;
+        };
+        let wl = a.meta.workload_uuid.clone().unwrap_or_default();
+        let Some(u) = a.upload.as_mut() else { return };
+        if u.busy || u.retry_at.is_some_and(|t| now < t) {
+            return;
+        }
+        u.retry_at = None;
+        if u.idx < u.files.len() {
+            u.busy = true;
+            let name = u.files[u.idx].0.clone();
+            if connected {
+                let topic = self.topics.signed_url(&wl);
+                self.request(
+                    Op::SignedUrl(id.to_string()),
+                    &topic,
+                    json!({"filename": name}),
+                    self.s.tuning.request_timeout,
+                );
+            } else {
+                self.workers.submit(Job::SignedUrl {
+                    key: id.to_string(),
+                    wl,
+                    filename: name,
+                });
+            }
+            return;
+        }
+        if !u.notifying && !u.done.is_empty() {
+            u.notifying = true;
+            u.busy = true;
+            let body = json!({
+                "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
+                "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
+                "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
+            });
+            if connected {
+                let topic = self.topics.upload_results(&wl);
+                self.request(
+                    Op::UploadResults(id.to_string()),
+                    &topic,
+                    body,
+                    self.s.tuning.request_timeout,
+                );
+            } else {
+                self.workers.submit(Job::UploadResults {
+                    key: id.to_string(),
+                    wl,
+                    body,
+                });
+            }
+            return;
+        }
+        self.finish_upload(id, false);
+    }
+
+    /// R9's answer (`None`: no answer in time): on to the PUT, or the REST fallback.
+    pub(super) fn on_signed_url_reply(&mut self, id: &str, body: Option<serde_json::Value>) {
+        let parsed = body.as_ref().map(crate::backend::parse_signed_url);
+        match parsed {
+            Some(Ok(found)) => self.put(id, found),
+            _ => {
+                let Some(a) = self.active.get(id) else { return };
+                let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
+                    return;
+                };
+                let filename = u.files[u.idx].0.clone();
+                self.workers.submit(Job::SignedUrl {
+                    key: id.to_string(),
+                    wl,
+                    filename,
+                });
+            }
+        }
+    }
+
+    fn put(&mut self, id: &str, (url, attachment): (String, String)) {
+        let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.as_mut()) else {
+            return;
+        };
+        let path = u.files[u.idx].1.clone();
+        u.done
+            .push((u.files[u.idx].0.clone(), url.clone(), attachment));
+        self.workers.submit(Job::Put {
+            key: id.to_string(),
+            url,
+            path,
+        });
+    }
+
+    pub(super) fn on_upload_reply(&mut self, id: &str, ok: bool) {
+        if ok {
+            return self.finish_upload(id, true);
+        }
+        // MQTT refused or silent: the REST fallback.
+        let Some(a) = self.active.get(id) else { return };
+        let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
+            return;
+        };
+        let body = json!({
+            "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
+            "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
+            "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
+        });
+        self.workers.submit(Job::UploadResults {
+            key: id.to_string(),
+            wl,
+            body,
+        });
+    }
+
+    pub(super) fn on_worker_done(&mut self, done: Done) {
+        match done {
+            Done::SignedUrl { key, result } => match result {
+                Ok(found) => self.put(&key, found),
+                Err(e) => self.upload_attempt_failed(&key, true, &format!("no signed URL: {e}")),
+            },
+            Done::Put { key, result } => match result {
+                Ok(()) => {
+                    if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
+                        log::info!("uploaded result file {}", u.files[u.idx].0);
+                        u.idx += 1;
+                        u.attempt = 0;
+                        u.busy = false;
+                    }
+                    self.step_upload(&key);
+                }
+                Err((retriable, why)) => {
+                    if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
+                        u.done.pop();
+                    }
+                    self.upload_attempt_failed(&key, retriable, &why);
+                }
+            },
+            Done::UploadResults { key, result } => {
+                if let Err(e) = &result {
+                    log::error!("the backend was not told about the uploaded results: {e}");
+                }
+                self.finish_upload(&key, result.is_ok());
+            }
+            Done::CheckWorkload { key, check } => self.on_workload_check(&key, check),
+        }
+    }
+
+    fn upload_attempt_failed(&mut self, id: &str, retriable: bool, why: &str) {
+        let now = self.clock.now();
+        let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.as_mut()) else {
+            return;
+        };
+        u.busy = false;
+        u.attempt += 1;
+        let name = u.files[u.idx].0.clone();
+        if retriable && u.attempt < ATTEMPTS {
+            let wait = Duration::from_secs(2 * (1 << (u.attempt - 1)));
+            log::warn!(
+                "upload of {name} failed ({why}); attempt {} of {ATTEMPTS} in {}s",
+                u.attempt + 1,
+                wait.as_secs()
+            );
+            u.retry_at = Some(now + wait);
+        } else {
+            log::error!("upload of {name} failed ({why}); giving up on this file");
+            u.idx += 1;
+            u.attempt = 0;
+        }
+        self.step_upload(id);
+    }
+
+    /// Uploads are over: delete the uploaded files once the backend knows of them, then send
+    /// the completion.
+    fn finish_upload(&mut self, id: &str, notified: bool) {
+        let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.take()) else {
+            return;
+        };
+        if notified {
+            for (name, _, _) in &u.done {
+                if let Some((_, path)) = u.files.iter().find(|(n, _)| n == name) {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+        }
+        log::info!(
+            "result upload finished: {} of {} file(s) uploaded",
+            u.done.len(),
+            u.files.len()
+        );
+        self.complete(id, u.exit, None);
+    }
+
+    pub(super) fn uploading(&self) -> usize {
+        self.active.values().filter(|a| a.upload.is_some()).count()
+    }
+}

@@ -1,0 +1,248 @@
+//! Result uploads and stale-workload self-healing, end to end.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::node::NodeSetup;
+use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, NodeProcess, TempDir};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(40);
+
+fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> serde_json::Value {
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
+    );
+    cp.wait_reply(rid, REPLY)
+        .unwrap_or_else(|| panic!("no reply to {rid}"))
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    cp.set_behaviour(|b| {
+        b.put_delay = Duration::from_millis(1500);
+        b.put_failures = 1; // the first PUT is retried
+    });
+    let outside = TempDir::new("outside");
+    let secret = outside.write("secret.txt", "must not leave the host");
+    let setup = NodeSetup::new(&broker, &cp);
+    let a = pattern(1, 8 * 1024 * 1024);
+    let b = pattern(7, 8 * 1024 * 1024);
+    std::fs::write(setup.cwd.join("a.bin"), &a).expect("a");
+    std::fs::write(setup.cwd.join("b.bin"), &b).expect("b");
+    setup.write(
+        "cyberwave.yml",
+        &format!(
+            "cyberwave:\n  training: mkdir -p out/sub && cp a.bin out/ && cp b.bin out/sub/ && ln -s {} out/leak.txt\n  results_folder: out\n",
+            secret.display()
+        ),
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(start(&cp, &node, "up", "wl-up")["status"], "ok");
+    // During the upload the node is busy and says why.
+    assert!(
+        cp.wait_status("wl-up", "finalizing", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(st["output"]["is_busy"], true);
+    assert_eq!(st["output"]["active_workloads"][0]["state"], "finalizing");
+    let r = start(&cp, &node, "during", "wl-during");
+    assert_eq!(r["status"], "error");
+    let err = r["error"].as_str().unwrap_or_default();
+    assert!(
+        err.starts_with("Controller host is busy with 1 active workload(s)")
+            && err.contains("uploading results"),
+        "{err}"
+    );
+    // Then the completion, after R10.
+    let statuses = cp
+        .wait_status("wl-up", "completed", DONE)
+        .unwrap_or_else(|| panic!("{}", node.log()));
+    let finalizing = statuses
+        .iter()
+        .find(|s| s["status"] == "finalizing")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        finalizing["file_count"], 2,
+        "the symlink is not counted: {finalizing}"
+    );
+    let uploads = cp.uploads();
+    assert_eq!(uploads.len(), 2, "{:?}", uploads.keys().collect::<Vec<_>>());
+    let mut got: Vec<&Vec<u8>> = uploads.values().collect();
+    got.sort_by_key(|v| v[0]);
+    assert!(
+        got.contains(&&a) && got.contains(&&b),
+        "byte-identical uploads"
+    );
+    assert!(uploads.values().all(|v| v != b"must not leave the host"));
+    let requests = cp.all_requests();
+    let r10 = requests
+        .iter()
+        .position(|r| r.op == "workload:upload-results" && r.id == "wl-up")
+        .expect("R10 sent");
+    let r8 = requests
+        .iter()
+        .position(|r| {
+            r.op == "workload:update-status" && r.id == "wl-up" && r.body["status"] == "completed"
+        })
+        .expect("R8");
+    assert!(r10 < r8, "the completion comes after R10");
+    let body = &requests[r10].body;
+    assert_eq!(body["filenames"], json!(["a.bin", "sub/b.bin"]));
+    assert_eq!(body["attachment_uuids"].as_array().map(Vec::len), Some(2));
+    assert!(node.log().contains("skipping symlink"), "{}", node.log());
+    assert!(
+        !setup.cwd.join("out/a.bin").exists(),
+        "uploaded files are removed once the backend knows of them"
+    );
+    assert!(secret.exists(), "the symlink's target is untouched");
+    // And the node is free again.
+    assert_eq!(start(&cp, &node, "after", "wl-after")["status"], "ok");
+}
+
+#[test]
+fn a_stale_workload_is_terminated_and_its_slot_reused() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "30");
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = start(&cp, &node, "old", "wl-old");
+    let pid = first["output"]["pid"].as_i64().unwrap_or(0);
+    // The backend finished with it long ago; a new start must not be refused because of it.
+    cp.set_behaviour(|b| {
+        b.workloads
+            .insert("wl-old".into(), Some((200, json!({"status": "completed"}))));
+    });
+    let t = Instant::now();
+    let r = start(&cp, &node, "new", "wl-new");
+    assert_eq!(r["status"], "ok", "{r}\n{}", node.log());
+    assert!(t.elapsed() < Duration::from_secs(8));
+    // SAFETY: probing a pid.
+    assert!(
+        unsafe { libc::kill(pid as i32, 0) } != 0,
+        "the stale workload is gone"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let old = cp.statuses("wl-old");
+    assert!(
+        old.iter().all(|s| s["status"] == "running"),
+        "no completion for a stale workload: {old:?}"
+    );
+    assert!(
+        node.log()
+            .contains("is stale (the backend says it is completed)"),
+        "{}",
+        node.log()
+    );
+}
+
+#[test]
+fn self_heal_runs_before_heartbeats_and_404_means_stale() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = start(&cp, &node, "gone", "wl-gone");
+    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
+    cp.set_behaviour(|b| {
+        b.workloads.insert(
+            "wl-gone".into(),
+            Some((404, json!({"detail": "not found"}))),
+        );
+    });
+    // SAFETY: probing a pid.
+    let gone = wait_for(Duration::from_secs(8), || {
+        (unsafe { libc::kill(pid as i32, 0) } != 0).then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "terminated by the pass before a heartbeat; log:\n{}",
+        node.log()
+    );
+    let mut n = 0;
+    let emptied = wait_for(REPLY, || {
+        n += 1;
+        let st = cp.status(&node.uuid(), &format!("st-{n}"), REPLY)?;
+        (st["output"]["active_workloads"] == json!([])).then_some(())
+    });
+    assert!(emptied.is_some(), "the stale workload is no longer tracked");
+    assert!(
+        cp.statuses("wl-gone")
+            .iter()
+            .all(|s| s["status"] == "running"),
+        "and was not reported"
+    );
+}
+
+#[test]
+fn an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: sleep 60\n  max_concurrent_workloads: 2\n",
+    );
+    cp.set_behaviour(|b| {
+        b.workloads.insert("wl-500".into(), Some((500, json!({}))));
+        b.workloads.insert("wl-hang".into(), None);
+        b.heartbeat = HeartbeatMode::Ok;
+    });
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let p1 = start(&cp, &node, "k500", "wl-500")["output"]["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let p2 = start(&cp, &node, "khang", "wl-hang")["output"]["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let from = Instant::now();
+    std::thread::sleep(Duration::from_secs(6));
+    let beats: Vec<Instant> = cp
+        .requests("heartbeat")
+        .into_iter()
+        .map(|r| r.at)
+        .filter(|t| *t >= from)
+        .collect();
+    assert!(beats.len() >= 10, "{} heartbeats in 6 s", beats.len());
+    for w in beats.windows(2) {
+        assert!(
+            w[1] - w[0] < Duration::from_millis(900),
+            "a heartbeat was late: {:?}",
+            w[1] - w[0]
+        );
+    }
+    // SAFETY: probing pids.
+    assert!(
+        unsafe { libc::kill(p1 as i32, 0) } == 0 && unsafe { libc::kill(p2 as i32, 0) } == 0,
+        "both kept"
+    );
+    let hits = cp
+        .http_hits()
+        .iter()
+        .filter(|(u, _)| u.starts_with("/api/v1/cloud-node-workloads/"))
+        .count();
+    assert!(hits >= 2, "the backend was asked: {hits}");
+}

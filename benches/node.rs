@@ -152,6 +152,101 @@ fn main() {
     drop(node);
 
     workloads(&broker, &cp);
+    logs(&broker, &cp);
+}
+
+/// 4. Log streaming: line written → published, CPU per 100 MB, and a 500 MB flood.
+fn logs(broker: &Broker, cp: &ControlPlane) {
+    let mut setup = NodeSetup::new(broker, cp);
+    setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  inference: for i in $(seq 1 100); do echo \"t $EPOCHREALTIME\"; sleep 0.05; done\n  training: head -c 100000000 /dev/zero | tr '\\0' 'x' | fold -w 99\n  simulate: yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 500000000\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(Duration::from_secs(10));
+    let uuid = node.uuid();
+    cp.command(
+        &uuid,
+        json!({"command": "inference", "request_id": "lat", "params": {"workload_uuid": "wl-lat"}}),
+    );
+    cp.wait_status("wl-lat", "completed", Duration::from_secs(30));
+    let mut lat = Vec::new();
+    for r in cp
+        .requests("logs")
+        .into_iter()
+        .filter(|r| r.body["workload_uuid"] == "wl-lat")
+    {
+        let arrived = epoch(r.wall);
+        for line in r.body["log_content"].as_str().unwrap_or("").lines() {
+            if let Some(t) = line.strip_prefix("t ").and_then(|t| t.parse::<f64>().ok()) {
+                lat.push(Duration::from_secs_f64((arrived - t).max(0.0)));
+            }
+        }
+    }
+    report(
+        "log line written → published (interval 0.2 s)",
+        lat,
+        "≈ interval",
+    );
+
+    let cpu0 = proc_stats(node.pid()).2;
+    let t0 = Instant::now();
+    cp.command(
+        &uuid,
+        json!({"command": "training", "request_id": "vol", "params": {"workload_uuid": "wl-vol"}}),
+    );
+    cp.wait_status("wl-vol", "completed", Duration::from_secs(120));
+    let cpu = proc_stats(node.pid()).2 - cpu0;
+    let shipped: u64 = cp
+        .requests("logs")
+        .iter()
+        .filter(|r| r.body["workload_uuid"] == "wl-vol")
+        .map(|r| r.body["length"].as_u64().unwrap_or(0))
+        .sum();
+    println!(
+        "{:<44} {:.3} CPU s per 100 MB ({} MB shipped in {:.1} s)",
+        "node CPU while streaming",
+        cpu * 100e6 / (shipped.max(1) as f64),
+        shipped / 1_000_000,
+        t0.elapsed().as_secs_f64()
+    );
+
+    cp.command(&uuid, json!({"command": "simulate", "request_id": "flood", "params": {"workload_uuid": "wl-flood"}}));
+    let log = setup
+        .home
+        .join(".cyberwave/workload_logs/simulate_flood.stdout.log");
+    let mut worst = Duration::ZERO;
+    let mut n = 0;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(30) {
+        let rid = format!("flood-{n}");
+        n += 1;
+        let sent = Instant::now();
+        cp.command(&uuid, json!({"command": "status", "request_id": rid}));
+        if cp.wait_reply(&rid, Duration::from_secs(5)).is_some() {
+            worst = worst.max(sent.elapsed());
+        }
+        if std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0) >= 500_000_000
+            && t.elapsed() > Duration::from_secs(3)
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (peak, _, _) = proc_stats(node.pid());
+    println!(
+        "{:<44} {} status commands, worst {:.1} ms (target ≤ 100 ms)",
+        "status latency during a 500 MB flood",
+        n,
+        worst.as_secs_f64() * 1e3
+    );
+    println!(
+        "{:<44} {} KiB = {:.1} MiB (target ≤ 32 MiB)",
+        "node peak RSS through the flood",
+        peak,
+        peak as f64 / 1024.0
+    );
 }
 
 /// Seconds since the epoch, as bash's $EPOCHREALTIME prints them.

@@ -565,7 +565,7 @@ fn a_good_install_script_runs_before_registration() {
     let setup = NodeSetup::new(&broker, &cp);
     setup.write(
         "install.sh",
-        "#!/bin/sh\necho \"token:${CYBERWAVE_API_KEY:-none}\" > installed.txt\n",
+        "#!/bin/sh\necho installing\necho \"token:${CYBERWAVE_API_KEY:-none}\" > installed.txt\n",
     );
     setup.write(
         "cyberwave.yml",
@@ -579,6 +579,14 @@ fn a_good_install_script_runs_before_registration() {
         "token:none",
         "the node's token is not handed to the install script"
     );
+    // Its output is shipped to the backend once registered.
+    let logs = cp.wait_requests("logs", 1, REPLY);
+    let install: Vec<_> = logs
+        .iter()
+        .filter(|r| r.body["source"] == "install")
+        .collect();
+    assert_eq!(install.len(), 1, "{logs:?}");
+    assert_eq!(install[0].body["log_content"], "installing\n");
 }
 
 #[test]

@@ -243,6 +243,44 @@ impl Node {
     }
 }
 
+impl Node {
+    /// Ships the install script's output (captured in `install_logs/`) once, after the first
+    /// registration: the last 1 MiB of each stream at most, in 64 KiB chunks.
+    pub(super) fn ship_install_logs(&mut self) {
+        if self.install_logs_shipped || self.reg != super::Registration::Done {
+            return;
+        }
+        self.install_logs_shipped = true;
+        let uuid = self.uuid().to_string();
+        let dir = self.s.config_dir.value.join("install_logs");
+        for (i, name) in STREAM_NAMES.iter().enumerate() {
+            let text = crate::workload::tail(&dir.join(format!("install.{name}.log")), 1024 * 1024);
+            let bytes = text.as_bytes();
+            let mut offset = 0;
+            while offset < bytes.len() {
+                let mut end = (offset + CHUNK).min(bytes.len());
+                while end < bytes.len() && !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let body = json!({
+                    "instance_uuid": uuid,
+                    "log_type": STREAM_NAMES[i],
+                    "log_content": &text[offset..end],
+                    "source": "install",
+                });
+                let topic = self.topics.logs(&uuid);
+                self.request(
+                    Op::WorkloadStatus,
+                    &topic,
+                    body,
+                    self.s.tuning.request_timeout,
+                );
+                offset = end;
+            }
+        }
+    }
+}
+
 /// Writes complete lines as `[workload <tag> <stream>] <line>` to the node's stdout (workload
 /// stdout) or stderr (workload stderr); the text after the last newline waits in `partial`
 /// unless `last` is set.

@@ -158,6 +158,7 @@ pub struct Node {
     workers: Workers,
     worker_done: Receiver<Done>,
     heal: selfheal::Heal,
+    install_logs_shipped: bool,
 }
 
 impl Node {
@@ -553,6 +554,7 @@ impl Node {
         }
         self.command_topics = new_topics;
         self.mqtt.subscribe(&self.command_topics);
+        self.ship_install_logs();
         for payload in std::mem::take(&mut self.early_commands) {
             self.on_command(&payload);
         }

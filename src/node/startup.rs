@@ -271,6 +271,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         workers,
         worker_done,
         heal: Default::default(),
+        install_logs_shipped: false,
         s,
     };
     let mut node = node;

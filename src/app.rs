@@ -16,6 +16,26 @@ pub fn run(args: &[String]) -> i32 {
     if args.first().map(String::as_str) == Some("__shim") {
         return crate::workload::shim::run(&args[1..]);
     }
+    // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
+    if args.first().map(String::as_str) == Some("__print-unit") {
+        return match crate::systemd::paths(false) {
+            Ok(p) => {
+                print!(
+                    "{}",
+                    crate::systemd::render_unit(
+                        std::path::Path::new("/usr/bin/cyberwave-cloud-node"),
+                        &p,
+                        false
+                    )
+                );
+                EXIT_OK
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                EXIT_RUNTIME
+            }
+        };
+    }
     let inv = match cli::parse(args) {
         Ok(Parsed::Version) => {
             println!("cyberwave-cloud-node {}", cli::VERSION);
@@ -40,6 +60,20 @@ pub fn run(args: &[String]) -> i32 {
         }
     };
     match inv.command {
+        Command::InstallService | Command::UninstallService => {
+            let result = if inv.command == Command::InstallService {
+                crate::systemd::install(inv.user)
+            } else {
+                crate::systemd::uninstall(inv.user)
+            };
+            match result {
+                Ok(()) => EXIT_OK,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    EXIT_RUNTIME
+                }
+            }
+        }
         Command::Validate => validate(&inv.flags, &cwd),
         Command::Config | Command::Start => {
             let settings = match config::resolve(&inv.flags, EnvLayers::from_process(), &cwd) {

@@ -3,7 +3,37 @@
 
 use std::time::Duration;
 
-use ureq::tls::{TlsConfig, TlsProvider};
+use std::sync::{Arc, OnceLock};
+
+use ureq::tls::{PemItem, RootCerts, TlsConfig, TlsProvider};
+
+/// The trust store for HTTPS: the system bundle (or `SSL_CERT_FILE`), found at the usual paths
+/// of Debian, RHEL and Alpine. A static OpenSSL has no usable compiled-in path, and ureq's own
+/// default (bundled Mozilla roots) is not built in.
+fn roots() -> RootCerts {
+    static ROOTS: OnceLock<RootCerts> = OnceLock::new();
+    ROOTS
+        .get_or_init(|| {
+            let file =
+                crate::mqtt::trust_store(None, std::env::var("SSL_CERT_FILE").ok().as_deref());
+            let pem = file.and_then(|p| std::fs::read(&p).map_err(|e| e.to_string()));
+            let certs: Vec<_> = match pem {
+                Ok(pem) => ureq::tls::parse_pem(&pem)
+                    .filter_map(|item| match item {
+                        Ok(PemItem::Certificate(c)) => Some(c),
+                        _ => None,
+                    })
+                    .collect(),
+                Err(_) => Vec::new(),
+            };
+            if certs.is_empty() {
+                RootCerts::PlatformVerifier
+            } else {
+                RootCerts::Specific(Arc::new(certs))
+            }
+        })
+        .clone()
+}
 
 /// Outcome of the start-up token check (REST E1).
 #[derive(Debug, PartialEq)]
@@ -25,6 +55,7 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
         .tls_config(
             TlsConfig::builder()
                 .provider(TlsProvider::NativeTls)
+                .root_certs(roots())
                 .build(),
         )
         .build()

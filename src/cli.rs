@@ -10,6 +10,8 @@ pub enum Command {
     Start,
     Validate,
     Config,
+    InstallService,
+    UninstallService,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +27,8 @@ pub struct Invocation {
     pub flags: Flags,
     pub verbosity: u8,
     pub json: bool,
+    /// `install-service --user`: user scope.
+    pub user: bool,
 }
 
 impl PartialEq for Invocation {
@@ -71,6 +75,7 @@ fn allowed(cmd: Command) -> &'static [&'static str] {
             "--json",
         ],
         Command::Validate => &["--config", "--lenient"],
+        Command::InstallService | Command::UninstallService => &["--user"],
     }
 }
 
@@ -123,6 +128,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
                     "start" => Command::Start,
                     "validate" => Command::Validate,
                     "config" => Command::Config,
+                    "install-service" => Command::InstallService,
+                    "uninstall-service" => Command::UninstallService,
                     "help" => {
                         help = true;
                         Command::Start
@@ -148,6 +155,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     }
     let mut flags = Flags::default();
     let mut json = false;
+    let mut user = false;
     // `validate PATH` takes the manifest path as a positional argument too.
     match (command, positional.as_slice()) {
         (_, []) => {}
@@ -181,6 +189,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
             "--standalone" => flags.standalone = true,
             "--lenient" => flags.lenient = true,
             "--json" => json = true,
+            "--user" => user = true,
             _ => return Err(UsageError(format!("unknown flag {name}"))),
         }
     }
@@ -189,6 +198,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
         flags,
         verbosity,
         json,
+        user,
     }))
 }
 
@@ -205,6 +215,8 @@ fn name_of(c: Command) -> &'static str {
         Command::Start => "start",
         Command::Validate => "validate",
         Command::Config => "config",
+        Command::InstallService => "install-service",
+        Command::UninstallService => "uninstall-service",
     }
 }
 
@@ -235,10 +247,20 @@ Exit 0 when the manifest can run (warnings allowed), 1 when it has errors, 2 on 
             "Print the resolved settings and where each came from (secrets masked).\n\n\
 Usage: cyberwave-cloud-node config [FLAGS] [--json]\n\nAccepts every flag of 'start':\n{start_flags}\n  --json               machine-readable output\n"
         ),
+                Some(Command::InstallService) => "Install the systemd unit for this binary (for hosts without the package).\n\n\
+Usage: cyberwave-cloud-node install-service [--user]\n\n\
+Writes cyberwave-cloud-node.service (/etc/systemd/system, or ~/.config/systemd/user with --user)\n\
+and a commented environment file (mode 0600) for the API key and the manifest path, then runs\n\
+`systemctl daemon-reload` and `enable` when systemd is running. The API key is never put in the unit.\n\
+Without systemd (cron): @reboot CYBERWAVE_EDGE_CONFIG_DIR=$HOME/.cyberwave /usr/bin/cyberwave-cloud-node start\n"
+            .to_string(),
+        Some(Command::UninstallService) => "Disable and remove the unit written by install-service (the environment file and state stay).\n\n\
+Usage: cyberwave-cloud-node uninstall-service [--user]\n"
+            .to_string(),
         None => format!(
             "cyberwave-cloud-node {VERSION}: turns this host into a Cyberwave cloud node.\n\n\
 Usage: cyberwave-cloud-node [COMMAND] [FLAGS]\n\n\
-Commands:\n  start     run the node (the default)\n  validate  check a manifest (cyberwave.yml)\n  config    print the resolved settings and their sources\n\n\
+Commands:\n  start              run the node (the default)\n  validate           check a manifest (cyberwave.yml)\n  config             print the resolved settings and their sources\n  install-service    install the systemd unit (--user for user scope)\n  uninstall-service  remove it\n\n\
 Flags: --version, --help (also per command: cyberwave-cloud-node COMMAND --help)\n\n\
 Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 credentials rejected\n"
         ),

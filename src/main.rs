@@ -11,6 +11,7 @@ mod outbox;
 mod protocol;
 mod signals;
 mod store;
+mod systemd;
 mod util;
 mod workers;
 mod workload;

@@ -241,3 +241,68 @@ fn node_starts_connects_and_exits_0_on_sigterm() {
         node.log()
     );
 }
+
+#[test]
+fn install_service_user_writes_the_unit_and_a_private_env_file() {
+    let mut s = NodeSetup::bare();
+    let xdg = s.home.join("xdg");
+    s.set("XDG_CONFIG_HOME", &xdg.display().to_string());
+    s.set("CYBERWAVE_API_KEY", "cw_never_in_the_unit_1234");
+    let out = s.run(&["install-service", "--user"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let unit = std::fs::read_to_string(xdg.join("systemd/user/cyberwave-cloud-node.service"))
+        .expect("unit written");
+    assert!(unit.contains("\nKillMode=process\n"), "{unit}");
+    assert!(unit.contains("\nType=notify\n"));
+    assert!(
+        unit.contains(&format!(
+            "EnvironmentFile=-{}",
+            xdg.join("cyberwave/cloud-node.env").display()
+        )),
+        "{unit}"
+    );
+    assert!(unit.contains("WantedBy=default.target"));
+    assert!(
+        !unit.contains("User=cyberwave"),
+        "a user unit runs as its user"
+    );
+    assert!(
+        !unit.contains("cw_never_in_the_unit_1234"),
+        "the API key is never in the unit"
+    );
+    let env = xdg.join("cyberwave/cloud-node.env");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&env).expect("env file").permissions(),
+    ) & 0o777;
+    assert_eq!(mode, 0o600);
+    assert!(out.stdout.contains("loginctl enable-linger"), "{out:?}");
+    // Installing again keeps the operator's env file; uninstall removes only the unit.
+    std::fs::write(&env, "CYBERWAVE_API_KEY=cw_mine\n").expect("edit");
+    assert_eq!(s.run(&["install-service", "--user"]).code, Some(0));
+    assert_eq!(
+        std::fs::read_to_string(&env).unwrap_or_default(),
+        "CYBERWAVE_API_KEY=cw_mine\n"
+    );
+    assert_eq!(s.run(&["uninstall-service", "--user"]).code, Some(0));
+    assert!(!xdg
+        .join("systemd/user/cyberwave-cloud-node.service")
+        .exists());
+    assert!(env.exists());
+}
+
+#[test]
+fn the_manifest_path_can_come_from_the_environment() {
+    let mut s = NodeSetup::bare();
+    let m = s
+        .home
+        .write("repo/cyberwave.yml", "cyberwave:\n  training: t {body}\n");
+    s.set("CYBERWAVE_MANIFEST", &m.display().to_string());
+    let out = s.run(&["config", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let cfg: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_default();
+    assert_eq!(cfg["training"]["value"], "t {body}");
+    assert!(cfg["working_dir"]["value"]
+        .as_str()
+        .unwrap_or_default()
+        .ends_with("repo"));
+}

@@ -761,3 +761,69 @@ fn tls_connects_with_the_right_ca_and_refuses_otherwise() {
     assert!(node.wait_log("TLS handshake", READY), "{}", node.log());
     assert!(!node.log().contains("node ready"));
 }
+
+/// An HTTPS stand-in for the REST API (`openssl s_server -www` answers any GET with 200).
+struct HttpsServer(std::process::Child, u16);
+
+impl HttpsServer {
+    fn start(pki: &Pki) -> HttpsServer {
+        let port = crate::support::free_port();
+        let child = Command::new("openssl")
+            .args(["s_server", "-quiet", "-www", "-accept", &port.to_string()])
+            .arg("-cert")
+            .arg(pki.dir.join("good.pem"))
+            .arg("-key")
+            .arg(pki.dir.join("good.key"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("openssl s_server");
+        let up = wait_for(Duration::from_secs(5), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        });
+        assert!(up.is_some(), "s_server did not start");
+        HttpsServer(child, port)
+    }
+}
+
+impl Drop for HttpsServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn the_token_check_over_https_verifies_against_the_system_trust_store() {
+    let pki = Pki::new();
+    let https = HttpsServer::start(&pki);
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set(
+        "CYBERWAVE_BASE_URL",
+        &format!("https://127.0.0.1:{}", https.1),
+    );
+    setup.set(
+        "SSL_CERT_FILE",
+        &pki.dir.join("ca.pem").display().to_string(),
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        node.log().contains("accepted by https://127.0.0.1"),
+        "{}",
+        node.log()
+    );
+    drop(node);
+    // Without the test CA, the real system store does not trust the server: a warning, not a stop.
+    setup.unset("SSL_CERT_FILE");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        node.log().contains("could not validate the API token"),
+        "{}",
+        node.log()
+    );
+}

@@ -287,6 +287,12 @@ pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> 
 /// Resolves every setting. `process` is the process environment; `cwd` the current directory.
 pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings, ConfigError> {
     let mut errors = Vec::new();
+    // The manifest path: --config, else CYBERWAVE_MANIFEST (for services, which take no flags).
+    let mut flags = flags.clone();
+    if flags.config.is_none() {
+        flags.config = process.value("CYBERWAVE_MANIFEST").map(PathBuf::from);
+    }
+    let flags = &flags;
     let config_dir = config_dir(&process)?;
     let working_dir = match &flags.config {
         Some(p) => {

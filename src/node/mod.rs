@@ -159,6 +159,7 @@ pub struct Node {
     worker_done: Receiver<Done>,
     heal: selfheal::Heal,
     install_logs_shipped: bool,
+    next_watchdog: Instant,
 }
 
 impl Node {
@@ -561,6 +562,7 @@ impl Node {
         if !self.s.standalone {
             self.hb.next_due = Some(self.clock.now());
         }
+        crate::systemd::notify("READY=1");
         log::info!(
             "node ready: instance {} (slug {}){}; commands on {} and {}",
             self.uuid(),
@@ -612,6 +614,8 @@ impl Node {
                 self.hb.failures = 0;
                 self.hb.auth_failures = 0;
                 self.hb.last_ok = Some(SystemTime::now());
+                // The watchdog is fed only while the backend acknowledges heartbeats.
+                crate::systemd::notify("WATCHDOG=1");
             }
             Some(b) if code(&b) == Some(401) => {
                 self.hb.auth_failures += 1;
@@ -794,6 +798,7 @@ impl Node {
         if self.shutdown.is_some() {
             return;
         }
+        crate::systemd::notify("STOPPING=1");
         log::info!("shutting down ({why}); running workloads are left running");
         self.log_running_workloads();
         let now = self.clock.now();
@@ -865,6 +870,11 @@ impl Node {
         }
         self.tick_workloads();
         self.retry_deferred_starts();
+        if self.s.standalone && self.conn == Conn::Connected && now >= self.next_watchdog {
+            // No heartbeats without a backend: a live broker connection feeds the watchdog.
+            crate::systemd::notify("WATCHDOG=1");
+            self.next_watchdog = now + Duration::from_secs(10);
+        }
         self.flush_outbox();
         if now >= self.next_stream_pass {
             self.pump_streams(true);

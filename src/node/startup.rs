@@ -272,6 +272,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         worker_done,
         heal: Default::default(),
         install_logs_shipped: false,
+        next_watchdog: now,
         s,
     };
     let mut node = node;

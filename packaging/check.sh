@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The release check (run by CI): builds the static binary and the .debs, then checks the
+# conflicts, the layout and modes in a scratch root, the unit (KillMode=process, systemd-analyze
+# verify), that the binary runs and is not dynamic, and runs end-to-end tests against it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+fail() { echo "FAIL: $*" >&2; exit 1; }
+./packaging/build-static.sh
+./packaging/build-deb.sh
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+deb=target/debian/cyberwave-cloud-node_${version}_amd64.deb
+
+info=$(dpkg-deb -I "$deb")
+grep -q '^ Conflicts: cyberwave-cloud-node-dev, cyberwave-cloud-node-staging$' <<<"$info" || fail "stable Conflicts: $info"
+grep -q '^ Replaces: cyberwave-cloud-node-dev, cyberwave-cloud-node-staging$' <<<"$info" || fail "stable Replaces"
+for ch in dev staging; do
+  ci=$(dpkg-deb -I "target/debian/cyberwave-cloud-node-${ch}_${version}_amd64.deb")
+  grep -q '^ Provides: cyberwave-cloud-node$' <<<"$ci" || fail "$ch Provides"
+  grep -q '^ Conflicts: cyberwave-cloud-node,' <<<"$ci" || fail "$ch Conflicts"
+done
+dpkg-deb -f "$deb" Package | grep -qx cyberwave-cloud-node || fail "package name"
+dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles | grep -qx /etc/cyberwave/cloud-node.env || fail "conffile"
+
+root=$(mktemp -d)
+trap 'rm -rf "$root"' EXIT
+dpkg -x "$deb" "$root"
+mode() { stat -c %a "$root/$1"; }
+[ "$(mode usr/bin/cyberwave-cloud-node)" = 755 ] || fail "binary mode $(mode usr/bin/cyberwave-cloud-node)"
+[ "$(mode lib/systemd/system/cyberwave-cloud-node.service)" = 644 ] || fail "unit mode"
+[ "$(mode etc/cyberwave/cloud-node.env)" = 600 ] || fail "env file mode $(mode etc/cyberwave/cloud-node.env)"
+[ -s "$root/usr/share/doc/cyberwave-cloud-node/EPL-2.0.txt" ] || fail "EPL-2.0 licence text"
+unit="$root/lib/systemd/system/cyberwave-cloud-node.service"
+grep -qx 'KillMode=process' "$unit" || fail "KillMode=process"
+grep -q 'CYBERWAVE_API_KEY=' "$unit" && fail "the unit holds an API key"
+for s in postinst prerm postrm; do dpkg-deb --ctrl-tarfile "$deb" | tar -xO "./$s" | sh -n || fail "$s syntax"; done
+"$root/usr/bin/cyberwave-cloud-node" --version
+ldd "$root/usr/bin/cyberwave-cloud-node" 2>&1 | grep -Eq 'not a dynamic executable|statically linked' || fail "ldd: $(ldd "$root/usr/bin/cyberwave-cloud-node" 2>&1)"
+if command -v systemd-analyze >/dev/null 2>&1; then
+  sed "s|/usr/bin/cyberwave-cloud-node|$root/usr/bin/cyberwave-cloud-node|" "$unit" > "$root/cyberwave-cloud-node.service"
+  systemd-analyze verify "$root/cyberwave-cloud-node.service" || fail "systemd-analyze verify"
+  systemd-analyze security --offline=true "$root/cyberwave-cloud-node.service" 2>/dev/null | tail -1 || true
+fi
+
+# The static binary passes the end-to-end workload and TLS tests (no SSL_CERT_FILE help).
+env -u SSL_CERT_FILE -u SSL_CERT_DIR CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
+  cargo test --test main -- workloads::completions_carry_the_real_exit_code wire::tls_connects_with_the_right_ca_and_refuses_otherwise logs::every_line_is_streamed_once_in_order_and_mirrored
+echo "release check: OK"

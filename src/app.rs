@@ -75,6 +75,7 @@ pub fn run(args: &[String]) -> i32 {
             }
         }
         Command::Validate => validate(&inv.flags, &cwd),
+        Command::Emit => crate::emit::run(&inv.emit_kind, &inv.emit),
         Command::Config | Command::Start => {
             let settings = match config::resolve(&inv.flags, EnvLayers::from_process(), &cwd) {
                 Ok(s) => s,

@@ -12,6 +12,7 @@ pub enum Command {
     Config,
     InstallService,
     UninstallService,
+    Emit,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +30,9 @@ pub struct Invocation {
     pub json: bool,
     /// `install-service --user`: user scope.
     pub user: bool,
+    /// `emit KIND` and its flags.
+    pub emit_kind: String,
+    pub emit: std::collections::BTreeMap<String, String>,
 }
 
 impl PartialEq for Invocation {
@@ -76,6 +80,7 @@ fn allowed(cmd: Command) -> &'static [&'static str] {
         ],
         Command::Validate => &["--config", "--lenient"],
         Command::InstallService | Command::UninstallService => &["--user"],
+        Command::Emit => crate::emit::FLAGS,
     }
 }
 
@@ -83,7 +88,7 @@ fn takes_value(flag: &str) -> bool {
     matches!(
         flag,
         "--config" | "--slug" | "--profile" | "--environment" | "--mqtt-host" | "--mqtt-port"
-    )
+    ) || crate::emit::FLAGS.contains(&flag)
 }
 
 pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
@@ -130,6 +135,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
                     "config" => Command::Config,
                     "install-service" => Command::InstallService,
                     "uninstall-service" => Command::UninstallService,
+                    "emit" => Command::Emit,
                     "help" => {
                         help = true;
                         Command::Start
@@ -156,12 +162,22 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     let mut flags = Flags::default();
     let mut json = false;
     let mut user = false;
-    // `validate PATH` takes the manifest path as a positional argument too.
+    // `validate PATH` takes the manifest path as a positional argument too; `emit KIND` its kind.
+    let mut emit_kind = String::new();
     match (command, positional.as_slice()) {
+        (Command::Emit, [k]) if ["started", "node", "finished"].contains(&k.as_str()) => {
+            emit_kind = k.clone()
+        }
+        (Command::Emit, _) => {
+            return Err(UsageError(
+                "emit needs one of: started, node, finished".into(),
+            ))
+        }
         (_, []) => {}
         (Command::Validate, [p]) => flags.config = Some(PathBuf::from(p)),
         (_, [p, ..]) => return Err(UsageError(format!("unexpected argument '{p}'"))),
     }
+    let mut emit = std::collections::BTreeMap::new();
     for (name, value) in pairs {
         if !allowed(command).contains(&name.as_str()) {
             return Err(UsageError(format!(
@@ -170,6 +186,10 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
             )));
         }
         let v = value.unwrap_or_default();
+        if command == Command::Emit {
+            emit.insert(name, v);
+            continue;
+        }
         match name.as_str() {
             "--config" => flags.config = Some(PathBuf::from(v)),
             "--slug" => flags.slug = Some(non_empty(&name, v)?),
@@ -199,6 +219,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
         verbosity,
         json,
         user,
+        emit_kind,
+        emit,
     }))
 }
 
@@ -217,6 +239,7 @@ fn name_of(c: Command) -> &'static str {
         Command::Config => "config",
         Command::InstallService => "install-service",
         Command::UninstallService => "uninstall-service",
+        Command::Emit => "emit",
     }
 }
 
@@ -254,13 +277,27 @@ and a commented environment file (mode 0600) for the API key and the manifest pa
 `systemctl daemon-reload` and `enable` when systemd is running. The API key is never put in the unit.\n\
 Without systemd (cron): @reboot CYBERWAVE_EDGE_CONFIG_DIR=$HOME/.cyberwave /usr/bin/cyberwave-cloud-node start\n"
             .to_string(),
+                Some(Command::Emit) => "Report a workflow execution event from inside a workload, through the node.\n\n\
+Usage:\n  cyberwave-cloud-node emit started --workflow W [--execution E] [--trigger-json J]\n\
+  cyberwave-cloud-node emit node --workflow W --execution E --node N --status S [--input-json J]\n\
+      [--output-json J] [--error-message M] [--execution-time-ms N] [--metadata-json J]\n\
+      [--started-at T] [--finished-at T] [--activation-index N] [--caller-uuid U]\n\
+  cyberwave-cloud-node emit finished --workflow W --execution E --status S [--error-message M]\n\
+  (all three: [--source-type edge|sim|tele|edit])\n\n\
+Node statuses: pending, running, success, error, skipped. Finished: success, error, canceled.\n\
+Times: RFC 3339 or epoch seconds (sent as RFC 3339 UTC). Payloads up to 256 KiB.\n\
+`started` prints the execution uuid (generated when --execution is not given).\n\
+Returns once the event is queued durably (also while the node is down). Uses the workload's\n\
+CYBERWAVE_NODE_SOCKET and CYBERWAVE_NODE_EVENT_TOKEN.\n\
+Exit: 0 queued, 2 invalid input (nothing queued), 3 token or workflow refused, 1 other failure.\n"
+            .to_string(),
         Some(Command::UninstallService) => "Disable and remove the unit written by install-service (the environment file and state stay).\n\n\
 Usage: cyberwave-cloud-node uninstall-service [--user]\n"
             .to_string(),
         None => format!(
             "cyberwave-cloud-node {VERSION}: turns this host into a Cyberwave cloud node.\n\n\
 Usage: cyberwave-cloud-node [COMMAND] [FLAGS]\n\n\
-Commands:\n  start              run the node (the default)\n  validate           check a manifest (cyberwave.yml)\n  config             print the resolved settings and their sources\n  install-service    install the systemd unit (--user for user scope)\n  uninstall-service  remove it\n\n\
+Commands:\n  start              run the node (the default)\n  validate           check a manifest (cyberwave.yml)\n  config             print the resolved settings and their sources\n  install-service    install the systemd unit (--user for user scope)\n    uninstall-service  remove it\n  emit               report a workflow execution event (inside a workload)\n\n\
 Flags: --version, --help (also per command: cyberwave-cloud-node COMMAND --help)\n\n\
 Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 credentials rejected\n"
         ),

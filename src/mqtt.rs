@@ -235,6 +235,22 @@ impl Mqtt {
         self.publish(topic, payload, 1, props);
     }
 
+    /// A QoS 1 publish whose broker acknowledgement (PUBACK) the caller wants to know of.
+    pub fn publish_tracked(&self, topic: &str, payload: Vec<u8>) -> Option<paho::DeliveryToken> {
+        let msg = paho::MessageBuilder::new()
+            .topic(topic)
+            .payload(payload)
+            .qos(1)
+            .finalize();
+        match self.client.try_publish(msg) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::warn!("could not queue a message for {topic}: {e}");
+                None
+            }
+        }
+    }
+
     pub fn subscribe(&self, topics: &[String]) {
         if topics.is_empty() {
             return;

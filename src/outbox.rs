@@ -39,6 +39,22 @@ pub struct Outbox {
 
 pub const MAX_IN_FLIGHT: usize = 64;
 
+pub fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Writes an item into an outbox folder from another process (`emit` while the node is down).
+pub fn write_item(dir: &std::path::Path, item: &Item) -> std::io::Result<u64> {
+    crate::store::ensure_private_dir(dir)?;
+    let seq = now_nanos();
+    let json = serde_json::to_vec(item).map_err(std::io::Error::other)?;
+    crate::store::write_atomic(&dir.join(format!("{seq:020}.json")), &json, 0o600)?;
+    Ok(seq)
+}
+
 impl Outbox {
     /// Loads what a previous run left; corrupt files are moved aside.
     pub fn load(dir: PathBuf) -> std::io::Result<Outbox> {
@@ -91,16 +107,63 @@ impl Outbox {
         self.slots.len()
     }
 
+    /// Picks up items another process wrote into the folder since the last look.
+    pub fn rescan(&mut self) {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in rd.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(seq) = name
+                .strip_suffix(".json")
+                .and_then(|s| s.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if self.slots.contains_key(&seq) {
+                continue;
+            }
+            if let Some(item) = std::fs::read(entry.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Item>(&b).ok())
+            {
+                self.slots.insert(
+                    seq,
+                    Slot {
+                        item,
+                        in_flight: None,
+                        next_try: Instant::now(),
+                        attempts: 0,
+                    },
+                );
+                self.next_seq = self.next_seq.max(seq + 1);
+            }
+        }
+    }
+
+    /// The oldest item, if it is not in flight and is due (for strictly ordered sending).
+    pub fn head_due(&self, now: Instant) -> Option<(u64, Item)> {
+        let (seq, s) = self.slots.iter().next()?;
+        (s.in_flight.is_none() && s.next_try <= now).then(|| (*seq, s.item.clone()))
+    }
+
+    /// Whether `seq` is in flight with this correlation (or any, for `None`).
+    pub fn in_flight(&self, seq: u64) -> bool {
+        self.slots.get(&seq).is_some_and(|s| s.in_flight.is_some())
+    }
+
     pub fn has_key(&self, key: &str) -> bool {
         self.slots
             .values()
             .any(|s| s.item.key.as_deref() == Some(key))
     }
 
-    /// Writes the item durably; it is sent by [`Outbox::due`].
+    /// Writes the item durably; it is sent by [`Outbox::due`]. Sequence numbers follow the
+    /// clock (nanoseconds) so that items written by another process (`emit` while the node is
+    /// down) sort in time order with the node's own.
     pub fn push(&mut self, item: Item) -> std::io::Result<u64> {
-        let seq = self.next_seq;
-        self.next_seq += 1;
+        let seq = self.next_seq.max(now_nanos());
+        self.next_seq = seq + 1;
         let json = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
         crate::store::write_atomic(&self.dir.join(format!("{seq:020}.json")), &json, 0o600)?;
         self.slots.insert(

@@ -3,6 +3,7 @@
 mod support;
 
 mod cli_config;
+mod ingress;
 mod logs;
 mod results;
 mod wire;

@@ -3,6 +3,7 @@
 //! loop waits on the network: requests are published and their replies (or deadlines) come
 //! back as events; the loop wakes at least every [`TICK`].
 
+mod ingress;
 mod logs;
 mod selfheal;
 mod startup;
@@ -160,6 +161,12 @@ pub struct Node {
     heal: selfheal::Heal,
     install_logs_shipped: bool,
     next_watchdog: Instant,
+    /// Workflow execution events waiting for the broker's acknowledgement.
+    ingress: Outbox,
+    acks_tx: crossbeam_channel::Sender<ingress::Tracked>,
+    acked: Receiver<ingress::Acked>,
+    control: Receiver<crate::control::Request>,
+    next_rescan: Instant,
 }
 
 impl Node {
@@ -177,6 +184,8 @@ impl Node {
                 recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
                 recv(self.chunks) -> c => if let Ok(c) = c { self.on_chunk(c) },
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
+                recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
+                recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
                 default(wait) => {}
             }
             self.tick();
@@ -268,6 +277,7 @@ impl Node {
                 topics.extend(self.command_topics.iter().cloned());
                 self.mqtt.subscribe(&topics);
                 self.flush_outbox();
+                self.send_ingress();
             }
             MqttEvent::Connect(Err(why)) => {
                 let attempt = match self.conn {
@@ -282,6 +292,7 @@ impl Node {
                     // Outbox messages in flight are sent again after the reconnect.
                     self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
                     self.outbox.reset_in_flight();
+                    self.ingress.reset_in_flight();
                     self.reset_streams();
                 }
             }
@@ -775,6 +786,47 @@ impl Node {
             .publish(&topic, payload, 1, paho_mqtt::Properties::new());
     }
 
+    // ---- the control socket ---------------------------------------------------------------------
+
+    fn on_control(&mut self, req: crate::control::Request) {
+        let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
+        let reply = match op {
+            "emit" => self.on_emit(&req.body),
+            "status" => json!({"ok": true, "status": self.local_status()}),
+            other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
+        };
+        let _ = req.reply.send(reply);
+    }
+
+    /// What `cyberwave-cloud-node status` shows about a running node.
+    fn local_status(&self) -> Value {
+        json!({
+            "running": true,
+            "pid": std::process::id(),
+            "instance_uuid": self.uuid(),
+            "slug": self.slug(),
+            "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
+            "broker": self.mqtt.endpoint(),
+            "connected": self.conn == Conn::Connected,
+            "registered": self.reg == Registration::Done,
+            "last_heartbeat_ok": self.hb.last_ok.map(util::rfc3339),
+            "accepting": self.shutdown.is_none(),
+            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
+            "workloads": self.active.values().map(|a| json!({
+                "pid": a.meta.pid(),
+                "type": a.meta.kind,
+                "request_id": a.meta.request_id,
+                "workload_uuid": a.meta.workload_uuid,
+                "state": a.state(),
+                "running_for_seconds": (crate::workload::unix_now() - a.meta.created_unix).max(0.0) as u64,
+                "stdout_log": a.meta.stdout_log,
+                "stderr_log": a.meta.stderr_log,
+            })).collect::<Vec<_>>(),
+            "outbox": self.outbox.len(),
+            "ingress_queue": self.ingress.len(),
+        })
+    }
+
     // ---- signals and shutdown -------------------------------------------------------------------
 
     fn on_signal(&mut self, sig: Signal) {
@@ -870,6 +922,12 @@ impl Node {
         }
         self.tick_workloads();
         self.retry_deferred_starts();
+        if now >= self.next_rescan {
+            // Events `emit` queued by itself while the node was unreachable.
+            self.ingress.rescan();
+            self.next_rescan = now + Duration::from_secs(2);
+        }
+        self.send_ingress();
         if self.s.standalone && self.conn == Conn::Connected && now >= self.next_watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");

@@ -223,6 +223,31 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
             return Err(EXIT_RUNTIME);
         }
     };
+    let ingress = match Outbox::load(dir.join("ingress")) {
+        Ok(o) => o,
+        Err(e) => {
+            log::error!(
+                "cannot open the ingress queue in {}: {e}",
+                dir.join("ingress").display()
+            );
+            return Err(EXIT_RUNTIME);
+        }
+    };
+    let (acks_tx, acked) = match super::ingress::start_ack_thread() {
+        Ok(pair) => pair,
+        Err(e) => {
+            log::error!("cannot start the acknowledgement thread: {e}");
+            return Err(EXIT_RUNTIME);
+        }
+    };
+    let (control_tx, control) = unbounded();
+    if let Err(e) = crate::control::serve(&dir.join("control.sock"), control_tx) {
+        log::error!(
+            "cannot open the control socket {}: {e}",
+            dir.join("control.sock").display()
+        );
+        return Err(EXIT_RUNTIME);
+    }
     let (reaped_tx, reaped) = unbounded();
     let reaper = match Reaper::start(reaped_tx) {
         Ok(r) => r,
@@ -273,6 +298,11 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         heal: Default::default(),
         install_logs_shipped: false,
         next_watchdog: now,
+        ingress,
+        acks_tx,
+        acked,
+        control,
+        next_rescan: now,
         s,
     };
     let mut node = node;

@@ -142,11 +142,12 @@ impl Node {
             .get("workload_uuid")
             .and_then(Value::as_str)
             .map(String::from);
+        let ctx = super::ingress::context_of(kind, &params);
         let Some(template) = self.s.command_template(kind).map(String::from) else {
             let mut cap = kind.to_string();
             cap[..1].make_ascii_uppercase();
             let why = format!("{cap} command not configured in cyberwave.yml");
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None);
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         };
         let capacity = self.s.max_concurrent_workloads.value as usize;
         if self.active.len() >= capacity
@@ -176,6 +177,7 @@ impl Node {
                 workload_uuid.as_deref(),
                 &why,
                 Some("host_busy"),
+                ctx,
             );
         }
         let manifest_limit = self.s.manifest.as_ref().and_then(|m| m.max_runtime_seconds);
@@ -195,6 +197,8 @@ impl Node {
             template: &template,
             node_token: &self.token,
             max_runtime_s,
+            workflow: ctx.clone(),
+            socket: self.layout.state.join("control.sock"),
         };
         let t0 = Instant::now();
         match workload::start(&self.s, &self.layout, &self.exe, req) {
@@ -214,13 +218,14 @@ impl Node {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.workload_status(wl, body);
                 }
+                self.report_started(&meta);
                 let now = self.clock.now();
                 self.active.insert(safe_id, Active::new(meta, true, now));
             }
             Err(e) => {
                 let why = format!("Failed to start {kind}: {e}");
                 log::error!("{why}");
-                self.reject_start(request_id, workload_uuid.as_deref(), &why, None);
+                self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
             }
         }
     }
@@ -232,7 +237,9 @@ impl Node {
         workload_uuid: Option<&str>,
         why: &str,
         reason: Option<&str>,
+        ctx: Option<workload::WorkflowCtx>,
     ) {
+        self.report_rejected(ctx, why);
         log::warn!("refused start {}: {why}", request_id_text(request_id));
         self.reply_error(request_id, why);
         if let Some(wl) = workload_uuid {
@@ -488,6 +495,12 @@ impl Node {
                     "cancelled"
                 };
                 log::info!("{} {rid} (pid {pid}) cancelled by {}", meta.kind, c.signal);
+                self.report_finished(
+                    &meta,
+                    false,
+                    exit.as_ref().map(Exit::code),
+                    Some(format!("Workload cancelled by {}", c.signal)),
+                );
                 (
                     json!({"status": status, "message": format!("Workload cancelled by {}", c.signal), "signal": c.signal, "pid": pid}),
                     format!("{status} status of {} {rid}", meta.kind),
@@ -525,6 +538,12 @@ impl Node {
                         body["stderr"] = json!(s);
                     }
                 }
+                self.report_finished(
+                    &meta,
+                    success,
+                    code,
+                    body.get("error").and_then(Value::as_str).map(String::from),
+                );
                 log::info!(
                     "{} {rid} (pid {pid}) finished: {}{}",
                     meta.kind,
@@ -835,7 +854,7 @@ impl Node {
                 None | Some(Value::Null) => Map::new(),
                 Some(_) => {
                     let why = "command_params must be a JSON object";
-                    return self.reject_start(request_id, uuid.as_deref(), why, None);
+                    return self.reject_start(request_id, uuid.as_deref(), why, None, None);
                 }
             };
             if let Some(u) = &uuid {

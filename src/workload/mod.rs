@@ -45,6 +45,19 @@ pub struct Cancel {
     pub stale: bool,
 }
 
+/// The workflow a workload belongs to (from its start params), for node events (D18).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WorkflowCtx {
+    pub workflow: String,
+    pub execution: String,
+    pub node: String,
+    pub source_type: String,
+    #[serde(default)]
+    pub activation_index: Option<u64>,
+    #[serde(default)]
+    pub caller_uuid: Option<String>,
+}
+
 /// `workloads/<safe-id>/meta.json`: everything needed to report the workload after a restart.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Meta {
@@ -65,6 +78,11 @@ pub struct Meta {
     pub started: Option<Started>,
     #[serde(default)]
     pub cancel: Option<Cancel>,
+    #[serde(default)]
+    pub workflow: Option<WorkflowCtx>,
+    /// The workload's secret for `emit` (in its environment; this file is 0600).
+    #[serde(default)]
+    pub event_token: String,
 }
 
 impl Meta {
@@ -130,6 +148,9 @@ pub struct StartRequest<'a> {
     /// The node's own API token (empty in standalone mode).
     pub node_token: &'a str,
     pub max_runtime_s: Option<f64>,
+    pub workflow: Option<WorkflowCtx>,
+    /// The node's control socket, for `emit`.
+    pub socket: PathBuf,
 }
 
 /// Environment variables that hold the node's own secrets or identity; never passed on as they
@@ -219,6 +240,8 @@ fn start_in(
         phase: Phase::Starting,
         started: None,
         cancel: None,
+        workflow: req.workflow.clone(),
+        event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
     };
     save_meta(layout, &meta).map_err(|e| format!("cannot write the workload record: {e}"))?;
 
@@ -245,6 +268,15 @@ fn start_in(
     env.insert(
         "CYBERWAVE_INPUTS_DIR".into(),
         layout.inputs().display().to_string(),
+    );
+    env.insert(
+        "CYBERWAVE_NODE_SOCKET".into(),
+        req.socket.display().to_string(),
+    );
+    env.insert("CYBERWAVE_NODE_BIN".into(), exe.display().to_string());
+    env.insert(
+        "CYBERWAVE_NODE_EVENT_TOKEN".into(),
+        meta.event_token.clone(),
     );
     if let Some(wl) = &workload_uuid {
         env.insert("CYBERWAVE_WORKLOAD_UUID".into(), wl.clone());
@@ -494,6 +526,8 @@ mod tests {
             phase: Phase::Running,
             started: None,
             cancel: None,
+            workflow: None,
+            event_token: String::new(),
         };
         assert_eq!(failure_summary(&meta, "fallback").0, "fallback");
         std::fs::write(dir.join("o"), "out line\n").unwrap();

@@ -121,6 +121,7 @@ impl ControlPlane {
             "cyberwave/cloud-node/+/logs",
             "cyberwave/cloud-node/+/response",
             "cyberwave/cloud-workload/#",
+            "cyberwave/workflow/#",
         ]
         .iter()
         .map(|t| format!("{prefix}{t}"))
@@ -220,6 +221,33 @@ impl ControlPlane {
 
     pub fn http_hits(&self) -> Vec<(String, Option<String>)> {
         lock(&self.state).http.clone()
+    }
+
+    /// Waits until the fake backend is subscribed again (after a broker restart): a QoS 1 event
+    /// is acknowledged by the broker even when nobody listens, so a test that restarts the broker
+    /// must not let the node publish before its backend is back.
+    pub fn wait_subscribed(&self) {
+        for i in 0..200 {
+            let msg = paho::MessageBuilder::new()
+                .topic(format!("{}cyberwave/workflow/__probe__/{i}", self.prefix))
+                .payload("{}")
+                .qos(1)
+                .finalize();
+            let _ = self
+                .client
+                .publish(msg)
+                .wait_for(Duration::from_millis(500));
+            let seen = wait_for(Duration::from_millis(100), || {
+                self.requests("ingress")
+                    .iter()
+                    .any(|r| r.id == format!("__probe__/{i}"))
+                    .then_some(())
+            });
+            if seen.is_some() {
+                return;
+            }
+        }
+        panic!("the fake backend did not resubscribe");
     }
 
     /// Publishes a command (QoS 1) to `…/cloud-node/{id}/command`.
@@ -336,6 +364,7 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
         }
         ["cyberwave", "cloud-node", id, leaf] => (leaf.to_string(), id.to_string()),
         ["cyberwave", "cloud-workload", wl, leaf] => (format!("workload:{leaf}"), wl.to_string()),
+        ["cyberwave", "workflow", rest @ ..] => ("ingress".to_string(), rest.join("/")),
         _ => ("other".to_string(), String::new()),
     };
     if op == "response" {

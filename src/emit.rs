@@ -1,0 +1,171 @@
+//! `cyberwave-cloud-node emit started|node|finished …`: a workload reports workflow execution
+//! events through the node (decision D19). The event is validated here (exit 2, nothing queued,
+//! on bad input), sent to the node's control socket with the workload's event token, and the
+//! command returns once the event is durably queued. When the node is down the event is
+//! written into the ingress queue directly, to be sent when the node returns.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+
+use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::control::{self, CallError};
+use crate::outbox::{self, Item};
+use crate::workload::Meta;
+
+pub const FLAGS: &[&str] = &[
+    "--workflow",
+    "--execution",
+    "--node",
+    "--status",
+    "--trigger-json",
+    "--input-json",
+    "--output-json",
+    "--error-message",
+    "--execution-time-ms",
+    "--metadata-json",
+    "--started-at",
+    "--finished-at",
+    "--activation-index",
+    "--caller-uuid",
+    "--source-type",
+];
+
+/// The flags as the event's fields; `Err` is a usage error.
+pub fn fields(kind: &str, flags: &BTreeMap<String, String>) -> Result<Map<String, Value>, String> {
+    let mut f = Map::new();
+    f.insert("kind".into(), json!(kind));
+    for (flag, value) in flags {
+        let key = flag.trim_start_matches("--");
+        let (name, v) = match key {
+            "trigger-json" | "input-json" | "output-json" | "metadata-json" => {
+                let parsed: Value = serde_json::from_str(value)
+                    .map_err(|e| format!("{flag}: not valid JSON ({e})"))?;
+                (key.trim_end_matches("-json").to_string(), parsed)
+            }
+            "execution-time-ms" | "activation-index" => {
+                let n: u64 = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("{flag}: expected a whole number ≥ 0, got {value:?}"))?;
+                (key.replace('-', "_"), json!(n))
+            }
+            _ => (key.replace('-', "_"), json!(value)),
+        };
+        f.insert(name, v);
+    }
+    Ok(f)
+}
+
+pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
+    let f = match fields(kind, flags).and_then(|f| crate::ingress::build(&f).map(|ev| (f, ev))) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let (fields, event) = f;
+    let Some(token) = std::env::var("CYBERWAVE_NODE_EVENT_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+    else {
+        eprintln!("error: CYBERWAVE_NODE_EVENT_TOKEN is not set: emit runs inside a workload started by the node");
+        return EXIT_USAGE;
+    };
+    let socket = std::env::var_os("CYBERWAVE_NODE_SOCKET")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| state_dir().join("control.sock"));
+    let print_ok = |execution: &str| {
+        if kind == "started" {
+            println!("{execution}");
+        }
+        EXIT_OK
+    };
+    match control::call(
+        &socket,
+        &json!({"op": "emit", "token": token, "fields": fields}),
+        Duration::from_secs(30),
+    ) {
+        Ok(reply) if reply["ok"] == true => {
+            print_ok(reply["execution_uuid"].as_str().unwrap_or(&event.execution))
+        }
+        Ok(reply) => {
+            eprintln!(
+                "error: {}",
+                reply["error"]
+                    .as_str()
+                    .unwrap_or("the node refused the event")
+            );
+            if reply["refused"] == true {
+                EXIT_CREDENTIALS
+            } else {
+                EXIT_USAGE
+            }
+        }
+        Err(CallError::NotRunning) => {
+            // The node is down: check the token against the workload records and queue directly.
+            let state = socket.parent().map(PathBuf::from).unwrap_or_else(state_dir);
+            match authorised(&state, &token, &event.workflow) {
+                Ok(()) => {}
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return EXIT_CREDENTIALS;
+                }
+            }
+            let item = Item {
+                topic: event.topic.clone(),
+                body: event.body.clone(),
+                label: format!(
+                    "{kind} event of workflow {} (queued while the node was down)",
+                    event.workflow
+                ),
+                key: None,
+            };
+            match outbox::write_item(&state.join("ingress"), &item) {
+                Ok(_) => print_ok(&event.execution),
+                Err(e) => {
+                    eprintln!(
+                        "error: cannot queue the event in {}: {e}",
+                        state.join("ingress").display()
+                    );
+                    EXIT_RUNTIME
+                }
+            }
+        }
+        Err(CallError::Failed(e)) => {
+            eprintln!("error: the node did not answer: {e}");
+            EXIT_RUNTIME
+        }
+    }
+}
+
+fn state_dir() -> PathBuf {
+    std::env::var_os("CYBERWAVE_EDGE_CONFIG_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cyberwave")
+        })
+}
+
+fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<(), String> {
+    let rd = std::fs::read_dir(state.join("workloads"))
+        .map_err(|e| format!("cannot check the event token: {e}"))?;
+    for e in rd.flatten() {
+        let Some(meta) = crate::workload::read_json::<Meta>(&e.path().join("meta.json")) else {
+            continue;
+        };
+        if !meta.event_token.is_empty() && meta.event_token == token {
+            return match &meta.workflow {
+                Some(ctx) if ctx.workflow != workflow => Err(format!(
+                    "this workload may only report workflow {}",
+                    ctx.workflow
+                )),
+                _ => Ok(()),
+            };
+        }
+    }
+    Err("invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)".into())
+}

@@ -1,0 +1,381 @@
+//! Workflow execution ingress end to end: the node's own workloads as node events, `emit` from
+//! inside workloads, durability across outages and SIGKILL, and input validation.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::control_plane::Request;
+use crate::support::node::NodeSetup;
+use crate::support::{node_bin, wait_for, Broker, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(30);
+
+fn rig(manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", manifest);
+    (broker, cp, setup)
+}
+
+fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str, params: Value) -> Value {
+    cp.command(
+        &node.uuid(),
+        json!({"command": kind, "request_id": rid, "params": params}),
+    );
+    cp.wait_reply(rid, REPLY)
+        .unwrap_or_else(|| panic!("no reply to {rid}"))
+}
+
+fn events(cp: &ControlPlane, prefix: &str) -> Vec<Request> {
+    cp.requests("ingress")
+        .into_iter()
+        .filter(|r| r.id.starts_with(prefix))
+        .collect()
+}
+
+fn wait_events(cp: &ControlPlane, prefix: &str, n: usize) -> Vec<Request> {
+    wait_for(DONE, || {
+        let e = events(cp, prefix);
+        (e.len() >= n).then_some(e)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "fewer than {n} events for {prefix}: {:?}",
+            events(cp, prefix)
+                .iter()
+                .map(|r| &r.body)
+                .collect::<Vec<_>>()
+        )
+    })
+}
+
+#[test]
+fn the_node_reports_its_own_workloads_as_node_events() {
+    let (_b, cp, setup) = rig("cyberwave:\n  training: sleep 0.3\n  simulate: echo 'physics exploded' >&2; exit 4\n  max_concurrent_workloads: 2\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let ctx = |n: &str| json!({"workload_uuid": format!("wl-{n}"), "workflow_uuid": "wf-1", "workflow_execution_uuid": "ex-1", "workflow_node_uuid": n, "activation_index": 2, "caller_uuid": "caller-1"});
+    assert_eq!(
+        start(&cp, &node, "training", "ok", ctx("node-ok"))["status"],
+        "ok"
+    );
+    let ok = wait_events(&cp, "wf-1/execution/ex-1/node/node-ok", 2);
+    assert_eq!(ok[0].body["status"], "running");
+    assert_eq!(ok[0].body["source_type"], "edge");
+    assert_eq!(ok[0].body["activation_index"], 2);
+    assert_eq!(ok[0].body["caller_uuid"], "caller-1");
+    assert!(ok[0].body["started_at"]
+        .as_str()
+        .unwrap_or_default()
+        .ends_with('Z'));
+    assert_eq!(ok[1].body["status"], "success");
+    assert_eq!(
+        ok[1].body["output_data"],
+        json!([{"exit_code": 0, "workload_uuid": "wl-node-ok"}])
+    );
+    let ms = ok[1].body["execution_time_ms"].as_i64().unwrap_or(0);
+    assert!((250..5000).contains(&ms), "duration {ms} ms");
+    assert!(ok[1].body.get("error_message").is_none());
+    assert!(ok[1].body["finished_at"].is_string());
+    for e in &ok {
+        assert!(
+            e.body
+                .as_object()
+                .map(|o| o.values().all(|v| !v.is_null()))
+                .unwrap_or(false),
+            "no nulls: {}",
+            e.body
+        );
+    }
+    // A failing workload (simulate ⇒ source_type sim) reports error with its summary.
+    let mut p = ctx("node-bad");
+    p["execution_uuid"] = json!("ex-1");
+    assert_eq!(start(&cp, &node, "simulate", "bad", p)["status"], "ok");
+    let bad = wait_events(&cp, "wf-1/execution/ex-1/node/node-bad", 2);
+    assert_eq!(bad[1].body["status"], "error");
+    assert_eq!(bad[1].body["source_type"], "sim");
+    assert_eq!(bad[1].body["error_message"], "physics exploded");
+    assert_eq!(bad[1].body["output_data"][0]["exit_code"], 4);
+    // A refused start reports error; the node never opens or closes the execution itself.
+    let mut p = ctx("node-refused");
+    p["workflow_node_uuid"] = json!("node-refused");
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "nocmd", "params": p}),
+    );
+    let refused = wait_events(&cp, "wf-1/execution/ex-1/node/node-refused", 1);
+    assert_eq!(refused[0].body["status"], "error");
+    assert!(refused[0].body["error_message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("not configured"));
+    assert!(cp
+        .requests("ingress")
+        .iter()
+        .all(|r| !r.id.ends_with("/started") && !r.id.ends_with("/finished")));
+}
+
+#[test]
+fn workloads_emit_events_in_order_and_bad_tokens_are_refused() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  inference: |\n    E=$(\"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-e --trigger-json '{\"frame\": 7}')\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-e --execution \"$E\" --node n1 --status running --started-at 2026-11-29T10:00:00+01:00\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-e --execution \"$E\" --node n1 --status success --output-json '[{\"k\": 1}]' --execution-time-ms 42 --finished-at 1764410400\n    \"$CYBERWAVE_NODE_BIN\" emit finished --workflow wf-e --execution \"$E\" --status success\n    CYBERWAVE_NODE_EVENT_TOKEN=forged \"$CYBERWAVE_NODE_BIN\" emit finished --workflow wf-e --execution \"$E\" --status error; echo \"forged=$?\" > rc.txt\n  training: |\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-other --execution x1 --node n1 --status running; echo \"other=$?\" >> rc.txt\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-bound --execution x1 --node n2 --status running; echo \"own=$?\" >> rc.txt\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(
+        start(
+            &cp,
+            &node,
+            "inference",
+            "em",
+            json!({"workload_uuid": "wl-em"})
+        )["status"],
+        "ok"
+    );
+    let ev = wait_events(&cp, "wf-e/", 4);
+    assert_eq!(
+        ev.len(),
+        4,
+        "the forged one is not sent: {:?}",
+        ev.iter().map(|r| &r.id).collect::<Vec<_>>()
+    );
+    let execution = ev[0].body["execution_uuid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(ev[0].id, "wf-e/execution/started");
+    assert_eq!(ev[0].body["trigger_data"], json!({"frame": 7}));
+    assert_eq!(ev[1].id, format!("wf-e/execution/{execution}/node/n1"));
+    assert_eq!(
+        ev[1].body,
+        json!({"status": "running", "started_at": "2026-11-29T09:00:00.000000Z"})
+    );
+    assert_eq!(
+        ev[2].body,
+        json!({"status": "success", "output_data": [{"k": 1}], "execution_time_ms": 42, "finished_at": "2025-11-29T10:00:00.000000Z"})
+    );
+    assert_eq!(ev[3].id, format!("wf-e/execution/{execution}/finished"));
+    assert_eq!(ev[3].body, json!({"status": "success"}));
+    assert!(cp.wait_status("wl-em", "completed", DONE).is_some());
+    let rc = std::fs::read_to_string(setup.cwd.join("rc.txt")).unwrap_or_default();
+    assert!(rc.contains("forged=3"), "{rc}");
+    // A workload started for one workflow may report only that workflow.
+    let bound = json!({"workload_uuid": "wl-bound", "workflow_uuid": "wf-bound", "execution_uuid": "x1", "node_uuid": "n0"});
+    assert_eq!(
+        start(&cp, &node, "training", "bound", bound)["status"],
+        "ok"
+    );
+    assert!(cp.wait_status("wl-bound", "completed", DONE).is_some());
+    let rc = std::fs::read_to_string(setup.cwd.join("rc.txt")).unwrap_or_default();
+    assert!(rc.contains("other=3") && rc.contains("own=0"), "{rc}");
+    assert!(events(&cp, "wf-other/").is_empty());
+    assert!(!wait_events(&cp, "wf-bound/execution/x1/node/n2", 1).is_empty());
+}
+
+#[test]
+fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
+    let mut s = NodeSetup::bare();
+    s.set("CYBERWAVE_NODE_EVENT_TOKEN", "whatever");
+    s.set(
+        "CYBERWAVE_NODE_SOCKET",
+        &s.home.join(".cyberwave/control.sock").display().to_string(),
+    );
+    // 3 × 100 KiB: over the 256 KiB payload limit, each argument under the OS's 128 KiB limit.
+    let big = format!("{{\"x\": \"{}\"}}", "y".repeat(100 * 1024));
+    let big_list = format!("[\"{}\"]", "y".repeat(100 * 1024));
+    let cases: Vec<Vec<&str>> = vec![
+        vec![
+            "emit",
+            "node",
+            "--workflow",
+            "w",
+            "--execution",
+            "e",
+            "--node",
+            "n",
+            "--status",
+            "done",
+        ],
+        vec![
+            "emit",
+            "finished",
+            "--workflow",
+            "w",
+            "--execution",
+            "e",
+            "--status",
+            "cancelled",
+        ],
+        vec![
+            "emit",
+            "node",
+            "--workflow",
+            "w",
+            "--execution",
+            "e",
+            "--node",
+            "n",
+            "--status",
+            "running",
+            "--started-at",
+            "last tuesday",
+        ],
+        vec![
+            "emit",
+            "node",
+            "--workflow",
+            "w",
+            "--execution",
+            "e",
+            "--node",
+            "n",
+            "--status",
+            "running",
+            "--metadata-json",
+            &big,
+            "--input-json",
+            &big_list,
+            "--output-json",
+            &big_list,
+        ],
+        vec![
+            "emit",
+            "node",
+            "--workflow",
+            "w",
+            "--execution",
+            "e",
+            "--node",
+            "n",
+            "--status",
+            "running",
+            "--input-json",
+            "{broken",
+        ],
+        vec![
+            "emit",
+            "node",
+            "--workflow",
+            "w",
+            "--node",
+            "n",
+            "--status",
+            "running",
+        ],
+        vec!["emit", "restarted", "--workflow", "w"],
+    ];
+    for args in cases {
+        let out = s.run(&args);
+        assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
+        assert!(out.stderr.starts_with("error: "), "{out:?}");
+        assert!(!out.stderr.contains("panicked"));
+    }
+    assert!(
+        !s.home.join(".cyberwave/ingress").exists(),
+        "nothing was queued"
+    );
+    assert!(std::path::Path::new(&node_bin()).exists());
+}
+
+#[test]
+fn events_survive_a_broker_outage_and_a_sigkill_of_the_node() {
+    let (mut broker, cp, setup) = rig(
+        "cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    E=$(\"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-k --execution ex-k)\n    for i in $(seq 1 99); do \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-k --execution ex-k --node n$i --status success || exit 9; done\n    echo done > emitted.txt\n",
+    );
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(
+        start(
+            &cp,
+            &node,
+            "inference",
+            "k",
+            json!({"workload_uuid": "wl-k"})
+        )["status"],
+        "ok"
+    );
+    broker.stop();
+    std::fs::write(setup.cwd.join("go"), "").expect("go");
+    // `emit` returns while the broker is down: the events are in the node's queue.
+    assert!(
+        wait_for(DONE, || std::fs::read_to_string(
+            setup.cwd.join("emitted.txt")
+        )
+        .ok())
+        .is_some(),
+        "emit blocked: {}",
+        node.log()
+    );
+    node.kill9();
+    broker.restart();
+    cp.wait_subscribed();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let ev = wait_for(DONE, || {
+        let e = events(&cp, "wf-k/");
+        let mut ids: Vec<String> = e.iter().map(|r| r.id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        (ids.len() >= 100).then_some(e)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "only {} distinct events; log:\n{}",
+            events(&cp, "wf-k/").len(),
+            node.log()
+        )
+    });
+    assert_eq!(
+        ev[0].id, "wf-k/execution/started",
+        "node events come after their started"
+    );
+    for i in 1..=99 {
+        assert!(
+            ev.iter()
+                .any(|r| r.id == format!("wf-k/execution/ex-k/node/n{i}")),
+            "n{i} lost"
+        );
+    }
+}
+
+#[test]
+fn emit_while_the_node_is_down_queues_the_event_for_its_return() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-off --execution ex --node n1 --status success; echo \"rc=$?\" > rc.txt\n    CYBERWAVE_NODE_EVENT_TOKEN=forged \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-off --execution ex --node n2 --status success; echo \"forged=$?\" >> rc.txt\n",
+    );
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(
+        start(
+            &cp,
+            &node,
+            "inference",
+            "off",
+            json!({"workload_uuid": "wl-off"})
+        )["status"],
+        "ok"
+    );
+    node.kill9();
+    std::fs::write(setup.cwd.join("go"), "").expect("go");
+    let rc = wait_for(DONE, || {
+        std::fs::read_to_string(setup.cwd.join("rc.txt"))
+            .ok()
+            .filter(|r| r.contains("forged"))
+    })
+    .expect("emit ran");
+    assert!(rc.contains("rc=0") && rc.contains("forged=3"), "{rc}");
+    assert!(events(&cp, "wf-off/").is_empty());
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let ev = wait_events(&cp, "wf-off/", 1);
+    assert_eq!(ev[0].id, "wf-off/execution/ex/node/n1");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        events(&cp, "wf-off/execution/ex/node/n2").is_empty(),
+        "the forged event was never queued"
+    );
+}

@@ -76,6 +76,11 @@ pub fn run(args: &[String]) -> i32 {
         }
         Command::Validate => validate(&inv.flags, &cwd),
         Command::Emit => crate::emit::run(&inv.emit_kind, &inv.emit),
+        Command::Status => crate::ops::status(inv.json),
+        Command::Logs => crate::ops::logs(&inv.emit_kind, inv.follow, inv.stderr, inv.lines),
+        Command::Drain => crate::ops::drain(true, inv.wait),
+        Command::Resume => crate::ops::drain(false, false),
+        Command::Doctor => crate::ops::doctor(&inv.flags, &cwd),
         Command::Config | Command::Start => {
             let settings = match config::resolve(&inv.flags, EnvLayers::from_process(), &cwd) {
                 Ok(s) => s,

@@ -13,6 +13,11 @@ pub enum Command {
     InstallService,
     UninstallService,
     Emit,
+    Status,
+    Logs,
+    Drain,
+    Resume,
+    Doctor,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -30,9 +35,14 @@ pub struct Invocation {
     pub json: bool,
     /// `install-service --user`: user scope.
     pub user: bool,
-    /// `emit KIND` and its flags.
+    /// `emit KIND` (or the id of `logs`) and the flags of `emit`.
     pub emit_kind: String,
     pub emit: std::collections::BTreeMap<String, String>,
+    /// `logs -f`, `logs --stderr`, `drain --wait`, `logs -n N`.
+    pub follow: bool,
+    pub stderr: bool,
+    pub wait: bool,
+    pub lines: Option<usize>,
 }
 
 impl PartialEq for Invocation {
@@ -60,6 +70,8 @@ const START_FLAGS: &[&str] = &[
     "--no-mqtt-tls",
     "--standalone",
     "--lenient",
+    "--drain-after-one",
+    "--metrics-file",
 ];
 
 fn allowed(cmd: Command) -> &'static [&'static str] {
@@ -81,13 +93,33 @@ fn allowed(cmd: Command) -> &'static [&'static str] {
         Command::Validate => &["--config", "--lenient"],
         Command::InstallService | Command::UninstallService => &["--user"],
         Command::Emit => crate::emit::FLAGS,
+        Command::Status => &["--json"],
+        Command::Logs => &["--follow", "--stderr", "--lines"],
+        Command::Drain => &["--wait"],
+        Command::Resume => &[],
+        Command::Doctor => &[
+            "--config",
+            "--standalone",
+            "--lenient",
+            "--mqtt-host",
+            "--mqtt-port",
+            "--mqtt-tls",
+            "--no-mqtt-tls",
+        ],
     }
 }
 
 fn takes_value(flag: &str) -> bool {
     matches!(
         flag,
-        "--config" | "--slug" | "--profile" | "--environment" | "--mqtt-host" | "--mqtt-port"
+        "--config"
+            | "--slug"
+            | "--profile"
+            | "--environment"
+            | "--mqtt-host"
+            | "--mqtt-port"
+            | "--metrics-file"
+            | "--lines"
     ) || crate::emit::FLAGS.contains(&flag)
 }
 
@@ -97,7 +129,15 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     let mut pairs: Vec<(String, Option<String>)> = Vec::new();
     let mut verbosity = 0u8;
     let mut help = false;
-    let mut it = args.iter();
+    let expanded: Vec<String> = args
+        .iter()
+        .map(|a| match a.as_str() {
+            "-f" => "--follow".to_string(),
+            "-n" => "--lines".to_string(),
+            other => other.to_string(),
+        })
+        .collect();
+    let mut it = expanded.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "-h" | "--help" => help = true,
@@ -136,6 +176,11 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
                     "install-service" => Command::InstallService,
                     "uninstall-service" => Command::UninstallService,
                     "emit" => Command::Emit,
+                    "status" => Command::Status,
+                    "logs" => Command::Logs,
+                    "drain" => Command::Drain,
+                    "resume" => Command::Resume,
+                    "doctor" => Command::Doctor,
                     "help" => {
                         help = true;
                         Command::Start
@@ -162,6 +207,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     let mut flags = Flags::default();
     let mut json = false;
     let mut user = false;
+    let (mut follow, mut stderr, mut wait, mut lines) = (false, false, false, None);
     // `validate PATH` takes the manifest path as a positional argument too; `emit KIND` its kind.
     let mut emit_kind = String::new();
     match (command, positional.as_slice()) {
@@ -173,6 +219,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
                 "emit needs one of: started, node, finished".into(),
             ))
         }
+        (Command::Logs, [id]) => emit_kind = id.clone(),
+        (Command::Logs, _) => return Err(UsageError("logs needs one request id or pid".into())),
         (_, []) => {}
         (Command::Validate, [p]) => flags.config = Some(PathBuf::from(p)),
         (_, [p, ..]) => return Err(UsageError(format!("unexpected argument '{p}'"))),
@@ -207,9 +255,19 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
             "--mqtt-tls" => flags.mqtt_tls = Some(true),
             "--no-mqtt-tls" => flags.mqtt_tls = Some(false),
             "--standalone" => flags.standalone = true,
+            "--drain-after-one" => flags.drain_after_one = true,
+            "--metrics-file" => flags.metrics_file = Some(PathBuf::from(v)),
             "--lenient" => flags.lenient = true,
             "--json" => json = true,
             "--user" => user = true,
+            "--follow" => follow = true,
+            "--stderr" => stderr = true,
+            "--wait" => wait = true,
+            "--lines" => {
+                lines = Some(v.parse::<usize>().map_err(|_| {
+                    UsageError(format!("-n: expected a number of lines, got {v:?}"))
+                })?)
+            }
             _ => return Err(UsageError(format!("unknown flag {name}"))),
         }
     }
@@ -221,6 +279,10 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
         user,
         emit_kind,
         emit,
+        follow,
+        stderr,
+        wait,
+        lines,
     }))
 }
 
@@ -240,6 +302,11 @@ fn name_of(c: Command) -> &'static str {
         Command::InstallService => "install-service",
         Command::UninstallService => "uninstall-service",
         Command::Emit => "emit",
+        Command::Status => "status",
+        Command::Logs => "logs",
+        Command::Drain => "drain",
+        Command::Resume => "resume",
+        Command::Doctor => "doctor",
     }
 }
 
@@ -256,7 +323,9 @@ pub fn help_text(cmd: Option<Command>) -> String {
                        force TLS on or off
   --standalone         no Cyberwave backend: give itself a UUID, skip token check,
                        registration and heartbeats (air-gapped sites, local testing)
-  --lenient            unknown manifest keys are warnings, not errors
+    --lenient            unknown manifest keys are warnings, not errors
+  --drain-after-one    one-shot: exit 0 once the first workload completed
+  --metrics-file PATH  write Prometheus metrics there (for node_exporter's textfile collector)
   -v, -vv              more logging (or RUST_LOG)";
     match cmd {
         Some(Command::Start) => format!(
@@ -291,13 +360,25 @@ Returns once the event is queued durably (also while the node is down). Uses the
 CYBERWAVE_NODE_SOCKET and CYBERWAVE_NODE_EVENT_TOKEN.\n\
 Exit: 0 queued, 2 invalid input (nothing queued), 3 token or workflow refused, 1 other failure.\n"
             .to_string(),
+                Some(Command::Status) => "Show the node, its connection and its workloads (works whether or not the node runs).\n\n\
+Usage: cyberwave-cloud-node status [--json]\n".to_string(),
+        Some(Command::Logs) => "Print a workload's log.\n\n\
+Usage: cyberwave-cloud-node logs REQUEST_ID|PID [-f] [--stderr] [-n N]\n\n\
+  -f         follow until the workload ends\n  --stderr   the stderr log (default stdout)\n  -n N       only the last N lines\n".to_string(),
+        Some(Command::Drain) => "Stop accepting workloads; running ones finish. Heartbeats say draining.\n\n\
+Usage: cyberwave-cloud-node drain [--wait]     (--wait: return once no workload runs)\n\
+Scripts can also send SIGUSR1 (drain) and SIGUSR2 (resume) to the node.\n".to_string(),
+        Some(Command::Resume) => "Accept workloads again after a drain.\n\nUsage: cyberwave-cloud-node resume\n".to_string(),
+        Some(Command::Doctor) => "Check this host: configuration, token, broker (a real connect), bash, state dir,\n\
+results folder, free disk, the systemd unit, GPUs. One line per check; exit 1 on any FAIL.\n\n\
+Usage: cyberwave-cloud-node doctor [--config P] [--standalone] [--mqtt-host H] [--mqtt-port N]\n".to_string(),
         Some(Command::UninstallService) => "Disable and remove the unit written by install-service (the environment file and state stay).\n\n\
 Usage: cyberwave-cloud-node uninstall-service [--user]\n"
             .to_string(),
         None => format!(
             "cyberwave-cloud-node {VERSION}: turns this host into a Cyberwave cloud node.\n\n\
 Usage: cyberwave-cloud-node [COMMAND] [FLAGS]\n\n\
-Commands:\n  start              run the node (the default)\n  validate           check a manifest (cyberwave.yml)\n  config             print the resolved settings and their sources\n  install-service    install the systemd unit (--user for user scope)\n    uninstall-service  remove it\n  emit               report a workflow execution event (inside a workload)\n\n\
+Commands:\n  start              run the node (the default)\n  validate           check a manifest (cyberwave.yml)\n  config             print the resolved settings and their sources\n  install-service    install the systemd unit (--user for user scope)\n    uninstall-service  remove it\n    emit               report a workflow execution event (inside a workload)\n  status             the node and its workloads (--json)\n  logs               a workload's log (-f, --stderr, -n N)\n  drain, resume      stop / restart accepting workloads (drain --wait)\n  doctor             check this host\n\n\
 Flags: --version, --help (also per command: cyberwave-cloud-node COMMAND --help)\n\n\
 Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 credentials rejected\n"
         ),

@@ -10,6 +10,7 @@ mod ingress;
 mod ledger;
 mod mqtt;
 mod node;
+mod ops;
 mod outbox;
 mod protocol;
 mod signals;

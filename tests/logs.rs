@@ -261,3 +261,51 @@ fn a_flood_of_output_does_not_starve_commands() {
     let status: Value = cp.status(&node.uuid(), "after", REPLY).expect("status");
     assert_eq!(status["status"], "ok");
 }
+
+#[test]
+fn max_log_bytes_keeps_the_newest_part_and_says_what_was_dropped() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    head -c 300000 /dev/zero | tr '\\0' 'x' | fold -w 99\n    while [ ! -f go ]; do sleep 0.05; done\n    echo LAST\n  max_log_bytes: 100000\n",
+        "0.2",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "cap", "wl-cap");
+    let log = setup
+        .home
+        .join(".cyberwave/workload_logs/training_cap.stdout.log");
+    assert!(node.wait_log("over max_log_bytes", DONE), "{}", node.log());
+    std::fs::write(setup.cwd.join("go"), "").expect("go");
+    assert!(cp.wait_status("wl-cap", "completed", DONE).is_some());
+    let kept = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(kept.len() as u64 <= 100_000, "{} bytes kept", kept.len());
+    assert!(kept.ends_with("LAST\n"), "the newest part is kept");
+    let chunks: Vec<Value> = cp
+        .requests("logs")
+        .into_iter()
+        .map(|r| r.body)
+        .filter(|b| b["workload_uuid"] == "wl-cap")
+        .collect();
+    let shipped: u64 = chunks
+        .iter()
+        .map(|b| b["length"].as_u64().unwrap_or(0))
+        .sum();
+    let dropped: u64 = chunks
+        .iter()
+        .map(|b| b["dropped"].as_u64().unwrap_or(0))
+        .sum();
+    let written = 300_000 + 300_000 / 99 + 5; // the x's, fold's newlines, "LAST\n"
+    assert_eq!(
+        shipped + dropped,
+        written as u64,
+        "every byte was shipped or announced as dropped"
+    );
+    let offsets: Vec<u64> = chunks
+        .iter()
+        .map(|b| b["offset"].as_u64().unwrap_or(0))
+        .collect();
+    assert!(
+        offsets.windows(2).all(|w| w[0] < w[1]),
+        "stream offsets keep growing: {offsets:?}"
+    );
+}

@@ -5,6 +5,7 @@ mod support;
 mod cli_config;
 mod ingress;
 mod logs;
+mod operate;
 mod results;
 mod wire;
 mod workloads;

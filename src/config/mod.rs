@@ -67,6 +67,8 @@ pub struct Flags {
     pub mqtt_tls: Option<bool>,
     pub lenient: bool,
     pub standalone: bool,
+    pub drain_after_one: bool,
+    pub metrics_file: Option<PathBuf>,
 }
 
 /// Timings that production never changes but tests shorten (env `CYBERWAVE_NODE_*`, listed in
@@ -136,6 +138,11 @@ pub struct Settings {
     pub max_concurrent_workloads: Sourced<u32>,
     pub log_stream_interval: Sourced<Duration>,
     pub standalone: bool,
+    pub drain_after_one: bool,
+    pub metrics_file: Option<Sourced<PathBuf>>,
+    pub min_free_disk_mb: Sourced<u64>,
+    pub max_log_bytes: Sourced<u64>,
+    pub hardware_telemetry: bool,
     pub identity: Option<Identity>,
     pub tuning: Tuning,
     pub env: EnvLayers,
@@ -253,6 +260,9 @@ impl Settings {
             row("results_folder", &path(&self.results_folder)),
             row("max_concurrent_workloads", &self.max_concurrent_workloads),
             row("log_stream_interval", &secs(&self.log_stream_interval)),
+            row("min_free_disk_mb", &self.min_free_disk_mb),
+            row("max_log_bytes", &self.max_log_bytes),
+            opt("metrics_file", &self.metrics_file.as_ref().map(path)),
             (
                 "standalone",
                 self.standalone.to_string(),
@@ -599,6 +609,48 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     .map(|s| sourced(Duration::from_secs_f64(s.value), s.source))
     .unwrap_or_else(|| sourced(Duration::from_secs(3), Source::Default));
 
+    let whole0 = |s: &str| s.parse::<u64>().ok().map(|n| n as f64);
+    let min_free_disk_mb = match m.min_free_disk_mb {
+        Some(n) => sourced(n, file()),
+        None => parse_env(
+            "CYBERWAVE_MIN_FREE_DISK_MB",
+            "a whole number ≥ 0",
+            &mut errors,
+            &whole0,
+        )
+        .map(|n| sourced(n.value as u64, n.source))
+        .unwrap_or_else(|| sourced(1024, Source::Default)),
+    };
+    let max_log_bytes = match m.max_log_bytes {
+        Some(n) => sourced(n, file()),
+        None => parse_env(
+            "CYBERWAVE_MAX_LOG_BYTES",
+            "a whole number ≥ 1",
+            &mut errors,
+            &|s: &str| s.parse::<u64>().ok().filter(|n| *n >= 1).map(|n| n as f64),
+        )
+        .map(|n| sourced(n.value as u64, n.source))
+        .unwrap_or_else(|| sourced(1 << 30, Source::Default)),
+    };
+    let metrics_file = flags
+        .metrics_file
+        .clone()
+        .map(|p| sourced(p, Source::Flag("--metrics-file".into())))
+        .or_else(|| {
+            env_str("CYBERWAVE_METRICS_FILE").map(|(v, s)| sourced(PathBuf::from(v.trim()), s))
+        })
+        .map(|s| sourced(cwd.join(s.value), s.source));
+    let hardware_telemetry = match env_str("CYBERWAVE_HARDWARE_TELEMETRY") {
+        Some((v, src)) => match env::parse_bool(&v) {
+            Some(b) => b,
+            None => {
+                errors.push(format!("CYBERWAVE_HARDWARE_TELEMETRY ({src}): expected 1/true/on or 0/false/off, got {v:?}"));
+                false
+            }
+        },
+        None => false,
+    };
+
     let mut tuning = Tuning::default();
     {
         let mut knob = |name: &str, slot: &mut Duration| {
@@ -681,6 +733,11 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         max_concurrent_workloads,
         log_stream_interval,
         standalone: flags.standalone,
+        drain_after_one: flags.drain_after_one,
+        metrics_file,
+        min_free_disk_mb,
+        max_log_bytes,
+        hardware_telemetry,
         identity,
         tuning,
         env,

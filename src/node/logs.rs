@@ -39,6 +39,11 @@ pub struct Stream {
     pub more: bool,
     /// A read at the end found nothing beyond the cursor.
     pub drained: bool,
+    /// Bytes cut from the front of the file by the `max_log_bytes` cap: file offset + base =
+    /// stream offset (what the backend sees).
+    pub base: u64,
+    /// Cut bytes the backend never got, announced with the next chunk.
+    pub dropped_unsent: u64,
 }
 
 /// `workloads/<id>/cursor.json`.
@@ -46,6 +51,39 @@ pub struct Stream {
 pub struct Cursor {
     pub stdout: u64,
     pub stderr: u64,
+    #[serde(default)]
+    pub stdout_base: u64,
+    #[serde(default)]
+    pub stderr_base: u64,
+}
+
+/// Keeps the newest `keep` bytes of a log file in place (the writer appends with O_APPEND, so
+/// it carries on at the new end); returns how many bytes were cut.
+fn cut_front(path: &std::path::Path, keep: u64) -> std::io::Result<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    if len <= keep {
+        return Ok(0);
+    }
+    let cut = len - keep;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    while done < keep {
+        f.seek(SeekFrom::Start(cut + done))?;
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        f.seek(SeekFrom::Start(done))?;
+        std::io::Write::write_all(&mut f, &buf[..n])?;
+        done += n as u64;
+    }
+    f.set_len(done)?;
+    Ok(cut)
 }
 
 impl Node {
@@ -64,6 +102,30 @@ impl Node {
                 }
                 if s.reading || s.inflight.is_some() {
                     continue;
+                }
+                // The max_log_bytes cap: keep the newest half when the file outgrows it.
+                let path = if i == 0 {
+                    &a.meta.stdout_log
+                } else {
+                    &a.meta.stderr_log
+                };
+                let cap = self.s.max_log_bytes.value;
+                if std::fs::metadata(path)
+                    .map(|m| m.len() > cap)
+                    .unwrap_or(false)
+                {
+                    match cut_front(path, cap / 2) {
+                        Ok(cut) if cut > 0 => {
+                            let unsent = cut.saturating_sub(s.acked);
+                            log::warn!("{} {}: {} log over max_log_bytes ({cap}); dropped its oldest {cut} bytes ({unsent} never shipped)", a.meta.kind, a.meta.request_id_text(), STREAM_NAMES[i]);
+                            s.base += cut;
+                            s.dropped_unsent += unsent;
+                            s.acked = s.acked.saturating_sub(cut);
+                            s.mirrored = s.mirrored.saturating_sub(cut);
+                        }
+                        Ok(_) => {}
+                        Err(e) => log::warn!("cannot cap {}: {e}", path.display()),
+                    }
                 }
                 let wanted = interval_due || ending || (s.more && s.budget > 0);
                 if !wanted || (s.budget == 0 && !ending) || (ending && s.drained) {
@@ -156,9 +218,13 @@ impl Node {
             "log_type": STREAM_NAMES[i],
             "log_content": String::from_utf8_lossy(&data),
             "workload_request_id": meta_rid,
-            "offset": chunk.offset,
+            "offset": chunk.offset + s.base,
             "length": data.len(),
         });
+        if s.dropped_unsent > 0 {
+            // The max_log_bytes cap cut these bytes before they were shipped.
+            body["dropped"] = json!(std::mem::take(&mut s.dropped_unsent));
+        }
         if let Some(wl) = meta_wl {
             body["workload_uuid"] = json!(wl);
         }
@@ -188,9 +254,12 @@ impl Node {
         }
         if offset == s.acked {
             s.acked = offset + len;
+            self.metrics.log_bytes += len;
             let cursor = Cursor {
                 stdout: a.streams[0].acked,
                 stderr: a.streams[1].acked,
+                stdout_base: a.streams[0].base,
+                stderr_base: a.streams[1].base,
             };
             if let Ok(json) = serde_json::to_vec(&cursor) {
                 let path = self.layout.dir(&key.safe_id).join("cursor.json");

@@ -5,8 +5,9 @@
 
 mod ingress;
 mod logs;
+pub mod operate;
 mod selfheal;
-mod startup;
+pub mod startup;
 mod uploads;
 mod workloads;
 
@@ -167,6 +168,15 @@ pub struct Node {
     acked: Receiver<ingress::Acked>,
     control: Receiver<crate::control::Request>,
     next_rescan: Instant,
+    draining: bool,
+    /// `--drain-after-one`: a workload was started.
+    one_started: bool,
+    idle_since: Option<Instant>,
+    metrics: operate::Metrics,
+    next_metrics: Instant,
+    /// GPU count and VRAM tier (hardware telemetry).
+    gpus: (usize, Option<&'static str>),
+    connected_once: bool,
 }
 
 impl Node {
@@ -271,6 +281,10 @@ impl Node {
                     }
                 );
                 self.conn = Conn::Connected;
+                if self.connected_once {
+                    self.metrics.reconnects += 1;
+                }
+                self.connected_once = true;
                 // Renew every subscription on every connect: harmless when the broker kept the
                 // session, essential when it did not.
                 let mut topics = vec![self.topics.inbox()];
@@ -604,10 +618,14 @@ impl Node {
             "node_version": crate::cli::VERSION,
             "active_workloads": self.active.len(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.shutdown.is_none(),
-            "draining": false,
+                        "accepting": self.shutdown.is_none() && !self.draining,
+            "draining": self.draining,
             "uptime_s": self.started.elapsed().as_secs(),
         });
+        let mut body = body;
+        if let Some(h) = self.hardware() {
+            body["hardware"] = h;
+        }
         let topic = self.topics.heartbeat(self.uuid());
         self.request(Op::Heartbeat, &topic, body, self.s.tuning.heartbeat_timeout);
     }
@@ -674,6 +692,7 @@ impl Node {
             }
             other => {
                 self.hb.failures += 1;
+                self.metrics.heartbeat_failures += 1;
                 let why = match &other {
                     Some(b) => format!("refused: {}", message(b)),
                     None => "no reply in time".to_string(),
@@ -763,8 +782,9 @@ impl Node {
             "has_training": self.s.training.is_some(),
                         "is_busy": self.active.len() >= self.s.max_concurrent_workloads.value as usize,
             "active_workloads": self.active_workloads_json(),
-            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.shutdown.is_none(),
+                        "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
+            "accepting": self.shutdown.is_none() && !self.draining,
+            "draining": self.draining,
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
         })
@@ -792,6 +812,10 @@ impl Node {
         let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
         let reply = match op {
             "emit" => self.on_emit(&req.body),
+            "drain" | "resume" => {
+                self.set_draining(op == "drain", "asked on the control socket");
+                json!({"ok": true, "draining": self.draining, "active_workloads": self.active.len()})
+            }
             "status" => json!({"ok": true, "status": self.local_status()}),
             other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
         };
@@ -810,7 +834,8 @@ impl Node {
             "connected": self.conn == Conn::Connected,
             "registered": self.reg == Registration::Done,
             "last_heartbeat_ok": self.hb.last_ok.map(util::rfc3339),
-            "accepting": self.shutdown.is_none(),
+                        "accepting": self.shutdown.is_none() && !self.draining,
+            "draining": self.draining,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
             "workloads": self.active.values().map(|a| json!({
                 "pid": a.meta.pid(),
@@ -842,7 +867,8 @@ impl Node {
             Signal::Hup => {
                 log::info!("SIGHUP ignored (restart the service to reload the configuration)")
             }
-            Signal::Usr1 | Signal::Usr2 => log::info!("{sig:?} ignored"),
+            Signal::Usr1 => self.set_draining(true, "SIGUSR1"),
+            Signal::Usr2 => self.set_draining(false, "SIGUSR2"),
         }
     }
 
@@ -928,6 +954,8 @@ impl Node {
             self.next_rescan = now + Duration::from_secs(2);
         }
         self.send_ingress();
+        self.check_drain_after_one(now);
+        self.write_metrics(now);
         if self.s.standalone && self.conn == Conn::Connected && now >= self.next_watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");

@@ -113,42 +113,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
             return Err(EXIT_RUNTIME);
         }
     };
-    let ca_file = if s.mqtt_use_tls.value {
-        match mqtt::trust_store(
-            s.mqtt_ca_certs.as_ref().map(|c| c.value.as_path()),
-            s.env.value("SSL_CERT_FILE").as_deref(),
-        ) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                log::error!("{e}");
-                return Err(EXIT_USAGE);
-            }
+    let opts = match mqtt_options(&s, client_id.clone(), s.tuning.session_expiry) {
+        Ok(o) => o,
+        Err(e) => {
+            log::error!("{e}");
+            return Err(EXIT_USAGE);
         }
-    } else {
-        None
-    };
-    let username = s
-        .mqtt_username
-        .as_ref()
-        .map(|u| u.value.clone())
-        .or_else(|| s.instance_uuid.as_ref().map(|u| u.value.clone()))
-        .or_else(|| s.slug_hint.as_ref().map(|u| u.value.clone()))
-        .unwrap_or_else(|| {
-            format!(
-                "cloud-node-bootstrap-{}",
-                util::hex(&util::random_bytes::<4>())
-            )
-        });
-    let opts = MqttOptions {
-        host: s.mqtt_host.value.clone(),
-        port: s.mqtt_port.value,
-        tls: s.mqtt_use_tls.value,
-        ca_file,
-        client_id: client_id.clone(),
-        username,
-        password: s.mqtt_password.as_ref().map(|p| p.value.clone()),
-        keep_alive: std::time::Duration::from_secs(60),
-        session_expiry: s.tuning.session_expiry,
     };
     let (tx, rx) = unbounded();
     let mqtt = match Mqtt::new(opts, tx) {
@@ -248,6 +218,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         );
         return Err(EXIT_RUNTIME);
     }
+    // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
+    let gpus = if s.hardware_telemetry {
+        super::operate::gpu_inventory()
+    } else {
+        (0, None)
+    };
     let (reaped_tx, reaped) = unbounded();
     let reaper = match Reaper::start(reaped_tx) {
         Ok(r) => r,
@@ -303,6 +279,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         acked,
         control,
         next_rescan: now,
+        draining: false,
+        one_started: false,
+        idle_since: None,
+        metrics: Default::default(),
+        next_metrics: now,
+        gpus,
+        connected_once: false,
         s,
     };
     let mut node = node;
@@ -314,6 +297,45 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         );
     }
     Ok((node, sig_rx))
+}
+
+/// The broker connection the settings describe (TLS trust store, username chain, password).
+pub fn mqtt_options(
+    s: &Settings,
+    client_id: String,
+    session_expiry: std::time::Duration,
+) -> Result<MqttOptions, String> {
+    let ca_file = if s.mqtt_use_tls.value {
+        Some(mqtt::trust_store(
+            s.mqtt_ca_certs.as_ref().map(|c| c.value.as_path()),
+            s.env.value("SSL_CERT_FILE").as_deref(),
+        )?)
+    } else {
+        None
+    };
+    let username = s
+        .mqtt_username
+        .as_ref()
+        .map(|u| u.value.clone())
+        .or_else(|| s.instance_uuid.as_ref().map(|u| u.value.clone()))
+        .or_else(|| s.slug_hint.as_ref().map(|u| u.value.clone()))
+        .unwrap_or_else(|| {
+            format!(
+                "cloud-node-bootstrap-{}",
+                util::hex(&util::random_bytes::<4>())
+            )
+        });
+    Ok(MqttOptions {
+        host: s.mqtt_host.value.clone(),
+        port: s.mqtt_port.value,
+        tls: s.mqtt_use_tls.value,
+        ca_file,
+        client_id,
+        username,
+        password: s.mqtt_password.as_ref().map(|p| p.value.clone()),
+        keep_alive: std::time::Duration::from_secs(60),
+        session_expiry,
+    })
 }
 
 /// The MQTT client id, generated once and kept (decision D15) so restarts resume the session.

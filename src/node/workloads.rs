@@ -149,6 +149,15 @@ impl Node {
             let why = format!("{cap} command not configured in cyberwave.yml");
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         };
+        if let Some((why, reason)) = self.start_guard() {
+            return self.reject_start(
+                request_id,
+                workload_uuid.as_deref(),
+                &why,
+                Some(reason),
+                ctx,
+            );
+        }
         let capacity = self.s.max_concurrent_workloads.value as usize;
         if self.active.len() >= capacity
             && may_wait
@@ -219,6 +228,11 @@ impl Node {
                     self.workload_status(wl, body);
                 }
                 self.report_started(&meta);
+                self.metrics.starts += 1;
+                if self.s.drain_after_one {
+                    self.one_started = true;
+                    self.set_draining(true, "--drain-after-one");
+                }
                 let now = self.clock.now();
                 self.active.insert(safe_id, Active::new(meta, true, now));
             }
@@ -240,6 +254,11 @@ impl Node {
         ctx: Option<workload::WorkflowCtx>,
     ) {
         self.report_rejected(ctx, why);
+        self.count_rejection(reason.unwrap_or(if why.contains("not configured") {
+            "not_configured"
+        } else {
+            "failed_to_start"
+        }));
         log::warn!("refused start {}: {why}", request_id_text(request_id));
         self.reply_error(request_id, why);
         if let Some(wl) = workload_uuid {
@@ -483,6 +502,7 @@ impl Node {
                 "stale {} {rid} (pid {pid}) is gone; forgotten without a completion",
                 meta.kind
             );
+            self.count_completion("stale");
             self.retire(safe_id);
             self.retry_deferred_starts();
             return;
@@ -495,6 +515,7 @@ impl Node {
                     "cancelled"
                 };
                 log::info!("{} {rid} (pid {pid}) cancelled by {}", meta.kind, c.signal);
+                self.count_completion("cancelled");
                 self.report_finished(
                     &meta,
                     false,
@@ -544,6 +565,13 @@ impl Node {
                     code,
                     body.get("error").and_then(Value::as_str).map(String::from),
                 );
+                self.count_completion(if success {
+                    "success"
+                } else if lost.is_some() {
+                    "lost"
+                } else {
+                    "failure"
+                });
                 log::info!(
                     "{} {rid} (pid {pid}) finished: {}{}",
                     meta.kind,
@@ -776,13 +804,13 @@ impl Node {
             let rid = meta.request_id_text();
             let mut active = Active::new(meta, false, now);
             let cursor: Cursor = workload::read_json(&dir.join("cursor.json")).unwrap_or_default();
-            for (s, at) in active
-                .streams
-                .iter_mut()
-                .zip([cursor.stdout, cursor.stderr])
-            {
+            for (s, (at, base)) in active.streams.iter_mut().zip([
+                (cursor.stdout, cursor.stdout_base),
+                (cursor.stderr, cursor.stderr_base),
+            ]) {
                 s.acked = at;
                 s.mirrored = at;
+                s.base = base;
             }
             self.active.insert(name.clone(), active);
             if exit.is_some() {

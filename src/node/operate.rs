@@ -1,0 +1,274 @@
+//! What an operator needs: drain / resume, the disk guard, the Prometheus metrics file, and
+//! opt-in coarse hardware telemetry in the heartbeat.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::Node;
+
+/// Counters for the metrics file.
+#[derive(Default)]
+pub struct Metrics {
+    pub starts: u64,
+    pub rejections: BTreeMap<String, u64>,
+    pub completions: BTreeMap<String, u64>,
+    pub reconnects: u64,
+    pub heartbeat_failures: u64,
+    pub log_bytes: u64,
+}
+
+/// Free space (MiB) on the filesystem holding `dir` (or, before it exists, its nearest parent).
+pub fn free_mb(dir: &Path) -> Option<u64> {
+    let dir = dir.ancestors().find(|a| a.exists())?;
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs into a zeroed struct we own, with a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64) / (1024 * 1024))
+    }
+}
+
+/// GPU count and a coarse VRAM tier, learned once at start-up (never serials or exact sizes).
+pub fn gpu_inventory() -> (usize, Option<&'static str>) {
+    let count = std::fs::read_dir("/dev")
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    n.strip_prefix("nvidia")
+                        .is_some_and(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_digit()))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    let tier = if count == 0 {
+        None
+    } else {
+        std::process::Command::new("nvidia-smi")
+            .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits"])
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|t| t.lines().filter_map(|l| l.trim().parse::<u64>().ok()).max())
+            .map(|mb| match mb {
+                0..=16_383 => "<16GB",
+                16_384..=32_767 => "16-32GB",
+                32_768..=65_535 => "32-64GB",
+                _ => ">=64GB",
+            })
+    };
+    (count, tier)
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+impl Node {
+    pub(super) fn set_draining(&mut self, on: bool, why: &str) {
+        if self.draining != on {
+            log::info!(
+                "{} ({why}); {} workload(s) running",
+                if on {
+                    "draining: new workloads are refused"
+                } else {
+                    "resumed: accepting workloads"
+                },
+                self.active.len()
+            );
+        }
+        self.draining = on;
+    }
+
+    /// Refusal reason of the start guards, if any: draining, or not enough free disk.
+    pub(super) fn start_guard(&self) -> Option<(String, &'static str)> {
+        if self.draining {
+            return Some((
+                "node is draining: it finishes its running workloads and takes no new ones".into(),
+                "draining",
+            ));
+        }
+        let min = self.s.min_free_disk_mb.value;
+        if min > 0 {
+            if let Some(free) = free_mb(&self.layout.state) {
+                if free < min {
+                    return Some((
+                        format!("not enough free disk: {free} MiB free for {}, min_free_disk_mb is {min}", self.layout.state.display()),
+                        "disk_low",
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// `--drain-after-one`: once the one workload finished and was reported, stop.
+    pub(super) fn check_drain_after_one(&mut self, now: Instant) {
+        if !self.s.drain_after_one
+            || !self.one_started
+            || !self.active.is_empty()
+            || self.shutdown.is_some()
+        {
+            return;
+        }
+        let since = *self.idle_since.get_or_insert(now);
+        if self.outbox.len() == 0 || now - since > Duration::from_secs(10) {
+            self.begin_shutdown(
+                crate::app::EXIT_OK,
+                "--drain-after-one: the workload completed",
+            );
+        }
+    }
+
+    pub(super) fn count_rejection(&mut self, reason: &str) {
+        *self
+            .metrics
+            .rejections
+            .entry(reason.to_string())
+            .or_default() += 1;
+    }
+
+    pub(super) fn count_completion(&mut self, outcome: &str) {
+        *self
+            .metrics
+            .completions
+            .entry(outcome.to_string())
+            .or_default() += 1;
+    }
+
+    /// Opt-in coarse hardware facts for the heartbeat: no process lists, users, paths,
+    /// environment, serials or exact memory.
+    pub(super) fn hardware(&self) -> Option<Value> {
+        if !self.s.hardware_telemetry {
+            return None;
+        }
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1) as f64;
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok());
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = |k: &str| {
+            meminfo
+                .lines()
+                .find(|l| l.starts_with(k))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        };
+        let ram = match (kib("MemTotal:"), kib("MemAvailable:")) {
+            (Some(t), Some(a)) if t > 0.0 => Some(round1(1.0 - a / t)),
+            _ => None,
+        };
+        Some(json!({
+            "gpu_count": self.gpus.0,
+            "vram_tier": self.gpus.1,
+            "cpu_load_ratio": load.map(|l| round1(l / cores)),
+            "ram_used_ratio": ram,
+        }))
+    }
+
+    /// Writes the metrics file (atomically) when one is configured.
+    pub(super) fn write_metrics(&mut self, now: Instant) {
+        let Some(path) = self.s.metrics_file.as_ref().map(|m| m.value.clone()) else {
+            return;
+        };
+        if now < self.next_metrics {
+            return;
+        }
+        self.next_metrics = now + Duration::from_secs(5);
+        let m = &self.metrics;
+        let mut t = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
+            let _ = writeln!(
+                t,
+                "# HELP cyberwave_node_{name} {help}\n# TYPE cyberwave_node_{name} {kind}"
+            );
+            for (labels, v) in rows {
+                let _ = writeln!(t, "cyberwave_node_{name}{labels} {v}");
+            }
+        };
+        let mut states: BTreeMap<&str, u64> = ["running", "cancelling", "finishing", "finalizing"]
+            .iter()
+            .map(|s| (*s, 0))
+            .collect();
+        for a in self.active.values() {
+            *states.entry(a.state()).or_default() += 1;
+        }
+        metric(
+            "workloads",
+            "gauge",
+            "Workloads by state.",
+            states
+                .into_iter()
+                .map(|(k, v)| (format!("{{state=\"{k}\"}}"), v))
+                .collect(),
+        );
+        metric(
+            "starts_total",
+            "counter",
+            "Workloads started.",
+            vec![(String::new(), m.starts)],
+        );
+        metric(
+            "rejections_total",
+            "counter",
+            "Starts refused, by reason.",
+            m.rejections
+                .iter()
+                .map(|(k, v)| (format!("{{reason=\"{k}\"}}"), *v))
+                .collect(),
+        );
+        metric(
+            "completions_total",
+            "counter",
+            "Workloads ended, by outcome.",
+            m.completions
+                .iter()
+                .map(|(k, v)| (format!("{{outcome=\"{k}\"}}"), *v))
+                .collect(),
+        );
+        metric(
+            "reconnects_total",
+            "counter",
+            "MQTT reconnections after the first connection.",
+            vec![(String::new(), m.reconnects)],
+        );
+        metric(
+            "heartbeat_failures_total",
+            "counter",
+            "Heartbeats not acknowledged.",
+            vec![(String::new(), m.heartbeat_failures)],
+        );
+        metric(
+            "outbox_depth",
+            "gauge",
+            "Completions and events waiting for acknowledgement.",
+            vec![(
+                String::new(),
+                (self.outbox.len() + self.ingress.len()) as u64,
+            )],
+        );
+        metric(
+            "log_bytes_streamed_total",
+            "counter",
+            "Workload log bytes acknowledged by the backend.",
+            vec![(String::new(), m.log_bytes)],
+        );
+        metric(
+            "draining",
+            "gauge",
+            "1 while the node refuses new workloads.",
+            vec![(String::new(), u64::from(self.draining))],
+        );
+        if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
+            log::warn!("cannot write the metrics file {}: {e}", path.display());
+        }
+    }
+}

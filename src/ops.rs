@@ -1,0 +1,572 @@
+//! Operator commands: `status`, `logs`, `drain`, `resume`, `doctor`. They work whether or not
+//! the node runs: a running node answers on its control socket; otherwise the state dir says
+//! what it knows.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::app::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::config::{self, env::EnvLayers, Flags};
+use crate::control::{self, CallError};
+use crate::workload::{self, procinfo, Meta};
+
+fn state_dir() -> Result<PathBuf, String> {
+    config::config_dir(&EnvLayers::from_process())
+        .map(|s| s.value)
+        .map_err(|e| e.to_string())
+}
+
+fn ask(state: &Path, op: &str) -> Result<Value, CallError> {
+    control::call(
+        &state.join("control.sock"),
+        &json!({"op": op}),
+        Duration::from_secs(10),
+    )
+}
+
+fn count_files(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+fn metas(state: &Path) -> Vec<Meta> {
+    let mut out: Vec<Meta> = std::fs::read_dir(state.join("workloads"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| workload::read_json::<Meta>(&e.path().join("meta.json")))
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort_by(|a, b| a.created_unix.total_cmp(&b.created_unix));
+    out
+}
+
+/// What the state dir says when no node answers.
+fn offline_status(state: &Path) -> Value {
+    let identity: Value =
+        workload::read_json(&state.join("instance_identity.json")).unwrap_or(Value::Null);
+    let now = workload::unix_now();
+    json!({
+        "running": false,
+        "instance_uuid": identity["uuid"],
+        "slug": identity["slug"],
+        "state_dir": state,
+        "workloads": metas(state).iter().map(|m| {
+            let alive = m.started.as_ref().is_some_and(|s| procinfo::same_process_alive(s.pid, s.start_ticks));
+            json!({
+                "pid": m.pid(),
+                "type": m.kind,
+                "request_id": m.request_id,
+                "workload_uuid": m.workload_uuid,
+                "state": if alive { "running (node down)" } else { "ended (not yet reported)" },
+                "running_for_seconds": (now - m.created_unix).max(0.0) as u64,
+                "stdout_log": m.stdout_log,
+                "stderr_log": m.stderr_log,
+            })
+        }).collect::<Vec<_>>(),
+        "outbox": count_files(&state.join("outbox")),
+        "ingress_queue": count_files(&state.join("ingress")),
+    })
+}
+
+pub fn status(json_out: bool) -> i32 {
+    let state = match state_dir() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let mut st = match ask(&state, "status") {
+        Ok(r) if r["ok"] == true => r["status"].clone(),
+        _ => offline_status(&state),
+    };
+    st["state_dir"] = json!(state);
+    if json_out {
+        println!("{st}");
+        return EXIT_OK;
+    }
+    let s = |v: &Value| v.as_str().map(String::from).unwrap_or_else(|| "-".into());
+    if st["running"] == true {
+        println!(
+            "node:       running (pid {}), broker {} ({}), {}",
+            st["pid"],
+            s(&st["broker"]),
+            if st["connected"] == true {
+                "connected"
+            } else {
+                "disconnected"
+            },
+            if st["registered"] == true {
+                "registered"
+            } else {
+                "not registered yet"
+            }
+        );
+    } else {
+        println!("node:       not running (state from {})", state.display());
+    }
+    println!(
+        "instance:   {} (slug {}){}",
+        s(&st["instance_uuid"]),
+        s(&st["slug"]),
+        st["environment_uuid"]
+            .as_str()
+            .map(|e| format!(", reserved for environment {e}"))
+            .unwrap_or_default()
+    );
+    if st["running"] == true {
+        println!(
+            "heartbeat:  last acknowledged {}",
+            s(&st["last_heartbeat_ok"])
+        );
+        println!(
+            "accepting:  {}",
+            if st["accepting"] == true {
+                "yes"
+            } else if st["draining"] == true {
+                "no (draining)"
+            } else {
+                "no"
+            }
+        );
+    }
+    println!(
+        "outbox:     {} completion(s), {} workflow event(s) waiting for acknowledgement",
+        st["outbox"], st["ingress_queue"]
+    );
+    let wl = st["workloads"].as_array().cloned().unwrap_or_default();
+    println!("workloads:  {}", wl.len());
+    for w in wl {
+        println!(
+            "  pid {:<8} {:<10} {:<24} {:>6}s  request {}",
+            w["pid"],
+            s(&w["type"]),
+            s(&w["state"]),
+            w["running_for_seconds"],
+            crate::protocol::messages::request_id_text(&w["request_id"])
+        );
+        println!("    logs: {}  {}", s(&w["stdout_log"]), s(&w["stderr_log"]));
+    }
+    EXIT_OK
+}
+
+pub fn drain(on: bool, wait: bool) -> i32 {
+    let state = match state_dir() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    match ask(&state, if on { "drain" } else { "resume" }) {
+        Ok(r) if r["ok"] == true => {
+            println!(
+                "{} ({} workload(s) running)",
+                if on {
+                    "draining"
+                } else {
+                    "accepting workloads again"
+                },
+                r["active_workloads"]
+            );
+        }
+        Ok(r) => {
+            eprintln!("error: {}", r["error"].as_str().unwrap_or("refused"));
+            return EXIT_RUNTIME;
+        }
+        Err(_) => {
+            eprintln!(
+                "error: no node is running with state dir {} (nothing to {})",
+                state.display(),
+                if on { "drain" } else { "resume" }
+            );
+            return EXIT_RUNTIME;
+        }
+    }
+    if on && wait {
+        loop {
+            match ask(&state, "status") {
+                Ok(r)
+                    if r["status"]["workloads"]
+                        .as_array()
+                        .is_some_and(Vec::is_empty) =>
+                {
+                    break
+                }
+                Ok(_) => std::thread::sleep(Duration::from_millis(300)),
+                Err(_) => break, // the node stopped: nothing runs under it any more
+            }
+        }
+        println!("idle: no workload running");
+    }
+    EXIT_OK
+}
+
+/// The log file of a workload named by request id or pid.
+fn find_log(state: &Path, id: &str, stderr: bool) -> Option<(PathBuf, Option<String>)> {
+    let pick = |m: &Meta| {
+        (
+            if stderr {
+                m.stderr_log.clone()
+            } else {
+                m.stdout_log.clone()
+            },
+            Some(m.safe_id.clone()),
+        )
+    };
+    let pid: Option<i32> = id.parse().ok();
+    if let Some(m) = metas(state)
+        .iter()
+        .find(|m| m.request_id_text() == id || pid.is_some_and(|p| p == m.pid()))
+    {
+        return Some(pick(m));
+    }
+    // A finished workload: its log files stay in workload_logs/.
+    let safe = crate::store::safe_id(id);
+    let suffix = format!("_{safe}.{}.log", if stderr { "stderr" } else { "stdout" });
+    let rd = std::fs::read_dir(state.join("workload_logs")).ok()?;
+    rd.flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name().is_some_and(|n| {
+                n.to_string_lossy().ends_with(&suffix)
+                    && workload::KINDS
+                        .iter()
+                        .any(|k| n.to_string_lossy().starts_with(&format!("{k}_")))
+            })
+        })
+        .map(|p| (p, None))
+}
+
+pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
+    let state = match state_dir() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let Some((path, tracked)) = find_log(&state, id, stderr) else {
+        eprintln!(
+            "error: no workload with request id or pid {id:?} in {}",
+            state.display()
+        );
+        return EXIT_RUNTIME;
+    };
+    let Ok(mut f) = std::fs::File::open(&path) else {
+        eprintln!("error: cannot open {}", path.display());
+        return EXIT_RUNTIME;
+    };
+    let mut text = Vec::new();
+    let _ = f.read_to_end(&mut text);
+    let start = match lines {
+        Some(n) => {
+            let body = text.strip_suffix(b"\n").unwrap_or(&text);
+            let mut cut = 0;
+            for (i, _) in body
+                .iter()
+                .enumerate()
+                .rev()
+                .filter(|(_, b)| **b == b'\n')
+                .take(n)
+            {
+                cut = i + 1;
+            }
+            if body.iter().filter(|b| **b == b'\n').count() < n {
+                0
+            } else {
+                cut
+            }
+        }
+        None => 0,
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(&text[start..]);
+    let _ = out.flush();
+    if !follow {
+        return EXIT_OK;
+    }
+    let mut pos = text.len() as u64;
+    let dir = tracked.map(|t| state.join("workloads").join(t));
+    loop {
+        let ended = dir.as_ref().is_none_or(|d| !d.exists());
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        if len > pos && f.seek(SeekFrom::Start(pos)).is_ok() {
+            let mut buf = Vec::new();
+            let _ = (&mut f).take(len - pos).read_to_end(&mut buf);
+            pos += buf.len() as u64;
+            let _ = out.write_all(&buf);
+            let _ = out.flush();
+        }
+        if ended {
+            return EXIT_OK;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `doctor`: one line per check; exit 1 on any FAIL.
+pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
+    let mut fails = 0;
+    let mut line = |level: &str, what: &str, detail: String| {
+        if level == "FAIL" {
+            fails += 1;
+        }
+        println!("{level:<4}  {what:<22} {detail}");
+    };
+    let settings = match config::resolve(flags, EnvLayers::from_process(), cwd) {
+        Ok(s) => {
+            line(
+                "PASS",
+                "configuration",
+                s.manifest
+                    .as_ref()
+                    .map(|m| format!("{} is valid", m.path.display()))
+                    .unwrap_or_else(|| "no manifest; environment only".into()),
+            );
+            s
+        }
+        Err(e) => {
+            line(
+                "FAIL",
+                "configuration",
+                format!(
+                    "{} — fix it (`cyberwave-cloud-node validate` lists every problem)",
+                    e.0.join("; ")
+                ),
+            );
+            println!("\n{fails} check(s) failed");
+            return EXIT_RUNTIME;
+        }
+    };
+    if settings.standalone {
+        line("PASS", "API token", "not needed (--standalone)".into());
+    } else {
+        match &settings.api_token {
+            None => line(
+                "FAIL",
+                "API token",
+                "none: set CYBERWAVE_API_KEY or run `cyberwave login`".into(),
+            ),
+            Some(t) => match crate::backend::check_token(
+                &settings.base_url.value,
+                &t.value,
+                settings.workspace_slug.as_ref().map(|w| w.value.as_str()),
+                settings.tuning.token_check_timeout,
+            ) {
+                crate::backend::TokenCheck::Accepted => line(
+                    "PASS",
+                    "API token",
+                    format!(
+                        "{} accepted by {}",
+                        crate::util::mask_secret(&t.value),
+                        settings.base_url.value
+                    ),
+                ),
+                crate::backend::TokenCheck::Rejected(s) => line(
+                    "FAIL",
+                    "API token",
+                    format!(
+                        "{} rejected (HTTP {s}); it came from {} — replace it there",
+                        crate::util::mask_secret(&t.value),
+                        t.source
+                    ),
+                ),
+                crate::backend::TokenCheck::Inconclusive(why) => {
+                    line("WARN", "API token", format!("could not check it: {why}"))
+                }
+            },
+        }
+    }
+    // A real CONNECT with the node's settings (its own client id, so a running node is not disturbed).
+    let client_id = format!(
+        "cloud_node_dr{}",
+        crate::util::hex(&crate::util::random_bytes::<3>())
+    );
+    match crate::node::startup::mqtt_options(&settings, client_id, Duration::ZERO) {
+        Err(e) => line("FAIL", "MQTT broker", e),
+        Ok(opts) => {
+            let (tx, rx) = crossbeam_channel::unbounded();
+            match crate::mqtt::Mqtt::new(opts, tx) {
+                Err(e) => line("FAIL", "MQTT broker", e),
+                Ok(m) => {
+                    m.start_connect();
+                    let outcome = loop {
+                        match rx.recv_timeout(Duration::from_secs(15)) {
+                            Ok(crate::mqtt::MqttEvent::Connect(r)) => break Some(r),
+                            Ok(_) => continue,
+                            Err(_) => break None,
+                        }
+                    };
+                    match outcome {
+                        Some(Ok(_)) => line(
+                            "PASS",
+                            "MQTT broker",
+                            format!("{} accepted the connection and credentials", m.endpoint()),
+                        ),
+                        Some(Err(why)) => line("FAIL", "MQTT broker", why),
+                        None => line(
+                            "FAIL",
+                            "MQTT broker",
+                            format!("no answer from {} in 15 s", m.endpoint()),
+                        ),
+                    }
+                    m.disconnect(Duration::from_millis(500));
+                }
+            }
+        }
+    }
+    let bash = ["/bin/bash", "/usr/bin/bash"]
+        .iter()
+        .any(|p| Path::new(p).exists());
+    if bash {
+        line(
+            "PASS",
+            "bash",
+            "present (workload commands run with bash -c)".into(),
+        );
+    } else {
+        line(
+            "WARN",
+            "bash",
+            "missing: commands run with sh -c, which lacks `source` and other bashisms".into(),
+        );
+    }
+    // Writable, or creatable: a probe file in the folder or its nearest existing parent
+    // (nothing is left behind).
+    let writable = |dir: &Path| -> Result<(), String> {
+        let existing = dir
+            .ancestors()
+            .find(|a| a.exists())
+            .ok_or("no existing parent")?;
+        if !existing.is_dir() {
+            return Err(format!("{} is not a folder", existing.display()));
+        }
+        let probe = existing.join(format!(".cw-doctor-{}", std::process::id()));
+        std::fs::write(&probe, b"")
+            .map_err(|e| format!("cannot write in {}: {e}", existing.display()))?;
+        let _ = std::fs::remove_file(&probe);
+        Ok(())
+    };
+    let state = &settings.config_dir.value;
+    match writable(state) {
+        Ok(()) => line(
+            "PASS",
+            "state dir",
+            format!("{} is writable", state.display()),
+        ),
+        Err(e) => line(
+            "FAIL",
+            "state dir",
+            format!(
+                "{}: {e} — fix its ownership or set CYBERWAVE_EDGE_CONFIG_DIR",
+                state.display()
+            ),
+        ),
+    }
+    let results = &settings.results_folder.value;
+    if !settings.upload_results.value {
+        line("PASS", "results folder", "uploads are off".into());
+    } else {
+        match writable(results) {
+            Ok(()) => line(
+                "PASS",
+                "results folder",
+                format!("{} is writable", results.display()),
+            ),
+            Err(e) => line(
+                "FAIL",
+                "results folder",
+                format!(
+                    "{}: {e} — create it writable for the node's user, or set results_folder",
+                    results.display()
+                ),
+            ),
+        }
+    }
+    match crate::node::operate::free_mb(state) {
+        Some(free) if free < settings.min_free_disk_mb.value => line(
+            "FAIL",
+            "free disk",
+            format!(
+                "{free} MiB free, min_free_disk_mb is {}: free space or lower the limit",
+                settings.min_free_disk_mb.value
+            ),
+        ),
+        Some(free) => line(
+            "PASS",
+            "free disk",
+            format!(
+                "{free} MiB free (minimum {})",
+                settings.min_free_disk_mb.value
+            ),
+        ),
+        None => line("WARN", "free disk", "cannot measure".into()),
+    }
+    let units: Vec<PathBuf> = [
+        "/etc/systemd/system",
+        "/lib/systemd/system",
+        "/usr/lib/systemd/system",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join(crate::systemd::UNIT_NAME))
+    .chain(crate::systemd::paths(true).ok().map(|p| p.unit))
+    .filter(|p| p.exists())
+    .collect();
+    match units.first() {
+        None => line(
+            "PASS",
+            "systemd unit",
+            "not installed (fine when you run the node another way)".into(),
+        ),
+        Some(u) => {
+            let text = std::fs::read_to_string(u).unwrap_or_default();
+            if text.lines().any(|l| l.trim() == "KillMode=process") {
+                line(
+                    "PASS",
+                    "systemd unit",
+                    format!("{} keeps workloads alive (KillMode=process)", u.display()),
+                );
+            } else {
+                line("FAIL", "systemd unit", format!("{} lacks KillMode=process: a restart would kill running workloads — reinstall it", u.display()));
+            }
+        }
+    }
+    match std::process::Command::new("nvidia-smi").arg("-L").output() {
+        Ok(o) if o.status.success() => {
+            let n = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count();
+            line("PASS", "GPUs", format!("{n} visible (nvidia-smi -L)"));
+        }
+        Ok(o) => line(
+            "WARN",
+            "GPUs",
+            format!(
+                "nvidia-smi failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ),
+        ),
+        Err(_) => line(
+            "WARN",
+            "GPUs",
+            "nvidia-smi not found: no NVIDIA GPU visible to this user".into(),
+        ),
+    }
+    if fails > 0 {
+        println!("\n{fails} check(s) failed");
+        EXIT_RUNTIME
+    } else {
+        EXIT_OK
+    }
+}

@@ -1,0 +1,391 @@
+//! Operating the node: status, logs, doctor, drain/resume, drain-after-one, the disk guard and
+//! the metrics file.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::node::{NodeSetup, Output};
+use crate::support::{node_bin, wait_for, Broker, ControlPlane, HeartbeatMode, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(30);
+
+fn rig(manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", manifest);
+    (broker, cp, setup)
+}
+
+fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str) -> Value {
+    cp.command(&node.uuid(), json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}));
+    cp.wait_reply(rid, REPLY)
+        .unwrap_or_else(|| panic!("no reply to {rid}"))
+}
+
+fn status_json(setup: &NodeSetup) -> Value {
+    let out = setup.run(&["status", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"))
+}
+
+#[test]
+fn status_shows_the_running_node_and_what_the_state_dir_says_when_it_is_down() {
+    let (_b, cp, setup) = rig("cyberwave:\n  training: sleep 20\n");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let pid = start(&cp, &node, "training", "st-1")["output"]["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let st = status_json(&setup);
+    assert_eq!(st["running"], true);
+    assert_eq!(st["registered"], true);
+    assert_eq!(st["connected"], true);
+    assert_eq!(st["instance_uuid"], node.uuid());
+    assert_eq!(st["accepting"], true);
+    assert_eq!(st["workloads"][0]["pid"], pid);
+    assert_eq!(st["workloads"][0]["request_id"], "st-1");
+    assert!(st["workloads"][0]["stdout_log"]
+        .as_str()
+        .unwrap_or_default()
+        .ends_with("training_st-1.stdout.log"));
+    let human = setup.run(&["status"]);
+    assert!(
+        human.stdout.contains("node:       running") && human.stdout.contains("request st-1"),
+        "{human:?}"
+    );
+    node.kill9();
+    let st = status_json(&setup);
+    assert_eq!(st["running"], false);
+    assert_eq!(st["instance_uuid"], node.uuid());
+    assert_eq!(st["workloads"][0]["pid"], pid);
+    assert_eq!(st["workloads"][0]["state"], "running (node down)");
+}
+
+#[test]
+fn logs_prints_and_follows_a_workload_until_it_ends() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    for i in $(seq 1 15); do echo \"line $i\"; echo \"oops $i\" >&2; sleep 0.1; done\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "training", "lg");
+    let t = Instant::now();
+    let out = Command::new(node_bin())
+        .args(["logs", "lg", "-f"])
+        .env_clear()
+        .envs(&setup.env)
+        .stdin(Stdio::null())
+        .output()
+        .expect("logs -f");
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let expected: String = (1..=15).map(|i| format!("line {i}\n")).collect();
+    assert_eq!(text, expected, "followed to the end");
+    assert!(
+        t.elapsed() >= Duration::from_millis(800),
+        "it followed instead of returning at once"
+    );
+    let o: Output = setup.run(&["logs", "lg", "--stderr", "-n", "2"]);
+    assert_eq!(o.stdout, "oops 14\noops 15\n", "{o:?}");
+    let o = setup.run(&["logs", "nope"]);
+    assert_eq!(o.code, Some(1));
+}
+
+#[test]
+fn doctor_passes_on_a_healthy_host_and_names_each_failure() {
+    let (mut broker, cp, mut setup) =
+        rig("cyberwave:\n  training: sleep 1\n  results_folder: out\n");
+    let out = setup.run(&["doctor"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    for check in [
+        "configuration",
+        "API token",
+        "MQTT broker",
+        "bash",
+        "state dir",
+        "results folder",
+        "free disk",
+        "systemd unit",
+    ] {
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.contains(check))
+            .unwrap_or_default();
+        assert!(line.starts_with("PASS"), "{check}: {}", out.stdout);
+    }
+    assert!(!setup.cwd.join("out").exists(), "doctor creates nothing");
+    // Unwritable results folder.
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: sleep 1\n  results_folder: /proc/cw-results\n",
+    );
+    let out = setup.run(&["doctor"]);
+    assert_eq!(out.code, Some(1));
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL") && l.contains("results folder")),
+        "{}",
+        out.stdout
+    );
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 1\n");
+    // A rejected token.
+    cp.set_behaviour(|b| b.token_status = 401);
+    let out = setup.run(&["doctor"]);
+    assert_eq!(out.code, Some(1));
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL") && l.contains("API token") && l.contains("rejected")),
+        "{}",
+        out.stdout
+    );
+    cp.set_behaviour(|b| b.token_status = 200);
+    // A dead broker.
+    broker.stop();
+    setup.set("CYBERWAVE_NODE_RECONNECT_MAX_SECONDS", "0.5");
+    let out = setup.run(&["doctor"]);
+    assert_eq!(out.code, Some(1));
+    assert!(
+        out.stdout.lines().any(|l| l.starts_with("FAIL")
+            && l.contains("MQTT broker")
+            && l.contains("connection refused")),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn drain_refuses_new_work_lets_running_work_finish_and_resume_accepts_again() {
+    let (_b, cp, mut setup) = rig("cyberwave:\n  training: sleep 1.5\n");
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(start(&cp, &node, "training", "first")["status"], "ok");
+    let drained = setup.run(&["drain"]);
+    assert_eq!(drained.code, Some(0), "{drained:?}");
+    let r = start(&cp, &node, "training", "refused");
+    assert_eq!(r["status"], "error");
+    let failed = cp
+        .wait_status("wl-refused", "failed", REPLY)
+        .expect("R7 failed");
+    assert_eq!(failed[0]["rejection_reason"], "draining");
+    assert!(wait_for(REPLY, || cp
+        .requests("heartbeat")
+        .iter()
+        .any(|h| h.body["draining"] == true)
+        .then_some(()))
+    .is_some());
+    let t = Instant::now();
+    let waited = setup.run(&["drain", "--wait"]);
+    assert_eq!(waited.code, Some(0), "{waited:?}");
+    assert!(waited.stdout.contains("idle"));
+    assert!(
+        cp.wait_status("wl-first", "completed", REPLY).is_some(),
+        "the running workload completed"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(setup.run(&["resume"]).code, Some(0));
+    assert_eq!(start(&cp, &node, "training", "again")["status"], "ok");
+    // The signal pair does the same.
+    node.signal(libc::SIGUSR1);
+    assert!(wait_for(REPLY, || (status_json(&setup)["draining"] == true)
+        .then_some(()))
+    .is_some());
+    node.signal(libc::SIGUSR2);
+    assert!(
+        wait_for(REPLY, || (status_json(&setup)["draining"] == false)
+            .then_some(()))
+        .is_some()
+    );
+}
+
+#[test]
+fn drain_after_one_exits_0_once_the_workload_completed() {
+    let (_b, cp, mut setup) = rig("cyberwave:\n  training: sleep 0.5\n");
+    setup.arg("--drain-after-one");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(start(&cp, &node, "training", "only")["status"], "ok");
+    assert_eq!(
+        start(&cp, &node, "training", "second")["status"],
+        "error",
+        "one-shot: no second workload"
+    );
+    assert_eq!(node.wait_exit(DONE), Some(Some(0)), "{}", node.log());
+    assert!(
+        cp.statuses("wl-only")
+            .iter()
+            .any(|s| s["status"] == "completed"),
+        "reported before exiting"
+    );
+}
+
+#[test]
+fn the_disk_guard_refuses_starts() {
+    let (_b, cp, setup) =
+        rig("cyberwave:\n  training: sleep 1\n  min_free_disk_mb: 999999999999\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = start(&cp, &node, "training", "full");
+    assert_eq!(r["status"], "error");
+    assert!(
+        r["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not enough free disk"),
+        "{r}"
+    );
+    let failed = cp.wait_status("wl-full", "failed", REPLY).expect("R7");
+    assert_eq!(failed[0]["rejection_reason"], "disk_low");
+}
+
+/// A small Prometheus text-format parser: (name, labels, value) per sample; panics on a bad line.
+fn parse_prometheus(text: &str) -> Vec<(String, String, f64)> {
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some(rest) = line.strip_prefix('#') {
+            let words: Vec<&str> = rest.split_whitespace().collect();
+            assert!(
+                matches!(words.first(), Some(&"HELP") | Some(&"TYPE")),
+                "bad comment {line:?}"
+            );
+            if words[0] == "TYPE" {
+                assert!(["counter", "gauge"].contains(&words[2]), "{line:?}");
+            }
+            continue;
+        }
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad sample {line:?}"));
+        let (name, labels) = match series.find('{') {
+            Some(i) => {
+                assert!(series.ends_with('}'), "{line:?}");
+                (&series[..i], &series[i..])
+            }
+            None => (series, ""),
+        };
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && !name.is_empty(),
+            "{line:?}"
+        );
+        out.push((
+            name.to_string(),
+            labels.to_string(),
+            value
+                .parse()
+                .unwrap_or_else(|_| panic!("bad value {line:?}")),
+        ));
+    }
+    out
+}
+
+fn sample(samples: &[(String, String, f64)], name: &str, labels: &str) -> f64 {
+    samples
+        .iter()
+        .find(|(n, l, _)| n == name && l == labels)
+        .map(|s| s.2)
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn the_metrics_file_is_prometheus_text_and_its_counters_move() {
+    let (_b, cp, mut setup) = rig(
+        "cyberwave:\n  training: echo hello\n  simulate: exit 2\n  max_concurrent_workloads: 2\n",
+    );
+    let metrics = setup.home.join("metrics/node.prom");
+    std::fs::create_dir_all(metrics.parent().expect("dir")).expect("mkdir");
+    setup
+        .arg("--metrics-file")
+        .arg(&metrics.display().to_string());
+    setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let before = parse_prometheus(
+        &wait_for(REPLY, || std::fs::read_to_string(&metrics).ok()).expect("metrics file"),
+    );
+    assert_eq!(sample(&before, "cyberwave_node_starts_total", ""), 0.0);
+    start(&cp, &node, "training", "m1");
+    start(&cp, &node, "simulate", "m2");
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "m3", "params": {}}),
+    );
+    assert!(
+        cp.wait_status("wl-m1", "completed", DONE).is_some()
+            && cp.wait_status("wl-m2", "completed", DONE).is_some()
+    );
+    let after = wait_for(Duration::from_secs(10), || {
+        let s = parse_prometheus(&std::fs::read_to_string(&metrics).ok()?);
+        (sample(
+            &s,
+            "cyberwave_node_completions_total",
+            "{outcome=\"failure\"}",
+        ) == 1.0)
+            .then_some(s)
+    })
+    .expect("counters moved");
+    assert_eq!(sample(&after, "cyberwave_node_starts_total", ""), 2.0);
+    assert_eq!(
+        sample(
+            &after,
+            "cyberwave_node_completions_total",
+            "{outcome=\"success\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &after,
+            "cyberwave_node_rejections_total",
+            "{reason=\"not_configured\"}"
+        ),
+        1.0
+    );
+    assert!(sample(&after, "cyberwave_node_log_bytes_streamed_total", "") >= 6.0);
+    assert_eq!(
+        sample(&after, "cyberwave_node_workloads", "{state=\"running\"}"),
+        0.0
+    );
+}
+
+#[test]
+fn hardware_telemetry_is_opt_in_and_coarse() {
+    let (_b, cp, mut setup) = rig("cyberwave:\n  training: sleep 1\n");
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let hb = cp.wait_requests("heartbeat", 1, REPLY);
+    assert!(hb[0].body.get("hardware").is_none(), "off by default");
+    drop(node);
+    setup.set("CYBERWAVE_HARDWARE_TELEMETRY", "1");
+    cp.set_behaviour(|b| b.heartbeat = HeartbeatMode::Ok);
+    let n = cp.requests("heartbeat").len();
+    let _node = setup.spawn();
+    let hw = wait_for(REPLY, || {
+        cp.requests("heartbeat")
+            .into_iter()
+            .skip(n)
+            .find_map(|h| h.body.get("hardware").cloned())
+    })
+    .expect("hardware");
+    let keys: Vec<&String> = hw
+        .as_object()
+        .map(|o| o.keys().collect())
+        .unwrap_or_default();
+    assert_eq!(
+        keys,
+        ["cpu_load_ratio", "gpu_count", "ram_used_ratio", "vram_tier"]
+    );
+    let ram = hw["ram_used_ratio"].as_f64().unwrap_or(-1.0);
+    assert!(
+        (0.0..=1.0).contains(&ram) && (ram * 10.0).fract() == 0.0,
+        "coarse: {ram}"
+    );
+}

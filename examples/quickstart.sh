@@ -35,7 +35,7 @@ fi
 
 echo "== starting the node (standalone) on examples/cyberwave.yml"
 CYBERWAVE_EDGE_CONFIG_DIR="$STATE/node" "$BIN" start --standalone --slug quickstart \
-  --config examples/cyberwave.yml --mqtt-host 127.0.0.1 --mqtt-port "$PORT" 2> "$STATE/node.log" &
+    --config examples/cyberwave.yml --mqtt-host 127.0.0.1 --mqtt-port "$PORT" 2> "$STATE/node.log" &
 NODE_PID=$!
 for _ in $(seq 50); do grep -q "node ready" "$STATE/node.log" 2>/dev/null && break; sleep 0.1; done
 grep "node ready" "$STATE/node.log" || { cat "$STATE/node.log"; exit 1; }
@@ -53,7 +53,19 @@ ask() { # ask COMMAND-JSON REQUEST-ID: publish a command, print the reply
 echo "== sending commands to cyberwave/cloud-node/quickstart/command"
 ask '{"command":"status","request_id":"quickstart-1"}'
 
+echo "== starting an inference workload (examples/cyberwave.yml runs it as its own process)"
+mosquitto_sub -h 127.0.0.1 -p "$PORT" -t "cyberwave/cloud-workload/wl-quickstart/update-status" -C 2 -W 10 > "$STATE/statuses.json" &
+STATUSES=$!
+sleep 0.3
+ask '{"command":"inference","request_id":"quickstart-2","params":{"workload_uuid":"wl-quickstart","prompt":"hello"}}'
+wait "$STATUSES" || true
+echo "== what the backend would receive about it (running, then the completion)"
+cat "$STATE/statuses.json"
+echo "== the node's status command"
+CYBERWAVE_EDGE_CONFIG_DIR="$STATE/node" "$BIN" status
+
+
 echo "== stopping the node (SIGTERM)"
 kill -TERM "$NODE_PID"; wait "$NODE_PID"; NODE_PID=""
-echo "== node log"
+echo "== node log (the workload's output is mirrored on the node's stdout, tagged [workload …])"
 cat "$STATE/node.log"

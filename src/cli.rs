@@ -74,22 +74,11 @@ const START_FLAGS: &[&str] = &[
     "--metrics-file",
 ];
 
-fn allowed(cmd: Command) -> &'static [&'static str] {
-    match cmd {
+/// Whether `flag` belongs to `cmd` (`config` takes every flag of `start`, plus `--json`).
+fn allowed(cmd: Command, flag: &str) -> bool {
+    let list: &[&str] = match cmd {
         Command::Start => START_FLAGS,
-        Command::Config => &[
-            "--config",
-            "--slug",
-            "--profile",
-            "--environment",
-            "--mqtt-host",
-            "--mqtt-port",
-            "--mqtt-tls",
-            "--no-mqtt-tls",
-            "--standalone",
-            "--lenient",
-            "--json",
-        ],
+        Command::Config => return START_FLAGS.contains(&flag) || flag == "--json",
         Command::Validate => &["--config", "--lenient"],
         Command::InstallService | Command::UninstallService => &["--user"],
         Command::Emit => crate::emit::FLAGS,
@@ -106,7 +95,8 @@ fn allowed(cmd: Command) -> &'static [&'static str] {
             "--mqtt-tls",
             "--no-mqtt-tls",
         ],
-    }
+    };
+    list.contains(&flag)
 }
 
 fn takes_value(flag: &str) -> bool {
@@ -227,7 +217,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     }
     let mut emit = std::collections::BTreeMap::new();
     for (name, value) in pairs {
-        if !allowed(command).contains(&name.as_str()) {
+        if !allowed(command, &name) {
             return Err(UsageError(format!(
                 "unknown flag {name} for '{}'",
                 name_of(command)

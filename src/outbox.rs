@@ -31,6 +31,17 @@ struct Slot {
     attempts: u32,
 }
 
+impl Slot {
+    fn new(item: Item) -> Slot {
+        Slot {
+            item,
+            in_flight: None,
+            next_try: Instant::now(),
+            attempts: 0,
+        }
+    }
+}
+
 pub struct Outbox {
     dir: PathBuf,
     next_seq: u64,
@@ -59,55 +70,21 @@ impl Outbox {
     /// Loads what a previous run left; corrupt files are moved aside.
     pub fn load(dir: PathBuf) -> std::io::Result<Outbox> {
         crate::store::ensure_private_dir(&dir)?;
-        let mut slots = BTreeMap::new();
-        let now = Instant::now();
-        for entry in std::fs::read_dir(&dir)?.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(seq) = name
-                .strip_suffix(".json")
-                .and_then(|s| s.parse::<u64>().ok())
-            else {
-                continue;
-            };
-            match std::fs::read(entry.path())
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Item>(&b).ok())
-            {
-                Some(item) => {
-                    slots.insert(
-                        seq,
-                        Slot {
-                            item,
-                            in_flight: None,
-                            next_try: now,
-                            attempts: 0,
-                        },
-                    );
-                }
-                None => {
-                    let aside = entry.path().with_extension("corrupt");
-                    log::warn!(
-                        "outbox file {} is unreadable; moved to {}",
-                        entry.path().display(),
-                        aside.display()
-                    );
-                    let _ = std::fs::rename(entry.path(), aside);
-                }
-            }
-        }
-        let next_seq = slots.keys().next_back().map(|s| s + 1).unwrap_or(1);
-        Ok(Outbox {
+        let mut o = Outbox {
             dir,
-            next_seq,
-            slots,
-        })
+            next_seq: 1,
+            slots: BTreeMap::new(),
+        };
+        o.rescan();
+        Ok(o)
     }
 
     pub fn len(&self) -> usize {
         self.slots.len()
     }
 
-    /// Picks up items another process wrote into the folder since the last look.
+    /// Picks up items another process wrote into the folder since the last look (all of them,
+    /// at load); an unreadable file is moved aside.
     pub fn rescan(&mut self) {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return;
@@ -123,20 +100,23 @@ impl Outbox {
             if self.slots.contains_key(&seq) {
                 continue;
             }
-            if let Some(item) = std::fs::read(entry.path())
+            match std::fs::read(entry.path())
                 .ok()
                 .and_then(|b| serde_json::from_slice::<Item>(&b).ok())
             {
-                self.slots.insert(
-                    seq,
-                    Slot {
-                        item,
-                        in_flight: None,
-                        next_try: Instant::now(),
-                        attempts: 0,
-                    },
-                );
-                self.next_seq = self.next_seq.max(seq + 1);
+                Some(item) => {
+                    self.slots.insert(seq, Slot::new(item));
+                    self.next_seq = self.next_seq.max(seq + 1);
+                }
+                None => {
+                    let aside = entry.path().with_extension("corrupt");
+                    log::warn!(
+                        "outbox file {} is unreadable; moved to {}",
+                        entry.path().display(),
+                        aside.display()
+                    );
+                    let _ = std::fs::rename(entry.path(), aside);
+                }
             }
         }
     }
@@ -147,7 +127,7 @@ impl Outbox {
         (s.in_flight.is_none() && s.next_try <= now).then(|| (*seq, s.item.clone()))
     }
 
-    /// Whether `seq` is in flight with this correlation (or any, for `None`).
+    /// Whether `seq` was sent and awaits its acknowledgement.
     pub fn in_flight(&self, seq: u64) -> bool {
         self.slots.get(&seq).is_some_and(|s| s.in_flight.is_some())
     }
@@ -166,15 +146,7 @@ impl Outbox {
         self.next_seq = seq + 1;
         let json = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
         crate::store::write_atomic(&self.dir.join(format!("{seq:020}.json")), &json, 0o600)?;
-        self.slots.insert(
-            seq,
-            Slot {
-                item,
-                in_flight: None,
-                next_try: Instant::now(),
-                attempts: 0,
-            },
-        );
+        self.slots.insert(seq, Slot::new(item));
         Ok(seq)
     }
 

@@ -448,17 +448,26 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let simulate = command("CYBERWAVE_SIMULATE_CMD", &m.simulate);
     let training = command("CYBERWAVE_TRAINING_CMD", &m.training);
 
-    let heartbeat_interval = match m.heartbeat_interval {
-        Some(s) => sourced(Duration::from_secs_f64(s), file()),
-        None => parse_env(
-            "CYBERWAVE_HEARTBEAT_INTERVAL",
-            "a number of seconds greater than 0",
-            &mut errors,
-            &pos_secs,
-        )
-        .map(|s| sourced(Duration::from_secs_f64(s.value), s.source))
-        .unwrap_or_else(|| sourced(Duration::from_secs(30), Source::Default)),
+    // A number from the manifest, else from its environment variable, else the default.
+    let number = |from_file: Option<f64>,
+                  var: &str,
+                  expected: &str,
+                  parse: &dyn Fn(&str) -> Option<f64>,
+                  default: f64,
+                  errors: &mut Vec<String>| match from_file {
+        Some(v) => sourced(v, file()),
+        None => parse_env(var, expected, errors, parse)
+            .unwrap_or_else(|| sourced(default, Source::Default)),
     };
+    let secs = |n: Sourced<f64>| sourced(Duration::from_secs_f64(n.value), n.source);
+    let heartbeat_interval = secs(number(
+        m.heartbeat_interval,
+        "CYBERWAVE_HEARTBEAT_INTERVAL",
+        "a number of seconds greater than 0",
+        &pos_secs,
+        30.0,
+        &mut errors,
+    ));
 
     let mqtt_host = flags
         .mqtt_host
@@ -589,17 +598,15 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
                 .map(|(v, s)| sourced(v.trim().to_string(), s))
         });
 
-    let max_concurrent_workloads = match m.max_concurrent_workloads {
-        Some(n) => sourced(n, file()),
-        None => parse_env(
-            "CYBERWAVE_MAX_CONCURRENT_WORKLOADS",
-            "a whole number ≥ 1",
-            &mut errors,
-            &whole1,
-        )
-        .map(|n| sourced(n.value as u32, n.source))
-        .unwrap_or_else(|| sourced(1, Source::Default)),
-    };
+    let n = number(
+        m.max_concurrent_workloads.map(f64::from),
+        "CYBERWAVE_MAX_CONCURRENT_WORKLOADS",
+        "a whole number ≥ 1",
+        &whole1,
+        1.0,
+        &mut errors,
+    );
+    let max_concurrent_workloads = sourced(n.value as u32, n.source);
     let log_stream_interval = parse_env(
         "CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL",
         "a number of seconds greater than 0",
@@ -610,28 +617,25 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     .unwrap_or_else(|| sourced(Duration::from_secs(3), Source::Default));
 
     let whole0 = |s: &str| s.parse::<u64>().ok().map(|n| n as f64);
-    let min_free_disk_mb = match m.min_free_disk_mb {
-        Some(n) => sourced(n, file()),
-        None => parse_env(
-            "CYBERWAVE_MIN_FREE_DISK_MB",
-            "a whole number ≥ 0",
-            &mut errors,
-            &whole0,
-        )
-        .map(|n| sourced(n.value as u64, n.source))
-        .unwrap_or_else(|| sourced(1024, Source::Default)),
-    };
-    let max_log_bytes = match m.max_log_bytes {
-        Some(n) => sourced(n, file()),
-        None => parse_env(
-            "CYBERWAVE_MAX_LOG_BYTES",
-            "a whole number ≥ 1",
-            &mut errors,
-            &|s: &str| s.parse::<u64>().ok().filter(|n| *n >= 1).map(|n| n as f64),
-        )
-        .map(|n| sourced(n.value as u64, n.source))
-        .unwrap_or_else(|| sourced(1 << 30, Source::Default)),
-    };
+    let n = number(
+        m.min_free_disk_mb.map(|v| v as f64),
+        "CYBERWAVE_MIN_FREE_DISK_MB",
+        "a whole number ≥ 0",
+        &whole0,
+        1024.0,
+        &mut errors,
+    );
+    let min_free_disk_mb = sourced(n.value as u64, n.source);
+    let whole1_u64 = |s: &str| s.parse::<u64>().ok().filter(|n| *n >= 1).map(|n| n as f64);
+    let n = number(
+        m.max_log_bytes.map(|v| v as f64),
+        "CYBERWAVE_MAX_LOG_BYTES",
+        "a whole number ≥ 1",
+        &whole1_u64,
+        (1u64 << 30) as f64,
+        &mut errors,
+    );
+    let max_log_bytes = sourced(n.value as u64, n.source);
     let metrics_file = flags
         .metrics_file
         .clone()

@@ -203,12 +203,9 @@ fn init_logging(verbosity: u8) {
         1 => "debug",
         _ => "trace",
     };
-    // Paho's Rust wrapper is chatty at debug; it only speaks up with -vv.
-    let default = if verbosity >= 2 {
-        level.to_string()
-    } else {
-        format!("{level},paho_mqtt=warn")
-    };
+    // The MQTT library stays at warn: at debug and trace it prints topics, and the instance
+    // request topic carries the API token (an explicit RUST_LOG is the operator's choice).
+    let default = format!("{level},paho_mqtt=warn");
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
         .format(|buf, record| {
             writeln!(

@@ -447,6 +447,33 @@ mod tests {
     }
 
     #[test]
+    fn config_takes_every_start_flag() {
+        let i = run(&[
+            "config",
+            "--drain-after-one",
+            "--metrics-file",
+            "m.prom",
+            "--json",
+            "--standalone",
+        ]);
+        assert_eq!(i.command, Command::Config);
+        assert!(i.flags.drain_after_one && i.json && i.flags.standalone);
+        assert!(p(&["start", "--json"]).is_err());
+        assert!(p(&["status", "--drain-after-one"]).is_err());
+    }
+
+    #[test]
+    fn short_flags_of_logs() {
+        let i = run(&["logs", "req-1", "-f", "-n", "5", "--stderr"]);
+        assert_eq!(i.command, Command::Logs);
+        assert_eq!(i.emit_kind, "req-1");
+        assert!(i.follow && i.stderr);
+        assert_eq!(i.lines, Some(5));
+        assert!(p(&["logs"]).is_err());
+        assert!(p(&["logs", "a", "-n", "x"]).is_err());
+    }
+
+    #[test]
     fn tls_switches() {
         assert_eq!(run(&["--no-mqtt-tls"]).flags.mqtt_tls, Some(false));
         assert_eq!(run(&["--mqtt-tls"]).flags.mqtt_tls, Some(true));

@@ -57,35 +57,6 @@ pub struct Cursor {
     pub stderr_base: u64,
 }
 
-/// Keeps the newest `keep` bytes of a log file in place (the writer appends with O_APPEND, so
-/// it carries on at the new end); returns how many bytes were cut.
-fn cut_front(path: &std::path::Path, keep: u64) -> std::io::Result<u64> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)?;
-    let len = f.metadata()?.len();
-    if len <= keep {
-        return Ok(0);
-    }
-    let cut = len - keep;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut done = 0u64;
-    while done < keep {
-        f.seek(SeekFrom::Start(cut + done))?;
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        f.seek(SeekFrom::Start(done))?;
-        std::io::Write::write_all(&mut f, &buf[..n])?;
-        done += n as u64;
-    }
-    f.set_len(done)?;
-    Ok(cut)
-}
-
 impl Node {
     /// Asks the tailer for the next slice of every stream that is due.
     pub(super) fn pump_streams(&mut self, interval_due: bool) {
@@ -103,7 +74,8 @@ impl Node {
                 if s.reading || s.inflight.is_some() {
                     continue;
                 }
-                // The max_log_bytes cap: keep the newest half when the file outgrows it.
+                // The max_log_bytes cap: the tailer keeps the newest half when the file outgrows it
+                // (a copy of up to half a gigabyte: never on this thread).
                 let path = if i == 0 {
                     &a.meta.stdout_log
                 } else {
@@ -114,18 +86,18 @@ impl Node {
                     .map(|m| m.len() > cap)
                     .unwrap_or(false)
                 {
-                    match cut_front(path, cap / 2) {
-                        Ok(cut) if cut > 0 => {
-                            let unsent = cut.saturating_sub(s.acked);
-                            log::warn!("{} {}: {} log over max_log_bytes ({cap}); dropped its oldest {cut} bytes ({unsent} never shipped)", a.meta.kind, a.meta.request_id_text(), STREAM_NAMES[i]);
-                            s.base += cut;
-                            s.dropped_unsent += unsent;
-                            s.acked = s.acked.saturating_sub(cut);
-                            s.mirrored = s.mirrored.saturating_sub(cut);
-                        }
-                        Ok(_) => {}
-                        Err(e) => log::warn!("cannot cap {}: {e}", path.display()),
-                    }
+                    s.reading = true;
+                    self.tailer.read(ReadRequest {
+                        key: Key {
+                            safe_id: id.clone(),
+                            stream: i,
+                        },
+                        path: path.clone(),
+                        offset: s.acked,
+                        max: 0,
+                        keep: Some(cap / 2),
+                    });
+                    continue;
                 }
                 let wanted = interval_due || ending || (s.more && s.budget > 0);
                 if !wanted || (s.budget == 0 && !ending) || (ending && s.drained) {
@@ -145,6 +117,7 @@ impl Node {
                     path,
                     offset: s.acked,
                     max: CHUNK,
+                    keep: None,
                 });
             }
         }
@@ -180,6 +153,27 @@ impl Node {
         let i = chunk.key.stream;
         let s = &mut a.streams[i];
         s.reading = false;
+        if let Some(result) = chunk.cut {
+            match result {
+                Ok(cut) if cut > 0 => {
+                    let unsent = cut.saturating_sub(s.acked);
+                    log::warn!(
+                        "{} {}: {} log over max_log_bytes ({}); dropped its oldest {cut} bytes ({unsent} never shipped)",
+                        a.meta.kind,
+                        a.meta.request_id_text(),
+                        STREAM_NAMES[i],
+                        self.s.max_log_bytes.value
+                    );
+                    s.base += cut;
+                    s.dropped_unsent += unsent;
+                    s.acked = s.acked.saturating_sub(cut);
+                    s.mirrored = s.mirrored.saturating_sub(cut);
+                }
+                Ok(_) => {}
+                Err(e) => log::warn!("cannot cap a log of {}: {e}", a.meta.request_id_text()),
+            }
+            return self.pump_streams(false);
+        }
         if chunk.offset != s.acked || s.inflight.is_some() {
             return; // overtaken (e.g. a reconnect reset); the next pass reads again
         }

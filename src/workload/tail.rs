@@ -21,6 +21,8 @@ pub struct ReadRequest {
     pub path: PathBuf,
     pub offset: u64,
     pub max: usize,
+    /// Instead of reading: cut the file down to its newest `keep` bytes.
+    pub keep: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -30,6 +32,36 @@ pub struct Chunk {
     pub data: Vec<u8>,
     /// The file's length when it was read.
     pub file_len: u64,
+    /// For a cap job: the bytes cut from the front of the file (`Err`: why it failed).
+    pub cut: Option<Result<u64, String>>,
+}
+
+/// Keeps the newest `keep` bytes of a log file in place (the writer appends with O_APPEND, so
+/// it carries on at the new end); returns how many bytes were cut.
+pub fn cut_front(path: &std::path::Path, keep: u64) -> std::io::Result<u64> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    if len <= keep {
+        return Ok(0);
+    }
+    let cut = len - keep;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    while done < keep {
+        f.seek(SeekFrom::Start(cut + done))?;
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        f.seek(SeekFrom::Start(done))?;
+        std::io::Write::write_all(&mut f, &buf[..n])?;
+        done += n as u64;
+    }
+    f.set_len(done)?;
+    Ok(cut)
 }
 
 pub struct Tailer {
@@ -58,6 +90,15 @@ impl Tailer {
 }
 
 fn read(req: ReadRequest) -> Chunk {
+    if let Some(keep) = req.keep {
+        return Chunk {
+            cut: Some(cut_front(&req.path, keep).map_err(|e| e.to_string())),
+            key: req.key,
+            offset: req.offset,
+            data: Vec::new(),
+            file_len: 0,
+        };
+    }
     let mut data = Vec::new();
     let mut file_len = 0;
     if let Ok(mut f) = std::fs::File::open(&req.path) {
@@ -71,5 +112,6 @@ fn read(req: ReadRequest) -> Chunk {
         offset: req.offset,
         data,
         file_len,
+        cut: None,
     }
 }

@@ -16,6 +16,8 @@ pub enum MqttEvent {
     Connect(Result<bool, String>),
     /// The connection dropped.
     Lost(String),
+    /// The broker answered a confirmed subscribe (SUBACK), or it failed.
+    Subscribed(Result<(), String>),
     Message {
         topic: String,
         payload: Vec<u8>,
@@ -258,6 +260,28 @@ impl Mqtt {
         let qos = vec![1; topics.len()];
         // Queued; a failure shows up as a lost connection, which re-subscribes.
         drop(self.client.subscribe_many(topics, &qos));
+    }
+
+    /// Subscribes and reports the broker's SUBACK as `MqttEvent::Subscribed` (a feeder thread
+    /// waits for it; the caller never does).
+    pub fn subscribe_confirmed(&self, topics: &[String]) {
+        let qos = vec![1; topics.len()];
+        let token = self.client.subscribe_many(topics, &qos);
+        let tx = self.tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("mqtt-suback".into())
+            .spawn(move || {
+                let result = token
+                    .wait_for(Duration::from_secs(10))
+                    .map(|_| ())
+                    .map_err(|e| e.to_string());
+                let _ = tx.send(MqttEvent::Subscribed(result));
+            });
+        if let Err(e) = spawned {
+            let _ = self.tx.send(MqttEvent::Subscribed(Err(format!(
+                "cannot start a thread: {e}"
+            ))));
+        }
     }
 
     pub fn unsubscribe(&self, topic: &str) {

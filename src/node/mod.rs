@@ -177,6 +177,8 @@ pub struct Node {
     /// GPU count and VRAM tier (hardware telemetry).
     gpus: (usize, Option<&'static str>),
     connected_once: bool,
+    /// "node ready" (and READY=1) was announced.
+    ready_announced: bool,
 }
 
 impl Node {
@@ -310,6 +312,7 @@ impl Node {
                     self.reset_streams();
                 }
             }
+            MqttEvent::Subscribed(result) => self.on_subscribed(result),
             MqttEvent::Message {
                 topic,
                 payload,
@@ -579,7 +582,10 @@ impl Node {
             self.mqtt.unsubscribe(old);
         }
         self.command_topics = new_topics;
-        self.mqtt.subscribe(&self.command_topics);
+        self.ready_announced = false;
+        // Ready only once the broker confirmed the subscriptions: a command published before
+        // the SUBACK would have no subscription to land on.
+        self.mqtt.subscribe_confirmed(&self.command_topics);
         self.ship_install_logs();
         for payload in std::mem::take(&mut self.early_commands) {
             self.on_command(&payload);
@@ -587,6 +593,17 @@ impl Node {
         if !self.s.standalone {
             self.hb.next_due = Some(self.clock.now());
         }
+    }
+
+    /// The command subscriptions are confirmed (or failed: the next connect renews them).
+    fn on_subscribed(&mut self, result: Result<(), String>) {
+        if self.ready_announced || self.reg != Registration::Done || self.command_topics.len() < 2 {
+            return;
+        }
+        if let Err(e) = result {
+            log::warn!("the broker did not confirm the command subscriptions ({e}); they are renewed on the next connect");
+        }
+        self.ready_announced = true;
         crate::systemd::notify("READY=1");
         log::info!(
             "node ready: instance {} (slug {}){}; commands on {} and {}",

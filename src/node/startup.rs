@@ -286,6 +286,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         next_metrics: now,
         gpus,
         connected_once: false,
+        ready_announced: false,
         s,
     };
     let mut node = node;

@@ -827,3 +827,61 @@ fn the_token_check_over_https_verifies_against_the_system_trust_store() {
         node.log()
     );
 }
+
+#[test]
+fn systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    let sock_path = setup.home.join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&sock_path).expect("bind notify socket");
+    sock.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    setup.set("NOTIFY_SOCKET", &sock_path.display().to_string());
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
+    let mut node = setup.spawn();
+    let mut got: Vec<String> = Vec::new();
+    let mut buf = [0u8; 256];
+    let end = Instant::now() + READY;
+    while Instant::now() < end && !got.iter().any(|m| m == "WATCHDOG=1") {
+        if let Ok(n) = sock.recv(&mut buf) {
+            got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+    }
+    assert_eq!(got.first().map(String::as_str), Some("READY=1"), "{got:?}");
+    assert!(
+        node.log().contains("node ready"),
+        "READY=1 comes with readiness"
+    );
+    assert!(
+        got.iter().any(|m| m == "WATCHDOG=1"),
+        "fed by acknowledged heartbeats: {got:?}"
+    );
+    // No watchdog pings while heartbeats are refused.
+    cp.set_behaviour(|b| b.heartbeat = HeartbeatMode::Code(500, "backend trouble"));
+    std::thread::sleep(Duration::from_millis(700));
+    while sock.recv(&mut buf).is_ok() {}
+    let quiet_from = Instant::now();
+    let mut pings = 0;
+    while quiet_from.elapsed() < Duration::from_millis(1200) {
+        if let Ok(n) = sock.recv(&mut buf) {
+            if &buf[..n] == b"WATCHDOG=1" {
+                pings += 1;
+            }
+        }
+    }
+    assert_eq!(
+        pings, 0,
+        "the watchdog is fed only while heartbeats succeed"
+    );
+    node.sigterm();
+    let mut stopping = false;
+    let end = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < end && !stopping {
+        if let Ok(n) = sock.recv(&mut buf) {
+            stopping = &buf[..n] == b"STOPPING=1";
+        }
+    }
+    assert!(stopping, "STOPPING=1 on shutdown");
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+}

@@ -9,6 +9,16 @@ use std::path::Path;
 /// Writes `data` to `path` atomically: a temp file beside it (created with `mode`), fsync,
 /// rename over the target, fsync of the directory. A crash leaves the old or the new file.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    write_replace(path, data, mode, true)
+}
+
+/// Like [`write_atomic`] without the syncs: readers never see a partial file, but a host crash
+/// may lose it (for files that are useless after a crash anyway, such as a params file).
+pub fn write_replace_unsynced(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    write_replace(path, data, mode, false)
+}
+
+fn write_replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<()> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let name = path
         .file_name()
@@ -27,10 +37,14 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
         // The umask may have narrowed `mode`; it must never widen it, but make it exact.
         f.set_permissions(fs::Permissions::from_mode(mode))?;
         f.write_all(data)?;
-        f.sync_all()?;
+        if sync {
+            f.sync_all()?;
+        }
         fs::rename(&tmp, path)?;
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
+        if sync {
+            if let Ok(d) = fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
         }
         Ok(())
     })();

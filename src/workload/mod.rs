@@ -220,7 +220,9 @@ fn start_in(
     }
     let params_file = dir.join("params.json");
     let params_json = serde_json::to_vec(&Value::Object(req.params)).map_err(|e| e.to_string())?;
-    store::write_atomic(&params_file, &params_json, 0o600)
+    // Not synced: the workload needs it complete, not durable (after a host crash the workload
+    // is reported lost anyway).
+    store::write_replace_unsynced(&params_file, &params_json, 0o600)
         .map_err(|e| format!("cannot write the params file: {e}"))?;
     let command = req
         .template
@@ -323,6 +325,7 @@ fn start_in(
                 exe.display()
             )
         })?;
+    let shim_pid = child.id() as i32;
     let line = child
         .stdout
         .take()
@@ -347,20 +350,20 @@ fn start_in(
             });
         }
     };
-    let started: Started = read_json(&dir.join("started.json")).unwrap_or(Started {
+    // The shim reports the pid first and records started.json right after (for recovery); the
+    // node reads the same facts from /proc itself rather than wait for that file.
+    let started = Started {
         pid,
         start_ticks: procinfo::start_ticks(pid).unwrap_or(0),
-        shim_pid: 0,
-        shim_start_ticks: 0,
+        shim_pid,
+        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
         boot_id: procinfo::boot_id(),
         started_at: crate::util::rfc3339(SystemTime::now()),
-    });
+    };
+    // meta.json on disk keeps saying "starting": the shim's started.json (written durably before
+    // it reported the pid) completes it at recovery, so a second synced write is not needed here.
     meta.started = Some(started);
     meta.phase = Phase::Running;
-    if let Err(e) = save_meta(layout, &meta) {
-        // The workload runs; a restart would see it as "starting" with a started.json and adopt it.
-        log::error!("workload {}: cannot update its record: {e}", meta.safe_id);
-    }
     Ok(meta)
 }
 

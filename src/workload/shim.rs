@@ -5,8 +5,8 @@
 //! 2. Starts the workload in a process group of its own, with stdout/stderr on the log files.
 //!    The shim is *not* in that group: a cancel that SIGKILLs the group cannot kill the shim,
 //!    so the exit record is always written.
-//! 3. Records the workload's pid and start time (`started.json`), tells the node the pid on
-//!    its stdout, and closes that pipe.
+//! 3. Tells the node the workload's pid on its stdout, records pid and start times in
+//!    `started.json` (what a restarted node re-adopts it by), and closes that pipe.
 //! 4. Waits for the workload, then writes `exit.json` atomically and exits.
 //!
 //! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
@@ -152,6 +152,12 @@ pub fn run(args: &[String]) -> i32 {
     };
     let pid = child.id() as i32;
     let me = std::process::id() as i32;
+    {
+        // The pid first: the node is waiting for it (it reads the start times from /proc itself).
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "pid {pid}");
+        let _ = stdout.flush();
+    }
     let started = Started {
         pid,
         start_ticks: procinfo::start_ticks(pid).unwrap_or(0),
@@ -160,13 +166,9 @@ pub fn run(args: &[String]) -> i32 {
         boot_id: procinfo::boot_id(),
         started_at: started_at.clone(),
     };
+    // The record a restarted node re-adopts the workload by.
     if let Ok(json) = serde_json::to_vec(&started) {
         let _ = store::write_atomic(&a.dir.join("started.json"), &json, 0o600);
-    }
-    {
-        let mut stdout = std::io::stdout().lock();
-        let _ = writeln!(stdout, "pid {pid}");
-        let _ = stdout.flush();
     }
     // Close the pipe to the node: from here on the shim owes the node nothing.
     if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {

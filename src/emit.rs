@@ -13,7 +13,6 @@ use serde_json::{json, Map, Value};
 use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::control::{self, CallError};
 use crate::outbox::{self, Item};
-use crate::workload::Meta;
 
 pub const FLAGS: &[&str] = &[
     "--workflow",
@@ -154,7 +153,7 @@ fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<()
     let rd = std::fs::read_dir(state.join("workloads"))
         .map_err(|e| format!("cannot check the event token: {e}"))?;
     for e in rd.flatten() {
-        let Some(meta) = crate::workload::read_json::<Meta>(&e.path().join("meta.json")) else {
+        let Some(meta) = crate::workload::load_meta(&e.path()) else {
             continue;
         };
         if !meta.event_token.is_empty() && meta.event_token == token {

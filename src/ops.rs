@@ -41,7 +41,7 @@ fn metas(state: &Path) -> Vec<Meta> {
     let mut out: Vec<Meta> = std::fs::read_dir(state.join("workloads"))
         .map(|rd| {
             rd.flatten()
-                .filter_map(|e| workload::read_json::<Meta>(&e.path().join("meta.json")))
+                .filter_map(|e| workload::load_meta(&e.path()))
                 .collect()
         })
         .unwrap_or_default();

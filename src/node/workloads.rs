@@ -13,7 +13,7 @@ use crate::outbox::Item;
 use crate::protocol::messages::request_id_text;
 use crate::store;
 use crate::workload::shim::Exit;
-use crate::workload::{self, procinfo, Cancel, Meta, Phase, StartRequest, KINDS};
+use crate::workload::{self, procinfo, Cancel, Meta, StartRequest, KINDS};
 
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
@@ -778,7 +778,7 @@ impl Node {
             if name.ends_with(".corrupt") {
                 continue;
             }
-            let Some(mut meta) = workload::read_json::<Meta>(&dir.join("meta.json")) else {
+            let Some(mut meta) = workload::load_meta(&dir) else {
                 let aside = dir.with_extension("corrupt");
                 log::warn!(
                     "{} has no readable record; moved to {}",
@@ -790,10 +790,6 @@ impl Node {
             };
             if meta.safe_id != name {
                 meta.safe_id = name.clone();
-            }
-            if meta.started.is_none() {
-                meta.started = workload::read_json(&dir.join("started.json"));
-                meta.phase = Phase::Running;
             }
             let Some(st) = meta.started.clone() else {
                 log::warn!("workload {name} never started (the node stopped while starting it); forgetting it");

@@ -134,6 +134,19 @@ pub fn save_meta(layout: &Layout, meta: &Meta) -> std::io::Result<()> {
     store::write_atomic(&layout.meta(&meta.safe_id), &json, 0o600)
 }
 
+/// A workload's record from its directory, completed from the shim's `started.json` (the pid
+/// and start times are recorded there, not in `meta.json`).
+pub fn load_meta(dir: &Path) -> Option<Meta> {
+    let mut meta: Meta = read_json(&dir.join("meta.json"))?;
+    if meta.started.is_none() {
+        meta.started = read_json(&dir.join("started.json"));
+        if meta.started.is_some() {
+            meta.phase = Phase::Running;
+        }
+    }
+    Some(meta)
+}
+
 pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Option<T> {
     serde_json::from_slice(&std::fs::read(path).ok()?).ok()
 }

@@ -797,6 +797,35 @@ mod tests {
     }
 
     #[test]
+    fn config_dir_is_the_override_else_home_dot_cyberwave() {
+        let env = |vars: &[(&str, &str)]| {
+            EnvLayers::new(
+                vars.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        let d = config_dir(&env(&[
+            ("CYBERWAVE_EDGE_CONFIG_DIR", "/srv/cw"),
+            ("HOME", "/home/u"),
+        ]))
+        .unwrap();
+        assert_eq!(d.value, PathBuf::from("/srv/cw"));
+        assert_eq!(d.source, Source::Env("CYBERWAVE_EDGE_CONFIG_DIR".into()));
+        let d = config_dir(&env(&[("HOME", "/home/u")])).unwrap();
+        assert_eq!(d.value, PathBuf::from("/home/u/.cyberwave"));
+        assert!(
+            config_dir(&env(&[])).is_err(),
+            "no HOME and no override is a clear error"
+        );
+        // A .env file cannot move the config dir (it is read from that dir).
+        let dir = Dir::new("cfgdir");
+        dir.write("work/.env", "CYBERWAVE_EDGE_CONFIG_DIR=/elsewhere\n");
+        let s = dir.resolve(&Flags::default(), &[]).unwrap();
+        assert!(s.config_dir.value.ends_with("cfg"), "{:?}", s.config_dir);
+    }
+
+    #[test]
     fn token_order_is_env_then_local_dotenv_then_shared_dotenv_then_credentials() {
         let d = Dir::new("tok");
         d.write("cfg/credentials.json", r#"{"token":"cw_from_credentials"}"#);

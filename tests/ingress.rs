@@ -7,19 +7,11 @@ use serde_json::{json, Value};
 
 use crate::support::control_plane::Request;
 use crate::support::node::NodeSetup;
-use crate::support::{node_bin, wait_for, Broker, ControlPlane, NodeProcess};
+use crate::support::{node_bin, rig, wait_for, ControlPlane, NodeProcess};
 
 const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
 const DONE: Duration = Duration::from_secs(30);
-
-fn rig(manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write("cyberwave.yml", manifest);
-    (broker, cp, setup)
-}
 
 fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str, params: Value) -> Value {
     cp.command(

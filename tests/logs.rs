@@ -14,11 +14,8 @@ const REPLY: Duration = Duration::from_secs(5);
 const DONE: Duration = Duration::from_secs(60);
 
 fn rig(manifest: &str, interval: &str) -> (Broker, ControlPlane, NodeSetup) {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut setup = NodeSetup::new(&broker, &cp);
+    let (broker, cp, mut setup) = crate::support::rig(manifest);
     setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", interval);
-    setup.write("cyberwave.yml", manifest);
     (broker, cp, setup)
 }
 

@@ -14,6 +14,15 @@ pub use broker::Broker;
 pub use control_plane::{ControlPlane, HeartbeatMode};
 pub use node::NodeProcess;
 
+/// A broker, the fake backend and a node set up on them with this manifest.
+pub fn rig(manifest: &str) -> (Broker, ControlPlane, node::NodeSetup) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = node::NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", manifest);
+    (broker, cp, setup)
+}
+
 /// A directory removed on drop.
 pub struct TempDir(PathBuf);
 

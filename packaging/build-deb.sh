@@ -14,7 +14,7 @@ all=(cyberwave-cloud-node cyberwave-cloud-node-dev cyberwave-cloud-node-staging)
 
 licence() { # the licence text of a bundled C library, from the crate that builds it
   local pkg=$1 rel=$2 dir
-  dir=$(cargo metadata --format-version 1 2>/dev/null | python3 -c "import json,sys; m=json.load(sys.stdin); print(next((p['manifest_path'].rsplit('/',1)[0] for p in m['packages'] if p['name']=='$pkg'), ''))")
+  dir=$(cargo metadata --all-features --format-version 1 2>/dev/null | grep -o "\"manifest_path\":\"[^\"]*/$pkg-[0-9][^\"]*/Cargo.toml\"" | head -1 | sed 's/.*:"\(.*\)\/Cargo.toml"/\1/')
   [ -n "$dir" ] && [ -f "$dir/$rel" ] && cat "$dir/$rel"
 }
 

@@ -885,3 +885,29 @@ fn systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping() {
     assert!(stopping, "STOPPING=1 on shutdown");
     assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
 }
+
+#[test]
+fn bad_broker_credentials_are_named_in_the_log() {
+    let broker = Broker::start_with_password("node-user", "right-password");
+    let mut setup = NodeSetup::bare();
+    setup.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+    setup.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
+    setup.set("CYBERWAVE_MQTT_USERNAME", "node-user");
+    setup.set("CYBERWAVE_MQTT_PASSWORD", "wrong-password");
+    setup.arg("--standalone");
+    let node = setup.spawn();
+    assert!(
+        node.wait_log("rejected the credentials", READY),
+        "{}",
+        node.log()
+    );
+    assert!(!node.log().contains("node ready"));
+    assert!(
+        !node.log().contains("wrong-password"),
+        "the password never reaches the log"
+    );
+    drop(node);
+    setup.set("CYBERWAVE_MQTT_PASSWORD", "right-password");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+}

@@ -12,6 +12,8 @@ pub struct Broker {
     dir: TempDir,
     child: Option<Child>,
     tls: Option<(PathBuf, PathBuf, PathBuf)>,
+    /// A password file inside `dir`: only its users may connect.
+    passwords: Option<PathBuf>,
 }
 
 fn mosquitto_bin() -> String {
@@ -29,26 +31,51 @@ fn mosquitto_bin() -> String {
 
 impl Broker {
     pub fn start() -> Broker {
-        Self::start_inner(None)
+        Self::start_inner(None, None)
     }
 
     /// A TLS-only listener with the given CA, server certificate and key.
     pub fn start_tls(ca: PathBuf, cert: PathBuf, key: PathBuf) -> Broker {
-        Self::start_inner(Some((ca, cert, key)))
+        Self::start_inner(Some((ca, cert, key)), None)
     }
 
-    fn start_inner(tls: Option<(PathBuf, PathBuf, PathBuf)>) -> Broker {
+    /// A broker that accepts only `user` with `password` (no anonymous clients).
+    pub fn start_with_password(user: &str, password: &str) -> Broker {
+        Self::start_inner(None, Some((user.to_string(), password.to_string())))
+    }
+
+    fn start_inner(
+        tls: Option<(PathBuf, PathBuf, PathBuf)>,
+        credentials: Option<(String, String)>,
+    ) -> Broker {
         let dir = TempDir::new("broker");
         // mosquitto started as root drops to its own user; let it write its log here.
         let _ = std::fs::set_permissions(
             dir.path(),
             std::os::unix::fs::PermissionsExt::from_mode(0o777),
         );
+        let passwords = credentials.map(|(user, password)| {
+            let file = dir.join("passwords");
+            let ok = Command::new("mosquitto_passwd")
+                .args(["-c", "-b"])
+                .arg(&file)
+                .args([user, password])
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            assert!(ok, "mosquitto_passwd failed");
+            let _ = std::fs::set_permissions(
+                &file,
+                std::os::unix::fs::PermissionsExt::from_mode(0o644),
+            );
+            file
+        });
         let mut b = Broker {
             port: 0,
             dir,
             child: None,
             tls,
+            passwords,
         };
         for _ in 0..10 {
             b.port = free_port();
@@ -61,10 +88,14 @@ impl Broker {
 
     fn spawn(&mut self) -> bool {
         let mut conf = format!(
-            "listener {} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\nmax_queued_messages 100000\nlog_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
+            "listener {} 127.0.0.1\nallow_anonymous {}\nset_tcp_nodelay true\npersistence false\nmax_queued_messages 100000\nlog_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
             self.port,
+            self.passwords.is_none(),
             self.dir.join("mosquitto.log").display()
         );
+        if let Some(p) = &self.passwords {
+            conf.push_str(&format!("password_file {}\n", p.display()));
+        }
         if let Some((ca, cert, key)) = &self.tls {
             conf.push_str(&format!(
                 "cafile {}\ncertfile {}\nkeyfile {}\n",

@@ -306,3 +306,56 @@ fn max_log_bytes_keeps_the_newest_part_and_says_what_was_dropped() {
         "stream offsets keep growing: {offsets:?}"
     );
 }
+
+#[test]
+fn old_logs_are_pruned_but_never_a_running_workloads() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: sleep 20\n  log_retention_days: 7\n",
+        "0.5",
+    );
+    let state = setup.home.join(".cyberwave");
+    let old = |rel: &str| {
+        let p = setup.home.write(&format!(".cyberwave/{rel}"), "old\n");
+        let ok = std::process::Command::new("touch")
+            .args(["-d", "30 days ago"])
+            .arg(&p)
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "touch -d");
+        p
+    };
+    let stale_log = old("workload_logs/training_gone.stdout.log");
+    let stale_image = old("inputs/image_training_gone.png");
+    let fresh = setup.home.write(
+        ".cyberwave/workload_logs/training_recent.stdout.log",
+        "new\n",
+    );
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        wait_for(REPLY, || (!stale_log.exists() && !stale_image.exists())
+            .then_some(()))
+        .is_some(),
+        "old files pruned"
+    );
+    assert!(fresh.exists(), "recent logs kept");
+    // A running workload's log is kept however old its timestamp looks.
+    start(&cp, &node, "run", "wl-run");
+    node.kill9();
+    let running_log = state.join("workload_logs/training_run.stdout.log");
+    let ok = std::process::Command::new("touch")
+        .args(["-d", "30 days ago"])
+        .arg(&running_log)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok);
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        running_log.exists(),
+        "the running workload's log survives retention"
+    );
+}

@@ -64,6 +64,7 @@ pub struct Manifest {
     pub workflow_reporting: Option<bool>,
     pub min_free_disk_mb: Option<u64>,
     pub max_log_bytes: Option<u64>,
+    pub log_retention_days: Option<u64>,
 }
 
 #[derive(Clone, Copy)]
@@ -133,6 +134,7 @@ const FIELDS: &[(&str, Kind)] = &[
     ("workflow_reporting", Kind::OnOff),
     ("min_free_disk_mb", Kind::Int(0)),
     ("max_log_bytes", Kind::Int(1)),
+    ("log_retention_days", Kind::Int(0)),
 ];
 
 pub const WRAPPER_NEW: &str = "cyberwave";
@@ -334,6 +336,7 @@ pub fn parse(path: &Path, text: &str, lenient: bool) -> (Option<Manifest>, Vec<P
             "workflow_reporting" => m.workflow_reporting = on_off(v),
             "min_free_disk_mb" => m.min_free_disk_mb = v.as_u64(),
             "max_log_bytes" => m.max_log_bytes = v.as_u64(),
+            "log_retention_days" => m.log_retention_days = v.as_u64(),
             _ => {} // schema fields the node accepts but does not act on (requirements, gpu, …)
         }
     }

@@ -142,6 +142,7 @@ pub struct Settings {
     pub metrics_file: Option<Sourced<PathBuf>>,
     pub min_free_disk_mb: Sourced<u64>,
     pub max_log_bytes: Sourced<u64>,
+    pub log_retention_days: Sourced<u64>,
     pub hardware_telemetry: bool,
     pub identity: Option<Identity>,
     pub tuning: Tuning,
@@ -262,6 +263,7 @@ impl Settings {
             row("log_stream_interval", &secs(&self.log_stream_interval)),
             row("min_free_disk_mb", &self.min_free_disk_mb),
             row("max_log_bytes", &self.max_log_bytes),
+            row("log_retention_days", &self.log_retention_days),
             opt("metrics_file", &self.metrics_file.as_ref().map(path)),
             (
                 "standalone",
@@ -636,6 +638,15 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         &mut errors,
     );
     let max_log_bytes = sourced(n.value as u64, n.source);
+    let n = number(
+        m.log_retention_days.map(|v| v as f64),
+        "CYBERWAVE_LOG_RETENTION_DAYS",
+        "a whole number of days ≥ 0 (0 keeps logs forever)",
+        &whole0,
+        14.0,
+        &mut errors,
+    );
+    let log_retention_days = sourced(n.value as u64, n.source);
     let metrics_file = flags
         .metrics_file
         .clone()
@@ -741,6 +752,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         metrics_file,
         min_free_disk_mb,
         max_log_bytes,
+        log_retention_days,
         hardware_telemetry,
         identity,
         tuning,

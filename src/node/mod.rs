@@ -179,6 +179,7 @@ pub struct Node {
     connected_once: bool,
     /// "node ready" (and READY=1) was announced.
     ready_announced: bool,
+    next_prune: Instant,
 }
 
 impl Node {
@@ -973,6 +974,7 @@ impl Node {
         self.send_ingress();
         self.check_drain_after_one(now);
         self.write_metrics(now);
+        self.prune_old_files(now);
         if self.s.standalone && self.conn == Conn::Connected && now >= self.next_watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");

@@ -67,6 +67,33 @@ pub fn gpu_inventory() -> (usize, Option<&'static str>) {
     (count, tier)
 }
 
+/// Deletes workload log files and input images older than `days` (never those in `keep`).
+/// Returns how many files went. Runs on its own short-lived thread.
+pub fn prune(
+    dirs: &[std::path::PathBuf],
+    keep: &std::collections::BTreeSet<std::path::PathBuf>,
+    days: u64,
+) -> usize {
+    let cutoff = std::time::SystemTime::now() - Duration::from_secs(days.saturating_mul(86_400));
+    let mut removed = 0;
+    for dir in dirs {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let path = e.path();
+            let Ok(md) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            let old = md.modified().map(|m| m < cutoff).unwrap_or(false);
+            if md.is_file() && old && !keep.contains(&path) && std::fs::remove_file(&path).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    removed
+}
+
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
@@ -172,6 +199,32 @@ impl Node {
             "cpu_load_ratio": load.map(|l| round1(l / cores)),
             "ram_used_ratio": ram,
         }))
+    }
+
+    /// Log retention: at start-up and every hour, old workload logs and input images go.
+    pub(super) fn prune_old_files(&mut self, now: Instant) {
+        let days = self.s.log_retention_days.value;
+        if days == 0 || now < self.next_prune {
+            return;
+        }
+        self.next_prune = now + Duration::from_secs(3600);
+        let keep: std::collections::BTreeSet<std::path::PathBuf> = self
+            .active
+            .values()
+            .flat_map(|a| [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()])
+            .collect();
+        let dirs = vec![self.layout.logs(), self.layout.inputs()];
+        let spawned = std::thread::Builder::new()
+            .name("prune".into())
+            .spawn(move || {
+                let n = prune(&dirs, &keep, days);
+                if n > 0 {
+                    log::info!("log retention: removed {n} file(s) older than {days} day(s)");
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!("log retention skipped: {e}");
+        }
     }
 
     /// Writes the metrics file (atomically) when one is configured.

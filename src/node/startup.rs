@@ -287,6 +287,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         gpus,
         connected_once: false,
         ready_announced: false,
+        next_prune: now,
         s,
     };
     let mut node = node;

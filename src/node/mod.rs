@@ -591,9 +591,6 @@ impl Node {
         for payload in std::mem::take(&mut self.early_commands) {
             self.on_command(&payload);
         }
-        if !self.s.standalone {
-            self.hb.next_due = Some(self.clock.now());
-        }
     }
 
     /// The command subscriptions are confirmed (or failed: the next connect renews them).
@@ -606,6 +603,11 @@ impl Node {
         }
         self.ready_announced = true;
         crate::systemd::notify("READY=1");
+        // Heartbeats start with readiness: the backend never sees a node beat that cannot yet
+        // take commands (and systemd hears READY=1 before any WATCHDOG=1).
+        if !self.s.standalone {
+            self.hb.next_due = Some(self.clock.now());
+        }
         log::info!(
             "node ready: instance {} (slug {}){}; commands on {} and {}",
             self.uuid(),

@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::support::control_plane::Behaviour;
 use crate::support::node::{NodeSetup, TOKEN};
-use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
+use crate::support::{backend_with, wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
 
 const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
@@ -117,16 +116,8 @@ fn production_environment_means_no_prefix() {
 
 #[test]
 fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
-    let broker = Broker::start();
     let delay = Duration::from_millis(1500);
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            heartbeat: HeartbeatMode::Delay(delay),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| b.heartbeat = HeartbeatMode::Delay(delay));
     let mut setup = NodeSetup::new(&broker, &cp);
     setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
     let node = setup.spawn();
@@ -249,15 +240,9 @@ fn a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
 
 #[test]
 fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            heartbeat: HeartbeatMode::Code(404, "instance not found"),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.heartbeat = HeartbeatMode::Code(404, "instance not found");
+    });
     let mut setup = NodeSetup::new(&broker, &cp);
     setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
     setup.set("CYBERWAVE_NODE_ENVIRONMENT_UUID", "env-1");
@@ -291,15 +276,9 @@ fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
 
 #[test]
 fn register_404_for_a_known_uuid_creates_a_new_instance() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            register_refusals: Some((1, 404)),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.register_refusals = Some((1, 404));
+    });
     let setup = NodeSetup::new(&broker, &cp);
     setup.home.write(
         ".cyberwave/instance_identity.json",
@@ -315,15 +294,9 @@ fn register_404_for_a_known_uuid_creates_a_new_instance() {
 
 #[test]
 fn registration_is_retried_until_the_backend_answers() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            register_refusals: Some((3, 500)),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.register_refusals = Some((3, 500));
+    });
     let node = NodeSetup::new(&broker, &cp).spawn();
     node.wait_ready(READY);
     assert_eq!(cp.requests("register").len(), 4);
@@ -332,15 +305,9 @@ fn registration_is_retried_until_the_backend_answers() {
 
 #[test]
 fn persistent_heartbeat_401_exits_3() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            heartbeat: HeartbeatMode::Code(401, "token revoked"),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.heartbeat = HeartbeatMode::Code(401, "token revoked");
+    });
     let mut setup = NodeSetup::new(&broker, &cp);
     setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.2");
     setup.set("CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS", "0.05");
@@ -361,15 +328,9 @@ fn persistent_heartbeat_401_exits_3() {
 
 #[test]
 fn token_rejected_at_start_exits_3_without_retrying() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            token_status: 401,
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.token_status = 401;
+    });
     let mut node = NodeSetup::new(&broker, &cp).spawn();
     let started = Instant::now();
     assert_eq!(
@@ -417,15 +378,9 @@ fn backend_down_at_start_still_becomes_ready() {
 
 #[test]
 fn sigterm_sends_terminate_and_refuses_commands_meanwhile() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            terminate_delay: Duration::from_millis(2500),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.terminate_delay = Duration::from_millis(2500);
+    });
     let mut node = NodeSetup::new(&broker, &cp).spawn();
     node.wait_ready(READY);
     node.sigterm();
@@ -469,16 +424,10 @@ fn sigterm_exits_promptly_when_the_broker_is_healthy() {
 
 #[test]
 fn a_second_signal_exits_at_once() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start_with(
-        broker.port,
-        "",
-        Behaviour {
-            mute: false,
-            terminate_delay: Duration::from_secs(30),
-            ..Default::default()
-        },
-    );
+    let (broker, cp) = backend_with(|b| {
+        b.mute = false;
+        b.terminate_delay = Duration::from_secs(30);
+    });
     let mut setup = NodeSetup::new(&broker, &cp);
     setup.set("CYBERWAVE_NODE_SHUTDOWN_FLUSH_SECONDS", "30");
     let mut node = setup.spawn();

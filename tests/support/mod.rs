@@ -23,6 +23,15 @@ pub fn rig(manifest: &str) -> (Broker, ControlPlane, node::NodeSetup) {
     (broker, cp, setup)
 }
 
+/// A broker and a fake backend whose behaviour `f` adjusts (for tests of failure paths).
+pub fn backend_with(f: impl FnOnce(&mut control_plane::Behaviour)) -> (Broker, ControlPlane) {
+    let broker = Broker::start();
+    let mut behaviour = control_plane::Behaviour::default();
+    f(&mut behaviour);
+    let cp = ControlPlane::start_with(broker.port, "", behaviour);
+    (broker, cp)
+}
+
 /// A directory removed on drop.
 pub struct TempDir(PathBuf);
 

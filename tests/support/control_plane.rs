@@ -5,9 +5,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use paho_mqtt as paho;
 use serde_json::{json, Value};
 
+use super::mqtt5;
 use super::wait_for;
 
 #[derive(Clone, Debug)]
@@ -85,7 +85,7 @@ struct State {
 
 pub struct ControlPlane {
     pub prefix: String,
-    client: paho::AsyncClient,
+    client: mqtt5::Client,
     state: Arc<Mutex<State>>,
     pub http_url: String,
     _http: Arc<tiny_http::Server>,
@@ -105,13 +105,6 @@ impl ControlPlane {
             behaviour,
             ..Default::default()
         }));
-        let client = paho::CreateOptionsBuilder::new()
-            .server_uri(format!("tcp://127.0.0.1:{broker_port}"))
-            .client_id(format!("fake_backend_{}", std::process::id()))
-            .mqtt_version(paho::MQTT_VERSION_5)
-            .persistence(None)
-            .create_client()
-            .expect("control plane client");
         let topics: Vec<String> = [
             "cyberwave/cloud-node-token/+/request-instance",
             "cyberwave/cloud-node/+/register",
@@ -126,31 +119,18 @@ impl ControlPlane {
         .iter()
         .map(|t| format!("{prefix}{t}"))
         .collect();
+        static CLIENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let client_id = format!(
+            "fake_backend_{}_{}",
+            std::process::id(),
+            CLIENTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        );
         let st = state.clone();
         let pfx = prefix.to_string();
-        client.set_message_callback(move |cli, msg| {
-            if let Some(msg) = msg {
-                handle(cli, &st, &pfx, &msg);
-            }
-        });
-        let subs = topics.clone();
-        client.set_connected_callback(move |cli| {
-            let qos = vec![1; subs.len()];
-            cli.subscribe_many(&subs, &qos);
-        });
-        let opts = paho::ConnectOptionsBuilder::new_v5()
-            .clean_start(true)
-            .automatic_reconnect(Duration::from_millis(100), Duration::from_millis(500))
-            .finalize();
-        client
-            .connect(opts)
-            .wait()
-            .expect("control plane connects to the broker");
-        let qos = vec![1; topics.len()];
-        client
-            .subscribe_many(&topics, &qos)
-            .wait()
-            .expect("control plane subscribes");
+        let client = mqtt5::Client::connect(broker_port, &client_id, topics, move |cli, msg| {
+            handle(cli, &st, &pfx, msg)
+        })
+        .expect("the fake backend connects and subscribes");
 
         let http = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("http server"));
         let port = http.server_addr().to_ip().map(|a| a.port()).unwrap_or(0);
@@ -228,15 +208,9 @@ impl ControlPlane {
     /// must not let the node publish before its backend is back.
     pub fn wait_subscribed(&self) {
         for i in 0..200 {
-            let msg = paho::MessageBuilder::new()
-                .topic(format!("{}cyberwave/workflow/__probe__/{i}", self.prefix))
-                .payload("{}")
-                .qos(1)
-                .finalize();
-            let _ = self
-                .client
-                .publish(msg)
-                .wait_for(Duration::from_millis(500));
+            let topic = format!("{}cyberwave/workflow/__probe__/{i}", self.prefix);
+            self.client
+                .publish_acked(&topic, b"{}", Duration::from_millis(500));
             let seen = wait_for(Duration::from_millis(100), || {
                 self.requests("ingress")
                     .iter()
@@ -256,14 +230,12 @@ impl ControlPlane {
     }
 
     pub fn command_raw(&self, id: &str, payload: Vec<u8>) {
-        let msg = paho::MessageBuilder::new()
-            .topic(format!("{}cyberwave/cloud-node/{id}/command", self.prefix))
-            .payload(payload)
-            .qos(1)
-            .finalize();
+        let topic = format!("{}cyberwave/cloud-node/{id}/command", self.prefix);
         // The fake backend may itself be reconnecting (after a broker restart): retry a while.
         let sent = wait_for(Duration::from_secs(10), || {
-            self.client.publish(msg.clone()).wait().ok()
+            self.client
+                .publish_acked(&topic, &payload, Duration::from_secs(2))
+                .then_some(())
         });
         assert!(
             sent.is_some(),
@@ -305,6 +277,12 @@ impl ControlPlane {
     pub fn status(&self, id: &str, request_id: &str, timeout: Duration) -> Option<Value> {
         self.command(id, json!({"command": "status", "request_id": request_id}));
         self.wait_reply(request_id, timeout)
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.client.close();
     }
 }
 
@@ -353,9 +331,9 @@ fn serve_http(mut req: tiny_http::Request, st: &Arc<Mutex<State>>) {
     let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(status));
 }
 
-fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &paho::Message) {
-    let topic = msg.topic().to_string();
-    let body: Value = serde_json::from_slice(msg.payload()).unwrap_or(Value::Null);
+fn handle(cli: &mqtt5::Client, st: &Arc<Mutex<State>>, prefix: &str, msg: mqtt5::Incoming) {
+    let topic = msg.topic;
+    let body: Value = serde_json::from_slice(&msg.payload).unwrap_or(Value::Null);
     let rest = topic.strip_prefix(prefix).unwrap_or(&topic);
     let parts: Vec<&str> = rest.split('/').collect();
     let (op, id) = match parts.as_slice() {
@@ -371,11 +349,10 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
         lock(st).replies.push((Instant::now(), topic, body));
         return;
     }
-    let props = msg.properties();
-    let response_topic = props.get_string(paho::PropertyCode::ResponseTopic);
-    let correlation = props.get_binary(paho::PropertyCode::CorrelationData);
-    let api_token = props
-        .user_iter()
+    let (response_topic, correlation) = (msg.response_topic, msg.correlation);
+    let api_token = msg
+        .user
+        .into_iter()
         .find(|(k, _)| k == "X-API-Token")
         .map(|(_, v)| v);
     let (reply, delay) = {
@@ -456,21 +433,14 @@ fn handle(cli: &paho::AsyncClient, st: &Arc<Mutex<State>>, prefix: &str, msg: &p
     let (Some(reply), Some(rt), Some(corr)) = (reply, response_topic, correlation) else {
         return;
     };
-    let mut p = paho::Properties::new();
-    let _ = p.push_binary(paho::PropertyCode::CorrelationData, corr.to_vec());
-    let out = paho::MessageBuilder::new()
-        .topic(rt)
-        .payload(serde_json::to_vec(&reply).unwrap_or_default())
-        .qos(1)
-        .properties(p)
-        .finalize();
+    let out = serde_json::to_vec(&reply).unwrap_or_default();
     if delay.is_zero() {
-        let _ = cli.try_publish(out);
+        let _ = cli.publish(&rt, &out, Some(&corr));
     } else {
         let cli = cli.clone();
         std::thread::spawn(move || {
             std::thread::sleep(delay);
-            let _ = cli.try_publish(out);
+            let _ = cli.publish(&rt, &out, Some(&corr));
         });
     }
 }

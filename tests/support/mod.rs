@@ -5,6 +5,7 @@
 
 pub mod broker;
 pub mod control_plane;
+pub mod mqtt5;
 pub mod node;
 
 use std::path::{Path, PathBuf};

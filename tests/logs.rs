@@ -127,6 +127,8 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
         assert_eq!(l.body["instance_uuid"], node.uuid());
     }
     // Mirroring: each line once, tagged, on the matching stream of the node.
+    assert!(node.wait_stdout("[workload wl-lines stdout] out 200\n", REPLY));
+    assert!(node.wait_log("[workload wl-lines stderr] err 200\n", REPLY));
     let stdout = node.stdout();
     let stderr = node.log();
     for i in 1..=200 {
@@ -148,6 +150,7 @@ fn a_partial_last_line_is_mirrored_at_the_end_and_invalid_utf8_is_replaced() {
     node.wait_ready(READY);
     start(&cp, &node, "partial", "wl-partial");
     assert!(cp.wait_status("wl-partial", "completed", DONE).is_some());
+    node.wait_stdout("[workload wl-partial stdout] sec", REPLY);
     let out = node.stdout();
     assert!(
         out.contains("[workload wl-partial stdout] first\n"),

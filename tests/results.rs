@@ -105,7 +105,7 @@ fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let body = &requests[r10].body;
     assert_eq!(body["filenames"], json!(["a.bin", "sub/b.bin"]));
     assert_eq!(body["attachment_uuids"].as_array().map(Vec::len), Some(2));
-    assert!(node.log().contains("skipping symlink"), "{}", node.log());
+    assert!(node.wait_log("skipping symlink", REPLY), "{}", node.log());
     assert!(
         !setup.cwd.join("out/a.bin").exists(),
         "uploaded files are removed once the backend knows of them"

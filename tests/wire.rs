@@ -370,7 +370,7 @@ fn backend_down_at_start_still_becomes_ready() {
     let node = setup.spawn();
     node.wait_ready(READY);
     assert!(
-        node.log().contains("could not validate the API token"),
+        node.wait_log("could not validate the API token", REPLY),
         "{}",
         node.log()
     );
@@ -771,7 +771,7 @@ fn the_token_check_over_https_verifies_against_the_system_trust_store() {
     let node = setup.spawn();
     node.wait_ready(READY);
     assert!(
-        node.log().contains("could not validate the API token"),
+        node.wait_log("could not validate the API token", REPLY),
         "{}",
         node.log()
     );

@@ -128,6 +128,8 @@ pub struct NodeProcess {
     child: Child,
     out: Arc<Mutex<String>>,
     err: Arc<Mutex<String>>,
+    /// The threads copying the node's stdout and stderr; they end at EOF.
+    pumps: Vec<std::thread::JoinHandle<()>>,
     pub home: Arc<TempDir>,
     pub started: Instant,
     exit: Option<Option<i32>>,
@@ -156,20 +158,22 @@ impl NodeProcess {
                         .unwrap_or_else(|e| e.into_inner())
                         .push_str(&String::from_utf8_lossy(&chunk[..n]));
                 }
-            });
+            })
         };
         let out = Arc::new(Mutex::new(String::new()));
         let err = Arc::new(Mutex::new(String::new()));
+        let mut pumps = Vec::new();
         if let Some(o) = child.stdout.take() {
-            pump(Box::new(o), out.clone());
+            pumps.push(pump(Box::new(o), out.clone()));
         }
         if let Some(e) = child.stderr.take() {
-            pump(Box::new(e), err.clone());
+            pumps.push(pump(Box::new(e), err.clone()));
         }
         NodeProcess {
             child,
             out,
             err,
+            pumps,
             home: setup.home.clone(),
             started: Instant::now(),
             exit: None,
@@ -187,6 +191,12 @@ impl NodeProcess {
     /// The node's log (stderr).
     pub fn log(&self) -> String {
         self.err.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Waits until the node's stdout holds `needle` (what the node wrote reaches the test
+    /// through a pipe and a copying thread: never assert on it without waiting).
+    pub fn wait_stdout(&self, needle: &str, timeout: Duration) -> bool {
+        wait_for(timeout, || self.stdout().contains(needle).then_some(())).is_some()
     }
 
     pub fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
@@ -227,8 +237,11 @@ impl NodeProcess {
         loop {
             if let Ok(Some(st)) = self.child.try_wait() {
                 self.exit = Some(st.code());
-                // Let the pump threads drain the pipes.
-                std::thread::sleep(Duration::from_millis(50));
+                // Everything the node wrote is in `out`/`err` once the pumps saw EOF (its
+                // workloads do not hold its stdout or stderr).
+                wait_for(Duration::from_secs(5), || {
+                    self.pumps.iter().all(|p| p.is_finished()).then_some(())
+                });
                 return self.exit;
             }
             if Instant::now() >= end {

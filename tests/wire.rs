@@ -860,3 +860,29 @@ fn bad_broker_credentials_are_named_in_the_log() {
     let node = setup.spawn();
     node.wait_ready(READY);
 }
+
+#[test]
+fn the_sdk_placeholder_username_connects_as_the_token_hash() {
+    let token = "cw_placeholder_token_0123456789";
+    // The broker knows only `cwh_` + SHA-256 of the token (computed here by coreutils).
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("printf %s '{token}' | sha256sum"))
+        .output()
+        .expect("sha256sum");
+    let hash = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(hash.len(), 64, "{out:?}");
+    let broker = Broker::start_with_password(&format!("cwh_{hash}"), token);
+    let mut setup = NodeSetup::bare();
+    setup.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+    setup.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
+    setup.set("CYBERWAVE_MQTT_USERNAME", "mqttcyb");
+    setup.set("CYBERWAVE_MQTT_PASSWORD", token);
+    setup.arg("--standalone");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+}

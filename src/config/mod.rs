@@ -51,6 +51,17 @@ pub struct Sourced<T> {
     pub source: Source,
 }
 
+/// The SDK's placeholder MQTT username: asks for the token-derived one.
+pub const MQTT_USERNAME_PLACEHOLDER: &str = "mqttcyb";
+
+/// `cwh_` + lowercase hex SHA-256 of the token's UTF-8 bytes.
+pub fn token_username(token: &str) -> String {
+    format!(
+        "cwh_{}",
+        crate::util::hex(&crate::util::sha256(token.as_bytes()))
+    )
+}
+
 fn sourced<T>(value: T, source: Source) -> Sourced<T> {
     Sourced { value, source }
 }
@@ -560,6 +571,23 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .map(|v| sourced(v, file()))
         .or_else(|| env_str("CYBERWAVE_MQTT_PASSWORD").map(|(v, s)| sourced(v, s)))
         .or_else(|| api_token.clone());
+    // The newest SDK's rule (ecosystem §2.2): its placeholder username with an API token as the
+    // password becomes `cwh_` + hex SHA-256 of the token, which the broker checks at CONNECT.
+    // Opt-in: only the placeholder triggers it; any other username is used as it is.
+    let mqtt_username = match (mqtt_username, &mqtt_password) {
+        (Some(u), Some(p))
+            if u.value == MQTT_USERNAME_PLACEHOLDER && p.value.starts_with("cw_") =>
+        {
+            Some(sourced(
+                token_username(&p.value),
+                Source::Derived(format!(
+                    "{MQTT_USERNAME_PLACEHOLDER} ({}) + token",
+                    u.source
+                )),
+            ))
+        }
+        (u, _) => u,
+    };
 
     let upload_results = match m.upload_results {
         Some(b) => sourced(b, file()),
@@ -1150,6 +1178,40 @@ mod tests {
             .unwrap();
         assert_eq!(s.instance_uuid.unwrap().value, "u-env");
         assert_eq!(s.mqtt_password.unwrap().value, "p");
+    }
+
+    #[test]
+    fn the_sdk_placeholder_username_becomes_the_token_hash() {
+        assert_eq!(
+            token_username("api_key_secret"),
+            "cwh_789e45bf946d654ae0e4764dfc1677bbc2aeb7fb609059ae97f216d5420b2f29"
+        );
+        let d = Dir::new("cwh");
+        let user = |env: &[(&str, &str)]| {
+            d.resolve(&Flags::default(), env)
+                .unwrap()
+                .mqtt_username
+                .map(|u| u.value)
+        };
+        let token = ("CYBERWAVE_API_KEY", "cw_tokentokentoken");
+        assert_eq!(
+            user(&[token, ("CYBERWAVE_MQTT_USERNAME", "mqttcyb")]),
+            Some(token_username("cw_tokentokentoken"))
+        );
+        // A legacy broker password keeps the placeholder; any other username is kept as it is.
+        assert_eq!(
+            user(&[
+                token,
+                ("CYBERWAVE_MQTT_USERNAME", "mqttcyb"),
+                ("CYBERWAVE_MQTT_PASSWORD", "legacy")
+            ]),
+            Some("mqttcyb".into())
+        );
+        assert_eq!(
+            user(&[token, ("CYBERWAVE_MQTT_USERNAME", "me")]),
+            Some("me".into())
+        );
+        assert_eq!(user(&[token]), None);
     }
 
     #[test]

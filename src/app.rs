@@ -136,10 +136,16 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
                 ("training", &m.training),
             ] {
                 if let Some(c) = cmd {
-                    let mode = if c.trim().ends_with(".py") && !c.trim().contains(' ') {
-                        "module mode: not supported by this node, use a shell command"
-                    } else {
-                        "shell mode"
+                    let mode = match crate::workload::module_of(c) {
+                        Some(m) => format!(
+                            "module mode: calls {}(**params){}",
+                            crate::workload::module_function(kind),
+                            match path.parent().map(|d| d.join(m).is_file()) {
+                                Some(false) => format!("; {m} does not exist yet"),
+                                _ => String::new(),
+                            }
+                        ),
+                        None => "shell mode".into(),
                     };
                     println!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
                 }

@@ -108,12 +108,18 @@ fn validate_good_manifest() {
     let s = NodeSetup::bare();
     s.write(
         "cyberwave.yml",
-        "cyberwave:\n  install: ./install.sh\n  inference: |\n    source venv/bin/activate && \\\n      python infer.py --params {body}\n  training: python train.py {body}\n  max_concurrent_workloads: 2\n",
+        "cyberwave:\n  install: ./install.sh\n  inference: |\n    source venv/bin/activate && \\\n      python infer.py --params {body}\n  training: python train.py {body}\n  simulate: sim.py\n  max_concurrent_workloads: 2\n",
     );
     let out = s.run(&["validate"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.contains("OK (0 warnings)"), "{out:?}");
     assert!(out.stdout.contains("inference: [shell mode]"), "{out:?}");
+    assert!(
+        out.stdout.contains(
+            "simulate: [module mode: calls simulate(**params); sim.py does not exist yet] sim.py"
+        ),
+        "{out:?}"
+    );
 }
 
 #[test]

@@ -696,3 +696,105 @@ fn sigterm_leaves_workloads_running_and_names_them() {
         libc::kill(-(pid as i32), libc::SIGKILL);
     }
 }
+
+#[test]
+fn module_values_call_the_python_function_with_the_params() {
+    let rig = Rig::new(
+        "cyberwave:\n  training: train.py\n  inference: broken.py\n  simulate: missing.py\n  max_concurrent_workloads: 4\n",
+    );
+    // A sibling import proves the module's folder is on sys.path.
+    rig.setup
+        .write("helper.py", "def double(x):\n    return 2 * x\n");
+    rig.setup.write(
+        "train.py",
+        "import os, sys, time\nfrom helper import double\n\ndef train(**params):\n    print('kwargs', sorted(params), flush=True)\n    print('token', os.environ.get('CYBERWAVE_API_KEY'), flush=True)\n    if params.get('sleep'):\n        time.sleep(params['sleep'])\n    if params.get('boom'):\n        raise ValueError('boom: ' + params['boom'])\n    return {'doubled': double(params['n'])}\n",
+    );
+    rig.setup
+        .write("broken.py", "def train(**params):\n    return 1\n");
+    let node = rig.node();
+
+    // Platform keys and workflow keys are not arguments; the workload token is the credential.
+    let params = json!({"workload_uuid": "wl-mod", "n": 21, "note": "it's $(touch canary)",
+        "workflow_uuid": "wf-1", "workflow_execution_uuid": "ex-1", "workflow_node_uuid": "n-1",
+        "command_type": "training", "status": "x", "cyberwave_workload_token": "cw_workload_tok"});
+    let r = rig.start(&node, "training", "m-ok", params);
+    assert_eq!(r["status"], "ok", "{r}");
+    let done = rig.completion("wl-mod");
+    assert_eq!(done["success"], true, "{done}");
+    assert!(
+        node.wait_stdout("[workload wl-mod stdout] {\"doubled\": 42}\n", REPLY),
+        "{}",
+        node.stdout()
+    );
+    let out = node.stdout();
+    assert!(
+        out.contains("[workload wl-mod stdout] kwargs ['n', 'note']\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[workload wl-mod stdout] token cw_workload_tok\n"),
+        "{out}"
+    );
+    assert!(!rig.work("canary").exists());
+    assert!(!rig.work("__pycache__").exists(), "no bytecode left in the working dir");
+
+    // The function's exception fails the workload with exit code 1 and names the error.
+    rig.start(
+        &node,
+        "training",
+        "m-boom",
+        json!({"workload_uuid": "wl-boom", "n": 1, "boom": "bad input"}),
+    );
+    let boom = rig.completion("wl-boom");
+    assert_eq!(boom["success"], false);
+    assert_eq!(boom["exit_code"], 1);
+    assert_eq!(boom["error"], "ValueError: boom: bad input", "{boom}");
+
+    // A module without the type's function says what to add.
+    rig.start(
+        &node,
+        "inference",
+        "m-nofn",
+        json!({"workload_uuid": "wl-nofn"}),
+    );
+    let nofn = rig.completion("wl-nofn");
+    assert_eq!(nofn["exit_code"], 2);
+    assert_eq!(
+        nofn["error"],
+        "Module broken.py does not export infer(). Add 'def infer(**params): ...' to the module."
+    );
+
+    // A missing file is refused before anything starts, without a local path.
+    rig.cp.command(&node.uuid(), json!({"command": "simulate", "request_id": "m-missing", "params": {"workload_uuid": "wl-missing"}}));
+    let r = rig.cp.wait_reply("m-missing", REPLY).expect("reply");
+    assert_eq!(r["status"], "error");
+    assert_eq!(
+        r["error"],
+        "Failed to start simulate: Module not found: missing.py. Check 'simulate: missing.py' in cyberwave.yml.",
+        "{r}"
+    );
+
+    // Module workloads are tracked like any other: busy, listed and cancellable.
+    let r = rig.start(
+        &node,
+        "training",
+        "m-long",
+        json!({"workload_uuid": "wl-long", "n": 1, "sleep": 30}),
+    );
+    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
+    assert!(pid > 0 && pid_alive(pid), "{r}");
+    rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "m-cancel", "params": {"workload_request_id": "m-long"}}));
+    assert_eq!(
+        rig.cp.wait_reply("m-cancel", REPLY).expect("cancel")["status"],
+        "ok"
+    );
+    let long = rig
+        .cp
+        .wait_status("wl-long", "failed", DONE)
+        .expect("cancelled");
+    assert_eq!(
+        long[1]["message"], "Workload cancelled by SIGTERM",
+        "{long:?}"
+    );
+    assert!(wait_for(REPLY, || (!pid_alive(pid)).then_some(())).is_some());
+}

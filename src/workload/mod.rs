@@ -175,6 +175,30 @@ pub const NODE_ONLY_VARS: &[&str] = &[
     "CYBERWAVE_CLOUD_NODE_INSTANCE_UUID",
 ];
 
+/// Module dispatch (product documentation, "Module dispatch for .py values"): a command value
+/// that, trimmed, ends in `.py` and holds no whitespace names a Python file in the working
+/// directory whose `infer` / `train` / `simulate` function is called with the params as keyword
+/// arguments. It runs as an ordinary tracked workload through `module_runner.py`.
+pub fn module_of(template: &str) -> Option<&str> {
+    let t = template.trim();
+    (t.ends_with(".py") && !t.contains(char::is_whitespace)).then_some(t)
+}
+
+/// The function a module must export for this workload type.
+pub fn module_function(kind: &str) -> &'static str {
+    match kind {
+        "inference" => "infer",
+        "training" => "train",
+        _ => "simulate",
+    }
+}
+
+const MODULE_RUNNER: &str = include_str!("module_runner.py");
+
+/// Keys the platform puts into params that are not the module function's arguments (with every
+/// `workflow_*` key and the workload token, which never reaches the params file).
+const PLATFORM_PARAMS: &[&str] = &["workload_uuid", "command_type", "status"];
+
 /// Starts a workload under the shim. Returns its record with `started` filled in, or the
 /// reason it could not start (then nothing is left running and the directory is gone).
 pub fn start(
@@ -231,15 +255,48 @@ fn start_in(
             ),
         }
     }
+    // Module dispatch: the platform's own keys are not the function's arguments.
+    let module = module_of(req.template).map(|m| (m, s.working_dir.join(m)));
+    if let Some((value, path)) = &module {
+        if !path.is_file() {
+            return Err(format!(
+                "Module not found: {value}. Check '{}: {value}' in cyberwave.yml.",
+                req.kind
+            ));
+        }
+        req.params
+            .retain(|k, _| !PLATFORM_PARAMS.contains(&k.as_str()) && !k.starts_with("workflow_"));
+    }
     let params_file = dir.join("params.json");
     let params_json = serde_json::to_vec(&Value::Object(req.params)).map_err(|e| e.to_string())?;
     // Not synced: the workload needs it complete, not durable (after a host crash the workload
     // is reported lost anyway).
     store::write_replace_unsynced(&params_file, &params_json, 0o600)
         .map_err(|e| format!("cannot write the params file: {e}"))?;
-    let command = req
-        .template
-        .replace("{body}", &shell_quote(&params_file.display().to_string()));
+    let command = match &module {
+        None => req
+            .template
+            .replace("{body}", &shell_quote(&params_file.display().to_string())),
+        Some((value, path)) => {
+            let runner = dir.join("module_runner.py");
+            store::write_replace_unsynced(&runner, MODULE_RUNNER.as_bytes(), 0o600)
+                .map_err(|e| format!("cannot write the module runner: {e}"))?;
+            let python = s
+                .env
+                .value("CYBERWAVE_PYTHON")
+                .filter(|p| !p.trim().is_empty())
+                .unwrap_or_else(|| "python3".into());
+            format!(
+                "exec {} {} {} {} {} {}",
+                shell_quote(python.trim()),
+                shell_quote(&runner.display().to_string()),
+                shell_quote(&path.display().to_string()),
+                module_function(req.kind),
+                shell_quote(&params_file.display().to_string()),
+                shell_quote(value)
+            )
+        }
+    };
     let stdout_log = layout.logs().join(format!("{stem}.stdout.log"));
     let stderr_log = layout.logs().join(format!("{stem}.stderr.log"));
     let mut meta = Meta {

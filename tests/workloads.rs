@@ -736,7 +736,10 @@ fn module_values_call_the_python_function_with_the_params() {
         "{out}"
     );
     assert!(!rig.work("canary").exists());
-    assert!(!rig.work("__pycache__").exists(), "no bytecode left in the working dir");
+    assert!(
+        !rig.work("__pycache__").exists(),
+        "no bytecode left in the working dir"
+    );
 
     // The function's exception fails the workload with exit code 1 and names the error.
     rig.start(

@@ -237,6 +237,19 @@ fn start_in(
         .get("workload_uuid")
         .and_then(Value::as_str)
         .map(String::from);
+    // Module dispatch: a missing file is refused before anything is written; the platform's
+    // own keys are not the function's arguments.
+    let module = module_of(req.template).map(|m| (m, s.working_dir.join(m)));
+    if let Some((value, path)) = &module {
+        if !path.is_file() {
+            return Err(format!(
+                "Module not found: {value}. Check '{}: {value}' in cyberwave.yml.",
+                req.kind
+            ));
+        }
+        req.params
+            .retain(|k, _| !PLATFORM_PARAMS.contains(&k.as_str()) && !k.starts_with("workflow_"));
+    }
     let stem = format!("{}_{}", req.kind, req.safe_id);
     if let Some(b64) = req
         .params
@@ -254,18 +267,6 @@ fn start_in(
                 req.safe_id
             ),
         }
-    }
-    // Module dispatch: the platform's own keys are not the function's arguments.
-    let module = module_of(req.template).map(|m| (m, s.working_dir.join(m)));
-    if let Some((value, path)) = &module {
-        if !path.is_file() {
-            return Err(format!(
-                "Module not found: {value}. Check '{}: {value}' in cyberwave.yml.",
-                req.kind
-            ));
-        }
-        req.params
-            .retain(|k, _| !PLATFORM_PARAMS.contains(&k.as_str()) && !k.starts_with("workflow_"));
     }
     let params_file = dir.join("params.json");
     let params_json = serde_json::to_vec(&Value::Object(req.params)).map_err(|e| e.to_string())?;

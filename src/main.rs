@@ -1,24 +1,6 @@
 //! cyberwave-cloud-node: parse the command line, run, map the outcome to an exit code.
 
-mod app;
-mod backend;
-mod cli;
-mod config;
-mod control;
-mod emit;
-mod ingress;
-mod ledger;
-mod mqtt;
-mod node;
-mod ops;
-mod outbox;
-mod protocol;
-mod signals;
-mod store;
-mod systemd;
-mod util;
-mod workers;
-mod workload;
+use cyberwave_cloud_node::{app, signals};
 
 fn main() {
     // Signals are blocked before any thread exists, so every thread inherits the mask and only

@@ -83,6 +83,10 @@ impl Outbox {
         self.slots.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// Picks up items another process wrote into the folder since the last look (all of them,
     /// at load); an unreadable file is moved aside.
     pub fn rescan(&mut self) {

@@ -146,7 +146,7 @@ impl Node {
             return;
         }
         let since = *self.idle_since.get_or_insert(now);
-        if self.outbox.len() == 0 || now - since > Duration::from_secs(10) {
+        if self.outbox.is_empty() || now - since > Duration::from_secs(10) {
             self.begin_shutdown(
                 crate::app::EXIT_OK,
                 "--drain-after-one: the workload completed",

@@ -292,7 +292,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     };
     let mut node = node;
     node.recover();
-    if node.outbox.len() > 0 {
+    if !node.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",
             node.outbox.len()

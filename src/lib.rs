@@ -1,0 +1,22 @@
+//! cyberwave-cloud-node as a library: the binary (`main.rs`) is a thin wrapper, and the fuzz
+//! targets (`fuzz/`) reach the parsers of outside input through these modules.
+
+pub mod app;
+pub mod backend;
+pub mod cli;
+pub mod config;
+pub mod control;
+pub mod emit;
+pub mod ingress;
+pub mod ledger;
+pub mod mqtt;
+pub mod node;
+pub mod ops;
+pub mod outbox;
+pub mod protocol;
+pub mod signals;
+pub mod store;
+pub mod systemd;
+pub mod util;
+pub mod workers;
+pub mod workload;

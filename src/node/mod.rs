@@ -24,6 +24,7 @@ use crate::config::Settings;
 use crate::ledger::Ledger;
 use crate::mqtt::{Mqtt, MqttEvent};
 use crate::outbox::Outbox;
+use crate::protocol::commands::{Command, Kind, Received, StartParams};
 use crate::protocol::messages::{self, Incoming};
 use crate::protocol::topics::Topics;
 use crate::signals::Signal;
@@ -730,66 +731,78 @@ impl Node {
     // ---- commands -------------------------------------------------------------------------------
 
     fn on_command(&mut self, payload: &[u8]) {
-        let (command, request_id, params) = match messages::parse_command(payload) {
+        let (request_id, command) = match messages::parse_command(payload) {
             Incoming::Echo => return,
             Incoming::Invalid {
                 request_id: Some(rid),
                 reason,
+                workload_uuid,
             } => {
-                log::warn!("refused a command: {reason}");
+                log::warn!(
+                    "refused a command (request {}): {}",
+                    crate::logtext::shown(&messages::request_id_text(&rid)),
+                    crate::logtext::shown(&reason)
+                );
+                if let Some(wl) = workload_uuid {
+                    let body =
+                        json!({"status": "failed", "error": reason, "failure_detail": reason});
+                    self.workload_status(wl.as_str(), body);
+                }
                 return self.reply_error(&rid, &reason);
             }
             Incoming::Invalid {
                 request_id: None,
                 reason,
+                ..
             } => {
-                log::warn!("ignored a command without a readable request id: {reason}");
+                log::warn!(
+                    "ignored a command without a readable request id: {}",
+                    crate::logtext::shown(&reason)
+                );
                 return;
             }
             Incoming::Command {
-                command,
                 request_id,
-                params,
-            } => (command, request_id, params),
+                command,
+            } => (request_id, command),
         };
         log::info!(
-            "command {command} (request {})",
-            messages::request_id_text(&request_id)
+            "command {} (request {})",
+            command.name(),
+            crate::logtext::shown(&request_id.text())
         );
+        let rid = request_id.value();
         if self.shutdown.is_some() {
-            return self.reply_error(
-                &request_id,
-                "node is shutting down and not accepting new commands",
-            );
+            return self.reply_error(rid, "node is shutting down and not accepting new commands");
         }
-        match command.as_str() {
-            "status" => {
+        match command {
+            Command::Status => {
                 let out = self.status_output();
-                self.reply_ok(&request_id, out);
+                self.reply_ok(rid, out);
             }
-            "inference" | "simulate" | "training" => self.on_start(&command, &request_id, &params),
-            "cancel" => self.cancel_command(&request_id, &params),
-            "workload_received" => self.workload_received(&request_id, &params),
-            other => self.reply_error(&request_id, &format!("Unknown command: {other}")),
+            Command::Start(kind, params) => self.on_start(kind, rid, params),
+            Command::Cancel(params) => self.cancel_command(&request_id, params),
+            Command::Received(Received::Start(kind, params)) => self.on_start(kind, rid, params),
+            Command::Received(Received::Ack(uuid)) => {
+                let shown = uuid.as_ref().map_or("None", |u| u.as_str());
+                self.reply_ok(
+                    rid,
+                    json!({"message": format!("Workload {shown} received and acknowledged")}),
+                );
+            }
         }
     }
 
-    fn on_start(&mut self, kind: &str, request_id: &Value, params: &Value) {
-        let Value::Object(map) = params else {
-            return self.reply_error(request_id, "params must be a JSON object");
-        };
-        if let (Some(mine), Some(theirs)) = (
-            &self.s.environment_uuid,
-            params.get("environment_uuid").and_then(Value::as_str),
-        ) {
-            if mine.value != theirs {
+    fn on_start(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
+        if let (Some(mine), Some(theirs)) = (&self.s.environment_uuid, &params.environment_uuid) {
+            if mine.value != theirs.as_str() {
                 return self.reply_error(
                     request_id,
                     &format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value),
                 );
             }
         }
-        self.start_workload(kind, request_id, map.clone());
+        self.start_workload(kind, request_id, params);
     }
 
     fn status_output(&self) -> Value {

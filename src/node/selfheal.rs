@@ -9,10 +9,11 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::Node;
 use crate::backend::WorkloadCheck;
+use crate::protocol::commands::{Kind, StartParams};
 use crate::workers::Job;
 
 /// How long one lookup may take.
@@ -25,7 +26,7 @@ pub struct Heal {
     /// Workloads whose lookup is under way.
     pub checking: BTreeSet<String>,
     /// Starts waiting for a pass (kind, request id, params, give up at).
-    pub deferred: Vec<(String, Value, Map<String, Value>, Instant)>,
+    pub deferred: Vec<(Kind, Value, StartParams, Instant)>,
 }
 
 impl Node {
@@ -95,9 +96,9 @@ impl Node {
     /// Busy: wait (bounded) for a pass before rejecting. Returns true when the start was deferred.
     pub(super) fn defer_start_for_heal(
         &mut self,
-        kind: &str,
+        kind: Kind,
         request_id: &Value,
-        params: &Map<String, Value>,
+        params: &StartParams,
     ) -> bool {
         if !self.start_heal_pass() {
             return false;
@@ -105,11 +106,11 @@ impl Node {
         let until = self.clock.now() + CHECK_TIMEOUT + STALE_GRACE + Duration::from_secs(1);
         log::info!(
             "node busy: checking with the backend for stale workloads before answering {}",
-            crate::protocol::messages::request_id_text(request_id)
+            crate::logtext::shown(&crate::protocol::messages::request_id_text(request_id))
         );
         self.heal
             .deferred
-            .push((kind.to_string(), request_id.clone(), params.clone(), until));
+            .push((kind, request_id.clone(), params.clone(), until));
         true
     }
 
@@ -129,7 +130,7 @@ impl Node {
             let room = self.active.len() < capacity;
             let undecided = !self.heal.checking.is_empty() || stale_left;
             if room || now >= until || !undecided {
-                self.start_workload_now(&kind, &rid, params);
+                self.start_workload_now(kind, &rid, params);
             } else {
                 self.heal.deferred.push((kind, rid, params, until));
             }

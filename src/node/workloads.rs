@@ -4,16 +4,20 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::logs::{Cursor, Stream, DRAIN_LIMIT};
 use super::uploads::Upload;
 use super::{Node, Op};
+use crate::logtext::shown;
 use crate::outbox::Item;
+use crate::protocol::commands::{
+    CancelParams, CancelTarget, Kind, RequestId, Seconds, StartParams,
+};
 use crate::protocol::messages::request_id_text;
 use crate::store;
 use crate::workload::shim::Exit;
-use crate::workload::{self, procinfo, Cancel, Meta, StartRequest, KINDS};
+use crate::workload::{self, procinfo, Cancel, Meta, StartRequest};
 
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
@@ -47,9 +51,12 @@ pub struct Ending {
 impl Active {
     fn new(meta: Meta, child: bool, now: Instant) -> Active {
         let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
+        // A limit read back from disk is bounded again here: no value can overflow the clock.
         let runtime_deadline = meta
             .max_runtime_s
-            .map(|m| now + Duration::from_secs_f64((m - elapsed).max(0.0)));
+            .and_then(Seconds::from_f64)
+            .and_then(|m| Duration::try_from_secs_f64((m.get() - elapsed).max(0.0)).ok())
+            .and_then(|left| now.checked_add(left));
         Active {
             meta,
             child,
@@ -76,44 +83,31 @@ impl Active {
     }
 }
 
-fn signal_number(name: &str) -> Option<i32> {
-    match name {
-        "SIGTERM" => Some(libc::SIGTERM),
-        "SIGINT" => Some(libc::SIGINT),
-        "SIGKILL" => Some(libc::SIGKILL),
-        _ => None,
-    }
-}
-
 impl Node {
     // ---- start ------------------------------------------------------------------------------
 
-    pub(super) fn start_workload(
-        &mut self,
-        kind: &str,
-        request_id: &Value,
-        params: Map<String, Value>,
-    ) {
+    pub(super) fn start_workload(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
         self.start_workload_inner(kind, request_id, params, true);
     }
 
     /// A start after the self-heal pass it waited for: no second wait.
     pub(super) fn start_workload_now(
         &mut self,
-        kind: &str,
+        kind: Kind,
         request_id: &Value,
-        params: Map<String, Value>,
+        params: StartParams,
     ) {
         self.start_workload_inner(kind, request_id, params, false);
     }
 
     fn start_workload_inner(
         &mut self,
-        kind: &str,
+        kind_t: Kind,
         request_id: &Value,
-        params: Map<String, Value>,
+        start: StartParams,
         may_wait: bool,
     ) {
+        let kind = kind_t.as_str();
         let rid = request_id_text(request_id);
         let rid = if rid.is_empty() {
             format!(
@@ -127,7 +121,10 @@ impl Node {
         let safe_id = store::safe_id(&rid);
         // Exactly once: a request id seen before gets its original answer and nothing else.
         if let Some(e) = self.ledger.get(&rid).cloned() {
-            log::info!("request {rid} was handled before; repeating its answer");
+            log::info!(
+                "request {} was handled before; repeating its answer",
+                shown(&rid)
+            );
             return if e.ok {
                 self.reply_ok(request_id, e.body)
             } else {
@@ -138,14 +135,14 @@ impl Node {
             let out = start_output(&a.meta);
             return self.reply_ok(request_id, out);
         }
-        let workload_uuid = params
-            .get("workload_uuid")
-            .and_then(Value::as_str)
-            .map(String::from);
-        let ctx = super::ingress::context_of(kind, &params);
+        let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
+        let ctx = super::ingress::context_of(kind, &start.params);
         let Some(template) = self.s.command_template(kind).map(String::from) else {
-            let mut cap = kind.to_string();
-            cap[..1].make_ascii_uppercase();
+            let cap = match kind_t {
+                Kind::Inference => "Inference",
+                Kind::Simulate => "Simulate",
+                Kind::Training => "Training",
+            };
             let why = format!("{cap} command not configured in cyberwave.yml");
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         };
@@ -161,7 +158,7 @@ impl Node {
         let capacity = self.s.max_concurrent_workloads.value as usize;
         if self.active.len() >= capacity
             && may_wait
-            && self.defer_start_for_heal(kind, request_id, &params)
+            && self.defer_start_for_heal(kind_t, request_id, &start)
         {
             return;
         }
@@ -189,15 +186,19 @@ impl Node {
                 ctx,
             );
         }
-        let manifest_limit = self.s.manifest.as_ref().and_then(|m| m.max_runtime_seconds);
-        let param_limit = params
-            .get("max_runtime_seconds")
-            .and_then(Value::as_f64)
-            .filter(|v| v.is_finite() && *v > 0.0);
-        let max_runtime_s = match (manifest_limit, param_limit) {
-            (Some(m), Some(p)) => Some(m.min(p)),
-            (m, p) => m.or(p),
+        // Both limits are bounded (D20): the manifest's by the configuration, the command's
+        // by its type; the shorter wins.
+        let manifest_limit = self
+            .s
+            .manifest
+            .as_ref()
+            .and_then(|m| m.max_runtime_seconds)
+            .and_then(Seconds::from_f64);
+        let max_runtime_s = match (manifest_limit, start.max_runtime) {
+            (Some(m), Some(p)) => Some(m.get().min(p.get())),
+            (m, p) => m.or(p).map(Seconds::get),
         };
+        let params = start.params;
         let req = StartRequest {
             kind,
             request_id,
@@ -214,7 +215,8 @@ impl Node {
             Ok(meta) => {
                 self.reaper.spawned();
                 log::info!(
-                    "{kind} {rid} started: pid {} in {:.1} ms; logs {} and {}",
+                    "{kind} {} started: pid {} in {:.1} ms; logs {} and {}",
+                    shown(&rid),
                     meta.pid(),
                     t0.elapsed().as_secs_f64() * 1e3,
                     meta.stdout_log.display(),
@@ -259,7 +261,11 @@ impl Node {
         } else {
             "failed_to_start"
         }));
-        log::warn!("refused start {}: {why}", request_id_text(request_id));
+        log::warn!(
+            "refused start {}: {}",
+            shown(&request_id_text(request_id)),
+            shown(why)
+        );
         self.reply_error(request_id, why);
         if let Some(wl) = workload_uuid {
             let mut body = json!({"status": "failed", "error": why, "failure_detail": why});
@@ -287,11 +293,15 @@ impl Node {
 
     // ---- cancel -----------------------------------------------------------------------------
 
-    pub(super) fn cancel_command(&mut self, request_id: &Value, params: &Value) {
-        let rid = request_id_text(request_id);
+    pub(super) fn cancel_command(&mut self, request_id: &RequestId, params: CancelParams) {
+        let rid = request_id.text();
+        let request_id = request_id.value();
         if !rid.is_empty() {
             if let Some(e) = self.ledger.get(&rid).cloned() {
-                log::info!("cancel {rid} was handled before; repeating its answer");
+                log::info!(
+                    "cancel {} was handled before; repeating its answer",
+                    shown(&rid)
+                );
                 return if e.ok {
                     self.reply_ok(request_id, e.body)
                 } else {
@@ -299,69 +309,31 @@ impl Node {
                 };
             }
         }
-        let sig_name = match params.get("signal") {
-            None | Some(Value::Null) => "SIGTERM".to_string(),
-            Some(Value::String(s)) => s.clone(),
-            Some(other) => other.to_string(),
-        };
-        let Some(sig) = signal_number(&sig_name) else {
-            return self.reply_error(
-                request_id,
-                &format!("Invalid signal: {sig_name}. Must be SIGTERM, SIGKILL, or SIGINT"),
-            );
-        };
-        let grace = match params.get("grace_seconds") {
-            None | Some(Value::Null) => DEFAULT_GRACE,
-            Some(v) => match v
-                .as_f64()
-                .filter(|g| g.is_finite() && *g >= 0.0 && *g <= 86_400.0)
-            {
-                Some(g) => Duration::from_secs_f64(g),
-                None => {
-                    return self.reply_error(
-                        request_id,
-                        "grace_seconds must be a number of seconds from 0 to 86400",
-                    )
-                }
-            },
-        };
-        let pid = match params.get("pid") {
-            None | Some(Value::Null) => None,
-            Some(v) => match v.as_i64() {
-                Some(0) => None,
-                Some(p) => Some(p),
-                None => return self.reply_error(request_id, "pid must be a whole number"),
-            },
-        };
-        let wanted_rid = params
-            .get("workload_request_id")
-            .filter(|v| !v.is_null())
-            .map(request_id_text);
+        let sig = params.signal.number();
+        let sig_name = params.signal.name();
+        let grace = params.grace.map_or(DEFAULT_GRACE, Seconds::duration);
         let found = self
             .active
             .iter()
-            .find(|(_, a)| match (pid, &wanted_rid) {
-                (Some(p), _) => i64::from(a.meta.pid()) == p && a.meta.pid() > 0,
-                (None, Some(r)) => &a.meta.request_id_text() == r,
-                (None, None) => false,
+            .find(|(_, a)| match &params.target {
+                CancelTarget::Pid(p) => a.meta.pid() == p.get() && a.meta.pid() > 0,
+                CancelTarget::Request(r) => &a.meta.request_id_text() == r,
             })
             .map(|(k, _)| k.clone());
         let Some(safe_id) = found else {
-            let mut msg = "No active workload found".to_string();
-            if let Some(p) = pid {
-                msg.push_str(&format!(" with PID {p}"));
-            }
-            if let Some(r) = &wanted_rid {
-                msg.push_str(&format!(" with request_id {r}"));
-            }
-            if pid.is_none() && wanted_rid.is_none() {
-                msg = "cancel needs params.pid or params.workload_request_id".to_string();
-            }
+            let msg = match &params.target {
+                CancelTarget::Pid(p) => format!("No active workload found with PID {}", p.get()),
+                CancelTarget::Request(r) => {
+                    format!("No active workload found with request_id {r}")
+                }
+            };
             return self.reply_error(request_id, &msg);
         };
-        match self.cancel_workload(&safe_id, sig, &sig_name, grace, false) {
+        match self.cancel_workload(&safe_id, sig, sig_name, grace, false) {
             Ok(message) => {
-                let a = &self.active[&safe_id];
+                let Some(a) = self.active.get(&safe_id) else {
+                    return self.reply_error(request_id, "No active workload found");
+                };
                 let out = json!({
                     "message": message,
                     "pid": a.meta.pid(),
@@ -420,7 +392,7 @@ impl Node {
                 log::warn!("workload {safe_id}: cannot record the cancel: {e}");
             }
         }
-        a.escalate_at = Some(now + grace);
+        a.escalate_at = now.checked_add(grace);
         Ok(message)
     }
 
@@ -860,38 +832,6 @@ impl Node {
                 a.meta.stderr_log.display()
             );
         }
-    }
-
-    /// `workload_received`: a start wrapped with its workload uuid (protocol §4.5).
-    pub(super) fn workload_received(&mut self, request_id: &Value, params: &Value) {
-        let uuid = params
-            .get("workload_uuid")
-            .and_then(Value::as_str)
-            .map(String::from);
-        let kind = params
-            .get("command_type")
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        if KINDS.contains(&kind) {
-            let mut inner = match params.get("command_params") {
-                Some(Value::Object(m)) => m.clone(),
-                None | Some(Value::Null) => Map::new(),
-                Some(_) => {
-                    let why = "command_params must be a JSON object";
-                    return self.reject_start(request_id, uuid.as_deref(), why, None, None);
-                }
-            };
-            if let Some(u) = &uuid {
-                inner.insert("workload_uuid".into(), json!(u));
-            }
-            let kind = kind.to_string();
-            return self.on_start(&kind, request_id, &Value::Object(inner));
-        }
-        let shown = uuid.unwrap_or_else(|| "None".into());
-        self.reply_ok(
-            request_id,
-            json!({"message": format!("Workload {shown} received and acknowledged")}),
-        );
     }
 }
 

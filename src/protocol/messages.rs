@@ -2,24 +2,28 @@
 
 use serde_json::{json, Map, Value};
 
+use super::commands::{Command, RequestId, TopicId};
+
 /// Commands larger than this are refused (an error reply when a request id can be read).
 pub const MAX_COMMAND_BYTES: usize = 4 * 1024 * 1024;
 
-/// A command message after the envelope rules of protocol §4.1.
+/// A command message after the envelope rules of protocol §4.1, typed (see `commands`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Incoming {
-    /// A well-formed command.
+    /// A well-formed command with valid params.
     Command {
-        command: String,
-        request_id: Value,
-        params: Value,
+        request_id: RequestId,
+        command: Command,
     },
     /// Echo of a reply (has a `status` key): ignored silently.
     Echo,
-    /// Refused; `request_id` is `Some` when one could be read, so an error reply can be sent.
+    /// Refused; `request_id` is `Some` when one could be read, so an error reply can be sent
+    /// (it is echoed as it came, even when it is the field that was refused).
     Invalid {
         request_id: Option<Value>,
         reason: String,
+        /// The workload the refused start named, when that much was sound (a `failed` status).
+        workload_uuid: Option<TopicId>,
     },
 }
 
@@ -30,6 +34,7 @@ pub fn parse_command(payload: &[u8]) -> Incoming {
             return Incoming::Invalid {
                 request_id: None,
                 reason: format!("command is not valid JSON: {e}"),
+                workload_uuid: None,
             }
         }
     };
@@ -37,15 +42,17 @@ pub fn parse_command(payload: &[u8]) -> Incoming {
         return Incoming::Invalid {
             request_id: None,
             reason: "command must be a JSON object".into(),
+            workload_uuid: None,
         };
     };
     if obj.contains_key("status") {
         return Incoming::Echo;
     }
-    let request_id = obj.get("request_id").cloned().filter(|v| !v.is_null());
+    let raw_id = obj.get("request_id").cloned().filter(|v| !v.is_null());
     let invalid = |reason: String| Incoming::Invalid {
-        request_id: request_id.clone(),
+        request_id: raw_id.clone(),
         reason,
+        workload_uuid: None,
     };
     if payload.len() > MAX_COMMAND_BYTES {
         return invalid(format!(
@@ -53,25 +60,35 @@ pub fn parse_command(payload: &[u8]) -> Incoming {
             payload.len()
         ));
     }
-    let command = match obj.get("command") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+    let request_id = match RequestId::parse(obj.get("request_id")) {
+        Ok(r) => r,
+        // A request id that is not a string or number cannot be echoed meaningfully.
+        Err(e) if !matches!(raw_id, Some(Value::String(_))) => {
+            return Incoming::Invalid {
+                request_id: None,
+                reason: e.to_string(),
+                workload_uuid: None,
+            }
+        }
+        Err(e) => return invalid(e.to_string()),
+    };
+    let name = match obj.get("command") {
+        Some(Value::String(s)) if !s.is_empty() => s.as_str(),
         None | Some(Value::Null) => {
             return invalid("command message has no 'command' field".into())
         }
         Some(_) => return invalid("'command' must be a non-empty string".into()),
     };
-    match &request_id {
-        None | Some(Value::String(_)) | Some(Value::Number(_)) => {}
-        Some(_) => return invalid("'request_id' must be a string or a number".into()),
-    }
-    let params = match obj.get("params") {
-        None | Some(Value::Null) => Value::Object(Map::new()),
-        Some(v) => v.clone(),
-    };
-    Incoming::Command {
-        command,
-        request_id: request_id.unwrap_or(Value::Null),
-        params,
+    match Command::parse(name, obj.get("params")) {
+        Ok(command) => Incoming::Command {
+            request_id,
+            command,
+        },
+        Err(r) => Incoming::Invalid {
+            request_id: raw_id,
+            reason: r.error.to_string(),
+            workload_uuid: r.workload_uuid,
+        },
     }
 }
 
@@ -105,9 +122,8 @@ mod tests {
         assert_eq!(
             c,
             Incoming::Command {
-                command: "status".into(),
-                request_id: json!("r1"),
-                params: json!({})
+                request_id: RequestId::parse(Some(&json!("r1"))).unwrap(),
+                command: Command::Status,
             }
         );
     }
@@ -159,7 +175,9 @@ mod tests {
             "a".repeat(MAX_COMMAND_BYTES)
         );
         match parse_command(big.as_bytes()) {
-            Incoming::Invalid { request_id, reason } => {
+            Incoming::Invalid {
+                request_id, reason, ..
+            } => {
                 assert_eq!(request_id, Some(json!("big")));
                 assert!(reason.contains("limit"));
             }

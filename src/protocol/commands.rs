@@ -1,0 +1,722 @@
+//! The typed edge for commands (DESIGN §2, decisions D8 and D20): a command's params are parsed
+//! once, here, into values that validated themselves. Past this module no code sees a raw
+//! `workload_uuid`, a raw number of seconds or a raw pid: an id that reaches a topic is
+//! topic-safe, seconds are finite and bounded, a pid is in range. What does not validate is an
+//! error naming the field and the allowed range, and nothing is spawned, queued or persisted.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+/// `request_id` may be at most this long (D20); a longer one is refused.
+pub const MAX_REQUEST_ID_BYTES: usize = 16 * 1024;
+/// Ids that reach a topic (D20).
+pub const MAX_ID_BYTES: usize = 256;
+/// The longest accepted number of seconds: 30 days (D20).
+pub const MAX_SECONDS: f64 = 30.0 * 86_400.0;
+/// The largest pid the kernel can hand out (D20).
+pub const MAX_PID: i64 = i32::MAX as i64;
+
+/// A field that did not validate: the reply names the field and what is allowed
+/// (`params.pid must be …`). An empty field means the reason is a whole sentence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FieldError {
+    pub field: String,
+    pub reason: String,
+    /// The reason is a whole sentence (the Python original's wording): shown alone.
+    pub sentence: bool,
+}
+
+impl FieldError {
+    fn new(field: &str, reason: impl Into<String>) -> FieldError {
+        FieldError {
+            field: field.to_string(),
+            reason: reason.into(),
+            sentence: false,
+        }
+    }
+
+    fn sentence(field: &str, text: impl Into<String>) -> FieldError {
+        FieldError {
+            sentence: true,
+            ..FieldError::new(field, text)
+        }
+    }
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.sentence {
+            f.write_str(&self.reason)
+        } else {
+            write!(f, "{} {}", self.field, self.reason)
+        }
+    }
+}
+
+/// The JSON type of a value, for error messages (never the value itself).
+pub fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A request id: a string or a number of at most [`MAX_REQUEST_ID_BYTES`], or absent. It is
+/// echoed in replies; it never reaches a topic or a path as it is (see `store::safe_id`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestId(Value);
+
+impl RequestId {
+    /// Absent (`null` in replies).
+    pub fn absent() -> RequestId {
+        RequestId(Value::Null)
+    }
+
+    pub fn parse(v: Option<&Value>) -> Result<RequestId, FieldError> {
+        match v {
+            None | Some(Value::Null) => Ok(RequestId::absent()),
+            Some(Value::String(s)) if s.len() > MAX_REQUEST_ID_BYTES => Err(FieldError::new(
+                "request_id",
+                format!(
+                    "is {} bytes; at most {MAX_REQUEST_ID_BYTES} bytes are allowed",
+                    s.len()
+                ),
+            )),
+            Some(v @ Value::String(_)) | Some(v @ Value::Number(_)) => Ok(RequestId(v.clone())),
+            Some(other) => Err(FieldError::new(
+                "request_id",
+                format!("must be a string or a number, not {}", type_name(other)),
+            )),
+        }
+    }
+
+    /// The id as it came, for echoing in replies.
+    pub fn value(&self) -> &Value {
+        &self.0
+    }
+
+    /// The id as text (numbers in their JSON form); empty when absent.
+    pub fn text(&self) -> String {
+        match &self.0 {
+            Value::String(s) => s.clone(),
+            Value::Null => String::new(),
+            other => other.to_string(),
+        }
+    }
+
+    pub fn is_absent(&self) -> bool {
+        self.text().is_empty()
+    }
+}
+
+/// An id that may be part of an MQTT topic (D20): 1 to 256 bytes of printable ASCII without
+/// `+`, `#`, `/` or whitespace.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TopicId(String);
+
+impl TopicId {
+    pub fn new(field: &str, s: &str) -> Result<TopicId, FieldError> {
+        if s.is_empty() || s.len() > MAX_ID_BYTES {
+            return Err(FieldError::new(
+                field,
+                format!(
+                    "must be 1 to {MAX_ID_BYTES} bytes long (it is {} bytes)",
+                    s.len()
+                ),
+            ));
+        }
+        if let Some(c) = s
+            .chars()
+            .find(|c| !c.is_ascii_graphic() || matches!(c, '+' | '#' | '/'))
+        {
+            return Err(FieldError::new(
+                field,
+                format!(
+                    "may hold only printable ASCII without '+', '#', '/' or whitespace (found {})",
+                    c.escape_default()
+                ),
+            ));
+        }
+        Ok(TopicId(s.to_string()))
+    }
+
+    /// An optional id field of a params object: absent, `null` or `""` mean none.
+    fn field(
+        params: &Map<String, Value>,
+        key: &str,
+        path: &str,
+    ) -> Result<Option<TopicId>, FieldError> {
+        match params.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s.is_empty() => Ok(None),
+            Some(Value::String(s)) => TopicId::new(&format!("{path}{key}"), s).map(Some),
+            Some(other) => Err(FieldError::new(
+                &format!("{path}{key}"),
+                format!("must be a string, not {}", type_name(other)),
+            )),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for TopicId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A number of seconds: finite, greater than 0 and at most [`MAX_SECONDS`] (D20), so every
+/// `Duration` or `Instant` made from it is in range.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub struct Seconds(f64);
+
+impl Seconds {
+    pub fn new(field: &str, v: &Value) -> Result<Seconds, FieldError> {
+        let range = format!(
+            "must be a number of seconds greater than 0 and at most {MAX_SECONDS} (30 days)"
+        );
+        match v.as_f64() {
+            Some(s) if s.is_finite() && s > 0.0 && s <= MAX_SECONDS => Ok(Seconds(s)),
+            _ => Err(FieldError::new(field, range)),
+        }
+    }
+
+    /// From a number already known to the node (configuration): out-of-range values are None.
+    pub fn from_f64(s: f64) -> Option<Seconds> {
+        (s.is_finite() && s > 0.0 && s <= MAX_SECONDS).then_some(Seconds(s))
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    pub fn duration(self) -> Duration {
+        // In range by construction: 0 < s <= 30 days.
+        Duration::try_from_secs_f64(self.0).unwrap_or(Duration::ZERO)
+    }
+}
+
+/// A process id in 1..=2^31-1 (D20).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pid(i32);
+
+impl Pid {
+    pub fn get(self) -> i32 {
+        self.0
+    }
+}
+
+/// The signals a cancel may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sig {
+    Term,
+    Int,
+    Kill,
+}
+
+impl Sig {
+    pub fn number(self) -> i32 {
+        match self {
+            Sig::Term => libc::SIGTERM,
+            Sig::Int => libc::SIGINT,
+            Sig::Kill => libc::SIGKILL,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Sig::Term => "SIGTERM",
+            Sig::Int => "SIGINT",
+            Sig::Kill => "SIGKILL",
+        }
+    }
+}
+
+/// The workload kinds a start can name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Inference,
+    Simulate,
+    Training,
+}
+
+impl Kind {
+    pub fn parse(s: &str) -> Option<Kind> {
+        match s {
+            "inference" => Some(Kind::Inference),
+            "simulate" => Some(Kind::Simulate),
+            "training" => Some(Kind::Training),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Inference => "inference",
+            Kind::Simulate => "simulate",
+            Kind::Training => "training",
+        }
+    }
+}
+
+/// Params keys holding ids that reach a topic or the backend as ids (D18, D20).
+const ID_KEYS: &[&str] = &[
+    "workflow_uuid",
+    "workflow_execution_uuid",
+    "execution_uuid",
+    "workflow_node_uuid",
+    "node_uuid",
+    "caller_uuid",
+    "workflow_source_type",
+];
+
+/// The params of `inference`, `simulate` and `training`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartParams {
+    /// The params as sent: what the workload reads from its params file.
+    pub params: Map<String, Value>,
+    pub workload_uuid: Option<TopicId>,
+    pub environment_uuid: Option<TopicId>,
+    pub max_runtime: Option<Seconds>,
+}
+
+impl StartParams {
+    /// `path` prefixes field names in errors (`params.` or `params.command_params.`).
+    pub fn parse(params: Option<&Value>, path: &str) -> Result<StartParams, FieldError> {
+        let map = object(params, path)?;
+        let field = |k: &str| format!("{path}{k}");
+        let workload_uuid = TopicId::field(map, "workload_uuid", path)?;
+        let environment_uuid = TopicId::field(map, "environment_uuid", path)?;
+        for k in ID_KEYS {
+            TopicId::field(map, k, path)?;
+        }
+        let max_runtime = match map.get("max_runtime_seconds") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(Seconds::new(&field("max_runtime_seconds"), v)?),
+        };
+        if let Some(v) = map.get("activation_index") {
+            if !v.is_null() && v.as_u64().is_none() {
+                return Err(FieldError::new(
+                    &field("activation_index"),
+                    "must be a whole number from 0",
+                ));
+            }
+        }
+        Ok(StartParams {
+            params: map.clone(),
+            workload_uuid,
+            environment_uuid,
+            max_runtime,
+        })
+    }
+}
+
+/// Which workload a cancel means.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CancelTarget {
+    Pid(Pid),
+    Request(String),
+}
+
+/// The params of `cancel`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CancelParams {
+    pub target: CancelTarget,
+    pub signal: Sig,
+    /// None: the default grace period.
+    pub grace: Option<Seconds>,
+}
+
+impl CancelParams {
+    pub fn parse(params: Option<&Value>) -> Result<CancelParams, FieldError> {
+        let map = object(params, "params.")?;
+        let signal = match map.get("signal") {
+            None | Some(Value::Null) => Sig::Term,
+            Some(Value::String(s)) => match s.as_str() {
+                "SIGTERM" => Sig::Term,
+                "SIGINT" => Sig::Int,
+                "SIGKILL" => Sig::Kill,
+                other => {
+                    return Err(FieldError::sentence(
+                        "params.signal",
+                        format!(
+                            "Invalid signal: {}. Must be SIGTERM, SIGKILL, or SIGINT",
+                            cut(&other.escape_debug().to_string(), 64)
+                        ),
+                    ))
+                }
+            },
+            Some(other) => {
+                return Err(FieldError::new(
+                    "params.signal",
+                    format!(
+                        "must be SIGTERM, SIGKILL, or SIGINT, not {}",
+                        type_name(other)
+                    ),
+                ))
+            }
+        };
+        let grace = match map.get("grace_seconds") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(Seconds::new("params.grace_seconds", v)?),
+        };
+        let pid = match map.get("pid") {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_i64() {
+                // The Python original's backend sends 0 for "no pid".
+                Some(0) => None,
+                Some(p @ 1..=MAX_PID) => i32::try_from(p).ok().map(Pid),
+                _ => {
+                    return Err(FieldError::new(
+                        "params.pid",
+                        format!("must be a whole number from 1 to {MAX_PID}"),
+                    ))
+                }
+            },
+        };
+        let request = match map.get("workload_request_id") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let rid = RequestId::parse(Some(v)).map_err(|e| FieldError {
+                    field: "params.workload_request_id".into(),
+                    ..e
+                })?;
+                Some(rid.text()).filter(|t| !t.is_empty())
+            }
+        };
+        let target = match (pid, request) {
+            (Some(p), _) => CancelTarget::Pid(p),
+            (None, Some(r)) => CancelTarget::Request(r),
+            (None, None) => {
+                return Err(FieldError::new(
+                    "params",
+                    "must name the workload: pid or workload_request_id",
+                ))
+            }
+        };
+        Ok(CancelParams {
+            target,
+            signal,
+            grace,
+        })
+    }
+}
+
+/// The params of `workload_received` (protocol §4.5): a start wrapped with its workload uuid,
+/// or a bare acknowledgement.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Received {
+    Start(Kind, StartParams),
+    Ack(Option<TopicId>),
+}
+
+impl Received {
+    fn parse(params: Option<&Value>) -> Result<Received, FieldError> {
+        let map = object(params, "params.")?;
+        let uuid = TopicId::field(map, "workload_uuid", "params.")?;
+        let kind = match map.get("command_type") {
+            Some(Value::String(s)) => Kind::parse(s),
+            _ => None,
+        };
+        let Some(kind) = kind else {
+            return Ok(Received::Ack(uuid));
+        };
+        let mut start = StartParams::parse(map.get("command_params"), "params.command_params.")?;
+        if let Some(u) = &uuid {
+            start
+                .params
+                .insert("workload_uuid".into(), Value::String(u.as_str().into()));
+            start.workload_uuid = Some(u.clone());
+        }
+        Ok(Received::Start(kind, start))
+    }
+
+    /// The workload uuid beside the params, read without validating the rest: a refused
+    /// `workload_received` still gets its `failed` status (D8) when this much is sound.
+    fn uuid_of(params: Option<&Value>) -> Option<TopicId> {
+        let map = params?.as_object()?;
+        TopicId::field(map, "workload_uuid", "params.")
+            .ok()
+            .flatten()
+    }
+}
+
+/// A command, typed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    Status,
+    Start(Kind, StartParams),
+    Cancel(CancelParams),
+    Received(Received),
+}
+
+/// A command that was refused at the edge, with what the error reply and status need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub error: FieldError,
+    /// The workload the refusal concerns, when it could be read soundly (for a `failed` status).
+    pub workload_uuid: Option<TopicId>,
+}
+
+impl Command {
+    /// The command's name, for logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Command::Status => "status",
+            Command::Start(k, _) => k.as_str(),
+            Command::Cancel(_) => "cancel",
+            Command::Received(_) => "workload_received",
+        }
+    }
+
+    /// Types a command whose envelope was read: `name` is the `command` field.
+    pub fn parse(name: &str, params: Option<&Value>) -> Result<Command, Refused> {
+        let plain = |error: FieldError| Refused {
+            error,
+            workload_uuid: None,
+        };
+        if let Some(kind) = Kind::parse(name) {
+            return StartParams::parse(params, "params.")
+                .map(|p| Command::Start(kind, p))
+                .map_err(|error| Refused {
+                    workload_uuid: params
+                        .and_then(Value::as_object)
+                        .and_then(|m| TopicId::field(m, "workload_uuid", "params.").ok().flatten()),
+                    error,
+                });
+        }
+        match name {
+            "status" => Ok(Command::Status),
+            "cancel" => CancelParams::parse(params)
+                .map(Command::Cancel)
+                .map_err(plain),
+            "workload_received" => {
+                Received::parse(params)
+                    .map(Command::Received)
+                    .map_err(|error| Refused {
+                        error,
+                        workload_uuid: Received::uuid_of(params),
+                    })
+            }
+            other => Err(plain(FieldError::sentence(
+                "command",
+                format!(
+                    "Unknown command: {}",
+                    cut(&other.escape_debug().to_string(), 200)
+                ),
+            ))),
+        }
+    }
+}
+
+/// At most `max` characters of `s`, with `…` when cut (char-boundary safe).
+fn cut(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", s.get(..i).unwrap_or("")),
+        None => s.to_string(),
+    }
+}
+
+/// `params` must be a JSON object (D8); absent counts as `null`.
+fn object<'a>(params: Option<&'a Value>, path: &str) -> Result<&'a Map<String, Value>, FieldError> {
+    let field = path.trim_end_matches('.');
+    match params {
+        Some(Value::Object(m)) => Ok(m),
+        None => Err(FieldError::new(
+            field,
+            "is missing; a JSON object is expected",
+        )),
+        Some(other) => Err(FieldError::new(
+            field,
+            format!("must be a JSON object, not {}", type_name(other)),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn start(p: Value) -> Result<Command, Refused> {
+        Command::parse("inference", Some(&p))
+    }
+
+    fn refused_field(r: Result<Command, Refused>) -> String {
+        match r {
+            Err(r) => r.error.field,
+            Ok(c) => panic!("accepted: {c:?}"),
+        }
+    }
+
+    #[test]
+    fn max_runtime_seconds_out_of_range_is_refused_naming_the_field() {
+        for bad in [
+            json!(1e19),
+            json!(-1),
+            json!(0),
+            json!("10"),
+            json!(f64::MAX),
+            json!(MAX_SECONDS + 1.0),
+        ] {
+            let r = start(json!({"workload_uuid": "w1", "max_runtime_seconds": bad}));
+            assert_eq!(refused_field(r), "params.max_runtime_seconds", "{bad}");
+        }
+        let ok = start(json!({"max_runtime_seconds": MAX_SECONDS})).unwrap();
+        let Command::Start(_, p) = ok else { panic!() };
+        assert_eq!(
+            p.max_runtime.unwrap().duration(),
+            Duration::from_secs(30 * 86_400)
+        );
+    }
+
+    #[test]
+    fn params_that_are_not_an_object_are_refused() {
+        for bad in [json!(null), json!("x"), json!(5), json!([1])] {
+            assert_eq!(refused_field(start(bad.clone())), "params", "{bad}");
+        }
+        assert_eq!(refused_field(Command::parse("training", None)), "params");
+        assert!(Command::parse("status", None).is_ok());
+    }
+
+    #[test]
+    fn topic_ids_refuse_wildcards_separators_whitespace_and_control_characters() {
+        for bad in [
+            "a/#",
+            "+",
+            "#",
+            "a b",
+            "a\nb",
+            "\u{1b}[31m",
+            "é",
+            "a\0",
+            &"x".repeat(257),
+        ] {
+            let r = start(json!({"workload_uuid": bad}));
+            assert_eq!(refused_field(r), "params.workload_uuid", "{bad:?}");
+        }
+        assert!(TopicId::new("f", &"x".repeat(256)).is_ok());
+        assert!(TopicId::new("f", "3f1c-AB_9.x:y").is_ok());
+        // A refused start still names its workload when that part was sound.
+        let r = start(json!({"workload_uuid": "w-ok", "max_runtime_seconds": -5})).unwrap_err();
+        assert_eq!(r.workload_uuid.unwrap().as_str(), "w-ok");
+    }
+
+    #[test]
+    fn environment_uuid_must_be_a_string() {
+        for bad in [json!(42), json!(["env-B"]), json!({}), json!(true)] {
+            let r = start(json!({"environment_uuid": bad}));
+            assert_eq!(refused_field(r), "params.environment_uuid", "{bad}");
+        }
+        let Command::Start(_, p) = start(json!({"environment_uuid": "env-A"})).unwrap() else {
+            panic!()
+        };
+        assert_eq!(p.environment_uuid.unwrap().as_str(), "env-A");
+    }
+
+    #[test]
+    fn workflow_ids_are_topic_safe() {
+        for k in ID_KEYS {
+            let r = start(json!({ *k: "a/b" }));
+            assert_eq!(refused_field(r), format!("params.{k}"));
+            let r = start(json!({ *k: 7 }));
+            assert_eq!(refused_field(r), format!("params.{k}"));
+        }
+        assert_eq!(
+            refused_field(start(json!({"activation_index": -1}))),
+            "params.activation_index"
+        );
+    }
+
+    #[test]
+    fn request_ids_are_bounded_and_typed() {
+        assert!(RequestId::parse(Some(&json!("x".repeat(MAX_REQUEST_ID_BYTES)))).is_ok());
+        let e = RequestId::parse(Some(&json!("x".repeat(MAX_REQUEST_ID_BYTES + 1)))).unwrap_err();
+        assert_eq!(e.field, "request_id");
+        assert!(RequestId::parse(Some(&json!({"a": 1}))).is_err());
+        assert_eq!(RequestId::parse(Some(&json!(12))).unwrap().text(), "12");
+        assert!(RequestId::parse(None).unwrap().is_absent());
+    }
+
+    #[test]
+    fn cancel_params_are_checked() {
+        let c = |p: Value| Command::parse("cancel", Some(&p));
+        assert_eq!(refused_field(c(json!({"pid": -1}))), "params.pid");
+        assert_eq!(refused_field(c(json!({"pid": 1u64 << 31}))), "params.pid");
+        assert_eq!(refused_field(c(json!({"pid": 1.5}))), "params.pid");
+        assert_eq!(
+            refused_field(c(json!({"pid": 3, "grace_seconds": 1e19}))),
+            "params.grace_seconds"
+        );
+        assert_eq!(
+            refused_field(c(json!({"pid": 3, "grace_seconds": 0}))),
+            "params.grace_seconds"
+        );
+        assert_eq!(
+            refused_field(c(json!({"pid": 3, "signal": "SIGSTOP"}))),
+            "params.signal"
+        );
+        assert_eq!(
+            refused_field(c(json!({"pid": 3, "signal": 9}))),
+            "params.signal"
+        );
+        assert_eq!(refused_field(c(json!({}))), "params");
+        assert_eq!(refused_field(c(json!({"pid": 0}))), "params");
+        assert_eq!(refused_field(c(json!(null))), "params");
+        let Command::Cancel(p) =
+            c(json!({"pid": i32::MAX, "signal": "SIGKILL", "grace_seconds": 2.5})).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(p.target, CancelTarget::Pid(Pid(i32::MAX)));
+        assert_eq!(p.signal, Sig::Kill);
+        assert_eq!(p.grace.unwrap().duration(), Duration::from_millis(2500));
+        let Command::Cancel(p) = c(json!({"workload_request_id": 17})).unwrap() else {
+            panic!()
+        };
+        assert_eq!(p.target, CancelTarget::Request("17".into()));
+    }
+
+    #[test]
+    fn workload_received_types_its_inner_start() {
+        let r = |p: Value| Command::parse("workload_received", Some(&p));
+        let Command::Received(Received::Start(k, p)) = r(
+            json!({"workload_uuid": "wl", "command_type": "simulate", "command_params": {"a": 1}}),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(k, Kind::Simulate);
+        assert_eq!(p.workload_uuid.unwrap().as_str(), "wl");
+        assert_eq!(p.params["workload_uuid"], "wl");
+        let e =
+            r(json!({"workload_uuid": "wl", "command_type": "training", "command_params": null}))
+                .unwrap_err();
+        assert_eq!(e.error.field, "params.command_params");
+        assert_eq!(e.workload_uuid.unwrap().as_str(), "wl");
+        assert!(matches!(
+            r(json!({"command_type": "other"})).unwrap(),
+            Command::Received(Received::Ack(None))
+        ));
+        assert_eq!(
+            refused_field(r(json!({"workload_uuid": "a/#"}))),
+            "params.workload_uuid"
+        );
+    }
+
+    #[test]
+    fn unknown_commands_are_named_and_cut() {
+        let e = Command::parse(&"z".repeat(10_000), None).unwrap_err();
+        assert!(e.error.reason.starts_with("Unknown command: zzz"));
+        assert!(e.error.reason.len() < 300);
+    }
+}

@@ -195,8 +195,20 @@ impl Mqtt {
         }
     }
 
-    /// Queues a publish; never waits.
+    /// Whether the client holds a live connection now (the truth `status` reports, D34).
+    pub fn is_connected(&self) -> bool {
+        self.client.is_connected()
+    }
+
+    /// Queues a publish; never waits. A topic no broker would accept is never sent (D34).
     pub fn publish(&self, topic: &str, payload: Vec<u8>, qos: i32, props: paho::Properties) {
+        if !crate::protocol::topics::publishable(topic) {
+            log::error!(
+                "not publishing to an invalid topic {}",
+                crate::logtext::shown(&redact_topic(topic))
+            );
+            return;
+        }
         let msg = paho::MessageBuilder::new()
             .topic(topic)
             .payload(payload)
@@ -239,6 +251,13 @@ impl Mqtt {
 
     /// A QoS 1 publish whose broker acknowledgement (PUBACK) the caller wants to know of.
     pub fn publish_tracked(&self, topic: &str, payload: Vec<u8>) -> Option<paho::DeliveryToken> {
+        if !crate::protocol::topics::publishable(topic) {
+            log::error!(
+                "not publishing to an invalid topic {}",
+                crate::logtext::shown(topic)
+            );
+            return None;
+        }
         let msg = paho::MessageBuilder::new()
             .topic(topic)
             .payload(payload)

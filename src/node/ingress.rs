@@ -93,6 +93,17 @@ impl Node {
             return;
         };
         let topic = format!("{}{}", self.s.topic_prefix.value, item.topic);
+        if !crate::protocol::topics::publishable(&topic) {
+            // Queued by an older version or planted: no broker would take it (D34).
+            if let Some((item, aside)) = self.ingress.quarantine(seq) {
+                log::error!(
+                    "the {} has an invalid topic; set aside in {} and not sent",
+                    crate::logtext::shown(&item.label),
+                    aside.display()
+                );
+            }
+            return;
+        }
         let payload = serde_json::to_vec(&item.body).unwrap_or_default();
         match self.mqtt.publish_tracked(&topic, payload) {
             Some(token) => {

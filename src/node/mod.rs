@@ -284,6 +284,12 @@ impl Node {
                         "new session"
                     }
                 );
+                if !self.mqtt.is_connected() {
+                    // The connection dropped between the CONNACK and now (its loss event came
+                    // while the attempt was still open): never claim it (D34).
+                    return self
+                        .schedule_reconnect(0, "the connection closed right after it opened");
+                }
                 self.conn = Conn::Connected;
                 if self.connected_once {
                     self.metrics.reconnects += 1;
@@ -306,12 +312,7 @@ impl Node {
             }
             MqttEvent::Lost(why) => {
                 if matches!(self.conn, Conn::Connected) {
-                    self.schedule_reconnect(0, &why);
-                    // Outbox messages in flight are sent again after the reconnect.
-                    self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
-                    self.outbox.reset_in_flight();
-                    self.ingress.reset_in_flight();
-                    self.reset_streams();
+                    self.connection_lost(&why);
                 }
             }
             MqttEvent::Subscribed(result) => self.on_subscribed(result),
@@ -339,6 +340,25 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// The connection is gone: reconnect with backoff; what was in flight goes again, except
+    /// what the broker refused too often (D34).
+    fn connection_lost(&mut self, why: &str) {
+        self.schedule_reconnect(0, why);
+        // Outbox messages in flight are sent again after the reconnect.
+        self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
+        let refused = self.outbox.reset_in_flight();
+        let refused_events = self.ingress.reset_in_flight();
+        for (item, aside) in refused.into_iter().chain(refused_events) {
+            log::error!(
+                "the broker dropped the connection each of the last {} times the {} was sent; it is set aside in {} and not sent again",
+                crate::outbox::MAX_REFUSALS,
+                crate::logtext::shown(&item.label),
+                aside.display()
+            );
+        }
+        self.reset_streams();
     }
 
     fn schedule_reconnect(&mut self, attempt: u32, why: &str) {
@@ -944,6 +964,10 @@ impl Node {
 
     fn tick(&mut self) {
         let now = self.clock.now();
+        if self.conn == Conn::Connected && !self.mqtt.is_connected() {
+            // A loss the client did not report as an event still is one (D34).
+            self.connection_lost("the connection is gone");
+        }
         if let Conn::Disconnected { next_attempt, .. } = self.conn {
             if now >= next_attempt && self.shutdown.is_none() {
                 self.start_connect();

@@ -610,6 +610,17 @@ impl Node {
         }
         let now = self.clock.now();
         for (seq, item) in self.outbox.due(now) {
+            if !crate::protocol::topics::publishable(&item.topic) {
+                // Queued by an older version or planted: no broker would take it (D34).
+                if let Some((item, aside)) = self.outbox.quarantine(seq) {
+                    log::error!(
+                        "the {} has an invalid topic; set aside in {} and not sent",
+                        crate::logtext::shown(&item.label),
+                        aside.display()
+                    );
+                }
+                continue;
+            }
             let corr = self.request(
                 Op::Outbox(seq),
                 &item.topic,

@@ -2,6 +2,13 @@
 //! `production` = none) is glued on without a separator, for wire compatibility: `local` gives
 //! `localcyberwave/…` (protocol §2.3).
 
+/// Whether `topic` may be published to (MQTT 3.1.1/5 §4.7): not empty, at most 65 535 bytes,
+/// no wildcard and no NUL. A broker drops the connection of a client that publishes anything
+/// else, so the node checks before it sends (D34).
+pub fn publishable(topic: &str) -> bool {
+    !topic.is_empty() && topic.len() <= 65_535 && !topic.contains(['+', '#', '\0'])
+}
+
 #[derive(Debug, Clone)]
 pub struct Topics {
     prefix: String,

@@ -799,7 +799,7 @@ fn systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping() {
     }
     assert_eq!(got.first().map(String::as_str), Some("READY=1"), "{got:?}");
     assert!(
-        node.log().contains("node ready"),
+        node.wait_log("node ready", REPLY),
         "READY=1 comes with readiness"
     );
     assert!(

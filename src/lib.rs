@@ -16,6 +16,7 @@ pub mod ops;
 pub mod outbox;
 pub mod protocol;
 pub mod signals;
+pub mod statedir;
 pub mod store;
 pub mod systemd;
 pub mod util;

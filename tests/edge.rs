@@ -239,14 +239,19 @@ fn guarantee_8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
 }
 
 #[test]
-fn guarantee_11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays_connected() {
+fn guarantee_11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays_connected(
+) {
     let (_broker, cp, setup) = rig(MARKING);
     // What an older version queued for workload `a/#`: the broker would drop the connection
     // at every attempt, and the node would be deaf while saying "connected".
     let outbox = setup.config_dir().join("outbox");
     std::fs::create_dir_all(&outbox).unwrap();
     let planted = json!({"topic": "cyberwave/cloud-workload/a/#/update-status", "body": {"status": "completed"}, "label": "completion of a/#"});
-    std::fs::write(outbox.join("00000000000000000001.json"), planted.to_string()).unwrap();
+    std::fs::write(
+        outbox.join("00000000000000000001.json"),
+        planted.to_string(),
+    )
+    .unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
     assert!(
@@ -261,12 +266,18 @@ fn guarantee_11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_n
         "the entry is kept for a person in {}",
         aside.display()
     );
-    assert_eq!(std::fs::read_dir(&outbox).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(
+        std::fs::read_dir(&outbox).map(|d| d.count()).unwrap_or(0),
+        0
+    );
     for i in 0..3 {
         still_serving(&cp, &node, &format!("alive-{i}"));
     }
     let local = setup.run(&["status", "--json"]);
     let text = &local.stdout;
-    assert!(text.contains("\"connected\": true") || text.contains("\"connected\":true"), "{text}");
+    assert!(
+        text.contains("\"connected\": true") || text.contains("\"connected\":true"),
+        "{text}"
+    );
     assert!(!node.log().contains("connection lost"), "{}", node.log());
 }

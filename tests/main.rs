@@ -8,5 +8,6 @@ mod ingress;
 mod logs;
 mod operate;
 mod results;
+mod statedir;
 mod wire;
 mod workloads;

@@ -35,9 +35,14 @@ pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     let started = Instant::now();
     let dir = &s.config_dir.value;
-    if let Err(e) = store::ensure_private_dir(dir) {
-        log::error!("cannot create the state dir {}: {e}", dir.display());
-        return Err(EXIT_RUNTIME);
+    // D30: the dir is ours and private, and no other node runs on it; checked before anything
+    // is written there. The lock lives as long as the process (the node is never dropped).
+    match crate::statedir::check_or_create(dir).and_then(|()| crate::statedir::lock(dir)) {
+        Ok(lock) => std::mem::forget(lock),
+        Err(e) => {
+            log::error!("{e}");
+            return Err(e.exit_code());
+        }
     }
     log::info!(
         "cyberwave-cloud-node {} starting: state dir {}, manifest {}",

@@ -1,0 +1,71 @@
+//! One node per state dir, owned by its user (decision D30, guarantee 12).
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use crate::support::rig;
+
+const READY: Duration = Duration::from_secs(15);
+const EXIT: Duration = Duration::from_secs(10);
+
+#[test]
+fn guarantee_12_a_second_node_on_the_same_state_dir_exits_1_naming_the_first() {
+    let (_broker, cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let first = setup.spawn();
+    first.wait_ready(READY);
+    let mut second = setup.spawn();
+    assert_eq!(second.wait_exit(EXIT), Some(Some(1)), "{}", second.log());
+    assert!(
+        second
+            .log()
+            .contains(&format!("another node (pid {})", first.pid())),
+        "{}",
+        second.log()
+    );
+    // The first one is untouched: it still owns its control socket and answers.
+    let out = setup.run(&["status", "--json"]);
+    assert!(out.stdout.contains(&format!("{}", first.pid())), "{out:?}");
+    assert!(cp.status(&first.uuid(), "still-first", EXIT).is_some());
+}
+
+#[test]
+fn guarantee_12_a_state_dir_writable_by_others_is_refused_and_left_as_it_is() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut node = setup.spawn();
+    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
+    assert!(
+        node.log().contains("chmod 700"),
+        "names the fix: {}",
+        node.log()
+    );
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o777, "the node never changes a dir it refused");
+    assert!(!dir.join("lock").exists(), "nothing written into it");
+}
+
+#[test]
+fn guarantee_12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to hand the state dir to another user");
+        return;
+    }
+    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // A planted link that a careless root node would follow.
+    let victim = setup.home.join("victim");
+    std::fs::write(&victim, "root's file\n").unwrap();
+    std::os::unix::fs::symlink(&victim, dir.join("lock")).unwrap();
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    let mut node = setup.spawn();
+    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
+    assert!(node.log().contains("owned by uid 65534"), "{}", node.log());
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's file\n");
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+}

@@ -5,6 +5,7 @@ mod support;
 mod cli_config;
 mod edge;
 mod ingress;
+mod lifecycle;
 mod logs;
 mod operate;
 mod results;

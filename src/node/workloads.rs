@@ -70,6 +70,12 @@ impl Active {
         }
     }
 
+    /// The workload's own process ended: it waits for its logs, uploads or report and is
+    /// never signalled again (D26).
+    pub fn finished(&self) -> bool {
+        self.exited.is_some() || self.ending.is_some() || self.upload.is_some()
+    }
+
     pub fn state(&self) -> &'static str {
         if self.upload.is_some() {
             "finalizing"
@@ -80,6 +86,23 @@ impl Active {
         } else {
             "running"
         }
+    }
+}
+
+/// The workload's process group, when it can be proven at this moment to be the one its
+/// supervisor created: same boot, and live members in the supervisor's session (D26). None:
+/// nothing of it is left to signal, and a signal to that number could reach a stranger.
+fn provable_group(meta: &Meta) -> Option<i32> {
+    let st = meta.started.as_ref()?;
+    (st.boot_id == procinfo::boot_id() && procinfo::group_members(st.pid, st.shim_pid) > 0)
+        .then_some(st.pid)
+}
+
+/// Signals the group if it is provably the workload's; `Ok(false)` when nothing is left.
+fn signal_if_ours(meta: &Meta, sig: i32) -> std::io::Result<bool> {
+    match provable_group(meta) {
+        Some(g) => procinfo::signal_group(g, sig).map(|()| true),
+        None => Ok(false),
     }
 }
 
@@ -364,10 +387,31 @@ impl Node {
             return Err("No active workload found".into());
         };
         let pid = a.meta.pid();
-        let message = match procinfo::signal_group(pid, sig) {
-            Ok(()) => format!("Workload cancelled with {sig_name}"),
+        if a.finished() {
+            // D29: its real outcome is what the backend gets; nothing is signalled (D26).
+            return Ok("Workload already finished; its completion reports how it ended".into());
+        }
+        if let Some(c) = &a.meta.cancel {
+            // Cancelling already: the escalation keeps its original deadline; only a SIGKILL
+            // asked for now goes out now.
+            let first = c.signal.clone();
+            if sig == libc::SIGKILL {
+                signal_if_ours(&a.meta, sig)
+                    .map_err(|e| format!("Failed to cancel workload: {e}"))?;
+                return Ok(format!(
+                    "Workload was already being cancelled with {first}; SIGKILL sent to its group"
+                ));
+            }
+            return Ok(format!(
+                "Workload is already being cancelled with {first}; anything left of it gets SIGKILL at the original deadline"
+            ));
+        }
+        let message = match signal_if_ours(&a.meta, sig) {
+            Ok(true) => format!("Workload cancelled with {sig_name}"),
+            // Its group is gone: the exit is about to be noticed, and reported as it was.
+            Ok(false) => return Ok(format!("Process {pid} was already terminated")),
             Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                format!("Process {pid} was already terminated")
+                return Ok(format!("Process {pid} was already terminated"))
             }
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 return Err(format!("Permission denied to send signal to process {pid}"))
@@ -377,20 +421,18 @@ impl Node {
         log::info!(
             "cancelling {} {} (pid {pid}) with {sig_name}; SIGKILL to its group after {:.1}s",
             a.meta.kind,
-            a.meta.request_id_text(),
+            shown(&a.meta.request_id_text()),
             grace.as_secs_f64()
         );
-        if a.meta.cancel.is_none() {
-            a.meta.cancel = Some(Cancel {
-                signal: sig_name.to_string(),
-                requested_unix: workload::unix_now(),
-                grace_s: grace.as_secs_f64(),
-                timed_out,
-                stale: false,
-            });
-            if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
-                log::warn!("workload {safe_id}: cannot record the cancel: {e}");
-            }
+        a.meta.cancel = Some(Cancel {
+            signal: sig_name.to_string(),
+            requested_unix: workload::unix_now(),
+            grace_s: grace.as_secs_f64(),
+            timed_out,
+            stale: false,
+        });
+        if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
+            log::warn!("workload {safe_id}: cannot record the cancel: {e}");
         }
         a.escalate_at = now.checked_add(grace);
         Ok(message)
@@ -665,20 +707,26 @@ impl Node {
             };
             let pid = a.meta.pid();
             // Max runtime.
-            if a.runtime_deadline.is_some_and(|d| now >= d) && a.meta.cancel.is_none() {
+            if a.runtime_deadline.is_some_and(|d| now >= d)
+                && a.meta.cancel.is_none()
+                && !a.finished()
+            {
                 log::warn!(
                     "{} {} exceeded its max runtime; cancelling",
                     a.meta.kind,
-                    a.meta.request_id_text()
+                    shown(&a.meta.request_id_text())
                 );
+                if let Some(a) = self.active.get_mut(&id) {
+                    a.runtime_deadline = None;
+                }
                 let _ = self.cancel_workload(&id, libc::SIGTERM, "SIGTERM", DEFAULT_GRACE, true);
                 continue;
             }
             // Escalation: anything left in the group after the grace period gets SIGKILL.
             if a.escalate_at.is_some_and(|t| now >= t) {
-                if procinfo::group_alive(pid) {
+                if !a.finished() && provable_group(&a.meta).is_some() {
                     log::warn!("workload pid {pid} outlived its grace period; SIGKILL to its process group");
-                    let _ = procinfo::signal_group(pid, libc::SIGKILL);
+                    let _ = signal_if_ours(&a.meta, libc::SIGKILL);
                 }
                 if let Some(a) = self.active.get_mut(&id) {
                     a.escalate_at = None;

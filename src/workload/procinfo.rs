@@ -29,6 +29,47 @@ pub fn same_process_alive(pid: i32, start: u64) -> bool {
     matches!(stat(pid), Some((state, s)) if s == start && state != 'Z' && state != 'X')
 }
 
+/// (process group, session) of `pid`, from the fields after the command name in
+/// /proc/<pid>/stat; None when it cannot be read or parsed.
+fn group_and_session(stat: &str) -> Option<(i32, i32)> {
+    let rest = stat.get(stat.rfind(')')?.checked_add(1)?..)?;
+    let mut fields = rest.split_whitespace();
+    // state, ppid, pgrp, session
+    let pgrp = fields.nth(2)?.parse().ok()?;
+    let session = fields.next()?.parse().ok()?;
+    Some((pgrp, session))
+}
+
+/// How many live processes are in process group `pgid` AND session `sid` (a scan of /proc).
+///
+/// This is how the node proves a workload's group is still its own (D26, D27): the workload's
+/// group lives in the session its supervisor created, and the kernel never hands out a pid
+/// that is still some process's group or session id. A recycled pid that became a new group
+/// (`setsid`) has its own session, so it never matches; an emptied group matches nothing.
+pub fn group_members(pgid: i32, sid: i32) -> usize {
+    if pgid <= 1 || sid <= 1 {
+        return 0;
+    }
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    rd.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|text| {
+            let zombie = text
+                .get(text.rfind(')').unwrap_or(0)..)
+                .and_then(|r| r.split_whitespace().nth(1))
+                .is_some_and(|st| st == "Z" || st == "X");
+            !zombie && group_and_session(text) == Some((pgid, sid))
+        })
+        .count()
+}
+
 /// Some process is still in process group `pgid`.
 pub fn group_alive(pgid: i32) -> bool {
     if pgid <= 1 {
@@ -86,5 +127,26 @@ mod tests {
         );
         assert!(!boot_id().is_empty());
         assert!(!group_alive(0) && !group_alive(1));
+    }
+
+    #[test]
+    fn group_members_match_group_and_session_together() {
+        // SAFETY: getpgrp/getsid have no preconditions.
+        let (pgrp, sid) = unsafe { (libc::getpgrp(), libc::getsid(0)) };
+        if pgrp > 1 && sid > 1 {
+            assert!(group_members(pgrp, sid) >= 1);
+            if pgrp != sid {
+                assert_eq!(
+                    group_members(pgrp, pgrp),
+                    0,
+                    "another session is another group"
+                );
+            }
+        }
+        assert_eq!(group_members(0, 5), 0);
+        assert_eq!(group_members(1, 1), 0);
+        assert_eq!(group_and_session("12 (a) b) c) S 1 7 9 0"), Some((7, 9)));
+        assert_eq!(group_and_session("12 (x) S 1"), None);
+        assert_eq!(group_and_session("garbage"), None);
     }
 }

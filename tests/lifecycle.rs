@@ -46,9 +46,16 @@ fn completion(cp: &ControlPlane, wl: &str) -> Value {
         .unwrap_or_default()
 }
 
+/// Exists and is not a zombie (a zombie has ended; it only waits for its parent).
 fn alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only probes.
-    unsafe { libc::kill(pid as i32, 0) == 0 }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap_or("X");
+    state != "Z" && state != "X"
 }
 
 #[test]
@@ -203,4 +210,139 @@ fn guarantee_9_a_second_cancel_keeps_the_first_deadline() {
         done["signal"], "SIGTERM",
         "the first cancel's signal is reported: {done}"
     );
+}
+
+fn node_with(
+    manifest: &str,
+    env: &[(&str, &str)],
+) -> (Broker, ControlPlane, NodeSetup, NodeProcess) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    for (k, v) in env {
+        setup.set(k, v);
+    }
+    setup.write("cyberwave.yml", manifest);
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    (broker, cp, setup, node)
+}
+
+fn pids_in(path: &std::path::Path) -> Vec<u32> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn guarantee_9_processes_a_workload_leaves_behind_are_ended_before_it_is_reported() {
+    let (_b, cp, setup, node) = node_with(
+        "cyberwave:\n  training: |\n    for i in $(seq 1 20); do sleep 40 & echo $! >> kids; done\n    (trap '' TERM; exec sleep 40) & echo $! >> kids\n    exit 0\n",
+        &[("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1")],
+    );
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "lb", "params": {"workload_uuid": "wl-lb"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    let done = completion(&cp, "wl-lb");
+    assert_eq!(done["success"], true, "{done}");
+    let kids = pids_in(&setup.cwd.join("kids"));
+    assert_eq!(kids.len(), 21, "{kids:?}");
+    let left: Vec<u32> = kids.into_iter().filter(|p| alive(*p)).collect();
+    assert!(left.is_empty(), "left running after the report: {left:?}");
+    let st = cp.status(&node.uuid(), "idle", REPLY).expect("status");
+    assert_eq!(st["output"]["is_busy"], false, "{st}");
+}
+
+#[test]
+fn guarantee_9_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cancellable() {
+    let (_b, cp, setup, node) = node_with(
+        "cyberwave:\n  simulate: sleep 60\n",
+        &[("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1")],
+    );
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "simulate", "request_id": "sv", "params": {"workload_uuid": "wl-sv"}}),
+    );
+    let pid = r["output"]["pid"].as_u64().unwrap_or(0) as u32;
+    let started = setup.config_dir().join("workloads/sv/started.json");
+    let shim: u32 = crate::support::wait_for(REPLY, || {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&started).ok()?).ok()?;
+        v["shim_pid"].as_u64().map(|p| p as u32)
+    })
+    .expect("started.json");
+    // SAFETY: the shim is this test's node's child's child; SIGKILL it as an operator would.
+    unsafe { libc::kill(shim as i32, libc::SIGKILL) };
+    assert!(
+        node.wait_log("supervisor of simulate sv", REPLY),
+        "{}",
+        node.log()
+    );
+    assert!(alive(pid), "the workload itself runs on");
+    // Still counted: a second start is refused at capacity 1 …
+    let busy = command(
+        &cp,
+        &node,
+        json!({"command": "simulate", "request_id": "sv2", "params": {"workload_uuid": "wl-sv2"}}),
+    );
+    assert_eq!(busy["status"], "error", "{busy}");
+    // … still listed …
+    let st = cp.status(&node.uuid(), "sv-st", REPLY).expect("status");
+    assert_eq!(st["output"]["active_workloads"][0]["pid"], pid, "{st}");
+    // … still cancellable, and reported once its group is empty.
+    let c = command(
+        &cp,
+        &node,
+        json!({"command": "cancel", "request_id": "sv-c", "params": {"pid": pid, "grace_seconds": 1}}),
+    );
+    assert_eq!(c["status"], "ok", "{c}");
+    let all = cp
+        .wait_status("wl-sv", "cancelled", DONE)
+        .or_else(|| cp.wait_status("wl-sv", "completed", DONE))
+        .unwrap_or_else(|| panic!("no report; log:\n{}", node.log()));
+    assert!(
+        crate::support::wait_for(REPLY, || (!alive(pid)).then_some(())).is_some(),
+        "the workload was ended"
+    );
+    assert!(!all.is_empty());
+}
+
+#[test]
+fn guarantee_3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends() {
+    let (_b, cp, setup, node) = node_with("cyberwave:\n  simulate: sleep 60\n", &[]);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "simulate", "request_id": "sk", "params": {"workload_uuid": "wl-sk"}}),
+    );
+    let pid = r["output"]["pid"].as_u64().unwrap_or(0) as i32;
+    let started = setup.config_dir().join("workloads/sk/started.json");
+    let shim: i32 = crate::support::wait_for(REPLY, || {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&started).ok()?).ok()?;
+        v["shim_pid"].as_i64().map(|p| p as i32)
+    })
+    .expect("started.json");
+    // SAFETY: signals to the test's own grandchildren.
+    unsafe { libc::kill(shim, libc::SIGKILL) };
+    assert!(
+        node.wait_log("supervisor of simulate sk", REPLY),
+        "{}",
+        node.log()
+    );
+    assert!(
+        cp.statuses("wl-sk")
+            .iter()
+            .all(|b| b["status"] != "completed"),
+        "not reported while it runs"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let done = completion(&cp, "wl-sk");
+    assert_eq!(done["success"], false, "{done}");
+    assert!(done.to_string().contains("supervisor was killed"), "{done}");
 }

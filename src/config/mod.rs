@@ -97,6 +97,9 @@ pub struct Tuning {
     /// How long a request to the backend waits for its reply (registration, workload
     /// statuses, outbox messages).
     pub request_timeout: Duration,
+    /// What is left of a workload's process group when its own process exits gets SIGTERM,
+    /// then SIGKILL after this long (D25).
+    pub cleanup_grace: Duration,
 }
 
 impl Default for Tuning {
@@ -111,6 +114,7 @@ impl Default for Tuning {
             token_check_timeout: Duration::from_secs(10),
             shutdown_flush: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
+            cleanup_grace: Duration::from_secs(10),
         }
     }
 }
@@ -741,6 +745,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         knob(
             "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
             &mut tuning.request_timeout,
+        );
+        knob(
+            "CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS",
+            &mut tuning.cleanup_grace,
         );
     }
 

@@ -19,6 +19,9 @@ use crate::store;
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Cancel, Meta, StartRequest};
 
+/// The report of a workload whose supervisor died before it could record the exit (D27).
+const SUPERVISOR_KILLED: &str = "workload's supervisor was killed; exit status unknown";
+
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 /// How often adopted workloads (not the node's children) are checked.
@@ -73,7 +76,8 @@ impl Active {
     /// The workload's own process ended: it waits for its logs, uploads or report and is
     /// never signalled again (D26).
     pub fn finished(&self) -> bool {
-        self.exited.is_some() || self.ending.is_some() || self.upload.is_some()
+        // `Some(None)`: the supervisor died without a record, the workload may still run (D27).
+        matches!(self.exited, Some(Some(_))) || self.ending.is_some() || self.upload.is_some()
     }
 
     pub fn state(&self) -> &'static str {
@@ -473,15 +477,22 @@ impl Node {
         let Some(a) = self.active.get_mut(safe_id) else {
             return;
         };
-        let pid = a.meta.pid();
-        if a.meta.cancel.is_some() && procinfo::group_alive(pid) {
-            // The shell ended but something of a cancelled workload lingers: clear the group first.
+        if provable_group(&a.meta).is_some() {
+            // Something of the workload still runs: the supervisor was killed (D27), or a
+            // cancelled group is being cleared. It stays tracked, counted and cancellable until
+            // its group is empty.
+            if exit.is_none() {
+                log::error!(
+                    "the supervisor of {} {} (pid {}) ended without an exit record while the workload still runs; tracking its process group until it is empty",
+                    a.meta.kind,
+                    shown(&a.meta.request_id_text()),
+                    a.meta.pid()
+                );
+            }
             a.exited = Some(exit);
             return;
         }
-        let lost = exit
-            .is_none()
-            .then_some("workload lost: its supervisor ended without recording an exit status");
+        let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
         self.begin_ending(safe_id, exit, lost);
     }
 
@@ -750,11 +761,16 @@ impl Node {
                 continue;
             }
             if let Some(exit) = a.exited.clone() {
-                if !procinfo::group_alive(pid) {
-                    let lost = exit.is_none().then_some(
-                        "workload lost: its supervisor ended without recording an exit status",
-                    );
-                    self.begin_ending(&id, exit, lost);
+                if now >= a.next_check {
+                    if let Some(a) = self.active.get_mut(&id) {
+                        a.next_check = now + ADOPTED_CHECK;
+                    }
+                    if let Some(a) = self.active.get(&id) {
+                        if provable_group(&a.meta).is_none() {
+                            let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
+                            self.begin_ending(&id, exit, lost);
+                        }
+                    }
                 }
                 continue;
             }
@@ -780,7 +796,7 @@ impl Node {
         };
         let shim_alive =
             st.shim_pid > 0 && procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks);
-        if !shim_alive && !procinfo::group_alive(st.pid) {
+        if !shim_alive {
             // One more look: the shim may have written the record as it ended.
             let exit: Option<Exit> = workload::read_json(&self.layout.exit(safe_id));
             self.on_exit(safe_id, exit);

@@ -378,6 +378,7 @@ fn start_in(
         stderr: stderr_log,
         shell: shell.to_string(),
         command,
+        cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
     };
     let shim_log = std::fs::File::create(dir.join("shim.log"))
         .map_err(|e| format!("cannot create the shim log: {e}"))?;

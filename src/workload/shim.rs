@@ -65,7 +65,13 @@ pub struct ShimArgs {
     pub stderr: PathBuf,
     pub shell: String,
     pub command: String,
+    /// How long what is left of the group after the workload's exit gets between SIGTERM and
+    /// SIGKILL (D25).
+    pub cleanup_grace_ms: u64,
 }
+
+/// Without the argument (a node of an older version started this shim): 10 s.
+const DEFAULT_CLEANUP_GRACE_MS: u64 = 10_000;
 
 impl ShimArgs {
     pub fn to_args(&self) -> Vec<std::ffi::OsString> {
@@ -77,11 +83,16 @@ impl ShimArgs {
             self.stderr.clone().into(),
             self.shell.clone().into(),
             self.command.clone().into(),
+            self.cleanup_grace_ms.to_string().into(),
         ]
     }
 
     pub fn parse(args: &[String]) -> Option<ShimArgs> {
-        match args {
+        let (fixed, grace) = match args {
+            [fixed @ .., grace] if args.len() == 7 => (fixed, grace.parse().ok()?),
+            fixed => (fixed, DEFAULT_CLEANUP_GRACE_MS),
+        };
+        match fixed {
             [dir, cwd, out, err, shell, command] => Some(ShimArgs {
                 dir: dir.into(),
                 cwd: cwd.into(),
@@ -89,9 +100,43 @@ impl ShimArgs {
                 stderr: err.into(),
                 shell: shell.clone(),
                 command: command.clone(),
+                cleanup_grace_ms: grace,
             }),
             _ => None,
         }
+    }
+}
+
+/// Terminates what is left of the workload's process group `pgid` (in this shim's session
+/// `sid`): SIGTERM, up to `grace` for it to go, then SIGKILL; reaps re-parented orphans as it
+/// waits. Returns once the group is empty (or a last 5 s after SIGKILL have passed).
+fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
+    use std::time::{Duration, Instant};
+    let reap = || {
+        // SAFETY: non-blocking wait for any child; a null status pointer is allowed.
+        while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+    };
+    let members = || procinfo::group_members(pgid, sid);
+    let wait_empty = |limit: Duration| {
+        let until = Instant::now().checked_add(limit);
+        loop {
+            reap();
+            if members() == 0 || until.is_none_or(|u| Instant::now() >= u) {
+                reap();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    if members() == 0 {
+        reap();
+        return;
+    }
+    let _ = procinfo::signal_group(pgid, libc::SIGTERM);
+    wait_empty(grace);
+    if members() > 0 {
+        let _ = procinfo::signal_group(pgid, libc::SIGKILL);
+        wait_empty(Duration::from_secs(5));
     }
 }
 
@@ -112,6 +157,9 @@ pub fn run(args: &[String]) -> i32 {
     // SAFETY: setsid has no memory-safety preconditions.
     unsafe {
         libc::setsid();
+        // Orphans of the workload are re-parented to the shim, which reaps them while it
+        // clears the group (D25).
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
     let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
@@ -185,6 +233,12 @@ pub fn run(args: &[String]) -> i32 {
             Err(_) => break None,
         }
     };
+    // D25: nothing of the workload outlives its report.
+    clear_group(
+        pid,
+        me,
+        std::time::Duration::from_millis(a.cleanup_grace_ms),
+    );
     let exit = Exit {
         exit_code: status.and_then(|s| s.code()),
         signal: status.and_then(|s| s.signal()),

@@ -33,6 +33,9 @@ struct Slot {
     sent_at: Option<Instant>,
     /// Connections lost within [`REFUSAL_WINDOW`] of sending it (D34).
     refusals: u32,
+    /// Its file is written. An item that could not be written (a full disk) is kept in memory,
+    /// sent all the same, and written as soon as that works (D28).
+    durable: bool,
 }
 
 impl Slot {
@@ -44,6 +47,7 @@ impl Slot {
             attempts: 0,
             sent_at: None,
             refusals: 0,
+            durable: true,
         }
     }
 }
@@ -155,13 +159,48 @@ impl Outbox {
     /// Writes the item durably; it is sent by [`Outbox::due`]. Sequence numbers follow the
     /// clock (nanoseconds) so that items written by another process (`emit` while the node is
     /// down) sort in time order with the node's own.
-    pub fn push(&mut self, item: Item) -> std::io::Result<u64> {
+    ///
+    /// When the file cannot be written (a full disk) the item is kept in memory all the same
+    /// and written later by [`Outbox::persist_pending`]; the error says it is not durable yet.
+    pub fn push(&mut self, item: Item) -> Result<u64, (u64, std::io::Error)> {
         let seq = self.next_seq.max(now_nanos());
-        self.next_seq = seq + 1;
-        let json = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
-        crate::store::write_atomic(&self.dir.join(format!("{seq:020}.json")), &json, 0o600)?;
-        self.slots.insert(seq, Slot::new(item));
-        Ok(seq)
+        self.next_seq = seq.saturating_add(1);
+        let written = self.write(seq, &item);
+        let mut slot = Slot::new(item);
+        slot.durable = written.is_ok();
+        self.slots.insert(seq, slot);
+        written.map(|()| seq).map_err(|e| (seq, e))
+    }
+
+    fn write(&self, seq: u64, item: &Item) -> std::io::Result<()> {
+        let json = serde_json::to_vec(item).map_err(std::io::Error::other)?;
+        crate::store::write_atomic(&self.dir.join(format!("{seq:020}.json")), &json, 0o600)
+    }
+
+    pub fn has_pending_writes(&self) -> bool {
+        self.slots.values().any(|s| !s.durable)
+    }
+
+    /// Writes the items a full disk kept in memory; returns how many are still not durable.
+    pub fn persist_pending(&mut self) -> usize {
+        let pending: Vec<u64> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| !s.durable)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut left = 0usize;
+        for seq in pending {
+            let ok = self
+                .slots
+                .get(&seq)
+                .is_some_and(|s| self.write(seq, &s.item).is_ok());
+            match self.slots.get_mut(&seq) {
+                Some(s) if ok => s.durable = true,
+                _ => left = left.saturating_add(1),
+            }
+        }
+        left
     }
 
     /// Items to (re)send now, oldest first, at most [`MAX_IN_FLIGHT`] outstanding.

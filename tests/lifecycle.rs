@@ -346,3 +346,82 @@ fn guarantee_3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends()
     assert_eq!(done["success"], false, "{done}");
     assert!(done.to_string().contains("supervisor was killed"), "{done}");
 }
+
+#[test]
+fn guarantee_3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to mount a small tmpfs");
+        return;
+    }
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_MIN_FREE_DISK_MB", "0");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs"])
+        .arg(&dir)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("skipped: cannot mount a tmpfs here");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _unmount = Unmount(dir.clone());
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: head -c 3000000 /dev/zero | tr '\\0' x; echo; exit 7\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "full", "params": {"workload_uuid": "wl-full"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    // The disk fills up; the node keeps answering and says so, but not once per attempt.
+    assert!(
+        cp.status(&node.uuid(), "while-full", REPLY).is_some(),
+        "{}",
+        node.log()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let complaints = node
+        .log()
+        .lines()
+        .filter(|l| l.contains("cannot persist the log cursor"))
+        .count();
+    assert!(complaints <= 2, "{complaints} cursor errors logged");
+    // Space comes back (the workload's own log is what filled it).
+    for stream in ["stdout", "stderr"] {
+        let log = dir.join(format!("workload_logs/training_full.{stream}.log"));
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&log)
+            .map(|f| f.set_len(0));
+    }
+    let done = completion(&cp, "wl-full");
+    assert_eq!(done["success"], false, "{done}");
+    assert_eq!(
+        done["exit_code"], 7,
+        "the real exit code, not a lost one: {done}"
+    );
+    let n = cp
+        .statuses("wl-full")
+        .iter()
+        .filter(|b| b["status"] == "completed")
+        .count();
+    assert_eq!(n, 1);
+}

@@ -77,9 +77,15 @@ impl Node {
             label,
             key: None,
         };
-        self.ingress
-            .push(item)
-            .map_err(|e| format!("cannot queue the event: {e}"))?;
+        if let Err((_, e)) = self.ingress.push(item) {
+            // Kept in memory and sent all the same (D28); written once the disk allows.
+            if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                log::error!(
+                    "cannot write a workflow event to disk ({e}); it is kept in memory and sent anyway{}",
+                    super::workloads::held_note(held)
+                );
+            }
+        }
         self.send_ingress();
         Ok(())
     }

@@ -258,7 +258,14 @@ impl Node {
             if let Ok(json) = serde_json::to_vec(&cursor) {
                 let path = self.layout.dir(&key.safe_id).join("cursor.json");
                 if let Err(e) = crate::store::write_atomic(&path, &json, 0o600) {
-                    log::warn!("cannot persist the log cursor {}: {e}", path.display());
+                    // A full disk: once a minute, not once per chunk (D28).
+                    if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                        log::warn!(
+                            "cannot persist the log cursor {}: {e}{}",
+                            path.display(),
+                            super::workloads::held_note(held)
+                        );
+                    }
                 }
             }
         }

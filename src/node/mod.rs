@@ -181,6 +181,11 @@ pub struct Node {
     /// "node ready" (and READY=1) was announced.
     ready_announced: bool,
     next_prune: Instant,
+    /// Full-disk errors are logged once a minute (D28).
+    disk_errors: crate::logtext::Throttle,
+    /// Workloads whose completion could not be written to disk: their record is removed once
+    /// the backend acknowledged it (outbox sequence → safe id).
+    retire_on_ack: HashMap<u64, String>,
 }
 
 impl Node {

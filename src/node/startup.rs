@@ -293,6 +293,8 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         connected_once: false,
         ready_announced: false,
         next_prune: now,
+        disk_errors: crate::logtext::Throttle::default(),
+        retire_on_ack: std::collections::HashMap::new(),
         s,
     };
     let mut node = node;

@@ -630,7 +630,17 @@ impl Node {
                 };
                 match self.outbox.push(item) {
                     Ok(_) => self.flush_outbox(),
-                    Err(e) => log::error!("cannot queue the completion of {rid}: {e}"),
+                    Err((seq, e)) => {
+                        // D28: kept in memory and sent all the same; the workload's record
+                        // stays until the backend acknowledged it, so a restart still knows.
+                        if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                            log::error!("cannot write the completion of {rid} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", held_note(held));
+                        }
+                        self.retire_on_ack.insert(seq, safe_id.to_string());
+                        self.flush_outbox();
+                        self.retry_deferred_starts();
+                        return;
+                    }
                 }
             }
         }
@@ -658,6 +668,14 @@ impl Node {
     // ---- the outbox -------------------------------------------------------------------------
 
     pub(super) fn flush_outbox(&mut self) {
+        if self.outbox.has_pending_writes() {
+            let left = self.outbox.persist_pending();
+            if left > 0 {
+                if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
+                }
+            }
+        }
         if self.conn != super::Conn::Connected {
             return;
         }
@@ -689,6 +707,9 @@ impl Node {
             Some(b) if super::success(&b) => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
                     log::info!("backend acknowledged the {}", item.label);
+                }
+                if let Some(safe_id) = self.retire_on_ack.remove(&seq) {
+                    self.retire(&safe_id);
                 }
             }
             Some(b) if super::code(&b).is_some_and(|c| c < 500) => {
@@ -907,6 +928,15 @@ impl Node {
                 a.meta.stderr_log.display()
             );
         }
+    }
+}
+
+/// " (N more like it held back)" for a throttled log line.
+pub(super) fn held_note(held: u64) -> String {
+    if held == 0 {
+        String::new()
+    } else {
+        format!(" ({held} more like it in the last minute not logged)")
     }
 }
 

@@ -245,11 +245,16 @@ pub fn run(args: &[String]) -> i32 {
         started_at,
         ended_at: util::rfc3339(SystemTime::now()),
     };
-    match serde_json::to_vec(&exit) {
-        Ok(json) => match store::write_atomic(&a.dir.join("exit.json"), &json, 0o600) {
-            Ok(()) => 0,
-            Err(_) => 1,
-        },
-        Err(_) => 1,
+    let Ok(json) = serde_json::to_vec(&exit) else {
+        return 1;
+    };
+    // D28: the exit status is never lost to a full disk. Until the record is written the
+    // shim stays, so the node keeps the workload and learns its end once space comes back.
+    loop {
+        match store::write_atomic(&a.dir.join("exit.json"), &json, 0o600) {
+            Ok(()) => return 0,
+            Err(_) if !a.dir.is_dir() => return 1,
+            Err(_) => std::thread::sleep(std::time::Duration::from_secs(1)),
+        }
     }
 }

@@ -6,6 +6,7 @@ mod cli_config;
 mod ingress;
 mod logs;
 mod operate;
+mod platform;
 mod results;
 mod wire;
 mod workloads;

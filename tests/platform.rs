@@ -1,0 +1,133 @@
+//! Speaking the platform's language (issue 13): upload methods (D40), retryable refusals
+//! (D21), the SDK's topic prefix and workspace scoping.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::{Broker, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(40);
+
+fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> Value {
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
+    );
+    cp.wait_reply(rid, REPLY)
+        .unwrap_or_else(|| panic!("no reply to {rid}"))
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    // Names with a quote, a CR-free unicode name and a boundary-looking body test the framing.
+    let odd = "sub/r\u{e9}sultat \"final\".txt";
+    cp.set_behaviour(|b| {
+        for (name, method) in [
+            ("big.bin", json!("multipart")),
+            (odd, json!("multipart")),
+            ("explicit.bin", json!("signed_url")),
+            ("null.bin", Value::Null),
+            ("weird.bin", json!("ftp")),
+            ("number.bin", json!(7)),
+        ] {
+            b.upload_methods.insert(name.to_string(), method);
+        }
+    });
+    let setup = NodeSetup::new(&broker, &cp);
+    let src = setup.cwd.join("src");
+    std::fs::create_dir_all(src.join("sub")).expect("src");
+    let mut files = vec![
+        ("big.bin", pattern(3, 6 * 1024 * 1024 + 17)),
+        (
+            odd,
+            b"--cyberwave-node-\r\n\r\nnot a boundary\r\n--".to_vec(),
+        ),
+        ("explicit.bin", pattern(5, 1000)),
+        ("null.bin", pattern(9, 10)),
+        ("plain.bin", Vec::new()),
+        ("weird.bin", pattern(11, 100)),
+        ("number.bin", pattern(13, 100)),
+    ];
+    files.sort();
+    for (name, bytes) in &files {
+        std::fs::write(src.join(name), bytes).expect("write");
+    }
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: cp -r src out\n  results_folder: out\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(start(&cp, &node, "mp", "wl-mp")["status"], "ok");
+    assert!(
+        cp.wait_status("wl-mp", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let puts = cp.uploads();
+    let forms = cp.form_uploads();
+    for (name, bytes) in &files {
+        let att = cp
+            .attachment_name(name)
+            .unwrap_or_else(|| panic!("R9 for {name}"));
+        let uuid = att.rsplit_once('.').map_or(att.as_str(), |(s, _)| s);
+        match *name {
+            "big.bin" | "sub/r\u{e9}sultat \"final\".txt" => {
+                let f = forms
+                    .get(uuid)
+                    .unwrap_or_else(|| panic!("{name} by multipart"));
+                assert_eq!(&f.bytes, bytes, "{name} byte-identical");
+                assert_eq!((f.field.as_str(), f.parts), ("file", 1));
+                let expect = name
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or_default()
+                    .replace('"', "%22");
+                assert_eq!(f.filename, expect);
+                assert_eq!(f.authorization, Some(format!("Token {TOKEN}")));
+                assert!(!puts.contains_key(&att), "{name} not PUT as well");
+            }
+            "explicit.bin" | "null.bin" | "plain.bin" => {
+                assert_eq!(puts.get(&att), Some(bytes), "{name} PUT byte-identical");
+                assert!(!forms.contains_key(uuid), "{name} not POSTed as well");
+            }
+            _ => {
+                assert!(
+                    !puts.contains_key(&att) && !forms.contains_key(uuid),
+                    "{name}"
+                );
+                let why = if *name == "weird.bin" {
+                    "\"ftp\""
+                } else {
+                    "\"7\""
+                };
+                assert!(
+                    node.log()
+                        .lines()
+                        .any(|l| l.contains(name) && l.contains(why)),
+                    "the error names {name} and the method: {}",
+                    node.log()
+                );
+            }
+        }
+    }
+    let r10 = cp.requests("workload:upload-results");
+    assert_eq!(r10.len(), 1);
+    assert_eq!(
+        r10[0].body["filenames"],
+        json!(["big.bin", "explicit.bin", "null.bin", "plain.bin", odd]),
+        "the failed files are left out"
+    );
+}

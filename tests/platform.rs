@@ -131,3 +131,57 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
         "the failed files are left out"
     );
 }
+
+#[test]
+fn a_start_during_shutdown_is_a_retryable_host_busy_refusal() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    cp.set_behaviour(|b| b.terminate_delay = Duration::from_millis(2500));
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 5\n");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    node.sigterm();
+    assert!(node.wait_log("shutting down", REPLY));
+    let r = start(&cp, &node, "late", "wl-late");
+    assert_eq!(r["status"], "error");
+    let err = r["error"].as_str().unwrap_or_default().to_string();
+    assert!(err.starts_with("Controller host is busy with"), "{err}");
+    let failed = cp
+        .wait_status("wl-late", "failed", REPLY)
+        .expect("R7 failed");
+    assert_eq!(failed[0]["rejection_reason"], "host_busy");
+    assert_eq!(failed[0]["busy_reason"], "shutting_down");
+    assert_eq!(failed[0]["rejecting_instance_uuid"], node.uuid());
+    assert_eq!(failed[0]["error"], json!(err));
+    // Other commands keep the plain shutting-down answer.
+    let st = cp.status(&node.uuid(), "st", REPLY).expect("reply");
+    assert!(st["error"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("shutting down"));
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+}
+
+#[test]
+fn a_refusal_that_cannot_succeed_here_is_not_host_busy() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 5\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "simulate", "request_id": "nope", "params": {"workload_uuid": "wl-nope"}}),
+    );
+    assert_eq!(
+        cp.wait_reply("nope", REPLY).expect("reply")["status"],
+        "error"
+    );
+    let failed = cp
+        .wait_status("wl-nope", "failed", REPLY)
+        .expect("R7 failed");
+    assert!(failed[0].get("rejection_reason").is_none(), "{}", failed[0]);
+    assert!(failed[0].get("busy_reason").is_none(), "{}", failed[0]);
+}

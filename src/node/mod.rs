@@ -756,7 +756,12 @@ impl Node {
             "command {command} (request {})",
             messages::request_id_text(&request_id)
         );
-        if self.shutdown.is_some() {
+        // A start is refused by its own guard, as a retryable "host busy" (D21).
+        let start = matches!(
+            command.as_str(),
+            "inference" | "simulate" | "training" | "workload_received"
+        );
+        if self.shutdown.is_some() && !start {
             return self.reply_error(
                 &request_id,
                 "node is shutting down and not accepting new commands",

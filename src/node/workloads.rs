@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use super::logs::{Cursor, Stream, DRAIN_LIMIT};
+use super::operate::{Busy, BUSY_PREFIX};
 use super::uploads::Upload;
 use super::{Node, Op};
 use crate::outbox::Item;
@@ -149,14 +150,8 @@ impl Node {
             let why = format!("{cap} command not configured in cyberwave.yml");
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         };
-        if let Some((why, reason)) = self.start_guard() {
-            return self.reject_start(
-                request_id,
-                workload_uuid.as_deref(),
-                &why,
-                Some(reason),
-                ctx,
-            );
+        if let Some((why, busy)) = self.start_guard() {
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
         }
         let capacity = self.s.max_concurrent_workloads.value as usize;
         if self.active.len() >= capacity
@@ -172,22 +167,16 @@ impl Node {
                 "workload"
             };
             let uploading = self.uploading();
-            let detail = if uploading > 0 {
-                format!(" ({uploading} uploading results)")
+            let (detail, busy) = if uploading > 0 {
+                (format!(" ({uploading} uploading results)"), Busy::Uploading)
             } else {
-                String::new()
+                (String::new(), Busy::Capacity)
             };
             let why = format!(
-                "Controller host is busy with {} active workload(s){detail}. Stop the existing {what} before starting a new one.",
+                "{BUSY_PREFIX} {} active workload(s){detail}. Stop the existing {what} before starting a new one.",
                 self.active.len()
             );
-            return self.reject_start(
-                request_id,
-                workload_uuid.as_deref(),
-                &why,
-                Some("host_busy"),
-                ctx,
-            );
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
         }
         let manifest_limit = self.s.manifest.as_ref().and_then(|m| m.max_runtime_seconds);
         let param_limit = params
@@ -245,26 +234,31 @@ impl Node {
     }
 
     /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
+    /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
     fn reject_start(
         &mut self,
         request_id: &Value,
         workload_uuid: Option<&str>,
         why: &str,
-        reason: Option<&str>,
+        busy: Option<Busy>,
         ctx: Option<workload::WorkflowCtx>,
     ) {
         self.report_rejected(ctx, why);
-        self.count_rejection(reason.unwrap_or(if why.contains("not configured") {
-            "not_configured"
-        } else {
-            "failed_to_start"
-        }));
+        self.count_rejection(busy.map_or(
+            if why.contains("not configured") {
+                "not_configured"
+            } else {
+                "failed_to_start"
+            },
+            Busy::reason,
+        ));
         log::warn!("refused start {}: {why}", request_id_text(request_id));
         self.reply_error(request_id, why);
         if let Some(wl) = workload_uuid {
             let mut body = json!({"status": "failed", "error": why, "failure_detail": why});
-            if let Some(r) = reason {
-                body["rejection_reason"] = json!(r);
+            if let Some(b) = busy {
+                body["rejection_reason"] = json!("host_busy");
+                body["busy_reason"] = json!(b.reason());
                 body["rejecting_instance_uuid"] = json!(self.uuid());
             }
             self.workload_status(wl, body);
@@ -886,6 +880,12 @@ impl Node {
             }
             let kind = kind.to_string();
             return self.on_start(&kind, request_id, &Value::Object(inner));
+        }
+        if self.shutdown.is_some() {
+            return self.reply_error(
+                request_id,
+                "node is shutting down and not accepting new commands",
+            );
         }
         let shown = uuid.unwrap_or_else(|| "None".into());
         self.reply_ok(

@@ -334,6 +334,13 @@ pub fn form_filename(name: &str) -> String {
     out
 }
 
+/// Whether `url`'s query already names `name`.
+fn has_query_param(url: &str, name: &str) -> bool {
+    url.split_once('?')
+        .map(|(_, q)| q.split('#').next().unwrap_or(q))
+        .is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some(name)))
+}
+
 /// The bytes around the file in a one-part `multipart/form-data` body: (head, tail).
 pub fn multipart_frame(boundary: &str, filename: &str) -> (Vec<u8>, Vec<u8>) {
     let head = format!(
@@ -378,8 +385,15 @@ impl Backend {
             std::io::Read::chain(std::io::Cursor::new(head), file),
             std::io::Cursor::new(tail),
         );
-        let answer = agent(transfer_timeout(size))
-            .post(&url)
+        let mut req = agent(transfer_timeout(size)).post(&url);
+        // The SDK scopes every API call, this one included; a workspace_uuid already on the URL
+        // is the backend's own choice and wins.
+        if let Some(ws) = &self.workspace_uuid {
+            if !has_query_param(&url, "workspace_uuid") {
+                req = req.query("workspace_uuid", ws);
+            }
+        }
+        let answer = req
             .header("Authorization", &format!("Token {}", self.token))
             .header("Accept", "application/json")
             .header(
@@ -449,6 +463,23 @@ mod tests {
             "--BND\r\nContent-Disposition: form-data; name=\"file\"; filename=\"y.bin\"\r\nContent-Type: application/octet-stream\r\n\r\n"
         );
         assert_eq!(tail, b"\r\n--BND--\r\n");
+    }
+
+    #[test]
+    fn an_existing_query_parameter_is_found() {
+        assert!(has_query_param(
+            "http://h/p?a=1&workspace_uuid=x",
+            "workspace_uuid"
+        ));
+        assert!(!has_query_param(
+            "http://h/p?my_workspace_uuid=x",
+            "workspace_uuid"
+        ));
+        assert!(!has_query_param(
+            "http://h/p#workspace_uuid=x",
+            "workspace_uuid"
+        ));
+        assert!(!has_query_param("http://h/p", "workspace_uuid"));
     }
 
     #[test]

@@ -44,8 +44,11 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
         ] {
             b.upload_methods.insert(name.to_string(), method);
         }
+        // The form upload is an API call: scoped like every other one.
+        b.require_workspace_uuid = true;
     });
-    let setup = NodeSetup::new(&broker, &cp);
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_WORKSPACE_ID", "ws-1");
     let src = setup.cwd.join("src");
     std::fs::create_dir_all(src.join("sub")).expect("src");
     let mut files = vec![
@@ -184,4 +187,54 @@ fn a_refusal_that_cannot_succeed_here_is_not_host_busy() {
         .expect("R7 failed");
     assert!(failed[0].get("rejection_reason").is_none(), "{}", failed[0]);
     assert!(failed[0].get("busy_reason").is_none(), "{}", failed[0]);
+}
+
+#[test]
+fn the_sdk_topic_prefix_and_workspace_uuid_are_honoured() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "sdkpfx/");
+    cp.set_behaviour(|b| b.require_workspace_uuid = true);
+    let mut setup = NodeSetup::new(&broker, &cp);
+    // The SDK's second name for the prefix; CYBERWAVE_ENVIRONMENT (set by the rig) loses to it.
+    setup.set("CYBERWAVE_ENVIRONMENT", "staging");
+    setup.set("CYBERWAVE_TOPIC_PREFIX", "sdkpfx/");
+    setup.set("CYBERWAVE_WORKSPACE_ID", "ws-0000-1111");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        cp.requests("register")
+            .iter()
+            .all(|r| r.topic.starts_with("sdkpfx/cyberwave/cloud-node/")),
+        "registered under the prefix"
+    );
+    let st = cp
+        .status(&node.uuid(), "st", REPLY)
+        .expect("a reply under the prefix");
+    assert_eq!(st["status"], "ok");
+    assert!(node.wait_log("accepted by", REPLY), "{}", node.log());
+    let hits = cp.http_hits();
+    assert!(
+        hits.iter()
+            .any(|(url, _)| url.starts_with("/api/v1/cloud-node/instances")
+                && url.contains("workspace_uuid=ws-0000-1111")),
+        "{hits:?}"
+    );
+}
+
+#[test]
+fn workspace_required_is_explained_and_the_node_keeps_running() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    cp.set_behaviour(|b| b.require_workspace_uuid = true);
+    let node = NodeSetup::new(&broker, &cp).spawn();
+    node.wait_ready(READY);
+    assert!(node.wait_log("workspace_required", REPLY), "{}", node.log());
+    assert!(node
+        .log()
+        .lines()
+        .any(|l| l.contains("workspace_required") && l.contains("set CYBERWAVE_WORKSPACE_ID")));
+    assert_eq!(
+        cp.status(&node.uuid(), "st", REPLY).expect("reply")["status"],
+        "ok"
+    );
 }

@@ -123,9 +123,17 @@ pub enum WorkloadCheck {
 const STALE_STATUSES: [&str; 4] = ["completed", "failed", "cancelled", "canceled"];
 
 impl Backend {
-    /// The REST side as the settings describe it; `CYBERWAVE_WORKSPACE_ID` (process environment
-    /// or an env file) is read here, as the SDK reads it.
+    /// The REST side as the settings describe it. The workspace uuid is `CYBERWAVE_WORKSPACE_ID`
+    /// (process environment or an env file), as the SDK reads it, else the `workspace_uuid`
+    /// that `cyberwave login` stored beside the token, when that token is the one in use.
     pub fn of(s: &crate::config::Settings, token: &str) -> Backend {
+        let from_login = || {
+            let c = crate::config::credentials::Credentials::load(
+                &s.config_dir.value.join("credentials.json"),
+            );
+            c.workspace_uuid
+                .filter(|_| c.token.as_deref() == Some(token))
+        };
         Backend {
             base_url: s.base_url.value.clone(),
             token: token.to_string(),
@@ -134,7 +142,8 @@ impl Backend {
                 .env
                 .value("CYBERWAVE_WORKSPACE_ID")
                 .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty()),
+                .filter(|v| !v.is_empty())
+                .or_else(from_login),
         }
     }
 

@@ -238,3 +238,38 @@ fn workspace_required_is_explained_and_the_node_keeps_running() {
         "ok"
     );
 }
+
+#[test]
+fn the_login_workspace_goes_with_the_login_token_only() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    cp.set_behaviour(|b| b.require_workspace_uuid = true);
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.unset("CYBERWAVE_API_KEY");
+    std::fs::create_dir_all(setup.config_dir()).expect("config dir");
+    std::fs::write(
+        setup.config_dir().join("credentials.json"),
+        json!({"token": TOKEN, "workspace_uuid": "ws-login"}).to_string(),
+    )
+    .expect("credentials");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(node.wait_log("accepted by", REPLY), "{}", node.log());
+    assert!(cp
+        .http_hits()
+        .iter()
+        .any(|(url, _)| url.contains("workspace_uuid=ws-login")));
+    node.sigterm();
+    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    // Another token (from the environment) is not sent with the login's workspace.
+    setup.set("CYBERWAVE_API_KEY", "cw_another_token_entirely");
+    let hits_before = cp.http_hits().len();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(node.wait_log("workspace_required", REPLY), "{}", node.log());
+    assert!(cp
+        .http_hits()
+        .iter()
+        .skip(hits_before)
+        .all(|(url, _)| !url.contains("workspace_uuid")));
+}

@@ -13,6 +13,8 @@ pub struct Credentials {
     pub path: PathBuf,
     pub token: Option<String>,
     pub workspace_slug: Option<String>,
+    /// The workspace the login's token was created for (`cyberwave login` writes it).
+    pub workspace_uuid: Option<String>,
     json: Value,
 }
 
@@ -32,6 +34,7 @@ impl Credentials {
             path: path.to_path_buf(),
             token: json.get("token").and_then(s),
             workspace_slug: json.get("workspace_slug").and_then(s),
+            workspace_uuid: json.get("workspace_uuid").and_then(s),
             json,
         }
     }
@@ -122,12 +125,13 @@ mod tests {
         let p = dir.join("credentials.json");
         std::fs::write(
             &p,
-            r#"{"token":" cw_tok ","workspace_slug":"ws","envs":{"CYBERWAVE_MQTT_HOST":"h","CYBERWAVE_MQTT_PORT":" "},"CYBERWAVE_MQTT_PORT":1884}"#,
+            r#"{"token":" cw_tok ","workspace_slug":"ws","workspace_uuid":"ws-u","envs":{"CYBERWAVE_MQTT_HOST":"h","CYBERWAVE_MQTT_PORT":" "},"CYBERWAVE_MQTT_PORT":1884}"#,
         )
         .unwrap();
         let c = Credentials::load(&p);
         assert_eq!(c.token.as_deref(), Some("cw_tok"));
         assert_eq!(c.workspace_slug.as_deref(), Some("ws"));
+        assert_eq!(c.workspace_uuid.as_deref(), Some("ws-u"));
         assert_eq!(c.env_value("CYBERWAVE_MQTT_HOST").as_deref(), Some("h"));
         assert_eq!(c.env_value("CYBERWAVE_MQTT_PORT").as_deref(), Some("1884"));
         std::fs::write(&p, "not json").unwrap();

@@ -198,6 +198,8 @@ impl Node {
             UploadMethod::SignedUrl => None,
             UploadMethod::Multipart => Some(name.clone()),
             UploadMethod::Other(m) => {
+                // The backend's text, bounded: it goes into the log.
+                let m: String = m.chars().take(80).collect();
                 let why = format!(
                     "the backend asked for upload_method {m:?} for {name}, which this node does not know (it knows signed_url and multipart)"
                 );

@@ -255,13 +255,16 @@ impl Node {
         log::warn!("refused start {}: {why}", request_id_text(request_id));
         self.reply_error(request_id, why);
         if let Some(wl) = workload_uuid {
-            let mut body = json!({"status": "failed", "error": why, "failure_detail": why});
+            let mut body = Map::new();
+            body.insert("status".into(), json!("failed"));
+            body.insert("error".into(), json!(why));
+            body.insert("failure_detail".into(), json!(why));
             if let Some(b) = busy {
-                body["rejection_reason"] = json!("host_busy");
-                body["busy_reason"] = json!(b.reason());
-                body["rejecting_instance_uuid"] = json!(self.uuid());
+                body.insert("rejection_reason".into(), json!("host_busy"));
+                body.insert("busy_reason".into(), json!(b.reason()));
+                body.insert("rejecting_instance_uuid".into(), json!(self.uuid()));
             }
-            self.workload_status(wl, body);
+            self.workload_status(wl, Value::Object(body));
         }
     }
 

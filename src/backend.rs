@@ -63,28 +63,38 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
 }
 
 /// `GET {base}/api/v1/cloud-node/instances` with `Authorization: Token …`.
-pub fn check_token(
-    base_url: &str,
-    token: &str,
-    workspace: Option<&str>,
-    timeout: Duration,
-) -> TokenCheck {
-    let url = format!("{base_url}/api/v1/cloud-node/instances");
-    let mut req = agent(timeout)
-        .get(&url)
-        .header("Authorization", &format!("Token {token}"))
-        .header("Accept", "application/json");
-    if let Some(ws) = workspace {
-        req = req.query("workspace_slug", ws);
-    }
-    match req.call() {
-        Ok(resp) => match resp.status().as_u16() {
+pub fn check_token(b: &Backend, timeout: Duration) -> TokenCheck {
+    let url = format!("{}/api/v1/cloud-node/instances", b.base_url);
+    match b.get("/api/v1/cloud-node/instances", timeout).call() {
+        Ok(mut resp) => match resp.status().as_u16() {
             s if s < 300 => TokenCheck::Accepted,
             s @ (401 | 403) => TokenCheck::Rejected(s),
-            s => TokenCheck::Inconclusive(format!("{url} answered HTTP {s}")),
+            s => TokenCheck::Inconclusive(format!("{url}: {}", http_error(s, &mut resp))),
         },
         Err(e) => TokenCheck::Inconclusive(format!("{url}: {e}")),
     }
+}
+
+/// The text of a failed REST answer. `400 workspace_required` (the token reaches several
+/// workspaces and the request named none) gets the fix spelled out.
+fn http_error(status: u16, resp: &mut ureq::http::Response<ureq::Body>) -> String {
+    let body = resp
+        .body_mut()
+        .with_config()
+        .limit(64 * 1024)
+        .read_to_string()
+        .unwrap_or_default();
+    workspace_required(status, &body).unwrap_or_else(|| format!("HTTP {status}"))
+}
+
+/// `Some(explanation)` when a REST answer is the platform's `400 workspace_required`.
+pub fn workspace_required(status: u16, body: &str) -> Option<String> {
+    (status == 400 && body.contains("workspace_required")).then(|| {
+        "HTTP 400 workspace_required: this API token reaches several workspaces and the \
+         request named none; set CYBERWAVE_WORKSPACE_ID to the uuid of the workspace this \
+         node works for"
+            .to_string()
+    })
 }
 
 /// Where and as whom the REST calls go (a copy lives on each worker thread).
@@ -92,7 +102,11 @@ pub fn check_token(
 pub struct Backend {
     pub base_url: String,
     pub token: String,
+    /// `workspace_slug` query parameter (the Python node's scoping).
     pub workspace: Option<String>,
+    /// `workspace_uuid` query parameter (the SDK's scoping, from `CYBERWAVE_WORKSPACE_ID`):
+    /// needed when the token reaches several workspaces.
+    pub workspace_uuid: Option<String>,
 }
 
 /// What the backend says about a tracked workload (REST E7), for stale-workload self-healing.
@@ -109,19 +123,50 @@ pub enum WorkloadCheck {
 const STALE_STATUSES: [&str; 4] = ["completed", "failed", "cancelled", "canceled"];
 
 impl Backend {
-    fn get(
-        &self,
-        path: &str,
-        timeout: Duration,
-    ) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
-        let mut req = agent(timeout)
-            .get(&format!("{}{path}", self.base_url))
+    /// The REST side as the settings describe it. The workspace uuid is `CYBERWAVE_WORKSPACE_ID`
+    /// (process environment or an env file), as the SDK reads it, else the `workspace_uuid`
+    /// that `cyberwave login` stored beside the token, when that token is the one in use.
+    pub fn of(s: &crate::config::Settings, token: &str) -> Backend {
+        let from_login = || {
+            let c = crate::config::credentials::Credentials::load(
+                &s.config_dir.value.join("credentials.json"),
+            );
+            c.workspace_uuid
+                .filter(|_| c.token.as_deref() == Some(token))
+        };
+        Backend {
+            base_url: s.base_url.value.clone(),
+            token: token.to_string(),
+            workspace: s.workspace_slug.as_ref().map(|w| w.value.clone()),
+            workspace_uuid: s
+                .env
+                .value("CYBERWAVE_WORKSPACE_ID")
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+                .or_else(from_login),
+        }
+    }
+
+    /// Authorization, Accept and the workspace query parameters of every API call.
+    fn scoped<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        let mut req = req
             .header("Authorization", &format!("Token {}", self.token))
             .header("Accept", "application/json");
         if let Some(ws) = &self.workspace {
             req = req.query("workspace_slug", ws);
         }
+        if let Some(ws) = &self.workspace_uuid {
+            req = req.query("workspace_uuid", ws);
+        }
         req
+    }
+
+    fn get(
+        &self,
+        path: &str,
+        timeout: Duration,
+    ) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
+        self.scoped(agent(timeout).get(&format!("{}{path}", self.base_url)))
     }
 
     fn post(
@@ -129,14 +174,7 @@ impl Backend {
         path: &str,
         timeout: Duration,
     ) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
-        let mut req = agent(timeout)
-            .post(&format!("{}{path}", self.base_url))
-            .header("Authorization", &format!("Token {}", self.token))
-            .header("Accept", "application/json");
-        if let Some(ws) = &self.workspace {
-            req = req.query("workspace_slug", ws);
-        }
-        req
+        self.scoped(agent(timeout).post(&format!("{}{path}", self.base_url)))
     }
 
     /// E7: `GET /api/v1/cloud-node-workloads/{wl}`.
@@ -149,8 +187,9 @@ impl Backend {
                 404 => WorkloadCheck::Stale("unknown to the backend (404)".into()),
                 200 => {
                     let body: serde_json::Value = resp.body_mut().read_json().unwrap_or_default();
-                    let status = body["status"].as_str().unwrap_or("").to_lowercase();
-                    let owner = body["instance_uuid"].as_str().unwrap_or("");
+                    let field = |k: &str| body.get(k).and_then(serde_json::Value::as_str);
+                    let status = field("status").unwrap_or("").to_lowercase();
+                    let owner = field("instance_uuid").unwrap_or("");
                     if STALE_STATUSES.contains(&status.as_str()) {
                         WorkloadCheck::Stale(format!("the backend says it is {status}"))
                     } else if !owner.is_empty() && !my_uuid.is_empty() && owner != my_uuid {
@@ -159,14 +198,14 @@ impl Backend {
                         WorkloadCheck::Active
                     }
                 }
-                s => WorkloadCheck::Inconclusive(format!("HTTP {s}")),
+                s => WorkloadCheck::Inconclusive(http_error(s, &mut resp)),
             },
             Err(e) => WorkloadCheck::Inconclusive(e.to_string()),
         }
     }
 
-    /// E8: a signed upload URL → (url, attachment uuid).
-    pub fn signed_url(&self, wl: &str, filename: &str) -> Result<(String, String), String> {
+    /// E8: a signed upload URL, its attachment uuid and how to upload to it.
+    pub fn signed_url(&self, wl: &str, filename: &str) -> Result<Attachment, String> {
         let resp = self
             .post(
                 &format!("/api/v1/cloud-node-workloads/{wl}/attachments"),
@@ -179,7 +218,7 @@ impl Backend {
                     r.body_mut().read_json().map_err(|e| e.to_string())?;
                 parse_signed_url(&body)
             }
-            Ok(r) => Err(format!("HTTP {}", r.status().as_u16())),
+            Ok(mut r) => Err(http_error(r.status().as_u16(), &mut r)),
             Err(e) => Err(e.to_string()),
         }
     }
@@ -194,15 +233,35 @@ impl Backend {
             .send_json(body)
         {
             Ok(r) if r.status().as_u16() == 200 => Ok(()),
-            Ok(r) => Err(format!("HTTP {}", r.status().as_u16())),
+            Ok(mut r) => Err(http_error(r.status().as_u16(), &mut r)),
             Err(e) => Err(e.to_string()),
         }
     }
 }
 
-/// (signed url, attachment uuid) from an R9/E8 answer: the attachment uuid is the returned
-/// `filename` without its extension.
-pub fn parse_signed_url(body: &serde_json::Value) -> Result<(String, String), String> {
+/// How the attachment reply says the bytes go up (`upload_method`, decision D40).
+#[derive(Debug, Clone, PartialEq)]
+pub enum UploadMethod {
+    /// Absent, null or `signed_url`: PUT the bytes to the signed URL.
+    SignedUrl,
+    /// `multipart`: POST them as `multipart/form-data` to the URL, with the node's token.
+    Multipart,
+    /// Anything else, as the backend wrote it: the file fails.
+    Other(String),
+}
+
+/// An R9/E8 answer: where the file goes, its attachment uuid, and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attachment {
+    pub url: String,
+    /// The returned `filename` without its extension.
+    pub uuid: String,
+    pub method: UploadMethod,
+}
+
+/// Reads an R9/E8 answer. A missing URL is an error; an unknown `upload_method` is not (the
+/// caller fails that one file, naming the method, rather than asking again).
+pub fn parse_signed_url(body: &serde_json::Value) -> Result<Attachment, String> {
     let url = body["signed_url"]
         .as_str()
         .filter(|u| !u.is_empty())
@@ -214,11 +273,44 @@ pub fn parse_signed_url(body: &serde_json::Value) -> Result<(String, String), St
         })?;
     let name = body["filename"].as_str().unwrap_or("");
     let base = name.rsplit('/').next().unwrap_or(name);
-    let attachment = match base.rfind('.') {
-        Some(i) if i > 0 => &base[..i],
+    let attachment = match base.rsplit_once('.') {
+        Some((stem, _)) if !stem.is_empty() => stem,
         _ => base,
     };
-    Ok((url.to_string(), attachment.to_string()))
+    let method = match body.get("upload_method") {
+        None | Some(serde_json::Value::Null) => UploadMethod::SignedUrl,
+        Some(serde_json::Value::String(m)) if m == "signed_url" => UploadMethod::SignedUrl,
+        Some(serde_json::Value::String(m)) if m == "multipart" => UploadMethod::Multipart,
+        Some(serde_json::Value::String(m)) => UploadMethod::Other(m.clone()),
+        Some(other) => UploadMethod::Other(other.to_string()),
+    };
+    Ok(Attachment {
+        url: url.to_string(),
+        uuid: attachment.to_string(),
+        method,
+    })
+}
+
+/// The timeout of one file transfer: `max(300, min(1800, MiB × 8 + 120))` seconds.
+fn transfer_timeout(size: u64) -> Duration {
+    #[allow(clippy::cast_precision_loss)] // a file size needs no more than f64's 52 bits here
+    let mib = size as f64 / 1_048_576.0;
+    Duration::from_secs_f64((mib * 8.0 + 120.0).clamp(300.0, 1800.0))
+}
+
+/// The verdict on a transfer's HTTP answer. `Err((retriable, why))`.
+fn transfer_verdict(
+    answer: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ok: &[u16],
+) -> Result<(), (bool, String)> {
+    match answer {
+        Ok(r) => match r.status().as_u16() {
+            s if ok.contains(&s) => Ok(()),
+            s @ (408 | 409 | 425 | 429 | 500 | 502 | 503 | 504) => Err((true, format!("HTTP {s}"))),
+            s => Err((false, format!("HTTP {s}"))),
+        },
+        Err(e) => Err((true, e.to_string())),
+    }
 }
 
 /// E12: streams a file to a signed URL. `Err((retriable, why))`.
@@ -226,20 +318,100 @@ pub fn put_file(url: &str, path: &std::path::Path) -> Result<(), (bool, String)>
     let file = std::fs::File::open(path)
         .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))?;
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let mib = size as f64 / 1_048_576.0;
-    let timeout = Duration::from_secs_f64((mib * 8.0 + 120.0).clamp(300.0, 1800.0));
     // A signed URL carries its own authorisation: no API headers here.
-    match agent(timeout)
+    let answer = agent(transfer_timeout(size))
         .put(url)
         .header("Content-Type", "application/octet-stream")
-        .send(file)
-    {
-        Ok(r) => match r.status().as_u16() {
-            200 | 204 => Ok(()),
-            s @ (408 | 409 | 425 | 429 | 500 | 502 | 503 | 504) => Err((true, format!("HTTP {s}"))),
-            s => Err((false, format!("HTTP {s}"))),
-        },
-        Err(e) => Err((true, e.to_string())),
+        .send(file);
+    transfer_verdict(answer, &[200, 204])
+}
+
+/// The `filename` of a form-data part as browsers write it (WHATWG HTML, multipart/form-data
+/// encoding): the final path component, with `"`, CR and LF percent-encoded so the header
+/// cannot be broken out of. Other text, unicode included, goes as UTF-8.
+pub fn form_filename(name: &str) -> String {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    let mut out = String::with_capacity(base.len());
+    for c in base.chars() {
+        match c {
+            '"' => out.push_str("%22"),
+            '\r' => out.push_str("%0D"),
+            '\n' => out.push_str("%0A"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Whether `url`'s query already names `name`.
+fn has_query_param(url: &str, name: &str) -> bool {
+    url.split_once('?')
+        .map(|(_, q)| q.split('#').next().unwrap_or(q))
+        .is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some(name)))
+}
+
+/// The bytes around the file in a one-part `multipart/form-data` body: (head, tail).
+pub fn multipart_frame(boundary: &str, filename: &str) -> (Vec<u8>, Vec<u8>) {
+    let head = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{}\"\r\n\
+         Content-Type: application/octet-stream\r\n\r\n",
+        form_filename(filename)
+    );
+    let tail = format!("\r\n--{boundary}--\r\n");
+    (head.into_bytes(), tail.into_bytes())
+}
+
+impl Backend {
+    /// D40 `multipart`: POSTs the file as the one part `file` of a `multipart/form-data` body
+    /// to `url` (the platform's `…/attachments/{attachment_uuid}/upload`), with the node's
+    /// Authorization header. The file is streamed, never read whole into memory.
+    /// `Err((retriable, why))`.
+    pub fn post_multipart(
+        &self,
+        url: &str,
+        path: &std::path::Path,
+        filename: &str,
+    ) -> Result<(), (bool, String)> {
+        let file = std::fs::File::open(path)
+            .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))?;
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        // A random boundary: a file that happens to contain it would end the part early.
+        let boundary = format!(
+            "cyberwave-node-{}",
+            crate::util::hex(&crate::util::random_bytes::<16>())
+        );
+        let (head, tail) = multipart_frame(&boundary, filename);
+        let len = u64::try_from(head.len().saturating_add(tail.len()))
+            .unwrap_or(u64::MAX)
+            .saturating_add(size);
+        // A relative URL is taken to be on the API host.
+        let url = if url.starts_with('/') {
+            format!("{}{url}", self.base_url)
+        } else {
+            url.to_string()
+        };
+        let body = std::io::Read::chain(
+            std::io::Read::chain(std::io::Cursor::new(head), file),
+            std::io::Cursor::new(tail),
+        );
+        let mut req = agent(transfer_timeout(size)).post(&url);
+        // The SDK scopes every API call, this one included; a workspace_uuid already on the URL
+        // is the backend's own choice and wins.
+        if let Some(ws) = &self.workspace_uuid {
+            if !has_query_param(&url, "workspace_uuid") {
+                req = req.query("workspace_uuid", ws);
+            }
+        }
+        let answer = req
+            .header("Authorization", &format!("Token {}", self.token))
+            .header("Accept", "application/json")
+            .header(
+                "Content-Type",
+                &format!("multipart/form-data; boundary={boundary}"),
+            )
+            .header("Content-Length", &len.to_string())
+            .send(ureq::SendBody::from_owned_reader(body));
+        transfer_verdict(answer, &[200, 201, 204])
     }
 }
 
@@ -250,11 +422,80 @@ mod tests {
     #[test]
     fn attachment_uuid_is_the_filename_without_extension() {
         let b = serde_json::json!({"signed_url": "http://x/u", "filename": "abc-123.tar.gz"});
+        let a = parse_signed_url(&b).unwrap();
         assert_eq!(
-            parse_signed_url(&b).unwrap(),
-            ("http://x/u".into(), "abc-123.tar".into())
+            (a.url.as_str(), a.uuid.as_str()),
+            ("http://x/u", "abc-123.tar")
         );
+        assert_eq!(a.method, UploadMethod::SignedUrl);
         let b = serde_json::json!({"success": false, "message": "nope"});
         assert!(parse_signed_url(&b).unwrap_err().contains("nope"));
+    }
+
+    #[test]
+    fn upload_method_decides_the_route() {
+        let m = |v: serde_json::Value| {
+            let mut b = serde_json::json!({"signed_url": "http://x/u", "filename": "a.txt"});
+            b["upload_method"] = v;
+            parse_signed_url(&b).unwrap().method
+        };
+        assert_eq!(m(serde_json::Value::Null), UploadMethod::SignedUrl);
+        assert_eq!(m("signed_url".into()), UploadMethod::SignedUrl);
+        assert_eq!(m("multipart".into()), UploadMethod::Multipart);
+        assert_eq!(
+            m("Multipart".into()),
+            UploadMethod::Other("Multipart".into())
+        );
+        assert_eq!(m("".into()), UploadMethod::Other(String::new()));
+        assert_eq!(
+            m(serde_json::json!(["multipart"])),
+            UploadMethod::Other("[\"multipart\"]".into())
+        );
+        let b = serde_json::json!({"signed_url": "http://x/u", "filename": ".hidden"});
+        assert_eq!(parse_signed_url(&b).unwrap().uuid, ".hidden");
+        let b =
+            serde_json::json!({"signed_url": "http://x/u", "filename": "d/\u{e9}t\u{e9}.\u{e9}"});
+        assert_eq!(parse_signed_url(&b).unwrap().uuid, "\u{e9}t\u{e9}");
+    }
+
+    #[test]
+    fn form_file_names_cannot_break_the_part_header() {
+        assert_eq!(form_filename("sub/dir/a b.txt"), "a b.txt");
+        assert_eq!(
+            form_filename("q\"\r\nX-Evil: 1.txt"),
+            "q%22%0D%0AX-Evil: 1.txt"
+        );
+        assert_eq!(form_filename("\u{1f600}.bin"), "\u{1f600}.bin");
+        let (head, tail) = multipart_frame("BND", "x/y.bin");
+        assert_eq!(
+            String::from_utf8(head).unwrap(),
+            "--BND\r\nContent-Disposition: form-data; name=\"file\"; filename=\"y.bin\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+        );
+        assert_eq!(tail, b"\r\n--BND--\r\n");
+    }
+
+    #[test]
+    fn an_existing_query_parameter_is_found() {
+        assert!(has_query_param(
+            "http://h/p?a=1&workspace_uuid=x",
+            "workspace_uuid"
+        ));
+        assert!(!has_query_param(
+            "http://h/p?my_workspace_uuid=x",
+            "workspace_uuid"
+        ));
+        assert!(!has_query_param(
+            "http://h/p#workspace_uuid=x",
+            "workspace_uuid"
+        ));
+        assert!(!has_query_param("http://h/p", "workspace_uuid"));
+    }
+
+    #[test]
+    fn workspace_required_is_explained() {
+        let why = workspace_required(400, r#"{"code":"workspace_required"}"#).unwrap();
+        assert!(why.contains("CYBERWAVE_WORKSPACE_ID"), "{why}");
+        assert_eq!(workspace_required(400, "bad request"), None);
+        assert_eq!(workspace_required(403, "workspace_required"), None);
     }
 }

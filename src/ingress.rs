@@ -5,6 +5,8 @@ use serde_json::{json, Map, Value};
 
 pub const NODE_STATUSES: [&str; 5] = ["pending", "running", "success", "error", "skipped"];
 pub const FINISHED_STATUSES: [&str; 3] = ["success", "error", "canceled"];
+/// The `source_type` of an event that names none (the SDK reporter's default).
+pub const DEFAULT_SOURCE_TYPE: &str = "edge";
 /// Largest event payload accepted.
 pub const MAX_EVENT_BYTES: usize = 256 * 1024;
 
@@ -45,7 +47,8 @@ pub fn build(fields: &Map<String, Value>) -> Result<Event, String> {
     let kind = s("kind").unwrap_or("");
     let workflow = need_id("--workflow", s("workflow"))?;
     let mut body = Map::new();
-    if let Some(st) = s("source_type") {
+    // The SDK's reporter tags every event `edge` unless told otherwise.
+    if let Some(st) = s("source_type").or(Some(DEFAULT_SOURCE_TYPE)) {
         if ![
             "edge",
             "edge_leader",
@@ -269,6 +272,16 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// The payload as published: `session_id` is the publishing client's id unless the event
+/// carries its own (the SDK's publisher does the same), so the backend can tell sessions apart.
+pub fn with_session(body: &Value, client_id: &str) -> Value {
+    let mut body = body.clone();
+    if let Value::Object(m) = &mut body {
+        m.entry("session_id").or_insert_with(|| json!(client_id));
+    }
+    body
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,6 +303,30 @@ mod tests {
             e.body.get("trigger_data").is_none(),
             "optional fields are left out, not null"
         );
+    }
+
+    #[test]
+    fn events_default_to_edge_and_carry_the_session() {
+        for kind in [
+            json!({"kind": "started", "workflow": "wf"}),
+            json!({"kind": "node", "workflow": "wf", "execution": "ex", "node": "n", "status": "running"}),
+            json!({"kind": "finished", "workflow": "wf", "execution": "ex", "status": "success"}),
+        ] {
+            let e = build(&f(kind.clone())).unwrap();
+            assert_eq!(e.body["source_type"], "edge", "{kind}");
+            let sent = with_session(&e.body, "cloud_node_ab12cd34");
+            assert_eq!(sent["session_id"], "cloud_node_ab12cd34");
+        }
+        let sim = build(&f(
+            json!({"kind": "started", "workflow": "wf", "source_type": "sim"}),
+        ));
+        assert_eq!(sim.unwrap().body["source_type"], "sim");
+        let own = with_session(&json!({"session_id": "mine"}), "cloud_node_x");
+        assert_eq!(
+            own["session_id"], "mine",
+            "an event's own session id is kept"
+        );
+        assert_eq!(with_session(&json!([1]), "c"), json!([1]));
     }
 
     #[test]

@@ -358,9 +358,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
                 "none: set CYBERWAVE_API_KEY or run `cyberwave login`".into(),
             ),
             Some(t) => match crate::backend::check_token(
-                &settings.base_url.value,
-                &t.value,
-                settings.workspace_slug.as_ref().map(|w| w.value.as_str()),
+                &crate::backend::Backend::of(&settings, &t.value),
                 settings.tuning.token_check_timeout,
             ) {
                 crate::backend::TokenCheck::Accepted => line(

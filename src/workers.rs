@@ -16,6 +16,8 @@ pub enum Job {
         key: String,
         url: String,
         path: PathBuf,
+        /// `Some(form file name)`: a multipart POST (decision D40) instead of a PUT.
+        multipart: Option<String>,
     },
     SignedUrl {
         key: String,
@@ -43,7 +45,7 @@ pub enum Done {
     },
     SignedUrl {
         key: String,
-        result: Result<(String, String), String>,
+        result: Result<backend::Attachment, String>,
     },
     UploadResults {
         key: String,
@@ -94,9 +96,17 @@ impl Workers {
 
 fn run(b: &Backend, job: Job) -> Done {
     match job {
-        Job::Put { key, url, path } => Done::Put {
+        Job::Put {
             key,
-            result: backend::put_file(&url, &path),
+            url,
+            path,
+            multipart,
+        } => Done::Put {
+            key,
+            result: match multipart {
+                None => backend::put_file(&url, &path),
+                Some(name) => b.post_multipart(&url, &path, &name),
+            },
         },
         Job::SignedUrl { key, wl, filename } => Done::SignedUrl {
             key,

@@ -139,6 +139,24 @@ fn workloads_emit_events_in_order_and_bad_tokens_are_refused() {
         .as_str()
         .unwrap_or_default()
         .to_string();
+    // Every event carries the publisher's session (the node's MQTT client id) and, unless told
+    // otherwise, the SDK reporter's `edge` source type; the rest is compared exactly.
+    let client_id = node
+        .log()
+        .lines()
+        .find_map(|l| l.split("MQTT client ").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .map(String::from)
+        .expect("the client id is logged");
+    let ev: Vec<Request> = ev
+        .into_iter()
+        .map(|mut r| {
+            let m = r.body.as_object_mut().expect("an object");
+            assert_eq!(m.remove("session_id"), Some(json!(client_id)), "{:?}", m);
+            assert_eq!(m.remove("source_type"), Some(json!("edge")), "{:?}", m);
+            r
+        })
+        .collect();
     assert_eq!(ev[0].id, "wf-e/execution/started");
     assert_eq!(ev[0].body["trigger_data"], json!({"frame": 7}));
     assert_eq!(ev[1].id, format!("wf-e/execution/{execution}/node/n1"));

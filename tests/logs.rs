@@ -41,10 +41,22 @@ fn chunks(cp: &ControlPlane, wl: &str) -> [BTreeMap<u64, String>; 2] {
         }
         let i = usize::from(r.body["log_type"] == "stderr");
         let offset = r.body["offset"].as_u64().expect("offset");
-        let text = r.body["log_content"]
+        let mut text = r.body["log_content"]
             .as_str()
             .unwrap_or_default()
             .to_string();
+        // Protocol §2.6.4: no trailing newline in the content; `length` still counts it. (No
+        // workload here prints an empty line, which would legitimately end the content in one.)
+        assert!(!text.ends_with('\n'), "trailing newline in {text:?}");
+        let length = r.body["length"].as_u64().expect("length") as usize;
+        if length == text.len() + 1 {
+            text.push('\n');
+        } else {
+            assert!(
+                length == text.len() || text.contains('\u{FFFD}'),
+                "length {length} does not account for {text:?}"
+            );
+        }
         let slot = out[i].entry(offset).or_default();
         assert!(
             slot.starts_with(&text) || text.starts_with(slot.as_str()),

@@ -8,6 +8,7 @@ mod ingress;
 mod lifecycle;
 mod logs;
 mod operate;
+mod platform;
 mod results;
 mod statedir;
 mod wire;

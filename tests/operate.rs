@@ -167,7 +167,14 @@ fn drain_refuses_new_work_lets_running_work_finish_and_resume_accepts_again() {
     let failed = cp
         .wait_status("wl-refused", "failed", REPLY)
         .expect("R7 failed");
-    assert_eq!(failed[0]["rejection_reason"], "draining");
+    // Retryable elsewhere (D21): the host-busy contract, with the reason beside it.
+    assert_eq!(failed[0]["rejection_reason"], "host_busy");
+    assert_eq!(failed[0]["busy_reason"], "draining");
+    assert_eq!(failed[0]["rejecting_instance_uuid"], node.uuid());
+    assert!(r["error"]
+        .as_str()
+        .unwrap_or_default()
+        .starts_with("Controller host is busy with"));
     assert!(wait_for(REPLY, || cp
         .requests("heartbeat")
         .iter()
@@ -235,7 +242,12 @@ fn the_disk_guard_refuses_starts() {
         "{r}"
     );
     let failed = cp.wait_status("wl-full", "failed", REPLY).expect("R7");
-    assert_eq!(failed[0]["rejection_reason"], "disk_low");
+    assert_eq!(failed[0]["rejection_reason"], "host_busy");
+    assert_eq!(failed[0]["busy_reason"], "disk_low");
+    assert!(failed[0]["error"]
+        .as_str()
+        .unwrap_or_default()
+        .starts_with("Controller host is busy with"));
 }
 
 /// A small Prometheus text-format parser: (name, labels, value) per sample; panics on a bad line.

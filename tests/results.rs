@@ -68,6 +68,8 @@ fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
             && err.contains("uploading results"),
         "{err}"
     );
+    let failed = cp.wait_status("wl-during", "failed", REPLY).expect("R7");
+    assert_eq!(failed[0]["busy_reason"], "uploading");
     // Then the completion, after R10.
     let statuses = cp
         .wait_status("wl-up", "completed", DONE)

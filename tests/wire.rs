@@ -535,7 +535,10 @@ fn a_good_install_script_runs_before_registration() {
         .filter(|r| r.body["source"] == "install")
         .collect();
     assert_eq!(install.len(), 1, "{logs:?}");
-    assert_eq!(install[0].body["log_content"], "installing\n");
+    assert_eq!(
+        install[0].body["log_content"], "installing",
+        "no trailing newline (protocol §2.6.4)"
+    );
 }
 
 #[test]

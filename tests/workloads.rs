@@ -157,6 +157,7 @@ fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
         );
         let failed = rig.cp.wait_status(rid, "failed", REPLY).expect("R7 failed");
         assert_eq!(failed[0]["rejection_reason"], "host_busy");
+        assert_eq!(failed[0]["busy_reason"], "capacity");
         assert_eq!(failed[0]["rejecting_instance_uuid"], node.uuid());
         assert!(failed[0]["error"]
             .as_str()

@@ -13,6 +13,8 @@ pub struct Credentials {
     pub path: PathBuf,
     pub token: Option<String>,
     pub workspace_slug: Option<String>,
+    /// The workspace the login's token was created for (`cyberwave login` writes it).
+    pub workspace_uuid: Option<String>,
     json: Value,
 }
 
@@ -32,6 +34,7 @@ impl Credentials {
             path: path.to_path_buf(),
             token: json.get("token").and_then(s),
             workspace_slug: json.get("workspace_slug").and_then(s),
+            workspace_uuid: json.get("workspace_uuid").and_then(s),
             json,
         }
     }
@@ -51,6 +54,26 @@ impl Credentials {
             .and_then(s)
             .or_else(|| self.json.get(key).and_then(s))
     }
+}
+
+/// Prefix of every Cyberwave API token (the SDK's `is_api_token` test).
+pub const API_TOKEN_PREFIX: &str = "cw_";
+
+/// The SDK's MQTT username rule (`resolve_mqtt_credentials`, `mqtt_identity.py`), exactly:
+/// the password that authenticates is the explicit broker password, else the API key; when the
+/// configured username is the placeholder `mqttcyb`, that password exists, and the explicit
+/// password is not a legacy broker password (non-empty and not `cw_…`), the username becomes
+/// `cwh_` + hex SHA-256 of the authenticating password. `Some` only when the rule replaces the
+/// username. Empty strings count as absent, as in Python.
+pub fn derived_mqtt_username(
+    username: &str,
+    password: Option<&str>,
+    api_key: Option<&str>,
+) -> Option<String> {
+    let password = password.filter(|p| !p.is_empty());
+    let auth = password.or(api_key.filter(|k| !k.is_empty()))?;
+    let legacy = password.is_some_and(|p| !p.starts_with(API_TOKEN_PREFIX));
+    (username == super::MQTT_USERNAME_PLACEHOLDER && !legacy).then(|| super::token_username(auth))
 }
 
 /// The instance identity the backend assigned, stored after every successful registration.
@@ -102,17 +125,85 @@ mod tests {
         let p = dir.join("credentials.json");
         std::fs::write(
             &p,
-            r#"{"token":" cw_tok ","workspace_slug":"ws","envs":{"CYBERWAVE_MQTT_HOST":"h","CYBERWAVE_MQTT_PORT":" "},"CYBERWAVE_MQTT_PORT":1884}"#,
+            r#"{"token":" cw_tok ","workspace_slug":"ws","workspace_uuid":"ws-u","envs":{"CYBERWAVE_MQTT_HOST":"h","CYBERWAVE_MQTT_PORT":" "},"CYBERWAVE_MQTT_PORT":1884}"#,
         )
         .unwrap();
         let c = Credentials::load(&p);
         assert_eq!(c.token.as_deref(), Some("cw_tok"));
         assert_eq!(c.workspace_slug.as_deref(), Some("ws"));
+        assert_eq!(c.workspace_uuid.as_deref(), Some("ws-u"));
         assert_eq!(c.env_value("CYBERWAVE_MQTT_HOST").as_deref(), Some("h"));
         assert_eq!(c.env_value("CYBERWAVE_MQTT_PORT").as_deref(), Some("1884"));
         std::fs::write(&p, "not json").unwrap();
         assert!(Credentials::load(&p).token.is_none());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Expected values computed with the SDK itself (cyberwave 0.7.4,
+    /// `cyberwave.config.resolve_mqtt_credentials(username, password, api_key)[0]`).
+    #[test]
+    fn mqtt_username_matches_the_sdk() {
+        let cases: [(&str, Option<&str>, Option<&str>, &str); 14] = [
+            (
+                "mqttcyb",
+                None,
+                Some("cw_tokentokentoken"),
+                "cwh_5f0210fac11469ef6520bff249761f7581bf5e63aab3017d43f95617d3a47b98",
+            ),
+            (
+                "mqttcyb",
+                Some("legacy"),
+                Some("cw_tokentokentoken"),
+                "mqttcyb",
+            ),
+            (
+                "mqttcyb",
+                Some("cw_workload"),
+                Some("cw_node"),
+                "cwh_6268bdb03b8102bc293155fb27f03748f500bf37ff79691dd74f95d9fdddf948",
+            ),
+            (
+                "mqttcyb",
+                None,
+                Some("not_a_cw_key"),
+                "cwh_f6190af963a9603f39a5e6aac942d31879b3386815cba87e98839bf6a753c96b",
+            ),
+            ("mqttcyb", Some("legacy"), Some("not_a_cw_key"), "mqttcyb"),
+            (
+                "mqttcyb",
+                Some("cw_workload"),
+                None,
+                "cwh_6268bdb03b8102bc293155fb27f03748f500bf37ff79691dd74f95d9fdddf948",
+            ),
+            ("mqttcyb", Some("legacy"), None, "mqttcyb"),
+            ("mqttcyb", None, None, "mqttcyb"),
+            (
+                "mqttcyb",
+                Some(""),
+                Some("cw_tokentokentoken"),
+                "cwh_5f0210fac11469ef6520bff249761f7581bf5e63aab3017d43f95617d3a47b98",
+            ),
+            ("me", None, Some("cw_tokentokentoken"), "me"),
+            ("MQTTCYB", None, Some("cw_tokentokentoken"), "MQTTCYB"),
+            ("mqttcyb", Some("CW_upper"), Some("cw_node"), "mqttcyb"),
+            (
+                "mqttcyb",
+                Some("cw_"),
+                None,
+                "cwh_bfbeacbf306c2f6d000475128c21a563bd5ac2a0252cf6e6bde619bb67f7d6a2",
+            ),
+            (
+                "mqttcyb",
+                None,
+                Some("cw_t\u{e9}st\u{2603}"),
+                "cwh_7e8c23e5bd8240f5d87f2745fc332e359d63b8d93552893c090ef13c041d8633",
+            ),
+        ];
+        for (user, password, key, want) in cases {
+            let got =
+                derived_mqtt_username(user, password, key).unwrap_or_else(|| user.to_string());
+            assert_eq!(got, want, "{user:?} {password:?} {key:?}");
+        }
     }
 
     #[test]

@@ -396,7 +396,12 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let workspace_slug = env_str("CYBERWAVE_WORKSPACE_SLUG")
         .map(|(v, s)| sourced(v.trim().to_string(), s))
         .or_else(|| creds.workspace_slug.clone().map(|w| sourced(w, cred_src())));
-    let topic_prefix = match env_str("CYBERWAVE_MQTT_TOPIC_PREFIX") {
+    // As the SDK: CYBERWAVE_MQTT_TOPIC_PREFIX, else CYBERWAVE_TOPIC_PREFIX (a blank one counts as
+    // unset), else derived from CYBERWAVE_ENVIRONMENT.
+    let explicit_prefix = |name: &str| env_str(name).filter(|(v, _)| !v.trim().is_empty());
+    let topic_prefix = match explicit_prefix("CYBERWAVE_MQTT_TOPIC_PREFIX")
+        .or_else(|| explicit_prefix("CYBERWAVE_TOPIC_PREFIX"))
+    {
         Some((v, s)) => sourced(v.trim().to_string(), s),
         None => {
             let (v, s) = env_str("CYBERWAVE_ENVIRONMENT")
@@ -568,30 +573,32 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .filter(|s| !s.is_empty())
         .map(|v| sourced(v, file()))
         .or_else(|| env_str("CYBERWAVE_MQTT_USERNAME").map(|(v, s)| sourced(v, s)));
-    let mqtt_password = m
+    let broker_password = m
         .mqtt_password
         .clone()
         .filter(|s| !s.is_empty())
         .map(|v| sourced(v, file()))
-        .or_else(|| env_str("CYBERWAVE_MQTT_PASSWORD").map(|(v, s)| sourced(v, s)))
-        .or_else(|| api_token.clone());
-    // The newest SDK's rule (ecosystem §2.2): its placeholder username with an API token as the
-    // password becomes `cwh_` + hex SHA-256 of the token, which the broker checks at CONNECT.
+        .or_else(|| env_str("CYBERWAVE_MQTT_PASSWORD").map(|(v, s)| sourced(v, s)));
+    // The newest SDK's rule (ecosystem §2.2, credentials::derived_mqtt_username): its placeholder
+    // username becomes `cwh_` + hex SHA-256 of the token, which the broker checks at CONNECT.
     // Opt-in: only the placeholder triggers it; any other username is used as it is.
-    let mqtt_username = match (mqtt_username, &mqtt_password) {
-        (Some(u), Some(p))
-            if u.value == MQTT_USERNAME_PLACEHOLDER && p.value.starts_with("cw_") =>
-        {
-            Some(sourced(
-                token_username(&p.value),
+    let mqtt_username = mqtt_username.map(|u| {
+        match credentials::derived_mqtt_username(
+            &u.value,
+            broker_password.as_ref().map(|p| p.value.as_str()),
+            api_token.as_ref().map(|t| t.value.as_str()),
+        ) {
+            Some(derived) => sourced(
+                derived,
                 Source::Derived(format!(
                     "{MQTT_USERNAME_PLACEHOLDER} ({}) + token",
                     u.source
                 )),
-            ))
+            ),
+            None => u,
         }
-        (u, _) => u,
-    };
+    });
+    let mqtt_password = broker_password.or_else(|| api_token.clone());
 
     let upload_results = match m.upload_results {
         Some(b) => sourced(b, file()),
@@ -1005,6 +1012,35 @@ mod tests {
             ]),
             "x/"
         );
+        // The SDK's second name, and its order: the MQTT one wins, a blank one is unset.
+        assert_eq!(
+            p(&[
+                ("CYBERWAVE_ENVIRONMENT", "local"),
+                ("CYBERWAVE_TOPIC_PREFIX", "sim/")
+            ]),
+            "sim/"
+        );
+        assert_eq!(
+            p(&[
+                ("CYBERWAVE_TOPIC_PREFIX", "sim/"),
+                ("CYBERWAVE_MQTT_TOPIC_PREFIX", "x/")
+            ]),
+            "x/"
+        );
+        assert_eq!(
+            p(&[
+                ("CYBERWAVE_TOPIC_PREFIX", "sim/"),
+                ("CYBERWAVE_MQTT_TOPIC_PREFIX", " ")
+            ]),
+            "sim/"
+        );
+        assert_eq!(
+            p(&[
+                ("CYBERWAVE_ENVIRONMENT", "dev"),
+                ("CYBERWAVE_TOPIC_PREFIX", "")
+            ]),
+            "dev"
+        );
     }
 
     #[test]
@@ -1220,6 +1256,23 @@ mod tests {
             Some("me".into())
         );
         assert_eq!(user(&[token]), None);
+        // The SDK derives from an API key that is not `cw_…` too (no explicit password).
+        assert_eq!(
+            user(&[
+                ("CYBERWAVE_API_KEY", "not_a_cw_key"),
+                ("CYBERWAVE_MQTT_USERNAME", "mqttcyb")
+            ]),
+            Some("cwh_f6190af963a9603f39a5e6aac942d31879b3386815cba87e98839bf6a753c96b".into())
+        );
+        // A `cw_…` broker password wins over the API key.
+        assert_eq!(
+            user(&[
+                token,
+                ("CYBERWAVE_MQTT_USERNAME", "mqttcyb"),
+                ("CYBERWAVE_MQTT_PASSWORD", "cw_workload")
+            ]),
+            Some(token_username("cw_workload"))
+        );
     }
 
     #[test]

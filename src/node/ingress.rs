@@ -110,7 +110,9 @@ impl Node {
             }
             return;
         }
-        let payload = serde_json::to_vec(&item.body).unwrap_or_default();
+        let payload =
+            serde_json::to_vec(&ingress::with_session(&item.body, self.topics.client_id()))
+                .unwrap_or_default();
         match self.mqtt.publish_tracked(&topic, payload) {
             Some(token) => {
                 self.ingress.sent(seq, Vec::new());

@@ -210,7 +210,7 @@ impl Node {
         let mut body = json!({
             "instance_uuid": uuid,
             "log_type": STREAM_NAMES[i],
-            "log_content": String::from_utf8_lossy(&data),
+            "log_content": log_content(&data),
             "workload_request_id": meta_rid,
             "offset": chunk.offset + s.base,
             "length": data.len(),
@@ -323,19 +323,17 @@ impl Node {
         self.install_logs_shipped = true;
         let uuid = self.uuid().to_string();
         let dir = self.s.config_dir.value.join("install_logs");
-        for (i, name) in STREAM_NAMES.iter().enumerate() {
+        for name in STREAM_NAMES {
             let text = crate::workload::tail(&dir.join(format!("install.{name}.log")), 1024 * 1024);
             let bytes = text.as_bytes();
             let mut offset = 0;
             while offset < bytes.len() {
-                let mut end = (offset + CHUNK).min(bytes.len());
-                while end < bytes.len() && !text.is_char_boundary(end) {
-                    end -= 1;
-                }
+                let end = install_chunk_end(&text, offset);
+                let piece = text.get(offset..end).unwrap_or_default();
                 let body = json!({
                     "instance_uuid": uuid,
-                    "log_type": STREAM_NAMES[i],
-                    "log_content": &text[offset..end],
+                    "log_type": name,
+                    "log_content": piece.strip_suffix('\n').unwrap_or(piece),
                     "source": "install",
                 });
                 let topic = self.topics.logs(&uuid);
@@ -348,6 +346,37 @@ impl Node {
                 offset = end;
             }
         }
+    }
+}
+
+/// The `log_content` of a chunk: its lines joined with `\n`, with no trailing newline
+/// (protocol §2.6.4), so the one line end a chunk stops at is left out. `offset` and `length`
+/// still count the bytes of the file, that line end included, so the next chunk starts at
+/// `offset + length`; a backend rebuilding the file by offset adds a `\n` wherever `length`
+/// exceeds the content's bytes by one. Invalid UTF-8 becomes U+FFFD.
+pub fn log_content(data: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(data.strip_suffix(b"\n").unwrap_or(data))
+}
+
+/// Where an install-log chunk that starts at `from` ends: after the last line end within
+/// `CHUNK` bytes, else at `CHUNK` bytes back to a character boundary, else at the text's end.
+fn install_chunk_end(text: &str, from: usize) -> usize {
+    let limit = from.saturating_add(CHUNK).min(text.len());
+    if limit >= text.len() {
+        return text.len();
+    }
+    let window = text.get(from..limit).unwrap_or_default();
+    if let Some(p) = window.rfind('\n') {
+        return from.saturating_add(p).saturating_add(1);
+    }
+    let mut end = limit;
+    while end > from && !text.is_char_boundary(end) {
+        end = end.saturating_sub(1);
+    }
+    if end == from {
+        text.len()
+    } else {
+        end
     }
 }
 
@@ -385,5 +414,36 @@ fn mirror(tag: &str, stream: usize, data: &[u8], last: bool, partial: &mut Vec<u
         let mut e = std::io::stderr().lock();
         let _ = e.write_all(&out);
         let _ = e.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_content_has_no_trailing_newline() {
+        assert_eq!(log_content(b"a\nb\n"), "a\nb");
+        assert_eq!(log_content(b"a\n\n"), "a\n", "an empty last line stays");
+        assert_eq!(log_content(b"partial"), "partial");
+        assert_eq!(log_content(b"\n"), "");
+        assert_eq!(log_content(b"crlf\r\n"), "crlf\r");
+        assert_eq!(log_content(b"bad \xff\n"), "bad \u{FFFD}");
+        assert_eq!(log_content(b""), "");
+    }
+
+    #[test]
+    fn install_chunks_end_at_line_ends_and_char_boundaries() {
+        assert_eq!(install_chunk_end("short\ntext", 0), 10);
+        let lines = "x".repeat(100) + "\n";
+        let text = lines.repeat(1000); // 101 000 bytes
+        let end = install_chunk_end(&text, 0);
+        assert!(end <= CHUNK && text[..end].ends_with('\n'), "{end}");
+        assert_eq!(install_chunk_end(&text, end), text.len());
+        // One huge line of 3-byte characters: cut on a boundary, never mid-character.
+        let wide = "\u{20ac}".repeat(30_000);
+        let end = install_chunk_end(&wide, 0);
+        assert!(end <= CHUNK && wide.is_char_boundary(end) && end > 0);
+        assert_eq!(install_chunk_end(&wide, end), wide.len());
     }
 }

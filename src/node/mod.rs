@@ -797,7 +797,12 @@ impl Node {
             crate::logtext::shown(&request_id.text())
         );
         let rid = request_id.value();
-        if self.shutdown.is_some() {
+        // A start is refused by its own guard, as a retryable "host busy" (D21).
+        let start = matches!(
+            command,
+            Command::Start(..) | Command::Received(Received::Start(..))
+        );
+        if self.shutdown.is_some() && !start {
             return self.reply_error(rid, "node is shutting down and not accepting new commands");
         }
         match command {

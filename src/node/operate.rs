@@ -94,6 +94,43 @@ pub fn prune(
     removed
 }
 
+/// The text every retryable refusal starts with: legacy backends classify on it (D13).
+pub const BUSY_PREFIX: &str = "Controller host is busy with";
+
+/// A "not now, not here" refusal (decision D21): it keeps the host-busy contract of D13
+/// (`rejection_reason: "host_busy"`, the error starting [`BUSY_PREFIX`],
+/// `rejecting_instance_uuid`) so the backend may send the workload elsewhere, and says which
+/// in `busy_reason`. Refusals that can never succeed on this node are not `Busy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Busy {
+    Capacity,
+    Uploading,
+    Draining,
+    DiskLow,
+    ShuttingDown,
+    /// Reserved for GPU scheduling (no guard yet).
+    #[allow(dead_code)] // named by D21; the GPU guard that raises it comes later
+    GpusBusy,
+    /// Reserved for GPU health checks (no guard yet).
+    #[allow(dead_code)] // named by D21; the GPU guard that raises it comes later
+    GpusUnhealthy,
+}
+
+impl Busy {
+    /// The wire value of `busy_reason`.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Busy::Capacity => "capacity",
+            Busy::Uploading => "uploading",
+            Busy::Draining => "draining",
+            Busy::DiskLow => "disk_low",
+            Busy::ShuttingDown => "shutting_down",
+            Busy::GpusBusy => "gpus_busy",
+            Busy::GpusUnhealthy => "gpus_unhealthy",
+        }
+    }
+}
+
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
@@ -114,12 +151,19 @@ impl Node {
         self.draining = on;
     }
 
-    /// Refusal reason of the start guards, if any: draining, or not enough free disk.
-    pub(super) fn start_guard(&self) -> Option<(String, &'static str)> {
+    /// Refusal of the start guards, if any: shutting down, draining, or not enough free disk.
+    /// Capacity and uploads are checked later, by the caller, once self-healing had its say.
+    pub(super) fn start_guard(&self) -> Option<(String, Busy)> {
+        if self.shutdown.is_some() {
+            return Some((
+                format!("{BUSY_PREFIX} shutting down: this node takes no new workloads"),
+                Busy::ShuttingDown,
+            ));
+        }
         if self.draining {
             return Some((
-                "node is draining: it finishes its running workloads and takes no new ones".into(),
-                "draining",
+                format!("{BUSY_PREFIX} draining: it finishes its running workloads and takes no new ones"),
+                Busy::Draining,
             ));
         }
         let min = self.s.min_free_disk_mb.value;
@@ -127,12 +171,14 @@ impl Node {
             if let Some(free) = free_mb(&self.layout.state) {
                 if free < min {
                     return Some((
-                        format!("not enough free disk: {free} MiB free for {}, min_free_disk_mb is {min}", self.layout.state.display()),
-                        "disk_low",
+                        format!("{BUSY_PREFIX} low disk space: not enough free disk: {free} MiB free for {}, min_free_disk_mb is {min}", self.layout.state.display()),
+                        Busy::DiskLow,
                     ));
                 }
             }
         }
+        // GPUs busy or unhealthy (`Busy::GpusBusy`, `Busy::GpusUnhealthy`) are checked here
+        // once the node schedules GPUs.
         None
     }
 

@@ -86,12 +86,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
             .as_ref()
             .map(|t| t.source.to_string())
             .unwrap_or_default();
-        match backend::check_token(
-            &s.base_url.value,
-            &token,
-            s.workspace_slug.as_ref().map(|w| w.value.as_str()),
-            s.tuning.token_check_timeout,
-        ) {
+        match backend::check_token(&Backend::of(&s, &token), s.tuning.token_check_timeout) {
             TokenCheck::Accepted => log::info!(
                 "API token {} accepted by {}",
                 util::mask_secret(&token),
@@ -186,11 +181,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         }
     };
     let (done_tx, worker_done) = unbounded();
-    let backend = Backend {
-        base_url: s.base_url.value.clone(),
-        token: token.clone(),
-        workspace: s.workspace_slug.as_ref().map(|w| w.value.clone()),
-    };
+    let backend = Backend::of(&s, &token);
     let workers = match Workers::start(backend, done_tx) {
         Ok(w) => w,
         Err(e) => {

@@ -119,7 +119,7 @@ impl Node {
         u.retry_at = None;
         if u.idx < u.files.len() {
             u.busy = true;
-            let name = u.files[u.idx].0.clone();
+            let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
             if connected {
                 let topic = self.topics.signed_url(&wl);
                 self.request(
@@ -175,7 +175,7 @@ impl Node {
                 let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
                     return;
                 };
-                let filename = u.files[u.idx].0.clone();
+                let filename = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
                 self.workers.submit(Job::SignedUrl {
                     key: id.to_string(),
                     wl,
@@ -185,17 +185,33 @@ impl Node {
         }
     }
 
-    fn put(&mut self, id: &str, (url, attachment): (String, String)) {
+    /// The transfer of the current file, by the route the attachment reply chose (D40).
+    fn put(&mut self, id: &str, found: crate::backend::Attachment) {
+        use crate::backend::UploadMethod;
         let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.as_mut()) else {
             return;
         };
-        let path = u.files[u.idx].1.clone();
-        u.done
-            .push((u.files[u.idx].0.clone(), url.clone(), attachment));
+        let Some((name, path)) = u.files.get(u.idx).cloned() else {
+            return;
+        };
+        let multipart = match found.method {
+            UploadMethod::SignedUrl => None,
+            UploadMethod::Multipart => Some(name.clone()),
+            UploadMethod::Other(m) => {
+                // The backend's text, bounded: it goes into the log.
+                let m: String = m.chars().take(80).collect();
+                let why = format!(
+                    "the backend asked for upload_method {m:?} for {name}, which this node does not know (it knows signed_url and multipart)"
+                );
+                return self.upload_attempt_failed(id, false, &why);
+            }
+        };
+        u.done.push((name, found.url.clone(), found.uuid));
         self.workers.submit(Job::Put {
             key: id.to_string(),
-            url,
+            url: found.url,
             path,
+            multipart,
         });
     }
 
@@ -229,8 +245,10 @@ impl Node {
             Done::Put { key, result } => match result {
                 Ok(()) => {
                     if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
-                        log::info!("uploaded result file {}", u.files[u.idx].0);
-                        u.idx += 1;
+                        if let Some(f) = u.files.get(u.idx) {
+                            log::info!("uploaded result file {}", f.0);
+                        }
+                        u.idx = u.idx.saturating_add(1);
                         u.attempt = 0;
                         u.busy = false;
                     }
@@ -259,19 +277,20 @@ impl Node {
             return;
         };
         u.busy = false;
-        u.attempt += 1;
-        let name = u.files[u.idx].0.clone();
+        u.attempt = u.attempt.saturating_add(1);
+        let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
         if retriable && u.attempt < ATTEMPTS {
-            let wait = Duration::from_secs(2 * (1 << (u.attempt - 1)));
+            // 2 s, 4 s, … (attempt is 1 or 2 here: ATTEMPTS is 3).
+            let wait = Duration::from_secs(2u64 << u.attempt.saturating_sub(1).min(10));
             log::warn!(
                 "upload of {name} failed ({why}); attempt {} of {ATTEMPTS} in {}s",
-                u.attempt + 1,
+                u.attempt.saturating_add(1),
                 wait.as_secs()
             );
-            u.retry_at = Some(now + wait);
+            u.retry_at = Some(now.checked_add(wait).unwrap_or(now));
         } else {
             log::error!("upload of {name} failed ({why}); giving up on this file");
-            u.idx += 1;
+            u.idx = u.idx.saturating_add(1);
             u.attempt = 0;
         }
         self.step_upload(id);

@@ -4,9 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::logs::{Cursor, Stream, DRAIN_LIMIT};
+use super::operate::{Busy, BUSY_PREFIX};
 use super::uploads::Upload;
 use super::{Node, Op};
 use crate::logtext::shown;
@@ -173,14 +174,8 @@ impl Node {
             let why = format!("{cap} command not configured in cyberwave.yml");
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         };
-        if let Some((why, reason)) = self.start_guard() {
-            return self.reject_start(
-                request_id,
-                workload_uuid.as_deref(),
-                &why,
-                Some(reason),
-                ctx,
-            );
+        if let Some((why, busy)) = self.start_guard() {
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
         }
         let capacity = self.s.max_concurrent_workloads.value as usize;
         if self.active.len() >= capacity
@@ -196,22 +191,16 @@ impl Node {
                 "workload"
             };
             let uploading = self.uploading();
-            let detail = if uploading > 0 {
-                format!(" ({uploading} uploading results)")
+            let (detail, busy) = if uploading > 0 {
+                (format!(" ({uploading} uploading results)"), Busy::Uploading)
             } else {
-                String::new()
+                (String::new(), Busy::Capacity)
             };
             let why = format!(
-                "Controller host is busy with {} active workload(s){detail}. Stop the existing {what} before starting a new one.",
+                "{BUSY_PREFIX} {} active workload(s){detail}. Stop the existing {what} before starting a new one.",
                 self.active.len()
             );
-            return self.reject_start(
-                request_id,
-                workload_uuid.as_deref(),
-                &why,
-                Some("host_busy"),
-                ctx,
-            );
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
         }
         // Both limits are bounded (D20): the manifest's by the configuration, the command's
         // by its type; the shorter wins.
@@ -274,20 +263,24 @@ impl Node {
     }
 
     /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
+    /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
     fn reject_start(
         &mut self,
         request_id: &Value,
         workload_uuid: Option<&str>,
         why: &str,
-        reason: Option<&str>,
+        busy: Option<Busy>,
         ctx: Option<workload::WorkflowCtx>,
     ) {
         self.report_rejected(ctx, why);
-        self.count_rejection(reason.unwrap_or(if why.contains("not configured") {
-            "not_configured"
-        } else {
-            "failed_to_start"
-        }));
+        self.count_rejection(busy.map_or(
+            if why.contains("not configured") {
+                "not_configured"
+            } else {
+                "failed_to_start"
+            },
+            Busy::reason,
+        ));
         log::warn!(
             "refused start {}: {}",
             shown(&request_id_text(request_id)),
@@ -295,12 +288,16 @@ impl Node {
         );
         self.reply_error(request_id, why);
         if let Some(wl) = workload_uuid {
-            let mut body = json!({"status": "failed", "error": why, "failure_detail": why});
-            if let Some(r) = reason {
-                body["rejection_reason"] = json!(r);
-                body["rejecting_instance_uuid"] = json!(self.uuid());
+            let mut body = Map::new();
+            body.insert("status".into(), json!("failed"));
+            body.insert("error".into(), json!(why));
+            body.insert("failure_detail".into(), json!(why));
+            if let Some(b) = busy {
+                body.insert("rejection_reason".into(), json!("host_busy"));
+                body.insert("busy_reason".into(), json!(b.reason()));
+                body.insert("rejecting_instance_uuid".into(), json!(self.uuid()));
             }
-            self.workload_status(wl, body);
+            self.workload_status(wl, Value::Object(body));
         }
     }
 

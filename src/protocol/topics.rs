@@ -23,6 +23,12 @@ impl Topics {
         }
     }
 
+    /// The node's MQTT client id: also the `session_id` its ingress events carry, as the SDK's
+    /// publisher stamps its own client id on every payload.
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
     /// The node's private inbox for request/response replies.
     pub fn inbox(&self) -> String {
         format!("{}cyberwave/response/{}", self.prefix, self.client_id)

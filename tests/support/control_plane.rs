@@ -38,6 +38,11 @@ pub struct Behaviour {
     pub put_delay: Duration,
     /// E7 answers by workload uuid: (HTTP status, body); `None` = hang for 30 s.
     pub workloads: std::collections::HashMap<String, Option<(u16, Value)>>,
+    /// The `upload_method` the R9 answer carries, by requested file name (absent: none sent).
+    /// `"multipart"` also makes the URL the platform's form-upload endpoint.
+    pub upload_methods: std::collections::HashMap<String, Value>,
+    /// Every REST call answers `400 workspace_required` unless it names a workspace uuid.
+    pub require_workspace_uuid: bool,
 }
 
 impl Default for Behaviour {
@@ -51,6 +56,8 @@ impl Default for Behaviour {
             put_failures: 0,
             put_delay: Duration::ZERO,
             workloads: Default::default(),
+            upload_methods: Default::default(),
+            require_workspace_uuid: false,
         }
     }
 }
@@ -80,7 +87,56 @@ struct State {
     http_url: String,
     /// Bytes received through signed URLs, by attachment file name.
     uploads: std::collections::BTreeMap<String, Vec<u8>>,
+    /// Files POSTed as `multipart/form-data`, by attachment uuid.
+    form_uploads: std::collections::BTreeMap<String, FormUpload>,
+    /// Requested file name → the attachment file name R9 answered with.
+    attachment_names: std::collections::BTreeMap<String, String>,
     attachments: u32,
+}
+
+/// One `multipart/form-data` upload as the fake platform received it.
+#[derive(Clone, Debug)]
+pub struct FormUpload {
+    /// The `name` of the one part.
+    pub field: String,
+    /// The `filename` of the part, as sent.
+    pub filename: String,
+    pub bytes: Vec<u8>,
+    pub authorization: Option<String>,
+    /// How many parts the body had.
+    pub parts: usize,
+}
+
+/// Splits a `multipart/form-data` body: (headers text, bytes) per part. `None` when malformed.
+pub fn parse_multipart(content_type: &str, body: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let boundary = content_type
+        .split(';')
+        .map(str::trim)
+        .find_map(|p| p.strip_prefix("boundary="))?
+        .trim_matches('"');
+    let find = |hay: &[u8], needle: &[u8], from: usize| -> Option<usize> {
+        hay.get(from..)?
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .map(|i| i + from)
+    };
+    let delim = format!("--{boundary}").into_bytes();
+    let mut at = find(body, &delim, 0)? + delim.len();
+    let mut parts = Vec::new();
+    loop {
+        if body.get(at..at + 2)? == b"--" {
+            return Some(parts);
+        }
+        if body.get(at..at + 2)? != b"\r\n" {
+            return None;
+        }
+        let head_end = find(body, b"\r\n\r\n", at + 2)?;
+        let headers = String::from_utf8(body.get(at + 2..head_end)?.to_vec()).ok()?;
+        let next = [b"\r\n".as_slice(), &delim].concat();
+        let end = find(body, &next, head_end + 4)?;
+        parts.push((headers, body.get(head_end + 4..end)?.to_vec()));
+        at = end + next.len();
+    }
 }
 
 pub struct ControlPlane {
@@ -199,6 +255,16 @@ impl ControlPlane {
         lock(&self.state).uploads.clone()
     }
 
+    /// Files that reached the multipart upload endpoint, by attachment uuid.
+    pub fn form_uploads(&self) -> std::collections::BTreeMap<String, FormUpload> {
+        lock(&self.state).form_uploads.clone()
+    }
+
+    /// The attachment file name R9 gave for a requested file name.
+    pub fn attachment_name(&self, requested: &str) -> Option<String> {
+        lock(&self.state).attachment_names.get(requested).cloned()
+    }
+
     pub fn http_hits(&self) -> Vec<(String, Option<String>)> {
         lock(&self.state).http.clone()
     }
@@ -287,16 +353,63 @@ impl Drop for ControlPlane {
 }
 
 fn serve_http(mut req: tiny_http::Request, st: &Arc<Mutex<State>>) {
-    let auth = req
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv("Authorization"))
-        .map(|h| h.value.to_string());
+    fn header(req: &tiny_http::Request, name: &'static str) -> Option<String> {
+        req.headers()
+            .iter()
+            .find(|h| h.field.equiv(name))
+            .map(|h| h.value.to_string())
+    }
+    let auth = header(&req, "Authorization");
     let url = req.url().to_string();
     let path = url.split('?').next().unwrap_or("").to_string();
-    lock(st).http.push((url.clone(), auth));
-    let (status, body): (u16, String) = if path.starts_with("/api/v1/cloud-node/instances") {
+    lock(st).http.push((url.clone(), auth.clone()));
+    let form_upload = {
+        let p: Vec<&str> = path.split('/').collect();
+        match p.as_slice() {
+            ["", "api", "v1", "cloud-node-workloads", _, "attachments", att, "upload"] => {
+                Some(att.to_string())
+            }
+            _ => None,
+        }
+    };
+    let needs_workspace = lock(st).behaviour.require_workspace_uuid
+        && path.starts_with("/api/")
+        && !url.contains("workspace_uuid=");
+    let (status, body): (u16, String) = if needs_workspace {
+        (
+            400,
+            json!({"code": "workspace_required", "detail": "name a workspace"}).to_string(),
+        )
+    } else if path.starts_with("/api/v1/cloud-node/instances") {
         (lock(st).behaviour.token_status, "[]".into())
+    } else if let Some(att) = form_upload {
+        let ctype = header(&req, "Content-Type").unwrap_or_default();
+        let mut bytes = Vec::new();
+        let _ = std::io::Read::read_to_end(req.as_reader(), &mut bytes);
+        let post = *req.method() == tiny_http::Method::Post;
+        match parse_multipart(&ctype, &bytes).filter(|_| post) {
+            Some(parts) => {
+                let n = parts.len();
+                let (head, data) = parts.into_iter().next().unwrap_or_default();
+                let attr = |key: &str| {
+                    let k = format!("{key}=\"");
+                    head.find(&k).map(|i| {
+                        let rest = &head[i + k.len()..];
+                        rest[..rest.find('"').unwrap_or(rest.len())].to_string()
+                    })
+                };
+                let up = FormUpload {
+                    field: attr(" name").unwrap_or_default(),
+                    filename: attr("filename").unwrap_or_default(),
+                    bytes: data,
+                    authorization: auth,
+                    parts: n,
+                };
+                lock(st).form_uploads.insert(att, up);
+                (200, json!({"success": true}).to_string())
+            }
+            None => (400, "not a multipart/form-data POST".into()),
+        }
     } else if let Some(name) = path.strip_prefix("/upload/") {
         let mut bytes = Vec::new();
         let _ = std::io::Read::read_to_end(req.as_reader(), &mut bytes);
@@ -311,6 +424,8 @@ fn serve_http(mut req: tiny_http::Request, st: &Arc<Mutex<State>>) {
         std::thread::sleep(delay);
         if fail {
             (503, "try later".into())
+        } else if *req.method() != tiny_http::Method::Put {
+            (405, "signed URLs take PUT".into())
         } else {
             lock(st).uploads.insert(name.to_string(), bytes);
             (200, String::new())
@@ -419,13 +534,23 @@ fn handle(cli: &mqtt5::Client, st: &Arc<Mutex<State>>, prefix: &str, msg: mqtt5:
                     .rsplit_once('.')
                     .map(|(_, e)| format!(".{e}"))
                     .unwrap_or_default();
-                let att = format!("att-{:04}{ext}", s.attachments);
-                (
-                    Some(
-                        json!({"signed_url": format!("{}/upload/{att}", s.http_url), "filename": att}),
-                    ),
-                    Duration::ZERO,
-                )
+                let uuid = format!("att-{:04}", s.attachments);
+                let att = format!("{uuid}{ext}");
+                s.attachment_names.insert(name.to_string(), att.clone());
+                let method = s.behaviour.upload_methods.get(name).cloned();
+                let url = if method == Some(json!("multipart")) {
+                    format!(
+                        "{}/api/v1/cloud-node-workloads/{id}/attachments/{uuid}/upload",
+                        s.http_url
+                    )
+                } else {
+                    format!("{}/upload/{att}", s.http_url)
+                };
+                let mut reply = json!({"signed_url": url, "filename": att, "expiration_hours": 1});
+                if let Some(m) = method {
+                    reply["upload_method"] = m;
+                }
+                (Some(reply), Duration::ZERO)
             }
             _ => (Some(json!({"success": true})), Duration::ZERO),
         }

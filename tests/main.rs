@@ -5,6 +5,7 @@ mod support;
 mod cli_config;
 mod ingress;
 mod logs;
+mod manifest_corpus;
 mod operate;
 mod results;
 mod wire;

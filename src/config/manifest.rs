@@ -954,3 +954,264 @@ fn edit_distance(a: &str, b: &str) -> usize {
     }
     prev.last().copied().unwrap_or(usize::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strict(text: &str) -> Checked {
+        parse_manifest_text(text, false)
+    }
+
+    fn fields(c: &Checked) -> Vec<(&str, Option<usize>, bool)> {
+        c.problems
+            .iter()
+            .map(|p| (p.field.as_str(), p.line, p.warning))
+            .collect()
+    }
+
+    #[test]
+    fn reads_both_wrappers_and_a_flat_file() {
+        let c = strict("cyberwave:\n  inference: python i.py {body}\n  install: ./i.sh\n  heartbeat_interval: 5\n");
+        assert!(c.valid(), "{:?}", c.problems);
+        let m = c.manifest.unwrap();
+        assert_eq!(m.wrapper.as_deref(), Some("cyberwave"));
+        assert_eq!(m.inference.as_deref(), Some("python i.py {body}"));
+        assert_eq!(m.install.as_deref(), Some("./i.sh"));
+        assert_eq!(m.heartbeat_interval, Some(5.0));
+        assert_eq!(m.section_of("inference"), Some("cyberwave"));
+        let c =
+            strict("cyberwave-cloud-node:\n  install_script: ./setup.sh\n  training: t {body}\n");
+        let m = c.manifest.unwrap();
+        assert_eq!(m.install.as_deref(), Some("./setup.sh"));
+        let c = strict("install: new\ninstall_script: old\nmqtt_port: 1883\nmqtt_use_tls: false\n");
+        assert!(c.valid());
+        let m = c.manifest.unwrap();
+        assert_eq!(
+            m.install.as_deref(),
+            Some("new"),
+            "install wins in any order"
+        );
+        assert_eq!((m.mqtt_port, m.mqtt_use_tls), (Some(1883), Some(false)));
+        assert!(strict("").valid());
+        assert!(strict("cyberwave:\n").valid());
+    }
+
+    #[test]
+    fn yaml_1_1_values_and_lax_strings_are_used() {
+        let c = strict("cyberwave:\n  upload_results: off\n  mqtt_use_tls: \"yes\"\n  mqtt_port: \"1_883\"\n  heartbeat_interval: 1:30\n  gpu: y\n");
+        assert!(c.valid(), "{:?}", c.problems);
+        let m = c.manifest.unwrap();
+        assert_eq!(m.upload_results, Some(false));
+        assert_eq!(m.mqtt_use_tls, Some(true));
+        assert_eq!(m.mqtt_port, Some(1883));
+        assert_eq!(m.heartbeat_interval, Some(90.0));
+    }
+
+    #[test]
+    fn merged_values_are_really_used_in_both_modes() {
+        let text = "base: &b\n  profile_slug: merged\n  results_folder: out\ncyberwave:\n  <<: *b\n  results_folder: own\n";
+        for lenient in [false, true] {
+            let c = parse_manifest_text(text, lenient);
+            assert!(c.valid(), "{:?}", c.problems);
+            let m = c.manifest.unwrap();
+            assert_eq!(m.profile_slug.as_deref(), Some("merged"));
+            assert_eq!(m.results_folder.as_deref(), Some("own"));
+        }
+    }
+
+    #[test]
+    fn platform_refusals_the_node_can_use_do_not_stop_start() {
+        let c = strict("cyberwave:\n  version: 1\n  heartbeat_interval: 2.5\n  profile_slug: 123\n  gpu: null\n  provider: aws\n  runtime: vllm\n");
+        assert!(!c.valid());
+        assert!(c.problems.iter().all(|p| p.start_ok), "{:?}", c.problems);
+        assert_eq!(
+            fields(&c),
+            vec![
+                ("version", Some(2), false),
+                ("heartbeat_interval", Some(3), false),
+                ("profile_slug", Some(4), false),
+                ("gpu", Some(5), false),
+                ("provider", Some(6), false),
+                ("runtime", Some(7), false),
+            ]
+        );
+        let m = c.manifest.unwrap();
+        assert_eq!(m.heartbeat_interval, Some(2.5));
+        assert_eq!(m.profile_slug.as_deref(), Some("123"));
+        let shown = c.problems[4].to_string();
+        assert!(
+            shown.starts_with("cyberwave.yml:6: error: provider: unknown field")
+                && shown.ends_with("[`start` would still run this file]"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn lenient_mirrors_the_platform() {
+        // Unknown keys under a wrapper: warnings.
+        let c = parse_manifest_text("cyberwave:\n  inferense: x\n  server_port: 1\n", true);
+        assert!(c.valid());
+        assert!(
+            c.problems[0].message.contains("did you mean `inference`"),
+            "{:?}",
+            c.problems
+        );
+        // In a flat file: still an error, as on the platform.
+        let c = parse_manifest_text("inference: x\nserver_port: 1\n", true);
+        assert!(!c.valid());
+        assert!(c.manifest.is_some(), "start still runs it");
+        // A type error stays an error.
+        let c = parse_manifest_text("cyberwave:\n  heartbeat_interval: soon\n", true);
+        assert!(!c.valid());
+        assert!(c.manifest.is_none(), "start cannot use it");
+        assert!(c.problems[0].message.contains("\"soon\""));
+    }
+
+    #[test]
+    fn deliberate_refusals_and_unusable_values_stop_start() {
+        for text in [
+            "cyberwave:\n  mqtt_port: 70000\n",
+            "cyberwave:\n  mqtt_port: 0\n",
+            "cyberwave:\n  heartbeat_interval: 0\n",
+            "cyberwave:\n  heartbeat_interval: -3\n",
+            "cyberwave:\n  heartbeat_interval: .inf\n",
+            "cyberwave:\n  heartbeat_interval: 99999999999999999999999999\n",
+            "cyberwave:\n  upload_results: maybe\n",
+            "cyberwave:\n  inference: [a]\n",
+            "cloud_node:\n  max_concurrent_workloads: 0\ncyberwave:\n",
+            "cloud_node:\n  max_log_bytes: -1\ncyberwave:\n",
+            "cloud_node:\n  gpus_per_workload: 4294967296\ncyberwave:\n",
+            "- a\n- b\n",
+            "just text\n",
+            "a: [unclosed\n",
+        ] {
+            for lenient in [false, true] {
+                let c = parse_manifest_text(text, lenient);
+                assert!(!c.valid(), "{text:?}");
+                assert!(c.manifest.is_none(), "{text:?}: {:?}", c.problems);
+                assert!(c.problems.iter().all(|p| p.line.is_some()));
+            }
+        }
+    }
+
+    #[test]
+    fn cloud_node_section_precedence() {
+        let c = strict("cyberwave:\n  inference: x\ncloud_node:\n  max_concurrent_workloads: \"3\"\n  max_runtime_seconds: 1.5\n  workflow_reporting: off\n  min_free_disk_mb: 0\n  max_log_bytes: 10\n  log_retention_days: 0\n  gpus_per_workload: 1\n  max_result_bytes: 1_000\n  environment_uuid: \" \"\n");
+        assert!(c.valid(), "{:?}", c.problems);
+        let m = c.manifest.unwrap();
+        assert_eq!(m.max_concurrent_workloads, Some(3));
+        assert_eq!(m.max_runtime_seconds, Some(1.5));
+        assert_eq!(m.workflow_reporting, Some(false));
+        assert_eq!(m.min_free_disk_mb, Some(0));
+        assert_eq!(m.max_log_bytes, Some(10));
+        assert_eq!(m.log_retention_days, Some(0));
+        assert_eq!(m.gpus_per_workload, Some(1));
+        assert_eq!(m.max_result_bytes, Some(1000));
+        assert_eq!(m.environment_uuid, None, "blank is unset");
+        assert_eq!(m.section_of("max_log_bytes"), Some("cloud_node"));
+        // Inside the wrapper: read, but the platform refuses it (strict) or drops it (lenient).
+        let text = "cyberwave:\n  max_concurrent_workloads: 2\n  max_log_bytes: 7\ncloud_node:\n  max_concurrent_workloads: 4\n  unknown_thing: 1\n";
+        let c = strict(text);
+        assert!(!c.valid());
+        let m = c.manifest.clone().unwrap();
+        assert_eq!(m.max_concurrent_workloads, Some(4), "cloud_node: wins");
+        assert_eq!(m.max_log_bytes, Some(7));
+        assert_eq!(m.section_of("max_log_bytes"), Some("cyberwave"));
+        assert_eq!(
+            fields(&c),
+            vec![
+                ("max_concurrent_workloads", Some(2), false),
+                ("max_concurrent_workloads", Some(2), true),
+                ("max_log_bytes", Some(3), false),
+                ("unknown_thing", Some(6), false),
+            ]
+        );
+        let c = parse_manifest_text(text, true);
+        assert!(c.valid(), "{:?}", c.problems);
+    }
+
+    #[test]
+    fn wrapper_quirks_follow_the_platform() {
+        // A non-mapping wrapper reads as empty; keys beside it are ignored.
+        let c = strict("cyberwave: 3\n");
+        assert!(c.valid());
+        assert!(c.problems[0].warning);
+        let c = strict("anchors: &a {x: 1}\ncyberwave:\n  inference: x\ninference: ignored\n");
+        assert!(c.valid());
+        assert_eq!(c.manifest.clone().unwrap().inference.as_deref(), Some("x"));
+        assert_eq!(
+            fields(&c),
+            vec![("inference", Some(4), true)],
+            "only the misplaced setting warns"
+        );
+        // Falsy documents read as empty, like `safe_load(f) or {}`.
+        for text in ["[]\n", "false\n", "0\n", "''\n"] {
+            assert!(strict(text).valid(), "{text:?}");
+        }
+        let c = strict("cyberwave:\n  inference: a\ncyberwave-cloud-node:\n  inference: b\n");
+        assert_eq!(c.manifest.unwrap().inference.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn never_panics_on_hostile_text() {
+        let mut cases: Vec<String> = vec![
+            "\u{0}".into(),
+            "\u{FEFF}cyberwave:\n  inference: x\n".into(),
+            "cyberwave:\n  \u{540d}\u{524d}: \u{30c7}\u{30e2}\n  \"\u{1F680}\": ok\n".into(),
+            "cyberwave: &a\n  <<: *a\n".into(),
+            "? !!binary aGVsbG8=\n: x\n".into(),
+            "cyberwave:\n  requirements: !!set {a, b}\n".into(),
+            "cyberwave:\n  heartbeat_interval: !!float 3\n".into(),
+            "cyberwave:\n  heartbeat_interval: !!int x\n".into(),
+            "%YAML 1.1\n---\ncyberwave: {}\n".into(),
+            "cyberwave:\n  mqtt_port: -99999999999999999999999999999999999999999\n".into(),
+            "cyberwave:\n  mqtt_port: \"-9223372036854775809000\"\n".into(),
+            "cloud_node:\n  max_runtime_seconds: \"nan\"\n".into(),
+            "x".repeat(200),
+            format!("cyberwave:\n  {}: 1\n", "k".repeat(10_000)),
+            "\t\r\n".into(),
+        ];
+        cases.push("a".repeat(MAX_MANIFEST_BYTES + 1));
+        for text in &cases {
+            for lenient in [false, true] {
+                let c = parse_manifest_text(text, lenient);
+                for p in &c.problems {
+                    assert!(!p.to_string().is_empty());
+                }
+            }
+        }
+        let c = parse_manifest_text(cases.last().unwrap(), false);
+        assert!(c.problems[0].message.contains("at most"));
+    }
+
+    #[test]
+    fn readme_front_matter_keeps_readme_line_numbers() {
+        let fm = front_matter("# Title\n---\ninference: x\nbogus: 1\n---\nbody\n").unwrap();
+        let c = check(Path::new("README.md"), &fm, false);
+        assert_eq!(c.problems[0].line, Some(4));
+        assert!(front_matter("no front matter").is_none());
+        assert!(front_matter("---\nunterminated").is_none());
+    }
+
+    #[test]
+    fn locate_prefers_yml_then_readme_and_refuses_binary() {
+        let dir = std::env::temp_dir().join(format!("cw-loc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(locate(None, &dir).unwrap().is_none());
+        std::fs::write(dir.join("README.md"), "---\ninference: r\n---\n").unwrap();
+        let (path, _) = locate(None, &dir).unwrap().unwrap();
+        assert!(path.ends_with("README.md"));
+        std::fs::write(dir.join("cyberwave.yml"), "inference: y\n").unwrap();
+        let (path, _) = locate(None, &dir).unwrap().unwrap();
+        assert!(path.ends_with("cyberwave.yml"));
+        std::fs::write(dir.join("cyberwave.yml"), b"a: b\nc: \xff\n").unwrap();
+        let e = locate(None, &dir).unwrap_err();
+        assert!(
+            e.contains("cyberwave.yml:2: error: yaml: the file is not UTF-8"),
+            "{e}"
+        );
+        assert!(locate(Some(&dir.join("nope/x.yml")), &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -743,3 +743,123 @@ fn non_printable(text: &str) -> Option<(usize, char)> {
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root(text: &str) -> Rc<Node> {
+        load(text).unwrap().0.unwrap()
+    }
+
+    #[test]
+    fn plain_scalars_resolve_as_yaml_1_1() {
+        for (t, want) in [
+            ("yes", Scalar::Bool(true)),
+            ("Off", Scalar::Bool(false)),
+            ("y", Scalar::Str("y".into())),
+            ("n", Scalar::Str("n".into())),
+            ("~", Scalar::Null),
+            ("", Scalar::Null),
+            ("0x1E", Scalar::Int(Some(30))),
+            ("017", Scalar::Int(Some(15))),
+            ("08", Scalar::Str("08".into())),
+            ("0b101", Scalar::Int(Some(5))),
+            ("1_000", Scalar::Int(Some(1000))),
+            ("-1:30", Scalar::Int(Some(-90))),
+            ("1:30:00", Scalar::Int(Some(5400))),
+            ("1:60", Scalar::Str("1:60".into())),
+            ("1e3", Scalar::Str("1e3".into())),
+            ("1.0e+3", Scalar::Float(1000.0)),
+            ("1.0e3", Scalar::Str("1.0e3".into())),
+            ("1.", Scalar::Float(1.0)),
+            (".5", Scalar::Float(0.5)),
+            ("-.inf", Scalar::Float(f64::NEG_INFINITY)),
+            ("2024-01-01", Scalar::Timestamp),
+            ("2001-12-14t21:59:43.10-05:00", Scalar::Timestamp),
+            ("2001-12-14", Scalar::Timestamp),
+            ("2001-12-1", Scalar::Str("2001-12-1".into())),
+            ("<<", Scalar::Str("<<".into())),
+            (
+                "99999999999999999999999999999999999999999",
+                Scalar::Int(None),
+            ),
+        ] {
+            assert_eq!(resolve_plain(t), want, "{t:?}");
+        }
+        assert!(matches!(resolve_plain(".NaN"), Scalar::Float(f) if f.is_nan()));
+    }
+
+    #[test]
+    fn quoted_scalars_stay_strings_and_lines_are_kept() {
+        let r = root("a: 'yes'\nb: \"1\"\nc: yes\n");
+        assert_eq!(r.get("a").unwrap().as_str(), Some("yes"));
+        assert_eq!(r.get("b").unwrap().as_str(), Some("1"));
+        let c = r.get("c").unwrap();
+        assert_eq!(c.scalar(), Some(&Scalar::Bool(true)));
+        assert_eq!(c.line, 3);
+    }
+
+    #[test]
+    fn merge_keys_follow_pyyaml_precedence() {
+        let r = root(
+            "a: &a {x: a, y: a}\nb: &b {x: b, z: b}\nm:\n  <<: [*a, *b]\n  y: own\n  <<: {w: later}\n",
+        );
+        let m = r.get("m").unwrap();
+        let v = |k: &str| m.get(k).and_then(|n| n.as_str().map(String::from));
+        assert_eq!(
+            v("x").as_deref(),
+            Some("a"),
+            "earlier mapping in the list wins"
+        );
+        assert_eq!(v("y").as_deref(), Some("own"), "explicit keys win");
+        assert_eq!(v("z").as_deref(), Some("b"));
+        assert_eq!(v("w").as_deref(), Some("later"));
+        assert!(m.get("<<").is_none());
+    }
+
+    #[test]
+    fn duplicates_keep_the_last_value_with_a_note() {
+        let (r, notes) = load("k: 1\nj: 2\nk: 3\n").unwrap();
+        let r = r.unwrap();
+        assert_eq!(r.get("k").unwrap().scalar(), Some(&Scalar::Int(Some(3))));
+        assert_eq!(r.map().unwrap().len(), 2);
+        assert_eq!(notes.len(), 1);
+        assert_eq!(notes[0].line, 3);
+        assert!(!notes[0].platform_error);
+        // 1, 1.0 and true are one key, as in a Python dict.
+        let (r, notes) = load("1: a\ntrue: b\n1.0: c\n").unwrap();
+        assert_eq!(r.unwrap().map().unwrap().len(), 1);
+        assert_eq!(notes.len(), 2);
+    }
+
+    #[test]
+    fn hostile_input_is_bounded() {
+        // Billion laughs: aliases share nodes, nothing is expanded.
+        let mut text = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+        for i in 1..40 {
+            let p = i - 1;
+            text.push_str(&format!(
+                "a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+            ));
+        }
+        assert!(load(&text).is_ok());
+        // Deep nesting: a clean error, no stack overflow.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(load(&deep).is_err());
+        let deep_block: String = (0..300).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
+        assert!(load(&deep_block).is_err());
+        // Control characters PyYAML refuses; unicode it accepts.
+        let e = load("a: b\nc: \u{7}\n").unwrap_err();
+        assert_eq!(e.line, 2);
+        assert!(load("\u{540d}\u{524d}: \u{1F680}\n").is_ok());
+        // Unknown tags and aliases to nowhere.
+        let (_, notes) = load("a: !custom x\n").unwrap();
+        assert!(notes[0].platform_error);
+        assert!(load("a: *nowhere\n").is_err());
+        // Unhashable keys are dropped with a note.
+        let (r, notes) = load("? [a, b]\n: c\nd: e\n").unwrap();
+        assert_eq!(r.unwrap().map().unwrap().len(), 1);
+        assert!(notes[0].platform_error);
+    }
+}

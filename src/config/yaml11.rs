@@ -156,7 +156,10 @@ pub fn load(text: &str) -> Result<(Option<Rc<Node>>, Vec<Note>), Fatal> {
     loop {
         let (ev, mark) = parser.next_token().map_err(|e| Fatal {
             line: e.marker().line().max(1),
-            message: e.info().to_string(),
+            message: match e.info() {
+                "recursion limit exceeded" => format!("nested deeper than {MAX_DEPTH} levels"),
+                other => other.to_string(),
+            },
         })?;
         let line = mark.line().max(1);
         match ev {

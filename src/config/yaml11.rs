@@ -21,6 +21,10 @@ use yaml_rust2::scanner::TScalarStyle;
 /// in the hundreds; a manifest needs three levels.
 pub const MAX_DEPTH: usize = 100;
 
+/// Most entries merge keys may copy in one document: `<<: [*big, *big, …]` repeated would
+/// otherwise cost the square of the file's size.
+pub const MAX_MERGED_ENTRIES: usize = 1_000_000;
+
 /// A resolved scalar, with the Python type PyYAML would have produced.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Scalar {
@@ -35,6 +39,9 @@ pub enum Scalar {
     /// `!!binary`, `!!set`, `!!omap`, `!!pairs`: types no manifest field takes.
     Other(&'static str),
 }
+
+/// A mapping's entries: keys in first-seen order, each with its last value.
+pub type Entries = Vec<(Rc<Node>, Rc<Node>)>;
 
 #[derive(Debug)]
 pub enum Value {
@@ -198,6 +205,7 @@ enum Frame {
 
 #[derive(Default)]
 struct Builder {
+    merged_entries: usize,
     stack: Vec<Frame>,
     anchors: HashMap<usize, Rc<Node>>,
     root: Option<Rc<Node>>,
@@ -277,7 +285,7 @@ impl Builder {
                     }) => (
                         anchor,
                         Node {
-                            value: Value::Map(self.flatten(entries)),
+                            value: Value::Map(self.flatten(entries, line)?),
                             line,
                             text: String::new(),
                             merge: false,
@@ -406,7 +414,11 @@ impl Builder {
     /// PyYAML's `flatten_mapping` and dict construction: the mappings named by `<<` come first
     /// (within a list, earlier ones win), then the explicit keys; a later duplicate replaces
     /// the value and keeps the first position.
-    fn flatten(&mut self, entries: Vec<(Rc<Node>, Rc<Node>)>) -> Vec<(Rc<Node>, Rc<Node>)> {
+    fn flatten(
+        &mut self,
+        entries: Vec<(Rc<Node>, Rc<Node>)>,
+        line: usize,
+    ) -> Result<Entries, Fatal> {
         let mut merged: Vec<(Rc<Node>, Rc<Node>)> = Vec::new();
         let mut explicit = Vec::with_capacity(entries.len());
         for (k, v) in entries {
@@ -441,6 +453,13 @@ impl Builder {
             }
         }
         let merged_len = merged.len();
+        self.merged_entries = self.merged_entries.saturating_add(merged_len);
+        if self.merged_entries > MAX_MERGED_ENTRIES {
+            return Err(Fatal {
+                line,
+                message: format!("merge keys (`<<`) copy more than {MAX_MERGED_ENTRIES} entries"),
+            });
+        }
         let mut out: Vec<(Rc<Node>, Rc<Node>)> = Vec::new();
         let mut explicit_at: Vec<bool> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
@@ -483,7 +502,7 @@ impl Builder {
                 }
             }
         }
-        out
+        Ok(out)
     }
 }
 
@@ -847,6 +866,21 @@ mod tests {
             ));
         }
         assert!(load(&text).is_ok());
+        // The same through merge keys: bounded work, then a clean error.
+        let mut text = String::from("m0: &m0 {");
+        text.push_str(
+            &(0..1000)
+                .map(|i| format!("k{i}: {i}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+        text.push_str("}\n");
+        for i in 1..20 {
+            let refs = vec![format!("*m{}", i - 1); 200].join(", ");
+            text.push_str(&format!("m{i}: &m{i} {{<<: [{refs}]}}\n"));
+        }
+        let e = load(&text).unwrap_err();
+        assert!(e.message.contains("merge keys"), "{e:?}");
         // Deep nesting: a clean error, no stack overflow.
         let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
         assert!(load(&deep).is_err());

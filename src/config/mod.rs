@@ -301,17 +301,13 @@ impl Settings {
             self.manifest_row("max_runtime_seconds", |m| {
                 m.max_runtime_seconds.map(|s| format!("{s}s"))
             }),
-            self.manifest_row("workflow_reporting", |m| {
-                Some(
-                    if m.workflow_reporting == Some(false) {
-                        "off"
-                    } else {
-                        "on"
-                    }
-                    .to_string(),
-                )
-                .filter(|_| m.workflow_reporting.is_some())
-            }),
+            match self.manifest_row("workflow_reporting", |m| {
+                m.workflow_reporting
+                    .map(|on| if on { "on" } else { "off" }.to_string())
+            }) {
+                (name, _, src) if src == "-" => (name, "on".to_string(), "default".to_string()),
+                row => row,
+            },
             self.manifest_row("gpus_per_workload", |m| {
                 m.gpus_per_workload.map(|n| n.to_string())
             }),

@@ -479,6 +479,33 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
             unknown_key(cx, k, wrapper);
         }
     }
+    // With --lenient the platform sorts the unknown keys to list them: keys of types Python
+    // cannot compare (a string and a number, `null` and anything) crash its validator.
+    if wrapper.is_some() && cx.lenient {
+        let class = |k: &Node| match k.scalar() {
+            Some(Scalar::Str(_)) => 0u8,
+            Some(Scalar::Bool(_) | Scalar::Int(_) | Scalar::Float(_)) => 1,
+            Some(Scalar::Null) => 2,
+            Some(Scalar::Timestamp) => 3,
+            _ => 4,
+        };
+        let unknown: Vec<&Rc<Node>> = inner
+            .iter()
+            .map(|(k, _)| k)
+            .filter(|k| {
+                k.as_str()
+                    .is_none_or(|n| !PLATFORM_FIELDS.iter().any(|(f, _)| *f == n))
+            })
+            .collect();
+        let first = unknown.first().map(|k| class(k));
+        if let Some(odd) = unknown.iter().find(|k| Some(class(k)) != first) {
+            cx.platform(
+                odd.line,
+                &odd.text,
+                "unknown keys of mixed types (a string and a number or null): the platform's validator crashes on them with --lenient; the node ignores them".into(),
+            );
+        }
+    }
     // The platform's cross-field rule, checked on the values it would have accepted.
     let truthy = |key: &str| {
         inner

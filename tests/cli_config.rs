@@ -108,7 +108,7 @@ fn validate_good_manifest() {
     let s = NodeSetup::bare();
     s.write(
         "cyberwave.yml",
-        "cyberwave:\n  install: ./install.sh\n  inference: |\n    source venv/bin/activate && \\\n      python infer.py --params {body}\n  training: python train.py {body}\n  simulate: sim.py\n  max_concurrent_workloads: 2\n",
+        "cyberwave:\n  install: ./install.sh\n  inference: |\n    source venv/bin/activate && \\\n      python infer.py --params {body}\n  training: python train.py {body}\n  simulate: sim.py\ncloud_node:\n  max_concurrent_workloads: 2\n",
     );
     let out = s.run(&["validate"]);
     assert_eq!(out.code, Some(0), "{out:?}");
@@ -127,14 +127,14 @@ fn validate_lists_every_problem_with_its_line() {
     let s = NodeSetup::bare();
     let path = s.write(
         "m.yml",
-        "cyberwave:\n  inferense: python x.py\n  mqtt_port: 99999\n  upload_results: \"yes\"\n  provider: aws\n",
+        "cyberwave:\n  inferense: python x.py\n  mqtt_port: 99999\n  upload_results: maybe\n  provider: aws\n",
     );
     let out = s.run(&["validate", path.to_str().unwrap_or_default()]);
     assert_eq!(out.code, Some(1), "{out:?}");
     for needle in [
         "m.yml:2: error: inferense: unknown field (did you mean `inference`?)",
-        "m.yml:3: error: mqtt_port: expected a whole number from 1 to 65535, got 99999",
-        "m.yml:4: error: upload_results: expected true or false",
+        "m.yml:3: error: mqtt_port: expected a whole number from 1 to 65535, got the integer 99999",
+        "m.yml:4: error: upload_results: expected a boolean",
         "m.yml:5: error: provider: unknown field",
         "4 errors, 0 warnings",
     ] {

@@ -7,6 +7,7 @@ mod edge;
 mod ingress;
 mod lifecycle;
 mod logs;
+mod manifest_corpus;
 mod operate;
 mod platform;
 mod results;

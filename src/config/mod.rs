@@ -8,6 +8,7 @@
 pub mod credentials;
 pub mod env;
 pub mod manifest;
+pub mod yaml11;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -22,6 +23,8 @@ pub enum Source {
     Default,
     Flag(String),
     File(PathBuf),
+    /// A manifest key, with the section it was read from (`cyberwave`, `cloud_node`, …).
+    Manifest(PathBuf, String),
     Env(String),
     DotEnv(PathBuf, String),
     Credentials(PathBuf),
@@ -36,6 +39,8 @@ impl std::fmt::Display for Source {
             Source::Default => write!(f, "default"),
             Source::Flag(s) => write!(f, "flag {s}"),
             Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Manifest(p, section) if section == "root" => write!(f, "file {}", p.display()),
+            Source::Manifest(p, section) => write!(f, "file {} ({section}:)", p.display()),
             Source::Env(v) => write!(f, "env {v}"),
             Source::DotEnv(p, v) => write!(f, "{v} in {}", p.display()),
             Source::Credentials(p) => write!(f, "{}", p.display()),
@@ -194,6 +199,24 @@ impl Settings {
         .map(|s| s.value.as_str())
     }
 
+    /// A node setting only the manifest sets: its value and section, else "(unset)".
+    fn manifest_row(
+        &self,
+        name: &'static str,
+        value: impl Fn(&Manifest) -> Option<String>,
+    ) -> (&'static str, String, String) {
+        match self.manifest.as_ref().and_then(|m| Some((m, value(m)?))) {
+            Some((m, v)) => {
+                let src = match m.section_of(name) {
+                    Some(section) => Source::Manifest(m.path.clone(), section.to_string()),
+                    None => Source::File(m.path.clone()),
+                };
+                (name, v, src.to_string())
+            }
+            None => (name, "(unset)".to_string(), "-".to_string()),
+        }
+    }
+
     /// Every setting as (name, printable value, source), secrets masked.
     pub fn rows(&self) -> Vec<(&'static str, String, String)> {
         fn row<T: std::fmt::Display>(
@@ -279,6 +302,22 @@ impl Settings {
             row("min_free_disk_mb", &self.min_free_disk_mb),
             row("max_log_bytes", &self.max_log_bytes),
             row("log_retention_days", &self.log_retention_days),
+            self.manifest_row("max_runtime_seconds", |m| {
+                m.max_runtime_seconds.map(|s| format!("{s}s"))
+            }),
+            match self.manifest_row("workflow_reporting", |m| {
+                m.workflow_reporting
+                    .map(|on| if on { "on" } else { "off" }.to_string())
+            }) {
+                (name, _, src) if src == "-" => (name, "on".to_string(), "default".to_string()),
+                row => row,
+            },
+            self.manifest_row("gpus_per_workload", |m| {
+                m.gpus_per_workload.map(|n| n.to_string())
+            }),
+            self.manifest_row("max_result_bytes", |m| {
+                m.max_result_bytes.map(|n| n.to_string())
+            }),
             opt("metrics_file", &self.metrics_file.as_ref().map(path)),
             (
                 "standalone",
@@ -344,21 +383,28 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let mut manifest_warnings = Vec::new();
     match manifest::locate(flags.config.as_deref(), cwd) {
         Ok(Some((path, text))) => {
-            let (m, problems) = manifest::parse(&path, &text, flags.lenient);
-            for p in problems {
-                if p.warning {
+            // `start` runs whatever it can use (D22): a problem it can live with is a warning.
+            let checked = manifest::check(&path, &text, flags.lenient);
+            for mut p in checked.problems {
+                if p.start_ok {
+                    p.warning = true;
                     manifest_warnings.push(p);
                 } else {
                     errors.push(p.to_string());
                 }
             }
-            manifest = m;
+            manifest = checked.manifest;
         }
         Ok(None) => {}
         Err(e) => errors.push(e),
     }
     let m = manifest.clone().unwrap_or_default();
-    let file = || Source::File(m.path.clone());
+    // Each manifest value's source names the section it came from (D23: `cloud_node:` or the
+    // wrapper; `cloud_node:` wins when both set a node setting).
+    let file_of = |key: &str| match m.section_of(key) {
+        Some(section) => Source::Manifest(m.path.clone(), section.to_string()),
+        None => Source::File(m.path.clone()),
+    };
     let creds = Credentials::load(&config_dir.value.join("credentials.json"));
     let cred_src = || Source::Credentials(creds.path.clone());
 
@@ -453,37 +499,48 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .profile
         .clone()
         .map(|s| sourced(s, Source::Flag("--profile".into())))
-        .or_else(|| m.profile_slug.clone().map(|s| sourced(s, file())))
+        .or_else(|| {
+            m.profile_slug
+                .clone()
+                .map(|s| sourced(s, file_of("profile_slug")))
+        })
         .or_else(|| {
             env_str("CYBERWAVE_PROFILE_SLUG").map(|(v, s)| sourced(v.trim().to_string(), s))
         })
         .unwrap_or_else(|| sourced("default".into(), Source::Default));
 
     // Command templates: the env vars override the file (see the module docs).
-    let command = |var: &str, from_file: &Option<String>| {
+    let command = |var: &str, from_file: &Option<String>, key: &str| {
         env_str(var)
             .map(|(v, s)| sourced(v, s))
-            .or_else(|| from_file.clone().map(|v| sourced(v, file())))
+            .or_else(|| from_file.clone().map(|v| sourced(v, file_of(key))))
     };
-    let install = command("CYBERWAVE_INSTALL_SCRIPT", &m.install);
-    let inference = command("CYBERWAVE_INFERENCE_CMD", &m.inference);
-    let simulate = command("CYBERWAVE_SIMULATE_CMD", &m.simulate);
-    let training = command("CYBERWAVE_TRAINING_CMD", &m.training);
+    let install_key = if m.section_of("install").is_some() {
+        "install"
+    } else {
+        "install_script"
+    };
+    let install = command("CYBERWAVE_INSTALL_SCRIPT", &m.install, install_key);
+    let inference = command("CYBERWAVE_INFERENCE_CMD", &m.inference, "inference");
+    let simulate = command("CYBERWAVE_SIMULATE_CMD", &m.simulate, "simulate");
+    let training = command("CYBERWAVE_TRAINING_CMD", &m.training, "training");
 
     // A number from the manifest, else from its environment variable, else the default.
     let number = |from_file: Option<f64>,
+                  key: &str,
                   var: &str,
                   expected: &str,
                   parse: &dyn Fn(&str) -> Option<f64>,
                   default: f64,
                   errors: &mut Vec<String>| match from_file {
-        Some(v) => sourced(v, file()),
+        Some(v) => sourced(v, file_of(key)),
         None => parse_env(var, expected, errors, parse)
             .unwrap_or_else(|| sourced(default, Source::Default)),
     };
     let secs = |n: Sourced<f64>| sourced(Duration::from_secs_f64(n.value), n.source);
     let heartbeat_interval = secs(number(
         m.heartbeat_interval,
+        "heartbeat_interval",
         "CYBERWAVE_HEARTBEAT_INTERVAL",
         "a number of seconds greater than 0",
         &pos_secs,
@@ -495,7 +552,11 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .mqtt_host
         .clone()
         .map(|h| sourced(h, Source::Flag("--mqtt-host".into())))
-        .or_else(|| m.mqtt_host.clone().map(|h| sourced(h, file())))
+        .or_else(|| {
+            m.mqtt_host
+                .clone()
+                .map(|h| sourced(h, file_of("mqtt_host")))
+        })
         .or_else(|| env_str("CYBERWAVE_MQTT_HOST").map(|(v, s)| sourced(v.trim().to_string(), s)))
         .or_else(|| {
             creds
@@ -505,7 +566,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .unwrap_or_else(|| sourced(DEFAULT_MQTT_HOST.into(), Source::Default));
     let mqtt_port = match (flags.mqtt_port, m.mqtt_port) {
         (Some(p), _) => sourced(p, Source::Flag("--mqtt-port".into())),
-        (None, Some(p)) => sourced(p, file()),
+        (None, Some(p)) => sourced(p, file_of("mqtt_port")),
         (None, None) => match parse_env(
             "CYBERWAVE_MQTT_PORT",
             "a whole number from 1 to 65535",
@@ -534,7 +595,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
             t,
             Source::Flag(if t { "--mqtt-tls" } else { "--no-mqtt-tls" }.into()),
         ),
-        (None, Some(t)) => sourced(t, file()),
+        (None, Some(t)) => sourced(t, file_of("mqtt_use_tls")),
         (None, None) => match env_str("CYBERWAVE_MQTT_USE_TLS") {
             Some((v, s)) => match env::parse_bool(&v) {
                 Some(b) => sourced(b, s),
@@ -562,7 +623,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let mqtt_ca_certs = m
         .mqtt_tls_ca_certs
         .clone()
-        .map(|p| sourced(p, file()))
+        .map(|p| sourced(p, file_of("mqtt_tls_ca_certs")))
         .or_else(|| {
             env_str("CYBERWAVE_MQTT_TLS_CA_CERTS").map(|(v, s)| sourced(v.trim().to_string(), s))
         })
@@ -571,13 +632,13 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .mqtt_username
         .clone()
         .filter(|s| !s.is_empty())
-        .map(|v| sourced(v, file()))
+        .map(|v| sourced(v, file_of("mqtt_username")))
         .or_else(|| env_str("CYBERWAVE_MQTT_USERNAME").map(|(v, s)| sourced(v, s)));
     let broker_password = m
         .mqtt_password
         .clone()
         .filter(|s| !s.is_empty())
-        .map(|v| sourced(v, file()))
+        .map(|v| sourced(v, file_of("mqtt_password")))
         .or_else(|| env_str("CYBERWAVE_MQTT_PASSWORD").map(|(v, s)| sourced(v, s)));
     // The newest SDK's rule (ecosystem §2.2, credentials::derived_mqtt_username): its placeholder
     // username becomes `cwh_` + hex SHA-256 of the token, which the broker checks at CONNECT.
@@ -601,7 +662,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let mqtt_password = broker_password.or_else(|| api_token.clone());
 
     let upload_results = match m.upload_results {
-        Some(b) => sourced(b, file()),
+        Some(b) => sourced(b, file_of("upload_results")),
         None => match env_str("CYBERWAVE_UPLOAD_RESULTS") {
             Some((v, s)) => match env::parse_bool(&v) {
                 Some(b) => sourced(b, s),
@@ -618,7 +679,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let results_folder = m
         .results_folder
         .clone()
-        .map(|f| sourced(f, file()))
+        .map(|f| sourced(f, file_of("results_folder")))
         .or_else(|| {
             env_str("CYBERWAVE_RESULTS_FOLDER").map(|(v, s)| sourced(v.trim().to_string(), s))
         })
@@ -633,7 +694,11 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         .clone()
         .filter(|s| !s.trim().is_empty())
         .map(|e| sourced(e, Source::Flag("--environment".into())))
-        .or_else(|| m.environment_uuid.clone().map(|e| sourced(e, file())))
+        .or_else(|| {
+            m.environment_uuid
+                .clone()
+                .map(|e| sourced(e, file_of("environment_uuid")))
+        })
         .or_else(|| {
             env_str("CYBERWAVE_NODE_ENVIRONMENT_UUID")
                 .map(|(v, s)| sourced(v.trim().to_string(), s))
@@ -641,6 +706,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
 
     let n = number(
         m.max_concurrent_workloads.map(f64::from),
+        "max_concurrent_workloads",
         "CYBERWAVE_MAX_CONCURRENT_WORKLOADS",
         "a whole number ≥ 1",
         &whole1,
@@ -660,6 +726,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let whole0 = |s: &str| s.parse::<u64>().ok().map(|n| n as f64);
     let n = number(
         m.min_free_disk_mb.map(|v| v as f64),
+        "min_free_disk_mb",
         "CYBERWAVE_MIN_FREE_DISK_MB",
         "a whole number ≥ 0",
         &whole0,
@@ -670,6 +737,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let whole1_u64 = |s: &str| s.parse::<u64>().ok().filter(|n| *n >= 1).map(|n| n as f64);
     let n = number(
         m.max_log_bytes.map(|v| v as f64),
+        "max_log_bytes",
         "CYBERWAVE_MAX_LOG_BYTES",
         "a whole number ≥ 1",
         &whole1_u64,
@@ -679,6 +747,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let max_log_bytes = sourced(n.value as u64, n.source);
     let n = number(
         m.log_retention_days.map(|v| v as f64),
+        "log_retention_days",
         "CYBERWAVE_LOG_RETENTION_DAYS",
         "a whole number of days ≥ 0 (0 keeps logs forever)",
         &whole0,
@@ -1150,24 +1219,86 @@ mod tests {
     }
 
     #[test]
-    fn bad_manifest_is_an_error_with_its_line_and_lenient_warns() {
+    fn start_warns_on_what_it_can_use_and_fails_on_what_it_cannot() {
         let d = Dir::new("badman");
+        // D22: unknown keys and platform-refused but usable values are warnings for `start`.
         d.write(
             "work/cyberwave.yml",
-            "cyberwave:\n  inference: x\n  provider: aws\n",
+            "cyberwave:\n  inference: x\n  provider: aws\n  version: 1\n  heartbeat_interval: 2.5\n",
+        );
+        for lenient in [false, true] {
+            let flags = Flags {
+                lenient,
+                ..Default::default()
+            };
+            let s = d.resolve(&flags, &[]).unwrap();
+            assert_eq!(s.manifest_warnings.len(), 3, "{:?}", s.manifest_warnings);
+            assert!(s.manifest_warnings.iter().all(|w| w.warning));
+            let first = s.manifest_warnings[0].to_string();
+            assert!(
+                first.contains("cyberwave.yml:3: warning: provider: unknown field"),
+                "{first}"
+            );
+            assert_eq!(s.inference.unwrap().value, "x");
+            assert_eq!(s.heartbeat_interval.value, Duration::from_millis(2500));
+        }
+        // A value the node needs and cannot use stops it, naming file, line and key.
+        d.write(
+            "work/cyberwave.yml",
+            "cyberwave:\n  inference: x\n  mqtt_port: 99999\n",
         );
         let e = d.resolve(&Flags::default(), &[]).unwrap_err();
         assert!(
-            e.0[0].contains("cyberwave.yml:3: error: provider: unknown field"),
+            e.0[0].contains(
+                "cyberwave.yml:3: error: mqtt_port: expected a whole number from 1 to 65535"
+            ),
             "{e}"
         );
-        let flags = Flags {
-            lenient: true,
-            ..Default::default()
-        };
-        let s = d.resolve(&flags, &[]).unwrap();
-        assert_eq!(s.manifest_warnings.len(), 1);
-        assert_eq!(s.inference.unwrap().value, "x");
+    }
+
+    #[test]
+    fn cloud_node_section_wins_and_sources_name_the_section() {
+        let d = Dir::new("cloudnode");
+        d.write(
+            "work/cyberwave.yml",
+            "cyberwave:\n  inference: x\n  max_concurrent_workloads: 2\n  min_free_disk_mb: 10\ncloud_node:\n  max_concurrent_workloads: 4\n  log_retention_days: \"3\"\n",
+        );
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "9")],
+            )
+            .unwrap();
+        assert_eq!(s.max_concurrent_workloads.value, 4);
+        assert!(
+            s.max_concurrent_workloads
+                .source
+                .to_string()
+                .ends_with("cyberwave.yml (cloud_node:)"),
+            "{:?}",
+            s.max_concurrent_workloads.source
+        );
+        assert_eq!(s.min_free_disk_mb.value, 10);
+        assert!(s
+            .min_free_disk_mb
+            .source
+            .to_string()
+            .ends_with("(cyberwave:)"));
+        assert_eq!(s.log_retention_days.value, 3);
+        assert!(s
+            .manifest_warnings
+            .iter()
+            .any(|w| w.field == "max_concurrent_workloads"
+                && w.message.contains("`cloud_node:` sets it too")));
+        // The environment comes after the file, whichever section the file used.
+        d.write("work/cyberwave.yml", "cyberwave:\n  inference: x\n");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "9")],
+            )
+            .unwrap();
+        assert_eq!(s.max_concurrent_workloads.value, 9);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 mod support;
 
 mod cli_config;
+mod hygiene;
 mod ingress;
 mod logs;
 mod operate;

@@ -160,7 +160,7 @@ impl Node {
                     log::warn!(
                         "{} {}: {} log over max_log_bytes ({}); dropped its oldest {cut} bytes ({unsent} never shipped)",
                         a.meta.kind,
-                        a.meta.request_id_text(),
+                        crate::logtext::shown(&a.meta.request_id_text()),
                         STREAM_NAMES[i],
                         self.s.max_log_bytes.value
                     );
@@ -170,7 +170,10 @@ impl Node {
                     s.mirrored = s.mirrored.saturating_sub(cut);
                 }
                 Ok(_) => {}
-                Err(e) => log::warn!("cannot cap a log of {}: {e}", a.meta.request_id_text()),
+                Err(e) => log::warn!(
+                    "cannot cap a log of {}: {e}",
+                    crate::logtext::shown(&a.meta.request_id_text())
+                ),
             }
             return self.pump_streams(false);
         }
@@ -258,7 +261,10 @@ impl Node {
             if let Ok(json) = serde_json::to_vec(&cursor) {
                 let path = self.layout.dir(&key.safe_id).join("cursor.json");
                 if let Err(e) = crate::store::write_atomic(&path, &json, 0o600) {
-                    log::warn!("cannot persist the log cursor {}: {e}", path.display());
+                    log::warn!(
+                        "cannot persist the log cursor {}: {e}",
+                        crate::logtext::shown(&path.display().to_string())
+                    );
                 }
             }
         }
@@ -294,7 +300,7 @@ impl Node {
                 log::warn!(
                     "{} {}: {} not fully shipped before its completion (backend unreachable?)",
                     a.meta.kind,
-                    a.meta.request_id_text(),
+                    crate::logtext::shown(&a.meta.request_id_text()),
                     left.join(" and ")
                 );
             }

@@ -432,7 +432,10 @@ impl Node {
                 c.stale = true;
             }
             if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
-                log::warn!("workload {safe_id}: cannot record the stale mark: {e}");
+                log::warn!(
+                    "workload {}: cannot record the stale mark: {e}",
+                    crate::logtext::shown(safe_id)
+                );
             }
         }
         Ok(())
@@ -455,7 +458,10 @@ impl Node {
 
     /// The workload's supervisor ended (`exit` is its record, if it wrote one).
     fn on_exit(&mut self, safe_id: &str, exit: Option<Exit>) {
-        log::debug!("workload {safe_id} ended: {exit:?}");
+        log::debug!(
+            "workload {} ended: {exit:?}",
+            crate::logtext::shown(safe_id)
+        );
         let Some(a) = self.active.get_mut(safe_id) else {
             return;
         };
@@ -499,8 +505,9 @@ impl Node {
         let rid = meta.request_id_text();
         if meta.cancel.as_ref().is_some_and(|c| c.stale) {
             log::info!(
-                "stale {} {rid} (pid {pid}) is gone; forgotten without a completion",
-                meta.kind
+                "stale {} {} (pid {pid}) is gone; forgotten without a completion",
+                meta.kind,
+                crate::logtext::shown(&rid)
             );
             self.count_completion("stale");
             self.retire(safe_id);
@@ -514,7 +521,12 @@ impl Node {
                 } else {
                     "cancelled"
                 };
-                log::info!("{} {rid} (pid {pid}) cancelled by {}", meta.kind, c.signal);
+                log::info!(
+                    "{} {} (pid {pid}) cancelled by {}",
+                    meta.kind,
+                    crate::logtext::shown(&rid),
+                    crate::logtext::shown(&c.signal)
+                );
                 self.count_completion("cancelled");
                 self.report_finished(
                     &meta,
@@ -573,8 +585,9 @@ impl Node {
                     "failure"
                 });
                 log::info!(
-                    "{} {rid} (pid {pid}) finished: {}{}",
+                    "{} {} (pid {pid}) finished: {}{}",
                     meta.kind,
+                    crate::logtext::shown(&rid),
                     if success { "success" } else { "failure" },
                     code.map(|c| format!(", exit code {c}")).unwrap_or_default()
                 );
@@ -605,7 +618,10 @@ impl Node {
                 };
                 match self.outbox.push(item) {
                     Ok(_) => self.flush_outbox(),
-                    Err(e) => log::error!("cannot queue the completion of {rid}: {e}"),
+                    Err(e) => log::error!(
+                        "cannot queue the completion of {}: {e}",
+                        crate::logtext::shown(&rid)
+                    ),
                 }
             }
         }
@@ -621,12 +637,18 @@ impl Node {
         let target = match std::fs::rename(&dir, &trash) {
             Ok(()) => trash,
             Err(e) => {
-                log::warn!("cannot retire {}: {e}", dir.display());
+                log::warn!(
+                    "cannot retire {}: {e}",
+                    crate::logtext::shown(&dir.display().to_string())
+                );
                 return;
             }
         };
         if let Err(e) = std::fs::remove_dir_all(&target) {
-            log::warn!("cannot remove {}: {e}", target.display());
+            log::warn!(
+                "cannot remove {}: {e}",
+                crate::logtext::shown(&target.display().to_string())
+            );
         }
     }
 
@@ -652,15 +674,18 @@ impl Node {
         match body {
             Some(b) if super::success(&b) => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
-                    log::info!("backend acknowledged the {}", item.label);
+                    log::info!(
+                        "backend acknowledged the {}",
+                        crate::logtext::shown(&item.label)
+                    );
                 }
             }
             Some(b) if super::code(&b).is_some_and(|c| c < 500) => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
                     log::error!(
                         "backend refused the {} ({}); not retried",
-                        item.label,
-                        super::message(&b)
+                        crate::logtext::shown(&item.label),
+                        crate::logtext::shown(&super::message(&b))
                     );
                 }
             }
@@ -686,7 +711,7 @@ impl Node {
                 log::warn!(
                     "{} {} exceeded its max runtime; cancelling",
                     a.meta.kind,
-                    a.meta.request_id_text()
+                    crate::logtext::shown(&a.meta.request_id_text())
                 );
                 let _ = self.cancel_workload(&id, libc::SIGTERM, "SIGTERM", DEFAULT_GRACE, true);
                 continue;
@@ -854,10 +879,10 @@ impl Node {
             log::info!(
                 "left running: {} {} pid {} (logs {} and {})",
                 a.meta.kind,
-                a.meta.request_id_text(),
+                crate::logtext::shown(&a.meta.request_id_text()),
                 a.meta.pid(),
-                a.meta.stdout_log.display(),
-                a.meta.stderr_log.display()
+                crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
+                crate::logtext::shown(&a.meta.stderr_log.display().to_string())
             );
         }
     }

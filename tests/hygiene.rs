@@ -97,3 +97,36 @@ fn outside_text_cannot_forge_or_corrupt_a_node_log_line() {
     // The node still answers.
     assert!(cp.status(&uuid, "after", REPLY).is_some());
 }
+
+fn proc_status(pid: i32, key: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn idle_control_connections_cannot_exhaust_threads_or_lock_out_status() {
+    let (_b, _cp, setup) = rig("cyberwave:\n  training: echo done\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let sock = setup.config_dir().join("control.sock");
+    let before = proc_status(node.pid(), "Threads:");
+    assert!(before > 0);
+    let idle: Vec<std::os::unix::net::UnixStream> = (0..200)
+        .map(|_| std::os::unix::net::UnixStream::connect(&sock).expect("connect"))
+        .collect();
+    // `status` is accepted after the 200 (in order), so it also proves they were all handled.
+    let out = setup.run(&["status", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("status JSON");
+    assert_eq!(v["running"], true, "the running node answered: {v}");
+    let during = proc_status(node.pid(), "Threads:");
+    println!("node threads: {before} before, {during} with 200 idle control connections");
+    assert!(
+        during <= before + 64 + 8,
+        "{during} threads with 200 idle connections ({before} before)"
+    );
+    drop(idle);
+}

@@ -264,3 +264,18 @@ fn wait_for_len(node: &crate::support::NodeProcess, len: usize) -> String {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn a_carriage_return_in_workload_output_cannot_hide_the_mirror_tag() {
+    let (_b, cp, setup) = rig("cyberwave:\n  training: printf '10%%\\rFORGED LINE\\r\\nlast'\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": "cr", "params": {"workload_uuid": "wl-cr"}}),
+    );
+    assert!(cp.wait_status("wl-cr", "completed", DONE).is_some());
+    let tag = "[workload wl-cr stdout] ";
+    let want = format!("{tag}10%\r\n{tag}FORGED LINE\r\n{tag}last\n");
+    assert!(node.wait_stdout(&want, REPLY), "{:?}", node.stdout());
+}

@@ -37,19 +37,26 @@ impl Display for Shown<'_> {
     }
 }
 
-/// A whole log line with every control or format character escaped and nothing cut (the
-/// logger's backstop for a call site that forgot [`shown`]; backslashes stay as they are, so
-/// text already passed through [`shown`] is not escaped twice).
+/// How many characters of one whole log line the logger writes before `…`.
+pub const MAX_LINE_CHARS: usize = 16 * 1024;
+
+/// A whole log line with every control or format character escaped and cut after
+/// [`MAX_LINE_CHARS`] characters (the logger's backstop for a call site that forgot [`shown`];
+/// backslashes stay as they are, so text already passed through [`shown`] is not escaped twice).
 #[derive(Debug, Clone, Copy)]
 pub struct Escaped<'a>(pub &'a str);
 
 impl Display for Escaped<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if !self.0.chars().any(needs_escape) {
+        if self.0.len() <= MAX_LINE_CHARS && !self.0.chars().any(needs_escape) {
             return f.write_str(self.0);
         }
-        for c in self.0.chars() {
+        let mut chars = self.0.chars();
+        for c in chars.by_ref().take(MAX_LINE_CHARS) {
             escape_char(f, c)?;
+        }
+        if chars.next().is_some() {
+            f.write_char('…')?;
         }
         Ok(())
     }
@@ -136,5 +143,12 @@ mod tests {
         assert_eq!(Escaped("a\nb\u{1b}c\0").to_string(), "a\\nb\\u{1b}c\\0");
         let once = shown("x\ny").to_string();
         assert_eq!(Escaped(&once).to_string(), once, "no double escaping");
+        let huge = "a".repeat(MAX_LINE_CHARS + 1);
+        assert_eq!(
+            Escaped(&huge).to_string(),
+            format!("{}…", "a".repeat(MAX_LINE_CHARS))
+        );
+        let exact = "é".repeat(MAX_LINE_CHARS);
+        assert_eq!(Escaped(&exact).to_string(), exact);
     }
 }

@@ -166,7 +166,7 @@ fn mark_read(slots: &Mutex<Slots>, id: u64) -> bool {
 /// Answers "busy" without blocking and closes the connection.
 fn refuse(mut stream: UnixStream, max: usize) {
     let _ = stream.set_nonblocking(true);
-    let reply = json!({"ok": false, "error": format!("the node's control socket is busy ({max} requests in progress); try again")});
+    let reply = json!({"ok": false, "busy": true, "error": format!("the node's control socket is busy ({max} requests in progress); try again")});
     let _ = writeln!(stream, "{reply}");
 }
 
@@ -278,17 +278,48 @@ pub enum CallError {
     Failed(String),
 }
 
-/// Sends one request and returns the node's reply.
+/// Sends one request and returns the node's reply; while the node answers "busy" (every
+/// connection slot taken by a request in progress), asks again until `timeout` has passed.
 pub fn call(path: &Path, body: &Value, timeout: Duration) -> Result<Value, CallError> {
+    let deadline = Instant::now().checked_add(timeout);
+    loop {
+        let reply = call_once(path, body, timeout)?;
+        let retry = reply.get("busy") == Some(&Value::Bool(true))
+            && deadline.is_some_and(|d| {
+                Instant::now()
+                    .checked_add(BUSY_PAUSE)
+                    .is_some_and(|t| t < d)
+            });
+        if !retry {
+            return Ok(reply);
+        }
+        std::thread::sleep(BUSY_PAUSE);
+    }
+}
+
+/// How long `call` waits before asking a busy node again.
+const BUSY_PAUSE: Duration = Duration::from_millis(50);
+
+fn call_once(path: &Path, body: &Value, timeout: Duration) -> Result<Value, CallError> {
     let mut stream = UnixStream::connect(path).map_err(|_| CallError::NotRunning)?;
     let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.set_write_timeout(Some(timeout));
-    writeln!(stream, "{body}").map_err(|e| CallError::Failed(e.to_string()))?;
+    // A node that turned the connection away ("busy") may have closed it before the request
+    // was written: its answer is still there to read.
+    let sent = writeln!(stream, "{body}").map_err(|e| CallError::Failed(e.to_string()));
     let mut line = String::new();
-    BufReader::new(stream)
+    let read = BufReader::new(stream)
         .read_line(&mut line)
-        .map_err(|e| CallError::Failed(e.to_string()))?;
-    serde_json::from_str(&line).map_err(|e| CallError::Failed(format!("unreadable answer: {e}")))
+        .map_err(|e| CallError::Failed(e.to_string()));
+    match (sent, serde_json::from_str::<Value>(&line)) {
+        (Ok(()), Ok(v)) => Ok(v),
+        (Err(_), Ok(v)) if v.get("busy").is_some() => Ok(v),
+        (Err(e), _) => Err(e),
+        (Ok(()), Err(e)) => {
+            read?;
+            Err(CallError::Failed(format!("unreadable answer: {e}")))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -403,9 +434,19 @@ mod tests {
             .collect();
         let busy = raw(&path, b"{\"op\":\"status\"}\n");
         assert!(busy.contains("busy"), "{busy}");
+        // `call` asks again while the node is busy: it gets its answer once a slot frees.
+        let p = path.clone();
+        let patient = std::thread::spawn(move || {
+            call(&p, &json!({"op": "patient"}), Duration::from_secs(20)).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(200));
         for r in held {
             r.reply.send(json!({"ok": true})).unwrap();
         }
+        let r = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(r.body["op"], "patient");
+        r.reply.send(json!({"ok": true, "patient": true})).unwrap();
+        assert_eq!(patient.join().unwrap()["patient"], true);
         for w in waiting {
             assert_eq!(w.join().unwrap()["ok"], true);
         }

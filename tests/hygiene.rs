@@ -279,3 +279,32 @@ fn a_carriage_return_in_workload_output_cannot_hide_the_mirror_tag() {
     let want = format!("{tag}10%\r\n{tag}FORGED LINE\r\n{tag}last\n");
     assert!(node.wait_stdout(&want, REPLY), "{:?}", node.stdout());
 }
+
+#[test]
+fn a_result_file_name_cannot_forge_a_node_log_line() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: mkdir -p out && printf x > \"out/$(printf 'f\\n2026-11-30T00:00:00Z ERROR FORGED\\033[31m')\"\n  results_folder: out\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": "files", "params": {"workload_uuid": "wl-files"}}),
+    );
+    assert!(
+        cp.wait_status("wl-files", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    assert!(
+        node.wait_log("result upload finished", REPLY),
+        "{}",
+        node.log()
+    );
+    let log = node.log();
+    assert!(
+        log.contains("f\\n2026-11-30T00:00:00Z ERROR FORGED\\u{1b}[31m"),
+        "the file name is shown escaped: {log}"
+    );
+    assert_clean(&log);
+}

@@ -219,7 +219,8 @@ fn init_logging(verbosity: u8) {
                 "{} {:<5} {}",
                 crate::util::rfc3339(std::time::SystemTime::now()),
                 record.level(),
-                record.args()
+                // D31 backstop: no log line carries a raw control character.
+                crate::logtext::Escaped(&record.args().to_string())
             )
         })
         .target(env_logger::Target::Stderr)

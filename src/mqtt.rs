@@ -266,7 +266,10 @@ impl Mqtt {
         match self.client.try_publish(msg) {
             Ok(t) => Some(t),
             Err(e) => {
-                log::warn!("could not queue a message for {topic}: {e}");
+                log::warn!(
+                    "could not queue a message for {}: {e}",
+                    crate::logtext::shown(&redact_topic(topic))
+                );
                 None
             }
         }

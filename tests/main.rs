@@ -4,6 +4,7 @@ mod support;
 
 mod cli_config;
 mod edge;
+mod hygiene;
 mod ingress;
 mod lifecycle;
 mod logs;

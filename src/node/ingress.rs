@@ -128,7 +128,10 @@ impl Node {
         }
         if ok {
             if let Some(item) = self.ingress.acknowledged(seq) {
-                log::debug!("ingress event delivered: {}", item.label);
+                log::debug!(
+                    "ingress event delivered: {}",
+                    crate::logtext::shown(&item.label)
+                );
             }
         } else {
             self.ingress.retry_later(seq, self.clock.now());

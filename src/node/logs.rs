@@ -160,7 +160,7 @@ impl Node {
                     log::warn!(
                         "{} {}: {} log over max_log_bytes ({}); dropped its oldest {cut} bytes ({unsent} never shipped)",
                         a.meta.kind,
-                        a.meta.request_id_text(),
+                        crate::logtext::shown(&a.meta.request_id_text()),
                         STREAM_NAMES[i],
                         self.s.max_log_bytes.value
                     );
@@ -170,7 +170,10 @@ impl Node {
                     s.mirrored = s.mirrored.saturating_sub(cut);
                 }
                 Ok(_) => {}
-                Err(e) => log::warn!("cannot cap a log of {}: {e}", a.meta.request_id_text()),
+                Err(e) => log::warn!(
+                    "cannot cap a log of {}: {e}",
+                    crate::logtext::shown(&a.meta.request_id_text())
+                ),
             }
             return self.pump_streams(false);
         }
@@ -179,14 +182,19 @@ impl Node {
         }
         // While the workload runs, a chunk ends at a line end (unless one line fills it).
         let mut data = chunk.data;
+        let read_end = chunk.offset.saturating_add(data.len() as u64);
         if !ending {
             match data.iter().rposition(|b| *b == b'\n') {
-                Some(pos) => data.truncate(pos + 1),
+                Some(pos) => data.truncate(pos.saturating_add(1)),
                 None if data.len() < CHUNK => data.clear(),
-                None => {}
+                // One line fills the chunk: shipped as a piece of it, ending on a whole
+                // character (D32: a line never has to fit in memory).
+                None => data.truncate(utf8_cut(&data, CHUNK)),
             }
+        } else if chunk.file_len > read_end {
+            data.truncate(utf8_cut(&data, CHUNK));
         }
-        let end = chunk.offset + data.len() as u64;
+        let end = chunk.offset.saturating_add(data.len() as u64);
         s.more = chunk.file_len > end;
         if data.is_empty() {
             if ending {
@@ -200,7 +208,8 @@ impl Node {
         if end > s.mirrored {
             let from = s.mirrored.saturating_sub(chunk.offset) as usize;
             let mut partial = std::mem::take(&mut s.partial);
-            mirror(&tag, i, &data[from.min(data.len())..], false, &mut partial);
+            let fresh = data.get(from.min(data.len())..).unwrap_or_default();
+            mirror(&tag, i, fresh, false, &mut partial);
             s.partial = partial;
             s.mirrored = end;
         }
@@ -262,7 +271,7 @@ impl Node {
                     if let Some(held) = self.disk_errors.ready(self.clock.now()) {
                         log::warn!(
                             "cannot persist the log cursor {}: {e}{}",
-                            path.display(),
+                            crate::logtext::shown(&path.display().to_string()),
                             super::workloads::held_note(held)
                         );
                     }
@@ -301,7 +310,7 @@ impl Node {
                 log::warn!(
                     "{} {}: {} not fully shipped before its completion (backend unreachable?)",
                     a.meta.kind,
-                    a.meta.request_id_text(),
+                    crate::logtext::shown(&a.meta.request_id_text()),
                     left.join(" and ")
                 );
             }
@@ -380,32 +389,22 @@ fn install_chunk_end(text: &str, from: usize) -> usize {
     }
 }
 
-/// Writes complete lines as `[workload <tag> <stream>] <line>` to the node's stdout (workload
-/// stdout) or stderr (workload stderr); the text after the last newline waits in `partial`
-/// unless `last` is set.
+/// Writes the workload's output as tagged lines, `[workload <tag> <stream>] <line>`, to the
+/// node's stdout (workload stdout) or stderr (workload stderr). A line ends at `\n`, at `\r\n`
+/// or at a lone `\r` (a progress bar's redraw: each gets its own tag, so no text can appear on
+/// the console without one); a line longer than [`CHUNK`] is written in pieces of at most that
+/// size, each tagged. What follows the last line end waits in `partial` (at most [`CHUNK`]
+/// bytes) unless `last` is set.
 fn mirror(tag: &str, stream: usize, data: &[u8], last: bool, partial: &mut Vec<u8>) {
     partial.extend_from_slice(data);
-    let cut = if last {
-        partial.len()
-    } else {
-        partial
-            .iter()
-            .rposition(|b| *b == b'\n')
-            .map(|p| p + 1)
-            .unwrap_or(0)
-    };
-    if cut == 0 {
+    let name = STREAM_NAMES.get(stream).copied().unwrap_or("stdout");
+    let prefix = format!("[workload {} {name}] ", crate::logtext::shown(tag));
+    let mut out = Vec::new();
+    let used = tag_lines(prefix.as_bytes(), partial, last, CHUNK, &mut out);
+    partial.drain(..used.min(partial.len()));
+    if out.is_empty() {
         return;
     }
-    let text = &partial[..cut];
-    let body = text.strip_suffix(b"\n").unwrap_or(text);
-    let mut out = Vec::with_capacity(body.len() + 64);
-    for line in body.split(|b| *b == b'\n') {
-        out.extend_from_slice(format!("[workload {tag} {}] ", STREAM_NAMES[stream]).as_bytes());
-        out.extend_from_slice(String::from_utf8_lossy(line).as_bytes());
-        out.push(b'\n');
-    }
-    partial.drain(..cut);
     if stream == 0 {
         let mut o = std::io::stdout().lock();
         let _ = o.write_all(&out);
@@ -415,6 +414,69 @@ fn mirror(tag: &str, stream: usize, data: &[u8], last: bool, partial: &mut Vec<u
         let _ = e.write_all(&out);
         let _ = e.flush();
     }
+}
+
+/// Appends the lines of `buf` to `out`, each as `prefix`, the line (invalid UTF-8 replaced) and
+/// its line end (`\n`, or `\r\n` for a `\r`); returns how many bytes of `buf` were used. A line
+/// over `piece` bytes is cut (on a character boundary) into tagged pieces ending in `\n`. Without
+/// `last`, an unfinished line (or a `\r` that may yet be followed by `\n`) is left unused.
+fn tag_lines(prefix: &[u8], buf: &[u8], last: bool, piece: usize, out: &mut Vec<u8>) -> usize {
+    let mut start = 0;
+    loop {
+        let rest = buf.get(start..).unwrap_or_default();
+        if rest.is_empty() {
+            return start;
+        }
+        let term = rest.iter().position(|b| *b == b'\n' || *b == b'\r');
+        let line_len = term.unwrap_or(rest.len());
+        let (len, used, end): (usize, usize, &[u8]) = if line_len > piece {
+            let cut = utf8_cut(rest, piece);
+            (cut, cut, b"\n")
+        } else {
+            match term.map(|p| (p, rest.get(p), rest.get(p.saturating_add(1)))) {
+                Some((p, Some(b'\n'), _)) => (p, p.saturating_add(1), b"\n"),
+                Some((p, _, Some(b'\n'))) => (p, p.saturating_add(2), b"\r\n"),
+                Some((p, _, Some(_))) => (p, p.saturating_add(1), b"\r\n"),
+                Some((p, _, None)) if last => (p, p.saturating_add(1), b"\r\n"),
+                None if last => (rest.len(), rest.len(), b"\n"),
+                _ => return start, // wait for the rest of the line
+            }
+        };
+        out.extend_from_slice(prefix);
+        out.extend_from_slice(
+            String::from_utf8_lossy(rest.get(..len).unwrap_or_default()).as_bytes(),
+        );
+        out.extend_from_slice(end);
+        start = start.saturating_add(used).min(buf.len());
+    }
+}
+
+/// The longest prefix of `bytes`, at most `max` long, that does not end inside a UTF-8
+/// character (so a piece of text cut there reads back unchanged); never 0 for a non-empty
+/// input.
+fn utf8_cut(bytes: &[u8], max: usize) -> usize {
+    let n = max.min(bytes.len());
+    for back in 1..=3usize {
+        let Some(idx) = n.checked_sub(back) else {
+            return n;
+        };
+        let b = bytes.get(idx).copied().unwrap_or(0);
+        if b & 0b1100_0000 == 0b1000_0000 {
+            continue; // a continuation byte: look further back for the lead
+        }
+        let width: usize = match b {
+            0xc0..=0xdf => 2,
+            0xe0..=0xef => 3,
+            0xf0..=0xf7 => 4,
+            _ => 1,
+        };
+        return if idx > 0 && idx.saturating_add(width) > n {
+            idx
+        } else {
+            n
+        };
+    }
+    n
 }
 
 #[cfg(test)]
@@ -445,5 +507,88 @@ mod tests {
         let end = install_chunk_end(&wide, 0);
         assert!(end <= CHUNK && wide.is_char_boundary(end) && end > 0);
         assert_eq!(install_chunk_end(&wide, end), wide.len());
+    }
+
+    fn tagged(buf: &[u8], last: bool, piece: usize) -> (String, usize) {
+        let mut out = Vec::new();
+        let used = tag_lines(b"[T] ", buf, last, piece, &mut out);
+        (String::from_utf8(out).unwrap(), used)
+    }
+
+    #[test]
+    fn every_line_of_a_chunk_is_tagged_and_an_unfinished_one_waits() {
+        assert_eq!(
+            tagged(b"a\nb\n\nc", false, 100),
+            ("[T] a\n[T] b\n[T] \n".into(), 5)
+        );
+        assert_eq!(tagged(b"c", true, 100), ("[T] c\n".into(), 1));
+        assert_eq!(tagged(b"", true, 100), (String::new(), 0));
+    }
+
+    #[test]
+    fn a_carriage_return_cannot_hide_the_tag() {
+        // A lone \r (a progress bar) ends a line of its own; \r\n is one line end.
+        assert_eq!(
+            tagged(b"10%\r20%\rforged\r\nx\n", false, 100),
+            ("[T] 10%\r\n[T] 20%\r\n[T] forged\r\n[T] x\n".into(), 18)
+        );
+        // A \r at the end of what was read may yet be followed by \n: it waits.
+        assert_eq!(tagged(b"a\r", false, 100), (String::new(), 0));
+        assert_eq!(tagged(b"a\r", true, 100), ("[T] a\r\n".into(), 2));
+    }
+
+    #[test]
+    fn a_line_split_across_chunks_is_written_once_with_one_tag() {
+        let mut partial = Vec::new();
+        let mut out = Vec::new();
+        for part in [&b"hel"[..], b"lo wo", b"rld\nnext"] {
+            partial.extend_from_slice(part);
+            let used = tag_lines(b"[T] ", &partial, false, 100, &mut out);
+            partial.drain(..used);
+        }
+        assert_eq!(String::from_utf8(out).unwrap(), "[T] hello world\n");
+        assert_eq!(partial, b"next");
+    }
+
+    #[test]
+    fn a_line_without_end_is_written_in_tagged_pieces_on_character_boundaries() {
+        let text = "é".repeat(10); // 20 bytes
+        let (out, used) = tagged(text.as_bytes(), false, 7);
+        // 7 bytes would cut an é: pieces of 6; the last 2 bytes (under the piece size) wait.
+        assert_eq!(out, "[T] ééé\n[T] ééé\n[T] ééé\n");
+        assert_eq!(used, 18);
+        let mut out = Vec::new();
+        let mut partial = Vec::new();
+        let big = vec![b'x'; 10 * CHUNK + 5];
+        for c in big.chunks(CHUNK) {
+            partial.extend_from_slice(c);
+            let used = tag_lines(b"[T] ", &partial, false, CHUNK, &mut out);
+            partial.drain(..used);
+            assert!(partial.len() <= CHUNK, "what waits stays bounded");
+        }
+        let used = tag_lines(b"[T] ", &partial, true, CHUNK, &mut out);
+        assert_eq!(used, partial.len());
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().count(), 11);
+        assert!(text
+            .lines()
+            .all(|l| l.starts_with("[T] ") && l.len() <= CHUNK + 4));
+        let joined: String = text.lines().map(|l| &l[4..]).collect();
+        assert_eq!(joined.len(), big.len());
+    }
+
+    #[test]
+    fn utf8_cut_never_splits_a_character_and_never_returns_zero() {
+        let s = "aé✓😀".as_bytes(); // 1 + 2 + 3 + 4 bytes
+        let cuts: Vec<usize> = (0..=s.len()).map(|m| utf8_cut(s, m)).collect();
+        assert_eq!(cuts, vec![0, 1, 1, 3, 3, 3, 6, 6, 6, 6, 10]);
+        assert_eq!(
+            utf8_cut("😀".as_bytes(), 2),
+            2,
+            "never 0: invalid text is cut anyway"
+        );
+        assert_eq!(utf8_cut(b"\xff\xfe\xfd", 2), 2);
+        assert_eq!(utf8_cut(b"ab", 100), 2);
+        assert_eq!(utf8_cut(b"", 5), 0);
     }
 }

@@ -341,7 +341,10 @@ impl Node {
                         );
                     }
                 } else {
-                    log::debug!("message on unexpected topic {topic} ignored");
+                    log::debug!(
+                        "message on unexpected topic {} ignored",
+                        crate::logtext::shown(&topic)
+                    );
                 }
             }
         }
@@ -423,7 +426,10 @@ impl Node {
             Op::UploadResults(id) => self.on_upload_reply(&id, body.as_ref().is_some_and(success)),
             Op::WorkloadStatus => match body {
                 Some(b) if success(&b) => {}
-                Some(b) => log::warn!("workload status update refused: {}", message(&b)),
+                Some(b) => log::warn!(
+                    "workload status update refused: {}",
+                    crate::logtext::shown(&message(&b))
+                ),
                 None => log::warn!("workload status update not acknowledged in time"),
             },
             Op::Terminate | Op::Fail => {
@@ -464,7 +470,7 @@ impl Node {
     }
 
     fn send_register(&mut self, attempt: u32, uuid: String, slug: Option<String>, body: Value) {
-        log::info!("registering instance {uuid} (R2)");
+        log::info!("registering instance {} (R2)", crate::logtext::shown(&uuid));
         let topic = self.topics.register(&uuid);
         self.request(Op::Register, &topic, body, self.s.tuning.request_timeout);
         self.reg = Registration::AwaitingRegister {
@@ -495,7 +501,8 @@ impl Node {
             self.s.tuning.register_retry_max,
         );
         log::warn!(
-            "registration failed: {why}; retrying in {:.1}s",
+            "registration failed: {}; retrying in {:.1}s",
+            crate::logtext::shown(why),
             delay.as_secs_f64()
         );
         self.reg = Registration::Needed {
@@ -542,7 +549,10 @@ impl Node {
         if !success(&body) {
             if code(&body) == Some(404) {
                 // D6: the instance no longer exists; create a new one.
-                log::warn!("instance {uuid} is unknown to the backend; creating a new instance");
+                log::warn!(
+                    "instance {} is unknown to the backend; creating a new instance",
+                    crate::logtext::shown(&uuid)
+                );
                 self.identity = None;
                 self.reg = Registration::Needed {
                     next_try: self.clock.now(),
@@ -636,8 +646,8 @@ impl Node {
         }
         log::info!(
             "node ready: instance {} (slug {}){}; commands on {} and {}",
-            self.uuid(),
-            self.slug(),
+            crate::logtext::shown(self.uuid()),
+            crate::logtext::shown(self.slug()),
             self.s
                 .environment_uuid
                 .as_ref()
@@ -716,8 +726,8 @@ impl Node {
                 // D5: the instance is gone; register a new one and move the subscriptions.
                 log::warn!(
                     "the backend says instance {} is gone ({}); registering a new instance",
-                    self.uuid(),
-                    message(&b)
+                    crate::logtext::shown(self.uuid()),
+                    crate::logtext::shown(&message(&b))
                 );
                 self.hb = Heartbeat {
                     next_due: None,
@@ -745,9 +755,9 @@ impl Node {
                 };
                 let threshold = (120 / interval.as_secs().max(1)).max(1) as u32;
                 if self.hb.failures >= threshold {
-                    log::error!("heartbeat failed {} times in a row ({why}); the backend may reap this instance", self.hb.failures);
+                    log::error!("heartbeat failed {} times in a row ({}); the backend may reap this instance", self.hb.failures, crate::logtext::shown(&why));
                 } else {
-                    log::warn!("heartbeat failed ({why})");
+                    log::warn!("heartbeat failed ({})", crate::logtext::shown(&why));
                 }
             }
         }

@@ -73,16 +73,25 @@ impl Node {
         let what = format!("{} {}", a.meta.kind, a.meta.request_id_text());
         match check {
             WorkloadCheck::Active => {}
-            WorkloadCheck::Inconclusive(why) => log::debug!("self-heal: {what} kept ({why})"),
+            WorkloadCheck::Inconclusive(why) => log::debug!(
+                "self-heal: {} kept ({})",
+                crate::logtext::shown(&what),
+                crate::logtext::shown(&why)
+            ),
             WorkloadCheck::Stale(why) => {
                 if a.ending.is_some() || a.upload.is_some() || a.meta.cancel.is_some() {
                     return; // finished meanwhile: its own completion owns it
                 }
                 log::warn!(
-                    "self-heal: {what} is stale ({why}); terminating it without a completion"
+                    "self-heal: {} is stale ({}); terminating it without a completion",
+                    crate::logtext::shown(&what),
+                    crate::logtext::shown(&why)
                 );
                 if let Err(e) = self.terminate_stale(key) {
-                    log::error!("self-heal: cannot terminate {what}: {e}; it stays tracked");
+                    log::error!(
+                        "self-heal: cannot terminate {}: {e}; it stays tracked",
+                        crate::logtext::shown(&what)
+                    );
                 }
             }
         }

@@ -41,7 +41,7 @@ pub fn collect(root: &Path) -> Vec<(String, PathBuf)> {
                 continue;
             };
             if md.file_type().is_symlink() {
-                log::warn!("result upload: skipping symlink {} (only regular files inside the results folder are uploaded)", p.display());
+                log::warn!("result upload: skipping symlink {} (only regular files inside the results folder are uploaded)", crate::logtext::shown(&p.display().to_string()));
             } else if md.is_dir() {
                 walk(root, &p, out);
             } else if md.is_file() {
@@ -82,7 +82,7 @@ impl Node {
         log::info!(
             "{} {}: uploading {} result file(s) from {}",
             a.meta.kind,
-            a.meta.request_id_text(),
+            crate::logtext::shown(&a.meta.request_id_text()),
             files.len(),
             self.s.results_folder.value.display()
         );
@@ -246,7 +246,7 @@ impl Node {
                 Ok(()) => {
                     if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
                         if let Some(f) = u.files.get(u.idx) {
-                            log::info!("uploaded result file {}", f.0);
+                            log::info!("uploaded result file {}", crate::logtext::shown(&f.0));
                         }
                         u.idx = u.idx.saturating_add(1);
                         u.attempt = 0;
@@ -263,7 +263,10 @@ impl Node {
             },
             Done::UploadResults { key, result } => {
                 if let Err(e) = &result {
-                    log::error!("the backend was not told about the uploaded results: {e}");
+                    log::error!(
+                        "the backend was not told about the uploaded results: {}",
+                        crate::logtext::shown(&e.to_string())
+                    );
                 }
                 self.finish_upload(&key, result.is_ok());
             }
@@ -283,13 +286,19 @@ impl Node {
             // 2 s, 4 s, … (attempt is 1 or 2 here: ATTEMPTS is 3).
             let wait = Duration::from_secs(2u64 << u.attempt.saturating_sub(1).min(10));
             log::warn!(
-                "upload of {name} failed ({why}); attempt {} of {ATTEMPTS} in {}s",
+                "upload of {} failed ({}); attempt {} of {ATTEMPTS} in {}s",
+                crate::logtext::shown(&name),
+                crate::logtext::shown(why),
                 u.attempt.saturating_add(1),
                 wait.as_secs()
             );
             u.retry_at = Some(now.checked_add(wait).unwrap_or(now));
         } else {
-            log::error!("upload of {name} failed ({why}); giving up on this file");
+            log::error!(
+                "upload of {} failed ({}); giving up on this file",
+                crate::logtext::shown(&name),
+                crate::logtext::shown(why)
+            );
             u.idx = u.idx.saturating_add(1);
             u.attempt = 0;
         }

@@ -447,7 +447,10 @@ impl Node {
                 c.stale = true;
             }
             if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
-                log::warn!("workload {safe_id}: cannot record the stale mark: {e}");
+                log::warn!(
+                    "workload {}: cannot record the stale mark: {e}",
+                    crate::logtext::shown(safe_id)
+                );
             }
         }
         Ok(())
@@ -470,7 +473,10 @@ impl Node {
 
     /// The workload's supervisor ended (`exit` is its record, if it wrote one).
     fn on_exit(&mut self, safe_id: &str, exit: Option<Exit>) {
-        log::debug!("workload {safe_id} ended: {exit:?}");
+        log::debug!(
+            "workload {} ended: {exit:?}",
+            crate::logtext::shown(safe_id)
+        );
         let Some(a) = self.active.get_mut(safe_id) else {
             return;
         };
@@ -521,8 +527,9 @@ impl Node {
         let rid = meta.request_id_text();
         if meta.cancel.as_ref().is_some_and(|c| c.stale) {
             log::info!(
-                "stale {} {rid} (pid {pid}) is gone; forgotten without a completion",
-                meta.kind
+                "stale {} {} (pid {pid}) is gone; forgotten without a completion",
+                meta.kind,
+                crate::logtext::shown(&rid)
             );
             self.count_completion("stale");
             self.retire(safe_id);
@@ -536,7 +543,12 @@ impl Node {
                 } else {
                     "cancelled"
                 };
-                log::info!("{} {rid} (pid {pid}) cancelled by {}", meta.kind, c.signal);
+                log::info!(
+                    "{} {} (pid {pid}) cancelled by {}",
+                    meta.kind,
+                    crate::logtext::shown(&rid),
+                    crate::logtext::shown(&c.signal)
+                );
                 self.count_completion("cancelled");
                 self.report_finished(
                     &meta,
@@ -595,8 +607,9 @@ impl Node {
                     "failure"
                 });
                 log::info!(
-                    "{} {rid} (pid {pid}) finished: {}{}",
+                    "{} {} (pid {pid}) finished: {}{}",
                     meta.kind,
+                    crate::logtext::shown(&rid),
                     if success { "success" } else { "failure" },
                     code.map(|c| format!(", exit code {c}")).unwrap_or_default()
                 );
@@ -631,7 +644,7 @@ impl Node {
                         // D28: kept in memory and sent all the same; the workload's record
                         // stays until the backend acknowledged it, so a restart still knows.
                         if let Some(held) = self.disk_errors.ready(self.clock.now()) {
-                            log::error!("cannot write the completion of {rid} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", held_note(held));
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
                         }
                         self.retire_on_ack.insert(seq, safe_id.to_string());
                         self.flush_outbox();
@@ -653,12 +666,18 @@ impl Node {
         let target = match std::fs::rename(&dir, &trash) {
             Ok(()) => trash,
             Err(e) => {
-                log::warn!("cannot retire {}: {e}", dir.display());
+                log::warn!(
+                    "cannot retire {}: {e}",
+                    crate::logtext::shown(&dir.display().to_string())
+                );
                 return;
             }
         };
         if let Err(e) = std::fs::remove_dir_all(&target) {
-            log::warn!("cannot remove {}: {e}", target.display());
+            log::warn!(
+                "cannot remove {}: {e}",
+                crate::logtext::shown(&target.display().to_string())
+            );
         }
     }
 
@@ -703,7 +722,10 @@ impl Node {
         match body {
             Some(b) if super::success(&b) => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
-                    log::info!("backend acknowledged the {}", item.label);
+                    log::info!(
+                        "backend acknowledged the {}",
+                        crate::logtext::shown(&item.label)
+                    );
                 }
                 if let Some(safe_id) = self.retire_on_ack.remove(&seq) {
                     self.retire(&safe_id);
@@ -713,8 +735,8 @@ impl Node {
                 if let Some(item) = self.outbox.acknowledged(seq) {
                     log::error!(
                         "backend refused the {} ({}); not retried",
-                        item.label,
-                        super::message(&b)
+                        crate::logtext::shown(&item.label),
+                        crate::logtext::shown(&super::message(&b))
                     );
                 }
             }
@@ -919,10 +941,10 @@ impl Node {
             log::info!(
                 "left running: {} {} pid {} (logs {} and {})",
                 a.meta.kind,
-                a.meta.request_id_text(),
+                crate::logtext::shown(&a.meta.request_id_text()),
                 a.meta.pid(),
-                a.meta.stdout_log.display(),
-                a.meta.stderr_log.display()
+                crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
+                crate::logtext::shown(&a.meta.stderr_log.display().to_string())
             );
         }
     }

@@ -150,14 +150,25 @@ impl NodeProcess {
         let pump = |mut r: Box<dyn Read + Send>, buf: Arc<Mutex<String>>| {
             std::thread::spawn(move || {
                 let mut chunk = [0u8; 8192];
+                // A character split across two reads is kept whole (held until its rest comes).
+                let mut held: Vec<u8> = Vec::new();
                 while let Ok(n) = r.read(&mut chunk) {
                     if n == 0 {
                         break;
                     }
+                    held.extend_from_slice(&chunk[..n]);
+                    let keep = match std::str::from_utf8(&held) {
+                        Err(e) if e.error_len().is_none() => held.len() - e.valid_up_to(),
+                        _ => 0,
+                    };
+                    let ready: Vec<u8> = held.drain(..held.len() - keep).collect();
                     buf.lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .push_str(&String::from_utf8_lossy(&chunk[..n]));
+                        .push_str(&String::from_utf8_lossy(&ready));
                 }
+                buf.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_str(&String::from_utf8_lossy(&held));
             })
         };
         let out = Arc::new(Mutex::new(String::new()));

@@ -14,7 +14,7 @@ pub const EXIT_CREDENTIALS: i32 = 3;
 pub fn run(args: &[String]) -> i32 {
     // The workload supervisor mode (started by the node itself, never by a person).
     if args.first().map(String::as_str) == Some("__shim") {
-        return crate::workload::shim::run(&args[1..]);
+        return crate::workload::shim::run(args.get(1..).unwrap_or_default());
     }
     // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
     if args.first().map(String::as_str) == Some("__print-unit") {
@@ -121,7 +121,7 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
         println!("{p}");
     }
     let errors = problems.iter().filter(|p| !p.warning).count();
-    let warnings = problems.len() - errors;
+    let warnings = problems.len().saturating_sub(errors);
     match m {
         Some(m) => {
             if m.wrapper.as_deref() == Some(manifest::WRAPPER_LEGACY) {

@@ -149,8 +149,15 @@ impl Backend {
                 404 => WorkloadCheck::Stale("unknown to the backend (404)".into()),
                 200 => {
                     let body: serde_json::Value = resp.body_mut().read_json().unwrap_or_default();
-                    let status = body["status"].as_str().unwrap_or("").to_lowercase();
-                    let owner = body["instance_uuid"].as_str().unwrap_or("");
+                    let status = body
+                        .get("status")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("")
+                        .to_lowercase();
+                    let owner = body
+                        .get("instance_uuid")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("");
                     if STALE_STATUSES.contains(&status.as_str()) {
                         WorkloadCheck::Stale(format!("the backend says it is {status}"))
                     } else if !owner.is_empty() && !my_uuid.is_empty() && owner != my_uuid {

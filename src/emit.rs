@@ -88,17 +88,21 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
         &json!({"op": "emit", "token": token, "fields": fields}),
         Duration::from_secs(30),
     ) {
-        Ok(reply) if reply["ok"] == true => {
-            print_ok(reply["execution_uuid"].as_str().unwrap_or(&event.execution))
-        }
+        Ok(reply) if reply.get("ok") == Some(&json!(true)) => print_ok(
+            reply
+                .get("execution_uuid")
+                .and_then(|v| v.as_str())
+                .unwrap_or(&event.execution),
+        ),
         Ok(reply) => {
             eprintln!(
                 "error: {}",
-                reply["error"]
-                    .as_str()
+                reply
+                    .get("error")
+                    .and_then(|v| v.as_str())
                     .unwrap_or("the node refused the event")
             );
-            if reply["refused"] == true {
+            if reply.get("refused") == Some(&json!(true)) {
                 EXIT_CREDENTIALS
             } else {
                 EXIT_USAGE

@@ -110,7 +110,7 @@ impl Outbox {
             {
                 Some(item) => {
                     self.slots.insert(seq, Slot::new(item));
-                    self.next_seq = self.next_seq.max(seq + 1);
+                    self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 }
                 None => {
                     let aside = entry.path().with_extension("corrupt");
@@ -147,7 +147,7 @@ impl Outbox {
     /// down) sort in time order with the node's own.
     pub fn push(&mut self, item: Item) -> std::io::Result<u64> {
         let seq = self.next_seq.max(now_nanos());
-        self.next_seq = seq + 1;
+        self.next_seq = seq.saturating_add(1);
         let json = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
         crate::store::write_atomic(&self.dir.join(format!("{seq:020}.json")), &json, 0o600)?;
         self.slots.insert(seq, Slot::new(item));
@@ -180,7 +180,7 @@ impl Outbox {
     pub fn sent(&mut self, seq: u64, correlation: Vec<u8>) {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = Some(correlation);
-            s.attempts += 1;
+            s.attempts = s.attempts.saturating_add(1);
         }
     }
 
@@ -196,7 +196,9 @@ impl Outbox {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = None;
             let secs = 2f64.powi(s.attempts.min(6) as i32).min(60.0);
-            s.next_try = now + Duration::from_secs_f64(secs);
+            s.next_try = now
+                .checked_add(Duration::from_secs_f64(secs))
+                .unwrap_or(now);
         }
     }
 

@@ -52,7 +52,7 @@ impl Exit {
     pub fn code(&self) -> i32 {
         match (self.exit_code, self.signal) {
             (Some(c), _) => c,
-            (None, Some(s)) => -s,
+            (None, Some(s)) => s.saturating_neg(),
             (None, None) => -1,
         }
     }

@@ -47,18 +47,18 @@ pub fn cut_front(path: &std::path::Path, keep: u64) -> std::io::Result<u64> {
     if len <= keep {
         return Ok(0);
     }
-    let cut = len - keep;
+    let cut = len.saturating_sub(keep);
     let mut buf = vec![0u8; 1 << 20];
     let mut done = 0u64;
     while done < keep {
-        f.seek(SeekFrom::Start(cut + done))?;
+        f.seek(SeekFrom::Start(cut.saturating_add(done)))?;
         let n = f.read(&mut buf)?;
         if n == 0 {
             break;
         }
         f.seek(SeekFrom::Start(done))?;
-        std::io::Write::write_all(&mut f, &buf[..n])?;
-        done += n as u64;
+        std::io::Write::write_all(&mut f, buf.get(..n).unwrap_or_default())?;
+        done = done.saturating_add(n as u64);
     }
     f.set_len(done)?;
     Ok(cut)

@@ -20,7 +20,7 @@ pub fn run(args: &[String]) -> i32 {
     if args.first().map(String::as_str) == Some("__print-unit") {
         return match crate::systemd::paths(false) {
             Ok(p) => {
-                print!(
+                crate::out!(
                     "{}",
                     crate::systemd::render_unit(
                         std::path::Path::new("/usr/bin/cyberwave-cloud-node"),
@@ -31,23 +31,23 @@ pub fn run(args: &[String]) -> i32 {
                 EXIT_OK
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                crate::errln!("error: {e}");
                 EXIT_RUNTIME
             }
         };
     }
     let inv = match cli::parse(args) {
         Ok(Parsed::Version) => {
-            println!("cyberwave-cloud-node {}", cli::VERSION);
+            crate::outln!("cyberwave-cloud-node {}", cli::VERSION);
             return EXIT_OK;
         }
         Ok(Parsed::Help(text)) => {
-            print!("{text}");
+            crate::out!("{text}");
             return EXIT_OK;
         }
         Ok(Parsed::Run(inv)) => inv,
         Err(e) => {
-            eprintln!("error: {}\n(see: cyberwave-cloud-node --help)", e.0);
+            crate::errln!("error: {}\n(see: cyberwave-cloud-node --help)", e.0);
             return EXIT_USAGE;
         }
     };
@@ -55,7 +55,7 @@ pub fn run(args: &[String]) -> i32 {
     let cwd = match std::env::current_dir() {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("error: cannot read the current directory: {e}");
+            crate::errln!("error: cannot read the current directory: {e}");
             return EXIT_RUNTIME;
         }
     };
@@ -69,7 +69,7 @@ pub fn run(args: &[String]) -> i32 {
             match result {
                 Ok(()) => EXIT_OK,
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    crate::errln!("error: {e}");
                     EXIT_RUNTIME
                 }
             }
@@ -86,7 +86,7 @@ pub fn run(args: &[String]) -> i32 {
                 Ok(s) => s,
                 Err(e) => {
                     for line in &e.0 {
-                        eprintln!("error: {line}");
+                        crate::errln!("error: {line}");
                     }
                     return EXIT_USAGE;
                 }
@@ -112,20 +112,20 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
         Ok(Some(found)) => found,
         Ok(None) => unreachable_none(),
         Err(e) => {
-            println!("error: {e}");
+            crate::outln!("error: {e}");
             return EXIT_RUNTIME;
         }
     };
     let (m, problems) = manifest::parse(&path, &text, flags.lenient);
     for p in &problems {
-        println!("{p}");
+        crate::outln!("{p}");
     }
     let errors = problems.iter().filter(|p| !p.warning).count();
     let warnings = problems.len().saturating_sub(errors);
     match m {
         Some(m) => {
             if m.wrapper.as_deref() == Some(manifest::WRAPPER_LEGACY) {
-                println!(
+                crate::outln!(
                     "{}: note: `cyberwave-cloud-node:` is the legacy wrapper; `cyberwave:` is preferred",
                     path.display()
                 );
@@ -147,10 +147,10 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
                         ),
                         None => "shell mode".into(),
                     };
-                    println!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
+                    crate::outln!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
                 }
             }
-            println!(
+            crate::outln!(
                 "{}: OK ({warnings} warning{})",
                 path.display(),
                 if warnings == 1 { "" } else { "s" }
@@ -158,7 +158,7 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
             EXIT_OK
         }
         None => {
-            println!(
+            crate::outln!(
                 "{}: {errors} error{}, {warnings} warning{}",
                 path.display(),
                 plural(errors),
@@ -179,25 +179,24 @@ fn plural(n: usize) -> &'static str {
 
 /// `locate` with an explicit path never answers "no manifest": it errors instead.
 fn unreachable_none() -> ! {
-    eprintln!("error: internal: no manifest located");
+    crate::errln!("error: internal: no manifest located");
     std::process::exit(EXIT_RUNTIME)
 }
 
 fn print_config(settings: &config::Settings, json: bool) -> i32 {
     let rows = settings.rows();
-    let mut out = std::io::stdout().lock();
     if json {
         let obj: serde_json::Map<String, serde_json::Value> = rows
             .into_iter()
             .map(|(k, v, s)| (k.to_string(), serde_json::json!({"value": v, "source": s})))
             .collect();
-        let _ = writeln!(out, "{}", serde_json::Value::Object(obj));
+        crate::outln!("{}", serde_json::Value::Object(obj));
     } else {
         for (k, v, s) in rows {
-            let _ = writeln!(out, "{k:<26} {v:<40} ({s})");
+            crate::outln!("{k:<26} {v:<40} ({s})");
         }
         for w in &settings.manifest_warnings {
-            let _ = writeln!(out, "{w}");
+            crate::outln!("{w}");
         }
     }
     EXIT_OK

@@ -62,7 +62,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
     let f = match fields(kind, flags).and_then(|f| crate::ingress::build(&f).map(|ev| (f, ev))) {
         Ok(x) => x,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::errln!("error: {e}");
             return EXIT_USAGE;
         }
     };
@@ -71,7 +71,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
         .ok()
         .filter(|t| !t.is_empty())
     else {
-        eprintln!("error: CYBERWAVE_NODE_EVENT_TOKEN is not set: emit runs inside a workload started by the node");
+        crate::errln!("error: CYBERWAVE_NODE_EVENT_TOKEN is not set: emit runs inside a workload started by the node");
         return EXIT_USAGE;
     };
     let socket = std::env::var_os("CYBERWAVE_NODE_SOCKET")
@@ -79,7 +79,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
         .unwrap_or_else(|| state_dir().join("control.sock"));
     let print_ok = |execution: &str| {
         if kind == "started" {
-            println!("{execution}");
+            crate::outln!("{execution}");
         }
         EXIT_OK
     };
@@ -95,7 +95,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
                 .unwrap_or(&event.execution),
         ),
         Ok(reply) => {
-            eprintln!(
+            crate::errln!(
                 "error: {}",
                 reply
                     .get("error")
@@ -114,7 +114,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
             match authorised(&state, &token, &event.workflow) {
                 Ok(()) => {}
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    crate::errln!("error: {e}");
                     return EXIT_CREDENTIALS;
                 }
             }
@@ -130,7 +130,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
             match outbox::write_item(&state.join("ingress"), &item) {
                 Ok(_) => print_ok(&event.execution),
                 Err(e) => {
-                    eprintln!(
+                    crate::errln!(
                         "error: cannot queue the event in {}: {e}",
                         state.join("ingress").display()
                     );
@@ -139,7 +139,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
             }
         }
         Err(CallError::Failed(e)) => {
-            eprintln!("error: the node did not answer: {e}");
+            crate::errln!("error: the node did not answer: {e}");
             EXIT_RUNTIME
         }
     }

@@ -12,6 +12,7 @@ pub mod ledger;
 pub mod mqtt;
 pub mod node;
 pub mod ops;
+pub mod out;
 pub mod outbox;
 pub mod protocol;
 pub mod signals;

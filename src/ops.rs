@@ -2,7 +2,7 @@
 //! the node runs: a running node answers on its control socket; otherwise the state dir says
 //! what it knows.
 
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -25,6 +25,11 @@ fn ask(state: &Path, op: &str) -> Result<Value, CallError> {
         &json!({"op": op}),
         Duration::from_secs(10),
     )
+}
+
+/// `v[key]` without the panic of `Index` (null when absent).
+fn field<'a>(v: &'a Value, key: &str) -> &'a Value {
+    v.get(key).unwrap_or(&Value::Null)
 }
 
 fn count_files(dir: &Path) -> usize {
@@ -56,8 +61,8 @@ fn offline_status(state: &Path) -> Value {
     let now = workload::unix_now();
     json!({
         "running": false,
-        "instance_uuid": identity["uuid"],
-        "slug": identity["slug"],
+        "instance_uuid": field(&identity, "uuid"),
+        "slug": field(&identity, "slug"),
         "state_dir": state,
         "workloads": metas(state).iter().map(|m| {
             let alive = m.started.as_ref().is_some_and(|s| procinfo::same_process_alive(s.pid, s.start_ticks));
@@ -81,80 +86,93 @@ pub fn status(json_out: bool) -> i32 {
     let state = match state_dir() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::errln!("error: {e}");
             return EXIT_USAGE;
         }
     };
     let mut st = match ask(&state, "status") {
-        Ok(r) if r["ok"] == true => r["status"].clone(),
+        Ok(r) if field(&r, "ok") == true => field(&r, "status").clone(),
         _ => offline_status(&state),
     };
-    st["state_dir"] = json!(state);
+    match st.as_object_mut() {
+        Some(o) => {
+            o.insert("state_dir".into(), json!(state));
+        }
+        None => st = json!({ "state_dir": state }),
+    }
     if json_out {
-        println!("{st}");
+        crate::outln!("{st}");
         return EXIT_OK;
     }
     let s = |v: &Value| v.as_str().map(String::from).unwrap_or_else(|| "-".into());
-    if st["running"] == true {
-        println!(
+    if field(&st, "running") == true {
+        crate::outln!(
             "node:       running (pid {}), broker {} ({}), {}",
-            st["pid"],
-            s(&st["broker"]),
-            if st["connected"] == true {
+            field(&st, "pid"),
+            s(field(&st, "broker")),
+            if field(&st, "connected") == true {
                 "connected"
             } else {
                 "disconnected"
             },
-            if st["registered"] == true {
+            if field(&st, "registered") == true {
                 "registered"
             } else {
                 "not registered yet"
             }
         );
     } else {
-        println!("node:       not running (state from {})", state.display());
+        crate::outln!("node:       not running (state from {})", state.display());
     }
-    println!(
+    crate::outln!(
         "instance:   {} (slug {}){}",
-        s(&st["instance_uuid"]),
-        s(&st["slug"]),
-        st["environment_uuid"]
+        s(field(&st, "instance_uuid")),
+        s(field(&st, "slug")),
+        field(&st, "environment_uuid")
             .as_str()
             .map(|e| format!(", reserved for environment {e}"))
             .unwrap_or_default()
     );
-    if st["running"] == true {
-        println!(
+    if field(&st, "running") == true {
+        crate::outln!(
             "heartbeat:  last acknowledged {}",
-            s(&st["last_heartbeat_ok"])
+            s(field(&st, "last_heartbeat_ok"))
         );
-        println!(
+        crate::outln!(
             "accepting:  {}",
-            if st["accepting"] == true {
+            if field(&st, "accepting") == true {
                 "yes"
-            } else if st["draining"] == true {
+            } else if field(&st, "draining") == true {
                 "no (draining)"
             } else {
                 "no"
             }
         );
     }
-    println!(
+    crate::outln!(
         "outbox:     {} completion(s), {} workflow event(s) waiting for acknowledgement",
-        st["outbox"], st["ingress_queue"]
+        field(&st, "outbox"),
+        field(&st, "ingress_queue")
     );
-    let wl = st["workloads"].as_array().cloned().unwrap_or_default();
-    println!("workloads:  {}", wl.len());
+    let wl = field(&st, "workloads")
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    crate::outln!("workloads:  {}", wl.len());
     for w in wl {
-        println!(
+        crate::outln!(
             "  pid {:<8} {:<10} {:<24} {:>6}s  request {}",
-            w["pid"],
-            s(&w["type"]),
-            s(&w["state"]),
-            w["running_for_seconds"],
-            crate::protocol::messages::request_id_text(&w["request_id"])
+            field(&w, "pid"),
+            s(field(&w, "type")),
+            s(field(&w, "state")),
+            field(&w, "running_for_seconds"),
+            crate::protocol::messages::request_id_text(field(&w, "request_id"))
         );
-        println!("    logs: {}  {}", s(&w["stdout_log"]), s(&w["stderr_log"]));
+        crate::outln!(
+            "    logs: {}  {}",
+            s(field(&w, "stdout_log")),
+            s(field(&w, "stderr_log"))
+        );
     }
     EXIT_OK
 }
@@ -163,28 +181,31 @@ pub fn drain(on: bool, wait: bool) -> i32 {
     let state = match state_dir() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::errln!("error: {e}");
             return EXIT_USAGE;
         }
     };
     match ask(&state, if on { "drain" } else { "resume" }) {
-        Ok(r) if r["ok"] == true => {
-            println!(
+        Ok(r) if field(&r, "ok") == true => {
+            crate::outln!(
                 "{} ({} workload(s) running)",
                 if on {
                     "draining"
                 } else {
                     "accepting workloads again"
                 },
-                r["active_workloads"]
+                field(&r, "active_workloads")
             );
         }
         Ok(r) => {
-            eprintln!("error: {}", r["error"].as_str().unwrap_or("refused"));
+            crate::errln!(
+                "error: {}",
+                field(&r, "error").as_str().unwrap_or("refused")
+            );
             return EXIT_RUNTIME;
         }
         Err(_) => {
-            eprintln!(
+            crate::errln!(
                 "error: no node is running with state dir {} (nothing to {})",
                 state.display(),
                 if on { "drain" } else { "resume" }
@@ -196,7 +217,7 @@ pub fn drain(on: bool, wait: bool) -> i32 {
         loop {
             match ask(&state, "status") {
                 Ok(r)
-                    if r["status"]["workloads"]
+                    if field(field(&r, "status"), "workloads")
                         .as_array()
                         .is_some_and(Vec::is_empty) =>
                 {
@@ -206,7 +227,7 @@ pub fn drain(on: bool, wait: bool) -> i32 {
                 Err(_) => break, // the node stopped: nothing runs under it any more
             }
         }
-        println!("idle: no workload running");
+        crate::outln!("idle: no workload running");
     }
     EXIT_OK
 }
@@ -251,19 +272,19 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
     let state = match state_dir() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::errln!("error: {e}");
             return EXIT_USAGE;
         }
     };
     let Some((path, tracked)) = find_log(&state, id, stderr) else {
-        eprintln!(
+        crate::errln!(
             "error: no workload with request id or pid {id:?} in {}",
             state.display()
         );
         return EXIT_RUNTIME;
     };
     let Ok(mut f) = std::fs::File::open(&path) else {
-        eprintln!("error: cannot open {}", path.display());
+        crate::errln!("error: cannot open {}", path.display());
         return EXIT_RUNTIME;
     };
     let mut text = Vec::new();
@@ -279,7 +300,7 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
                 .filter(|(_, b)| **b == b'\n')
                 .take(n)
             {
-                cut = i + 1;
+                cut = i.saturating_add(1);
             }
             if body.iter().filter(|b| **b == b'\n').count() < n {
                 0
@@ -289,9 +310,7 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
         }
         None => 0,
     };
-    let mut out = std::io::stdout().lock();
-    let _ = out.write_all(&text[start..]);
-    let _ = out.flush();
+    crate::out::stdout_bytes(text.get(start..).unwrap_or_default());
     if !follow {
         return EXIT_OK;
     }
@@ -302,10 +321,9 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         if len > pos && f.seek(SeekFrom::Start(pos)).is_ok() {
             let mut buf = Vec::new();
-            let _ = (&mut f).take(len - pos).read_to_end(&mut buf);
-            pos += buf.len() as u64;
-            let _ = out.write_all(&buf);
-            let _ = out.flush();
+            let _ = (&mut f).take(len.saturating_sub(pos)).read_to_end(&mut buf);
+            pos = pos.saturating_add(buf.len() as u64);
+            crate::out::stdout_bytes(&buf);
         }
         if ended {
             return EXIT_OK;
@@ -316,12 +334,12 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
 
 /// `doctor`: one line per check; exit 1 on any FAIL.
 pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
-    let mut fails = 0;
+    let mut fails = 0u32;
     let mut line = |level: &str, what: &str, detail: String| {
         if level == "FAIL" {
-            fails += 1;
+            fails = fails.saturating_add(1);
         }
-        println!("{level:<4}  {what:<22} {detail}");
+        crate::outln!("{level:<4}  {what:<22} {detail}");
     };
     let settings = match config::resolve(flags, EnvLayers::from_process(), cwd) {
         Ok(s) => {
@@ -344,7 +362,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
                     e.0.join("; ")
                 ),
             );
-            println!("\n{fails} check(s) failed");
+            crate::outln!("\n{fails} check(s) failed");
             return EXIT_RUNTIME;
         }
     };
@@ -564,7 +582,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
         ),
     }
     if fails > 0 {
-        println!("\n{fails} check(s) failed");
+        crate::outln!("\n{fails} check(s) failed");
         EXIT_RUNTIME
     } else {
         EXIT_OK

@@ -3,6 +3,7 @@
 mod support;
 
 mod cli_config;
+mod cli_pipes;
 mod ingress;
 mod logs;
 mod operate;

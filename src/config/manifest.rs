@@ -176,13 +176,10 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
 fn front_matter(text: &str) -> Option<String> {
     let lines: Vec<&str> = text.lines().collect();
     let first = lines.iter().position(|l| l.trim_end() == "---")?;
-    let second = first
-        + 1
-        + lines[first + 1..]
-            .iter()
-            .position(|l| l.trim_end() == "---")?;
-    let mut out = "\n".repeat(first + 1);
-    out.push_str(&lines[first + 1..second].join("\n"));
+    let body = lines.get(first.saturating_add(1)..)?;
+    let len = body.iter().position(|l| l.trim_end() == "---")?;
+    let mut out = "\n".repeat(first.saturating_add(1));
+    out.push_str(&body.get(..len)?.join("\n"));
     Some(out)
 }
 
@@ -455,14 +452,14 @@ fn key_line(text: &str, wrapper: Option<&str>, key: &str) -> Option<usize> {
                 return None; // left the wrapper's block
             }
             if matches_key(l) {
-                return Some(i + 1);
+                return Some(i.saturating_add(1));
             }
         }
         None
     } else {
         lines
             .find(|(_, l)| !indented(l) && matches_key(l))
-            .map(|(i, _)| i + 1)
+            .map(|(i, _)| i.saturating_add(1))
     }
 }
 
@@ -481,6 +478,8 @@ fn closest(key: &str) -> Option<&'static str> {
         .map(|(n, _)| n)
 }
 
+// `prev` and `cur` hold b.len() + 1 entries and j < b.len(); a distance is at most a.len() + b.len().
+#[allow(clippy::indexing_slicing, clippy::arithmetic_side_effects)]
 fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
     let mut prev: Vec<usize> = (0..=b.len()).collect();
@@ -661,5 +660,19 @@ mod tests {
         assert!(path.ends_with("cyberwave.yml"));
         assert!(locate(Some(&dir.join("nope/x.yml")), &dir).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn front_matter_keeps_line_numbers_and_needs_two_fences() {
+        assert_eq!(
+            front_matter("# T\n---\na: 1\nb: 2\n---\nrest\n").as_deref(),
+            Some("\n\na: 1\nb: 2")
+        );
+        assert_eq!(front_matter("---\n---").as_deref(), Some("\n"));
+        assert_eq!(front_matter("---\na: 1\n"), None);
+        assert_eq!(front_matter("---"), None);
+        assert_eq!(front_matter(""), None);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("éa", "a"), 1);
     }
 }

@@ -23,6 +23,11 @@ pub const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
 
+/// `STREAM_NAMES[i]` without a panic (a stream index is 0 or 1).
+fn stream_name(i: usize) -> &'static str {
+    STREAM_NAMES.get(i).copied().unwrap_or("stdout")
+}
+
 #[derive(Debug, Default)]
 pub struct Stream {
     /// Bytes the backend acknowledged (persisted in cursor.json).
@@ -122,7 +127,9 @@ impl Node {
             }
         }
         if interval_due {
-            self.next_stream_pass = now + self.s.log_stream_interval.value;
+            self.next_stream_pass = now
+                .checked_add(self.s.log_stream_interval.value)
+                .unwrap_or(now);
         }
     }
 
@@ -151,7 +158,9 @@ impl Node {
         let meta_rid = a.meta.request_id.clone();
         let meta_wl = a.meta.workload_uuid.clone();
         let i = chunk.key.stream;
-        let s = &mut a.streams[i];
+        let Some(s) = a.streams.get_mut(i) else {
+            return;
+        };
         s.reading = false;
         if let Some(result) = chunk.cut {
             match result {
@@ -161,11 +170,11 @@ impl Node {
                         "{} {}: {} log over max_log_bytes ({}); dropped its oldest {cut} bytes ({unsent} never shipped)",
                         a.meta.kind,
                         a.meta.request_id_text(),
-                        STREAM_NAMES[i],
+                        stream_name(i),
                         self.s.max_log_bytes.value
                     );
-                    s.base += cut;
-                    s.dropped_unsent += unsent;
+                    s.base = s.base.saturating_add(cut);
+                    s.dropped_unsent = s.dropped_unsent.saturating_add(unsent);
                     s.acked = s.acked.saturating_sub(cut);
                     s.mirrored = s.mirrored.saturating_sub(cut);
                 }
@@ -181,12 +190,12 @@ impl Node {
         let mut data = chunk.data;
         if !ending {
             match data.iter().rposition(|b| *b == b'\n') {
-                Some(pos) => data.truncate(pos + 1),
+                Some(pos) => data.truncate(pos.saturating_add(1)),
                 None if data.len() < CHUNK => data.clear(),
                 None => {}
             }
         }
-        let end = chunk.offset + data.len() as u64;
+        let end = chunk.offset.saturating_add(data.len() as u64);
         s.more = chunk.file_len > end;
         if data.is_empty() {
             if ending {
@@ -200,7 +209,13 @@ impl Node {
         if end > s.mirrored {
             let from = s.mirrored.saturating_sub(chunk.offset) as usize;
             let mut partial = std::mem::take(&mut s.partial);
-            mirror(&tag, i, &data[from.min(data.len())..], false, &mut partial);
+            mirror(
+                &tag,
+                i,
+                data.get(from..).unwrap_or_default(),
+                false,
+                &mut partial,
+            );
             s.partial = partial;
             s.mirrored = end;
         }
@@ -209,18 +224,23 @@ impl Node {
         }
         let mut body = json!({
             "instance_uuid": uuid,
-            "log_type": STREAM_NAMES[i],
+            "log_type": stream_name(i),
             "log_content": String::from_utf8_lossy(&data),
             "workload_request_id": meta_rid,
-            "offset": chunk.offset + s.base,
+            "offset": chunk.offset.saturating_add(s.base),
             "length": data.len(),
         });
-        if s.dropped_unsent > 0 {
-            // The max_log_bytes cap cut these bytes before they were shipped.
-            body["dropped"] = json!(std::mem::take(&mut s.dropped_unsent));
-        }
-        if let Some(wl) = meta_wl {
-            body["workload_uuid"] = json!(wl);
+        if let Some(o) = body.as_object_mut() {
+            if s.dropped_unsent > 0 {
+                // The max_log_bytes cap cut these bytes before they were shipped.
+                o.insert(
+                    "dropped".into(),
+                    json!(std::mem::take(&mut s.dropped_unsent)),
+                );
+            }
+            if let Some(wl) = meta_wl {
+                o.insert("workload_uuid".into(), json!(wl));
+            }
         }
         s.inflight = Some((chunk.offset, data.len() as u64));
         s.budget = s.budget.saturating_sub(data.len() as u64);
@@ -239,7 +259,9 @@ impl Node {
         let Some(a) = self.active.get_mut(&key.safe_id) else {
             return;
         };
-        let s = &mut a.streams[key.stream];
+        let Some(s) = a.streams.get_mut(key.stream) else {
+            return;
+        };
         let Some((offset, len)) = s.inflight.take() else {
             return;
         };
@@ -247,8 +269,8 @@ impl Node {
             return; // sent again from the acknowledged cursor at the next pass
         }
         if offset == s.acked {
-            s.acked = offset + len;
-            self.metrics.log_bytes += len;
+            s.acked = offset.saturating_add(len);
+            self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(len);
             let cursor = Cursor {
                 stdout: a.streams[0].acked,
                 stderr: a.streams[1].acked,
@@ -288,7 +310,7 @@ impl Node {
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| !s.drained)
-                .map(|(i, _)| STREAM_NAMES[i].to_string())
+                .map(|(i, _)| stream_name(i).to_string())
                 .collect();
             if !left.is_empty() {
                 log::warn!(
@@ -316,19 +338,19 @@ impl Node {
         self.install_logs_shipped = true;
         let uuid = self.uuid().to_string();
         let dir = self.s.config_dir.value.join("install_logs");
-        for (i, name) in STREAM_NAMES.iter().enumerate() {
+        for name in STREAM_NAMES {
             let text = crate::workload::tail(&dir.join(format!("install.{name}.log")), 1024 * 1024);
             let bytes = text.as_bytes();
             let mut offset = 0;
             while offset < bytes.len() {
-                let mut end = (offset + CHUNK).min(bytes.len());
+                let mut end = offset.saturating_add(CHUNK).min(bytes.len());
                 while end < bytes.len() && !text.is_char_boundary(end) {
-                    end -= 1;
+                    end = end.saturating_sub(1);
                 }
                 let body = json!({
                     "instance_uuid": uuid,
-                    "log_type": STREAM_NAMES[i],
-                    "log_content": &text[offset..end],
+                    "log_type": name,
+                    "log_content": text.get(offset..end).unwrap_or_default(),
                     "source": "install",
                 });
                 let topic = self.topics.logs(&uuid);
@@ -355,17 +377,17 @@ fn mirror(tag: &str, stream: usize, data: &[u8], last: bool, partial: &mut Vec<u
         partial
             .iter()
             .rposition(|b| *b == b'\n')
-            .map(|p| p + 1)
+            .map(|p| p.saturating_add(1))
             .unwrap_or(0)
     };
     if cut == 0 {
         return;
     }
-    let text = &partial[..cut];
+    let text = partial.get(..cut).unwrap_or_default();
     let body = text.strip_suffix(b"\n").unwrap_or(text);
-    let mut out = Vec::with_capacity(body.len() + 64);
+    let mut out = Vec::with_capacity(body.len().saturating_add(64));
     for line in body.split(|b| *b == b'\n') {
-        out.extend_from_slice(format!("[workload {tag} {}] ", STREAM_NAMES[stream]).as_bytes());
+        out.extend_from_slice(format!("[workload {tag} {}] ", stream_name(stream)).as_bytes());
         out.extend_from_slice(String::from_utf8_lossy(line).as_bytes());
         out.push(b'\n');
     }

@@ -119,7 +119,7 @@ impl Node {
         u.retry_at = None;
         if u.idx < u.files.len() {
             u.busy = true;
-            let name = u.files[u.idx].0.clone();
+            let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
             if connected {
                 let topic = self.topics.signed_url(&wl);
                 self.request(
@@ -175,7 +175,9 @@ impl Node {
                 let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
                     return;
                 };
-                let filename = u.files[u.idx].0.clone();
+                let Some(filename) = u.files.get(u.idx).map(|f| f.0.clone()) else {
+                    return;
+                };
                 self.workers.submit(Job::SignedUrl {
                     key: id.to_string(),
                     wl,
@@ -189,9 +191,10 @@ impl Node {
         let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.as_mut()) else {
             return;
         };
-        let path = u.files[u.idx].1.clone();
-        u.done
-            .push((u.files[u.idx].0.clone(), url.clone(), attachment));
+        let Some((name, path)) = u.files.get(u.idx).cloned() else {
+            return;
+        };
+        u.done.push((name, url.clone(), attachment));
         self.workers.submit(Job::Put {
             key: id.to_string(),
             url,
@@ -229,8 +232,10 @@ impl Node {
             Done::Put { key, result } => match result {
                 Ok(()) => {
                     if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
-                        log::info!("uploaded result file {}", u.files[u.idx].0);
-                        u.idx += 1;
+                        if let Some(f) = u.files.get(u.idx) {
+                            log::info!("uploaded result file {}", f.0);
+                        }
+                        u.idx = u.idx.saturating_add(1);
                         u.attempt = 0;
                         u.busy = false;
                     }
@@ -259,19 +264,20 @@ impl Node {
             return;
         };
         u.busy = false;
-        u.attempt += 1;
-        let name = u.files[u.idx].0.clone();
+        u.attempt = u.attempt.saturating_add(1);
+        let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
         if retriable && u.attempt < ATTEMPTS {
-            let wait = Duration::from_secs(2 * (1 << (u.attempt - 1)));
+            // 2 s, 4 s, … (attempt ≥ 1 here)
+            let wait = Duration::from_secs(2u64.saturating_pow(u.attempt));
             log::warn!(
                 "upload of {name} failed ({why}); attempt {} of {ATTEMPTS} in {}s",
-                u.attempt + 1,
+                u.attempt.saturating_add(1),
                 wait.as_secs()
             );
-            u.retry_at = Some(now + wait);
+            u.retry_at = now.checked_add(wait);
         } else {
             log::error!("upload of {name} failed ({why}); giving up on this file");
-            u.idx += 1;
+            u.idx = u.idx.saturating_add(1);
             u.attempt = 0;
         }
         self.step_upload(id);

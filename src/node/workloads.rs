@@ -49,7 +49,7 @@ impl Active {
         let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
         let runtime_deadline = meta
             .max_runtime_s
-            .map(|m| now + Duration::from_secs_f64((m - elapsed).max(0.0)));
+            .map(|m| crate::util::later(now, crate::util::secs_f64(m - elapsed)));
         Active {
             meta,
             child,
@@ -145,7 +145,9 @@ impl Node {
         let ctx = super::ingress::context_of(kind, &params);
         let Some(template) = self.s.command_template(kind).map(String::from) else {
             let mut cap = kind.to_string();
-            cap[..1].make_ascii_uppercase();
+            if let Some(first) = cap.get_mut(..1) {
+                first.make_ascii_uppercase();
+            }
             let why = format!("{cap} command not configured in cyberwave.yml");
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         };
@@ -228,7 +230,7 @@ impl Node {
                     self.workload_status(wl, body);
                 }
                 self.report_started(&meta);
-                self.metrics.starts += 1;
+                self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.one_started = true;
                     self.set_draining(true, "--drain-after-one");
@@ -264,8 +266,8 @@ impl Node {
         if let Some(wl) = workload_uuid {
             let mut body = json!({"status": "failed", "error": why, "failure_detail": why});
             if let Some(r) = reason {
-                body["rejection_reason"] = json!(r);
-                body["rejecting_instance_uuid"] = json!(self.uuid());
+                crate::util::set(&mut body, "rejection_reason", json!(r));
+                crate::util::set(&mut body, "rejecting_instance_uuid", json!(self.uuid()));
             }
             self.workload_status(wl, body);
         }
@@ -361,7 +363,9 @@ impl Node {
         };
         match self.cancel_workload(&safe_id, sig, &sig_name, grace, false) {
             Ok(message) => {
-                let a = &self.active[&safe_id];
+                let Some(a) = self.active.get(&safe_id) else {
+                    return self.reply_ok(request_id, json!({"message": message}));
+                };
                 let out = json!({
                     "message": message,
                     "pid": a.meta.pid(),
@@ -420,7 +424,7 @@ impl Node {
                 log::warn!("workload {safe_id}: cannot record the cancel: {e}");
             }
         }
-        a.escalate_at = Some(now + grace);
+        a.escalate_at = Some(crate::util::later(now, grace));
         Ok(message)
     }
 
@@ -484,7 +488,7 @@ impl Node {
         a.ending = Some(Ending {
             exit,
             lost,
-            drain_deadline: now + DRAIN_LIMIT,
+            drain_deadline: crate::util::later(now, DRAIN_LIMIT),
         });
         self.pump_streams(false);
     }
@@ -533,7 +537,7 @@ impl Node {
                 let success = code == Some(0) && lost.is_none() && !timed_out;
                 let mut body = json!({"status": "completed", "success": success});
                 if let Some(c) = code {
-                    body["exit_code"] = json!(c);
+                    crate::util::set(&mut body, "exit_code", json!(c));
                 }
                 if !success {
                     let fallback = match (exit.as_ref().and_then(|e| e.signal), code) {
@@ -554,9 +558,9 @@ impl Node {
                     if timed_out {
                         error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
                     }
-                    body["error"] = json!(error);
+                    crate::util::set(&mut body, "error", json!(error));
                     if let Some(s) = stderr {
-                        body["stderr"] = json!(s);
+                        crate::util::set(&mut body, "stderr", json!(s));
                     }
                 }
                 self.report_finished(
@@ -730,7 +734,7 @@ impl Node {
             // Adopted workloads: their exit record tells the end.
             if !a.child && now >= a.next_check {
                 if let Some(a) = self.active.get_mut(&id) {
-                    a.next_check = now + ADOPTED_CHECK;
+                    a.next_check = crate::util::later(now, ADOPTED_CHECK);
                 }
                 self.check_adopted(&id);
             }

@@ -15,6 +15,7 @@ mod cli_config;
 mod cli_pipes;
 mod ingress;
 mod logs;
+mod no_panic;
 mod operate;
 mod results;
 mod wire;

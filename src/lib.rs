@@ -19,6 +19,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod emit;
+pub mod error;
 pub mod ingress;
 pub mod ledger;
 pub mod mqtt;

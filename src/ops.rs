@@ -8,15 +8,15 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::app::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::config::{self, env::EnvLayers, Flags};
 use crate::control::{self, CallError};
+use crate::error::CliError;
 use crate::workload::{self, procinfo, Meta};
 
-fn state_dir() -> Result<PathBuf, String> {
+fn state_dir() -> Result<PathBuf, CliError> {
     config::config_dir(&EnvLayers::from_process())
         .map(|s| s.value)
-        .map_err(|e| e.to_string())
+        .map_err(|e| CliError::Usage(e.to_string()))
 }
 
 fn ask(state: &Path, op: &str) -> Result<Value, CallError> {
@@ -82,14 +82,8 @@ fn offline_status(state: &Path) -> Value {
     })
 }
 
-pub fn status(json_out: bool) -> i32 {
-    let state = match state_dir() {
-        Ok(s) => s,
-        Err(e) => {
-            crate::errln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+pub fn status(json_out: bool) -> Result<(), CliError> {
+    let state = state_dir()?;
     let mut st = match ask(&state, "status") {
         Ok(r) if field(&r, "ok") == true => field(&r, "status").clone(),
         _ => offline_status(&state),
@@ -102,7 +96,7 @@ pub fn status(json_out: bool) -> i32 {
     }
     if json_out {
         crate::outln!("{st}");
-        return EXIT_OK;
+        return Ok(());
     }
     let s = |v: &Value| v.as_str().map(String::from).unwrap_or_else(|| "-".into());
     if field(&st, "running") == true {
@@ -174,17 +168,11 @@ pub fn status(json_out: bool) -> i32 {
             s(field(&w, "stderr_log"))
         );
     }
-    EXIT_OK
+    Ok(())
 }
 
-pub fn drain(on: bool, wait: bool) -> i32 {
-    let state = match state_dir() {
-        Ok(s) => s,
-        Err(e) => {
-            crate::errln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+pub fn drain(on: bool, wait: bool) -> Result<(), CliError> {
+    let state = state_dir()?;
     match ask(&state, if on { "drain" } else { "resume" }) {
         Ok(r) if field(&r, "ok") == true => {
             crate::outln!(
@@ -198,19 +186,16 @@ pub fn drain(on: bool, wait: bool) -> i32 {
             );
         }
         Ok(r) => {
-            crate::errln!(
-                "error: {}",
-                field(&r, "error").as_str().unwrap_or("refused")
-            );
-            return EXIT_RUNTIME;
+            return Err(CliError::Runtime(
+                field(&r, "error").as_str().unwrap_or("refused").to_string(),
+            ));
         }
         Err(_) => {
-            crate::errln!(
-                "error: no node is running with state dir {} (nothing to {})",
+            return Err(CliError::Runtime(format!(
+                "no node is running with state dir {} (nothing to {})",
                 state.display(),
                 if on { "drain" } else { "resume" }
-            );
-            return EXIT_RUNTIME;
+            )));
         }
     }
     if on && wait {
@@ -229,7 +214,7 @@ pub fn drain(on: bool, wait: bool) -> i32 {
         }
         crate::outln!("idle: no workload running");
     }
-    EXIT_OK
+    Ok(())
 }
 
 /// The log file of a workload named by request id or pid.
@@ -268,24 +253,16 @@ fn find_log(state: &Path, id: &str, stderr: bool) -> Option<(PathBuf, Option<Str
         .map(|p| (p, None))
 }
 
-pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
-    let state = match state_dir() {
-        Ok(s) => s,
-        Err(e) => {
-            crate::errln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Result<(), CliError> {
+    let state = state_dir()?;
     let Some((path, tracked)) = find_log(&state, id, stderr) else {
-        crate::errln!(
-            "error: no workload with request id or pid {id:?} in {}",
+        return Err(CliError::Runtime(format!(
+            "no workload with request id or pid {id:?} in {}",
             state.display()
-        );
-        return EXIT_RUNTIME;
+        )));
     };
     let Ok(mut f) = std::fs::File::open(&path) else {
-        crate::errln!("error: cannot open {}", path.display());
-        return EXIT_RUNTIME;
+        return Err(CliError::Runtime(format!("cannot open {}", path.display())));
     };
     let mut text = Vec::new();
     let _ = f.read_to_end(&mut text);
@@ -312,7 +289,7 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
     };
     crate::out::stdout_bytes(text.get(start..).unwrap_or_default());
     if !follow {
-        return EXIT_OK;
+        return Ok(());
     }
     let mut pos = text.len() as u64;
     let dir = tracked.map(|t| state.join("workloads").join(t));
@@ -326,14 +303,14 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
             crate::out::stdout_bytes(&buf);
         }
         if ended {
-            return EXIT_OK;
+            return Ok(());
         }
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
 /// `doctor`: one line per check; exit 1 on any FAIL.
-pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
+pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
     let mut fails = 0u32;
     let mut line = |level: &str, what: &str, detail: String| {
         if level == "FAIL" {
@@ -363,7 +340,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
                 ),
             );
             crate::outln!("\n{fails} check(s) failed");
-            return EXIT_RUNTIME;
+            return Err(CliError::Found);
         }
     };
     if settings.standalone {
@@ -583,8 +560,8 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
     }
     if fails > 0 {
         crate::outln!("\n{fails} check(s) failed");
-        EXIT_RUNTIME
+        Err(CliError::Found)
     } else {
-        EXIT_OK
+        Ok(())
     }
 }

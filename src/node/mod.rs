@@ -56,7 +56,10 @@ impl Clock for SystemClock {
 pub fn run(settings: Settings) -> i32 {
     match startup::prepare(settings) {
         Ok((node, signals)) => node.run(signals),
-        Err(code) => code,
+        Err(e) => {
+            log::error!("{e}");
+            crate::error::Failure::exit(&e).code()
+        }
     }
 }
 

@@ -1,6 +1,15 @@
 //! Benchmarks of the real binary against a local mosquitto and the fake backend (the test rig).
 //! Prints named figures with the machine they ran on; judges nothing. Run: `./scripts/bench`.
 
+// Tests may panic: the no-panic lints (Cargo.toml `[lints.clippy]`) are for the node's own code.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

@@ -4,23 +4,24 @@ use std::io::Write;
 
 use crate::cli::{self, Command, Parsed};
 use crate::config::{self, env::EnvLayers, manifest};
+use crate::error::{self, CliError, Exit};
 
-/// Exit codes, documented in the README.
-pub const EXIT_OK: i32 = 0;
-pub const EXIT_RUNTIME: i32 = 1;
-pub const EXIT_USAGE: i32 = 2;
-pub const EXIT_CREDENTIALS: i32 = 3;
+/// Exit codes, documented in the README; chosen in `error.rs`.
+pub const EXIT_OK: i32 = Exit::Ok.code();
+pub const EXIT_RUNTIME: i32 = Exit::Runtime.code();
+pub const EXIT_USAGE: i32 = Exit::Usage.code();
+pub const EXIT_CREDENTIALS: i32 = Exit::Credentials.code();
 
 pub fn run(args: &[String]) -> i32 {
     // The workload supervisor mode (started by the node itself, never by a person).
     if args.first().map(String::as_str) == Some("__shim") {
-        return crate::workload::shim::run(&args[1..]);
+        return crate::workload::shim::run(args.get(1..).unwrap_or_default());
     }
     // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
     if args.first().map(String::as_str) == Some("__print-unit") {
         return match crate::systemd::paths(false) {
             Ok(p) => {
-                print!(
+                crate::out!(
                     "{}",
                     crate::systemd::render_unit(
                         std::path::Path::new("/usr/bin/cyberwave-cloud-node"),
@@ -30,33 +31,33 @@ pub fn run(args: &[String]) -> i32 {
                 );
                 EXIT_OK
             }
-            Err(e) => {
-                eprintln!("error: {e}");
-                EXIT_RUNTIME
-            }
+            Err(e) => error::report(&CliError::Runtime(e.to_string())),
         };
     }
     let inv = match cli::parse(args) {
         Ok(Parsed::Version) => {
-            println!("cyberwave-cloud-node {}", cli::VERSION);
+            crate::outln!("cyberwave-cloud-node {}", cli::VERSION);
             return EXIT_OK;
         }
         Ok(Parsed::Help(text)) => {
-            print!("{text}");
+            crate::out!("{text}");
             return EXIT_OK;
         }
         Ok(Parsed::Run(inv)) => inv,
         Err(e) => {
-            eprintln!("error: {}\n(see: cyberwave-cloud-node --help)", e.0);
-            return EXIT_USAGE;
+            return error::report(&CliError::Usage(format!(
+                "{}\n(see: cyberwave-cloud-node --help)",
+                e.0
+            )))
         }
     };
     init_logging(inv.verbosity);
     let cwd = match std::env::current_dir() {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("error: cannot read the current directory: {e}");
-            return EXIT_RUNTIME;
+            return error::report(&CliError::Runtime(format!(
+                "cannot read the current directory: {e}"
+            )))
         }
     };
     match inv.command {
@@ -66,33 +67,28 @@ pub fn run(args: &[String]) -> i32 {
             } else {
                 crate::systemd::uninstall(inv.user)
             };
-            match result {
-                Ok(()) => EXIT_OK,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    EXIT_RUNTIME
-                }
-            }
+            error::exit_code(result.map_err(|e| CliError::Runtime(e.to_string())))
         }
-        Command::Validate => validate(&inv.flags, &cwd),
-        Command::Emit => crate::emit::run(&inv.emit_kind, &inv.emit),
-        Command::Status => crate::ops::status(inv.json),
-        Command::Logs => crate::ops::logs(&inv.emit_kind, inv.follow, inv.stderr, inv.lines),
-        Command::Drain => crate::ops::drain(true, inv.wait),
-        Command::Resume => crate::ops::drain(false, false),
-        Command::Doctor => crate::ops::doctor(&inv.flags, &cwd),
+        Command::Validate => error::exit_code(validate(&inv.flags, &cwd)),
+        Command::Emit => error::exit_code(crate::emit::run(&inv.emit_kind, &inv.emit)),
+        Command::Status => error::exit_code(crate::ops::status(inv.json)),
+        Command::Logs => error::exit_code(crate::ops::logs(
+            &inv.emit_kind,
+            inv.follow,
+            inv.stderr,
+            inv.lines,
+        )),
+        Command::Drain => error::exit_code(crate::ops::drain(true, inv.wait)),
+        Command::Resume => error::exit_code(crate::ops::drain(false, false)),
+        Command::Doctor => error::exit_code(crate::ops::doctor(&inv.flags, &cwd)),
         Command::Config | Command::Start => {
             let settings = match config::resolve(&inv.flags, EnvLayers::from_process(), &cwd) {
                 Ok(s) => s,
-                Err(e) => {
-                    for line in &e.0 {
-                        eprintln!("error: {line}");
-                    }
-                    return EXIT_USAGE;
-                }
+                Err(e) => return error::report(&CliError::Config(e.0)),
             };
             if inv.command == Command::Config {
-                print_config(&settings, inv.json)
+                print_config(&settings, inv.json);
+                EXIT_OK
             } else {
                 for w in &settings.manifest_warnings {
                     log::warn!("{w}");
@@ -103,29 +99,30 @@ pub fn run(args: &[String]) -> i32 {
     }
 }
 
-fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
+fn validate(flags: &config::Flags, cwd: &std::path::Path) -> Result<(), CliError> {
     let explicit = flags
         .config
         .clone()
         .or_else(|| Some(cwd.join("cyberwave.yml")));
     let (path, text) = match manifest::locate(explicit.as_deref(), cwd) {
         Ok(Some(found)) => found,
-        Ok(None) => unreachable_none(),
+        // `locate` with an explicit path never answers "no manifest": it errors instead.
+        Ok(None) => return Err(CliError::Runtime("internal: no manifest located".into())),
         Err(e) => {
-            println!("error: {e}");
-            return EXIT_RUNTIME;
+            crate::outln!("error: {e}");
+            return Err(CliError::Found);
         }
     };
     let (m, problems) = manifest::parse(&path, &text, flags.lenient);
     for p in &problems {
-        println!("{p}");
+        crate::outln!("{p}");
     }
     let errors = problems.iter().filter(|p| !p.warning).count();
-    let warnings = problems.len() - errors;
+    let warnings = problems.len().saturating_sub(errors);
     match m {
         Some(m) => {
             if m.wrapper.as_deref() == Some(manifest::WRAPPER_LEGACY) {
-                println!(
+                crate::outln!(
                     "{}: note: `cyberwave-cloud-node:` is the legacy wrapper; `cyberwave:` is preferred",
                     path.display()
                 );
@@ -147,24 +144,24 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> i32 {
                         ),
                         None => "shell mode".into(),
                     };
-                    println!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
+                    crate::outln!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
                 }
             }
-            println!(
+            crate::outln!(
                 "{}: OK ({warnings} warning{})",
                 path.display(),
                 if warnings == 1 { "" } else { "s" }
             );
-            EXIT_OK
+            Ok(())
         }
         None => {
-            println!(
+            crate::outln!(
                 "{}: {errors} error{}, {warnings} warning{}",
                 path.display(),
                 plural(errors),
                 plural(warnings)
             );
-            EXIT_RUNTIME
+            Err(CliError::Found)
         }
     }
 }
@@ -177,30 +174,22 @@ fn plural(n: usize) -> &'static str {
     }
 }
 
-/// `locate` with an explicit path never answers "no manifest": it errors instead.
-fn unreachable_none() -> ! {
-    eprintln!("error: internal: no manifest located");
-    std::process::exit(EXIT_RUNTIME)
-}
-
-fn print_config(settings: &config::Settings, json: bool) -> i32 {
+fn print_config(settings: &config::Settings, json: bool) {
     let rows = settings.rows();
-    let mut out = std::io::stdout().lock();
     if json {
         let obj: serde_json::Map<String, serde_json::Value> = rows
             .into_iter()
             .map(|(k, v, s)| (k.to_string(), serde_json::json!({"value": v, "source": s})))
             .collect();
-        let _ = writeln!(out, "{}", serde_json::Value::Object(obj));
+        crate::outln!("{}", serde_json::Value::Object(obj));
     } else {
         for (k, v, s) in rows {
-            let _ = writeln!(out, "{k:<26} {v:<40} ({s})");
+            crate::outln!("{k:<26} {v:<40} ({s})");
         }
         for w in &settings.manifest_warnings {
-            let _ = writeln!(out, "{w}");
+            crate::outln!("{w}");
         }
     }
-    EXIT_OK
 }
 
 fn init_logging(verbosity: u8) {

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 
-use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::control::{self, CallError};
+use crate::error::EmitError;
 use crate::outbox::{self, Item};
 
 pub const FLAGS: &[&str] = &[
@@ -58,62 +58,52 @@ pub fn fields(kind: &str, flags: &BTreeMap<String, String>) -> Result<Map<String
     Ok(f)
 }
 
-pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
-    let f = match fields(kind, flags).and_then(|f| crate::ingress::build(&f).map(|ev| (f, ev))) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
-    let (fields, event) = f;
+pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError> {
+    let (fields, event) = fields(kind, flags)
+        .and_then(|f| crate::ingress::build(&f).map(|ev| (f, ev)))
+        .map_err(EmitError::Invalid)?;
     let Some(token) = std::env::var("CYBERWAVE_NODE_EVENT_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
     else {
-        eprintln!("error: CYBERWAVE_NODE_EVENT_TOKEN is not set: emit runs inside a workload started by the node");
-        return EXIT_USAGE;
+        return Err(EmitError::Invalid("CYBERWAVE_NODE_EVENT_TOKEN is not set: emit runs inside a workload started by the node".into()));
     };
     let socket = std::env::var_os("CYBERWAVE_NODE_SOCKET")
         .map(PathBuf::from)
         .unwrap_or_else(|| state_dir().join("control.sock"));
     let print_ok = |execution: &str| {
         if kind == "started" {
-            println!("{execution}");
+            crate::outln!("{execution}");
         }
-        EXIT_OK
+        Ok(())
     };
     match control::call(
         &socket,
         &json!({"op": "emit", "token": token, "fields": fields}),
         Duration::from_secs(30),
     ) {
-        Ok(reply) if reply["ok"] == true => {
-            print_ok(reply["execution_uuid"].as_str().unwrap_or(&event.execution))
-        }
+        Ok(reply) if reply.get("ok") == Some(&json!(true)) => print_ok(
+            reply
+                .get("execution_uuid")
+                .and_then(|v| v.as_str())
+                .unwrap_or(&event.execution),
+        ),
         Ok(reply) => {
-            eprintln!(
-                "error: {}",
-                reply["error"]
-                    .as_str()
-                    .unwrap_or("the node refused the event")
-            );
-            if reply["refused"] == true {
-                EXIT_CREDENTIALS
+            let why = reply
+                .get("error")
+                .and_then(|v| v.as_str())
+                .unwrap_or("the node refused the event")
+                .to_string();
+            Err(if reply.get("refused") == Some(&json!(true)) {
+                EmitError::Refused(why)
             } else {
-                EXIT_USAGE
-            }
+                EmitError::Invalid(why)
+            })
         }
         Err(CallError::NotRunning) => {
             // The node is down: check the token against the workload records and queue directly.
             let state = socket.parent().map(PathBuf::from).unwrap_or_else(state_dir);
-            match authorised(&state, &token, &event.workflow) {
-                Ok(()) => {}
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return EXIT_CREDENTIALS;
-                }
-            }
+            authorised(&state, &token, &event.workflow).map_err(EmitError::Refused)?;
             let item = Item {
                 topic: event.topic.clone(),
                 body: event.body.clone(),
@@ -125,18 +115,14 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> i32 {
             };
             match outbox::write_item(&state.join("ingress"), &item) {
                 Ok(_) => print_ok(&event.execution),
-                Err(e) => {
-                    eprintln!(
-                        "error: cannot queue the event in {}: {e}",
-                        state.join("ingress").display()
-                    );
-                    EXIT_RUNTIME
-                }
+                Err(e) => Err(EmitError::Failed(format!(
+                    "cannot queue the event in {}: {e}",
+                    state.join("ingress").display()
+                ))),
             }
         }
         Err(CallError::Failed(e)) => {
-            eprintln!("error: the node did not answer: {e}");
-            EXIT_RUNTIME
+            Err(EmitError::Failed(format!("the node did not answer: {e}")))
         }
     }
 }

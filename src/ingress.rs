@@ -206,22 +206,25 @@ pub fn normalise_time(v: &Value) -> Result<String, String> {
     if !secs.is_finite() || !(0.0..=253_402_300_799.0).contains(&secs) {
         return Err(format!("{secs} is not a usable time"));
     }
-    Ok(crate::util::rfc3339(
-        std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(secs),
-    ))
+    let t = std::time::UNIX_EPOCH
+        .checked_add(std::time::Duration::from_secs_f64(secs))
+        .ok_or_else(|| format!("{secs} is not a usable time"))?;
+    Ok(crate::util::rfc3339(t))
 }
 
 /// `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)` → seconds since the epoch.
+// Every number is at most 4 characters long (|n| ≤ 9999): the sums stay far inside i64.
+#[allow(clippy::arithmetic_side_effects)]
 pub fn parse_rfc3339(s: &str) -> Result<f64, String> {
     let bad =
         || format!("{s:?} is not an RFC 3339 time (e.g. 2026-11-29T15:48:12Z) or epoch seconds");
     let b = s.as_bytes();
     if b.len() < 20
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || !(b[10] == b'T' || b[10] == b't' || b[10] == b' ')
-        || b[13] != b':'
-        || b[16] != b':'
+        || b.get(4) != Some(&b'-')
+        || b.get(7) != Some(&b'-')
+        || !matches!(b.get(10), Some(b'T' | b't' | b' '))
+        || b.get(13) != Some(&b':')
+        || b.get(16) != Some(&b':')
     {
         return Err(bad());
     }
@@ -238,7 +241,7 @@ pub fn parse_rfc3339(s: &str) -> Result<f64, String> {
     if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
         return Err(bad());
     }
-    let mut rest = &s[19..];
+    let mut rest = s.get(19..).ok_or_else(bad)?;
     let mut frac = 0.0;
     if let Some(r) = rest.strip_prefix('.') {
         let digits: String = r.chars().take_while(char::is_ascii_digit).collect();
@@ -246,13 +249,16 @@ pub fn parse_rfc3339(s: &str) -> Result<f64, String> {
             return Err(bad());
         }
         frac = format!("0.{digits}").parse::<f64>().map_err(|_| bad())?;
-        rest = &r[digits.len()..];
+        rest = r.get(digits.len()..).ok_or_else(bad)?;
     }
     let offset = match rest {
         "Z" | "z" => 0,
-        o if o.len() == 6 && (o.starts_with('+') || o.starts_with('-')) && &o[3..4] == ":" => {
-            let hh: i64 = o[1..3].parse().map_err(|_| bad())?;
-            let mm: i64 = o[4..6].parse().map_err(|_| bad())?;
+        o if o.len() == 6
+            && (o.starts_with('+') || o.starts_with('-'))
+            && o.get(3..4) == Some(":") =>
+        {
+            let hh: i64 = o.get(1..3).ok_or_else(bad)?.parse().map_err(|_| bad())?;
+            let mm: i64 = o.get(4..6).ok_or_else(bad)?.parse().map_err(|_| bad())?;
             let sign = if o.starts_with('-') { -1 } else { 1 };
             sign * (hh * 3600 + mm * 60)
         }
@@ -262,6 +268,8 @@ pub fn parse_rfc3339(s: &str) -> Result<f64, String> {
     Ok((days * 86_400 + h * 3600 + mi * 60 + se - offset) as f64 + frac)
 }
 
+// Called with a 4-character year, month 1..=12 and day 1..=31: no step can overflow.
+#[allow(clippy::arithmetic_side_effects)]
 fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
@@ -364,5 +372,19 @@ mod tests {
         );
         assert!(parse_rfc3339("2000-13-01T00:00:00Z").is_err());
         assert!(parse_rfc3339("2000-03-01").is_err());
+    }
+
+    #[test]
+    fn rfc3339_with_multibyte_text_is_an_error_not_a_panic() {
+        for s in [
+            "2026-11-30T15:48:12+0é00",
+            "2026-11-30T15:48:12+é:00",
+            "2026-11-30T15:48:1éZ",
+            "2026-11-30T15:48:12.é",
+            "ééééééééééééééééééééé",
+            "2026-11-30T15:48:12é",
+        ] {
+            assert!(parse_rfc3339(s).is_err(), "{s}");
+        }
     }
 }

@@ -48,7 +48,7 @@ impl Ledger {
         let cutoff = now() - MAX_AGE_SECS;
         list.retain(|e| e.at >= cutoff);
         if list.len() > MAX_ENTRIES {
-            list.drain(..list.len() - MAX_ENTRIES);
+            list.drain(..list.len().saturating_sub(MAX_ENTRIES));
         }
         let mut ledger = Ledger {
             path,
@@ -107,12 +107,12 @@ impl Ledger {
             );
         }
         self.entries.insert(e.rid.clone(), e);
-        self.lines += 1;
+        self.lines = self.lines.saturating_add(1);
         if self.lines > 2 * MAX_ENTRIES {
             let mut list: Vec<Entry> = self.entries.values().cloned().collect();
             list.sort_by(|a, b| a.at.total_cmp(&b.at));
             if list.len() > MAX_ENTRIES {
-                let drop = list.len() - MAX_ENTRIES;
+                let drop = list.len().saturating_sub(MAX_ENTRIES);
                 for e in list.drain(..drop) {
                     self.entries.remove(&e.rid);
                 }

@@ -322,17 +322,12 @@ impl Mqtt {
 pub fn redact_topic(topic: &str) -> String {
     match topic.find("cloud-node-token/") {
         Some(i) => {
-            let start = i + "cloud-node-token/".len();
-            let end = topic[start..]
-                .find('/')
-                .map(|e| start + e)
-                .unwrap_or(topic.len());
-            format!(
-                "{}{}{}",
-                &topic[..start],
-                crate::util::mask_secret(&topic[start..end]),
-                &topic[end..]
-            )
+            let (head, rest) = topic
+                .split_at_checked(i.saturating_add("cloud-node-token/".len()))
+                .unwrap_or((topic, ""));
+            let end = rest.find('/').unwrap_or(rest.len());
+            let (token, tail) = rest.split_at_checked(end).unwrap_or((rest, ""));
+            format!("{head}{}{tail}", crate::util::mask_secret(token))
         }
         None => topic.to_string(),
     }
@@ -405,6 +400,19 @@ mod tests {
         assert_eq!(
             redact_topic("cyberwave/cloud-node/u/heartbeat"),
             "cyberwave/cloud-node/u/heartbeat"
+        );
+    }
+
+    #[test]
+    fn redacting_odd_topics_never_panics() {
+        assert_eq!(redact_topic("cloud-node-token/"), "cloud-node-token/…");
+        assert_eq!(
+            redact_topic("x/cloud-node-token/éééééééééééééé"),
+            "x/cloud-node-token/…éééé"
+        );
+        assert_eq!(
+            redact_topic("cloud-node-token//cloud-node-token/"),
+            "cloud-node-token/…/cloud-node-token/"
         );
     }
 

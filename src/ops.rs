@@ -2,21 +2,21 @@
 //! the node runs: a running node answers on its control socket; otherwise the state dir says
 //! what it knows.
 
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::app::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::config::{self, env::EnvLayers, Flags};
 use crate::control::{self, CallError};
+use crate::error::CliError;
 use crate::workload::{self, procinfo, Meta};
 
-fn state_dir() -> Result<PathBuf, String> {
+fn state_dir() -> Result<PathBuf, CliError> {
     config::config_dir(&EnvLayers::from_process())
         .map(|s| s.value)
-        .map_err(|e| e.to_string())
+        .map_err(|e| CliError::Usage(e.to_string()))
 }
 
 fn ask(state: &Path, op: &str) -> Result<Value, CallError> {
@@ -25,6 +25,11 @@ fn ask(state: &Path, op: &str) -> Result<Value, CallError> {
         &json!({"op": op}),
         Duration::from_secs(10),
     )
+}
+
+/// `v[key]` without the panic of `Index` (null when absent).
+fn field<'a>(v: &'a Value, key: &str) -> &'a Value {
+    v.get(key).unwrap_or(&Value::Null)
 }
 
 fn count_files(dir: &Path) -> usize {
@@ -56,8 +61,8 @@ fn offline_status(state: &Path) -> Value {
     let now = workload::unix_now();
     json!({
         "running": false,
-        "instance_uuid": identity["uuid"],
-        "slug": identity["slug"],
+        "instance_uuid": field(&identity, "uuid"),
+        "slug": field(&identity, "slug"),
         "state_dir": state,
         "workloads": metas(state).iter().map(|m| {
             let alive = m.started.as_ref().is_some_and(|s| procinfo::same_process_alive(s.pid, s.start_ticks));
@@ -77,126 +82,127 @@ fn offline_status(state: &Path) -> Value {
     })
 }
 
-pub fn status(json_out: bool) -> i32 {
-    let state = match state_dir() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+pub fn status(json_out: bool) -> Result<(), CliError> {
+    let state = state_dir()?;
     let mut st = match ask(&state, "status") {
-        Ok(r) if r["ok"] == true => r["status"].clone(),
+        Ok(r) if field(&r, "ok") == true => field(&r, "status").clone(),
         _ => offline_status(&state),
     };
-    st["state_dir"] = json!(state);
+    match st.as_object_mut() {
+        Some(o) => {
+            o.insert("state_dir".into(), json!(state));
+        }
+        None => st = json!({ "state_dir": state }),
+    }
     if json_out {
-        println!("{st}");
-        return EXIT_OK;
+        crate::outln!("{st}");
+        return Ok(());
     }
     let s = |v: &Value| v.as_str().map(String::from).unwrap_or_else(|| "-".into());
-    if st["running"] == true {
-        println!(
+    if field(&st, "running") == true {
+        crate::outln!(
             "node:       running (pid {}), broker {} ({}), {}",
-            st["pid"],
-            s(&st["broker"]),
-            if st["connected"] == true {
+            field(&st, "pid"),
+            s(field(&st, "broker")),
+            if field(&st, "connected") == true {
                 "connected"
             } else {
                 "disconnected"
             },
-            if st["registered"] == true {
+            if field(&st, "registered") == true {
                 "registered"
             } else {
                 "not registered yet"
             }
         );
     } else {
-        println!("node:       not running (state from {})", state.display());
+        crate::outln!("node:       not running (state from {})", state.display());
     }
-    println!(
+    crate::outln!(
         "instance:   {} (slug {}){}",
-        s(&st["instance_uuid"]),
-        s(&st["slug"]),
-        st["environment_uuid"]
+        s(field(&st, "instance_uuid")),
+        s(field(&st, "slug")),
+        field(&st, "environment_uuid")
             .as_str()
             .map(|e| format!(", reserved for environment {e}"))
             .unwrap_or_default()
     );
-    if st["running"] == true {
-        println!(
+    if field(&st, "running") == true {
+        crate::outln!(
             "heartbeat:  last acknowledged {}",
-            s(&st["last_heartbeat_ok"])
+            s(field(&st, "last_heartbeat_ok"))
         );
-        println!(
+        crate::outln!(
             "accepting:  {}",
-            if st["accepting"] == true {
+            if field(&st, "accepting") == true {
                 "yes"
-            } else if st["draining"] == true {
+            } else if field(&st, "draining") == true {
                 "no (draining)"
             } else {
                 "no"
             }
         );
     }
-    println!(
+    crate::outln!(
         "outbox:     {} completion(s), {} workflow event(s) waiting for acknowledgement",
-        st["outbox"], st["ingress_queue"]
+        field(&st, "outbox"),
+        field(&st, "ingress_queue")
     );
-    let wl = st["workloads"].as_array().cloned().unwrap_or_default();
-    println!("workloads:  {}", wl.len());
+    let wl = field(&st, "workloads")
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    crate::outln!("workloads:  {}", wl.len());
     for w in wl {
-        println!(
+        crate::outln!(
             "  pid {:<8} {:<10} {:<24} {:>6}s  request {}",
-            w["pid"],
-            s(&w["type"]),
-            s(&w["state"]),
-            w["running_for_seconds"],
-            crate::protocol::messages::request_id_text(&w["request_id"])
+            field(&w, "pid"),
+            s(field(&w, "type")),
+            s(field(&w, "state")),
+            field(&w, "running_for_seconds"),
+            crate::protocol::messages::request_id_text(field(&w, "request_id"))
         );
-        println!("    logs: {}  {}", s(&w["stdout_log"]), s(&w["stderr_log"]));
+        crate::outln!(
+            "    logs: {}  {}",
+            s(field(&w, "stdout_log")),
+            s(field(&w, "stderr_log"))
+        );
     }
-    EXIT_OK
+    Ok(())
 }
 
-pub fn drain(on: bool, wait: bool) -> i32 {
-    let state = match state_dir() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+pub fn drain(on: bool, wait: bool) -> Result<(), CliError> {
+    let state = state_dir()?;
     match ask(&state, if on { "drain" } else { "resume" }) {
-        Ok(r) if r["ok"] == true => {
-            println!(
+        Ok(r) if field(&r, "ok") == true => {
+            crate::outln!(
                 "{} ({} workload(s) running)",
                 if on {
                     "draining"
                 } else {
                     "accepting workloads again"
                 },
-                r["active_workloads"]
+                field(&r, "active_workloads")
             );
         }
         Ok(r) => {
-            eprintln!("error: {}", r["error"].as_str().unwrap_or("refused"));
-            return EXIT_RUNTIME;
+            return Err(CliError::Runtime(
+                field(&r, "error").as_str().unwrap_or("refused").to_string(),
+            ));
         }
         Err(_) => {
-            eprintln!(
-                "error: no node is running with state dir {} (nothing to {})",
+            return Err(CliError::Runtime(format!(
+                "no node is running with state dir {} (nothing to {})",
                 state.display(),
                 if on { "drain" } else { "resume" }
-            );
-            return EXIT_RUNTIME;
+            )));
         }
     }
     if on && wait {
         loop {
             match ask(&state, "status") {
                 Ok(r)
-                    if r["status"]["workloads"]
+                    if field(field(&r, "status"), "workloads")
                         .as_array()
                         .is_some_and(Vec::is_empty) =>
                 {
@@ -206,9 +212,9 @@ pub fn drain(on: bool, wait: bool) -> i32 {
                 Err(_) => break, // the node stopped: nothing runs under it any more
             }
         }
-        println!("idle: no workload running");
+        crate::outln!("idle: no workload running");
     }
-    EXIT_OK
+    Ok(())
 }
 
 /// The log file of a workload named by request id or pid.
@@ -247,24 +253,16 @@ fn find_log(state: &Path, id: &str, stderr: bool) -> Option<(PathBuf, Option<Str
         .map(|p| (p, None))
 }
 
-pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
-    let state = match state_dir() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Result<(), CliError> {
+    let state = state_dir()?;
     let Some((path, tracked)) = find_log(&state, id, stderr) else {
-        eprintln!(
-            "error: no workload with request id or pid {id:?} in {}",
+        return Err(CliError::Runtime(format!(
+            "no workload with request id or pid {id:?} in {}",
             state.display()
-        );
-        return EXIT_RUNTIME;
+        )));
     };
     let Ok(mut f) = std::fs::File::open(&path) else {
-        eprintln!("error: cannot open {}", path.display());
-        return EXIT_RUNTIME;
+        return Err(CliError::Runtime(format!("cannot open {}", path.display())));
     };
     let mut text = Vec::new();
     let _ = f.read_to_end(&mut text);
@@ -279,7 +277,7 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
                 .filter(|(_, b)| **b == b'\n')
                 .take(n)
             {
-                cut = i + 1;
+                cut = i.saturating_add(1);
             }
             if body.iter().filter(|b| **b == b'\n').count() < n {
                 0
@@ -289,11 +287,9 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
         }
         None => 0,
     };
-    let mut out = std::io::stdout().lock();
-    let _ = out.write_all(&text[start..]);
-    let _ = out.flush();
+    crate::out::stdout_bytes(text.get(start..).unwrap_or_default());
     if !follow {
-        return EXIT_OK;
+        return Ok(());
     }
     let mut pos = text.len() as u64;
     let dir = tracked.map(|t| state.join("workloads").join(t));
@@ -302,26 +298,25 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> i32 {
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         if len > pos && f.seek(SeekFrom::Start(pos)).is_ok() {
             let mut buf = Vec::new();
-            let _ = (&mut f).take(len - pos).read_to_end(&mut buf);
-            pos += buf.len() as u64;
-            let _ = out.write_all(&buf);
-            let _ = out.flush();
+            let _ = (&mut f).take(len.saturating_sub(pos)).read_to_end(&mut buf);
+            pos = pos.saturating_add(buf.len() as u64);
+            crate::out::stdout_bytes(&buf);
         }
         if ended {
-            return EXIT_OK;
+            return Ok(());
         }
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
 /// `doctor`: one line per check; exit 1 on any FAIL.
-pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
-    let mut fails = 0;
+pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
+    let mut fails = 0u32;
     let mut line = |level: &str, what: &str, detail: String| {
         if level == "FAIL" {
-            fails += 1;
+            fails = fails.saturating_add(1);
         }
-        println!("{level:<4}  {what:<22} {detail}");
+        crate::outln!("{level:<4}  {what:<22} {detail}");
     };
     let settings = match config::resolve(flags, EnvLayers::from_process(), cwd) {
         Ok(s) => {
@@ -344,8 +339,8 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
                     e.0.join("; ")
                 ),
             );
-            println!("\n{fails} check(s) failed");
-            return EXIT_RUNTIME;
+            crate::outln!("\n{fails} check(s) failed");
+            return Err(CliError::Found);
         }
     };
     if settings.standalone {
@@ -562,9 +557,9 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
         ),
     }
     if fails > 0 {
-        println!("\n{fails} check(s) failed");
-        EXIT_RUNTIME
+        crate::outln!("\n{fails} check(s) failed");
+        Err(CliError::Found)
     } else {
-        EXIT_OK
+        Ok(())
     }
 }

@@ -124,7 +124,7 @@ impl Outbox {
             {
                 Some(item) => {
                     self.slots.insert(seq, Slot::new(item));
-                    self.next_seq = self.next_seq.max(seq + 1);
+                    self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 }
                 None => {
                     let aside = entry.path().with_extension("corrupt");
@@ -270,7 +270,9 @@ impl Outbox {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = None;
             let secs = 2f64.powi(s.attempts.min(6) as i32).min(60.0);
-            s.next_try = now + Duration::from_secs_f64(secs);
+            s.next_try = now
+                .checked_add(Duration::from_secs_f64(secs))
+                .unwrap_or(now);
         }
     }
 

@@ -53,6 +53,16 @@ impl StateDirError {
     }
 }
 
+impl From<StateDirError> for crate::error::StartupError {
+    fn from(e: StateDirError) -> Self {
+        if e.exit_code() == 2 {
+            crate::error::StartupError::Config(e.to_string())
+        } else {
+            crate::error::StartupError::Runtime(e.to_string())
+        }
+    }
+}
+
 impl fmt::Display for StateDirError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

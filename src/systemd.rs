@@ -89,13 +89,13 @@ fn systemctl(user: bool, args: &[&str]) {
         cmd.arg("--user");
     }
     match cmd.args(args).status() {
-        Ok(s) if s.success() => println!(
+        Ok(s) if s.success() => crate::outln!(
             "systemctl {}{}: ok",
             if user { "--user " } else { "" },
             args.join(" ")
         ),
-        Ok(s) => println!("systemctl {}: {s}", args.join(" ")),
-        Err(e) => println!("systemctl {}: not run ({e})", args.join(" ")),
+        Ok(s) => crate::outln!("systemctl {}: {s}", args.join(" ")),
+        Err(e) => crate::outln!("systemctl {}: not run ({e})", args.join(" ")),
     }
 }
 
@@ -120,15 +120,15 @@ pub fn install(user: bool) -> Result<(), String> {
     }
     crate::store::write_atomic(&p.unit, render_unit(&exe, &p, user).as_bytes(), 0o644)
         .map_err(|e| format!("cannot write {}: {e}", p.unit.display()))?;
-    println!("wrote {}", p.unit.display());
+    crate::outln!("wrote {}", p.unit.display());
     if p.env_file.exists() {
         std::fs::set_permissions(&p.env_file, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| format!("cannot chmod {}: {e}", p.env_file.display()))?;
-        println!("kept {} (mode 0600)", p.env_file.display());
+        crate::outln!("kept {} (mode 0600)", p.env_file.display());
     } else {
         crate::store::write_atomic(&p.env_file, ENV_TEMPLATE.as_bytes(), 0o600)
             .map_err(|e| format!("cannot write {}: {e}", p.env_file.display()))?;
-        println!(
+        crate::outln!(
             "wrote {} (mode 0600): put your CYBERWAVE_API_KEY and CYBERWAVE_MANIFEST there",
             p.env_file.display()
         );
@@ -136,15 +136,15 @@ pub fn install(user: bool) -> Result<(), String> {
     if have_systemd() {
         systemctl(user, &["daemon-reload"]);
         systemctl(user, &["enable", UNIT_NAME]);
-        println!(
+        crate::outln!(
             "start it with: systemctl {}start {UNIT_NAME}",
             if user { "--user " } else { "" }
         );
     } else {
-        println!("systemd is not running here: the unit was written but not enabled");
+        crate::outln!("systemd is not running here: the unit was written but not enabled");
     }
     if user {
-        println!("to keep it running while you are logged out: loginctl enable-linger $USER");
+        crate::outln!("to keep it running while you are logged out: loginctl enable-linger $USER");
     }
     Ok(())
 }
@@ -156,16 +156,16 @@ pub fn uninstall(user: bool) -> Result<(), String> {
         systemctl(user, &["disable", "--now", UNIT_NAME]);
     }
     match std::fs::remove_file(&p.unit) {
-        Ok(()) => println!("removed {}", p.unit.display()),
+        Ok(()) => crate::outln!("removed {}", p.unit.display()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            println!("{} was not installed", p.unit.display())
+            crate::outln!("{} was not installed", p.unit.display())
         }
         Err(e) => return Err(format!("cannot remove {}: {e}", p.unit.display())),
     }
     if have_systemd() {
         systemctl(user, &["daemon-reload"]);
     }
-    println!(
+    crate::outln!(
         "kept {} and {} (remove them by hand if you want)",
         p.env_file.display(),
         p.state_dir.display()

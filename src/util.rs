@@ -1,7 +1,33 @@
 //! Small helpers with no better home: randomness, time formatting, secret masking, backoff.
 
 use std::io::Read;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The longest span the node ever waits for: timers further out are clamped to it.
+const CENTURY: Duration = Duration::from_secs(3_155_760_000);
+
+/// Seconds (from a command, the environment or a manifest) as a `Duration`, without the panic
+/// of `Duration::from_secs_f64`: NaN and negatives are zero, anything beyond a century is a
+/// century.
+pub fn secs_f64(s: f64) -> Duration {
+    if s.is_nan() || s <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(s).map_or(CENTURY, |d| d.min(CENTURY))
+}
+
+/// `now + d` without the overflow panic of `Instant + Duration` (`d` is clamped to a century,
+/// which the monotonic clock always holds).
+pub fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d.min(CENTURY)).unwrap_or(now)
+}
+
+/// `v[key] = x` on a JSON object the node builds, without `IndexMut`'s panic on a non-object.
+pub fn set(v: &mut serde_json::Value, key: &str, x: serde_json::Value) {
+    if let Some(o) = v.as_object_mut() {
+        o.insert(key.to_string(), x);
+    }
+}
 
 /// `n` bytes from the kernel's CSPRNG. Falls back to a time-and-pid mix if /dev/urandom is
 /// unreadable (never on Linux in practice), so ids stay unique even then.
@@ -55,7 +81,7 @@ pub fn mask_secret(secret: &str) -> String {
     if chars.len() < 12 {
         return format!("{prefix}…");
     }
-    let tail: String = chars[chars.len() - 4..].iter().collect();
+    let tail: String = chars.iter().skip(chars.len().saturating_sub(4)).collect();
     format!("{prefix}…{tail}")
 }
 
@@ -75,6 +101,8 @@ pub fn rfc3339(t: SystemTime) -> String {
 }
 
 /// Days since 1970-01-01 → (year, month, day), Howard Hinnant's algorithm.
+// `z` comes from a u64 of seconds / 86 400 (|z| < 2.2e14): every step stays far inside i64.
+#[allow(clippy::arithmetic_side_effects)]
 fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);
@@ -103,6 +131,8 @@ pub fn backoff_full_jitter(attempt: u32, base: Duration, cap: Duration) -> Durat
 
 /// SHA-256 of `data` (FIPS 180-4), for the token-derived MQTT username. Hand-written: it runs
 /// once per start on a few bytes, and the crate list has no digest crate.
+// Fixed-size arrays indexed by the constant loop bounds of the standard (0..64, 16..64).
+#[allow(clippy::indexing_slicing, clippy::arithmetic_side_effects)]
 pub fn sha256(data: &[u8]) -> [u8; 32] {
     const K: [u32; 64] = [
         0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
@@ -218,6 +248,29 @@ mod tests {
             rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
             "2000-02-29T00:00:00.000000Z"
         );
+    }
+
+    #[test]
+    fn seconds_and_deadlines_saturate_instead_of_panicking() {
+        assert_eq!(secs_f64(1.5), Duration::from_millis(1500));
+        for bad in [f64::NAN, -1.0, f64::NEG_INFINITY, 0.0, -0.0] {
+            assert_eq!(secs_f64(bad), Duration::ZERO, "{bad}");
+        }
+        for huge in [1e19, f64::INFINITY, f64::MAX] {
+            assert_eq!(secs_f64(huge), CENTURY, "{huge}");
+        }
+        let now = Instant::now();
+        assert_eq!(later(now, Duration::MAX), now + CENTURY);
+        assert_eq!(
+            later(now, Duration::from_secs(2)),
+            now + Duration::from_secs(2)
+        );
+        let mut v = serde_json::json!({"a": 1});
+        set(&mut v, "b", serde_json::json!(2));
+        assert_eq!(v, serde_json::json!({"a": 1, "b": 2}));
+        let mut n = serde_json::json!(5);
+        set(&mut n, "b", serde_json::json!(2));
+        assert_eq!(n, serde_json::json!(5));
     }
 
     #[test]

@@ -91,7 +91,7 @@ pub fn parse_dotenv(
 ) -> Result<BTreeMap<String, String>, (usize, String)> {
     let mut out = BTreeMap::new();
     for (i, raw) in text.lines().enumerate() {
-        let line_no = i + 1;
+        let line_no = i.saturating_add(1);
         let line = raw.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
@@ -166,20 +166,21 @@ fn expand(
     let mut out = String::new();
     let mut rest = v;
     while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        match rest[start + 2..].find('}') {
-            Some(end) => {
-                let name = &rest[start + 2..start + 2 + end];
+        let (before, from) = rest.split_at_checked(start).unwrap_or((rest, ""));
+        out.push_str(before);
+        // `${` is two ASCII bytes, so `from.get(2..)` is on a char boundary.
+        match from.get(2..).unwrap_or("").split_once('}') {
+            Some((name, after)) => {
                 let val = local
                     .get(name)
                     .cloned()
                     .or_else(|| lookup(name))
                     .unwrap_or_default();
                 out.push_str(&val);
-                rest = &rest[start + 3 + end..];
+                rest = after;
             }
             None => {
-                out.push_str(&rest[start..]);
+                out.push_str(from);
                 rest = "";
             }
         }
@@ -221,6 +222,15 @@ mod tests {
         assert_eq!(m["D"], "x\ny 1");
         assert_eq!(m["E"], "/home/u/d");
         assert_eq!(m["F"], "");
+    }
+
+    #[test]
+    fn expands_odd_references_without_panicking() {
+        let m = parse("A=${\nB=${}x\nC=é${HOME}é${A\nD=${${HOME}}\n");
+        assert_eq!(m["A"], "${");
+        assert_eq!(m["B"], "x");
+        assert_eq!(m["C"], "é/home/ué${A");
+        assert_eq!(m["D"], "}");
     }
 
     #[test]

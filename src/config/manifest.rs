@@ -955,6 +955,8 @@ fn closest(key: &str, node_only: bool) -> Option<&'static str> {
         .map(|(n, _)| n)
 }
 
+// `prev` and `cur` hold b.len() + 1 entries and j < b.len(); a distance is at most a.len() + b.len().
+#[allow(clippy::indexing_slicing, clippy::arithmetic_side_effects)]
 fn edit_distance(a: &str, b: &str) -> usize {
     if a.chars().count() > 64 {
         return usize::MAX; // no hint for absurd keys (and no quadratic work)
@@ -1240,5 +1242,19 @@ mod tests {
         );
         assert!(locate(Some(&dir.join("nope/x.yml")), &dir).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn front_matter_keeps_line_numbers_and_needs_two_fences() {
+        assert_eq!(
+            front_matter("# T\n---\na: 1\nb: 2\n---\nrest\n").as_deref(),
+            Some("\n\na: 1\nb: 2")
+        );
+        assert_eq!(front_matter("---\n---").as_deref(), Some("\n"));
+        assert_eq!(front_matter("---\na: 1\n"), None);
+        assert_eq!(front_matter("---"), None);
+        assert_eq!(front_matter(""), None);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("éa", "a"), 1);
     }
 }

@@ -537,7 +537,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         None => parse_env(var, expected, errors, parse)
             .unwrap_or_else(|| sourced(default, Source::Default)),
     };
-    let secs = |n: Sourced<f64>| sourced(Duration::from_secs_f64(n.value), n.source);
+    let secs = |n: Sourced<f64>| sourced(crate::util::secs_f64(n.value), n.source);
     let heartbeat_interval = secs(number(
         m.heartbeat_interval,
         "heartbeat_interval",
@@ -720,7 +720,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         &mut errors,
         &pos_secs,
     )
-    .map(|s| sourced(Duration::from_secs_f64(s.value), s.source))
+    .map(|s| sourced(crate::util::secs_f64(s.value), s.source))
     .unwrap_or_else(|| sourced(Duration::from_secs(3), Source::Default));
 
     let whole0 = |s: &str| s.parse::<u64>().ok().map(|n| n as f64);
@@ -783,7 +783,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
                 &mut errors,
                 &pos_secs,
             ) {
-                *slot = Duration::from_secs_f64(s.value);
+                *slot = crate::util::secs_f64(s.value);
             }
         };
         knob(

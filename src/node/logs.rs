@@ -23,6 +23,11 @@ pub const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
 
+/// `stream_name(i)` without a panic (a stream index is 0 or 1).
+fn stream_name(i: usize) -> &'static str {
+    STREAM_NAMES.get(i).copied().unwrap_or("stdout")
+}
+
 #[derive(Debug, Default)]
 pub struct Stream {
     /// Bytes the backend acknowledged (persisted in cursor.json).
@@ -122,7 +127,9 @@ impl Node {
             }
         }
         if interval_due {
-            self.next_stream_pass = now + self.s.log_stream_interval.value;
+            self.next_stream_pass = now
+                .checked_add(self.s.log_stream_interval.value)
+                .unwrap_or(now);
         }
     }
 
@@ -151,7 +158,9 @@ impl Node {
         let meta_rid = a.meta.request_id.clone();
         let meta_wl = a.meta.workload_uuid.clone();
         let i = chunk.key.stream;
-        let s = &mut a.streams[i];
+        let Some(s) = a.streams.get_mut(i) else {
+            return;
+        };
         s.reading = false;
         if let Some(result) = chunk.cut {
             match result {
@@ -161,11 +170,11 @@ impl Node {
                         "{} {}: {} log over max_log_bytes ({}); dropped its oldest {cut} bytes ({unsent} never shipped)",
                         a.meta.kind,
                         crate::logtext::shown(&a.meta.request_id_text()),
-                        STREAM_NAMES[i],
+                        stream_name(i),
                         self.s.max_log_bytes.value
                     );
-                    s.base += cut;
-                    s.dropped_unsent += unsent;
+                    s.base = s.base.saturating_add(cut);
+                    s.dropped_unsent = s.dropped_unsent.saturating_add(unsent);
                     s.acked = s.acked.saturating_sub(cut);
                     s.mirrored = s.mirrored.saturating_sub(cut);
                 }
@@ -218,18 +227,23 @@ impl Node {
         }
         let mut body = json!({
             "instance_uuid": uuid,
-            "log_type": STREAM_NAMES[i],
+            "log_type": stream_name(i),
             "log_content": log_content(&data),
             "workload_request_id": meta_rid,
-            "offset": chunk.offset + s.base,
+            "offset": chunk.offset.saturating_add(s.base),
             "length": data.len(),
         });
-        if s.dropped_unsent > 0 {
-            // The max_log_bytes cap cut these bytes before they were shipped.
-            body["dropped"] = json!(std::mem::take(&mut s.dropped_unsent));
-        }
-        if let Some(wl) = meta_wl {
-            body["workload_uuid"] = json!(wl);
+        if let Some(o) = body.as_object_mut() {
+            if s.dropped_unsent > 0 {
+                // The max_log_bytes cap cut these bytes before they were shipped.
+                o.insert(
+                    "dropped".into(),
+                    json!(std::mem::take(&mut s.dropped_unsent)),
+                );
+            }
+            if let Some(wl) = meta_wl {
+                o.insert("workload_uuid".into(), json!(wl));
+            }
         }
         s.inflight = Some((chunk.offset, data.len() as u64));
         s.budget = s.budget.saturating_sub(data.len() as u64);
@@ -248,7 +262,9 @@ impl Node {
         let Some(a) = self.active.get_mut(&key.safe_id) else {
             return;
         };
-        let s = &mut a.streams[key.stream];
+        let Some(s) = a.streams.get_mut(key.stream) else {
+            return;
+        };
         let Some((offset, len)) = s.inflight.take() else {
             return;
         };
@@ -256,8 +272,8 @@ impl Node {
             return; // sent again from the acknowledged cursor at the next pass
         }
         if offset == s.acked {
-            s.acked = offset + len;
-            self.metrics.log_bytes += len;
+            s.acked = offset.saturating_add(len);
+            self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(len);
             let cursor = Cursor {
                 stdout: a.streams[0].acked,
                 stderr: a.streams[1].acked,
@@ -304,7 +320,7 @@ impl Node {
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| !s.drained)
-                .map(|(i, _)| STREAM_NAMES[i].to_string())
+                .map(|(i, _)| stream_name(i).to_string())
                 .collect();
             if !left.is_empty() {
                 log::warn!(

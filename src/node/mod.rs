@@ -57,7 +57,10 @@ impl Clock for SystemClock {
 pub fn run(settings: Settings) -> i32 {
     match startup::prepare(settings) {
         Ok((node, signals)) => node.run(signals),
-        Err(code) => code,
+        Err(e) => {
+            log::error!("{e}");
+            crate::error::Failure::exit(&e).code()
+        }
     }
 }
 
@@ -222,7 +225,7 @@ impl Node {
 
     /// The earliest moment something is due.
     fn next_wake(&self, now: Instant) -> Instant {
-        let mut t = now + TICK;
+        let mut t = util::later(now, TICK);
         if let Conn::Disconnected { next_attempt, .. } = self.conn {
             t = t.min(next_attempt);
         }
@@ -271,7 +274,7 @@ impl Node {
         log::debug!(
             "connecting to {} (attempt {})",
             self.mqtt.endpoint(),
-            attempt + 1
+            attempt.saturating_add(1)
         );
         self.conn = Conn::Connecting { attempt };
         self.mqtt.start_connect();
@@ -297,7 +300,7 @@ impl Node {
                 }
                 self.conn = Conn::Connected;
                 if self.connected_once {
-                    self.metrics.reconnects += 1;
+                    self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
                 }
                 self.connected_once = true;
                 // Renew every subscription on every connect: harmless when the broker kept the
@@ -382,8 +385,8 @@ impl Node {
             delay.as_secs_f64()
         );
         self.conn = Conn::Disconnected {
-            next_attempt: self.clock.now() + delay,
-            attempt: attempt + 1,
+            next_attempt: util::later(self.clock.now(), delay),
+            attempt: attempt.saturating_add(1),
         };
     }
 
@@ -398,7 +401,7 @@ impl Node {
             corr.clone(),
             Pending {
                 op,
-                deadline: self.clock.now() + timeout,
+                deadline: util::later(self.clock.now(), timeout),
             },
         );
         corr
@@ -451,13 +454,13 @@ impl Node {
     fn send_registration_step(&mut self, attempt: u32, create: bool) {
         let mut body = json!({"profile_slug": self.s.profile_slug.value});
         if let Some(e) = &self.s.environment_uuid {
-            body["environment_uuid"] = json!(e.value);
+            util::set(&mut body, "environment_uuid", json!(e.value));
         }
         if create {
-            body["provider"] = json!("self-hosted");
-            body["visibility"] = json!("private");
+            util::set(&mut body, "provider", json!("self-hosted"));
+            util::set(&mut body, "visibility", json!("private"));
             if let Some(slug) = &self.s.slug_hint {
-                body["slug"] = json!(slug.value);
+                util::set(&mut body, "slug", json!(slug.value));
             }
             log::info!("registering: asking the backend for a new instance (R1)");
             let topic = self.topics.request_instance(&self.token);
@@ -506,8 +509,8 @@ impl Node {
             delay.as_secs_f64()
         );
         self.reg = Registration::Needed {
-            next_try: self.clock.now() + delay,
-            attempt: attempt + 1,
+            next_try: util::later(self.clock.now(), delay),
+            attempt: attempt.saturating_add(1),
             create,
         };
     }
@@ -525,7 +528,7 @@ impl Node {
             (true, Some(uuid)) => {
                 let mut req = json!({"profile_slug": self.s.profile_slug.value});
                 if let Some(e) = &self.s.environment_uuid {
-                    req["environment_uuid"] = json!(e.value);
+                    util::set(&mut req, "environment_uuid", json!(e.value));
                 }
                 self.send_register(attempt, uuid, slug, req);
             }
@@ -653,8 +656,8 @@ impl Node {
                 .as_ref()
                 .map(|e| format!(", reserved for environment {}", e.value))
                 .unwrap_or_default(),
-            self.command_topics[0],
-            self.command_topics[1]
+            self.command_topics.first().map_or("", String::as_str),
+            self.command_topics.get(1).map_or("", String::as_str)
         );
     }
 
@@ -664,9 +667,9 @@ impl Node {
         // Self-heal runs beside the heartbeat, never in front of it.
         self.start_heal_pass();
         let interval = self.s.heartbeat_interval.value;
-        self.hb.next_due = Some(self.clock.now() + interval);
+        self.hb.next_due = Some(util::later(self.clock.now(), interval));
         if self.conn != Conn::Connected {
-            self.hb.failures += 1;
+            self.hb.failures = self.hb.failures.saturating_add(1);
             log::debug!("heartbeat skipped: not connected");
             return;
         }
@@ -680,7 +683,7 @@ impl Node {
         });
         let mut body = body;
         if let Some(h) = self.hardware() {
-            body["hardware"] = h;
+            util::set(&mut body, "hardware", h);
         }
         let topic = self.topics.heartbeat(self.uuid());
         self.request(Op::Heartbeat, &topic, body, self.s.tuning.heartbeat_timeout);
@@ -703,7 +706,7 @@ impl Node {
                 crate::systemd::notify("WATCHDOG=1");
             }
             Some(b) if code(&b) == Some(401) => {
-                self.hb.auth_failures += 1;
+                self.hb.auth_failures = self.hb.auth_failures.saturating_add(1);
                 let n = self.hb.auth_failures;
                 if n >= MAX_AUTH_FAILURES {
                     log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
@@ -713,10 +716,10 @@ impl Node {
                     .s
                     .tuning
                     .auth_retry_base
-                    .mul_f64(2f64.powi(n as i32 - 1))
+                    .saturating_mul(2u32.saturating_pow(n.saturating_sub(1)))
                     .min(AUTH_RETRY_CAP);
                 log::warn!("heartbeat rejected: authentication failed ({n}/{MAX_AUTH_FAILURES}); retrying in {:.1}s", delay.as_secs_f64());
-                self.hb.next_due = Some(self.clock.now() + delay);
+                self.hb.next_due = Some(util::later(self.clock.now(), delay));
             }
             Some(b)
                 if code(&b) == Some(404)
@@ -747,13 +750,13 @@ impl Node {
                 };
             }
             other => {
-                self.hb.failures += 1;
-                self.metrics.heartbeat_failures += 1;
+                self.hb.failures = self.hb.failures.saturating_add(1);
+                self.metrics.heartbeat_failures = self.metrics.heartbeat_failures.saturating_add(1);
                 let why = match &other {
                     Some(b) => format!("refused: {}", message(b)),
                     None => "no reply in time".to_string(),
                 };
-                let threshold = (120 / interval.as_secs().max(1)).max(1) as u32;
+                let threshold = 120u64.checked_div(interval.as_secs()).unwrap_or(120).max(1) as u32;
                 if self.hb.failures >= threshold {
                     log::error!("heartbeat failed {} times in a row ({}); the backend may reap this instance", self.hb.failures, crate::logtext::shown(&why));
                 } else {
@@ -969,7 +972,7 @@ impl Node {
             ));
         }
         let deadline = if waiting_for.is_some() {
-            now + self.s.tuning.shutdown_flush
+            util::later(now, self.s.tuning.shutdown_flush)
         } else {
             now
         };
@@ -1028,7 +1031,7 @@ impl Node {
         if now >= self.next_rescan {
             // Events `emit` queued by itself while the node was unreachable.
             self.ingress.rescan();
-            self.next_rescan = now + Duration::from_secs(2);
+            self.next_rescan = util::later(now, Duration::from_secs(2));
         }
         self.send_ingress();
         self.check_drain_after_one(now);
@@ -1037,7 +1040,7 @@ impl Node {
         if self.s.standalone && self.conn == Conn::Connected && now >= self.next_watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");
-            self.next_watchdog = now + Duration::from_secs(10);
+            self.next_watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
         if now >= self.next_stream_pass {

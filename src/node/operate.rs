@@ -74,8 +74,13 @@ pub fn prune(
     keep: &std::collections::BTreeSet<std::path::PathBuf>,
     days: u64,
 ) -> usize {
-    let cutoff = std::time::SystemTime::now() - Duration::from_secs(days.saturating_mul(86_400));
-    let mut removed = 0;
+    // A retention longer than the clock reaches back: nothing is old enough.
+    let Some(cutoff) =
+        std::time::SystemTime::now().checked_sub(Duration::from_secs(days.saturating_mul(86_400)))
+    else {
+        return 0;
+    };
+    let mut removed = 0usize;
     for dir in dirs {
         let Ok(rd) = std::fs::read_dir(dir) else {
             continue;
@@ -87,7 +92,7 @@ pub fn prune(
             };
             let old = md.modified().map(|m| m < cutoff).unwrap_or(false);
             if md.is_file() && old && !keep.contains(&path) && std::fs::remove_file(&path).is_ok() {
-                removed += 1;
+                removed = removed.saturating_add(1);
             }
         }
     }
@@ -192,7 +197,8 @@ impl Node {
             return;
         }
         let since = *self.idle_since.get_or_insert(now);
-        if self.outbox.is_empty() || now - since > Duration::from_secs(10) {
+        if self.outbox.is_empty() || now.saturating_duration_since(since) > Duration::from_secs(10)
+        {
             self.begin_shutdown(
                 crate::app::EXIT_OK,
                 "--drain-after-one: the workload completed",
@@ -201,19 +207,21 @@ impl Node {
     }
 
     pub(super) fn count_rejection(&mut self, reason: &str) {
-        *self
+        let n = self
             .metrics
             .rejections
             .entry(reason.to_string())
-            .or_default() += 1;
+            .or_default();
+        *n = n.saturating_add(1);
     }
 
     pub(super) fn count_completion(&mut self, outcome: &str) {
-        *self
+        let n = self
             .metrics
             .completions
             .entry(outcome.to_string())
-            .or_default() += 1;
+            .or_default();
+        *n = n.saturating_add(1);
     }
 
     /// Opt-in coarse hardware facts for the heartbeat: no process lists, users, paths,
@@ -253,7 +261,7 @@ impl Node {
         if days == 0 || now < self.next_prune {
             return;
         }
-        self.next_prune = now + Duration::from_secs(3600);
+        self.next_prune = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
         let keep: std::collections::BTreeSet<std::path::PathBuf> = self
             .active
             .values()
@@ -281,7 +289,7 @@ impl Node {
         if now < self.next_metrics {
             return;
         }
-        self.next_metrics = now + Duration::from_secs(5);
+        self.next_metrics = now.checked_add(Duration::from_secs(5)).unwrap_or(now);
         let m = &self.metrics;
         let mut t = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
@@ -298,7 +306,8 @@ impl Node {
             .map(|s| (*s, 0))
             .collect();
         for a in self.active.values() {
-            *states.entry(a.state()).or_default() += 1;
+            let n = states.entry(a.state()).or_default();
+            *n = n.saturating_add(1);
         }
         metric(
             "workloads",
@@ -351,7 +360,7 @@ impl Node {
             "Completions and events waiting for acknowledgement.",
             vec![(
                 String::new(),
-                (self.outbox.len() + self.ingress.len()) as u64,
+                self.outbox.len().saturating_add(self.ingress.len()) as u64,
             )],
         );
         metric(
@@ -369,5 +378,20 @@ impl Node {
         if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
             log::warn!("cannot write the metrics file {}: {e}", path.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_retention_beyond_the_clock_prunes_nothing_and_does_not_panic() {
+        let dir = std::env::temp_dir().join(format!("cw-prune-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("old.log"), "x").unwrap();
+        let keep = std::collections::BTreeSet::new();
+        assert_eq!(super::prune(std::slice::from_ref(&dir), &keep, u64::MAX), 0);
+        assert_eq!(super::prune(std::slice::from_ref(&dir), &keep, 1 << 40), 0);
+        assert!(dir.join("old.log").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -112,7 +112,12 @@ impl Node {
         if !self.start_heal_pass() {
             return false;
         }
-        let until = self.clock.now() + CHECK_TIMEOUT + STALE_GRACE + Duration::from_secs(1);
+        let until = crate::util::later(
+            self.clock.now(),
+            CHECK_TIMEOUT
+                .saturating_add(STALE_GRACE)
+                .saturating_add(Duration::from_secs(1)),
+        );
         log::info!(
             "node busy: checking with the backend for stale workloads before answering {}",
             crate::logtext::shown(&crate::protocol::messages::request_id_text(request_id))

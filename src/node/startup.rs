@@ -13,10 +13,10 @@ use std::time::Instant;
 use crossbeam_channel::{unbounded, Receiver};
 
 use super::{Conn, Heartbeat, Node, Registration, SystemClock};
-use crate::app::{EXIT_CREDENTIALS, EXIT_RUNTIME, EXIT_USAGE};
 use crate::backend::{self, Backend, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
+use crate::error::StartupError;
 use crate::ledger::Ledger;
 use crate::mqtt::{self, Mqtt, MqttOptions};
 use crate::outbox::Outbox;
@@ -32,17 +32,14 @@ use crate::{store, util};
 /// (workloads get their own credentials explicitly).
 pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 
-pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
+pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let started = Instant::now();
     let dir = &s.config_dir.value;
     // D30: the dir is ours and private, and no other node runs on it; checked before anything
     // is written there. The lock lives as long as the process (the node is never dropped).
     match crate::statedir::check_or_create(dir).and_then(|()| crate::statedir::lock(dir)) {
         Ok(lock) => std::mem::forget(lock),
-        Err(e) => {
-            log::error!("{e}");
-            return Err(e.exit_code());
-        }
+        Err(e) => return Err(e.into()),
     }
     log::info!(
         "cyberwave-cloud-node {} starting: state dir {}, manifest {}",
@@ -55,21 +52,19 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     );
     let (sig_tx, sig_rx) = unbounded();
     if let Err(e) = signals::spawn(sig_tx) {
-        log::error!("cannot start the signal thread: {e}");
-        return Err(EXIT_RUNTIME);
+        return Err(StartupError::Runtime(format!(
+            "cannot start the signal thread: {e}"
+        )));
     }
 
     let token = match (&s.api_token, s.standalone) {
         (Some(t), _) => t.value.clone(),
         (None, true) => String::new(),
         (None, false) => {
-            log::error!(
-                "no API token: set CYBERWAVE_API_KEY (environment, {}, or {}) or log in with `cyberwave login` ({})",
+            return Err(StartupError::Config(format!("no API token: set CYBERWAVE_API_KEY (environment, {}, or {}) or log in with `cyberwave login` ({})",
                 s.working_dir.join(".env").display(),
                 dir.join(".env").display(),
-                dir.join("credentials.json").display()
-            );
-            return Err(EXIT_USAGE);
+                dir.join("credentials.json").display())));
         }
     };
 
@@ -93,11 +88,10 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
                 s.base_url.value
             ),
             TokenCheck::Rejected(status) => {
-                log::error!(
+                return Err(StartupError::Credentials(format!(
                     "the backend rejected the API token {} (HTTP {status}); it came from {src}. Fix or replace it there (e.g. `cyberwave login`).",
                     util::mask_secret(&token)
-                );
-                return Err(EXIT_CREDENTIALS);
+                )));
             }
             TokenCheck::Inconclusive(why) => {
                 log::warn!("could not validate the API token at start-up ({why}); continuing")
@@ -109,23 +103,23 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     let client_id = match client_id(&s.node_id_path()) {
         Ok(id) => id,
         Err(e) => {
-            log::error!("cannot read or create {}: {e}", s.node_id_path().display());
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(format!(
+                "cannot read or create {}: {e}",
+                s.node_id_path().display()
+            )));
         }
     };
     let opts = match mqtt_options(&s, client_id.clone(), s.tuning.session_expiry) {
         Ok(o) => o,
         Err(e) => {
-            log::error!("{e}");
-            return Err(EXIT_USAGE);
+            return Err(StartupError::Config(e));
         }
     };
     let (tx, rx) = unbounded();
     let mqtt = match Mqtt::new(opts, tx) {
         Ok(m) => m,
         Err(e) => {
-            log::error!("{e}");
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(e));
         }
     };
     log::info!("MQTT client {client_id} → {}", mqtt.endpoint());
@@ -158,26 +152,27 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
         // at the same path.
         Ok(p) => PathBuf::from(p.to_string_lossy().trim_end_matches(" (deleted)")),
         Err(e) => {
-            log::error!("cannot find this program's path (needed to supervise workloads): {e}");
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(format!(
+                "cannot find this program's path (needed to supervise workloads): {e}"
+            )));
         }
     };
     let outbox = match Outbox::load(dir.join("outbox")) {
         Ok(o) => o,
         Err(e) => {
-            log::error!(
+            return Err(StartupError::Runtime(format!(
                 "cannot open the outbox in {}: {e}",
                 dir.join("outbox").display()
-            );
-            return Err(EXIT_RUNTIME);
+            )));
         }
     };
     let (chunk_tx, chunks) = unbounded();
     let tailer = match Tailer::start(chunk_tx) {
         Ok(t) => t,
         Err(e) => {
-            log::error!("cannot start the tailer thread: {e}");
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(format!(
+                "cannot start the tailer thread: {e}"
+            )));
         }
     };
     let (done_tx, worker_done) = unbounded();
@@ -185,34 +180,34 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     let workers = match Workers::start(backend, done_tx) {
         Ok(w) => w,
         Err(e) => {
-            log::error!("cannot start the HTTP worker threads: {e}");
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(format!(
+                "cannot start the HTTP worker threads: {e}"
+            )));
         }
     };
     let ingress = match Outbox::load(dir.join("ingress")) {
         Ok(o) => o,
         Err(e) => {
-            log::error!(
+            return Err(StartupError::Runtime(format!(
                 "cannot open the ingress queue in {}: {e}",
                 dir.join("ingress").display()
-            );
-            return Err(EXIT_RUNTIME);
+            )));
         }
     };
     let (acks_tx, acked) = match super::ingress::start_ack_thread() {
         Ok(pair) => pair,
         Err(e) => {
-            log::error!("cannot start the acknowledgement thread: {e}");
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(format!(
+                "cannot start the acknowledgement thread: {e}"
+            )));
         }
     };
     let (control_tx, control) = unbounded();
     if let Err(e) = crate::control::serve(&dir.join("control.sock"), control_tx) {
-        log::error!(
+        return Err(StartupError::Runtime(format!(
             "cannot open the control socket {}: {e}",
             dir.join("control.sock").display()
-        );
-        return Err(EXIT_RUNTIME);
+        )));
     }
     // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
     let gpus = if s.hardware_telemetry {
@@ -224,8 +219,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     let reaper = match Reaper::start(reaped_tx) {
         Ok(r) => r,
         Err(e) => {
-            log::error!("cannot start the reaper thread: {e}");
-            return Err(EXIT_RUNTIME);
+            return Err(StartupError::Runtime(format!(
+                "cannot start the reaper thread: {e}"
+            )));
         }
     };
     let now = Instant::now();

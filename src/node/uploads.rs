@@ -175,7 +175,9 @@ impl Node {
                 let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
                     return;
                 };
-                let filename = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
+                let Some(filename) = u.files.get(u.idx).map(|f| f.0.clone()) else {
+                    return;
+                };
                 self.workers.submit(Job::SignedUrl {
                     key: id.to_string(),
                     wl,

@@ -246,7 +246,7 @@ impl Node {
                     self.workload_status(wl, body);
                 }
                 self.report_started(&meta);
-                self.metrics.starts += 1;
+                self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.one_started = true;
                     self.set_draining(true, "--drain-after-one");
@@ -356,7 +356,7 @@ impl Node {
         match self.cancel_workload(&safe_id, sig, sig_name, grace, false) {
             Ok(message) => {
                 let Some(a) = self.active.get(&safe_id) else {
-                    return self.reply_error(request_id, "No active workload found");
+                    return self.reply_ok(request_id, json!({"message": message}));
                 };
                 let out = json!({
                     "message": message,
@@ -512,7 +512,7 @@ impl Node {
         a.ending = Some(Ending {
             exit,
             lost,
-            drain_deadline: now + DRAIN_LIMIT,
+            drain_deadline: crate::util::later(now, DRAIN_LIMIT),
         });
         self.pump_streams(false);
     }
@@ -567,7 +567,7 @@ impl Node {
                 let success = code == Some(0) && lost.is_none() && !timed_out;
                 let mut body = json!({"status": "completed", "success": success});
                 if let Some(c) = code {
-                    body["exit_code"] = json!(c);
+                    crate::util::set(&mut body, "exit_code", json!(c));
                 }
                 if !success {
                     let fallback = match (exit.as_ref().and_then(|e| e.signal), code) {
@@ -588,9 +588,9 @@ impl Node {
                     if timed_out {
                         error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
                     }
-                    body["error"] = json!(error);
+                    crate::util::set(&mut body, "error", json!(error));
                     if let Some(s) = stderr {
-                        body["stderr"] = json!(s);
+                        crate::util::set(&mut body, "stderr", json!(s));
                     }
                 }
                 self.report_finished(
@@ -803,7 +803,7 @@ impl Node {
             if let Some(exit) = a.exited.clone() {
                 if now >= a.next_check {
                     if let Some(a) = self.active.get_mut(&id) {
-                        a.next_check = now + ADOPTED_CHECK;
+                        a.next_check = crate::util::later(now, ADOPTED_CHECK);
                     }
                     if let Some(a) = self.active.get(&id) {
                         if provable_group(&a.meta).is_none() {
@@ -817,7 +817,7 @@ impl Node {
             // Adopted workloads: their exit record tells the end.
             if !a.child && now >= a.next_check {
                 if let Some(a) = self.active.get_mut(&id) {
-                    a.next_check = now + ADOPTED_CHECK;
+                    a.next_check = crate::util::later(now, ADOPTED_CHECK);
                 }
                 self.check_adopted(&id);
             }

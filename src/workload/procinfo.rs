@@ -12,7 +12,7 @@ pub fn boot_id() -> String {
 fn stat(pid: i32) -> Option<(char, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    let rest = &text[text.rfind(')')? + 1..];
+    let rest = text.rsplit_once(')')?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let state = fields.first()?.chars().next()?;
     let start = fields.get(19)?.parse().ok()?; // field 22 overall
@@ -76,7 +76,7 @@ pub fn group_alive(pgid: i32) -> bool {
         return false;
     }
     // SAFETY: signal 0 only checks for existence and permission.
-    let rc = unsafe { libc::kill(-pgid, 0) };
+    let rc = unsafe { libc::kill(pgid.saturating_neg(), 0) };
     rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
@@ -88,7 +88,7 @@ pub fn signal_group(pgid: i32, sig: i32) -> std::io::Result<()> {
         ));
     }
     // SAFETY: kill with a negative pid targets exactly that group.
-    if unsafe { libc::kill(-pgid, sig) } == 0 {
+    if unsafe { libc::kill(pgid.saturating_neg(), sig) } == 0 {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())

@@ -52,7 +52,7 @@ impl Exit {
     pub fn code(&self) -> i32 {
         match (self.exit_code, self.signal) {
             (Some(c), _) => c,
-            (None, Some(s)) => -s,
+            (None, Some(s)) => s.saturating_neg(),
             (None, None) => -1,
         }
     }
@@ -151,7 +151,10 @@ fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
 /// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
 pub fn run(args: &[String]) -> i32 {
     let Some(a) = ShimArgs::parse(args) else {
-        println!("error: usage: __shim DIR CWD STDOUT STDERR SHELL COMMAND");
+        let _ = writeln!(
+            std::io::stdout(),
+            "error: usage: __shim DIR CWD STDOUT STDERR SHELL COMMAND"
+        );
         return 2;
     };
     // SAFETY: setsid has no memory-safety preconditions.
@@ -164,7 +167,7 @@ pub fn run(args: &[String]) -> i32 {
     let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
-            println!("error: cannot open the log files: {e}");
+            let _ = writeln!(std::io::stdout(), "error: cannot open the log files: {e}");
             return 1;
         }
     };
@@ -190,7 +193,8 @@ pub fn run(args: &[String]) -> i32 {
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
-            println!(
+            let _ = writeln!(
+                std::io::stdout(),
                 "error: cannot start {} in {}: {e}",
                 a.shell,
                 a.cwd.display()

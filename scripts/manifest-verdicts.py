@@ -69,6 +69,12 @@ def main():
                 "lenient": verdict(p, True),
             }
     (CORPUS / "verdicts.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    # The verdicts depend on these (e.g. PyYAML 6.0.4 changed which `<<` mapping wins).
+    from importlib.metadata import version
+
+    (CORPUS / "verdicts.versions").write_text(
+        "".join(f"{p} {version(p)}\n" for p in ("cyberwave", "pyyaml", "pydantic"))
+    )
     print(f"{len(out)} manifests -> {CORPUS / 'verdicts.json'}")
 
 

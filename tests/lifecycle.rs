@@ -425,3 +425,88 @@ fn guarantee_3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns
         .count();
     assert_eq!(n, 1);
 }
+
+/// The file names workload `wl` reported as uploaded (R10).
+fn uploaded(cp: &ControlPlane, wl: &str) -> Vec<String> {
+    cp.requests("workload:upload-results")
+        .iter()
+        .filter(|r| r.id == wl)
+        .flat_map(|r| {
+            r.body["filenames"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|v| v.as_str().map(String::from))
+        })
+        .collect()
+}
+
+#[test]
+fn guarantee_10_concurrent_workloads_upload_only_their_own_results() {
+    let (_b, cp, setup, node) = node_with(
+        "cyberwave:\n  training: |\n    id=$CYBERWAVE_REQUEST_ID\n    echo \"result of $id\" > \"$CYBERWAVE_RESULTS_DIR/$id.txt\"\n    mkdir -p out && echo loose > \"out/loose-$id.txt\"\n    while [ ! -f \"release-$id\" ]; do sleep 0.05; done\n  results_folder: out\ncloud_node:\n  max_concurrent_workloads: 2\n",
+        &[],
+    );
+    for id in ["ra", "rb"] {
+        let r = command(
+            &cp,
+            &node,
+            json!({"command": "training", "request_id": id, "params": {"workload_uuid": format!("wl-{id}")}}),
+        );
+        assert_eq!(r["status"], "ok", "{r}");
+    }
+    let own_b = setup.cwd.join("out/rb/rb.txt");
+    assert!(
+        crate::support::wait_for(REPLY, || (own_b.exists()
+            && setup.cwd.join("out/ra/ra.txt").exists())
+        .then_some(()))
+        .is_some(),
+        "each workload writes into its own CYBERWAVE_RESULTS_DIR"
+    );
+    std::fs::write(setup.cwd.join("release-ra"), "").unwrap();
+    let done = completion(&cp, "wl-ra");
+    assert_eq!(done["success"], true, "{done}");
+    assert_eq!(
+        uploaded(&cp, "wl-ra"),
+        vec!["ra.txt"],
+        "A uploads its own file only"
+    );
+    assert!(own_b.exists(), "B's result is untouched while B runs");
+    assert!(
+        setup.cwd.join("out/loose-ra.txt").exists(),
+        "loose files belong to nobody with capacity 2"
+    );
+    assert!(
+        node.wait_log("belong to no workload", REPLY),
+        "{}",
+        node.log()
+    );
+    std::fs::write(setup.cwd.join("release-rb"), "").unwrap();
+    completion(&cp, "wl-rb");
+    assert_eq!(uploaded(&cp, "wl-rb"), vec!["rb.txt"]);
+    assert!(
+        cp.uploads().values().any(|v| v == b"result of rb\n"),
+        "B's bytes arrived"
+    );
+    assert!(
+        !setup.cwd.join("out/rb").exists(),
+        "B's folder is cleaned after its upload"
+    );
+}
+
+#[test]
+fn guarantee_10_results_over_max_result_bytes_are_skipped_by_name() {
+    let (_b, cp, _setup, node) = node_with(
+        "cyberwave:\n  training: |\n    head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/big.bin\"\n    printf small > \"$CYBERWAVE_RESULTS_DIR/small.txt\"\n  results_folder: out\ncloud_node:\n  max_result_bytes: 10\n",
+        &[],
+    );
+    command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "mx", "params": {"workload_uuid": "wl-mx"}}),
+    );
+    completion(&cp, "wl-mx");
+    assert_eq!(uploaded(&cp, "wl-mx"), vec!["small.txt"]);
+    assert!(node.wait_log("big.bin skipped", REPLY), "{}", node.log());
+}

@@ -189,6 +189,8 @@ pub struct Node {
     /// Workloads whose completion could not be written to disk: their record is removed once
     /// the backend acknowledged it (outbox sequence → safe id).
     retire_on_ack: HashMap<u64, String>,
+    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
+    loose_results_warned: bool,
 }
 
 impl Node {

@@ -282,6 +282,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         next_prune: now,
         disk_errors: crate::logtext::Throttle::default(),
         retire_on_ack: std::collections::HashMap::new(),
+        loose_results_warned: false,
         s,
     };
     let mut node = node;

@@ -59,7 +59,105 @@ pub fn collect(root: &Path) -> Vec<(String, PathBuf)> {
     out
 }
 
+/// At most this many bytes of results per workload unless `max_result_bytes` says otherwise (D24).
+pub const DEFAULT_MAX_RESULT_BYTES: u64 = 10 * 1024 * 1024 * 1024;
+
+/// Keeps files in order while their sizes add up to at most `max` bytes; the names of the files
+/// that did not fit are returned beside them.
+fn within_budget(files: Vec<(String, PathBuf)>, max: u64) -> (Vec<(String, PathBuf)>, Vec<String>) {
+    let mut total = 0u64;
+    let mut kept = Vec::new();
+    let mut skipped = Vec::new();
+    for (name, path) in files {
+        let size = std::fs::symlink_metadata(&path).map_or(0, |m| m.len());
+        match total.checked_add(size).filter(|t| *t <= max) {
+            Some(t) => {
+                total = t;
+                kept.push((name, path));
+            }
+            None => skipped.push(name),
+        }
+    }
+    (kept, skipped)
+}
+
+/// Removes `dir` and the empty folders below it; anything still holding a file stays.
+fn remove_empty_dirs(dir: &Path) {
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_empty_dirs(&e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
 impl Node {
+    /// D24: the workload's own results folder, `<results_folder>/<safe-id>/`, created empty
+    /// when result uploads are on (None otherwise, or when it cannot be created).
+    pub(super) fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
+        if !self.s.upload_results.value || self.s.standalone {
+            return None;
+        }
+        let dir = self.s.results_folder.value.join(safe_id);
+        match std::fs::create_dir_all(&dir) {
+            Ok(()) => Some(dir),
+            Err(e) => {
+                log::warn!(
+                    "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
+                    dir.display()
+                );
+                None
+            }
+        }
+    }
+
+    /// The result files of workload `id` (D24): everything in its own folder, and with capacity
+    /// 1 also what was written straight into `results_folder` (outside other workloads' own
+    /// folders). With capacity > 1 files straight in `results_folder` belong to nobody: never
+    /// uploaded or deleted, and the node says so once.
+    fn result_files(&mut self, id: &str) -> Vec<(String, PathBuf)> {
+        let root = self.s.results_folder.value.clone();
+        let mut files = collect(&root.join(id));
+        let others: Vec<PathBuf> = self
+            .active
+            .keys()
+            .filter(|k| k.as_str() != id)
+            .map(|k| root.join(k))
+            .collect();
+        let loose: Vec<(String, PathBuf)> = collect(&root)
+            .into_iter()
+            .filter(|(_, p)| {
+                !p.starts_with(root.join(id)) && !others.iter().any(|o| p.starts_with(o))
+            })
+            .collect();
+        if self.s.max_concurrent_workloads.value <= 1 {
+            files.extend(loose);
+        } else if !loose.is_empty() && !self.loose_results_warned {
+            self.loose_results_warned = true;
+            log::warn!(
+                "{} file(s) sit straight in the results folder {}: with max_concurrent_workloads > 1 they belong to no workload and are not uploaded; a workload writes its results into $CYBERWAVE_RESULTS_DIR",
+                loose.len(),
+                root.display()
+            );
+        }
+        let max = self
+            .s
+            .manifest
+            .as_ref()
+            .and_then(|m| m.max_result_bytes)
+            .unwrap_or(DEFAULT_MAX_RESULT_BYTES);
+        let (kept, skipped) = within_budget(files, max);
+        for name in skipped {
+            log::warn!(
+                "result file {} skipped: the workload's results exceed max_result_bytes ({max} bytes)",
+                crate::logtext::shown(&name)
+            );
+        }
+        kept
+    }
+
     /// Starts the uploads of a finished workload; false when there is nothing to upload.
     pub(super) fn begin_uploads(&mut self, id: &str, exit: Option<Exit>) -> bool {
         let Some(a) = self.active.get(id) else {
@@ -75,17 +173,20 @@ impl Node {
         {
             return false;
         }
-        let files = collect(&self.s.results_folder.value);
+        let files = self.result_files(id);
         if files.is_empty() {
+            remove_empty_dirs(&self.s.results_folder.value.join(id));
             return false;
         }
-        log::info!(
-            "{} {}: uploading {} result file(s) from {}",
-            a.meta.kind,
-            crate::logtext::shown(&a.meta.request_id_text()),
-            files.len(),
-            self.s.results_folder.value.display()
-        );
+        if let Some(a) = self.active.get(id) {
+            log::info!(
+                "{} {}: uploading {} result file(s) from {}",
+                a.meta.kind,
+                crate::logtext::shown(&a.meta.request_id_text()),
+                files.len(),
+                self.s.results_folder.value.display()
+            );
+        }
         let count = files.len();
         if let Some(a) = self.active.get_mut(id) {
             a.upload = Some(Upload {
@@ -325,6 +426,7 @@ impl Node {
             u.done.len(),
             u.files.len()
         );
+        remove_empty_dirs(&self.s.results_folder.value.join(id));
         self.complete(id, u.exit, None);
     }
 

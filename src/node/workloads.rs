@@ -225,6 +225,7 @@ impl Node {
             max_runtime_s,
             workflow: ctx.clone(),
             socket: self.layout.state.join("control.sock"),
+            results_dir: self.results_dir_for(&safe_id),
         };
         let t0 = Instant::now();
         match workload::start(&self.s, &self.layout, &self.exe, req) {

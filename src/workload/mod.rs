@@ -164,6 +164,8 @@ pub struct StartRequest<'a> {
     pub workflow: Option<WorkflowCtx>,
     /// The node's control socket, for `emit`.
     pub socket: PathBuf,
+    /// This workload's own results folder (D24), when result uploads are on.
+    pub results_dir: Option<PathBuf>,
 }
 
 /// Environment variables that hold the node's own secrets or identity; never passed on as they
@@ -338,6 +340,9 @@ fn start_in(
         meta.request_id_text().replace('\0', "\u{FFFD}"),
     );
     env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.to_string());
+    if let Some(d) = &req.results_dir {
+        env.insert("CYBERWAVE_RESULTS_DIR".into(), d.display().to_string());
+    }
     env.insert(
         "CYBERWAVE_INPUTS_DIR".into(),
         layout.inputs().display().to_string(),

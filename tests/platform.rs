@@ -69,7 +69,7 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
     }
     setup.write(
         "cyberwave.yml",
-        "cyberwave:\n  training: cp -r src out\n  results_folder: out\n",
+        "cyberwave:\n  training: cp -r src/. out/\n  results_folder: out\n",
     );
     let node = setup.spawn();
     node.wait_ready(READY);

@@ -16,6 +16,9 @@ pub enum MqttEvent {
     Connect(Result<bool, String>),
     /// The connection dropped.
     Lost(String),
+    /// The broker handed this client's session to another client with the same client id
+    /// (MQTT v5 reason 0x8E): two nodes share one identity (D33).
+    TakenOver,
     /// The broker answered a confirmed subscribe (SUBACK), or it failed.
     Subscribed(Result<(), String>),
     Message {
@@ -150,9 +153,11 @@ impl Mqtt {
         });
         let t = tx.clone();
         client.set_disconnected_callback(move |_, _, reason| {
-            let _ = t.send(MqttEvent::Lost(format!(
-                "the broker disconnected the node: {reason}"
-            )));
+            let _ = t.send(if reason == paho::ReasonCode::SessionTakenOver {
+                MqttEvent::TakenOver
+            } else {
+                MqttEvent::Lost(format!("the broker disconnected the node: {reason}"))
+            });
         });
         Ok(Mqtt {
             client,

@@ -380,6 +380,33 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
             },
         }
     }
+    // D33: a running node records when another client took its broker session over.
+    let marker = settings
+        .config_dir
+        .value
+        .join(crate::node::CLIENT_ID_CONFLICT);
+    let recent = std::fs::metadata(&marker)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_some_and(|age| age <= Duration::from_secs(600));
+    if recent {
+        line(
+            "FAIL",
+            "MQTT client id",
+            format!(
+                "another client took this node's broker session over (at {}): a copy of {} runs elsewhere with the same node_id; stop the copy, delete node_id and instance_identity.json in its state dir, start it again",
+                std::fs::read_to_string(&marker).unwrap_or_default().trim(),
+                settings.config_dir.value.display()
+            ),
+        );
+    } else {
+        line(
+            "PASS",
+            "MQTT client id",
+            "no other client took this node's session in the last 10 minutes".into(),
+        );
+    }
     // A real CONNECT with the node's settings (its own client id, so a running node is not disturbed).
     let client_id = format!(
         "cloud_node_dr{}",

@@ -69,3 +69,49 @@ fn guarantee_12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
     let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o700);
 }
+
+#[test]
+fn guarantee_11_a_copied_state_dir_is_named_as_a_duplicate_client_id_and_doctor_fails() {
+    let (broker, cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let first = setup.spawn();
+    first.wait_ready(READY);
+    let copy = crate::support::node::NodeSetup::new(&broker, &cp);
+    copy.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
+    let dir = copy.config_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::copy(setup.config_dir().join("node_id"), dir.join("node_id")).unwrap();
+    let second = copy.spawn();
+    let said = crate::support::wait_for(Duration::from_secs(20), || {
+        [&first, &second]
+            .into_iter()
+            .find(|n| {
+                n.log()
+                    .contains("another client uses this node's MQTT client id")
+            })
+            .map(|n| n.pid())
+    });
+    assert!(
+        said.is_some(),
+        "first:\n{}\nsecond:\n{}",
+        first.log(),
+        second.log()
+    );
+    let which = if said == Some(first.pid()) {
+        &setup
+    } else {
+        &copy
+    };
+    let doctor = which.run(&["doctor"]);
+    assert!(
+        doctor.stdout.contains("FAIL  MQTT client id"),
+        "{}",
+        doctor.stdout
+    );
+    // They no longer take the session from each other several times a second.
+    let takeovers = |n: &crate::support::NodeProcess| n.log().matches("reason 0x8E").count();
+    let before = takeovers(&first) + takeovers(&second);
+    std::thread::sleep(Duration::from_secs(3));
+    let after = takeovers(&first) + takeovers(&second);
+    assert!(after - before <= 2, "{before} → {after} takeovers in 3 s");
+}

@@ -40,6 +40,13 @@ pub const TICK: Duration = Duration::from_millis(250);
 const MAX_AUTH_FAILURES: u32 = 5;
 const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
 const MAX_EARLY_COMMANDS: usize = 1000;
+/// The least wait between connects while another client holds this node's client id (D33).
+const DUPLICATE_ID_BACKOFF: Duration = Duration::from_secs(30);
+/// A connection closed this soon after it was accepted counts towards a duplicate client id.
+const SHORT_CONNECTION: Duration = Duration::from_secs(5);
+/// Written into the state dir when another client takes the session over twice within a
+/// minute; `doctor` fails while it is recent.
+pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";
 
 /// Time, injected so timers can be driven in tests without sleeping.
 pub trait Clock {
@@ -191,6 +198,12 @@ pub struct Node {
     retire_on_ack: HashMap<u64, String>,
     /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
     loose_results_warned: bool,
+    /// When the broker last gave the session to another client (D33).
+    taken_over_at: Option<Instant>,
+    /// When the current connection was accepted, and recent connections that lasted less
+    /// than [`SHORT_CONNECTION`] (D33).
+    connected_at: Option<Instant>,
+    short_connections: Vec<Instant>,
 }
 
 impl Node {
@@ -301,6 +314,7 @@ impl Node {
                         .schedule_reconnect(0, "the connection closed right after it opened");
                 }
                 self.conn = Conn::Connected;
+                self.connected_at = Some(self.clock.now());
                 if self.connected_once {
                     self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
                 }
@@ -325,6 +339,7 @@ impl Node {
                     self.connection_lost(&why);
                 }
             }
+            MqttEvent::TakenOver => self.session_taken_over(),
             MqttEvent::Subscribed(result) => self.on_subscribed(result),
             MqttEvent::Message {
                 topic,
@@ -359,6 +374,7 @@ impl Node {
     /// what the broker refused too often (D34).
     fn connection_lost(&mut self, why: &str) {
         self.schedule_reconnect(0, why);
+        self.note_short_connection(self.clock.now());
         // Outbox messages in flight are sent again after the reconnect.
         self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
         let refused = self.outbox.reset_in_flight();
@@ -372,6 +388,74 @@ impl Node {
             );
         }
         self.reset_streams();
+    }
+
+    /// D33: the broker gave this node's session to another client with the same client id
+    /// (MQTT v5 reason 0x8E). Twice within a minute means another node runs with a copy of
+    /// this state dir.
+    fn session_taken_over(&mut self) {
+        let now = self.clock.now();
+        let recent = self
+            .taken_over_at
+            .is_some_and(|t| now.saturating_duration_since(t) <= Duration::from_secs(60));
+        self.taken_over_at = Some(now);
+        let why = "the broker gave this node's session to another client (MQTT reason 0x8E)";
+        if matches!(self.conn, Conn::Connected) {
+            self.connection_lost(why);
+        } else {
+            log::warn!("{why}");
+        }
+        if recent {
+            self.duplicate_client_id("the broker took the session over twice within a minute");
+        }
+    }
+
+    /// Not every broker or client library reports reason 0x8E: a connection that the broker
+    /// closes within seconds of accepting it, three times within a minute, is the same sign.
+    fn note_short_connection(&mut self, now: Instant) {
+        let short = self
+            .connected_at
+            .is_some_and(|t| now.saturating_duration_since(t) <= SHORT_CONNECTION);
+        if !short {
+            return;
+        }
+        self.short_connections
+            .retain(|t| now.saturating_duration_since(*t) <= Duration::from_secs(60));
+        self.short_connections.push(now);
+        if self.short_connections.len() >= 3 {
+            self.short_connections.clear();
+            self.duplicate_client_id(
+                "the broker closed the connection right after accepting it 3 times within a minute",
+            );
+        }
+    }
+
+    /// Says that another client uses this node's client id, records it for `doctor`, and waits
+    /// at least 30 s between attempts so the two do not take the session from each other
+    /// several times a second (D33).
+    fn duplicate_client_id(&mut self, sign: &str) {
+        let now = self.clock.now();
+        let client_id = self.topics.client_id().to_string();
+        log::error!(
+            "another client uses this node's MQTT client id {client_id} ({sign}); most likely a copy of this state dir {} runs on another host, and each takes the session from the other. Give the copy its own identity: stop it, delete node_id and instance_identity.json in its state dir, start it again. Reconnecting in 30 s",
+            self.layout.state.display()
+        );
+        let marker = self.layout.state.join(CLIENT_ID_CONFLICT);
+        let _ = crate::store::write_atomic(
+            &marker,
+            crate::util::rfc3339(SystemTime::now()).as_bytes(),
+            0o600,
+        );
+        if let Conn::Disconnected {
+            next_attempt,
+            attempt,
+        } = self.conn
+        {
+            self.conn = Conn::Disconnected {
+                next_attempt: next_attempt.max(crate::util::later(now, DUPLICATE_ID_BACKOFF)),
+                attempt,
+            };
+        }
     }
 
     fn schedule_reconnect(&mut self, attempt: u32, why: &str) {

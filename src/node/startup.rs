@@ -283,6 +283,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         disk_errors: crate::logtext::Throttle::default(),
         retire_on_ack: std::collections::HashMap::new(),
         loose_results_warned: false,
+        taken_over_at: None,
+        connected_at: None,
+        short_connections: Vec::new(),
         s,
     };
     let mut node = node;

@@ -24,6 +24,54 @@ pub struct Item {
     pub key: Option<String>,
 }
 
+/// Longest topic an entry may carry (relative to the prefix).
+pub const MAX_TOPIC_BYTES: usize = 1024;
+/// Longest label kept for log lines (a longer one is cut when read back).
+pub const MAX_LABEL_CHARS: usize = 512;
+/// Highest sequence number accepted from a file name (far beyond any clock in nanoseconds),
+/// so that the next one can always be computed.
+pub const MAX_SEQ: u64 = u64::MAX / 2;
+
+impl crate::store::Validate for Item {
+    fn validate(&self) -> Result<(), String> {
+        let t = &self.topic;
+        let topic_ok = !t.is_empty()
+            && t.len() <= MAX_TOPIC_BYTES
+            && t.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'+' && b != b'#')
+            && !t.starts_with('/')
+            && !t.ends_with('/')
+            && !t.contains("//");
+        if !topic_ok {
+            return Err(format!(
+                "topic must be 1-{MAX_TOPIC_BYTES} printable ASCII characters without + or # and without empty levels"
+            ));
+        }
+        if !self.body.is_object() {
+            return Err("body must be a JSON object".into());
+        }
+        if let Some(k) = &self.key {
+            crate::store::check_text("key", k, 256)?;
+        }
+        Ok(())
+    }
+}
+
+impl Item {
+    /// The label as it may appear in a log line: escaped and cut (it may hold a request id).
+    fn tidy_label(&mut self) {
+        let escaped: String = self.label.escape_debug().collect();
+        self.label = escaped.chars().take(MAX_LABEL_CHARS).collect();
+    }
+}
+
+/// Reads and validates one entry file.
+fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::ReadError> {
+    let mut item: Item = crate::store::read_record(path, crate::store::MAX_ENTRY_BYTES)?;
+    item.tidy_label();
+    Ok(item)
+}
+
 struct Slot {
     item: Item,
     in_flight: Option<Vec<u8>>,
@@ -67,7 +115,7 @@ pub fn write_item(dir: &std::path::Path, item: &Item) -> std::io::Result<u64> {
 }
 
 impl Outbox {
-    /// Loads what a previous run left; corrupt files are moved aside.
+    /// Loads what a previous run left; a file that is not a valid entry is quarantined.
     pub fn load(dir: PathBuf) -> std::io::Result<Outbox> {
         crate::store::ensure_private_dir(&dir)?;
         let mut o = Outbox {
@@ -88,7 +136,7 @@ impl Outbox {
     }
 
     /// Picks up items another process wrote into the folder since the last look (all of them,
-    /// at load); an unreadable file is moved aside.
+    /// at load); a file that is not a valid entry is quarantined (`store::quarantine`).
     pub fn rescan(&mut self) {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return;
@@ -104,25 +152,40 @@ impl Outbox {
             if self.slots.contains_key(&seq) {
                 continue;
             }
-            match std::fs::read(entry.path())
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Item>(&b).ok())
-            {
-                Some(item) => {
+            let path = entry.path();
+            if seq > MAX_SEQ {
+                let _ = crate::store::quarantine(
+                    &path,
+                    &format!("outbox sequence number {seq} is out of range (at most {MAX_SEQ})"),
+                );
+                continue;
+            }
+            match read_entry(&path) {
+                Ok(item) => {
                     self.slots.insert(seq, Slot::new(item));
-                    self.next_seq = self.next_seq.max(seq + 1);
+                    self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 }
-                None => {
-                    let aside = entry.path().with_extension("corrupt");
-                    log::warn!(
-                        "outbox file {} is unreadable; moved to {}",
-                        entry.path().display(),
-                        aside.display()
-                    );
-                    let _ = std::fs::rename(entry.path(), aside);
+                // Removed meanwhile (acknowledged, or picked up by someone else).
+                Err(crate::store::ReadError::Missing) => {}
+                Err(e) => {
+                    let _ =
+                        crate::store::quarantine(&path, &format!("not a valid outbox entry: {e}"));
                 }
             }
         }
+    }
+
+    /// How often `seq` was sent without an acknowledgement so far.
+    pub fn attempts(&self, seq: u64) -> u32 {
+        self.slots.get(&seq).map(|s| s.attempts).unwrap_or(0)
+    }
+
+    /// Takes an entry out of the queue for good and moves its file into the quarantine folder
+    /// (e.g. one the broker keeps refusing), with one ERROR line saying why.
+    pub fn quarantine(&mut self, seq: u64, why: &str) -> Option<Item> {
+        let slot = self.slots.remove(&seq)?;
+        let _ = crate::store::quarantine(&self.dir.join(format!("{seq:020}.json")), why);
+        Some(slot.item)
     }
 
     /// The oldest item, if it is not in flight and is due (for strictly ordered sending).
@@ -147,7 +210,7 @@ impl Outbox {
     /// down) sort in time order with the node's own.
     pub fn push(&mut self, item: Item) -> std::io::Result<u64> {
         let seq = self.next_seq.max(now_nanos());
-        self.next_seq = seq + 1;
+        self.next_seq = seq.saturating_add(1);
         let json = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
         crate::store::write_atomic(&self.dir.join(format!("{seq:020}.json")), &json, 0o600)?;
         self.slots.insert(seq, Slot::new(item));
@@ -180,7 +243,7 @@ impl Outbox {
     pub fn sent(&mut self, seq: u64, correlation: Vec<u8>) {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = Some(correlation);
-            s.attempts += 1;
+            s.attempts = s.attempts.saturating_add(1);
         }
     }
 
@@ -195,8 +258,13 @@ impl Outbox {
     pub fn retry_later(&mut self, seq: u64, now: Instant) {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = None;
-            let secs = 2f64.powi(s.attempts.min(6) as i32).min(60.0);
-            s.next_try = now + Duration::from_secs_f64(secs);
+            const BACKOFF_S: [u64; 7] = [1, 2, 4, 8, 16, 32, 60];
+            let secs = usize::try_from(s.attempts)
+                .ok()
+                .and_then(|a| BACKOFF_S.get(a))
+                .copied()
+                .unwrap_or(60);
+            s.next_try = now.checked_add(Duration::from_secs(secs)).unwrap_or(now);
         }
     }
 
@@ -253,5 +321,82 @@ mod tests {
         let o = Outbox::load(dir.clone()).unwrap();
         assert_eq!(o.len(), 2, "corrupt file set aside");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hostile_entries_are_quarantined_and_the_rest_load() {
+        let state = std::env::temp_dir().join(format!("cw-outbox-h-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let dir = state.join("outbox");
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = |topic: &str| json!({"topic": topic, "body": {"a": 1}, "label": "l"});
+        let entry = |n: u64| dir.join(format!("{n:020}.json"));
+        let hostile: Vec<(u64, Vec<u8>)> = vec![
+            (1, b"".to_vec()),
+            (2, b"{\"topic\":\"a/b\",\"bo".to_vec()),
+            (3, vec![0, 159, 146, 150, 255, 10]),
+            (4, br#"{"topic":42,"body":{},"label":"l"}"#.to_vec()),
+            (5, good("a/+/b").to_string().into_bytes()),
+            (6, good("a/#").to_string().into_bytes()),
+            (7, good("a/b\u{0}").to_string().into_bytes()),
+            (8, good("/a").to_string().into_bytes()),
+            (9, good("a//b").to_string().into_bytes()),
+            (
+                10,
+                good(&"x".repeat(MAX_TOPIC_BYTES + 1))
+                    .to_string()
+                    .into_bytes(),
+            ),
+            (11, br#"{"topic":"a/b","body":[1],"label":"l"}"#.to_vec()),
+            (
+                12,
+                br#"{"topic":"a/b","body":{},"label":"l","key":"k
+x"}"#
+                    .to_vec(),
+            ),
+            (13, {
+                let mut v = br#"{"topic":"a/b","label":"l","body":{"x":""#.to_vec();
+                v.extend(std::iter::repeat_n(
+                    b'x',
+                    crate::store::MAX_ENTRY_BYTES as usize,
+                ));
+                v.extend(b"\"}}");
+                v
+            }),
+        ];
+        for (n, bytes) in &hostile {
+            std::fs::write(entry(*n), bytes).unwrap();
+        }
+        std::fs::write(entry(u64::MAX), good("a/b").to_string()).unwrap();
+        let label = format!("done \u{1b}[31m\nFORGED {}", "y".repeat(5000));
+        std::fs::write(
+            entry(20),
+            json!({"topic": "cyberwave/x/update-status", "body": {"ok": true}, "label": label})
+                .to_string(),
+        )
+        .unwrap();
+        let mut o = Outbox::load(dir.clone()).unwrap();
+        assert_eq!(o.len(), 1, "only the valid entry is queued");
+        let (seq, item) = o.head_due(Instant::now()).unwrap();
+        assert_eq!(seq, 20);
+        assert!(!item.label.contains('\n') && !item.label.contains('\u{1b}'));
+        assert!(item.label.chars().count() <= MAX_LABEL_CHARS);
+        let quarantined = std::fs::read_dir(state.join("quarantine")).unwrap().count();
+        assert_eq!(quarantined, hostile.len() + 1, "every bad file moved aside");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        let next = o.push(Item {
+            topic: "t/1".into(),
+            body: json!({}),
+            label: "x".into(),
+            key: None,
+        });
+        assert!(next.unwrap() > 20);
+        assert!(o.quarantine(20, "refused 5 times").is_some());
+        assert!(!entry(20).exists());
+        assert_eq!(
+            std::fs::read_dir(state.join("quarantine")).unwrap().count(),
+            hostile.len() + 2
+        );
+        std::fs::remove_dir_all(&state).unwrap();
     }
 }

@@ -236,7 +236,7 @@ pub fn shown(path: &Path) -> String {
 }
 
 /// Text from outside for a log line: escaped, at most `max` characters.
-fn clip(text: &str, max: usize) -> String {
+pub fn clip(text: &str, max: usize) -> String {
     let escaped: String = text.escape_debug().collect();
     if escaped.chars().count() > max {
         let cut: String = escaped.chars().take(max).collect();

@@ -47,9 +47,14 @@ pub struct Ending {
 impl Active {
     fn new(meta: Meta, child: bool, now: Instant) -> Active {
         let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
-        let runtime_deadline = meta
-            .max_runtime_s
-            .map(|m| now + Duration::from_secs_f64((m - elapsed).max(0.0)));
+        // Validated records hold at most 30 days; clamp anyway, so no value can overflow.
+        let runtime_deadline = meta.max_runtime_s.map(|m| {
+            let left = (m - elapsed).clamp(0.0, store::MAX_SECONDS);
+            Duration::try_from_secs_f64(left)
+                .ok()
+                .and_then(|d| now.checked_add(d))
+                .unwrap_or(now)
+        });
         Active {
             meta,
             child,
@@ -465,9 +470,12 @@ impl Node {
             a.exited = Some(exit);
             return;
         }
-        let lost = exit
-            .is_none()
-            .then_some("workload lost: its supervisor ended without recording an exit status");
+        let lost = if a.meta.salvaged.is_some() {
+            Some(SALVAGED)
+        } else {
+            exit.is_none()
+                .then_some("workload lost: its supervisor ended without recording an exit status")
+        };
         self.begin_ending(safe_id, exit, lost);
     }
 
@@ -778,28 +786,41 @@ impl Node {
             if name.ends_with(".corrupt") {
                 continue;
             }
-            let Some(mut meta) = workload::load_meta(&dir) else {
-                let aside = dir.with_extension("corrupt");
-                log::warn!(
-                    "{} has no readable record; moved to {}",
-                    dir.display(),
-                    aside.display()
-                );
-                let _ = std::fs::rename(&dir, &aside);
-                continue;
+            // Every file is validated; an invalid one is quarantined, and a workload whose
+            // record is bad is still tracked by what can be proven about it.
+            let (meta, salvaged) = match workload::recover_meta(&self.layout, &dir, &name) {
+                workload::Recovered::Intact(m) => (m, false),
+                workload::Recovered::Salvaged(m) => (m, true),
             };
-            if meta.safe_id != name {
-                meta.safe_id = name.clone();
-            }
+            let shown = store::clip(&name, 80);
             let Some(st) = meta.started.clone() else {
-                log::warn!("workload {name} never started (the node stopped while starting it); forgetting it");
-                let _ = std::fs::remove_dir_all(&dir);
+                if salvaged {
+                    // Nothing proves which process it was: report it (once) and retire it.
+                    self.report_unprovable(&name, meta, now);
+                } else {
+                    log::warn!("workload {shown} never started (the node stopped while starting it); forgetting it");
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 continue;
             };
-            let exit: Option<Exit> = workload::read_json(&dir.join("exit.json"));
+            if salvaged {
+                log::error!(
+                    "workload {shown} has no valid record ({}); tracking it by its pid {} and reporting its end as a failure{}",
+                    store::clip(meta.salvaged.as_deref().unwrap_or(""), 300),
+                    st.pid,
+                    if meta.workload_uuid.is_none() {
+                        " (its workload uuid is unknown: the backend cannot be told)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            let exit: Option<Exit> =
+                workload::load_json(&dir.join("exit.json"), "workload exit record");
             let rid = meta.request_id_text();
             let mut active = Active::new(meta, false, now);
-            let cursor: Cursor = workload::read_json(&dir.join("cursor.json")).unwrap_or_default();
+            let cursor: Cursor =
+                workload::load_json(&dir.join("cursor.json"), "log cursor").unwrap_or_default();
             for (s, (at, base)) in active.streams.iter_mut().zip([
                 (cursor.stdout, cursor.stdout_base),
                 (cursor.stderr, cursor.stderr_base),
@@ -809,15 +830,15 @@ impl Node {
                 s.base = base;
             }
             self.active.insert(name.clone(), active);
-            if exit.is_some() {
+            if salvaged && (exit.is_some() || !alive(&st)) {
+                self.begin_ending(&name, exit, Some(SALVAGED));
+            } else if exit.is_some() {
                 log::info!("workload {rid} ended while the node was down; reporting it");
                 self.begin_ending(&name, exit, None);
             } else if !st.boot_id.is_empty() && st.boot_id != boot {
                 log::warn!("workload {rid} was lost: the host rebooted");
                 self.begin_ending(&name, None, Some("workload lost: host rebooted"));
-            } else if procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
-                || procinfo::same_process_alive(st.pid, st.start_ticks)
-            {
+            } else if alive(&st) {
                 log::info!("re-adopted running workload {rid} (pid {})", st.pid);
             } else {
                 log::warn!("workload {rid} was lost while the node was down");
@@ -828,6 +849,26 @@ impl Node {
                 );
             }
         }
+    }
+
+    /// A workload whose record did not validate and that no pid identity ties to a process:
+    /// its end is reported once (a failure, when its workload uuid is known; an ERROR line
+    /// otherwise) and its directory retired.
+    fn report_unprovable(&mut self, name: &str, meta: Meta, now: Instant) {
+        let shown = store::clip(name, 80);
+        let why = store::clip(meta.salvaged.as_deref().unwrap_or(""), 300);
+        match &meta.workload_uuid {
+            Some(wl) => log::error!(
+                "workload {shown} has no valid record ({why}) and no proof of its process; reporting workload {} as failed",
+                store::clip(wl, 80)
+            ),
+            None => log::error!(
+                "workload {shown} has no valid record ({why}), no proof of its process and no known workload uuid; it cannot be reported to the backend and is forgotten"
+            ),
+        }
+        self.active
+            .insert(name.to_string(), Active::new(meta, false, now));
+        self.begin_ending(name, None, Some(SALVAGED));
     }
 
     pub(super) fn active_workloads_json(&self) -> Value {
@@ -893,6 +934,16 @@ impl Node {
             json!({"message": format!("Workload {shown} received and acknowledged")}),
         );
     }
+}
+
+/// The error of a completion for a workload whose record did not validate at recovery.
+const SALVAGED: &str =
+    "workload record was corrupt (moved to the quarantine folder); its outcome cannot be trusted";
+
+/// The workload's shim or the workload itself is still the process it was (D9).
+fn alive(st: &workload::shim::Started) -> bool {
+    procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
+        || procinfo::same_process_alive(st.pid, st.start_ticks)
 }
 
 fn start_output(meta: &Meta) -> Value {

@@ -169,7 +169,7 @@ impl Outbox {
                 Err(crate::store::ReadError::Missing) => {}
                 Err(e) => {
                     let _ =
-                        crate::store::quarantine(&path, &format!("not a valid outbox entry: {e}"));
+                        crate::store::quarantine(&path, &format!("not a valid queue entry: {e}"));
                 }
             }
         }

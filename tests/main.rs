@@ -6,6 +6,7 @@ mod cli_config;
 mod ingress;
 mod logs;
 mod operate;
+mod persist;
 mod results;
 mod wire;
 mod workloads;

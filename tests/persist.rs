@@ -191,6 +191,16 @@ fn run(style: Style) {
         &state.join("workloads/wc/params.json"),
         json!({"workload_uuid": wc}).to_string().as_bytes(),
     );
+    // `wd`: a valid record whose start record (pid proof) is bad.
+    let wd = style_tag("wl-d", style);
+    write(
+        &state.join("workloads/wd/meta.json"),
+        meta(&state, "wd", &wd, 3600.0).to_string().as_bytes(),
+    );
+    write(
+        &state.join("workloads/wd/started.json"),
+        &corrupt(style, Kind::Started, &state),
+    );
     // An outbox entry that parses but whose topic would break the MQTT connection (finding 3).
     write(
         &state.join("outbox/00000000000000000003.json"),
@@ -210,6 +220,7 @@ fn run(style: Style) {
     let mut bad: Vec<PathBuf> = KINDS.iter().map(|k| path_of(*k, &state)).collect();
     bad.push(state.join("workloads/wc/meta.json"));
     bad.push(state.join("outbox/00000000000000000003.json"));
+    bad.push(state.join("workloads/wd/started.json"));
     for p in &bad {
         assert!(
             log.contains(&format!("quarantined {}", p.display())),
@@ -227,6 +238,7 @@ fn run(style: Style) {
     for (wl, why) in [
         (&wb, "no exit status was recorded"),
         (&wc, "workload record was corrupt"),
+        (&wd, "workload record was corrupt"),
     ] {
         let all = cp
             .wait_status(wl, "completed", DONE)

@@ -232,9 +232,24 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
     let why = match parse_meta(dir) {
         Ok(mut meta) => {
             if meta.started.is_none() {
-                meta.started = load_json(&dir.join("started.json"), "workload start record");
-                if meta.started.is_some() {
-                    meta.phase = Phase::Running;
+                let path = dir.join("started.json");
+                match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
+                    Ok(st) => {
+                        meta.started = Some(st);
+                        meta.phase = Phase::Running;
+                    }
+                    Err(store::ReadError::Missing) => {}
+                    // The shim wrote it, so the workload did start: it cannot be tracked
+                    // without it, but it is reported, not forgotten.
+                    Err(e) => {
+                        let why = format!("started.json is not a valid workload start record: {e}");
+                        if e.is_bad_content() {
+                            let _ = store::quarantine(&path, &why);
+                        }
+                        meta.safe_id = name.to_string();
+                        meta.salvaged = Some(why);
+                        return Recovered::Salvaged(meta);
+                    }
                 }
             }
             meta.safe_id = name.to_string();
@@ -1065,6 +1080,19 @@ mod tests {
             !dir.join("meta.json").exists(),
             "nothing to track: not saved"
         );
+
+        // A valid record whose start record is bad: reported, not forgotten as "never started".
+        let mut no_start = good_meta(&layout);
+        no_start.as_object_mut().unwrap().remove("started");
+        std::fs::write(dir.join("meta.json"), no_start.to_string()).unwrap();
+        std::fs::write(dir.join("started.json"), r#"{"pid":0}"#).unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("a bad started.json makes it salvaged");
+        };
+        assert!(m.started.is_none());
+        assert_eq!(m.workload_uuid.as_deref(), Some("wl-1"));
+        assert!(m.salvaged.unwrap().contains("started.json"));
+        assert_eq!(std::fs::read_dir(&q).unwrap().count(), 4);
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

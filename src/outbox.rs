@@ -94,6 +94,9 @@ pub struct Outbox {
     dir: PathBuf,
     next_seq: u64,
     slots: BTreeMap<u64, Slot>,
+    /// Invalid entries that could not be moved to the quarantine folder: skipped from then on
+    /// (one ERROR line each, not one per rescan).
+    refused: std::collections::BTreeSet<u64>,
 }
 
 pub const MAX_IN_FLIGHT: usize = 64;
@@ -122,6 +125,7 @@ impl Outbox {
             dir,
             next_seq: 1,
             slots: BTreeMap::new(),
+            refused: std::collections::BTreeSet::new(),
         };
         o.rescan();
         Ok(o)
@@ -149,15 +153,16 @@ impl Outbox {
             else {
                 continue;
             };
-            if self.slots.contains_key(&seq) {
+            if self.slots.contains_key(&seq) || self.refused.contains(&seq) {
                 continue;
             }
             let path = entry.path();
             if seq > MAX_SEQ {
-                let _ = crate::store::quarantine(
-                    &path,
-                    &format!("outbox sequence number {seq} is out of range (at most {MAX_SEQ})"),
-                );
+                let why =
+                    format!("queue sequence number {seq} is out of range (at most {MAX_SEQ})");
+                if crate::store::quarantine(&path, &why).is_err() {
+                    self.refused.insert(seq);
+                }
                 continue;
             }
             match read_entry(&path) {
@@ -168,8 +173,10 @@ impl Outbox {
                 // Removed meanwhile (acknowledged, or picked up by someone else).
                 Err(crate::store::ReadError::Missing) => {}
                 Err(e) => {
-                    let _ =
-                        crate::store::quarantine(&path, &format!("not a valid queue entry: {e}"));
+                    let why = format!("not a valid queue entry: {e}");
+                    if crate::store::quarantine(&path, &why).is_err() {
+                        self.refused.insert(seq);
+                    }
                 }
             }
         }
@@ -321,6 +328,23 @@ mod tests {
         let o = Outbox::load(dir.clone()).unwrap();
         assert_eq!(o.len(), 2, "corrupt file set aside");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_bad_entry_that_cannot_be_moved_is_skipped_not_retried() {
+        let state = std::env::temp_dir().join(format!("cw-outbox-r-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let dir = state.join("outbox");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A file where the quarantine folder would go: nothing can be moved there.
+        std::fs::write(state.join("quarantine"), "").unwrap();
+        std::fs::write(dir.join("00000000000000000007.json"), "{").unwrap();
+        let mut o = Outbox::load(dir.clone()).unwrap();
+        assert!(o.is_empty());
+        assert!(o.refused.contains(&7));
+        o.rescan();
+        assert!(o.is_empty() && dir.join("00000000000000000007.json").exists());
+        std::fs::remove_dir_all(&state).unwrap();
     }
 
     #[test]

@@ -77,6 +77,10 @@ struct Slot {
     in_flight: Option<Vec<u8>>,
     next_try: Instant,
     attempts: u32,
+    /// When it was last sent: a connection lost right after that counts as a refusal.
+    sent_at: Option<Instant>,
+    /// Connections lost within [`REFUSAL_WINDOW`] of sending it (D34).
+    refusals: u32,
 }
 
 impl Slot {
@@ -86,6 +90,8 @@ impl Slot {
             in_flight: None,
             next_try: Instant::now(),
             attempts: 0,
+            sent_at: None,
+            refusals: 0,
         }
     }
 }
@@ -100,6 +106,10 @@ pub struct Outbox {
 }
 
 pub const MAX_IN_FLIGHT: usize = 64;
+/// A connection lost this soon after an item was sent counts as the broker refusing it.
+pub const REFUSAL_WINDOW: Duration = Duration::from_secs(5);
+/// An item refused this many times is set aside, never retried forever (D34).
+pub const MAX_REFUSALS: u32 = 5;
 
 pub fn now_nanos() -> u64 {
     std::time::SystemTime::now()
@@ -187,14 +197,6 @@ impl Outbox {
         self.slots.get(&seq).map(|s| s.attempts).unwrap_or(0)
     }
 
-    /// Takes an entry out of the queue for good and moves its file into the quarantine folder
-    /// (e.g. one the broker keeps refusing), with one ERROR line saying why.
-    pub fn quarantine(&mut self, seq: u64, why: &str) -> Option<Item> {
-        let slot = self.slots.remove(&seq)?;
-        let _ = crate::store::quarantine(&self.dir.join(format!("{seq:020}.json")), why);
-        Some(slot.item)
-    }
-
     /// The oldest item, if it is not in flight and is due (for strictly ordered sending).
     pub fn head_due(&self, now: Instant) -> Option<(u64, Item)> {
         let (seq, s) = self.slots.iter().next()?;
@@ -251,7 +253,21 @@ impl Outbox {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = Some(correlation);
             s.attempts = s.attempts.saturating_add(1);
+            s.sent_at = Some(Instant::now());
         }
+    }
+
+    /// Takes `seq` out of the queue and moves its file into the state dir's quarantine folder
+    /// (kept for a person to look at, never sent again). Returns the item and where its file
+    /// went; the caller says so in its log line. A file that cannot be moved is deleted.
+    pub fn quarantine(&mut self, seq: u64) -> Option<(Item, PathBuf)> {
+        let slot = self.slots.remove(&seq)?;
+        let from = self.dir.join(format!("{seq:020}.json"));
+        let to = crate::store::move_to_quarantine(&from).unwrap_or_else(|_| {
+            let _ = std::fs::remove_file(&from);
+            crate::store::state_dir_of(&from).join(crate::store::QUARANTINE_DIR)
+        });
+        Some((slot.item, to))
     }
 
     /// The backend acknowledged it: gone for good.
@@ -275,14 +291,30 @@ impl Outbox {
         }
     }
 
-    /// The connection dropped: everything in flight is sent again after the reconnect.
-    pub fn reset_in_flight(&mut self) {
+    /// The connection dropped: everything in flight is sent again after the reconnect. An item
+    /// sent within [`REFUSAL_WINDOW`] of the loss counts a refusal (a broker drops the
+    /// connection of a client that publishes what it refuses); one refused [`MAX_REFUSALS`]
+    /// times is quarantined and returned, so the caller can say so (D34).
+    pub fn reset_in_flight(&mut self) -> Vec<(Item, PathBuf)> {
         let now = Instant::now();
-        for s in self.slots.values_mut() {
+        let mut refused = Vec::new();
+        for (seq, s) in self.slots.iter_mut() {
             if s.in_flight.take().is_some() {
                 s.next_try = now;
+                if s.sent_at
+                    .is_some_and(|t| now.saturating_duration_since(t) <= REFUSAL_WINDOW)
+                {
+                    s.refusals = s.refusals.saturating_add(1);
+                    if s.refusals >= MAX_REFUSALS {
+                        refused.push(*seq);
+                    }
+                }
             }
         }
+        refused
+            .into_iter()
+            .filter_map(|seq| self.quarantine(seq))
+            .collect()
     }
 }
 
@@ -290,6 +322,53 @@ impl Outbox {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_item_the_broker_refuses_five_times_is_quarantined_not_retried_forever() {
+        let dir = std::env::temp_dir().join(format!("cw-outbox-refused-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let outbox = dir.join("outbox");
+        let mut o = Outbox::load(outbox.clone()).unwrap();
+        let bad = o
+            .push(Item {
+                topic: "t/a/#".into(),
+                body: json!({}),
+                label: "bad".into(),
+                key: None,
+            })
+            .unwrap();
+        for round in 1..=MAX_REFUSALS {
+            o.sent(bad, vec![1]);
+            let out = o.reset_in_flight();
+            if round < MAX_REFUSALS {
+                assert!(out.is_empty(), "round {round}");
+                assert_eq!(o.len(), 1);
+            } else {
+                assert_eq!(out.len(), 1);
+                assert!(
+                    out[0].1.starts_with(dir.join("quarantine")),
+                    "{:?}",
+                    out[0].1
+                );
+                assert!(out[0].1.exists());
+            }
+        }
+        assert!(o.is_empty());
+        // An item that was not in flight when the connection dropped counts nothing.
+        let good = o
+            .push(Item {
+                topic: "t/ok".into(),
+                body: json!({}),
+                label: "ok".into(),
+                key: None,
+            })
+            .unwrap();
+        for _ in 0..10 {
+            assert!(o.reset_in_flight().is_empty());
+        }
+        assert!(o.in_flight(good) || o.len() == 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn items_survive_a_restart_until_acknowledged() {
@@ -415,7 +494,8 @@ x"}"#
             key: None,
         });
         assert!(next.unwrap() > 20);
-        assert!(o.quarantine(20, "refused 5 times").is_some());
+        let (_, aside) = o.quarantine(20).unwrap();
+        assert!(aside.starts_with(state.join("quarantine")) && aside.exists());
         assert!(!entry(20).exists());
         assert_eq!(
             std::fs::read_dir(state.join("quarantine")).unwrap().count(),

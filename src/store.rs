@@ -251,6 +251,26 @@ pub fn clip(text: &str, max: usize) -> String {
 /// (what, why, where it went). The node carries on without it. Returns the new path; if the
 /// move fails the file is left in place (and the ERROR line says that instead).
 pub fn quarantine(path: &Path, why: &str) -> io::Result<PathBuf> {
+    let result = move_to_quarantine(path);
+    match &result {
+        Ok(dest) => log::error!(
+            "quarantined {}: {}; moved to {}",
+            shown(path),
+            clip(why, 400),
+            shown(dest)
+        ),
+        Err(e) => log::error!(
+            "{} is invalid ({}) but cannot be moved to {}: {e}; ignoring it",
+            shown(path),
+            clip(why, 400),
+            shown(&state_dir_of(path).join(QUARANTINE_DIR))
+        ),
+    }
+    result
+}
+
+/// What [`quarantine`] does without its log line (for callers that say it themselves).
+pub fn move_to_quarantine(path: &Path) -> io::Result<PathBuf> {
     let state = state_dir_of(path);
     let qdir = state.join(QUARANTINE_DIR);
     let rel = path.strip_prefix(&state).unwrap_or(path);
@@ -278,7 +298,7 @@ pub fn quarantine(path: &Path, why: &str) -> io::Result<PathBuf> {
         .take_while(|c| *c != '.')
         .filter(|c| *c != '-' && *c != ':')
         .collect();
-    let result = ensure_private_dir(&qdir).and_then(|()| {
+    ensure_private_dir(&qdir).and_then(|()| {
         let mut n: u32 = 0;
         loop {
             let name = if n == 0 {
@@ -295,22 +315,7 @@ pub fn quarantine(path: &Path, why: &str) -> io::Result<PathBuf> {
                 io::Error::new(io::ErrorKind::AlreadyExists, "no free quarantine name")
             })?;
         }
-    });
-    match &result {
-        Ok(dest) => log::error!(
-            "quarantined {}: {}; moved to {}",
-            shown(path),
-            clip(why, 400),
-            shown(dest)
-        ),
-        Err(e) => log::error!(
-            "{} is invalid ({}) but cannot be moved to {}: {e}; ignoring it",
-            shown(path),
-            clip(why, 400),
-            shown(&qdir)
-        ),
-    }
-    result
+    })
 }
 
 // ---- value checks shared by the persisted records (the ranges of D20) ---------------------

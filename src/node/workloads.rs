@@ -47,14 +47,9 @@ pub struct Ending {
 impl Active {
     fn new(meta: Meta, child: bool, now: Instant) -> Active {
         let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
-        // Validated records hold at most 30 days; clamp anyway, so no value can overflow.
-        let runtime_deadline = meta.max_runtime_s.map(|m| {
-            let left = (m - elapsed).clamp(0.0, store::MAX_SECONDS);
-            Duration::try_from_secs_f64(left)
-                .ok()
-                .and_then(|d| now.checked_add(d))
-                .unwrap_or(now)
-        });
+        let runtime_deadline = meta
+            .max_runtime_s
+            .map(|m| now + Duration::from_secs_f64((m - elapsed).max(0.0)));
         Active {
             meta,
             child,

@@ -44,7 +44,7 @@ impl crate::store::Validate for Item {
             && !t.contains("//");
         if !topic_ok {
             return Err(format!(
-                "topic must be 1-{MAX_TOPIC_BYTES} printable ASCII characters without + or # and without empty levels"
+                "invalid topic: it must be 1-{MAX_TOPIC_BYTES} printable ASCII characters without + or # and without empty levels"
             ));
         }
         if !self.body.is_object() {

@@ -53,6 +53,11 @@ pub fn key(rid: &str) -> String {
     }
 }
 
+/// One ledger line parsed and validated (also the entry point for fuzzing).
+pub fn parse_line(line: &[u8]) -> Result<Entry, String> {
+    store::parse_record::<Entry>(line).map_err(|e| e.to_string())
+}
+
 /// Whether `k` is already a key as [`key`] makes them (a hash, or a short plain id).
 fn is_key(k: &str) -> bool {
     match k.strip_prefix(HASH_PREFIX) {
@@ -128,7 +133,7 @@ fn scan(path: &Path, cutoff: f64) -> std::io::Result<Scan> {
         } else if buf.iter().all(u8::is_ascii_whitespace) {
             continue;
         } else {
-            store::parse_record::<Entry>(&buf).map_err(|e| e.to_string())
+            parse_line(&buf)
         };
         match parsed {
             Ok(mut e) => {

@@ -67,7 +67,16 @@ impl Item {
 
 /// Reads and validates one entry file.
 fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::ReadError> {
-    let mut item: Item = crate::store::read_record(path, crate::store::MAX_ENTRY_BYTES)?;
+    parse_entry(&crate::store::read_capped(
+        path,
+        crate::store::MAX_ENTRY_BYTES,
+    )?)
+}
+
+/// The bytes of one outbox / ingress entry parsed and validated (also the entry point for
+/// fuzzing).
+pub fn parse_entry(bytes: &[u8]) -> Result<Item, crate::store::ReadError> {
+    let mut item: Item = crate::store::parse_record(bytes)?;
     item.tidy_label();
     Ok(item)
 }

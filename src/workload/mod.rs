@@ -170,8 +170,14 @@ pub fn load_json<T: serde::de::DeserializeOwned + store::Validate>(
 
 /// `meta.json` parsed and validated; the log paths are re-rooted in the state dir's log folder.
 fn parse_meta(dir: &Path) -> Result<Meta, store::ReadError> {
-    let mut meta: Meta = store::read_record(&dir.join("meta.json"), store::MAX_RECORD_BYTES)?;
-    let logs = logs_dir_of(dir);
+    let bytes = store::read_capped(&dir.join("meta.json"), store::MAX_RECORD_BYTES)?;
+    parse_meta_bytes(&bytes, &logs_dir_of(dir))
+}
+
+/// The bytes of a `meta.json` parsed and validated (also the entry point for fuzzing); the log
+/// paths are re-rooted in `logs`.
+pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::ReadError> {
+    let mut meta: Meta = store::parse_record(bytes)?;
     for p in [&mut meta.stdout_log, &mut meta.stderr_log] {
         let name = p
             .file_name()
@@ -1093,6 +1099,92 @@ mod tests {
         assert_eq!(m.workload_uuid.as_deref(), Some("wl-1"));
         assert!(m.salvaged.unwrap().contains("started.json"));
         assert_eq!(std::fs::read_dir(&q).unwrap().count(), 4);
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// Mutated versions of valid records (bytes flipped, cut, repeated, numbers swapped for
+    /// edge values) never panic a loader, and whatever validates is safe for the arithmetic
+    /// the node does with it.
+    #[test]
+    fn mutated_records_never_panic_and_what_validates_is_safe_to_compute_with() {
+        let layout = scratch("mutate");
+        let logs = layout.logs();
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let edges = [
+            "1e19",
+            "-1",
+            "0",
+            "1e308",
+            "-0",
+            "2147483648",
+            "-2147483648",
+            "18446744073709551616",
+            "NaN",
+            "\"x\"",
+            "null",
+            "[]",
+            "{}",
+            "true",
+            "1e-320",
+        ];
+        let meta = good_meta(&layout).to_string();
+        let samples = [
+            meta.clone(),
+            r#"{"exit_code":0,"signal":9,"started_at":"a","ended_at":"b"}"#.to_string(),
+            r#"{"rid":"r","at":1.8e9,"ok":true,"body":{"pid":1}}"#.to_string(),
+            r#"{"topic":"a/b","body":{"x":1},"label":"l","key":"k"}"#.to_string(),
+        ];
+        for round in 0..4000u32 {
+            let base = samples.get(round as usize % samples.len()).unwrap();
+            let mut text = base.clone();
+            match rnd() % 4 {
+                0 => {
+                    // Swap a number for an edge value.
+                    let digits: Vec<usize> = text
+                        .char_indices()
+                        .filter(|(_, c)| c.is_ascii_digit())
+                        .map(|(i, _)| i)
+                        .collect();
+                    if let Some(i) = digits.get(rnd() as usize % digits.len().max(1)) {
+                        let edge = edges[rnd() as usize % edges.len()];
+                        text.replace_range(*i..*i + 1, edge);
+                    }
+                }
+                1 => text.truncate(rnd() as usize % (text.len() + 1)),
+                _ => {}
+            }
+            let mut bytes = text.into_bytes();
+            if rnd() % 2 == 0 && !bytes.is_empty() {
+                let i = rnd() as usize % bytes.len();
+                bytes[i] = rnd() as u8;
+            }
+            if let Ok(m) = parse_meta_bytes(&bytes, &logs) {
+                if let Some(r) = m.max_runtime_s {
+                    let left = (r - (unix_now() - m.created_unix).max(0.0)).max(0.0);
+                    let _ = std::time::Instant::now() + Duration::from_secs_f64(left);
+                }
+                assert!(m.stdout_log.starts_with(&logs) && m.stderr_log.starts_with(&logs));
+                assert!(m
+                    .started
+                    .as_ref()
+                    .is_none_or(|s| s.pid >= 1 && s.shim_pid >= 1));
+            }
+            if let Ok(e) = store::parse_record::<shim::Exit>(&bytes) {
+                let _ = e.code();
+            }
+            if let Ok(e) = crate::ledger::parse_line(&bytes) {
+                assert!(e.at.is_finite());
+            }
+            if let Ok(i) = crate::outbox::parse_entry(&bytes) {
+                assert!(!i.topic.contains('#') && !i.topic.contains('+'));
+            }
+        }
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

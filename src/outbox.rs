@@ -139,7 +139,7 @@ pub fn write_item(dir: &std::path::Path, item: &Item) -> std::io::Result<u64> {
 impl Outbox {
     /// Loads what a previous run left; a file that is not a valid entry is quarantined.
     pub fn load(dir: PathBuf) -> std::io::Result<Outbox> {
-        crate::store::ensure_private_dir(&dir)?;
+        crate::store::ensure_dir_or_quarantine(&dir)?;
         let mut o = Outbox {
             dir,
             next_seq: 1,

@@ -60,6 +60,17 @@ pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
 }
 
+/// Like [`ensure_private_dir`], but something else in the directory's place (a file, a
+/// dangling link) is quarantined first: a corrupted state dir never stops the node.
+pub fn ensure_dir_or_quarantine(dir: &Path) -> io::Result<()> {
+    if let Ok(md) = fs::symlink_metadata(dir) {
+        if !md.is_dir() && !(md.file_type().is_symlink() && dir.is_dir()) {
+            let _ = quarantine(dir, "expected a directory");
+        }
+    }
+    ensure_private_dir(dir)
+}
+
 /// Maps an identifier from the outside world to a file-name-safe id (decision D7): keeps
 /// `[A-Za-z0-9._-]`, replaces anything else with `_`, at most 64 characters; an id that was
 /// changed or cut (a leading `.` becomes `_`), or that is empty, gets `-<8 hex>` of a stable hash of the
@@ -517,6 +528,19 @@ mod tests {
         assert!(second.exists());
         assert_eq!(fs::read_dir(state.join(QUARANTINE_DIR)).unwrap().count(), 6);
         assert!(quarantine(&state.join("absent"), "x").is_err());
+        fs::remove_dir_all(&state).unwrap();
+    }
+
+    #[test]
+    fn a_file_where_a_directory_belongs_is_quarantined() {
+        let state = scratch("dir");
+        let outbox = state.join("outbox");
+        fs::write(&outbox, "not a dir").unwrap();
+        ensure_dir_or_quarantine(&outbox).unwrap();
+        assert!(outbox.is_dir());
+        assert_eq!(fs::read_dir(state.join(QUARANTINE_DIR)).unwrap().count(), 1);
+        ensure_dir_or_quarantine(&outbox).unwrap();
+        assert_eq!(fs::read_dir(state.join(QUARANTINE_DIR)).unwrap().count(), 1);
         fs::remove_dir_all(&state).unwrap();
     }
 

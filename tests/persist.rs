@@ -295,3 +295,43 @@ fn g8_a_wrong_typed_state_dir_is_quarantined_and_the_node_starts() {
 fn g8_an_enormous_state_dir_is_quarantined_and_the_node_starts() {
     run(Style::Enormous);
 }
+
+#[test]
+fn g8_files_where_directories_belong_and_directories_where_files_belong_never_stop_the_node() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
+    let state = setup.config_dir();
+    let files = ["outbox", "ingress", "workloads"];
+    let dirs = ["instance_identity.json", "node_id", "ledger.jsonl"];
+    for f in files {
+        write(&state.join(f), b"not a directory");
+    }
+    for d in dirs {
+        std::fs::create_dir_all(state.join(d).join("inner")).expect("mkdir");
+    }
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        cp.status(&node.uuid(), "st-shape", REPLY).is_some(),
+        "no status reply; log:\n{}",
+        node.log()
+    );
+    let log = node.log();
+    for p in files.iter().chain(dirs.iter()) {
+        assert!(
+            log.contains(&format!("quarantined {}", state.join(p).display())),
+            "{p} is not named as quarantined; log:\n{log}"
+        );
+    }
+    assert!(state.join("outbox").is_dir() && state.join("workloads").is_dir());
+    // The node works: a workload starts and completes.
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "after-shape", "params": {"workload_uuid": "wl-shape"}}),
+    );
+    let r = cp.wait_reply("after-shape", REPLY).expect("reply");
+    assert_eq!(r["status"], "ok", "{r}; log:\n{}", node.log());
+    assert!(cp.wait_status("wl-shape", "completed", DONE).is_some());
+}

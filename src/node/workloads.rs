@@ -763,6 +763,7 @@ impl Node {
 
     /// Re-adopts every workload in the state dir (run once, before the loop).
     pub(super) fn recover(&mut self) {
+        let _ = store::ensure_dir_or_quarantine(&self.layout.workloads());
         let Ok(entries) = std::fs::read_dir(self.layout.workloads()) else {
             return;
         };

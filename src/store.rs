@@ -63,10 +63,9 @@ pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
 /// Like [`ensure_private_dir`], but something else in the directory's place (a file, a
 /// dangling link) is quarantined first: a corrupted state dir never stops the node.
 pub fn ensure_dir_or_quarantine(dir: &Path) -> io::Result<()> {
-    if let Ok(md) = fs::symlink_metadata(dir) {
-        if !md.is_dir() && !(md.file_type().is_symlink() && dir.is_dir()) {
-            let _ = quarantine(dir, "expected a directory");
-        }
+    // Something is there (maybe a dangling link) but it is no directory, nor a link to one.
+    if fs::symlink_metadata(dir).is_ok() && !dir.is_dir() {
+        let _ = quarantine(dir, "expected a directory");
     }
     ensure_private_dir(dir)
 }

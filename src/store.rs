@@ -387,6 +387,15 @@ pub fn check_unix(field: &str, v: f64) -> Result<(), String> {
     }
 }
 
+/// Byte offsets (log cursors): each at most `max`, so that sums of them cannot overflow.
+pub fn check_offsets(field: &str, values: &[u64], max: u64) -> Result<(), String> {
+    if values.iter().all(|v| *v <= max) {
+        Ok(())
+    } else {
+        Err(format!("{field} must be at most {max}"))
+    }
+}
+
 /// Short printable text (a timestamp, a boot id, a label): at most `max` bytes, no control
 /// characters.
 pub fn check_text(field: &str, v: &str, max: usize) -> Result<(), String> {
@@ -557,6 +566,8 @@ mod tests {
         assert!(check_seconds("s", 0.0, true).is_ok() && check_seconds("s", 0.0, false).is_err());
         assert!(check_unix("t", 1e12).is_err() && check_unix("t", f64::NAN).is_err());
         assert!(check_text("t", "a\nb", 10).is_err() && check_text("t", "abc", 2).is_err());
+        assert!(check_offsets("o", &[0, u64::MAX], 1 << 50).is_err());
+        assert!(check_offsets("o", &[1 << 50, 0], 1 << 50).is_ok());
     }
 
     #[test]

@@ -115,7 +115,8 @@ fn corrupt(style: Style, kind: Kind, state: &Path) -> Vec<u8> {
             Kind::Started => br#"{"pid": "1", "start_ticks": -1}"#.to_vec(),
             Kind::Params => br#"[1, 2, 3]"#.to_vec(),
             Kind::Exit => br#"{"exit_code": "0", "started_at": 1, "ended_at": null}"#.to_vec(),
-            Kind::Cursor => br#"{"stdout": "1", "stderr": -1}"#.to_vec(),
+            // Of the right type but out of range: an offset no log reaches.
+            Kind::Cursor => br#"{"stdout": 18446744073709551615, "stderr": 0}"#.to_vec(),
         },
         Style::Enormous => {
             // Over the cap for its kind: 64 KiB for records, 4 MiB for entries and lines.

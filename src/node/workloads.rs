@@ -465,12 +465,9 @@ impl Node {
             a.exited = Some(exit);
             return;
         }
-        let lost = if a.meta.salvaged.is_some() {
-            Some(SALVAGED)
-        } else {
-            exit.is_none()
-                .then_some("workload lost: its supervisor ended without recording an exit status")
-        };
+        let lost = exit
+            .is_none()
+            .then_some("workload lost: its supervisor ended without recording an exit status");
         self.begin_ending(safe_id, exit, lost);
     }
 
@@ -484,6 +481,12 @@ impl Node {
             return;
         }
         a.exited = None;
+        // A record rebuilt at recovery: whatever the exit, its outcome cannot be trusted.
+        let lost = if a.meta.salvaged.is_some() {
+            Some(SALVAGED)
+        } else {
+            lost
+        };
         a.ending = Some(Ending {
             exit,
             lost,

@@ -816,7 +816,8 @@ impl Node {
             }
             let exit: Option<Exit> =
                 workload::load_json(&dir.join("exit.json"), "workload exit record");
-            let rid = meta.request_id_text();
+            // Outside text in a log line: escaped and cut (D31).
+            let rid = store::clip(&meta.request_id_text(), 120);
             let mut active = Active::new(meta, false, now);
             let cursor: Cursor =
                 workload::load_json(&dir.join("cursor.json"), "log cursor").unwrap_or_default();

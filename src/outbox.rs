@@ -24,6 +24,63 @@ pub struct Item {
     pub key: Option<String>,
 }
 
+/// Longest topic an entry may carry (relative to the prefix).
+pub const MAX_TOPIC_BYTES: usize = 1024;
+/// Longest label kept for log lines (a longer one is cut when read back).
+pub const MAX_LABEL_CHARS: usize = 512;
+/// Highest sequence number accepted from a file name (far beyond any clock in nanoseconds),
+/// so that the next one can always be computed.
+pub const MAX_SEQ: u64 = u64::MAX / 2;
+
+impl crate::store::Validate for Item {
+    fn validate(&self) -> Result<(), String> {
+        let t = &self.topic;
+        let topic_ok = !t.is_empty()
+            && t.len() <= MAX_TOPIC_BYTES
+            && t.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'+' && b != b'#')
+            && !t.starts_with('/')
+            && !t.ends_with('/')
+            && !t.contains("//");
+        if !topic_ok {
+            return Err(format!(
+                "invalid topic: it must be 1-{MAX_TOPIC_BYTES} printable ASCII characters without + or # and without empty levels"
+            ));
+        }
+        if !self.body.is_object() {
+            return Err("body must be a JSON object".into());
+        }
+        if let Some(k) = &self.key {
+            crate::store::check_text("key", k, 256)?;
+        }
+        Ok(())
+    }
+}
+
+impl Item {
+    /// The label as it may appear in a log line: escaped and cut (it may hold a request id).
+    fn tidy_label(&mut self) {
+        let escaped: String = self.label.escape_debug().collect();
+        self.label = escaped.chars().take(MAX_LABEL_CHARS).collect();
+    }
+}
+
+/// Reads and validates one entry file.
+fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::ReadError> {
+    parse_entry(&crate::store::read_capped(
+        path,
+        crate::store::MAX_ENTRY_BYTES,
+    )?)
+}
+
+/// The bytes of one outbox / ingress entry parsed and validated (also the entry point for
+/// fuzzing).
+pub fn parse_entry(bytes: &[u8]) -> Result<Item, crate::store::ReadError> {
+    let mut item: Item = crate::store::parse_record(bytes)?;
+    item.tidy_label();
+    Ok(item)
+}
+
 struct Slot {
     item: Item,
     in_flight: Option<Vec<u8>>,
@@ -56,6 +113,9 @@ pub struct Outbox {
     dir: PathBuf,
     next_seq: u64,
     slots: BTreeMap<u64, Slot>,
+    /// Invalid entries that could not be moved to the quarantine folder: skipped from then on
+    /// (one ERROR line each, not one per rescan).
+    refused: std::collections::BTreeSet<u64>,
 }
 
 pub const MAX_IN_FLIGHT: usize = 64;
@@ -81,13 +141,14 @@ pub fn write_item(dir: &std::path::Path, item: &Item) -> std::io::Result<u64> {
 }
 
 impl Outbox {
-    /// Loads what a previous run left; corrupt files are moved aside.
+    /// Loads what a previous run left; a file that is not a valid entry is quarantined.
     pub fn load(dir: PathBuf) -> std::io::Result<Outbox> {
-        crate::store::ensure_private_dir(&dir)?;
+        crate::store::ensure_dir_or_quarantine(&dir)?;
         let mut o = Outbox {
             dir,
             next_seq: 1,
             slots: BTreeMap::new(),
+            refused: std::collections::BTreeSet::new(),
         };
         o.rescan();
         Ok(o)
@@ -102,7 +163,7 @@ impl Outbox {
     }
 
     /// Picks up items another process wrote into the folder since the last look (all of them,
-    /// at load); an unreadable file is moved aside.
+    /// at load); a file that is not a valid entry is quarantined (`store::quarantine`).
     pub fn rescan(&mut self) {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return;
@@ -115,28 +176,38 @@ impl Outbox {
             else {
                 continue;
             };
-            if self.slots.contains_key(&seq) {
+            if self.slots.contains_key(&seq) || self.refused.contains(&seq) {
                 continue;
             }
-            match std::fs::read(entry.path())
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Item>(&b).ok())
-            {
-                Some(item) => {
+            let path = entry.path();
+            if seq > MAX_SEQ {
+                let why =
+                    format!("queue sequence number {seq} is out of range (at most {MAX_SEQ})");
+                if crate::store::quarantine(&path, &why).is_err() {
+                    self.refused.insert(seq);
+                }
+                continue;
+            }
+            match read_entry(&path) {
+                Ok(item) => {
                     self.slots.insert(seq, Slot::new(item));
                     self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 }
-                None => {
-                    let aside = entry.path().with_extension("corrupt");
-                    log::warn!(
-                        "outbox file {} is unreadable; moved to {}",
-                        entry.path().display(),
-                        aside.display()
-                    );
-                    let _ = std::fs::rename(entry.path(), aside);
+                // Removed meanwhile (acknowledged, or picked up by someone else).
+                Err(crate::store::ReadError::Missing) => {}
+                Err(e) => {
+                    let why = format!("not a valid queue entry: {e}");
+                    if crate::store::quarantine(&path, &why).is_err() {
+                        self.refused.insert(seq);
+                    }
                 }
             }
         }
+    }
+
+    /// How often `seq` was sent without an acknowledgement so far.
+    pub fn attempts(&self, seq: u64) -> u32 {
+        self.slots.get(&seq).map(|s| s.attempts).unwrap_or(0)
     }
 
     /// The oldest item, if it is not in flight and is due (for strictly ordered sending).
@@ -234,27 +305,16 @@ impl Outbox {
         }
     }
 
-    /// Takes `seq` out of the queue and moves its file into `<dir>/../quarantine/` (kept for a
-    /// person to look at, never sent again). Returns the item and where its file went.
+    /// Takes `seq` out of the queue and moves its file into the state dir's quarantine folder
+    /// (kept for a person to look at, never sent again). Returns the item and where its file
+    /// went; the caller says so in its log line. A file that cannot be moved is deleted.
     pub fn quarantine(&mut self, seq: u64) -> Option<(Item, PathBuf)> {
         let slot = self.slots.remove(&seq)?;
         let from = self.dir.join(format!("{seq:020}.json"));
-        let aside_dir = self
-            .dir
-            .parent()
-            .map_or_else(|| self.dir.join("quarantine"), |p| p.join("quarantine"));
-        let name = format!(
-            "{}-{seq:020}.json",
-            self.dir
-                .file_name()
-                .map_or_else(|| "outbox".into(), |n| n.to_string_lossy().into_owned())
-        );
-        let to = aside_dir.join(name);
-        let moved =
-            crate::store::ensure_private_dir(&aside_dir).and_then(|()| std::fs::rename(&from, &to));
-        if moved.is_err() {
+        let to = crate::store::move_to_quarantine(&from).unwrap_or_else(|_| {
             let _ = std::fs::remove_file(&from);
-        }
+            crate::store::state_dir_of(&from).join(crate::store::QUARANTINE_DIR)
+        });
         Some((slot.item, to))
     }
 
@@ -269,10 +329,13 @@ impl Outbox {
     pub fn retry_later(&mut self, seq: u64, now: Instant) {
         if let Some(s) = self.slots.get_mut(&seq) {
             s.in_flight = None;
-            let secs = 2f64.powi(s.attempts.min(6) as i32).min(60.0);
-            s.next_try = now
-                .checked_add(Duration::from_secs_f64(secs))
-                .unwrap_or(now);
+            const BACKOFF_S: [u64; 7] = [1, 2, 4, 8, 16, 32, 60];
+            let secs = usize::try_from(s.attempts)
+                .ok()
+                .and_then(|a| BACKOFF_S.get(a))
+                .copied()
+                .unwrap_or(60);
+            s.next_try = now.checked_add(Duration::from_secs(secs)).unwrap_or(now);
         }
     }
 
@@ -392,5 +455,100 @@ mod tests {
         let o = Outbox::load(dir.clone()).unwrap();
         assert_eq!(o.len(), 2, "corrupt file set aside");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_bad_entry_that_cannot_be_moved_is_skipped_not_retried() {
+        let state = std::env::temp_dir().join(format!("cw-outbox-r-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let dir = state.join("outbox");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A file where the quarantine folder would go: nothing can be moved there.
+        std::fs::write(state.join("quarantine"), "").unwrap();
+        std::fs::write(dir.join("00000000000000000007.json"), "{").unwrap();
+        let mut o = Outbox::load(dir.clone()).unwrap();
+        assert!(o.is_empty());
+        assert!(o.refused.contains(&7));
+        o.rescan();
+        assert!(o.is_empty() && dir.join("00000000000000000007.json").exists());
+        std::fs::remove_dir_all(&state).unwrap();
+    }
+
+    #[test]
+    fn hostile_entries_are_quarantined_and_the_rest_load() {
+        let state = std::env::temp_dir().join(format!("cw-outbox-h-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let dir = state.join("outbox");
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = |topic: &str| json!({"topic": topic, "body": {"a": 1}, "label": "l"});
+        let entry = |n: u64| dir.join(format!("{n:020}.json"));
+        let hostile: Vec<(u64, Vec<u8>)> = vec![
+            (1, b"".to_vec()),
+            (2, b"{\"topic\":\"a/b\",\"bo".to_vec()),
+            (3, vec![0, 159, 146, 150, 255, 10]),
+            (4, br#"{"topic":42,"body":{},"label":"l"}"#.to_vec()),
+            (5, good("a/+/b").to_string().into_bytes()),
+            (6, good("a/#").to_string().into_bytes()),
+            (7, good("a/b\u{0}").to_string().into_bytes()),
+            (8, good("/a").to_string().into_bytes()),
+            (9, good("a//b").to_string().into_bytes()),
+            (
+                10,
+                good(&"x".repeat(MAX_TOPIC_BYTES + 1))
+                    .to_string()
+                    .into_bytes(),
+            ),
+            (11, br#"{"topic":"a/b","body":[1],"label":"l"}"#.to_vec()),
+            (
+                12,
+                br#"{"topic":"a/b","body":{},"label":"l","key":"k
+x"}"#
+                    .to_vec(),
+            ),
+            (13, {
+                let mut v = br#"{"topic":"a/b","label":"l","body":{"x":""#.to_vec();
+                v.extend(std::iter::repeat_n(
+                    b'x',
+                    crate::store::MAX_ENTRY_BYTES as usize,
+                ));
+                v.extend(b"\"}}");
+                v
+            }),
+        ];
+        for (n, bytes) in &hostile {
+            std::fs::write(entry(*n), bytes).unwrap();
+        }
+        std::fs::write(entry(u64::MAX), good("a/b").to_string()).unwrap();
+        let label = format!("done \u{1b}[31m\nFORGED {}", "y".repeat(5000));
+        std::fs::write(
+            entry(20),
+            json!({"topic": "cyberwave/x/update-status", "body": {"ok": true}, "label": label})
+                .to_string(),
+        )
+        .unwrap();
+        let mut o = Outbox::load(dir.clone()).unwrap();
+        assert_eq!(o.len(), 1, "only the valid entry is queued");
+        let (seq, item) = o.head_due(Instant::now()).unwrap();
+        assert_eq!(seq, 20);
+        assert!(!item.label.contains('\n') && !item.label.contains('\u{1b}'));
+        assert!(item.label.chars().count() <= MAX_LABEL_CHARS);
+        let quarantined = std::fs::read_dir(state.join("quarantine")).unwrap().count();
+        assert_eq!(quarantined, hostile.len() + 1, "every bad file moved aside");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        let next = o.push(Item {
+            topic: "t/1".into(),
+            body: json!({}),
+            label: "x".into(),
+            key: None,
+        });
+        assert!(next.unwrap() > 20);
+        let (_, aside) = o.quarantine(20).unwrap();
+        assert!(aside.starts_with(state.join("quarantine")) && aside.exists());
+        assert!(!entry(20).exists());
+        assert_eq!(
+            std::fs::read_dir(state.join("quarantine")).unwrap().count(),
+            hostile.len() + 2
+        );
+        std::fs::remove_dir_all(&state).unwrap();
     }
 }

@@ -4,7 +4,7 @@
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Writes `data` to `path` atomically: a temp file beside it (created with `mode`), fsync,
 /// rename over the target, fsync of the directory. A crash leaves the old or the new file.
@@ -60,6 +60,16 @@ pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
 }
 
+/// Like [`ensure_private_dir`], but something else in the directory's place (a file, a
+/// dangling link) is quarantined first: a corrupted state dir never stops the node.
+pub fn ensure_dir_or_quarantine(dir: &Path) -> io::Result<()> {
+    // Something is there (maybe a dangling link) but it is no directory, nor a link to one.
+    if fs::symlink_metadata(dir).is_ok() && !dir.is_dir() {
+        let _ = quarantine(dir, "expected a directory");
+    }
+    ensure_private_dir(dir)
+}
+
 /// Maps an identifier from the outside world to a file-name-safe id (decision D7): keeps
 /// `[A-Za-z0-9._-]`, replaces anything else with `_`, at most 64 characters; an id that was
 /// changed or cut (a leading `.` becomes `_`), or that is empty, gets `-<8 hex>` of a stable hash of the
@@ -85,6 +95,317 @@ pub fn safe_id(id: &str) -> String {
         out.push_str(&format!("-{:08x}", fnv1a32(id.as_bytes())));
     }
     out
+}
+
+// ---- reading state back: bounded, validated, quarantined -----------------------------------
+
+/// Largest `meta.json`, `started.json`, `exit.json`, `cursor.json`, identity or node id read.
+pub const MAX_RECORD_BYTES: u64 = 64 * 1024;
+/// Largest outbox / ingress queue entry or `params.json` read (the payload limit, D32).
+pub const MAX_ENTRY_BYTES: u64 = 4 * 1024 * 1024;
+/// The folder below the state dir where refused files go.
+pub const QUARANTINE_DIR: &str = "quarantine";
+
+/// A persisted record that checks its own values after it was parsed: numbers finite and in
+/// range, ids of the allowed shape. `Err` says which field and why.
+pub trait Validate {
+    fn validate(&self) -> Result<(), String>;
+}
+
+/// Why a persisted file could not be used.
+#[derive(Debug)]
+pub enum ReadError {
+    /// There is no such file (nothing to quarantine).
+    Missing,
+    /// The file exists but could not be read (permissions, I/O): left where it is.
+    Io(io::Error),
+    /// Larger than the cap for its kind.
+    TooBig { size: u64, cap: u64 },
+    /// Not valid JSON of the expected shape, or a value out of range.
+    Invalid(String),
+}
+
+impl ReadError {
+    /// Whether the file itself is bad (and should be quarantined), not merely absent or
+    /// unreadable for now.
+    pub fn is_bad_content(&self) -> bool {
+        matches!(self, ReadError::TooBig { .. } | ReadError::Invalid(_))
+    }
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Missing => write!(f, "missing"),
+            ReadError::Io(e) => write!(f, "cannot be read: {e}"),
+            ReadError::TooBig { size, cap } => {
+                write!(f, "{size} bytes, more than the {cap} bytes allowed")
+            }
+            ReadError::Invalid(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+/// Reads a whole file, refusing one larger than `cap` bytes (it is never read into memory).
+pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
+    use std::io::Read;
+    let f = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
+        Err(e) => return Err(ReadError::Io(e)),
+    };
+    let md = f.metadata().map_err(ReadError::Io)?;
+    if !md.is_file() {
+        return Err(ReadError::Invalid("not a regular file".into()));
+    }
+    if md.len() > cap {
+        return Err(ReadError::TooBig {
+            size: md.len(),
+            cap,
+        });
+    }
+    let mut buf = Vec::new();
+    // The file may grow between the size check and the read: never read past the cap.
+    f.take(cap.saturating_add(1))
+        .read_to_end(&mut buf)
+        .map_err(ReadError::Io)?;
+    let len = u64::try_from(buf.len()).unwrap_or(u64::MAX);
+    if len > cap {
+        return Err(ReadError::TooBig { size: len, cap });
+    }
+    Ok(buf)
+}
+
+/// Parses a persisted record (at most `cap` bytes) and validates it.
+pub fn parse_record<T>(bytes: &[u8]) -> Result<T, ReadError>
+where
+    T: serde::de::DeserializeOwned + Validate,
+{
+    let value: T = serde_json::from_slice(bytes).map_err(|e| ReadError::Invalid(e.to_string()))?;
+    value.validate().map_err(ReadError::Invalid)?;
+    Ok(value)
+}
+
+/// Reads, parses and validates a persisted record of at most `cap` bytes.
+pub fn read_record<T>(path: &Path, cap: u64) -> Result<T, ReadError>
+where
+    T: serde::de::DeserializeOwned + Validate,
+{
+    parse_record(&read_capped(path, cap)?)
+}
+
+/// Like [`read_record`], but a file that is there and bad is quarantined (with its one ERROR
+/// line); `None` for a missing, unreadable or bad file.
+pub fn load_record<T>(path: &Path, cap: u64, what: &str) -> Option<T>
+where
+    T: serde::de::DeserializeOwned + Validate,
+{
+    match read_record(path, cap) {
+        Ok(v) => Some(v),
+        Err(ReadError::Missing) => None,
+        Err(e) if e.is_bad_content() => {
+            let _ = quarantine(path, &format!("not a valid {what}: {e}"));
+            None
+        }
+        Err(e) => {
+            log::error!("{} {e}; ignored", shown(path));
+            None
+        }
+    }
+}
+
+/// The state dir a persisted file belongs to (the layout of DESIGN §4): `<state>/<file>`,
+/// `<state>/outbox|ingress/<file>`, `<state>/workloads/<id>[/<file>]`.
+pub fn state_dir_of(path: &Path) -> PathBuf {
+    let name = |p: Option<&Path>| {
+        p.and_then(Path::file_name)
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let parent = path.parent();
+    let grandparent = parent.and_then(Path::parent);
+    let up = |p: Option<&Path>| {
+        p.map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."))
+    };
+    if name(parent) == "workloads" {
+        up(grandparent)
+    } else if name(grandparent) == "workloads" {
+        up(grandparent.and_then(Path::parent))
+    } else if matches!(name(parent).as_str(), "outbox" | "ingress") {
+        up(grandparent)
+    } else {
+        up(parent)
+    }
+}
+
+/// A path as it may appear in a log line: control characters and odd Unicode escaped (a file
+/// name is outside text), and cut.
+pub fn shown(path: &Path) -> String {
+    clip(&path.display().to_string(), 512)
+}
+
+/// Text from outside for a log line: escaped, at most `max` characters.
+pub fn clip(text: &str, max: usize) -> String {
+    let escaped: String = text.escape_debug().collect();
+    if escaped.chars().count() > max {
+        let cut: String = escaped.chars().take(max).collect();
+        format!("{cut}…")
+    } else {
+        escaped
+    }
+}
+
+/// Moves a persisted file (or a workload directory) that does not validate out of the way,
+/// into `<state dir>/quarantine/<UTC time>-<where it was>`, and says so in ONE ERROR line
+/// (what, why, where it went). The node carries on without it. Returns the new path; if the
+/// move fails the file is left in place (and the ERROR line says that instead).
+pub fn quarantine(path: &Path, why: &str) -> io::Result<PathBuf> {
+    let result = move_to_quarantine(path);
+    match &result {
+        Ok(dest) => log::error!(
+            "quarantined {}: {}; moved to {}",
+            shown(path),
+            clip(why, 400),
+            shown(dest)
+        ),
+        Err(e) => log::error!(
+            "{} is invalid ({}) but cannot be moved to {}: {e}; ignoring it",
+            shown(path),
+            clip(why, 400),
+            shown(&state_dir_of(path).join(QUARANTINE_DIR))
+        ),
+    }
+    result
+}
+
+/// What [`quarantine`] does without its log line (for callers that say it themselves).
+pub fn move_to_quarantine(path: &Path) -> io::Result<PathBuf> {
+    let state = state_dir_of(path);
+    let qdir = state.join(QUARANTINE_DIR);
+    let rel = path.strip_prefix(&state).unwrap_or(path);
+    let flat: String = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .filter(|c| c != "/")
+        .collect::<Vec<_>>()
+        .join("-");
+    // File-name safe and bounded (the name came from the state dir, which anyone with access
+    // may have filled with anything).
+    let flat: String = flat
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(160)
+        .collect();
+    let stamp: String = crate::util::rfc3339(std::time::SystemTime::now())
+        .chars()
+        .take_while(|c| *c != '.')
+        .filter(|c| *c != '-' && *c != ':')
+        .collect();
+    ensure_private_dir(&qdir).and_then(|()| {
+        let mut n: u32 = 0;
+        loop {
+            let name = if n == 0 {
+                format!("{stamp}Z-{flat}")
+            } else {
+                format!("{stamp}Z-{n}-{flat}")
+            };
+            let dest = qdir.join(name);
+            if fs::symlink_metadata(&dest).is_err() {
+                fs::rename(path, &dest)?;
+                return Ok(dest);
+            }
+            n = n.checked_add(1).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::AlreadyExists, "no free quarantine name")
+            })?;
+        }
+    })
+}
+
+// ---- value checks shared by the persisted records (the ranges of D20) ---------------------
+
+/// Longest number of seconds a record may hold (30 days, D20).
+pub const MAX_SECONDS: f64 = 30.0 * 24.0 * 3600.0;
+/// Latest Unix time a record may hold (year 9999): later is corruption, and it keeps every
+/// difference of two times far from overflow.
+pub const MAX_UNIX: f64 = 253_402_300_799.0;
+
+/// A workload uuid or similar id (D20): 1–256 bytes of printable ASCII without `+`, `#`, `/`.
+pub fn check_id(field: &str, v: &str) -> Result<(), String> {
+    let ok = !v.is_empty()
+        && v.len() <= 256
+        && v.bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'+' | b'#' | b'/'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} must be 1-256 printable ASCII characters without + # / or whitespace"
+        ))
+    }
+}
+
+/// A process id: 1..=2^31-1.
+pub fn check_pid(field: &str, v: i32) -> Result<(), String> {
+    if v >= 1 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} must be a pid from 1 to 2147483647, got {v}"
+        ))
+    }
+}
+
+/// A number of seconds: finite, from `min` (exclusive when `min` is 0 and `zero_ok` is false)
+/// to 30 days.
+pub fn check_seconds(field: &str, v: f64, zero_ok: bool) -> Result<(), String> {
+    let low_ok = if zero_ok { v >= 0.0 } else { v > 0.0 };
+    if v.is_finite() && low_ok && v <= MAX_SECONDS {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} must be a number of seconds {} 0 and at most {MAX_SECONDS}, got {v}",
+            if zero_ok { "from" } else { "above" }
+        ))
+    }
+}
+
+/// A Unix time in seconds: finite, from 0 to the year 9999.
+pub fn check_unix(field: &str, v: f64) -> Result<(), String> {
+    if v.is_finite() && (0.0..=MAX_UNIX).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} must be a Unix time from 0 to {MAX_UNIX}, got {v}"
+        ))
+    }
+}
+
+/// Byte offsets (log cursors): each at most `max`, so that sums of them cannot overflow.
+pub fn check_offsets(field: &str, values: &[u64], max: u64) -> Result<(), String> {
+    if values.iter().all(|v| *v <= max) {
+        Ok(())
+    } else {
+        Err(format!("{field} must be at most {max}"))
+    }
+}
+
+/// Short printable text (a timestamp, a boot id, a label): at most `max` bytes, no control
+/// characters.
+pub fn check_text(field: &str, v: &str, max: usize) -> Result<(), String> {
+    if v.len() <= max && !v.chars().any(char::is_control) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} must be at most {max} bytes without control characters"
+        ))
+    }
 }
 
 /// FNV-1a, 32 bit: stable across builds and platforms (unlike std's hasher).
@@ -127,6 +448,126 @@ mod tests {
         assert_ne!(safe_id("a/b"), safe_id("a_b"));
         assert_ne!(safe_id("a/b"), safe_id("a?b"));
         assert_eq!(safe_id("a/b"), safe_id("a/b"));
+    }
+
+    fn scratch(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("cw-store-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        ensure_private_dir(&dir).unwrap();
+        dir
+    }
+
+    #[derive(serde::Deserialize, Debug)]
+    struct Rec {
+        n: f64,
+    }
+    impl Validate for Rec {
+        fn validate(&self) -> Result<(), String> {
+            check_seconds("n", self.n, false)
+        }
+    }
+
+    #[test]
+    fn hostile_records_are_refused_with_a_reason() {
+        let dir = scratch("rec");
+        let p = dir.join("r.json");
+        for (text, want) in [
+            ("", "EOF"),
+            ("{\"n\":", "EOF"),
+            ("\u{0}\u{1}\u{ff}binary", "expected value"),
+            ("{\"n\":\"5\"}", "invalid type"),
+            ("{\"n\":1e19}", "at most"),
+            ("{\"n\":-1}", "above 0"),
+            ("{\"n\":0}", "above 0"),
+            ("[]", "invalid length"),
+        ] {
+            fs::write(&p, text).unwrap();
+            let e = read_record::<Rec>(&p, 100).unwrap_err();
+            assert!(e.is_bad_content(), "{text:?}");
+            assert!(e.to_string().contains(want), "{text:?}: {e}");
+        }
+        fs::write(&p, format!("{{\"n\":1{}}}", " ".repeat(200))).unwrap();
+        let e = read_record::<Rec>(&p, 100).unwrap_err();
+        assert!(matches!(e, ReadError::TooBig { cap: 100, .. }), "{e}");
+        fs::write(&p, "{\"n\":2.5}").unwrap();
+        assert_eq!(read_record::<Rec>(&p, 100).unwrap().n, 2.5);
+        assert!(matches!(
+            read_record::<Rec>(&dir.join("absent"), 100),
+            Err(ReadError::Missing)
+        ));
+        let e = read_record::<Rec>(&dir, 100).unwrap_err();
+        assert!(e.is_bad_content(), "a directory is not a record: {e}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn quarantine_moves_the_file_into_the_state_dirs_quarantine_folder() {
+        let state = scratch("q");
+        for rel in [
+            "ledger.jsonl",
+            "outbox/00000000000000000001.json",
+            "ingress/00000000000000000002.json",
+            "workloads/w\n1/meta.json",
+            "workloads/w2",
+        ] {
+            let p = state.join(rel);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            if rel == "workloads/w2" {
+                fs::create_dir_all(&p).unwrap();
+            } else {
+                fs::write(&p, "x").unwrap();
+            }
+            let dest = quarantine(&p, "bad").unwrap();
+            assert!(!p.exists(), "{rel} moved away");
+            assert!(dest.exists());
+            assert_eq!(dest.parent().unwrap(), state.join(QUARANTINE_DIR), "{rel}");
+            let name = dest.file_name().unwrap().to_string_lossy().into_owned();
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
+                "{name}"
+            );
+            let flat = rel.replace('/', "-").replace('\n', "_");
+            assert!(name.ends_with(&format!("Z-{flat}")), "{name} for {rel:?}");
+        }
+        // The same name twice: both kept.
+        fs::write(state.join("ledger.jsonl"), "y").unwrap();
+        let second = quarantine(&state.join("ledger.jsonl"), "again").unwrap();
+        assert!(second.exists());
+        assert_eq!(fs::read_dir(state.join(QUARANTINE_DIR)).unwrap().count(), 6);
+        assert!(quarantine(&state.join("absent"), "x").is_err());
+        fs::remove_dir_all(&state).unwrap();
+    }
+
+    #[test]
+    fn a_file_where_a_directory_belongs_is_quarantined() {
+        let state = scratch("dir");
+        let outbox = state.join("outbox");
+        fs::write(&outbox, "not a dir").unwrap();
+        ensure_dir_or_quarantine(&outbox).unwrap();
+        assert!(outbox.is_dir());
+        assert_eq!(fs::read_dir(state.join(QUARANTINE_DIR)).unwrap().count(), 1);
+        ensure_dir_or_quarantine(&outbox).unwrap();
+        assert_eq!(fs::read_dir(state.join(QUARANTINE_DIR)).unwrap().count(), 1);
+        fs::remove_dir_all(&state).unwrap();
+    }
+
+    #[test]
+    fn value_checks_hold_the_d20_ranges() {
+        for bad in ["", "a/b", "a#", "+", "a b", "\u{7f}", "é", &"x".repeat(257)] {
+            assert!(check_id("f", bad).is_err(), "{bad:?}");
+        }
+        assert!(check_id("f", &"x".repeat(256)).is_ok());
+        assert!(check_pid("p", 0).is_err() && check_pid("p", -5).is_err());
+        assert!(check_pid("p", i32::MAX).is_ok() && check_pid("p", 1).is_ok());
+        for bad in [f64::NAN, f64::INFINITY, -0.5, 1e19, MAX_SECONDS + 1.0] {
+            assert!(check_seconds("s", bad, true).is_err(), "{bad}");
+        }
+        assert!(check_seconds("s", 0.0, true).is_ok() && check_seconds("s", 0.0, false).is_err());
+        assert!(check_unix("t", 1e12).is_err() && check_unix("t", f64::NAN).is_err());
+        assert!(check_text("t", "a\nb", 10).is_err() && check_text("t", "abc", 2).is_err());
+        assert!(check_offsets("o", &[0, u64::MAX], 1 << 50).is_err());
+        assert!(check_offsets("o", &[1 << 50, 0], 1 << 50).is_ok());
     }
 
     #[test]

@@ -21,6 +21,7 @@ mod logs;
 mod manifest_corpus;
 mod no_panic;
 mod operate;
+mod persist;
 mod platform;
 mod results;
 mod statedir;

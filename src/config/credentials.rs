@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::store;
+
 /// What the node reads from `<config dir>/credentials.json`. A missing or non-JSON file counts
 /// as "no credentials"; a blank token as no token.
 #[derive(Debug, Clone, Default)]
@@ -92,16 +94,44 @@ pub struct Identity {
     pub standalone: bool,
 }
 
+impl store::Validate for Identity {
+    fn validate(&self) -> Result<(), String> {
+        // The uuid and slug reach MQTT topics and paths.
+        if !self.uuid.is_empty() {
+            store::check_id("uuid", &self.uuid)?;
+        }
+        if !self.slug.is_empty() {
+            store::check_id("slug", &self.slug)?;
+        }
+        if let Some(w) = &self.workspace_slug {
+            store::check_text("workspace_slug", w, 256)?;
+        }
+        if let Some(r) = &self.registered_at {
+            store::check_text("registered_at", r, 64)?;
+        }
+        Ok(())
+    }
+}
+
 impl Identity {
-    /// Reads the identity file. Absent → `Ok(None)`; unreadable or corrupt → `Err` with a
-    /// message (the caller warns and registers afresh rather than dying).
+    /// Reads the identity file. Absent → `Ok(None)`; one that does not validate (torn,
+    /// binary, wrong-typed, over 64 KiB, a uuid that is not topic-safe) is quarantined with
+    /// one ERROR line and counts as absent: the node registers afresh rather than dying.
+    /// Unreadable → `Err` with a message (the caller warns and carries on).
     pub fn load(path: &Path) -> Result<Option<Identity>, String> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => serde_json::from_str::<Identity>(&text)
-                .map(|i| Some(i).filter(|i| !i.uuid.trim().is_empty()))
-                .map_err(|e| format!("{} is not a valid identity file: {e}", path.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        match store::read_record::<Identity>(path, store::MAX_RECORD_BYTES) {
+            Ok(i) => Ok(Some(i).filter(|i| !i.uuid.trim().is_empty())),
+            Err(store::ReadError::Missing) => Ok(None),
+            Err(e) if e.is_bad_content() => {
+                let _ = store::quarantine(
+                    path,
+                    &format!(
+                        "not a valid instance identity ({e}); the node registers a new instance"
+                    ),
+                );
+                Ok(None)
+            }
+            Err(e) => Err(format!("{} {e}", store::shown(path))),
         }
     }
 
@@ -112,6 +142,38 @@ impl Identity {
         let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
         crate::store::write_atomic(path, &text, 0o600)
     }
+}
+
+/// Longest MQTT client id the node keeps (MQTT 3.1.1's portable limit).
+const MAX_NODE_ID: usize = 23;
+
+/// The MQTT client id kept in `<state dir>/node_id` (decision D15): `cloud_node_` and letters
+/// or digits, at most 23 characters. `None` when absent or unreadable; a file that holds
+/// anything else (or is over 64 KiB) is quarantined with one ERROR line, and the caller makes
+/// a new id.
+pub fn load_node_id(path: &Path) -> Option<String> {
+    let why = match store::read_capped(path, store::MAX_RECORD_BYTES) {
+        Ok(bytes) => match std::str::from_utf8(&bytes).map(str::trim) {
+            Ok(id)
+                if id.starts_with("cloud_node_")
+                    && id.len() <= MAX_NODE_ID
+                    && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+            {
+                return Some(id.to_string());
+            }
+            _ => format!(
+                "not a valid MQTT client id (cloud_node_ and at most {MAX_NODE_ID} letters, digits or _); a new one is made"
+            ),
+        },
+        Err(store::ReadError::Missing) => return None,
+        Err(e) if e.is_bad_content() => format!("not a valid MQTT client id ({e}); a new one is made"),
+        Err(e) => {
+            log::error!("{} {e}; a new client id is made", store::shown(path));
+            return None;
+        }
+    };
+    let _ = store::quarantine(path, &why);
+    None
 }
 
 #[cfg(test)]
@@ -224,7 +286,70 @@ mod tests {
             0o600
         );
         std::fs::write(&p, "{").unwrap();
-        assert!(Identity::load(&p).is_err());
+        assert_eq!(Identity::load(&p).unwrap(), None, "quarantined");
+        assert!(!p.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hostile_identity_files_are_quarantined() {
+        let dir = std::env::temp_dir().join(format!("cw-ident-h-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("instance_identity.json");
+        let cases: Vec<Vec<u8>> = vec![
+            b"".to_vec(),
+            br#"{"uuid":"u-1","sl"#.to_vec(),
+            vec![0, 0xff, 0xfe, 0x1b],
+            br#"{"uuid":42}"#.to_vec(),
+            br#"{"uuid":"a/#"}"#.to_vec(),
+            br#"{"uuid":"u","slug":"s l"}"#.to_vec(),
+            br#"{"uuid":"u","registered_at":"x
+y"}"#
+                .to_vec(),
+            format!(r#"{{"uuid":"u","slug":"{}"}}"#, "x".repeat(70_000)).into_bytes(),
+        ];
+        for (n, bytes) in cases.iter().enumerate() {
+            std::fs::write(&p, bytes).unwrap();
+            assert_eq!(Identity::load(&p).unwrap(), None, "case {n}");
+            assert!(!p.exists(), "case {n} moved aside");
+        }
+        assert_eq!(
+            std::fs::read_dir(dir.join("quarantine")).unwrap().count(),
+            cases.len()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hostile_node_ids_are_quarantined_and_good_ones_kept() {
+        let dir = std::env::temp_dir().join(format!("cw-nodeid-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("node_id");
+        assert_eq!(load_node_id(&p), None);
+        std::fs::write(&p, "cloud_node_ab12\n").unwrap();
+        assert_eq!(load_node_id(&p).as_deref(), Some("cloud_node_ab12"));
+        let huge = "cloud_node_".to_string() + &"a".repeat(100_000);
+        for bad in [
+            "",
+            "x",
+            "cloud_node_a/b",
+            "cloud_node_#",
+            "cloud_node_0123456789abc",
+            "cloud_node_é",
+            huge.as_str(),
+        ] {
+            std::fs::write(&p, bad).unwrap();
+            assert_eq!(load_node_id(&p), None, "{bad:.40}");
+            assert!(!p.exists(), "{bad:.40} moved aside");
+        }
+        std::fs::write(&p, [0xffu8, 0xfe]).unwrap();
+        assert_eq!(load_node_id(&p), None);
+        assert_eq!(
+            std::fs::read_dir(dir.join("quarantine")).unwrap().count(),
+            8
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -62,6 +62,16 @@ pub struct Cursor {
     pub stderr_base: u64,
 }
 
+/// Largest log offset a cursor may hold (1 PiB): far beyond any log, far from overflow.
+pub const MAX_CURSOR: u64 = 1 << 50;
+
+impl crate::store::Validate for Cursor {
+    fn validate(&self) -> Result<(), String> {
+        let all = [self.stdout, self.stderr, self.stdout_base, self.stderr_base];
+        crate::store::check_offsets("log offsets", &all, MAX_CURSOR)
+    }
+}
+
 impl Node {
     /// Asks the tailer for the next slice of every stream that is due.
     pub(super) fn pump_streams(&mut self, interval_due: bool) {

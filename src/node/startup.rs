@@ -340,18 +340,8 @@ pub fn mqtt_options(
 
 /// The MQTT client id, generated once and kept (decision D15) so restarts resume the session.
 fn client_id(path: &Path) -> std::io::Result<String> {
-    if let Ok(text) = std::fs::read_to_string(path) {
-        let id = text.trim();
-        if id.starts_with("cloud_node_")
-            && id.len() <= 23
-            && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        {
-            return Ok(id.to_string());
-        }
-        log::warn!(
-            "{} holds no valid client id; generating a new one",
-            path.display()
-        );
+    if let Some(id) = crate::config::credentials::load_node_id(path) {
+        return Ok(id);
     }
     let id = format!("cloud_node_{}", util::hex(&util::random_bytes::<4>()));
     store::write_atomic(path, id.as_bytes(), 0o600)?;

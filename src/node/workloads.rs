@@ -510,6 +510,12 @@ impl Node {
             return;
         }
         a.exited = None;
+        // A record rebuilt at recovery: whatever the exit, its outcome cannot be trusted.
+        let lost = if a.meta.salvaged.is_some() {
+            Some(SALVAGED)
+        } else {
+            lost
+        };
         a.ending = Some(Ending {
             exit,
             lost,
@@ -848,6 +854,7 @@ impl Node {
 
     /// Re-adopts every workload in the state dir (run once, before the loop).
     pub(super) fn recover(&mut self) {
+        let _ = store::ensure_dir_or_quarantine(&self.layout.workloads());
         let Ok(entries) = std::fs::read_dir(self.layout.workloads()) else {
             return;
         };
@@ -866,28 +873,42 @@ impl Node {
             if name.ends_with(".corrupt") {
                 continue;
             }
-            let Some(mut meta) = workload::load_meta(&dir) else {
-                let aside = dir.with_extension("corrupt");
-                log::warn!(
-                    "{} has no readable record; moved to {}",
-                    dir.display(),
-                    aside.display()
-                );
-                let _ = std::fs::rename(&dir, &aside);
-                continue;
+            // Every file is validated; an invalid one is quarantined, and a workload whose
+            // record is bad is still tracked by what can be proven about it.
+            let (meta, salvaged) = match workload::recover_meta(&self.layout, &dir, &name) {
+                workload::Recovered::Intact(m) => (m, false),
+                workload::Recovered::Salvaged(m) => (m, true),
             };
-            if meta.safe_id != name {
-                meta.safe_id = name.clone();
-            }
+            let shown = store::clip(&name, 80);
             let Some(st) = meta.started.clone() else {
-                log::warn!("workload {name} never started (the node stopped while starting it); forgetting it");
-                let _ = std::fs::remove_dir_all(&dir);
+                if salvaged {
+                    // Nothing proves which process it was: report it (once) and retire it.
+                    self.report_unprovable(&name, meta, now);
+                } else {
+                    log::warn!("workload {shown} never started (the node stopped while starting it); forgetting it");
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 continue;
             };
-            let exit: Option<Exit> = workload::read_json(&dir.join("exit.json"));
-            let rid = meta.request_id_text();
+            if salvaged {
+                log::error!(
+                    "workload {shown} has no valid record ({}); tracking it by its pid {} and reporting its end as a failure{}",
+                    store::clip(meta.salvaged.as_deref().unwrap_or(""), 300),
+                    st.pid,
+                    if meta.workload_uuid.is_none() {
+                        " (its workload uuid is unknown: the backend cannot be told)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            let exit: Option<Exit> =
+                workload::load_json(&dir.join("exit.json"), "workload exit record");
+            // Outside text in a log line: escaped and cut (D31).
+            let rid = store::clip(&meta.request_id_text(), 120);
             let mut active = Active::new(meta, false, now);
-            let cursor: Cursor = workload::read_json(&dir.join("cursor.json")).unwrap_or_default();
+            let cursor: Cursor =
+                workload::load_json(&dir.join("cursor.json"), "log cursor").unwrap_or_default();
             for (s, (at, base)) in active.streams.iter_mut().zip([
                 (cursor.stdout, cursor.stdout_base),
                 (cursor.stderr, cursor.stderr_base),
@@ -897,15 +918,15 @@ impl Node {
                 s.base = base;
             }
             self.active.insert(name.clone(), active);
-            if exit.is_some() {
+            if salvaged && (exit.is_some() || !alive(&st)) {
+                self.begin_ending(&name, exit, Some(SALVAGED));
+            } else if exit.is_some() {
                 log::info!("workload {rid} ended while the node was down; reporting it");
                 self.begin_ending(&name, exit, None);
             } else if !st.boot_id.is_empty() && st.boot_id != boot {
                 log::warn!("workload {rid} was lost: the host rebooted");
                 self.begin_ending(&name, None, Some("workload lost: host rebooted"));
-            } else if procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
-                || procinfo::same_process_alive(st.pid, st.start_ticks)
-            {
+            } else if alive(&st) {
                 log::info!("re-adopted running workload {rid} (pid {})", st.pid);
             } else {
                 log::warn!("workload {rid} was lost while the node was down");
@@ -916,6 +937,26 @@ impl Node {
                 );
             }
         }
+    }
+
+    /// A workload whose record did not validate and that no pid identity ties to a process:
+    /// its end is reported once (a failure, when its workload uuid is known; an ERROR line
+    /// otherwise) and its directory retired.
+    fn report_unprovable(&mut self, name: &str, meta: Meta, now: Instant) {
+        let shown = store::clip(name, 80);
+        let why = store::clip(meta.salvaged.as_deref().unwrap_or(""), 300);
+        match &meta.workload_uuid {
+            Some(wl) => log::error!(
+                "workload {shown} has no valid record ({why}) and no proof of its process; reporting workload {} as failed",
+                store::clip(wl, 80)
+            ),
+            None => log::error!(
+                "workload {shown} has no valid record ({why}), no proof of its process and no known workload uuid; it cannot be reported to the backend and is forgotten"
+            ),
+        }
+        self.active
+            .insert(name.to_string(), Active::new(meta, false, now));
+        self.begin_ending(name, None, Some(SALVAGED));
     }
 
     pub(super) fn active_workloads_json(&self) -> Value {
@@ -958,6 +999,16 @@ pub(super) fn held_note(held: u64) -> String {
     } else {
         format!(" ({held} more like it in the last minute not logged)")
     }
+}
+
+/// The error of a completion for a workload whose record did not validate at recovery.
+const SALVAGED: &str =
+    "workload record was corrupt (moved to the quarantine folder); its outcome cannot be trusted";
+
+/// The workload's shim or the workload itself is still the process it was (D9).
+fn alive(st: &workload::shim::Started) -> bool {
+    procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
+        || procinfo::same_process_alive(st.pid, st.start_ticks)
 }
 
 fn start_output(meta: &Meta) -> Value {

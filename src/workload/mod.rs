@@ -83,6 +83,11 @@ pub struct Meta {
     /// The workload's secret for `emit` (in its environment; this file is 0600).
     #[serde(default)]
     pub event_token: String,
+    /// Set when this record was rebuilt at recovery because the original did not validate
+    /// (what was wrong): the workload is tracked by what could be proven, and its end is
+    /// reported as a failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub salvaged: Option<String>,
 }
 
 impl Meta {
@@ -135,9 +140,10 @@ pub fn save_meta(layout: &Layout, meta: &Meta) -> std::io::Result<()> {
 }
 
 /// A workload's record from its directory, completed from the shim's `started.json` (the pid
-/// and start times are recorded there, not in `meta.json`).
+/// and start times are recorded there, not in `meta.json`). `None` when either does not
+/// validate; nothing is moved (for readers other than the node: `status`, `emit`).
 pub fn load_meta(dir: &Path) -> Option<Meta> {
-    let mut meta: Meta = read_json(&dir.join("meta.json"))?;
+    let mut meta = parse_meta(dir).ok()?;
     if meta.started.is_none() {
         meta.started = read_json(&dir.join("started.json"));
         if meta.started.is_some() {
@@ -147,8 +153,289 @@ pub fn load_meta(dir: &Path) -> Option<Meta> {
     Some(meta)
 }
 
-pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Option<T> {
-    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+/// A validated JSON record of at most 64 KiB (`None`: missing, unreadable or invalid; nothing
+/// is moved).
+pub fn read_json<T: serde::de::DeserializeOwned + store::Validate>(path: &Path) -> Option<T> {
+    store::read_record(path, store::MAX_RECORD_BYTES).ok()
+}
+
+/// Like [`read_json`], but a file that is there and invalid is quarantined (the node's own
+/// reads at recovery).
+pub fn load_json<T: serde::de::DeserializeOwned + store::Validate>(
+    path: &Path,
+    what: &str,
+) -> Option<T> {
+    store::load_record(path, store::MAX_RECORD_BYTES, what)
+}
+
+/// `meta.json` parsed and validated; the log paths are re-rooted in the state dir's log folder.
+fn parse_meta(dir: &Path) -> Result<Meta, store::ReadError> {
+    let bytes = store::read_capped(&dir.join("meta.json"), store::MAX_RECORD_BYTES)?;
+    parse_meta_bytes(&bytes, &logs_dir_of(dir))
+}
+
+/// The bytes of a `meta.json` parsed and validated (also the entry point for fuzzing); the log
+/// paths are re-rooted in `logs`.
+pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::ReadError> {
+    let mut meta: Meta = store::parse_record(bytes)?;
+    for p in [&mut meta.stdout_log, &mut meta.stderr_log] {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !log_name_ok(&name) {
+            return Err(store::ReadError::Invalid(format!(
+                "a log path must end in a plain file name, got {}",
+                store::shown(p)
+            )));
+        }
+        // Only the file name is trusted: a record can never point the node at a file
+        // outside its own log folder.
+        *p = logs.join(name);
+    }
+    if meta.workload_uuid.as_deref() == Some("") {
+        meta.workload_uuid = None;
+    }
+    Ok(meta)
+}
+
+/// `<state>/workload_logs` for a workload directory `<state>/workloads/<id>`.
+fn logs_dir_of(dir: &Path) -> PathBuf {
+    dir.parent()
+        .and_then(Path::parent)
+        .unwrap_or_else(|| Path::new("."))
+        .join("workload_logs")
+}
+
+fn log_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// How a workload's directory was read back at recovery.
+#[derive(Debug)]
+pub enum Recovered {
+    /// The record validated.
+    Intact(Meta),
+    /// `meta.json` did not validate (it is quarantined): this record was rebuilt from what
+    /// could be proven — the directory name, the pid identity (`started.json`), the
+    /// workload uuid (`params.json`), the log files' names. Its `salvaged` says why.
+    Salvaged(Meta),
+}
+
+/// A placeholder workload type for a rebuilt record whose type is unknown.
+pub const UNKNOWN_KIND: &str = "workload";
+
+/// Reads a workload's directory for recovery: every file validated, an invalid one
+/// quarantined (one ERROR line each), a bad `meta.json` replaced by a rebuilt record that is
+/// saved so the next start reads it as it is (recovery never repeats the same work or loops).
+pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
+    let meta_path = dir.join("meta.json");
+    let why = match parse_meta(dir) {
+        Ok(mut meta) => {
+            if meta.started.is_none() {
+                let path = dir.join("started.json");
+                match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
+                    Ok(st) => {
+                        meta.started = Some(st);
+                        meta.phase = Phase::Running;
+                    }
+                    Err(store::ReadError::Missing) => {}
+                    // The shim wrote it, so the workload did start: it cannot be tracked
+                    // without it, but it is reported, not forgotten.
+                    Err(e) => {
+                        let why = format!("started.json is not a valid workload start record: {e}");
+                        if e.is_bad_content() {
+                            let _ = store::quarantine(&path, &why);
+                        }
+                        meta.safe_id = name.to_string();
+                        meta.salvaged = Some(why);
+                        return Recovered::Salvaged(meta);
+                    }
+                }
+            }
+            meta.safe_id = name.to_string();
+            return if meta.salvaged.is_some() {
+                Recovered::Salvaged(meta)
+            } else {
+                Recovered::Intact(meta)
+            };
+        }
+        Err(store::ReadError::Missing) => "meta.json is missing".to_string(),
+        Err(e) => {
+            let why = format!("meta.json is not a valid workload record: {e}");
+            let _ = store::quarantine(&meta_path, &why);
+            why
+        }
+    };
+    let started: Option<Started> = load_json(&dir.join("started.json"), "workload start record");
+    let workload_uuid = store::load_record::<Params>(
+        &dir.join("params.json"),
+        store::MAX_ENTRY_BYTES,
+        "workload params file",
+    )
+    .and_then(|p| p.workload_uuid());
+    let kind = KINDS
+        .iter()
+        .find(|k| {
+            layout
+                .logs()
+                .join(format!("{k}_{name}.stdout.log"))
+                .exists()
+        })
+        .copied()
+        .unwrap_or(UNKNOWN_KIND);
+    let meta = Meta {
+        safe_id: name.to_string(),
+        kind: kind.to_string(),
+        request_id: Value::Null,
+        workload_uuid,
+        created_unix: unix_now(),
+        command: String::new(),
+        stdout_log: layout.logs().join(format!("{kind}_{name}.stdout.log")),
+        stderr_log: layout.logs().join(format!("{kind}_{name}.stderr.log")),
+        max_runtime_s: None,
+        phase: if started.is_some() {
+            Phase::Running
+        } else {
+            Phase::Starting
+        },
+        started,
+        cancel: None,
+        workflow: None,
+        event_token: String::new(),
+        salvaged: Some(why),
+    };
+    // Saved only when it names a process to track: a record without one is reported and
+    // retired right away.
+    if meta.started.is_some() && log_name_ok(name) {
+        if let Err(e) = save_meta(layout, &meta) {
+            log::warn!(
+                "cannot save the rebuilt record of workload {}: {e}",
+                store::clip(name, 80)
+            );
+        }
+    }
+    Recovered::Salvaged(meta)
+}
+
+/// `params.json` as far as the node reads it back: a JSON object.
+#[derive(Debug, Deserialize)]
+#[serde(transparent)]
+struct Params(Map<String, Value>);
+
+impl Params {
+    /// The workload uuid, if it is there and valid (D20).
+    fn workload_uuid(&self) -> Option<String> {
+        self.0
+            .get("workload_uuid")
+            .and_then(Value::as_str)
+            .filter(|u| store::check_id("workload_uuid", u).is_ok())
+            .map(String::from)
+    }
+}
+
+impl store::Validate for Params {
+    fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+impl store::Validate for Value {
+    fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+impl store::Validate for Started {
+    fn validate(&self) -> Result<(), String> {
+        store::check_pid("pid", self.pid)?;
+        store::check_pid("shim_pid", self.shim_pid)?;
+        store::check_text("boot_id", &self.boot_id, 64)?;
+        store::check_text("started_at", &self.started_at, 64)
+    }
+}
+
+impl store::Validate for shim::Exit {
+    fn validate(&self) -> Result<(), String> {
+        if let Some(c) = self.exit_code {
+            if !(0..=255).contains(&c) {
+                return Err(format!("exit_code must be from 0 to 255, got {c}"));
+            }
+        }
+        if let Some(sig) = self.signal {
+            if !(1..=64).contains(&sig) {
+                return Err(format!("signal must be from 1 to 64, got {sig}"));
+            }
+        }
+        store::check_text("started_at", &self.started_at, 64)?;
+        store::check_text("ended_at", &self.ended_at, 64)
+    }
+}
+
+impl store::Validate for Cancel {
+    fn validate(&self) -> Result<(), String> {
+        if !matches!(self.signal.as_str(), "SIGTERM" | "SIGINT" | "SIGKILL") {
+            return Err("cancel.signal must be SIGTERM, SIGINT or SIGKILL".into());
+        }
+        store::check_unix("cancel.requested_unix", self.requested_unix)?;
+        store::check_seconds("cancel.grace_s", self.grace_s, true)
+    }
+}
+
+impl store::Validate for WorkflowCtx {
+    fn validate(&self) -> Result<(), String> {
+        store::check_id("workflow.workflow", &self.workflow)?;
+        store::check_id("workflow.execution", &self.execution)?;
+        store::check_id("workflow.node", &self.node)?;
+        store::check_text("workflow.source_type", &self.source_type, 64)?;
+        if let Some(c) = &self.caller_uuid {
+            store::check_id("workflow.caller_uuid", c)?;
+        }
+        Ok(())
+    }
+}
+
+impl store::Validate for Meta {
+    fn validate(&self) -> Result<(), String> {
+        let kind_ok = KINDS.contains(&self.kind.as_str())
+            || (self.salvaged.is_some() && self.kind == UNKNOWN_KIND);
+        if !kind_ok {
+            return Err(format!("kind must be one of {}", KINDS.join(", ")));
+        }
+        if !matches!(
+            self.request_id,
+            Value::Null | Value::String(_) | Value::Number(_)
+        ) {
+            return Err("request_id must be a string or a number".into());
+        }
+        if let Some(u) = self.workload_uuid.as_deref().filter(|u| !u.is_empty()) {
+            store::check_id("workload_uuid", u)?;
+        }
+        store::check_unix("created_unix", self.created_unix)?;
+        if let Some(m) = self.max_runtime_s {
+            store::check_seconds("max_runtime_s", m, false)?;
+        }
+        if let Some(st) = &self.started {
+            st.validate()?;
+        }
+        if let Some(c) = &self.cancel {
+            c.validate()?;
+        }
+        if let Some(w) = &self.workflow {
+            w.validate()?;
+        }
+        if !self.event_token.chars().all(|c| c.is_ascii_alphanumeric())
+            || self.event_token.len() > 128
+        {
+            return Err("event_token must be at most 128 letters and digits".into());
+        }
+        Ok(())
+    }
 }
 
 /// What a start needs beyond the settings.
@@ -317,6 +604,7 @@ fn start_in(
         cancel: None,
         workflow: req.workflow.clone(),
         event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+        salvaged: None,
     };
     save_meta(layout, &meta).map_err(|e| format!("cannot write the workload record: {e}"))?;
 
@@ -591,6 +879,323 @@ mod tests {
         assert!(base64_decode("!!").is_none());
     }
 
+    fn scratch(tag: &str) -> Layout {
+        let state = std::env::temp_dir().join(format!("cw-wl-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(state.join("workloads/w1")).unwrap();
+        std::fs::create_dir_all(state.join("workload_logs")).unwrap();
+        Layout { state }
+    }
+
+    fn good_meta(layout: &Layout) -> Value {
+        serde_json::json!({
+            "safe_id": "w1", "kind": "inference", "request_id": "r1",
+            "workload_uuid": "wl-1", "created_unix": 1.7e9, "command": "echo hi",
+            "stdout_log": layout.logs().join("inference_w1.stdout.log"),
+            "stderr_log": layout.logs().join("inference_w1.stderr.log"),
+            "max_runtime_s": 60.0, "phase": "running",
+            "started": {"pid": 123456, "start_ticks": 5, "shim_pid": 123455,
+                        "shim_start_ticks": 4, "boot_id": "b", "started_at": "t"},
+            "event_token": "abc123"
+        })
+    }
+
+    #[test]
+    fn hostile_meta_records_are_refused() {
+        let layout = scratch("meta");
+        let dir = layout.dir("w1");
+        let meta_path = dir.join("meta.json");
+        let base = good_meta(&layout);
+        let with = |ptr: &str, v: Value| {
+            let mut m = base.clone();
+            *m.pointer_mut(ptr).unwrap() = v;
+            m.to_string().into_bytes()
+        };
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            ("truncated", base.to_string().as_bytes()[..40].to_vec()),
+            ("binary", vec![0x00, 0xff, 0x1b, b'[', 0x80]),
+            ("array", b"[]".to_vec()),
+            (
+                "huge runtime (finding 1)",
+                with("/max_runtime_s", serde_json::json!(1e19)),
+            ),
+            (
+                "negative runtime",
+                with("/max_runtime_s", serde_json::json!(-1)),
+            ),
+            ("zero runtime", with("/max_runtime_s", serde_json::json!(0))),
+            (
+                "runtime string",
+                with("/max_runtime_s", serde_json::json!("60")),
+            ),
+            ("pid 0", with("/started/pid", serde_json::json!(0))),
+            ("pid negative", with("/started/pid", serde_json::json!(-1))),
+            (
+                "pid too big",
+                with("/started/pid", serde_json::json!(2147483648u64)),
+            ),
+            (
+                "shim pid 0",
+                with("/started/shim_pid", serde_json::json!(0)),
+            ),
+            ("kind", with("/kind", serde_json::json!("rm -rf"))),
+            (
+                "uuid topic chars",
+                with("/workload_uuid", serde_json::json!("a/#")),
+            ),
+            ("uuid plus", with("/workload_uuid", serde_json::json!("+"))),
+            (
+                "uuid control",
+                with("/workload_uuid", serde_json::json!("a\nb")),
+            ),
+            ("uuid number", with("/workload_uuid", serde_json::json!(42))),
+            (
+                "request id object",
+                with("/request_id", serde_json::json!({"a": 1})),
+            ),
+            (
+                "created NaN-ish",
+                with("/created_unix", serde_json::json!(1e300)),
+            ),
+            (
+                "created negative",
+                with("/created_unix", serde_json::json!(-5)),
+            ),
+            (
+                "log without a name",
+                with("/stdout_log", serde_json::json!("/")),
+            ),
+            ("log empty", with("/stdout_log", serde_json::json!(""))),
+            (
+                "log dotdot",
+                with("/stderr_log", serde_json::json!("/x/..")),
+            ),
+            (
+                "log hidden",
+                with("/stderr_log", serde_json::json!("/x/.ssh")),
+            ),
+            ("token", with("/event_token", serde_json::json!("a b"))),
+            ("phase", with("/phase", serde_json::json!("flying"))),
+        ];
+        for (what, bytes) in &cases {
+            std::fs::write(&meta_path, bytes).unwrap();
+            assert!(parse_meta(&dir).is_err(), "{what} must be refused");
+            assert!(load_meta(&dir).is_none(), "{what}");
+        }
+        let mut cancel = base.clone();
+        cancel["cancel"] =
+            serde_json::json!({"signal": "SIGSTOP", "requested_unix": 1.0, "grace_s": 1.0});
+        std::fs::write(&meta_path, cancel.to_string()).unwrap();
+        assert!(parse_meta(&dir).is_err(), "cancel signal");
+        cancel["cancel"] =
+            serde_json::json!({"signal": "SIGTERM", "requested_unix": 1.0, "grace_s": 1e19});
+        std::fs::write(&meta_path, cancel.to_string()).unwrap();
+        assert!(parse_meta(&dir).is_err(), "grace");
+        let mut wf = base.clone();
+        wf["workflow"] = serde_json::json!({"workflow": "w/x", "execution": "e", "node": "n", "source_type": "edge"});
+        std::fs::write(&meta_path, wf.to_string()).unwrap();
+        assert!(parse_meta(&dir).is_err(), "workflow id");
+        let mut big = base.clone();
+        big["command"] = serde_json::json!("x".repeat(store::MAX_RECORD_BYTES as usize));
+        std::fs::write(&meta_path, big.to_string()).unwrap();
+        assert!(matches!(
+            parse_meta(&dir),
+            Err(store::ReadError::TooBig { .. })
+        ));
+
+        // The good one loads, and its log paths are re-rooted in the log folder.
+        let mut moved = base.clone();
+        moved["stdout_log"] = serde_json::json!("/somewhere/else/inference_w1.stdout.log");
+        moved["stderr_log"] = serde_json::json!("/etc/shadow");
+        std::fs::write(&meta_path, moved.to_string()).unwrap();
+        let m = parse_meta(&dir).unwrap();
+        assert_eq!(m.stdout_log, layout.logs().join("inference_w1.stdout.log"));
+        assert_eq!(
+            m.stderr_log,
+            layout.logs().join("shadow"),
+            "never outside the log folder"
+        );
+        assert_eq!(m.max_runtime_s, Some(60.0));
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    #[test]
+    fn hostile_exit_start_and_cursor_records_are_refused() {
+        let layout = scratch("exit");
+        let p = layout.dir("w1").join("x.json");
+        let exit = |v: Value| {
+            std::fs::write(&p, v.to_string()).unwrap();
+            read_json::<shim::Exit>(&p)
+        };
+        for bad in [
+            serde_json::json!({"signal": i32::MIN, "started_at": "", "ended_at": ""}),
+            serde_json::json!({"signal": 0, "started_at": "", "ended_at": ""}),
+            serde_json::json!({"exit_code": -1, "started_at": "", "ended_at": ""}),
+            serde_json::json!({"exit_code": 256, "started_at": "", "ended_at": ""}),
+            serde_json::json!({"exit_code": "0", "started_at": "", "ended_at": ""}),
+            serde_json::json!({"exit_code": 0, "started_at": "a\u{1b}[2J", "ended_at": ""}),
+            serde_json::json!({"exit_code": 0}),
+        ] {
+            assert!(exit(bad.clone()).is_none(), "{bad}");
+        }
+        let ok =
+            exit(serde_json::json!({"signal": 9, "started_at": "a", "ended_at": "b"})).unwrap();
+        assert_eq!(ok.code(), -9);
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    #[test]
+    fn a_workload_with_a_bad_record_is_salvaged_from_what_can_be_proven() {
+        let layout = scratch("salvage");
+        let dir = layout.dir("w1");
+        let mut bad = good_meta(&layout);
+        bad["max_runtime_s"] = serde_json::json!(1e19);
+        std::fs::write(dir.join("meta.json"), bad.to_string()).unwrap();
+        std::fs::write(dir.join("started.json"), bad["started"].to_string()).unwrap();
+        std::fs::write(dir.join("params.json"), r#"{"workload_uuid":"wl-9","x":1}"#).unwrap();
+        std::fs::write(layout.logs().join("training_w1.stdout.log"), "").unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("must be salvaged");
+        };
+        assert_eq!(m.workload_uuid.as_deref(), Some("wl-9"));
+        assert_eq!(m.kind, "training");
+        assert_eq!(m.pid(), 123456);
+        assert!(m.salvaged.as_deref().unwrap().contains("max_runtime_s"));
+        assert_eq!(m.max_runtime_s, None);
+        let q = layout.state.join("quarantine");
+        assert_eq!(
+            std::fs::read_dir(&q).unwrap().count(),
+            1,
+            "meta.json quarantined"
+        );
+        // The rebuilt record is saved: the next recovery reads it without quarantining again.
+        let Recovered::Salvaged(again) = recover_meta(&layout, &dir, "w1") else {
+            panic!("still a salvaged record");
+        };
+        assert_eq!(again.workload_uuid.as_deref(), Some("wl-9"));
+        assert_eq!(std::fs::read_dir(&q).unwrap().count(), 1);
+
+        // Nothing provable: no pid, params invalid (quarantined too), unknown kind.
+        std::fs::remove_file(dir.join("meta.json")).unwrap();
+        std::fs::write(dir.join("started.json"), r#"{"pid":-4}"#).unwrap();
+        std::fs::write(dir.join("params.json"), "\u{0}\u{0}").unwrap();
+        std::fs::remove_file(layout.logs().join("training_w1.stdout.log")).unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("salvaged");
+        };
+        assert!(m.started.is_none() && m.workload_uuid.is_none());
+        assert_eq!(m.kind, UNKNOWN_KIND);
+        assert_eq!(
+            std::fs::read_dir(&q).unwrap().count(),
+            3,
+            "started.json and params.json"
+        );
+        assert!(
+            !dir.join("meta.json").exists(),
+            "nothing to track: not saved"
+        );
+
+        // A valid record whose start record is bad: reported, not forgotten as "never started".
+        let mut no_start = good_meta(&layout);
+        no_start.as_object_mut().unwrap().remove("started");
+        std::fs::write(dir.join("meta.json"), no_start.to_string()).unwrap();
+        std::fs::write(dir.join("started.json"), r#"{"pid":0}"#).unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("a bad started.json makes it salvaged");
+        };
+        assert!(m.started.is_none());
+        assert_eq!(m.workload_uuid.as_deref(), Some("wl-1"));
+        assert!(m.salvaged.unwrap().contains("started.json"));
+        assert_eq!(std::fs::read_dir(&q).unwrap().count(), 4);
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// Mutated versions of valid records (bytes flipped, cut, repeated, numbers swapped for
+    /// edge values) never panic a loader, and whatever validates is safe for the arithmetic
+    /// the node does with it.
+    #[test]
+    fn mutated_records_never_panic_and_what_validates_is_safe_to_compute_with() {
+        let layout = scratch("mutate");
+        let logs = layout.logs();
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let edges = [
+            "1e19",
+            "-1",
+            "0",
+            "1e308",
+            "-0",
+            "2147483648",
+            "-2147483648",
+            "18446744073709551616",
+            "NaN",
+            "\"x\"",
+            "null",
+            "[]",
+            "{}",
+            "true",
+            "1e-320",
+        ];
+        let meta = good_meta(&layout).to_string();
+        let samples = [
+            meta.clone(),
+            r#"{"exit_code":0,"signal":9,"started_at":"a","ended_at":"b"}"#.to_string(),
+            r#"{"rid":"r","at":1.8e9,"ok":true,"body":{"pid":1}}"#.to_string(),
+            r#"{"topic":"a/b","body":{"x":1},"label":"l","key":"k"}"#.to_string(),
+        ];
+        for round in 0..4000u32 {
+            let base = samples.get(round as usize % samples.len()).unwrap();
+            let mut text = base.clone();
+            match rnd() % 4 {
+                0 => {
+                    // Swap a number for an edge value.
+                    let digits: Vec<usize> = text
+                        .char_indices()
+                        .filter(|(_, c)| c.is_ascii_digit())
+                        .map(|(i, _)| i)
+                        .collect();
+                    if let Some(i) = digits.get(rnd() as usize % digits.len().max(1)) {
+                        let edge = edges[rnd() as usize % edges.len()];
+                        text.replace_range(*i..*i + 1, edge);
+                    }
+                }
+                1 => text.truncate(rnd() as usize % (text.len() + 1)),
+                _ => {}
+            }
+            let mut bytes = text.into_bytes();
+            if rnd() % 2 == 0 && !bytes.is_empty() {
+                let i = rnd() as usize % bytes.len();
+                bytes[i] = rnd() as u8;
+            }
+            if let Ok(m) = parse_meta_bytes(&bytes, &logs) {
+                if let Some(r) = m.max_runtime_s {
+                    let left = (r - (unix_now() - m.created_unix).max(0.0)).max(0.0);
+                    let _ = std::time::Instant::now() + Duration::from_secs_f64(left);
+                }
+                assert!(m.stdout_log.starts_with(&logs) && m.stderr_log.starts_with(&logs));
+                assert!(m
+                    .started
+                    .as_ref()
+                    .is_none_or(|s| s.pid >= 1 && s.shim_pid >= 1));
+            }
+            if let Ok(e) = store::parse_record::<shim::Exit>(&bytes) {
+                let _ = e.code();
+            }
+            if let Ok(e) = crate::ledger::parse_line(&bytes) {
+                assert!(e.at.is_finite());
+            }
+            if let Ok(i) = crate::outbox::parse_entry(&bytes) {
+                assert!(!i.topic.contains('#') && !i.topic.contains('+'));
+            }
+        }
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
     #[test]
     fn summarises_failures() {
         let dir = std::env::temp_dir().join(format!("cw-sum-{}", std::process::id()));
@@ -610,6 +1215,7 @@ mod tests {
             cancel: None,
             workflow: None,
             event_token: String::new(),
+            salvaged: None,
         };
         assert_eq!(failure_summary(&meta, "fallback").0, "fallback");
         std::fs::write(dir.join("o"), "out line\n").unwrap();

@@ -20,20 +20,31 @@ pub fn shown(text: &str) -> Shown<'_> {
     Shown(text)
 }
 
+/// Like [`shown`] with another limit: at most `max` characters of `text`, escaped.
+pub fn cut(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    let _ = write_shown(&mut out, text, max);
+    out
+}
+
+fn write_shown(f: &mut impl Write, text: &str, max: usize) -> fmt::Result {
+    let mut chars = text.chars();
+    for c in chars.by_ref().take(max) {
+        if c == '\\' {
+            f.write_str("\\\\")?;
+        } else {
+            escape_char(f, c)?;
+        }
+    }
+    if chars.next().is_some() {
+        f.write_char('…')?;
+    }
+    Ok(())
+}
+
 impl Display for Shown<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut chars = self.0.chars();
-        for c in chars.by_ref().take(MAX_CHARS) {
-            if c == '\\' {
-                f.write_str("\\\\")?;
-            } else {
-                escape_char(f, c)?;
-            }
-        }
-        if chars.next().is_some() {
-            f.write_char('…')?;
-        }
-        Ok(())
+        write_shown(f, self.0, MAX_CHARS)
     }
 }
 
@@ -76,7 +87,7 @@ fn needs_escape(c: char) -> bool {
         )
 }
 
-fn escape_char(f: &mut fmt::Formatter<'_>, c: char) -> fmt::Result {
+fn escape_char(f: &mut impl Write, c: char) -> fmt::Result {
     if !needs_escape(c) {
         return f.write_char(c);
     }

@@ -239,21 +239,14 @@ pub fn state_dir_of(path: &Path) -> PathBuf {
     }
 }
 
-/// A path as it may appear in a log line: control characters and odd Unicode escaped (a file
-/// name is outside text), and cut.
+/// A path as it may appear in a log line (a file name is outside text: D31).
 pub fn shown(path: &Path) -> String {
-    clip(&path.display().to_string(), 512)
+    crate::logtext::cut(&path.display().to_string(), 512)
 }
 
-/// Text from outside for a log line: escaped, at most `max` characters.
+/// Text from outside for a log line: escaped, at most `max` characters (D31).
 pub fn clip(text: &str, max: usize) -> String {
-    let escaped: String = text.escape_debug().collect();
-    if escaped.chars().count() > max {
-        let cut: String = escaped.chars().take(max).collect();
-        format!("{cut}…")
-    } else {
-        escaped
-    }
+    crate::logtext::cut(text, max)
 }
 
 /// Moves a persisted file (or a workload directory) that does not validate out of the way,
@@ -282,6 +275,19 @@ pub fn quarantine(path: &Path, why: &str) -> io::Result<PathBuf> {
 /// What [`quarantine`] does without its log line (for callers that say it themselves).
 pub fn move_to_quarantine(path: &Path) -> io::Result<PathBuf> {
     let state = state_dir_of(path);
+    // A command run as another user (`sudo … status` on the service's dir) never moves the
+    // service's files, nor leaves it a quarantine folder it cannot write (D30).
+    {
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if fs::metadata(&state)?.uid() != me {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the state dir belongs to another user",
+            ));
+        }
+    }
     let qdir = state.join(QUARANTINE_DIR);
     let rel = path.strip_prefix(&state).unwrap_or(path);
     let flat: String = rel

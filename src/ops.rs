@@ -325,7 +325,17 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
                 "configuration",
                 s.manifest
                     .as_ref()
-                    .map(|m| format!("{} is valid", m.path.display()))
+                    .map(|m| {
+                        let refused = s.manifest_platform_refusals;
+                        if refused == 0 {
+                            format!("{} is valid", m.path.display())
+                        } else {
+                            format!(
+                                "{} runs, but the platform's validator would refuse it ({refused} problem(s); `cyberwave-cloud-node validate` lists them)",
+                                m.path.display()
+                            )
+                        }
+                    })
                     .unwrap_or_else(|| "no manifest; environment only".into()),
             );
             s

@@ -134,6 +134,8 @@ pub struct Settings {
     pub working_dir: PathBuf,
     pub manifest: Option<Manifest>,
     pub manifest_warnings: Vec<Problem>,
+    /// How many of those the platform's validator would refuse (`start` runs anyway; D22).
+    pub manifest_platform_refusals: usize,
     pub api_token: Option<Sourced<String>>,
     pub base_url: Sourced<String>,
     pub workspace_slug: Option<Sourced<String>>,
@@ -381,12 +383,16 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     // The manifest.
     let mut manifest = None;
     let mut manifest_warnings = Vec::new();
+    let mut manifest_platform_refusals = 0usize;
     match manifest::locate(flags.config.as_deref(), cwd) {
         Ok(Some((path, text))) => {
             // `start` runs whatever it can use (D22): a problem it can live with is a warning.
             let checked = manifest::check(&path, &text, flags.lenient);
             for mut p in checked.problems {
                 if p.start_ok {
+                    if !p.warning {
+                        manifest_platform_refusals = manifest_platform_refusals.saturating_add(1);
+                    }
                     p.warning = true;
                     manifest_warnings.push(p);
                 } else {
@@ -836,6 +842,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         working_dir,
         manifest,
         manifest_warnings,
+        manifest_platform_refusals,
         api_token,
         base_url,
         workspace_slug,

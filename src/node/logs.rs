@@ -5,21 +5,19 @@
 //! stream catches up over time).
 
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::{Node, Op};
+use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Chunk, Key, ReadRequest};
 
 /// Largest chunk read and published at once.
 pub const CHUNK: usize = 64 * 1024;
 /// Bytes a stream may ship per stream interval (a flood is shipped at this pace).
 pub const BUDGET_PER_INTERVAL: u64 = 4 * 1024 * 1024;
-/// How long a finished workload's streams may take to drain before its completion goes out
-/// anyway.
-pub const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
 
@@ -81,7 +79,7 @@ impl Node {
             let Some(a) = self.active.get_mut(&id) else {
                 continue;
             };
-            let ending = a.ending.is_some();
+            let ending = matches!(a.phase, Phase::Draining { .. });
             for (i, s) in a.streams.iter_mut().enumerate() {
                 if interval_due {
                     s.budget = BUDGET_PER_INTERVAL;
@@ -151,7 +149,7 @@ impl Node {
         let Some(a) = self.active.get_mut(&chunk.key.safe_id) else {
             return;
         };
-        let ending = a.ending.is_some();
+        let ending = matches!(a.phase, Phase::Draining { .. });
         let tag = a
             .meta
             .workload_uuid
@@ -323,8 +321,10 @@ impl Node {
         let Some(a) = self.active.get(id) else {
             return true;
         };
-        let Some(e) = &a.ending else { return false };
-        if now >= e.drain_deadline {
+        let Phase::Draining { until, .. } = &a.phase else {
+            return false;
+        };
+        if now >= *until {
             let left: Vec<String> = a
                 .streams
                 .iter()

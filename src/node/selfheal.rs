@@ -40,10 +40,7 @@ impl Node {
             .active
             .iter()
             .filter(|(_, a)| {
-                a.ending.is_none()
-                    && a.upload.is_none()
-                    && a.meta.cancel.is_none()
-                    && a.exited.is_none()
+                a.phase == crate::workload::lifecycle::Phase::Running && a.meta.cancel.is_none()
             })
             .filter_map(|(k, a)| {
                 a.meta
@@ -79,7 +76,8 @@ impl Node {
                 crate::logtext::shown(&why)
             ),
             WorkloadCheck::Stale(why) => {
-                if a.ending.is_some() || a.upload.is_some() || a.meta.cancel.is_some() {
+                if a.phase != crate::workload::lifecycle::Phase::Running || a.meta.cancel.is_some()
+                {
                     return; // finished meanwhile: its own completion owns it
                 }
                 log::warn!(

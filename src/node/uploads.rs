@@ -15,7 +15,6 @@ use crate::workload::shim::Exit;
 const ATTEMPTS: u32 = 3;
 
 pub struct Upload {
-    pub exit: Option<Exit>,
     /// (name relative to the folder, path)
     pub files: Vec<(String, PathBuf)>,
     pub idx: usize,
@@ -190,7 +189,6 @@ impl Node {
         let count = files.len();
         if let Some(a) = self.active.get_mut(id) {
             a.upload = Some(Upload {
-                exit,
                 files,
                 idx: 0,
                 attempt: 0,
@@ -427,7 +425,7 @@ impl Node {
             u.files.len()
         );
         remove_empty_dirs(&self.s.results_folder.value.join(id));
-        self.complete(id, u.exit, None);
+        self.advance(id, crate::workload::lifecycle::Event::UploadsDone);
     }
 
     pub(super) fn uploading(&self) -> usize {

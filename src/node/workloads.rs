@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use super::logs::{Cursor, Stream, DRAIN_LIMIT};
+use super::logs::{Cursor, Stream};
 use super::operate::{Busy, BUSY_PREFIX};
 use super::uploads::Upload;
 use super::{Node, Op};
@@ -17,11 +17,9 @@ use crate::protocol::commands::{
 };
 use crate::protocol::messages::request_id_text;
 use crate::store;
+use crate::workload::lifecycle::{self, Action, Event, Phase};
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Cancel, Meta, StartRequest};
-
-/// The report of a workload whose supervisor died before it could record the exit (D27).
-const SUPERVISOR_KILLED: &str = "workload's supervisor was killed; exit status unknown";
 
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
@@ -33,23 +31,14 @@ pub struct Active {
     pub meta: Meta,
     /// The shim is the node's child: the reaper reports its exit.
     pub child: bool,
-    pub escalate_at: Option<Instant>,
+    /// Where it is: the one source of truth, changed only through [`Node::advance`].
+    pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
-    /// The shim reported the end, but a cancel's process group is still being cleared.
-    pub exited: Option<Option<Exit>>,
     pub next_check: Instant,
     /// stdout, stderr.
     pub streams: [Stream; 2],
-    /// The workload ended; its logs are being drained before the completion goes out.
-    pub ending: Option<Ending>,
-    /// Result files are being uploaded (the workload still counts as busy).
+    /// The progress of its result uploads, while the phase is `Uploading`.
     pub upload: Option<Upload>,
-}
-
-pub struct Ending {
-    pub exit: Option<Exit>,
-    pub lost: Option<&'static str>,
-    pub drain_deadline: Instant,
 }
 
 impl Active {
@@ -61,36 +50,36 @@ impl Active {
             .and_then(Seconds::from_f64)
             .and_then(|m| Duration::try_from_secs_f64((m.get() - elapsed).max(0.0)).ok())
             .and_then(|left| now.checked_add(left));
+        // A cancel recorded before a restart is still under way, with its original deadline.
+        let phase = match &meta.cancel {
+            Some(c) => Phase::Cancelling {
+                escalate_at: crate::util::secs_f64(
+                    (c.requested_unix + c.grace_s - workload::unix_now()).max(0.0),
+                )
+                .checked_add(Duration::ZERO)
+                .and_then(|left| now.checked_add(left)),
+            },
+            None => Phase::Running,
+        };
         Active {
             meta,
             child,
-            escalate_at: None,
+            phase,
             runtime_deadline,
-            exited: None,
             next_check: now,
             streams: [Stream::default(), Stream::default()],
-            ending: None,
             upload: None,
         }
     }
 
-    /// The workload's own process ended: it waits for its logs, uploads or report and is
-    /// never signalled again (D26).
+    /// Nothing of it runs any more: it waits for its logs, uploads or report and is never
+    /// signalled again (D26).
     pub fn finished(&self) -> bool {
-        // `Some(None)`: the supervisor died without a record, the workload may still run (D27).
-        matches!(self.exited, Some(Some(_))) || self.ending.is_some() || self.upload.is_some()
+        self.phase.finished()
     }
 
     pub fn state(&self) -> &'static str {
-        if self.upload.is_some() {
-            "finalizing"
-        } else if self.ending.is_some() {
-            "finishing"
-        } else if self.meta.cancel.is_some() {
-            "cancelling"
-        } else {
-            "running"
-        }
+        self.phase.label()
     }
 }
 
@@ -436,7 +425,8 @@ impl Node {
         if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
             log::warn!("workload {safe_id}: cannot record the cancel: {e}");
         }
-        a.escalate_at = now.checked_add(grace);
+        let _ = now;
+        self.advance(safe_id, Event::Cancelled { grace });
         Ok(message)
     }
 
@@ -481,47 +471,86 @@ impl Node {
         let Some(a) = self.active.get_mut(safe_id) else {
             return;
         };
-        if provable_group(&a.meta).is_some() {
-            // Something of the workload still runs: the supervisor was killed (D27), or a
-            // cancelled group is being cleared. It stays tracked, counted and cancellable until
-            // its group is empty.
-            if exit.is_none() {
-                log::error!(
-                    "the supervisor of {} {} (pid {}) ended without an exit record while the workload still runs; tracking its process group until it is empty",
-                    a.meta.kind,
-                    shown(&a.meta.request_id_text()),
-                    a.meta.pid()
-                );
-            }
-            a.exited = Some(exit);
-            return;
+        let group_alive = provable_group(&a.meta).is_some();
+        if group_alive && exit.is_none() {
+            // D27: the supervisor was killed; the workload stays tracked, counted and
+            // cancellable until its group is empty.
+            log::error!(
+                "the supervisor of {} {} (pid {}) ended without an exit record while the workload still runs; tracking its process group until it is empty",
+                a.meta.kind,
+                shown(&a.meta.request_id_text()),
+                a.meta.pid()
+            );
         }
-        let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
-        self.begin_ending(safe_id, exit, lost);
+        if a.meta.salvaged.is_some() && !group_alive {
+            // A record rebuilt at recovery: whatever the exit, its outcome cannot be trusted.
+            return self.advance(
+                safe_id,
+                Event::Lost {
+                    exit,
+                    reason: SALVAGED,
+                },
+            );
+        }
+        self.advance(safe_id, Event::SupervisorEnded { exit, group_alive });
     }
 
-    /// The workload ended: ship what is left of its logs, then report it.
+    /// A workload known to have ended (found at recovery): ship what is left of its logs, then
+    /// report it — as lost when `lost` says why, or when its record was rebuilt.
     fn begin_ending(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&'static str>) {
+        let salvaged = self
+            .active
+            .get(safe_id)
+            .is_some_and(|a| a.meta.salvaged.is_some());
+        let event = match (lost, salvaged) {
+            (_, true) => Event::Lost {
+                exit,
+                reason: SALVAGED,
+            },
+            (Some(reason), false) => Event::Lost { exit, reason },
+            (None, false) => Event::SupervisorEnded {
+                exit,
+                group_alive: false,
+            },
+        };
+        self.advance(safe_id, event);
+    }
+
+    /// Feeds `event` to the workload's lifecycle ([`lifecycle::step`]) and carries out what it
+    /// says. The only place a workload's phase changes.
+    pub(super) fn advance(&mut self, id: &str, event: Event) {
         let now = self.clock.now();
-        let Some(a) = self.active.get_mut(safe_id) else {
+        let Some(a) = self.active.get_mut(id) else {
             return;
         };
-        if a.ending.is_some() {
-            return;
+        let (next, actions) = lifecycle::step(&a.phase, event, now);
+        a.phase = next;
+        for action in actions {
+            match action {
+                Action::KillGroup => {
+                    if let Some(a) = self.active.get(id) {
+                        if provable_group(&a.meta).is_some() {
+                            log::warn!(
+                                "workload pid {} outlived its grace period; SIGKILL to its process group",
+                                a.meta.pid()
+                            );
+                            let _ = signal_if_ours(&a.meta, libc::SIGKILL);
+                        }
+                    }
+                }
+                Action::ShipLogs => self.pump_streams(false),
+                Action::StartUploads => {
+                    let exit = match self.active.get(id).map(|a| &a.phase) {
+                        Some(Phase::Uploading { exit }) => exit.clone(),
+                        _ => None,
+                    };
+                    if !self.begin_uploads(id, exit) {
+                        self.advance(id, Event::UploadsDone);
+                    }
+                }
+                Action::Report { exit, lost } => self.complete(id, exit, lost),
+            }
         }
-        a.exited = None;
-        // A record rebuilt at recovery: whatever the exit, its outcome cannot be trusted.
-        let lost = if a.meta.salvaged.is_some() {
-            Some(SALVAGED)
-        } else {
-            lost
-        };
-        a.ending = Some(Ending {
-            exit,
-            lost,
-            drain_deadline: crate::util::later(now, DRAIN_LIMIT),
-        });
-        self.pump_streams(false);
     }
 
     /// Reports the end of a workload exactly once (through the outbox) and forgets it.
@@ -763,7 +792,6 @@ impl Node {
             let Some(a) = self.active.get(&id) else {
                 continue;
             };
-            let pid = a.meta.pid();
             // Max runtime.
             if a.runtime_deadline.is_some_and(|d| now >= d)
                 && a.meta.cancel.is_none()
@@ -780,46 +808,41 @@ impl Node {
                 let _ = self.cancel_workload(&id, libc::SIGTERM, "SIGTERM", DEFAULT_GRACE, true);
                 continue;
             }
-            // Escalation: anything left in the group after the grace period gets SIGKILL.
-            if a.escalate_at.is_some_and(|t| now >= t) {
-                if !a.finished() && provable_group(&a.meta).is_some() {
-                    log::warn!("workload pid {pid} outlived its grace period; SIGKILL to its process group");
-                    let _ = signal_if_ours(&a.meta, libc::SIGKILL);
-                }
-                if let Some(a) = self.active.get_mut(&id) {
-                    a.escalate_at = None;
-                }
+            // Deadlines of its phase (escalation, drain limit).
+            if a.phase.deadline().is_some_and(|t| now >= t) {
+                self.advance(&id, Event::Tick);
             }
             let Some(a) = self.active.get(&id) else {
                 continue;
             };
-            if a.ending.is_some() {
-                if self.drained(&id, now) {
-                    if let Some(e) = self.active.get_mut(&id).and_then(|a| a.ending.take()) {
-                        if e.lost.is_some() || !self.begin_uploads(&id, e.exit.clone()) {
-                            self.complete(&id, e.exit, e.lost);
+            match &a.phase {
+                Phase::Draining { .. } => {
+                    if self.drained(&id, now) {
+                        self.advance(&id, Event::LogsDrained);
+                    }
+                    continue;
+                }
+                Phase::Uploading { .. } => {
+                    self.step_upload(&id);
+                    continue;
+                }
+                Phase::Lingering { .. } => {
+                    if now >= a.next_check {
+                        if let Some(a) = self.active.get_mut(&id) {
+                            a.next_check = crate::util::later(now, ADOPTED_CHECK);
+                        }
+                        if self
+                            .active
+                            .get(&id)
+                            .is_some_and(|a| provable_group(&a.meta).is_none())
+                        {
+                            self.advance(&id, Event::GroupEmpty);
                         }
                     }
+                    continue;
                 }
-                continue;
-            }
-            if a.upload.is_some() {
-                self.step_upload(&id);
-                continue;
-            }
-            if let Some(exit) = a.exited.clone() {
-                if now >= a.next_check {
-                    if let Some(a) = self.active.get_mut(&id) {
-                        a.next_check = crate::util::later(now, ADOPTED_CHECK);
-                    }
-                    if let Some(a) = self.active.get(&id) {
-                        if provable_group(&a.meta).is_none() {
-                            let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
-                            self.begin_ending(&id, exit, lost);
-                        }
-                    }
-                }
-                continue;
+                Phase::Done => continue,
+                Phase::Running | Phase::Cancelling { .. } => {}
             }
             // Adopted workloads: their exit record tells the end.
             if !a.child && now >= a.next_check {

@@ -2,6 +2,7 @@
 //! rendering, environment, the shim). The node's event loop owns the table of active workloads
 //! (`node/workloads.rs`); this module holds no state of its own.
 
+pub mod lifecycle;
 pub mod procinfo;
 pub mod reaper;
 pub mod shim;

@@ -1,7 +1,9 @@
 //! The node: start-up (install script → token check → MQTT), then one event loop on the main
 //! thread that owns every piece of state and selects over the feeders' channels. Nothing in the
 //! loop waits on the network: requests are published and their replies (or deadlines) come
-//! back as events; the loop wakes at least every [`TICK`].
+//! back as events. The loop sleeps until the next real deadline ([`Node::next_wake`]): an idle
+//! node wakes for its heartbeat and little else; while workloads run it wakes at least every
+//! [`BUSY_TICK`].
 
 mod ingress;
 mod logs;
@@ -35,8 +37,17 @@ use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
 use workloads::Active;
 
-/// The loop's longest sleep.
-pub const TICK: Duration = Duration::from_millis(250);
+/// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
+/// each of which has its own deadline in [`Node::next_wake`].
+pub const BUSY_TICK: Duration = Duration::from_secs(1);
+/// The loop's longest sleep when nothing is tracked (a heartbeat is due sooner anyway).
+pub const IDLE_TICK: Duration = Duration::from_secs(60);
+/// How often events that `emit` queued itself are looked for while workloads run (they are
+/// the ones that emit) or the queue is not empty; an idle node looks once a minute.
+const RESCAN_BUSY: Duration = Duration::from_secs(2);
+const RESCAN_IDLE: Duration = Duration::from_secs(60);
+/// Retrying outbox writes that a full disk refused (D28).
+const DISK_RETRY: Duration = Duration::from_secs(1);
 const MAX_AUTH_FAILURES: u32 = 5;
 const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
 const MAX_EARLY_COMMANDS: usize = 1000;
@@ -193,7 +204,7 @@ impl Node {
         self.start_connect();
         loop {
             let now = self.clock.now();
-            let wait = self.next_wake(now).saturating_duration_since(now).min(TICK);
+            let wait = self.next_wake(now).saturating_duration_since(now);
             select! {
                 recv(self.events) -> ev => match ev {
                     Ok(ev) => self.on_mqtt(ev),
@@ -220,28 +231,76 @@ impl Node {
         }
     }
 
-    /// The earliest moment something is due.
+    /// The earliest moment something is due: every timer that [`Node::tick`] acts on has its
+    /// deadline here, so the loop sleeps exactly until then.
     fn next_wake(&self, now: Instant) -> Instant {
-        let mut t = now + TICK;
+        let cap = if self.active.is_empty() {
+            IDLE_TICK
+        } else {
+            BUSY_TICK
+        };
+        let mut t = now.checked_add(cap).unwrap_or(now);
+        let mut due = |d: Instant| t = t.min(d);
+        let open = self.shutdown.is_none();
         if let Conn::Disconnected { next_attempt, .. } = self.conn {
-            t = t.min(next_attempt);
+            if open {
+                due(next_attempt);
+            }
         }
         if let Registration::Needed { next_try, .. } = self.reg {
-            t = t.min(next_try);
+            if self.conn == Conn::Connected && open {
+                due(next_try);
+            }
         }
         if let Some(d) = self.hb.next_due {
-            t = t.min(d);
+            if self.reg == Registration::Done && open {
+                due(d);
+            }
         }
         for p in self.pending.values() {
-            t = t.min(p.deadline);
+            due(p.deadline);
         }
         if let Some(s) = &self.shutdown {
-            t = t.min(s.deadline);
+            due(s.deadline);
         }
-        t = t.min(self.next_stream_pass);
-        if let Some(o) = self.outbox.next_try() {
-            if self.conn == Conn::Connected {
-                t = t.min(o);
+        // Stream passes only while a workload is tracked: its files may grow.
+        if !self.active.is_empty() {
+            due(self.next_stream_pass);
+        }
+        for a in self.active.values() {
+            for d in workload_deadlines(a) {
+                due(d);
+            }
+        }
+        for (.., until) in &self.heal.deferred {
+            due(*until);
+        }
+        if self.conn == Conn::Connected {
+            if let Some(o) = self.outbox.next_try() {
+                due(o);
+            }
+            if let Some(o) = self.ingress.head_next_try() {
+                due(o);
+            }
+        }
+        if self.outbox.has_pending_writes() {
+            due(now.checked_add(DISK_RETRY).unwrap_or(now));
+        }
+        due(self.next_rescan);
+        if self.s.metrics_file.is_some() {
+            due(self.next_metrics);
+        }
+        if self.s.log_retention_days.value > 0 {
+            due(self.next_prune);
+        }
+        if self.s.standalone && self.conn == Conn::Connected {
+            due(self.next_watchdog);
+        }
+        if let Some(since) = self.idle_since {
+            if self.s.drain_after_one && open && self.active.is_empty() {
+                due(since
+                    .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
+                    .unwrap_or(since));
             }
         }
         t
@@ -1018,7 +1077,12 @@ impl Node {
         if now >= self.next_rescan {
             // Events `emit` queued by itself while the node was unreachable.
             self.ingress.rescan();
-            self.next_rescan = now + Duration::from_secs(2);
+            let every = if self.active.is_empty() && self.ingress.is_empty() {
+                RESCAN_IDLE
+            } else {
+                RESCAN_BUSY
+            };
+            self.next_rescan = now.checked_add(every).unwrap_or(now);
         }
         self.send_ingress();
         self.check_drain_after_one(now);
@@ -1030,7 +1094,7 @@ impl Node {
             self.next_watchdog = now + Duration::from_secs(10);
         }
         self.flush_outbox();
-        if now >= self.next_stream_pass {
+        if now >= self.next_stream_pass && !self.active.is_empty() {
             self.pump_streams(true);
         }
         if let Some(due) = self.hb.next_due {
@@ -1044,6 +1108,27 @@ impl Node {
             }
         }
     }
+}
+
+/// The moments a tracked workload's timers in `tick_workloads` fall due.
+/// Each is counted only in the state in which `tick_workloads` acts on it, so a deadline that
+/// has passed never keeps the loop spinning.
+fn workload_deadlines(a: &Active) -> impl Iterator<Item = Instant> + '_ {
+    let running = a.ending.is_none() && a.upload.is_none();
+    let checks = running && (a.exited.is_some() || !a.child);
+    [
+        a.runtime_deadline
+            .filter(|_| a.meta.cancel.is_none() && !a.finished()),
+        a.escalate_at,
+        a.ending.as_ref().map(|e| e.drain_deadline),
+        a.upload
+            .as_ref()
+            .filter(|u| !u.busy && a.ending.is_none())
+            .and_then(|u| u.retry_at),
+        checks.then_some(a.next_check),
+    ]
+    .into_iter()
+    .flatten()
 }
 
 fn success(b: &Value) -> bool {

@@ -1,0 +1,5 @@
+//! `./scripts/bench fleet N`: N real node processes against one mosquitto and the fake backend.
+
+pub fn run(n: usize) {
+    println!("fleet of {n}: not yet");
+}

@@ -426,10 +426,17 @@ impl Node {
     }
 
     fn schedule_reconnect(&mut self, attempt: u32, why: &str) {
+        // Several broker addresses (a cluster): the next attempt goes to the next one.
+        self.mqtt.next_endpoint();
         let t = &self.s.tuning;
         let delay = util::backoff_full_jitter(attempt, t.reconnect_base, t.reconnect_max);
+        let next = if self.mqtt.endpoint_count() > 1 {
+            format!(" on {}", self.mqtt.endpoint())
+        } else {
+            String::new()
+        };
         log::warn!(
-            "MQTT {}: {why}; retrying in {:.1}s",
+            "MQTT {}: {why}; retrying{next} in {:.1}s",
             if attempt == 0 {
                 "connection problem"
             } else {

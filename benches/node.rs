@@ -381,9 +381,11 @@ fn idle(window: Duration) {
     let (peak, rss, cpu1) = proc_stats(node.pid());
     let beats = cp.requests("heartbeat").len().saturating_sub(beats0);
     let per_min = 60.0 / window.as_secs_f64().max(1e-3);
+    let sched = |t: &BTreeMap<i32, (String, f64, u64)>| t.values().map(|v| v.1).sum::<f64>();
     println!(
-        "idle node over {:.0} s: {:.4} CPU s per minute, RSS {} KiB (peak {} KiB), {} heartbeat(s)",
+        "idle node over {:.0} s: {:.4} CPU s per minute ({:.4} by clock ticks), RSS {} KiB (peak {} KiB), {} heartbeat(s)",
         window.as_secs_f64(),
+        (sched(&after) - sched(&before)) * per_min,
         (cpu1 - cpu0) * per_min,
         rss,
         peak,

@@ -13,11 +13,15 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 use support::node::NodeSetup;
 use support::{Broker, ControlPlane};
+
+#[path = "node/fleet.rs"]
+mod fleet;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -94,6 +98,22 @@ fn main() {
     }
     println!("cyberwave-cloud-node benchmarks on {}", machine());
     println!("binary: {}", support::node_bin().display());
+    // `cargo bench` passes `--bench`; the words after it choose a benchmark.
+    let words: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let number = |i: usize, default: u64| {
+        words
+            .get(i)
+            .and_then(|w| w.parse::<u64>().ok())
+            .unwrap_or(default)
+    };
+    match words.first().map(String::as_str) {
+        Some("idle") => return idle(Duration::from_secs(number(1, 60))),
+        Some("fleet") => return fleet::run(number(1, 100) as usize),
+        _ => {}
+    }
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
 
@@ -315,4 +335,84 @@ fn workloads(broker: &Broker, cp: &ControlPlane) {
         "{:<44} peak RSS {} KiB, RSS {} KiB, CPU {:.3} s after 100 workloads",
         "node footprint (100 workloads)", peak, rss, cpu
     );
+}
+
+/// One thread of a process: (name, CPU seconds, times it was scheduled onto a CPU).
+fn threads(pid: i32) -> BTreeMap<i32, (String, f64, u64)> {
+    // SAFETY: sysconf is always safe to call.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let mut out = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<i32>().ok()) else {
+            continue;
+        };
+        let base = e.path();
+        let name = std::fs::read_to_string(base.join("comm")).unwrap_or_default();
+        let stat = std::fs::read_to_string(base.join("stat")).unwrap_or_default();
+        let f: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        // schedstat: time on CPU (ns), time waiting (ns), number of timeslices run.
+        let sched = std::fs::read_to_string(base.join("schedstat")).unwrap_or_default();
+        let mut it = sched.split_whitespace();
+        let on_cpu = it.next().and_then(|v| v.parse::<f64>().ok());
+        let slices = it.nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let cpu = on_cpu
+            .map(|ns| ns / 1e9)
+            .unwrap_or((t(11) + t(12)) / hz.max(1.0));
+        out.insert(tid, (name.trim().to_string(), cpu, slices));
+    }
+    out
+}
+
+/// An idle, registered node (heartbeat every 30 s, the default): CPU, wake-ups per thread and
+/// RSS over `window`.
+fn idle(window: Duration) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("RUST_LOG", "info");
+    let node = setup.spawn();
+    node.wait_ready(Duration::from_secs(20));
+    std::thread::sleep(Duration::from_secs(3));
+    let before = threads(node.pid());
+    let (_, _, cpu0) = proc_stats(node.pid());
+    let beats0 = cp.requests("heartbeat").len();
+    std::thread::sleep(window);
+    let after = threads(node.pid());
+    let (peak, rss, cpu1) = proc_stats(node.pid());
+    let beats = cp.requests("heartbeat").len().saturating_sub(beats0);
+    let per_min = 60.0 / window.as_secs_f64().max(1e-3);
+    let sched = |t: &BTreeMap<i32, (String, f64, u64)>| t.values().map(|v| v.1).sum::<f64>();
+    println!(
+        "idle node over {:.0} s: {:.4} CPU s per minute ({:.4} by clock ticks), RSS {} KiB (peak {} KiB), {} heartbeat(s)",
+        window.as_secs_f64(),
+        (sched(&after) - sched(&before)) * per_min,
+        (cpu1 - cpu0) * per_min,
+        rss,
+        peak,
+        beats
+    );
+    println!(
+        "{:<8} {:<16} {:>14} {:>16}",
+        "tid", "thread", "wakeups/min", "CPU ms/min"
+    );
+    for (tid, (name, cpu, slices)) in &after {
+        let (c0, s0) = before
+            .get(tid)
+            .map(|(_, c, s)| (*c, *s))
+            .unwrap_or((0.0, 0));
+        println!(
+            "{tid:<8} {name:<16} {:>14.1} {:>16.3}",
+            slices.saturating_sub(s0) as f64 * per_min,
+            (cpu - c0) * 1e3 * per_min
+        );
+    }
 }

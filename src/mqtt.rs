@@ -28,10 +28,147 @@ pub enum MqttEvent {
     },
 }
 
-#[derive(Debug, Clone)]
-pub struct MqttOptions {
+/// One broker address of `mqtt_host`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
     pub host: String,
     pub port: u16,
+}
+
+impl Endpoint {
+    /// `host:port`, with an IPv6 address in brackets.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// The most broker addresses `mqtt_host` may list.
+pub const MAX_ENDPOINTS: usize = 32;
+/// The longest DNS name.
+const MAX_HOST_LEN: usize = 253;
+
+/// `mqtt_host` as a list of broker addresses: `host[:port]` separated by commas (clustered
+/// brokers are reached through several addresses); an entry without a port gets
+/// `default_port`; an IPv6 address goes in brackets (`[::1]:1883`). Duplicates are dropped.
+pub fn parse_endpoints(list: &str, default_port: u16) -> Result<Vec<Endpoint>, String> {
+    let count = list.split(',').count();
+    if count > MAX_ENDPOINTS {
+        return Err(format!(
+            "lists {count} broker addresses; at most {MAX_ENDPOINTS} are allowed"
+        ));
+    }
+    let mut out: Vec<Endpoint> = Vec::new();
+    for (n, item) in list.split(',').enumerate() {
+        let pos = n.saturating_add(1);
+        let item = item.trim();
+        let e = parse_endpoint(item, default_port).map_err(|why| {
+            if count == 1 {
+                format!("{}: {why}", quoted(item))
+            } else {
+                format!("entry {pos} ({}) of {count}: {why}", quoted(item))
+            }
+        })?;
+        if !out.contains(&e) {
+            out.push(e);
+        }
+    }
+    Ok(out)
+}
+
+fn parse_endpoint(item: &str, default_port: u16) -> Result<Endpoint, String> {
+    if item.is_empty() {
+        return Err("empty (expected host[:port], addresses separated by commas)".into());
+    }
+    let (host, port) = if let Some(rest) = item.strip_prefix('[') {
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or("an IPv6 address opened with [ is not closed with ]")?;
+        if host.is_empty()
+            || !host
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+            || !host.contains(':')
+        {
+            return Err("not an IPv6 address inside [ ]".into());
+        }
+        let port = match after {
+            "" => None,
+            p => Some(
+                p.strip_prefix(':')
+                    .ok_or("expected :port after the ] of an IPv6 address")?,
+            ),
+        };
+        (host, port)
+    } else {
+        let (h, p) = match item.split_once(':') {
+            Some((_, p)) if p.contains(':') => {
+                return Err("an IPv6 address goes in brackets, as in [::1]:1883".into())
+            }
+            Some((h, p)) => (h, Some(p)),
+            None => (item, None),
+        };
+        check_host_name(h)?;
+        (h, p)
+    };
+    let port = match port {
+        None => default_port,
+        Some(p) => Some(p)
+            .filter(|p| !p.is_empty() && p.len() <= 5 && p.chars().all(|c| c.is_ascii_digit()))
+            .and_then(|p| p.parse::<u16>().ok())
+            .filter(|p| *p >= 1)
+            .ok_or_else(|| format!("port {} is not a whole number from 1 to 65535", quoted(p)))?,
+    };
+    Ok(Endpoint {
+        host: host.to_string(),
+        port,
+    })
+}
+
+/// An entry as an error shows it: quoted, control characters escaped, at most 64 characters.
+fn quoted(s: &str) -> String {
+    const MAX: usize = 64;
+    let head: String = s.chars().take(MAX).collect();
+    let more = if s.chars().nth(MAX).is_some() {
+        "…"
+    } else {
+        ""
+    };
+    format!("\"{}{more}\"", crate::logtext::shown(&head))
+}
+
+fn check_host_name(h: &str) -> Result<(), String> {
+    if h.is_empty() {
+        return Err("no host name before the :port".into());
+    }
+    if !h.is_ascii() {
+        return Err(
+            "not an ASCII host name (write an internationalised name in its xn-- form)".into(),
+        );
+    }
+    if h.len() > MAX_HOST_LEN {
+        return Err(format!("host name longer than {MAX_HOST_LEN} characters"));
+    }
+    let ok = h
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_')
+        && !h.starts_with(['-', '.']);
+    if !ok {
+        return Err(
+            "not a host name (letters, digits, '-', '.' and '_' only; no scheme such as tcp://)"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct MqttOptions {
+    /// Broker addresses, tried in this order (see [`shuffled`]).
+    pub endpoints: Vec<Endpoint>,
     pub tls: bool,
     /// Trust store for TLS; decided by [`trust_store`].
     pub ca_file: Option<PathBuf>,
@@ -79,19 +216,39 @@ pub fn trust_store(
         })
 }
 
+/// `v` in a random order (Fisher–Yates), drawing from `random`: a fleet spreads over the
+/// addresses of a cluster instead of all starting on the first.
+pub fn shuffled<T>(mut v: Vec<T>, mut random: impl FnMut() -> u64) -> Vec<T> {
+    let mut i = v.len();
+    while i > 1 {
+        let j = usize::try_from(random().checked_rem(i as u64).unwrap_or(0)).unwrap_or(0);
+        i = i.saturating_sub(1);
+        v.swap(i, j);
+    }
+    v
+}
+
 pub struct Mqtt {
     client: paho::AsyncClient,
-    connect_opts: paho::ConnectOptions,
+    /// One set of connect options per endpoint (each names only its own address).
+    connect_opts: Vec<paho::ConnectOptions>,
     opts: MqttOptions,
+    /// The endpoint of the current (or next) attempt, an index into `opts.endpoints`.
+    current: std::cell::Cell<usize>,
     tx: Sender<MqttEvent>,
 }
 
 impl Mqtt {
     pub fn new(opts: MqttOptions, tx: Sender<MqttEvent>) -> Result<Mqtt, String> {
         let scheme = if opts.tls { "ssl" } else { "tcp" };
-        let uri = format!("{scheme}://{}:{}", opts.host, opts.port);
+        let uri = |e: &Endpoint| format!("{scheme}://{}", e.authority());
+        let first = opts
+            .endpoints
+            .first()
+            .map(uri)
+            .ok_or("no MQTT broker address is configured")?;
         let client = paho::CreateOptionsBuilder::new()
-            .server_uri(&uri)
+            .server_uri(&first)
             .client_id(&opts.client_id)
             .mqtt_version(paho::MQTT_VERSION_5)
             // The node keeps its own durable outbox; Paho's file persistence would write into
@@ -103,35 +260,12 @@ impl Mqtt {
             .max_buffered_messages(10_000)
             .delete_oldest_messages(true)
             .create_client()
-            .map_err(|e| format!("cannot create the MQTT client for {uri}: {e}"))?;
+            .map_err(|e| format!("cannot create the MQTT client for {first}: {e}"))?;
 
-        let mut props = paho::Properties::new();
-        let expiry = u32::try_from(opts.session_expiry.as_secs()).unwrap_or(u32::MAX);
-        props
-            .push_u32(paho::PropertyCode::SessionExpiryInterval, expiry)
-            .map_err(|e| format!("session expiry property: {e}"))?;
-        let mut b = paho::ConnectOptionsBuilder::new_v5();
-        b.keep_alive_interval(opts.keep_alive)
-            .clean_start(false) // D15: resume the broker session (queued QoS 1 commands)
-            .properties(props)
-            .connect_timeout(Duration::from_secs(10));
-        if !opts.username.is_empty() {
-            b.user_name(&opts.username);
+        let mut connect_opts = Vec::with_capacity(opts.endpoints.len());
+        for e in &opts.endpoints {
+            connect_opts.push(connect_options(&opts, &uri(e))?);
         }
-        if let Some(p) = opts.password.as_deref().filter(|p| !p.is_empty()) {
-            b.password(p);
-        }
-        if opts.tls {
-            let ca = opts.ca_file.clone().ok_or("TLS needs a CA file")?;
-            let ssl = paho::SslOptionsBuilder::new()
-                .trust_store(&ca)
-                .map_err(|e| format!("CA file {}: {e}", ca.display()))?
-                .enable_server_cert_auth(true)
-                .verify(true) // host-name verification: Paho skips it without this
-                .finalize();
-            b.ssl_options(ssl);
-        }
-        let connect_opts = b.finalize();
 
         let t = tx.clone();
         client.set_message_callback(move |_, msg| {
@@ -163,24 +297,56 @@ impl Mqtt {
             client,
             connect_opts,
             opts,
+            current: std::cell::Cell::new(0),
             tx,
         })
     }
 
+    fn current_endpoint(&self) -> Option<&Endpoint> {
+        self.opts.endpoints.get(self.current.get())
+    }
+
+    /// The broker of the current (or next) attempt.
     pub fn endpoint(&self) -> String {
         format!(
-            "{}:{}{}",
-            self.opts.host,
-            self.opts.port,
+            "{}{}",
+            self.current_endpoint()
+                .map(Endpoint::authority)
+                .unwrap_or_default(),
             if self.opts.tls { " (TLS)" } else { "" }
         )
     }
 
+    /// How many broker addresses the node knows.
+    pub fn endpoint_count(&self) -> usize {
+        self.opts.endpoints.len()
+    }
+
+    /// The attempt on the current endpoint failed or its connection was lost: the next attempt
+    /// goes to the next address (round the list, in the order chosen at start).
+    pub fn next_endpoint(&self) {
+        let n = self.opts.endpoints.len().max(1);
+        self.current.set(
+            self.current
+                .get()
+                .saturating_add(1)
+                .checked_rem(n)
+                .unwrap_or(0),
+        );
+    }
+
     /// Starts one connect attempt; its outcome arrives as `MqttEvent::Connect`.
     pub fn start_connect(&self) {
-        let token = self.client.connect(self.connect_opts.clone());
+        let Some(copts) = self.connect_opts.get(self.current.get()) else {
+            let _ = self
+                .tx
+                .send(MqttEvent::Connect(Err("no MQTT broker address".into())));
+            return;
+        };
+        let token = self.client.connect(copts.clone());
         let tx = self.tx.clone();
         let opts = self.opts.clone();
+        let endpoint = self.current_endpoint().cloned();
         let spawned = std::thread::Builder::new()
             .name("mqtt-connect".into())
             .spawn(move || {
@@ -189,7 +355,10 @@ impl Mqtt {
                         .connect_response()
                         .map(|c| c.session_present)
                         .unwrap_or(false)),
-                    Err(e) => Err(diagnose(&opts, &e)),
+                    Err(e) => Err(match &endpoint {
+                        Some(ep) => diagnose(&opts, ep, &e),
+                        None => e.to_string(),
+                    }),
                 };
                 let _ = tx.send(MqttEvent::Connect(outcome));
             });
@@ -323,6 +492,39 @@ impl Mqtt {
     }
 }
 
+/// CONNECT options naming only `uri` (Paho tries the addresses of a list itself, in order and
+/// at once; the node wants its own order, backoff and jitter between them).
+fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions, String> {
+    let mut props = paho::Properties::new();
+    let expiry = u32::try_from(opts.session_expiry.as_secs()).unwrap_or(u32::MAX);
+    props
+        .push_u32(paho::PropertyCode::SessionExpiryInterval, expiry)
+        .map_err(|e| format!("session expiry property: {e}"))?;
+    let mut b = paho::ConnectOptionsBuilder::new_v5();
+    b.server_uris(&[uri])
+        .keep_alive_interval(opts.keep_alive)
+        .clean_start(false) // D15: resume the broker session (queued QoS 1 commands)
+        .properties(props)
+        .connect_timeout(Duration::from_secs(10));
+    if !opts.username.is_empty() {
+        b.user_name(&opts.username);
+    }
+    if let Some(p) = opts.password.as_deref().filter(|p| !p.is_empty()) {
+        b.password(p);
+    }
+    if opts.tls {
+        let ca = opts.ca_file.clone().ok_or("TLS needs a CA file")?;
+        let ssl = paho::SslOptionsBuilder::new()
+            .trust_store(&ca)
+            .map_err(|e| format!("CA file {}: {e}", ca.display()))?
+            .enable_server_cert_auth(true)
+            .verify(true) // host-name verification: Paho skips it without this
+            .finalize();
+        b.ssl_options(ssl);
+    }
+    Ok(b.finalize())
+}
+
 /// Hides the token inside an R1 topic.
 pub fn redact_topic(topic: &str) -> String {
     match topic.find("cloud-node-token/") {
@@ -340,8 +542,8 @@ pub fn redact_topic(topic: &str) -> String {
 
 /// Why a connect attempt failed, in words an operator can act on. Paho reports most transport
 /// failures as one generic error, so DNS and TCP are probed here (on the feeder thread).
-fn diagnose(opts: &MqttOptions, err: &paho::Error) -> String {
-    let target = format!("{}:{}", opts.host, opts.port);
+fn diagnose(opts: &MqttOptions, ep: &Endpoint, err: &paho::Error) -> String {
+    let target = ep.authority();
     match err {
         paho::Error::ReasonCode(rc, _) => {
             let code = *rc as i32;
@@ -360,7 +562,7 @@ fn diagnose(opts: &MqttOptions, err: &paho::Error) -> String {
     }
     let addrs: Vec<_> = match target.to_socket_addrs() {
         Ok(a) => a.collect(),
-        Err(e) => return format!("DNS lookup of {} failed: {e}", opts.host),
+        Err(e) => return format!("DNS lookup of {} failed: {e}", ep.host),
     };
     let mut last = None;
     for a in &addrs {
@@ -385,7 +587,7 @@ fn diagnose(opts: &MqttOptions, err: &paho::Error) -> String {
             "TLS handshake with {target} failed ({err}): the server certificate was not accepted — it is not signed by the trusted CA ({}), \
              or it was issued for another host name than {:?}, or the server does not speak TLS on this port",
             opts.ca_file.as_deref().map(|p| p.display().to_string()).unwrap_or_default(),
-            opts.host
+            ep.host
         )
     } else {
         format!("MQTT connect to {target} failed: {err} (the port is open; is it an MQTT listener without TLS?)")
@@ -395,6 +597,115 @@ fn diagnose(opts: &MqttOptions, err: &paho::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ep(host: &str, port: u16) -> Endpoint {
+        Endpoint {
+            host: host.into(),
+            port,
+        }
+    }
+
+    #[test]
+    fn endpoints_list_hosts_with_optional_ports() {
+        assert_eq!(
+            parse_endpoints("mqtt.cyberwave.com", 8883).unwrap(),
+            vec![ep("mqtt.cyberwave.com", 8883)]
+        );
+        assert_eq!(
+            parse_endpoints(
+                " a.example:1883 , b.example,10.0.0.3:65535,[::1]:1884,[fe80::1] ",
+                8883
+            )
+            .unwrap(),
+            vec![
+                ep("a.example", 1883),
+                ep("b.example", 8883),
+                ep("10.0.0.3", 65535),
+                ep("::1", 1884),
+                ep("fe80::1", 8883),
+            ]
+        );
+        assert_eq!(ep("::1", 1884).authority(), "[::1]:1884");
+        // Duplicates are dropped, order kept.
+        assert_eq!(
+            parse_endpoints("a:1,b:2,a:1", 9).unwrap(),
+            vec![ep("a", 1), ep("b", 2)]
+        );
+        let max = vec!["h"; MAX_ENDPOINTS].join(",");
+        assert_eq!(parse_endpoints(&max, 1).unwrap(), vec![ep("h", 1)]);
+    }
+
+    #[test]
+    fn hostile_endpoint_lists_get_clear_errors() {
+        let err = |s: &str| parse_endpoints(s, 1883).unwrap_err();
+        assert!(err("").contains("empty"), "{}", err(""));
+        assert!(err(" ").contains("empty"));
+        assert!(err("a,,b").contains("entry 2"), "{}", err("a,,b"));
+        assert!(err("a,").contains("entry 2"));
+        assert!(err(",a").contains("entry 1"));
+        for bad in [
+            "a:0",
+            "a:65536",
+            "a:99999999999999999999",
+            "a:-1",
+            "a:+80",
+            "a:",
+            "a: 80",
+            "a:8x",
+        ] {
+            assert!(err(bad).contains("1 to 65535"), "{bad}: {}", err(bad));
+        }
+        assert!(err("::1").contains("brackets"));
+        assert!(err("[::1").contains("not closed"));
+        assert!(err("[::1]x").contains(":port"));
+        assert!(err("[evil.host]:1").contains("IPv6"));
+        assert!(err("[]").contains("IPv6"));
+        assert!(err(":1883").contains("no host"));
+        assert!(
+            err("tcp://broker").contains("1 to 65535") || err("tcp://broker").contains("brackets")
+        );
+        assert!(err("bröker.example").contains("ASCII"));
+        assert!(err("名前.example:1883").contains("ASCII"));
+        assert!(err("a b").contains("not a host name"));
+        assert!(err("a\nb").contains("not a host name"));
+        assert!(err("a\u{0}b").contains("not a host name"));
+        assert!(err("-a").contains("not a host name"));
+        assert!(err(&"x".repeat(254)).contains("longer than"));
+        // A thousand entries: refused as a whole, without echoing them all.
+        let many = vec!["h"; 1000].join(",");
+        let e = err(&many);
+        assert!(
+            e.contains("1000") && e.contains("at most") && e.len() < 200,
+            "{e}"
+        );
+        // Control characters and huge entries are shown escaped and bounded.
+        let e = err(&format!("a:{}", "\u{1b}[31m".repeat(500)));
+        assert!(!e.contains('\u{1b}') && e.len() < 700, "{e}");
+    }
+
+    #[test]
+    fn shuffling_is_a_permutation_in_random_order() {
+        let v: Vec<u32> = (0..8).collect();
+        let mut x = 7u64;
+        let mut orders = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let s = shuffled(v.clone(), || {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                x >> 17
+            });
+            let mut sorted = s.clone();
+            sorted.sort();
+            assert_eq!(sorted, v);
+            orders.insert(s);
+        }
+        assert!(orders.len() > 100, "{}", orders.len());
+        // Every address comes first sometimes (a fleet spreads over the cluster).
+        let firsts: std::collections::BTreeSet<u32> = orders.iter().map(|o| o[0]).collect();
+        assert_eq!(firsts.len(), 8);
+        assert!(shuffled(Vec::<u8>::new(), || 0).is_empty());
+    }
 
     #[test]
     fn redacts_tokens_in_topics() {

@@ -216,6 +216,12 @@ impl Outbox {
         (s.in_flight.is_none() && s.next_try <= now).then(|| (*seq, s.item.clone()))
     }
 
+    /// When [`Outbox::head_due`] next returns the head (`None` while it is in flight).
+    pub fn head_next_try(&self) -> Option<Instant> {
+        let (_, s) = self.slots.iter().next()?;
+        s.in_flight.is_none().then_some(s.next_try)
+    }
+
     /// Whether `seq` was sent and awaits its acknowledgement.
     pub fn in_flight(&self, seq: u64) -> bool {
         self.slots.get(&seq).is_some_and(|s| s.in_flight.is_some())
@@ -289,7 +295,17 @@ impl Outbox {
             .collect()
     }
 
+    /// When [`Outbox::due`] next has something to send (`None` while the in-flight limit is
+    /// reached: an acknowledgement, an event, frees a place).
     pub fn next_try(&self) -> Option<Instant> {
+        let in_flight = self
+            .slots
+            .values()
+            .filter(|s| s.in_flight.is_some())
+            .count();
+        if in_flight >= MAX_IN_FLIGHT {
+            return None;
+        }
         self.slots
             .values()
             .filter(|s| s.in_flight.is_none())

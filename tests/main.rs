@@ -14,6 +14,7 @@ mod support;
 mod cli_config;
 mod cli_pipes;
 mod edge;
+mod endpoints;
 mod hygiene;
 mod ingress;
 mod lifecycle;

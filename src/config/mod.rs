@@ -595,6 +595,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
             },
         },
     };
+    // Several broker addresses may be listed (host[:port], comma-separated).
+    if let Err(e) = crate::mqtt::parse_endpoints(&mqtt_host.value, mqtt_port.value) {
+        errors.push(format!("mqtt_host ({}) {e}", mqtt_host.source));
+    }
     // Decision D11: an explicit switch decides; otherwise the effective port does.
     let mqtt_use_tls = match (flags.mqtt_tls, m.mqtt_use_tls) {
         (Some(t), _) => sourced(

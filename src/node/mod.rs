@@ -1,7 +1,9 @@
 //! The node: start-up (install script → token check → MQTT), then one event loop on the main
 //! thread that owns every piece of state and selects over the feeders' channels. Nothing in the
 //! loop waits on the network: requests are published and their replies (or deadlines) come
-//! back as events; the loop wakes at least every [`TICK`].
+//! back as events. The loop sleeps until the next real deadline ([`Node::next_wake`]): an idle
+//! node wakes for its heartbeat and little else; while workloads run it wakes at least every
+//! [`BUSY_TICK`].
 
 mod ingress;
 mod logs;
@@ -35,8 +37,17 @@ use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
 use workloads::Active;
 
-/// The loop's longest sleep.
-pub const TICK: Duration = Duration::from_millis(250);
+/// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
+/// each of which has its own deadline in [`Node::next_wake`].
+pub const BUSY_TICK: Duration = Duration::from_secs(1);
+/// The loop's longest sleep when nothing is tracked (a heartbeat is due sooner anyway).
+pub const IDLE_TICK: Duration = Duration::from_secs(60);
+/// How often events that `emit` queued itself are looked for while workloads run (they are
+/// the ones that emit) or the queue is not empty; an idle node looks once a minute.
+const RESCAN_BUSY: Duration = Duration::from_secs(2);
+const RESCAN_IDLE: Duration = Duration::from_secs(60);
+/// Retrying outbox writes that a full disk refused (D28).
+const DISK_RETRY: Duration = Duration::from_secs(1);
 const MAX_AUTH_FAILURES: u32 = 5;
 const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
 const MAX_EARLY_COMMANDS: usize = 1000;
@@ -211,7 +222,7 @@ impl Node {
         self.start_connect();
         loop {
             let now = self.clock.now();
-            let wait = self.next_wake(now).saturating_duration_since(now).min(TICK);
+            let wait = self.next_wake(now).saturating_duration_since(now);
             select! {
                 recv(self.events) -> ev => match ev {
                     Ok(ev) => self.on_mqtt(ev),
@@ -238,28 +249,76 @@ impl Node {
         }
     }
 
-    /// The earliest moment something is due.
+    /// The earliest moment something is due: every timer that [`Node::tick`] acts on has its
+    /// deadline here, so the loop sleeps exactly until then.
     fn next_wake(&self, now: Instant) -> Instant {
-        let mut t = util::later(now, TICK);
+        let cap = if self.active.is_empty() {
+            IDLE_TICK
+        } else {
+            BUSY_TICK
+        };
+        let mut t = now.checked_add(cap).unwrap_or(now);
+        let mut due = |d: Instant| t = t.min(d);
+        let open = self.shutdown.is_none();
         if let Conn::Disconnected { next_attempt, .. } = self.conn {
-            t = t.min(next_attempt);
+            if open {
+                due(next_attempt);
+            }
         }
         if let Registration::Needed { next_try, .. } = self.reg {
-            t = t.min(next_try);
+            if self.conn == Conn::Connected && open {
+                due(next_try);
+            }
         }
         if let Some(d) = self.hb.next_due {
-            t = t.min(d);
+            if self.reg == Registration::Done && open {
+                due(d);
+            }
         }
         for p in self.pending.values() {
-            t = t.min(p.deadline);
+            due(p.deadline);
         }
         if let Some(s) = &self.shutdown {
-            t = t.min(s.deadline);
+            due(s.deadline);
         }
-        t = t.min(self.next_stream_pass);
-        if let Some(o) = self.outbox.next_try() {
-            if self.conn == Conn::Connected {
-                t = t.min(o);
+        // Stream passes only while a workload is tracked: its files may grow.
+        if !self.active.is_empty() {
+            due(self.next_stream_pass);
+        }
+        for a in self.active.values() {
+            for d in workload_deadlines(a) {
+                due(d);
+            }
+        }
+        for (.., until) in &self.heal.deferred {
+            due(*until);
+        }
+        if self.conn == Conn::Connected {
+            if let Some(o) = self.outbox.next_try() {
+                due(o);
+            }
+            if let Some(o) = self.ingress.head_next_try() {
+                due(o);
+            }
+        }
+        if self.outbox.has_pending_writes() {
+            due(now.checked_add(DISK_RETRY).unwrap_or(now));
+        }
+        due(self.next_rescan);
+        if self.s.metrics_file.is_some() {
+            due(self.next_metrics);
+        }
+        if self.s.log_retention_days.value > 0 {
+            due(self.next_prune);
+        }
+        if self.s.standalone && self.conn == Conn::Connected {
+            due(self.next_watchdog);
+        }
+        if let Some(since) = self.idle_since {
+            if self.s.drain_after_one && open && self.active.is_empty() {
+                due(since
+                    .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
+                    .unwrap_or(since));
             }
         }
         t
@@ -459,10 +518,17 @@ impl Node {
     }
 
     fn schedule_reconnect(&mut self, attempt: u32, why: &str) {
+        // Several broker addresses (a cluster): the next attempt goes to the next one.
+        self.mqtt.next_endpoint();
         let t = &self.s.tuning;
         let delay = util::backoff_full_jitter(attempt, t.reconnect_base, t.reconnect_max);
+        let next = if self.mqtt.endpoint_count() > 1 {
+            format!(" on {}", self.mqtt.endpoint())
+        } else {
+            String::new()
+        };
         log::warn!(
-            "MQTT {}: {why}; retrying in {:.1}s",
+            "MQTT {}: {why}; retrying{next} in {:.1}s",
             if attempt == 0 {
                 "connection problem"
             } else {
@@ -753,7 +819,8 @@ impl Node {
         // Self-heal runs beside the heartbeat, never in front of it.
         self.start_heal_pass();
         let interval = self.s.heartbeat_interval.value;
-        self.hb.next_due = Some(util::later(self.clock.now(), interval));
+        let r = u64::from_le_bytes(util::random_bytes::<8>());
+        self.hb.next_due = beat_due(self.clock.now(), interval, r);
         if self.conn != Conn::Connected {
             self.hb.failures = self.hb.failures.saturating_add(1);
             log::debug!("heartbeat skipped: not connected");
@@ -1117,7 +1184,12 @@ impl Node {
         if now >= self.next_rescan {
             // Events `emit` queued by itself while the node was unreachable.
             self.ingress.rescan();
-            self.next_rescan = util::later(now, Duration::from_secs(2));
+            let every = if self.active.is_empty() && self.ingress.is_empty() {
+                RESCAN_IDLE
+            } else {
+                RESCAN_BUSY
+            };
+            self.next_rescan = now.checked_add(every).unwrap_or(now);
         }
         self.send_ingress();
         self.check_drain_after_one(now);
@@ -1129,7 +1201,7 @@ impl Node {
             self.next_watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
-        if now >= self.next_stream_pass {
+        if now >= self.next_stream_pass && !self.active.is_empty() {
             self.pump_streams(true);
         }
         if let Some(due) = self.hb.next_due {
@@ -1143,6 +1215,45 @@ impl Node {
             }
         }
     }
+}
+
+/// When the next heartbeat is due (D39): `interval` ± up to 10 %, placed by `random` (uniform
+/// over all u64), so a fleet started together does not beat in the same instant. Integer
+/// arithmetic: the due time is always in [0.9 × interval, 1.1 × interval). `None` only if the
+/// moment is beyond what the clock can hold.
+pub fn beat_due(now: Instant, interval: Duration, random: u64) -> Option<Instant> {
+    let nanos = interval.as_nanos();
+    let spread = nanos / 10;
+    // random / 2^64 of the whole band (2 × spread), from its low end.
+    let offset = spread
+        .checked_mul(2)?
+        .checked_mul(u128::from(random))?
+        .checked_shr(64)?;
+    let after = nanos.checked_sub(spread)?.checked_add(offset)?;
+    let secs = u64::try_from(after / 1_000_000_000).ok()?;
+    let sub = u32::try_from(after % 1_000_000_000).ok()?;
+    now.checked_add(Duration::new(secs, sub))
+}
+
+/// The moments a tracked workload's timers in `tick_workloads` fall due.
+/// Each is counted only in the state in which `tick_workloads` acts on it, so a deadline that
+/// has passed never keeps the loop spinning.
+fn workload_deadlines(a: &Active) -> impl Iterator<Item = Instant> + '_ {
+    use crate::workload::lifecycle::Phase;
+    let lingering = matches!(a.phase, Phase::Lingering { .. });
+    let adopted = !a.child && matches!(a.phase, Phase::Running | Phase::Cancelling { .. });
+    [
+        a.runtime_deadline
+            .filter(|_| a.meta.cancel.is_none() && !a.finished()),
+        a.phase.deadline(),
+        a.upload
+            .as_ref()
+            .filter(|u| !u.busy && matches!(a.phase, Phase::Uploading { .. }))
+            .and_then(|u| u.retry_at),
+        (lingering || adopted).then_some(a.next_check),
+    ]
+    .into_iter()
+    .flatten()
 }
 
 fn success(b: &Value) -> bool {
@@ -1165,4 +1276,53 @@ fn str_field(b: &Value, k: &str) -> Option<String> {
         .and_then(Value::as_str)
         .filter(|s| !s.is_empty())
         .map(String::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeats_spread_within_ten_percent_of_the_interval() {
+        let now = Instant::now();
+        let i = Duration::from_secs(30);
+        let at = |r| beat_due(now, i, r).unwrap() - now;
+        // The ends and the middle of the random range.
+        assert_eq!(at(0), Duration::from_secs(27));
+        assert_eq!(at(1u64 << 63), Duration::from_secs(30));
+        let top = at(u64::MAX);
+        assert!(
+            top < Duration::from_secs(33) && top > Duration::from_millis(32_999),
+            "{top:?}"
+        );
+        // Every random value lands inside the band, and the band is used (not one phase).
+        let mut seen = std::collections::BTreeSet::new();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for _ in 0..10_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let d = at(x);
+            assert!(
+                d >= Duration::from_secs(27) && d < Duration::from_secs(33),
+                "{d:?}"
+            );
+            seen.insert(d.as_millis() / 600);
+        }
+        assert_eq!(
+            seen.len(),
+            10,
+            "10 bands of 600 ms between 27 s and 33 s: {seen:?}"
+        );
+    }
+
+    #[test]
+    fn heartbeat_spread_survives_extreme_intervals() {
+        let now = Instant::now();
+        assert_eq!(beat_due(now, Duration::ZERO, 12345), Some(now));
+        let tiny = beat_due(now, Duration::from_nanos(1), u64::MAX).unwrap();
+        assert!(tiny - now <= Duration::from_nanos(2));
+        // Beyond the clock: no due time rather than a panic.
+        assert_eq!(beat_due(now, Duration::MAX, u64::MAX), None);
+    }
 }

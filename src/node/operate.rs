@@ -99,6 +99,9 @@ pub fn prune(
     removed
 }
 
+/// `--drain-after-one`: how long the outbox may take to empty before the node stops anyway.
+pub const DRAIN_AFTER_ONE_WAIT: Duration = Duration::from_secs(10);
+
 /// The text every retryable refusal starts with: legacy backends classify on it (D13).
 pub const BUSY_PREFIX: &str = "Controller host is busy with";
 
@@ -197,8 +200,7 @@ impl Node {
             return;
         }
         let since = *self.idle_since.get_or_insert(now);
-        if self.outbox.is_empty() || now.saturating_duration_since(since) > Duration::from_secs(10)
-        {
+        if self.outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT {
             self.begin_shutdown(
                 crate::app::EXIT_OK,
                 "--drain-after-one: the workload completed",

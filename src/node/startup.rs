@@ -325,9 +325,11 @@ pub fn mqtt_options(
                 util::hex(&util::random_bytes::<4>())
             )
         });
+    let endpoints = mqtt::parse_endpoints(&s.mqtt_host.value, s.mqtt_port.value)
+        .map_err(|e| format!("mqtt_host {e}"))?;
+    let endpoints = mqtt::shuffled(endpoints, || u64::from_le_bytes(util::random_bytes::<8>()));
     Ok(MqttOptions {
-        host: s.mqtt_host.value.clone(),
-        port: s.mqtt_port.value,
+        endpoints,
         tls: s.mqtt_use_tls.value,
         ca_file,
         client_id,

@@ -2,8 +2,7 @@
 //! exit. The node learns of an exit at once, without polling. When the node has no children
 //! the thread sleeps until [`Reaper::spawned`] wakes it.
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
-use std::time::Duration;
+use crossbeam_channel::{bounded, Receiver, Sender};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Reaped {
@@ -42,11 +41,13 @@ fn run(tx: Sender<Reaped>, wake: Receiver<()>) {
         }
         match std::io::Error::last_os_error().raw_os_error() {
             Some(libc::EINTR) => continue,
-            // No children: wait for the next spawn (or check again in a while).
-            _ => match wake.recv_timeout(Duration::from_secs(1)) {
-                Ok(()) | Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return,
-            },
+            // No children: sleep until the next spawn. `spawned` is called after the fork, so a
+            // wake is never missed (an idle node must not poll: issue 15).
+            _ => {
+                if wake.recv().is_err() {
+                    return;
+                }
+            }
         }
     }
 }

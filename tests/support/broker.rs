@@ -14,6 +14,9 @@ pub struct Broker {
     tls: Option<(PathBuf, PathBuf, PathBuf)>,
     /// A password file inside `dir`: only its users may connect.
     passwords: Option<PathBuf>,
+    /// The port of a hub broker this one bridges every topic to and from (MQTT v5), as the
+    /// nodes of a cluster share their traffic.
+    bridge_to: Option<u16>,
 }
 
 fn mosquitto_bin() -> String {
@@ -39,6 +42,12 @@ impl Broker {
         Self::start_inner(Some((ca, cert, key)), None)
     }
 
+    /// A broker bridged to the broker on `hub` (every topic, both ways, MQTT v5): a test's
+    /// stand-in for one address of a clustered broker.
+    pub fn start_bridged(hub: u16) -> Broker {
+        Self::start_full(None, None, Some(hub))
+    }
+
     /// A broker that accepts only `user` with `password` (no anonymous clients).
     pub fn start_with_password(user: &str, password: &str) -> Broker {
         Self::start_inner(None, Some((user.to_string(), password.to_string())))
@@ -47,6 +56,14 @@ impl Broker {
     fn start_inner(
         tls: Option<(PathBuf, PathBuf, PathBuf)>,
         credentials: Option<(String, String)>,
+    ) -> Broker {
+        Self::start_full(tls, credentials, None)
+    }
+
+    fn start_full(
+        tls: Option<(PathBuf, PathBuf, PathBuf)>,
+        credentials: Option<(String, String)>,
+        bridge_to: Option<u16>,
     ) -> Broker {
         let dir = TempDir::new("broker");
         // mosquitto started as root drops to its own user; let it write its log here.
@@ -76,6 +93,7 @@ impl Broker {
             child: None,
             tls,
             passwords,
+            bridge_to,
         };
         for _ in 0..10 {
             b.port = free_port();
@@ -102,6 +120,11 @@ impl Broker {
                 ca.display(),
                 cert.display(),
                 key.display()
+            ));
+        }
+        if let Some(hub) = self.bridge_to {
+            conf.push_str(&format!(
+                "connection hub\naddress 127.0.0.1:{hub}\ntopic # both 1\nbridge_protocol_version mqttv50\ntry_private true\nnotifications false\nrestart_timeout 1\n"
             ));
         }
         let conf_path = self.dir.write("mosquitto.conf", &conf);

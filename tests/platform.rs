@@ -6,26 +6,13 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, TOKEN};
-use crate::support::{Broker, ControlPlane, NodeProcess};
+use crate::support::{Broker, ControlPlane};
 
 const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
 const DONE: Duration = Duration::from_secs(40);
 
-fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> Value {
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
-    );
-    cp.wait_reply(rid, REPLY)
-        .unwrap_or_else(|| panic!("no reply to {rid}"))
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
+use crate::results::{pattern, start};
 
 #[test]
 fn each_file_goes_up_by_the_route_its_attachment_reply_names() {

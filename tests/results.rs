@@ -11,7 +11,7 @@ const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
 const DONE: Duration = Duration::from_secs(40);
 
-fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> serde_json::Value {
+pub(crate) fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> serde_json::Value {
     cp.command(
         &node.uuid(),
         json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
@@ -20,7 +20,7 @@ fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> serde_js
         .unwrap_or_else(|| panic!("no reply to {rid}"))
 }
 
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
+pub(crate) fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()

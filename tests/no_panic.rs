@@ -13,8 +13,14 @@ const REPLY: Duration = Duration::from_secs(5);
 
 #[test]
 fn a_huge_max_runtime_neither_kills_the_node_nor_makes_it_crash_loop() {
-    // The manifest's own limit is huge too: the smaller of the two is still beyond any clock.
+    // A manifest limit past 30 days is a configuration error (exit 2, naming the key), never
+    // a panic; the command's own huge limit is refused at the edge.
     let (_b, cp, setup) = rig("cyberwave:\n  training: sleep 30\n  max_runtime_seconds: 1e300\n");
+    let out = setup.run(&["start"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("max_runtime_seconds"), "{out:?}");
+    assert!(!out.stderr.contains("panicked"), "{out:?}");
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 30\n");
     let mut node = setup.spawn();
     node.wait_ready(READY);
     let uuid = node.uuid();

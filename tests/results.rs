@@ -11,7 +11,12 @@ const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
 const DONE: Duration = Duration::from_secs(40);
 
-pub(crate) fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) -> serde_json::Value {
+pub(crate) fn start(
+    cp: &ControlPlane,
+    node: &NodeProcess,
+    rid: &str,
+    wl: &str,
+) -> serde_json::Value {
     cp.command(
         &node.uuid(),
         json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),

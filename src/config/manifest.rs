@@ -906,13 +906,15 @@ fn node_field(cx: &mut Ctx, m: &mut Manifest, key: &str, line: usize, v: &Node) 
                 "expected a whole number from {min} to {max}, got {got}"
             )),
         },
+        // The same range as a command's `max_runtime_seconds` (D20): past it a limit would
+        // silently mean "none".
         NodeKind::Seconds => match lax_float(v) {
-            Some(f) if f.is_finite() && f > 0.0 => {
+            Some(f) if f.is_finite() && f > 0.0 && f <= crate::protocol::commands::MAX_SECONDS => {
                 m.max_runtime_seconds = Some(f);
                 Ok(())
             }
             _ => Err(format!(
-                "expected a number of seconds greater than 0, got {got}"
+                "expected a number of seconds greater than 0 and at most 2592000 (30 days), got {got}"
             )),
         },
         NodeKind::OnOff => match lax_bool(v) {

@@ -9,6 +9,7 @@ pub mod control;
 pub mod emit;
 pub mod ingress;
 pub mod ledger;
+pub mod manpage;
 pub mod mqtt;
 pub mod node;
 pub mod ops;

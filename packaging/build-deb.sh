@@ -3,8 +3,8 @@
 # cyberwave-cloud-node (stable), cyberwave-cloud-node-dev and cyberwave-cloud-node-staging.
 # They ship the same /usr/bin/cyberwave-cloud-node, so each Conflicts/Replaces the others and
 # the channel packages Provide cyberwave-cloud-node. Output: target/debian/*.deb
-# CW_DEB_VERSION, CW_DEB_OUT and CW_DEB_BIN override the version, the output dir and the binary (the life-cycle test
-# builds a later version from the same binary that way).
+# CW_DEB_VERSION, CW_DEB_OUT and CW_DEB_BIN override the version, the output dir and the
+# binary (packaging/lifecycle.sh builds a later version from the same binary that way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${CW_DEB_BIN:-target/static/cyberwave-cloud-node}
@@ -162,6 +162,10 @@ ${provides}Description: Cyberwave cloud node: runs Cyberwave workloads on this h
 CONTROL
   echo "/etc/cyberwave/cloud-node.env" > "$root/DEBIAN/conffiles"
   install -m 0755 packaging/deb/postinst packaging/deb/prerm packaging/deb/postrm "$root/DEBIAN/"
+  # md5sums of every file but the conffile (dpkg tracks that one itself), as dh_md5sums does.
+  (cd "$root" && find . -path ./DEBIAN -prune -o -path ./etc -prune -o -type f -printf '%P\0' |
+    LC_ALL=C sort -z | xargs -0 md5sum) > "$root/DEBIAN/md5sums"
+  chmod 0644 "$root/DEBIAN/md5sums"
   dpkg-deb --root-owner-group -Zgzip --build "$root" "$out/${pkg}_${version}_amd64.deb" >/dev/null
   rm -rf "$root"
   echo "built $out/${pkg}_${version}_amd64.deb"

@@ -21,6 +21,7 @@ if [ -z "${CW_LIFECYCLE_INNER:-}" ]; then
   for p in cyberwave-cloud-node cyberwave-cloud-node-dev; do
     [ -f "$debs/${p}_${version}_amd64.deb" ] || fail "$debs/${p}_${version}_amd64.deb missing (run build-deb.sh)"
   done
+  ./scripts/deps.sh
   CW_DEB_VERSION="$next" CW_DEB_OUT="$next_debs" ./packaging/build-deb.sh >/dev/null
   exec unshare --mount --propagation private env CW_LIFECYCLE_INNER=1 "$0" "$@"
 fi
@@ -127,6 +128,7 @@ kept "channel switch"
 [ -x "$R/usr/bin/cyberwave-cloud-node" ] || fail "channel switch: no binary"
 [ -L "$wants" ] || fail "channel switch: the unit is no longer enabled"
 [ -e "$mask" ] && fail "channel switch: the unit is left masked"
+echo "lifecycle: stable after the switch: $(status cyberwave-cloud-node)"
 # Purging what is left of stable must not take the state -dev now runs on.
 [ "$(status cyberwave-cloud-node)" = not-installed ] || dpkg_in --purge cyberwave-cloud-node
 kept "purge of the replaced stable package"

@@ -387,6 +387,18 @@ mod tests {
     }
 
     #[test]
+    fn every_listed_command_is_one_the_parser_knows() {
+        for &c in cli::COMMANDS {
+            let args = [cli::name_of(c).to_string(), "--help".to_string()];
+            assert_eq!(
+                cli::parse(&args),
+                Ok(cli::Parsed::Help(cli::help_text(Some(c)))),
+                "{args:?}"
+            );
+        }
+    }
+
+    #[test]
     fn global_and_path_flags_are_real_flags() {
         for f in GLOBAL_FLAGS {
             assert!(cli::parse(&[f.to_string()]).is_ok(), "{f}");

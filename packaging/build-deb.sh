@@ -18,9 +18,10 @@ out=${CW_DEB_OUT:-target/debian}
 rm -rf "$out" && mkdir -p "$out"
 all=(cyberwave-cloud-node cyberwave-cloud-node-dev cyberwave-cloud-node-staging)
 
+metadata=$(cargo metadata --all-features --format-version 1 2>/dev/null || true) # once: it waits for cargo's lock
 licence() { # the licence text of a bundled C library, from the crate that builds it
   local pkg=$1 rel=$2 dir
-  dir=$(cargo metadata --all-features --format-version 1 2>/dev/null | grep -o "\"manifest_path\":\"[^\"]*/$pkg-[0-9][^\"]*/Cargo.toml\"" | head -1 | sed 's/.*:"\(.*\)\/Cargo.toml"/\1/')
+  dir=$(grep -o "\"manifest_path\":\"[^\"]*/$pkg-[0-9][^\"]*/Cargo.toml\"" <<<"$metadata" | head -1 | sed 's/.*:"\(.*\)\/Cargo.toml"/\1/')
   [ -n "$dir" ] && [ -f "$dir/$rel" ] && cat "$dir/$rel"
 }
 

@@ -23,11 +23,15 @@ if [ -z "${CW_LIFECYCLE_INNER:-}" ]; then
   done
   ./scripts/deps.sh
   CW_DEB_VERSION="$next" CW_DEB_OUT="$next_debs" ./packaging/build-deb.sh >/dev/null
-  exec unshare --mount --propagation private env CW_LIFECYCLE_INNER=1 "$0" "$@"
+  base=$(mktemp -d)
+  rc=0
+  unshare --mount --propagation private env CW_LIFECYCLE_INNER="$base" "$0" "$@" || rc=$?
+  rmdir "$base" # its mounts went with the namespace
+  exit "$rc"
 fi
 
 # --- inside the private mount namespace ---
-base=$(mktemp -d)
+base=$CW_LIFECYCLE_INNER
 mount -t tmpfs -o size=1g,mode=0700 tmpfs "$base"
 mkdir "$base/upper" "$base/work" "$base/root"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$base/upper,workdir=$base/work" "$base/root"
@@ -37,11 +41,7 @@ mount -t proc proc "$R/proc"
 mount -t tmpfs tmpfs "$R/run"
 mount -t tmpfs tmpfs "$R/tmp"
 workload=""
-cleanup() {
-  [ -n "$workload" ] && kill "$workload" 2>/dev/null || true
-  rmdir "$base" 2>/dev/null || true # the mounts die with the namespace
-}
-trap cleanup EXIT
+trap '[ -z "$workload" ] || kill "$workload" 2>/dev/null || true' EXIT
 log="$R/tmp/dpkg.log"
 inroot() { chroot "$R" "$@"; }
 dpkg_in() { # a dpkg operation in the root; its output goes to the log, shown on failure

@@ -38,16 +38,10 @@ pub fn run(args: &[String]) -> i32 {
     }
     // The man page and the shell completions, for the packages (hidden from --help).
     match (args.first().map(String::as_str), args.get(1)) {
-        (Some("__man"), None) => {
-            print!("{}", crate::manpage::man_page());
-            return EXIT_OK;
-        }
+        (Some("__man"), None) => return crate::manpage::print(&crate::manpage::man_page()),
         (Some("__completions"), shell) => {
             return match shell.and_then(|s| crate::manpage::completions(s)) {
-                Some(script) if args.len() == 2 => {
-                    print!("{script}");
-                    EXIT_OK
-                }
+                Some(script) if args.len() == 2 => crate::manpage::print(&script),
                 _ => {
                     eprintln!("error: usage: cyberwave-cloud-node __completions bash|zsh|fish");
                     EXIT_USAGE

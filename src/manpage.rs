@@ -11,6 +11,24 @@ pub const GLOBAL_FLAGS: &[&str] = &["--help", "-h", "--version", "-V", "--verbos
 /// Flags whose value is a file path (completed with file names).
 const PATH_FLAGS: &[&str] = &["--config", "--metrics-file"];
 
+/// Writes `text` to stdout: exit 0, also when the reader went away (`__man | head`), 1 when
+/// stdout cannot be written otherwise.
+pub fn print(text: &str) -> i32 {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => crate::app::EXIT_OK,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => crate::app::EXIT_OK,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "error: cannot write to standard output: {e}"
+            );
+            crate::app::EXIT_RUNTIME
+        }
+    }
+}
+
 /// The flags a help text names: tokens starting with `-` then a letter (`--mqtt-tls/--no-mqtt-tls`,
 /// `[-f]` and `(--wait:` included), in order of appearance, without duplicates.
 pub fn flags_in(text: &str) -> Vec<String> {

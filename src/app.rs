@@ -43,7 +43,8 @@ pub fn run(args: &[String]) -> i32 {
             return match shell.and_then(|s| crate::manpage::completions(s)) {
                 Some(script) if args.len() == 2 => crate::manpage::print(&script),
                 _ => {
-                    eprintln!("error: usage: cyberwave-cloud-node __completions bash|zsh|fish");
+                    let usage = "error: usage: cyberwave-cloud-node __completions bash|zsh|fish";
+                    let _ = writeln!(std::io::stderr(), "{usage}");
                     EXIT_USAGE
                 }
             };

@@ -44,4 +44,41 @@ fi
 # The static binary passes the end-to-end workload and TLS tests (no SSL_CERT_FILE help).
 env -u SSL_CERT_FILE -u SSL_CERT_DIR CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
   cargo test --test main -- workloads::completions_carry_the_real_exit_code wire::tls_connects_with_the_right_ca_and_refuses_otherwise logs::every_line_is_streamed_once_in_order_and_mirrored
+# Debian's own package checker: nothing to say about any of the three packages (overrides, each
+# with its reason, are in packaging/deb/lintian-overrides).
+lint=$(lintian --allow-root target/debian/*_"${version}"_amd64.deb 2>&1) || true
+[ -z "$lint" ] || fail "lintian:"$'\n'"$lint"
+
+# The man page and the completions the package ships name every command and flag of --help and
+# of each command's --help (they are generated from the same data; this checks the shipped files).
+bin="$root/usr/bin/cyberwave-cloud-node"
+man=$(zcat "$root/usr/share/man/man1/cyberwave-cloud-node.1.gz" | sed 's/\\-/-/g')
+comp_bash=$(cat "$root/usr/share/bash-completion/completions/cyberwave-cloud-node")
+comp_zsh=$(cat "$root/usr/share/zsh/vendor-completions/_cyberwave-cloud-node")
+comp_fish=$(cat "$root/usr/share/fish/vendor_completions.d/cyberwave-cloud-node.fish")
+help=$("$bin" --help)
+cmds=$(sed -n '/^Commands:/,/^$/p' <<<"$help" | sed -e '1d' -e '/^$/d' -e 's/^ *//' -e 's/  .*//' -e 's/, /\n/g')
+[ "$(wc -l <<<"$cmds")" -ge 11 ] || fail "--help lists too few commands: $cmds"
+texts="$help"
+for c in $cmds; do texts+=$'\n'$("$bin" "$c" --help); done
+flags=$(grep -oE -- '(^|[^A-Za-z0-9-])--?[A-Za-z][A-Za-z0-9-]*' <<<"$texts" | sed -E 's/^[^-]//' | sort -u)
+grep -qx -- --mqtt-port <<<"$flags" && grep -qx -- -f <<<"$flags" || fail "no flags found in --help: $flags"
+for c in $cmds; do
+  grep -qx "\.SS $c" <<<"$man" || fail "the man page lacks the command $c"
+  for sh in bash zsh fish; do
+    v="comp_$sh"; grep -qE "(^|[ (|])$c([ )|]|$)" <<<"${!v}" || fail "the $sh completion lacks the command $c"
+  done
+done
+for f in $flags; do
+  grep -qF -- "$f" <<<"$man" || fail "the man page lacks $f"
+  grep -qE -- "(^|[ \"(|])$f([ \")|]|$)" <<<"$comp_bash" || fail "the bash completion lacks $f"
+  grep -qE -- "(^|[ (|])$f([ )|]|$)" <<<"$comp_zsh" || fail "the zsh completion lacks $f"
+  name=${f#-}; name=${name#-}
+  grep -qE -- " -[lso] $name( |$)" <<<"$comp_fish" || fail "the fish completion lacks $f"
+done
+bash -n <<<"$comp_bash" || fail "bash completion syntax"
+if command -v zsh >/dev/null 2>&1; then zsh -n <<<"$comp_zsh" || fail "zsh completion syntax"; fi
+if command -v fish >/dev/null 2>&1; then fish --no-execute <<<"$comp_fish" || fail "fish completion syntax"; fi
+echo "man page and completions: $(wc -w <<<"$cmds") commands, $(wc -w <<<"$flags") flags of --help, all present"
+
 echo "release check: OK"

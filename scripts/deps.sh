@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs, on Debian/Ubuntu, what building and testing the node needs when it is missing:
 # cmake (Paho C), a C toolchain, OpenSSL headers, mosquitto and its clients, openssl (test CA),
-# file (the packaging check), python3 (module-mode and workload tests).
+# file and lintian (the packaging check; lintian brings man-db), python3 (module-mode and
+# workload tests).
 set -euo pipefail
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
@@ -13,6 +14,7 @@ command -v mosquitto_pub >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 [ -f /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates)
 command -v file >/dev/null 2>&1 || need+=(file)
+command -v lintian >/dev/null 2>&1 || need+=(lintian)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

@@ -34,6 +34,21 @@ pub fn run(args: &[String]) -> i32 {
             Err(e) => error::report(&CliError::Runtime(e.to_string())),
         };
     }
+    // The man page and the shell completions, for the packages (hidden from --help).
+    match (args.first().map(String::as_str), args.get(1)) {
+        (Some("__man"), None) => return crate::manpage::print(&crate::manpage::man_page()),
+        (Some("__completions"), shell) => {
+            return match shell.and_then(|s| crate::manpage::completions(s)) {
+                Some(script) if args.len() == 2 => crate::manpage::print(&script),
+                _ => {
+                    let usage = "error: usage: cyberwave-cloud-node __completions bash|zsh|fish";
+                    let _ = writeln!(std::io::stderr(), "{usage}");
+                    EXIT_USAGE
+                }
+            };
+        }
+        _ => {}
+    }
     let inv = match cli::parse(args) {
         Ok(Parsed::Version) => {
             crate::outln!("cyberwave-cloud-node {}", cli::VERSION);

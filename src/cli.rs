@@ -74,11 +74,26 @@ const START_FLAGS: &[&str] = &[
     "--metrics-file",
 ];
 
-/// Whether `flag` belongs to `cmd` (`config` takes every flag of `start`, plus `--json`).
-fn allowed(cmd: Command, flag: &str) -> bool {
-    let list: &[&str] = match cmd {
+/// Every command, in the order of `--help` (the man page and the completions list them).
+pub const COMMANDS: &[Command] = &[
+    Command::Start,
+    Command::Validate,
+    Command::Config,
+    Command::InstallService,
+    Command::UninstallService,
+    Command::Emit,
+    Command::Status,
+    Command::Logs,
+    Command::Drain,
+    Command::Resume,
+    Command::Doctor,
+];
+
+/// The flags `cmd` accepts (`config` takes every flag of `start`, plus `--json`).
+pub fn flags_of(cmd: Command) -> Vec<&'static str> {
+    let list: &[&'static str] = match cmd {
         Command::Start => START_FLAGS,
-        Command::Config => return START_FLAGS.contains(&flag) || flag == "--json",
+        Command::Config => return START_FLAGS.iter().copied().chain(["--json"]).collect(),
         Command::Validate => &["--config", "--lenient"],
         Command::InstallService | Command::UninstallService => &["--user"],
         Command::Emit => crate::emit::FLAGS,
@@ -96,10 +111,15 @@ fn allowed(cmd: Command, flag: &str) -> bool {
             "--no-mqtt-tls",
         ],
     };
-    list.contains(&flag)
+    list.to_vec()
 }
 
-fn takes_value(flag: &str) -> bool {
+/// Whether `flag` belongs to `cmd`.
+fn allowed(cmd: Command, flag: &str) -> bool {
+    flags_of(cmd).contains(&flag)
+}
+
+pub fn takes_value(flag: &str) -> bool {
     matches!(
         flag,
         "--config"
@@ -284,7 +304,7 @@ fn non_empty(name: &str, v: String) -> Result<String, UsageError> {
     }
 }
 
-fn name_of(c: Command) -> &'static str {
+pub fn name_of(c: Command) -> &'static str {
     match c {
         Command::Start => "start",
         Command::Validate => "validate",

@@ -23,6 +23,7 @@ pub mod error;
 pub mod ingress;
 pub mod ledger;
 pub mod logtext;
+pub mod manpage;
 pub mod mqtt;
 pub mod node;
 pub mod ops;

@@ -1,0 +1,132 @@
+//! Attacks on this session's changes (hostile backend, hostile workload, careless operator).
+//! Every test here FAILED on main at 37df9d2 when it was written: each is a finding, named
+//! after the decision or guarantee it breaks. The node's code was not changed on this branch.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::node::NodeSetup;
+use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(40);
+
+fn command(cp: &ControlPlane, node: &NodeProcess, body: Value) -> Value {
+    let rid = match &body["request_id"] {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    cp.command(&node.uuid(), body);
+    cp.wait_reply(&rid, REPLY)
+        .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
+}
+
+fn ran(setup: &NodeSetup) -> usize {
+    std::fs::read_dir(setup.cwd.join("ran"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Exists and is not a zombie.
+fn alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
+        .unwrap_or_default();
+    state != "Z" && state != "X"
+}
+
+/// The FNV-1a 32 hash `store::safe_id` appends to an id it changed.
+fn fnv1a32(data: &[u8]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in data {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// D7: "two ids never share files". The id `x/y` maps to `x_y-<hash of x/y>`; the id that IS
+/// that text is already safe and maps to itself. So the backend (or anyone who can send a
+/// command) picks a request id that collides with a running workload's: the node answers the
+/// second start with the FIRST workload's output (`ok`, its pid, `workload_request_id: x/y`)
+/// and never runs the second workload — and, were the first gone, both would share
+/// `workloads/<safe id>/` and `<results_folder>/<safe id>/`.
+#[test]
+fn d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    mkdir -p ran && touch \"ran/$$\"\n    while [ ! -f release ]; do sleep 0.05; done\ncloud_node:\n  max_concurrent_workloads: 2\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = "x/y";
+    let second = format!("x_y-{:08x}", fnv1a32(first.as_bytes()));
+    let a = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": first, "params": {"workload_uuid": "wl-a"}}),
+    );
+    assert_eq!(a["status"], "ok", "{a}");
+    let b = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": second, "params": {"workload_uuid": "wl-b"}}),
+    );
+    std::fs::write(setup.cwd.join("release"), "").unwrap();
+    assert_eq!(b["status"], "ok", "{b}");
+    assert_eq!(
+        b["output"]["workload_request_id"], second,
+        "the second start was answered with another workload's output: {b}"
+    );
+    assert!(
+        wait_for(REPLY, || (ran(&setup) == 2).then_some(())).is_some(),
+        "the second workload never ran ({} ran); log:\n{}",
+        ran(&setup),
+        node.log()
+    );
+}
+
+/// README "Nothing is left behind" / D25: a workload that starts a child in a session of its own
+/// (`setsid`, as daemonising tools do) leaves that child running after the node reported the
+/// workload as completed. The supervisor is a subreaper and sees the child re-parented to it,
+/// yet clears only the process group.
+#[test]
+fn d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &\n    while [ ! -s escaped.pid ]; do sleep 0.05; done\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "esc", "params": {"workload_uuid": "wl-esc"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-esc", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let pid: i32 = std::fs::read_to_string(setup.cwd.join("escaped.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let still = alive(pid);
+    if still {
+        // SAFETY: the test's own escaped process.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(
+        !still,
+        "pid {pid}, started by the workload with setsid, outlived the workload's completion"
+    );
+}

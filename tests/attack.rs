@@ -130,3 +130,46 @@ fn d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
         "pid {pid}, started by the workload with setsid, outlived the workload's completion"
     );
 }
+
+/// D33 false accusation: a broker that restarts three times within a minute (a crash loop, a
+/// rolling update of a broker cluster) closes connections "right after accepting them". The
+/// node then logs an ERROR that another host runs a copy of its state dir, tells the operator
+/// to delete its identity, writes the `client_id_conflict` marker (so `doctor` FAILs) and waits
+/// 30 s — though no other client ever used its id (no 0x8E was sent).
+#[test]
+fn d33_a_broker_restart_loop_is_not_reported_as_a_duplicate_client_id() {
+    let (mut broker, cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    const ACCUSED: &str = "another client uses this node's MQTT client id";
+    // The n-th connection, or the accusation (after which the node waits 30 s to reconnect).
+    let connects = |n: usize| {
+        wait_for(Duration::from_secs(10), || {
+            let log = node.log();
+            (log.matches("connected to MQTT broker").count() >= n || log.contains(ACCUSED))
+                .then_some(())
+        })
+        .is_some()
+    };
+    assert!(connects(1), "{}", node.log());
+    for i in 2..=4 {
+        broker.restart();
+        assert!(connects(i), "reconnect {i}; log:\n{}", node.log());
+    }
+    assert!(
+        !node.log().contains(ACCUSED),
+        "a broker restart loop was reported as a copied state dir:\n{}",
+        node.log()
+    );
+    assert!(
+        !setup.config_dir().join("client_id_conflict").exists(),
+        "doctor would FAIL on a duplicate client id that does not exist"
+    );
+    // It still serves once it is back.
+    assert!(
+        cp.status(&node.uuid(), "after-restarts", Duration::from_secs(10))
+            .is_some(),
+        "no status reply within 10 s after the broker came back:\n{}",
+        node.log()
+    );
+}

@@ -173,3 +173,78 @@ fn d33_a_broker_restart_loop_is_not_reported_as_a_duplicate_client_id() {
         node.log()
     );
 }
+
+/// D30: a state dir the operator must fix exits 2 naming the path ("not a directory (or not a
+/// regular lock file)"); only a lock held by another node exits 1. A `lock` that is a directory
+/// (a careless `mkdir -p ~/.cyberwave/lock`) is an operator's mistake like a `lock` that is a
+/// FIFO, yet it exits 1 with a bare "Is a directory" — the exit code of "another node runs".
+#[test]
+fn d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("lock")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let mut node = setup.spawn();
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(10)),
+        Some(Some(2)),
+        "{}",
+        node.log()
+    );
+    assert!(
+        node.log().contains("not a regular lock file"),
+        "{}",
+        node.log()
+    );
+}
+
+/// D24: "only that folder is uploaded and cleaned for it". A result file that workload A left
+/// in its own folder (skipped by max_result_bytes) is uploaded as workload B's result
+/// (`<A's safe id>/b.txt`) and deleted, with capacity 1: the "loose files" rule takes every
+/// file below `results_folder`, other (finished) workloads' folders included.
+#[test]
+fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_ones() {
+    let (_broker, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    if [ \"$CYBERWAVE_REQUEST_ID\" = ra ]; then head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/a.bin\"; head -c 60 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/b.txt\"; fi\n  results_folder: out\ncloud_node:\n  max_result_bytes: 150\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let uploaded = |wl: &str| -> Vec<String> {
+        cp.requests("workload:upload-results")
+            .iter()
+            .filter(|r| r.id == wl)
+            .flat_map(|r| {
+                r.body["filenames"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+            })
+            .collect()
+    };
+    for id in ["ra", "rb"] {
+        let wl = format!("wl-{id}");
+        let r = command(
+            &cp,
+            &node,
+            json!({"command": "training", "request_id": id, "params": {"workload_uuid": wl}}),
+        );
+        assert_eq!(r["status"], "ok", "{r}");
+        assert!(
+            cp.wait_status(&wl, "completed", DONE).is_some(),
+            "{}",
+            node.log()
+        );
+    }
+    assert_eq!(uploaded("wl-ra"), vec!["a.bin"], "{}", node.log());
+    assert!(
+        uploaded("wl-rb").is_empty(),
+        "B wrote nothing, yet uploaded {:?}",
+        uploaded("wl-rb")
+    );
+    assert!(
+        setup.cwd.join("out/ra/b.txt").exists(),
+        "A's skipped result was deleted by B's upload"
+    );
+}

@@ -248,3 +248,43 @@ fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_on
         "A's skipped result was deleted by B's upload"
     );
 }
+
+/// D25, without leaving the session: a workload script with job control on (`set -m`, or
+/// Python's `subprocess.Popen(..., process_group=0)`) puts its background job in a process
+/// group of its own — still in the supervisor's session, so the supervisor could find it.
+/// It survives the workload's completion: only the workload's first group is cleared.
+#[test]
+fn d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: bash -c 'set -m; sleep 300 </dev/null >/dev/null 2>&1 & echo $! > bg.pid'\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "pg", "params": {"workload_uuid": "wl-pg"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-pg", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let pid: i32 = std::fs::read_to_string(setup.cwd.join("bg.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let still = alive(pid);
+    if still {
+        // SAFETY: the test's own leftover process.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(
+        !still,
+        "pid {pid}, a background job of the workload in its own process group, outlived the workload's completion"
+    );
+}

@@ -288,3 +288,44 @@ fn d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
         "pid {pid}, a background job of the workload in its own process group, outlived the workload's completion"
     );
 }
+
+/// D34 meets D33: an outbox entry that the broker refuses by closing the connection (here a
+/// topic of 251 levels: valid for the node, over mosquitto's limit of 200 levels) makes every
+/// connection short. The third one, well before the fifth refusal sets the entry aside, is
+/// taken as "another client uses this node's MQTT client id": a false ERROR telling the
+/// operator to delete the node's identity, `doctor` FAILs, and 30 s pauses between attempts
+/// delay the quarantine D34 promises.
+#[test]
+fn d34_an_outbox_entry_the_broker_refuses_is_not_reported_as_a_duplicate_client_id() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("outbox")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let topic = vec!["a"; 251].join("/");
+    std::fs::write(
+        dir.join("outbox/00000000000000000001.json"),
+        json!({"topic": topic, "body": {"x": 1}, "label": "deep topic"}).to_string(),
+    )
+    .unwrap();
+    let node = setup.spawn();
+    const ACCUSED: &str = "another client uses this node's MQTT client id";
+    let outcome = wait_for(Duration::from_secs(90), || {
+        let log = node.log();
+        if log.contains(ACCUSED) {
+            Some("accused")
+        } else if log.contains("deep topic") && log.contains("ERROR") {
+            Some("set aside")
+        } else {
+            None
+        }
+    });
+    assert_eq!(
+        outcome,
+        Some("set aside"),
+        "the refused entry was not set aside (D34) without a false duplicate-client-id ERROR:\n{}",
+        node.log()
+    );
+    assert!(!dir.join("client_id_conflict").exists());
+    // With the entry set aside the node comes up and serves.
+    node.wait_ready(READY);
+}

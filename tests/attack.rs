@@ -329,3 +329,34 @@ fn d34_an_outbox_entry_the_broker_refuses_is_not_reported_as_a_duplicate_client_
     // With the entry set aside the node comes up and serves.
     node.wait_ready(READY);
 }
+
+/// D24 / "nothing outside is written because of a request": a workload that replaces its own
+/// results folder with a symlink to another folder (`rmdir $CYBERWAVE_RESULTS_DIR; ln -s …`)
+/// is not uploaded (good), but the node's cleanup (`remove_empty_dirs`) follows the link and
+/// deletes every empty folder below the link's target, outside the results folder.
+#[test]
+fn d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
+    let (_broker, cp, setup) = rig(
+        "cyberwave:\n  training: rmdir \"$CYBERWAVE_RESULTS_DIR\" && ln -s \"$PWD/keep\" \"$CYBERWAVE_RESULTS_DIR\"\n  results_folder: out\n",
+    );
+    let keep = setup.cwd.join("keep/empty/deeper");
+    std::fs::create_dir_all(&keep).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "ln", "params": {"workload_uuid": "wl-ln"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-ln", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    assert!(
+        keep.exists(),
+        "the node deleted {} (outside the results folder) through a symlink the workload planted",
+        keep.display()
+    );
+}

@@ -360,3 +360,52 @@ fn d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
         keep.display()
     );
 }
+
+/// D34 "never retried forever": after the refused entry is set aside, the node must come up.
+/// It does not: the QoS 1 PUBLISH stays in the MQTT session (paho resends unacknowledged
+/// messages when the session is resumed), so every reconnect — "session resumed" — sends it
+/// again and the broker drops the connection again, ~10 times a second (the reconnect backoff
+/// restarts at attempt 0 after each short connection), pausing only for the false D33 waits.
+/// The node never registers; only deleting the broker's session (or a restart) ends it.
+#[test]
+fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("outbox")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let topic = vec!["a"; 251].join("/");
+    std::fs::write(
+        dir.join("outbox/00000000000000000001.json"),
+        json!({"topic": topic, "body": {"x": 1}, "label": "deep topic"}).to_string(),
+    )
+    .unwrap();
+    let node = setup.spawn();
+    assert!(
+        node.wait_log("it is set aside in", Duration::from_secs(150)),
+        "never set aside:\n{}",
+        node.log()
+    );
+    let aside = node.log().len();
+    let ready = wait_for(Duration::from_secs(30), || {
+        node.log()
+            .get(aside..)
+            .is_some_and(|l| l.contains("node ready"))
+            .then_some(())
+    })
+    .is_some()
+        || node
+            .log()
+            .get(..aside)
+            .is_some_and(|l| l.contains("node ready"));
+    assert!(
+        ready,
+        "the node did not come up after the entry was set aside ({} connections so far):\n{}",
+        node.log().matches("connected to MQTT broker").count(),
+        node.log()
+            .get(aside..)
+            .unwrap_or("")
+            .chars()
+            .take(6000)
+            .collect::<String>()
+    );
+}

@@ -409,3 +409,65 @@ fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
             .collect::<String>()
     );
 }
+
+/// D40 / "secrets never reach an unintended party": a `multipart` attachment reply whose URL is
+/// not on the platform's API host (another origin: here another port; in the field a storage
+/// host, or whatever a proxied or compromised reply names) gets the node's API token in its
+/// `Authorization` header. The token should go only to the API base URL's origin.
+#[test]
+fn d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
+    use std::io::{Read, Write};
+    let foreign = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = foreign.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        for s in foreign.incoming().flatten() {
+            let mut s = s;
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut head = Vec::new();
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                head.extend_from_slice(&buf[..n]);
+                if head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            seen2
+                .lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&head));
+            let _ =
+                s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let (_broker, cp, setup) = rig(
+        "cyberwave:\n  training: echo r > \"$CYBERWAVE_RESULTS_DIR/r.txt\"\n  results_folder: out\n",
+    );
+    cp.set_behaviour(|b| {
+        b.upload_methods
+            .insert("r.txt".to_string(), json!("multipart"));
+        b.multipart_url = Some(format!("http://127.0.0.1:{port}/collect"));
+    });
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "tk", "params": {"workload_uuid": "wl-tk"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        wait_for(DONE, || (!seen.lock().unwrap().is_empty()).then_some(())).is_some(),
+        "the foreign URL was never called:\n{}",
+        node.log()
+    );
+    let got = seen.lock().unwrap().clone();
+    assert!(
+        !got.contains(crate::support::node::TOKEN),
+        "the API token went to http://127.0.0.1:{port} (not the API host):\n{got}"
+    );
+}

@@ -471,3 +471,33 @@ fn d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
         "the API token went to http://127.0.0.1:{port} (not the API host):\n{got}"
     );
 }
+
+/// Careless operator: `results_folder: .` (or `~`, or the folder the code lives in). With
+/// capacity 1 every regular file below `results_folder` counts as the workload's result, so the
+/// first workload uploads the operator's own files — the manifest, scripts, anything below the
+/// working dir — and then deletes them. A results folder that holds the manifest should be
+/// refused (or its pre-existing files left alone).
+#[test]
+fn d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
+    let (_broker, cp, setup) = rig("cyberwave:\n  training: echo done\n  results_folder: .\n");
+    let precious = setup.write("train.py", "print('my code')\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "dot", "params": {"workload_uuid": "wl-dot"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-dot", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let up: Vec<String> = cp.uploads().keys().cloned().collect();
+    assert!(
+        precious.exists() && setup.cwd.join("cyberwave.yml").exists(),
+        "the operator's files were deleted after upload (uploaded: {up:?})"
+    );
+    assert!(up.is_empty(), "the operator's files were uploaded: {up:?}");
+}

@@ -501,3 +501,39 @@ fn d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
     );
     assert!(up.is_empty(), "the operator's files were uploaded: {up:?}");
 }
+
+/// D29 "Cancel of a workload that already exited: reply ok with `already finished`". That holds
+/// only while the node still tracks the workload. A cancel that crosses the completion on the
+/// wire (the backend sends it just after the node reported and forgot the workload) gets an
+/// ERROR "No active workload found with request_id …" — though the node's ledger still knows
+/// that request id ran here and finished.
+#[test]
+fn d29_a_cancel_just_after_the_completion_was_acknowledged_answers_already_finished() {
+    let (_broker, cp, setup) = rig("cyberwave:\n  training: echo hi\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "fin", "params": {"workload_uuid": "wl-fin"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-fin", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    // The completion was acknowledged: the node forgot the workload.
+    let record = setup.config_dir().join("workloads/fin");
+    assert!(
+        wait_for(REPLY, || (!record.exists()).then_some(())).is_some(),
+        "record kept"
+    );
+    let c = command(
+        &cp,
+        &node,
+        json!({"command": "cancel", "request_id": "fin-c", "params": {"workload_request_id": "fin"}}),
+    );
+    assert_eq!(c["status"], "ok", "{c}");
+    assert!(c.to_string().contains("already finished"), "{c}");
+}

@@ -11,6 +11,7 @@
 
 mod support;
 
+mod attack;
 mod cli_config;
 mod cli_pipes;
 mod edge;

@@ -43,6 +43,8 @@ pub struct Behaviour {
     pub upload_methods: std::collections::HashMap<String, Value>,
     /// Every REST call answers `400 workspace_required` unless it names a workspace uuid.
     pub require_workspace_uuid: bool,
+    /// A `multipart` answer names this URL instead of the platform's endpoint.
+    pub multipart_url: Option<String>,
 }
 
 impl Default for Behaviour {
@@ -58,6 +60,7 @@ impl Default for Behaviour {
             workloads: Default::default(),
             upload_methods: Default::default(),
             require_workspace_uuid: false,
+            multipart_url: None,
         }
     }
 }
@@ -538,7 +541,12 @@ fn handle(cli: &mqtt5::Client, st: &Arc<Mutex<State>>, prefix: &str, msg: mqtt5:
                 let att = format!("{uuid}{ext}");
                 s.attachment_names.insert(name.to_string(), att.clone());
                 let method = s.behaviour.upload_methods.get(name).cloned();
-                let url = if method == Some(json!("multipart")) {
+                let url = if let (Some(u), true) = (
+                    s.behaviour.multipart_url.clone(),
+                    method == Some(json!("multipart")),
+                ) {
+                    u
+                } else if method == Some(json!("multipart")) {
                     format!(
                         "{}/api/v1/cloud-node-workloads/{id}/attachments/{uuid}/upload",
                         s.http_url

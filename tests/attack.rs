@@ -1,0 +1,539 @@
+//! Attacks on this session's changes (hostile backend, hostile workload, careless operator).
+//! Every test here FAILED on main at 37df9d2 when it was written: each is a finding, named
+//! after the decision or guarantee it breaks. The node's code was not changed on this branch.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::node::NodeSetup;
+use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(40);
+
+fn command(cp: &ControlPlane, node: &NodeProcess, body: Value) -> Value {
+    let rid = match &body["request_id"] {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    cp.command(&node.uuid(), body);
+    cp.wait_reply(&rid, REPLY)
+        .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
+}
+
+fn ran(setup: &NodeSetup) -> usize {
+    std::fs::read_dir(setup.cwd.join("ran"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Exists and is not a zombie.
+fn alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
+        .unwrap_or_default();
+    state != "Z" && state != "X"
+}
+
+/// The FNV-1a 32 hash `store::safe_id` appends to an id it changed.
+fn fnv1a32(data: &[u8]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in data {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// D7: "two ids never share files". The id `x/y` maps to `x_y-<hash of x/y>`; the id that IS
+/// that text is already safe and maps to itself. So the backend (or anyone who can send a
+/// command) picks a request id that collides with a running workload's: the node answers the
+/// second start with the FIRST workload's output (`ok`, its pid, `workload_request_id: x/y`)
+/// and never runs the second workload — and, were the first gone, both would share
+/// `workloads/<safe id>/` and `<results_folder>/<safe id>/`.
+#[test]
+fn d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    mkdir -p ran && touch \"ran/$$\"\n    while [ ! -f release ]; do sleep 0.05; done\ncloud_node:\n  max_concurrent_workloads: 2\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = "x/y";
+    let second = format!("x_y-{:08x}", fnv1a32(first.as_bytes()));
+    let a = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": first, "params": {"workload_uuid": "wl-a"}}),
+    );
+    assert_eq!(a["status"], "ok", "{a}");
+    let b = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": second, "params": {"workload_uuid": "wl-b"}}),
+    );
+    std::fs::write(setup.cwd.join("release"), "").unwrap();
+    assert_eq!(b["status"], "ok", "{b}");
+    assert_eq!(
+        b["output"]["workload_request_id"], second,
+        "the second start was answered with another workload's output: {b}"
+    );
+    assert!(
+        wait_for(REPLY, || (ran(&setup) == 2).then_some(())).is_some(),
+        "the second workload never ran ({} ran); log:\n{}",
+        ran(&setup),
+        node.log()
+    );
+}
+
+/// README "Nothing is left behind" / D25: a workload that starts a child in a session of its own
+/// (`setsid`, as daemonising tools do) leaves that child running after the node reported the
+/// workload as completed. The supervisor is a subreaper and sees the child re-parented to it,
+/// yet clears only the process group.
+#[test]
+fn d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &\n    while [ ! -s escaped.pid ]; do sleep 0.05; done\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "esc", "params": {"workload_uuid": "wl-esc"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-esc", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let pid: i32 = std::fs::read_to_string(setup.cwd.join("escaped.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let still = alive(pid);
+    if still {
+        // SAFETY: the test's own escaped process.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(
+        !still,
+        "pid {pid}, started by the workload with setsid, outlived the workload's completion"
+    );
+}
+
+/// D33 false accusation: a broker that restarts three times within a minute (a crash loop, a
+/// rolling update of a broker cluster) closes connections "right after accepting them". The
+/// node then logs an ERROR that another host runs a copy of its state dir, tells the operator
+/// to delete its identity, writes the `client_id_conflict` marker (so `doctor` FAILs) and waits
+/// 30 s — though no other client ever used its id (no 0x8E was sent).
+#[test]
+fn d33_a_broker_restart_loop_is_not_reported_as_a_duplicate_client_id() {
+    let (mut broker, cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    const ACCUSED: &str = "another client uses this node's MQTT client id";
+    // The n-th connection, or the accusation (after which the node waits 30 s to reconnect).
+    let connects = |n: usize| {
+        wait_for(Duration::from_secs(10), || {
+            let log = node.log();
+            (log.matches("connected to MQTT broker").count() >= n || log.contains(ACCUSED))
+                .then_some(())
+        })
+        .is_some()
+    };
+    assert!(connects(1), "{}", node.log());
+    for i in 2..=4 {
+        broker.restart();
+        assert!(connects(i), "reconnect {i}; log:\n{}", node.log());
+    }
+    assert!(
+        !node.log().contains(ACCUSED),
+        "a broker restart loop was reported as a copied state dir:\n{}",
+        node.log()
+    );
+    assert!(
+        !setup.config_dir().join("client_id_conflict").exists(),
+        "doctor would FAIL on a duplicate client id that does not exist"
+    );
+    // It still serves once it is back.
+    assert!(
+        cp.status(&node.uuid(), "after-restarts", Duration::from_secs(10))
+            .is_some(),
+        "no status reply within 10 s after the broker came back:\n{}",
+        node.log()
+    );
+}
+
+/// D30: a state dir the operator must fix exits 2 naming the path ("not a directory (or not a
+/// regular lock file)"); only a lock held by another node exits 1. A `lock` that is a directory
+/// (a careless `mkdir -p ~/.cyberwave/lock`) is an operator's mistake like a `lock` that is a
+/// FIFO, yet it exits 1 with a bare "Is a directory" — the exit code of "another node runs".
+#[test]
+fn d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("lock")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let mut node = setup.spawn();
+    assert_eq!(
+        node.wait_exit(Duration::from_secs(10)),
+        Some(Some(2)),
+        "{}",
+        node.log()
+    );
+    assert!(
+        node.log().contains("not a regular lock file"),
+        "{}",
+        node.log()
+    );
+}
+
+/// D24: "only that folder is uploaded and cleaned for it". A result file that workload A left
+/// in its own folder (skipped by max_result_bytes) is uploaded as workload B's result
+/// (`<A's safe id>/b.txt`) and deleted, with capacity 1: the "loose files" rule takes every
+/// file below `results_folder`, other (finished) workloads' folders included.
+#[test]
+fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_ones() {
+    let (_broker, cp, setup) = rig(
+        "cyberwave:\n  training: |\n    if [ \"$CYBERWAVE_REQUEST_ID\" = ra ]; then head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/a.bin\"; head -c 60 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/b.txt\"; fi\n  results_folder: out\ncloud_node:\n  max_result_bytes: 150\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let uploaded = |wl: &str| -> Vec<String> {
+        cp.requests("workload:upload-results")
+            .iter()
+            .filter(|r| r.id == wl)
+            .flat_map(|r| {
+                r.body["filenames"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+            })
+            .collect()
+    };
+    for id in ["ra", "rb"] {
+        let wl = format!("wl-{id}");
+        let r = command(
+            &cp,
+            &node,
+            json!({"command": "training", "request_id": id, "params": {"workload_uuid": wl}}),
+        );
+        assert_eq!(r["status"], "ok", "{r}");
+        assert!(
+            cp.wait_status(&wl, "completed", DONE).is_some(),
+            "{}",
+            node.log()
+        );
+    }
+    assert_eq!(uploaded("wl-ra"), vec!["a.bin"], "{}", node.log());
+    assert!(
+        uploaded("wl-rb").is_empty(),
+        "B wrote nothing, yet uploaded {:?}",
+        uploaded("wl-rb")
+    );
+    assert!(
+        setup.cwd.join("out/ra/b.txt").exists(),
+        "A's skipped result was deleted by B's upload"
+    );
+}
+
+/// D25, without leaving the session: a workload script with job control on (`set -m`, or
+/// Python's `subprocess.Popen(..., process_group=0)`) puts its background job in a process
+/// group of its own — still in the supervisor's session, so the supervisor could find it.
+/// It survives the workload's completion: only the workload's first group is cleared.
+#[test]
+fn d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
+    let (_b, cp, setup) = rig(
+        "cyberwave:\n  training: bash -c 'set -m; sleep 300 </dev/null >/dev/null 2>&1 & echo $! > bg.pid'\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "pg", "params": {"workload_uuid": "wl-pg"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-pg", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let pid: i32 = std::fs::read_to_string(setup.cwd.join("bg.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let still = alive(pid);
+    if still {
+        // SAFETY: the test's own leftover process.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(
+        !still,
+        "pid {pid}, a background job of the workload in its own process group, outlived the workload's completion"
+    );
+}
+
+/// D34 meets D33: an outbox entry that the broker refuses by closing the connection (here a
+/// topic of 251 levels: valid for the node, over mosquitto's limit of 200 levels) makes every
+/// connection short. The third one, well before the fifth refusal sets the entry aside, is
+/// taken as "another client uses this node's MQTT client id": a false ERROR telling the
+/// operator to delete the node's identity, `doctor` FAILs, and 30 s pauses between attempts
+/// delay the quarantine D34 promises.
+#[test]
+fn d34_an_outbox_entry_the_broker_refuses_is_not_reported_as_a_duplicate_client_id() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("outbox")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let topic = vec!["a"; 251].join("/");
+    std::fs::write(
+        dir.join("outbox/00000000000000000001.json"),
+        json!({"topic": topic, "body": {"x": 1}, "label": "deep topic"}).to_string(),
+    )
+    .unwrap();
+    let node = setup.spawn();
+    const ACCUSED: &str = "another client uses this node's MQTT client id";
+    let outcome = wait_for(Duration::from_secs(90), || {
+        let log = node.log();
+        if log.contains(ACCUSED) {
+            Some("accused")
+        } else if log.contains("deep topic") && log.contains("ERROR") {
+            Some("set aside")
+        } else {
+            None
+        }
+    });
+    assert_eq!(
+        outcome,
+        Some("set aside"),
+        "the refused entry was not set aside (D34) without a false duplicate-client-id ERROR:\n{}",
+        node.log()
+    );
+    assert!(!dir.join("client_id_conflict").exists());
+    // With the entry set aside the node comes up and serves.
+    node.wait_ready(READY);
+}
+
+/// D24 / "nothing outside is written because of a request": a workload that replaces its own
+/// results folder with a symlink to another folder (`rmdir $CYBERWAVE_RESULTS_DIR; ln -s …`)
+/// is not uploaded (good), but the node's cleanup (`remove_empty_dirs`) follows the link and
+/// deletes every empty folder below the link's target, outside the results folder.
+#[test]
+fn d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
+    let (_broker, cp, setup) = rig(
+        "cyberwave:\n  training: rmdir \"$CYBERWAVE_RESULTS_DIR\" && ln -s \"$PWD/keep\" \"$CYBERWAVE_RESULTS_DIR\"\n  results_folder: out\n",
+    );
+    let keep = setup.cwd.join("keep/empty/deeper");
+    std::fs::create_dir_all(&keep).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "ln", "params": {"workload_uuid": "wl-ln"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-ln", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    assert!(
+        keep.exists(),
+        "the node deleted {} (outside the results folder) through a symlink the workload planted",
+        keep.display()
+    );
+}
+
+/// D34 "never retried forever": after the refused entry is set aside, the node must come up.
+/// It does not: the QoS 1 PUBLISH stays in the MQTT session (paho resends unacknowledged
+/// messages when the session is resumed), so every reconnect — "session resumed" — sends it
+/// again and the broker drops the connection again, ~10 times a second (the reconnect backoff
+/// restarts at attempt 0 after each short connection), pausing only for the false D33 waits.
+/// The node never registers; only deleting the broker's session (or a restart) ends it.
+#[test]
+fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("outbox")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let topic = vec!["a"; 251].join("/");
+    std::fs::write(
+        dir.join("outbox/00000000000000000001.json"),
+        json!({"topic": topic, "body": {"x": 1}, "label": "deep topic"}).to_string(),
+    )
+    .unwrap();
+    let node = setup.spawn();
+    assert!(
+        node.wait_log("it is set aside in", Duration::from_secs(150)),
+        "never set aside:\n{}",
+        node.log()
+    );
+    let aside = node.log().len();
+    let ready = wait_for(Duration::from_secs(30), || {
+        node.log()
+            .get(aside..)
+            .is_some_and(|l| l.contains("node ready"))
+            .then_some(())
+    })
+    .is_some()
+        || node
+            .log()
+            .get(..aside)
+            .is_some_and(|l| l.contains("node ready"));
+    assert!(
+        ready,
+        "the node did not come up after the entry was set aside ({} connections so far):\n{}",
+        node.log().matches("connected to MQTT broker").count(),
+        node.log()
+            .get(aside..)
+            .unwrap_or("")
+            .chars()
+            .take(6000)
+            .collect::<String>()
+    );
+}
+
+/// D40 / "secrets never reach an unintended party": a `multipart` attachment reply whose URL is
+/// not on the platform's API host (another origin: here another port; in the field a storage
+/// host, or whatever a proxied or compromised reply names) gets the node's API token in its
+/// `Authorization` header. The token should go only to the API base URL's origin.
+#[test]
+fn d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
+    use std::io::{Read, Write};
+    let foreign = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = foreign.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        for s in foreign.incoming().flatten() {
+            let mut s = s;
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut head = Vec::new();
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                head.extend_from_slice(&buf[..n]);
+                if head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            seen2
+                .lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&head));
+            let _ =
+                s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let (_broker, cp, setup) = rig(
+        "cyberwave:\n  training: echo r > \"$CYBERWAVE_RESULTS_DIR/r.txt\"\n  results_folder: out\n",
+    );
+    cp.set_behaviour(|b| {
+        b.upload_methods
+            .insert("r.txt".to_string(), json!("multipart"));
+        b.multipart_url = Some(format!("http://127.0.0.1:{port}/collect"));
+    });
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "tk", "params": {"workload_uuid": "wl-tk"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        wait_for(DONE, || (!seen.lock().unwrap().is_empty()).then_some(())).is_some(),
+        "the foreign URL was never called:\n{}",
+        node.log()
+    );
+    let got = seen.lock().unwrap().clone();
+    assert!(
+        !got.contains(crate::support::node::TOKEN),
+        "the API token went to http://127.0.0.1:{port} (not the API host):\n{got}"
+    );
+}
+
+/// Careless operator: `results_folder: .` (or `~`, or the folder the code lives in). With
+/// capacity 1 every regular file below `results_folder` counts as the workload's result, so the
+/// first workload uploads the operator's own files — the manifest, scripts, anything below the
+/// working dir — and then deletes them. A results folder that holds the manifest should be
+/// refused (or its pre-existing files left alone).
+#[test]
+fn d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
+    let (_broker, cp, setup) = rig("cyberwave:\n  training: echo done\n  results_folder: .\n");
+    let precious = setup.write("train.py", "print('my code')\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "dot", "params": {"workload_uuid": "wl-dot"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-dot", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let up: Vec<String> = cp.uploads().keys().cloned().collect();
+    assert!(
+        precious.exists() && setup.cwd.join("cyberwave.yml").exists(),
+        "the operator's files were deleted after upload (uploaded: {up:?})"
+    );
+    assert!(up.is_empty(), "the operator's files were uploaded: {up:?}");
+}
+
+/// D29 "Cancel of a workload that already exited: reply ok with `already finished`". That holds
+/// only while the node still tracks the workload. A cancel that crosses the completion on the
+/// wire (the backend sends it just after the node reported and forgot the workload) gets an
+/// ERROR "No active workload found with request_id …" — though the node's ledger still knows
+/// that request id ran here and finished.
+#[test]
+fn d29_a_cancel_just_after_the_completion_was_acknowledged_answers_already_finished() {
+    let (_broker, cp, setup) = rig("cyberwave:\n  training: echo hi\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "fin", "params": {"workload_uuid": "wl-fin"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-fin", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    // The completion was acknowledged: the node forgot the workload.
+    let record = setup.config_dir().join("workloads/fin");
+    assert!(
+        wait_for(REPLY, || (!record.exists()).then_some(())).is_some(),
+        "record kept"
+    );
+    let c = command(
+        &cp,
+        &node,
+        json!({"command": "cancel", "request_id": "fin-c", "params": {"workload_request_id": "fin"}}),
+    );
+    assert_eq!(c["status"], "ok", "{c}");
+    assert!(c.to_string().contains("already finished"), "{c}");
+}

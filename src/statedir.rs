@@ -165,7 +165,10 @@ pub fn lock(dir: &Path) -> Result<Lock, StateDirError> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ELOOP | libc::EISDIR | libc::ENXIO)
+            ) {
                 StateDirError::NotADir(path.clone())
             } else {
                 io(&path)(e)

@@ -89,7 +89,12 @@ pub fn safe_id(id: &str) -> String {
     // No leading dot: no hidden files, no `.`/`..` lookalikes.
     let dots = out.chars().take_while(|c| *c == '.').count();
     out.replace_range(..dots, &"_".repeat(dots));
-    let changed = out != id || out.is_empty();
+    // An id that already ends like a mapped one (`-` and 8 hex digits) is hashed too: kept as
+    // it is, `x_y-c2cc6993` would share the files of `x/y`, which maps to exactly that.
+    let looks_mapped = id
+        .rsplit_once('-')
+        .is_some_and(|(_, h)| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+    let changed = out != id || out.is_empty() || looks_mapped;
     if changed {
         out.truncate(55);
         out.push_str(&format!("-{:08x}", fnv1a32(id.as_bytes())));

@@ -80,8 +80,12 @@ fn within_budget(files: Vec<(String, PathBuf)>, max: u64) -> (Vec<(String, PathB
     (kept, skipped)
 }
 
-/// Removes `dir` and the empty folders below it; anything still holding a file stays.
+/// Removes `dir` and the empty folders below it; anything still holding a file stays. A
+/// symlink is never followed (a workload may plant one in place of its folder).
 fn remove_empty_dirs(dir: &Path) {
+    if !std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+        return;
+    }
     if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {
             if e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -125,10 +129,29 @@ impl Node {
             .filter(|k| k.as_str() != id)
             .map(|k| root.join(k))
             .collect();
+        // Only what the workload wrote: a file older than its start (the operator's own files
+        // in a results folder that holds them, what an earlier workload left) is never
+        // uploaded or deleted as its result.
+        let since = self
+            .active
+            .get(id)
+            .map_or(f64::MAX, |a| a.meta.created_unix);
+        // The status-change time: a file moved (`mv`) or copied in keeping its times still
+        // counts as written by the workload.
+        let written_since = |p: &Path| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::symlink_metadata(p).is_ok_and(|m| {
+                let secs =
+                    m.ctime() as f64 + f64::from(u32::try_from(m.ctime_nsec()).unwrap_or(0)) / 1e9;
+                secs >= since
+            })
+        };
         let loose: Vec<(String, PathBuf)> = collect(&root)
             .into_iter()
             .filter(|(_, p)| {
-                !p.starts_with(root.join(id)) && !others.iter().any(|o| p.starts_with(o))
+                !p.starts_with(root.join(id))
+                    && !others.iter().any(|o| p.starts_with(o))
+                    && written_since(p)
             })
             .collect();
         if self.s.max_concurrent_workloads.value <= 1 {

@@ -335,6 +335,15 @@ impl Node {
             })
             .map(|(k, _)| k.clone());
         let Some(safe_id) = found else {
+            // D29: a workload this node started, reported and forgot already finished.
+            if let CancelTarget::Request(r) = &params.target {
+                if self.ledger.get(r).is_some_and(|e| e.ok) {
+                    return self.reply_ok(
+                        request_id,
+                        json!({"message": "Workload already finished; its completion reports how it ended", "workload_request_id": r}),
+                    );
+                }
+            }
             let msg = match &params.target {
                 CancelTarget::Pid(p) => format!("No active workload found with PID {}", p.get()),
                 CancelTarget::Request(r) => {

@@ -232,6 +232,9 @@ pub struct Mqtt {
     client: paho::AsyncClient,
     /// One set of connect options per endpoint (each names only its own address).
     connect_opts: Vec<paho::ConnectOptions>,
+    /// The same with Clean Start: the next attempt drops the session on both sides (D34).
+    clean_opts: Vec<paho::ConnectOptions>,
+    clean_next: std::cell::Cell<bool>,
     opts: MqttOptions,
     /// The endpoint of the current (or next) attempt, an index into `opts.endpoints`.
     current: std::cell::Cell<usize>,
@@ -263,8 +266,10 @@ impl Mqtt {
             .map_err(|e| format!("cannot create the MQTT client for {first}: {e}"))?;
 
         let mut connect_opts = Vec::with_capacity(opts.endpoints.len());
+        let mut clean_opts = Vec::with_capacity(opts.endpoints.len());
         for e in &opts.endpoints {
-            connect_opts.push(connect_options(&opts, &uri(e))?);
+            connect_opts.push(connect_options(&opts, &uri(e), false)?);
+            clean_opts.push(connect_options(&opts, &uri(e), true)?);
         }
 
         let t = tx.clone();
@@ -296,6 +301,8 @@ impl Mqtt {
         Ok(Mqtt {
             client,
             connect_opts,
+            clean_opts,
+            clean_next: std::cell::Cell::new(false),
             opts,
             current: std::cell::Cell::new(0),
             tx,
@@ -336,12 +343,19 @@ impl Mqtt {
     }
 
     /// Starts one connect attempt; its outcome arrives as `MqttEvent::Connect`.
-    pub fn start_connect(&self) {
-        let Some(copts) = self.connect_opts.get(self.current.get()) else {
+    /// Returns whether this attempt starts a clean session.
+    pub fn start_connect(&self) -> bool {
+        let clean = self.clean_next.take();
+        let all = if clean {
+            &self.clean_opts
+        } else {
+            &self.connect_opts
+        };
+        let Some(copts) = all.get(self.current.get()) else {
             let _ = self
                 .tx
                 .send(MqttEvent::Connect(Err("no MQTT broker address".into())));
-            return;
+            return clean;
         };
         let token = self.client.connect(copts.clone());
         let tx = self.tx.clone();
@@ -367,6 +381,14 @@ impl Mqtt {
                 "cannot start a thread: {e}"
             ))));
         }
+        clean
+    }
+
+    /// The next connect starts a clean session: what the client and the broker kept of the
+    /// old one (an unacknowledged publish the broker refuses, resent on every resume) is
+    /// dropped. Subscriptions are renewed on every connect anyway (D34).
+    pub fn clean_start_next(&self) {
+        self.clean_next.set(true);
     }
 
     /// Whether the client holds a live connection now (the truth `status` reports, D34).
@@ -494,7 +516,11 @@ impl Mqtt {
 
 /// CONNECT options naming only `uri` (Paho tries the addresses of a list itself, in order and
 /// at once; the node wants its own order, backoff and jitter between them).
-fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions, String> {
+fn connect_options(
+    opts: &MqttOptions,
+    uri: &str,
+    clean: bool,
+) -> Result<paho::ConnectOptions, String> {
     let mut props = paho::Properties::new();
     let expiry = u32::try_from(opts.session_expiry.as_secs()).unwrap_or(u32::MAX);
     props
@@ -503,7 +529,7 @@ fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions
     let mut b = paho::ConnectOptionsBuilder::new_v5();
     b.server_uris(&[uri])
         .keep_alive_interval(opts.keep_alive)
-        .clean_start(false) // D15: resume the broker session (queued QoS 1 commands)
+        .clean_start(clean) // D15: normally resume the broker session (queued QoS 1 commands)
         .properties(props)
         .connect_timeout(Duration::from_secs(10));
     if !opts.username.is_empty() {

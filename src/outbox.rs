@@ -158,6 +158,14 @@ impl Outbox {
         self.slots.len()
     }
 
+    /// How many items were sent and await their acknowledgement.
+    pub fn in_flight_count(&self) -> usize {
+        self.slots
+            .values()
+            .filter(|s| s.in_flight.is_some())
+            .count()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }

@@ -215,6 +215,11 @@ pub struct Node {
     /// than [`SHORT_CONNECTION`] (D33).
     connected_at: Option<Instant>,
     short_connections: Vec<Instant>,
+    /// The current connection was made at the first attempt after a loss (D33).
+    connected_first_try: bool,
+    /// The connect under way, and the current connection, started a clean session.
+    connecting_clean: bool,
+    connected_clean: bool,
 }
 
 impl Node {
@@ -351,7 +356,7 @@ impl Node {
             attempt.saturating_add(1)
         );
         self.conn = Conn::Connecting { attempt };
-        self.mqtt.start_connect();
+        self.connecting_clean = self.mqtt.start_connect();
     }
 
     fn on_mqtt(&mut self, ev: MqttEvent) {
@@ -368,10 +373,18 @@ impl Node {
                 );
                 if !self.mqtt.is_connected() {
                     // The connection dropped between the CONNACK and now (its loss event came
-                    // while the attempt was still open): never claim it (D34).
-                    return self
-                        .schedule_reconnect(0, "the connection closed right after it opened");
+                    // while the attempt was still open): never claim it (D34). The resumed
+                    // session may hold a publish the broker refuses (the client resends it at
+                    // once): the count below starts the next session clean.
+                    let now = self.clock.now();
+                    self.connected_first_try = matches!(self.conn, Conn::Connecting { attempt: 1 });
+                    self.connected_clean = self.connecting_clean;
+                    self.connected_at = Some(now);
+                    self.schedule_reconnect(0, "the connection closed right after it opened");
+                    return self.note_short_connection(now);
                 }
+                self.connected_first_try = matches!(self.conn, Conn::Connecting { attempt: 1 });
+                self.connected_clean = self.connecting_clean;
                 self.conn = Conn::Connected;
                 self.connected_at = Some(self.clock.now());
                 if self.connected_once {
@@ -432,19 +445,31 @@ impl Node {
     /// The connection is gone: reconnect with backoff; what was in flight goes again, except
     /// what the broker refused too often (D34).
     fn connection_lost(&mut self, why: &str) {
+        // A loss while messages were in flight may be the broker refusing one of them (D34),
+        // not another client taking the session (D33).
+        let publishing = self.outbox.in_flight_count() > 0 || self.ingress.in_flight_count() > 0;
         self.schedule_reconnect(0, why);
-        self.note_short_connection(self.clock.now());
+        if !publishing {
+            self.note_short_connection(self.clock.now());
+        }
         // Outbox messages in flight are sent again after the reconnect.
         self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
         let refused = self.outbox.reset_in_flight();
         let refused_events = self.ingress.reset_in_flight();
+        let mut any_refused = false;
         for (item, aside) in refused.into_iter().chain(refused_events) {
+            any_refused = true;
             log::error!(
                 "the broker dropped the connection each of the last {} times the {} was sent; it is set aside in {} and not sent again",
                 crate::outbox::MAX_REFUSALS,
                 crate::logtext::shown(&item.label),
                 aside.display()
             );
+        }
+        if any_refused {
+            // The refused message also sits in the MQTT session (client and broker resend an
+            // unacknowledged QoS 1 publish on resume): start the next one clean.
+            self.mqtt.clean_start_next();
         }
         self.reset_streams();
     }
@@ -472,10 +497,21 @@ impl Node {
     /// Not every broker or client library reports reason 0x8E: a connection that the broker
     /// closes within seconds of accepting it, three times within a minute, is the same sign.
     fn note_short_connection(&mut self, now: Instant) {
-        let short = self
-            .connected_at
-            .is_some_and(|t| now.saturating_duration_since(t) <= SHORT_CONNECTION);
+        // A broker that restarts refuses the first reconnect; a takeover does not: only a
+        // connection made at the first attempt after a loss counts.
+        let short = self.connected_first_try
+            && self
+                .connected_at
+                .is_some_and(|t| now.saturating_duration_since(t) <= SHORT_CONNECTION);
         if !short {
+            return;
+        }
+        // Something in the resumed session may be what the broker refuses (a QoS 1 publish the
+        // client resends on every resume): the next session starts clean. Only connections
+        // that were clean already count towards a duplicate client id, which a clean session
+        // does not cure (D33, D34).
+        self.mqtt.clean_start_next();
+        if !self.connected_clean {
             return;
         }
         self.short_connections

@@ -286,6 +286,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         taken_over_at: None,
         connected_at: None,
         short_connections: Vec::new(),
+        connected_first_try: false,
+        connecting_clean: false,
+        connected_clean: false,
         s,
     };
     let mut node = node;

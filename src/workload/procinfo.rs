@@ -70,6 +70,35 @@ pub fn group_members(pgid: i32, sid: i32) -> usize {
         .count()
 }
 
+/// Live processes (not zombies) other than `me` that are in session `me` or are children of
+/// `me`: what a supervisor (session leader and subreaper) must clear when its workload ends.
+pub fn leftovers(me: i32) -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|pid| *pid != me && *pid > 1)
+        .filter(|pid| {
+            let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let Some(rest) = text
+                .rfind(')')
+                .and_then(|i| text.get(i.saturating_add(1)..))
+            else {
+                return false;
+            };
+            let f: Vec<&str> = rest.split_whitespace().take(4).collect();
+            let (Some(state), Some(ppid), Some(session)) = (f.first(), f.get(1), f.get(3)) else {
+                return false;
+            };
+            let live = *state != "Z" && *state != "X";
+            live && (ppid.parse() == Ok(me) || session.parse() == Ok(me))
+        })
+        .collect()
+}
+
 /// Some process is still in process group `pgid`.
 pub fn group_alive(pgid: i32) -> bool {
     if pgid <= 1 {

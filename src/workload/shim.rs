@@ -107,35 +107,52 @@ impl ShimArgs {
     }
 }
 
-/// Terminates what is left of the workload's process group `pgid` (in this shim's session
-/// `sid`): SIGTERM, up to `grace` for it to go, then SIGKILL; reaps re-parented orphans as it
-/// waits. Returns once the group is empty (or a last 5 s after SIGKILL have passed).
+/// Terminates what is left of the workload (D25): its process group `pgid`, every other
+/// process in this shim's session `sid` (a job the workload put in a group of its own), and
+/// every child of this shim (an orphan re-parented to it, the subreaper, even one that left the
+/// session with `setsid`). SIGTERM, up to `grace` for them to go, then SIGKILL; re-parented
+/// orphans are reaped as it waits. Returns once nothing is left (or 5 s after SIGKILL).
 fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
     use std::time::{Duration, Instant};
     let reap = || {
         // SAFETY: non-blocking wait for any child; a null status pointer is allowed.
         while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
     };
-    let members = || procinfo::group_members(pgid, sid);
+    let left = || {
+        let mut pids = procinfo::leftovers(sid);
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    };
+    let signal_all = |sig: i32| {
+        let _ = procinfo::signal_group(pgid, sig);
+        for pid in left() {
+            // SAFETY: kill on a pid found a moment ago in this shim's session or among its
+            // children (a child's pid cannot be reused before this shim reaps it).
+            unsafe {
+                libc::kill(pid, sig);
+            }
+        }
+    };
     let wait_empty = |limit: Duration| {
         let until = Instant::now().checked_add(limit);
         loop {
             reap();
-            if members() == 0 || until.is_none_or(|u| Instant::now() >= u) {
+            if left().is_empty() || until.is_none_or(|u| Instant::now() >= u) {
                 reap();
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    if members() == 0 {
+    if left().is_empty() {
         reap();
         return;
     }
-    let _ = procinfo::signal_group(pgid, libc::SIGTERM);
+    signal_all(libc::SIGTERM);
     wait_empty(grace);
-    if members() > 0 {
-        let _ = procinfo::signal_group(pgid, libc::SIGKILL);
+    if !left().is_empty() {
+        signal_all(libc::SIGKILL);
         wait_empty(Duration::from_secs(5));
     }
 }

@@ -402,8 +402,18 @@ impl Backend {
                 req = req.query("workspace_uuid", ws);
             }
         }
+        // The API token goes only to the API's own origin (D40 names the platform's endpoint):
+        // a reply that names another host gets the file without the node's credentials.
+        if same_origin(&url, &self.base_url) {
+            req = req.header("Authorization", &format!("Token {}", self.token));
+        } else {
+            log::warn!(
+                "multipart upload URL {} is not on the API host {}: sent without the node's token",
+                crate::logtext::shown(&origin_of(&url).unwrap_or_default()),
+                crate::logtext::shown(&origin_of(&self.base_url).unwrap_or_default())
+            );
+        }
         let answer = req
-            .header("Authorization", &format!("Token {}", self.token))
             .header("Accept", "application/json")
             .header(
                 "Content-Type",
@@ -415,9 +425,58 @@ impl Backend {
     }
 }
 
+/// `scheme://host:port` of a URL (the default port made explicit), lower-cased; None when
+/// it is not an absolute http(s) URL.
+fn origin_of(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let scheme = scheme.to_ascii_lowercase();
+    let default = match scheme.as_str() {
+        "http" => "80",
+        "https" => "443",
+        _ => return None,
+    };
+    let authority = rest.split(['/', '?', '#']).next()?;
+    // Credentials in the URL are not part of the origin.
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (host, port) = match host_port.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && !p.contains(']') => (h, p),
+        _ => (host_port, default),
+    };
+    if host.is_empty() {
+        return None;
+    }
+    Some(format!("{scheme}://{}:{port}", host.to_ascii_lowercase()))
+}
+
+fn same_origin(a: &str, b: &str) -> bool {
+    matches!((origin_of(a), origin_of(b)), (Some(x), Some(y)) if x == y)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_token_goes_only_to_the_api_origin() {
+        let api = "https://api.cyberwave.com";
+        assert!(same_origin(
+            "https://api.cyberwave.com/api/v1/x/upload",
+            api
+        ));
+        assert!(same_origin("https://API.cyberwave.com:443/x", api));
+        assert!(!same_origin("https://api.cyberwave.com.evil.io/x", api));
+        assert!(!same_origin(
+            "https://evil.io/?https://api.cyberwave.com",
+            api
+        ));
+        assert!(!same_origin("https://api.cyberwave.com@evil.io/x", api));
+        assert!(!same_origin("http://api.cyberwave.com/x", api));
+        assert!(!same_origin("https://api.cyberwave.com:8443/x", api));
+        assert!(same_origin("http://127.0.0.1:9/x", "http://127.0.0.1:9"));
+        assert!(!same_origin("http://127.0.0.1:10/x", "http://127.0.0.1:9"));
+        assert!(!same_origin("ftp://api.cyberwave.com/x", api));
+        assert!(!same_origin("", api));
+    }
 
     #[test]
     fn attachment_uuid_is_the_filename_without_extension() {

@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod emit;
+pub mod gpu;
 pub mod ingress;
 pub mod ledger;
 pub mod logtext;

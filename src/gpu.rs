@@ -581,6 +581,14 @@ fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
     }
 }
 
+/// The process group of `pid` (from `/proc/PID/stat`), to match GPU processes to workloads.
+pub fn pgid_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the last ')' (the command name may hold anything): state, ppid, pgrp.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(2)?.parse().ok()
+}
+
 /// Accounting of one workload's GPUs (D38), from the samples taken while it held them.
 #[derive(Debug, Clone, Default)]
 pub struct Usage {
@@ -652,7 +660,7 @@ pub fn doctor_lines(timing: &Timing) -> Vec<(&'static str, String)> {
             )];
             for g in gpus.iter().filter(|g| !g.health.is_healthy()) {
                 out.push((
-                    "FAIL",
+                    "WARN",
                     format!(
                         "GPU {} {} ({}) is {}: {}",
                         g.index,

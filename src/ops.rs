@@ -539,27 +539,10 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> i32 {
             }
         }
     }
-    match std::process::Command::new("nvidia-smi").arg("-L").output() {
-        Ok(o) if o.status.success() => {
-            let n = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter(|l| l.starts_with("GPU "))
-                .count();
-            line("PASS", "GPUs", format!("{n} visible (nvidia-smi -L)"));
-        }
-        Ok(o) => line(
-            "WARN",
-            "GPUs",
-            format!(
-                "nvidia-smi failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ),
-        ),
-        Err(_) => line(
-            "WARN",
-            "GPUs",
-            "nvidia-smi not found: no NVIDIA GPU visible to this user".into(),
-        ),
+    // GPUs (D35, D37): the node's own query; each unhealthy GPU named with its reason.
+    let timing = crate::gpu::Timing::from_env(&EnvLayers::from_process());
+    for (level, detail) in crate::gpu::doctor_lines(&timing) {
+        line(level, "GPUs", detail);
     }
     if fails > 0 {
         println!("\n{fails} check(s) failed");

@@ -287,7 +287,12 @@ pub struct StartParams {
     pub workload_uuid: Option<TopicId>,
     pub environment_uuid: Option<TopicId>,
     pub max_runtime: Option<Seconds>,
+    /// `gpus`: how many GPUs the workload needs (D36); `None` when absent, null or `"auto"`.
+    pub gpus: Option<u32>,
 }
+
+/// The most GPUs one workload may ask for (no host has more).
+pub const MAX_GPUS: u64 = 1024;
 
 impl StartParams {
     /// `path` prefixes field names in errors (`params.` or `params.command_params.`).
@@ -311,11 +316,25 @@ impl StartParams {
                 ));
             }
         }
+        let gpus = match map.get("gpus") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s == "auto" => None,
+            Some(v) => match v.as_u64().filter(|n| *n <= MAX_GPUS) {
+                Some(n) => u32::try_from(n).ok(),
+                None => {
+                    return Err(FieldError::new(
+                        &field("gpus"),
+                        format!("must be a whole number from 0 to {MAX_GPUS}, or \"auto\""),
+                    ))
+                }
+            },
+        };
         Ok(StartParams {
             params: map.clone(),
             workload_uuid,
             environment_uuid,
             max_runtime,
+            gpus,
         })
     }
 }

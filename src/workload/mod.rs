@@ -83,6 +83,10 @@ pub struct Meta {
     /// The workload's secret for `emit` (in its environment; this file is 0600).
     #[serde(default)]
     pub event_token: String,
+    /// The GPUs (UUIDs) assigned to it, exclusively (D36); `None` on a CPU-only node and in
+    /// records written before GPUs were scheduled.
+    #[serde(default)]
+    pub gpus: Option<Vec<String>>,
 }
 
 impl Meta {
@@ -164,6 +168,8 @@ pub struct StartRequest<'a> {
     pub workflow: Option<WorkflowCtx>,
     /// The node's control socket, for `emit`.
     pub socket: PathBuf,
+    /// Its GPUs (D36): `Some` sets the CUDA/NVIDIA variables (an empty list hides every GPU).
+    pub gpus: Option<Vec<String>>,
 }
 
 /// Environment variables that hold the node's own secrets or identity; never passed on as they
@@ -315,6 +321,7 @@ fn start_in(
         cancel: None,
         workflow: req.workflow.clone(),
         event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+        gpus: req.gpus.clone(),
     };
     save_meta(layout, &meta).map_err(|e| format!("cannot write the workload record: {e}"))?;
 
@@ -365,6 +372,14 @@ fn start_in(
         "CYBERWAVE_MQTT_TOPIC_PREFIX".into(),
         s.topic_prefix.value.clone(),
     );
+    if let Some(gpus) = &req.gpus {
+        // D36: exactly its GPUs, by UUID; none at all when it needs none.
+        let list = gpus.join(",");
+        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert("CUDA_VISIBLE_DEVICES".into(), list.clone());
+        let nvidia = if list.is_empty() { "none".into() } else { list };
+        env.insert("NVIDIA_VISIBLE_DEVICES".into(), nvidia);
+    }
 
     let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
         "bash"
@@ -603,6 +618,7 @@ mod tests {
             cancel: None,
             workflow: None,
             event_token: String::new(),
+            gpus: None,
         };
         assert_eq!(failure_summary(&meta, "fallback").0, "fallback");
         std::fs::write(dir.join("o"), "out line\n").unwrap();

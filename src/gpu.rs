@@ -595,7 +595,10 @@ pub struct Usage {
     pub samples: u64,
     util_sum: f64,
     pub util_max: u64,
-    pub mem_peak_mib: u64,
+    /// Peak memory of the workload's own processes, once any of them was seen on its GPUs.
+    own_peak_mib: Option<u64>,
+    /// Peak memory in use on its GPUs (exclusive, so normally all its own).
+    gpu_peak_mib: u64,
     pub energy_wh: f64,
     last: Option<Instant>,
 }
@@ -616,18 +619,26 @@ impl Usage {
             self.util_max = self.util_max.max(utils.iter().copied().max().unwrap_or(0));
             self.samples = self.samples.saturating_add(1);
         }
-        let used = own_mib.unwrap_or_else(|| {
-            mine.iter()
-                .filter_map(|g| g.memory_used_mib)
-                .fold(0u64, u64::saturating_add)
-        });
-        self.mem_peak_mib = self.mem_peak_mib.max(used);
+        if let Some(own) = own_mib {
+            self.own_peak_mib = Some(self.own_peak_mib.unwrap_or(0).max(own));
+        }
+        let used = mine
+            .iter()
+            .filter_map(|g| g.memory_used_mib)
+            .fold(0u64, u64::saturating_add);
+        self.gpu_peak_mib = self.gpu_peak_mib.max(used);
         let power: f64 = mine.iter().filter_map(|g| g.power_w).sum();
         if let Some(last) = self.last {
             let dt = at.saturating_duration_since(last).min(cap);
             self.energy_wh += power * dt.as_secs_f64() / 3600.0;
         }
         self.last = Some(at);
+    }
+
+    /// The workload's own processes' peak when they were ever seen in the per-process list
+    /// (the only true figure on a MIG slice), else its GPUs' peak.
+    pub fn mem_peak_mib(&self) -> u64 {
+        self.own_peak_mib.unwrap_or(self.gpu_peak_mib)
     }
 
     pub fn util_avg(&self) -> f64 {
@@ -800,11 +811,16 @@ mod tests {
         let mut u = Usage::default();
         let cap = Duration::from_secs(10);
         u.add(&[&g[0]], None, t0, cap);
-        u.add(&[&g[0]], Some(2000), t0 + Duration::from_secs(3600), cap);
+        assert_eq!(
+            u.mem_peak_mib(),
+            1234,
+            "the GPU's memory until its processes show"
+        );
+        u.add(&[&g[0]], Some(700), t0 + Duration::from_secs(3600), cap);
         assert_eq!(u.samples, 2);
         assert_eq!(u.util_avg(), 87.0);
         assert_eq!(u.util_max, 87);
-        assert_eq!(u.mem_peak_mib, 2000);
+        assert_eq!(u.mem_peak_mib(), 700);
         // The hour-long gap is billed at most `cap`.
         assert!((u.energy_wh - 312.45 * 10.0 / 3600.0).abs() < 1e-9);
         let mut none = Usage::default();

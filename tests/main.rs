@@ -4,6 +4,7 @@ mod support;
 
 mod cli_config;
 mod edge;
+mod gpu;
 mod ingress;
 mod lifecycle;
 mod logs;

@@ -315,7 +315,7 @@ impl Node {
             "seconds": round(seconds, 1),
             "util_avg_pct": round(usage.util_avg(), 1),
             "util_max_pct": usage.util_max,
-            "mem_peak_mib": usage.mem_peak_mib,
+            "mem_peak_mib": usage.mem_peak_mib(),
             "energy_wh": round(usage.energy_wh, 3),
         }))
     }

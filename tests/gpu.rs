@@ -192,7 +192,9 @@ fn holders(status: &Value) -> Vec<(String, Value)> {
 #[test]
 fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
     let smi = FakeSmi::new("four-a100.csv");
-    let rig = Rig::new(4, Some(&smi));
+    let mut rig = Rig::new(4, Some(&smi));
+    // Only the samples taken because workloads hold GPUs: none from the inventory timer.
+    rig.setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "300");
     let mut node = rig.node();
     for n in 1..=4 {
         assert_eq!(
@@ -416,6 +418,22 @@ fn hanging_sleeps(dir: &str) -> usize {
                     .is_ok_and(|env| String::from_utf8_lossy(&env).contains(dir))
         })
         .count()
+}
+
+#[test]
+fn a_node_starting_while_nvidia_smi_hangs_starts_and_refuses_gpu_work_as_busy() {
+    let smi = FakeSmi::new("four-a100.csv");
+    std::fs::write(smi.dir.join("hang"), "").expect("hang");
+    let rig = Rig::new(2, Some(&smi));
+    let node = rig.node();
+    assert!(
+        node.log().contains("nvidia-smi did not answer within 1s"),
+        "{}",
+        node.log()
+    );
+    rig.start(&node, 1, json!({"gpus": 1}));
+    let r = rig.refusal(1);
+    assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
 }
 
 #[test]

@@ -224,6 +224,13 @@ impl Node {
             return Ok(Some(Vec::new()));
         }
         if need > total {
+            if let Some(e) = &g.error {
+                // The query fails: this node's GPUs are not known, not absent.
+                return Err((
+                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({e})"),
+                    Some(Busy::GpusUnhealthy),
+                ));
+            }
             return Err((
                 format!("this workload needs {need} GPU(s) and this node has {total}"),
                 None,

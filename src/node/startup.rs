@@ -310,6 +310,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), i32> {
     };
     let mut node = node;
     node.recover();
+    node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
     if !node.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",

@@ -155,6 +155,37 @@ pub fn status(json_out: bool) -> i32 {
             crate::protocol::messages::request_id_text(&w["request_id"])
         );
         println!("    logs: {}  {}", s(&w["stdout_log"]), s(&w["stderr_log"]));
+        if let Some(g) = w["gpus"].as_array() {
+            let ids: Vec<String> = g.iter().map(s).collect();
+            println!(
+                "    gpus: {}",
+                if ids.is_empty() {
+                    "none".into()
+                } else {
+                    ids.join(", ")
+                }
+            );
+        }
+    }
+    if let Some(gpus) = st["gpus"].as_array() {
+        println!("gpus:       {}", gpus.len());
+        for g in gpus {
+            let holder = match &g["held_by"] {
+                Value::Null => "free".to_string(),
+                r => format!("held by {}", crate::protocol::messages::request_id_text(r)),
+            };
+            let reason = g["reason"]
+                .as_str()
+                .map(|r| format!(" ({})", crate::logtext::shown(r)))
+                .unwrap_or_default();
+            println!(
+                "  {:<5} {} {}  {}{reason}, {holder}",
+                s(&g["index"]),
+                s(&g["uuid"]),
+                s(&g["name"]),
+                s(&g["health"])
+            );
+        }
     }
     EXIT_OK
 }

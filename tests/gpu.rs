@@ -251,6 +251,15 @@ fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted(
     assert_eq!(holders(&st), before, "assignment kept across the restart");
     rig.start(&node, 6, json!({}));
     assert_eq!(rig.refusal(6)["busy_reason"], "gpus_busy");
+    let local = rig.setup.run(&["status"]);
+    assert!(local.stdout.contains("gpus:       4"), "{}", local.stdout);
+    for n in 1..=4 {
+        assert!(
+            local.stdout.contains(&format!("held by g{n}")),
+            "{}",
+            local.stdout
+        );
+    }
     let hb = wait_for(DONE, || {
         rig.cp
             .requests("heartbeat")

@@ -578,6 +578,44 @@ mod tests {
     }
 
     #[test]
+    fn gpus_is_a_whole_number_up_to_the_limit_or_auto() {
+        for bad in [
+            json!(-1),
+            json!(1.5),
+            json!("1"),
+            json!("AUTO"),
+            json!(""),
+            json!(true),
+            json!([1]),
+            json!({"n": 1}),
+            json!(MAX_GPUS + 1),
+            json!(u64::MAX),
+            json!(1e300),
+            json!("\u{0}auto"),
+        ] {
+            let r = start(json!({"workload_uuid": "w1", "gpus": bad}));
+            assert_eq!(refused_field(r), "params.gpus", "{bad}");
+        }
+        for (v, want) in [
+            (json!(0), Some(0)),
+            (json!(2), Some(2)),
+            (json!(MAX_GPUS), Some(1024)),
+            (json!("auto"), None),
+            (Value::Null, None),
+        ] {
+            let Ok(Command::Start(_, p)) = start(json!({"gpus": v})) else {
+                panic!("{v} refused")
+            };
+            assert_eq!(p.gpus, want, "{v}");
+            assert_eq!(p.params["gpus"], v, "passed on unchanged");
+        }
+        let Ok(Command::Start(_, p)) = start(json!({})) else {
+            panic!()
+        };
+        assert_eq!(p.gpus, None);
+    }
+
+    #[test]
     fn max_runtime_seconds_out_of_range_is_refused_naming_the_field() {
         for bad in [
             json!(1e19),

@@ -155,7 +155,7 @@ pub fn status(json_out: bool) -> i32 {
             crate::protocol::messages::request_id_text(&w["request_id"])
         );
         println!("    logs: {}  {}", s(&w["stdout_log"]), s(&w["stderr_log"]));
-        if let Some(g) = w["gpus"].as_array() {
+        if let Some(g) = w.get("gpus").and_then(Value::as_array) {
             let ids: Vec<String> = g.iter().map(s).collect();
             println!(
                 "    gpus: {}",
@@ -167,7 +167,7 @@ pub fn status(json_out: bool) -> i32 {
             );
         }
     }
-    if let Some(gpus) = st["gpus"].as_array() {
+    if let Some(gpus) = st.get("gpus").and_then(Value::as_array) {
         println!("gpus:       {}", gpus.len());
         for g in gpus {
             let holder = match &g["held_by"] {

@@ -119,6 +119,13 @@ impl Gpus {
     }
 }
 
+/// Sets `key` in a JSON object (nothing when `v` is not one).
+pub(super) fn put(v: &mut Value, key: &str, x: Value) {
+    if let Some(o) = v.as_object_mut() {
+        o.insert(key.to_string(), x);
+    }
+}
+
 /// One per-GPU gauge's value: (the GPU, whether a workload holds it).
 type Gauge = fn(&Gpu, bool) -> Option<f64>;
 
@@ -300,9 +307,9 @@ impl Node {
             .iter()
             .filter(|u| u.health.is_healthy() && !held.contains_key(&u.uuid))
             .count();
-        body["gpus_total"] = json!(self.gpu.units.len());
-        body["gpus_healthy"] = json!(self.gpu.healthy());
-        body["gpus_free"] = json!(free);
+        put(body, "gpus_total", json!(self.gpu.units.len()));
+        put(body, "gpus_healthy", json!(self.gpu.healthy()));
+        put(body, "gpus_free", json!(free));
     }
 
     /// The completion's `gpu` object (D38), for a workload that held GPUs.

@@ -858,7 +858,7 @@ impl Node {
             "node_version": crate::cli::VERSION,
         });
         if let Some(g) = self.gpu_status() {
-            out["gpus"] = g;
+            gpus::put(&mut out, "gpus", g);
         }
         out
     }
@@ -924,7 +924,7 @@ impl Node {
             "ingress_queue": self.ingress.len(),
         });
         if let Some(g) = self.gpu_status() {
-            out["gpus"] = g;
+            gpus::put(&mut out, "gpus", g);
         }
         out
     }
@@ -1063,7 +1063,7 @@ impl Node {
 /// A workload's status entry, with its GPUs when it has an assignment.
 fn with_gpus(mut w: Value, meta: &crate::workload::Meta) -> Value {
     if let Some(g) = &meta.gpus {
-        w["gpus"] = json!(g);
+        gpus::put(&mut w, "gpus", json!(g));
     }
     w
 }

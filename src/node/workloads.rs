@@ -620,7 +620,7 @@ impl Node {
         };
         let mut body = body;
         if let Some(g) = self.gpu_usage_of(safe_id, &meta) {
-            body["gpu"] = g; // D38
+            super::gpus::put(&mut body, "gpu", g); // D38
         }
         self.gpu_update_sampling();
         if let Some(wl) = meta

@@ -18,6 +18,9 @@ use serde::{Deserialize, Serialize};
 /// accounting).
 pub const QUERY_FIELDS: &str = "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.failure";
 const FIELD_COUNT: usize = 12;
+/// For drivers older than row remapping (before R450), which refuse the whole query when one
+/// field is unknown: the same fields without `remapped_rows.failure`, read as `[N/A]`.
+pub const LEGACY_FIELDS: &str = "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending";
 /// Per-process GPU memory, matched against each workload's process group.
 pub const APPS_FIELDS: &str = "pid,used_memory";
 /// The most output read from one query: a host has at most a few dozen GPUs.
@@ -467,7 +470,17 @@ pub fn query(timing: &Timing, migs: &mut Vec<Mig>, list: bool, known: &[Gpu]) ->
             at,
         }
     };
-    let text = match run(&[&q, "--format=csv,noheader,nounits"], timing.timeout) {
+    let mut answer = run(&[&q, "--format=csv,noheader,nounits"], timing.timeout);
+    if matches!(&answer, Ok(t) if t.contains("is not a valid field to query")) {
+        let legacy = format!("--query-gpu={LEGACY_FIELDS}");
+        answer = run(&[&legacy, "--format=csv,noheader,nounits"], timing.timeout).map(|t| {
+            t.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| format!("{l}, [N/A]\n"))
+                .collect()
+        });
+    }
+    let text = match answer {
         Ok(t) => t,
         Err(RunError::NotFound) => return Snapshot::Absent,
         Err(RunError::TimedOut) => {

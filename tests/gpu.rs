@@ -463,6 +463,17 @@ fn doctor_reads_one_eight_mig_and_garbage() {
         "two MIG instances and one whole GPU: {}",
         out.stdout
     );
+    // A driver without row remapping refuses that field: the rest is still read.
+    smi.answer("four-a100-ecc.csv");
+    std::fs::write(smi.dir.join("old-driver"), "").expect("old driver");
+    std::fs::remove_file(smi.dir.join("list.txt")).expect("no MIG");
+    let out = setup.run(&["doctor"]);
+    assert!(out.stdout.contains("4 GPU(s), 3 healthy"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("3 uncorrected volatile ECC error(s)"),
+        "{}",
+        out.stdout
+    );
     smi.answer("garbage.txt");
     let out = setup.run(&["doctor"]);
     assert!(

@@ -818,6 +818,21 @@ mod tests {
     }
 
     #[test]
+    fn a_record_written_before_gpus_were_scheduled_reads_as_no_assignment() {
+        let old = r#"{"safe_id":"a","kind":"training","request_id":"r","created_unix":1.0,
+            "command":"x","stdout_log":"/o","stderr_log":"/e"}"#;
+        let meta: crate::workload::Meta = serde_json::from_str(old).unwrap();
+        assert_eq!(meta.gpus, None);
+        let mut with = serde_json::to_value(&meta).unwrap();
+        with["gpus"] = serde_json::json!(["GPU-aa", "MIG-bb"]);
+        let back: crate::workload::Meta = serde_json::from_value(with).unwrap();
+        assert_eq!(
+            back.gpus,
+            Some(vec!["GPU-aa".to_string(), "MIG-bb".to_string()])
+        );
+    }
+
+    #[test]
     fn usage_averages_and_integrates_power() {
         let g = parse_query(FOUR);
         let t0 = Instant::now();

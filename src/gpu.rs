@@ -1,8 +1,8 @@
 //! GPUs (D35–D38): the inventory from `nvidia-smi` (the static binary cannot load NVML), the
 //! health rules, and the monitor thread that queries it off the node's loop, with a timeout
 //! after which the query (its whole process group) is killed. No `nvidia-smi` on `PATH`: a
-//! CPU-only node. Assignment and accounting live in the node (`node/gpus.rs` would be a split
-//! too many: see `Node::gpu_*` in `node/workloads.rs` and `node/operate.rs`).
+//! CPU-only node. Assignment, the node's view of health and per-workload accounting live in
+//! `node/gpus.rs`.
 
 use std::collections::BTreeMap;
 use std::io::Read;

@@ -602,6 +602,26 @@ pub fn pgid_of(pid: i32) -> Option<i32> {
     rest.split_whitespace().nth(2)?.parse().ok()
 }
 
+/// The GPUs a running process was given, read back from its environment
+/// (`CUDA_VISIBLE_DEVICES` as the node set it): how an assignment is recovered when a
+/// workload's record is lost but the process provably still runs. `None`: no such variable,
+/// or a value the node would not have set.
+pub fn assigned_in_environ(pid: i32) -> Option<Vec<String>> {
+    if pid <= 0 {
+        return None;
+    }
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let value = env
+        .split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(b"CUDA_VISIBLE_DEVICES="))?;
+    let text = std::str::from_utf8(value).ok()?;
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    let ids: Vec<String> = text.split(',').map(String::from).collect();
+    ids.iter().all(|u| valid_uuid(u)).then_some(ids)
+}
+
 /// Accounting of one workload's GPUs (D38), from the samples taken while it held them.
 #[derive(Debug, Clone, Default)]
 pub struct Usage {
@@ -830,6 +850,40 @@ mod tests {
             back.gpus,
             Some(vec!["GPU-aa".to_string(), "MIG-bb".to_string()])
         );
+    }
+
+    #[test]
+    fn an_assignment_is_read_back_from_a_running_process() {
+        let run = |v: &str| {
+            let mut c = Command::new("sleep")
+                .arg("5")
+                .env("CUDA_VISIBLE_DEVICES", v)
+                .spawn()
+                .unwrap();
+            // Its environment is the one given only once exec has set it up.
+            let proc = format!("/proc/{}", c.id());
+            for _ in 0..200 {
+                let comm = std::fs::read_to_string(format!("{proc}/comm")).unwrap_or_default();
+                let env = std::fs::read(format!("{proc}/environ")).unwrap_or_default();
+                if comm.trim() == "sleep" && !env.is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let got = assigned_in_environ(c.id() as i32);
+            let _ = c.kill();
+            let _ = c.wait();
+            got
+        };
+        assert_eq!(
+            run("GPU-aa,MIG-bb"),
+            Some(vec!["GPU-aa".to_string(), "MIG-bb".to_string()])
+        );
+        assert_eq!(run(""), Some(vec![]));
+        assert_eq!(run("0,1"), None, "not what the node sets");
+        assert_eq!(assigned_in_environ(0), None);
+        assert_eq!(assigned_in_environ(-5), None);
+        assert_eq!(assigned_in_environ(i32::MAX), None);
     }
 
     #[test]

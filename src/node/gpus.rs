@@ -135,12 +135,17 @@ fn round(x: f64, places: i32) -> f64 {
 }
 
 impl Node {
-    /// GPU UUID → the request id of the workload holding it.
+    /// GPU UUID → the request id of the workload holding it (its safe id when the request id
+    /// is not known).
     fn gpu_holders(&self) -> BTreeMap<String, Value> {
         let mut out = BTreeMap::new();
-        for a in self.active.values() {
+        for (id, a) in &self.active {
+            let holder = match &a.meta.request_id {
+                Value::Null => json!(id),
+                r => r.clone(),
+            };
             for u in a.meta.gpus.iter().flatten() {
-                out.insert(u.clone(), a.meta.request_id.clone());
+                out.insert(u.clone(), holder.clone());
             }
         }
         out

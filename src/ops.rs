@@ -167,6 +167,37 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
             s(field(&w, "stdout_log")),
             s(field(&w, "stderr_log"))
         );
+        if let Some(g) = field(&w, "gpus").as_array() {
+            let ids: Vec<String> = g.iter().map(s).collect();
+            crate::outln!(
+                "    gpus: {}",
+                if ids.is_empty() {
+                    "none".into()
+                } else {
+                    ids.join(", ")
+                }
+            );
+        }
+    }
+    if let Some(gpus) = field(&st, "gpus").as_array() {
+        crate::outln!("gpus:       {}", gpus.len());
+        for g in gpus {
+            let holder = match field(g, "held_by") {
+                Value::Null => "free".to_string(),
+                r => format!("held by {}", crate::protocol::messages::request_id_text(r)),
+            };
+            let reason = field(g, "reason")
+                .as_str()
+                .map(|r| format!(" ({})", crate::logtext::shown(r)))
+                .unwrap_or_default();
+            crate::outln!(
+                "  {:<5} {} {}  {}{reason}, {holder}",
+                s(field(g, "index")),
+                s(field(g, "uuid")),
+                s(field(g, "name")),
+                s(field(g, "health"))
+            );
+        }
     }
     Ok(())
 }
@@ -571,27 +602,10 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
             }
         }
     }
-    match std::process::Command::new("nvidia-smi").arg("-L").output() {
-        Ok(o) if o.status.success() => {
-            let n = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter(|l| l.starts_with("GPU "))
-                .count();
-            line("PASS", "GPUs", format!("{n} visible (nvidia-smi -L)"));
-        }
-        Ok(o) => line(
-            "WARN",
-            "GPUs",
-            format!(
-                "nvidia-smi failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ),
-        ),
-        Err(_) => line(
-            "WARN",
-            "GPUs",
-            "nvidia-smi not found: no NVIDIA GPU visible to this user".into(),
-        ),
+    // GPUs (D35, D37): the node's own query; each unhealthy GPU named with its reason.
+    let timing = crate::gpu::Timing::from_env(&EnvLayers::from_process());
+    for (level, detail) in crate::gpu::doctor_lines(&timing) {
+        line(level, "GPUs", detail);
     }
     if fails > 0 {
         crate::outln!("\n{fails} check(s) failed");

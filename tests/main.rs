@@ -16,6 +16,7 @@ mod cli_config;
 mod cli_pipes;
 mod edge;
 mod endpoints;
+mod gpu;
 mod hygiene;
 mod ingress;
 mod lifecycle;

@@ -74,7 +74,7 @@ pub struct Manifest {
     pub min_free_disk_mb: Option<u64>,
     pub max_log_bytes: Option<u64>,
     pub log_retention_days: Option<u64>,
-    /// Parsed and stored; GPU assignment comes later.
+    /// GPUs each workload gets when its params do not say (D36).
     pub gpus_per_workload: Option<u32>,
     /// Parsed and stored.
     pub max_result_bytes: Option<u64>,

@@ -5,6 +5,7 @@
 //! node wakes for its heartbeat and little else; while workloads run it wakes at least every
 //! [`BUSY_TICK`].
 
+mod gpus;
 mod ingress;
 mod logs;
 pub mod operate;
@@ -198,6 +199,9 @@ pub struct Node {
     next_metrics: Instant,
     /// GPU count and VRAM tier (hardware telemetry).
     gpus: (usize, Option<&'static str>),
+    /// GPU inventory, health and accounting (D35–D38).
+    gpu: gpus::Gpus,
+    gpu_rx: Receiver<crate::gpu::Snapshot>,
     connected_once: bool,
     /// "node ready" (and READY=1) was announced.
     ready_announced: bool,
@@ -239,6 +243,7 @@ impl Node {
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
                 recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
+                recv(self.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
                 default(wait) => {}
             }
             self.tick();
@@ -871,6 +876,7 @@ impl Node {
             "uptime_s": self.started.elapsed().as_secs(),
         });
         let mut body = body;
+        self.gpu_heartbeat(&mut body);
         if let Some(h) = self.hardware() {
             util::set(&mut body, "hardware", h);
         }
@@ -1038,7 +1044,7 @@ impl Node {
     }
 
     fn status_output(&self) -> Value {
-        json!({
+        let mut out = json!({
             "slug": self.slug(),
             "instance_uuid": self.uuid(),
             "profile_slug": self.s.profile_slug.value,
@@ -1052,7 +1058,11 @@ impl Node {
             "draining": self.draining,
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
-        })
+        });
+        if let Some(g) = self.gpu_status() {
+            gpus::put(&mut out, "gpus", g);
+        }
+        out
     }
 
     fn reply_ok(&self, request_id: &Value, output: Value) {
@@ -1089,7 +1099,7 @@ impl Node {
 
     /// What `cyberwave-cloud-node status` shows about a running node.
     fn local_status(&self) -> Value {
-        json!({
+        let mut out = json!({
             "running": true,
             "pid": std::process::id(),
             "instance_uuid": self.uuid(),
@@ -1102,7 +1112,7 @@ impl Node {
                         "accepting": self.shutdown.is_none() && !self.draining,
             "draining": self.draining,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| json!({
+            "workloads": self.active.values().map(|a| crate::node::with_gpus(json!({
                 "pid": a.meta.pid(),
                 "type": a.meta.kind,
                 "request_id": a.meta.request_id,
@@ -1111,10 +1121,14 @@ impl Node {
                 "running_for_seconds": (crate::workload::unix_now() - a.meta.created_unix).max(0.0) as u64,
                 "stdout_log": a.meta.stdout_log,
                 "stderr_log": a.meta.stderr_log,
-            })).collect::<Vec<_>>(),
+            }), &a.meta)).collect::<Vec<_>>(),
             "outbox": self.outbox.len(),
             "ingress_queue": self.ingress.len(),
-        })
+        });
+        if let Some(g) = self.gpu_status() {
+            gpus::put(&mut out, "gpus", g);
+        }
+        out
     }
 
     // ---- signals and shutdown -------------------------------------------------------------------
@@ -1251,6 +1265,14 @@ impl Node {
             }
         }
     }
+}
+
+/// A workload's status entry, with its GPUs when it has an assignment.
+fn with_gpus(mut w: Value, meta: &crate::workload::Meta) -> Value {
+    if let Some(g) = &meta.gpus {
+        gpus::put(&mut w, "gpus", json!(g));
+    }
+    w
 }
 
 /// When the next heartbeat is due (D39): `interval` ± up to 10 %, placed by `random` (uniform

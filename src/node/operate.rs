@@ -116,11 +116,9 @@ pub enum Busy {
     Draining,
     DiskLow,
     ShuttingDown,
-    /// Reserved for GPU scheduling (no guard yet).
-    #[allow(dead_code)] // named by D21; the GPU guard that raises it comes later
+    /// Not enough free healthy GPUs (D36): some are held by running workloads.
     GpusBusy,
-    /// Reserved for GPU health checks (no guard yet).
-    #[allow(dead_code)] // named by D21; the GPU guard that raises it comes later
+    /// Not enough healthy GPUs at all (D37).
     GpusUnhealthy,
 }
 
@@ -185,8 +183,7 @@ impl Node {
                 }
             }
         }
-        // GPUs busy or unhealthy (`Busy::GpusBusy`, `Busy::GpusUnhealthy`) are checked here
-        // once the node schedules GPUs.
+        // GPUs busy or unhealthy are checked by `assign_gpus`, which knows the request.
         None
     }
 
@@ -377,6 +374,7 @@ impl Node {
             "1 while the node refuses new workloads.",
             vec![(String::new(), u64::from(self.draining))],
         );
+        self.gpu_metrics(&mut t);
         if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
             log::warn!("cannot write the metrics file {}: {e}", path.display());
         }

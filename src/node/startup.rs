@@ -215,6 +215,25 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     } else {
         (0, None)
     };
+    // GPUs (D35): the monitor thread's first inventory is awaited here, before any command;
+    // each of its queries is killed at its timeout, so this wait is bounded.
+    let timing = crate::gpu::Timing::from_env(&s.env);
+    let (monitor, gpu_rx, first) = match crate::gpu::start(timing) {
+        Ok((m, rx)) => {
+            let wait = timing
+                .timeout
+                .saturating_mul(3)
+                .saturating_add(std::time::Duration::from_secs(1));
+            let first = rx.recv_timeout(wait).ok();
+            (Some(m), rx, first)
+        }
+        Err(e) => {
+            log::error!("cannot start the GPU monitor thread: {e}; no GPU is scheduled");
+            (None, crossbeam_channel::never(), None)
+        }
+    };
+    let per_workload = s.manifest.as_ref().and_then(|m| m.gpus_per_workload);
+    let gpu = super::gpus::Gpus::new(monitor, first, &s.env, per_workload);
     let (reaped_tx, reaped) = unbounded();
     let reaper = match Reaper::start(reaped_tx) {
         Ok(r) => r,
@@ -277,6 +296,8 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         metrics: Default::default(),
         next_metrics: now,
         gpus,
+        gpu,
+        gpu_rx,
         connected_once: false,
         ready_announced: false,
         next_prune: now,
@@ -293,6 +314,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     };
     let mut node = node;
     node.recover();
+    node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
     if !node.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",

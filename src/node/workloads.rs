@@ -166,6 +166,19 @@ impl Node {
         if let Some((why, busy)) = self.start_guard() {
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
         }
+        // GPUs (D36) before capacity: with `auto`, a full node is a node without free GPUs.
+        let gpus = match self.assign_gpus(start.gpus) {
+            Ok(g) => g,
+            Err((why, busy)) => {
+                if busy == Some(Busy::GpusBusy)
+                    && may_wait
+                    && self.defer_start_for_heal(kind_t, request_id, &start)
+                {
+                    return;
+                }
+                return self.reject_start(request_id, workload_uuid.as_deref(), &why, busy, ctx);
+            }
+        };
         let capacity = self.s.max_concurrent_workloads.value as usize;
         if self.active.len() >= capacity
             && may_wait
@@ -214,6 +227,7 @@ impl Node {
             max_runtime_s,
             workflow: ctx.clone(),
             socket: self.layout.state.join("control.sock"),
+            gpus,
             results_dir: self.results_dir_for(&safe_id),
         };
         let t0 = Instant::now();
@@ -243,6 +257,7 @@ impl Node {
                 }
                 let now = self.clock.now();
                 self.active.insert(safe_id, Active::new(meta, true, now));
+                self.gpu_update_sampling();
             }
             Err(e) => {
                 let why = format!("Failed to start {kind}: {e}");
@@ -661,6 +676,11 @@ impl Node {
                 (body, format!("completion of {} {rid}", meta.kind))
             }
         };
+        let mut body = body;
+        if let Some(g) = self.gpu_usage_of(safe_id, &meta) {
+            super::gpus::put(&mut body, "gpu", g); // D38
+        }
+        self.gpu_update_sampling();
         if let Some(wl) = meta
             .workload_uuid
             .as_deref()
@@ -997,14 +1017,17 @@ impl Node {
             self.active
                 .values()
                 .map(|a| {
-                    json!({
-                        "pid": a.meta.pid(),
-                        "type": a.meta.kind,
-                        "request_id": a.meta.request_id,
-                        "workload_uuid": a.meta.workload_uuid,
-                        "running_for_seconds": (now - a.meta.created_unix).max(0.0) as u64,
-                        "state": a.state(),
-                    })
+                    super::with_gpus(
+                        json!({
+                            "pid": a.meta.pid(),
+                            "type": a.meta.kind,
+                            "request_id": a.meta.request_id,
+                            "workload_uuid": a.meta.workload_uuid,
+                            "running_for_seconds": (now - a.meta.created_unix).max(0.0) as u64,
+                            "state": a.state(),
+                        }),
+                        &a.meta,
+                    )
                 })
                 .collect(),
         )

@@ -287,7 +287,12 @@ pub struct StartParams {
     pub workload_uuid: Option<TopicId>,
     pub environment_uuid: Option<TopicId>,
     pub max_runtime: Option<Seconds>,
+    /// `gpus`: how many GPUs the workload needs (D36); `None` when absent, null or `"auto"`.
+    pub gpus: Option<u32>,
 }
+
+/// The most GPUs one workload may ask for (no host has more).
+pub const MAX_GPUS: u64 = 1024;
 
 impl StartParams {
     /// `path` prefixes field names in errors (`params.` or `params.command_params.`).
@@ -311,11 +316,25 @@ impl StartParams {
                 ));
             }
         }
+        let gpus = match map.get("gpus") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s == "auto" => None,
+            Some(v) => match v.as_u64().filter(|n| *n <= MAX_GPUS) {
+                Some(n) => u32::try_from(n).ok(),
+                None => {
+                    return Err(FieldError::new(
+                        &field("gpus"),
+                        format!("must be a whole number from 0 to {MAX_GPUS}, or \"auto\""),
+                    ))
+                }
+            },
+        };
         Ok(StartParams {
             params: map.clone(),
             workload_uuid,
             environment_uuid,
             max_runtime,
+            gpus,
         })
     }
 }
@@ -556,6 +575,44 @@ mod tests {
             Err(r) => r.error.field,
             Ok(c) => panic!("accepted: {c:?}"),
         }
+    }
+
+    #[test]
+    fn gpus_is_a_whole_number_up_to_the_limit_or_auto() {
+        for bad in [
+            json!(-1),
+            json!(1.5),
+            json!("1"),
+            json!("AUTO"),
+            json!(""),
+            json!(true),
+            json!([1]),
+            json!({"n": 1}),
+            json!(MAX_GPUS + 1),
+            json!(u64::MAX),
+            json!(1e300),
+            json!("\u{0}auto"),
+        ] {
+            let r = start(json!({"workload_uuid": "w1", "gpus": bad}));
+            assert_eq!(refused_field(r), "params.gpus", "{bad}");
+        }
+        for (v, want) in [
+            (json!(0), Some(0)),
+            (json!(2), Some(2)),
+            (json!(MAX_GPUS), Some(1024)),
+            (json!("auto"), None),
+            (Value::Null, None),
+        ] {
+            let Ok(Command::Start(_, p)) = start(json!({"gpus": v})) else {
+                panic!("{v} refused")
+            };
+            assert_eq!(p.gpus, want, "{v}");
+            assert_eq!(p.params["gpus"], v, "passed on unchanged");
+        }
+        let Ok(Command::Start(_, p)) = start(json!({})) else {
+            panic!()
+        };
+        assert_eq!(p.gpus, None);
     }
 
     #[test]

@@ -84,6 +84,10 @@ pub struct Meta {
     /// The workload's secret for `emit` (in its environment; this file is 0600).
     #[serde(default)]
     pub event_token: String,
+    /// The GPUs (UUIDs) assigned to it, exclusively (D36); `None` on a CPU-only node and in
+    /// records written before GPUs were scheduled.
+    #[serde(default)]
+    pub gpus: Option<Vec<String>>,
     /// Set when this record was rebuilt at recovery because the original did not validate
     /// (what was wrong): the workload is tracked by what could be proven, and its end is
     /// reported as a failure.
@@ -290,6 +294,12 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         })
         .copied()
         .unwrap_or(UNKNOWN_KIND);
+    // D36: the GPUs it holds, read back from its own environment when it provably still runs
+    // (else they would look free and be given to a second workload).
+    let gpus = started
+        .as_ref()
+        .filter(|s| procinfo::same_process_alive(s.pid, s.start_ticks))
+        .and_then(|s| crate::gpu::assigned_in_environ(s.pid));
     let meta = Meta {
         safe_id: name.to_string(),
         kind: kind.to_string(),
@@ -310,6 +320,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         workflow: None,
         event_token: String::new(),
         salvaged: Some(why),
+        gpus,
     };
     // Saved only when it names a process to track: a record without one is reported and
     // retired right away.
@@ -452,6 +463,8 @@ pub struct StartRequest<'a> {
     pub workflow: Option<WorkflowCtx>,
     /// The node's control socket, for `emit`.
     pub socket: PathBuf,
+    /// Its GPUs (D36): `Some` sets the CUDA/NVIDIA variables (an empty list hides every GPU).
+    pub gpus: Option<Vec<String>>,
     /// This workload's own results folder (D24), when result uploads are on.
     pub results_dir: Option<PathBuf>,
 }
@@ -605,6 +618,7 @@ fn start_in(
         cancel: None,
         workflow: req.workflow.clone(),
         event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+        gpus: req.gpus.clone(),
         salvaged: None,
     };
     save_meta(layout, &meta).map_err(|e| format!("cannot write the workload record: {e}"))?;
@@ -659,6 +673,14 @@ fn start_in(
         "CYBERWAVE_MQTT_TOPIC_PREFIX".into(),
         s.topic_prefix.value.clone(),
     );
+    if let Some(gpus) = &req.gpus {
+        // D36: exactly its GPUs, by UUID; none at all when it needs none.
+        let list = gpus.join(",");
+        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        env.insert("CUDA_VISIBLE_DEVICES".into(), list.clone());
+        let nvidia = if list.is_empty() { "none".into() } else { list };
+        env.insert("NVIDIA_VISIBLE_DEVICES".into(), nvidia);
+    }
 
     let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
         "bash"
@@ -1216,6 +1238,7 @@ mod tests {
             cancel: None,
             workflow: None,
             event_token: String::new(),
+            gpus: None,
             salvaged: None,
         };
         assert_eq!(failure_summary(&meta, "fallback").0, "fallback");

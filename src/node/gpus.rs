@@ -1,0 +1,389 @@
+//! The node's side of GPUs: the inventory the monitor thread reports (D35), exclusive
+//! assignment (D36), the health gate (D37) and per-workload accounting (D38). Which workload
+//! holds which GPU is not kept here: it is each active workload's persisted record, so an
+//! assignment survives a restart and is released when the workload is forgotten.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::operate::{Busy, BUSY_PREFIX};
+use super::Node;
+use crate::gpu::{self, Gpu, Monitor, Snapshot, Usage};
+
+/// What the node knows about its GPUs.
+#[derive(Default)]
+pub struct Gpus {
+    pub monitor: Option<Monitor>,
+    /// `nvidia-smi` answered (the node schedules GPUs); false: a CPU-only node.
+    pub present: bool,
+    pub units: Vec<Gpu>,
+    /// Why the last query failed, when it did.
+    pub error: Option<String>,
+    /// `cloud_node.gpus_per_workload` (D36).
+    pub per_workload: Option<u32>,
+    /// Accounting of workloads holding GPUs, by safe id.
+    pub usage: HashMap<String, Usage>,
+}
+
+impl Gpus {
+    /// From the first snapshot (taken before the loop starts).
+    pub fn new(
+        monitor: Option<Monitor>,
+        first: Option<Snapshot>,
+        env: &crate::config::env::EnvLayers,
+        manifest: Option<u32>,
+    ) -> Gpus {
+        // `cloud_node.gpus_per_workload` from cyberwave.yml first; the variable is its fallback.
+        let per_workload = manifest.or_else(|| env.value("CYBERWAVE_GPUS_PER_WORKLOAD").and_then(|v| {
+            let n = v
+                .trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|n| u64::from(*n) <= crate::protocol::commands::MAX_GPUS);
+            if n.is_none() && v.trim() != "auto" {
+                log::warn!(
+                    "CYBERWAVE_GPUS_PER_WORKLOAD={:?} is not a whole number from 0 to {} or \"auto\"; using auto",
+                    crate::logtext::shown(&v),
+                    crate::protocol::commands::MAX_GPUS
+                );
+            }
+            n
+        }));
+        let mut g = Gpus {
+            monitor,
+            per_workload,
+            ..Gpus::default()
+        };
+        if let Some(s) = first {
+            g.apply(s);
+        }
+        match (g.present, &g.error) {
+            (false, _) => log::info!("no nvidia-smi: a CPU-only node"),
+            (true, Some(e)) => log::warn!("GPU inventory failed: {e}"),
+            (true, None) => log::info!(
+                "GPUs: {} ({} healthy){}",
+                g.units.len(),
+                g.healthy(),
+                g.units
+                    .iter()
+                    .map(|u| format!("; {} {} {} {}", u.index, u.uuid, u.name, u.health.label()))
+                    .collect::<String>()
+            ),
+        }
+        g
+    }
+
+    /// Takes a snapshot in; logs each health change.
+    fn apply(&mut self, s: Snapshot) {
+        let Snapshot::Gpus { gpus, error, .. } = s else {
+            self.present = false;
+            self.units.clear();
+            return;
+        };
+        let before: BTreeMap<String, bool> = self
+            .units
+            .iter()
+            .map(|u| (u.uuid.clone(), u.health.is_healthy()))
+            .collect();
+        for u in &gpus {
+            let was = before.get(&u.uuid).copied();
+            match (was, u.health.is_healthy()) {
+                (Some(true) | None, false) if self.present || was.is_none() => log::warn!(
+                    "GPU {} {} is {}: {}; it gets no new workload",
+                    u.index,
+                    u.uuid,
+                    u.health.label(),
+                    u.health.reason().unwrap_or("")
+                ),
+                (Some(false), true) => {
+                    log::info!("GPU {} {} is healthy again", u.index, u.uuid)
+                }
+                _ => {}
+            }
+        }
+        if error != self.error {
+            if let Some(e) = &error {
+                log::warn!("GPU query failed: {e}");
+            }
+        }
+        self.present = true;
+        self.units = gpus;
+        self.error = error;
+    }
+
+    pub fn healthy(&self) -> usize {
+        self.units.iter().filter(|u| u.health.is_healthy()).count()
+    }
+}
+
+/// Sets `key` in a JSON object (nothing when `v` is not one).
+pub(super) fn put(v: &mut Value, key: &str, x: Value) {
+    if let Some(o) = v.as_object_mut() {
+        o.insert(key.to_string(), x);
+    }
+}
+
+/// One per-GPU gauge's value: (the GPU, whether a workload holds it).
+type Gauge = fn(&Gpu, bool) -> Option<f64>;
+
+fn round(x: f64, places: i32) -> f64 {
+    let f = 10f64.powi(places);
+    (x * f).round() / f
+}
+
+impl Node {
+    /// GPU UUID → the request id of the workload holding it (its safe id when the request id
+    /// is not known).
+    fn gpu_holders(&self) -> BTreeMap<String, Value> {
+        let mut out = BTreeMap::new();
+        for (id, a) in &self.active {
+            let holder = match &a.meta.request_id {
+                Value::Null => json!(id),
+                r => r.clone(),
+            };
+            for u in a.meta.gpus.iter().flatten() {
+                out.insert(u.clone(), holder.clone());
+            }
+        }
+        out
+    }
+
+    pub(super) fn on_gpu_snapshot(&mut self, s: Snapshot) {
+        if let Snapshot::Gpus {
+            gpus,
+            apps,
+            error: None,
+            at,
+        } = &s
+        {
+            let cap = self
+                .gpu
+                .monitor
+                .as_ref()
+                .map_or(gpu::SAMPLE_EVERY, |m| m.timing.sample)
+                .saturating_mul(2)
+                .max(Duration::from_secs(1));
+            // Per-process memory by process group: the workload's group is its pid.
+            let mut by_group: BTreeMap<i32, u64> = BTreeMap::new();
+            for (pid, mib) in apps {
+                if let Some(g) = gpu::pgid_of(*pid) {
+                    let e = by_group.entry(g).or_default();
+                    *e = e.saturating_add(*mib);
+                }
+            }
+            for (id, a) in &self.active {
+                let Some(mine) = a.meta.gpus.as_ref().filter(|g| !g.is_empty()) else {
+                    continue;
+                };
+                let units: Vec<&Gpu> = gpus.iter().filter(|g| mine.contains(&g.uuid)).collect();
+                let own = by_group.get(&a.meta.pid()).copied();
+                self.gpu
+                    .usage
+                    .entry(id.clone())
+                    .or_default()
+                    .add(&units, own, *at, cap);
+            }
+        }
+        let active = &self.active;
+        self.gpu.usage.retain(|id, _| active.contains_key(id));
+        self.gpu.apply(s);
+        self.gpu_update_sampling();
+    }
+
+    /// Sampling runs every few seconds only while a workload holds GPUs.
+    pub(super) fn gpu_update_sampling(&self) {
+        let holding = self
+            .active
+            .values()
+            .any(|a| a.meta.gpus.as_ref().is_some_and(|g| !g.is_empty()));
+        if let Some(m) = &self.gpu.monitor {
+            m.set_holding(holding);
+        }
+    }
+
+    /// The GPUs a new workload gets (D36): `Ok(None)` on a CPU-only node (nothing changes for
+    /// it), else its exclusive share, or the refusal (busy when waiting can help).
+    pub(super) fn assign_gpus(
+        &self,
+        requested: Option<u32>,
+    ) -> Result<Option<Vec<String>>, (String, Option<Busy>)> {
+        let g = &self.gpu;
+        if !g.present {
+            return match requested.filter(|n| *n > 0) {
+                Some(n) => Err((
+                    format!(
+                        "this workload needs {n} GPU(s) and this node has none (no nvidia-smi)"
+                    ),
+                    None,
+                )),
+                None => Ok(None),
+            };
+        }
+        let total = g.units.len();
+        let healthy = g.healthy();
+        let capacity = usize::try_from(self.s.max_concurrent_workloads.value)
+            .unwrap_or(1)
+            .max(1);
+        let need = match requested.or(g.per_workload) {
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None if capacity == 1 => healthy,
+            None => healthy.checked_div(capacity).unwrap_or(0),
+        };
+        if need == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        if need > total {
+            if let Some(e) = &g.error {
+                // The query fails: this node's GPUs are not known, not absent.
+                return Err((
+                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({e})"),
+                    Some(Busy::GpusUnhealthy),
+                ));
+            }
+            return Err((
+                format!("this workload needs {need} GPU(s) and this node has {total}"),
+                None,
+            ));
+        }
+        let held = self.gpu_holders();
+        let free: Vec<String> = g
+            .units
+            .iter()
+            .filter(|u| u.health.is_healthy() && !held.contains_key(&u.uuid))
+            .map(|u| u.uuid.clone())
+            .take(need)
+            .collect();
+        if free.len() >= need {
+            return Ok(Some(free));
+        }
+        if healthy >= need {
+            Err((
+                format!(
+                    "{BUSY_PREFIX} GPUs in use: {need} needed, {} of {healthy} healthy GPU(s) free",
+                    free.len()
+                ),
+                Some(Busy::GpusBusy),
+            ))
+        } else {
+            Err((
+                format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"),
+                Some(Busy::GpusUnhealthy),
+            ))
+        }
+    }
+
+    /// `status`: each GPU with its health and holder (absent on a CPU-only node).
+    pub(super) fn gpu_status(&self) -> Option<Value> {
+        if !self.gpu.present {
+            return None;
+        }
+        let holders = self.gpu_holders();
+        Some(Value::Array(
+            self.gpu
+                .units
+                .iter()
+                .map(|u| {
+                    json!({
+                        "index": u.index,
+                        "uuid": u.uuid,
+                        "name": u.name,
+                        "memory_total_mib": u.memory_total_mib,
+                        "health": u.health.label(),
+                        "reason": u.health.reason(),
+                        "held_by": holders.get(&u.uuid),
+                    })
+                })
+                .collect(),
+        ))
+    }
+
+    /// Heartbeat fields (D37), on a node with GPUs.
+    pub(super) fn gpu_heartbeat(&self, body: &mut Value) {
+        if !self.gpu.present {
+            return;
+        }
+        let held = self.gpu_holders();
+        let free = self
+            .gpu
+            .units
+            .iter()
+            .filter(|u| u.health.is_healthy() && !held.contains_key(&u.uuid))
+            .count();
+        put(body, "gpus_total", json!(self.gpu.units.len()));
+        put(body, "gpus_healthy", json!(self.gpu.healthy()));
+        put(body, "gpus_free", json!(free));
+    }
+
+    /// The completion's `gpu` object (D38), for a workload that held GPUs.
+    pub(super) fn gpu_usage_of(
+        &mut self,
+        safe_id: &str,
+        meta: &crate::workload::Meta,
+    ) -> Option<Value> {
+        let usage = self.gpu.usage.remove(safe_id).unwrap_or_default();
+        let count = meta.gpus.as_ref().map_or(0, Vec::len);
+        if count == 0 {
+            return None;
+        }
+        let seconds = (crate::workload::unix_now() - meta.created_unix).max(0.0);
+        Some(json!({
+            "count": count,
+            "seconds": round(seconds, 1),
+            "util_avg_pct": round(usage.util_avg(), 1),
+            "util_max_pct": usage.util_max,
+            "mem_peak_mib": usage.mem_peak_mib(),
+            "energy_wh": round(usage.energy_wh, 3),
+        }))
+    }
+
+    /// Per-GPU gauges for the metrics file.
+    pub(super) fn gpu_metrics(&self, t: &mut String) {
+        if !self.gpu.present {
+            return;
+        }
+        let held: BTreeSet<String> = self.gpu_holders().into_keys().collect();
+        let gauges: [(&str, &str, Gauge); 7] = [
+            (
+                "gpu_healthy",
+                "1 when the GPU takes workloads (D37).",
+                |g, _| Some(f64::from(u8::from(g.health.is_healthy()))),
+            ),
+            (
+                "gpu_assigned",
+                "1 while a workload holds the GPU.",
+                |_, h| Some(f64::from(u8::from(h))),
+            ),
+            ("gpu_utilization_percent", "GPU utilisation.", |g, _| {
+                g.util_pct.map(|v| v as f64)
+            }),
+            ("gpu_memory_used_mib", "GPU memory in use.", |g, _| {
+                g.memory_used_mib.map(|v| v as f64)
+            }),
+            ("gpu_memory_total_mib", "GPU memory.", |g, _| {
+                g.memory_total_mib.map(|v| v as f64)
+            }),
+            ("gpu_power_watts", "GPU power draw.", |g, _| g.power_w),
+            ("gpu_temperature_celsius", "GPU temperature.", |g, _| {
+                g.temperature_c.map(|v| v as f64)
+            }),
+        ];
+        for (name, help, get) in gauges {
+            let _ = writeln!(
+                t,
+                "# HELP cyberwave_node_{name} {help}\n# TYPE cyberwave_node_{name} gauge"
+            );
+            for u in &self.gpu.units {
+                if let Some(v) = get(u, held.contains(&u.uuid)) {
+                    let _ = writeln!(
+                        t,
+                        "cyberwave_node_{name}{{gpu=\"{}\",uuid=\"{}\"}} {v}",
+                        u.index, u.uuid
+                    );
+                }
+            }
+        }
+    }
+}

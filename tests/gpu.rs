@@ -1,0 +1,640 @@
+//! GPUs end to end (D35–D38), against the fake `nvidia-smi` in tests/fixtures: exclusive
+//! assignment across a kill -9, the busy / unhealthy refusals, health changes mid-run, a
+//! hanging `nvidia-smi`, the completion's accounting, `doctor`, and a CPU-only node.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::node::NodeSetup;
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(20);
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A directory the fake `nvidia-smi` answers from, and a bin dir holding it.
+struct FakeSmi {
+    dir: TempDir,
+}
+
+impl FakeSmi {
+    fn new(query: &str) -> FakeSmi {
+        let dir = TempDir::new("smi");
+        std::fs::create_dir_all(dir.join("bin")).expect("bin");
+        std::os::unix::fs::symlink(fixtures().join("nvidia-smi"), dir.join("bin/nvidia-smi"))
+            .expect("symlink");
+        let f = FakeSmi { dir };
+        f.answer(query);
+        f
+    }
+
+    /// Swaps the answer to the GPU query (atomically: the node may be reading it).
+    fn answer(&self, fixture: &str) {
+        let tmp = self.dir.join("query.tmp");
+        std::fs::copy(fixtures().join("gpu").join(fixture), &tmp).expect("fixture");
+        std::fs::rename(&tmp, self.dir.join("query.csv")).expect("swap");
+    }
+
+    fn file(&self, name: &str, fixture: &str) {
+        std::fs::copy(fixtures().join("gpu").join(fixture), self.dir.join(name)).expect("fixture");
+    }
+
+    fn queries(&self) -> usize {
+        std::fs::read_to_string(self.dir.join("calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("--query-gpu"))
+            .count()
+    }
+
+    /// PATH with the fake first, and the knobs that shorten the monitor's timings.
+    fn install(&self, setup: &mut NodeSetup) {
+        let path = format!(
+            "{}:{}",
+            self.dir.join("bin").display(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+        );
+        setup.set("PATH", &path);
+        setup.set(
+            "FAKE_NVIDIA_SMI_DIR",
+            &self.dir.path().display().to_string(),
+        );
+        setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.3");
+        setup.set("CYBERWAVE_NODE_GPU_SAMPLE_SECONDS", "0.1");
+        setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "1");
+    }
+}
+
+struct Rig {
+    _broker: Broker,
+    cp: ControlPlane,
+    setup: NodeSetup,
+}
+
+/// Each workload writes its GPU variables to `env-<n>` and runs until `stop-<n>` exists; with
+/// `own-mem-<n>` it lists itself in the fake's per-process GPU memory.
+const RECORDING: &str = "cyberwave:\n  training: |\n    n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"n\"])' {body})\n    if [ -f own-mem-$n ]; then echo \"$$, $(cat own-mem-$n)\" >> \"$FAKE_NVIDIA_SMI_DIR/apps.csv\"; fi\n    env | grep -E '^(CUDA_VISIBLE_DEVICES|NVIDIA_VISIBLE_DEVICES|CUDA_DEVICE_ORDER)=' | sort > env-$n.tmp\n    mv env-$n.tmp env-$n\n    while [ ! -f stop-$n ]; do sleep 0.05; done\n";
+
+impl Rig {
+    fn new(capacity: u32, smi: Option<&FakeSmi>) -> Rig {
+        let broker = Broker::start();
+        let cp = ControlPlane::start(broker.port, "");
+        let mut setup = NodeSetup::new(&broker, &cp);
+        setup.write(
+            "cyberwave.yml",
+            &format!("{RECORDING}  max_concurrent_workloads: {capacity}\n"),
+        );
+        if let Some(s) = smi {
+            s.install(&mut setup);
+        }
+        Rig {
+            _broker: broker,
+            cp,
+            setup,
+        }
+    }
+
+    fn node(&self) -> NodeProcess {
+        let node = self.setup.spawn();
+        node.wait_ready(READY);
+        node
+    }
+
+    fn start(&self, node: &NodeProcess, n: u32, extra: Value) -> Value {
+        let rid = format!("g{n}");
+        let mut params = json!({"workload_uuid": format!("wl-g{n}"), "n": n});
+        if let (Some(p), Some(e)) = (params.as_object_mut(), extra.as_object()) {
+            p.extend(e.clone());
+        }
+        self.cp.command(
+            &node.uuid(),
+            json!({"command": "training", "request_id": rid, "params": params}),
+        );
+        self.cp
+            .wait_reply(&rid, REPLY)
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
+    }
+
+    /// The GPU variables workload `n` saw.
+    fn env_of(&self, n: u32) -> Vec<String> {
+        let path = self.setup.cwd.join(format!("env-{n}"));
+        wait_for(REPLY, || std::fs::read_to_string(&path).ok())
+            .unwrap_or_else(|| panic!("workload {n} wrote no env"))
+            .lines()
+            .map(String::from)
+            .collect()
+    }
+
+    fn visible(&self, n: u32) -> String {
+        self.env_of(n)
+            .iter()
+            .find_map(|l| l.strip_prefix("CUDA_VISIBLE_DEVICES="))
+            .map(String::from)
+            .unwrap_or_else(|| panic!("no CUDA_VISIBLE_DEVICES for {n}"))
+    }
+
+    fn stop(&self, n: u32) {
+        std::fs::write(self.setup.cwd.join(format!("stop-{n}")), "").expect("stop");
+    }
+
+    fn completion(&self, n: u32) -> Value {
+        let wl = format!("wl-g{n}");
+        let all = self
+            .cp
+            .wait_status(&wl, "completed", DONE)
+            .unwrap_or_else(|| panic!("no completion for {wl}: {:?}", self.cp.statuses(&wl)));
+        all.into_iter()
+            .find(|b| b["status"] == "completed")
+            .unwrap_or_default()
+    }
+
+    fn refusal(&self, n: u32) -> Value {
+        let wl = format!("wl-g{n}");
+        self.cp
+            .wait_status(&wl, "failed", REPLY)
+            .and_then(|all| all.into_iter().find(|b| b["status"] == "failed"))
+            .unwrap_or_else(|| panic!("no refusal for {wl}"))
+    }
+}
+
+/// The fixture's GPU line for this UUID: (utilisation, memory used).
+fn fixture_reading(fixture: &str, uuid: &str) -> (u64, u64) {
+    let text = std::fs::read_to_string(fixtures().join("gpu").join(fixture)).expect("fixture");
+    let line = text
+        .lines()
+        .find(|l| l.contains(uuid))
+        .unwrap_or_else(|| panic!("{uuid} not in {fixture}"));
+    let cols: Vec<&str> = line.split(", ").collect();
+    (cols[6].parse().unwrap(), cols[5].parse().unwrap())
+}
+
+fn holders(status: &Value) -> Vec<(String, Value)> {
+    status["output"]["gpus"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no gpus in status: {status}"))
+        .iter()
+        .map(|g| {
+            (
+                g["uuid"].as_str().unwrap_or("").to_string(),
+                g["held_by"].clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
+    let smi = FakeSmi::new("four-a100.csv");
+    let mut rig = Rig::new(4, Some(&smi));
+    // Only the samples taken because workloads hold GPUs: none from the inventory timer.
+    rig.setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "300");
+    let mut node = rig.node();
+    for n in 1..=4 {
+        assert_eq!(
+            rig.start(&node, n, json!({}))["status"],
+            "ok",
+            "{}",
+            node.log()
+        );
+    }
+    let mut seen = BTreeSet::new();
+    for n in 1..=4 {
+        let env = rig.env_of(n);
+        let uuid = rig.visible(n);
+        assert!(
+            uuid.starts_with("GPU-") && !uuid.contains(','),
+            "one GPU: {env:?}"
+        );
+        assert!(
+            env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid}")),
+            "{env:?}"
+        );
+        assert!(
+            env.contains(&"CUDA_DEVICE_ORDER=PCI_BUS_ID".to_string()),
+            "{env:?}"
+        );
+        seen.insert(uuid);
+    }
+    assert_eq!(seen.len(), 4, "four distinct GPUs: {seen:?}");
+    // A fifth: every GPU is held.
+    let fifth = rig.start(&node, 5, json!({}));
+    assert_eq!(fifth["status"], "error", "{fifth}");
+    let refusal = rig.refusal(5);
+    assert_eq!(refusal["rejection_reason"], "host_busy", "{refusal}");
+    assert_eq!(refusal["busy_reason"], "gpus_busy", "{refusal}");
+    assert!(
+        refusal["error"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("Controller host is busy with"),
+        "{refusal}"
+    );
+    let st = rig.cp.status(&node.uuid(), "st1", REPLY).expect("status");
+    let before = holders(&st);
+    assert_eq!(before.len(), 4);
+    assert!(before.iter().all(|(_, h)| h.is_string()), "{st}");
+    for w in st["output"]["active_workloads"].as_array().expect("active") {
+        assert_eq!(w["gpus"].as_array().map(Vec::len), Some(1), "{w}");
+    }
+
+    // kill -9 and restart: the same assignment, still exclusive.
+    node.kill9();
+    let node = rig.node();
+    let st = rig.cp.status(&node.uuid(), "st2", REPLY).expect("status");
+    assert_eq!(holders(&st), before, "assignment kept across the restart");
+    rig.start(&node, 6, json!({}));
+    assert_eq!(rig.refusal(6)["busy_reason"], "gpus_busy");
+    let local = rig.setup.run(&["status"]);
+    assert!(local.stdout.contains("gpus:       4"), "{}", local.stdout);
+    for n in 1..=4 {
+        assert!(
+            local.stdout.contains(&format!("held by g{n}")),
+            "{}",
+            local.stdout
+        );
+    }
+    let hb = wait_for(DONE, || {
+        rig.cp
+            .requests("heartbeat")
+            .into_iter()
+            .rev()
+            .find(|r| r.body.get("gpus_total").is_some())
+    })
+    .expect("a heartbeat with GPU fields");
+    assert_eq!(hb.body["gpus_total"], 4, "{}", hb.body);
+    assert_eq!(hb.body["gpus_healthy"], 4);
+    assert_eq!(hb.body["gpus_free"], 0);
+
+    // Samples are taken while the workloads hold GPUs; then they end.
+    let q = smi.queries();
+    assert!(wait_for(DONE, || (smi.queries() >= q + 4).then_some(())).is_some());
+    for n in 1..=4 {
+        rig.stop(n);
+    }
+    for n in 1..=4 {
+        let done = rig.completion(n);
+        let gpu = &done["gpu"];
+        let (util, mem) = fixture_reading("four-a100.csv", &rig.visible(n));
+        assert_eq!(gpu["count"], 1, "{done}");
+        assert_eq!(gpu["util_avg_pct"].as_f64(), Some(util as f64), "{done}");
+        assert_eq!(gpu["util_max_pct"], util, "{done}");
+        assert_eq!(gpu["mem_peak_mib"], mem, "{done}");
+        assert!(gpu["energy_wh"].as_f64().unwrap_or(0.0) > 0.0, "{done}");
+        assert!(gpu["seconds"].as_f64().unwrap_or(0.0) > 0.0, "{done}");
+    }
+    // Released: a new workload gets a GPU again.
+    assert_eq!(rig.start(&node, 7, json!({}))["status"], "ok");
+    assert!(rig.visible(7).starts_with("GPU-"));
+    rig.stop(7);
+    rig.completion(7);
+}
+
+#[test]
+fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
+    let smi = FakeSmi::new("four-a100-ecc.csv");
+    let mut rig = Rig::new(4, Some(&smi));
+    let metrics = rig.setup.home.join("metrics.prom");
+    rig.setup
+        .set("CYBERWAVE_METRICS_FILE", &metrics.display().to_string());
+    let node = rig.node();
+    let bad = "GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e62";
+    for n in 1..=3 {
+        assert_eq!(rig.start(&node, n, json!({"gpus": 1}))["status"], "ok");
+        assert_ne!(rig.visible(n), bad, "the GPU with ECC errors got work");
+    }
+    // The only GPU left is unhealthy: busy (waiting for the others helps).
+    rig.start(&node, 4, json!({"gpus": 1}));
+    assert_eq!(rig.refusal(4)["busy_reason"], "gpus_busy");
+    // Four healthy GPUs can never be had now: unhealthy.
+    rig.start(&node, 5, json!({"gpus": 4}));
+    assert_eq!(rig.refusal(5)["busy_reason"], "gpus_unhealthy");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let g2 = &st["output"]["gpus"][2];
+    assert_eq!(g2["health"], "unhealthy", "{st}");
+    assert!(g2["reason"].as_str().unwrap_or("").contains("ECC"), "{st}");
+    assert!(g2["held_by"].is_null());
+    // GPU 0 goes bad mid-run: the holder keeps it, the count drops.
+    smi.answer("four-a100-retired.csv");
+    // Status replies are keyed by request id: each look uses a fresh one.
+    let mut look = 0;
+    let st = wait_for(DONE, || {
+        look += 1;
+        let st = rig.cp.status(&node.uuid(), &format!("st-{look}"), REPLY)?;
+        (st["output"]["gpus"][0]["health"] == "unhealthy").then_some(st)
+    });
+    let st = st.expect("GPU 0 seen unhealthy");
+    assert_eq!(
+        st["output"]["gpus"][0]["reason"], "pending retired pages",
+        "{st}"
+    );
+    assert!(node.wait_log("is unhealthy: pending retired pages", REPLY));
+    let text = wait_for(DONE, || {
+        std::fs::read_to_string(&metrics)
+            .ok()
+            .filter(|t| t.contains("cyberwave_node_gpu_healthy{gpu=\"0\",uuid=\"GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60\"} 0"))
+    })
+    .expect("metrics with GPU 0 unhealthy");
+    assert!(
+        text.contains(&format!(
+            "cyberwave_node_gpu_healthy{{gpu=\"2\",uuid=\"{bad}\"}} 0"
+        )),
+        "{text}"
+    );
+    assert!(text.contains("cyberwave_node_gpu_healthy{gpu=\"1\",uuid=\"GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e61\"} 1"), "{text}");
+    assert!(text.contains("cyberwave_node_gpu_power_watts{gpu=\"3\",uuid=\"GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e63\"} 400"), "{text}");
+    // doctor names each unhealthy GPU and why.
+    let doc = rig.setup.run(&["doctor"]);
+    assert!(doc.stdout.contains("4 GPU(s), 2 healthy"), "{}", doc.stdout);
+    assert!(
+        doc.stdout.contains(&format!("GPU 2 {bad}")),
+        "{}",
+        doc.stdout
+    );
+    assert!(
+        doc.stdout.contains("3 uncorrected volatile ECC error(s)"),
+        "{}",
+        doc.stdout
+    );
+    assert!(
+        doc.stdout.contains("pending retired pages"),
+        "{}",
+        doc.stdout
+    );
+    for n in 1..=3 {
+        rig.stop(n);
+        rig.completion(n);
+    }
+}
+
+#[test]
+fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
+    let smi = FakeSmi::new("four-a100.csv");
+    let rig = Rig::new(4, Some(&smi));
+    let node = rig.node();
+    let q0 = smi.queries();
+    std::fs::write(smi.dir.join("hang"), "").expect("hang");
+    assert!(
+        node.wait_log("nvidia-smi did not answer within 1s", DONE),
+        "{}",
+        node.log()
+    );
+    // Commands are answered while the query hangs; starts needing a GPU are refused.
+    let st = rig
+        .cp
+        .status(&node.uuid(), "st", REPLY)
+        .expect("status while hanging");
+    assert_eq!(st["output"]["gpus"][0]["health"], "unhealthy", "{st}");
+    rig.start(&node, 1, json!({"gpus": 1}));
+    assert_eq!(rig.refusal(1)["busy_reason"], "gpus_unhealthy");
+    // Each hanging query was killed with its whole process group (the fake's `sleep` too).
+    assert!(wait_for(DONE, || (smi.queries() >= q0 + 3).then_some(())).is_some());
+    let mine = smi.dir.path().display().to_string();
+    let alive = hanging_sleeps(&mine);
+    assert!(
+        alive <= 1,
+        "{alive} hanging queries alive: only the one in flight may be"
+    );
+    // Back to normal: a GPU is assigned again (each try is a new request).
+    std::fs::remove_file(smi.dir.join("hang")).expect("unhang");
+    let mut n = 1;
+    let ok = wait_for(DONE, || {
+        n += 1;
+        (rig.start(&node, n, json!({"gpus": 1}))["status"] == "ok").then_some(n)
+    })
+    .expect("a GPU once nvidia-smi answers again");
+    assert!(rig.visible(ok).starts_with("GPU-"));
+    rig.stop(ok);
+    rig.completion(ok);
+}
+
+/// Live `sleep 3600` processes started by this test's fake.
+fn hanging_sleeps(dir: &str) -> usize {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    rd.flatten()
+        .filter(|e| {
+            let p = e.path();
+            std::fs::read(p.join("cmdline")).is_ok_and(|c| c == b"sleep\x003600\x00")
+                && std::fs::read(p.join("environ"))
+                    .is_ok_and(|env| String::from_utf8_lossy(&env).contains(dir))
+        })
+        .count()
+}
+
+#[test]
+fn a_node_starting_while_nvidia_smi_hangs_starts_and_refuses_gpu_work_as_busy() {
+    let smi = FakeSmi::new("four-a100.csv");
+    std::fs::write(smi.dir.join("hang"), "").expect("hang");
+    let rig = Rig::new(2, Some(&smi));
+    let node = rig.node();
+    assert!(
+        node.log().contains("nvidia-smi did not answer within 1s"),
+        "{}",
+        node.log()
+    );
+    rig.start(&node, 1, json!({"gpus": 1}));
+    let r = rig.refusal(1);
+    assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
+}
+
+#[test]
+fn doctor_reads_one_eight_mig_and_garbage() {
+    let smi = FakeSmi::new("one-rtx4090.csv");
+    let mut setup = NodeSetup::bare();
+    smi.install(&mut setup);
+    let out = setup.run(&["doctor"]);
+    assert!(out.stdout.contains("1 GPU(s), 1 healthy"), "{}", out.stdout);
+    smi.answer("eight-h100.csv");
+    let out = setup.run(&["doctor"]);
+    assert!(out.stdout.contains("8 GPU(s), 8 healthy"), "{}", out.stdout);
+    smi.answer("mig-a100.csv");
+    smi.file("list.txt", "mig-a100-list.txt");
+    let out = setup.run(&["doctor"]);
+    assert!(
+        out.stdout.contains("3 GPU(s), 3 healthy"),
+        "two MIG instances and one whole GPU: {}",
+        out.stdout
+    );
+    // A driver without row remapping refuses that field: the rest is still read.
+    smi.answer("four-a100-ecc.csv");
+    std::fs::write(smi.dir.join("old-driver"), "").expect("old driver");
+    std::fs::remove_file(smi.dir.join("list.txt")).expect("no MIG");
+    let out = setup.run(&["doctor"]);
+    assert!(out.stdout.contains("4 GPU(s), 3 healthy"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("3 uncorrected volatile ECC error(s)"),
+        "{}",
+        out.stdout
+    );
+    smi.answer("garbage.txt");
+    let out = setup.run(&["doctor"]);
+    assert!(
+        out.stdout
+            .contains("nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn the_manifest_sets_gpus_per_workload_and_params_win() {
+    let smi = FakeSmi::new("four-a100.csv");
+    let rig = Rig::new(4, Some(&smi));
+    rig.setup.write(
+        "cyberwave.yml",
+        &format!("{RECORDING}cloud_node:\n  max_concurrent_workloads: 4\n  gpus_per_workload: 2\n"),
+    );
+    let node = rig.node();
+    assert_eq!(rig.start(&node, 1, json!({}))["status"], "ok");
+    assert_eq!(
+        rig.visible(1).split(',').count(),
+        2,
+        "two GPUs from the manifest"
+    );
+    assert_eq!(rig.start(&node, 2, json!({"gpus": 1}))["status"], "ok");
+    assert_eq!(rig.visible(2).split(',').count(), 1, "params win");
+    rig.start(&node, 3, json!({}));
+    assert_eq!(
+        rig.refusal(3)["busy_reason"],
+        "gpus_busy",
+        "one GPU left, two needed"
+    );
+    for n in 1..=2 {
+        rig.stop(n);
+        rig.completion(n);
+    }
+}
+
+#[test]
+fn a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
+    let smi = FakeSmi::new("four-a100.csv");
+    let rig = Rig::new(4, Some(&smi));
+    let mut node = rig.node();
+    assert_eq!(rig.start(&node, 1, json!({"gpus": 1}))["status"], "ok");
+    let held = rig.visible(1);
+    node.kill9();
+    let meta = rig.setup.config_dir().join("workloads/g1/meta.json");
+    assert!(meta.exists(), "{}", meta.display());
+    std::fs::write(&meta, "{ not json").expect("corrupt");
+    let node = rig.node();
+    // Its GPU is still its own: four cannot be had, and status names the holder.
+    rig.start(&node, 2, json!({"gpus": 4}));
+    assert_eq!(rig.refusal(2)["busy_reason"], "gpus_busy");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let holder = holders(&st)
+        .into_iter()
+        .find(|(u, _)| *u == held)
+        .map(|(_, h)| h);
+    assert_eq!(holder, Some(json!("g1")), "{st}");
+    rig.stop(1);
+}
+
+#[test]
+fn mig_instances_are_assigned_by_their_uuid() {
+    let smi = FakeSmi::new("mig-a100.csv");
+    smi.file("list.txt", "mig-a100-list.txt");
+    let rig = Rig::new(3, Some(&smi));
+    let node = rig.node();
+    // Workload 1's own processes use 777 MiB (a stranger, pid 1, uses more).
+    std::fs::write(smi.dir.join("apps.csv"), "1, 5000\n").expect("apps");
+    std::fs::write(rig.setup.cwd.join("own-mem-1"), "777").expect("own");
+    // auto: 3 healthy units ÷ capacity 3 = 1 each, in order.
+    for n in 1..=3 {
+        assert_eq!(rig.start(&node, n, json!({}))["status"], "ok");
+    }
+    assert_eq!(rig.visible(1), "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f");
+    assert_eq!(rig.visible(2), "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb");
+    assert_eq!(rig.visible(3), "GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78");
+    let q = smi.queries();
+    assert!(wait_for(DONE, || (smi.queries() >= q + 3).then_some(())).is_some());
+    for n in 1..=3 {
+        rig.stop(n);
+    }
+    let one = rig.completion(1);
+    assert_eq!(
+        one["gpu"]["mem_peak_mib"], 777,
+        "its own processes only: {one}"
+    );
+    // The whole GPU's memory when none of its processes was listed.
+    assert_eq!(rig.completion(3)["gpu"]["mem_peak_mib"], 0);
+    rig.completion(2);
+}
+
+#[test]
+fn zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
+    let smi = FakeSmi::new("four-a100.csv");
+    let rig = Rig::new(4, Some(&smi));
+    let node = rig.node();
+    assert_eq!(rig.start(&node, 1, json!({"gpus": 0}))["status"], "ok");
+    let env = rig.env_of(1);
+    assert!(
+        env.contains(&"CUDA_VISIBLE_DEVICES=".to_string()),
+        "{env:?}"
+    );
+    assert!(
+        env.contains(&"NVIDIA_VISIBLE_DEVICES=none".to_string()),
+        "{env:?}"
+    );
+    rig.stop(1);
+    assert!(
+        rig.completion(1).get("gpu").is_none(),
+        "no GPU, no accounting"
+    );
+    for (n, bad) in [
+        (10, json!(-1)),
+        (11, json!(1.5)),
+        (12, json!("two")),
+        (13, json!(1025)),
+        (14, json!(u64::MAX)),
+        (15, json!([1])),
+        (16, json!("１")),
+    ] {
+        let r = rig.start(&node, n, json!({"gpus": bad}));
+        assert_eq!(r["status"], "error", "{bad}: {r}");
+        assert!(
+            r["error"].as_str().unwrap_or("").contains("params.gpus"),
+            "{r}"
+        );
+    }
+    // More than the node has: never possible here, so not "busy".
+    rig.start(&node, 20, json!({"gpus": 5}));
+    assert!(rig.refusal(20).get("busy_reason").is_none());
+}
+
+#[test]
+fn a_cpu_only_node_runs_workloads_as_before() {
+    let rig = Rig::new(2, None);
+    let node = rig.node();
+    assert!(node.log().contains("a CPU-only node"), "{}", node.log());
+    assert_eq!(rig.start(&node, 1, json!({}))["status"], "ok");
+    assert!(
+        rig.env_of(1).is_empty(),
+        "no GPU variables on a CPU-only node"
+    );
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert!(st["output"].get("gpus").is_none(), "{st}");
+    assert!(
+        st["output"]["active_workloads"][0].get("gpus").is_none(),
+        "{st}"
+    );
+    rig.stop(1);
+    assert_eq!(
+        rig.completion(1),
+        json!({"status": "completed", "success": true, "exit_code": 0})
+    );
+    rig.start(&node, 2, json!({"gpus": 1}));
+    let r = rig.refusal(2);
+    assert!(r.get("busy_reason").is_none(), "{r}");
+    assert!(
+        r["error"].as_str().unwrap_or("").contains("has none"),
+        "{r}"
+    );
+}

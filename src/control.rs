@@ -62,9 +62,10 @@ pub fn serve_with(path: &Path, tx: Sender<Request>, limits: Limits) -> std::io::
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     let slots = Arc::new(Mutex::new(Slots::default()));
+    let threads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
-        .spawn(move || accept_loop(&listener, &tx, &slots, limits))?;
+        .spawn(move || accept_loop(&listener, &tx, &slots, &threads, limits))?;
     Ok(())
 }
 
@@ -91,8 +92,10 @@ fn accept_loop(
     listener: &UnixListener,
     tx: &Sender<Request>,
     slots: &Arc<Mutex<Slots>>,
+    threads: &Arc<std::sync::atomic::AtomicUsize>,
     limits: Limits,
 ) {
+    use std::sync::atomic::Ordering;
     for stream in listener.incoming() {
         let stream = match stream {
             Ok(s) => s,
@@ -106,15 +109,27 @@ fn accept_loop(
             refuse(stream, limits.max_connections);
             continue;
         };
+        // A connection dropped to make room ends its thread at once (its socket was shut
+        // down); wait for that, so there are never more than `max_connections` threads.
+        let until = Instant::now().checked_add(Duration::from_secs(2));
+        while threads.load(Ordering::SeqCst) >= limits.max_connections
+            && until.is_some_and(|u| Instant::now() < u)
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         let tx = tx.clone();
         let conn_slots = Arc::clone(slots);
+        let live = Arc::clone(threads);
+        live.fetch_add(1, Ordering::SeqCst);
         let spawned = std::thread::Builder::new()
             .name("control-conn".into())
             .spawn(move || {
                 handle(stream, &tx, &conn_slots, id, limits);
                 release(&conn_slots, id);
+                live.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
+            threads.fetch_sub(1, Ordering::SeqCst);
             release(slots, id);
         }
     }

@@ -47,10 +47,7 @@ fn handle(stream: UnixStream, tx: &Sender<Request>) {
         Err(_) => return,
     };
     let read = BufReader::new(reader.take(MAX_REQUEST)).read_line(&mut line);
-    let reply = match read
-        .ok()
-        .and_then(|_| serde_json::from_str::<Value>(&line).ok())
-    {
+    let reply = match read.ok().and_then(|_| parse_request(line.as_bytes())) {
         None => {
             json!({"ok": false, "error": "the request must be one line of JSON (at most 1 MiB)"})
         }
@@ -66,6 +63,12 @@ fn handle(stream: UnixStream, tx: &Sender<Request>) {
     };
     let mut stream = stream;
     let _ = writeln!(stream, "{reply}");
+}
+
+/// One request line (with or without its newline) as JSON; `None` when it is not UTF-8 JSON.
+/// Pure, so the fuzz target `control` can reach it.
+pub fn parse_request(line: &[u8]) -> Option<Value> {
+    serde_json::from_str(std::str::from_utf8(line).ok()?).ok()
 }
 
 /// Why a call did not get an answer.

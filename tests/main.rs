@@ -3,6 +3,7 @@
 mod support;
 
 mod cli_config;
+mod hostile;
 mod ingress;
 mod logs;
 mod operate;

@@ -4,7 +4,7 @@
 //! back as events; the loop wakes at least every [`TICK`].
 
 mod ingress;
-mod logs;
+pub mod logs;
 pub mod operate;
 mod selfheal;
 pub mod startup;

@@ -10,8 +10,11 @@ fuzz_target!(|data: &[u8]| {
             request_id,
             params,
         } => {
+            assert!(!command.is_empty());
+            assert!(request_id.is_string() || request_id.is_number() || request_id.is_null());
             let _ = request_id_text(&request_id);
-            let _ = reply(true, &request_id, &command, "u", params);
+            let r = reply(true, &request_id, &command, "u", params);
+            assert!(serde_json::from_slice::<serde_json::Value>(&r).is_ok());
         }
         Incoming::Invalid {
             request_id: Some(rid),

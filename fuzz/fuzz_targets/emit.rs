@@ -7,6 +7,21 @@ use std::collections::BTreeMap;
 use cyberwave_cloud_node::{emit, ingress};
 use libfuzzer_sys::fuzz_target;
 
+/// What every accepted event must satisfy, whatever the input.
+fn check(ev: &ingress::Event) {
+    assert!(!ev.topic.contains(['+', '#', '\0']), "{}", ev.topic);
+    let size = serde_json::to_vec(&ev.body).map(|b| b.len()).unwrap_or(0);
+    assert!(size <= ingress::MAX_EVENT_BYTES);
+    for k in ["started_at", "finished_at"] {
+        if let Some(t) = ev.body.get(k) {
+            let t = t.as_str().expect("a time is text");
+            assert!(t.ends_with('Z') && ingress::parse_rfc3339(t).is_ok(), "{t}");
+            let again = ingress::normalise_time(&serde_json::Value::from(t));
+            assert_eq!(again.as_deref(), Ok(t), "normalising is idempotent");
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let Some((&k, rest)) = data.split_first() else {
         return;
@@ -24,6 +39,8 @@ fuzz_target!(|data: &[u8]| {
         flags.insert(name, String::from_utf8_lossy(value).into_owned());
     }
     if let Ok(fields) = emit::fields(kind, &flags) {
-        let _ = ingress::build(&fields);
+        if let Ok(ev) = ingress::build(&fields) {
+            check(&ev);
+        }
     }
 });

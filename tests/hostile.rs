@@ -521,10 +521,11 @@ fn arbitrary_commands_leave_the_node_up_answering_and_inside_its_state_dir() {
 }
 
 /// The same with the inputs of issue 11's findings 1, 3 and 5 (seconds past any range,
-/// `+`/`#`/`/` in ids, request ids over 16 KiB). Ignored until the typed protocol edge lands;
+/// `+`/`#`/`/` and control characters in ids, request ids over 16 KiB). Ignored until the typed
+/// protocol edge lands;
 /// run it with `cargo test --test main hostile -- --ignored`.
 #[test]
-#[ignore = "fails until the typed protocol edge of issue 11 lands (findings 1, 3, 5)"]
+#[ignore = "fails until the typed protocol edge of issue 11 lands (findings 1, 3, 5; NUL in ids)"]
 fn arbitrary_commands_including_the_known_killers_leave_the_node_up() {
     throw_commands(
         Scope {

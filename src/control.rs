@@ -268,9 +268,9 @@ fn handle(
         Err(ReadError::TooLarge) => json!({"ok": false, "error": format!(
             "the request is too large (at most {} bytes)", limits.max_request
         )}),
-        Ok(line) => match serde_json::from_slice::<Value>(&line) {
-            Err(_) => json!({"ok": false, "error": "the request must be one line of JSON"}),
-            Ok(body) => {
+        Ok(line) => match parse_request(&line) {
+            None => json!({"ok": false, "error": "the request must be one line of JSON"}),
+            Some(body) => {
                 let (rtx, rrx) = bounded(1);
                 if tx.send(Request { body, reply: rtx }).is_err() {
                     json!({"ok": false, "error": "the node is stopping"})
@@ -283,6 +283,12 @@ fn handle(
         },
     };
     let _ = writeln!(stream, "{reply}");
+}
+
+/// One request line (with or without its newline) as JSON; `None` when it is not UTF-8 JSON.
+/// Pure, so the fuzz target `control` can reach it.
+pub fn parse_request(line: &[u8]) -> Option<Value> {
+    serde_json::from_slice(line).ok()
 }
 
 /// Why a call did not get an answer.

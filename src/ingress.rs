@@ -193,91 +193,47 @@ pub fn build(fields: &Map<String, Value>) -> Result<Event, String> {
     Ok(event)
 }
 
-/// RFC 3339 (any offset) or epoch seconds → RFC 3339 UTC.
+/// The last second accepted, `jiff`'s latest time: 9999-12-30T22:00:00Z.
+const MAX_EPOCH_SECONDS: i64 = 253_402_207_200;
+
+/// RFC 3339 (any offset) or epoch seconds → RFC 3339 UTC (`…T15:48:12.123456Z`). Times before
+/// 1970 or after the year 9999 are refused.
 pub fn normalise_time(v: &Value) -> Result<String, String> {
-    let secs = match v {
-        Value::Number(n) => n.as_f64().ok_or("not a number")?,
+    let ts = match v {
+        Value::Number(n) => from_epoch_seconds(n.as_f64().ok_or("not a number")?)?,
         Value::String(s) => match s.trim().parse::<f64>() {
-            Ok(f) => f,
+            Ok(f) => from_epoch_seconds(f)?,
             Err(_) => parse_rfc3339(s.trim())?,
         },
         _ => return Err("expected RFC 3339 or epoch seconds".into()),
     };
-    if !secs.is_finite() || !(0.0..=253_402_300_799.0).contains(&secs) {
-        return Err(format!("{secs} is not a usable time"));
+    if !(0..=MAX_EPOCH_SECONDS).contains(&ts.as_second()) {
+        return Err(format!("{ts} is not a usable time (1970 to 9999)"));
     }
-    let t = std::time::UNIX_EPOCH
-        .checked_add(std::time::Duration::from_secs_f64(secs))
-        .ok_or_else(|| format!("{secs} is not a usable time"))?;
-    Ok(crate::util::rfc3339(t))
+    Ok(crate::util::rfc3339_of(ts))
 }
 
-/// `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)` → seconds since the epoch.
-// Every number is at most 4 characters long (|n| ≤ 9999): the sums stay far inside i64.
-#[allow(clippy::arithmetic_side_effects)]
-pub fn parse_rfc3339(s: &str) -> Result<f64, String> {
+fn from_epoch_seconds(secs: f64) -> Result<jiff::Timestamp, String> {
     let bad =
-        || format!("{s:?} is not an RFC 3339 time (e.g. 2026-11-29T15:48:12Z) or epoch seconds");
-    let b = s.as_bytes();
-    if b.len() < 20
-        || b.get(4) != Some(&b'-')
-        || b.get(7) != Some(&b'-')
-        || !matches!(b.get(10), Some(b'T' | b't' | b' '))
-        || b.get(13) != Some(&b':')
-        || b.get(16) != Some(&b':')
-    {
+        || format!("{secs} is not a usable time (epoch seconds from 0 to {MAX_EPOCH_SECONDS})");
+    if !secs.is_finite() || !(0.0..=MAX_EPOCH_SECONDS as f64).contains(&secs) {
         return Err(bad());
     }
-    let num =
-        |r: std::ops::Range<usize>| s.get(r).and_then(|t| t.parse::<i64>().ok()).ok_or_else(bad);
-    let (y, mo, d, h, mi, se) = (
-        num(0..4)?,
-        num(5..7)?,
-        num(8..10)?,
-        num(11..13)?,
-        num(14..16)?,
-        num(17..19)?,
-    );
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
-        return Err(bad());
-    }
-    let mut rest = s.get(19..).ok_or_else(bad)?;
-    let mut frac = 0.0;
-    if let Some(r) = rest.strip_prefix('.') {
-        let digits: String = r.chars().take_while(char::is_ascii_digit).collect();
-        if digits.is_empty() {
-            return Err(bad());
-        }
-        frac = format!("0.{digits}").parse::<f64>().map_err(|_| bad())?;
-        rest = r.get(digits.len()..).ok_or_else(bad)?;
-    }
-    let offset = match rest {
-        "Z" | "z" => 0,
-        o if o.len() == 6
-            && (o.starts_with('+') || o.starts_with('-'))
-            && o.get(3..4) == Some(":") =>
-        {
-            let hh: i64 = o.get(1..3).ok_or_else(bad)?.parse().map_err(|_| bad())?;
-            let mm: i64 = o.get(4..6).ok_or_else(bad)?.parse().map_err(|_| bad())?;
-            let sign = if o.starts_with('-') { -1 } else { 1 };
-            sign * (hh * 3600 + mm * 60)
-        }
-        _ => return Err(bad()),
-    };
-    let days = days_from_civil(y, mo, d);
-    Ok((days * 86_400 + h * 3600 + mi * 60 + se - offset) as f64 + frac)
+    jiff::SignedDuration::try_from_secs_f64(secs)
+        .ok()
+        .and_then(|d| jiff::Timestamp::from_duration(d).ok())
+        .ok_or_else(bad)
 }
 
-// Called with a 4-character year, month 1..=12 and day 1..=31: no step can overflow.
-#[allow(clippy::arithmetic_side_effects)]
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+/// An RFC 3339 time with an offset (`2026-11-29T15:48:12Z`, `…12.5+01:00`), parsed by `jiff`
+/// (which also takes the ISO 8601 forms RFC 3339 leaves out, such as the offset `+01`).
+pub fn parse_rfc3339(s: &str) -> Result<jiff::Timestamp, String> {
+    s.parse::<jiff::Timestamp>().map_err(|_| {
+        format!(
+            "{:?} is not an RFC 3339 time (e.g. 2026-11-29T15:48:12Z) or epoch seconds",
+            s.chars().take(64).collect::<String>()
+        )
+    })
 }
 
 /// The payload as published: `session_id` is the publishing client's id unless the event
@@ -361,17 +317,106 @@ mod tests {
 
     #[test]
     fn parses_rfc3339() {
-        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z").unwrap(), 0.0);
-        assert_eq!(
-            parse_rfc3339("2000-03-01T00:00:00.25Z").unwrap(),
-            951_868_800.25
-        );
-        assert_eq!(
-            parse_rfc3339("2000-03-01T02:00:00+02:00").unwrap(),
-            951_868_800.0
-        );
+        let secs = |s: &str| parse_rfc3339(s).map(|t| t.as_duration().as_secs_f64());
+        assert_eq!(secs("1970-01-01T00:00:00Z").unwrap(), 0.0);
+        assert_eq!(secs("2000-03-01T00:00:00.25Z").unwrap(), 951_868_800.25);
+        assert_eq!(secs("2000-03-01T02:00:00+02:00").unwrap(), 951_868_800.0);
+        assert_eq!(secs("2000-03-01t02:00:00-00:30").unwrap(), 951_877_800.0);
+        assert_eq!(secs("2000-03-01 00:00:00z").unwrap(), 951_868_800.0);
         assert!(parse_rfc3339("2000-13-01T00:00:00Z").is_err());
+        assert!(parse_rfc3339("2000-02-30T00:00:00Z").is_err());
         assert!(parse_rfc3339("2000-03-01").is_err());
+        assert!(
+            parse_rfc3339("2000-03-01T00:00:00").is_err(),
+            "a time without an offset is ambiguous"
+        );
+    }
+
+    #[test]
+    fn normalises_times_to_utc_microseconds() {
+        for (input, want) in [
+            (
+                json!("2026-11-29T16:00:00+01:00"),
+                "2026-11-29T15:00:00.000000Z",
+            ),
+            (
+                json!("2026-11-29T15:00:00.1234567Z"),
+                "2026-11-29T15:00:00.123456Z",
+            ),
+            (
+                json!(" 2026-11-29T15:00:00Z "),
+                "2026-11-29T15:00:00.000000Z",
+            ),
+            (json!(0), "1970-01-01T00:00:00.000000Z"),
+            (json!("1764432000.5"), "2025-11-29T16:00:00.500000Z"),
+            (json!(253_402_207_200_u64), "9999-12-30T22:00:00.000000Z"),
+        ] {
+            assert_eq!(normalise_time(&input).as_deref(), Ok(want), "{input}");
+        }
+        for bad in [
+            json!(-1),
+            json!(-0.5),
+            json!(253_402_207_201_u64),
+            json!("9999-12-31T23:59:59Z"),
+            json!(1e19),
+            json!(u64::MAX),
+            json!(i64::MIN),
+            json!("NaN"),
+            json!("inf"),
+            json!("-inf"),
+            json!("1e400"),
+            json!("1969-12-31T23:59:59Z"),
+            json!(""),
+            json!(true),
+            json!([1]),
+            json!({"t": 1}),
+        ] {
+            assert!(normalise_time(&bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Finding 2 of issue 11: a multibyte character inside the offset panicked the hand-written
+    /// parser (byte slicing in the middle of `é`), on the node's main thread for `emit`.
+    #[test]
+    fn a_multibyte_character_in_a_time_is_an_error_not_a_panic() {
+        let hostile = [
+            "2026-11-30T15:48:12+0é00",
+            "2026-11-30T15:48:12+é:00",
+            "2026-11-30T15:48:12.é+00:00",
+            "2026-11-30T15:48:1é+00:00",
+            "2026-11-30T15:48:12+00:0é",
+            "2026-11-30T15:48:12+00é0",
+            "2026-11-30T15:48:12Zé",
+            "é026-11-30T15:48:12+00:00",
+            "2026-11-30T15:48:12.999999999999999999999999999+00:00",
+            "2026-11-30T15:48:12+99:99",
+            "2026-11-30T15:48:12\u{0}+00:00",
+            "🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒",
+            "\u{202e}2026-11-30T15:48:12Z",
+        ];
+        for s in hostile {
+            let err = normalise_time(&json!(s)).unwrap_err();
+            assert!(err.contains("RFC 3339"), "{s:?}: {err}");
+        }
+        // Through the `emit` flag parser, as `emit node … --started-at '…+0é00'` runs it.
+        let flags = [
+            ("--workflow", "wf"),
+            ("--execution", "ex"),
+            ("--node", "n1"),
+            ("--status", "running"),
+            ("--started-at", "2026-11-30T15:48:12+0é00"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let fields = crate::emit::fields("node", &flags).unwrap();
+        let err = build(&fields).unwrap_err();
+        assert!(err.starts_with("--started-at: "), "{err}");
+    }
+
+    #[test]
+    fn the_latest_time_is_jiffs() {
+        assert_eq!(MAX_EPOCH_SECONDS, jiff::Timestamp::MAX.as_second());
     }
 
     #[test]

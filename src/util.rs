@@ -85,35 +85,22 @@ pub fn mask_secret(secret: &str) -> String {
     format!("{prefix}…{tail}")
 }
 
-/// RFC 3339 UTC timestamp with microseconds, e.g. `2026-11-29T15:48:12.123456Z`.
+/// RFC 3339 UTC timestamp with microseconds, e.g. `2026-11-29T15:48:12.123456Z`. A time before
+/// 1970 shows as the epoch, one past the year 9999 as its last microsecond.
 pub fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    let secs = d.as_secs() as i64;
-    let (y, m, day) = civil_from_days(secs.div_euclid(86_400));
-    let rem = secs.rem_euclid(86_400);
-    format!(
-        "{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60,
-        d.subsec_micros()
-    )
+    let ts = if t < UNIX_EPOCH {
+        jiff::Timestamp::UNIX_EPOCH
+    } else {
+        jiff::Timestamp::try_from(t).unwrap_or(jiff::Timestamp::MAX)
+    };
+    rfc3339_of(ts)
 }
 
-/// Days since 1970-01-01 → (year, month, day), Howard Hinnant's algorithm.
-// `z` comes from a u64 of seconds / 86 400 (|z| < 2.2e14): every step stays far inside i64.
-#[allow(clippy::arithmetic_side_effects)]
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
+/// A `jiff` timestamp in the same form as [`rfc3339`] (microseconds, truncated; `Z`).
+pub fn rfc3339_of(ts: jiff::Timestamp) -> String {
+    jiff::fmt::temporal::DateTimePrinter::new()
+        .precision(Some(6))
+        .timestamp_to_string(&ts)
 }
 
 /// Exponential backoff with full jitter: attempt 0 waits up to `base`, each later attempt
@@ -129,76 +116,10 @@ pub fn backoff_full_jitter(attempt: u32, base: Duration, cap: Duration) -> Durat
     ceiling.mul_f64(frac).max(Duration::from_millis(10))
 }
 
-/// SHA-256 of `data` (FIPS 180-4), for the token-derived MQTT username. Hand-written: it runs
-/// once per start on a few bytes, and the crate list has no digest crate.
-// Fixed-size arrays indexed by the constant loop bounds of the standard (0..64, 16..64).
-#[allow(clippy::indexing_slicing, clippy::arithmetic_side_effects)]
+/// SHA-256 of `data` (FIPS 180-4): the token-derived MQTT username, hashed long request ids.
 pub fn sha256(data: &[u8]) -> [u8; 32] {
-    const K: [u32; 64] = [
-        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
-        0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
-        0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
-        0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
-        0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
-        0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
-        0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
-        0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
-        0xc67178f2,
-    ];
-    let mut h: [u32; 8] = [
-        0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
-        0x5be0cd19,
-    ];
-    let mut msg = data.to_vec();
-    msg.push(0x80);
-    while msg.len() % 64 != 56 {
-        msg.push(0);
-    }
-    msg.extend_from_slice(&((data.len() as u64).wrapping_mul(8)).to_be_bytes());
-    for block in msg.chunks_exact(64) {
-        let mut w = [0u32; 64];
-        for (i, word) in block.chunks_exact(4).enumerate() {
-            w[i] = u32::from_be_bytes([word[0], word[1], word[2], word[3]]);
-        }
-        for i in 16..64 {
-            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
-            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
-            w[i] = w[i - 16]
-                .wrapping_add(s0)
-                .wrapping_add(w[i - 7])
-                .wrapping_add(s1);
-        }
-        let [mut a, mut b, mut c, mut d, mut e, mut f, mut g, mut hh] = h;
-        for i in 0..64 {
-            let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
-            let ch = (e & f) ^ (!e & g);
-            let t1 = hh
-                .wrapping_add(s1)
-                .wrapping_add(ch)
-                .wrapping_add(K[i])
-                .wrapping_add(w[i]);
-            let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
-            let maj = (a & b) ^ (a & c) ^ (b & c);
-            let t2 = s0.wrapping_add(maj);
-            hh = g;
-            g = f;
-            f = e;
-            e = d.wrapping_add(t1);
-            d = c;
-            c = b;
-            b = a;
-            a = t1.wrapping_add(t2);
-        }
-        for (x, y) in h.iter_mut().zip([a, b, c, d, e, f, g, hh]) {
-            *x = x.wrapping_add(y);
-        }
-    }
-    let mut out = [0u8; 32];
-    for (o, x) in out.chunks_exact_mut(4).zip(h) {
-        o.copy_from_slice(&x.to_be_bytes());
-    }
-    out
+    use sha2::Digest;
+    sha2::Sha256::digest(data).into()
 }
 
 #[cfg(test)]
@@ -248,6 +169,14 @@ mod tests {
             rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
             "2000-02-29T00:00:00.000000Z"
         );
+        // Out of range: clamped, never a panic.
+        assert_eq!(
+            rfc3339(UNIX_EPOCH - Duration::from_secs(1)),
+            "1970-01-01T00:00:00.000000Z"
+        );
+        if let Some(far) = UNIX_EPOCH.checked_add(Duration::from_secs(1 << 40)) {
+            assert_eq!(rfc3339(far), "9999-12-30T22:00:00.999999Z");
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod cli_pipes;
 mod edge;
 mod endpoints;
 mod gpu;
+mod hostile;
 mod hygiene;
 mod ingress;
 mod lifecycle;

@@ -7,7 +7,7 @@
 
 mod gpus;
 mod ingress;
-mod logs;
+pub mod logs;
 pub mod operate;
 mod selfheal;
 pub mod startup;
@@ -715,8 +715,8 @@ impl Node {
         let Some(body) = body else {
             return self.registration_failed("no reply to the instance request", true);
         };
-        let uuid = str_field(&body, "uuid");
-        let slug = str_field(&body, "slug");
+        let uuid = id_field(&body, "uuid");
+        let slug = id_field(&body, "slug");
         match (success(&body), uuid) {
             (true, Some(uuid)) => {
                 let mut req = json!({"profile_slug": self.s.profile_slug.value});
@@ -760,8 +760,8 @@ impl Node {
             let why = format!("registration refused: {}", message(&body));
             return self.registration_failed(&why, false);
         }
-        let uuid = str_field(&body, "uuid").unwrap_or(uuid);
-        let slug = str_field(&body, "slug")
+        let uuid = id_field(&body, "uuid").unwrap_or(uuid);
+        let slug = id_field(&body, "slug")
             .or(slug)
             .or_else(|| self.s.slug_hint.as_ref().map(|s| s.value.clone()))
             .unwrap_or_else(|| format!("cn-{}", uuid.chars().take(8).collect::<String>()));
@@ -1327,6 +1327,12 @@ fn message(b: &Value) -> String {
         .and_then(Value::as_str)
         .unwrap_or("no message")
         .to_string()
+}
+
+/// An id from a backend reply that becomes part of a topic: only a topic-safe one (D20); a
+/// hostile backend cannot subscribe the node to a wildcard.
+fn id_field(b: &Value, k: &str) -> Option<String> {
+    str_field(b, k).filter(|v| crate::protocol::commands::TopicId::new(k, v).is_ok())
 }
 
 fn str_field(b: &Value, k: &str) -> Option<String> {

@@ -1,26 +1,71 @@
-//! The MQTT command parser: every payload the backend (or anyone on the broker) can send.
+//! The MQTT command parser: every payload the backend (or anyone on the broker) can send. What
+//! it accepts must be typed values that hold their own invariants (D8, D20); what it refuses
+//! must still make a well-formed error reply.
 #![no_main]
-use cyberwave_cloud_node::protocol::messages::{parse_command, reply, request_id_text, Incoming};
+use cyberwave_cloud_node::protocol::commands::{
+    CancelTarget, Command, Received, StartParams, TopicId, MAX_REQUEST_ID_BYTES, MAX_SECONDS,
+};
+use cyberwave_cloud_node::protocol::messages::{parse_command, reply, Incoming};
+use cyberwave_cloud_node::protocol::topics::publishable;
 use libfuzzer_sys::fuzz_target;
+
+fn topic_safe(id: &TopicId) {
+    let s = id.as_str();
+    assert!(!s.is_empty() && s.len() <= 256, "{s:?}");
+    assert!(publishable(&format!("cyberwave/cloud-workload/{s}/update-status")), "{s:?}");
+    assert!(!s.contains(['/', '+', '#']) && s.bytes().all(|b| b.is_ascii_graphic()));
+}
+
+fn start(p: &StartParams) {
+    if let Some(w) = &p.workload_uuid {
+        topic_safe(w);
+    }
+    if let Some(e) = &p.environment_uuid {
+        topic_safe(e);
+    }
+    if let Some(s) = p.max_runtime {
+        assert!(s.get() > 0.0 && s.get() <= MAX_SECONDS);
+        let _ = s.duration();
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     match parse_command(data) {
         Incoming::Command {
-            command,
             request_id,
-            params,
+            command,
         } => {
-            assert!(!command.is_empty());
-            assert!(request_id.is_string() || request_id.is_number() || request_id.is_null());
-            let _ = request_id_text(&request_id);
-            let r = reply(true, &request_id, &command, "u", params);
+            assert!(request_id.text().len() <= MAX_REQUEST_ID_BYTES.saturating_mul(2));
+            match &command {
+                Command::Status => {}
+                Command::Start(_, p) | Command::Received(Received::Start(_, p)) => start(p),
+                Command::Received(Received::Ack(u)) => {
+                    if let Some(u) = u {
+                        topic_safe(u);
+                    }
+                }
+                Command::Cancel(c) => {
+                    if let CancelTarget::Pid(p) = c.target {
+                        assert!(p.get() >= 1);
+                    }
+                    if let Some(g) = c.grace {
+                        assert!(g.get() > 0.0 && g.get() <= MAX_SECONDS);
+                    }
+                }
+            }
+            let r = reply(true, request_id.value(), command.name(), "u", serde_json::json!({}));
             assert!(serde_json::from_slice::<serde_json::Value>(&r).is_ok());
         }
         Incoming::Invalid {
             request_id: Some(rid),
             reason,
+            workload_uuid,
         } => {
-            let _ = reply(false, &rid, "s", "u", serde_json::Value::String(reason));
+            if let Some(w) = &workload_uuid {
+                topic_safe(w);
+            }
+            let r = reply(false, &rid, "s", "u", serde_json::Value::String(reason));
+            assert!(serde_json::from_slice::<serde_json::Value>(&r).is_ok());
         }
         Incoming::Invalid { .. } | Incoming::Echo => {}
     }

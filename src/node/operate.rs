@@ -51,18 +51,19 @@ pub fn gpu_inventory() -> (usize, Option<&'static str>) {
     let tier = if count == 0 {
         None
     } else {
-        std::process::Command::new("nvidia-smi")
-            .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits"])
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8(o.stdout).ok())
-            .and_then(|t| t.lines().filter_map(|l| l.trim().parse::<u64>().ok()).max())
-            .map(|mb| match mb {
-                0..=16_383 => "<16GB",
-                16_384..=32_767 => "16-32GB",
-                32_768..=65_535 => "32-64GB",
-                _ => ">=64GB",
-            })
+        // Killed at its timeout: a wedged driver never holds the node's start-up (D35).
+        crate::gpu::run(
+            &["--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            Duration::from_secs(10),
+        )
+        .ok()
+        .and_then(|t| t.lines().filter_map(|l| l.trim().parse::<u64>().ok()).max())
+        .map(|mb| match mb {
+            0..=16_383 => "<16GB",
+            16_384..=32_767 => "16-32GB",
+            32_768..=65_535 => "32-64GB",
+            _ => ">=64GB",
+        })
     };
     (count, tier)
 }

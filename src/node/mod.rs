@@ -29,6 +29,7 @@ use crate::mqtt::{Mqtt, MqttEvent};
 use crate::outbox::Outbox;
 use crate::protocol::commands::{Command, Kind, Received, StartParams};
 use crate::protocol::messages::{self, Incoming};
+use crate::protocol::replies::Reply;
 use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
@@ -605,26 +606,28 @@ impl Node {
             log::debug!("reply with no matching request dropped (late or foreign)");
             return;
         };
-        let body: Value = serde_json::from_slice(payload).unwrap_or(json!({}));
+        let reply = Reply::parse(payload);
         let corr = correlation.unwrap_or_default();
-        self.on_outcome(p.op, Some(body), &corr);
+        self.on_outcome(p.op, Some(reply), &corr);
     }
 
     /// A request's reply (`Some`) or its timeout (`None`).
-    fn on_outcome(&mut self, op: Op, body: Option<Value>, corr: &[u8]) {
+    fn on_outcome(&mut self, op: Op, body: Option<Reply>, corr: &[u8]) {
         match op {
             Op::Create => self.on_create_reply(body),
             Op::Register => self.on_register_reply(body),
             Op::Heartbeat => self.on_heartbeat_reply(body),
             Op::Outbox(seq) => self.on_outbox_reply(seq, body),
-            Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(success)),
-            Op::SignedUrl(id) => self.on_signed_url_reply(&id, body),
-            Op::UploadResults(id) => self.on_upload_reply(&id, body.as_ref().is_some_and(success)),
+            Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(|b| b.success)),
+            Op::SignedUrl(id) => self.on_signed_url_reply(&id, body.map(|b| b.body)),
+            Op::UploadResults(id) => {
+                self.on_upload_reply(&id, body.as_ref().is_some_and(|b| b.success))
+            }
             Op::WorkloadStatus => match body {
-                Some(b) if success(&b) => {}
+                Some(b) if b.success => {}
                 Some(b) => log::warn!(
                     "workload status update refused: {}",
-                    crate::logtext::shown(&message(&b))
+                    crate::logtext::shown(&b.message)
                 ),
                 None => log::warn!("workload status update not acknowledged in time"),
             },
@@ -708,16 +711,16 @@ impl Node {
         };
     }
 
-    fn on_create_reply(&mut self, body: Option<Value>) {
+    fn on_create_reply(&mut self, body: Option<Reply>) {
         let Registration::AwaitingCreate { attempt } = self.reg else {
             return;
         };
         let Some(body) = body else {
             return self.registration_failed("no reply to the instance request", true);
         };
-        let uuid = id_field(&body, "uuid");
-        let slug = id_field(&body, "slug");
-        match (success(&body), uuid) {
+        let uuid = body.uuid.map(|u| u.as_str().to_string());
+        let slug = body.slug.map(|u| u.as_str().to_string());
+        match (body.success, uuid) {
             (true, Some(uuid)) => {
                 let mut req = json!({"profile_slug": self.s.profile_slug.value});
                 if let Some(e) = &self.s.environment_uuid {
@@ -729,21 +732,24 @@ impl Node {
                 self.registration_failed("the backend created an instance but sent no uuid", true)
             }
             (false, _) => {
-                let why = format!("instance creation refused: {}", message(&body));
+                let why = format!(
+                    "instance creation refused: {}",
+                    crate::logtext::shown(&body.message)
+                );
                 self.registration_failed(&why, true)
             }
         }
     }
 
-    fn on_register_reply(&mut self, body: Option<Value>) {
+    fn on_register_reply(&mut self, body: Option<Reply>) {
         let Registration::AwaitingRegister { uuid, slug, .. } = self.reg.clone() else {
             return;
         };
         let Some(body) = body else {
             return self.registration_failed("no reply to the registration", false);
         };
-        if !success(&body) {
-            if code(&body) == Some(404) {
+        if !body.success {
+            if body.code == Some(404) {
                 // D6: the instance no longer exists; create a new one.
                 log::warn!(
                     "instance {} is unknown to the backend; creating a new instance",
@@ -757,11 +763,16 @@ impl Node {
                 };
                 return;
             }
-            let why = format!("registration refused: {}", message(&body));
+            let why = format!(
+                "registration refused: {}",
+                crate::logtext::shown(&body.message)
+            );
             return self.registration_failed(&why, false);
         }
-        let uuid = id_field(&body, "uuid").unwrap_or(uuid);
-        let slug = id_field(&body, "slug")
+        let uuid = body.uuid.map_or(uuid, |u| u.as_str().to_string());
+        let slug = body
+            .slug
+            .map(|s| s.as_str().to_string())
             .or(slug)
             .or_else(|| self.s.slug_hint.as_ref().map(|s| s.value.clone()))
             .unwrap_or_else(|| format!("cn-{}", uuid.chars().take(8).collect::<String>()));
@@ -884,13 +895,13 @@ impl Node {
         self.request(Op::Heartbeat, &topic, body, self.s.tuning.heartbeat_timeout);
     }
 
-    fn on_heartbeat_reply(&mut self, body: Option<Value>) {
+    fn on_heartbeat_reply(&mut self, body: Option<Reply>) {
         if self.shutdown.is_some() || self.reg != Registration::Done {
             return;
         }
         let interval = self.s.heartbeat_interval.value;
         match body {
-            Some(b) if success(&b) => {
+            Some(b) if b.success => {
                 if self.hb.failures > 0 || self.hb.auth_failures > 0 {
                     log::info!("heartbeats acknowledged again");
                 }
@@ -900,7 +911,7 @@ impl Node {
                 // The watchdog is fed only while the backend acknowledges heartbeats.
                 crate::systemd::notify("WATCHDOG=1");
             }
-            Some(b) if code(&b) == Some(401) => {
+            Some(b) if b.code == Some(401) => {
                 self.hb.auth_failures = self.hb.auth_failures.saturating_add(1);
                 let n = self.hb.auth_failures;
                 if n >= MAX_AUTH_FAILURES {
@@ -916,16 +927,12 @@ impl Node {
                 log::warn!("heartbeat rejected: authentication failed ({n}/{MAX_AUTH_FAILURES}); retrying in {:.1}s", delay.as_secs_f64());
                 self.hb.next_due = Some(util::later(self.clock.now(), delay));
             }
-            Some(b)
-                if code(&b) == Some(404)
-                    || (code(&b) == Some(400)
-                        && message(&b).to_lowercase().contains("terminat")) =>
-            {
+            Some(b) if b.instance_gone() => {
                 // D5: the instance is gone; register a new one and move the subscriptions.
                 log::warn!(
                     "the backend says instance {} is gone ({}); registering a new instance",
                     crate::logtext::shown(self.uuid()),
-                    crate::logtext::shown(&message(&b))
+                    crate::logtext::shown(&b.message)
                 );
                 self.hb = Heartbeat {
                     next_due: None,
@@ -948,7 +955,7 @@ impl Node {
                 self.hb.failures = self.hb.failures.saturating_add(1);
                 self.metrics.heartbeat_failures = self.metrics.heartbeat_failures.saturating_add(1);
                 let why = match &other {
-                    Some(b) => format!("refused: {}", message(b)),
+                    Some(b) => format!("refused: {}", b.message),
                     None => "no reply in time".to_string(),
                 };
                 let threshold = 120u64.checked_div(interval.as_secs()).unwrap_or(120).max(1) as u32;
@@ -1312,34 +1319,6 @@ fn workload_deadlines(a: &Active) -> impl Iterator<Item = Instant> + '_ {
     ]
     .into_iter()
     .flatten()
-}
-
-fn success(b: &Value) -> bool {
-    b.get("success").and_then(Value::as_bool).unwrap_or(false)
-}
-
-fn code(b: &Value) -> Option<i64> {
-    b.get("code").and_then(Value::as_i64)
-}
-
-fn message(b: &Value) -> String {
-    b.get("message")
-        .and_then(Value::as_str)
-        .unwrap_or("no message")
-        .to_string()
-}
-
-/// An id from a backend reply that becomes part of a topic: only a topic-safe one (D20); a
-/// hostile backend cannot subscribe the node to a wildcard.
-fn id_field(b: &Value, k: &str) -> Option<String> {
-    str_field(b, k).filter(|v| crate::protocol::commands::TopicId::new(k, v).is_ok())
-}
-
-fn str_field(b: &Value, k: &str) -> Option<String> {
-    b.get(k)
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-        .map(String::from)
 }
 
 #[cfg(test)]

@@ -783,9 +783,13 @@ impl Node {
         }
     }
 
-    pub(super) fn on_outbox_reply(&mut self, seq: u64, body: Option<Value>) {
+    pub(super) fn on_outbox_reply(
+        &mut self,
+        seq: u64,
+        body: Option<crate::protocol::replies::Reply>,
+    ) {
         match body {
-            Some(b) if super::success(&b) => {
+            Some(b) if b.success => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
                     log::info!(
                         "backend acknowledged the {}",
@@ -796,12 +800,12 @@ impl Node {
                     self.retire(&safe_id);
                 }
             }
-            Some(b) if super::code(&b).is_some_and(|c| c < 500) => {
+            Some(b) if b.code.is_some_and(|c| c < 500) => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
                     log::error!(
                         "backend refused the {} ({}); not retried",
                         crate::logtext::shown(&item.label),
-                        crate::logtext::shown(&super::message(&b))
+                        crate::logtext::shown(&b.message)
                     );
                 }
             }

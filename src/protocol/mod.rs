@@ -1,3 +1,4 @@
 pub mod commands;
 pub mod messages;
+pub mod replies;
 pub mod topics;

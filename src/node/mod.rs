@@ -10,6 +10,7 @@ mod ingress;
 pub mod logs;
 pub mod operate;
 mod selfheal;
+mod session;
 pub mod startup;
 mod uploads;
 mod workloads;
@@ -50,8 +51,6 @@ const RESCAN_BUSY: Duration = Duration::from_secs(2);
 const RESCAN_IDLE: Duration = Duration::from_secs(60);
 /// Retrying outbox writes that a full disk refused (D28).
 const DISK_RETRY: Duration = Duration::from_secs(1);
-const MAX_AUTH_FAILURES: u32 = 5;
-const AUTH_RETRY_CAP: Duration = Duration::from_secs(30);
 const MAX_EARLY_COMMANDS: usize = 1000;
 /// The least wait between connects while another client holds this node's client id (D33).
 const DUPLICATE_ID_BACKOFF: Duration = Duration::from_secs(30);
@@ -134,13 +133,6 @@ struct Pending {
     deadline: Instant,
 }
 
-struct Heartbeat {
-    next_due: Option<Instant>,
-    auth_failures: u32,
-    failures: u32,
-    last_ok: Option<SystemTime>,
-}
-
 struct Shutdown {
     deadline: Instant,
     exit_code: i32,
@@ -163,7 +155,7 @@ pub struct Node {
     /// Commands that arrived before registration finished.
     early_commands: Vec<Vec<u8>>,
     pending: HashMap<Vec<u8>, Pending>,
-    hb: Heartbeat,
+    hb: session::Heartbeat,
     shutdown: Option<Shutdown>,
     /// An install-script failure: reported with R6 once registered, then the node exits 1.
     startup_failure: Option<String>,
@@ -900,67 +892,55 @@ impl Node {
             return;
         }
         let interval = self.s.heartbeat_interval.value;
-        match body {
-            Some(b) if b.success => {
-                if self.hb.failures > 0 || self.hb.auth_failures > 0 {
+        let now = self.clock.now();
+        let verdict = self
+            .hb
+            .on_reply(body.as_ref(), now, interval, self.s.tuning.auth_retry_base);
+        match verdict {
+            session::Verdict::Ok { recovered } => {
+                if recovered {
                     log::info!("heartbeats acknowledged again");
                 }
-                self.hb.failures = 0;
-                self.hb.auth_failures = 0;
-                self.hb.last_ok = Some(SystemTime::now());
                 // The watchdog is fed only while the backend acknowledges heartbeats.
                 crate::systemd::notify("WATCHDOG=1");
             }
-            Some(b) if b.code == Some(401) => {
-                self.hb.auth_failures = self.hb.auth_failures.saturating_add(1);
-                let n = self.hb.auth_failures;
-                if n >= MAX_AUTH_FAILURES {
-                    log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
-                    return self.begin_shutdown(EXIT_CREDENTIALS, "token rejected");
-                }
-                let delay = self
-                    .s
-                    .tuning
-                    .auth_retry_base
-                    .saturating_mul(2u32.saturating_pow(n.saturating_sub(1)))
-                    .min(AUTH_RETRY_CAP);
-                log::warn!("heartbeat rejected: authentication failed ({n}/{MAX_AUTH_FAILURES}); retrying in {:.1}s", delay.as_secs_f64());
-                self.hb.next_due = Some(util::later(self.clock.now(), delay));
+            session::Verdict::GiveUp { n } => {
+                log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
+                self.begin_shutdown(EXIT_CREDENTIALS, "token rejected");
             }
-            Some(b) if b.instance_gone() => {
+            session::Verdict::AuthRetry { n, delay } => {
+                log::warn!(
+                    "heartbeat rejected: authentication failed ({n}/{}); retrying in {:.1}s",
+                    session::MAX_AUTH_FAILURES,
+                    delay.as_secs_f64()
+                );
+            }
+            session::Verdict::Gone => {
                 // D5: the instance is gone; register a new one and move the subscriptions.
                 log::warn!(
                     "the backend says instance {} is gone ({}); registering a new instance",
                     crate::logtext::shown(self.uuid()),
-                    crate::logtext::shown(&b.message)
+                    crate::logtext::shown(body.as_ref().map_or("", |b| b.message.as_str()))
                 );
-                self.hb = Heartbeat {
-                    next_due: None,
-                    auth_failures: 0,
-                    failures: 0,
-                    last_ok: self.hb.last_ok,
-                };
                 self.pending.retain(|_, p| p.op != Op::Heartbeat);
                 if let Some(i) = &mut self.identity {
                     i.uuid.clear();
                 }
                 self.s.instance_uuid = None;
                 self.reg = Registration::Needed {
-                    next_try: self.clock.now(),
+                    next_try: now,
                     attempt: 0,
                     create: true,
                 };
             }
-            other => {
-                self.hb.failures = self.hb.failures.saturating_add(1);
+            session::Verdict::Failed { n, alarm } => {
                 self.metrics.heartbeat_failures = self.metrics.heartbeat_failures.saturating_add(1);
-                let why = match &other {
+                let why = match &body {
                     Some(b) => format!("refused: {}", b.message),
                     None => "no reply in time".to_string(),
                 };
-                let threshold = 120u64.checked_div(interval.as_secs()).unwrap_or(120).max(1) as u32;
-                if self.hb.failures >= threshold {
-                    log::error!("heartbeat failed {} times in a row ({}); the backend may reap this instance", self.hb.failures, crate::logtext::shown(&why));
+                if alarm {
+                    log::error!("heartbeat failed {n} times in a row ({}); the backend may reap this instance", crate::logtext::shown(&why));
                 } else {
                     log::warn!("heartbeat failed ({})", crate::logtext::shown(&why));
                 }

@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver};
 
-use super::{Conn, Heartbeat, Node, Registration, SystemClock};
+use super::session::Heartbeat;
+use super::{Conn, Node, Registration, SystemClock};
 use crate::backend::{self, Backend, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;

@@ -381,7 +381,8 @@ fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
     .unwrap();
     let node = setup.spawn();
     assert!(
-        node.wait_log("it is set aside in", Duration::from_secs(150)),
+        // Set aside as soon as it is read (too deep a topic), or after the broker refused it.
+        node.wait_log("set aside in", Duration::from_secs(150)),
         "never set aside:\n{}",
         node.log()
     );

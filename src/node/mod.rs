@@ -54,6 +54,9 @@ const DISK_RETRY: Duration = Duration::from_secs(1);
 const MAX_EARLY_COMMANDS: usize = 1000;
 /// The least wait between connects while another client holds this node's client id (D33).
 const DUPLICATE_ID_BACKOFF: Duration = Duration::from_secs(30);
+/// How soon after a connect the node checks the connection is still there (a loss that raced
+/// the connect's outcome is otherwise noticed only at the next wake-up).
+const VERIFY_CONNECTION: Duration = Duration::from_millis(500);
 /// A connection closed this soon after it was accepted counts towards a duplicate client id.
 const SHORT_CONNECTION: Duration = Duration::from_secs(5);
 /// Written into the state dir when another client takes the session over twice within a
@@ -217,6 +220,8 @@ pub struct Node {
     /// The connect under way, and the current connection, started a clean session.
     connecting_clean: bool,
     connected_clean: bool,
+    /// When to check that the connection the node believes in is still there.
+    verify_connection_at: Option<Instant>,
 }
 
 impl Node {
@@ -283,6 +288,9 @@ impl Node {
         }
         if let Some(s) = &self.shutdown {
             due(s.deadline);
+        }
+        if let Some(v) = self.verify_connection_at {
+            due(v);
         }
         // Stream passes only while a workload is tracked: its files may grow.
         if !self.active.is_empty() {
@@ -385,6 +393,9 @@ impl Node {
                 self.connected_clean = self.connecting_clean;
                 self.conn = Conn::Connected;
                 self.connected_at = Some(self.clock.now());
+                // A loss can race the connect's own outcome (its event then comes while the
+                // attempt is open, and is dropped): look again shortly, even on an idle node.
+                self.verify_connection_at = Some(util::later(self.clock.now(), VERIFY_CONNECTION));
                 if self.connected_once {
                     self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
                 }
@@ -407,6 +418,11 @@ impl Node {
             MqttEvent::Lost(why) => {
                 if matches!(self.conn, Conn::Connected) {
                     self.connection_lost(&why);
+                } else if matches!(self.conn, Conn::Connecting { .. }) {
+                    // Maybe this attempt's connection, lost before its outcome arrived: check
+                    // soon after the outcome (a stale loss of the last connection is harmless).
+                    self.verify_connection_at =
+                        Some(util::later(self.clock.now(), Duration::from_millis(100)));
                 }
             }
             MqttEvent::TakenOver => self.session_taken_over(),
@@ -1177,6 +1193,9 @@ impl Node {
 
     fn tick(&mut self) {
         let now = self.clock.now();
+        if self.verify_connection_at.is_some_and(|v| now >= v) {
+            self.verify_connection_at = None;
+        }
         if self.conn == Conn::Connected && !self.mqtt.is_connected() {
             // A loss the client did not report as an event still is one (D34).
             self.connection_lost("the connection is gone");

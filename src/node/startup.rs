@@ -311,6 +311,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         connected_first_try: false,
         connecting_clean: false,
         connected_clean: false,
+        verify_connection_at: None,
         s,
     };
     let mut node = node;

@@ -6,8 +6,16 @@
 /// no wildcard and no NUL. A broker drops the connection of a client that publishes anything
 /// else, so the node checks before it sends (D34).
 pub fn publishable(topic: &str) -> bool {
-    !topic.is_empty() && topic.len() <= 65_535 && !topic.contains(['+', '#', '\0'])
+    !topic.is_empty()
+        && topic.len() <= 65_535
+        && !topic.contains(['+', '#', '\0'])
+        && topic.split('/').count() <= MAX_TOPIC_LEVELS
 }
+
+/// The deepest topic the node publishes to. Its own have fewer than 10 levels; mosquitto drops
+/// a client that publishes to more than 200 (its default), so a deeper one (a planted or old
+/// outbox entry) is set aside before it is sent rather than refused by the broker.
+pub const MAX_TOPIC_LEVELS: usize = 100;
 
 #[derive(Debug, Clone)]
 pub struct Topics {

@@ -97,37 +97,47 @@ fn d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
 /// yet clears only the process group.
 #[test]
 fn d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
-    let (_b, cp, setup) = rig(
+    assert_left_behind_is_ended(
         "cyberwave:\n  training: |\n    setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &\n    while [ ! -s escaped.pid ]; do sleep 0.05; done\n",
+        "esc",
+        "escaped.pid",
+        "started by the workload with setsid",
     );
+}
+
+/// Runs a training workload that leaves a process behind (its pid in `pid_file`), waits for
+/// its completion, and asserts that process is gone (killing it if not, so nothing leaks).
+fn assert_left_behind_is_ended(manifest: &str, rid: &str, pid_file: &str, what: &str) {
+    let (_b, cp, setup) = rig(manifest);
     let node = setup.spawn();
     node.wait_ready(READY);
+    let wl = format!("wl-{rid}");
     let r = command(
         &cp,
         &node,
-        json!({"command": "training", "request_id": "esc", "params": {"workload_uuid": "wl-esc"}}),
+        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
     );
     assert_eq!(r["status"], "ok", "{r}");
     assert!(
-        cp.wait_status("wl-esc", "completed", DONE).is_some(),
+        cp.wait_status(&wl, "completed", DONE).is_some(),
         "{}",
         node.log()
     );
-    let pid: i32 = std::fs::read_to_string(setup.cwd.join("escaped.pid"))
+    let pid: i32 = std::fs::read_to_string(setup.cwd.join(pid_file))
         .unwrap()
         .trim()
         .parse()
         .unwrap();
     let still = alive(pid);
     if still {
-        // SAFETY: the test's own escaped process.
+        // SAFETY: the test's own leftover process.
         unsafe {
             libc::kill(pid, libc::SIGKILL);
         }
     }
     assert!(
         !still,
-        "pid {pid}, started by the workload with setsid, outlived the workload's completion"
+        "pid {pid}, {what}, outlived the workload's completion"
     );
 }
 
@@ -255,37 +265,11 @@ fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_on
 /// It survives the workload's completion: only the workload's first group is cleared.
 #[test]
 fn d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
-    let (_b, cp, setup) = rig(
+    assert_left_behind_is_ended(
         "cyberwave:\n  training: bash -c 'set -m; sleep 300 </dev/null >/dev/null 2>&1 & echo $! > bg.pid'\n",
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    let r = command(
-        &cp,
-        &node,
-        json!({"command": "training", "request_id": "pg", "params": {"workload_uuid": "wl-pg"}}),
-    );
-    assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-pg", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
-    let pid: i32 = std::fs::read_to_string(setup.cwd.join("bg.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let still = alive(pid);
-    if still {
-        // SAFETY: the test's own leftover process.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
-    assert!(
-        !still,
-        "pid {pid}, a background job of the workload in its own process group, outlived the workload's completion"
+        "pg",
+        "bg.pid",
+        "a background job of the workload in its own process group",
     );
 }
 

@@ -7,11 +7,12 @@
 
 mod gpus;
 mod ingress;
-pub mod logs;
 pub mod operate;
 mod selfheal;
 mod session;
 pub mod startup;
+pub mod streams;
+mod streams_out;
 mod uploads;
 mod workloads;
 
@@ -36,7 +37,7 @@ use crate::signals::Signal;
 use crate::util;
 use crate::workers::{Done, Workers};
 use crate::workload::reaper::{Reaped, Reaper};
-use crate::workload::tail::{Chunk, Key, Tailer};
+use crate::workload::tail::{Event as TailEvent, Key, Tailer};
 use crate::workload::Layout;
 use workloads::Active;
 
@@ -174,12 +175,12 @@ pub struct Node {
     reaper: Reaper,
     reaped: Receiver<Reaped>,
     tailer: Tailer,
-    chunks: Receiver<Chunk>,
-    next_stream_pass: Instant,
+    chunks: Receiver<TailEvent>,
+    /// Every workload's log streams (their cursors, pace and install-log shipping).
+    streams: streams::Streams,
     workers: Workers,
     worker_done: Receiver<Done>,
     heal: selfheal::Heal,
-    install_logs_shipped: bool,
     next_watchdog: Instant,
     /// Workflow execution events waiting for the broker's acknowledgement.
     ingress: Outbox,
@@ -237,7 +238,7 @@ impl Node {
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
                 recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
-                recv(self.chunks) -> c => if let Ok(c) = c { self.on_chunk(c) },
+                recv(self.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
                 recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
@@ -292,9 +293,9 @@ impl Node {
         if let Some(v) = self.verify_connection_at {
             due(v);
         }
-        // Stream passes only while a workload is tracked: its files may grow.
-        if !self.active.is_empty() {
-            due(self.next_stream_pass);
+        // Only while a stream has unsent bytes: growth of a file arrives as an event.
+        if let Some(d) = self.next_stream_due() {
+            due(d);
         }
         for a in self.active.values() {
             for d in workload_deadlines(a) {
@@ -1257,9 +1258,7 @@ impl Node {
             self.next_watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
-        if now >= self.next_stream_pass && !self.active.is_empty() {
-            self.pump_streams(true);
-        }
+        self.pump_streams(true);
         if let Some(due) = self.hb.next_due {
             if now >= due && self.reg == Registration::Done && self.shutdown.is_none() {
                 self.send_heartbeat();

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use super::logs::{Cursor, Stream};
 use super::operate::{Busy, BUSY_PREFIX};
 use super::uploads::Upload;
 use super::{Node, Op};
@@ -35,8 +34,6 @@ pub struct Active {
     pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
     pub next_check: Instant,
-    /// stdout, stderr.
-    pub streams: [Stream; 2],
     /// The progress of its result uploads, while the phase is `Uploading`.
     pub upload: Option<Upload>,
 }
@@ -67,7 +64,6 @@ impl Active {
             phase,
             runtime_deadline,
             next_check: now,
-            streams: [Stream::default(), Stream::default()],
             upload: None,
         }
     }
@@ -962,18 +958,9 @@ impl Node {
                 workload::load_json(&dir.join("exit.json"), "workload exit record");
             // Outside text in a log line: escaped and cut (D31).
             let rid = store::clip(&meta.request_id_text(), 120);
-            let mut active = Active::new(meta, false, now);
-            let cursor: Cursor =
-                workload::load_json(&dir.join("cursor.json"), "log cursor").unwrap_or_default();
-            for (s, (at, base)) in active.streams.iter_mut().zip([
-                (cursor.stdout, cursor.stdout_base),
-                (cursor.stderr, cursor.stderr_base),
-            ]) {
-                s.acked = at;
-                s.mirrored = at;
-                s.base = base;
-            }
-            self.active.insert(name.clone(), active);
+            // Its log streams resume from its cursor (node/streams_out.rs reads it).
+            self.active
+                .insert(name.clone(), Active::new(meta, false, now));
             if salvaged && (exit.is_some() || !alive(&st)) {
                 self.begin_ending(&name, exit, Some(SALVAGED));
             } else if exit.is_some() {

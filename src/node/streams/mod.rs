@@ -29,7 +29,7 @@ use crate::workload::tail::{Chunk, Event, Key, Request};
 use pace::{Pace, Rules, MIN_READ};
 
 /// Largest chunk read and published at once.
-pub const MAX_CHUNK: u64 = 1024 * 1024;
+pub const MAX_CHUNK: u64 = 512 * 1024;
 /// Longest piece of one line the console gets under one tag.
 pub const MIRROR_PIECE: usize = 64 * 1024;
 /// Install-log chunks (shipped once, after registration).
@@ -253,8 +253,16 @@ impl Streams {
             return;
         }
         w.ending = true;
-        for s in &mut w.streams {
+        for (i, s) in w.streams.iter_mut().enumerate() {
             s.pace.unsent(now);
+            if std::mem::take(&mut s.watching) {
+                // Its files no longer grow: no watch is left behind (inotify watches are
+                // a limited resource, and a finished log stays for days).
+                out.tail(Request::Unwatch(Key {
+                    safe_id: id.to_string(),
+                    stream: i,
+                }));
+            }
         }
         self.pump(now, out);
     }

@@ -173,6 +173,10 @@ impl Sim {
                             result: Ok(cut),
                         }
                     }
+                    Request::Unwatch(key) => {
+                        self.watches.retain(|(s, _)| *s != key.stream);
+                        continue;
+                    }
                     Request::Watch { key, len, .. } => {
                         if self.files[key.stream].len() as u64 != len {
                             Event::Grew(key)
@@ -415,15 +419,25 @@ fn a_workload_that_ended_ships_its_rest_at_once_and_is_drained() {
     let mut sim = Sim::new(settings(3000));
     sim.write(0, b"out\nlast without end");
     sim.write(1, b"err\n");
-    sim.at(100);
+    sim.at(300);
+    sim.answer(true);
     assert!(!sim.st.drained(ID), "running: not drained");
+    assert_eq!(sim.watches.len(), 2, "waiting for more output");
     let now = sim.now;
     sim.st.end(ID, now, &mut sim.out);
     sim.serve();
-    // No window at the end: both streams went at once, the unfinished line included.
-    assert_eq!(sim.chunks(0), vec![(0, 20, "out\nlast without end".into())]);
+    assert!(
+        sim.watches.is_empty(),
+        "an ended workload leaves no watch behind"
+    );
+    // No window at the end: the unfinished line went at once.
+    assert_eq!(
+        sim.chunks(0),
+        vec![(0, 4, "out".into()), (4, 16, "last without end".into())]
+    );
     assert_eq!(sim.chunks(1), vec![(0, 4, "err".into())]);
-    assert!(!sim.st.drained(ID), "chunks in flight");
+    assert!(!sim.st.drained(ID), "a chunk in flight");
+    assert_eq!(sim.st.undrained(ID), vec!["stdout"]);
     sim.answer(true);
     assert!(sim.st.drained(ID));
     assert!(sim.st.undrained(ID).is_empty());
@@ -438,14 +452,15 @@ fn an_ended_workload_is_not_drained_while_its_chunks_are_unacknowledged() {
     let now = sim.now;
     sim.st.end(ID, now, &mut sim.out);
     sim.serve();
-    for _ in 0..3 {
+    let n = (3 << 20) / MAX_CHUNK;
+    for _ in 0..n {
         assert!(!sim.st.drained(ID));
         assert_eq!(sim.st.undrained(ID), vec!["stderr"]);
         sim.answer(true);
     }
     assert!(sim.st.drained(ID));
     let sizes: Vec<u64> = sim.chunks(1).iter().map(|c| c.1).collect();
-    assert_eq!(sizes, vec![MAX_CHUNK, MAX_CHUNK, MAX_CHUNK]);
+    assert_eq!(sizes, vec![MAX_CHUNK; n as usize]);
 }
 
 #[test]

@@ -515,6 +515,14 @@ mod tests {
             len: 502,
         });
         t.request(Request::Unwatch(key()));
+        // Requests are handled in order: once this read is answered, both were.
+        t.request(Request::Read {
+            key: key(),
+            path: path.clone(),
+            offset: 0,
+            max: 1,
+        });
+        assert!(matches!(next(&rx), Event::Chunk(_)));
         std::io::Write::write_all(&mut f, b"more\n").unwrap();
         assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
     }

@@ -309,11 +309,8 @@ impl Streams {
                     continue;
                 }
                 let max = if w.ending {
-                    let idle = if self.connected {
-                        s.drained
-                    } else {
-                        !s.pace.waiting() // mirrored all; the rest waits for a connection
-                    };
+                    // Not connected and mirrored all: the rest waits for a connection.
+                    let idle = s.drained || (!self.connected && !s.pace.waiting());
                     if idle {
                         continue;
                     }
@@ -470,10 +467,12 @@ impl Streams {
         }
         let all_sent_or_partial = end >= chunk.file_len || (caught_up && !ending);
         if data.is_empty() || mirroring {
-            if ending && publishing {
-                // At the end of the file (or a file that cannot be read any further: it stays
-                // on disk, and the drain does not wait for it forever).
+            if ending && data.is_empty() && chunk.offset == s.acked {
+                // Every byte acknowledged, up to the end of the file (or a file that cannot be
+                // read any further: it stays on disk, and the drain does not wait for it
+                // forever). Nothing to ship needs no connection.
                 s.drained = true;
+                s.pace.caught_up();
                 let rest = std::mem::take(&mut s.partial);
                 let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
                 mirror(prefix, i, &rest, true, &mut Vec::new(), out);

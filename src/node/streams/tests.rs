@@ -446,6 +446,45 @@ fn a_workload_that_ended_ships_its_rest_at_once_and_is_drained() {
 }
 
 #[test]
+fn during_an_outage_an_ended_workload_is_drained_only_if_everything_was_acknowledged() {
+    let mut sim = Sim::new(settings(3000));
+    sim.write(0, b"shipped\n");
+    sim.at(300);
+    sim.answer(true);
+    let now = sim.now;
+    sim.st.reset(now);
+    sim.st.link(false, "inst-1", now);
+    sim.st.end(ID, now, &mut sim.out);
+    sim.serve();
+    assert!(
+        sim.st.drained(ID),
+        "nothing left to ship: no need to wait for the broker"
+    );
+    // Output the backend has not got keeps it waiting (until the drain limit, the loop's).
+    let mut sim = Sim::new(settings(3000));
+    let now = sim.now;
+    sim.st.link(false, "inst-1", now);
+    sim.write(1, b"unsent\n");
+    sim.st.end(ID, now, &mut sim.out);
+    sim.serve();
+    assert!(!sim.st.drained(ID));
+    assert_eq!(sim.st.undrained(ID), vec!["stderr"]);
+    assert!(
+        sim.out.console[1].contains("] unsent\n"),
+        "mirrored meanwhile"
+    );
+    assert_eq!(sim.st.next_due(), None, "and nothing spins while it waits");
+    sim.at(10_000);
+    assert!(sim.out.published.is_empty());
+    sim.st.link(true, "inst-1", sim.now);
+    sim.st.pump(sim.now, &mut sim.out);
+    sim.serve();
+    sim.answer(true);
+    assert!(sim.st.drained(ID));
+    assert_eq!(sim.rebuilt(1), "unsent\n");
+}
+
+#[test]
 fn an_ended_workload_is_not_drained_while_its_chunks_are_unacknowledged() {
     let mut sim = Sim::new(settings(3000));
     sim.write(1, &vec![b'x'; 3 << 20]); // 3 MiB on stderr, one line

@@ -1,9 +1,11 @@
 //! When a running workload's stream sends (issue 15 item 5): a pure decision over a fake-able
 //! clock. New bytes go once the oldest unsent byte is [`WINDOW`] old (batching, like Nagle's
 //! algorithm: a line alone goes after 250 ms, a burst of lines goes together), at most one
-//! message per [`GAP`] (4 per second per stream), and within a byte budget of
-//! [`BUDGET_PER_INTERVAL`] per stream interval, refilled continuously (a token bucket), so a
-//! flood is shipped at a steady pace while the file on disk stays complete.
+//! message per [`GAP`] (4 per second per stream), and within a byte budget: a bucket of
+//! [`BUDGET_PER_INTERVAL`] refilled continuously at that much per stream interval, so a flood is
+//! shipped at a steady pace (on average the budget per interval, at most a bucket more in any
+//! one interval) while the file on disk stays complete. A workload that ended is not paced (its
+//! rest goes as fast as the backend acknowledges it; see `Streams::end`).
 //!
 //! `CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL` stays the upper bound: window and gap are never longer
 //! than the interval (an interval of 0.1 s means up to 10 messages per second), and the budget

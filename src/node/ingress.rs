@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::{json, Map, Value};
 
-use super::{Conn, Node};
+use super::Node;
 use crate::ingress;
 use crate::outbox::Item;
 use crate::workload::{self, Meta, WorkflowCtx};
@@ -92,7 +92,7 @@ impl Node {
 
     /// Publishes the oldest queued event when nothing is in flight.
     pub(super) fn send_ingress(&mut self) {
-        if self.conn != Conn::Connected {
+        if !self.session.connected() {
             return;
         }
         let Some((seq, item)) = self.ingress.head_due(self.clock.now()) else {

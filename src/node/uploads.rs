@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{Conn, Node, Op};
+use super::{Node, Op};
 use crate::workers::{Done, Job};
 use crate::workload::shim::Exit;
 
@@ -229,7 +229,7 @@ impl Node {
     /// Moves an upload on by one step when nothing is under way.
     pub(super) fn step_upload(&mut self, id: &str) {
         let now = self.clock.now();
-        let connected = self.conn == Conn::Connected;
+        let connected = self.session.connected();
         let Some(a) = self.active.get_mut(id) else {
             return;
         };

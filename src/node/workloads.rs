@@ -757,7 +757,7 @@ impl Node {
                 }
             }
         }
-        if self.conn != super::Conn::Connected {
+        if !self.session.connected() {
             return;
         }
         let now = self.clock.now();

@@ -119,8 +119,12 @@ fn connected(cfg: Config, t0: Instant) -> (S, Rec) {
 
 /// A session that registered (R1, R2) and is ready (SUBACK) at `t0`.
 fn ready(t0: Instant) -> (S, Rec) {
-    let (mut s, mut rec) = connected(cfg(), t0);
-    let topics = cfg().topics;
+    ready_with(cfg(), t0)
+}
+
+fn ready_with(cfg: Config, t0: Instant) -> (S, Rec) {
+    let topics = cfg.topics.clone();
+    let (mut s, mut rec) = connected(cfg, t0);
     s.tick(false, t0, &mut rec);
     let (_, _, c1) = rec.last_request();
     let r = reply_to(
@@ -341,7 +345,13 @@ fn a_404_on_register_creates_a_new_instance_and_a_refusal_retries_the_same() {
 #[test]
 fn an_instance_gone_on_heartbeat_registers_anew_and_moves_the_command_topics() {
     let t0 = Instant::now();
-    let (mut s, mut rec) = ready(t0);
+    let (mut s, mut rec) = ready_with(
+        Config {
+            environment_uuid: Some("env-1".into()),
+            ..cfg()
+        },
+        t0,
+    );
     let topics = cfg().topics;
     assert_eq!(s.tick(false, t0, &mut rec), vec![Happening::HeartbeatDue]);
     s.send_heartbeat(&json!({"n": 1}), t0, &mut rec);
@@ -352,8 +362,12 @@ fn an_instance_gone_on_heartbeat_registers_anew_and_moves_the_command_topics() {
     assert!(!s.registered());
     // R1 again, then R2 for the new uuid; the old command topics are dropped.
     s.tick(false, at(t0, 10), &mut rec);
-    let (topic, _, c1) = rec.last_request();
+    let (topic, body, c1) = rec.last_request();
     assert_eq!(topic, topics.request_instance("tok"));
+    assert_eq!(
+        body["environment_uuid"], "env-1",
+        "D5: the reservation goes again"
+    );
     let r = reply_to(
         &c1,
         &topics,

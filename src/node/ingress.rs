@@ -148,7 +148,7 @@ impl Node {
         let owner = self
             .active
             .values()
-            .find(|a| !token.is_empty() && a.meta.event_token == token)
+            .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
             .map(|a| a.meta.clone());
         let Some(owner) = owner else {
             return json!({"ok": false, "refused": true, "error": "invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)"});

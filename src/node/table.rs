@@ -676,6 +676,7 @@ pub(crate) mod fake {
 mod tests {
     use super::fake::Fake;
     use super::*;
+    use crate::workers::Done;
     use crate::workload::shim::Started;
 
     const TERM: i32 = libc::SIGTERM;
@@ -985,5 +986,149 @@ mod tests {
         assert_eq!(f.retired.len(), 1, "retired once");
         t.completion_queued("v", None, &mut f);
         assert_eq!(f.retired, vec!["w".to_string(), "v".to_string()]);
+    }
+
+    /// A results folder of its own for one test, with workload `w`'s files in it.
+    fn results(tag: &str, files: &[&str]) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("cw-table-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for f in files {
+            let p = root.join("w").join(f);
+            std::fs::create_dir_all(p.parent().unwrap_or(&root)).unwrap_or_else(|e| panic!("{e}"));
+            std::fs::write(&p, f.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        }
+        root
+    }
+
+    /// Workload `w` exited 0 with its logs shipped: its uploads begin at `now`.
+    fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, Fake) {
+        let mut t = Table::new(cfg(root.to_path_buf()));
+        t.insert("w".into(), Active::new(meta("w", 100, None), true, now));
+        let mut f = Fake {
+            connected,
+            ..Fake::default()
+        };
+        f.exits.insert("w".into(), exit(0));
+        t.on_reaped(99, now, &mut f);
+        t.tick(now, &["w".to_string()], &mut f);
+        (t, f)
+    }
+
+    fn signed(name: &str) -> Value {
+        serde_json::json!({"signed_url": format!("http://store/{name}"), "filename": format!("att-{name}")})
+    }
+
+    fn last_signed_url_request(f: &Fake) -> Option<String> {
+        match f.requests.last() {
+            Some(Request::SignedUrl { filename, .. }) => Some(filename.clone()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_failing_upload_is_retried_after_2_s_and_4_s_given_up_after_three_attempts_and_reported_once(
+    ) {
+        let t0 = Instant::now();
+        let root = results("retry", &["a.txt", "b.txt"]);
+        let (mut t, mut f) = exited_ok(&root, true, t0);
+        assert_eq!(f.statuses.len(), 1);
+        assert_eq!(f.statuses[0].1["status"], "finalizing");
+        assert_eq!(f.statuses[0].1["file_count"], 2);
+        assert_eq!(t.uploading(), 1);
+        assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
+        let mut asked = Vec::new();
+        let mut failed_at = Vec::new();
+        // Three attempts at a.txt, each PUT refused with a retriable error.
+        let mut now = t0;
+        for attempt in 1..=3u64 {
+            assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
+            asked.push(now);
+            t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
+            assert!(matches!(f.jobs.last(), Some(Job::Put { .. })));
+            now += Duration::from_millis(100);
+            failed_at.push(now);
+            let done = Done::Put {
+                key: "w".into(),
+                result: Err((true, "503".into())),
+            };
+            t.on_worker_done(done, now, &mut f);
+            if attempt < 3 {
+                let wait = Duration::from_secs(2 << (attempt - 1));
+                assert_eq!(t.next_due(), Some(now + wait), "attempt {attempt}");
+                let before = f.requests.len();
+                t.tick(now + wait - Duration::from_millis(1), &[], &mut f);
+                assert_eq!(f.requests.len(), before, "no retry before its time");
+                now += wait;
+                t.tick(now, &[], &mut f);
+                assert_eq!(f.requests.len(), before + 1, "retried at its time");
+            }
+        }
+        assert_eq!(asked, vec![t0, at(t0, 2100), at(t0, 6200)]);
+        // Given up on a.txt: b.txt is next at once, and goes through.
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("b.txt"));
+        t.on_signed_url_reply("w", Some(signed("b.txt")), now, &mut f);
+        let ok = Done::Put {
+            key: "w".into(),
+            result: Ok(()),
+        };
+        t.on_worker_done(ok, now, &mut f);
+        let Some(Request::UploadResults { body, .. }) = f.requests.last() else {
+            panic!("R10 expected: {:?}", f.requests);
+        };
+        assert_eq!(body["filenames"], serde_json::json!(["b.txt"]));
+        assert_eq!(body["attachment_uuids"], serde_json::json!(["att-b"]));
+        assert!(f.reports.is_empty(), "not before the backend knows");
+        t.on_upload_reply("w", true, now, &mut f);
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        assert!(root.join("w/a.txt").exists(), "a file not uploaded stays");
+        assert!(
+            !root.join("w/b.txt").exists(),
+            "an uploaded file is deleted"
+        );
+        // Late answers change nothing.
+        t.on_upload_reply("w", true, now, &mut f);
+        t.tick(now + Duration::from_secs(60), &[], &mut f);
+        assert_eq!(f.reports.len(), 1);
+        assert!(t.is_empty());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn uploads_without_the_broker_go_through_the_workers_and_clean_up_after_themselves() {
+        let t0 = Instant::now();
+        let root = results("rest", &["a.txt", "sub/b.txt"]);
+        let (mut t, mut f) = exited_ok(&root, false, t0);
+        assert!(f.requests.is_empty(), "no MQTT request while disconnected");
+        for name in ["a.txt", "sub/b.txt"] {
+            let Some(Job::SignedUrl { filename, .. }) = f.jobs.last() else {
+                panic!("E8 expected: {:?}", f.jobs.len());
+            };
+            assert_eq!(filename, name);
+            let attachment = crate::backend::parse_signed_url(&signed("x.txt"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let done = Done::SignedUrl {
+                key: "w".into(),
+                result: Ok(attachment),
+            };
+            t.on_worker_done(done, t0, &mut f);
+            let Some(Job::Put { path, .. }) = f.jobs.last() else {
+                panic!("PUT expected");
+            };
+            assert_eq!(path, &root.join("w").join(name));
+            let ok = Done::Put {
+                key: "w".into(),
+                result: Ok(()),
+            };
+            t.on_worker_done(ok, t0, &mut f);
+        }
+        assert!(matches!(f.jobs.last(), Some(Job::UploadResults { .. })));
+        let told = Done::UploadResults {
+            key: "w".into(),
+            result: Ok(()),
+        };
+        t.on_worker_done(told, t0, &mut f);
+        assert_eq!(f.reports.len(), 1);
+        assert!(!root.join("w").exists(), "files and folders removed");
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -10,6 +10,8 @@ use serde_json::{json, Map, Value};
 
 use super::logs::Cursor;
 use super::operate::{Busy, BUSY_PREFIX};
+// TODO(lead): only for the start path (`Active::new` in start_workload_inner, moving to
+// starts.rs); once it enters workloads through the table, drop this re-export.
 pub(super) use super::table::Active;
 use super::table::{DEFAULT_GRACE, SALVAGED};
 use super::{Node, Op};

@@ -1131,4 +1131,50 @@ mod tests {
         assert!(!root.join("w").exists(), "files and folders removed");
         let _ = std::fs::remove_dir_all(&root);
     }
+
+    #[test]
+    fn a_stale_workload_is_terminated_and_marked_so_its_end_is_not_reported_as_a_cancel() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        t.cancel_stale("w", Duration::from_millis(500), t0, &mut f)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(f.signals, vec![(100, TERM)]);
+        assert!(t
+            .get("w")
+            .and_then(|a| a.meta.cancel.as_ref())
+            .is_some_and(|c| c.stale && !c.timed_out));
+        assert_eq!(
+            f.saved.len(),
+            2,
+            "the cancel, then the stale mark, are recorded"
+        );
+        assert_eq!(t.next_due(), Some(at(t0, 500)));
+    }
+
+    #[test]
+    fn a_rebuilt_record_is_reported_lost_whatever_its_exit_said() {
+        let t0 = Instant::now();
+        let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
+        let mut m = meta("w", 100, None);
+        m.salvaged = Some("bad json".into());
+        t.insert("w".into(), Active::new(m, true, t0));
+        let mut f = Fake::default();
+        f.exits.insert("w".into(), exit(0));
+        t.on_reaped(99, t0, &mut f);
+        t.tick(at(t0, 1), &["w".to_string()], &mut f);
+        assert_eq!(
+            f.reports,
+            vec![("w".to_string(), Some(exit(0)), Some(SALVAGED))]
+        );
+        // At recovery the same: `end` with no reason still reports it lost.
+        let mut m = meta("v", 200, None);
+        m.salvaged = Some("bad json".into());
+        t.insert("v".into(), Active::new(m, false, t0));
+        t.end("v", None, None, at(t0, 2), &mut f);
+        t.tick(at(t0, 3), &["v".to_string()], &mut f);
+        assert_eq!(
+            f.reports.get(1),
+            Some(&("v".to_string(), None, Some(SALVAGED)))
+        );
+    }
 }

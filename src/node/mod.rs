@@ -26,10 +26,11 @@ pub mod operate;
 mod selfheal;
 mod session;
 pub mod startup;
+mod table;
+mod table_out;
 mod uploads;
 mod workloads;
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -53,7 +54,6 @@ use crate::workload::reaper::{Reaped, Reaper};
 use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
 use session::{Happening, Session};
-use workloads::Active;
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
@@ -132,7 +132,7 @@ pub struct Node {
     /// This binary, for starting shims.
     exe: PathBuf,
     /// Active workloads by safe id.
-    active: BTreeMap<String, Active>,
+    active: table::Table,
     ledger: Ledger,
     outbox: Outbox,
     reaper: Reaper,
@@ -165,11 +165,6 @@ pub struct Node {
     next_prune: Instant,
     /// Full-disk errors are logged once a minute (D28).
     disk_errors: crate::logtext::Throttle,
-    /// Workloads whose completion could not be written to disk: their record is removed once
-    /// the backend acknowledged it (outbox sequence → safe id).
-    retire_on_ack: HashMap<u64, String>,
-    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
-    loose_results_warned: bool,
 }
 
 impl Node {
@@ -226,10 +221,8 @@ impl Node {
         if !self.active.is_empty() {
             due(self.next_stream_pass);
         }
-        for a in self.active.values() {
-            for d in workload_deadlines(a) {
-                due(d);
-            }
+        if let Some(d) = self.active.next_due() {
+            due(d);
         }
         for (.., until) in &self.heal.deferred {
             due(*until);
@@ -773,27 +766,6 @@ pub fn beat_due(now: Instant, interval: Duration, random: u64) -> Option<Instant
     let secs = u64::try_from(after / 1_000_000_000).ok()?;
     let sub = u32::try_from(after % 1_000_000_000).ok()?;
     now.checked_add(Duration::new(secs, sub))
-}
-
-/// The moments a tracked workload's timers in `tick_workloads` fall due.
-/// Each is counted only in the state in which `tick_workloads` acts on it, so a deadline that
-/// has passed never keeps the loop spinning.
-fn workload_deadlines(a: &Active) -> impl Iterator<Item = Instant> + '_ {
-    use crate::workload::lifecycle::Phase;
-    let lingering = matches!(a.phase, Phase::Lingering { .. });
-    let adopted = !a.child && matches!(a.phase, Phase::Running | Phase::Cancelling { .. });
-    [
-        a.runtime_deadline
-            .filter(|_| a.meta.cancel.is_none() && !a.finished()),
-        a.phase.deadline(),
-        a.upload
-            .as_ref()
-            .filter(|u| !u.busy && matches!(a.phase, Phase::Uploading { .. }))
-            .and_then(|u| u.retry_at),
-        (lingering || adopted).then_some(a.next_check),
-    ]
-    .into_iter()
-    .flatten()
 }
 
 #[cfg(test)]

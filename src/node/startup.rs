@@ -2,7 +2,6 @@
 //! MQTT client. Each step logs one line; a step that makes running pointless returns the exit
 //! code instead of a node.
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -263,7 +262,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         exit: None,
         layout,
         exe,
-        active: BTreeMap::new(),
+        active: super::table::Table::new(super::table::UploadCfg::of(&s)),
         ledger: Ledger::load(dir.join("ledger.jsonl")),
         outbox,
         reaper,
@@ -291,8 +290,6 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         gpu_rx,
         next_prune: now,
         disk_errors: crate::logtext::Throttle::default(),
-        retire_on_ack: std::collections::HashMap::new(),
-        loose_results_warned: false,
         s,
     };
     let mut node = node;

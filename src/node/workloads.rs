@@ -363,21 +363,22 @@ impl Node {
                 } else {
                     "cancelled"
                 };
+                let how = cancel_message(c, exit.as_ref());
                 log::info!(
-                    "{} {} (pid {pid}) cancelled by {}",
+                    "{} {} (pid {pid}): {}",
                     meta.kind,
                     crate::logtext::shown(&rid),
-                    crate::logtext::shown(&c.signal)
+                    crate::logtext::shown(&how)
                 );
                 self.count_completion("cancelled");
                 self.report_finished(
                     &meta,
                     false,
                     exit.as_ref().map(Exit::code),
-                    Some(format!("Workload cancelled by {}", c.signal)),
+                    Some(how.clone()),
                 );
                 (
-                    json!({"status": status, "message": format!("Workload cancelled by {}", c.signal), "signal": c.signal, "pid": pid}),
+                    json!({"status": status, "message": how, "signal": c.signal, "pid": pid}),
                     format!("{status} status of {} {rid}", meta.kind),
                 )
             }
@@ -775,4 +776,58 @@ fn alive(st: &workload::shim::Started) -> bool {
 
 fn start_output(meta: &Meta) -> Value {
     json!({"message": format!("{} started", meta.kind), "pid": meta.pid(), "workload_request_id": meta.request_id})
+}
+
+/// How a cancelled workload ended: the signal asked for, and the SIGKILL of the escalation when
+/// the workload outlived its grace ("cancelled by SIGTERM" alone would hide that it was killed).
+fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
+    let asked = &c.signal;
+    match exit.and_then(|e| e.signal) {
+        Some(9) if asked != "SIGKILL" => format!(
+            "Workload cancelled by {asked}; it was still running after the {}s grace and was killed with SIGKILL",
+            c.grace_s
+        ),
+        _ => format!("Workload cancelled by {asked}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exit(signal: Option<i32>) -> Exit {
+        Exit {
+            exit_code: None,
+            signal,
+            started_at: String::new(),
+            ended_at: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_cancel_that_ended_in_the_escalation_says_so() {
+        let c = |signal: &str| workload::Cancel {
+            signal: signal.into(),
+            requested_unix: 0.0,
+            grace_s: 2.5,
+            timed_out: false,
+            stale: false,
+        };
+        assert_eq!(
+            cancel_message(&c("SIGTERM"), Some(&exit(Some(15)))),
+            "Workload cancelled by SIGTERM"
+        );
+        assert_eq!(
+            cancel_message(&c("SIGTERM"), Some(&exit(Some(9)))),
+            "Workload cancelled by SIGTERM; it was still running after the 2.5s grace and was killed with SIGKILL"
+        );
+        assert_eq!(
+            cancel_message(&c("SIGKILL"), Some(&exit(Some(9)))),
+            "Workload cancelled by SIGKILL"
+        );
+        assert_eq!(
+            cancel_message(&c("SIGINT"), None),
+            "Workload cancelled by SIGINT"
+        );
+    }
 }

@@ -749,3 +749,71 @@ fn standalone_uses_its_own_identity_and_sends_no_request() {
         "no heartbeats without a backend"
     );
 }
+
+#[test]
+fn a_refused_request_comes_back_refused_once_and_never_times_out() {
+    let t0 = Instant::now();
+    let (mut s, mut rec) = ready(t0);
+    let corr = s.request(9, "t/big", &json!({}), Duration::from_secs(5), t0, &mut rec);
+    let refused = |permanent| MqttEvent::Refused {
+        correlation: corr.clone(),
+        why: "too big".into(),
+        permanent,
+    };
+    let h = s.on_mqtt(refused(true), false, at(t0, 10), &mut rec);
+    assert_eq!(
+        h,
+        vec![Happening::Refused {
+            tag: 9,
+            why: "too big".into(),
+            permanent: true
+        }]
+    );
+    // Nothing more of it: no second refusal, no timeout, and the connection stays.
+    assert!(s
+        .on_mqtt(refused(false), false, at(t0, 20), &mut rec)
+        .is_empty());
+    let later = s.tick(false, at(t0, 60_000), &mut rec);
+    assert!(
+        !later
+            .iter()
+            .any(|h| matches!(h, Happening::Outcome { tag: 9, .. })),
+        "{later:?}"
+    );
+    assert!(s.connected());
+}
+
+#[test]
+fn a_refused_registration_fails_at_once_and_is_retried() {
+    let t0 = Instant::now();
+    let mut s: S = Session::new(cfg(), None, None, t0);
+    let mut rec = Rec {
+        up: true,
+        ..Rec::default()
+    };
+    s.tick(false, t0, &mut rec);
+    s.on_mqtt(MqttEvent::Connect(Ok(false)), false, t0, &mut rec);
+    s.tick(false, t0, &mut rec);
+    let (topic, _, corr) = rec.last_request();
+    assert!(topic.ends_with("request-instance"), "{topic}");
+    let sent = rec.requests.len();
+    let h = s.on_mqtt(
+        MqttEvent::Refused {
+            correlation: corr,
+            why: "Not authorized".into(),
+            permanent: false,
+        },
+        false,
+        at(t0, 5),
+        &mut rec,
+    );
+    assert!(h.is_empty(), "{h:?}");
+    // A retry is scheduled within the registration backoff, not at the request timeout.
+    let due = s.next_due().expect("a retry is due");
+    assert!(
+        due <= at(t0, 5) + cfg().tuning.register_retry_max,
+        "{due:?}"
+    );
+    s.tick(false, due, &mut rec);
+    assert_eq!(rec.requests.len(), sent + 1);
+}

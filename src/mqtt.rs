@@ -435,8 +435,9 @@ impl Mqtt {
         Some(self.max_packet.load(Ordering::Relaxed)).filter(|n| *n > 0)
     }
 
-    /// Says, at most once a minute, that a message was too big to send.
-    pub fn log_too_big(&self, topic: &str, why: &str) {
+    /// Says, at most once a minute, that a message (`what`: "to TOPIC", "a log chunk of …")
+    /// was not sent because it cannot be (too big, an invalid topic).
+    pub fn log_too_big(&self, what: &str, why: &str) {
         let held = self
             .too_big
             .try_borrow_mut()
@@ -448,10 +449,7 @@ impl Mqtt {
             } else {
                 String::new()
             };
-            log::error!(
-                "not publishing to {}: {why}{more}",
-                crate::logtext::shown(&redact_topic(topic))
-            );
+            log::error!("not publishing {what}: {why}{more}");
         }
     }
 
@@ -565,7 +563,10 @@ impl Mqtt {
         let props_len = if props.is_empty() { 0 } else { 1024 };
         match self.queue(topic, payload, qos, props, props_len) {
             Ok(_) => {}
-            Err(NotSent::Never(why)) => self.log_too_big(topic, &why),
+            Err(NotSent::Never(why)) => self.log_too_big(
+                &format!("to {}", crate::logtext::shown(&redact_topic(topic))),
+                &why,
+            ),
             Err(NotSent::NotNow(why)) => log::warn!("{why}"),
         }
     }

@@ -368,10 +368,23 @@ impl Node {
                     ),
                 }
             }
+            // A chunk that can never fit would hold its stream (and the workload's completion,
+            // until the drain limit) for good: it is skipped, the rest of the log still goes.
+            Op::Log(key) if permanent => {
+                self.mqtt.log_too_big(
+                    &format!(
+                        "a log chunk of {} (skipped)",
+                        crate::logtext::shown(&key.safe_id)
+                    ),
+                    why,
+                );
+                self.on_log_ack(&key, true);
+            }
             other => {
                 if permanent {
                     // At most once a minute: a log stream offers its chunk again and again.
-                    self.mqtt.log_too_big(&format!("{other:?}"), why);
+                    self.mqtt
+                        .log_too_big(&format!("the {other:?} request"), why);
                 } else {
                     log::warn!("{other:?} not delivered: {}", crate::logtext::shown(why));
                 }

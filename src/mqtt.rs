@@ -501,7 +501,8 @@ impl Mqtt {
                 .send(MqttEvent::Connect(Err("no MQTT broker address".into())));
             return clean;
         };
-        let token = self.client.connect(copts.clone());
+        let client = self.client.clone();
+        let copts = copts.clone();
         let tx = self.tx.clone();
         let opts = self.opts.clone();
         let endpoint = self.current_endpoint().cloned();
@@ -509,6 +510,10 @@ impl Mqtt {
         let spawned = std::thread::Builder::new()
             .name("mqtt-connect".into())
             .spawn(move || {
+                // Started here, not on the loop: Paho resolves the broker's name holding the
+                // lock every call into it takes, so a slow DNS would stall the caller.
+                let started = Instant::now();
+                let token = client.connect(copts);
                 // Paho ends the attempt itself after CONNECT_TIMEOUT; this bound only makes
                 // sure the node never waits on an attempt whose outcome never comes.
                 let outcome = match token.wait_for(CONNECT_WATCHDOG) {
@@ -525,10 +530,12 @@ impl Mqtt {
                             .map(|c| c.session_present)
                             .unwrap_or(false))
                     }
-                    Err(paho::Error::Timeout) => Err(format!(
-                        "no outcome of the connect attempt within {} s",
-                        CONNECT_WATCHDOG.as_secs()
-                    )),
+                    Err(paho::Error::Timeout) if started.elapsed() >= CONNECT_WATCHDOG => {
+                        Err(format!(
+                            "the MQTT client gave no outcome of the connect attempt within {} s",
+                            CONNECT_WATCHDOG.as_secs()
+                        ))
+                    }
                     Err(e) => Err(match &endpoint {
                         Some(ep) => diagnose(&opts, ep, &e),
                         None => e.to_string(),

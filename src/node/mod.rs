@@ -278,7 +278,9 @@ impl Node {
     /// Whether messages of the loop are in flight: a loss may then be the broker refusing one
     /// of them (D34), not another client taking the session (D33).
     fn publishing(&self) -> bool {
-        self.outbox.in_flight_count() > 0 || self.ingress.in_flight_count() > 0
+        self.outbox.in_flight_count() > 0
+            || self.ingress.in_flight_count() > 0
+            || self.session.loop_requests_pending()
     }
 
     fn on_mqtt(&mut self, ev: MqttEvent) {

@@ -262,6 +262,12 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         self.hb.last_ok
     }
 
+    /// Whether any of the loop's requests (a log chunk, a workload status, an outbox message)
+    /// awaits its reply: a loss may then be the broker refusing it (D34).
+    pub fn loop_requests_pending(&self) -> bool {
+        self.pending.values().any(|p| matches!(p.tag, Tag::Loop(_)))
+    }
+
     pub fn startup_failed(&self) -> bool {
         self.startup_failure.is_some()
     }

@@ -754,7 +754,12 @@ fn standalone_uses_its_own_identity_and_sends_no_request() {
 fn a_refused_request_comes_back_refused_once_and_never_times_out() {
     let t0 = Instant::now();
     let (mut s, mut rec) = ready(t0);
+    assert!(
+        !s.loop_requests_pending(),
+        "heartbeats and registration are not the loop's"
+    );
     let corr = s.request(9, "t/big", &json!({}), Duration::from_secs(5), t0, &mut rec);
+    assert!(s.loop_requests_pending());
     let refused = |permanent| MqttEvent::Refused {
         correlation: corr.clone(),
         why: "too big".into(),
@@ -769,6 +774,7 @@ fn a_refused_request_comes_back_refused_once_and_never_times_out() {
             permanent: true
         }]
     );
+    assert!(!s.loop_requests_pending());
     // Nothing more of it: no second refusal, no timeout, and the connection stays.
     assert!(s
         .on_mqtt(refused(false), false, at(t0, 20), &mut rec)

@@ -271,7 +271,9 @@ impl Node {
     /// Whether messages of the loop are in flight: a loss may then be the broker refusing one
     /// of them (D34), not another client taking the session (D33).
     fn publishing(&self) -> bool {
-        self.outbox.in_flight_count() > 0 || self.ingress.in_flight_count() > 0
+        self.outbox.in_flight_count() > 0
+            || self.ingress.in_flight_count() > 0
+            || self.session.loop_requests_pending()
     }
 
     fn on_mqtt(&mut self, ev: MqttEvent) {
@@ -301,6 +303,11 @@ impl Node {
                     reply,
                     correlation,
                 } => self.on_outcome(tag, reply, &correlation),
+                Happening::Refused {
+                    tag,
+                    why,
+                    permanent,
+                } => self.on_refused(tag, &why, permanent),
                 Happening::HeartbeatDue => self.send_heartbeat(),
                 Happening::HeartbeatFailed => {
                     self.metrics.heartbeat_failures =
@@ -334,6 +341,52 @@ impl Node {
             self.mqtt.clean_start_next();
         }
         self.reset_streams();
+    }
+
+    /// A request the broker refused, or that can never be sent as it is: an outbox message is
+    /// set aside (at once when it can never fit, else after the broker refused it
+    /// [`crate::outbox::MAX_REFUSALS`] times) with one ERROR line; the others fail now (D34).
+    fn on_refused(&mut self, op: Op, why: &str, permanent: bool) {
+        match op {
+            Op::Outbox(seq) => {
+                let now = self.clock.now();
+                match self.outbox.refused(seq, permanent, now) {
+                    Some((item, aside)) => log::error!(
+                        "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
+                        crate::logtext::shown(&item.label),
+                        crate::logtext::shown(why),
+                        aside.display()
+                    ),
+                    None => log::warn!(
+                        "outbox message {seq} not delivered ({}); retrying later",
+                        crate::logtext::shown(why)
+                    ),
+                }
+            }
+            // A chunk that can never fit would hold its stream (and the workload's completion,
+            // until the drain limit) for good: it is skipped, the rest of the log still goes.
+            Op::Log(key) if permanent => {
+                self.mqtt.log_too_big(
+                    &format!(
+                        "a log chunk of {} (skipped)",
+                        crate::logtext::shown(&key.safe_id)
+                    ),
+                    why,
+                );
+                self.on_log_ack(&key, true);
+            }
+            other => {
+                if permanent {
+                    // At most once a minute: a log stream offers its chunk again and again.
+                    self.mqtt
+                        .log_too_big(&format!("the {other:?} request"), why);
+                } else {
+                    log::warn!("{other:?} not delivered: {}", crate::logtext::shown(why));
+                }
+                // Failed now rather than at its timeout (a log chunk is read and sent again).
+                self.on_outcome(other, None, &[]);
+            }
+        }
     }
 
     /// Sends one of the loop's requests through the session; returns its correlation.

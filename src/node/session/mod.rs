@@ -160,6 +160,13 @@ pub enum Happening<T> {
         reply: Option<Reply>,
         correlation: Vec<u8>,
     },
+    /// One of the loop's requests was not delivered: it cannot be sent as it is (`permanent`)
+    /// or the broker refused it (see `MqttEvent::Refused`). No outcome follows.
+    Refused {
+        tag: T,
+        why: String,
+        permanent: bool,
+    },
     /// A heartbeat is due: the loop builds its body and calls [`Session::send_heartbeat`].
     HeartbeatDue,
     /// A heartbeat was refused or not answered.
@@ -253,6 +260,12 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
 
     pub fn last_heartbeat_ok(&self) -> Option<SystemTime> {
         self.hb.last_ok
+    }
+
+    /// Whether any of the loop's requests (a log chunk, a workload status, an outbox message)
+    /// awaits its reply: a loss may then be the broker refusing it (D34).
+    pub fn loop_requests_pending(&self) -> bool {
+        self.pending.values().any(|p| matches!(p.tag, Tag::Loop(_)))
     }
 
     pub fn startup_failed(&self) -> bool {
@@ -383,6 +396,26 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             }
             MqttEvent::TakenOver => self.taken_over(publishing, now, out, &mut happened),
             MqttEvent::Subscribed(result) => self.on_subscribed(result, now, out),
+            MqttEvent::Refused {
+                correlation,
+                why,
+                permanent,
+            } => match self.pending.remove(&correlation) {
+                Some(Pending {
+                    tag: Tag::Loop(tag),
+                    ..
+                }) => happened.push(Happening::Refused {
+                    tag,
+                    why,
+                    permanent,
+                }),
+                // The session's own requests: a failure now rather than at their timeout.
+                Some(p) => {
+                    log::warn!("the {:?} request was not delivered: {why}", p.tag);
+                    self.outcome(p.tag, None, correlation, now, out, &mut happened);
+                }
+                None => log::debug!("a refusal of a request no longer waited for: {why}"),
+            },
             MqttEvent::Message {
                 topic,
                 payload,

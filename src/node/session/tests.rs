@@ -749,3 +749,75 @@ fn standalone_uses_its_own_identity_and_sends_no_request() {
         "no heartbeats without a backend"
     );
 }
+
+#[test]
+fn a_refused_request_comes_back_refused_once_and_never_times_out() {
+    let t0 = Instant::now();
+    let (mut s, mut rec) = ready(t0);
+    assert!(
+        !s.loop_requests_pending(),
+        "heartbeats and registration are not the loop's"
+    );
+    let corr = s.request(9, "t/big", &json!({}), Duration::from_secs(5), t0, &mut rec);
+    assert!(s.loop_requests_pending());
+    let refused = |permanent| MqttEvent::Refused {
+        correlation: corr.clone(),
+        why: "too big".into(),
+        permanent,
+    };
+    let h = s.on_mqtt(refused(true), false, at(t0, 10), &mut rec);
+    assert_eq!(
+        h,
+        vec![Happening::Refused {
+            tag: 9,
+            why: "too big".into(),
+            permanent: true
+        }]
+    );
+    assert!(!s.loop_requests_pending());
+    // Nothing more of it: no second refusal, no timeout, and the connection stays.
+    assert!(s
+        .on_mqtt(refused(false), false, at(t0, 20), &mut rec)
+        .is_empty());
+    let later = s.tick(false, at(t0, 60_000), &mut rec);
+    assert!(
+        !later
+            .iter()
+            .any(|h| matches!(h, Happening::Outcome { tag: 9, .. })),
+        "{later:?}"
+    );
+    assert!(s.connected());
+}
+
+#[test]
+fn a_refused_registration_fails_at_once_and_is_retried() {
+    let t0 = Instant::now();
+    let mut s: S = Session::new(cfg(), None, None, t0);
+    let mut rec = Rec {
+        up: true,
+        ..Rec::default()
+    };
+    s.tick(false, t0, &mut rec);
+    s.on_mqtt(MqttEvent::Connect(Ok(false)), false, t0, &mut rec);
+    s.tick(false, t0, &mut rec);
+    let (topic, _, corr) = rec.last_request();
+    assert!(topic.ends_with("request-instance"), "{topic}");
+    let sent = rec.requests.len();
+    let h = s.on_mqtt(
+        MqttEvent::Refused {
+            correlation: corr,
+            why: "Not authorized".into(),
+            permanent: false,
+        },
+        false,
+        at(t0, 5),
+        &mut rec,
+    );
+    assert!(h.is_empty(), "{h:?}");
+    // Sent again within the first registration backoff, not after the request's timeout
+    // (30 s).
+    let retry = at(t0, 5) + REGISTER_RETRY_BASE;
+    assert!(s.next_due().is_some_and(|d| d <= retry));
+    s.tick(false, retry, &mut rec);
+    assert_eq!(rec.requests.len(), sent + 1);
+}

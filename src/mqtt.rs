@@ -5,7 +5,9 @@
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use paho_mqtt as paho;
@@ -26,6 +28,102 @@ pub enum MqttEvent {
         payload: Vec<u8>,
         correlation: Option<Vec<u8>>,
     },
+    /// The request with this correlation was not delivered and will not be by sending it
+    /// again as it is: `permanent` when it can never fit the broker's limit (it was not sent
+    /// at all), else the broker refused it in its PUBACK (an ACL deny, a size limit: MQTT v5
+    /// reason ≥ 0x80) without dropping the connection.
+    Refused {
+        correlation: Vec<u8>,
+        why: String,
+        permanent: bool,
+    },
+}
+
+/// Why a publish was not queued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotSent {
+    /// It can never be sent as it is (too big for the broker, an invalid topic).
+    Never(String),
+    /// The client could not queue it now (its buffer is full); later may work.
+    NotNow(String),
+}
+
+/// The size in bytes of an MQTT v5 PUBLISH packet with a topic of `topic` bytes, properties
+/// of `props` bytes and a payload of `payload` bytes (what a broker compares with its Maximum
+/// Packet Size).
+pub fn publish_packet_size(topic: usize, props: usize, payload: usize, qos: i32) -> u64 {
+    let n = |x: usize| u64::try_from(x).unwrap_or(u64::MAX);
+    let packet_id = if qos > 0 { 2 } else { 0 };
+    let remaining = n(topic)
+        .saturating_add(2)
+        .saturating_add(packet_id)
+        .saturating_add(varint_len(n(props)))
+        .saturating_add(n(props))
+        .saturating_add(n(payload));
+    remaining
+        .saturating_add(varint_len(remaining))
+        .saturating_add(1)
+}
+
+/// Bytes of an MQTT variable byte integer holding `n`.
+fn varint_len(n: u64) -> u64 {
+    match n {
+        0..=127 => 1,
+        128..=16_383 => 2,
+        16_384..=2_097_151 => 3,
+        _ => 4,
+    }
+}
+
+/// Bytes of the properties of a request: response topic, correlation data, and the
+/// `X-API-Token` user property when there is a token.
+pub fn request_props_size(inbox: usize, correlation: usize, token: usize) -> usize {
+    let user = if token == 0 {
+        0
+    } else {
+        1usize
+            .saturating_add(2)
+            .saturating_add("X-API-Token".len())
+            .saturating_add(2)
+            .saturating_add(token)
+    };
+    3usize
+        .saturating_add(inbox)
+        .saturating_add(3)
+        .saturating_add(correlation)
+        .saturating_add(user)
+}
+
+/// Whether a packet of `size` bytes fits the broker's Maximum Packet Size `limit` (0: the
+/// broker named none). `Err` says why not.
+pub fn fits(size: u64, limit: u32) -> Result<(), String> {
+    if limit == 0 || size <= u64::from(limit) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the message is {size} bytes and the broker takes at most {limit} (its Maximum Packet Size); sending it would only make the broker drop the connection"
+        ))
+    }
+}
+
+/// MQTT v5 reason "Packet too large": the message will never fit this broker.
+const PACKET_TOO_LARGE: i32 = 0x95;
+
+/// The broker's answer to a publish, as a refusal: `Some((why, permanent))` when it refused it
+/// with an MQTT v5 reason code (PUBACK ≥ 0x80; `permanent` when the message is too large to
+/// ever fit), `None` for a delivery or a failure of the connection (which the node notices
+/// and handles as a loss).
+pub fn refusal_of(result: &Result<(), paho::Error>) -> Option<(String, bool)> {
+    match result {
+        Err(paho::Error::ReasonCode(rc, _)) if (*rc as i32) >= 0x80 => {
+            let code = *rc as i32;
+            Some((
+                format!("the broker refused it: {rc} (MQTT reason {code:#04x})"),
+                code == PACKET_TOO_LARGE,
+            ))
+        }
+        _ => None,
+    }
 }
 
 /// One broker address of `mqtt_host`.
@@ -45,6 +143,12 @@ impl Endpoint {
         }
     }
 }
+
+/// Paho gives up a connect attempt after this long.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The node gives up waiting for an attempt's outcome after this long (Paho's own timeout
+/// should always come first).
+const CONNECT_WATCHDOG: Duration = Duration::from_secs(25);
 
 /// The most broker addresses `mqtt_host` may list.
 pub const MAX_ENDPOINTS: usize = 32;
@@ -239,6 +343,13 @@ pub struct Mqtt {
     /// The endpoint of the current (or next) attempt, an index into `opts.endpoints`.
     current: std::cell::Cell<usize>,
     tx: Sender<MqttEvent>,
+    /// The broker's Maximum Packet Size from the last CONNACK (0: none named).
+    max_packet: Arc<AtomicU32>,
+    /// Requests whose PUBACK the ack thread waits for (a refusal comes back as
+    /// `MqttEvent::Refused`).
+    acks: Option<Sender<(Vec<u8>, paho::DeliveryToken)>>,
+    /// Publishes refused here for their size, logged at most once a minute.
+    too_big: std::cell::RefCell<crate::logtext::Throttle>,
 }
 
 impl Mqtt {
@@ -298,6 +409,13 @@ impl Mqtt {
                 MqttEvent::Lost(format!("the broker disconnected the node: {reason}"))
             });
         });
+        let acks = match start_ack_thread(tx.clone()) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                log::warn!("cannot start the MQTT acknowledgement thread ({e}); a request the broker refuses is noticed only by its timeout");
+                None
+            }
+        };
         Ok(Mqtt {
             client,
             connect_opts,
@@ -306,7 +424,33 @@ impl Mqtt {
             opts,
             current: std::cell::Cell::new(0),
             tx,
+            max_packet: Arc::new(AtomicU32::new(0)),
+            acks,
+            too_big: std::cell::RefCell::new(crate::logtext::Throttle::default()),
         })
+    }
+
+    /// The broker's Maximum Packet Size (MQTT v5 CONNACK), if it named one.
+    pub fn max_packet_size(&self) -> Option<u32> {
+        Some(self.max_packet.load(Ordering::Relaxed)).filter(|n| *n > 0)
+    }
+
+    /// Says, at most once a minute, that a message (`what`: "to TOPIC", "a log chunk of …")
+    /// was not sent because it cannot be (too big, an invalid topic).
+    pub fn log_too_big(&self, what: &str, why: &str) {
+        let held = self
+            .too_big
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut t| t.ready(Instant::now()));
+        if let Some(held) = held {
+            let more = if held > 0 {
+                format!(" ({held} more since the last such line)")
+            } else {
+                String::new()
+            };
+            log::error!("not publishing {what}: {why}{more}");
+        }
     }
 
     fn current_endpoint(&self) -> Option<&Endpoint> {
@@ -357,18 +501,41 @@ impl Mqtt {
                 .send(MqttEvent::Connect(Err("no MQTT broker address".into())));
             return clean;
         };
-        let token = self.client.connect(copts.clone());
+        let client = self.client.clone();
+        let copts = copts.clone();
         let tx = self.tx.clone();
         let opts = self.opts.clone();
         let endpoint = self.current_endpoint().cloned();
+        let max_packet = self.max_packet.clone();
         let spawned = std::thread::Builder::new()
             .name("mqtt-connect".into())
             .spawn(move || {
-                let outcome = match token.wait() {
-                    Ok(rsp) => Ok(rsp
-                        .connect_response()
-                        .map(|c| c.session_present)
-                        .unwrap_or(false)),
+                // Started here, not on the loop: Paho resolves the broker's name holding the
+                // lock every call into it takes, so a slow DNS would stall the caller.
+                let started = Instant::now();
+                let token = client.connect(copts);
+                // Paho ends the attempt itself after CONNECT_TIMEOUT; this bound only makes
+                // sure the node never waits on an attempt whose outcome never comes.
+                let outcome = match token.wait_for(CONNECT_WATCHDOG) {
+                    Ok(rsp) => {
+                        // Known before the loop hears of the connection, so before it sends.
+                        let limit = rsp
+                            .properties()
+                            .get_int(paho::PropertyCode::MaximumPacketSize)
+                            .and_then(|n| u32::try_from(n).ok())
+                            .unwrap_or(0);
+                        max_packet.store(limit, Ordering::Relaxed);
+                        Ok(rsp
+                            .connect_response()
+                            .map(|c| c.session_present)
+                            .unwrap_or(false))
+                    }
+                    Err(paho::Error::Timeout) if started.elapsed() >= CONNECT_WATCHDOG => {
+                        Err(format!(
+                            "the MQTT client gave no outcome of the connect attempt within {} s",
+                            CONNECT_WATCHDOG.as_secs()
+                        ))
+                    }
                     Err(e) => Err(match &endpoint {
                         Some(ep) => diagnose(&opts, ep, &e),
                         None => e.to_string(),
@@ -396,27 +563,61 @@ impl Mqtt {
         self.client.is_connected()
     }
 
-    /// Queues a publish; never waits. A topic no broker would accept is never sent (D34).
+    /// Queues a publish; never waits. A topic no broker would accept, or a message over the
+    /// broker's Maximum Packet Size, is never sent (D34): the broker would drop the connection.
     pub fn publish(&self, topic: &str, payload: Vec<u8>, qos: i32, props: paho::Properties) {
-        if !crate::protocol::topics::publishable(topic) {
-            log::error!(
-                "not publishing to an invalid topic {}",
-                crate::logtext::shown(&redact_topic(topic))
-            );
-            return;
+        // Replies, without properties; a reserve for any others.
+        let props_len = if props.is_empty() { 0 } else { 1024 };
+        match self.queue(topic, payload, qos, props, props_len) {
+            Ok(_) => {}
+            Err(NotSent::Never(why)) => self.log_too_big(
+                &format!("to {}", crate::logtext::shown(&redact_topic(topic))),
+                &why,
+            ),
+            Err(NotSent::NotNow(why)) => log::warn!("{why}"),
         }
+    }
+
+    fn check(
+        &self,
+        topic: &str,
+        props_len: usize,
+        payload: usize,
+        qos: i32,
+    ) -> Result<(), NotSent> {
+        if !crate::protocol::topics::publishable(topic) {
+            return Err(NotSent::Never("the topic is invalid".into()));
+        }
+        let size = publish_packet_size(topic.len(), props_len, payload, qos);
+        fits(size, self.max_packet.load(Ordering::Relaxed)).map_err(NotSent::Never)
+    }
+
+    fn queue(
+        &self,
+        topic: &str,
+        payload: Vec<u8>,
+        qos: i32,
+        props: paho::Properties,
+        props_len: usize,
+    ) -> Result<paho::DeliveryToken, NotSent> {
+        self.check(topic, props_len, payload.len(), qos)?;
         let msg = paho::MessageBuilder::new()
             .topic(topic)
             .payload(payload)
             .qos(qos)
             .properties(props)
             .finalize();
-        if let Err(e) = self.client.try_publish(msg) {
-            log::warn!("could not queue a message for {}: {e}", redact_topic(topic));
-        }
+        self.client.try_publish(msg).map_err(|e| {
+            NotSent::NotNow(format!(
+                "could not queue a message for {}: {e}",
+                crate::logtext::shown(&redact_topic(topic))
+            ))
+        })
     }
 
     /// A v5 request: response topic, correlation data and the `X-API-Token` user property.
+    /// A request that cannot be sent, or that the broker refuses, comes back as
+    /// `MqttEvent::Refused` with its correlation.
     pub fn publish_request(
         &self,
         topic: &str,
@@ -442,33 +643,36 @@ impl Mqtt {
                 redact_topic(topic)
             );
         }
-        self.publish(topic, payload, 1, props);
+        let props_len = request_props_size(inbox.len(), correlation.len(), token.len());
+        match self.queue(topic, payload, 1, props, props_len) {
+            Ok(t) => {
+                if let Some(acks) = &self.acks {
+                    let _ = acks.send((correlation.to_vec(), t));
+                }
+            }
+            Err(NotSent::Never(why)) => {
+                let _ = self.tx.send(MqttEvent::Refused {
+                    correlation: correlation.to_vec(),
+                    why,
+                    permanent: true,
+                });
+            }
+            // Its timeout retries it.
+            Err(NotSent::NotNow(why)) => log::warn!("{why}"),
+        }
     }
 
     /// A QoS 1 publish whose broker acknowledgement (PUBACK) the caller wants to know of.
-    pub fn publish_tracked(&self, topic: &str, payload: Vec<u8>) -> Option<paho::DeliveryToken> {
-        if !crate::protocol::topics::publishable(topic) {
-            log::error!(
-                "not publishing to an invalid topic {}",
-                crate::logtext::shown(topic)
-            );
-            return None;
+    pub fn publish_tracked(
+        &self,
+        topic: &str,
+        payload: Vec<u8>,
+    ) -> Result<paho::DeliveryToken, NotSent> {
+        let r = self.queue(topic, payload, 1, paho::Properties::new(), 0);
+        if let Err(NotSent::NotNow(why)) = &r {
+            log::warn!("{why}");
         }
-        let msg = paho::MessageBuilder::new()
-            .topic(topic)
-            .payload(payload)
-            .qos(1)
-            .finalize();
-        match self.client.try_publish(msg) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                log::warn!(
-                    "could not queue a message for {}: {e}",
-                    crate::logtext::shown(&redact_topic(topic))
-                );
-                None
-            }
-        }
+        r
     }
 
     pub fn subscribe(&self, topics: &[String]) {
@@ -514,6 +718,34 @@ impl Mqtt {
     }
 }
 
+/// Waits, in order and off the event loop, for the PUBACK of each request, and reports the
+/// ones the broker refused as `MqttEvent::Refused`.
+fn start_ack_thread(
+    events: Sender<MqttEvent>,
+) -> std::io::Result<Sender<(Vec<u8>, paho::DeliveryToken)>> {
+    let (tx, rx) = crossbeam_channel::unbounded::<(Vec<u8>, paho::DeliveryToken)>();
+    std::thread::Builder::new()
+        .name("mqtt-pubacks".into())
+        .spawn(move || {
+            for (correlation, token) in rx {
+                // A token of a lost connection fails (or is resent after the reconnect and
+                // answered then); a minute is far beyond any PUBACK.
+                let result = token.wait_for(Duration::from_secs(60)).map(|_| ());
+                if let Some((why, permanent)) = refusal_of(&result) {
+                    let refused = MqttEvent::Refused {
+                        correlation,
+                        why,
+                        permanent,
+                    };
+                    if events.send(refused).is_err() {
+                        return;
+                    }
+                }
+            }
+        })?;
+    Ok(tx)
+}
+
 /// CONNECT options naming only `uri` (Paho tries the addresses of a list itself, in order and
 /// at once; the node wants its own order, backoff and jitter between them).
 fn connect_options(
@@ -531,7 +763,7 @@ fn connect_options(
         .keep_alive_interval(opts.keep_alive)
         .clean_start(clean) // D15: normally resume the broker session (queued QoS 1 commands)
         .properties(props)
-        .connect_timeout(Duration::from_secs(10));
+        .connect_timeout(CONNECT_TIMEOUT);
     if !opts.username.is_empty() {
         b.user_name(&opts.username);
     }
@@ -731,6 +963,58 @@ mod tests {
         let firsts: std::collections::BTreeSet<u32> = orders.iter().map(|o| o[0]).collect();
         assert_eq!(firsts.len(), 8);
         assert!(shuffled(Vec::<u8>::new(), || 0).is_empty());
+    }
+
+    #[test]
+    fn packet_sizes_follow_the_mqtt_v5_encoding() {
+        // 1 fixed header + 1 remaining length + (2 + 3 topic + 2 packet id + 1 property
+        // length + 0 properties + 10 payload).
+        assert_eq!(publish_packet_size(3, 0, 10, 1), 20);
+        assert_eq!(publish_packet_size(3, 0, 10, 0), 18);
+        // The remaining length takes a second byte from 128 on.
+        assert_eq!(publish_packet_size(1, 0, 121, 1), 129);
+        assert_eq!(publish_packet_size(1, 0, 122, 1), 131);
+        // Properties past 127 bytes take a two-byte length.
+        assert_eq!(
+            publish_packet_size(1, 128, 0, 1) - publish_packet_size(1, 127, 0, 1),
+            2
+        );
+        // Response topic, correlation data, user property "X-API-Token" = token.
+        assert_eq!(request_props_size(10, 16, 0), 3 + 10 + 3 + 16);
+        assert_eq!(
+            request_props_size(10, 16, 5),
+            3 + 10 + 3 + 16 + 1 + 2 + 11 + 2 + 5
+        );
+        assert_eq!(
+            publish_packet_size(usize::MAX, usize::MAX, usize::MAX, 1),
+            u64::MAX
+        );
+    }
+
+    #[test]
+    fn a_message_over_the_brokers_maximum_packet_size_never_fits() {
+        assert!(fits(65_536, 65_536).is_ok());
+        let e = fits(65_537, 65_536).unwrap_err();
+        assert!(e.contains("65537") && e.contains("65536"), "{e}");
+        // A broker that names no limit takes anything.
+        assert!(fits(u64::MAX, 0).is_ok());
+    }
+
+    #[test]
+    fn a_puback_reason_code_is_a_refusal_and_a_lost_connection_is_not() {
+        let refused = |rc| refusal_of(&Err(paho::Error::ReasonCode(rc, paho::Properties::new())));
+        let (why, permanent) = refused(paho::ReasonCode::NotAuthorized).unwrap();
+        assert!(why.contains("0x87"), "{why}");
+        assert!(
+            !permanent,
+            "an ACL may change: counted, not set aside at once"
+        );
+        assert!(refused(paho::ReasonCode::PacketTooLarge).unwrap().1);
+        assert!(refused(paho::ReasonCode::ImplementationSpecificError).is_some());
+        assert!(refused(paho::ReasonCode::Success).is_none());
+        assert!(refusal_of(&Ok(())).is_none());
+        assert!(refusal_of(&Err(paho::Error::Timeout)).is_none());
+        assert!(refusal_of(&Err(paho::Error::Disconnected)).is_none());
     }
 
     #[test]

@@ -123,6 +123,8 @@ pub const MAX_IN_FLIGHT: usize = 64;
 pub const REFUSAL_WINDOW: Duration = Duration::from_secs(5);
 /// An item refused this many times is set aside, never retried forever (D34).
 pub const MAX_REFUSALS: u32 = 5;
+/// The pause before an item the broker refused in its PUBACK is sent again.
+pub const REFUSAL_RETRY: Duration = Duration::from_secs(1);
 
 pub fn now_nanos() -> u64 {
     std::time::SystemTime::now()
@@ -363,6 +365,22 @@ impl Outbox {
         }
     }
 
+    /// The broker refused `seq` without dropping the connection (a PUBACK reason ≥ 0x80: an
+    /// ACL deny, a size limit), or it can never be sent as it is (`permanent`: too big for
+    /// the broker). A permanent refusal, or the [`MAX_REFUSALS`]th, quarantines it and returns
+    /// it so the caller can say so (D34); otherwise it is tried again after a backoff.
+    pub fn refused(&mut self, seq: u64, permanent: bool, now: Instant) -> Option<(Item, PathBuf)> {
+        let s = self.slots.get_mut(&seq)?;
+        s.refusals = s.refusals.saturating_add(1);
+        if permanent || s.refusals >= MAX_REFUSALS {
+            return self.quarantine(seq);
+        }
+        // Not the backend's load: no long backoff, only a pause.
+        s.in_flight = None;
+        s.next_try = now.checked_add(REFUSAL_RETRY).unwrap_or(now);
+        None
+    }
+
     /// The connection dropped: everything in flight is sent again after the reconnect. An item
     /// sent within [`REFUSAL_WINDOW`] of the loss counts a refusal (a broker drops the
     /// connection of a client that publishes what it refuses); one refused [`MAX_REFUSALS`]
@@ -439,6 +457,43 @@ mod tests {
             assert!(o.reset_in_flight().is_empty());
         }
         assert!(o.in_flight(good) || o.len() == 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_item_the_broker_refuses_in_its_puback_is_retried_then_set_aside() {
+        let dir = std::env::temp_dir().join(format!("cw-outbox-puback-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut o = Outbox::load(dir.join("outbox")).unwrap();
+        let item = |t: &str| Item {
+            topic: t.into(),
+            body: json!({}),
+            label: t.into(),
+            key: None,
+        };
+        let denied = o.push(item("t/denied")).unwrap();
+        let other = o.push(item("t/other")).unwrap();
+        let t0 = Instant::now();
+        let mut now = t0;
+        for round in 1..MAX_REFUSALS {
+            o.sent(denied, vec![1]);
+            assert!(o.refused(denied, false, now).is_none(), "round {round}");
+            assert!(!o.in_flight(denied));
+            // Backed off: not due at once, due later.
+            assert!(o.due(now).iter().all(|(s, _)| *s != denied));
+            now += REFUSAL_RETRY;
+            assert!(o.due(now).iter().any(|(s, _)| *s == denied));
+        }
+        o.sent(denied, vec![1]);
+        let (gone, aside) = o.refused(denied, false, now).unwrap();
+        assert_eq!(gone.topic, "t/denied");
+        assert!(aside.starts_with(dir.join("quarantine")) && aside.exists());
+        // The other item is untouched, and a refusal of an unknown item is nothing.
+        assert_eq!(o.due(now), vec![(other, item("t/other"))]);
+        assert!(o.refused(denied, false, now).is_none());
+        // Too big for the broker: set aside at the first refusal.
+        assert!(o.refused(other, true, now).is_some());
+        assert!(o.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

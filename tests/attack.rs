@@ -371,17 +371,12 @@ fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
         node.log()
     );
     let aside = node.log().len();
+    // Ready after the entry was set aside, or already before it (a connection that outlived
+    // the refusal): either way the node must be up. Both are looked at on every poll.
     let ready = wait_for(Duration::from_secs(30), || {
-        node.log()
-            .get(aside..)
-            .is_some_and(|l| l.contains("node ready"))
-            .then_some(())
+        node.log().contains("node ready").then_some(())
     })
-    .is_some()
-        || node
-            .log()
-            .get(..aside)
-            .is_some_and(|l| l.contains("node ready"));
+    .is_some();
     assert!(
         ready,
         "the node did not come up after the entry was set aside ({} connections so far):\n{}",
@@ -521,4 +516,246 @@ fn d29_a_cancel_just_after_the_completion_was_acknowledged_answers_already_finis
     );
     assert_eq!(c["status"], "ok", "{c}");
     assert!(c.to_string().contains("already finished"), "{c}");
+}
+
+// ---- a broker that refuses a publish must not silence the node (D34) -----------------------
+
+const ACCUSED: &str = "another client uses this node's MQTT client id";
+
+/// Writes `entry` as queue entry `seq` of `queue` (`outbox` or `ingress`) in the node's state
+/// dir before it starts.
+fn plant(setup: &NodeSetup, queue: &str, seq: u64, entry: Value) {
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join(queue)).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::write(
+        dir.join(format!("{queue}/{seq:020}.json")),
+        entry.to_string(),
+    )
+    .unwrap();
+}
+
+/// Files in the node's quarantine folder.
+fn set_aside(setup: &NodeSetup) -> usize {
+    std::fs::read_dir(setup.config_dir().join("quarantine"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// The node answers `status` over MQTT (request id `rid`).
+fn answers(cp: &ControlPlane, node: &NodeProcess, rid: &str) {
+    assert!(
+        cp.status(&node.uuid(), rid, REPLY).is_some(),
+        "no status reply to {rid}; log:\n{}",
+        node.log()
+    );
+}
+
+/// What every refusal test checks at its end: one connection all along (the node never sent
+/// what the broker drops clients for, and nothing it refused cost the connection), no false
+/// duplicate-client-id alarm, one ERROR line per entry set aside, and `status` answered.
+fn assert_stayed_up(cp: &ControlPlane, node: &NodeProcess, labels: &[&str]) {
+    let log = node.log();
+    assert_eq!(
+        log.matches("connected to MQTT broker").count(),
+        1,
+        "the connection did not survive the refusals:\n{log}"
+    );
+    assert!(!log.contains(ACCUSED), "{log}");
+    for label in labels {
+        let line = format!("the {label} cannot be delivered");
+        assert_eq!(
+            log.lines()
+                .filter(|l| l.contains(&line) && l.contains("ERROR") && l.contains("set aside in"))
+                .count(),
+            1,
+            "one ERROR line for the {label}:\n{log}"
+        );
+    }
+    answers(cp, node, "after");
+}
+
+/// A completion and a workflow event over the broker's Maximum Packet Size (which the broker
+/// named in its CONNACK) are never sent: mosquitto would drop the node's connection for them,
+/// over and over. One over `message_size_limit` is refused in its PUBACK (0x95): too large
+/// for ever, so set aside at once. What queues behind them is delivered, and the node answers
+/// `status` throughout.
+#[test]
+fn d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_connection() {
+    let broker = crate::support::Broker::start_with_conf(
+        "max_packet_size 65536\nmessage_size_limit 10000\n",
+    );
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 1\n");
+    let status = |wl: &str| format!("cyberwave/cloud-workload/{wl}/update-status");
+    let pad = |n: usize| "x".repeat(n);
+    plant(
+        &setup,
+        "outbox",
+        1,
+        json!({"topic": status("wl-huge"), "body": {"status": "completed", "pad": pad(100_000)}, "label": "huge completion"}),
+    );
+    plant(
+        &setup,
+        "outbox",
+        2,
+        json!({"topic": status("wl-large"), "body": {"status": "completed", "pad": pad(20_000)}, "label": "large completion"}),
+    );
+    plant(
+        &setup,
+        "outbox",
+        3,
+        json!({"topic": status("wl-ok"), "body": {"status": "completed"}, "label": "small completion"}),
+    );
+    plant(
+        &setup,
+        "ingress",
+        1,
+        json!({"topic": "cyberwave/workflow/wf/execution/started", "body": {"pad": pad(100_000)}, "label": "huge event"}),
+    );
+    plant(
+        &setup,
+        "ingress",
+        2,
+        json!({"topic": "cyberwave/workflow/wf/execution/ex/finished", "body": {"ok": true}, "label": "small event"}),
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    answers(&cp, &node, "during");
+    assert!(
+        node.wait_log("backend acknowledged the small completion", DONE),
+        "the completion queued behind the refused ones was not delivered:\n{}",
+        node.log()
+    );
+    assert!(
+        wait_for(DONE, || (!cp.requests("ingress").is_empty()).then_some(())).is_some(),
+        "the event queued behind the refused one was not delivered:\n{}",
+        node.log()
+    );
+    let events = cp.requests("ingress");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].id, "wf/execution/ex/finished");
+    assert!(
+        wait_for(DONE, || (set_aside(&setup) == 3).then_some(())).is_some(),
+        "{} set aside:\n{}",
+        set_aside(&setup),
+        node.log()
+    );
+    assert!(cp.statuses("wl-huge").is_empty() && cp.statuses("wl-large").is_empty());
+    assert_stayed_up(
+        &cp,
+        &node,
+        &["huge completion", "large completion", "huge event"],
+    );
+}
+
+/// A workload that writes more than the broker's Maximum Packet Size at once: before, each
+/// log chunk over the limit made mosquitto drop the node (every few seconds, resent after
+/// each reconnect), the short connections were taken for a copied state dir (D33 ERROR, 30 s
+/// pauses), and `status` went unanswered for most of a minute. Now the chunk is not sent, the
+/// connection stays, `status` is answered while the workload runs, and its completion arrives.
+#[test]
+fn d34_a_log_chunk_over_the_brokers_packet_size_does_not_cost_the_connection() {
+    let broker = crate::support::Broker::start_with_conf("max_packet_size 65536\n");
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: head -c 300000 /dev/zero | tr '\\0' x; echo; while [ ! -f release ]; do sleep 0.05; done\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "big-log", "params": {"workload_uuid": "wl-bl"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        node.wait_log("not publishing", DONE),
+        "the oversized chunk was never offered:\n{}",
+        node.log()
+    );
+    // Offered again and again while the workload runs: the node still answers.
+    for i in 0..3 {
+        answers(&cp, &node, &format!("during-{i}"));
+    }
+    std::fs::write(setup.cwd.join("release"), "").unwrap();
+    assert!(
+        cp.wait_status("wl-bl", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    assert_stayed_up(&cp, &node, &[]);
+}
+
+/// An ACL that denies the node one workload's status topic and one workflow's events (MQTT v5:
+/// PUBACK 0x87, the connection stays). Before, the completion was retried for ever with a
+/// backoff up to a minute, and the denied event, sent strictly in order, held up every event
+/// after it for ever. Now each is set aside after 5 refusals with one ERROR line, the events
+/// behind it are delivered, and the node answers `status` throughout.
+#[test]
+fn d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
+    let broker = crate::support::Broker::start_with_acl(
+        "pattern deny cyberwave/cloud-workload/wl-denied/#\npattern deny cyberwave/workflow/wf-denied/#\npattern readwrite #\n",
+    );
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", "cyberwave:\n  training: echo done\n");
+    plant(
+        &setup,
+        "ingress",
+        1,
+        json!({"topic": "cyberwave/workflow/wf-denied/execution/started", "body": {"x": 1}, "label": "denied event"}),
+    );
+    plant(
+        &setup,
+        "ingress",
+        2,
+        json!({"topic": "cyberwave/workflow/wf/execution/started", "body": {"x": 2}, "label": "allowed event"}),
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "denied", "params": {"workload_uuid": "wl-denied"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    answers(&cp, &node, "during");
+    assert!(
+        wait_for(DONE, || (set_aside(&setup) == 2).then_some(())).is_some(),
+        "{} set aside:\n{}",
+        set_aside(&setup),
+        node.log()
+    );
+    let events = cp.requests("ingress");
+    assert!(
+        events.iter().any(|e| e.id == "wf/execution/started"),
+        "the event behind the denied one was held up: {events:?}\n{}",
+        node.log()
+    );
+    // Another workload's completion goes through.
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "allowed", "params": {"workload_uuid": "wl-allowed"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-allowed", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let label = node
+        .log()
+        .lines()
+        .find(|l| l.contains("cannot be delivered") && !l.contains("denied event"))
+        .and_then(|l| l.split("the ").nth(1))
+        .and_then(|l| l.split(" cannot be delivered").next())
+        .map(String::from)
+        .unwrap_or_default();
+    assert!(label.contains("denied"), "{label:?}:\n{}", node.log());
+    assert_stayed_up(&cp, &node, &["denied event", &label]);
 }

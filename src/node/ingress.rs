@@ -9,13 +9,14 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::{json, Map, Value};
 
-use super::{Conn, Node};
+use super::Node;
 use crate::ingress;
 use crate::outbox::Item;
 use crate::workload::{self, Meta, WorkflowCtx};
 
-/// The PUBACK of an ingress event (`true`) or its failure.
-pub type Acked = (u64, bool);
+/// The PUBACK of an ingress event: `Ok`, or `Err(Some((why, permanent)))` when the broker
+/// refused it, `Err(None)` when no acknowledgement came.
+pub type Acked = (u64, Result<(), Option<(String, bool)>>);
 /// An ingress event's sequence number and its delivery token, for the ack thread.
 pub type Tracked = (u64, paho_mqtt::DeliveryToken);
 
@@ -27,8 +28,12 @@ pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)>
         .name("acks".into())
         .spawn(move || {
             for (seq, token) in rx {
-                let ok = token.wait_for(Duration::from_secs(30)).is_ok();
-                if atx.send((seq, ok)).is_err() {
+                let result = token.wait_for(Duration::from_secs(30)).map(|_| ());
+                let acked = match crate::mqtt::refusal_of(&result) {
+                    Some(refused) => Err(Some(refused)),
+                    None => result.map_err(|_| None),
+                };
+                if atx.send((seq, acked)).is_err() {
                     return;
                 }
             }
@@ -92,7 +97,7 @@ impl Node {
 
     /// Publishes the oldest queued event when nothing is in flight.
     pub(super) fn send_ingress(&mut self) {
-        if self.conn != Conn::Connected {
+        if !self.session.connected() {
             return;
         }
         let Some((seq, item)) = self.ingress.head_due(self.clock.now()) else {
@@ -114,19 +119,43 @@ impl Node {
             serde_json::to_vec(&ingress::with_session(&item.body, self.topics.client_id()))
                 .unwrap_or_default();
         match self.mqtt.publish_tracked(&topic, payload) {
-            Some(token) => {
+            Ok(token) => {
                 self.ingress.sent(seq, Vec::new());
                 let _ = self.acks_tx.send((seq, token));
             }
-            None => self.ingress.retry_later(seq, self.clock.now()),
+            Err(crate::mqtt::NotSent::Never(why)) => {
+                self.ingress_refused(seq, &why, true);
+                self.send_ingress();
+            }
+            Err(crate::mqtt::NotSent::NotNow(_)) => self.ingress.retry_later(seq, self.clock.now()),
         }
     }
 
-    pub(super) fn on_ingress_ack(&mut self, (seq, ok): Acked) {
+    /// The broker refused an event, or it can never be sent (D34): set aside with one ERROR
+    /// line at once (`permanent`) or after [`crate::outbox::MAX_REFUSALS`] refusals, so that
+    /// the events queued behind it are not held up for ever.
+    fn ingress_refused(&mut self, seq: u64, why: &str, permanent: bool) {
+        match self.ingress.refused(seq, permanent, self.clock.now()) {
+            Some((item, aside)) => log::error!(
+                "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
+                crate::logtext::shown(&item.label),
+                crate::logtext::shown(why),
+                aside.display()
+            ),
+            None => log::warn!(
+                "workflow event not delivered ({}); retrying later",
+                crate::logtext::shown(why)
+            ),
+        }
+    }
+
+    pub(super) fn on_ingress_ack(&mut self, (seq, acked): Acked) {
         if !self.ingress.in_flight(seq) {
             return; // from before a reconnect: that event is sent again
         }
-        if ok {
+        if let Err(Some((why, permanent))) = &acked {
+            self.ingress_refused(seq, why, *permanent);
+        } else if acked.is_ok() {
             if let Some(item) = self.ingress.acknowledged(seq) {
                 log::debug!(
                     "ingress event delivered: {}",
@@ -148,7 +177,7 @@ impl Node {
         let owner = self
             .active
             .values()
-            .find(|a| !token.is_empty() && a.meta.event_token == token)
+            .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
             .map(|a| a.meta.clone());
         let Some(owner) = owner else {
             return json!({"ok": false, "refused": true, "error": "invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)"});

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use super::streams::{self, Cursor, Outbound, Source, Streams};
-use super::{Conn, Node, Op, Pending, Registration};
+use super::{Node, Op, Wire};
 use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Event, Key, Request};
 
@@ -63,11 +63,10 @@ impl Node {
     /// once, straight into the payload).
     fn publish_log(&mut self, op: Op, payload: Vec<u8>) {
         let topic = self.topics.logs(self.uuid());
-        let corr = crate::util::random_bytes::<16>().to_vec();
-        self.mqtt
-            .publish_request(&topic, payload, &self.topics.inbox(), &corr, &self.token);
-        let deadline = crate::util::later(self.clock.now(), self.s.tuning.request_timeout);
-        self.pending.insert(corr, Pending { op, deadline });
+        let now = self.clock.now();
+        let timeout = self.s.tuning.request_timeout;
+        self.session
+            .request_payload(op, &topic, payload, timeout, now, &mut wire!(self));
     }
 
     /// Runs `f` on the streams part with the node as its outbound side.
@@ -82,8 +81,8 @@ impl Node {
     /// persisted cursor, ended ones ship their rest, forgotten ones are dropped.
     pub(super) fn sync_streams(&mut self) {
         let now = self.clock.now();
-        let connected = self.conn == Conn::Connected && self.reg == Registration::Done;
-        let uuid = self.identity.as_ref().map_or("", |i| i.uuid.as_str());
+        let connected = self.session.connected() && self.session.registered();
+        let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
         let active = &self.active;
         self.streams.retain(|id| active.contains_key(id));
@@ -155,7 +154,7 @@ impl Node {
     pub(super) fn reset_streams(&mut self) {
         let now = self.clock.now();
         self.streams.reset(now);
-        self.pending.retain(|_, p| !matches!(p.op, Op::Log(_)));
+        self.session.forget(|op| matches!(op, Op::Log(_)));
     }
 
     /// The next moment the streams have something due (none while nothing waits).
@@ -190,7 +189,7 @@ impl Node {
     /// Ships the install script's output (captured in `install_logs/`) once, after the first
     /// registration: the last 1 MiB of each stream at most, in 64 KiB chunks.
     pub(super) fn ship_install_logs(&mut self) {
-        if self.streams.install_shipped() || self.reg != Registration::Done {
+        if self.streams.install_shipped() || !self.session.registered() {
             return;
         }
         self.sync_streams();

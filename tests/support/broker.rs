@@ -17,6 +17,10 @@ pub struct Broker {
     /// The port of a hub broker this one bridges every topic to and from (MQTT v5), as the
     /// nodes of a cluster share their traffic.
     bridge_to: Option<u16>,
+    /// Extra lines for `mosquitto.conf` (limits).
+    extra_conf: String,
+    /// An ACL file's text (mosquitto's `acl_file` syntax), written into `dir`.
+    acl: Option<String>,
 }
 
 fn mosquitto_bin() -> String {
@@ -53,6 +57,16 @@ impl Broker {
         Self::start_inner(None, Some((user.to_string(), password.to_string())))
     }
 
+    /// A broker with these extra `mosquitto.conf` lines (e.g. `max_packet_size 65536\n`).
+    pub fn start_with_conf(conf: &str) -> Broker {
+        Self::start_full_with(None, None, None, conf.to_string(), None)
+    }
+
+    /// A broker that applies this ACL (mosquitto's `acl_file` syntax) to every client.
+    pub fn start_with_acl(acl: &str) -> Broker {
+        Self::start_full_with(None, None, None, String::new(), Some(acl.to_string()))
+    }
+
     fn start_inner(
         tls: Option<(PathBuf, PathBuf, PathBuf)>,
         credentials: Option<(String, String)>,
@@ -64,6 +78,16 @@ impl Broker {
         tls: Option<(PathBuf, PathBuf, PathBuf)>,
         credentials: Option<(String, String)>,
         bridge_to: Option<u16>,
+    ) -> Broker {
+        Self::start_full_with(tls, credentials, bridge_to, String::new(), None)
+    }
+
+    fn start_full_with(
+        tls: Option<(PathBuf, PathBuf, PathBuf)>,
+        credentials: Option<(String, String)>,
+        bridge_to: Option<u16>,
+        extra_conf: String,
+        acl: Option<String>,
     ) -> Broker {
         let dir = TempDir::new("broker");
         // mosquitto started as root drops to its own user; let it write its log here.
@@ -94,6 +118,8 @@ impl Broker {
             tls,
             passwords,
             bridge_to,
+            extra_conf,
+            acl,
         };
         for _ in 0..10 {
             b.port = free_port();
@@ -126,6 +152,15 @@ impl Broker {
             conf.push_str(&format!(
                 "connection hub\naddress 127.0.0.1:{hub}\ntopic # both 1\nbridge_protocol_version mqttv50\ntry_private true\nnotifications false\nrestart_timeout 1\n"
             ));
+        }
+        conf.push_str(&self.extra_conf);
+        if let Some(acl) = &self.acl {
+            let file = self.dir.write("acl", acl);
+            let _ = std::fs::set_permissions(
+                &file,
+                std::os::unix::fs::PermissionsExt::from_mode(0o644),
+            );
+            conf.push_str(&format!("acl_file {}\n", file.display()));
         }
         let conf_path = self.dir.write("mosquitto.conf", &conf);
         let child = Command::new(mosquitto_bin())

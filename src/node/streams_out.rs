@@ -84,6 +84,8 @@ impl Node {
         let connected = self.session.connected() && self.session.registered();
         let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
+        self.streams
+            .set_packet_limit(self.mqtt.max_packet_size().map(u64::from));
         let active = &self.active;
         self.streams.retain(|id| active.contains_key(id));
         let mut ended = Vec::new();

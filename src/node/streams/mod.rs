@@ -30,6 +30,9 @@ use pace::{Pace, Rules, MIN_READ};
 
 /// Largest chunk read and published at once.
 pub const MAX_CHUNK: u64 = 512 * 1024;
+/// What a log request needs besides its body (topic, properties, the body's other fields),
+/// kept free below the broker's Maximum Packet Size.
+pub const PACKET_OVERHEAD: u64 = 4096;
 /// Longest piece of one line the console gets under one tag.
 pub const MIRROR_PIECE: usize = 64 * 1024;
 /// Install-log chunks (shipped once, after registration).
@@ -160,6 +163,8 @@ pub struct Streams {
     connected: bool,
     uuid: String,
     install_shipped: bool,
+    /// The broker's Maximum Packet Size (its CONNACK), when it set one.
+    packet_limit: Option<u64>,
 }
 
 impl Default for Streams {
@@ -182,7 +187,25 @@ impl Streams {
             connected: false,
             uuid: String::new(),
             install_shipped: false,
+            packet_limit: None,
         }
+    }
+
+    /// The broker's Maximum Packet Size: chunks are cut to fit it (a message over it is never
+    /// sent, and a chunk that could never go would be skipped).
+    pub fn set_packet_limit(&mut self, max_packet: Option<u64>) {
+        self.packet_limit = max_packet;
+    }
+
+    /// The largest body a chunk may have.
+    fn payload_cap(&self) -> u64 {
+        self.packet_limit
+            .map_or(u64::MAX, |p| p.saturating_sub(PACKET_OVERHEAD).max(1024))
+    }
+
+    /// The largest read: a chunk's bytes, before escaping.
+    fn read_cap(&self) -> u64 {
+        MAX_CHUNK.min(self.payload_cap())
     }
 
     /// Whether chunks may be published now (connected and registered), and the instance uuid
@@ -303,6 +326,7 @@ impl Streams {
 
     /// Asks the tailer for the next slice of every stream that is due.
     pub fn pump(&mut self, now: Instant, out: &mut dyn Outbound) {
+        let cap = self.read_cap();
         for (id, w) in &mut self.workloads {
             for (i, s) in w.streams.iter_mut().enumerate() {
                 if s.reading || s.inflight.is_some() || s.persisting {
@@ -314,12 +338,12 @@ impl Streams {
                     if idle {
                         continue;
                     }
-                    MAX_CHUNK
+                    cap
                 } else {
                     if s.pace.due(&self.rules).is_none_or(|d| now < d) {
                         continue;
                     }
-                    s.pace.allowance(now, &self.rules).min(MAX_CHUNK)
+                    s.pace.allowance(now, &self.rules).min(cap)
                 };
                 let offset = if self.connected {
                     s.acked
@@ -411,6 +435,8 @@ impl Streams {
 
     fn on_chunk(&mut self, chunk: Chunk, now: Instant, out: &mut dyn Outbound) -> u64 {
         let cap = self.max_log_bytes;
+        let payload_cap = self.payload_cap();
+        let piece = MIN_READ.min(self.read_cap());
         let connected = self.connected;
         let rules = self.rules;
         let Some(w) = self.workloads.get_mut(&chunk.key.safe_id) else {
@@ -450,12 +476,36 @@ impl Streams {
             // has to fit in memory).
             match data.iter().rposition(|b| *b == b'\n') {
                 Some(pos) => data.truncate(pos.saturating_add(1)),
-                None if (data.len() as u64) < MIN_READ => data.clear(),
+                None if (data.len() as u64) < piece => data.clear(),
                 None => data.truncate(text::utf8_cut(&data, data.len())),
             }
         } else if !caught_up {
             data.truncate(text::utf8_cut(&data, data.len()));
         }
+        // The body, cut to the broker's packet size if it set one (escaping can make the text
+        // longer than the bytes read).
+        let mut shrunk = false;
+        let body = if publishing && !data.is_empty() {
+            let at = chunk.offset.saturating_add(s.base);
+            let mut b = chunk_body(&self.uuid, i, &data, &w.src, at, s.dropped_unsent);
+            let mut tries: u32 = 0;
+            while b.len() as u64 > payload_cap && data.len() > 1 && tries < 16 {
+                let keep = (data.len() as u128)
+                    .saturating_mul(u128::from(payload_cap))
+                    .checked_div(b.len() as u128)
+                    .unwrap_or(0);
+                let keep = usize::try_from(keep).unwrap_or(0);
+                let keep = keep.min(data.len().saturating_sub(1)).max(1);
+                data.truncate(text::utf8_cut(&data, keep));
+                shrunk = true;
+                b = chunk_body(&self.uuid, i, &data, &w.src, at, s.dropped_unsent);
+                tries = tries.saturating_add(1);
+            }
+            s.dropped_unsent = 0;
+            Some(b)
+        } else {
+            None
+        };
         let end = chunk.offset.saturating_add(data.len() as u64);
         // Mirror what the console has not seen yet.
         if end > s.mirrored {
@@ -465,7 +515,8 @@ impl Streams {
             mirror(prefix, i, fresh, false, &mut s.partial, out);
             s.mirrored = end;
         }
-        let all_sent_or_partial = end >= chunk.file_len || (caught_up && !ending);
+        // (A chunk cut to fit the broker leaves whole lines behind.)
+        let all_sent_or_partial = end >= chunk.file_len || (caught_up && !ending && !shrunk);
         if data.is_empty() || mirroring {
             if ending && data.is_empty() && chunk.offset == s.acked {
                 // Every byte acknowledged, up to the end of the file (or a file that cannot be
@@ -488,14 +539,9 @@ impl Streams {
             }
             return 0;
         }
-        let body = chunk_body(
-            &self.uuid,
-            i,
-            &data,
-            &w.src,
-            chunk.offset.saturating_add(s.base),
-            std::mem::take(&mut s.dropped_unsent),
-        );
+        let Some(body) = body else {
+            return 0;
+        };
         s.inflight = Some((chunk.offset, data.len() as u64));
         s.pace
             .sent(now, data.len() as u64, !all_sent_or_partial, &rules);

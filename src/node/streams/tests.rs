@@ -546,6 +546,32 @@ fn a_flood_is_paced_by_the_budget_in_big_chunks_and_never_more_than_four_a_secon
 }
 
 #[test]
+fn chunks_fit_the_brokers_packet_size_even_when_escaping_makes_them_longer() {
+    let mut sim = Sim::new(settings(3000));
+    sim.st.set_packet_limit(Some(65_536));
+    // 300 000 bytes on one line: shipped in pieces that fit, none skipped.
+    sim.write(0, &vec![b'x'; 300_000]);
+    sim.write(0, b"\n");
+    for t in 1..40 {
+        sim.at(t * 250);
+        sim.answer(true);
+    }
+    assert_eq!(sim.rebuilt(0).len(), 300_001);
+    // Control characters take 6 bytes each in JSON: the chunk is cut further to fit.
+    sim.write(1, &vec![0x01; 50_000]);
+    sim.write(1, b"\n");
+    for t in 40..80 {
+        sim.at(t * 250);
+        sim.answer(true);
+    }
+    assert_eq!(sim.rebuilt(1).len(), 50_001);
+    for (_, body) in &sim.out.published {
+        let size = serde_json::to_vec(body).unwrap().len() as u64;
+        assert!(size <= 65_536 - PACKET_OVERHEAD, "a body of {size} bytes");
+    }
+}
+
+#[test]
 fn a_log_over_max_log_bytes_keeps_its_newest_half_and_announces_what_was_dropped() {
     let mut s = settings(3000);
     s.max_log_bytes = 1000;

@@ -11,6 +11,7 @@ pub mod logs;
 pub mod operate;
 mod selfheal;
 mod session;
+mod starts;
 pub mod startup;
 mod uploads;
 mod workloads;

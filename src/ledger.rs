@@ -249,6 +249,7 @@ impl Ledger {
             .open(&self.path)
             .and_then(|mut f| {
                 f.write_all(line.as_bytes())?;
+                store::slow_disk_pause();
                 f.sync_data()
             });
         if let Err(err) = written {

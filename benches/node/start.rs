@@ -57,13 +57,15 @@ fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Opti
     node.wait_ready(Duration::from_secs(20));
     let uuid = node.uuid();
     let (mut started, mut replied) = (Vec::new(), Vec::new());
+    // Request ids of their own per run: the fake backend keeps every reply it saw.
+    let tag = if slow_ms.is_some() { "slow" } else { "fast" };
     for i in 0..n {
-        let rid = format!("s{i}");
+        let rid = format!("{tag}{i}");
         let wall = SystemTime::now();
         let t = Instant::now();
         cp.command(
             &uuid,
-            json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("ws{i}")}}),
+            json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("w{rid}")}}),
         );
         if cp.wait_reply(&rid, Duration::from_secs(20)).is_none() {
             continue;
@@ -76,7 +78,7 @@ fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Opti
             started.push(Duration::from_secs_f64((s - epoch(wall)).max(0.0)));
         }
         // Let it end before the next one: one start at a time.
-        cp.wait_status(&format!("ws{i}"), "completed", Duration::from_secs(10));
+        cp.wait_status(&format!("w{rid}"), "completed", Duration::from_secs(10));
     }
     let disk = match slow_ms {
         None => "normal disk".to_string(),

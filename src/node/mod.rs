@@ -17,7 +17,6 @@ mod uploads;
 mod workloads;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{select, Receiver};
@@ -36,7 +35,7 @@ use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
 use crate::workers::{Done, Workers};
-use crate::workload::reaper::{Reaped, Reaper};
+use crate::workload::reaper::Reaped;
 use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
 use workloads::Active;
@@ -166,14 +165,14 @@ pub struct Node {
     started: Instant,
     exit: Option<i32>,
     layout: Layout,
-    /// This binary, for starting shims.
-    exe: PathBuf,
     /// Active workloads by safe id.
     active: BTreeMap<String, Active>,
     ledger: Ledger,
     outbox: Outbox,
-    reaper: Reaper,
     reaped: Receiver<Reaped>,
+    /// Starts in flight, and what the spawner thread reports about them.
+    starts: starts::Starts,
+    spawned: Receiver<crate::workload::spawner::Outcome>,
     tailer: Tailer,
     chunks: Receiver<Chunk>,
     next_stream_pass: Instant,
@@ -238,6 +237,10 @@ impl Node {
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
                 recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
+                recv(self.spawned) -> o => match o {
+                    Ok(o) => self.on_spawn_outcome(o),
+                    Err(_) => self.on_spawner_gone(),
+                },
                 recv(self.chunks) -> c => if let Ok(c) = c { self.on_chunk(c) },
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
@@ -247,6 +250,7 @@ impl Node {
             }
             self.tick();
             if let Some(code) = self.exit {
+                self.finish_starts();
                 self.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
                 // Dropping the Paho client joins Paho C's worker threads, which poll with 1 s
@@ -1023,7 +1027,7 @@ impl Node {
                 self.reply_ok(rid, out);
             }
             Command::Start(kind, params) => self.on_start(kind, rid, params),
-            Command::Cancel(params) => self.cancel_command(&request_id, params),
+            Command::Cancel(params) => self.cancel(&request_id, params),
             Command::Received(Received::Start(kind, params)) => self.on_start(kind, rid, params),
             Command::Received(Received::Ack(uuid)) => {
                 let shown = uuid.as_ref().map_or("None", |u| u.as_str());
@@ -1066,6 +1070,7 @@ impl Node {
         if let Some(g) = self.gpu_status() {
             gpus::put(&mut out, "gpus", g);
         }
+        self.add_starting(&mut out, "active_workloads");
         out
     }
 
@@ -1132,6 +1137,7 @@ impl Node {
         if let Some(g) = self.gpu_status() {
             gpus::put(&mut out, "gpus", g);
         }
+        self.add_starting(&mut out, "workloads");
         out
     }
 

@@ -1,7 +1,35 @@
-//! The start path: a start command is checked on the loop (exactly once per request id, within
-//! capacity, GPUs) and the workload is started under its supervisor.
+//! The start path, off the loop (issue 15, item 2). The loop checks a start (exactly once per
+//! request id, reservation, capacity, GPUs), puts it in flight ([`Starts`]: it counts towards
+//! capacity, holds its GPUs, shows in `status` as `starting`, and can be cancelled) and hands it
+//! to the spawner thread ([`crate::workload::spawner`]), then returns at once. The spawner
+//! reports back with an [`Outcome`]; only then is the start answered, recorded and tracked as an
+//! active workload, exactly as a start was before.
+//!
+//! Exactly once, and what a crash at each point leaves (the order of the writes):
+//! 1. loop: the request is in flight in memory only. A node killed now has written nothing and
+//!    answered nothing: a redelivery starts it (for the first time).
+//! 2. spawner: the workload's directory (created exclusively: a second spawn of the same id
+//!    fails), params, and `meta.json` (phase `starting`) are written, unsynced; then the shim is
+//!    forked and execs the workload. A node killed now leaves the record for the next node:
+//!    the shim's `started.json` completes it and the workload is re-adopted, and a redelivery of
+//!    the request is answered from that workload, never started again. If the shim had not yet
+//!    written `started.json`, recovery waits for it while the shim is provably alive
+//!    ([`crate::workload::recover_meta`]); no shim, no workload: the record is dropped.
+//! 3. settler: the record is synced, the pid line read, the ledger entry appended and synced.
+//! 4. loop: the reply, `running` status, tracking. Every answered start thus has a durable
+//!    record and ledger entry (a host crash cannot make an answered start run twice); a host
+//!    crash before that loses, at worst, an unanswered start whose workload died with the host.
+//!
+//! Cancel while starting: the cancel is answered at once and recorded; it is carried out (the
+//! signal, the grace, the escalation) as soon as the spawn reports the workload's process. If
+//! the spawn fails there is nothing to signal and the start's failure is reported as usual.
+//!
+//! Many starts in flight: no bound of their own; the capacity (`max_concurrent_workloads`, which
+//! counts them) is the bound. A redelivery of a start in flight is answered with the original
+//! answer once the spawn reports.
 
-use std::time::Instant;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
@@ -9,10 +37,133 @@ use super::operate::{Busy, BUSY_PREFIX};
 use super::workloads::{start_output, Active};
 use super::Node;
 use crate::logtext::shown;
-use crate::protocol::commands::{Kind, Seconds, StartParams};
+use crate::protocol::commands::{
+    CancelParams, CancelTarget, Kind, RequestId, Seconds, StartParams,
+};
 use crate::protocol::messages::request_id_text;
 use crate::store;
-use crate::workload::{self, StartRequest};
+use crate::workload::spawner::{Outcome, Spawner};
+use crate::workload::{self, procinfo, StartRequest, WorkflowCtx};
+
+/// A cancel that came while its workload was starting, carried out once it runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingCancel {
+    pub signal: i32,
+    pub name: &'static str,
+    pub grace: Duration,
+}
+
+/// A start handed to the spawner, not reported yet.
+#[derive(Debug, Clone)]
+pub struct Starting {
+    pub kind: Kind,
+    pub request_id: Value,
+    pub workload_uuid: Option<String>,
+    pub ctx: Option<WorkflowCtx>,
+    pub gpus: Option<Vec<String>>,
+    pub created_unix: f64,
+    pub cancel: Option<PendingCancel>,
+    /// Redeliveries of the same request that came meanwhile: they get the same answer.
+    pub waiters: Vec<Value>,
+}
+
+/// The starts in flight, and the spawner they go to. Pure bookkeeping (unit-tested); the node
+/// carries out what it says.
+pub struct Starts {
+    spawner: Option<Spawner>,
+    /// Why there is no spawner (it never started, or it stopped).
+    gone: Option<String>,
+    in_flight: BTreeMap<String, Starting>,
+}
+
+/// What a node without a working spawner answers to a start.
+pub const SPAWNER_GONE: &str =
+    "the workload spawner thread stopped: this node cannot start workloads until it is restarted";
+
+impl Starts {
+    pub fn new(spawner: Result<Spawner, String>) -> Starts {
+        let (spawner, gone) = match spawner {
+            Ok(s) => (Some(s), None),
+            Err(why) => (None, Some(why)),
+        };
+        Starts {
+            spawner,
+            gone,
+            in_flight: BTreeMap::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+    }
+
+    /// Why starts are refused (no spawner), if they are.
+    pub fn gone(&self) -> Option<&str> {
+        self.gone.as_deref()
+    }
+
+    pub fn get_mut(&mut self, safe_id: &str) -> Option<&mut Starting> {
+        self.in_flight.get_mut(safe_id)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Starting)> {
+        self.in_flight.iter()
+    }
+
+    /// The start in flight for this request id (as the backend names it).
+    pub fn find_request(&self, rid: &str) -> Option<String> {
+        self.in_flight
+            .iter()
+            .find(|(_, s)| request_id_text(&s.request_id) == rid)
+            .map(|(k, _)| k.clone())
+    }
+
+    /// Puts a start in flight and hands it to the spawner; `Err` (with the reason) when there
+    /// is no spawner any more: then nothing is in flight for it.
+    pub fn begin(&mut self, starting: Starting, req: StartRequest) -> Result<(), String> {
+        let safe_id = req.safe_id.clone();
+        let Some(spawner) = &self.spawner else {
+            return Err(self.gone.clone().unwrap_or_else(|| SPAWNER_GONE.into()));
+        };
+        if !spawner.submit(req) {
+            self.stopped();
+            return Err(SPAWNER_GONE.into());
+        }
+        self.in_flight.insert(safe_id, starting);
+        Ok(())
+    }
+
+    /// The spawner reported this start.
+    pub fn end(&mut self, safe_id: &str) -> Option<Starting> {
+        self.in_flight.remove(safe_id)
+    }
+
+    /// The spawner is gone: every start in flight is over (returned, to be failed), and no new
+    /// one is taken.
+    pub fn stopped(&mut self) -> Vec<(String, Starting)> {
+        self.spawner = None;
+        self.gone = Some(SPAWNER_GONE.into());
+        std::mem::take(&mut self.in_flight).into_iter().collect()
+    }
+
+    /// Records a cancel for a start in flight; the first one stays (a second one changes
+    /// nothing, as for a running workload). `None`: no such start.
+    pub fn cancel(&mut self, safe_id: &str, c: PendingCancel) -> Option<PendingCancel> {
+        let s = self.in_flight.get_mut(safe_id)?;
+        Some(s.cancel.get_or_insert(c).clone())
+    }
+}
+
+/// After a spawn is reported: whether its supervisor already ended, so that the reaper's report
+/// of it may have come (and been dropped, as it matched no workload yet) before the spawn's. Its
+/// end is then taken up at once: a duplicate report later changes nothing.
+pub fn ended_before_reported(shim_alive: bool) -> bool {
+    !shim_alive
+}
 
 impl Node {
     // ---- start ------------------------------------------------------------------------------
@@ -66,6 +217,15 @@ impl Node {
             let out = start_output(&a.meta);
             return self.reply_ok(request_id, out);
         }
+        // In flight: answered with the original answer once the spawn reports.
+        if let Some(st) = self.starts.get_mut(&safe_id) {
+            log::info!(
+                "request {} is being started; it gets the same answer",
+                shown(&rid)
+            );
+            st.waiters.push(request_id.clone());
+            return;
+        }
         let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
         let ctx = super::ingress::context_of(kind, &start.params);
         let Some(template) = self.s.command_template(kind).map(String::from) else {
@@ -79,6 +239,10 @@ impl Node {
         };
         if let Some((why, busy)) = self.start_guard() {
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
+        }
+        if let Some(gone) = self.starts.gone() {
+            let why = format!("Failed to start {kind}: {gone}");
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
         }
         // GPUs (D36) before capacity: with `auto`, a full node is a node without free GPUs.
         let gpus = match self.assign_gpus(start.gpus) {
@@ -94,13 +258,12 @@ impl Node {
             }
         };
         let capacity = self.s.max_concurrent_workloads.value as usize;
-        if self.active.len() >= capacity
-            && may_wait
-            && self.defer_start_for_heal(kind_t, request_id, &start)
-        {
+        // Starts in flight count: they hold their place from the moment they are accepted.
+        let used = self.active.len().saturating_add(self.starts.len());
+        if used >= capacity && may_wait && self.defer_start_for_heal(kind_t, request_id, &start) {
             return;
         }
-        if self.active.len() >= capacity {
+        if used >= capacity {
             let what = if kind == "inference" {
                 "controller"
             } else {
@@ -113,8 +276,7 @@ impl Node {
                 (String::new(), Busy::Capacity)
             };
             let why = format!(
-                "{BUSY_PREFIX} {} active workload(s){detail}. Stop the existing {what} before starting a new one.",
-                self.active.len()
+                "{BUSY_PREFIX} {used} active workload(s){detail}. Stop the existing {what} before starting a new one."
             );
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
         }
@@ -132,33 +294,70 @@ impl Node {
         };
         let params = start.params;
         let req = StartRequest {
-            kind,
-            request_id,
-            safe_id: &safe_id,
+            kind: kind.to_string(),
+            request_id: request_id.clone(),
+            safe_id: safe_id.clone(),
             params,
-            template: &template,
-            node_token: &self.token,
+            template,
+            node_token: self.token.clone(),
             max_runtime_s,
             workflow: ctx.clone(),
             socket: self.layout.state.join("control.sock"),
             gpus,
             results_dir: self.results_dir_for(&safe_id),
         };
-        let t0 = Instant::now();
-        match workload::start(&self.s, &self.layout, &self.exe, req) {
-            Ok(meta) => {
-                self.reaper.spawned();
+        let starting = Starting {
+            kind: kind_t,
+            request_id: request_id.clone(),
+            workload_uuid: workload_uuid.clone(),
+            ctx: ctx.clone(),
+            gpus: req.gpus.clone(),
+            created_unix: workload::unix_now(),
+            cancel: None,
+            waiters: Vec::new(),
+        };
+        if let Err(e) = self.starts.begin(starting, req) {
+            let why = format!("Failed to start {kind}: {e}");
+            log::error!("{why}");
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+        }
+        log::debug!("{kind} {} handed to the spawner", shown(&rid));
+    }
+
+    /// The spawner reported a start: from here on it is what a start was before (answer, status
+    /// `running`, tracking), or its refusal.
+    pub(super) fn on_spawn_outcome(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::Spawned {
+                safe_id,
+                meta,
+                ledger,
+                launch,
+                total,
+            } => {
+                let st = self.starts.end(&safe_id);
+                // No other thread appends to the ledger while no start is in flight.
+                let quiet = self.starts.is_empty();
+                self.ledger.remember(ledger, quiet);
+                let kind = meta.kind.clone();
+                let rid = meta.request_id_text();
                 log::info!(
-                    "{kind} {} started: pid {} in {:.1} ms; logs {} and {}",
+                    "{kind} {} started: pid {} (supervisor forked {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
                     shown(&rid),
                     meta.pid(),
-                    t0.elapsed().as_secs_f64() * 1e3,
+                    launch.as_secs_f64() * 1e3,
+                    total.as_secs_f64() * 1e3,
                     meta.stdout_log.display(),
                     meta.stderr_log.display()
                 );
                 let out = start_output(&meta);
-                self.ledger.record(&rid, true, out.clone());
-                self.reply_ok(request_id, out);
+                let request_id = st
+                    .as_ref()
+                    .map_or_else(|| meta.request_id.clone(), |s| s.request_id.clone());
+                self.reply_ok(&request_id, out.clone());
+                for w in st.iter().flat_map(|s| s.waiters.iter()) {
+                    self.reply_ok(w, out.clone());
+                }
                 if let Some(wl) = &meta.workload_uuid {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.workload_status(wl, body);
@@ -169,15 +368,173 @@ impl Node {
                     self.one_started = true;
                     self.set_draining(true, "--drain-after-one");
                 }
+                let shim = meta
+                    .started
+                    .as_ref()
+                    .map(|s| (s.shim_pid, s.shim_start_ticks));
                 let now = self.clock.now();
-                self.active.insert(safe_id, Active::new(meta, true, now));
+                self.active
+                    .insert(safe_id.clone(), Active::new(*meta, true, now));
                 self.gpu_update_sampling();
+                if let Some((pid, ticks)) = shim {
+                    if ended_before_reported(procinfo::same_process_alive(pid, ticks)) {
+                        log::debug!(
+                            "the supervisor of {} (pid {pid}) ended before its start was reported",
+                            shown(&rid)
+                        );
+                        self.on_reaped(pid);
+                    }
+                }
+                if let Some(c) = st.and_then(|s| s.cancel) {
+                    log::info!(
+                        "carrying out the cancel recorded while {} was starting",
+                        shown(&rid)
+                    );
+                    if let Err(e) = self.cancel_workload(&safe_id, c.signal, c.name, c.grace, false)
+                    {
+                        log::warn!(
+                            "the cancel recorded for {} failed: {}",
+                            shown(&rid),
+                            shown(&e)
+                        );
+                    }
+                }
             }
-            Err(e) => {
-                let why = format!("Failed to start {kind}: {e}");
-                log::error!("{why}");
-                self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            Outcome::SpawnFailed { safe_id, why } => {
+                let Some(st) = self.starts.end(&safe_id) else {
+                    log::error!("a start that was not in flight failed: {}", shown(&why));
+                    return;
+                };
+                self.fail_start(st, &why);
+                self.retry_deferred_starts();
             }
+        }
+    }
+
+    /// The spawner's channel closed: its threads are gone. Every start in flight fails, and
+    /// every later one is refused with [`SPAWNER_GONE`].
+    pub(super) fn on_spawner_gone(&mut self) {
+        log::error!("{SPAWNER_GONE}");
+        self.spawned = crossbeam_channel::never();
+        for (_, st) in self.starts.stopped() {
+            self.fail_start(st, SPAWNER_GONE);
+        }
+    }
+
+    fn fail_start(&mut self, st: Starting, why: &str) {
+        let why = format!("Failed to start {}: {why}", st.kind.as_str());
+        log::error!("{why}");
+        for w in &st.waiters {
+            self.reply_error(w, &why);
+        }
+        self.reject_start(
+            &st.request_id,
+            st.workload_uuid.as_deref(),
+            &why,
+            None,
+            st.ctx,
+        );
+    }
+
+    /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid
+    /// timeout), so each is answered and its workload named before the node goes.
+    pub(super) fn finish_starts(&mut self) {
+        let until = crate::util::later(
+            Instant::now(),
+            workload::spawner::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
+        );
+        while !self.starts.is_empty() {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.spawned.recv_timeout(left) {
+                Ok(o) => self.on_spawn_outcome(o),
+                Err(_) => break,
+            }
+        }
+        if !self.starts.is_empty() {
+            log::warn!(
+                "{} start(s) still in flight at exit; the next node start re-adopts what they started",
+                self.starts.len()
+            );
+        }
+    }
+
+    /// `cancel`: a start in flight gets its cancel recorded (and carried out once it runs);
+    /// anything else goes to the workload table.
+    pub(super) fn cancel(&mut self, request_id: &RequestId, params: CancelParams) {
+        let rid = request_id.text();
+        let repeated = !rid.is_empty() && self.ledger.get(&rid).is_some();
+        let target = match &params.target {
+            CancelTarget::Request(r) if !repeated => self.starts.find_request(r),
+            _ => None,
+        };
+        let Some(safe_id) = target else {
+            return self.cancel_command(request_id, params);
+        };
+        let asked = PendingCancel {
+            signal: params.signal.number(),
+            name: params.signal.name(),
+            grace: params
+                .grace
+                .map_or(super::workloads::DEFAULT_GRACE, Seconds::duration),
+        };
+        let Some(kept) = self.starts.cancel(&safe_id, asked.clone()) else {
+            return self.cancel_command(request_id, params);
+        };
+        let Some(st) = self.starts.get_mut(&safe_id) else {
+            return;
+        };
+        let message = if kept == asked {
+            format!(
+                "Workload is starting; the cancel is recorded and {} goes to it as soon as its process runs",
+                kept.name
+            )
+        } else {
+            format!(
+                "Workload is starting and a cancel with {} is recorded already",
+                kept.name
+            )
+        };
+        let out = json!({
+            "message": message,
+            "pid": 0,
+            "workload_type": st.kind.as_str(),
+            "workload_request_id": st.request_id,
+            "signal": kept.name,
+            "state": "starting",
+        });
+        log::info!(
+            "cancel of {} recorded while it starts",
+            shown(&request_id_text(&st.request_id))
+        );
+        if !rid.is_empty() {
+            self.ledger.record(&rid, true, out.clone());
+        }
+        self.reply_ok(request_id.value(), out);
+    }
+
+    /// The starts in flight in a `status` reply: each in `active_workloads` with state
+    /// `starting`, and counted in `is_busy`.
+    pub(super) fn add_starting(&self, out: &mut Value, key: &str) {
+        let now = workload::unix_now();
+        if let Some(list) = out.get_mut(key).and_then(Value::as_array_mut) {
+            for st in self.starts.iter().map(|(_, s)| s) {
+                let mut w = json!({
+                    "pid": 0,
+                    "type": st.kind.as_str(),
+                    "request_id": st.request_id,
+                    "workload_uuid": st.workload_uuid,
+                    "running_for_seconds": (now - st.created_unix).max(0.0) as u64,
+                    "state": "starting",
+                });
+                if let Some(g) = &st.gpus {
+                    super::gpus::put(&mut w, "gpus", json!(g));
+                }
+                list.push(w);
+            }
+        }
+        if let Some(busy) = out.get_mut("is_busy") {
+            let used = self.active.len().saturating_add(self.starts.len());
+            *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
         }
     }
 

@@ -180,7 +180,7 @@ impl Node {
     }
 
     /// Signals the workload's process group and arms the escalation to SIGKILL.
-    fn cancel_workload(
+    pub(super) fn cancel_workload(
         &mut self,
         safe_id: &str,
         sig: i32,

@@ -6,6 +6,7 @@ pub mod lifecycle;
 pub mod procinfo;
 pub mod reaper;
 pub mod shim;
+pub mod spawner;
 pub mod tail;
 
 use std::collections::BTreeMap;
@@ -450,15 +451,16 @@ impl store::Validate for Meta {
     }
 }
 
-/// What a start needs beyond the settings.
-pub struct StartRequest<'a> {
-    pub kind: &'a str,
-    pub request_id: &'a Value,
-    pub safe_id: &'a str,
+/// What a start needs beyond the settings (owned: it travels to the spawner thread).
+#[derive(Debug, Clone)]
+pub struct StartRequest {
+    pub kind: String,
+    pub request_id: Value,
+    pub safe_id: String,
     pub params: Map<String, Value>,
-    pub template: &'a str,
+    pub template: String,
     /// The node's own API token (empty in standalone mode).
-    pub node_token: &'a str,
+    pub node_token: String,
     pub max_runtime_s: Option<f64>,
     pub workflow: Option<WorkflowCtx>,
     /// The node's control socket, for `emit`.
@@ -502,32 +504,49 @@ const MODULE_RUNNER: &str = include_str!("module_runner.py");
 /// `workflow_*` key and the workload token, which never reaches the params file).
 const PLATFORM_PARAMS: &[&str] = &["workload_uuid", "command_type", "status"];
 
-/// Starts a workload under the shim. Returns its record with `started` filled in, or the
-/// reason it could not start (then nothing is left running and the directory is gone).
-pub fn start(
+/// A shim that was forked and has not reported the workload's pid yet.
+pub struct Launched {
+    /// The record as written (not yet synced): phase `Starting`, no pid.
+    pub meta: Meta,
+    pub shim_pid: i32,
+    /// The shim's start time (its identity, read right after the fork).
+    pub shim_start_ticks: u64,
+    child: std::process::Child,
+}
+
+/// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
+/// and record (`meta.json`, phase `starting`, written atomically but not yet synced), then the
+/// shim forked. The workload is exec'd by the shim while [`make_durable`] syncs the record;
+/// [`settle`] then reads the pid. On `Err` nothing was forked and the directory is gone.
+///
+/// Crash safety of the order: a node killed at any point leaves what it wrote in the page cache
+/// (a record written is read back by the next node, synced or not); only a host crash loses
+/// unsynced files, and it ends the workload too. The start is answered (and recorded in the
+/// ledger) only after [`make_durable`], so an answered start always has its durable record.
+pub fn launch(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
-    req: StartRequest<'_>,
-) -> Result<Meta, String> {
-    let dir = layout.dir(req.safe_id);
+    req: StartRequest,
+) -> Result<Launched, String> {
+    let dir = layout.dir(&req.safe_id);
     store::ensure_private_dir(&layout.workloads())
         .map_err(|e| format!("cannot create {}: {e}", layout.workloads().display()))?;
     std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let result = start_in(s, layout, exe, &dir, req);
+    let result = launch_in(s, layout, exe, &dir, req);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     result
 }
 
-fn start_in(
+fn launch_in(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
     dir: &Path,
-    mut req: StartRequest<'_>,
-) -> Result<Meta, String> {
+    mut req: StartRequest,
+) -> Result<Launched, String> {
     let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
     store::ensure_private_dir(&layout.logs())
         .map_err(|e| format!("cannot create {}: {e}", layout.logs().display()))?;
@@ -542,7 +561,7 @@ fn start_in(
         .map(String::from);
     // Module dispatch: a missing file is refused before anything is written; the platform's
     // own keys are not the function's arguments.
-    let module = module_of(req.template).map(|m| (m, s.working_dir.join(m)));
+    let module = module_of(&req.template).map(|m| (m, s.working_dir.join(m)));
     if let Some((value, path)) = &module {
         if !path.is_file() {
             return Err(format!(
@@ -595,7 +614,7 @@ fn start_in(
                 shell_quote(python.trim()),
                 shell_quote(&runner.display().to_string()),
                 shell_quote(&path.display().to_string()),
-                module_function(req.kind),
+                module_function(&req.kind),
                 shell_quote(&params_file.display().to_string()),
                 shell_quote(value)
             )
@@ -603,9 +622,9 @@ fn start_in(
     };
     let stdout_log = layout.logs().join(format!("{stem}.stdout.log"));
     let stderr_log = layout.logs().join(format!("{stem}.stderr.log"));
-    let mut meta = Meta {
-        safe_id: req.safe_id.to_string(),
-        kind: req.kind.to_string(),
+    let meta = Meta {
+        safe_id: req.safe_id.clone(),
+        kind: req.kind.clone(),
         request_id: req.request_id.clone(),
         workload_uuid: workload_uuid.clone(),
         created_unix: unix_now(),
@@ -621,14 +640,18 @@ fn start_in(
         gpus: req.gpus.clone(),
         salvaged: None,
     };
-    save_meta(layout, &meta).map_err(|e| format!("cannot write the workload record: {e}"))?;
+    // Atomic (a reader never sees half of it) but not synced here: [`make_durable`] syncs it
+    // while the shim starts the workload.
+    let json = serde_json::to_vec_pretty(&meta).map_err(|e| e.to_string())?;
+    store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600)
+        .map_err(|e| format!("cannot write the workload record: {e}"))?;
 
     // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
     let mut env: BTreeMap<String, String> = s.env.merged();
     for k in NODE_ONLY_VARS {
         env.remove(*k);
     }
-    let credential = token.unwrap_or_else(|| req.node_token.to_string());
+    let credential = token.unwrap_or_else(|| req.node_token.clone());
     if !credential.is_empty() {
         env.insert("CYBERWAVE_API_KEY".into(), credential.clone());
         env.insert("CYBERWAVE_MQTT_PASSWORD".into(), credential);
@@ -642,7 +665,7 @@ fn start_in(
         "CYBERWAVE_REQUEST_ID".into(),
         meta.request_id_text().replace('\0', "\u{FFFD}"),
     );
-    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.to_string());
+    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.clone());
     if let Some(d) = &req.results_dir {
         env.insert("CYBERWAVE_RESULTS_DIR".into(), d.display().to_string());
     }
@@ -698,7 +721,7 @@ fn start_in(
     };
     let shim_log = std::fs::File::create(dir.join("shim.log"))
         .map_err(|e| format!("cannot create the shim log: {e}"))?;
-    let mut child = Command::new(exe)
+    let child = Command::new(exe)
         .args(args.to_args())
         .env_clear()
         .envs(&env)
@@ -713,12 +736,61 @@ fn start_in(
                 exe.display()
             )
         })?;
-    let shim_pid = child.id() as i32;
-    let line = child
-        .stdout
-        .take()
-        .map(|out| read_line_timeout(out, Duration::from_secs(10)))
-        .unwrap_or_default();
+    let shim_pid = i32::try_from(child.id()).unwrap_or(0);
+    Ok(Launched {
+        meta,
+        shim_pid,
+        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        child,
+    })
+}
+
+/// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
+/// workloads folder once, which holds their new directories). Errors are logged: the record is
+/// there for a node restart either way, only a host crash could lose it.
+pub fn make_durable(layout: &Layout, launched: &[Launched]) {
+    let sync = |path: &Path| {
+        store::slow_disk_pause();
+        if let Err(e) = std::fs::File::open(path).and_then(|f| f.sync_all()) {
+            log::warn!("cannot sync {}: {e}", store::shown(path));
+        }
+    };
+    for l in launched {
+        sync(&layout.meta(&l.meta.safe_id));
+        sync(&layout.dir(&l.meta.safe_id));
+    }
+    if !launched.is_empty() {
+        sync(&layout.workloads());
+    }
+}
+
+/// Step 2 of a start (on the spawner thread): waits for each shim's pid line, all at once, at
+/// most `timeout`. Each gets its record with `started` filled in, or the reason it could not
+/// start (then its shim, if still provably ours, is killed and its directory is gone).
+pub fn settle(
+    layout: &Layout,
+    launched: Vec<Launched>,
+    timeout: Duration,
+) -> Vec<(String, i32, Result<Meta, String>)> {
+    let lines = read_lines_timeout(&launched, timeout);
+    launched
+        .into_iter()
+        .zip(lines)
+        .map(|(l, line)| {
+            let id = l.meta.safe_id.clone();
+            let shim = l.shim_pid;
+            (id, shim, finish(layout, l, &line))
+        })
+        .collect()
+}
+
+fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, String> {
+    let Launched {
+        mut meta,
+        shim_pid,
+        shim_start_ticks,
+        child,
+    } = l;
     drop(child); // the reaper thread waits for it
     let pid: i32 = match line
         .strip_prefix("pid ")
@@ -728,9 +800,19 @@ fn start_in(
         None => {
             let why = line
                 .strip_prefix("error: ")
-                .unwrap_or(&line)
+                .unwrap_or(line)
                 .trim()
                 .to_string();
+            // A shim that said nothing in time is stopped before its directory goes, so it
+            // cannot start an untracked workload later (only while it is provably the shim:
+            // the node's own unreaped child, with the start time it had at the fork).
+            if shim_pid > 1 && procinfo::same_process_alive(shim_pid, shim_start_ticks) {
+                // SAFETY: kill on a pid just proven to be this node's live child.
+                unsafe {
+                    libc::kill(shim_pid, libc::SIGKILL);
+                }
+            }
+            let _ = std::fs::remove_dir_all(layout.dir(&meta.safe_id));
             return Err(if why.is_empty() {
                 "the workload supervisor did not report a pid".to_string()
             } else {
@@ -744,51 +826,75 @@ fn start_in(
         pid,
         start_ticks: procinfo::start_ticks(pid).unwrap_or(0),
         shim_pid,
-        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        shim_start_ticks,
         boot_id: procinfo::boot_id(),
         started_at: crate::util::rfc3339(SystemTime::now()),
     };
-    // meta.json on disk keeps saying "starting": the shim's started.json (written durably before
-    // it reported the pid) completes it at recovery, so a second synced write is not needed here.
+    // meta.json on disk keeps saying "starting": the shim's started.json completes it at
+    // recovery, so a second synced write is not needed here.
     meta.started = Some(started);
     meta.phase = Phase::Running;
     Ok(meta)
 }
 
-/// Reads one line from the shim's pipe, waiting at most `timeout`.
-fn read_line_timeout(mut out: std::process::ChildStdout, timeout: Duration) -> String {
-    let fd = out.as_raw_fd();
+/// Reads the first line from each shim's pipe, all at once, waiting at most `timeout` in all.
+fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
     let begun = std::time::Instant::now();
-    let mut buf = Vec::new();
+    let fds: Vec<i32> = launched
+        .iter()
+        .map(|l| l.child.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
+        .collect();
+    let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); launched.len()];
+    let mut open: Vec<bool> = fds.iter().map(|fd| *fd >= 0).collect();
     let mut chunk = [0u8; 256];
-    while !buf.contains(&b'\n') {
+    while open.iter().any(|o| *o) {
         let left = timeout.saturating_sub(begun.elapsed());
         if left.is_zero() {
             break;
         }
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        let mut pfds: Vec<libc::pollfd> = fds
+            .iter()
+            .zip(&open)
+            .map(|(fd, o)| libc::pollfd {
+                fd: if *o { *fd } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(0);
+        // SAFETY: `pfds` is a valid array of `n` pollfds (negative fds are ignored by poll).
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
         if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
             continue;
         }
         if rc <= 0 {
             break;
         }
-        match out.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => buf.extend_from_slice(chunk.get(..n).unwrap_or_default()),
+        for ((p, buf), o) in pfds.iter().zip(bufs.iter_mut()).zip(open.iter_mut()) {
+            if !*o || p.revents == 0 {
+                continue;
+            }
+            // SAFETY: read into a local buffer of its own length from an fd poll reported.
+            let got = unsafe { libc::read(p.fd, chunk.as_mut_ptr().cast(), chunk.len()) };
+            match usize::try_from(got) {
+                Ok(0) | Err(_) => *o = false,
+                Ok(k) => buf.extend_from_slice(chunk.get(..k).unwrap_or_default()),
+            }
+            if buf.contains(&b'\n') {
+                *o = false;
+            }
         }
     }
-    String::from_utf8_lossy(&buf)
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_string()
+    bufs.iter()
+        .map(|b| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect()
 }
 
 /// Quotes for a POSIX shell: bare when only safe characters, else single quotes.

@@ -130,7 +130,9 @@ impl Starts {
             return Err(self.gone.clone().unwrap_or_else(|| SPAWNER_GONE.into()));
         };
         if !spawner.submit(req) {
-            self.stopped();
+            // What is in flight stays until the loop fails it ([`Starts::stopped`]).
+            self.spawner = None;
+            self.gone = Some(SPAWNER_GONE.into());
             return Err(SPAWNER_GONE.into());
         }
         self.in_flight.insert(safe_id, starting);
@@ -156,13 +158,6 @@ impl Starts {
         let s = self.in_flight.get_mut(safe_id)?;
         Some(s.cancel.get_or_insert(c).clone())
     }
-}
-
-/// After a spawn is reported: whether its supervisor already ended, so that the reaper's report
-/// of it may have come (and been dropped, as it matched no workload yet) before the spawn's. Its
-/// end is then taken up at once: a duplicate report later changes nothing.
-pub fn ended_before_reported(shim_alive: bool) -> bool {
-    !shim_alive
 }
 
 impl Node {
@@ -318,8 +313,9 @@ impl Node {
         };
         if let Err(e) = self.starts.begin(starting, req) {
             let why = format!("Failed to start {kind}: {e}");
-            log::error!("{why}");
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            // The spawner is gone: what is still in flight will never be reported.
+            return self.on_spawner_gone();
         }
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
     }
@@ -376,8 +372,11 @@ impl Node {
                 self.active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
                 self.gpu_update_sampling();
+                // The reaper may have reported the supervisor's end before this report (it then
+                // matched no workload and was dropped): taken up now; a duplicate later changes
+                // nothing (the lifecycle ignores a second end).
                 if let Some((pid, ticks)) = shim {
-                    if ended_before_reported(procinfo::same_process_alive(pid, ticks)) {
+                    if !procinfo::same_process_alive(pid, ticks) {
                         log::debug!(
                             "the supervisor of {} (pid {pid}) ended before its start was reported",
                             shown(&rid)
@@ -415,6 +414,10 @@ impl Node {
     /// every later one is refused with [`SPAWNER_GONE`].
     pub(super) fn on_spawner_gone(&mut self) {
         log::error!("{SPAWNER_GONE}");
+        // What it reported before it went is still taken up.
+        while let Ok(o) = self.spawned.try_recv() {
+            self.on_spawn_outcome(o);
+        }
         self.spawned = crossbeam_channel::never();
         for (_, st) in self.starts.stopped() {
             self.fail_start(st, SPAWNER_GONE);
@@ -575,5 +578,111 @@ impl Node {
             }
             self.workload_status(wl, Value::Object(body));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn starting(rid: &str) -> Starting {
+        Starting {
+            kind: Kind::Inference,
+            request_id: json!(rid),
+            workload_uuid: Some(format!("wl-{rid}")),
+            ctx: None,
+            gpus: Some(vec![format!("GPU-{rid}")]),
+            created_unix: 1.7e9,
+            cancel: None,
+            waiters: Vec::new(),
+        }
+    }
+
+    fn request(rid: &str) -> StartRequest {
+        StartRequest {
+            kind: "inference".into(),
+            request_id: json!(rid),
+            safe_id: store::safe_id(rid),
+            params: Map::new(),
+            template: "true".into(),
+            node_token: String::new(),
+            max_runtime_s: None,
+            workflow: None,
+            socket: "/nonexistent/control.sock".into(),
+            gpus: None,
+            results_dir: None,
+        }
+    }
+
+    #[test]
+    fn a_start_in_flight_is_found_by_its_request_id_and_ends_once() {
+        let (spawner, jobs) = Spawner::for_tests();
+        let mut s = Starts::new(Ok(spawner));
+        assert!(s.begin(starting("r1"), request("r1")).is_ok());
+        assert!(s.begin(starting("r2"), request("r2")).is_ok());
+        assert_eq!(jobs.len(), 2, "both handed to the spawner");
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.find_request("r2"), Some(store::safe_id("r2")));
+        assert_eq!(s.find_request("r3"), None);
+        let ended = s.end(&store::safe_id("r1")).unwrap();
+        assert_eq!(ended.request_id, json!("r1"));
+        assert!(
+            s.end(&store::safe_id("r1")).is_none(),
+            "a report ends it once"
+        );
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.gone(), None);
+    }
+
+    #[test]
+    fn a_cancel_while_starting_is_recorded_once_and_the_first_one_stays() {
+        let (spawner, _jobs) = Spawner::for_tests();
+        let mut s = Starts::new(Ok(spawner));
+        s.begin(starting("r1"), request("r1")).unwrap();
+        let id = store::safe_id("r1");
+        let term = PendingCancel {
+            signal: libc::SIGTERM,
+            name: "SIGTERM",
+            grace: Duration::from_secs(10),
+        };
+        let kill = PendingCancel {
+            signal: libc::SIGKILL,
+            name: "SIGKILL",
+            grace: Duration::ZERO,
+        };
+        assert_eq!(s.cancel(&id, term.clone()), Some(term.clone()));
+        assert_eq!(s.cancel(&id, kill), Some(term.clone()), "the first stays");
+        assert_eq!(s.cancel("other", term.clone()), None);
+        assert_eq!(
+            s.end(&id).unwrap().cancel,
+            Some(term),
+            "carried to the report"
+        );
+    }
+
+    #[test]
+    fn a_gone_spawner_fails_what_is_in_flight_and_refuses_what_comes() {
+        let (spawner, jobs) = Spawner::for_tests();
+        let mut s = Starts::new(Ok(spawner));
+        s.begin(starting("r1"), request("r1")).unwrap();
+        s.begin(starting("r2"), request("r2")).unwrap();
+        drop(jobs); // the spawner thread ends
+        let e = s.begin(starting("r3"), request("r3")).unwrap_err();
+        assert_eq!(e, SPAWNER_GONE);
+        assert_eq!(s.gone(), Some(SPAWNER_GONE));
+        assert_eq!(s.len(), 2, "the refused one is not in flight");
+        // The loop notices the closed channel: both in flight are returned to be failed.
+        let failed: Vec<String> = s.stopped().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(failed, vec![store::safe_id("r1"), store::safe_id("r2")]);
+        assert!(s.is_empty());
+        assert!(s.begin(starting("r4"), request("r4")).is_err());
+        // A spawner that never started refuses with its own reason.
+        let never = Starts::new(Err("cannot start the workload spawner thread: x".into()));
+        assert!(never.gone().unwrap().contains("cannot start"));
+        let mut never = never;
+        assert!(never
+            .begin(starting("r5"), request("r5"))
+            .unwrap_err()
+            .contains("cannot start"));
     }
 }

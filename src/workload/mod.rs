@@ -245,6 +245,10 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         Ok(mut meta) => {
             if meta.started.is_none() {
                 let path = dir.join("started.json");
+                // A node killed between forking the shim and the shim's start record: the
+                // shim is still at work, and the record comes (never forget a workload that
+                // is about to run: a redelivery would start it a second time).
+                wait_for_shim_record(dir, &path);
                 match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
                     Ok(st) => {
                         meta.started = Some(st);
@@ -334,6 +338,46 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         }
     }
     Recovered::Salvaged(meta)
+}
+
+/// While a shim started for `dir` is alive and `started` does not exist yet, waits for it (at
+/// most the spawner's pid timeout).
+fn wait_for_shim_record(dir: &Path, started: &Path) {
+    if started.exists() {
+        return;
+    }
+    let Some((pid, ticks)) = shim_of(dir) else {
+        return;
+    };
+    log::info!(
+        "the supervisor of {} (pid {pid}) is still starting its workload; waiting for its start record",
+        store::shown(dir)
+    );
+    let until = crate::util::later(std::time::Instant::now(), spawner::PID_TIMEOUT);
+    while !started.exists()
+        && procinfo::same_process_alive(pid, ticks)
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The live shim process (pid, start ticks) supervising `dir`, found by its command line
+/// (`<exe> __shim <dir> …`) among this user's processes.
+fn shim_of(dir: &Path) -> Option<(i32, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let want = dir.as_os_str().as_bytes();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .find_map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let mut args = cmd.split(|b| *b == 0).skip(1);
+            let is_shim = args.next() == Some(b"__shim".as_slice()) && args.next() == Some(want);
+            let ticks = procinfo::start_ticks(pid)?;
+            (is_shim && procinfo::same_process_alive(pid, ticks)).then_some((pid, ticks))
+        })
 }
 
 /// `params.json` as far as the node reads it back: a JSON object.
@@ -1322,6 +1366,62 @@ mod tests {
                 assert!(!i.topic.contains('#') && !i.topic.contains('+'));
             }
         }
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    fn fake_shim(layout: &Layout, id: &str, script: &str) -> Launched {
+        std::fs::create_dir_all(layout.dir(id)).unwrap();
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let shim_pid = child.id() as i32;
+        let mut meta =
+            parse_meta_bytes(good_meta(layout).to_string().as_bytes(), &layout.logs()).unwrap();
+        meta.safe_id = id.into();
+        meta.started = None;
+        Launched {
+            meta,
+            shim_pid,
+            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap(),
+            child,
+        }
+    }
+
+    /// The settler reads every shim's pid line at once: a slow shim does not hold up the
+    /// others, one that reports an error is refused with it, and one that says nothing in time
+    /// is killed (it must not start an untracked workload later) and its directory removed.
+    #[test]
+    fn pid_lines_are_read_all_at_once_and_a_silent_shim_is_stopped() {
+        let layout = scratch("settle");
+        let launched = vec![
+            fake_shim(&layout, "slow", "sleep 0.3; echo pid 4242; sleep 1"),
+            fake_shim(&layout, "err", "echo 'error: cannot open the log files'"),
+            fake_shim(&layout, "mute", "exec sleep 30"),
+            fake_shim(&layout, "fast", "echo pid 4343"),
+        ];
+        let mute = (launched[2].shim_pid, launched[2].shim_start_ticks);
+        make_durable(&layout, &launched);
+        let out = settle(&layout, launched, Duration::from_secs(2));
+        let ids: Vec<&str> = out.iter().map(|(id, _, _)| id.as_str()).collect();
+        assert_eq!(ids, ["slow", "err", "mute", "fast"], "in order");
+        let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid());
+        assert_eq!(pid(0), Ok(4242));
+        assert_eq!(pid(3), Ok(4343));
+        assert_eq!(out[3].2.as_ref().unwrap().phase, Phase::Running);
+        assert_eq!(out[1].2.as_ref().unwrap_err(), "cannot open the log files");
+        assert_eq!(
+            out[2].2.as_ref().unwrap_err(),
+            "the workload supervisor did not report a pid"
+        );
+        assert!(
+            !procinfo::same_process_alive(mute.0, mute.1),
+            "the silent shim was killed"
+        );
+        assert!(!layout.dir("mute").exists() && !layout.dir("err").exists());
+        assert!(layout.dir("slow").exists() && layout.dir("fast").exists());
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

@@ -81,6 +81,14 @@ impl Spawner {
         Ok(Spawner { jobs })
     }
 
+    /// A spawner with no thread behind it: what is submitted waits in the returned receiver
+    /// (unit tests of the loop's bookkeeping).
+    #[cfg(test)]
+    pub fn for_tests() -> (Spawner, Receiver<(StartRequest, Instant)>) {
+        let (jobs, rx) = unbounded();
+        (Spawner { jobs }, rx)
+    }
+
     /// Hands a start to the spawner; false when the spawner is gone.
     pub fn submit(&self, req: StartRequest) -> bool {
         self.jobs.send((req, Instant::now())).is_ok()

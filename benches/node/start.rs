@@ -50,32 +50,50 @@ fn started_at(setup: &NodeSetup, rid: &str) -> Option<f64> {
         .and_then(|s| s.trim().parse::<f64>().ok())
 }
 
-/// One start at a time: command → workload process started, and command → reply.
+/// One start at a time: command → workload process started, and command → reply. With
+/// `CYBERWAVE_NODE_BIN_B` set (another build, e.g. the one before a change), a node of each runs
+/// side by side and the starts alternate between them, so both see the same machine load.
 fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Option<u64>) {
-    let setup = setup(broker, cp, slow_ms);
-    let node = setup.spawn();
-    node.wait_ready(Duration::from_secs(20));
-    let uuid = node.uuid();
-    let (mut started, mut replied) = (Vec::new(), Vec::new());
+    let mut bins = vec![(String::new(), super::support::node_bin())];
+    if let Some(b) = std::env::var_os("CYBERWAVE_NODE_BIN_B") {
+        bins[0].0 = " A".into();
+        bins.push((" B".into(), b.into()));
+    }
+    let nodes: Vec<_> = bins
+        .iter()
+        .map(|(label, bin)| {
+            let setup = setup(broker, cp, slow_ms);
+            // SAFETY (edition 2021: safe): the bench is single-threaded here.
+            std::env::set_var("CYBERWAVE_NODE_BIN", bin);
+            let node = setup.spawn();
+            node.wait_ready(Duration::from_secs(20));
+            (label.clone(), setup, node)
+        })
+        .collect();
+    std::env::set_var("CYBERWAVE_NODE_BIN", &bins[0].1);
+    let mut started = vec![Vec::new(); nodes.len()];
+    let mut replied = vec![Vec::new(); nodes.len()];
     // Request ids of their own per run: the fake backend keeps every reply it saw.
     let tag = if slow_ms.is_some() { "slow" } else { "fast" };
-    for i in 0..n {
+    for i in 0..n * nodes.len() {
+        let k = i % nodes.len();
+        let (_, setup, node) = &nodes[k];
         let rid = format!("{tag}{i}");
         let wall = SystemTime::now();
         let t = Instant::now();
         cp.command(
-            &uuid,
+            &node.uuid(),
             json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("w{rid}")}}),
         );
         if cp.wait_reply(&rid, Duration::from_secs(20)).is_none() {
             continue;
         }
         if let Some(at) = cp.reply_time(&rid) {
-            replied.push(at.saturating_duration_since(t));
+            replied[k].push(at.saturating_duration_since(t));
         }
-        let s = super::support::wait_for(Duration::from_secs(5), || started_at(&setup, &rid));
+        let s = super::support::wait_for(Duration::from_secs(5), || started_at(setup, &rid));
         if let Some(s) = s {
-            started.push(Duration::from_secs_f64((s - epoch(wall)).max(0.0)));
+            started[k].push(Duration::from_secs_f64((s - epoch(wall)).max(0.0)));
         }
         // Let it end before the next one: one start at a time.
         cp.wait_status(&format!("w{rid}"), "completed", Duration::from_secs(10));
@@ -84,12 +102,18 @@ fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Opti
         None => "normal disk".to_string(),
         Some(ms) => format!("fsync {ms} ms"),
     };
-    report(
-        &format!("command → workload process started ({disk})"),
-        started,
-        "p99 ≤ 5 ms",
-    );
-    report(&format!("command → start reply ({disk})"), replied, "-");
+    for (k, (label, ..)) in nodes.iter().enumerate() {
+        report(
+            &format!("command → workload process started ({disk}){label}"),
+            std::mem::take(&mut started[k]),
+            "p99 ≤ 5 ms",
+        );
+        report(
+            &format!("command → start reply ({disk}){label}"),
+            std::mem::take(&mut replied[k]),
+            "-",
+        );
+    }
 }
 
 /// `CONCURRENT` starts sent at once on the slow disk; `status` is sent one after the other

@@ -373,8 +373,10 @@ fn shim_of(dir: &Path) -> Option<(i32, u64)> {
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
         .find_map(|pid| {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let mut args = cmd.split(|b| *b == 0).skip(1);
-            let is_shim = args.next() == Some(b"__shim".as_slice()) && args.next() == Some(want);
+            let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+            let is_shim = args
+                .windows(2)
+                .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want));
             let ticks = procinfo::start_ticks(pid)?;
             (is_shim && procinfo::same_process_alive(pid, ticks)).then_some((pid, ticks))
         })
@@ -560,8 +562,9 @@ pub struct Launched {
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
 /// and record (`meta.json`, phase `starting`, written atomically but not yet synced), then the
-/// shim forked. The workload is exec'd by the shim while [`make_durable`] syncs the record;
-/// [`settle`] then reads the pid. On `Err` nothing was forked and the directory is gone.
+/// shim forked. [`settle`] then reads the pid, and [`make_durable`] syncs the record once the
+/// workload runs (a sync forces a journal commit, which would hold up the files the shim and
+/// the workload create as they start). On `Err` nothing was forked and the directory is gone.
 ///
 /// Crash safety of the order: a node killed at any point leaves what it wrote in the page cache
 /// (a record written is read back by the next node, synced or not); only a host crash loses
@@ -695,6 +698,8 @@ fn launch_in(
     for k in NODE_ONLY_VARS {
         env.remove(*k);
     }
+    // The simulated slow disk (`store::slow_disk_pause`) is the node's own, not its workloads'.
+    env.remove("CYBERWAVE_TEST_SLOW_FSYNC_MS");
     let credential = token.unwrap_or_else(|| req.node_token.clone());
     if !credential.is_empty() {
         env.insert("CYBERWAVE_API_KEY".into(), credential.clone());
@@ -792,18 +797,18 @@ fn launch_in(
 /// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
 /// workloads folder once, which holds their new directories). Errors are logged: the record is
 /// there for a node restart either way, only a host crash could lose it.
-pub fn make_durable(layout: &Layout, launched: &[Launched]) {
+pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
     let sync = |path: &Path| {
         store::slow_disk_pause();
         if let Err(e) = std::fs::File::open(path).and_then(|f| f.sync_all()) {
             log::warn!("cannot sync {}: {e}", store::shown(path));
         }
     };
-    for l in launched {
-        sync(&layout.meta(&l.meta.safe_id));
-        sync(&layout.dir(&l.meta.safe_id));
+    for id in safe_ids {
+        sync(&layout.meta(id));
+        sync(&layout.dir(id));
     }
-    if !launched.is_empty() {
+    if !safe_ids.is_empty() {
         sync(&layout.workloads());
     }
 }
@@ -1403,8 +1408,8 @@ mod tests {
             fake_shim(&layout, "fast", "echo pid 4343"),
         ];
         let mute = (launched[2].shim_pid, launched[2].shim_start_ticks);
-        make_durable(&layout, &launched);
         let out = settle(&layout, launched, Duration::from_secs(2));
+        make_durable(&layout, &["slow", "fast"]);
         let ids: Vec<&str> = out.iter().map(|(id, _, _)| id.as_str()).collect();
         assert_eq!(ids, ["slow", "err", "mute", "fast"], "in order");
         let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid());
@@ -1422,6 +1427,50 @@ mod tests {
         );
         assert!(!layout.dir("mute").exists() && !layout.dir("err").exists());
         assert!(layout.dir("slow").exists() && layout.dir("fast").exists());
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// A node killed between forking a shim and the shim's start record: recovery waits for
+    /// the record while that shim lives, so the workload is re-adopted, not forgotten (and
+    /// then started a second time by a redelivery).
+    #[test]
+    fn recovery_waits_for_the_start_record_of_a_shim_still_starting() {
+        let layout = scratch("waitshim");
+        let dir = layout.dir("w1");
+        let mut meta = good_meta(&layout);
+        meta.as_object_mut().unwrap().remove("started");
+        meta["phase"] = serde_json::json!("starting");
+        std::fs::write(dir.join("meta.json"), meta.to_string()).unwrap();
+        // Stands in for the shim: `__shim <dir>` on its command line.
+        let mut shim = Command::new("sh")
+            .arg("-c")
+            .arg("sleep 5; true")
+            .arg("__shim")
+            .arg(&dir)
+            .spawn()
+            .unwrap();
+        let record = good_meta(&layout)["started"].to_string();
+        let writer = {
+            let path = dir.join("started.json");
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                std::fs::write(path, record).unwrap();
+            })
+        };
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("intact");
+        };
+        writer.join().unwrap();
+        assert_eq!(m.pid(), 123456, "the start record the shim wrote meanwhile");
+        assert_eq!(m.phase, Phase::Running);
+        shim.kill().unwrap();
+        shim.wait().unwrap();
+        // No shim: nothing to wait for (a record without a pid is forgotten by the node).
+        std::fs::remove_file(dir.join("started.json")).unwrap();
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("intact");
+        };
+        assert!(m.started.is_none());
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

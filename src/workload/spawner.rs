@@ -5,9 +5,9 @@
 //! Two threads, a pipeline, so a slow disk never delays the next fork:
 //! - `spawner`: per request, the directory, params and record (unsynced) and the shim forked
 //!   ([`super::launch`]); the workload is exec'd by the shim right away;
-//! - `settler`: takes every launched start waiting (a batch), syncs their records
-//!   ([`super::make_durable`]), reads their pid lines (all at once, [`super::settle`]), appends the
-//!   ledger entries of those that started (one fsync for the batch), then reports them in order.
+//! - `settler`: takes every launched start waiting (a batch), reads their pid lines (all at once,
+//!   [`super::settle`]), syncs the records of those that started ([`super::make_durable`]),
+//!   appends their ledger entries (one fsync for the batch), then reports them in order.
 //!
 //! So a start is answered only once its record and its ledger entry are durable (guarantee 1
 //! across a host crash), while the workload itself runs before either sync completed.
@@ -165,8 +165,14 @@ fn settle_batch(ctx: &Context, batch: Vec<(Launched, Instant, Duration)>) -> Vec
         .into_iter()
         .map(|(l, received, took)| (l, (received, took)))
         .unzip();
-    super::make_durable(&ctx.layout, &launched);
     let settled = super::settle(&ctx.layout, launched, PID_TIMEOUT);
+    // Synced once the workloads run, and before anything is answered.
+    let started: Vec<&str> = settled
+        .iter()
+        .filter(|(_, _, r)| r.is_ok())
+        .map(|(id, _, _)| id.as_str())
+        .collect();
+    super::make_durable(&ctx.layout, &started);
     let entries: Vec<ledger::Entry> = settled
         .iter()
         .filter_map(|(_, _, r)| r.as_ref().ok())

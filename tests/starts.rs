@@ -192,3 +192,35 @@ fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_worklo
     assert_eq!(done[0]["success"], true, "{all:?}");
     assert_eq!(runs(&setup, "k1"), 1, "the workload ran exactly once");
 }
+
+/// A shutdown while a start is in flight: the node waits for it, answers it and names the
+/// workload it leaves running (guarantee 2), then exits cleanly.
+#[test]
+fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
+    let (_broker, cp, setup) = rig(
+        700,
+        "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 5\n",
+    );
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "late");
+    wait_for(Duration::from_secs(10), || {
+        Some(()).filter(|_| runs(&setup, "late") == 1)
+    })
+    .unwrap_or_else(|| panic!("the workload did not run; log:\n{}", node.log()));
+    assert!(cp.replies_for("late").is_empty(), "still in flight");
+    node.sigterm();
+    let code = node.wait_exit(Duration::from_secs(30));
+    assert_eq!(code, Some(Some(0)), "log:\n{}", node.log());
+    let replies = cp.replies_for("late");
+    assert_eq!(replies.len(), 1, "answered once: {replies:?}");
+    assert_eq!(replies[0]["status"], "ok", "{replies:?}");
+    let pid = replies[0]["output"]["pid"].as_i64().unwrap_or(0);
+    assert!(pid > 0, "{replies:?}");
+    assert!(
+        node.log()
+            .contains(&format!("left running: inference late pid {pid}")),
+        "log:\n{}",
+        node.log()
+    );
+}

@@ -446,11 +446,24 @@ impl Node {
             Instant::now(),
             workload::spawner::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
         );
+        let before: Vec<String> = self.active.keys().cloned().collect();
         while !self.starts.is_empty() {
             let left = until.saturating_duration_since(Instant::now());
             match self.spawned.recv_timeout(left) {
                 Ok(o) => self.on_spawn_outcome(o),
                 Err(_) => break,
+            }
+        }
+        for (id, a) in &self.active {
+            if !before.contains(id) {
+                log::info!(
+                    "left running: {} {} pid {} (logs {} and {})",
+                    a.meta.kind,
+                    shown(&a.meta.request_id_text()),
+                    a.meta.pid(),
+                    shown(&a.meta.stdout_log.display().to_string()),
+                    shown(&a.meta.stderr_log.display().to_string())
+                );
             }
         }
         if !self.starts.is_empty() {

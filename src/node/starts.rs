@@ -318,6 +318,10 @@ impl Node {
             return self.on_spawner_gone();
         }
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
+        if self.s.drain_after_one {
+            // One workload: no second start is taken while this one is in flight.
+            self.set_draining(true, "--drain-after-one");
+        }
     }
 
     /// The spawner reported a start: from here on it is what a start was before (answer, status
@@ -405,6 +409,10 @@ impl Node {
                     return;
                 };
                 self.fail_start(st, &why);
+                if self.s.drain_after_one && !self.one_started && self.starts.is_empty() {
+                    // The one workload did not start: the node takes the next start.
+                    self.set_draining(false, "--drain-after-one: the start failed");
+                }
                 self.retry_deferred_starts();
             }
         }

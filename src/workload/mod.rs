@@ -795,22 +795,35 @@ fn launch_in(
 }
 
 /// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
-/// workloads folder once, which holds their new directories). Errors are logged: the record is
-/// there for a node restart either way, only a host crash could lose it.
+/// workloads folder once, which holds their new directories), several at once: concurrent
+/// syncs share the disk's flushes (one journal commit can serve them all). Errors are logged: the
+/// record is there for a node restart either way, only a host crash could lose it.
 pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
-    let sync = |path: &Path| {
+    let mut paths: Vec<PathBuf> = safe_ids
+        .iter()
+        .flat_map(|id| [layout.meta(id), layout.dir(id)])
+        .collect();
+    if !safe_ids.is_empty() {
+        paths.push(layout.workloads());
+    }
+    let sync = |path: &PathBuf| {
         store::slow_disk_pause();
         if let Err(e) = std::fs::File::open(path).and_then(|f| f.sync_all()) {
             log::warn!("cannot sync {}: {e}", store::shown(path));
         }
     };
-    for id in safe_ids {
-        sync(&layout.meta(id));
-        sync(&layout.dir(id));
-    }
-    if !safe_ids.is_empty() {
-        sync(&layout.workloads());
-    }
+    const WORKERS: usize = 8;
+    let per = paths.len().div_ceil(WORKERS).max(1);
+    std::thread::scope(|scope| {
+        for chunk in paths.chunks(per) {
+            let spawned = std::thread::Builder::new()
+                .name("sync".into())
+                .spawn_scoped(scope, move || chunk.iter().for_each(sync));
+            if spawned.is_err() {
+                chunk.iter().for_each(sync);
+            }
+        }
+    });
 }
 
 /// Step 2 of a start (on the spawner thread): waits for each shim's pid line, all at once, at

@@ -224,3 +224,79 @@ fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
         node.log()
     );
 }
+
+/// A cancel that comes while its workload is starting is answered at once and carried out as
+/// soon as the workload runs: the workload gets the signal and is reported cancelled, once.
+#[test]
+fn a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload_runs() {
+    let (_broker, cp, setup) = rig(
+        500,
+        "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; trap 'echo term >> t/$CYBERWAVE_REQUEST_ID.runs; exit 143' TERM; sleep 30 & wait\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "early");
+    cp.command(
+        &node.uuid(),
+        json!({"command": "cancel", "request_id": "cx", "params": {"workload_request_id": "early"}}),
+    );
+    let answer = cp
+        .wait_reply("cx", Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("cancel not answered; log:\n{}", node.log()));
+    assert_eq!(answer["status"], "ok", "{answer}");
+    assert_eq!(answer["output"]["state"], "starting", "{answer}");
+    assert!(
+        cp.replies_for("early").is_empty(),
+        "answered while the start was still in flight"
+    );
+    let all = cp
+        .wait_status("wl-early", "cancelled", Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("not cancelled; log:\n{}", node.log()));
+    assert_eq!(
+        all.iter().filter(|b| b["status"] == "cancelled").count(),
+        1,
+        "{all:?}"
+    );
+    let start = cp.replies_for("early");
+    assert_eq!(start.len(), 1, "{start:?}");
+    assert_eq!(start[0]["status"], "ok", "{start:?}");
+    let lines = std::fs::read_to_string(setup.cwd.join("t/early.runs")).unwrap();
+    assert_eq!(
+        lines.lines().count(),
+        2,
+        "ran once and got SIGTERM: {lines}"
+    );
+    assert!(lines.ends_with("term\n"), "{lines}");
+}
+
+/// A workload runs before its start is reported: an `emit` it sends meanwhile waits for the
+/// report and is then accepted (its token is the workload's own), not refused as unknown.
+#[test]
+fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
+    let (_broker, cp, setup) = rig(
+        500,
+        "cyberwave:\n  inference: |\n    \"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-s > t/emit.out 2>&1; echo \"rc=$?\" >> t/emit.out\n    sleep 1\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    start(&cp, &node, "em");
+    let reply = cp
+        .wait_reply("em", Duration::from_secs(15))
+        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
+    assert_eq!(reply["status"], "ok", "{reply}");
+    let out = wait_for(Duration::from_secs(15), || {
+        std::fs::read_to_string(setup.cwd.join("t/emit.out"))
+            .ok()
+            .filter(|s| s.contains("rc="))
+    })
+    .unwrap_or_else(|| panic!("emit did not finish; log:\n{}", node.log()));
+    assert!(
+        out.contains("rc=0"),
+        "emit accepted: {out}\nlog:\n{}",
+        node.log()
+    );
+    let events = wait_for(Duration::from_secs(15), || {
+        Some(cp.requests("ingress")).filter(|r| r.iter().any(|r| r.id == "wf-s/execution/started"))
+    });
+    assert!(events.is_some(), "the event was sent");
+}

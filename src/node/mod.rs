@@ -1093,6 +1093,9 @@ impl Node {
     // ---- the control socket ---------------------------------------------------------------------
 
     fn on_control(&mut self, req: crate::control::Request) {
+        let Some(req) = self.hold_for_start(req) else {
+            return;
+        };
         let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
         let reply = match op {
             "emit" => self.on_emit(&req.body),

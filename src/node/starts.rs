@@ -54,7 +54,6 @@ pub struct PendingCancel {
 }
 
 /// A start handed to the spawner, not reported yet.
-#[derive(Debug, Clone)]
 pub struct Starting {
     pub kind: Kind,
     pub request_id: Value,
@@ -65,6 +64,11 @@ pub struct Starting {
     pub cancel: Option<PendingCancel>,
     /// Redeliveries of the same request that came meanwhile: they get the same answer.
     pub waiters: Vec<Value>,
+    /// The workload's secret for `emit`.
+    pub event_token: String,
+    /// `emit` requests of the workload (it runs before its start is reported): answered once
+    /// the start is.
+    pub held: Vec<crate::control::Request>,
 }
 
 /// The starts in flight, and the spawner they go to. Pure bookkeeping (unit-tested); the node
@@ -150,6 +154,11 @@ impl Starts {
         self.spawner = None;
         self.gone = Some(SPAWNER_GONE.into());
         std::mem::take(&mut self.in_flight).into_iter().collect()
+    }
+
+    /// The start in flight whose workload has this `emit` token.
+    pub fn by_token(&mut self, token: &str) -> Option<&mut Starting> {
+        self.in_flight.values_mut().find(|s| s.event_token == token)
     }
 
     /// Records a cancel for a start in flight; the first one stays (a second one changes
@@ -300,6 +309,7 @@ impl Node {
             socket: self.layout.state.join("control.sock"),
             gpus,
             results_dir: self.results_dir_for(&safe_id),
+            event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
         };
         let starting = Starting {
             kind: kind_t,
@@ -310,6 +320,8 @@ impl Node {
             created_unix: workload::unix_now(),
             cancel: None,
             waiters: Vec::new(),
+            event_token: req.event_token.clone(),
+            held: Vec::new(),
         };
         if let Err(e) = self.starts.begin(starting, req) {
             let why = format!("Failed to start {kind}: {e}");
@@ -335,7 +347,7 @@ impl Node {
                 launch,
                 total,
             } => {
-                let st = self.starts.end(&safe_id);
+                let mut st = self.starts.end(&safe_id);
                 // No other thread appends to the ledger while no start is in flight.
                 let quiet = self.starts.is_empty();
                 self.ledger.remember(ledger, quiet);
@@ -376,6 +388,11 @@ impl Node {
                 self.active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
                 self.gpu_update_sampling();
+                // What the workload asked of the node before its start was reported.
+                for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
+                    let reply = self.on_emit(&req.body);
+                    let _ = req.reply.send(reply);
+                }
                 // The reaper may have reported the supervisor's end before this report (it then
                 // matched no workload and was dropped): taken up now; a duplicate later changes
                 // nothing (the lifecycle ignores a second end).
@@ -435,6 +452,11 @@ impl Node {
     fn fail_start(&mut self, st: Starting, why: &str) {
         let why = format!("Failed to start {}: {why}", st.kind.as_str());
         log::error!("{why}");
+        for req in st.held {
+            let _ = req
+                .reply
+                .send(json!({"ok": false, "refused": true, "error": why}));
+        }
         for w in &st.waiters {
             self.reply_error(w, &why);
         }
@@ -536,6 +558,29 @@ impl Node {
         self.reply_ok(request_id.value(), out);
     }
 
+    /// A control-socket request that must wait for a start in flight (an `emit` of a workload
+    /// whose start is not reported yet: its token is not known to the workload table yet) is
+    /// kept and answered once the start is; anything else is given back.
+    pub(super) fn hold_for_start(
+        &mut self,
+        req: crate::control::Request,
+    ) -> Option<crate::control::Request> {
+        let token = req
+            .body
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty());
+        let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
+        let owner = token.and_then(|t| self.starts.by_token(t));
+        match owner {
+            Some(st) if emit => {
+                st.held.push(req);
+                None
+            }
+            _ => Some(req),
+        }
+    }
+
     /// The starts in flight in a `status` reply: each in `active_workloads` with state
     /// `starting`, and counted in `is_busy`.
     pub(super) fn add_starting(&self, out: &mut Value, key: &str) {
@@ -616,6 +661,8 @@ mod tests {
             created_unix: 1.7e9,
             cancel: None,
             waiters: Vec::new(),
+            event_token: format!("tok{rid}"),
+            held: Vec::new(),
         }
     }
 
@@ -632,6 +679,7 @@ mod tests {
             socket: "/nonexistent/control.sock".into(),
             gpus: None,
             results_dir: None,
+            event_token: format!("tok{rid}"),
         }
     }
 
@@ -645,6 +693,12 @@ mod tests {
         assert_eq!(s.len(), 2);
         assert_eq!(s.find_request("r2"), Some(store::safe_id("r2")));
         assert_eq!(s.find_request("r3"), None);
+        // An `emit` of a workload still starting is matched by its token.
+        assert_eq!(
+            s.by_token("tokr2").map(|st| st.request_id.clone()),
+            Some(json!("r2"))
+        );
+        assert!(s.by_token("forged").is_none());
         let ended = s.end(&store::safe_id("r1")).unwrap();
         assert_eq!(ended.request_id, json!("r1"));
         assert!(

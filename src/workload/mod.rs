@@ -515,6 +515,8 @@ pub struct StartRequest {
     pub gpus: Option<Vec<String>>,
     /// This workload's own results folder (D24), when result uploads are on.
     pub results_dir: Option<PathBuf>,
+    /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
+    pub event_token: String,
 }
 
 /// Environment variables that hold the node's own secrets or identity; never passed on as they
@@ -683,7 +685,7 @@ fn launch_in(
         started: None,
         cancel: None,
         workflow: req.workflow.clone(),
-        event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+        event_token: req.event_token.clone(),
         gpus: req.gpus.clone(),
         salvaged: None,
     };

@@ -300,3 +300,51 @@ fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
     });
     assert!(events.is_some(), "the event was sent");
 }
+
+/// Guarantee 10: starts in flight hold their GPUs. Four starts at once on a slow disk on a node
+/// with four GPUs (one each) get four different GPUs, although none was reported yet when the
+/// next was accepted.
+#[test]
+fn guarantee_10_starts_in_flight_hold_their_gpus() {
+    let (_broker, cp, mut setup) = rig(
+        300,
+        "cyberwave:\n  max_concurrent_workloads: 4\n  inference: |\n    echo \"$CUDA_VISIBLE_DEVICES\" > t/$CYBERWAVE_REQUEST_ID.gpu\n    sleep 2\n",
+    );
+    // The fake nvidia-smi of tests/fixtures, answering with four A100s.
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let smi = crate::support::TempDir::new("smi");
+    std::fs::create_dir_all(smi.join("bin")).unwrap();
+    std::os::unix::fs::symlink(fixtures.join("nvidia-smi"), smi.join("bin/nvidia-smi")).unwrap();
+    std::fs::copy(fixtures.join("gpu/four-a100.csv"), smi.join("query.csv")).unwrap();
+    let path = format!(
+        "{}:{}",
+        smi.join("bin").display(),
+        std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+    );
+    setup.set("PATH", &path);
+    setup.set("FAKE_NVIDIA_SMI_DIR", &smi.path().display().to_string());
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let rids = ["g0", "g1", "g2", "g3"];
+    for rid in rids {
+        start(&cp, &node, rid);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for rid in rids {
+        let reply = cp
+            .wait_reply(rid, Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()));
+        assert_eq!(reply["status"], "ok", "{reply}");
+        let gpu = wait_for(Duration::from_secs(10), || {
+            std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.gpu")))
+                .ok()
+                .filter(|g| !g.trim().is_empty())
+        })
+        .unwrap_or_else(|| panic!("{rid} saw no GPU; log:\n{}", node.log()));
+        assert!(
+            seen.insert(gpu.trim().to_string()),
+            "{rid} got a GPU another start holds: {gpu} (all: {seen:?})"
+        );
+    }
+    assert_eq!(seen.len(), 4, "{seen:?}");
+}

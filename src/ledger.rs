@@ -246,11 +246,6 @@ impl Ledger {
         self.remember(e, true);
     }
 
-    /// The file, for a writer on another thread ([`append`]).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Keeps an entry that [`append`] already wrote (on another thread). `may_compact`: false
     /// while another thread may be appending, as a compaction would drop its line.
     pub fn remember(&mut self, e: Entry, may_compact: bool) {

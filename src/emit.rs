@@ -142,7 +142,7 @@ fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<()
         let Some(meta) = crate::workload::load_meta(&e.path()) else {
             continue;
         };
-        if !meta.event_token.is_empty() && meta.event_token == token {
+        if !meta.event_token.is_empty() && crate::util::same_secret(&meta.event_token, token) {
             return match &meta.workflow {
                 Some(ctx) if ctx.workflow != workflow => Err(format!(
                     "this workload may only report workflow {}",

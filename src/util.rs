@@ -53,6 +53,13 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
     buf
 }
 
+/// Whether two secrets are equal, in a time that does not depend on where they first differ
+/// (only on their lengths), so a local client cannot guess a token byte by byte.
+pub fn same_secret(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -125,6 +132,17 @@ pub fn sha256(data: &[u8]) -> [u8; 32] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_compare_equal_only_when_every_byte_is() {
+        assert!(same_secret("abc123", "abc123"));
+        assert!(same_secret("", ""));
+        assert!(!same_secret("abc123", "abc124"));
+        assert!(!same_secret("abc123", "xbc123"));
+        assert!(!same_secret("abc123", "abc12"));
+        assert!(!same_secret("abc", ""));
+        assert!(!same_secret("é", "e\u{301}"));
+    }
 
     #[test]
     fn sha256_matches_the_standard_vectors() {

@@ -36,7 +36,9 @@ fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     cp.set_behaviour(|b| {
-        b.put_delay = Duration::from_millis(1500);
+        // The failed first PUT and its 2 s back-off keep the upload going for ~3 s, time
+        // enough to see the node busy; the back-off itself is unit-tested (node/table.rs).
+        b.put_delay = Duration::from_millis(800);
         b.put_failures = 1; // the first PUT is retried
     });
     let outside = TempDir::new("outside");
@@ -226,14 +228,16 @@ fn an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
         .as_i64()
         .unwrap_or(0);
     let from = Instant::now();
-    std::thread::sleep(Duration::from_secs(6));
+    // Within a second a pass asks about wl-hang, whose lookup hangs for its whole 5 s timeout:
+    // 3 s of beats fall inside the hang (the table's timers are unit-tested in node/table.rs).
+    std::thread::sleep(Duration::from_secs(3));
     let beats: Vec<Instant> = cp
         .requests("heartbeat")
         .into_iter()
         .map(|r| r.at)
         .filter(|t| *t >= from)
         .collect();
-    assert!(beats.len() >= 10, "{} heartbeats in 6 s", beats.len());
+    assert!(beats.len() >= 5, "{} heartbeats in 3 s", beats.len());
     for w in beats.windows(2) {
         assert!(
             w[1] - w[0] < Duration::from_millis(900),

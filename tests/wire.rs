@@ -126,7 +126,7 @@ fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
     assert!(!first.is_empty());
     // Status commands while heartbeat replies are outstanding.
     for i in 0..3 {
-        std::thread::sleep(Duration::from_millis(700));
+        std::thread::sleep(Duration::from_millis(400));
         let hb = cp.requests("heartbeat");
         let last_hb = hb.last().map(|r| r.at).unwrap_or_else(Instant::now);
         let rid = format!("slow-{i}");
@@ -143,11 +143,13 @@ fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
             answered - sent
         );
     }
-    std::thread::sleep(Duration::from_secs(2));
+    // Beats go on while their replies are late. (The cadence itself, ±10 % over an hour, is
+    // unit-tested with a fake clock in node::session.)
+    std::thread::sleep(Duration::from_millis(700));
     let hb = cp.requests("heartbeat");
     let span = hb.last().map(|l| l.at - hb[0].at).unwrap_or_default();
     let expected = (span.as_secs_f64() / 0.5) as usize;
-    assert!(hb.len() >= 8, "{} heartbeats over {span:?}", hb.len());
+    assert!(hb.len() >= 4, "{} heartbeats over {span:?}", hb.len());
     assert!(
         hb.len() + 1 >= expected,
         "{} heartbeats over {span:?}: cadence slipped",
@@ -178,7 +180,9 @@ fn reconnects_and_resubscribes_after_a_broker_outage() {
     node.wait_ready(READY);
     assert!(cp.status(&node.uuid(), "before", REPLY).is_some());
     broker.stop();
-    std::thread::sleep(Duration::from_secs(10));
+    // Long enough for several refused reconnects (the tests' back-off is at most 0.5 s; its
+    // growth and cap are unit-tested in node::session).
+    std::thread::sleep(Duration::from_secs(2));
     broker.restart(); // a fresh broker: the node's session is gone
     let back = Instant::now();
     let mut answered = None;
@@ -236,75 +240,6 @@ fn a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
         "answered exactly once"
     );
     assert!(again.log().contains("session resumed"), "{}", again.log());
-}
-
-#[test]
-fn heartbeat_404_registers_a_new_instance_and_moves_the_subscriptions() {
-    let (broker, cp) = backend_with(|b| {
-        b.heartbeat = HeartbeatMode::Code(404, "instance not found");
-    });
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
-    setup.set("CYBERWAVE_NODE_ENVIRONMENT_UUID", "env-1");
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    // The first instance, as the backend saw it (the node may already have moved on).
-    let first = cp.requests("register")[0].id.clone();
-    assert!(
-        cp.wait_requests("request-instance", 2, READY).len() >= 2,
-        "{}",
-        node.log()
-    );
-    cp.set_behaviour(|b| b.heartbeat = HeartbeatMode::Ok);
-    let second = wait_for(READY, || {
-        let u = node.uuid();
-        (u != first && !u.is_empty()).then_some(u)
-    })
-    .expect("identity file changed");
-    let creates = cp.requests("request-instance");
-    assert_eq!(
-        creates[1].body["environment_uuid"], "env-1",
-        "D5: environment sent again"
-    );
-    // The node may have moved on once more before the backend turned friendly: ask the
-    // instance it is now.
-    assert!(wait_for(READY, || cp.status(
-        &node.uuid(),
-        "new-topic",
-        Duration::from_millis(500)
-    ))
-    .is_some());
-    assert_ne!(node.uuid(), first);
-    assert!(!second.is_empty());
-}
-
-#[test]
-fn register_404_for_a_known_uuid_creates_a_new_instance() {
-    let (broker, cp) = backend_with(|b| {
-        b.register_refusals = Some((1, 404));
-    });
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.home.write(
-        ".cyberwave/instance_identity.json",
-        r#"{"uuid":"gone-uuid","slug":"gone"}"#,
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    let regs = cp.requests("register");
-    assert_eq!(regs[0].id, "gone-uuid");
-    assert_eq!(cp.requests("request-instance").len(), 1);
-    assert_ne!(node.uuid(), "gone-uuid");
-}
-
-#[test]
-fn registration_is_retried_until_the_backend_answers() {
-    let (broker, cp) = backend_with(|b| {
-        b.register_refusals = Some((3, 500));
-    });
-    let node = NodeSetup::new(&broker, &cp).spawn();
-    node.wait_ready(READY);
-    assert_eq!(cp.requests("register").len(), 4);
-    assert!(node.log().contains("registration failed"), "{}", node.log());
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::{json, Map, Value};
 
-use super::{Conn, Node};
+use super::Node;
 use crate::ingress;
 use crate::outbox::Item;
 use crate::workload::{self, Meta, WorkflowCtx};
@@ -92,7 +92,7 @@ impl Node {
 
     /// Publishes the oldest queued event when nothing is in flight.
     pub(super) fn send_ingress(&mut self) {
-        if self.conn != Conn::Connected {
+        if !self.session.connected() {
             return;
         }
         let Some((seq, item)) = self.ingress.head_due(self.clock.now()) else {
@@ -148,7 +148,7 @@ impl Node {
         let owner = self
             .active
             .values()
-            .find(|a| !token.is_empty() && a.meta.event_token == token)
+            .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
             .map(|a| a.meta.clone());
         let Some(owner) = owner else {
             return json!({"ok": false, "refused": true, "error": "invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)"});

@@ -142,8 +142,7 @@ impl Node {
     }
 
     pub(super) fn on_chunk(&mut self, chunk: Chunk) {
-        let connected =
-            self.conn == super::Conn::Connected && self.reg == super::Registration::Done;
+        let connected = self.session.connected() && self.session.registered();
         let uuid = self.uuid().to_string();
         let standalone = self.s.standalone;
         let Some(a) = self.active.get_mut(&chunk.key.safe_id) else {
@@ -312,7 +311,7 @@ impl Node {
                 s.inflight = None;
             }
         }
-        self.pending.retain(|_, p| !matches!(p.op, Op::Log(_)));
+        self.session.forget(|op| matches!(op, Op::Log(_)));
     }
 
     /// True once every stream of a finished workload reached the end of its file, or the drain
@@ -352,7 +351,7 @@ impl Node {
     /// Ships the install script's output (captured in `install_logs/`) once, after the first
     /// registration: the last 1 MiB of each stream at most, in 64 KiB chunks.
     pub(super) fn ship_install_logs(&mut self) {
-        if self.install_logs_shipped || self.reg != super::Registration::Done {
+        if self.install_logs_shipped || !self.session.registered() {
             return;
         }
         self.install_logs_shipped = true;

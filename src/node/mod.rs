@@ -5,6 +5,20 @@
 //! node wakes for its heartbeat and little else; while workloads run it wakes at least every
 //! [`BUSY_TICK`].
 
+/// The session's [`session::Outbound`] over the loop's own pieces. A macro, so that only the
+/// fields it names are borrowed while the session itself is borrowed mutably.
+macro_rules! wire {
+    ($node:ident) => {
+        Wire {
+            mqtt: &$node.mqtt,
+            topics: &$node.topics,
+            token: &$node.token,
+            identity_path: $node.s.identity_path(),
+            state: &$node.layout.state,
+        }
+    };
+}
+
 mod gpus;
 mod ingress;
 pub mod logs;
@@ -13,10 +27,12 @@ mod selfheal;
 mod session;
 mod starts;
 pub mod startup;
+mod table;
+mod table_out;
 mod uploads;
 mod workloads;
 
-use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{select, Receiver};
@@ -38,7 +54,7 @@ use crate::workers::{Done, Workers};
 use crate::workload::reaper::Reaped;
 use crate::workload::tail::{Chunk, Key, Tailer};
 use crate::workload::Layout;
-use workloads::Active;
+use session::{Happening, Session};
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
@@ -51,14 +67,6 @@ const RESCAN_BUSY: Duration = Duration::from_secs(2);
 const RESCAN_IDLE: Duration = Duration::from_secs(60);
 /// Retrying outbox writes that a full disk refused (D28).
 const DISK_RETRY: Duration = Duration::from_secs(1);
-const MAX_EARLY_COMMANDS: usize = 1000;
-/// The least wait between connects while another client holds this node's client id (D33).
-const DUPLICATE_ID_BACKOFF: Duration = Duration::from_secs(30);
-/// How soon after a connect the node checks the connection is still there (a loss that raced
-/// the connect's outcome is otherwise noticed only at the next wake-up).
-const VERIFY_CONNECTION: Duration = Duration::from_millis(500);
-/// A connection closed this soon after it was accepted counts towards a duplicate client id.
-const SHORT_CONNECTION: Duration = Duration::from_secs(5);
 /// Written into the state dir when another client takes the session over twice within a
 /// minute; `doctor` fails while it is recent.
 pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";
@@ -86,37 +94,8 @@ pub fn run(settings: Settings) -> i32 {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Conn {
-    Disconnected { next_attempt: Instant, attempt: u32 },
-    Connecting { attempt: u32 },
-    Connected,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-enum Registration {
-    /// Send R1 (create) or R2 (register a known uuid) once connected and `next_try` is due.
-    Needed {
-        next_try: Instant,
-        attempt: u32,
-        create: bool,
-    },
-    AwaitingCreate {
-        attempt: u32,
-    },
-    AwaitingRegister {
-        attempt: u32,
-        uuid: String,
-        slug: Option<String>,
-    },
-    Done,
-}
-
 #[derive(Debug, Clone, PartialEq)]
 enum Op {
-    Create,
-    Register,
-    Heartbeat,
     Terminate,
     Fail,
     /// A non-terminal workload status (R7), fire and forget.
@@ -129,11 +108,6 @@ enum Op {
     SignedUrl(String),
     /// R10 for the workload with this safe id.
     UploadResults(String),
-}
-
-struct Pending {
-    op: Op,
-    deadline: Instant,
 }
 
 struct Shutdown {
@@ -150,23 +124,14 @@ pub struct Node {
     events: Receiver<MqttEvent>,
     topics: Topics,
     token: String,
-    conn: Conn,
-    reg: Registration,
-    identity: Option<Identity>,
-    /// Command topics the node is subscribed to (renewed on every connect).
-    command_topics: Vec<String>,
-    /// Commands that arrived before registration finished.
-    early_commands: Vec<Vec<u8>>,
-    pending: HashMap<Vec<u8>, Pending>,
-    hb: session::Heartbeat,
+    /// The broker session: connection, registration, heartbeat, requests awaiting replies.
+    session: Session<Op>,
     shutdown: Option<Shutdown>,
-    /// An install-script failure: reported with R6 once registered, then the node exits 1.
-    startup_failure: Option<String>,
     started: Instant,
     exit: Option<i32>,
     layout: Layout,
     /// Active workloads by safe id.
-    active: BTreeMap<String, Active>,
+    active: table::Table,
     ledger: Ledger,
     outbox: Outbox,
     reaped: Receiver<Reaped>,
@@ -198,35 +163,14 @@ pub struct Node {
     /// GPU inventory, health and accounting (D35–D38).
     gpu: gpus::Gpus,
     gpu_rx: Receiver<crate::gpu::Snapshot>,
-    connected_once: bool,
-    /// "node ready" (and READY=1) was announced.
-    ready_announced: bool,
     next_prune: Instant,
     /// Full-disk errors are logged once a minute (D28).
     disk_errors: crate::logtext::Throttle,
-    /// Workloads whose completion could not be written to disk: their record is removed once
-    /// the backend acknowledged it (outbox sequence → safe id).
-    retire_on_ack: HashMap<u64, String>,
-    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
-    loose_results_warned: bool,
-    /// When the broker last gave the session to another client (D33).
-    taken_over_at: Option<Instant>,
-    /// When the current connection was accepted, and recent connections that lasted less
-    /// than [`SHORT_CONNECTION`] (D33).
-    connected_at: Option<Instant>,
-    short_connections: Vec<Instant>,
-    /// The current connection was made at the first attempt after a loss (D33).
-    connected_first_try: bool,
-    /// The connect under way, and the current connection, started a clean session.
-    connecting_clean: bool,
-    connected_clean: bool,
-    /// When to check that the connection the node believes in is still there.
-    verify_connection_at: Option<Instant>,
 }
 
 impl Node {
     fn run(mut self, signals: Receiver<Signal>) -> i32 {
-        self.start_connect();
+        self.tick();
         loop {
             let now = self.clock.now();
             let wait = self.next_wake(now).saturating_duration_since(now);
@@ -273,43 +217,23 @@ impl Node {
         let mut t = now.checked_add(cap).unwrap_or(now);
         let mut due = |d: Instant| t = t.min(d);
         let open = self.shutdown.is_none();
-        if let Conn::Disconnected { next_attempt, .. } = self.conn {
-            if open {
-                due(next_attempt);
-            }
-        }
-        if let Registration::Needed { next_try, .. } = self.reg {
-            if self.conn == Conn::Connected && open {
-                due(next_try);
-            }
-        }
-        if let Some(d) = self.hb.next_due {
-            if self.reg == Registration::Done && open {
-                due(d);
-            }
-        }
-        for p in self.pending.values() {
-            due(p.deadline);
+        if let Some(d) = self.session.next_due() {
+            due(d);
         }
         if let Some(s) = &self.shutdown {
             due(s.deadline);
-        }
-        if let Some(v) = self.verify_connection_at {
-            due(v);
         }
         // Stream passes only while a workload is tracked: its files may grow.
         if !self.active.is_empty() {
             due(self.next_stream_pass);
         }
-        for a in self.active.values() {
-            for d in workload_deadlines(a) {
-                due(d);
-            }
+        if let Some(d) = self.active.next_due() {
+            due(d);
         }
         for (.., until) in &self.heal.deferred {
             due(*until);
         }
-        if self.conn == Conn::Connected {
+        if self.session.connected() {
             if let Some(o) = self.outbox.next_try() {
                 due(o);
             }
@@ -327,7 +251,7 @@ impl Node {
         if self.s.log_retention_days.value > 0 {
             due(self.next_prune);
         }
-        if self.s.standalone && self.conn == Conn::Connected {
+        if self.s.standalone && self.session.connected() {
             due(self.next_watchdog);
         }
         if let Some(since) = self.idle_since {
@@ -341,138 +265,63 @@ impl Node {
     }
 
     fn uuid(&self) -> &str {
-        self.identity
-            .as_ref()
-            .map(|i| i.uuid.as_str())
-            .unwrap_or("")
+        self.session.uuid()
     }
 
     fn slug(&self) -> &str {
-        self.identity
-            .as_ref()
-            .map(|i| i.slug.as_str())
-            .unwrap_or("")
+        self.session.slug()
     }
 
-    // ---- connection -------------------------------------------------------------------------
+    // ---- the broker session -------------------------------------------------------------------
 
-    fn start_connect(&mut self) {
-        let attempt = match self.conn {
-            Conn::Disconnected { attempt, .. } => attempt,
-            _ => 0,
-        };
-        log::debug!(
-            "connecting to {} (attempt {})",
-            self.mqtt.endpoint(),
-            attempt.saturating_add(1)
-        );
-        self.conn = Conn::Connecting { attempt };
-        self.connecting_clean = self.mqtt.start_connect();
+    /// Whether messages of the loop are in flight: a loss may then be the broker refusing one
+    /// of them (D34), not another client taking the session (D33).
+    fn publishing(&self) -> bool {
+        self.outbox.in_flight_count() > 0 || self.ingress.in_flight_count() > 0
     }
 
     fn on_mqtt(&mut self, ev: MqttEvent) {
-        match ev {
-            MqttEvent::Connect(Ok(session_present)) => {
-                log::info!(
-                    "connected to MQTT broker {} ({})",
-                    self.mqtt.endpoint(),
-                    if session_present {
-                        "session resumed"
-                    } else {
-                        "new session"
+        let now = self.clock.now();
+        let publishing = self.publishing();
+        let happened = self.session.on_mqtt(ev, publishing, now, &mut wire!(self));
+        self.carry_out(happened);
+    }
+
+    /// Acts on what the session reports.
+    fn carry_out(&mut self, happened: Vec<Happening<Op>>) {
+        for h in happened {
+            match h {
+                Happening::Connected { reconnect } => {
+                    if reconnect {
+                        self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
                     }
-                );
-                if !self.mqtt.is_connected() {
-                    // The connection dropped between the CONNACK and now (its loss event came
-                    // while the attempt was still open): never claim it (D34). The resumed
-                    // session may hold a publish the broker refuses (the client resends it at
-                    // once): the count below starts the next session clean.
-                    let now = self.clock.now();
-                    self.connected_first_try = matches!(self.conn, Conn::Connecting { attempt: 1 });
-                    self.connected_clean = self.connecting_clean;
-                    self.connected_at = Some(now);
-                    self.schedule_reconnect(0, "the connection closed right after it opened");
-                    return self.note_short_connection(now);
+                    self.flush_outbox();
+                    self.send_ingress();
                 }
-                self.connected_first_try = matches!(self.conn, Conn::Connecting { attempt: 1 });
-                self.connected_clean = self.connecting_clean;
-                self.conn = Conn::Connected;
-                self.connected_at = Some(self.clock.now());
-                // A loss can race the connect's own outcome (its event then comes while the
-                // attempt is open, and is dropped): look again shortly, even on an idle node.
-                self.verify_connection_at = Some(util::later(self.clock.now(), VERIFY_CONNECTION));
-                if self.connected_once {
-                    self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
+                Happening::Lost => self.connection_lost(),
+                Happening::Registered => self.ship_install_logs(),
+                Happening::RegisteredAfterFailedStart(err) => self.report_failed_start(err),
+                Happening::Command(payload) => self.on_command(&payload),
+                Happening::Outcome {
+                    tag,
+                    reply,
+                    correlation,
+                } => self.on_outcome(tag, reply, &correlation),
+                Happening::HeartbeatDue => self.send_heartbeat(),
+                Happening::HeartbeatFailed => {
+                    self.metrics.heartbeat_failures =
+                        self.metrics.heartbeat_failures.saturating_add(1);
                 }
-                self.connected_once = true;
-                // Renew every subscription on every connect: harmless when the broker kept the
-                // session, essential when it did not.
-                let mut topics = vec![self.topics.inbox()];
-                topics.extend(self.command_topics.iter().cloned());
-                self.mqtt.subscribe(&topics);
-                self.flush_outbox();
-                self.send_ingress();
-            }
-            MqttEvent::Connect(Err(why)) => {
-                let attempt = match self.conn {
-                    Conn::Connecting { attempt } => attempt,
-                    _ => 0,
-                };
-                self.schedule_reconnect(attempt, &why);
-            }
-            MqttEvent::Lost(why) => {
-                if matches!(self.conn, Conn::Connected) {
-                    self.connection_lost(&why);
-                } else if matches!(self.conn, Conn::Connecting { .. }) {
-                    // Maybe this attempt's connection, lost before its outcome arrived: check
-                    // soon after the outcome (a stale loss of the last connection is harmless).
-                    self.verify_connection_at =
-                        Some(util::later(self.clock.now(), Duration::from_millis(100)));
-                }
-            }
-            MqttEvent::TakenOver => self.session_taken_over(),
-            MqttEvent::Subscribed(result) => self.on_subscribed(result),
-            MqttEvent::Message {
-                topic,
-                payload,
-                correlation,
-            } => {
-                if topic == self.topics.inbox() {
-                    self.on_reply(correlation, &payload);
-                } else if self.command_topics.contains(&topic) {
-                    self.on_command(&payload);
-                } else if self.reg != Registration::Done && self.topics.is_command_topic(&topic) {
-                    // A resumed session delivers queued commands before registration is done:
-                    // keep them (bounded) and handle them once the node is registered.
-                    if self.early_commands.len() < MAX_EARLY_COMMANDS {
-                        self.early_commands.push(payload);
-                    } else {
-                        log::warn!(
-                            "dropped a command that arrived before registration: too many queued"
-                        );
-                    }
-                } else {
-                    log::debug!(
-                        "message on unexpected topic {} ignored",
-                        crate::logtext::shown(&topic)
-                    );
-                }
+                Happening::TokenRejected => self.begin_shutdown(EXIT_CREDENTIALS, "token rejected"),
             }
         }
     }
 
-    /// The connection is gone: reconnect with backoff; what was in flight goes again, except
-    /// what the broker refused too often (D34).
-    fn connection_lost(&mut self, why: &str) {
-        // A loss while messages were in flight may be the broker refusing one of them (D34),
-        // not another client taking the session (D33).
-        let publishing = self.outbox.in_flight_count() > 0 || self.ingress.in_flight_count() > 0;
-        self.schedule_reconnect(0, why);
-        if !publishing {
-            self.note_short_connection(self.clock.now());
-        }
+    /// The connection is gone (the session schedules the reconnect): what was in flight goes
+    /// again, except what the broker refused too often (D34).
+    fn connection_lost(&mut self) {
         // Outbox messages in flight are sent again after the reconnect.
-        self.pending.retain(|_, p| !matches!(p.op, Op::Outbox(_)));
+        self.session.forget(|op| matches!(op, Op::Outbox(_)));
         let refused = self.outbox.reset_in_flight();
         let refused_events = self.ingress.reset_in_flight();
         let mut any_refused = false;
@@ -493,143 +342,16 @@ impl Node {
         self.reset_streams();
     }
 
-    /// D33: the broker gave this node's session to another client with the same client id
-    /// (MQTT v5 reason 0x8E). Twice within a minute means another node runs with a copy of
-    /// this state dir.
-    fn session_taken_over(&mut self) {
-        let now = self.clock.now();
-        let recent = self
-            .taken_over_at
-            .is_some_and(|t| now.saturating_duration_since(t) <= Duration::from_secs(60));
-        self.taken_over_at = Some(now);
-        let why = "the broker gave this node's session to another client (MQTT reason 0x8E)";
-        if matches!(self.conn, Conn::Connected) {
-            self.connection_lost(why);
-        } else {
-            log::warn!("{why}");
-        }
-        if recent {
-            self.duplicate_client_id("the broker took the session over twice within a minute");
-        }
-    }
-
-    /// Not every broker or client library reports reason 0x8E: a connection that the broker
-    /// closes within seconds of accepting it, three times within a minute, is the same sign.
-    fn note_short_connection(&mut self, now: Instant) {
-        // A broker that restarts refuses the first reconnect; a takeover does not: only a
-        // connection made at the first attempt after a loss counts.
-        let short = self.connected_first_try
-            && self
-                .connected_at
-                .is_some_and(|t| now.saturating_duration_since(t) <= SHORT_CONNECTION);
-        if !short {
-            return;
-        }
-        // Something in the resumed session may be what the broker refuses (a QoS 1 publish the
-        // client resends on every resume): the next session starts clean. Only connections
-        // that were clean already count towards a duplicate client id, which a clean session
-        // does not cure (D33, D34).
-        self.mqtt.clean_start_next();
-        if !self.connected_clean {
-            return;
-        }
-        self.short_connections
-            .retain(|t| now.saturating_duration_since(*t) <= Duration::from_secs(60));
-        self.short_connections.push(now);
-        if self.short_connections.len() >= 3 {
-            self.short_connections.clear();
-            self.duplicate_client_id(
-                "the broker closed the connection right after accepting it 3 times within a minute",
-            );
-        }
-    }
-
-    /// Says that another client uses this node's client id, records it for `doctor`, and waits
-    /// at least 30 s between attempts so the two do not take the session from each other
-    /// several times a second (D33).
-    fn duplicate_client_id(&mut self, sign: &str) {
-        let now = self.clock.now();
-        let client_id = self.topics.client_id().to_string();
-        log::error!(
-            "another client uses this node's MQTT client id {client_id} ({sign}); most likely a copy of this state dir {} runs on another host, and each takes the session from the other. Give the copy its own identity: stop it, delete node_id and instance_identity.json in its state dir, start it again. Reconnecting in 30 s",
-            self.layout.state.display()
-        );
-        let marker = self.layout.state.join(CLIENT_ID_CONFLICT);
-        let _ = crate::store::write_atomic(
-            &marker,
-            crate::util::rfc3339(SystemTime::now()).as_bytes(),
-            0o600,
-        );
-        if let Conn::Disconnected {
-            next_attempt,
-            attempt,
-        } = self.conn
-        {
-            self.conn = Conn::Disconnected {
-                next_attempt: next_attempt.max(crate::util::later(now, DUPLICATE_ID_BACKOFF)),
-                attempt,
-            };
-        }
-    }
-
-    fn schedule_reconnect(&mut self, attempt: u32, why: &str) {
-        // Several broker addresses (a cluster): the next attempt goes to the next one.
-        self.mqtt.next_endpoint();
-        let t = &self.s.tuning;
-        let delay = util::backoff_full_jitter(attempt, t.reconnect_base, t.reconnect_max);
-        let next = if self.mqtt.endpoint_count() > 1 {
-            format!(" on {}", self.mqtt.endpoint())
-        } else {
-            String::new()
-        };
-        log::warn!(
-            "MQTT {}: {why}; retrying{next} in {:.1}s",
-            if attempt == 0 {
-                "connection problem"
-            } else {
-                "connect failed again"
-            },
-            delay.as_secs_f64()
-        );
-        self.conn = Conn::Disconnected {
-            next_attempt: util::later(self.clock.now(), delay),
-            attempt: attempt.saturating_add(1),
-        };
-    }
-
-    // ---- requests -----------------------------------------------------------------------------
-
+    /// Sends one of the loop's requests through the session; returns its correlation.
     fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
-        let corr = util::random_bytes::<16>().to_vec();
-        let payload = serde_json::to_vec(&body).unwrap_or_default();
-        self.mqtt
-            .publish_request(topic, payload, &self.topics.inbox(), &corr, &self.token);
-        self.pending.insert(
-            corr.clone(),
-            Pending {
-                op,
-                deadline: util::later(self.clock.now(), timeout),
-            },
-        );
-        corr
-    }
-
-    fn on_reply(&mut self, correlation: Option<Vec<u8>>, payload: &[u8]) {
-        let Some(p) = correlation.as_ref().and_then(|c| self.pending.remove(c)) else {
-            log::debug!("reply with no matching request dropped (late or foreign)");
-            return;
-        };
-        let reply = Reply::parse(payload);
-        let corr = correlation.unwrap_or_default();
-        self.on_outcome(p.op, Some(reply), &corr);
+        let now = self.clock.now();
+        self.session
+            .request(op, topic, &body, timeout, now, &mut wire!(self))
     }
 
     /// A request's reply (`Some`) or its timeout (`None`).
     fn on_outcome(&mut self, op: Op, body: Option<Reply>, corr: &[u8]) {
         match op {
-            Op::Create => self.on_create_reply(body),
-            Op::Register => self.on_register_reply(body),
-            Op::Heartbeat => self.on_heartbeat_reply(body),
             Op::Outbox(seq) => self.on_outbox_reply(seq, body),
             Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(|b| b.success)),
             Op::SignedUrl(id) => self.on_signed_url_reply(&id, body.map(|b| b.body)),
@@ -658,317 +380,45 @@ impl Node {
         }
     }
 
-    // ---- registration (R1, R2) ----------------------------------------------------------------
-
-    fn send_registration_step(&mut self, attempt: u32, create: bool) {
-        let mut body = json!({"profile_slug": self.s.profile_slug.value});
-        if let Some(e) = &self.s.environment_uuid {
-            util::set(&mut body, "environment_uuid", json!(e.value));
+    /// Registered after start-up failed: tell the backend (R6), then exit.
+    fn report_failed_start(&mut self, err: String) {
+        let uuid = self.uuid().to_string();
+        log::error!("reporting the start-up failure to the backend, then exiting");
+        if self.s.standalone {
+            return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
         }
-        if create {
-            util::set(&mut body, "provider", json!("self-hosted"));
-            util::set(&mut body, "visibility", json!("private"));
-            if let Some(slug) = &self.s.slug_hint {
-                util::set(&mut body, "slug", json!(slug.value));
-            }
-            log::info!("registering: asking the backend for a new instance (R1)");
-            let topic = self.topics.request_instance(&self.token);
-            self.request(Op::Create, &topic, body, self.s.tuning.request_timeout);
-            self.reg = Registration::AwaitingCreate { attempt };
-        } else {
-            let uuid = self.known_uuid().unwrap_or_default();
-            self.send_register(attempt, uuid, None, body);
-        }
-    }
-
-    fn send_register(&mut self, attempt: u32, uuid: String, slug: Option<String>, body: Value) {
-        log::info!("registering instance {} (R2)", crate::logtext::shown(&uuid));
-        let topic = self.topics.register(&uuid);
-        self.request(Op::Register, &topic, body, self.s.tuning.request_timeout);
-        self.reg = Registration::AwaitingRegister {
-            attempt,
-            uuid,
-            slug,
-        };
-    }
-
-    fn known_uuid(&self) -> Option<String> {
-        self.identity
-            .as_ref()
-            .map(|i| i.uuid.clone())
-            .or_else(|| self.s.instance_uuid.as_ref().map(|u| u.value.clone()))
-            .filter(|u| !u.is_empty())
-    }
-
-    fn registration_failed(&mut self, why: &str, create: bool) {
-        let attempt = match &self.reg {
-            Registration::AwaitingCreate { attempt }
-            | Registration::AwaitingRegister { attempt, .. } => *attempt,
-            Registration::Needed { attempt, .. } => *attempt,
-            Registration::Done => 0,
-        };
-        let delay = util::backoff_full_jitter(
-            attempt,
-            Duration::from_millis(500),
-            self.s.tuning.register_retry_max,
+        let topic = self.topics.fail(&uuid);
+        let corr = self.request(
+            Op::Fail,
+            &topic,
+            json!({"instance_uuid": uuid, "error": err}),
+            self.s.tuning.heartbeat_timeout,
         );
-        log::warn!(
-            "registration failed: {}; retrying in {:.1}s",
-            crate::logtext::shown(why),
-            delay.as_secs_f64()
-        );
-        self.reg = Registration::Needed {
-            next_try: util::later(self.clock.now(), delay),
-            attempt: attempt.saturating_add(1),
-            create,
-        };
-    }
-
-    fn on_create_reply(&mut self, body: Option<Reply>) {
-        let Registration::AwaitingCreate { attempt } = self.reg else {
-            return;
-        };
-        let Some(body) = body else {
-            return self.registration_failed("no reply to the instance request", true);
-        };
-        let uuid = body.uuid.map(|u| u.as_str().to_string());
-        let slug = body.slug.map(|u| u.as_str().to_string());
-        match (body.success, uuid) {
-            (true, Some(uuid)) => {
-                let mut req = json!({"profile_slug": self.s.profile_slug.value});
-                if let Some(e) = &self.s.environment_uuid {
-                    util::set(&mut req, "environment_uuid", json!(e.value));
-                }
-                self.send_register(attempt, uuid, slug, req);
-            }
-            (true, None) => {
-                self.registration_failed("the backend created an instance but sent no uuid", true)
-            }
-            (false, _) => {
-                let why = format!(
-                    "instance creation refused: {}",
-                    crate::logtext::shown(&body.message)
-                );
-                self.registration_failed(&why, true)
-            }
+        self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
+        if let Some(s) = &mut self.shutdown {
+            s.waiting_for = Some(corr);
         }
     }
 
-    fn on_register_reply(&mut self, body: Option<Reply>) {
-        let Registration::AwaitingRegister { uuid, slug, .. } = self.reg.clone() else {
-            return;
-        };
-        let Some(body) = body else {
-            return self.registration_failed("no reply to the registration", false);
-        };
-        if !body.success {
-            if body.code == Some(404) {
-                // D6: the instance no longer exists; create a new one.
-                log::warn!(
-                    "instance {} is unknown to the backend; creating a new instance",
-                    crate::logtext::shown(&uuid)
-                );
-                self.identity = None;
-                self.reg = Registration::Needed {
-                    next_try: self.clock.now(),
-                    attempt: 0,
-                    create: true,
-                };
-                return;
-            }
-            let why = format!(
-                "registration refused: {}",
-                crate::logtext::shown(&body.message)
-            );
-            return self.registration_failed(&why, false);
-        }
-        let uuid = body.uuid.map_or(uuid, |u| u.as_str().to_string());
-        let slug = body
-            .slug
-            .map(|s| s.as_str().to_string())
-            .or(slug)
-            .or_else(|| self.s.slug_hint.as_ref().map(|s| s.value.clone()))
-            .unwrap_or_else(|| format!("cn-{}", uuid.chars().take(8).collect::<String>()));
-        let identity = Identity {
-            uuid,
-            slug,
-            workspace_slug: self.s.workspace_slug.as_ref().map(|w| w.value.clone()),
-            registered_at: Some(util::rfc3339(SystemTime::now())),
-            standalone: false,
-        };
-        self.become_registered(identity);
-    }
-
-    fn become_registered(&mut self, identity: Identity) {
-        if let Err(e) = identity.save(&self.s.identity_path()) {
-            log::error!(
-                "cannot save the instance identity to {}: {e}",
-                self.s.identity_path().display()
-            );
-        }
-        self.reg = Registration::Done;
-        self.identity = Some(identity);
-        if let Some(err) = self.startup_failure.clone() {
-            let uuid = self.uuid().to_string();
-            log::error!("reporting the start-up failure to the backend, then exiting");
-            if self.s.standalone {
-                return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-            }
-            let topic = self.topics.fail(&uuid);
-            let corr = self.request(
-                Op::Fail,
-                &topic,
-                json!({"instance_uuid": uuid, "error": err}),
-                self.s.tuning.heartbeat_timeout,
-            );
-            self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-            if let Some(s) = &mut self.shutdown {
-                s.waiting_for = Some(corr);
-            }
-            return;
-        }
-        let new_topics = vec![
-            self.topics.command(self.uuid()),
-            self.topics.command(self.slug()),
-        ];
-        for old in self
-            .command_topics
-            .iter()
-            .filter(|t| !new_topics.contains(t))
-        {
-            self.mqtt.unsubscribe(old);
-        }
-        self.command_topics = new_topics;
-        self.ready_announced = false;
-        // Ready only once the broker confirmed the subscriptions: a command published before
-        // the SUBACK would have no subscription to land on.
-        self.mqtt.subscribe_confirmed(&self.command_topics);
-        self.ship_install_logs();
-        for payload in std::mem::take(&mut self.early_commands) {
-            self.on_command(&payload);
-        }
-    }
-
-    /// The command subscriptions are confirmed (or failed: the next connect renews them).
-    fn on_subscribed(&mut self, result: Result<(), String>) {
-        if self.ready_announced || self.reg != Registration::Done || self.command_topics.len() < 2 {
-            return;
-        }
-        if let Err(e) = result {
-            log::warn!("the broker did not confirm the command subscriptions ({e}); they are renewed on the next connect");
-        }
-        self.ready_announced = true;
-        crate::systemd::notify("READY=1");
-        // Heartbeats start with readiness: the backend never sees a node beat that cannot yet
-        // take commands (and systemd hears READY=1 before any WATCHDOG=1).
-        if !self.s.standalone {
-            self.hb.next_due = Some(self.clock.now());
-        }
-        log::info!(
-            "node ready: instance {} (slug {}){}; commands on {} and {}",
-            crate::logtext::shown(self.uuid()),
-            crate::logtext::shown(self.slug()),
-            self.s
-                .environment_uuid
-                .as_ref()
-                .map(|e| format!(", reserved for environment {}", e.value))
-                .unwrap_or_default(),
-            self.command_topics.first().map_or("", String::as_str),
-            self.command_topics.get(1).map_or("", String::as_str)
-        );
-    }
-
-    // ---- heartbeat (R3) -------------------------------------------------------------------------
-
+    /// A heartbeat is due (R3): its body is what the loop knows.
     fn send_heartbeat(&mut self) {
         // Self-heal runs beside the heartbeat, never in front of it.
         self.start_heal_pass();
-        let interval = self.s.heartbeat_interval.value;
-        let r = u64::from_le_bytes(util::random_bytes::<8>());
-        self.hb.next_due = beat_due(self.clock.now(), interval, r);
-        if self.conn != Conn::Connected {
-            self.hb.failures = self.hb.failures.saturating_add(1);
-            log::debug!("heartbeat skipped: not connected");
-            return;
-        }
-        let body = json!({
+        let mut body = json!({
             "node_version": crate::cli::VERSION,
             "active_workloads": self.active.len(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-                        "accepting": self.shutdown.is_none() && !self.draining,
+            "accepting": self.shutdown.is_none() && !self.draining,
             "draining": self.draining,
             "uptime_s": self.started.elapsed().as_secs(),
         });
-        let mut body = body;
         self.gpu_heartbeat(&mut body);
         if let Some(h) = self.hardware() {
             util::set(&mut body, "hardware", h);
         }
-        let topic = self.topics.heartbeat(self.uuid());
-        self.request(Op::Heartbeat, &topic, body, self.s.tuning.heartbeat_timeout);
-    }
-
-    fn on_heartbeat_reply(&mut self, body: Option<Reply>) {
-        if self.shutdown.is_some() || self.reg != Registration::Done {
-            return;
-        }
-        let interval = self.s.heartbeat_interval.value;
         let now = self.clock.now();
-        let verdict = self
-            .hb
-            .on_reply(body.as_ref(), now, interval, self.s.tuning.auth_retry_base);
-        match verdict {
-            session::Verdict::Ok { recovered } => {
-                if recovered {
-                    log::info!("heartbeats acknowledged again");
-                }
-                // The watchdog is fed only while the backend acknowledges heartbeats.
-                crate::systemd::notify("WATCHDOG=1");
-            }
-            session::Verdict::GiveUp { n } => {
-                log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
-                self.begin_shutdown(EXIT_CREDENTIALS, "token rejected");
-            }
-            session::Verdict::AuthRetry { n, delay } => {
-                log::warn!(
-                    "heartbeat rejected: authentication failed ({n}/{}); retrying in {:.1}s",
-                    session::MAX_AUTH_FAILURES,
-                    delay.as_secs_f64()
-                );
-            }
-            session::Verdict::Gone => {
-                // D5: the instance is gone; register a new one and move the subscriptions.
-                log::warn!(
-                    "the backend says instance {} is gone ({}); registering a new instance",
-                    crate::logtext::shown(self.uuid()),
-                    crate::logtext::shown(body.as_ref().map_or("", |b| b.message.as_str()))
-                );
-                self.pending.retain(|_, p| p.op != Op::Heartbeat);
-                if let Some(i) = &mut self.identity {
-                    i.uuid.clear();
-                }
-                self.s.instance_uuid = None;
-                self.reg = Registration::Needed {
-                    next_try: now,
-                    attempt: 0,
-                    create: true,
-                };
-            }
-            session::Verdict::Failed { n, alarm } => {
-                self.metrics.heartbeat_failures = self.metrics.heartbeat_failures.saturating_add(1);
-                let why = match &body {
-                    Some(b) => format!("refused: {}", b.message),
-                    None => "no reply in time".to_string(),
-                };
-                if alarm {
-                    log::error!("heartbeat failed {n} times in a row ({}); the backend may reap this instance", crate::logtext::shown(&why));
-                } else {
-                    log::warn!("heartbeat failed ({})", crate::logtext::shown(&why));
-                }
-            }
-        }
+        self.session.send_heartbeat(&body, now, &mut wire!(self));
     }
-
     // ---- commands -------------------------------------------------------------------------------
 
     fn on_command(&mut self, payload: &[u8]) {
@@ -1118,9 +568,9 @@ impl Node {
             "slug": self.slug(),
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "broker": self.mqtt.endpoint(),
-            "connected": self.conn == Conn::Connected,
-            "registered": self.reg == Registration::Done,
-            "last_heartbeat_ok": self.hb.last_ok.map(util::rfc3339),
+            "connected": self.session.connected(),
+            "registered": self.session.registered(),
+            "last_heartbeat_ok": self.session.last_heartbeat_ok().map(util::rfc3339),
                         "accepting": self.shutdown.is_none() && !self.draining,
             "draining": self.draining,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
@@ -1172,12 +622,12 @@ impl Node {
         log::info!("shutting down ({why}); running workloads are left running");
         self.log_running_workloads();
         let now = self.clock.now();
-        self.hb.next_due = None;
+        self.session.close();
         let mut waiting_for = None;
-        if self.reg == Registration::Done
-            && self.conn == Conn::Connected
+        if self.session.registered()
+            && self.session.connected()
             && !self.s.standalone
-            && self.startup_failure.is_none()
+            && !self.session.startup_failed()
         {
             let topic = self.topics.terminate(self.uuid());
             waiting_for = Some(self.request(
@@ -1203,48 +653,9 @@ impl Node {
 
     fn tick(&mut self) {
         let now = self.clock.now();
-        if self.verify_connection_at.is_some_and(|v| now >= v) {
-            self.verify_connection_at = None;
-        }
-        if self.conn == Conn::Connected && !self.mqtt.is_connected() {
-            // A loss the client did not report as an event still is one (D34).
-            self.connection_lost("the connection is gone");
-        }
-        if let Conn::Disconnected { next_attempt, .. } = self.conn {
-            if now >= next_attempt && self.shutdown.is_none() {
-                self.start_connect();
-            }
-        }
-        // Expired requests.
-        let expired: Vec<Vec<u8>> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| now >= p.deadline)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for corr in expired {
-            if let Some(p) = self.pending.remove(&corr) {
-                self.on_outcome(p.op, None, &corr);
-            }
-        }
-        if self.conn == Conn::Connected && self.shutdown.is_none() {
-            if let Registration::Needed {
-                next_try,
-                attempt,
-                create,
-            } = self.reg
-            {
-                if self.s.standalone {
-                    // No backend: the node's own identity stands in for a registration.
-                    if let Some(identity) = self.identity.clone() {
-                        self.become_registered(identity);
-                    }
-                } else if now >= next_try {
-                    let create = create || self.known_uuid().is_none();
-                    self.send_registration_step(attempt, create);
-                }
-            }
-        }
+        let publishing = self.publishing();
+        let happened = self.session.tick(publishing, now, &mut wire!(self));
+        self.carry_out(happened);
         self.tick_workloads();
         self.retry_deferred_starts();
         if now >= self.next_rescan {
@@ -1261,7 +672,7 @@ impl Node {
         self.check_drain_after_one(now);
         self.write_metrics(now);
         self.prune_old_files(now);
-        if self.s.standalone && self.conn == Conn::Connected && now >= self.next_watchdog {
+        if self.s.standalone && self.session.connected() && now >= self.next_watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");
             self.next_watchdog = util::later(now, Duration::from_secs(10));
@@ -1270,16 +681,75 @@ impl Node {
         if now >= self.next_stream_pass && !self.active.is_empty() {
             self.pump_streams(true);
         }
-        if let Some(due) = self.hb.next_due {
-            if now >= due && self.reg == Registration::Done && self.shutdown.is_none() {
-                self.send_heartbeat();
-            }
-        }
         if let Some(s) = &self.shutdown {
             if now >= s.deadline {
                 self.exit = Some(s.exit_code);
             }
         }
+    }
+}
+
+/// What the session does to the world, done with the node's MQTT client and state dir.
+struct Wire<'a> {
+    mqtt: &'a Mqtt,
+    topics: &'a Topics,
+    token: &'a str,
+    identity_path: PathBuf,
+    state: &'a std::path::Path,
+}
+
+impl session::Outbound for Wire<'_> {
+    fn connect(&mut self) -> bool {
+        self.mqtt.start_connect()
+    }
+    fn is_connected(&self) -> bool {
+        self.mqtt.is_connected()
+    }
+    fn endpoint(&self) -> String {
+        self.mqtt.endpoint()
+    }
+    fn endpoint_count(&self) -> usize {
+        self.mqtt.endpoint_count()
+    }
+    fn next_endpoint(&mut self) {
+        self.mqtt.next_endpoint();
+    }
+    fn clean_start_next(&mut self) {
+        self.mqtt.clean_start_next();
+    }
+    fn subscribe(&mut self, topics: &[String]) {
+        self.mqtt.subscribe(topics);
+    }
+    fn subscribe_confirmed(&mut self, topics: &[String]) {
+        self.mqtt.subscribe_confirmed(topics);
+    }
+    fn unsubscribe(&mut self, topic: &str) {
+        self.mqtt.unsubscribe(topic);
+    }
+    fn request(&mut self, topic: &str, payload: Vec<u8>, correlation: &[u8]) {
+        self.mqtt.publish_request(
+            topic,
+            payload,
+            &self.topics.inbox(),
+            correlation,
+            self.token,
+        );
+    }
+    fn save_identity(&mut self, identity: &Identity) -> Result<(), String> {
+        identity
+            .save(&self.identity_path)
+            .map_err(|e| format!("{}: {e}", self.identity_path.display()))
+    }
+    fn mark_client_id_conflict(&mut self) {
+        let marker = self.state.join(CLIENT_ID_CONFLICT);
+        let _ = crate::store::write_atomic(
+            &marker,
+            crate::util::rfc3339(SystemTime::now()).as_bytes(),
+            0o600,
+        );
+    }
+    fn notify(&mut self, state: &str) {
+        crate::systemd::notify(state);
     }
 }
 
@@ -1307,27 +777,6 @@ pub fn beat_due(now: Instant, interval: Duration, random: u64) -> Option<Instant
     let secs = u64::try_from(after / 1_000_000_000).ok()?;
     let sub = u32::try_from(after % 1_000_000_000).ok()?;
     now.checked_add(Duration::new(secs, sub))
-}
-
-/// The moments a tracked workload's timers in `tick_workloads` fall due.
-/// Each is counted only in the state in which `tick_workloads` acts on it, so a deadline that
-/// has passed never keeps the loop spinning.
-fn workload_deadlines(a: &Active) -> impl Iterator<Item = Instant> + '_ {
-    use crate::workload::lifecycle::Phase;
-    let lingering = matches!(a.phase, Phase::Lingering { .. });
-    let adopted = !a.child && matches!(a.phase, Phase::Running | Phase::Cancelling { .. });
-    [
-        a.runtime_deadline
-            .filter(|_| a.meta.cancel.is_none() && !a.finished()),
-        a.phase.deadline(),
-        a.upload
-            .as_ref()
-            .filter(|u| !u.busy && matches!(a.phase, Phase::Uploading { .. }))
-            .and_then(|u| u.retry_at),
-        (lingering || adopted).then_some(a.next_check),
-    ]
-    .into_iter()
-    .flatten()
 }
 
 #[cfg(test)]

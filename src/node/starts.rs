@@ -34,7 +34,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use super::operate::{Busy, BUSY_PREFIX};
-use super::workloads::{start_output, Active};
+use super::table::Active;
+use super::workloads::start_output;
 use super::Node;
 use crate::logtext::shown;
 use crate::protocol::commands::{
@@ -410,8 +411,10 @@ impl Node {
                         "carrying out the cancel recorded while {} was starting",
                         shown(&rid)
                     );
-                    if let Err(e) = self.cancel_workload(&safe_id, c.signal, c.name, c.grace, false)
-                    {
+                    let cancelled = self.with_table(|t, out, now| {
+                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, out)
+                    });
+                    if let Err(e) = cancelled {
                         log::warn!(
                             "the cancel recorded for {} failed: {}",
                             shown(&rid),
@@ -521,7 +524,7 @@ impl Node {
             name: params.signal.name(),
             grace: params
                 .grace
-                .map_or(super::workloads::DEFAULT_GRACE, Seconds::duration),
+                .map_or(super::table::DEFAULT_GRACE, Seconds::duration),
         };
         let Some(kept) = self.starts.cancel(&safe_id, asked.clone()) else {
             return self.cancel_command(request_id, params);

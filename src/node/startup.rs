@@ -2,7 +2,6 @@
 //! MQTT client. Each step logs one line; a step that makes running pointless returns the exit
 //! code instead of a node.
 
-use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -12,8 +11,8 @@ use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver};
 
-use super::session::Heartbeat;
-use super::{Conn, Node, Registration, SystemClock};
+use super::session::{self, Session};
+use super::{Node, SystemClock};
 use crate::backend::{self, Backend, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
@@ -263,34 +262,24 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         format!("cannot start the workload spawner thread: {e}")
     });
     let now = Instant::now();
+    let session = Session::new(
+        session::Config::from_settings(&s, topics.clone(), token.clone()),
+        identity,
+        startup_failure,
+        now,
+    );
     let node = Node {
         clock: Box::new(SystemClock),
         mqtt,
         events: rx,
         topics,
         token,
-        conn: Conn::Connecting { attempt: 0 },
-        reg: Registration::Needed {
-            next_try: now,
-            attempt: 0,
-            create: s.instance_uuid.is_none(),
-        },
-        identity,
-        command_topics: Vec::new(),
-        early_commands: Vec::new(),
-        pending: HashMap::new(),
-        hb: Heartbeat {
-            next_due: None,
-            auth_failures: 0,
-            failures: 0,
-            last_ok: None,
-        },
+        session,
         shutdown: None,
-        startup_failure,
         started,
         exit: None,
         layout,
-        active: BTreeMap::new(),
+        active: super::table::Table::new(super::table::UploadCfg::of(&s)),
         ledger: Ledger::load(dir.join("ledger.jsonl")),
         outbox,
         reaped,
@@ -317,19 +306,8 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         gpus,
         gpu,
         gpu_rx,
-        connected_once: false,
-        ready_announced: false,
         next_prune: now,
         disk_errors: crate::logtext::Throttle::default(),
-        retire_on_ack: std::collections::HashMap::new(),
-        loose_results_warned: false,
-        taken_over_at: None,
-        connected_at: None,
-        short_connections: Vec::new(),
-        connected_first_try: false,
-        connecting_clean: false,
-        connected_clean: false,
-        verify_connection_at: None,
         s,
     };
     let mut node = node;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{Conn, Node, Op};
+use super::table::{Outbound, Request, Table};
 use crate::workers::{Done, Job};
 use crate::workload::shim::Exit;
 
@@ -96,14 +96,14 @@ fn remove_empty_dirs(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }
 
-impl Node {
+impl Table {
     /// D24: the workload's own results folder, `<results_folder>/<safe-id>/`, created empty
     /// when result uploads are on (None otherwise, or when it cannot be created).
-    pub(super) fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
-        if !self.s.upload_results.value || self.s.standalone {
+    pub fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
+        if !self.cfg.enabled {
             return None;
         }
-        let dir = self.s.results_folder.value.join(safe_id);
+        let dir = self.cfg.folder.join(safe_id);
         match std::fs::create_dir_all(&dir) {
             Ok(()) => Some(dir),
             Err(e) => {
@@ -121,10 +121,9 @@ impl Node {
     /// folders). With capacity > 1 files straight in `results_folder` belong to nobody: never
     /// uploaded or deleted, and the node says so once.
     fn result_files(&mut self, id: &str) -> Vec<(String, PathBuf)> {
-        let root = self.s.results_folder.value.clone();
+        let root = self.cfg.folder.clone();
         let mut files = collect(&root.join(id));
         let others: Vec<PathBuf> = self
-            .active
             .keys()
             .filter(|k| k.as_str() != id)
             .map(|k| root.join(k))
@@ -132,10 +131,7 @@ impl Node {
         // Only what the workload wrote: a file older than its start (the operator's own files
         // in a results folder that holds them, what an earlier workload left) is never
         // uploaded or deleted as its result.
-        let since = self
-            .active
-            .get(id)
-            .map_or(f64::MAX, |a| a.meta.created_unix);
+        let since = self.get(id).map_or(f64::MAX, |a| a.meta.created_unix);
         // The status-change time: a file moved (`mv`) or copied in keeping its times still
         // counts as written by the workload.
         let written_since = |p: &Path| {
@@ -154,7 +150,7 @@ impl Node {
                     && written_since(p)
             })
             .collect();
-        if self.s.max_concurrent_workloads.value <= 1 {
+        if self.cfg.capacity <= 1 {
             files.extend(loose);
         } else if !loose.is_empty() && !self.loose_results_warned {
             self.loose_results_warned = true;
@@ -164,12 +160,7 @@ impl Node {
                 root.display()
             );
         }
-        let max = self
-            .s
-            .manifest
-            .as_ref()
-            .and_then(|m| m.max_result_bytes)
-            .unwrap_or(DEFAULT_MAX_RESULT_BYTES);
+        let max = self.cfg.max_bytes;
         let (kept, skipped) = within_budget(files, max);
         for name in skipped {
             log::warn!(
@@ -181,36 +172,39 @@ impl Node {
     }
 
     /// Starts the uploads of a finished workload; false when there is nothing to upload.
-    pub(super) fn begin_uploads(&mut self, id: &str, exit: Option<Exit>) -> bool {
-        let Some(a) = self.active.get(id) else {
+    pub(super) fn begin_uploads(
+        &mut self,
+        id: &str,
+        exit: Option<Exit>,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) -> bool {
+        let Some(a) = self.get(id) else {
             return false;
         };
         let Some(wl) = a.meta.workload_uuid.clone() else {
             return false;
         };
-        if !self.s.upload_results.value
-            || self.s.standalone
-            || a.meta.cancel.is_some()
-            || exit.as_ref().map(Exit::code) != Some(0)
+        if !self.cfg.enabled || a.meta.cancel.is_some() || exit.as_ref().map(Exit::code) != Some(0)
         {
             return false;
         }
         let files = self.result_files(id);
         if files.is_empty() {
-            remove_empty_dirs(&self.s.results_folder.value.join(id));
+            remove_empty_dirs(&self.cfg.folder.join(id));
             return false;
         }
-        if let Some(a) = self.active.get(id) {
+        if let Some(a) = self.get(id) {
             log::info!(
                 "{} {}: uploading {} result file(s) from {}",
                 a.meta.kind,
                 crate::logtext::shown(&a.meta.request_id_text()),
                 files.len(),
-                self.s.results_folder.value.display()
+                self.cfg.folder.display()
             );
         }
         let count = files.len();
-        if let Some(a) = self.active.get_mut(id) {
+        if let Some(a) = self.get_mut(id) {
             a.upload = Some(Upload {
                 files,
                 idx: 0,
@@ -221,16 +215,15 @@ impl Node {
                 notifying: false,
             });
         }
-        self.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
-        self.step_upload(id);
+        out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
+        self.step_upload(id, now, out);
         true
     }
 
     /// Moves an upload on by one step when nothing is under way.
-    pub(super) fn step_upload(&mut self, id: &str) {
-        let now = self.clock.now();
-        let connected = self.conn == Conn::Connected;
-        let Some(a) = self.active.get_mut(id) else {
+    pub(super) fn step_upload(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+        let connected = out.connected();
+        let Some(a) = self.get_mut(id) else {
             return;
         };
         let wl = a.meta.workload_uuid.clone().unwrap_or_default();
@@ -241,66 +234,54 @@ impl Node {
         u.retry_at = None;
         if u.idx < u.files.len() {
             u.busy = true;
-            let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
+            let filename = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
+            let key = id.to_string();
             if connected {
-                let topic = self.topics.signed_url(&wl);
-                self.request(
-                    Op::SignedUrl(id.to_string()),
-                    &topic,
-                    json!({"filename": name}),
-                    self.s.tuning.request_timeout,
-                );
-            } else {
-                self.workers.submit(Job::SignedUrl {
-                    key: id.to_string(),
+                out.request(Request::SignedUrl {
+                    id: key,
                     wl,
-                    filename: name,
+                    filename,
                 });
+            } else {
+                out.submit(Job::SignedUrl { key, wl, filename });
             }
             return;
         }
         if !u.notifying && !u.done.is_empty() {
             u.notifying = true;
             u.busy = true;
-            let body = json!({
-                "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
-                "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
-                "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
-            });
+            let body = notice(u);
+            let key = id.to_string();
             if connected {
-                let topic = self.topics.upload_results(&wl);
-                self.request(
-                    Op::UploadResults(id.to_string()),
-                    &topic,
-                    body,
-                    self.s.tuning.request_timeout,
-                );
+                out.request(Request::UploadResults { id: key, wl, body });
             } else {
-                self.workers.submit(Job::UploadResults {
-                    key: id.to_string(),
-                    wl,
-                    body,
-                });
+                out.submit(Job::UploadResults { key, wl, body });
             }
             return;
         }
-        self.finish_upload(id, false);
+        self.finish_upload(id, false, now, out);
     }
 
     /// R9's answer (`None`: no answer in time): on to the PUT, or the REST fallback.
-    pub(super) fn on_signed_url_reply(&mut self, id: &str, body: Option<serde_json::Value>) {
+    pub fn on_signed_url_reply(
+        &mut self,
+        id: &str,
+        body: Option<serde_json::Value>,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
         let parsed = body.as_ref().map(crate::backend::parse_signed_url);
         match parsed {
-            Some(Ok(found)) => self.put(id, found),
+            Some(Ok(found)) => self.put(id, found, now, out),
             _ => {
-                let Some(a) = self.active.get(id) else { return };
+                let Some(a) = self.get(id) else { return };
                 let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
                     return;
                 };
                 let Some(filename) = u.files.get(u.idx).map(|f| f.0.clone()) else {
                     return;
                 };
-                self.workers.submit(Job::SignedUrl {
+                out.submit(Job::SignedUrl {
                     key: id.to_string(),
                     wl,
                     filename,
@@ -310,9 +291,15 @@ impl Node {
     }
 
     /// The transfer of the current file, by the route the attachment reply chose (D40).
-    fn put(&mut self, id: &str, found: crate::backend::Attachment) {
+    fn put(
+        &mut self,
+        id: &str,
+        found: crate::backend::Attachment,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
         use crate::backend::UploadMethod;
-        let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.as_mut()) else {
+        let Some(u) = self.get_mut(id).and_then(|a| a.upload.as_mut()) else {
             return;
         };
         let Some((name, path)) = u.files.get(u.idx).cloned() else {
@@ -327,11 +314,11 @@ impl Node {
                 let why = format!(
                     "the backend asked for upload_method {m:?} for {name}, which this node does not know (it knows signed_url and multipart)"
                 );
-                return self.upload_attempt_failed(id, false, &why);
+                return self.upload_attempt_failed(id, false, &why, now, out);
             }
         };
         u.done.push((name, found.url.clone(), found.uuid));
-        self.workers.submit(Job::Put {
+        out.submit(Job::Put {
             key: id.to_string(),
             url: found.url,
             path,
@@ -339,36 +326,35 @@ impl Node {
         });
     }
 
-    pub(super) fn on_upload_reply(&mut self, id: &str, ok: bool) {
+    /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback).
+    pub fn on_upload_reply(&mut self, id: &str, ok: bool, now: Instant, out: &mut dyn Outbound) {
         if ok {
-            return self.finish_upload(id, true);
+            return self.finish_upload(id, true, now, out);
         }
-        // MQTT refused or silent: the REST fallback.
-        let Some(a) = self.active.get(id) else { return };
+        let Some(a) = self.get(id) else { return };
         let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
             return;
         };
-        let body = json!({
-            "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
-            "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
-            "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
-        });
-        self.workers.submit(Job::UploadResults {
+        let body = notice(u);
+        out.submit(Job::UploadResults {
             key: id.to_string(),
             wl,
             body,
         });
     }
 
-    pub(super) fn on_worker_done(&mut self, done: Done) {
+    /// A worker's answer to an upload job (other answers are not the table's: ignored).
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Outbound) {
         match done {
             Done::SignedUrl { key, result } => match result {
-                Ok(found) => self.put(&key, found),
-                Err(e) => self.upload_attempt_failed(&key, true, &format!("no signed URL: {e}")),
+                Ok(found) => self.put(&key, found, now, out),
+                Err(e) => {
+                    self.upload_attempt_failed(&key, true, &format!("no signed URL: {e}"), now, out)
+                }
             },
             Done::Put { key, result } => match result {
                 Ok(()) => {
-                    if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
+                    if let Some(u) = self.get_mut(&key).and_then(|a| a.upload.as_mut()) {
                         if let Some(f) = u.files.get(u.idx) {
                             log::info!("uploaded result file {}", crate::logtext::shown(&f.0));
                         }
@@ -376,13 +362,13 @@ impl Node {
                         u.attempt = 0;
                         u.busy = false;
                     }
-                    self.step_upload(&key);
+                    self.step_upload(&key, now, out);
                 }
                 Err((retriable, why)) => {
-                    if let Some(u) = self.active.get_mut(&key).and_then(|a| a.upload.as_mut()) {
+                    if let Some(u) = self.get_mut(&key).and_then(|a| a.upload.as_mut()) {
                         u.done.pop();
                     }
-                    self.upload_attempt_failed(&key, retriable, &why);
+                    self.upload_attempt_failed(&key, retriable, &why, now, out);
                 }
             },
             Done::UploadResults { key, result } => {
@@ -392,15 +378,21 @@ impl Node {
                         crate::logtext::shown(&e.to_string())
                     );
                 }
-                self.finish_upload(&key, result.is_ok());
+                self.finish_upload(&key, result.is_ok(), now, out);
             }
-            Done::CheckWorkload { key, check } => self.on_workload_check(&key, check),
+            Done::CheckWorkload { .. } => {}
         }
     }
 
-    fn upload_attempt_failed(&mut self, id: &str, retriable: bool, why: &str) {
-        let now = self.clock.now();
-        let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.as_mut()) else {
+    fn upload_attempt_failed(
+        &mut self,
+        id: &str,
+        retriable: bool,
+        why: &str,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
+        let Some(u) = self.get_mut(id).and_then(|a| a.upload.as_mut()) else {
             return;
         };
         u.busy = false;
@@ -426,13 +418,13 @@ impl Node {
             u.idx = u.idx.saturating_add(1);
             u.attempt = 0;
         }
-        self.step_upload(id);
+        self.step_upload(id, now, out);
     }
 
     /// Uploads are over: delete the uploaded files once the backend knows of them, then send
     /// the completion.
-    fn finish_upload(&mut self, id: &str, notified: bool) {
-        let Some(u) = self.active.get_mut(id).and_then(|a| a.upload.take()) else {
+    fn finish_upload(&mut self, id: &str, notified: bool, now: Instant, out: &mut dyn Outbound) {
+        let Some(u) = self.get_mut(id).and_then(|a| a.upload.take()) else {
             return;
         };
         if notified {
@@ -447,11 +439,21 @@ impl Node {
             u.done.len(),
             u.files.len()
         );
-        remove_empty_dirs(&self.s.results_folder.value.join(id));
-        self.advance(id, crate::workload::lifecycle::Event::UploadsDone);
+        remove_empty_dirs(&self.cfg.folder.join(id));
+        self.advance(id, crate::workload::lifecycle::Event::UploadsDone, now, out);
     }
 
-    pub(super) fn uploading(&self) -> usize {
-        self.active.values().filter(|a| a.upload.is_some()).count()
+    /// Workloads uploading their results.
+    pub fn uploading(&self) -> usize {
+        self.values().filter(|a| a.upload.is_some()).count()
     }
+}
+
+/// R10's body: the files uploaded so far.
+fn notice(u: &Upload) -> serde_json::Value {
+    json!({
+        "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
+        "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
+        "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
+    })
 }

@@ -1,100 +1,23 @@
 //! The node's side of workloads: starting (exactly once per request id, within capacity),
-//! cancelling (process group, escalation), completion (exactly once, through the outbox),
-//! the max-runtime limit, and re-adopting workloads after a restart.
+//! the cancel command, building and queueing completions (exactly once, through the outbox),
+//! and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
+//! belong to the workload table (`table.rs`), which this file drives through
+//! [`Node::with_table`].
 
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::logs::{Cursor, Stream};
-use super::uploads::Upload;
+use super::logs::Cursor;
+use super::table::{Active, DEFAULT_GRACE, SALVAGED};
 use super::{Node, Op};
 use crate::logtext::shown;
 use crate::outbox::Item;
 use crate::protocol::commands::{CancelParams, CancelTarget, RequestId, Seconds};
 use crate::store;
-use crate::workload::lifecycle::{self, Action, Event, Phase};
+use crate::workers::Done;
 use crate::workload::shim::Exit;
-use crate::workload::{self, procinfo, Cancel, Meta};
-
-/// Default grace between the cancel signal and SIGKILL of the whole group (D10).
-pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
-/// How often adopted workloads (not the node's children) are checked.
-const ADOPTED_CHECK: Duration = Duration::from_millis(250);
-
-/// A workload the node tracks.
-pub struct Active {
-    pub meta: Meta,
-    /// The shim is the node's child: the reaper reports its exit.
-    pub child: bool,
-    /// Where it is: the one source of truth, changed only through [`Node::advance`].
-    pub phase: Phase,
-    pub runtime_deadline: Option<Instant>,
-    pub next_check: Instant,
-    /// stdout, stderr.
-    pub streams: [Stream; 2],
-    /// The progress of its result uploads, while the phase is `Uploading`.
-    pub upload: Option<Upload>,
-}
-
-impl Active {
-    pub(super) fn new(meta: Meta, child: bool, now: Instant) -> Active {
-        let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
-        // A limit read back from disk is bounded again here: no value can overflow the clock.
-        let runtime_deadline = meta
-            .max_runtime_s
-            .and_then(Seconds::from_f64)
-            .and_then(|m| Duration::try_from_secs_f64((m.get() - elapsed).max(0.0)).ok())
-            .and_then(|left| now.checked_add(left));
-        // A cancel recorded before a restart is still under way, with its original deadline.
-        let phase = match &meta.cancel {
-            Some(c) => Phase::Cancelling {
-                escalate_at: crate::util::secs_f64(
-                    (c.requested_unix + c.grace_s - workload::unix_now()).max(0.0),
-                )
-                .checked_add(Duration::ZERO)
-                .and_then(|left| now.checked_add(left)),
-            },
-            None => Phase::Running,
-        };
-        Active {
-            meta,
-            child,
-            phase,
-            runtime_deadline,
-            next_check: now,
-            streams: [Stream::default(), Stream::default()],
-            upload: None,
-        }
-    }
-
-    /// Nothing of it runs any more: it waits for its logs, uploads or report and is never
-    /// signalled again (D26).
-    pub fn finished(&self) -> bool {
-        self.phase.finished()
-    }
-
-    pub fn state(&self) -> &'static str {
-        self.phase.label()
-    }
-}
-
-/// The workload's process group, when it can be proven at this moment to be the one its
-/// supervisor created: same boot, and live members in the supervisor's session (D26). None:
-/// nothing of it is left to signal, and a signal to that number could reach a stranger.
-fn provable_group(meta: &Meta) -> Option<i32> {
-    let st = meta.started.as_ref()?;
-    (st.boot_id == procinfo::boot_id() && procinfo::group_members(st.pid, st.shim_pid) > 0)
-        .then_some(st.pid)
-}
-
-/// Signals the group if it is provably the workload's; `Ok(false)` when nothing is left.
-fn signal_if_ours(meta: &Meta, sig: i32) -> std::io::Result<bool> {
-    match provable_group(meta) {
-        Some(g) => procinfo::signal_group(g, sig).map(|()| true),
-        None => Ok(false),
-    }
-}
+use crate::workload::{self, procinfo, Layout, Meta};
 
 impl Node {
     /// A non-terminal workload status (R7): sent once, its failure only logged.
@@ -158,7 +81,9 @@ impl Node {
             };
             return self.reply_error(request_id, &msg);
         };
-        match self.cancel_workload(&safe_id, sig, sig_name, grace, false) {
+        match self
+            .with_table(|t, out, now| t.cancel(&safe_id, sig, sig_name, grace, false, now, out))
+        {
             Ok(message) => {
                 let Some(a) = self.active.get(&safe_id) else {
                     return self.reply_ok(request_id, json!({"message": message}));
@@ -179,201 +104,33 @@ impl Node {
         }
     }
 
-    /// Signals the workload's process group and arms the escalation to SIGKILL.
-    pub(super) fn cancel_workload(
-        &mut self,
-        safe_id: &str,
-        sig: i32,
-        sig_name: &str,
-        grace: Duration,
-        timed_out: bool,
-    ) -> Result<String, String> {
-        let now = self.clock.now();
-        let Some(a) = self.active.get_mut(safe_id) else {
-            return Err("No active workload found".into());
-        };
-        let pid = a.meta.pid();
-        if a.finished() {
-            // D29: its real outcome is what the backend gets; nothing is signalled (D26).
-            return Ok("Workload already finished; its completion reports how it ended".into());
-        }
-        if let Some(c) = &a.meta.cancel {
-            // Cancelling already: the escalation keeps its original deadline; only a SIGKILL
-            // asked for now goes out now.
-            let first = c.signal.clone();
-            if sig == libc::SIGKILL {
-                signal_if_ours(&a.meta, sig)
-                    .map_err(|e| format!("Failed to cancel workload: {e}"))?;
-                return Ok(format!(
-                    "Workload was already being cancelled with {first}; SIGKILL sent to its group"
-                ));
-            }
-            return Ok(format!(
-                "Workload is already being cancelled with {first}; anything left of it gets SIGKILL at the original deadline"
-            ));
-        }
-        let message = match signal_if_ours(&a.meta, sig) {
-            Ok(true) => format!("Workload cancelled with {sig_name}"),
-            // Its group is gone: the exit is about to be noticed, and reported as it was.
-            Ok(false) => return Ok(format!("Process {pid} was already terminated")),
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                return Ok(format!("Process {pid} was already terminated"))
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                return Err(format!("Permission denied to send signal to process {pid}"))
-            }
-            Err(e) => return Err(format!("Failed to cancel workload: {e}")),
-        };
-        log::info!(
-            "cancelling {} {} (pid {pid}) with {sig_name}; SIGKILL to its group after {:.1}s",
-            a.meta.kind,
-            shown(&a.meta.request_id_text()),
-            grace.as_secs_f64()
-        );
-        a.meta.cancel = Some(Cancel {
-            signal: sig_name.to_string(),
-            requested_unix: workload::unix_now(),
-            grace_s: grace.as_secs_f64(),
-            timed_out,
-            stale: false,
-        });
-        if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
-            log::warn!("workload {safe_id}: cannot record the cancel: {e}");
-        }
-        let _ = now;
-        self.advance(safe_id, Event::Cancelled { grace });
-        Ok(message)
-    }
-
     /// Self-heal: terminate a stale workload; it will be forgotten without a report.
     pub(super) fn cancel_stale(&mut self, safe_id: &str, grace: Duration) -> Result<(), String> {
-        self.cancel_workload(safe_id, libc::SIGTERM, "SIGTERM", grace, false)?;
-        if let Some(a) = self.active.get_mut(safe_id) {
-            if let Some(c) = a.meta.cancel.as_mut() {
-                c.stale = true;
-            }
-            if let Err(e) = workload::save_meta(&self.layout, &a.meta) {
-                log::warn!(
-                    "workload {}: cannot record the stale mark: {e}",
-                    crate::logtext::shown(safe_id)
-                );
-            }
-        }
-        Ok(())
+        self.with_table(|t, out, now| t.cancel_stale(safe_id, grace, now, out))
     }
 
     // ---- exits and completion ---------------------------------------------------------------
 
     pub(super) fn on_reaped(&mut self, pid: i32) {
-        log::debug!("supervisor pid {pid} exited");
-        let found = self
-            .active
-            .iter()
-            .find(|(_, a)| a.child && a.meta.started.as_ref().is_some_and(|s| s.shim_pid == pid))
-            .map(|(k, _)| k.clone());
-        if let Some(safe_id) = found {
-            let exit: Option<Exit> = workload::read_json(&self.layout.exit(&safe_id));
-            self.on_exit(&safe_id, exit);
-        }
+        self.with_table(|t, out, now| t.on_reaped(pid, now, out));
     }
 
-    /// The workload's supervisor ended (`exit` is its record, if it wrote one).
-    fn on_exit(&mut self, safe_id: &str, exit: Option<Exit>) {
-        log::debug!(
-            "workload {} ended: {exit:?}",
-            crate::logtext::shown(safe_id)
-        );
-        let Some(a) = self.active.get_mut(safe_id) else {
-            return;
-        };
-        let group_alive = provable_group(&a.meta).is_some();
-        if group_alive && exit.is_none() {
-            // D27: the supervisor was killed; the workload stays tracked, counted and
-            // cancellable until its group is empty.
-            log::error!(
-                "the supervisor of {} {} (pid {}) ended without an exit record while the workload still runs; tracking its process group until it is empty",
-                a.meta.kind,
-                shown(&a.meta.request_id_text()),
-                a.meta.pid()
-            );
-        }
-        if a.meta.salvaged.is_some() && !group_alive {
-            // A record rebuilt at recovery: whatever the exit, its outcome cannot be trusted.
-            return self.advance(
-                safe_id,
-                Event::Lost {
-                    exit,
-                    reason: SALVAGED,
-                },
-            );
-        }
-        self.advance(safe_id, Event::SupervisorEnded { exit, group_alive });
-    }
-
-    /// A workload known to have ended (found at recovery): ship what is left of its logs, then
-    /// report it — as lost when `lost` says why, or when its record was rebuilt.
+    /// A workload known to have ended (found at recovery).
     fn begin_ending(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&'static str>) {
-        let salvaged = self
-            .active
-            .get(safe_id)
-            .is_some_and(|a| a.meta.salvaged.is_some());
-        let event = match (lost, salvaged) {
-            (_, true) => Event::Lost {
-                exit,
-                reason: SALVAGED,
-            },
-            (Some(reason), false) => Event::Lost { exit, reason },
-            (None, false) => Event::SupervisorEnded {
-                exit,
-                group_alive: false,
-            },
-        };
-        self.advance(safe_id, event);
+        self.with_table(|t, out, now| t.end(safe_id, exit, lost, now, out));
     }
 
-    /// Feeds `event` to the workload's lifecycle ([`lifecycle::step`]) and carries out what it
-    /// says. The only place a workload's phase changes.
-    pub(super) fn advance(&mut self, id: &str, event: Event) {
-        let now = self.clock.now();
-        let Some(a) = self.active.get_mut(id) else {
-            return;
-        };
-        let (next, actions) = lifecycle::step(&a.phase, event, now);
-        a.phase = next;
-        for action in actions {
-            match action {
-                Action::KillGroup => {
-                    if let Some(a) = self.active.get(id) {
-                        if provable_group(&a.meta).is_some() {
-                            log::warn!(
-                                "workload pid {} outlived its grace period; SIGKILL to its process group",
-                                a.meta.pid()
-                            );
-                            let _ = signal_if_ours(&a.meta, libc::SIGKILL);
-                        }
-                    }
-                }
-                Action::ShipLogs => self.pump_streams(false),
-                Action::StartUploads => {
-                    let exit = match self.active.get(id).map(|a| &a.phase) {
-                        Some(Phase::Uploading { exit }) => exit.clone(),
-                        _ => None,
-                    };
-                    if !self.begin_uploads(id, exit) {
-                        self.advance(id, Event::UploadsDone);
-                    }
-                }
-                Action::Report { exit, lost } => self.complete(id, exit, lost),
-            }
-        }
-    }
-
-    /// Reports the end of a workload exactly once (through the outbox) and forgets it.
-    pub(super) fn complete(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&str>) {
-        let Some(a) = self.active.remove(safe_id) else {
-            return;
-        };
-        let meta = a.meta;
+    /// Reports the end of a workload exactly once (through the outbox); the table no longer
+    /// tracks it, and its record goes once the completion is safe ([`Table::completion_queued`]).
+    ///
+    /// [`Table::completion_queued`]: super::table::Table::completion_queued
+    pub(super) fn complete(
+        &mut self,
+        safe_id: &str,
+        meta: Meta,
+        exit: Option<Exit>,
+        lost: Option<&str>,
+    ) {
         let pid = meta.pid();
         let rid = meta.request_id_text();
         if meta.cancel.as_ref().is_some_and(|c| c.stale) {
@@ -383,7 +140,7 @@ impl Node {
                 crate::logtext::shown(&rid)
             );
             self.count_completion("stale");
-            self.retire(safe_id);
+            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
             self.retry_deferred_starts();
             return;
         }
@@ -394,21 +151,22 @@ impl Node {
                 } else {
                     "cancelled"
                 };
+                let how = cancel_message(c, exit.as_ref());
                 log::info!(
-                    "{} {} (pid {pid}) cancelled by {}",
+                    "{} {} (pid {pid}): {}",
                     meta.kind,
                     crate::logtext::shown(&rid),
-                    crate::logtext::shown(&c.signal)
+                    crate::logtext::shown(&how)
                 );
                 self.count_completion("cancelled");
                 self.report_finished(
                     &meta,
                     false,
                     exit.as_ref().map(Exit::code),
-                    Some(format!("Workload cancelled by {}", c.signal)),
+                    Some(how.clone()),
                 );
                 (
-                    json!({"status": status, "message": format!("Workload cancelled by {}", c.signal), "signal": c.signal, "pid": pid}),
+                    json!({"status": status, "message": how, "signal": c.signal, "pid": pid}),
                     format!("{status} status of {} {rid}", meta.kind),
                 )
             }
@@ -502,7 +260,7 @@ impl Node {
                         if let Some(held) = self.disk_errors.ready(self.clock.now()) {
                             log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
                         }
-                        self.retire_on_ack.insert(seq, safe_id.to_string());
+                        self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
                         self.flush_outbox();
                         self.retry_deferred_starts();
                         return;
@@ -510,31 +268,8 @@ impl Node {
                 }
             }
         }
-        self.retire(safe_id);
+        self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
         self.retry_deferred_starts();
-    }
-
-    /// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
-    /// a half-deleted record that a restart would misread), then the deletion.
-    fn retire(&self, safe_id: &str) {
-        let dir = self.layout.dir(safe_id);
-        let trash = self.layout.workloads().join(format!(".retired-{safe_id}"));
-        let target = match std::fs::rename(&dir, &trash) {
-            Ok(()) => trash,
-            Err(e) => {
-                log::warn!(
-                    "cannot retire {}: {e}",
-                    crate::logtext::shown(&dir.display().to_string())
-                );
-                return;
-            }
-        };
-        if let Err(e) = std::fs::remove_dir_all(&target) {
-            log::warn!(
-                "cannot remove {}: {e}",
-                crate::logtext::shown(&target.display().to_string())
-            );
-        }
     }
 
     // ---- the outbox -------------------------------------------------------------------------
@@ -548,7 +283,7 @@ impl Node {
                 }
             }
         }
-        if self.conn != super::Conn::Connected {
+        if !self.session.connected() {
             return;
         }
         let now = self.clock.now();
@@ -587,9 +322,7 @@ impl Node {
                         crate::logtext::shown(&item.label)
                     );
                 }
-                if let Some(safe_id) = self.retire_on_ack.remove(&seq) {
-                    self.retire(&safe_id);
-                }
+                self.with_table(|t, out, _| t.acknowledged(seq, out));
             }
             Some(b) if b.code.is_some_and(|c| c < 500) => {
                 if let Some(item) = self.outbox.acknowledged(seq) {
@@ -607,94 +340,43 @@ impl Node {
         }
     }
 
-    // ---- timers -----------------------------------------------------------------------------
+    // ---- timers and answers for the table ----------------------------------------------------
 
     pub(super) fn tick_workloads(&mut self) {
         let now = self.clock.now();
-        let ids: Vec<String> = self.active.keys().cloned().collect();
-        for id in ids {
-            let Some(a) = self.active.get(&id) else {
-                continue;
-            };
-            // Max runtime.
-            if a.runtime_deadline.is_some_and(|d| now >= d)
-                && a.meta.cancel.is_none()
-                && !a.finished()
-            {
-                log::warn!(
-                    "{} {} exceeded its max runtime; cancelling",
-                    a.meta.kind,
-                    shown(&a.meta.request_id_text())
-                );
-                if let Some(a) = self.active.get_mut(&id) {
-                    a.runtime_deadline = None;
-                }
-                let _ = self.cancel_workload(&id, libc::SIGTERM, "SIGTERM", DEFAULT_GRACE, true);
-                continue;
-            }
-            // Deadlines of its phase (escalation, drain limit).
-            if a.phase.deadline().is_some_and(|t| now >= t) {
-                self.advance(&id, Event::Tick);
-            }
-            let Some(a) = self.active.get(&id) else {
-                continue;
-            };
-            match &a.phase {
-                Phase::Draining { .. } => {
-                    if self.drained(&id, now) {
-                        self.advance(&id, Event::LogsDrained);
-                    }
-                    continue;
-                }
-                Phase::Uploading { .. } => {
-                    self.step_upload(&id);
-                    continue;
-                }
-                Phase::Lingering { .. } => {
-                    if now >= a.next_check {
-                        if let Some(a) = self.active.get_mut(&id) {
-                            a.next_check = crate::util::later(now, ADOPTED_CHECK);
-                        }
-                        if self
-                            .active
-                            .get(&id)
-                            .is_some_and(|a| provable_group(&a.meta).is_none())
-                        {
-                            self.advance(&id, Event::GroupEmpty);
-                        }
-                    }
-                    continue;
-                }
-                Phase::Done => continue,
-                Phase::Running | Phase::Cancelling { .. } => {}
-            }
-            // Adopted workloads: their exit record tells the end.
-            if !a.child && now >= a.next_check {
-                if let Some(a) = self.active.get_mut(&id) {
-                    a.next_check = crate::util::later(now, ADOPTED_CHECK);
-                }
-                self.check_adopted(&id);
-            }
+        // The streams' verdict, read before the table is borrowed.
+        let drained: Vec<String> = self
+            .active
+            .draining()
+            .into_iter()
+            .filter(|id| self.drained(id, now))
+            .collect();
+        self.with_table(|t, out, now| t.tick(now, &drained, out));
+    }
+
+    pub(super) fn on_signed_url_reply(&mut self, id: &str, body: Option<Value>) {
+        self.with_table(|t, out, now| t.on_signed_url_reply(id, body, now, out));
+    }
+
+    pub(super) fn on_upload_reply(&mut self, id: &str, ok: bool) {
+        self.with_table(|t, out, now| t.on_upload_reply(id, ok, now, out));
+    }
+
+    pub(super) fn on_worker_done(&mut self, done: Done) {
+        match done {
+            Done::CheckWorkload { key, check } => self.on_workload_check(&key, check),
+            done => self.with_table(|t, out, now| t.on_worker_done(done, now, out)),
         }
     }
 
-    fn check_adopted(&mut self, safe_id: &str) {
-        let Some(a) = self.active.get(safe_id) else {
-            return;
-        };
-        if let Some(exit) = workload::read_json::<Exit>(&self.layout.exit(safe_id)) {
-            return self.on_exit(safe_id, Some(exit));
-        }
-        let Some(st) = a.meta.started.clone() else {
-            return;
-        };
-        let shim_alive =
-            st.shim_pid > 0 && procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks);
-        if !shim_alive {
-            // One more look: the shim may have written the record as it ended.
-            let exit: Option<Exit> = workload::read_json(&self.layout.exit(safe_id));
-            self.on_exit(safe_id, exit);
-        }
+    /// Workloads uploading their results.
+    pub(super) fn uploading(&self) -> usize {
+        self.active.uploading()
+    }
+
+    /// D24: the workload's own results folder (see [`super::table::Table::results_dir_for`]).
+    pub(super) fn results_dir_for(&self, safe_id: &str) -> Option<std::path::PathBuf> {
+        self.active.results_dir_for(safe_id)
     }
 
     // ---- recovery ---------------------------------------------------------------------------
@@ -851,9 +533,28 @@ pub(super) fn held_note(held: u64) -> String {
     }
 }
 
-/// The error of a completion for a workload whose record did not validate at recovery.
-const SALVAGED: &str =
-    "workload record was corrupt (moved to the quarantine folder); its outcome cannot be trusted";
+/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
+/// a half-deleted record that a restart would misread), then the deletion.
+pub(super) fn retire(layout: &Layout, safe_id: &str) {
+    let dir = layout.dir(safe_id);
+    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
+    let target = match std::fs::rename(&dir, &trash) {
+        Ok(()) => trash,
+        Err(e) => {
+            log::warn!(
+                "cannot retire {}: {e}",
+                crate::logtext::shown(&dir.display().to_string())
+            );
+            return;
+        }
+    };
+    if let Err(e) = std::fs::remove_dir_all(&target) {
+        log::warn!(
+            "cannot remove {}: {e}",
+            crate::logtext::shown(&target.display().to_string())
+        );
+    }
+}
 
 /// The workload's shim or the workload itself is still the process it was (D9).
 fn alive(st: &workload::shim::Started) -> bool {
@@ -863,4 +564,58 @@ fn alive(st: &workload::shim::Started) -> bool {
 
 pub(super) fn start_output(meta: &Meta) -> Value {
     json!({"message": format!("{} started", meta.kind), "pid": meta.pid(), "workload_request_id": meta.request_id})
+}
+
+/// How a cancelled workload ended: the signal asked for, and the SIGKILL of the escalation when
+/// the workload outlived its grace ("cancelled by SIGTERM" alone would hide that it was killed).
+fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
+    let asked = &c.signal;
+    match exit.and_then(|e| e.signal) {
+        Some(9) if asked != "SIGKILL" => format!(
+            "Workload cancelled by {asked}; it was still running after the {}s grace and was killed with SIGKILL",
+            c.grace_s
+        ),
+        _ => format!("Workload cancelled by {asked}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exit(signal: Option<i32>) -> Exit {
+        Exit {
+            exit_code: None,
+            signal,
+            started_at: String::new(),
+            ended_at: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_cancel_that_ended_in_the_escalation_says_so() {
+        let c = |signal: &str| workload::Cancel {
+            signal: signal.into(),
+            requested_unix: 0.0,
+            grace_s: 2.5,
+            timed_out: false,
+            stale: false,
+        };
+        assert_eq!(
+            cancel_message(&c("SIGTERM"), Some(&exit(Some(15)))),
+            "Workload cancelled by SIGTERM"
+        );
+        assert_eq!(
+            cancel_message(&c("SIGTERM"), Some(&exit(Some(9)))),
+            "Workload cancelled by SIGTERM; it was still running after the 2.5s grace and was killed with SIGKILL"
+        );
+        assert_eq!(
+            cancel_message(&c("SIGKILL"), Some(&exit(Some(9)))),
+            "Workload cancelled by SIGKILL"
+        );
+        assert_eq!(
+            cancel_message(&c("SIGINT"), None),
+            "Workload cancelled by SIGINT"
+        );
+    }
 }

@@ -71,7 +71,19 @@ impl Client {
             next_id: AtomicU16::new(1),
             closed: AtomicBool::new(false),
         }));
-        let reader = client.session()?;
+        // A just-started broker (or one on a loaded machine) may refuse or drop the first
+        // connection: try for a while before giving up.
+        let mut tries = 0;
+        let reader = loop {
+            match client.session() {
+                Ok(r) => break r,
+                Err(e) if tries >= 50 => return Err(e),
+                Err(_) => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+            }
+        };
         let c = client.clone();
         std::thread::Builder::new()
             .name("fake-backend-mqtt".into())

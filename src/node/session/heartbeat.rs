@@ -214,7 +214,7 @@ mod tests {
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         for _ in 0..1000 {
             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            let due = super::super::beat_due(now, interval, seed).unwrap();
+            let due = crate::node::beat_due(now, interval, seed).unwrap();
             let gap = due - now;
             assert!(gap >= Duration::from_millis(27_000) && gap < Duration::from_millis(33_000));
             now = due;

@@ -1,0 +1,1180 @@
+//! The workload table (issue 12 item 8): every workload the node tracks, its phase in the
+//! lifecycle machine ([`lifecycle::step`]), its runtime limit, the checks of adopted workloads
+//! and the progress of its result uploads. The table owns that state; it reaches the outside
+//! only through [`Outbound`] (signals, requests, worker jobs, records on disk, reports), and
+//! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
+//! a recording fake and a fake clock (the tests below).
+//!
+//! Only the table and the loop that owns it see [`Active`] and [`Upload`]; the table never sees
+//! the connection, the pending requests or the outbox.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::logs::Stream;
+use super::uploads::Upload;
+use crate::logtext::shown;
+use crate::protocol::commands::Seconds;
+use crate::workers::Job;
+use crate::workload::lifecycle::{self, Action, Event, Phase};
+use crate::workload::shim::Exit;
+use crate::workload::{self, Cancel, Meta};
+
+/// Default grace between the cancel signal and SIGKILL of the whole group (D10).
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+/// How often adopted workloads (not the node's children) are checked.
+const ADOPTED_CHECK: Duration = Duration::from_millis(250);
+/// How long the exit of a supervisor the table does not know yet is kept for it.
+const UNCLAIMED_REAP: Duration = Duration::from_secs(5);
+
+/// The error of a completion for a workload whose record did not validate at recovery.
+pub const SALVAGED: &str =
+    "workload record was corrupt (moved to the quarantine folder); its outcome cannot be trusted";
+
+/// A request the table needs answered; the answer comes back through the loop
+/// ([`Table::on_signed_url_reply`], [`Table::on_upload_reply`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    /// R9: a signed URL for one result file of workload `id`.
+    SignedUrl {
+        id: String,
+        wl: String,
+        filename: String,
+    },
+    /// R10: the backend is told which result files were uploaded.
+    UploadResults { id: String, wl: String, body: Value },
+}
+
+/// Everything the table does to the outside world. The loop's adapter carries these out on the
+/// real pieces; the unit tests record them.
+pub trait Outbound {
+    /// The broker connection is up (requests go over MQTT, else over REST on the workers).
+    fn connected(&self) -> bool;
+    /// The workload's process group when it can be proven at this moment to be the one its
+    /// supervisor created (D26); None: nothing of it is left, and a signal could reach a
+    /// stranger.
+    fn provable_group(&self, meta: &Meta) -> Option<i32>;
+    /// Sends `sig` to process group `group` (only ever one [`Outbound::provable_group`] just
+    /// returned).
+    fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()>;
+    /// The supervisor's exit record of workload `id`, if it wrote one.
+    fn exit_record(&self, id: &str) -> Option<Exit>;
+    /// The supervisor of an adopted workload is still the process it was.
+    fn supervisor_alive(&self, meta: &Meta) -> bool;
+    /// Writes the workload's record.
+    fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()>;
+    /// A non-terminal workload status (R7), fire and forget.
+    fn workload_status(&mut self, wl: &str, body: Value);
+    /// Sends a request to the backend; its correlation comes back.
+    fn request(&mut self, req: Request) -> Vec<u8>;
+    /// An HTTP job for the worker threads.
+    fn submit(&mut self, job: Job);
+    /// Ship what is left of the workloads' output now.
+    fn ship_logs(&mut self);
+    /// Report the end of workload `id` (it is no longer in the table); the loop answers with
+    /// [`Table::completion_queued`].
+    fn report(&mut self, id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&'static str>);
+    /// Remove the reported workload's record from disk.
+    fn retire(&mut self, id: &str);
+}
+
+/// What the result uploads need from the configuration.
+#[derive(Debug, Clone)]
+pub struct UploadCfg {
+    /// `upload_results`, and a backend to upload to (not standalone).
+    pub enabled: bool,
+    pub folder: PathBuf,
+    pub capacity: u32,
+    pub max_bytes: u64,
+}
+
+impl UploadCfg {
+    pub fn of(s: &crate::config::Settings) -> UploadCfg {
+        UploadCfg {
+            enabled: s.upload_results.value && !s.standalone,
+            folder: s.results_folder.value.clone(),
+            capacity: s.max_concurrent_workloads.value,
+            max_bytes: s
+                .manifest
+                .as_ref()
+                .and_then(|m| m.max_result_bytes)
+                .unwrap_or(super::uploads::DEFAULT_MAX_RESULT_BYTES),
+        }
+    }
+}
+
+/// A workload the node tracks.
+pub struct Active {
+    pub meta: Meta,
+    /// The shim is the node's child: the reaper reports its exit.
+    pub child: bool,
+    /// Where it is: the one source of truth, changed only through [`Table::advance`].
+    pub phase: Phase,
+    pub runtime_deadline: Option<Instant>,
+    pub next_check: Instant,
+    /// stdout, stderr.
+    pub streams: [Stream; 2],
+    /// The progress of its result uploads, while the phase is `Uploading`.
+    pub upload: Option<Upload>,
+}
+
+impl Active {
+    pub fn new(meta: Meta, child: bool, now: Instant) -> Active {
+        let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
+        // A limit read back from disk is bounded again here: no value can overflow the clock.
+        let runtime_deadline = meta
+            .max_runtime_s
+            .and_then(Seconds::from_f64)
+            .and_then(|m| Duration::try_from_secs_f64((m.get() - elapsed).max(0.0)).ok())
+            .and_then(|left| now.checked_add(left));
+        // A cancel recorded before a restart is still under way, with its original deadline.
+        let phase = match &meta.cancel {
+            Some(c) => Phase::Cancelling {
+                escalate_at: crate::util::secs_f64(
+                    (c.requested_unix + c.grace_s - workload::unix_now()).max(0.0),
+                )
+                .checked_add(Duration::ZERO)
+                .and_then(|left| now.checked_add(left)),
+            },
+            None => Phase::Running,
+        };
+        Active {
+            meta,
+            child,
+            phase,
+            runtime_deadline,
+            next_check: now,
+            streams: [Stream::default(), Stream::default()],
+            upload: None,
+        }
+    }
+
+    /// Nothing of it runs any more: it waits for its logs, uploads or report and is never
+    /// signalled again (D26).
+    pub fn finished(&self) -> bool {
+        self.phase.finished()
+    }
+
+    pub fn state(&self) -> &'static str {
+        self.phase.label()
+    }
+
+    /// The moments its timers fall due, each only in the state in which [`Table::tick`] acts on
+    /// it, so a deadline that has passed never keeps the loop spinning.
+    fn deadlines(&self) -> impl Iterator<Item = Instant> + '_ {
+        let lingering = matches!(self.phase, Phase::Lingering { .. });
+        let adopted =
+            !self.child && matches!(self.phase, Phase::Running | Phase::Cancelling { .. });
+        [
+            self.runtime_deadline
+                .filter(|_| self.meta.cancel.is_none() && !self.finished()),
+            self.phase.deadline(),
+            self.upload
+                .as_ref()
+                .filter(|u| !u.busy && matches!(self.phase, Phase::Uploading { .. }))
+                .and_then(|u| u.retry_at),
+            (lingering || adopted).then_some(self.next_check),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
+/// The tracked workloads by safe id.
+pub struct Table {
+    active: BTreeMap<String, Active>,
+    /// Workloads whose completion could not be written to disk: their record is removed once
+    /// the backend acknowledged it (outbox sequence → safe id, D28).
+    retire_on_ack: HashMap<u64, String>,
+    /// Supervisors reaped before the table knew their workload (pid, when).
+    unclaimed_reaps: Vec<(i32, Instant)>,
+    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
+    pub(super) loose_results_warned: bool,
+    pub(super) cfg: UploadCfg,
+}
+
+impl<'a> IntoIterator for &'a Table {
+    type Item = (&'a String, &'a Active);
+    type IntoIter = std::collections::btree_map::Iter<'a, String, Active>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.active.iter()
+    }
+}
+
+impl Table {
+    pub fn new(cfg: UploadCfg) -> Table {
+        Table {
+            active: BTreeMap::new(),
+            retire_on_ack: HashMap::new(),
+            unclaimed_reaps: Vec::new(),
+            loose_results_warned: false,
+            cfg,
+        }
+    }
+
+    // ---- reading ----------------------------------------------------------------------------
+
+    /// Every tracked workload counts against capacity, whatever its phase: one that exited
+    /// still holds its slot while its logs drain, its results upload and its completion is
+    /// queued (the busy reply then says "uploading results").
+    pub fn len(&self) -> usize {
+        self.active.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.active.is_empty()
+    }
+    pub fn get(&self, id: &str) -> Option<&Active> {
+        self.active.get(id)
+    }
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut Active> {
+        self.active.get_mut(id)
+    }
+    pub fn contains_key(&self, id: &str) -> bool {
+        self.active.contains_key(id)
+    }
+    pub fn keys(&self) -> impl Iterator<Item = &String> + '_ {
+        self.active.keys()
+    }
+    pub fn values(&self) -> impl Iterator<Item = &Active> + '_ {
+        self.active.values()
+    }
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut Active> + '_ {
+        self.active.values_mut()
+    }
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Active)> + '_ {
+        self.active.iter()
+    }
+    /// Starts tracking a workload (a replaced entry is returned).
+    pub fn insert(&mut self, id: String, a: Active) -> Option<Active> {
+        self.active.insert(id, a)
+    }
+    /// The safe id of the first workload `pred` picks.
+    pub fn find(&self, pred: impl Fn(&Active) -> bool) -> Option<String> {
+        self.active
+            .iter()
+            .find(|(_, a)| pred(a))
+            .map(|(k, _)| k.clone())
+    }
+    /// Safe ids of the workloads whose logs are draining.
+    pub fn draining(&self) -> Vec<String> {
+        self.active
+            .iter()
+            .filter(|(_, a)| matches!(a.phase, Phase::Draining { .. }))
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// The earliest moment one of the table's timers falls due (for the loop's sleep).
+    pub fn next_due(&self) -> Option<Instant> {
+        self.active.values().flat_map(Active::deadlines).min()
+    }
+
+    // ---- cancel -----------------------------------------------------------------------------
+
+    /// Signals the workload's process group (if provably its own) and arms the escalation to
+    /// SIGKILL. The message is the command's answer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cancel(
+        &mut self,
+        id: &str,
+        sig: i32,
+        sig_name: &str,
+        grace: Duration,
+        timed_out: bool,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) -> Result<String, String> {
+        let Some(a) = self.active.get_mut(id) else {
+            return Err("No active workload found".into());
+        };
+        let pid = a.meta.pid();
+        if a.finished() {
+            // D29: its real outcome is what the backend gets; nothing is signalled (D26).
+            return Ok("Workload already finished; its completion reports how it ended".into());
+        }
+        if let Some(c) = &a.meta.cancel {
+            // Cancelling already: the escalation keeps its original deadline; only a SIGKILL
+            // asked for now goes out now.
+            let first = c.signal.clone();
+            if sig == libc::SIGKILL {
+                if let Some(g) = out.provable_group(&a.meta) {
+                    out.signal_group(g, sig)
+                        .map_err(|e| format!("Failed to cancel workload: {e}"))?;
+                }
+                return Ok(format!(
+                    "Workload was already being cancelled with {first}; SIGKILL sent to its group"
+                ));
+            }
+            return Ok(format!(
+                "Workload is already being cancelled with {first}; anything left of it gets SIGKILL at the original deadline"
+            ));
+        }
+        let sent = match out.provable_group(&a.meta) {
+            Some(g) => out.signal_group(g, sig),
+            // Its group is gone: the exit is about to be noticed, and reported as it was.
+            None => return Ok(format!("Process {pid} was already terminated")),
+        };
+        let message = match sent {
+            Ok(()) => format!("Workload cancelled with {sig_name}"),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                return Ok(format!("Process {pid} was already terminated"))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                return Err(format!("Permission denied to send signal to process {pid}"))
+            }
+            Err(e) => return Err(format!("Failed to cancel workload: {e}")),
+        };
+        log::info!(
+            "cancelling {} {} (pid {pid}) with {sig_name}; SIGKILL to its group after {:.1}s",
+            a.meta.kind,
+            shown(&a.meta.request_id_text()),
+            grace.as_secs_f64()
+        );
+        a.meta.cancel = Some(Cancel {
+            signal: sig_name.to_string(),
+            requested_unix: workload::unix_now(),
+            grace_s: grace.as_secs_f64(),
+            timed_out,
+            stale: false,
+        });
+        if let Err(e) = out.save_meta(&a.meta) {
+            log::warn!("workload {}: cannot record the cancel: {e}", shown(id));
+        }
+        self.advance(id, Event::Cancelled { grace }, now, out);
+        Ok(message)
+    }
+
+    /// Self-heal: terminate a stale workload; it will be forgotten without a report.
+    pub fn cancel_stale(
+        &mut self,
+        id: &str,
+        grace: Duration,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) -> Result<(), String> {
+        self.cancel(id, libc::SIGTERM, "SIGTERM", grace, false, now, out)?;
+        if let Some(a) = self.active.get_mut(id) {
+            if let Some(c) = a.meta.cancel.as_mut() {
+                c.stale = true;
+            }
+            if let Err(e) = out.save_meta(&a.meta) {
+                log::warn!("workload {}: cannot record the stale mark: {e}", shown(id));
+            }
+        }
+        Ok(())
+    }
+
+    // ---- exits ------------------------------------------------------------------------------
+
+    /// The reaper saw supervisor `pid` exit.
+    pub fn on_reaped(&mut self, pid: i32, now: Instant, out: &mut dyn Outbound) {
+        log::debug!("supervisor pid {pid} exited");
+        match self.find(|a| a.child && a.meta.started.as_ref().is_some_and(|s| s.shim_pid == pid)) {
+            Some(id) => {
+                let exit = out.exit_record(&id);
+                self.on_exit(&id, exit, now, out);
+            }
+            None => {
+                // Not known (yet): kept a few seconds for a workload still being entered.
+                self.unclaimed_reaps
+                    .retain(|(p, at)| *p != pid && now < crate::util::later(*at, UNCLAIMED_REAP));
+                self.unclaimed_reaps.push((pid, now));
+            }
+        }
+    }
+
+    /// The workload's supervisor ended (`exit` is its record, if it wrote one).
+    fn on_exit(&mut self, id: &str, exit: Option<Exit>, now: Instant, out: &mut dyn Outbound) {
+        log::debug!("workload {} ended: {exit:?}", shown(id));
+        let Some(a) = self.active.get(id) else {
+            return;
+        };
+        let group_alive = out.provable_group(&a.meta).is_some();
+        if group_alive && exit.is_none() {
+            // D27: the supervisor was killed; the workload stays tracked, counted and
+            // cancellable until its group is empty.
+            log::error!(
+                "the supervisor of {} {} (pid {}) ended without an exit record while the workload still runs; tracking its process group until it is empty",
+                a.meta.kind,
+                shown(&a.meta.request_id_text()),
+                a.meta.pid()
+            );
+        }
+        if a.meta.salvaged.is_some() && !group_alive {
+            // A record rebuilt at recovery: whatever the exit, its outcome cannot be trusted.
+            let event = Event::Lost {
+                exit,
+                reason: SALVAGED,
+            };
+            return self.advance(id, event, now, out);
+        }
+        self.advance(id, Event::SupervisorEnded { exit, group_alive }, now, out);
+    }
+
+    /// A workload known to have ended (found at recovery): ship what is left of its logs, then
+    /// report it — as lost when `lost` says why, or when its record was rebuilt.
+    pub fn end(
+        &mut self,
+        id: &str,
+        exit: Option<Exit>,
+        lost: Option<&'static str>,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
+        let salvaged = self
+            .active
+            .get(id)
+            .is_some_and(|a| a.meta.salvaged.is_some());
+        let event = match (lost, salvaged) {
+            (_, true) => Event::Lost {
+                exit,
+                reason: SALVAGED,
+            },
+            (Some(reason), false) => Event::Lost { exit, reason },
+            (None, false) => Event::SupervisorEnded {
+                exit,
+                group_alive: false,
+            },
+        };
+        self.advance(id, event, now, out);
+    }
+
+    /// Feeds `event` to the workload's lifecycle ([`lifecycle::step`]) and carries out what it
+    /// says. The only place a workload's phase changes.
+    pub fn advance(&mut self, id: &str, event: Event, now: Instant, out: &mut dyn Outbound) {
+        let Some(a) = self.active.get_mut(id) else {
+            return;
+        };
+        let (next, actions) = lifecycle::step(&a.phase, event, now);
+        a.phase = next;
+        for action in actions {
+            match action {
+                Action::KillGroup => {
+                    if let Some(a) = self.active.get(id) {
+                        if let Some(g) = out.provable_group(&a.meta) {
+                            log::warn!(
+                                "workload pid {} outlived its grace period; SIGKILL to its process group",
+                                a.meta.pid()
+                            );
+                            let _ = out.signal_group(g, libc::SIGKILL);
+                        }
+                    }
+                }
+                Action::ShipLogs => out.ship_logs(),
+                Action::StartUploads => {
+                    let exit = match self.active.get(id).map(|a| &a.phase) {
+                        Some(Phase::Uploading { exit }) => exit.clone(),
+                        _ => None,
+                    };
+                    if !self.begin_uploads(id, exit, now, out) {
+                        self.advance(id, Event::UploadsDone, now, out);
+                    }
+                }
+                Action::Report { exit, lost } => {
+                    if let Some(a) = self.active.remove(id) {
+                        out.report(id, a.meta, exit, lost);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- the completion's record (D28) --------------------------------------------------------
+
+    /// The loop queued the completion of `id`: with `held` None it is on disk and the record
+    /// goes now; with `Some(seq)` the outbox could not write it, and the record stays until the
+    /// backend acknowledged `seq`, so a restart still knows of the workload.
+    pub fn completion_queued(&mut self, id: &str, held: Option<u64>, out: &mut dyn Outbound) {
+        match held {
+            Some(seq) => {
+                self.retire_on_ack.insert(seq, id.to_string());
+            }
+            None => out.retire(id),
+        }
+    }
+
+    /// The backend acknowledged outbox message `seq`.
+    pub fn acknowledged(&mut self, seq: u64, out: &mut dyn Outbound) {
+        if let Some(id) = self.retire_on_ack.remove(&seq) {
+            out.retire(&id);
+        }
+    }
+
+    // ---- timers -----------------------------------------------------------------------------
+
+    /// Everything due at `now`: max runtime, escalation and drain deadlines, logs that finished
+    /// draining (`drained`: the loop's verdict, by safe id), upload retries, lingering groups and
+    /// adopted workloads.
+    pub fn tick(&mut self, now: Instant, drained: &[String], out: &mut dyn Outbound) {
+        self.unclaimed_reaps
+            .retain(|(_, at)| now < crate::util::later(*at, UNCLAIMED_REAP));
+        let ids: Vec<String> = self.active.keys().cloned().collect();
+        for id in ids {
+            let Some(a) = self.active.get(&id) else {
+                continue;
+            };
+            // A supervisor reaped before its workload was known.
+            let shim = a.meta.started.as_ref().map_or(0, |s| s.shim_pid);
+            if a.child && shim > 0 && !a.finished() {
+                if let Some(i) = self.unclaimed_reaps.iter().position(|(p, _)| *p == shim) {
+                    self.unclaimed_reaps.remove(i);
+                    let exit = out.exit_record(&id);
+                    self.on_exit(&id, exit, now, out);
+                    continue;
+                }
+            }
+            // Max runtime.
+            if a.runtime_deadline.is_some_and(|d| now >= d)
+                && a.meta.cancel.is_none()
+                && !a.finished()
+            {
+                log::warn!(
+                    "{} {} exceeded its max runtime; cancelling",
+                    a.meta.kind,
+                    shown(&a.meta.request_id_text())
+                );
+                if let Some(a) = self.active.get_mut(&id) {
+                    a.runtime_deadline = None;
+                }
+                let _ = self.cancel(&id, libc::SIGTERM, "SIGTERM", DEFAULT_GRACE, true, now, out);
+                continue;
+            }
+            // Deadlines of its phase (escalation, drain limit).
+            if a.phase.deadline().is_some_and(|t| now >= t) {
+                self.advance(&id, Event::Tick, now, out);
+            }
+            let Some(a) = self.active.get(&id) else {
+                continue;
+            };
+            match &a.phase {
+                Phase::Draining { .. } => {
+                    if drained.contains(&id) {
+                        self.advance(&id, Event::LogsDrained, now, out);
+                    }
+                    continue;
+                }
+                Phase::Uploading { .. } => {
+                    self.step_upload(&id, now, out);
+                    continue;
+                }
+                Phase::Lingering { .. } => {
+                    if now >= a.next_check {
+                        let gone = out.provable_group(&a.meta).is_none();
+                        if let Some(a) = self.active.get_mut(&id) {
+                            a.next_check = crate::util::later(now, ADOPTED_CHECK);
+                        }
+                        if gone {
+                            self.advance(&id, Event::GroupEmpty, now, out);
+                        }
+                    }
+                    continue;
+                }
+                Phase::Done => continue,
+                Phase::Running | Phase::Cancelling { .. } => {}
+            }
+            // Adopted workloads: their exit record tells the end.
+            if !a.child && now >= a.next_check {
+                if let Some(a) = self.active.get_mut(&id) {
+                    a.next_check = crate::util::later(now, ADOPTED_CHECK);
+                }
+                self.check_adopted(&id, now, out);
+            }
+        }
+    }
+
+    fn check_adopted(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+        let Some(a) = self.active.get(id) else {
+            return;
+        };
+        if let Some(exit) = out.exit_record(id) {
+            return self.on_exit(id, Some(exit), now, out);
+        }
+        if a.meta.started.is_none() {
+            return;
+        }
+        if !out.supervisor_alive(&a.meta) {
+            // One more look: the shim may have written the record as it ended.
+            let exit = out.exit_record(id);
+            self.on_exit(id, exit, now, out);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    //! A recording [`Outbound`] whose process world is a few sets.
+
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use super::*;
+
+    #[derive(Default)]
+    pub struct Fake {
+        pub connected: bool,
+        /// Safe ids whose group is provably theirs (group = pid).
+        pub provable: BTreeSet<String>,
+        pub exits: BTreeMap<String, Exit>,
+        /// Safe ids whose (adopted) supervisor still lives.
+        pub supervisors: BTreeSet<String>,
+        pub signals: Vec<(i32, i32)>,
+        pub saved: Vec<String>,
+        pub statuses: Vec<(String, Value)>,
+        pub requests: Vec<Request>,
+        pub jobs: Vec<Job>,
+        pub shipped: u32,
+        pub reports: Vec<(String, Option<Exit>, Option<&'static str>)>,
+        pub retired: Vec<String>,
+    }
+
+    impl Outbound for Fake {
+        fn connected(&self) -> bool {
+            self.connected
+        }
+        fn provable_group(&self, meta: &Meta) -> Option<i32> {
+            self.provable.contains(&meta.safe_id).then(|| meta.pid())
+        }
+        fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()> {
+            self.signals.push((group, sig));
+            Ok(())
+        }
+        fn exit_record(&self, id: &str) -> Option<Exit> {
+            self.exits.get(id).cloned()
+        }
+        fn supervisor_alive(&self, meta: &Meta) -> bool {
+            self.supervisors.contains(&meta.safe_id)
+        }
+        fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
+            self.saved.push(meta.safe_id.clone());
+            Ok(())
+        }
+        fn workload_status(&mut self, wl: &str, body: Value) {
+            self.statuses.push((wl.to_string(), body));
+        }
+        fn request(&mut self, req: Request) -> Vec<u8> {
+            self.requests.push(req);
+            vec![u8::try_from(self.requests.len() % 256).unwrap_or(0)]
+        }
+        fn submit(&mut self, job: Job) {
+            self.jobs.push(job);
+        }
+        fn ship_logs(&mut self) {
+            self.shipped += 1;
+        }
+        fn report(&mut self, id: &str, _: Meta, exit: Option<Exit>, lost: Option<&'static str>) {
+            self.reports.push((id.to_string(), exit, lost));
+        }
+        fn retire(&mut self, id: &str) {
+            self.retired.push(id.to_string());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::Fake;
+    use super::*;
+    use crate::workers::Done;
+    use crate::workload::shim::Started;
+
+    const TERM: i32 = libc::SIGTERM;
+    const KILL: i32 = libc::SIGKILL;
+
+    fn at(t0: Instant, ms: u64) -> Instant {
+        t0 + Duration::from_millis(ms)
+    }
+
+    fn cfg(folder: PathBuf) -> UploadCfg {
+        UploadCfg {
+            enabled: true,
+            folder,
+            capacity: 1,
+            max_bytes: 1 << 30,
+        }
+    }
+
+    fn meta(id: &str, pid: i32, max_runtime_s: Option<f64>) -> Meta {
+        Meta {
+            safe_id: id.into(),
+            kind: "training".into(),
+            request_id: Value::String(id.into()),
+            workload_uuid: Some(format!("wl-{id}")),
+            created_unix: workload::unix_now(),
+            command: "true".into(),
+            stdout_log: PathBuf::from("/nonexistent/out.log"),
+            stderr_log: PathBuf::from("/nonexistent/err.log"),
+            max_runtime_s,
+            phase: Default::default(),
+            started: Some(Started {
+                pid,
+                start_ticks: 1,
+                shim_pid: pid.saturating_sub(1),
+                shim_start_ticks: 1,
+                boot_id: "boot".into(),
+                started_at: String::new(),
+            }),
+            cancel: None,
+            workflow: None,
+            event_token: String::new(),
+            gpus: None,
+            salvaged: None,
+        }
+    }
+
+    fn exit(code: i32) -> Exit {
+        Exit {
+            exit_code: Some(code),
+            signal: None,
+            started_at: String::new(),
+            ended_at: String::new(),
+        }
+    }
+
+    /// A table with one running child workload "w" (pid 100, supervisor 99) whose group is
+    /// provably its own, and no results folder.
+    fn one(t0: Instant, max_runtime_s: Option<f64>) -> (Table, Fake) {
+        let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
+        t.insert(
+            "w".into(),
+            Active::new(meta("w", 100, max_runtime_s), true, t0),
+        );
+        let mut f = Fake::default();
+        f.provable.insert("w".into());
+        f.connected = true;
+        (t, f)
+    }
+
+    fn cancel(t: &mut Table, f: &mut Fake, sig: i32, grace_ms: u64, now: Instant) -> String {
+        let name = if sig == KILL { "SIGKILL" } else { "SIGTERM" };
+        t.cancel(
+            "w",
+            sig,
+            name,
+            Duration::from_millis(grace_ms),
+            false,
+            now,
+            f,
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn a_cancel_signals_the_group_and_escalates_exactly_at_its_deadline() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        let msg = cancel(&mut t, &mut f, TERM, 1000, t0);
+        assert_eq!(msg, "Workload cancelled with SIGTERM");
+        assert_eq!(f.signals, vec![(100, TERM)]);
+        assert_eq!(f.saved, vec!["w".to_string()], "the cancel is recorded");
+        assert_eq!(t.next_due(), Some(at(t0, 1000)));
+        t.tick(at(t0, 999), &[], &mut f);
+        assert_eq!(f.signals.len(), 1, "nothing before the deadline");
+        t.tick(at(t0, 1000), &[], &mut f);
+        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+        t.tick(at(t0, 5000), &[], &mut f);
+        assert_eq!(f.signals.len(), 2, "SIGKILL goes once");
+        assert_eq!(t.next_due(), None, "no deadline left to spin on");
+    }
+
+    #[test]
+    fn a_second_cancel_neither_signals_again_nor_pushes_the_escalation() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        cancel(&mut t, &mut f, TERM, 1000, t0);
+        let msg = cancel(&mut t, &mut f, TERM, 10_000, at(t0, 600));
+        assert!(
+            msg.contains("already being cancelled with SIGTERM"),
+            "{msg}"
+        );
+        assert_eq!(f.signals, vec![(100, TERM)]);
+        assert_eq!(t.next_due(), Some(at(t0, 1000)), "the original deadline");
+        t.tick(at(t0, 1000), &[], &mut f);
+        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+    }
+
+    #[test]
+    fn a_sigkill_asked_for_while_cancelling_goes_out_at_once_and_the_deadline_stays() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        cancel(&mut t, &mut f, TERM, 1000, t0);
+        let msg = cancel(&mut t, &mut f, KILL, 0, at(t0, 10));
+        assert!(msg.contains("SIGKILL sent"), "{msg}");
+        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+        assert_eq!(t.next_due(), Some(at(t0, 1000)));
+    }
+
+    #[test]
+    fn the_max_runtime_cancels_with_sigterm_then_escalates_after_the_default_grace() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, Some(2.0));
+        let due = t.next_due().unwrap_or_else(|| panic!("a runtime deadline"));
+        assert!(due > at(t0, 1900) && due <= at(t0, 2000), "{due:?}");
+        t.tick(at(t0, 1000), &[], &mut f);
+        assert!(f.signals.is_empty());
+        t.tick(due, &[], &mut f);
+        assert_eq!(f.signals, vec![(100, TERM)]);
+        let a = t.get("w").unwrap_or_else(|| panic!("tracked"));
+        assert!(a.meta.cancel.as_ref().is_some_and(|c| c.timed_out));
+        let kill_at = due + DEFAULT_GRACE;
+        assert_eq!(t.next_due(), Some(kill_at), "only the escalation is due");
+        t.tick(kill_at - Duration::from_millis(1), &[], &mut f);
+        assert_eq!(f.signals.len(), 1);
+        t.tick(kill_at, &[], &mut f);
+        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+    }
+
+    #[test]
+    fn a_cancel_after_the_exit_is_answered_already_finished_and_signals_nothing() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        f.exits.insert("w".into(), exit(0));
+        // The supervisor ends with the group gone; the pid could be anyone's now.
+        f.provable.clear();
+        t.on_reaped(99, at(t0, 5), &mut f);
+        assert_eq!(f.shipped, 1, "its logs are shipped");
+        f.provable.insert("w".into()); // even a group that looks like it is not signalled
+        let msg = cancel(&mut t, &mut f, TERM, 1000, at(t0, 10));
+        assert_eq!(
+            msg,
+            "Workload already finished; its completion reports how it ended"
+        );
+        assert!(f.signals.is_empty());
+        assert!(t.get("w").is_some_and(|a| a.meta.cancel.is_none()));
+        // Its logs drain: reported once, as the success it was (no results to upload).
+        t.tick(at(t0, 20), &["w".to_string()], &mut f);
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_group_that_can_no_longer_be_proven_is_never_signalled() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, Some(1.0));
+        f.provable.clear();
+        let msg = cancel(&mut t, &mut f, TERM, 1000, t0);
+        assert_eq!(msg, "Process 100 was already terminated");
+        assert!(t.get("w").is_some_and(|a| a.phase == Phase::Running));
+        // Nor by the max runtime, nor by an escalation whose group vanished meanwhile.
+        t.tick(at(t0, 1000), &[], &mut f);
+        assert!(f.signals.is_empty());
+        let (mut t, mut f) = one(t0, None);
+        cancel(&mut t, &mut f, TERM, 1000, t0);
+        f.provable.clear();
+        t.tick(at(t0, 1000), &[], &mut f);
+        assert_eq!(
+            f.signals,
+            vec![(100, TERM)],
+            "no SIGKILL to a group not proven"
+        );
+    }
+
+    #[test]
+    fn a_killed_supervisor_lingers_counted_then_is_reported_lost_when_its_group_empties() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        t.on_reaped(99, at(t0, 1), &mut f); // no exit record, group alive
+        assert!(matches!(
+            t.get("w").map(|a| &a.phase),
+            Some(Phase::Lingering { .. })
+        ));
+        assert_eq!(t.len(), 1, "still counted");
+        assert_eq!(t.next_due(), Some(t0), "its group is checked");
+        t.tick(at(t0, 2), &[], &mut f);
+        assert!(f.reports.is_empty(), "its group still runs");
+        assert_eq!(t.next_due(), Some(at(t0, 252)));
+        cancel(&mut t, &mut f, TERM, 1000, at(t0, 100));
+        assert_eq!(f.signals, vec![(100, TERM)], "cancellable while it lingers");
+        f.provable.clear();
+        t.tick(at(t0, 252), &[], &mut f);
+        t.tick(at(t0, 253), &["w".to_string()], &mut f);
+        assert_eq!(
+            f.reports,
+            vec![("w".to_string(), None, Some(lifecycle::SUPERVISOR_KILLED))]
+        );
+        assert_eq!(f.signals.len(), 1, "no SIGKILL to an empty group");
+    }
+
+    #[test]
+    fn a_supervisor_reaped_before_its_workload_is_known_ends_it_once_it_is() {
+        let t0 = Instant::now();
+        let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
+        let mut f = Fake::default();
+        f.exits.insert("w".into(), exit(3));
+        t.on_reaped(99, t0, &mut f);
+        assert!(f.reports.is_empty() && f.shipped == 0);
+        t.insert("w".into(), Active::new(meta("w", 100, None), true, t0));
+        t.tick(at(t0, 1), &[], &mut f);
+        assert!(matches!(
+            t.get("w").map(|a| &a.phase),
+            Some(Phase::Draining { .. })
+        ));
+        t.tick(at(t0, 2), &["w".to_string()], &mut f);
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(3)), None)]);
+        // An exit nobody claims is forgotten after a while: a later workload that happens to
+        // get the same supervisor pid is not ended by it.
+        t.on_reaped(41, at(t0, 10), &mut f);
+        t.tick(at(t0, 10 + 5000), &[], &mut f);
+        t.insert(
+            "x".into(),
+            Active::new(meta("x", 42, None), true, at(t0, 5010)),
+        );
+        t.tick(at(t0, 5011), &[], &mut f);
+        assert_eq!(t.get("x").map(|a| &a.phase), Some(&Phase::Running));
+    }
+
+    #[test]
+    fn an_adopted_workload_is_checked_every_250_ms_and_ends_with_its_record() {
+        let t0 = Instant::now();
+        let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
+        let mut f = Fake::default();
+        t.insert("w".into(), Active::new(meta("w", 100, None), false, t0));
+        f.supervisors.insert("w".into());
+        assert_eq!(t.next_due(), Some(t0));
+        t.tick(t0, &[], &mut f);
+        assert_eq!(t.next_due(), Some(at(t0, 250)));
+        f.supervisors.clear(); // it ended and wrote no record: lost
+        t.tick(at(t0, 249), &[], &mut f);
+        assert_eq!(t.get("w").map(|a| &a.phase), Some(&Phase::Running));
+        t.tick(at(t0, 250), &[], &mut f);
+        assert!(matches!(
+            t.get("w").map(|a| &a.phase),
+            Some(Phase::Draining { lost: Some(_), .. })
+        ));
+    }
+
+    #[test]
+    fn every_tracked_workload_counts_against_capacity_until_it_is_reported() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        t.insert("v".into(), Active::new(meta("v", 200, None), true, t0));
+        f.provable.insert("v".into());
+        cancel(&mut t, &mut f, TERM, 1000, t0);
+        assert_eq!(t.len(), 2, "running and cancelling count");
+        f.exits.insert("w".into(), exit(0));
+        f.provable.remove("w");
+        t.on_reaped(99, at(t0, 1), &mut f);
+        assert!(t.get("w").is_some_and(Active::finished));
+        assert_eq!(
+            t.len(),
+            2,
+            "an exited workload holds its slot while it drains"
+        );
+        t.tick(at(t0, 2), &["w".to_string()], &mut f);
+        assert_eq!(t.len(), 1, "reported: the slot is free");
+        assert_eq!(t.uploading(), 0);
+    }
+
+    #[test]
+    fn a_completion_the_disk_refused_keeps_its_record_until_the_ack() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        t.completion_queued("w", Some(7), &mut f);
+        assert!(
+            f.retired.is_empty(),
+            "the record stays while only memory holds it"
+        );
+        t.acknowledged(6, &mut f);
+        assert!(
+            f.retired.is_empty(),
+            "another message's ack changes nothing"
+        );
+        t.acknowledged(7, &mut f);
+        assert_eq!(f.retired, vec!["w".to_string()]);
+        t.acknowledged(7, &mut f);
+        assert_eq!(f.retired.len(), 1, "retired once");
+        t.completion_queued("v", None, &mut f);
+        assert_eq!(f.retired, vec!["w".to_string(), "v".to_string()]);
+    }
+
+    /// A results folder of its own for one test, with workload `w`'s files in it.
+    fn results(tag: &str, files: &[&str]) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("cw-table-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for f in files {
+            let p = root.join("w").join(f);
+            std::fs::create_dir_all(p.parent().unwrap_or(&root)).unwrap_or_else(|e| panic!("{e}"));
+            std::fs::write(&p, f.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        }
+        root
+    }
+
+    /// Workload `w` exited 0 with its logs shipped: its uploads begin at `now`.
+    fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, Fake) {
+        let mut t = Table::new(cfg(root.to_path_buf()));
+        t.insert("w".into(), Active::new(meta("w", 100, None), true, now));
+        let mut f = Fake {
+            connected,
+            ..Fake::default()
+        };
+        f.exits.insert("w".into(), exit(0));
+        t.on_reaped(99, now, &mut f);
+        t.tick(now, &["w".to_string()], &mut f);
+        (t, f)
+    }
+
+    fn signed(name: &str) -> Value {
+        serde_json::json!({"signed_url": format!("http://store/{name}"), "filename": format!("att-{name}")})
+    }
+
+    fn last_signed_url_request(f: &Fake) -> Option<String> {
+        match f.requests.last() {
+            Some(Request::SignedUrl { filename, .. }) => Some(filename.clone()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_failing_upload_is_retried_after_2_s_and_4_s_given_up_after_three_attempts_and_reported_once(
+    ) {
+        let t0 = Instant::now();
+        let root = results("retry", &["a.txt", "b.txt"]);
+        let (mut t, mut f) = exited_ok(&root, true, t0);
+        assert_eq!(f.statuses.len(), 1);
+        assert_eq!(f.statuses[0].1["status"], "finalizing");
+        assert_eq!(f.statuses[0].1["file_count"], 2);
+        assert_eq!(t.uploading(), 1);
+        assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
+        let mut asked = Vec::new();
+        let mut failed_at = Vec::new();
+        // Three attempts at a.txt, each PUT refused with a retriable error.
+        let mut now = t0;
+        for attempt in 1..=3u64 {
+            assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
+            asked.push(now);
+            t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
+            assert!(matches!(f.jobs.last(), Some(Job::Put { .. })));
+            now += Duration::from_millis(100);
+            failed_at.push(now);
+            let done = Done::Put {
+                key: "w".into(),
+                result: Err((true, "503".into())),
+            };
+            t.on_worker_done(done, now, &mut f);
+            if attempt < 3 {
+                let wait = Duration::from_secs(2 << (attempt - 1));
+                assert_eq!(t.next_due(), Some(now + wait), "attempt {attempt}");
+                let before = f.requests.len();
+                t.tick(now + wait - Duration::from_millis(1), &[], &mut f);
+                assert_eq!(f.requests.len(), before, "no retry before its time");
+                now += wait;
+                t.tick(now, &[], &mut f);
+                assert_eq!(f.requests.len(), before + 1, "retried at its time");
+            }
+        }
+        assert_eq!(asked, vec![t0, at(t0, 2100), at(t0, 6200)]);
+        // Given up on a.txt: b.txt is next at once, and goes through.
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("b.txt"));
+        t.on_signed_url_reply("w", Some(signed("b.txt")), now, &mut f);
+        let ok = Done::Put {
+            key: "w".into(),
+            result: Ok(()),
+        };
+        t.on_worker_done(ok, now, &mut f);
+        let Some(Request::UploadResults { body, .. }) = f.requests.last() else {
+            panic!("R10 expected: {:?}", f.requests);
+        };
+        assert_eq!(body["filenames"], serde_json::json!(["b.txt"]));
+        assert_eq!(body["attachment_uuids"], serde_json::json!(["att-b"]));
+        assert!(f.reports.is_empty(), "not before the backend knows");
+        t.on_upload_reply("w", true, now, &mut f);
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        assert!(root.join("w/a.txt").exists(), "a file not uploaded stays");
+        assert!(
+            !root.join("w/b.txt").exists(),
+            "an uploaded file is deleted"
+        );
+        // Late answers change nothing.
+        t.on_upload_reply("w", true, now, &mut f);
+        t.tick(now + Duration::from_secs(60), &[], &mut f);
+        assert_eq!(f.reports.len(), 1);
+        assert!(t.is_empty());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn uploads_without_the_broker_go_through_the_workers_and_clean_up_after_themselves() {
+        let t0 = Instant::now();
+        let root = results("rest", &["a.txt", "sub/b.txt"]);
+        let (mut t, mut f) = exited_ok(&root, false, t0);
+        assert!(f.requests.is_empty(), "no MQTT request while disconnected");
+        for name in ["a.txt", "sub/b.txt"] {
+            let Some(Job::SignedUrl { filename, .. }) = f.jobs.last() else {
+                panic!("E8 expected: {:?}", f.jobs.len());
+            };
+            assert_eq!(filename, name);
+            let attachment = crate::backend::parse_signed_url(&signed("x.txt"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let done = Done::SignedUrl {
+                key: "w".into(),
+                result: Ok(attachment),
+            };
+            t.on_worker_done(done, t0, &mut f);
+            let Some(Job::Put { path, .. }) = f.jobs.last() else {
+                panic!("PUT expected");
+            };
+            assert_eq!(path, &root.join("w").join(name));
+            let ok = Done::Put {
+                key: "w".into(),
+                result: Ok(()),
+            };
+            t.on_worker_done(ok, t0, &mut f);
+        }
+        assert!(matches!(f.jobs.last(), Some(Job::UploadResults { .. })));
+        let told = Done::UploadResults {
+            key: "w".into(),
+            result: Ok(()),
+        };
+        t.on_worker_done(told, t0, &mut f);
+        assert_eq!(f.reports.len(), 1);
+        assert!(!root.join("w").exists(), "files and folders removed");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_stale_workload_is_terminated_and_marked_so_its_end_is_not_reported_as_a_cancel() {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        t.cancel_stale("w", Duration::from_millis(500), t0, &mut f)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(f.signals, vec![(100, TERM)]);
+        assert!(t
+            .get("w")
+            .and_then(|a| a.meta.cancel.as_ref())
+            .is_some_and(|c| c.stale && !c.timed_out));
+        assert_eq!(
+            f.saved.len(),
+            2,
+            "the cancel, then the stale mark, are recorded"
+        );
+        assert_eq!(t.next_due(), Some(at(t0, 500)));
+    }
+
+    #[test]
+    fn a_rebuilt_record_is_reported_lost_whatever_its_exit_said() {
+        let t0 = Instant::now();
+        let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
+        let mut m = meta("w", 100, None);
+        m.salvaged = Some("bad json".into());
+        t.insert("w".into(), Active::new(m, true, t0));
+        let mut f = Fake::default();
+        f.exits.insert("w".into(), exit(0));
+        t.on_reaped(99, t0, &mut f);
+        t.tick(at(t0, 1), &["w".to_string()], &mut f);
+        assert_eq!(
+            f.reports,
+            vec![("w".to_string(), Some(exit(0)), Some(SALVAGED))]
+        );
+        // At recovery the same: `end` with no reason still reports it lost.
+        let mut m = meta("v", 200, None);
+        m.salvaged = Some("bad json".into());
+        t.insert("v".into(), Active::new(m, false, t0));
+        t.end("v", None, None, at(t0, 2), &mut f);
+        t.tick(at(t0, 3), &["v".to_string()], &mut f);
+        assert_eq!(
+            f.reports.get(1),
+            Some(&("v".to_string(), None, Some(SALVAGED)))
+        );
+    }
+}

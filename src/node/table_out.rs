@@ -1,0 +1,161 @@
+//! The workload table's [`Outbound`] on the loop's real pieces: signals through procinfo,
+//! requests over MQTT (recorded as pending), jobs for the workers, records in the state dir.
+//! What needs the whole node (shipping logs, building and queueing a completion) is done by the
+//! loop right after the table's call returns ([`Node::with_table`]).
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::session::Session;
+use super::table::{Outbound, Request, Table};
+use super::{Node, Op, Wire};
+use crate::workers::{Job, Workers};
+use crate::workload::shim::Exit;
+use crate::workload::{self, procinfo, Layout, Meta};
+
+/// What the loop does once the table's call returned.
+enum Later {
+    ShipLogs,
+    Report {
+        id: String,
+        meta: Box<Meta>,
+        exit: Option<Exit>,
+        lost: Option<&'static str>,
+    },
+}
+
+struct NodeOut<'a> {
+    connected: bool,
+    /// Requests go through the broker session, which keeps them until their reply.
+    session: &'a mut Session<Op>,
+    wire: Wire<'a>,
+    workers: &'a Workers,
+    layout: &'a Layout,
+    timeout: Duration,
+    now: Instant,
+    later: Vec<Later>,
+}
+
+impl NodeOut<'_> {
+    fn send(&mut self, op: Op, topic: &str, body: &Value) -> Vec<u8> {
+        self.session
+            .request(op, topic, body, self.timeout, self.now, &mut self.wire)
+    }
+}
+
+impl Outbound for NodeOut<'_> {
+    fn connected(&self) -> bool {
+        self.connected
+    }
+
+    fn provable_group(&self, meta: &Meta) -> Option<i32> {
+        let st = meta.started.as_ref()?;
+        (st.boot_id == procinfo::boot_id() && procinfo::group_members(st.pid, st.shim_pid) > 0)
+            .then_some(st.pid)
+    }
+
+    fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()> {
+        procinfo::signal_group(group, sig)
+    }
+
+    fn exit_record(&self, id: &str) -> Option<Exit> {
+        workload::read_json(&self.layout.exit(id))
+    }
+
+    fn supervisor_alive(&self, meta: &Meta) -> bool {
+        meta.started.as_ref().is_some_and(|st| {
+            st.shim_pid > 0 && procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
+        })
+    }
+
+    fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
+        workload::save_meta(self.layout, meta)
+    }
+
+    fn workload_status(&mut self, wl: &str, body: Value) {
+        if wl.is_empty() || wl == "None" {
+            return;
+        }
+        let topic = self.wire.topics.workload_status(wl);
+        self.send(Op::WorkloadStatus, &topic, &body);
+    }
+
+    fn request(&mut self, req: Request) -> Vec<u8> {
+        match req {
+            Request::SignedUrl { id, wl, filename } => {
+                let topic = self.wire.topics.signed_url(&wl);
+                self.send(
+                    Op::SignedUrl(id),
+                    &topic,
+                    &serde_json::json!({ "filename": filename }),
+                )
+            }
+            Request::UploadResults { id, wl, body } => {
+                let topic = self.wire.topics.upload_results(&wl);
+                self.send(Op::UploadResults(id), &topic, &body)
+            }
+        }
+    }
+
+    fn submit(&mut self, job: Job) {
+        self.workers.submit(job);
+    }
+
+    fn ship_logs(&mut self) {
+        self.later.push(Later::ShipLogs);
+    }
+
+    fn report(&mut self, id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&'static str>) {
+        self.later.push(Later::Report {
+            id: id.to_string(),
+            meta: Box::new(meta),
+            exit,
+            lost,
+        });
+    }
+
+    fn retire(&mut self, id: &str) {
+        super::workloads::retire(self.layout, id);
+    }
+}
+
+impl Node {
+    /// Runs `f` on the workload table with the real [`Outbound`], then does what it left for
+    /// the loop (logs to ship, completions to queue).
+    pub(super) fn with_table<R>(
+        &mut self,
+        f: impl FnOnce(&mut Table, &mut dyn Outbound, Instant) -> R,
+    ) -> R {
+        let now = self.clock.now();
+        let mut out = NodeOut {
+            connected: self.session.connected(),
+            session: &mut self.session,
+            wire: wire!(self),
+            workers: &self.workers,
+            layout: &self.layout,
+            timeout: self.s.tuning.request_timeout,
+            now,
+            later: Vec::new(),
+        };
+        let r = f(&mut self.active, &mut out, now);
+        let later = out.later;
+        let mut shipped = false;
+        for l in later {
+            match l {
+                Later::ShipLogs if !shipped => {
+                    shipped = true;
+                    self.pump_streams(false);
+                }
+                Later::ShipLogs => {}
+                Later::Report {
+                    id,
+                    meta,
+                    exit,
+                    lost,
+                } => self.complete(&id, *meta, exit, lost),
+            }
+        }
+        r
+    }
+}

@@ -22,6 +22,8 @@ use support::{Broker, ControlPlane};
 
 #[path = "node/fleet.rs"]
 mod fleet;
+#[path = "node/start.rs"]
+mod start;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -112,6 +114,7 @@ fn main() {
     match words.first().map(String::as_str) {
         Some("idle") => return idle(Duration::from_secs(number(1, 60))),
         Some("fleet") => return fleet::run(number(1, 100) as usize),
+        Some("start") => return start::run(number(1, 100) as usize),
         Some("stream") => {
             let broker = Broker::start();
             let cp = ControlPlane::start(broker.port, "");

@@ -235,32 +235,23 @@ impl Ledger {
 
     /// Records an outcome durably (append + fsync) before the reply goes out.
     pub fn record(&mut self, rid: &str, ok: bool, body: Value) {
-        let e = Entry {
-            rid: key(rid),
-            at: now(),
-            ok,
-            body,
-        };
-        let line = serde_json::to_string(&e).unwrap_or_default() + "\n";
-        let written = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&self.path)
-            .and_then(|mut f| {
-                f.write_all(line.as_bytes())?;
-                f.sync_data()
-            });
-        if let Err(err) = written {
+        let e = entry(rid, ok, body);
+        if let Err(err) = append(&self.path, std::slice::from_ref(&e)) {
             log::error!(
                 "cannot record request {} in {}: {err}",
                 store::clip(&e.rid, 80),
                 store::shown(&self.path)
             );
         }
+        self.remember(e, true);
+    }
+
+    /// Keeps an entry that [`append`] already wrote (on another thread). `may_compact`: false
+    /// while another thread may be appending, as a compaction would drop its line.
+    pub fn remember(&mut self, e: Entry, may_compact: bool) {
         self.entries.insert(e.rid.clone(), e);
         self.lines = self.lines.saturating_add(1);
-        if self.lines > MAX_LINES {
+        if self.lines > MAX_LINES && may_compact {
             let mut list: Vec<Entry> = self.entries.values().cloned().collect();
             list.sort_by(|a, b| a.at.total_cmp(&b.at));
             let drop = list.len().saturating_sub(MAX_ENTRIES);
@@ -271,6 +262,32 @@ impl Ledger {
             self.lines = list.len();
         }
     }
+}
+
+/// The entry [`Ledger::record`] keeps for an outcome.
+pub fn entry(rid: &str, ok: bool, body: Value) -> Entry {
+    Entry {
+        rid: key(rid),
+        at: now(),
+        ok,
+        body,
+    }
+}
+
+/// Appends entries to the ledger file durably: one write, one fsync for all of them.
+pub fn append(path: &Path, entries: &[Entry]) -> std::io::Result<()> {
+    let text: String = entries
+        .iter()
+        .map(|e| serde_json::to_string(e).unwrap_or_default() + "\n")
+        .collect();
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(text.as_bytes())?;
+    store::slow_disk_pause();
+    f.sync_data()
 }
 
 #[cfg(test)]

@@ -38,11 +38,13 @@ fn write_replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<
         f.set_permissions(fs::Permissions::from_mode(mode))?;
         f.write_all(data)?;
         if sync {
+            slow_disk_pause();
             f.sync_all()?;
         }
         fs::rename(&tmp, path)?;
         if sync {
             if let Ok(d) = fs::File::open(dir) {
+                slow_disk_pause();
                 let _ = d.sync_all();
             }
         }
@@ -52,6 +54,25 @@ fn write_replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// A slow disk, simulated for the start benchmark and tests: with `CYBERWAVE_TEST_SLOW_FSYNC_MS`
+/// set, every fsync of the node's state sleeps that long first. Honoured only by debug builds and
+/// builds with the `slow-disk-sim` feature (the benchmark's); a production release ignores it.
+pub fn slow_disk_pause() {
+    #[cfg(any(debug_assertions, feature = "slow-disk-sim"))]
+    {
+        static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+        let delay = DELAY.get_or_init(|| {
+            std::env::var("CYBERWAVE_TEST_SLOW_FSYNC_MS")
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(std::time::Duration::from_millis)
+        });
+        if let Some(d) = delay {
+            std::thread::sleep(*d);
+        }
+    }
 }
 
 /// Creates `dir` (and parents) and makes it 0700: the state dir holds secrets.

@@ -28,6 +28,7 @@ mod operate;
 mod persist;
 mod platform;
 mod results;
+mod starts;
 mod statedir;
 mod wire;
 mod workloads;

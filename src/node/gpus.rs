@@ -148,6 +148,12 @@ impl Node {
                 out.insert(u.clone(), holder.clone());
             }
         }
+        // Starts in flight hold theirs already (node/starts.rs).
+        for (_, st) in self.starts.iter() {
+            for u in st.gpus.iter().flatten() {
+                out.insert(u.clone(), st.request_id.clone());
+            }
+        }
         out
     }
 

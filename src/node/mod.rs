@@ -24,6 +24,7 @@ mod ingress;
 pub mod operate;
 mod selfheal;
 mod session;
+mod starts;
 pub mod startup;
 pub mod streams;
 mod streams_out;
@@ -51,7 +52,7 @@ use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
 use crate::workers::{Done, Workers};
-use crate::workload::reaper::{Reaped, Reaper};
+use crate::workload::reaper::Reaped;
 use crate::workload::tail::{Event as TailEvent, Key, Tailer};
 use crate::workload::Layout;
 use session::{Happening, Session};
@@ -130,14 +131,14 @@ pub struct Node {
     started: Instant,
     exit: Option<i32>,
     layout: Layout,
-    /// This binary, for starting shims.
-    exe: PathBuf,
     /// Active workloads by safe id.
     active: table::Table,
     ledger: Ledger,
     outbox: Outbox,
-    reaper: Reaper,
     reaped: Receiver<Reaped>,
+    /// Starts in flight, and what the spawner thread reports about them.
+    starts: starts::Starts,
+    spawned: Receiver<crate::workload::spawner::Outcome>,
     tailer: Tailer,
     chunks: Receiver<TailEvent>,
     /// Every workload's log streams (their cursors, pace and install-log shipping).
@@ -181,6 +182,10 @@ impl Node {
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
                 recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
+                recv(self.spawned) -> o => match o {
+                    Ok(o) => self.on_spawn_outcome(o),
+                    Err(_) => self.on_spawner_gone(),
+                },
                 recv(self.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
@@ -190,6 +195,7 @@ impl Node {
             }
             self.tick();
             if let Some(code) = self.exit {
+                self.finish_starts();
                 self.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
                 // Dropping the Paho client joins Paho C's worker threads, which poll with 1 s
@@ -525,7 +531,7 @@ impl Node {
                 self.reply_ok(rid, out);
             }
             Command::Start(kind, params) => self.on_start(kind, rid, params),
-            Command::Cancel(params) => self.cancel_command(&request_id, params),
+            Command::Cancel(params) => self.cancel(&request_id, params),
             Command::Received(Received::Start(kind, params)) => self.on_start(kind, rid, params),
             Command::Received(Received::Ack(uuid)) => {
                 let shown = uuid.as_ref().map_or("None", |u| u.as_str());
@@ -568,6 +574,7 @@ impl Node {
         if let Some(g) = self.gpu_status() {
             gpus::put(&mut out, "gpus", g);
         }
+        self.add_starting(&mut out, "active_workloads");
         out
     }
 
@@ -590,6 +597,9 @@ impl Node {
     // ---- the control socket ---------------------------------------------------------------------
 
     fn on_control(&mut self, req: crate::control::Request) {
+        let Some(req) = self.hold_for_start(req) else {
+            return;
+        };
         let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
         let reply = match op {
             "emit" => self.on_emit(&req.body),
@@ -634,6 +644,7 @@ impl Node {
         if let Some(g) = self.gpu_status() {
             gpus::put(&mut out, "gpus", g);
         }
+        self.add_starting(&mut out, "workloads");
         out
     }
 

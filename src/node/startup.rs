@@ -244,6 +244,24 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             )));
         }
     };
+    // Starts run on the spawner thread (issue 15): without it the node still runs, reports and
+    // cancels its workloads, and refuses starts with a clear error.
+    let (spawned_tx, spawned) = unbounded();
+    let spawner = crate::workload::spawner::Spawner::start(
+        crate::workload::spawner::Context {
+            settings: s.clone(),
+            layout: layout.clone(),
+            exe,
+            ledger: dir.join("ledger.jsonl"),
+            reaper,
+            body: super::workloads::start_output,
+        },
+        spawned_tx,
+    )
+    .map_err(|e| {
+        log::error!("cannot start the workload spawner thread: {e}; starts are refused");
+        format!("cannot start the workload spawner thread: {e}")
+    });
     let now = Instant::now();
     let session = Session::new(
         session::Config::from_settings(&s, topics.clone(), token.clone()),
@@ -262,12 +280,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         started,
         exit: None,
         layout,
-        exe,
         active: super::table::Table::new(super::table::UploadCfg::of(&s)),
         ledger: Ledger::load(dir.join("ledger.jsonl")),
         outbox,
-        reaper,
         reaped,
+        starts: super::starts::Starts::new(spawner),
+        spawned,
         tailer,
         chunks,
         streams,

@@ -6,6 +6,7 @@ pub mod lifecycle;
 pub mod procinfo;
 pub mod reaper;
 pub mod shim;
+pub mod spawner;
 pub mod tail;
 
 use std::collections::BTreeMap;
@@ -244,6 +245,10 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         Ok(mut meta) => {
             if meta.started.is_none() {
                 let path = dir.join("started.json");
+                // A node killed between forking the shim and the shim's start record: the
+                // shim is still at work, and the record comes (never forget a workload that
+                // is about to run: a redelivery would start it a second time).
+                wait_for_shim_record(dir, &path);
                 match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
                     Ok(st) => {
                         meta.started = Some(st);
@@ -333,6 +338,48 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         }
     }
     Recovered::Salvaged(meta)
+}
+
+/// While a shim started for `dir` is alive and `started` does not exist yet, waits for it (at
+/// most the spawner's pid timeout).
+fn wait_for_shim_record(dir: &Path, started: &Path) {
+    if started.exists() {
+        return;
+    }
+    let Some((pid, ticks)) = shim_of(dir) else {
+        return;
+    };
+    log::info!(
+        "the supervisor of {} (pid {pid}) is still starting its workload; waiting for its start record",
+        store::shown(dir)
+    );
+    let until = crate::util::later(std::time::Instant::now(), spawner::PID_TIMEOUT);
+    while !started.exists()
+        && procinfo::same_process_alive(pid, ticks)
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The live shim process (pid, start ticks) supervising `dir`, found by its command line
+/// (`<exe> __shim <dir> …`) among this user's processes.
+fn shim_of(dir: &Path) -> Option<(i32, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let want = dir.as_os_str().as_bytes();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .find_map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+            let is_shim = args
+                .windows(2)
+                .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want));
+            let ticks = procinfo::start_ticks(pid)?;
+            (is_shim && procinfo::same_process_alive(pid, ticks)).then_some((pid, ticks))
+        })
 }
 
 /// `params.json` as far as the node reads it back: a JSON object.
@@ -450,15 +497,16 @@ impl store::Validate for Meta {
     }
 }
 
-/// What a start needs beyond the settings.
-pub struct StartRequest<'a> {
-    pub kind: &'a str,
-    pub request_id: &'a Value,
-    pub safe_id: &'a str,
+/// What a start needs beyond the settings (owned: it travels to the spawner thread).
+#[derive(Debug, Clone)]
+pub struct StartRequest {
+    pub kind: String,
+    pub request_id: Value,
+    pub safe_id: String,
     pub params: Map<String, Value>,
-    pub template: &'a str,
+    pub template: String,
     /// The node's own API token (empty in standalone mode).
-    pub node_token: &'a str,
+    pub node_token: String,
     pub max_runtime_s: Option<f64>,
     pub workflow: Option<WorkflowCtx>,
     /// The node's control socket, for `emit`.
@@ -467,6 +515,8 @@ pub struct StartRequest<'a> {
     pub gpus: Option<Vec<String>>,
     /// This workload's own results folder (D24), when result uploads are on.
     pub results_dir: Option<PathBuf>,
+    /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
+    pub event_token: String,
 }
 
 /// Environment variables that hold the node's own secrets or identity; never passed on as they
@@ -502,32 +552,50 @@ const MODULE_RUNNER: &str = include_str!("module_runner.py");
 /// `workflow_*` key and the workload token, which never reaches the params file).
 const PLATFORM_PARAMS: &[&str] = &["workload_uuid", "command_type", "status"];
 
-/// Starts a workload under the shim. Returns its record with `started` filled in, or the
-/// reason it could not start (then nothing is left running and the directory is gone).
-pub fn start(
+/// A shim that was forked and has not reported the workload's pid yet.
+pub struct Launched {
+    /// The record as written (not yet synced): phase `Starting`, no pid.
+    pub meta: Meta,
+    pub shim_pid: i32,
+    /// The shim's start time (its identity, read right after the fork).
+    pub shim_start_ticks: u64,
+    child: std::process::Child,
+}
+
+/// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
+/// and record (`meta.json`, phase `starting`, written atomically but not yet synced), then the
+/// shim forked. [`settle`] then reads the pid, and [`make_durable`] syncs the record once the
+/// workload runs (a sync forces a journal commit, which would hold up the files the shim and
+/// the workload create as they start). On `Err` nothing was forked and the directory is gone.
+///
+/// Crash safety of the order: a node killed at any point leaves what it wrote in the page cache
+/// (a record written is read back by the next node, synced or not); only a host crash loses
+/// unsynced files, and it ends the workload too. The start is answered (and recorded in the
+/// ledger) only after [`make_durable`], so an answered start always has its durable record.
+pub fn launch(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
-    req: StartRequest<'_>,
-) -> Result<Meta, String> {
-    let dir = layout.dir(req.safe_id);
+    req: StartRequest,
+) -> Result<Launched, String> {
+    let dir = layout.dir(&req.safe_id);
     store::ensure_private_dir(&layout.workloads())
         .map_err(|e| format!("cannot create {}: {e}", layout.workloads().display()))?;
     std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let result = start_in(s, layout, exe, &dir, req);
+    let result = launch_in(s, layout, exe, &dir, req);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     result
 }
 
-fn start_in(
+fn launch_in(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
     dir: &Path,
-    mut req: StartRequest<'_>,
-) -> Result<Meta, String> {
+    mut req: StartRequest,
+) -> Result<Launched, String> {
     let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
     store::ensure_private_dir(&layout.logs())
         .map_err(|e| format!("cannot create {}: {e}", layout.logs().display()))?;
@@ -542,7 +610,7 @@ fn start_in(
         .map(String::from);
     // Module dispatch: a missing file is refused before anything is written; the platform's
     // own keys are not the function's arguments.
-    let module = module_of(req.template).map(|m| (m, s.working_dir.join(m)));
+    let module = module_of(&req.template).map(|m| (m, s.working_dir.join(m)));
     if let Some((value, path)) = &module {
         if !path.is_file() {
             return Err(format!(
@@ -595,7 +663,7 @@ fn start_in(
                 shell_quote(python.trim()),
                 shell_quote(&runner.display().to_string()),
                 shell_quote(&path.display().to_string()),
-                module_function(req.kind),
+                module_function(&req.kind),
                 shell_quote(&params_file.display().to_string()),
                 shell_quote(value)
             )
@@ -603,9 +671,9 @@ fn start_in(
     };
     let stdout_log = layout.logs().join(format!("{stem}.stdout.log"));
     let stderr_log = layout.logs().join(format!("{stem}.stderr.log"));
-    let mut meta = Meta {
-        safe_id: req.safe_id.to_string(),
-        kind: req.kind.to_string(),
+    let meta = Meta {
+        safe_id: req.safe_id.clone(),
+        kind: req.kind.clone(),
         request_id: req.request_id.clone(),
         workload_uuid: workload_uuid.clone(),
         created_unix: unix_now(),
@@ -617,18 +685,24 @@ fn start_in(
         started: None,
         cancel: None,
         workflow: req.workflow.clone(),
-        event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+        event_token: req.event_token.clone(),
         gpus: req.gpus.clone(),
         salvaged: None,
     };
-    save_meta(layout, &meta).map_err(|e| format!("cannot write the workload record: {e}"))?;
+    // Atomic (a reader never sees half of it) but not synced here: [`make_durable`] syncs it
+    // while the shim starts the workload.
+    let json = serde_json::to_vec_pretty(&meta).map_err(|e| e.to_string())?;
+    store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600)
+        .map_err(|e| format!("cannot write the workload record: {e}"))?;
 
     // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
     let mut env: BTreeMap<String, String> = s.env.merged();
     for k in NODE_ONLY_VARS {
         env.remove(*k);
     }
-    let credential = token.unwrap_or_else(|| req.node_token.to_string());
+    // The simulated slow disk (`store::slow_disk_pause`) is the node's own, not its workloads'.
+    env.remove("CYBERWAVE_TEST_SLOW_FSYNC_MS");
+    let credential = token.unwrap_or_else(|| req.node_token.clone());
     if !credential.is_empty() {
         env.insert("CYBERWAVE_API_KEY".into(), credential.clone());
         env.insert("CYBERWAVE_MQTT_PASSWORD".into(), credential);
@@ -642,7 +716,7 @@ fn start_in(
         "CYBERWAVE_REQUEST_ID".into(),
         meta.request_id_text().replace('\0', "\u{FFFD}"),
     );
-    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.to_string());
+    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.clone());
     if let Some(d) = &req.results_dir {
         env.insert("CYBERWAVE_RESULTS_DIR".into(), d.display().to_string());
     }
@@ -698,7 +772,7 @@ fn start_in(
     };
     let shim_log = std::fs::File::create(dir.join("shim.log"))
         .map_err(|e| format!("cannot create the shim log: {e}"))?;
-    let mut child = Command::new(exe)
+    let child = Command::new(exe)
         .args(args.to_args())
         .env_clear()
         .envs(&env)
@@ -713,12 +787,74 @@ fn start_in(
                 exe.display()
             )
         })?;
-    let shim_pid = child.id() as i32;
-    let line = child
-        .stdout
-        .take()
-        .map(|out| read_line_timeout(out, Duration::from_secs(10)))
-        .unwrap_or_default();
+    let shim_pid = i32::try_from(child.id()).unwrap_or(0);
+    Ok(Launched {
+        meta,
+        shim_pid,
+        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        child,
+    })
+}
+
+/// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
+/// workloads folder once, which holds their new directories), several at once: concurrent
+/// syncs share the disk's flushes (one journal commit can serve them all). Errors are logged: the
+/// record is there for a node restart either way, only a host crash could lose it.
+pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
+    let mut paths: Vec<PathBuf> = safe_ids
+        .iter()
+        .flat_map(|id| [layout.meta(id), layout.dir(id)])
+        .collect();
+    if !safe_ids.is_empty() {
+        paths.push(layout.workloads());
+    }
+    let sync = |path: &PathBuf| {
+        store::slow_disk_pause();
+        if let Err(e) = std::fs::File::open(path).and_then(|f| f.sync_all()) {
+            log::warn!("cannot sync {}: {e}", store::shown(path));
+        }
+    };
+    const WORKERS: usize = 8;
+    let per = paths.len().div_ceil(WORKERS).max(1);
+    std::thread::scope(|scope| {
+        for chunk in paths.chunks(per) {
+            let spawned = std::thread::Builder::new()
+                .name("sync".into())
+                .spawn_scoped(scope, move || chunk.iter().for_each(sync));
+            if spawned.is_err() {
+                chunk.iter().for_each(sync);
+            }
+        }
+    });
+}
+
+/// Step 2 of a start (on the spawner thread): waits for each shim's pid line, all at once, at
+/// most `timeout`. Each gets its record with `started` filled in, or the reason it could not
+/// start (then its shim, if still provably ours, is killed and its directory is gone).
+pub fn settle(
+    layout: &Layout,
+    launched: Vec<Launched>,
+    timeout: Duration,
+) -> Vec<(String, i32, Result<Meta, String>)> {
+    let lines = read_lines_timeout(&launched, timeout);
+    launched
+        .into_iter()
+        .zip(lines)
+        .map(|(l, line)| {
+            let id = l.meta.safe_id.clone();
+            let shim = l.shim_pid;
+            (id, shim, finish(layout, l, &line))
+        })
+        .collect()
+}
+
+fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, String> {
+    let Launched {
+        mut meta,
+        shim_pid,
+        shim_start_ticks,
+        child,
+    } = l;
     drop(child); // the reaper thread waits for it
     let pid: i32 = match line
         .strip_prefix("pid ")
@@ -728,9 +864,19 @@ fn start_in(
         None => {
             let why = line
                 .strip_prefix("error: ")
-                .unwrap_or(&line)
+                .unwrap_or(line)
                 .trim()
                 .to_string();
+            // A shim that said nothing in time is stopped before its directory goes, so it
+            // cannot start an untracked workload later (only while it is provably the shim:
+            // the node's own unreaped child, with the start time it had at the fork).
+            if shim_pid > 1 && procinfo::same_process_alive(shim_pid, shim_start_ticks) {
+                // SAFETY: kill on a pid just proven to be this node's live child.
+                unsafe {
+                    libc::kill(shim_pid, libc::SIGKILL);
+                }
+            }
+            let _ = std::fs::remove_dir_all(layout.dir(&meta.safe_id));
             return Err(if why.is_empty() {
                 "the workload supervisor did not report a pid".to_string()
             } else {
@@ -744,51 +890,75 @@ fn start_in(
         pid,
         start_ticks: procinfo::start_ticks(pid).unwrap_or(0),
         shim_pid,
-        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        shim_start_ticks,
         boot_id: procinfo::boot_id(),
         started_at: crate::util::rfc3339(SystemTime::now()),
     };
-    // meta.json on disk keeps saying "starting": the shim's started.json (written durably before
-    // it reported the pid) completes it at recovery, so a second synced write is not needed here.
+    // meta.json on disk keeps saying "starting": the shim's started.json completes it at
+    // recovery, so a second synced write is not needed here.
     meta.started = Some(started);
     meta.phase = Phase::Running;
     Ok(meta)
 }
 
-/// Reads one line from the shim's pipe, waiting at most `timeout`.
-fn read_line_timeout(mut out: std::process::ChildStdout, timeout: Duration) -> String {
-    let fd = out.as_raw_fd();
+/// Reads the first line from each shim's pipe, all at once, waiting at most `timeout` in all.
+fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
     let begun = std::time::Instant::now();
-    let mut buf = Vec::new();
+    let fds: Vec<i32> = launched
+        .iter()
+        .map(|l| l.child.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
+        .collect();
+    let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); launched.len()];
+    let mut open: Vec<bool> = fds.iter().map(|fd| *fd >= 0).collect();
     let mut chunk = [0u8; 256];
-    while !buf.contains(&b'\n') {
+    while open.iter().any(|o| *o) {
         let left = timeout.saturating_sub(begun.elapsed());
         if left.is_zero() {
             break;
         }
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        let mut pfds: Vec<libc::pollfd> = fds
+            .iter()
+            .zip(&open)
+            .map(|(fd, o)| libc::pollfd {
+                fd: if *o { *fd } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(0);
+        // SAFETY: `pfds` is a valid array of `n` pollfds (negative fds are ignored by poll).
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
         if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
             continue;
         }
         if rc <= 0 {
             break;
         }
-        match out.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => buf.extend_from_slice(chunk.get(..n).unwrap_or_default()),
+        for ((p, buf), o) in pfds.iter().zip(bufs.iter_mut()).zip(open.iter_mut()) {
+            if !*o || p.revents == 0 {
+                continue;
+            }
+            // SAFETY: read into a local buffer of its own length from an fd poll reported.
+            let got = unsafe { libc::read(p.fd, chunk.as_mut_ptr().cast(), chunk.len()) };
+            match usize::try_from(got) {
+                Ok(0) | Err(_) => *o = false,
+                Ok(k) => buf.extend_from_slice(chunk.get(..k).unwrap_or_default()),
+            }
+            if buf.contains(&b'\n') {
+                *o = false;
+            }
         }
     }
-    String::from_utf8_lossy(&buf)
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_string()
+    bufs.iter()
+        .map(|b| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect()
 }
 
 /// Quotes for a POSIX shell: bare when only safe characters, else single quotes.
@@ -1216,6 +1386,106 @@ mod tests {
                 assert!(!i.topic.contains('#') && !i.topic.contains('+'));
             }
         }
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    fn fake_shim(layout: &Layout, id: &str, script: &str) -> Launched {
+        std::fs::create_dir_all(layout.dir(id)).unwrap();
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let shim_pid = child.id() as i32;
+        let mut meta =
+            parse_meta_bytes(good_meta(layout).to_string().as_bytes(), &layout.logs()).unwrap();
+        meta.safe_id = id.into();
+        meta.started = None;
+        Launched {
+            meta,
+            shim_pid,
+            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap(),
+            child,
+        }
+    }
+
+    /// The settler reads every shim's pid line at once: a slow shim does not hold up the
+    /// others, one that reports an error is refused with it, and one that says nothing in time
+    /// is killed (it must not start an untracked workload later) and its directory removed.
+    #[test]
+    fn pid_lines_are_read_all_at_once_and_a_silent_shim_is_stopped() {
+        let layout = scratch("settle");
+        let launched = vec![
+            fake_shim(&layout, "slow", "sleep 0.3; echo pid 4242; sleep 1"),
+            fake_shim(&layout, "err", "echo 'error: cannot open the log files'"),
+            fake_shim(&layout, "mute", "exec sleep 30"),
+            fake_shim(&layout, "fast", "echo pid 4343"),
+        ];
+        let mute = (launched[2].shim_pid, launched[2].shim_start_ticks);
+        let out = settle(&layout, launched, Duration::from_secs(2));
+        make_durable(&layout, &["slow", "fast"]);
+        let ids: Vec<&str> = out.iter().map(|(id, _, _)| id.as_str()).collect();
+        assert_eq!(ids, ["slow", "err", "mute", "fast"], "in order");
+        let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid());
+        assert_eq!(pid(0), Ok(4242));
+        assert_eq!(pid(3), Ok(4343));
+        assert_eq!(out[3].2.as_ref().unwrap().phase, Phase::Running);
+        assert_eq!(out[1].2.as_ref().unwrap_err(), "cannot open the log files");
+        assert_eq!(
+            out[2].2.as_ref().unwrap_err(),
+            "the workload supervisor did not report a pid"
+        );
+        assert!(
+            !procinfo::same_process_alive(mute.0, mute.1),
+            "the silent shim was killed"
+        );
+        assert!(!layout.dir("mute").exists() && !layout.dir("err").exists());
+        assert!(layout.dir("slow").exists() && layout.dir("fast").exists());
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// A node killed between forking a shim and the shim's start record: recovery waits for
+    /// the record while that shim lives, so the workload is re-adopted, not forgotten (and
+    /// then started a second time by a redelivery).
+    #[test]
+    fn recovery_waits_for_the_start_record_of_a_shim_still_starting() {
+        let layout = scratch("waitshim");
+        let dir = layout.dir("w1");
+        let mut meta = good_meta(&layout);
+        meta.as_object_mut().unwrap().remove("started");
+        meta["phase"] = serde_json::json!("starting");
+        std::fs::write(dir.join("meta.json"), meta.to_string()).unwrap();
+        // Stands in for the shim: `__shim <dir>` on its command line.
+        let mut shim = Command::new("sh")
+            .arg("-c")
+            .arg("sleep 5; true")
+            .arg("__shim")
+            .arg(&dir)
+            .spawn()
+            .unwrap();
+        let record = good_meta(&layout)["started"].to_string();
+        let writer = {
+            let path = dir.join("started.json");
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                std::fs::write(path, record).unwrap();
+            })
+        };
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("intact");
+        };
+        writer.join().unwrap();
+        assert_eq!(m.pid(), 123456, "the start record the shim wrote meanwhile");
+        assert_eq!(m.phase, Phase::Running);
+        shim.kill().unwrap();
+        shim.wait().unwrap();
+        // No shim: nothing to wait for (a record without a pid is forgotten by the node).
+        std::fs::remove_file(dir.join("started.json")).unwrap();
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("intact");
+        };
+        assert!(m.started.is_none());
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

@@ -9,6 +9,7 @@ pub struct Reaped {
     pub pid: i32,
 }
 
+#[derive(Clone)]
 pub struct Reaper {
     wake: Sender<()>,
 }

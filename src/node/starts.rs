@@ -1,0 +1,766 @@
+//! The start path, off the loop (issue 15, item 2). The loop checks a start (exactly once per
+//! request id, reservation, capacity, GPUs), puts it in flight ([`Starts`]: it counts towards
+//! capacity, holds its GPUs, shows in `status` as `starting`, and can be cancelled) and hands it
+//! to the spawner thread ([`crate::workload::spawner`]), then returns at once. The spawner
+//! reports back with an [`Outcome`]; only then is the start answered, recorded and tracked as an
+//! active workload, exactly as a start was before.
+//!
+//! Exactly once, and what a crash at each point leaves (the order of the writes):
+//! 1. loop: the request is in flight in memory only. A node killed now has written nothing and
+//!    answered nothing: a redelivery starts it (for the first time).
+//! 2. spawner: the workload's directory (created exclusively: a second spawn of the same id
+//!    fails), params, and `meta.json` (phase `starting`) are written, unsynced; then the shim is
+//!    forked and execs the workload. A node killed now leaves the record for the next node:
+//!    the shim's `started.json` completes it and the workload is re-adopted, and a redelivery of
+//!    the request is answered from that workload, never started again. If the shim had not yet
+//!    written `started.json`, recovery waits for it while the shim is provably alive
+//!    ([`crate::workload::recover_meta`]); no shim, no workload: the record is dropped.
+//! 3. settler: the record is synced, the pid line read, the ledger entry appended and synced.
+//! 4. loop: the reply, `running` status, tracking. Every answered start thus has a durable
+//!    record and ledger entry (a host crash cannot make an answered start run twice); a host
+//!    crash before that loses, at worst, an unanswered start whose workload died with the host.
+//!
+//! Cancel while starting: the cancel is answered at once and recorded; it is carried out (the
+//! signal, the grace, the escalation) as soon as the spawn reports the workload's process. If
+//! the spawn fails there is nothing to signal and the start's failure is reported as usual.
+//!
+//! Many starts in flight: no bound of their own; the capacity (`max_concurrent_workloads`, which
+//! counts them) is the bound. A redelivery of a start in flight is answered with the original
+//! answer once the spawn reports.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+
+use super::operate::{Busy, BUSY_PREFIX};
+use super::table::Active;
+use super::workloads::start_output;
+use super::Node;
+use crate::logtext::shown;
+use crate::protocol::commands::{
+    CancelParams, CancelTarget, Kind, RequestId, Seconds, StartParams,
+};
+use crate::protocol::messages::request_id_text;
+use crate::store;
+use crate::workload::spawner::{Outcome, Spawner};
+use crate::workload::{self, procinfo, StartRequest, WorkflowCtx};
+
+/// A cancel that came while its workload was starting, carried out once it runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingCancel {
+    pub signal: i32,
+    pub name: &'static str,
+    pub grace: Duration,
+}
+
+/// A start handed to the spawner, not reported yet.
+pub struct Starting {
+    pub kind: Kind,
+    pub request_id: Value,
+    pub workload_uuid: Option<String>,
+    pub ctx: Option<WorkflowCtx>,
+    pub gpus: Option<Vec<String>>,
+    pub created_unix: f64,
+    pub cancel: Option<PendingCancel>,
+    /// Redeliveries of the same request that came meanwhile: they get the same answer.
+    pub waiters: Vec<Value>,
+    /// The workload's secret for `emit`.
+    pub event_token: String,
+    /// `emit` requests of the workload (it runs before its start is reported): answered once
+    /// the start is.
+    pub held: Vec<crate::control::Request>,
+}
+
+/// The starts in flight, and the spawner they go to. Pure bookkeeping (unit-tested); the node
+/// carries out what it says.
+pub struct Starts {
+    spawner: Option<Spawner>,
+    /// Why there is no spawner (it never started, or it stopped).
+    gone: Option<String>,
+    in_flight: BTreeMap<String, Starting>,
+}
+
+/// What a node without a working spawner answers to a start.
+pub const SPAWNER_GONE: &str =
+    "the workload spawner thread stopped: this node cannot start workloads until it is restarted";
+
+impl Starts {
+    pub fn new(spawner: Result<Spawner, String>) -> Starts {
+        let (spawner, gone) = match spawner {
+            Ok(s) => (Some(s), None),
+            Err(why) => (None, Some(why)),
+        };
+        Starts {
+            spawner,
+            gone,
+            in_flight: BTreeMap::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+    }
+
+    /// Why starts are refused (no spawner), if they are.
+    pub fn gone(&self) -> Option<&str> {
+        self.gone.as_deref()
+    }
+
+    pub fn get_mut(&mut self, safe_id: &str) -> Option<&mut Starting> {
+        self.in_flight.get_mut(safe_id)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Starting)> {
+        self.in_flight.iter()
+    }
+
+    /// The start in flight for this request id (as the backend names it).
+    pub fn find_request(&self, rid: &str) -> Option<String> {
+        self.in_flight
+            .iter()
+            .find(|(_, s)| request_id_text(&s.request_id) == rid)
+            .map(|(k, _)| k.clone())
+    }
+
+    /// Puts a start in flight and hands it to the spawner; `Err` (with the reason) when there
+    /// is no spawner any more: then nothing is in flight for it.
+    pub fn begin(&mut self, starting: Starting, req: StartRequest) -> Result<(), String> {
+        let safe_id = req.safe_id.clone();
+        let Some(spawner) = &self.spawner else {
+            return Err(self.gone.clone().unwrap_or_else(|| SPAWNER_GONE.into()));
+        };
+        if !spawner.submit(req) {
+            // What is in flight stays until the loop fails it ([`Starts::stopped`]).
+            self.spawner = None;
+            self.gone = Some(SPAWNER_GONE.into());
+            return Err(SPAWNER_GONE.into());
+        }
+        self.in_flight.insert(safe_id, starting);
+        Ok(())
+    }
+
+    /// The spawner reported this start.
+    pub fn end(&mut self, safe_id: &str) -> Option<Starting> {
+        self.in_flight.remove(safe_id)
+    }
+
+    /// The spawner is gone: every start in flight is over (returned, to be failed), and no new
+    /// one is taken.
+    pub fn stopped(&mut self) -> Vec<(String, Starting)> {
+        self.spawner = None;
+        self.gone = Some(SPAWNER_GONE.into());
+        std::mem::take(&mut self.in_flight).into_iter().collect()
+    }
+
+    /// The start in flight whose workload has this `emit` token.
+    pub fn by_token(&mut self, token: &str) -> Option<&mut Starting> {
+        self.in_flight.values_mut().find(|s| s.event_token == token)
+    }
+
+    /// Records a cancel for a start in flight; the first one stays (a second one changes
+    /// nothing, as for a running workload). `None`: no such start.
+    pub fn cancel(&mut self, safe_id: &str, c: PendingCancel) -> Option<PendingCancel> {
+        let s = self.in_flight.get_mut(safe_id)?;
+        Some(s.cancel.get_or_insert(c).clone())
+    }
+}
+
+impl Node {
+    // ---- start ------------------------------------------------------------------------------
+
+    pub(super) fn start_workload(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
+        self.start_workload_inner(kind, request_id, params, true);
+    }
+
+    /// A start after the self-heal pass it waited for: no second wait.
+    pub(super) fn start_workload_now(
+        &mut self,
+        kind: Kind,
+        request_id: &Value,
+        params: StartParams,
+    ) {
+        self.start_workload_inner(kind, request_id, params, false);
+    }
+
+    fn start_workload_inner(
+        &mut self,
+        kind_t: Kind,
+        request_id: &Value,
+        start: StartParams,
+        may_wait: bool,
+    ) {
+        let kind = kind_t.as_str();
+        let rid = request_id_text(request_id);
+        let rid = if rid.is_empty() {
+            format!(
+                "auto-{}-{}",
+                workload::unix_now() as u64,
+                crate::util::hex(&crate::util::random_bytes::<4>())
+            )
+        } else {
+            rid
+        };
+        let safe_id = store::safe_id(&rid);
+        // Exactly once: a request id seen before gets its original answer and nothing else.
+        if let Some(e) = self.ledger.get(&rid).cloned() {
+            log::info!(
+                "request {} was handled before; repeating its answer",
+                shown(&rid)
+            );
+            return if e.ok {
+                self.reply_ok(request_id, e.body)
+            } else {
+                self.reply_error(request_id, e.body.as_str().unwrap_or(""))
+            };
+        }
+        if let Some(a) = self.active.get(&safe_id) {
+            let out = start_output(&a.meta);
+            return self.reply_ok(request_id, out);
+        }
+        // In flight: answered with the original answer once the spawn reports.
+        if let Some(st) = self.starts.get_mut(&safe_id) {
+            log::info!(
+                "request {} is being started; it gets the same answer",
+                shown(&rid)
+            );
+            st.waiters.push(request_id.clone());
+            return;
+        }
+        let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
+        let ctx = super::ingress::context_of(kind, &start.params);
+        let Some(template) = self.s.command_template(kind).map(String::from) else {
+            let cap = match kind_t {
+                Kind::Inference => "Inference",
+                Kind::Simulate => "Simulate",
+                Kind::Training => "Training",
+            };
+            let why = format!("{cap} command not configured in cyberwave.yml");
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+        };
+        if let Some((why, busy)) = self.start_guard() {
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
+        }
+        if let Some(gone) = self.starts.gone() {
+            let why = format!("Failed to start {kind}: {gone}");
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+        }
+        // GPUs (D36) before capacity: with `auto`, a full node is a node without free GPUs.
+        let gpus = match self.assign_gpus(start.gpus) {
+            Ok(g) => g,
+            Err((why, busy)) => {
+                if busy == Some(Busy::GpusBusy)
+                    && may_wait
+                    && self.defer_start_for_heal(kind_t, request_id, &start)
+                {
+                    return;
+                }
+                return self.reject_start(request_id, workload_uuid.as_deref(), &why, busy, ctx);
+            }
+        };
+        let capacity = self.s.max_concurrent_workloads.value as usize;
+        // Starts in flight count: they hold their place from the moment they are accepted.
+        let used = self.active.len().saturating_add(self.starts.len());
+        if used >= capacity && may_wait && self.defer_start_for_heal(kind_t, request_id, &start) {
+            return;
+        }
+        if used >= capacity {
+            let what = if kind == "inference" {
+                "controller"
+            } else {
+                "workload"
+            };
+            let uploading = self.uploading();
+            let (detail, busy) = if uploading > 0 {
+                (format!(" ({uploading} uploading results)"), Busy::Uploading)
+            } else {
+                (String::new(), Busy::Capacity)
+            };
+            let why = format!(
+                "{BUSY_PREFIX} {used} active workload(s){detail}. Stop the existing {what} before starting a new one."
+            );
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
+        }
+        // Both limits are bounded (D20): the manifest's by the configuration, the command's
+        // by its type; the shorter wins.
+        let manifest_limit = self
+            .s
+            .manifest
+            .as_ref()
+            .and_then(|m| m.max_runtime_seconds)
+            .and_then(Seconds::from_f64);
+        let max_runtime_s = match (manifest_limit, start.max_runtime) {
+            (Some(m), Some(p)) => Some(m.get().min(p.get())),
+            (m, p) => m.or(p).map(Seconds::get),
+        };
+        let params = start.params;
+        let req = StartRequest {
+            kind: kind.to_string(),
+            request_id: request_id.clone(),
+            safe_id: safe_id.clone(),
+            params,
+            template,
+            node_token: self.token.clone(),
+            max_runtime_s,
+            workflow: ctx.clone(),
+            socket: self.layout.state.join("control.sock"),
+            gpus,
+            results_dir: self.results_dir_for(&safe_id),
+            event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+        };
+        let starting = Starting {
+            kind: kind_t,
+            request_id: request_id.clone(),
+            workload_uuid: workload_uuid.clone(),
+            ctx: ctx.clone(),
+            gpus: req.gpus.clone(),
+            created_unix: workload::unix_now(),
+            cancel: None,
+            waiters: Vec::new(),
+            event_token: req.event_token.clone(),
+            held: Vec::new(),
+        };
+        if let Err(e) = self.starts.begin(starting, req) {
+            let why = format!("Failed to start {kind}: {e}");
+            self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            // The spawner is gone: what is still in flight will never be reported.
+            return self.on_spawner_gone();
+        }
+        log::debug!("{kind} {} handed to the spawner", shown(&rid));
+        if self.s.drain_after_one {
+            // One workload: no second start is taken while this one is in flight.
+            self.set_draining(true, "--drain-after-one");
+        }
+    }
+
+    /// The spawner reported a start: from here on it is what a start was before (answer, status
+    /// `running`, tracking), or its refusal.
+    pub(super) fn on_spawn_outcome(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::Spawned {
+                safe_id,
+                meta,
+                ledger,
+                launch,
+                total,
+            } => {
+                let mut st = self.starts.end(&safe_id);
+                // No other thread appends to the ledger while no start is in flight.
+                let quiet = self.starts.is_empty();
+                self.ledger.remember(ledger, quiet);
+                let kind = meta.kind.clone();
+                let rid = meta.request_id_text();
+                log::info!(
+                    "{kind} {} started: pid {} (supervisor forked {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
+                    shown(&rid),
+                    meta.pid(),
+                    launch.as_secs_f64() * 1e3,
+                    total.as_secs_f64() * 1e3,
+                    meta.stdout_log.display(),
+                    meta.stderr_log.display()
+                );
+                let out = start_output(&meta);
+                let request_id = st
+                    .as_ref()
+                    .map_or_else(|| meta.request_id.clone(), |s| s.request_id.clone());
+                self.reply_ok(&request_id, out.clone());
+                for w in st.iter().flat_map(|s| s.waiters.iter()) {
+                    self.reply_ok(w, out.clone());
+                }
+                if let Some(wl) = &meta.workload_uuid {
+                    let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
+                    self.workload_status(wl, body);
+                }
+                self.report_started(&meta);
+                self.metrics.starts = self.metrics.starts.saturating_add(1);
+                if self.s.drain_after_one {
+                    self.one_started = true;
+                    self.set_draining(true, "--drain-after-one");
+                }
+                let shim = meta
+                    .started
+                    .as_ref()
+                    .map(|s| (s.shim_pid, s.shim_start_ticks));
+                let now = self.clock.now();
+                self.active
+                    .insert(safe_id.clone(), Active::new(*meta, true, now));
+                self.gpu_update_sampling();
+                // What the workload asked of the node before its start was reported.
+                for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
+                    let reply = self.on_emit(&req.body);
+                    let _ = req.reply.send(reply);
+                }
+                // The reaper may have reported the supervisor's end before this report (it then
+                // matched no workload and was dropped): taken up now; a duplicate later changes
+                // nothing (the lifecycle ignores a second end).
+                if let Some((pid, ticks)) = shim {
+                    if !procinfo::same_process_alive(pid, ticks) {
+                        log::debug!(
+                            "the supervisor of {} (pid {pid}) ended before its start was reported",
+                            shown(&rid)
+                        );
+                        self.on_reaped(pid);
+                    }
+                }
+                if let Some(c) = st.and_then(|s| s.cancel) {
+                    log::info!(
+                        "carrying out the cancel recorded while {} was starting",
+                        shown(&rid)
+                    );
+                    let cancelled = self.with_table(|t, out, now| {
+                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, out)
+                    });
+                    if let Err(e) = cancelled {
+                        log::warn!(
+                            "the cancel recorded for {} failed: {}",
+                            shown(&rid),
+                            shown(&e)
+                        );
+                    }
+                }
+            }
+            Outcome::SpawnFailed { safe_id, why } => {
+                let Some(st) = self.starts.end(&safe_id) else {
+                    log::error!("a start that was not in flight failed: {}", shown(&why));
+                    return;
+                };
+                self.fail_start(st, &why);
+                if self.s.drain_after_one && !self.one_started && self.starts.is_empty() {
+                    // The one workload did not start: the node takes the next start.
+                    self.set_draining(false, "--drain-after-one: the start failed");
+                }
+                self.retry_deferred_starts();
+            }
+        }
+    }
+
+    /// The spawner's channel closed: its threads are gone. Every start in flight fails, and
+    /// every later one is refused with [`SPAWNER_GONE`].
+    pub(super) fn on_spawner_gone(&mut self) {
+        log::error!("{SPAWNER_GONE}");
+        // What it reported before it went is still taken up.
+        while let Ok(o) = self.spawned.try_recv() {
+            self.on_spawn_outcome(o);
+        }
+        self.spawned = crossbeam_channel::never();
+        for (_, st) in self.starts.stopped() {
+            self.fail_start(st, SPAWNER_GONE);
+        }
+    }
+
+    fn fail_start(&mut self, st: Starting, why: &str) {
+        let why = format!("Failed to start {}: {why}", st.kind.as_str());
+        log::error!("{why}");
+        for req in st.held {
+            let _ = req
+                .reply
+                .send(json!({"ok": false, "refused": true, "error": why}));
+        }
+        for w in &st.waiters {
+            self.reply_error(w, &why);
+        }
+        self.reject_start(
+            &st.request_id,
+            st.workload_uuid.as_deref(),
+            &why,
+            None,
+            st.ctx,
+        );
+    }
+
+    /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid
+    /// timeout), so each is answered and its workload named before the node goes.
+    pub(super) fn finish_starts(&mut self) {
+        let until = crate::util::later(
+            Instant::now(),
+            workload::spawner::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
+        );
+        let before: Vec<String> = self.active.keys().cloned().collect();
+        while !self.starts.is_empty() {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.spawned.recv_timeout(left) {
+                Ok(o) => self.on_spawn_outcome(o),
+                Err(_) => break,
+            }
+        }
+        for (id, a) in &self.active {
+            if !before.contains(id) {
+                log::info!(
+                    "left running: {} {} pid {} (logs {} and {})",
+                    a.meta.kind,
+                    shown(&a.meta.request_id_text()),
+                    a.meta.pid(),
+                    shown(&a.meta.stdout_log.display().to_string()),
+                    shown(&a.meta.stderr_log.display().to_string())
+                );
+            }
+        }
+        if !self.starts.is_empty() {
+            log::warn!(
+                "{} start(s) still in flight at exit; the next node start re-adopts what they started",
+                self.starts.len()
+            );
+        }
+    }
+
+    /// `cancel`: a start in flight gets its cancel recorded (and carried out once it runs);
+    /// anything else goes to the workload table.
+    pub(super) fn cancel(&mut self, request_id: &RequestId, params: CancelParams) {
+        let rid = request_id.text();
+        let repeated = !rid.is_empty() && self.ledger.get(&rid).is_some();
+        let target = match &params.target {
+            CancelTarget::Request(r) if !repeated => self.starts.find_request(r),
+            _ => None,
+        };
+        let Some(safe_id) = target else {
+            return self.cancel_command(request_id, params);
+        };
+        let asked = PendingCancel {
+            signal: params.signal.number(),
+            name: params.signal.name(),
+            grace: params
+                .grace
+                .map_or(super::table::DEFAULT_GRACE, Seconds::duration),
+        };
+        let Some(kept) = self.starts.cancel(&safe_id, asked.clone()) else {
+            return self.cancel_command(request_id, params);
+        };
+        let Some(st) = self.starts.get_mut(&safe_id) else {
+            return;
+        };
+        let message = if kept == asked {
+            format!(
+                "Workload is starting; the cancel is recorded and {} goes to it as soon as its process runs",
+                kept.name
+            )
+        } else {
+            format!(
+                "Workload is starting and a cancel with {} is recorded already",
+                kept.name
+            )
+        };
+        let out = json!({
+            "message": message,
+            "pid": 0,
+            "workload_type": st.kind.as_str(),
+            "workload_request_id": st.request_id,
+            "signal": kept.name,
+            "state": "starting",
+        });
+        log::info!(
+            "cancel of {} recorded while it starts",
+            shown(&request_id_text(&st.request_id))
+        );
+        if !rid.is_empty() {
+            self.ledger.record(&rid, true, out.clone());
+        }
+        self.reply_ok(request_id.value(), out);
+    }
+
+    /// A control-socket request that must wait for a start in flight (an `emit` of a workload
+    /// whose start is not reported yet: its token is not known to the workload table yet) is
+    /// kept and answered once the start is; anything else is given back.
+    pub(super) fn hold_for_start(
+        &mut self,
+        req: crate::control::Request,
+    ) -> Option<crate::control::Request> {
+        let token = req
+            .body
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty());
+        let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
+        let owner = token.and_then(|t| self.starts.by_token(t));
+        match owner {
+            Some(st) if emit => {
+                st.held.push(req);
+                None
+            }
+            _ => Some(req),
+        }
+    }
+
+    /// The starts in flight in a `status` reply: each in `active_workloads` with state
+    /// `starting`, and counted in `is_busy`.
+    pub(super) fn add_starting(&self, out: &mut Value, key: &str) {
+        let now = workload::unix_now();
+        if let Some(list) = out.get_mut(key).and_then(Value::as_array_mut) {
+            for st in self.starts.iter().map(|(_, s)| s) {
+                let mut w = json!({
+                    "pid": 0,
+                    "type": st.kind.as_str(),
+                    "request_id": st.request_id,
+                    "workload_uuid": st.workload_uuid,
+                    "running_for_seconds": (now - st.created_unix).max(0.0) as u64,
+                    "state": "starting",
+                });
+                if let Some(g) = &st.gpus {
+                    super::gpus::put(&mut w, "gpus", json!(g));
+                }
+                list.push(w);
+            }
+        }
+        if let Some(busy) = out.get_mut("is_busy") {
+            let used = self.active.len().saturating_add(self.starts.len());
+            *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
+        }
+    }
+
+    /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
+    /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
+    fn reject_start(
+        &mut self,
+        request_id: &Value,
+        workload_uuid: Option<&str>,
+        why: &str,
+        busy: Option<Busy>,
+        ctx: Option<workload::WorkflowCtx>,
+    ) {
+        self.report_rejected(ctx, why);
+        self.count_rejection(busy.map_or(
+            if why.contains("not configured") {
+                "not_configured"
+            } else {
+                "failed_to_start"
+            },
+            Busy::reason,
+        ));
+        log::warn!(
+            "refused start {}: {}",
+            shown(&request_id_text(request_id)),
+            shown(why)
+        );
+        self.reply_error(request_id, why);
+        if let Some(wl) = workload_uuid {
+            let mut body = Map::new();
+            body.insert("status".into(), json!("failed"));
+            body.insert("error".into(), json!(why));
+            body.insert("failure_detail".into(), json!(why));
+            if let Some(b) = busy {
+                body.insert("rejection_reason".into(), json!("host_busy"));
+                body.insert("busy_reason".into(), json!(b.reason()));
+                body.insert("rejecting_instance_uuid".into(), json!(self.uuid()));
+            }
+            self.workload_status(wl, Value::Object(body));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn starting(rid: &str) -> Starting {
+        Starting {
+            kind: Kind::Inference,
+            request_id: json!(rid),
+            workload_uuid: Some(format!("wl-{rid}")),
+            ctx: None,
+            gpus: Some(vec![format!("GPU-{rid}")]),
+            created_unix: 1.7e9,
+            cancel: None,
+            waiters: Vec::new(),
+            event_token: format!("tok{rid}"),
+            held: Vec::new(),
+        }
+    }
+
+    fn request(rid: &str) -> StartRequest {
+        StartRequest {
+            kind: "inference".into(),
+            request_id: json!(rid),
+            safe_id: store::safe_id(rid),
+            params: Map::new(),
+            template: "true".into(),
+            node_token: String::new(),
+            max_runtime_s: None,
+            workflow: None,
+            socket: "/nonexistent/control.sock".into(),
+            gpus: None,
+            results_dir: None,
+            event_token: format!("tok{rid}"),
+        }
+    }
+
+    #[test]
+    fn a_start_in_flight_is_found_by_its_request_id_and_ends_once() {
+        let (spawner, jobs) = Spawner::for_tests();
+        let mut s = Starts::new(Ok(spawner));
+        assert!(s.begin(starting("r1"), request("r1")).is_ok());
+        assert!(s.begin(starting("r2"), request("r2")).is_ok());
+        assert_eq!(jobs.len(), 2, "both handed to the spawner");
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.find_request("r2"), Some(store::safe_id("r2")));
+        assert_eq!(s.find_request("r3"), None);
+        // An `emit` of a workload still starting is matched by its token.
+        assert_eq!(
+            s.by_token("tokr2").map(|st| st.request_id.clone()),
+            Some(json!("r2"))
+        );
+        assert!(s.by_token("forged").is_none());
+        let ended = s.end(&store::safe_id("r1")).unwrap();
+        assert_eq!(ended.request_id, json!("r1"));
+        assert!(
+            s.end(&store::safe_id("r1")).is_none(),
+            "a report ends it once"
+        );
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.gone(), None);
+    }
+
+    #[test]
+    fn a_cancel_while_starting_is_recorded_once_and_the_first_one_stays() {
+        let (spawner, _jobs) = Spawner::for_tests();
+        let mut s = Starts::new(Ok(spawner));
+        s.begin(starting("r1"), request("r1")).unwrap();
+        let id = store::safe_id("r1");
+        let term = PendingCancel {
+            signal: libc::SIGTERM,
+            name: "SIGTERM",
+            grace: Duration::from_secs(10),
+        };
+        let kill = PendingCancel {
+            signal: libc::SIGKILL,
+            name: "SIGKILL",
+            grace: Duration::ZERO,
+        };
+        assert_eq!(s.cancel(&id, term.clone()), Some(term.clone()));
+        assert_eq!(s.cancel(&id, kill), Some(term.clone()), "the first stays");
+        assert_eq!(s.cancel("other", term.clone()), None);
+        assert_eq!(
+            s.end(&id).unwrap().cancel,
+            Some(term),
+            "carried to the report"
+        );
+    }
+
+    #[test]
+    fn a_gone_spawner_fails_what_is_in_flight_and_refuses_what_comes() {
+        let (spawner, jobs) = Spawner::for_tests();
+        let mut s = Starts::new(Ok(spawner));
+        s.begin(starting("r1"), request("r1")).unwrap();
+        s.begin(starting("r2"), request("r2")).unwrap();
+        drop(jobs); // the spawner thread ends
+        let e = s.begin(starting("r3"), request("r3")).unwrap_err();
+        assert_eq!(e, SPAWNER_GONE);
+        assert_eq!(s.gone(), Some(SPAWNER_GONE));
+        assert_eq!(s.len(), 2, "the refused one is not in flight");
+        // The loop notices the closed channel: both in flight are returned to be failed.
+        let failed: Vec<String> = s.stopped().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(failed, vec![store::safe_id("r1"), store::safe_id("r2")]);
+        assert!(s.is_empty());
+        assert!(s.begin(starting("r4"), request("r4")).is_err());
+        // A spawner that never started refuses with its own reason.
+        let never = Starts::new(Err("cannot start the workload spawner thread: x".into()));
+        assert!(never.gone().unwrap().contains("cannot start"));
+        let mut never = never;
+        assert!(never
+            .begin(starting("r5"), request("r5"))
+            .unwrap_err()
+            .contains("cannot start"));
+    }
+}

@@ -104,7 +104,7 @@ fn completion_request(cp: &ControlPlane, wl: &str) -> Option<Request> {
 #[test]
 fn every_line_is_streamed_once_in_order_and_mirrored() {
     let (_b, cp, setup) = rig(
-        "cyberwave:\n  training: |\n    for i in $(seq 1 200); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
+        "cyberwave:\n  training: |\n    for i in $(seq 1 100); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
         "0.2",
     );
     let node = setup.spawn();
@@ -116,13 +116,13 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
         node.log()
     );
     let [out, err] = chunks(&cp, "wl-lines");
-    assert_eq!(rebuild(&out), numbered("out", 200));
-    assert_eq!(rebuild(&err), numbered("err", 200));
+    assert_eq!(rebuild(&out), numbered("out", 100));
+    assert_eq!(rebuild(&err), numbered("err", 100));
     let logs: Vec<Request> = cp.requests("logs");
     let done = completion_request(&cp, "wl-lines").expect("completion");
     let first = logs.first().expect("log chunks").at;
     assert!(
-        done.at - first > Duration::from_millis(800),
+        done.at - first > Duration::from_millis(500),
         "the first chunk came before the workload ended"
     );
     assert!(
@@ -139,11 +139,11 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
         assert_eq!(l.body["instance_uuid"], node.uuid());
     }
     // Mirroring: each line once, tagged, on the matching stream of the node.
-    assert!(node.wait_stdout("[workload wl-lines stdout] out 200\n", REPLY));
-    assert!(node.wait_log("[workload wl-lines stderr] err 200\n", REPLY));
+    assert!(node.wait_stdout("[workload wl-lines stdout] out 100\n", REPLY));
+    assert!(node.wait_log("[workload wl-lines stderr] err 100\n", REPLY));
     let stdout = node.stdout();
     let stderr = node.log();
-    for i in 1..=200 {
+    for i in 1..=100 {
         let o = format!("[workload wl-lines stdout] out {i}\n");
         let e = format!("[workload wl-lines stderr] err {i}\n");
         assert_eq!(stdout.matches(&o).count(), 1, "{o:?}");
@@ -152,40 +152,16 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
     }
 }
 
-#[test]
-fn a_partial_last_line_is_mirrored_at_the_end_and_invalid_utf8_is_replaced() {
-    let (_b, cp, setup) = rig(
-        "cyberwave:\n  training: printf 'first\\nsec\\377ond'\n",
-        "0.2",
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    start(&cp, &node, "partial", "wl-partial");
-    assert!(cp.wait_status("wl-partial", "completed", DONE).is_some());
-    node.wait_stdout("[workload wl-partial stdout] sec", REPLY);
-    let out = node.stdout();
-    assert!(
-        out.contains("[workload wl-partial stdout] first\n"),
-        "{out}"
-    );
-    assert!(
-        out.contains("[workload wl-partial stdout] sec\u{FFFD}ond\n"),
-        "{out}"
-    );
-    let [o, _] = chunks(&cp, "wl-partial");
-    assert_eq!(rebuild(&o), "first\nsec\u{FFFD}ond");
-    let lens: u64 = cp
-        .requests("logs")
-        .iter()
-        .map(|r| r.body["length"].as_u64().unwrap_or(0))
-        .sum();
-    assert_eq!(lens, 13, "offsets and lengths stay in bytes");
-}
+// A partial last line mirrored at the end and invalid UTF-8 replaced (with offsets and lengths
+// in bytes) are unit tests of the streams part: node::streams::tests::
+// a_workload_that_ended_ships_its_rest_at_once_and_is_drained and a_chunk_body_matches_the_wire_format,
+// node::streams::text::tests::log_content_has_no_trailing_newline and
+// every_line_of_a_chunk_is_tagged_and_an_unfinished_one_waits.
 
 #[test]
 fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
     let (_b, cp, setup) = rig(
-        "cyberwave:\n  training: |\n    for i in $(seq 1 300); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
+        "cyberwave:\n  training: |\n    for i in $(seq 1 200); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
         "0.2",
     );
     let mut node = setup.spawn();
@@ -204,8 +180,8 @@ fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
         node.log()
     );
     let [out, err] = chunks(&cp, "wl-kill");
-    assert_eq!(rebuild(&out), numbered("out", 300));
-    assert_eq!(rebuild(&err), numbered("err", 300));
+    assert_eq!(rebuild(&out), numbered("out", 200));
+    assert_eq!(rebuild(&err), numbered("err", 200));
 }
 
 #[test]
@@ -223,7 +199,8 @@ fn a_broker_outage_mid_stream_loses_nothing() {
     .is_some());
     broker.stop();
     std::fs::write(setup.cwd.join("go"), "").expect("go");
-    std::thread::sleep(Duration::from_secs(10));
+    // Long enough for the node to notice and for output to be written meanwhile.
+    std::thread::sleep(Duration::from_secs(2));
     broker.restart();
     assert!(
         cp.wait_status("wl-outage", "completed", DONE).is_some(),

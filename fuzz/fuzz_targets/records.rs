@@ -4,7 +4,7 @@
 #![no_main]
 use cyberwave_cloud_node::config::credentials::Identity;
 use cyberwave_cloud_node::ledger::Entry;
-use cyberwave_cloud_node::node::logs::Cursor;
+use cyberwave_cloud_node::node::streams::Cursor;
 use cyberwave_cloud_node::outbox::Item;
 use cyberwave_cloud_node::workload::shim::{Exit, Started};
 use cyberwave_cloud_node::workload::Meta;

@@ -21,12 +21,13 @@ macro_rules! wire {
 
 mod gpus;
 mod ingress;
-pub mod logs;
 pub mod operate;
 mod selfheal;
 mod session;
 mod starts;
 pub mod startup;
+pub mod streams;
+mod streams_out;
 mod table;
 mod table_out;
 mod uploads;
@@ -52,7 +53,7 @@ use crate::signals::Signal;
 use crate::util;
 use crate::workers::{Done, Workers};
 use crate::workload::reaper::Reaped;
-use crate::workload::tail::{Chunk, Key, Tailer};
+use crate::workload::tail::{Event as TailEvent, Key, Tailer};
 use crate::workload::Layout;
 use session::{Happening, Session};
 
@@ -139,12 +140,12 @@ pub struct Node {
     starts: starts::Starts,
     spawned: Receiver<crate::workload::spawner::Outcome>,
     tailer: Tailer,
-    chunks: Receiver<Chunk>,
-    next_stream_pass: Instant,
+    chunks: Receiver<TailEvent>,
+    /// Every workload's log streams (their cursors, pace and install-log shipping).
+    streams: streams::Streams,
     workers: Workers,
     worker_done: Receiver<Done>,
     heal: selfheal::Heal,
-    install_logs_shipped: bool,
     next_watchdog: Instant,
     /// Workflow execution events waiting for the broker's acknowledgement.
     ingress: Outbox,
@@ -185,7 +186,7 @@ impl Node {
                     Ok(o) => self.on_spawn_outcome(o),
                     Err(_) => self.on_spawner_gone(),
                 },
-                recv(self.chunks) -> c => if let Ok(c) = c { self.on_chunk(c) },
+                recv(self.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
                 recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
@@ -223,9 +224,9 @@ impl Node {
         if let Some(s) = &self.shutdown {
             due(s.deadline);
         }
-        // Stream passes only while a workload is tracked: its files may grow.
-        if !self.active.is_empty() {
-            due(self.next_stream_pass);
+        // Only while a stream has unsent bytes: growth of a file arrives as an event.
+        if let Some(d) = self.next_stream_due() {
+            due(d);
         }
         if let Some(d) = self.active.next_due() {
             due(d);
@@ -731,9 +732,7 @@ impl Node {
             self.next_watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
-        if now >= self.next_stream_pass && !self.active.is_empty() {
-            self.pump_streams(true);
-        }
+        self.pump_streams(true);
         if let Some(s) = &self.shutdown {
             if now >= s.deadline {
                 self.exit = Some(s.exit_code);

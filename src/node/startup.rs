@@ -167,6 +167,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     let (chunk_tx, chunks) = unbounded();
+    let streams = super::streams::Streams::new(&super::streams_out::settings(&s));
     let tailer = match Tailer::start(chunk_tx) {
         Ok(t) => t,
         Err(e) => {
@@ -287,11 +288,10 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         spawned,
         tailer,
         chunks,
-        next_stream_pass: now,
+        streams,
         workers,
         worker_done,
         heal: Default::default(),
-        install_logs_shipped: false,
         next_watchdog: now,
         ingress,
         acks_tx,

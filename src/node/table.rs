@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::logs::Stream;
 use super::uploads::Upload;
 use crate::logtext::shown;
 use crate::protocol::commands::Seconds;
@@ -115,8 +114,6 @@ pub struct Active {
     pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
     pub next_check: Instant,
-    /// stdout, stderr.
-    pub streams: [Stream; 2],
     /// The progress of its result uploads, while the phase is `Uploading`.
     pub upload: Option<Upload>,
 }
@@ -147,7 +144,6 @@ impl Active {
             phase,
             runtime_deadline,
             next_check: now,
-            streams: [Stream::default(), Stream::default()],
             upload: None,
         }
     }

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::logs::Cursor;
 use super::table::{Active, DEFAULT_GRACE, SALVAGED};
 use super::{Node, Op};
 use crate::logtext::shown;
@@ -435,18 +434,9 @@ impl Node {
                 workload::load_json(&dir.join("exit.json"), "workload exit record");
             // Outside text in a log line: escaped and cut (D31).
             let rid = store::clip(&meta.request_id_text(), 120);
-            let mut active = Active::new(meta, false, now);
-            let cursor: Cursor =
-                workload::load_json(&dir.join("cursor.json"), "log cursor").unwrap_or_default();
-            for (s, (at, base)) in active.streams.iter_mut().zip([
-                (cursor.stdout, cursor.stdout_base),
-                (cursor.stderr, cursor.stderr_base),
-            ]) {
-                s.acked = at;
-                s.mirrored = at;
-                s.base = base;
-            }
-            self.active.insert(name.clone(), active);
+            // Its log streams resume from its cursor (node/streams_out.rs reads it).
+            self.active
+                .insert(name.clone(), Active::new(meta, false, now));
             if salvaged && (exit.is_some() || !alive(&st)) {
                 self.begin_ending(&name, exit, Some(SALVAGED));
             } else if exit.is_some() {

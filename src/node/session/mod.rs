@@ -331,6 +331,29 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         self.send(Tag::Loop(tag), topic, body, timeout, now, out)
     }
 
+    /// Like [`Session::request`] with the body already encoded (a log chunk's JSON is written
+    /// straight into its payload, its text escaped once).
+    pub fn request_payload(
+        &mut self,
+        tag: T,
+        topic: &str,
+        payload: Vec<u8>,
+        timeout: Duration,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) -> Vec<u8> {
+        let corr = util::random_bytes::<16>().to_vec();
+        out.request(topic, payload, &corr);
+        self.pending.insert(
+            corr.clone(),
+            Pending {
+                tag: Tag::Loop(tag),
+                deadline: util::later(now, timeout),
+            },
+        );
+        corr
+    }
+
     fn send(
         &mut self,
         tag: Tag<T>,

@@ -1,0 +1,736 @@
+//! Live log streaming (R4) and console mirroring: a part that owns every workload's stream
+//! state and reaches the outside only through [`Outbound`] (the tailer thread, a publish, the
+//! console). It never sees the loop's types: the loop tells it which workloads exist
+//! ([`Streams::track`], [`Streams::end`], [`Streams::forget`]), whether the node may publish
+//! ([`Streams::link`]), what the tailer found ([`Streams::on_tail`]) and how a chunk's request
+//! ended ([`Streams::on_ack`]); it asks for its next deadline ([`Streams::next_due`]).
+//!
+//! Per stream the part keeps the acknowledged cursor (persisted by the tailer thread before the
+//! next chunk goes, so a crash re-sends at most the chunk in flight), at most one chunk in
+//! flight (chunks arrive in order, with no gap and no duplicate from the node's side), and a
+//! [`pace::Pace`]: new bytes go once the oldest of them is 250 ms old, at most 4 messages a
+//! second, within a byte budget per stream interval (so a workload writing gigabytes cannot
+//! starve commands or heartbeats; the file on disk stays complete and the stream catches up).
+//! The part learns that a file grew from the tailer's one-shot watch (see `workload::tail`): the
+//! loop sleeps until [`Streams::next_due`] and is never woken by a timer while nothing waits.
+//! Once a workload ended, its rest is shipped at once and as fast as the backend acknowledges.
+
+pub mod pace;
+pub mod text;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::workload::tail::{Chunk, Event, Key, Request};
+use pace::{Pace, Rules, MIN_READ};
+
+/// Largest chunk read and published at once.
+pub const MAX_CHUNK: u64 = 512 * 1024;
+/// What a log request needs besides its body (topic, properties, the body's other fields),
+/// kept free below the broker's Maximum Packet Size.
+pub const PACKET_OVERHEAD: u64 = 4096;
+/// Longest piece of one line the console gets under one tag.
+pub const MIRROR_PIECE: usize = 64 * 1024;
+/// Install-log chunks (shipped once, after registration).
+pub const INSTALL_CHUNK: usize = 64 * 1024;
+/// The install script's output shipped, per stream: its last MiB.
+pub const INSTALL_TAIL: u64 = 1024 * 1024;
+
+pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
+
+/// `stream_name(i)` without a panic (a stream index is 0 or 1).
+fn stream_name(i: usize) -> &'static str {
+    STREAM_NAMES.get(i).copied().unwrap_or("stdout")
+}
+
+/// `workloads/<id>/cursor.json`.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cursor {
+    pub stdout: u64,
+    pub stderr: u64,
+    #[serde(default)]
+    pub stdout_base: u64,
+    #[serde(default)]
+    pub stderr_base: u64,
+}
+
+/// Largest log offset a cursor may hold (1 PiB): far beyond any log, far from overflow.
+pub const MAX_CURSOR: u64 = 1 << 50;
+
+impl crate::store::Validate for Cursor {
+    fn validate(&self) -> Result<(), String> {
+        let all = [self.stdout, self.stderr, self.stdout_base, self.stderr_base];
+        crate::store::check_offsets("log offsets", &all, MAX_CURSOR)
+    }
+}
+
+/// The effects the part asks for; the loop carries them out (a recording fake in the tests).
+pub trait Outbound {
+    /// A job for the tailer thread; its answer comes back through [`Streams::on_tail`].
+    fn tail(&mut self, req: Request);
+    /// Publish a log chunk (a JSON body) as a request; its outcome comes back through
+    /// [`Streams::on_ack`] with the same key.
+    fn publish(&mut self, key: &Key, payload: Vec<u8>);
+    /// Publish an install-log chunk (no acknowledgement is waited for).
+    fn publish_install(&mut self, payload: Vec<u8>);
+    /// Tagged lines for the console: stream 0 to stdout, 1 to stderr.
+    fn mirror(&mut self, stream: usize, text: &[u8]);
+}
+
+/// The node's settings the part follows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// `CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL`: the longest a byte waits, and the budget's period.
+    pub interval: Duration,
+    /// `max_log_bytes`: a log file over this keeps its newest half.
+    pub max_log_bytes: u64,
+    /// No backend acknowledges logs: a published chunk counts as delivered.
+    pub standalone: bool,
+}
+
+/// What the part needs to know of a workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Source {
+    pub kind: String,
+    pub request_id: Value,
+    pub workload_uuid: Option<String>,
+    /// stdout, stderr.
+    pub logs: [PathBuf; 2],
+    /// Where its cursor is persisted.
+    pub cursor_path: PathBuf,
+}
+
+#[derive(Debug, Default)]
+struct Stream {
+    /// Bytes the backend acknowledged (persisted in cursor.json).
+    acked: u64,
+    /// (offset, length) of the chunk in flight.
+    inflight: Option<(u64, u64)>,
+    /// A tailer job (read or cut) is under way.
+    reading: bool,
+    /// The cursor is being written: the next chunk waits for it.
+    persisting: bool,
+    /// A watch is armed for this stream's file.
+    watching: bool,
+    /// Bytes already mirrored to the console.
+    mirrored: u64,
+    /// The mirrored text after the last line end, held until its line ends.
+    partial: Vec<u8>,
+    /// The workload ended and every byte of this stream was acknowledged.
+    drained: bool,
+    /// Bytes cut from the front of the file by the `max_log_bytes` cap: file offset + base =
+    /// stream offset (what the backend sees).
+    base: u64,
+    /// Cut bytes the backend never got, announced with the next chunk.
+    dropped_unsent: u64,
+    pace: Pace,
+}
+
+struct Workload {
+    src: Source,
+    /// `[workload <tag> <stream>] ` per stream.
+    prefix: [Vec<u8>; 2],
+    /// Its process ended: the rest goes at once.
+    ending: bool,
+    streams: [Stream; 2],
+}
+
+impl Workload {
+    fn request_text(&self) -> String {
+        crate::protocol::messages::request_id_text(&self.src.request_id)
+    }
+
+    fn cursor(&self) -> Cursor {
+        let [o, e] = &self.streams;
+        Cursor {
+            stdout: o.acked,
+            stderr: e.acked,
+            stdout_base: o.base,
+            stderr_base: e.base,
+        }
+    }
+}
+
+pub struct Streams {
+    rules: Rules,
+    max_log_bytes: u64,
+    standalone: bool,
+    workloads: BTreeMap<String, Workload>,
+    connected: bool,
+    uuid: String,
+    install_shipped: bool,
+    /// The broker's Maximum Packet Size (its CONNACK), when it set one.
+    packet_limit: Option<u64>,
+}
+
+impl Default for Streams {
+    fn default() -> Self {
+        Streams::new(&Settings {
+            interval: Duration::from_secs(3),
+            max_log_bytes: 1 << 30,
+            standalone: false,
+        })
+    }
+}
+
+impl Streams {
+    pub fn new(s: &Settings) -> Streams {
+        Streams {
+            rules: Rules::new(s.interval),
+            max_log_bytes: s.max_log_bytes.max(1),
+            standalone: s.standalone,
+            workloads: BTreeMap::new(),
+            connected: false,
+            uuid: String::new(),
+            install_shipped: false,
+            packet_limit: None,
+        }
+    }
+
+    /// The broker's Maximum Packet Size: chunks are cut to fit it (a message over it is never
+    /// sent, and a chunk that could never go would be skipped).
+    pub fn set_packet_limit(&mut self, max_packet: Option<u64>) {
+        self.packet_limit = max_packet;
+    }
+
+    /// The largest body a chunk may have.
+    fn payload_cap(&self) -> u64 {
+        self.packet_limit
+            .map_or(u64::MAX, |p| p.saturating_sub(PACKET_OVERHEAD).max(1024))
+    }
+
+    /// The largest read: a chunk's bytes, before escaping.
+    fn read_cap(&self) -> u64 {
+        MAX_CHUNK.min(self.payload_cap())
+    }
+
+    /// Whether chunks may be published now (connected and registered), and the instance uuid
+    /// they carry. A new connection sends again whatever was not acknowledged.
+    pub fn link(&mut self, connected: bool, uuid: &str, now: Instant) {
+        if connected && !self.connected {
+            for w in self.workloads.values_mut() {
+                for s in &mut w.streams {
+                    s.pace.unsent(now);
+                }
+            }
+        }
+        self.connected = connected;
+        if self.uuid != uuid {
+            self.uuid = uuid.to_string();
+        }
+    }
+
+    pub fn is_tracked(&self, id: &str) -> bool {
+        self.workloads.contains_key(id)
+    }
+
+    /// Starts streaming a workload's logs from its persisted cursor (a re-adopted workload
+    /// resumes at the first unacknowledged byte). What is in its files already is read after
+    /// the batching window; growth is watched from then on.
+    pub fn track(&mut self, id: &str, src: Source, cursor: Cursor, now: Instant) {
+        let tag = src
+            .workload_uuid
+            .clone()
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| {
+                let r = crate::protocol::messages::request_id_text(&src.request_id);
+                if r.is_empty() {
+                    src.kind.clone()
+                } else {
+                    r
+                }
+            });
+        let shown = crate::logtext::shown(&tag);
+        let prefix = STREAM_NAMES.map(|n| format!("[workload {shown} {n}] ").into_bytes());
+        let mut streams = [Stream::default(), Stream::default()];
+        for (s, (at, base)) in streams.iter_mut().zip([
+            (cursor.stdout, cursor.stdout_base),
+            (cursor.stderr, cursor.stderr_base),
+        ]) {
+            s.acked = at;
+            s.mirrored = at;
+            s.base = base;
+            s.pace.unsent(now);
+        }
+        self.workloads.insert(
+            id.to_string(),
+            Workload {
+                src,
+                prefix,
+                ending: false,
+                streams,
+            },
+        );
+    }
+
+    /// The workload's process ended: ship the rest now, as fast as it is acknowledged.
+    pub fn end(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+        let Some(w) = self.workloads.get_mut(id) else {
+            return;
+        };
+        if w.ending {
+            return;
+        }
+        w.ending = true;
+        for (i, s) in w.streams.iter_mut().enumerate() {
+            s.pace.unsent(now);
+            if std::mem::take(&mut s.watching) {
+                // Its files no longer grow: no watch is left behind (inotify watches are
+                // a limited resource, and a finished log stays for days).
+                out.tail(Request::Unwatch(Key {
+                    safe_id: id.to_string(),
+                    stream: i,
+                }));
+            }
+        }
+        self.pump(now, out);
+    }
+
+    pub fn forget(&mut self, id: &str) {
+        self.workloads.remove(id);
+    }
+
+    /// Ids of the tracked workloads.
+    pub fn ids(&self) -> impl Iterator<Item = &String> {
+        self.workloads.keys()
+    }
+
+    /// Keeps only the workloads `keep` says yes to.
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.workloads.retain(|id, _| keep(id));
+    }
+
+    /// The next moment a stream has something due; `None`: nothing waits on a timer (new
+    /// output arrives as an event).
+    pub fn next_due(&self) -> Option<Instant> {
+        let mut due: Option<Instant> = None;
+        for w in self.workloads.values() {
+            if w.ending {
+                continue; // driven by events: reads, acknowledgements, persists
+            }
+            for s in &w.streams {
+                if s.reading || s.inflight.is_some() || s.persisting {
+                    continue;
+                }
+                if let Some(d) = s.pace.due(&self.rules) {
+                    due = Some(due.map_or(d, |t| t.min(d)));
+                }
+            }
+        }
+        due
+    }
+
+    /// Asks the tailer for the next slice of every stream that is due.
+    pub fn pump(&mut self, now: Instant, out: &mut dyn Outbound) {
+        let cap = self.read_cap();
+        for (id, w) in &mut self.workloads {
+            for (i, s) in w.streams.iter_mut().enumerate() {
+                if s.reading || s.inflight.is_some() || s.persisting {
+                    continue;
+                }
+                let max = if w.ending {
+                    // Not connected and mirrored all: the rest waits for a connection.
+                    let idle = s.drained || (!self.connected && !s.pace.waiting());
+                    if idle {
+                        continue;
+                    }
+                    cap
+                } else {
+                    if s.pace.due(&self.rules).is_none_or(|d| now < d) {
+                        continue;
+                    }
+                    s.pace.allowance(now, &self.rules).min(cap)
+                };
+                let offset = if self.connected {
+                    s.acked
+                } else {
+                    s.mirrored.max(s.acked)
+                };
+                s.reading = true;
+                out.tail(Request::Read {
+                    key: Key {
+                        safe_id: id.clone(),
+                        stream: i,
+                    },
+                    path: w.src.logs.get(i).cloned().unwrap_or_default(),
+                    offset,
+                    max: usize::try_from(max).unwrap_or(usize::MAX),
+                });
+            }
+        }
+    }
+
+    /// What the tailer did. Returns the bytes newly acknowledged (for the metrics): always 0
+    /// here except in standalone mode, where a publish counts as delivered.
+    pub fn on_tail(&mut self, ev: Event, now: Instant, out: &mut dyn Outbound) -> u64 {
+        let delivered = match ev {
+            Event::Chunk(c) => self.on_chunk(c, now, out),
+            Event::Cut { key, result } => {
+                self.on_cut(&key, result, now, out);
+                0
+            }
+            Event::Grew(key) => {
+                if let Some(s) = self.stream_mut(&key) {
+                    s.watching = false;
+                    s.pace.unsent(now);
+                }
+                0
+            }
+            Event::Persisted { key, .. } => {
+                if let Some(s) = self.stream_mut(&key) {
+                    s.persisting = false;
+                }
+                0
+            }
+        };
+        self.pump(now, out);
+        delivered
+    }
+
+    fn stream_mut(&mut self, key: &Key) -> Option<&mut Stream> {
+        self.workloads
+            .get_mut(&key.safe_id)
+            .and_then(|w| w.streams.get_mut(key.stream))
+    }
+
+    fn on_cut(
+        &mut self,
+        key: &Key,
+        result: Result<u64, String>,
+        now: Instant,
+        _: &mut dyn Outbound,
+    ) {
+        let cap = self.max_log_bytes;
+        let Some(w) = self.workloads.get_mut(&key.safe_id) else {
+            return;
+        };
+        let rid_text = w.request_text();
+        let rid = crate::logtext::shown(&rid_text);
+        let kind = w.src.kind.clone();
+        let Some(s) = w.streams.get_mut(key.stream) else {
+            return;
+        };
+        s.reading = false;
+        s.pace.unsent(now);
+        match result {
+            Ok(cut) if cut > 0 => {
+                let unsent = cut.saturating_sub(s.acked);
+                log::warn!(
+                    "{kind} {rid}: {} log over max_log_bytes ({cap}); dropped its oldest {cut} bytes ({unsent} never shipped)",
+                    stream_name(key.stream),
+                );
+                s.base = s.base.saturating_add(cut);
+                s.dropped_unsent = s.dropped_unsent.saturating_add(unsent);
+                s.acked = s.acked.saturating_sub(cut);
+                s.mirrored = s.mirrored.saturating_sub(cut);
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!("cannot cap a log of {rid}: {e}"),
+        }
+    }
+
+    fn on_chunk(&mut self, chunk: Chunk, now: Instant, out: &mut dyn Outbound) -> u64 {
+        let cap = self.max_log_bytes;
+        let payload_cap = self.payload_cap();
+        let piece = MIN_READ.min(self.read_cap());
+        let connected = self.connected;
+        let rules = self.rules;
+        let Some(w) = self.workloads.get_mut(&chunk.key.safe_id) else {
+            return 0;
+        };
+        let i = chunk.key.stream;
+        let ending = w.ending;
+        let Some(s) = w.streams.get_mut(i) else {
+            return 0;
+        };
+        s.reading = false;
+        let path = w.src.logs.get(i).cloned().unwrap_or_default();
+        // The max_log_bytes cap: the tailer keeps the newest half when the file outgrows it (a
+        // copy of up to half a gigabyte: never on the loop).
+        if chunk.file_len > cap {
+            s.reading = true;
+            out.tail(Request::Cut {
+                key: chunk.key,
+                path,
+                keep: cap / 2,
+            });
+            return 0;
+        }
+        let publishing = connected && chunk.offset == s.acked && s.inflight.is_none();
+        let mirroring = !connected && chunk.offset == s.mirrored.max(s.acked);
+        if !publishing && !mirroring {
+            s.pace.unsent(now); // overtaken (a reconnect, a cut): read again
+            return 0;
+        }
+        let mut data = chunk.data;
+        let read_end = chunk.offset.saturating_add(data.len() as u64);
+        // The read saw everything the file held.
+        let caught_up = read_end >= chunk.file_len;
+        if !ending {
+            // While the workload runs, a chunk ends at a line end (unless one line fills a
+            // whole read: then it goes in pieces ending on a whole character; D32, a line never
+            // has to fit in memory).
+            match data.iter().rposition(|b| *b == b'\n') {
+                Some(pos) => data.truncate(pos.saturating_add(1)),
+                None if (data.len() as u64) < piece => data.clear(),
+                None => data.truncate(text::utf8_cut(&data, data.len())),
+            }
+        } else if !caught_up {
+            data.truncate(text::utf8_cut(&data, data.len()));
+        }
+        // The body, cut to the broker's packet size if it set one (escaping can make the text
+        // longer than the bytes read).
+        let mut shrunk = false;
+        let body = if publishing && !data.is_empty() {
+            let at = chunk.offset.saturating_add(s.base);
+            let mut b = chunk_body(&self.uuid, i, &data, &w.src, at, s.dropped_unsent);
+            let mut tries: u32 = 0;
+            while b.len() as u64 > payload_cap && data.len() > 1 && tries < 16 {
+                let keep = (data.len() as u128)
+                    .saturating_mul(u128::from(payload_cap))
+                    .checked_div(b.len() as u128)
+                    .unwrap_or(0);
+                let keep = usize::try_from(keep).unwrap_or(0);
+                let keep = keep.min(data.len().saturating_sub(1)).max(1);
+                data.truncate(text::utf8_cut(&data, keep));
+                shrunk = true;
+                b = chunk_body(&self.uuid, i, &data, &w.src, at, s.dropped_unsent);
+                tries = tries.saturating_add(1);
+            }
+            s.dropped_unsent = 0;
+            Some(b)
+        } else {
+            None
+        };
+        let end = chunk.offset.saturating_add(data.len() as u64);
+        // Mirror what the console has not seen yet.
+        if end > s.mirrored {
+            let from = usize::try_from(s.mirrored.saturating_sub(chunk.offset)).unwrap_or(0);
+            let fresh = data.get(from.min(data.len())..).unwrap_or_default();
+            let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
+            mirror(prefix, i, fresh, false, &mut s.partial, out);
+            s.mirrored = end;
+        }
+        // (A chunk cut to fit the broker leaves whole lines behind.)
+        let all_sent_or_partial = end >= chunk.file_len || (caught_up && !ending && !shrunk);
+        if data.is_empty() || mirroring {
+            if ending && data.is_empty() && chunk.offset == s.acked {
+                // Every byte acknowledged, up to the end of the file (or a file that cannot be
+                // read any further: it stays on disk, and the drain does not wait for it
+                // forever). Nothing to ship needs no connection.
+                s.drained = true;
+                s.pace.caught_up();
+                let rest = std::mem::take(&mut s.partial);
+                let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
+                mirror(prefix, i, &rest, true, &mut Vec::new(), out);
+                return 0;
+            }
+            if all_sent_or_partial {
+                s.pace.caught_up();
+                if !ending {
+                    watch(s, chunk.key, path, chunk.file_len, out);
+                }
+            } else {
+                s.pace.unsent(now);
+            }
+            return 0;
+        }
+        let Some(body) = body else {
+            return 0;
+        };
+        s.inflight = Some((chunk.offset, data.len() as u64));
+        s.pace
+            .sent(now, data.len() as u64, !all_sent_or_partial, &rules);
+        if all_sent_or_partial && !ending {
+            watch(s, chunk.key.clone(), path, chunk.file_len, out);
+        }
+        out.publish(&chunk.key, body);
+        if self.standalone {
+            // No backend acknowledges logs: published once, counted as delivered.
+            return self.ack(&chunk.key, true, now, out);
+        }
+        0
+    }
+
+    /// The outcome of a chunk's request: `ok` when the backend acknowledged it; a refusal or a
+    /// timeout sends it again from the acknowledged cursor. Returns the bytes acknowledged.
+    pub fn on_ack(&mut self, key: &Key, ok: bool, now: Instant, out: &mut dyn Outbound) -> u64 {
+        let n = self.ack(key, ok, now, out);
+        self.pump(now, out);
+        n
+    }
+
+    fn ack(&mut self, key: &Key, ok: bool, now: Instant, out: &mut dyn Outbound) -> u64 {
+        let Some(w) = self.workloads.get_mut(&key.safe_id) else {
+            return 0;
+        };
+        let Some(s) = w.streams.get_mut(key.stream) else {
+            return 0;
+        };
+        let Some((offset, len)) = s.inflight.take() else {
+            return 0;
+        };
+        if !ok || offset != s.acked {
+            s.pace.unsent(now);
+            return 0;
+        }
+        s.acked = offset.saturating_add(len);
+        s.persisting = true;
+        let data = serde_json::to_vec(&w.cursor()).unwrap_or_default();
+        out.tail(Request::Persist {
+            key: key.clone(),
+            path: w.src.cursor_path.clone(),
+            data,
+        });
+        len
+    }
+
+    /// The connection is gone: chunks in flight are forgotten and sent again from the
+    /// acknowledged cursor once the node is connected again.
+    pub fn reset(&mut self, now: Instant) {
+        self.connected = false;
+        for w in self.workloads.values_mut() {
+            for s in &mut w.streams {
+                if s.inflight.take().is_some() {
+                    s.pace.unsent(now);
+                }
+            }
+        }
+    }
+
+    /// Every stream of an ended workload reached the end of its file and was acknowledged.
+    pub fn drained(&self, id: &str) -> bool {
+        self.workloads.get(id).is_none_or(|w| {
+            w.ending
+                && w.streams
+                    .iter()
+                    .all(|s| s.drained && s.inflight.is_none() && !s.reading && !s.persisting)
+        })
+    }
+
+    /// The streams of a workload not yet fully shipped.
+    pub fn undrained(&self, id: &str) -> Vec<&'static str> {
+        self.workloads
+            .get(id)
+            .map(|w| {
+                w.streams
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| !s.drained)
+                    .map(|(i, _)| stream_name(i))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn install_shipped(&self) -> bool {
+        self.install_shipped
+    }
+
+    /// Ships the install script's output once: `texts` are the tails of its stdout and stderr,
+    /// sent in chunks that end at line ends.
+    pub fn ship_install(&mut self, texts: [String; 2], out: &mut dyn Outbound) {
+        if self.install_shipped {
+            return;
+        }
+        self.install_shipped = true;
+        for (name, text) in STREAM_NAMES.iter().zip(texts) {
+            let mut offset = 0;
+            while offset < text.len() {
+                let end = text::install_chunk_end(&text, offset, INSTALL_CHUNK);
+                let piece = text.get(offset..end).unwrap_or_default();
+                let body = json!({
+                    "instance_uuid": self.uuid,
+                    "log_type": name,
+                    "log_content": piece.strip_suffix('\n').unwrap_or(piece),
+                    "source": "install",
+                });
+                out.publish_install(serde_json::to_vec(&body).unwrap_or_default());
+                offset = end;
+            }
+        }
+    }
+}
+
+fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, out: &mut dyn Outbound) {
+    if !s.watching {
+        s.watching = true;
+        out.tail(Request::Watch { key, path, len });
+    }
+}
+
+/// The R4 body of a chunk: `{"instance_uuid", "log_type", "log_content", "workload_request_id",
+/// "offset", "length", "dropped"?, "workload_uuid"?}`, written straight into one buffer.
+fn chunk_body(
+    uuid: &str,
+    stream: usize,
+    data: &[u8],
+    src: &Source,
+    offset: u64,
+    dropped: u64,
+) -> Vec<u8> {
+    let content = text::log_content(data);
+    let mut b = Vec::with_capacity(
+        content
+            .len()
+            .saturating_add(content.len() / 16)
+            .saturating_add(256),
+    );
+    b.extend_from_slice(b"{\"instance_uuid\":");
+    text::push_json_str(&mut b, uuid);
+    b.extend_from_slice(b",\"log_type\":\"");
+    b.extend_from_slice(stream_name(stream).as_bytes());
+    b.extend_from_slice(b"\",\"log_content\":");
+    text::push_json_str(&mut b, &content);
+    b.extend_from_slice(b",\"workload_request_id\":");
+    if serde_json::to_writer(&mut b, &src.request_id).is_err() {
+        b.extend_from_slice(b"null");
+    }
+    b.extend_from_slice(format!(",\"offset\":{offset},\"length\":{}", data.len()).as_bytes());
+    if dropped > 0 {
+        // The max_log_bytes cap cut these bytes before they were shipped.
+        b.extend_from_slice(format!(",\"dropped\":{dropped}").as_bytes());
+    }
+    if let Some(wl) = &src.workload_uuid {
+        b.extend_from_slice(b",\"workload_uuid\":");
+        text::push_json_str(&mut b, wl);
+    }
+    b.push(b'}');
+    b
+}
+
+/// Writes the workload's output as tagged lines, `[workload <tag> <stream>] <line>`, to the
+/// node's stdout (workload stdout) or stderr (workload stderr). A line ends at `\n`, at `\r\n`
+/// or at a lone `\r` (a progress bar's redraw: each gets its own tag, so no text can appear on
+/// the console without one); a line longer than [`MIRROR_PIECE`] is written in pieces of at most
+/// that size, each tagged. What follows the last line end waits in `partial` (at most
+/// [`MIRROR_PIECE`] bytes) unless `last` is set.
+fn mirror(
+    prefix: &[u8],
+    stream: usize,
+    data: &[u8],
+    last: bool,
+    partial: &mut Vec<u8>,
+    out: &mut dyn Outbound,
+) {
+    let mut text = Vec::with_capacity(data.len().saturating_add(data.len() / 2).saturating_add(64));
+    if partial.is_empty() {
+        // The usual case (a chunk ends at a line end): no copy into `partial`.
+        let used = text::tag_lines(prefix, data, last, MIRROR_PIECE, &mut text);
+        partial.extend_from_slice(data.get(used..).unwrap_or_default());
+    } else {
+        partial.extend_from_slice(data);
+        let used = text::tag_lines(prefix, partial, last, MIRROR_PIECE, &mut text);
+        partial.drain(..used.min(partial.len()));
+    }
+    if !text.is_empty() {
+        out.mirror(stream, &text);
+    }
+}
+
+#[cfg(test)]
+mod tests;

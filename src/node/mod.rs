@@ -265,6 +265,11 @@ impl Node {
         t
     }
 
+    /// Workloads that hold a slot: tracked ones and starts in flight.
+    fn in_use(&self) -> usize {
+        self.active.len().saturating_add(self.starts.len())
+    }
+
     fn uuid(&self) -> &str {
         self.session.uuid()
     }
@@ -460,7 +465,7 @@ impl Node {
         self.start_heal_pass();
         let mut body = json!({
             "node_version": crate::cli::VERSION,
-            "active_workloads": self.active.len(),
+            "active_workloads": self.in_use(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
             "accepting": self.shutdown.is_none() && !self.draining,
             "draining": self.draining,
@@ -605,7 +610,7 @@ impl Node {
             "emit" => self.on_emit(&req.body),
             "drain" | "resume" => {
                 self.set_draining(op == "drain", "asked on the control socket");
-                json!({"ok": true, "draining": self.draining, "active_workloads": self.active.len()})
+                json!({"ok": true, "draining": self.draining, "active_workloads": self.in_use()})
             }
             "status" => json!({"ok": true, "status": self.local_status()}),
             other => json!({"ok": false, "error": format!("unknown op {other:?}")}),

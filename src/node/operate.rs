@@ -152,7 +152,7 @@ impl Node {
                 } else {
                     "resumed: accepting workloads"
                 },
-                self.active.len()
+                self.in_use()
             );
         }
         self.draining = on;

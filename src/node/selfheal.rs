@@ -139,7 +139,7 @@ impl Node {
                 .active
                 .values()
                 .any(|a| a.meta.cancel.as_ref().is_some_and(|c| c.stale));
-            let room = self.active.len() < capacity;
+            let room = self.in_use() < capacity;
             let undecided = !self.heal.checking.is_empty() || stale_left;
             if room || now >= until || !undecided {
                 self.start_workload_now(kind, &rid, params);

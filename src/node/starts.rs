@@ -264,7 +264,7 @@ impl Node {
         };
         let capacity = self.s.max_concurrent_workloads.value as usize;
         // Starts in flight count: they hold their place from the moment they are accepted.
-        let used = self.active.len().saturating_add(self.starts.len());
+        let used = self.in_use();
         if used >= capacity && may_wait && self.defer_start_for_heal(kind_t, request_id, &start) {
             return;
         }
@@ -605,7 +605,7 @@ impl Node {
             }
         }
         if let Some(busy) = out.get_mut("is_busy") {
-            let used = self.active.len().saturating_add(self.starts.len());
+            let used = self.in_use();
             *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
         }
     }

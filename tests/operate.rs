@@ -309,6 +309,7 @@ fn the_metrics_file_is_prometheus_text_and_its_counters_move() {
         .arg("--metrics-file")
         .arg(&metrics.display().to_string());
     setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
+    setup.set("CYBERWAVE_NODE_METRICS_INTERVAL_SECONDS", "0.2");
     let node = setup.spawn();
     node.wait_ready(READY);
     let before = parse_prometheus(

@@ -105,6 +105,8 @@ pub struct Tuning {
     /// What is left of a workload's process group when its own process exits gets SIGTERM,
     /// then SIGKILL after this long (D25).
     pub cleanup_grace: Duration,
+    /// How often `--metrics-file` is rewritten.
+    pub metrics_interval: Duration,
 }
 
 impl Default for Tuning {
@@ -120,6 +122,7 @@ impl Default for Tuning {
             shutdown_flush: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             cleanup_grace: Duration::from_secs(10),
+            metrics_interval: Duration::from_secs(5),
         }
     }
 }
@@ -835,6 +838,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         knob(
             "CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS",
             &mut tuning.cleanup_grace,
+        );
+        knob(
+            "CYBERWAVE_NODE_METRICS_INTERVAL_SECONDS",
+            &mut tuning.metrics_interval,
         );
     }
 

@@ -289,7 +289,7 @@ impl Node {
         if now < self.next_metrics {
             return;
         }
-        self.next_metrics = now.checked_add(Duration::from_secs(5)).unwrap_or(now);
+        self.next_metrics = crate::util::later(now, self.s.tuning.metrics_interval);
         let m = &self.metrics;
         let mut t = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {

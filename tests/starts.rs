@@ -160,8 +160,8 @@ fn a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() 
 #[test]
 fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
     let (_broker, cp, mut setup) = rig(
-        2000,
-        "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 2\n",
+        600,
+        "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 1\n",
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);

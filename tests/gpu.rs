@@ -302,7 +302,8 @@ fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     let mut rig = Rig::new(4, Some(&smi));
     let metrics = rig.setup.home.join("metrics.prom");
     rig.setup
-        .set("CYBERWAVE_METRICS_FILE", &metrics.display().to_string());
+        .set("CYBERWAVE_METRICS_FILE", &metrics.display().to_string())
+        .set("CYBERWAVE_NODE_METRICS_INTERVAL_SECONDS", "0.2");
     let node = rig.node();
     let bad = "GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e62";
     for n in 1..=3 {
@@ -376,12 +377,13 @@ fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
 #[test]
 fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
     let smi = FakeSmi::new("four-a100.csv");
-    let rig = Rig::new(4, Some(&smi));
+    let mut rig = Rig::new(4, Some(&smi));
+    rig.setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "0.3");
     let node = rig.node();
     let q0 = smi.queries();
     std::fs::write(smi.dir.join("hang"), "").expect("hang");
     assert!(
-        node.wait_log("nvidia-smi did not answer within 1s", DONE),
+        node.wait_log("nvidia-smi did not answer within 0.3s", DONE),
         "{}",
         node.log()
     );

@@ -87,6 +87,24 @@ impl Heartbeat {
     }
 }
 
+/// When the next heartbeat is due (D39): `interval` ± up to 10 %, placed by `random` (uniform
+/// over all u64), so a fleet started together does not beat in the same instant. Integer
+/// arithmetic: the due time is always in [0.9 × interval, 1.1 × interval). `None` only if the
+/// moment is beyond what the clock can hold.
+pub fn beat_due(now: Instant, interval: Duration, random: u64) -> Option<Instant> {
+    let nanos = interval.as_nanos();
+    let spread = nanos / 10;
+    // random / 2^64 of the whole band (2 × spread), from its low end.
+    let offset = spread
+        .checked_mul(2)?
+        .checked_mul(u128::from(random))?
+        .checked_shr(64)?;
+    let after = nanos.checked_sub(spread)?.checked_add(offset)?;
+    let secs = u64::try_from(after / 1_000_000_000).ok()?;
+    let sub = u32::try_from(after % 1_000_000_000).ok()?;
+    now.checked_add(Duration::new(secs, sub))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,12 +232,56 @@ mod tests {
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         for _ in 0..1000 {
             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            let due = crate::node::beat_due(now, interval, seed).unwrap();
+            let due = beat_due(now, interval, seed).unwrap();
             let gap = due - now;
             assert!(gap >= Duration::from_millis(27_000) && gap < Duration::from_millis(33_000));
             now = due;
         }
         let mean = (now - t0) / 1000;
         assert!(mean > Duration::from_millis(29_000) && mean < Duration::from_millis(31_000));
+    }
+
+    #[test]
+    fn heartbeats_spread_within_ten_percent_of_the_interval() {
+        let now = Instant::now();
+        let i = Duration::from_secs(30);
+        let at = |r| beat_due(now, i, r).unwrap() - now;
+        // The ends and the middle of the random range.
+        assert_eq!(at(0), Duration::from_secs(27));
+        assert_eq!(at(1u64 << 63), Duration::from_secs(30));
+        let top = at(u64::MAX);
+        assert!(
+            top < Duration::from_secs(33) && top > Duration::from_millis(32_999),
+            "{top:?}"
+        );
+        // Every random value lands inside the band, and the band is used (not one phase).
+        let mut seen = std::collections::BTreeSet::new();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for _ in 0..10_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let d = at(x);
+            assert!(
+                d >= Duration::from_secs(27) && d < Duration::from_secs(33),
+                "{d:?}"
+            );
+            seen.insert(d.as_millis() / 600);
+        }
+        assert_eq!(
+            seen.len(),
+            10,
+            "10 bands of 600 ms between 27 s and 33 s: {seen:?}"
+        );
+    }
+
+    #[test]
+    fn heartbeat_spread_survives_extreme_intervals() {
+        let now = Instant::now();
+        assert_eq!(beat_due(now, Duration::ZERO, 12345), Some(now));
+        let tiny = beat_due(now, Duration::from_nanos(1), u64::MAX).unwrap();
+        assert!(tiny - now <= Duration::from_nanos(2));
+        // Beyond the clock: no due time rather than a panic.
+        assert_eq!(beat_due(now, Duration::MAX, u64::MAX), None);
     }
 }

@@ -525,7 +525,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         if let Some(due) = self.hb.next_due {
             if now >= due && self.registered() && !self.closing {
                 let r = u64::from_le_bytes(util::random_bytes::<8>());
-                self.hb.next_due = super::beat_due(now, self.cfg.heartbeat_interval, r);
+                self.hb.next_due = heartbeat::beat_due(now, self.cfg.heartbeat_interval, r);
                 happened.push(Happening::HeartbeatDue);
             }
         }

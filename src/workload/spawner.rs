@@ -12,8 +12,9 @@
 //! So a start is answered only once its record and its ledger entry are durable (guarantee 1
 //! across a host crash), while the workload itself runs before either sync completed.
 //!
-//! A panic while handling one request is caught and reported as that request's failure. If a
-//! thread ends anyway, the other one ends too and the channel disconnects: the loop notices, fails
+//! A panic while handling one request is caught and reported as that request's failure (in builds
+//! that unwind; the shipped static binary aborts instead, which the node recovers from as from a
+//! kill -9: see `panic` in Cargo.toml). If a thread ends anyway, the other one ends too and the channel disconnects: the loop notices, fails
 //! the starts in flight and refuses new ones with a clear error.
 
 use std::path::{Path, PathBuf};

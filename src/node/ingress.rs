@@ -135,18 +135,15 @@ impl Node {
     /// line at once (`permanent`) or after [`crate::outbox::MAX_REFUSALS`] refusals, so that
     /// the events queued behind it are not held up for ever.
     fn ingress_refused(&mut self, seq: u64, why: &str, permanent: bool) {
-        match self.ingress.refused(seq, permanent, self.clock.now()) {
-            Some((item, aside)) => log::error!(
-                "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
-                crate::logtext::shown(&item.label),
-                crate::logtext::shown(why),
-                aside.display()
-            ),
-            None => log::warn!(
-                "workflow event not delivered ({}); retrying later",
-                crate::logtext::shown(why)
-            ),
-        }
+        let now = self.clock.now();
+        super::refused_in(
+            &mut self.ingress,
+            seq,
+            why,
+            permanent,
+            now,
+            "workflow event",
+        );
     }
 
     pub(super) fn on_ingress_ack(&mut self, (seq, acked): Acked) {

@@ -362,18 +362,7 @@ impl Node {
         match op {
             Op::Outbox(seq) => {
                 let now = self.clock.now();
-                match self.outbox.refused(seq, permanent, now) {
-                    Some((item, aside)) => log::error!(
-                        "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
-                        crate::logtext::shown(&item.label),
-                        crate::logtext::shown(why),
-                        aside.display()
-                    ),
-                    None => log::warn!(
-                        "outbox message {seq} not delivered ({}); retrying later",
-                        crate::logtext::shown(why)
-                    ),
-                }
+                refused_in(&mut self.outbox, seq, why, permanent, now, "outbox message");
             }
             // A chunk that can never fit would hold its stream (and the workload's completion,
             // until the drain limit) for good: it is skipped, the rest of the log still goes.
@@ -743,6 +732,23 @@ impl Node {
                 self.exit = Some(s.exit_code);
             }
         }
+    }
+}
+
+/// Counts a broker's refusal of queue entry `seq` (D34): one ERROR line when it is set aside
+/// (at once when it can never fit, else after [`crate::outbox::MAX_REFUSALS`]), else a WARN.
+fn refused_in(q: &mut Outbox, seq: u64, why: &str, permanent: bool, now: Instant, what: &str) {
+    match q.refused(seq, permanent, now) {
+        Some((item, aside)) => log::error!(
+            "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
+            crate::logtext::shown(&item.label),
+            crate::logtext::shown(why),
+            aside.display()
+        ),
+        None => log::warn!(
+            "{what} {seq} not delivered ({}); retrying later",
+            crate::logtext::shown(why)
+        ),
     }
 }
 

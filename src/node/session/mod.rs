@@ -36,6 +36,11 @@ const SHORT_CONNECTION: Duration = Duration::from_secs(5);
 /// The first wait after a failed registration (doubling, with full jitter).
 const REGISTER_RETRY_BASE: Duration = Duration::from_millis(500);
 
+/// A request's JSON body as sent.
+fn encode(body: &Value) -> Vec<u8> {
+    serde_json::to_vec(body).unwrap_or_default()
+}
+
 /// Everything the session does to the world.
 pub trait Outbound {
     /// Starts a connect attempt to the current broker address; `true` when it asks for a clean
@@ -328,7 +333,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         now: Instant,
         out: &mut dyn Outbound,
     ) -> Vec<u8> {
-        self.send(Tag::Loop(tag), topic, body, timeout, now, out)
+        self.send(Tag::Loop(tag), topic, encode(body), timeout, now, out)
     }
 
     /// Like [`Session::request`] with the body already encoded (a log chunk's JSON is written
@@ -342,29 +347,19 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         now: Instant,
         out: &mut dyn Outbound,
     ) -> Vec<u8> {
-        let corr = util::random_bytes::<16>().to_vec();
-        out.request(topic, payload, &corr);
-        self.pending.insert(
-            corr.clone(),
-            Pending {
-                tag: Tag::Loop(tag),
-                deadline: util::later(now, timeout),
-            },
-        );
-        corr
+        self.send(Tag::Loop(tag), topic, payload, timeout, now, out)
     }
 
     fn send(
         &mut self,
         tag: Tag<T>,
         topic: &str,
-        body: &Value,
+        payload: Vec<u8>,
         timeout: Duration,
         now: Instant,
         out: &mut dyn Outbound,
     ) -> Vec<u8> {
         let corr = util::random_bytes::<16>().to_vec();
-        let payload = serde_json::to_vec(body).unwrap_or_default();
         out.request(topic, payload, &corr);
         self.pending.insert(
             corr.clone(),
@@ -386,7 +381,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         }
         let topic = self.cfg.topics.heartbeat(self.uuid());
         let timeout = self.cfg.tuning.heartbeat_timeout;
-        self.send(Tag::Heartbeat, &topic, body, timeout, now, out);
+        self.send(Tag::Heartbeat, &topic, encode(body), timeout, now, out);
     }
 
     /// What the MQTT client reported. `publishing`: messages of the loop were in flight (a
@@ -790,7 +785,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             log::info!("registering: asking the backend for a new instance (R1)");
             let topic = self.cfg.topics.request_instance(&self.cfg.token);
             let timeout = self.cfg.tuning.request_timeout;
-            self.send(Tag::Create, &topic, &body, timeout, now, out);
+            self.send(Tag::Create, &topic, encode(&body), timeout, now, out);
             self.reg = Registration::AwaitingCreate { attempt };
         } else {
             let uuid = self.known_uuid().unwrap_or_default();
@@ -810,7 +805,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         let topic = self.cfg.topics.register(&uuid);
         let body = self.registration_body();
         let timeout = self.cfg.tuning.request_timeout;
-        self.send(Tag::Register, &topic, &body, timeout, now, out);
+        self.send(Tag::Register, &topic, encode(&body), timeout, now, out);
         self.reg = Registration::AwaitingRegister {
             attempt,
             uuid,

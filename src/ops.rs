@@ -292,9 +292,9 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Resul
             state.display()
         )));
     };
-    let Ok(mut f) = std::fs::File::open(&path) else {
-        return Err(CliError::Runtime(format!("cannot open {}", path.display())));
-    };
+    // Not through a link the workload may have planted (it would print another file).
+    let mut f = crate::workload::tail::open_log(&path, false)
+        .map_err(|e| CliError::Runtime(format!("cannot open {}: {e}", path.display())))?;
     let mut text = Vec::new();
     let _ = f.read_to_end(&mut text);
     let start = match lines {

@@ -769,3 +769,55 @@ fn d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
     assert!(label.contains("denied"), "{label:?}:\n{}", node.log());
     assert_stayed_up(&cp, &node, &["denied event", &label]);
 }
+
+/// A hostile workload (it runs as the node's user) replaces its own log files: stdout with a
+/// symlink to a secret of the node's user, stderr with a hard link to it, then fails. Neither the
+/// log stream nor the failure summary may carry the secret, and the secret is left as it was
+/// (a `max_log_bytes` cut through the link would rewrite it).
+#[test]
+fn a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
+    let (_broker, cp, mut setup) = rig("cyberwave:\n  training: 'true'\n");
+    let secret = setup.home.join("secret.txt");
+    std::fs::write(&secret, "TOPSECRET-42\n".repeat(20)).unwrap();
+    let logs = setup.config_dir().join("workload_logs");
+    let manifest = format!(
+        "cyberwave:\n  max_log_bytes: 64\n  training: |\n    echo visible line\n    echo visible error >&2\n    sleep 0.5\n    ln -sf {secret} {logs}/training_swap.stdout.log\n    ln -f {secret} {logs}/training_swap.stderr.log\n    sleep 1\n    exit 1\n",
+        secret = secret.display(),
+        logs = logs.display()
+    );
+    setup.write("cyberwave.yml", &manifest);
+    setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "swap", "params": {"workload_uuid": "wl-swap"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    let all = cp
+        .wait_status("wl-swap", "completed", DONE)
+        .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+    let shipped: String = cp
+        .requests("logs")
+        .iter()
+        .filter(|r| r.body["workload_uuid"] == json!("wl-swap"))
+        .map(|r| r.body.to_string())
+        .collect();
+    assert!(shipped.contains("visible line"), "{shipped}");
+    assert!(
+        !shipped.contains("TOPSECRET"),
+        "a replaced log file shipped another file: {shipped}"
+    );
+    let statuses = serde_json::to_string(&all).unwrap();
+    assert!(
+        !statuses.contains("TOPSECRET"),
+        "the failure summary read another file: {statuses}"
+    );
+    assert!(!node.log().contains("TOPSECRET"), "{}", node.log());
+    assert_eq!(
+        std::fs::read_to_string(&secret).unwrap(),
+        "TOPSECRET-42\n".repeat(20),
+        "the secret was rewritten through the link"
+    );
+}

@@ -1020,7 +1020,7 @@ pub fn base64_decode(s: &str) -> Option<Vec<u8>> {
 
 /// The last `max` bytes of a file as text (invalid UTF-8 replaced).
 pub fn tail(path: &Path, max: u64) -> String {
-    let Ok(mut f) = std::fs::File::open(path) else {
+    let Ok(mut f) = tail::open_log(path, false) else {
         return String::new();
     };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);

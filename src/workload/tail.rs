@@ -90,10 +90,7 @@ pub enum Event {
 /// Keeps the newest `keep` bytes of a log file in place (the writer appends with O_APPEND, so
 /// it carries on at the new end); returns how many bytes were cut.
 pub fn cut_front(path: &std::path::Path, keep: u64) -> std::io::Result<u64> {
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)?;
+    let mut f = open_log(path, true)?;
     let len = f.metadata()?.len();
     if len <= keep {
         return Ok(0);
@@ -284,7 +281,7 @@ impl Worker {
                 libc::inotify_add_watch(
                     fd.as_raw_fd(),
                     c.as_ptr(),
-                    libc::IN_MODIFY | libc::IN_ONESHOT,
+                    libc::IN_MODIFY | libc::IN_ONESHOT | libc::IN_DONT_FOLLOW,
                 )
             };
             if wd >= 0 {
@@ -394,10 +391,31 @@ impl Worker {
     }
 }
 
+/// Opens a workload's log file, which the workload (running as the node's user) could have
+/// replaced: a symlink is not followed (the node would ship, or cut, a file the link names), a
+/// FIFO or device is refused without blocking, and a file with a second hard link is refused
+/// (a link to the node's credentials is still a regular file). What is refused is not read.
+pub fn open_log(path: &std::path::Path, write: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() || m.nlink() > 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a log file of the node's own (a link, or not a regular file)",
+        ));
+    }
+    Ok(f)
+}
+
 fn read(key: Key, path: &std::path::Path, offset: u64, max: usize) -> Chunk {
     let mut data = Vec::new();
     let mut file_len = 0;
-    if let Ok(mut f) = std::fs::File::open(path) {
+    if let Ok(mut f) = open_log(path, false) {
         file_len = f.metadata().map(|m| m.len()).unwrap_or(0);
         if file_len > offset && f.seek(SeekFrom::Start(offset)).is_ok() {
             let want = file_len.saturating_sub(offset).min(max as u64);
@@ -425,6 +443,63 @@ mod tests {
     }
 
     /// A fresh folder of this test's own.
+    #[test]
+    fn a_log_file_the_workload_replaced_is_not_read_or_cut() {
+        let d = scratch("replaced");
+        let secret = d.join("secret");
+        std::fs::write(&secret, "the node's token").unwrap();
+        let log = d.join("w.stdout.log");
+        // A symlink to another file.
+        std::os::unix::fs::symlink(&secret, &log).unwrap();
+        assert!(open_log(&log, false).is_err());
+        let c = read(
+            Key {
+                safe_id: "w".into(),
+                stream: 0,
+            },
+            &log,
+            0,
+            1024,
+        );
+        assert!(c.data.is_empty(), "nothing read through a symlink");
+        assert!(cut_front(&log, 1).is_err());
+        assert_eq!(
+            std::fs::read_to_string(&secret).unwrap(),
+            "the node's token"
+        );
+        // A second hard link to another file of the node's.
+        std::fs::remove_file(&log).unwrap();
+        std::fs::hard_link(&secret, &log).unwrap();
+        assert!(open_log(&log, false).is_err());
+        assert!(cut_front(&log, 1).is_err());
+        assert_eq!(
+            std::fs::read_to_string(&secret).unwrap(),
+            "the node's token"
+        );
+        // A FIFO: refused at once, not waited on for a writer.
+        std::fs::remove_file(&log).unwrap();
+        let c_path = std::ffi::CString::new(log.as_os_str().as_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        assert!(open_log(&log, false).is_err());
+        // The node's own file is read.
+        std::fs::remove_file(&log).unwrap();
+        std::fs::write(&log, "line\n").unwrap();
+        assert_eq!(
+            read(
+                Key {
+                    safe_id: "w".into(),
+                    stream: 0
+                },
+                &log,
+                0,
+                1024
+            )
+            .data,
+            b"line\n"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
     fn scratch(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("cw-tail-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);

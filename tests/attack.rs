@@ -821,3 +821,44 @@ fn a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
         "the secret was rewritten through the link"
     );
 }
+
+/// An ACL that denies the node its logs topic (MQTT v5: PUBACK 0x87, the connection stays):
+/// each chunk is refused and offered again at the stream's pace, up to 4 times a second. The
+/// node keeps serving, and says so at most once a minute, not once per refused chunk.
+#[test]
+fn d34_a_logs_topic_the_broker_denies_is_not_a_warning_per_chunk() {
+    let broker = crate::support::Broker::start_with_acl(
+        "pattern deny cyberwave/cloud-node/+/logs\npattern readwrite #\n",
+    );
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: |\n    for i in $(seq 1 60); do echo \"line $i\"; sleep 0.05; done\n    sleep 30\n",
+    );
+    setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let r = command(
+        &cp,
+        &node,
+        json!({"command": "training", "request_id": "quiet", "params": {"workload_uuid": "wl-quiet"}}),
+    );
+    assert_eq!(r["status"], "ok", "{r}");
+    // Refusals happen (the PUBACK says 0x87)...
+    assert!(
+        wait_for(DONE, || node.log().contains("not delivered").then_some(())).is_some(),
+        "{}",
+        node.log()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    answers(&cp, &node, "during");
+    // ...and are reported once a minute.
+    let warned = node.log().matches("not delivered").count();
+    assert!(
+        warned <= 2,
+        "{warned} warnings for one refused stream in 3 s:\n{}",
+        node.log()
+    );
+    assert_eq!(node.log().matches("connected to MQTT broker").count(), 1);
+}

@@ -167,6 +167,8 @@ pub struct Node {
     next_prune: Instant,
     /// Full-disk errors are logged once a minute (D28).
     disk_errors: crate::logtext::Throttle,
+    /// Requests the broker refused in its PUBACK are logged once a minute (D34).
+    refusals: crate::logtext::Throttle,
 }
 
 impl Node {
@@ -381,8 +383,13 @@ impl Node {
                     // At most once a minute: a log stream offers its chunk again and again.
                     self.mqtt
                         .log_too_big(&format!("the {other:?} request"), why);
-                } else {
-                    log::warn!("{other:?} not delivered: {}", crate::logtext::shown(why));
+                } else if let Some(held) = self.refusals.ready(self.clock.now()) {
+                    // A refused log chunk is offered again at its stream's pace: once a minute.
+                    log::warn!(
+                        "{other:?} not delivered: {}{}",
+                        crate::logtext::shown(why),
+                        workloads::held_note(held)
+                    );
                 }
                 // Failed now rather than at its timeout (a log chunk is read and sent again).
                 self.on_outcome(other, None, &[]);

@@ -308,6 +308,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         gpu_rx,
         next_prune: now,
         disk_errors: crate::logtext::Throttle::default(),
+        refusals: crate::logtext::Throttle::default(),
         s,
     };
     let mut node = node;

@@ -29,33 +29,38 @@ fn eq_mask(w: u64, b: u8) -> u64 {
 
 /// The first `\n` or `\r` in `bytes`.
 pub fn find_eol(bytes: &[u8]) -> Option<usize> {
-    let mut words = bytes.chunks_exact(8);
-    let mut at = 0usize;
-    for w in words.by_ref() {
-        let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
-        let m = eq_mask(v, b'\n') | eq_mask(v, b'\r');
-        if m != 0 {
-            return Some(at.saturating_add((m.trailing_zeros() / 8) as usize));
-        }
-        at = at.saturating_add(8);
-    }
-    words
-        .remainder()
-        .iter()
-        .position(|b| *b == b'\n' || *b == b'\r')
-        .map(|p| at.saturating_add(p))
+    first_match(
+        bytes,
+        |v| eq_mask(v, b'\n') | eq_mask(v, b'\r'),
+        |b| b == b'\n' || b == b'\r',
+    )
 }
 
 /// The first byte that JSON must escape: a control character, `"` or `\`.
 fn find_escape(bytes: &[u8]) -> Option<usize> {
+    first_match(
+        bytes,
+        |v| {
+            // Bytes below 0x20: (v - 0x20..) sets the high bit of a byte that was < 0x20 (or
+            // that borrowed), `& !v` drops bytes that were ≥ 0x80; exact for the first such byte.
+            let low = v.wrapping_sub(LO.wrapping_mul(0x20)) & !v & HI;
+            low | eq_mask(v, b'"') | eq_mask(v, b'\\')
+        },
+        |b| b < 0x20 || b == b'"' || b == b'\\',
+    )
+}
+
+/// The first byte `byte` picks, eight at a time: `word` gives a mask with the high bit set in
+/// each matching byte of a little-endian word (exact for the lowest one).
+fn first_match(
+    bytes: &[u8],
+    word: impl Fn(u64) -> u64,
+    byte: impl Fn(u8) -> bool,
+) -> Option<usize> {
     let mut words = bytes.chunks_exact(8);
     let mut at = 0usize;
     for w in words.by_ref() {
-        let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
-        // Bytes below 0x20: (v - 0x20..) sets the high bit of a byte that was < 0x20 (or that
-        // borrowed), `& !v` drops bytes that were ≥ 0x80; exact for the first such byte.
-        let low = v.wrapping_sub(LO.wrapping_mul(0x20)) & !v & HI;
-        let m = low | eq_mask(v, b'"') | eq_mask(v, b'\\');
+        let m = word(u64::from_le_bytes(w.try_into().unwrap_or([0; 8])));
         if m != 0 {
             return Some(at.saturating_add((m.trailing_zeros() / 8) as usize));
         }
@@ -64,7 +69,7 @@ fn find_escape(bytes: &[u8]) -> Option<usize> {
     words
         .remainder()
         .iter()
-        .position(|b| *b < 0x20 || *b == b'"' || *b == b'\\')
+        .position(|b| byte(*b))
         .map(|p| at.saturating_add(p))
 }
 

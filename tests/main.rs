@@ -31,4 +31,5 @@ mod results;
 mod starts;
 mod statedir;
 mod wire;
+mod workload_attacks;
 mod workloads;

@@ -1,0 +1,1 @@
+//! Workload attacks: see `mod.rs`.

@@ -772,7 +772,9 @@ fn launch_in(
     };
     let shim_log = std::fs::File::create(dir.join("shim.log"))
         .map_err(|e| format!("cannot create the shim log: {e}"))?;
-    let child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    crate::fds::no_inherited_fds(&mut cmd);
+    let child = cmd
         .args(args.to_args())
         .env_clear()
         .envs(&env)

@@ -174,6 +174,9 @@ pub fn run(args: &[String]) -> i32 {
         );
         return 2;
     };
+    // D46.1: nothing the node held open (its broker socket, its lock) reaches the workload,
+    // whatever the node's libraries forgot to mark close-on-exec.
+    crate::fds::close_inherited();
     // SAFETY: setsid has no memory-safety preconditions.
     unsafe {
         libc::setsid();
@@ -201,11 +204,13 @@ pub fn run(args: &[String]) -> i32 {
             if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            // The shim blocks the node's signals; the workload must start with none blocked,
-            // or a SIGTERM cancel would never reach it (std does not reset the mask).
-            crate::signals::unblock_all()
+            Ok(())
         });
     }
+    // The shim blocks the node's signals; the workload must start with none blocked, or a
+    // SIGTERM cancel would never reach it (std does not reset the mask); and with no descriptor
+    // but its three streams.
+    crate::fds::harden(&mut cmd);
     let started_at = util::rfc3339(SystemTime::now());
     let mut child = match cmd.spawn() {
         Ok(c) => c,

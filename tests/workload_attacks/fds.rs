@@ -1,1 +1,101 @@
-//! Workload attacks: see `mod.rs`.
+//! Workload attacks on what the node holds: its descriptors (D46.1), its environment and memory
+//! (D46.2). The log check of every test (support::secrets) covers D47.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::rig;
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(30);
+
+/// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
+const NOBODY: u32 = 65534;
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// D46.1: the node's broker socket (Paho C opens it without close-on-exec) and every other
+/// descriptor of the node stay out of the workload: it holds exactly its three streams. On
+/// main at f918294 the workload held the live broker connection and could publish as the node.
+#[test]
+fn g13_a_workload_holds_no_descriptor_of_the_node() {
+    let (_b, cp, setup) = rig("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": "fds", "params": {"workload_uuid": "wl-fds"}}),
+    );
+    let r = cp.wait_reply("fds", REPLY).expect("reply");
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-fds", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let listing = std::fs::read_to_string(setup.cwd.join("fds.txt")).unwrap();
+    // `ls` runs in a child of the workload's shell and lists the shell's descriptors.
+    let numbers: Vec<&str> = listing
+        .lines()
+        .filter_map(|l| l.split_once(" -> ")?.0.split_whitespace().last())
+        .collect();
+    assert_eq!(
+        numbers,
+        ["0", "1", "2"],
+        "the workload inherited descriptors of the node:\n{listing}"
+    );
+    assert!(!listing.contains("socket:"), "{listing}");
+}
+
+/// D46.2: a workload of the node's own uid cannot read the node's environment (its API key) nor
+/// list its descriptors through /proc. The node runs as an unprivileged uid here: root reads
+/// everything, so the attack is only meaningful without it. On main the workload read the key.
+#[test]
+fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
+    assert!(
+        is_root(),
+        "this test runs the node as uid {NOBODY} and needs root for that (CI runs as root)"
+    );
+    let (_b, cp, mut setup) = rig(concat!(
+        "cyberwave:\n  training: |\n",
+        "    node=$(awk '{print $4}' /proc/$PPID/stat)\n",
+        "    echo \"$node\" > node.pid\n",
+        "    if cat /proc/$node/environ > environ.txt 2>/dev/null; then echo read > environ.rc; else echo refused > environ.rc; fi\n",
+        "    if ls /proc/$node/fd > nodefds.txt 2>/dev/null; then echo read > fd.rc; else echo refused > fd.rc; fi\n",
+    ));
+    setup.uid = Some(NOBODY);
+    let chown = std::process::Command::new("chown")
+        .args(["-R", &format!("{NOBODY}:{NOBODY}")])
+        .arg(setup.home.path())
+        .status()
+        .unwrap();
+    assert!(chown.success());
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": "env", "params": {"workload_uuid": "wl-env"}}),
+    );
+    let r = cp.wait_reply("env", REPLY).expect("reply");
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-env", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let read = |f: &str| std::fs::read_to_string(setup.cwd.join(f)).unwrap_or_default();
+    assert_eq!(read("node.pid").trim(), node.pid().to_string());
+    assert_eq!(
+        read("environ.rc").trim(),
+        "refused",
+        "{}",
+        read("environ.txt")
+    );
+    assert!(!read("environ.txt").contains(crate::support::node::TOKEN));
+    assert_eq!(read("fd.rc").trim(), "refused", "{}", read("nodefds.txt"));
+}

@@ -31,6 +31,31 @@ use crate::{store, util};
 /// (workloads get their own credentials explicitly).
 pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 
+/// D46.3: the workload user exists and the node may become it (else exit 2); the state dir is
+/// then passed through by it (0711), never listed, its files all the node's own (0600).
+fn workload_user_ready(spec: &str, dir: &Path) -> Result<(), StartupError> {
+    use crate::workload::user;
+    let u = user::lookup(spec)
+        .and_then(|u| user::check_privilege(&u).map(|()| u))
+        .map_err(|e| {
+            StartupError::Config(format!("{e} (cloud_node.workload_user in the manifest)"))
+        })?;
+    user::traversable(dir).map_err(|e| {
+        StartupError::Runtime(format!(
+            "cannot open {} to the workload user: {e}",
+            dir.display()
+        ))
+    })?;
+    log::info!(
+        "workloads run as {} (uid {}, gid {}, {} group(s)); the state dir is closed to them",
+        u.name,
+        u.uid,
+        u.gid,
+        u.groups.len()
+    );
+    Ok(())
+}
+
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let started = Instant::now();
     let dir = &s.config_dir.value;
@@ -49,6 +74,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             .map(|m| m.path.display().to_string())
             .unwrap_or_else(|| "(none: environment only)".into())
     );
+    if let Some(spec) = s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        workload_user_ready(spec, dir)?;
+    }
     let (sig_tx, sig_rx) = unbounded();
     if let Err(e) = signals::spawn(sig_tx) {
         return Err(StartupError::Runtime(format!(

@@ -99,3 +99,106 @@ fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
     assert!(!read("environ.txt").contains(crate::support::node::TOKEN));
     assert_eq!(read("fd.rc").trim(), "refused", "{}", read("nodefds.txt"));
 }
+
+fn chown_nobody(path: &std::path::Path) {
+    let chown = std::process::Command::new("chown")
+        .args(["-R", &format!("{NOBODY}:{NOBODY}")])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(chown.success());
+}
+
+/// D46.3: with `cloud_node.workload_user` the workload runs as that uid with that user's
+/// groups only, reads its own params file, and can neither list, read nor write the node's
+/// state dir (its identity, other records, its own record). On main the key was unknown and
+/// the workload ran as root.
+#[test]
+fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
+    assert!(
+        is_root(),
+        "this test needs root to run workloads as uid {NOBODY}"
+    );
+    let (_b, cp, setup) = rig("");
+    let state = setup.config_dir().display().to_string();
+    setup.write(
+        "cyberwave.yml",
+        &format!(
+            concat!(
+                "cloud_node:\n  workload_user: nobody\n",
+                "cyberwave:\n  training: |\n",
+                "    id -u > out/uid; id -G > out/groups; echo \"$HOME\" > out/home\n",
+                "    cat {{body}} > out/params\n",
+                "    try() {{ if \"$@\" > /dev/null 2>&1; then echo \"$*: allowed\"; else echo \"$*: refused\"; fi; }}\n",
+                "    try ls {s} > out/attempts\n",
+                "    try cat {s}/instance_identity.json >> out/attempts\n",
+                "    try touch {s}/planted >> out/attempts\n",
+                "    try ls {s}/workloads >> out/attempts\n",
+                "    try cat \"$(dirname {{body}})/meta.json\" >> out/attempts\n",
+                "    try touch \"$(dirname {{body}})/exit.json\" >> out/attempts\n",
+                "    try ls {s}/workload_logs >> out/attempts\n",
+                "    echo visible-output\n",
+            ),
+            s = state
+        ),
+    );
+    let out = setup.cwd.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    chown_nobody(&out);
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": "wu", "params": {"workload_uuid": "wl-wu", "x": 1}}),
+    );
+    let r = cp.wait_reply("wu", REPLY).expect("reply");
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        cp.wait_status("wl-wu", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap_or_default();
+    assert_eq!(read("uid").trim(), NOBODY.to_string(), "{}", node.log());
+    assert_eq!(read("groups").trim(), NOBODY.to_string());
+    assert!(read("params").contains("\"x\":1"), "{}", read("params"));
+    let attempts = read("attempts");
+    assert_eq!(attempts.lines().count(), 7, "{attempts}");
+    assert!(!attempts.contains("allowed"), "{attempts}");
+    assert!(!setup.config_dir().join("planted").exists());
+    assert!(
+        node.wait_stdout("visible-output", REPLY),
+        "{}",
+        node.stdout()
+    );
+    assert!(
+        node.log().contains("workloads run as nobody"),
+        "{}",
+        node.log()
+    );
+}
+
+/// D46.3: a workload user the node cannot become (it lacks the privilege) or that does not
+/// exist is refused at start with exit 2 naming the setting, before anything runs.
+#[test]
+fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() {
+    let (_b, _cp, mut setup) =
+        rig("cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n");
+    let mut node = setup.spawn();
+    let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert_eq!(code, Some(2), "{}", node.log());
+    assert!(node.log().contains("workload_user"), "{}", node.log());
+    drop(node);
+    if is_root() {
+        setup.write(
+            "cyberwave.yml",
+            "cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n",
+        );
+        setup.uid = Some(NOBODY);
+        chown_nobody(setup.home.path());
+        let mut node = setup.spawn();
+        let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+        assert_eq!(code, Some(2), "{}", node.log());
+        assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
+    }
+}

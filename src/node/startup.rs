@@ -33,7 +33,10 @@ pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 
 /// D46.3: the workload user exists and the node may become it (else exit 2); the state dir is
 /// then passed through by it (0711), never listed, its files all the node's own (0600).
-fn workload_user_ready(spec: &str, dir: &Path) -> Result<(), StartupError> {
+fn workload_user_ready(
+    spec: &str,
+    dir: &Path,
+) -> Result<crate::workload::user::WorkloadUser, StartupError> {
     use crate::workload::user;
     let u = user::lookup(spec)
         .and_then(|u| user::check_privilege(&u).map(|()| u))
@@ -53,7 +56,7 @@ fn workload_user_ready(spec: &str, dir: &Path) -> Result<(), StartupError> {
         u.gid,
         u.groups.len()
     );
-    Ok(())
+    Ok(u)
 }
 
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
@@ -74,9 +77,10 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             .map(|m| m.path.display().to_string())
             .unwrap_or_else(|| "(none: environment only)".into())
     );
-    if let Some(spec) = s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
-        workload_user_ready(spec, dir)?;
-    }
+    let workload_user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        Some(spec) => Some(workload_user_ready(spec, dir)?),
+        None => None,
+    };
     let (sig_tx, sig_rx) = unbounded();
     if let Err(e) = signals::spawn(sig_tx) {
         return Err(StartupError::Runtime(format!(
@@ -236,6 +240,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             "cannot open the control socket {}: {e}",
             dir.join("control.sock").display()
         )));
+    }
+    if let Some(u) = &workload_user {
+        // Workflow events from workloads still reach the node (D46.3 keeps `emit` working).
+        if let Err(e) = crate::control::share_for_emit(&dir.join("control.sock"), u.gid) {
+            log::warn!(
+                "cannot open the control socket to the workload user's group: {e}; its workloads cannot report workflow events"
+            );
+        }
     }
     // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
     let gpus = if s.hardware_telemetry {

@@ -137,6 +137,8 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
                 "    try cat \"$(dirname {{body}})/meta.json\" >> out/attempts\n",
                 "    try touch \"$(dirname {{body}})/exit.json\" >> out/attempts\n",
                 "    try ls {s}/workload_logs >> out/attempts\n",
+                "    \"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-u --trigger-json '{{}}' > out/emit 2>&1; echo \"rc=$?\" >> out/emit\n",
+                "    python3 -c 'import socket,os; s=socket.socket(socket.AF_UNIX); s.connect(os.environ[\"CYBERWAVE_NODE_SOCKET\"]); s.sendall(b\"{{\\\"op\\\": \\\"drain\\\"}}\\n\"); print(s.recv(4096).decode())' > out/drain 2>&1\n",
                 "    echo visible-output\n",
             ),
             s = state
@@ -171,6 +173,9 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
         "{}",
         node.stdout()
     );
+    // Its workflow events still reach the node; nothing else of the control socket does.
+    assert!(read("emit").contains("rc=0"), "{}", read("emit"));
+    assert!(read("drain").contains("only `emit`"), "{}", read("drain"));
     assert!(
         node.log().contains("workloads run as nobody"),
         "{}",

@@ -116,8 +116,9 @@ fn groups_of(name: &str, gid: u32) -> Vec<u32> {
 }
 
 /// Whether this process may run workloads as `u`: root, or already `u`, or holding
-/// CAP_SETUID, CAP_SETGID (to become it), CAP_KILL (to cancel it) and CAP_CHOWN (to hand it its
-/// params file): a unit's `AmbientCapabilities=`.
+/// CAP_SETUID, CAP_SETGID (to become it), CAP_KILL (to cancel it), CAP_CHOWN (to hand it its
+/// params file) and CAP_DAC_OVERRIDE (to upload and clear the results it wrote): a unit's
+/// `AmbientCapabilities=`.
 pub fn check_privilege(u: &WorkloadUser) -> Result<(), String> {
     // SAFETY: geteuid/getegid have no preconditions.
     let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
@@ -125,14 +126,15 @@ pub fn check_privilege(u: &WorkloadUser) -> Result<(), String> {
         return Ok(());
     }
     Err(format!(
-        "workload_user {} (uid {}) needs the node to run as root or with CAP_SETUID, CAP_SETGID, CAP_KILL and CAP_CHOWN; it runs as uid {euid} without them",
+        "workload_user {} (uid {}) needs the node to run as root or with CAP_SETUID, CAP_SETGID, CAP_KILL, CAP_CHOWN and CAP_DAC_OVERRIDE; it runs as uid {euid} without them",
         u.name, u.uid
     ))
 }
 
-/// CAP_CHOWN (0), CAP_KILL (5), CAP_SETGID (6) and CAP_SETUID (7) in the effective set.
+/// CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_KILL (5), CAP_SETGID (6) and CAP_SETUID (7) in the
+/// effective set.
 fn has_setid_caps() -> bool {
-    const NEEDED: u64 = 1 | (1 << 5) | (1 << 6) | (1 << 7);
+    const NEEDED: u64 = 1 | (1 << 1) | (1 << 5) | (1 << 6) | (1 << 7);
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()

@@ -275,7 +275,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let per_workload = s.manifest.as_ref().and_then(|m| m.gpus_per_workload);
     let gpu = super::gpus::Gpus::new(monitor, first, &s.env, per_workload);
     let (reaped_tx, reaped) = unbounded();
-    let reaper = match Reaper::start(reaped_tx) {
+    let init = super::container::is_init(&s.env);
+    if init {
+        log::info!(
+            "the node is its container's main process (PID 1 or CYBERWAVE_NODE_INIT): it reaps orphans, and its workloads cannot outlive it here; on SIGTERM it stops them and reports each one within {:.0}s (CYBERWAVE_NODE_STOP_GRACE_SECONDS)",
+            super::container::stop_grace(&s.env).as_secs_f64()
+        );
+    }
+    let reaper = match Reaper::start(reaped_tx, init) {
         Ok(r) => r,
         Err(e) => {
             return Err(StartupError::Runtime(format!(

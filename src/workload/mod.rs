@@ -46,6 +46,9 @@ pub struct Cancel {
     /// Set when self-healing found the workload stale: it ends without any report.
     #[serde(default)]
     pub stale: bool,
+    /// Why the node itself cancelled it (D58: its container is stopping); in the completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// The workflow a workload belongs to (from its start params), for node events (D18).

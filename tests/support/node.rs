@@ -22,6 +22,8 @@ pub struct NodeSetup {
     pub cwd: PathBuf,
     /// Run the node as this uid (and the same gid, no supplementary groups); needs root.
     pub uid: Option<u32>,
+    /// A command the node runs under (e.g. `unshare --pid --fork`): its argv before the binary.
+    pub under: Vec<String>,
 }
 
 impl NodeSetup {
@@ -72,6 +74,7 @@ impl NodeSetup {
             args: vec!["start".into()],
             cwd: work,
             uid: None,
+            under: Vec::new(),
         }
     }
 
@@ -163,7 +166,14 @@ pub struct NodeProcess {
 
 impl NodeProcess {
     fn spawn(setup: &NodeSetup) -> NodeProcess {
-        let mut cmd = Command::new(node_bin());
+        let mut cmd = match setup.under.split_first() {
+            Some((prog, rest)) => {
+                let mut c = Command::new(prog);
+                c.args(rest).arg(node_bin());
+                c
+            }
+            None => Command::new(node_bin()),
+        };
         if let Some(uid) = setup.uid {
             use std::os::unix::process::CommandExt;
             // std drops the supplementary groups too when root sets a uid.

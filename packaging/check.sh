@@ -22,7 +22,8 @@ dpkg-deb -f "$deb" Package | grep -qx cyberwave-cloud-node || fail "package name
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles | grep -qx /etc/cyberwave/cloud-node.env || fail "conffile"
 
 root=$(mktemp -d)
-trap 'rm -rf "$root"' EXIT
+imgdir=$(mktemp -d)
+trap 'rm -rf "$root" "$imgdir"' EXIT
 dpkg -x "$deb" "$root"
 mode() { stat -c %a "$root/$1"; }
 [ "$(mode usr/bin/cyberwave-cloud-node)" = 755 ] || fail "binary mode $(mode usr/bin/cyberwave-cloud-node)"
@@ -44,6 +45,33 @@ fi
 # The static binary passes the end-to-end workload and TLS tests (no SSL_CERT_FILE help).
 env -u SSL_CERT_FILE -u SSL_CERT_DIR CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
   cargo test --test main -- workloads::completions_carry_the_real_exit_code wire::tls_connects_with_the_right_ca_and_refuses_otherwise logs::every_line_is_streamed_once_in_order_and_mirrored
+# The OCI image (README "Running in a container"): built from the static binary, read back by
+# umoci, its entrypoint and volume as documented, no shell in it; then the node runs from its root
+# filesystem as PID 1 of a new PID and mount namespace (tests/container.rs, with a static busybox
+# added there as the workload's shell) and reports its workload on SIGTERM.
+./packaging/build-image.sh "$PWD/target/static/cyberwave-cloud-node"
+umoci stat --image "target/image/oci:$version" >/dev/null || fail "umoci stat"
+umoci unpack --image "target/image/oci:$version" "$imgdir/b" >/dev/null
+rootfs="$imgdir/b/rootfs"
+python3 - "$imgdir/b/config.json" <<'PY' || fail "image config"
+import json, sys
+c = json.load(open(sys.argv[1]))
+args = c["process"]["args"]
+assert args == ["/usr/bin/cyberwave-cloud-node", "start"], args
+assert "CYBERWAVE_EDGE_CONFIG_DIR=/var/lib/cyberwave-cloud-node" in c["process"]["env"], c["process"]["env"]
+assert c["process"]["cwd"] == "/work", c["process"]["cwd"]
+PY
+[ -e "$rootfs/bin/sh" ] && fail "the image holds a shell"
+[ -s "$rootfs/etc/ssl/certs/ca-certificates.crt" ] || fail "the image lacks the CA bundle"
+cmp -s "$rootfs/usr/bin/cyberwave-cloud-node" target/static/cyberwave-cloud-node || fail "the image's binary is not the static one"
+if [ ! -x /bin/busybox ] || ! file -b /bin/busybox | grep -q 'statically linked'; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox-static >/dev/null
+fi
+install -D -m 0755 /bin/busybox "$rootfs/bin/busybox"
+chroot "$rootfs" /bin/busybox --install -s /bin
+CYBERWAVE_TEST_IMAGE_ROOTFS="$rootfs" CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
+  cargo test --test main -- --ignored container::d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop
+
 # Debian's own package checker: nothing to say about any of the three packages (overrides, each
 # with its reason, are in packaging/deb/lintian-overrides).
 lint=$(lintian --allow-root target/debian/*_"${version}"_amd64.deb 2>&1) || true

@@ -2,7 +2,7 @@
 # Installs, on Debian/Ubuntu, what building and testing the node needs when it is missing:
 # cmake (Paho C), a C toolchain, OpenSSL headers, mosquitto and its clients, openssl (test CA),
 # file and lintian (the packaging check; lintian brings man-db), python3 (module-mode and
-# workload tests).
+# workload tests), umoci and a static busybox (the OCI image and its test).
 set -euo pipefail
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
@@ -16,6 +16,11 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v file >/dev/null 2>&1 || need+=(file)
 command -v lintian >/dev/null 2>&1 || need+=(lintian)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
+# The wheel test's scratch virtualenv.
+python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# The OCI image (packaging/build-image.sh) and the image test's workload shell (packaging/check.sh).
+command -v umoci >/dev/null 2>&1 || need+=(umoci)
+file -b /bin/busybox 2>/dev/null | grep -q 'statically linked' || need+=(busybox-static)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -164,3 +164,95 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
     assert_eq!(code, Some(0), "{}", node.log());
     assert_stopped_and_reported(&cp, &node, &[]);
 }
+
+/// The shipped image (packaging/build-image.sh), unpacked by packaging/check.sh into the root
+/// filesystem named by `CYBERWAVE_TEST_IMAGE_ROOTFS` (with a static busybox added as the
+/// workloads' shell: the image itself has none). The node runs from it as PID 1 of a new PID and
+/// mount namespace chrooted there, takes a workload, and on SIGTERM stops and reports it; no
+/// zombie is left.
+#[test]
+#[ignore = "needs an unpacked image: packaging/check.sh runs it with CYBERWAVE_TEST_IMAGE_ROOTFS"]
+fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
+    let rootfs = std::path::PathBuf::from(
+        std::env::var("CYBERWAVE_TEST_IMAGE_ROOTFS")
+            .expect("CYBERWAVE_TEST_IMAGE_ROOTFS: the unpacked image's root filesystem"),
+    );
+    assert!(rootfs.join("usr/bin/cyberwave-cloud-node").is_file());
+    let (_b, cp, mut setup) = rig("");
+    std::fs::write(
+        rootfs.join("work/cyberwave.yml"),
+        "cyberwave:\n  training: |\n    echo from-the-image\n    exec sleep 60\n",
+    )
+    .unwrap();
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
+    setup.set("CYBERWAVE_EDGE_CONFIG_DIR", "/var/lib/cyberwave-cloud-node");
+    setup.set("HOME", "/root");
+    setup.set("PATH", "/usr/bin:/bin");
+    setup.under = vec![
+        "unshare".into(),
+        "--pid".into(),
+        "--fork".into(),
+        "--mount".into(),
+        format!("--root={}", rootfs.display()),
+        "--wd=/work".into(),
+        "--mount-proc".into(),
+        "--kill-child".into(),
+    ];
+    setup.bin = Some("/usr/bin/cyberwave-cloud-node".into());
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        node.log().contains("container's main process"),
+        "{}",
+        node.log()
+    );
+    let uuid =
+        std::fs::read_to_string(rootfs.join("var/lib/cyberwave-cloud-node/instance_identity.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|v| v["uuid"].as_str().map(String::from))
+            .expect("the node's identity in the image's state dir");
+    cp.command(
+        &uuid,
+        json!({"command": "training", "request_id": "img", "params": {"workload_uuid": "wl-img"}}),
+    );
+    let r = cp.wait_reply("img", REPLY).expect("reply");
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        node.wait_stdout("from-the-image", REPLY),
+        "{}",
+        node.stdout()
+    );
+    let inner: i32 = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the node under unshare");
+    // SAFETY: the test's own node process.
+    unsafe {
+        libc::kill(inner, libc::SIGTERM);
+    }
+    let code = node
+        .wait_exit(Duration::from_secs(6))
+        .expect("the node exits");
+    assert_eq!(code, Some(0), "{}", node.log());
+    let st = last_status(&cp, "wl-img");
+    assert_eq!(st["status"], "failed", "{st}");
+    assert_eq!(st["reason"], "the node's container is stopping", "{st}");
+}
+
+/// The container examples' manifests are valid for the node (and the platform's validator).
+#[test]
+fn the_container_examples_manifests_validate() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for m in [
+        "examples/docker/cyberwave.yml",
+        "examples/compose/node/cyberwave.yml",
+    ] {
+        let setup = crate::support::node::NodeSetup::bare();
+        let path = root.join(m);
+        let out = setup.run(&["validate", &path.display().to_string()]);
+        assert_eq!(out.code, Some(0), "{m}: {out:?}");
+    }
+}

@@ -27,6 +27,7 @@ mod manifest_corpus;
 mod no_panic;
 mod operate;
 mod persist;
+mod pip;
 mod platform;
 mod results;
 mod starts;

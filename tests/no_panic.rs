@@ -83,6 +83,7 @@ fn huge_seconds_in_the_environment_are_no_panic() {
                 cwd: base.cwd.clone(),
                 uid: None,
                 under: Vec::new(),
+                bin: None,
             };
             s.set(var, v);
             let out = s.run(&["config", "--json"]);

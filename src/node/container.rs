@@ -45,7 +45,9 @@ fn grace_of(v: Option<&str>) -> Duration {
 
 /// When the stop must be over: one second before the grace ends (at least half of it).
 pub fn deadline_after(grace: Duration) -> Duration {
-    grace.saturating_sub(Duration::from_secs(1)).max(kill_after(grace))
+    grace
+        .saturating_sub(Duration::from_secs(1))
+        .max(kill_after(grace))
 }
 
 /// After how long a stopped workload that ignored SIGTERM gets SIGKILL: half the grace.

@@ -24,6 +24,8 @@ pub struct NodeSetup {
     pub uid: Option<u32>,
     /// A command the node runs under (e.g. `unshare --pid --fork`): its argv before the binary.
     pub under: Vec<String>,
+    /// The binary's path as the node's command line names it (e.g. inside a chroot).
+    pub bin: Option<PathBuf>,
 }
 
 impl NodeSetup {
@@ -75,6 +77,7 @@ impl NodeSetup {
             cwd: work,
             uid: None,
             under: Vec::new(),
+            bin: None,
         }
     }
 
@@ -166,13 +169,14 @@ pub struct NodeProcess {
 
 impl NodeProcess {
     fn spawn(setup: &NodeSetup) -> NodeProcess {
+        let bin = setup.bin.clone().unwrap_or_else(node_bin);
         let mut cmd = match setup.under.split_first() {
             Some((prog, rest)) => {
                 let mut c = Command::new(prog);
-                c.args(rest).arg(node_bin());
+                c.args(rest).arg(bin);
                 c
             }
-            None => Command::new(node_bin()),
+            None => Command::new(bin),
         };
         if let Some(uid) = setup.uid {
             use std::os::unix::process::CommandExt;

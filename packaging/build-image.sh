@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Builds the node's OCI image (no Docker daemon needed) as an OCI image layout in
+# target/image/oci (tag: the version) and as an archive target/image/cyberwave-cloud-node-oci.tar
+# (`podman load -i …`, or `skopeo copy oci-archive:… docker-daemon:cyberwave-cloud-node:TAG`).
+#
+# Contents: the static binary (packaging/build-static.sh, or BIN given as $1), the CA bundle,
+# a minimal /etc/passwd and /etc/group (root, nobody), an empty /tmp and the state dir
+# /var/lib/cyberwave-cloud-node as a volume. Entrypoint `cyberwave-cloud-node start`; the node
+# then runs as PID 1 and stops and reports its workloads on `docker stop` (README, "Running in
+# a container"). There is no shell in it: workloads need an image of their own that adds the
+# node (examples/docker/Dockerfile).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/static/cyberwave-cloud-node}
+[ -x "$bin" ] || ./packaging/build-static.sh
+if ! command -v umoci >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends umoci >/dev/null
+fi
+ca=/etc/ssl/certs/ca-certificates.crt
+[ -s "$ca" ] || { echo "FAIL: no CA bundle at $ca (install ca-certificates)" >&2; exit 1; }
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+out=target/image
+layout=$out/oci
+rm -rf "$out"
+mkdir -p "$out"
+umoci init --layout "$layout"
+umoci new --image "$layout:$version"
+bundle=$(mktemp -d)
+trap 'rm -rf "$bundle"' EXIT
+umoci unpack --image "$layout:$version" "$bundle/b"
+root="$bundle/b/rootfs"
+install -D -m 0755 "$bin" "$root/usr/bin/cyberwave-cloud-node"
+install -D -m 0644 "$ca" "$root/etc/ssl/certs/ca-certificates.crt"
+printf 'root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\n' > "$root/etc/passwd"
+printf 'root:x:0:\nnogroup:x:65534:\n' > "$root/etc/group"
+chmod 0644 "$root/etc/passwd" "$root/etc/group"
+install -d -m 0700 "$root/root" "$root/var/lib/cyberwave-cloud-node"
+install -d -m 1777 "$root/tmp"
+install -d -m 0755 "$root/work"
+umoci repack --image "$layout:$version" "$bundle/b"
+umoci config --image "$layout:$version" \
+  --author "Cyberwave" \
+  --config.entrypoint /usr/bin/cyberwave-cloud-node --config.entrypoint start \
+  --config.env CYBERWAVE_EDGE_CONFIG_DIR=/var/lib/cyberwave-cloud-node \
+  --config.env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
+  --config.env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  --config.volume /var/lib/cyberwave-cloud-node \
+  --config.workingdir /work \
+  --config.stopsignal SIGTERM \
+  --config.label "org.opencontainers.image.title=cyberwave-cloud-node" \
+  --config.label "org.opencontainers.image.version=$version" \
+  --config.label "org.opencontainers.image.source=https://github.com/cyberwave-os/cyberwave-cloud-node"
+umoci gc --layout "$layout"
+tar -C "$layout" -cf "$out/cyberwave-cloud-node-oci.tar" .
+umoci stat --image "$layout:$version" >/dev/null
+echo "image: $layout:$version ($(du -sh "$out/cyberwave-cloud-node-oci.tar" | cut -f1) archive: $out/cyberwave-cloud-node-oci.tar)"

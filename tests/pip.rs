@@ -1,0 +1,158 @@
+//! `pip install cyberwave-cloud-node` (issue 24 item 6): the wheel packaging/build-wheel.py
+//! builds, installed into a scratch virtualenv, puts the binary on PATH and keeps the documented
+//! Python API (`CloudNode`, `CloudNodeConfig`), whose `run()` runs the binary, forwards SIGTERM
+//! and returns its exit code.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::support::{node_bin, rig, TempDir};
+
+/// One wheel and one virtualenv for the whole test run (building and installing take seconds).
+fn venv() -> &'static (TempDir, PathBuf) {
+    static VENV: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
+    VENV.get_or_init(|| {
+        let dir = TempDir::new("pip");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let wheels = dir.join("wheels");
+        // The binary under test without its debug sections (a debug build is ~60 MB of them):
+        // the same program, packed and installed in seconds.
+        let bin = dir.join("cyberwave-cloud-node");
+        let stripped = Command::new("strip")
+            .arg("-o")
+            .arg(&bin)
+            .arg(node_bin())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if !stripped {
+            std::fs::copy(node_bin(), &bin).unwrap();
+        }
+        let built = Command::new("python3")
+            .arg(root.join("packaging/build-wheel.py"))
+            .arg("--bin")
+            .arg(&bin)
+            .arg("--channel")
+            .arg("dev")
+            .arg("--build")
+            .arg("7")
+            .arg("--out")
+            .arg(&wheels)
+            .arg("--stored")
+            .output()
+            .expect("python3");
+        assert!(built.status.success(), "{built:?}");
+        let wheel = PathBuf::from(String::from_utf8_lossy(&built.stdout).trim());
+        assert!(
+            wheel
+                .display()
+                .to_string()
+                .contains("-0.3.0.dev7-py3-none-manylinux_2_17_x86_64"),
+            "{}",
+            wheel.display()
+        );
+        // The virtualenv is kept between runs (making one installs pip: seconds to a minute);
+        // the wheel is installed into it anew each run. A lock keeps test processes in turn.
+        let env = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("pip-test-venv");
+        let lock = std::fs::File::create(format!("{}.lock", env.display())).unwrap();
+        // SAFETY: flock on a descriptor we own; released when `lock` is dropped.
+        unsafe {
+            libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX);
+        }
+        if !env.join("bin/pip").exists() {
+            let _ = std::fs::remove_dir_all(&env);
+            let made = Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(&env)
+                .output()
+                .unwrap();
+            assert!(made.status.success(), "python3 -m venv: {made:?}");
+        }
+        let pip = Command::new(env.join("bin/pip"))
+            .args([
+                "install",
+                "--no-index",
+                "--no-deps",
+                "--force-reinstall",
+                "--quiet",
+            ])
+            .arg(&wheel)
+            .output()
+            .unwrap();
+        assert!(pip.status.success(), "pip install: {pip:?}");
+        drop(lock);
+        (dir, env)
+    })
+}
+
+#[test]
+fn pip_install_puts_the_binary_on_path_and_python_m_runs_it() {
+    let (_, env) = venv();
+    let v = Command::new(env.join("bin/cyberwave-cloud-node"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(v.status.success(), "{v:?}");
+    assert!(
+        String::from_utf8_lossy(&v.stdout).contains("0.3.0"),
+        "{v:?}"
+    );
+    let m = Command::new(env.join("bin/python"))
+        .args(["-m", "cyberwave_cloud_node", "--version"])
+        .env_remove("CYBERWAVE_NODE_BIN")
+        .output()
+        .unwrap();
+    assert_eq!(m.stdout, v.stdout, "{m:?}");
+    let api = Command::new(env.join("bin/python"))
+        .args([
+            "-c",
+            "import cyberwave_cloud_node as c; n = c.CloudNode.from_config_file(slug='s1'); print(c.__version__, n.command()[1:]); print(c.CloudNode(config=c.CloudNodeConfig(profile_slug='gpu', mqtt_port=1883, training='t {body}')).command()[1:])",
+        ])
+        .env_remove("CYBERWAVE_NODE_BIN")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&api.stdout);
+    assert!(
+        out.contains("0.3.0.dev7 ['start', '--slug', 's1']"),
+        "{api:?}"
+    );
+    assert!(
+        out.contains("['start', '--profile', 'gpu', '--mqtt-port', '1883']"),
+        "{api:?}"
+    );
+}
+
+/// The documented programmatic form runs the node (standalone here: no backend needed);
+/// SIGTERM to the Python process reaches the node, which stops gracefully, and `run()` returns
+/// its exit code.
+#[test]
+fn the_python_api_runs_the_node_and_forwards_sigterm() {
+    let (_, env) = venv();
+    let (_b, _cp, mut setup) = rig("");
+    let script = setup.write(
+        "run_node.py",
+        "import sys\nfrom cyberwave_cloud_node import CloudNode, CloudNodeConfig\nconfig = CloudNodeConfig(training='echo from-python {body}', heartbeat_interval=30)\ncode = CloudNode(config=config, slug='py-node', args=['--standalone']).run()\nprint('run returned', code, flush=True)\nsys.exit(code)\n",
+    );
+    setup.bin = Some(env.join("bin/python"));
+    setup.args = vec![script.display().to_string()];
+    setup.unset("CYBERWAVE_NODE_BIN");
+    let mut node = setup.spawn();
+    node.wait_ready(Duration::from_secs(15));
+    let cfg = setup.run(&["config", "--json"]);
+    assert_eq!(cfg.code, Some(0), "{cfg:?}");
+    node.sigterm();
+    let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert_eq!(code, Some(0), "{}", node.log());
+    assert!(
+        node.stdout().contains("run returned 0"),
+        "{}",
+        node.stdout()
+    );
+    assert!(
+        node.log().contains("SIGTERM") || node.log().contains("Term"),
+        "{}",
+        node.log()
+    );
+}

@@ -235,7 +235,8 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     let (control_tx, control) = unbounded();
-    if let Err(e) = crate::control::serve(&dir.join("control.sock"), control_tx) {
+    let sock = dir.join("control.sock");
+    if let Err(e) = crate::control::serve(&sock, control_tx) {
         return Err(StartupError::Runtime(format!(
             "cannot open the control socket {}: {e}",
             dir.join("control.sock").display()
@@ -473,7 +474,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
     let pump = |stream: Box<dyn std::io::Read + Send>, name: &'static str| {
         let path = log_dir.join(format!("install.{name}.log"));
         std::thread::spawn(move || {
-            let mut file = std::fs::File::create(&path).ok();
+            let mut file = store::create_state_file(&path, 0o600).ok();
             let mut tail: Vec<String> = Vec::new();
             for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
                 let line = String::from_utf8_lossy(&line).into_owned();

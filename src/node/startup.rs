@@ -235,11 +235,19 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     let (control_tx, control) = unbounded();
+    // A directory in the socket's place cannot be replaced (a stale socket or file can): the
+    // operator must remove it, and restarting would not help (exit 2, not a restart loop).
     let sock = dir.join("control.sock");
+    if std::fs::symlink_metadata(&sock).is_ok_and(|m| m.is_dir()) {
+        return Err(StartupError::Config(format!(
+            "{} is a directory where the node's control socket belongs; remove that directory and start the node again",
+            sock.display()
+        )));
+    }
     if let Err(e) = crate::control::serve(&sock, control_tx) {
         return Err(StartupError::Runtime(format!(
             "cannot open the control socket {}: {e}",
-            dir.join("control.sock").display()
+            sock.display()
         )));
     }
     if let Some(u) = &workload_user {

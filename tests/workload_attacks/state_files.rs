@@ -319,3 +319,22 @@ fn d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_or_d
         node.log()
     );
 }
+
+/// A directory where the control socket belongs cannot be replaced: exit 2 (no restart loop
+/// under systemd) naming the path.
+#[test]
+fn a_directory_in_place_of_the_control_socket_is_exit_2_naming_it() {
+    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let sock = setup.config_dir().join("control.sock");
+    std::fs::create_dir_all(sock.join("inner")).unwrap();
+    let mut node = setup.spawn();
+    assert_eq!(node.wait_exit(READY), Some(Some(2)), "{}", node.log());
+    assert!(
+        node.log()
+            .contains(&format!("{} is a directory", sock.display())),
+        "{}",
+        node.log()
+    );
+    assert!(!node.log().contains("node ready"), "{}", node.log());
+    assert!(sock.join("inner").is_dir(), "left as it is");
+}

@@ -139,11 +139,33 @@ dpkg_in -r cyberwave-cloud-node-dev
 [ ! -e "$R/usr/bin/cyberwave-cloud-node" ] || fail "remove: the binary is still there"
 kept remove
 
+echo "lifecycle: purge while a workload runs: its state is kept"
+# Its record as the node's supervisor writes it: the pid and its start time (field 22), plus
+# one of a workload that ended and one whose pid was recycled (neither holds the state back).
+ticks=$(sed 's/.*) //' "/proc/$workload/stat" | cut -d' ' -f20)
+mkdir -p "$state/workloads/w-run" "$state/workloads/w-done" "$state/workloads/w-recycled"
+echo "{\"pid\":$workload,\"start_ticks\":$ticks,\"shim_pid\":$workload,\"shim_start_ticks\":$ticks}" >"$state/workloads/w-run/started.json"
+cp "$state/workloads/w-run/started.json" "$state/workloads/w-done/started.json"
+echo '{"exit_code":0}' >"$state/workloads/w-done/exit.json"
+echo "{\"pid\":$workload,\"start_ticks\":$((ticks + 1))}" >"$state/workloads/w-recycled/started.json"
+mkfifo "$state/workloads/w-fifo" 2>/dev/null || true # a planted FIFO never hangs the script
+mkdir -p "$state/workloads/w-fifo2" && mkfifo "$state/workloads/w-fifo2/started.json"
+dpkg_in -P cyberwave-cloud-node-dev
+[ "$(status cyberwave-cloud-node-dev)" = not-installed ] || fail "purge: $(status cyberwave-cloud-node-dev)"
+[ -f "$state/identity.json" ] || fail "purge deleted the state of a running workload"
+grep -q "not removing /var/lib/cyberwave-cloud-node: workloads still run there (pid $workload)" "$log" ||
+  fail "purge did not say why it kept the state dir: $(tail -5 "$log")"
+[ ! -e "$env_file" ] || fail "purge left the env file"
+[ ! -e "$wants" ] && [ ! -e "$mask" ] || fail "purge left enablement or mask links"
+alive || fail "purge killed the workload"
+
 echo "lifecycle: purge"
+dpkg_in -i "$dev"
+kill "$workload" && wait "$workload" 2>/dev/null || true
+workload=""
 dpkg_in -P cyberwave-cloud-node-dev
 [ "$(status cyberwave-cloud-node-dev)" = not-installed ] || fail "purge: $(status cyberwave-cloud-node-dev)"
 [ ! -e "$state" ] || fail "purge left the state dir"
 [ ! -e "$env_file" ] || fail "purge left the env file"
 [ ! -e "$wants" ] && [ ! -e "$mask" ] || fail "purge left enablement or mask links"
-alive || fail "purge killed the workload"
-echo "lifecycle: OK (install, upgrade, downgrade, -dev replaces stable, remove, purge)"
+echo "lifecycle: OK (install, upgrade, downgrade, -dev replaces stable, remove, purge with a running workload, purge)"

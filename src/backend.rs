@@ -343,12 +343,17 @@ fn checked_url(url: &str) -> Result<(), (bool, String)> {
     }
 }
 
+/// Opens a workload's result file for upload: only a regular file, never through a link, and
+/// never blocking (the workload may have swapped it for a FIFO after the folder was listed).
+fn open_result(path: &std::path::Path) -> Result<(std::fs::File, u64), (bool, String)> {
+    crate::store::open_state_file(path)
+        .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))
+}
+
 /// E12: streams a file to a signed URL. `Err((retriable, why))`.
 pub fn put_file(url: &str, path: &std::path::Path) -> Result<(), (bool, String)> {
     checked_url(url)?;
-    let file = std::fs::File::open(path)
-        .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))?;
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let (file, size) = open_result(path)?;
     // A signed URL carries its own authorisation: no API headers here.
     let answer = agent(transfer_timeout(size))
         .put(url)
@@ -403,9 +408,7 @@ impl Backend {
         path: &std::path::Path,
         filename: &str,
     ) -> Result<(), (bool, String)> {
-        let file = std::fs::File::open(path)
-            .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))?;
-        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let (file, size) = open_result(path)?;
         // A random boundary: a file that happens to contain it would end the part early.
         let boundary = format!(
             "cyberwave-node-{}",
@@ -507,6 +510,37 @@ mod tests {
             }
         }
         let _ = std::fs::remove_file(&file);
+    }
+
+    #[test]
+    fn a_result_file_swapped_for_a_fifo_or_a_link_is_refused_without_blocking() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = std::env::temp_dir().join(format!("cw-backend-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("result.bin");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let link = dir.join("link.bin");
+        std::os::unix::fs::symlink("/etc/passwd", &link).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (f, l) = (fifo.clone(), link.clone());
+        std::thread::spawn(move || {
+            // Nothing listens there: only the open is tried.
+            let _ = tx.send((
+                put_file("http://127.0.0.1:9/x", &f),
+                put_file("http://127.0.0.1:9/x", &l),
+            ));
+        });
+        let (a, b) = rx
+            .recv_timeout(std::time::Duration::from_secs(3))
+            .expect("the upload blocks on a FIFO");
+        for r in [a, b] {
+            let (retriable, why) = r.unwrap_err();
+            assert!(!retriable && why.contains("not a regular file"), "{why}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -3,9 +3,7 @@
 //! bounded to the newest 10 000 entries and 7 days, compacted when loaded.
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -93,9 +91,14 @@ struct Scan {
 }
 
 /// Reads the ledger line by line, never holding more than one line (at most
-/// [`MAX_LINE_BYTES`]) and the newest [`MAX_ENTRIES`] entries in memory.
-fn scan(path: &Path, cutoff: f64) -> std::io::Result<Scan> {
-    let mut reader = BufReader::new(std::fs::File::open(path)?);
+/// [`MAX_LINE_BYTES`]) and the newest [`MAX_ENTRIES`] entries in memory. Only a regular file
+/// is read (D48: a FIFO in its place never blocks the node).
+fn scan(path: &Path, cutoff: f64) -> Result<Scan, store::ReadError> {
+    let (file, _) = store::open_state_file(path)?;
+    scan_lines(BufReader::new(file), cutoff).map_err(store::ReadError::Io)
+}
+
+fn scan_lines(mut reader: BufReader<std::fs::File>, cutoff: f64) -> std::io::Result<Scan> {
     let mut out = Scan {
         list: VecDeque::new(),
         valid: 0,
@@ -168,7 +171,7 @@ impl Ledger {
         let cutoff = now() - MAX_AGE_SECS;
         let scan = match scan(&path, cutoff) {
             Ok(s) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Scan {
+            Err(store::ReadError::Missing) => Scan {
                 list: VecDeque::new(),
                 valid: 0,
                 rekeyed: 0,
@@ -280,11 +283,8 @@ pub fn append(path: &Path, entries: &[Entry]) -> std::io::Result<()> {
         .iter()
         .map(|e| serde_json::to_string(e).unwrap_or_default() + "\n")
         .collect();
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(path)?;
+    // A FIFO or link planted in its place is quarantined, never written through or blocked on.
+    let mut f = store::open_state_append(path, 0o600)?;
     f.write_all(text.as_bytes())?;
     store::slow_disk_pause();
     f.sync_data()

@@ -437,7 +437,9 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
             "MQTT client id",
             format!(
                 "another client took this node's broker session over (at {}): a copy of {} runs elsewhere with the same node_id; stop the copy, delete node_id and instance_identity.json in its state dir, start it again",
-                std::fs::read_to_string(&marker).unwrap_or_default().trim(),
+                crate::store::read_state_file(&marker, crate::store::MAX_RECORD_BYTES)
+                    .map(|b| crate::store::clip(String::from_utf8_lossy(&b).trim(), 64))
+                    .unwrap_or_default(),
                 settings.config_dir.value.display()
             ),
         );
@@ -512,8 +514,16 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
         if !existing.is_dir() {
             return Err(format!("{} is not a folder", existing.display()));
         }
-        let probe = existing.join(format!(".cw-doctor-{}", std::process::id()));
-        std::fs::write(&probe, b"")
+        // A fresh name, created exclusively: never a planted FIFO or link (D48).
+        let probe = existing.join(format!(
+            ".cw-doctor-{}-{}",
+            std::process::id(),
+            crate::util::hex(&crate::util::random_bytes::<4>())
+        ));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)
             .map_err(|e| format!("cannot write in {}: {e}", existing.display()))?;
         let _ = std::fs::remove_file(&probe);
         Ok(())

@@ -67,7 +67,7 @@ impl Item {
 
 /// Reads and validates one entry file.
 fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::ReadError> {
-    parse_entry(&crate::store::read_capped(
+    parse_entry(&crate::store::read_state_file(
         path,
         crate::store::MAX_ENTRY_BYTES,
     )?)

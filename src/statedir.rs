@@ -162,7 +162,7 @@ pub fn lock(dir: &Path) -> Result<Lock, StateDirError> {
         .truncate(false)
         .mode(0o600)
         // A planted symlink is not followed.
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| {
             if matches!(

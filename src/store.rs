@@ -147,6 +147,8 @@ pub enum ReadError {
     Io(io::Error),
     /// Larger than the cap for its kind.
     TooBig { size: u64, cap: u64 },
+    /// Not a regular file (D48): a FIFO, socket, device, symlink or directory in its place.
+    NotRegular(&'static str),
     /// Not valid JSON of the expected shape, or a value out of range.
     Invalid(String),
 }
@@ -155,7 +157,10 @@ impl ReadError {
     /// Whether the file itself is bad (and should be quarantined), not merely absent or
     /// unreadable for now.
     pub fn is_bad_content(&self) -> bool {
-        matches!(self, ReadError::TooBig { .. } | ReadError::Invalid(_))
+        matches!(
+            self,
+            ReadError::TooBig { .. } | ReadError::Invalid(_) | ReadError::NotRegular(_)
+        )
     }
 }
 
@@ -168,27 +173,75 @@ impl std::fmt::Display for ReadError {
                 write!(f, "{size} bytes, more than the {cap} bytes allowed")
             }
             ReadError::Invalid(why) => write!(f, "{why}"),
+            ReadError::NotRegular(what) => write!(f, "not a regular file ({what})"),
         }
     }
 }
 
-/// Reads a whole file, refusing one larger than `cap` bytes (it is never read into memory).
-pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
-    use std::io::Read;
-    let f = match fs::File::open(path) {
+/// What a path holds when it is not a regular file (for [`ReadError::NotRegular`]).
+fn kind_of(t: fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_symlink() {
+        "a symlink"
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a plain file"
+    }
+}
+
+/// Opens a state file for reading (decision D48): never follows a symlink, never blocks (a
+/// FIFO, socket or device in its place is refused, most without even being opened), and
+/// checks with `fstat` on the open descriptor that it is a regular file. Returns the file and
+/// its size. Every reader of a state file goes through here (or [`read_state_file`]).
+pub fn open_state_file(path: &Path) -> Result<(fs::File, u64), ReadError> {
+    // A look first, so that nothing but a regular file is ever opened (opening a device can
+    // have effects); the `fstat` below decides, as the path may be swapped in between.
+    match fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_file() => {
+            return Err(ReadError::NotRegular(kind_of(m.file_type())))
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
+        Err(e) => return Err(ReadError::Io(e)),
+    }
+    let f = match OpenOptions::new()
+        .read(true)
+        // std adds O_CLOEXEC itself.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(path)
+    {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
+        // Swapped for a symlink (ELOOP) or a socket (ENXIO) since the look above.
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(ReadError::NotRegular("a symlink"))
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+            return Err(ReadError::NotRegular("a socket or device"))
+        }
         Err(e) => return Err(ReadError::Io(e)),
     };
     let md = f.metadata().map_err(ReadError::Io)?;
-    if !md.is_file() {
-        return Err(ReadError::Invalid("not a regular file".into()));
+    if !md.file_type().is_file() {
+        return Err(ReadError::NotRegular(kind_of(md.file_type())));
     }
-    if md.len() > cap {
-        return Err(ReadError::TooBig {
-            size: md.len(),
-            cap,
-        });
+    Ok((f, md.len()))
+}
+
+/// Reads a whole state file of at most `cap` bytes, opened by [`open_state_file`] (only a
+/// regular file is read; a larger one is refused and never read into memory).
+pub fn read_state_file(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
+    use std::io::Read;
+    let (f, size) = open_state_file(path)?;
+    if size > cap {
+        return Err(ReadError::TooBig { size, cap });
     }
     let mut buf = Vec::new();
     // The file may grow between the size check and the read: never read past the cap.
@@ -200,6 +253,67 @@ pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
         return Err(ReadError::TooBig { size: len, cap });
     }
     Ok(buf)
+}
+
+/// Creates (or truncates) a state file for writing with `mode`, with the guards of
+/// [`open_state_file`]: a symlink is not followed, and a FIFO or anything else that is not a
+/// regular file in its place is refused without blocking (for logs the node writes as it goes,
+/// which [`write_atomic`] cannot replace).
+pub fn create_state_file(path: &Path, mode: u32) -> io::Result<fs::File> {
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(path)?;
+    let md = f.metadata()?;
+    if md.file_type().is_file() {
+        Ok(f)
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("not a regular file ({})", kind_of(md.file_type())),
+        ))
+    }
+}
+
+/// Opens a state file for appending (created with `mode` when absent), with the guards of
+/// [`open_state_file`]: a symlink is not followed, a FIFO never blocks the writer, and
+/// something that is not a regular file in its place is quarantined (one ERROR line) and a
+/// fresh file is made.
+pub fn open_state_append(path: &Path, mode: u32) -> io::Result<fs::File> {
+    let open = || -> io::Result<fs::File> {
+        let f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+            .open(path)?;
+        let md = f.metadata()?;
+        if md.file_type().is_file() {
+            Ok(f)
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("not a regular file ({})", kind_of(md.file_type())),
+            ))
+        }
+    };
+    match open() {
+        Ok(f) => Ok(f),
+        Err(e) => {
+            let not_regular = matches!(
+                fs::symlink_metadata(path),
+                Ok(m) if !m.file_type().is_file()
+            );
+            if !not_regular {
+                return Err(e);
+            }
+            quarantine(path, &format!("not a regular file ({e})"))?;
+            open()
+        }
+    }
 }
 
 /// Parses a persisted record (at most `cap` bytes) and validates it.
@@ -217,7 +331,7 @@ pub fn read_record<T>(path: &Path, cap: u64) -> Result<T, ReadError>
 where
     T: serde::de::DeserializeOwned + Validate,
 {
-    parse_record(&read_capped(path, cap)?)
+    parse_record(&read_state_file(path, cap)?)
 }
 
 /// Like [`read_record`], but a file that is there and bad is quarantined (with its one ERROR
@@ -529,6 +643,131 @@ mod tests {
         ));
         let e = read_record::<Rec>(&dir, 100).unwrap_err();
         assert!(e.is_bad_content(), "a directory is not a record: {e}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn mkfifo(p: &Path) {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    }
+
+    /// Runs `f` on a thread and fails (instead of hanging the test run) when it blocks.
+    fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(3))
+            .unwrap_or_else(|_| panic!("{what}: blocked"))
+    }
+
+    #[test]
+    fn d48_only_regular_files_are_read_back_and_nothing_blocks() {
+        let dir = scratch("kinds");
+        let target = dir.join("target.json");
+        fs::write(&target, "{\"n\":1}").unwrap();
+        let fifo = dir.join("fifo.json");
+        mkfifo(&fifo);
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let dangling = dir.join("dangling.json");
+        std::os::unix::fs::symlink(dir.join("nothing"), &dangling).unwrap();
+        let sub = dir.join("dir.json");
+        fs::create_dir(&sub).unwrap();
+        let sock = dir.join("sock.json");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        for (path, kind) in [
+            (fifo, "a FIFO"),
+            (link, "a symlink"),
+            (dangling, "a symlink"),
+            (sub, "a directory"),
+            (sock, "a socket"),
+        ] {
+            let p = path.clone();
+            let e = bounded(kind, move || read_state_file(&p, 100)).unwrap_err();
+            assert!(e.is_bad_content(), "{kind}: {e}");
+            assert!(
+                e.to_string() == format!("not a regular file ({kind})"),
+                "{kind}: {e}"
+            );
+            let p = path.clone();
+            let e = bounded(kind, move || read_record::<Rec>(&p, 100)).unwrap_err();
+            assert!(matches!(e, ReadError::NotRegular(_)), "{kind}: {e}");
+            // Quarantined like a corrupt file, without blocking.
+            let p = path.clone();
+            let got = bounded(kind, move || load_record::<Rec>(&p, 100, "record"));
+            assert!(got.is_none(), "{kind}");
+            assert!(fs::symlink_metadata(&path).is_err(), "{kind} moved away");
+        }
+        // A link's target is untouched; a device is refused (opening one may have effects).
+        assert_eq!(fs::read_to_string(&target).unwrap(), "{\"n\":1}");
+        let e = read_state_file(Path::new("/dev/null"), 100).unwrap_err();
+        assert_eq!(e.to_string(), "not a regular file (a device)");
+        let e = read_state_file(Path::new("/dev/zero"), 100).unwrap_err();
+        assert!(matches!(e, ReadError::NotRegular(_)), "{e}");
+        assert_eq!(fs::read_dir(dir.join(QUARANTINE_DIR)).unwrap().count(), 5);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn d48_an_over_size_state_file_is_refused_unread_and_a_regular_one_is_read() {
+        let dir = scratch("size");
+        let p = dir.join("big.json");
+        fs::write(&p, vec![b' '; 101]).unwrap();
+        let e = read_state_file(&p, 100).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ReadError::TooBig {
+                    size: 101,
+                    cap: 100
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.is_bad_content());
+        fs::write(&p, vec![b' '; 100]).unwrap();
+        assert_eq!(read_state_file(&p, 100).unwrap().len(), 100);
+        assert!(matches!(
+            read_state_file(&dir.join("absent"), 100),
+            Err(ReadError::Missing)
+        ));
+        // A file in place of a directory on the way is not missing: it is an I/O error.
+        assert!(matches!(
+            read_state_file(&p.join("x"), 100),
+            Err(ReadError::Io(_))
+        ));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn d48_appends_and_logs_never_block_on_a_fifo_nor_write_through_a_link() {
+        let dir = scratch("append");
+        let victim = dir.join("victim");
+        fs::write(&victim, "keep").unwrap();
+        let ledger = dir.join("ledger.jsonl");
+        mkfifo(&ledger);
+        let l = ledger.clone();
+        let mut f = bounded("append to a FIFO", move || open_state_append(&l, 0o600)).unwrap();
+        f.write_all(b"line\n").unwrap();
+        assert!(fs::symlink_metadata(&ledger).unwrap().is_file());
+        assert_eq!(fs::read(&ledger).unwrap(), b"line\n");
+        fs::remove_file(&ledger).unwrap();
+        std::os::unix::fs::symlink(&victim, &ledger).unwrap();
+        let mut f = open_state_append(&ledger, 0o600).unwrap();
+        f.write_all(b"x").unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
+        assert_eq!(fs::read_dir(dir.join(QUARANTINE_DIR)).unwrap().count(), 2);
+        let log = dir.join("install.stdout.log");
+        mkfifo(&log);
+        let l = log.clone();
+        assert!(bounded("create over a FIFO", move || create_state_file(&l, 0o600)).is_err());
+        fs::remove_file(&log).unwrap();
+        std::os::unix::fs::symlink(&victim, &log).unwrap();
+        assert!(create_state_file(&log, 0o600).is_err());
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
         fs::remove_dir_all(&dir).unwrap();
     }
 

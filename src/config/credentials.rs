@@ -22,9 +22,10 @@ pub struct Credentials {
 
 impl Credentials {
     pub fn load(path: &Path) -> Credentials {
-        let json: Value = std::fs::read_to_string(path)
+        // Only a regular file is read (D48): a FIFO in its place is no login, never a hang.
+        let json: Value = store::read_state_file(path, store::MAX_ENTRY_BYTES)
             .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
+            .and_then(|t| serde_json::from_slice(&t).ok())
             .unwrap_or(Value::Null);
         let s = |v: &Value| {
             v.as_str()
@@ -152,7 +153,7 @@ const MAX_NODE_ID: usize = 23;
 /// anything else (or is over 64 KiB) is quarantined with one ERROR line, and the caller makes
 /// a new id.
 pub fn load_node_id(path: &Path) -> Option<String> {
-    let why = match store::read_capped(path, store::MAX_RECORD_BYTES) {
+    let why = match store::read_state_file(path, store::MAX_RECORD_BYTES) {
         Ok(bytes) => match std::str::from_utf8(&bytes).map(str::trim) {
             Ok(id)
                 if id.starts_with("cloud_node_")

@@ -36,14 +36,21 @@ impl EnvLayers {
     /// Adds a `.env` file below the layers already present. A missing file is not an error;
     /// an unreadable one is.
     pub fn add_dotenv(&mut self, path: &Path) -> Result<(), String> {
-        match std::fs::read_to_string(path) {
+        // Never a FIFO or a link (D48): `<state dir>/.env` is within a workload's reach.
+        let read =
+            crate::store::read_state_file(path, crate::store::MAX_ENTRY_BYTES).and_then(|b| {
+                String::from_utf8(b).map_err(|_| {
+                    crate::store::ReadError::Invalid("stream did not contain valid UTF-8".into())
+                })
+            });
+        match read {
             Ok(text) => {
                 let vars = parse_dotenv(&text, |name| self.get(name).map(|(v, _)| v))
                     .map_err(|(line, msg)| format!("{}:{line}: {msg}", path.display()))?;
                 self.files.push((path.to_path_buf(), vars));
                 Ok(())
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(crate::store::ReadError::Missing) => Ok(()),
             Err(e) => Err(format!("cannot read {}: {e}", path.display())),
         }
     }

@@ -235,10 +235,19 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     let (control_tx, control) = unbounded();
-    if let Err(e) = crate::control::serve(&dir.join("control.sock"), control_tx) {
+    // A directory in the socket's place cannot be replaced (a stale socket or file can): the
+    // operator must remove it, and restarting would not help (exit 2, not a restart loop).
+    let sock = dir.join("control.sock");
+    if std::fs::symlink_metadata(&sock).is_ok_and(|m| m.is_dir()) {
+        return Err(StartupError::Config(format!(
+            "{} is a directory where the node's control socket belongs; remove that directory and start the node again",
+            sock.display()
+        )));
+    }
+    if let Err(e) = crate::control::serve(&sock, control_tx) {
         return Err(StartupError::Runtime(format!(
             "cannot open the control socket {}: {e}",
-            dir.join("control.sock").display()
+            sock.display()
         )));
     }
     if let Some(u) = &workload_user {
@@ -473,7 +482,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
     let pump = |stream: Box<dyn std::io::Read + Send>, name: &'static str| {
         let path = log_dir.join(format!("install.{name}.log"));
         std::thread::spawn(move || {
-            let mut file = std::fs::File::create(&path).ok();
+            let mut file = store::create_state_file(&path, 0o600).ok();
             let mut tail: Vec<String> = Vec::new();
             for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
                 let line = String::from_utf8_lossy(&line).into_owned();

@@ -180,7 +180,7 @@ pub fn load_json<T: serde::de::DeserializeOwned + store::Validate>(
 
 /// `meta.json` parsed and validated; the log paths are re-rooted in the state dir's log folder.
 fn parse_meta(dir: &Path) -> Result<Meta, store::ReadError> {
-    let bytes = store::read_capped(&dir.join("meta.json"), store::MAX_RECORD_BYTES)?;
+    let bytes = store::read_state_file(&dir.join("meta.json"), store::MAX_RECORD_BYTES)?;
     parse_meta_bytes(&bytes, &logs_dir_of(dir))
 }
 
@@ -814,7 +814,7 @@ fn launch_in(
         cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
         user: user.as_ref().map(user::WorkloadUser::ids),
     };
-    let shim_log = std::fs::File::create(dir.join("shim.log"))
+    let shim_log = store::create_state_file(&dir.join("shim.log"), 0o600)
         .map_err(|e| format!("cannot create the shim log: {e}"))?;
     let mut cmd = Command::new(exe);
     crate::fds::no_inherited_fds(&mut cmd);
@@ -856,7 +856,13 @@ pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
     }
     let sync = |path: &PathBuf| {
         store::slow_disk_pause();
-        if let Err(e) = std::fs::File::open(path).and_then(|f| f.sync_all()) {
+        // Never blocks on a FIFO planted in place of a record (D48).
+        use std::os::unix::fs::OpenOptionsExt;
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path);
+        if let Err(e) = opened.and_then(|f| f.sync_all()) {
             log::warn!("cannot sync {}: {e}", store::shown(path));
         }
     };

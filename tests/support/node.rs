@@ -376,8 +376,13 @@ impl Drop for NodeProcess {
         // Workloads outlive the node by design; a test's must not outlive the test.
         if let Ok(rd) = std::fs::read_dir(self.home.join(".cyberwave/workloads")) {
             for e in rd.flatten() {
-                let started =
-                    std::fs::read_to_string(e.path().join("started.json")).unwrap_or_default();
+                // Never blocks on a FIFO a test planted there.
+                let path = e.path().join("started.json");
+                let started = if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_file()) {
+                    std::fs::read_to_string(&path).unwrap_or_default()
+                } else {
+                    String::new()
+                };
                 let pid = serde_json::from_str::<Value>(&started)
                     .ok()
                     .and_then(|v| v["pid"].as_i64())

@@ -162,6 +162,8 @@ impl Sim {
                             file_len: f.len() as u64,
                             key,
                             offset,
+                            resume: offset,
+                            ..Chunk::default()
                         })
                     }
                     Request::Cut { key, keep, .. } => {
@@ -685,7 +687,17 @@ fn a_chunk_body_matches_the_wire_format() {
         logs: ["a".into(), "b".into()],
         cursor_path: "c".into(),
     };
-    let body = chunk_body("u\"1", 1, b"tab\there \xff\n", &src, 7, 3);
+    let body = chunk_body(
+        "u\"1",
+        1,
+        b"tab\there \xff\n",
+        &src,
+        7,
+        &Notes {
+            dropped: 3,
+            ..Notes::default()
+        },
+    );
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(
         v,
@@ -699,4 +711,253 @@ fn a_chunk_body_matches_the_wire_format() {
             "dropped": 3,
         })
     );
+}
+
+/// D52 against the real tailer's reads on real files: one workload "w1" whose stdout log the
+/// test (as the workload) truncates, replaces or makes sparse.
+struct Disk {
+    st: Streams,
+    out: Fake,
+    dir: std::path::PathBuf,
+    now: Instant,
+    answered: usize,
+}
+
+impl Disk {
+    fn new(name: &str) -> Disk {
+        let dir = std::env::temp_dir().join(format!("cw-streams-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let logs = [dir.join("out.log"), dir.join("err.log")];
+        for l in &logs {
+            std::fs::write(l, b"").unwrap();
+        }
+        let now = Instant::now();
+        let mut st = Streams::new(&settings(1000));
+        st.link(true, "inst-1", now);
+        st.track(
+            ID,
+            Source {
+                kind: "training".into(),
+                request_id: Value::from("req-1"),
+                workload_uuid: Some("wl-1".into()),
+                logs,
+                cursor_path: dir.join("cursor.json"),
+            },
+            Cursor::default(),
+            now,
+        );
+        Disk {
+            st,
+            out: Fake::default(),
+            dir,
+            now,
+            answered: 0,
+        }
+    }
+
+    fn log(&self) -> std::path::PathBuf {
+        self.dir.join("out.log")
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.log())
+            .unwrap();
+        std::io::Write::write_all(&mut f, bytes).unwrap();
+    }
+
+    fn set_len(&mut self, len: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.log())
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
+    /// Lets the node see the file changed and ship everything there is (each chunk answered ok).
+    fn settle(&mut self) {
+        for _ in 0..100 {
+            self.now += Duration::from_secs(1);
+            let now = self.now;
+            self.st.on_tail(Event::Grew(key(0)), now, &mut self.out);
+            self.serve();
+            let before = self.answered;
+            while self.answered < self.out.published.len() {
+                let k = self.out.published[self.answered].0.clone();
+                self.answered += 1;
+                self.st.on_ack(&k, true, now, &mut self.out);
+                self.serve();
+            }
+            if before == self.answered && self.out.tail.is_empty() {
+                return;
+            }
+        }
+        panic!("the stream never settled");
+    }
+
+    fn serve(&mut self) {
+        while !self.out.tail.is_empty() {
+            for job in std::mem::take(&mut self.out.tail) {
+                let ev = match job {
+                    Request::Read {
+                        key,
+                        path,
+                        offset,
+                        max,
+                        marks,
+                    } => Event::Chunk(crate::workload::tail::read(key, &path, offset, max, &marks)),
+                    Request::Cut { key, path, keep } => Event::Cut {
+                        key,
+                        result: crate::workload::tail::cut_front(&path, keep)
+                            .map_err(|e| e.to_string()),
+                    },
+                    Request::Persist { key, path, .. } => Event::Persisted {
+                        key,
+                        path,
+                        result: Ok(()),
+                    },
+                    Request::Watch { .. } | Request::Unwatch(_) => continue,
+                };
+                let now = self.now;
+                self.st.on_tail(ev, now, &mut self.out);
+            }
+        }
+    }
+
+    /// The stdout chunks' bodies.
+    fn bodies(&self) -> Vec<Value> {
+        self.out
+            .published
+            .iter()
+            .filter(|(k, _)| k.stream == 0)
+            .map(|(_, b)| b.clone())
+            .collect()
+    }
+
+    /// The stream as the backend rebuilds it by offset: no gap except one a chunk announces
+    /// (`gap`, `dropped`), no offset that goes back, no NUL byte.
+    fn rebuilt(&self) -> String {
+        let mut text = String::new();
+        let mut next = 0u64;
+        for b in self.bodies() {
+            let offset = b["offset"].as_u64().unwrap();
+            let len = b["length"].as_u64().unwrap();
+            let mut content = b["log_content"].as_str().unwrap().to_string();
+            assert!(!content.contains('\0'), "a NUL byte shipped: {b}");
+            let said = b["gap"].as_u64().unwrap_or(0) + b["dropped"].as_u64().unwrap_or(0);
+            assert_eq!(offset, next + said, "offsets are contiguous: {b}");
+            if len as usize == content.len() + 1 {
+                content.push('\n');
+            }
+            text.push_str(&content);
+            next = offset + len;
+        }
+        text
+    }
+}
+
+impl Drop for Disk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn a_log_truncated_to_zero_continues_with_what_is_written_after() {
+    let mut d = Disk::new("trunc0");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    d.set_len(0);
+    d.write(lines("new", 1, 3).as_bytes());
+    d.settle();
+    // Truncated again and longer than before when the node looks.
+    d.set_len(0);
+    d.write(lines("newer", 1, 20).as_bytes());
+    d.settle();
+    let want = lines("old", 1, 5) + &lines("new", 1, 3) + &lines("newer", 1, 20);
+    assert_eq!(d.rebuilt(), want);
+    let b = d.bodies();
+    assert_eq!(b.len(), 3);
+    assert!(b[0].get("truncated").is_none());
+    assert_eq!(
+        (b[1]["truncated"].clone(), b[2]["truncated"].clone()),
+        (json!(true), json!(true))
+    );
+    let console: String = d.out.console[0].replace("[workload wl-1 stdout] ", "");
+    assert_eq!(console, want, "each line once on the console");
+}
+
+#[test]
+fn a_log_truncated_to_a_middle_offset_loses_and_repeats_nothing() {
+    let mut d = Disk::new("truncmid");
+    for i in 1..=6 {
+        d.write(format!("a {i}\n").as_bytes());
+        d.settle();
+    }
+    d.set_len(lines("a", 1, 3).len() as u64);
+    d.write(lines("b", 1, 10).as_bytes());
+    d.settle();
+    let want = lines("a", 1, 6) + &lines("b", 1, 10);
+    assert_eq!(d.rebuilt(), want);
+    let last = d.bodies().pop().unwrap();
+    assert_eq!(last["truncated"], true);
+    assert_eq!(last["log_content"], lines("b", 1, 10).trim_end());
+    assert_eq!(
+        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        want
+    );
+}
+
+#[test]
+fn a_hole_in_the_middle_is_skipped_and_announced_as_a_gap() {
+    let mut d = Disk::new("hole");
+    d.write(b"before\n");
+    d.settle();
+    d.set_len(64 << 20);
+    d.write(b"after\n");
+    d.settle();
+    assert_eq!(d.rebuilt(), "before\nafter\n");
+    let b = d.bodies();
+    assert_eq!(b.len(), 2);
+    assert_eq!(b[1]["offset"], 64 << 20);
+    assert_eq!(b[1]["gap"], (64 << 20) - 7);
+    assert_eq!(
+        d.out.console[0],
+        "[workload wl-1 stdout] before\n[workload wl-1 stdout] after\n"
+    );
+}
+
+#[test]
+fn a_hole_at_the_end_is_skipped_and_the_stream_drains() {
+    let mut d = Disk::new("holeend");
+    d.write(b"partial");
+    d.settle();
+    d.set_len(1 << 20);
+    d.settle();
+    let now = d.now;
+    d.st.end(ID, now, &mut d.out);
+    d.settle();
+    assert_eq!(d.rebuilt(), "partial");
+    assert!(d.st.drained(ID), "{:?}", d.st.undrained(ID));
+    assert_eq!(d.out.console[0], "[workload wl-1 stdout] partial\n");
+}
+
+#[test]
+fn a_huge_sparse_log_ships_only_its_text_in_milliseconds() {
+    let t = Instant::now();
+    let mut d = Disk::new("huge");
+    d.write(b"x\n");
+    d.settle();
+    d.set_len(3 << 30);
+    d.write(b"y\n");
+    d.settle();
+    assert_eq!(d.rebuilt(), "x\ny\n");
+    assert_eq!(
+        d.out.console[0],
+        "[workload wl-1 stdout] x\n[workload wl-1 stdout] y\n"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
 }

@@ -108,6 +108,8 @@ pub struct Chunk {
     pub gap_follows: bool,
     /// The file's length when it was read.
     pub file_len: u64,
+    /// What it takes on disk (its holes take nothing).
+    pub disk_len: u64,
 }
 
 impl Chunk {
@@ -556,8 +558,12 @@ pub fn read(key: Key, path: &std::path::Path, offset: u64, max: usize, marks: &[
     let Ok(f) = open_log(path, false) else {
         return c;
     };
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let (len, disk) = f.metadata().map_or((0, 0), |m| {
+        use std::os::unix::fs::MetadataExt;
+        (m.len(), m.blocks().saturating_mul(512))
+    });
     c.file_len = len;
+    c.disk_len = disk;
     let check = marks.iter().find(|m| m.end <= offset);
     c.truncated = len < offset || check.is_some_and(|m| !intact(&f, m, len));
     if c.truncated {

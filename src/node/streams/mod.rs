@@ -480,7 +480,9 @@ impl Streams {
         let path = w.src.logs.get(i).cloned().unwrap_or_default();
         // The max_log_bytes cap: the tailer keeps the newest half when the file outgrows it (a
         // copy of up to half a gigabyte: never on the loop).
-        if chunk.file_len > cap {
+        // What the file holds on disk counts, not the holes of a sparse file (D52: they are
+        // skipped, never cut by copying them as zeros).
+        if chunk.file_len.min(chunk.disk_len) > cap {
             s.reading = true;
             out.tail(Request::Cut {
                 key: chunk.key,
@@ -798,7 +800,7 @@ fn skipped(s: &mut Stream, chunk: &Chunk, mirroring: bool, what: &Said<'_>) -> b
         s.mirrored = to;
         if std::mem::replace(&mut s.told_gap, true) {
             log::debug!(
-                "{} has a hole of {} bytes, skipped",
+                "{}: another {} bytes of hole skipped",
                 what.who(),
                 chunk.skipped
             );

@@ -160,6 +160,7 @@ impl Sim {
                         Event::Chunk(Chunk {
                             data: f[from..to].to_vec(),
                             file_len: f.len() as u64,
+                            disk_len: f.len() as u64,
                             key,
                             offset,
                             resume: offset,

@@ -70,6 +70,49 @@ pub struct Cursor {
     pub stdout_base: u64,
     #[serde(default)]
     pub stderr_base: u64,
+    /// The newest mark at or before the acknowledged offset (D52): a truncation while the node
+    /// was down is found after its restart too, even when the log grew back past the cursor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_mark: Option<SavedMark>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_mark: Option<SavedMark>,
+}
+
+/// A [`Mark`] as cursor.json keeps it: its bytes in hex.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SavedMark {
+    pub end: u64,
+    pub tail: String,
+}
+
+impl SavedMark {
+    fn of(m: &Mark) -> SavedMark {
+        SavedMark {
+            end: m.end,
+            tail: m.tail.iter().map(|b| format!("{b:02x}")).collect(),
+        }
+    }
+
+    /// The mark, or `None` when its text is not hex of at most [`MARK_BYTES`] bytes.
+    fn mark(&self) -> Option<Mark> {
+        let t = self.tail.as_bytes();
+        if t.is_empty() || t.len() % 2 != 0 || t.len() > MARK_BYTES.saturating_mul(2) {
+            return None;
+        }
+        let nibble = |c: u8| {
+            char::from(c)
+                .to_digit(16)
+                .and_then(|d| u8::try_from(d).ok())
+        };
+        let tail = t
+            .chunks(2)
+            .map(|p| Some(nibble(*p.first()?)? << 4 | nibble(*p.get(1)?)?))
+            .collect::<Option<Vec<u8>>>()?;
+        (self.end >= tail.len() as u64).then_some(Mark {
+            end: self.end,
+            tail,
+        })
+    }
 }
 
 /// Largest log offset a cursor may hold (1 PiB): far beyond any log, far from overflow.
@@ -78,7 +121,18 @@ pub const MAX_CURSOR: u64 = 1 << 50;
 impl crate::store::Validate for Cursor {
     fn validate(&self) -> Result<(), String> {
         let all = [self.stdout, self.stderr, self.stdout_base, self.stderr_base];
-        crate::store::check_offsets("log offsets", &all, MAX_CURSOR)
+        crate::store::check_offsets("log offsets", &all, MAX_CURSOR)?;
+        for (m, at) in [
+            (&self.stdout_mark, self.stdout),
+            (&self.stderr_mark, self.stderr),
+        ] {
+            if let Some(m) = m {
+                if m.end > at || m.mark().is_none() {
+                    return Err("a log mark is not one of the log's offsets".into());
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -169,11 +223,20 @@ impl Workload {
 
     fn cursor(&self) -> Cursor {
         let [o, e] = &self.streams;
+        let saved = |s: &Stream| {
+            s.marks
+                .iter()
+                .rev()
+                .find(|m| m.end <= s.acked)
+                .map(SavedMark::of)
+        };
         Cursor {
             stdout: o.acked,
             stderr: e.acked,
             stdout_base: o.base,
             stderr_base: e.base,
+            stdout_mark: saved(o),
+            stderr_mark: saved(e),
         }
     }
 }
@@ -270,13 +333,14 @@ impl Streams {
         let shown = crate::logtext::shown(&tag);
         let prefix = STREAM_NAMES.map(|n| format!("[workload {shown} {n}] ").into_bytes());
         let mut streams = [Stream::default(), Stream::default()];
-        for (s, (at, base)) in streams.iter_mut().zip([
-            (cursor.stdout, cursor.stdout_base),
-            (cursor.stderr, cursor.stderr_base),
+        for (s, (at, base, mark)) in streams.iter_mut().zip([
+            (cursor.stdout, cursor.stdout_base, &cursor.stdout_mark),
+            (cursor.stderr, cursor.stderr_base, &cursor.stderr_mark),
         ]) {
             s.acked = at;
             s.mirrored = at;
             s.base = base;
+            s.marks.extend(mark.as_ref().and_then(SavedMark::mark));
             s.pace.unsent(now);
         }
         self.workloads.insert(
@@ -555,9 +619,6 @@ impl Streams {
                 b = chunk_body(&self.uuid, i, &data, &w.src, at, &notes);
                 tries = tries.saturating_add(1);
             }
-            s.dropped_unsent = 0;
-            s.gap_unsent = 0;
-            s.truncated_unsent = false;
             Some(b)
         } else {
             None
@@ -639,6 +700,10 @@ impl Streams {
             return 0;
         }
         s.acked = offset.saturating_add(len);
+        // The notes went with it (a chunk sent again carries them again).
+        s.dropped_unsent = 0;
+        s.gap_unsent = 0;
+        s.truncated_unsent = false;
         s.persisting = true;
         let data = serde_json::to_vec(&w.cursor()).unwrap_or_default();
         out.tail(Request::Persist {

@@ -722,6 +722,10 @@ struct Disk {
     dir: std::path::PathBuf,
     now: Instant,
     answered: usize,
+    /// The last cursor written.
+    cursor: Cursor,
+    /// How chunks are answered (false: refused).
+    ok: bool,
 }
 
 impl Disk {
@@ -729,32 +733,40 @@ impl Disk {
         let dir = std::env::temp_dir().join(format!("cw-streams-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let logs = [dir.join("out.log"), dir.join("err.log")];
-        for l in &logs {
-            std::fs::write(l, b"").unwrap();
+        for l in ["out.log", "err.log"] {
+            std::fs::write(dir.join(l), b"").unwrap();
         }
-        let now = Instant::now();
-        let mut st = Streams::new(&settings(1000));
-        st.link(true, "inst-1", now);
-        st.track(
+        let mut d = Disk {
+            st: Streams::new(&settings(1000)),
+            out: Fake::default(),
+            dir,
+            now: Instant::now(),
+            answered: 0,
+            cursor: Cursor::default(),
+            ok: true,
+        };
+        d.restart();
+        d
+    }
+
+    /// A new node on the same files, from the last cursor written.
+    fn restart(&mut self) {
+        self.st = Streams::new(&settings(1000));
+        self.st.link(true, "inst-1", self.now);
+        let cursor = serde_json::from_slice(&serde_json::to_vec(&self.cursor).unwrap()).unwrap();
+        crate::store::Validate::validate(&cursor).unwrap();
+        self.st.track(
             ID,
             Source {
                 kind: "training".into(),
                 request_id: Value::from("req-1"),
                 workload_uuid: Some("wl-1".into()),
-                logs,
-                cursor_path: dir.join("cursor.json"),
+                logs: [self.dir.join("out.log"), self.dir.join("err.log")],
+                cursor_path: self.dir.join("cursor.json"),
             },
-            Cursor::default(),
-            now,
+            cursor,
+            self.now,
         );
-        Disk {
-            st,
-            out: Fake::default(),
-            dir,
-            now,
-            answered: 0,
-        }
     }
 
     fn log(&self) -> std::path::PathBuf {
@@ -789,10 +801,11 @@ impl Disk {
             while self.answered < self.out.published.len() {
                 let k = self.out.published[self.answered].0.clone();
                 self.answered += 1;
-                self.st.on_ack(&k, true, now, &mut self.out);
+                let ok = self.ok;
+                self.st.on_ack(&k, ok, now, &mut self.out);
                 self.serve();
             }
-            if before == self.answered && self.out.tail.is_empty() {
+            if (before == self.answered || !self.ok) && self.out.tail.is_empty() {
                 return;
             }
         }
@@ -815,11 +828,14 @@ impl Disk {
                         result: crate::workload::tail::cut_front(&path, keep)
                             .map_err(|e| e.to_string()),
                     },
-                    Request::Persist { key, path, .. } => Event::Persisted {
-                        key,
-                        path,
-                        result: Ok(()),
-                    },
+                    Request::Persist { key, path, data } => {
+                        self.cursor = serde_json::from_slice(&data).unwrap();
+                        Event::Persisted {
+                            key,
+                            path,
+                            result: Ok(()),
+                        }
+                    }
                     Request::Watch { .. } | Request::Unwatch(_) => continue,
                 };
                 let now = self.now;
@@ -843,7 +859,14 @@ impl Disk {
     fn rebuilt(&self) -> String {
         let mut text = String::new();
         let mut next = 0u64;
+        let mut by_offset = BTreeMap::new();
         for b in self.bodies() {
+            let offset = b["offset"].as_u64().unwrap();
+            if let Some(had) = by_offset.insert(offset, b.clone()) {
+                assert_eq!(had, b, "a chunk sent again is the same");
+            }
+        }
+        for b in by_offset.into_values() {
             let offset = b["offset"].as_u64().unwrap();
             let len = b["length"].as_u64().unwrap();
             let mut content = b["log_content"].as_str().unwrap().to_string();
@@ -961,4 +984,98 @@ fn a_huge_sparse_log_ships_only_its_text_in_milliseconds() {
         "[workload wl-1 stdout] x\n[workload wl-1 stdout] y\n"
     );
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+#[test]
+fn a_truncation_while_the_node_was_down_is_found_after_its_restart() {
+    let mut d = Disk::new("restart");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    assert!(d.cursor.stdout_mark.is_some(), "the cursor keeps a mark");
+    // The node is down; the workload truncates its log and writes more than it held.
+    d.set_len(0);
+    d.write(lines("new", 1, 20).as_bytes());
+    d.restart();
+    d.settle();
+    assert_eq!(d.rebuilt(), lines("old", 1, 5) + &lines("new", 1, 20));
+    assert_eq!(d.bodies().last().unwrap()["truncated"], true);
+}
+
+#[test]
+fn the_truncated_note_goes_again_with_a_chunk_sent_again() {
+    let mut d = Disk::new("resend");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    d.set_len(0);
+    d.write(b"new\n");
+    d.ok = false;
+    d.settle();
+    d.ok = true;
+    d.settle();
+    let b = d.bodies();
+    assert!(b.len() >= 3, "refused, then sent again: {b:?}");
+    assert!(b[1..].iter().all(|b| b["truncated"] == true), "{b:?}");
+    assert_eq!(d.rebuilt(), lines("old", 1, 5) + "new\n");
+}
+
+#[test]
+fn a_truncation_during_an_outage_is_mirrored_once_and_shipped_after_it() {
+    let mut d = Disk::new("outage");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    let now = d.now;
+    d.st.reset(now);
+    d.st.link(false, "inst-1", now);
+    d.set_len(0);
+    d.write(lines("new", 1, 20).as_bytes());
+    d.settle();
+    let want = lines("old", 1, 5) + &lines("new", 1, 20);
+    assert_eq!(
+        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        want,
+        "mirrored once while disconnected"
+    );
+    let now = d.now;
+    d.st.link(true, "inst-1", now);
+    d.settle();
+    assert_eq!(d.rebuilt(), want);
+    assert_eq!(
+        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        want
+    );
+}
+
+#[test]
+fn a_cursor_mark_that_is_not_hex_or_past_the_cursor_is_refused() {
+    use crate::store::Validate;
+    let with = |end: u64, tail: &str| Cursor {
+        stdout: 10,
+        stdout_mark: Some(SavedMark {
+            end,
+            tail: tail.into(),
+        }),
+        ..Cursor::default()
+    };
+    assert!(with(10, "0a").validate().is_ok());
+    let long = "00".repeat(MARK_BYTES + 1);
+    for (end, tail) in [
+        (11, "0a"),
+        (10, "zz"),
+        (10, "0"),
+        (10, ""),
+        (10, long.as_str()),
+    ] {
+        assert!(with(end, tail).validate().is_err(), "{end} {tail}");
+    }
+    assert!(
+        with(0, "0a").validate().is_err(),
+        "a mark longer than its end"
+    );
+    assert_eq!(
+        with(10, "0a").stdout_mark.unwrap().mark(),
+        Some(Mark {
+            end: 10,
+            tail: vec![10]
+        })
+    );
 }

@@ -289,7 +289,8 @@ struct Worker {
     /// Armed one-shot watches: watch descriptor → stream.
     watches: HashMap<i32, Key>,
     /// Files watched by looking at their size (inotify could not watch them).
-    polled: Vec<(Key, PathBuf, u64)>,
+    /// (stream, path, length, inode: a file renamed over the log is a change too).
+    polled: Vec<(Key, PathBuf, u64, u64)>,
 }
 
 impl Worker {
@@ -424,8 +425,8 @@ impl Worker {
                 armed = Some(wd);
             }
         }
-        let now_len = std::fs::metadata(&path).map(|m| m.len()).ok();
-        if now_len.is_some_and(|l| l != len) {
+        let now = std::fs::metadata(&path).ok();
+        if now.as_ref().is_some_and(|m| m.len() != len) {
             if let (Some(wd), Some(fd)) = (armed, &self.inotify) {
                 self.watches.remove(&wd);
                 // SAFETY: removes a watch of a descriptor this worker owns; no memory involved.
@@ -435,7 +436,8 @@ impl Worker {
         }
         if armed.is_none() {
             self.polled.retain(|(k, ..)| *k != key);
-            self.polled.push((key, path, len));
+            let ino = now.map_or(0, |m| std::os::unix::fs::MetadataExt::ino(&m));
+            self.polled.push((key, path, len, ino));
         }
         None
     }
@@ -511,9 +513,12 @@ impl Worker {
     /// The polling fallback: reports files whose size changed; false once the loop is gone.
     fn poll_sizes(&mut self) -> bool {
         let mut i = 0;
-        while let Some((_, path, len)) = self.polled.get(i) {
-            let now_len = std::fs::metadata(path).map(|m| m.len()).ok();
-            if now_len.is_some_and(|l| l != *len) {
+        while let Some((_, path, len, ino)) = self.polled.get(i) {
+            let now = std::fs::metadata(path).ok();
+            let changed = now.is_some_and(|m| {
+                m.len() != *len || std::os::unix::fs::MetadataExt::ino(&m) != *ino
+            });
+            if changed {
                 let (key, ..) = self.polled.swap_remove(i);
                 if self.out.send(Event::Grew(key)).is_err() {
                     return false;
@@ -817,6 +822,13 @@ mod tests {
         assert!(w.poll_sizes());
         assert!(matches!(rx.try_recv(), Ok(Event::Grew(_))));
         assert!(w.polled.is_empty(), "once");
+        // A file of the same length renamed over it.
+        assert!(w.watch(key(), path.clone(), 3).is_none());
+        let new = dir.join("new");
+        std::fs::write(&new, b"xyz").unwrap();
+        std::fs::rename(&new, &path).unwrap();
+        assert!(w.poll_sizes());
+        assert!(matches!(rx.try_recv(), Ok(Event::Grew(_))));
     }
 
     fn append(path: &std::path::Path, bytes: &[u8]) {
@@ -972,5 +984,26 @@ mod tests {
         assert_eq!((c.data.as_slice(), c.at()), (&b"y\n"[..], (512 << 20) - 2));
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_watch_fires_when_a_file_is_renamed_over_the_log() {
+        let dir = scratch("watchrename");
+        let path = dir.join("out.log");
+        std::fs::write(&path, b"ab").unwrap();
+        let (tx, rx) = unbounded();
+        let t = Tailer::start(tx).unwrap();
+        t.request(Request::Watch {
+            key: key(),
+            path: path.clone(),
+            len: 2,
+        });
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        // The workload keeps writing to the old file through its descriptor: the watch must
+        // not wait for that file to change.
+        let new = dir.join("new");
+        std::fs::write(&new, b"cd").unwrap();
+        std::fs::rename(&new, &path).unwrap();
+        assert!(matches!(next(&rx), Event::Grew(k) if k == key()));
     }
 }

@@ -8,22 +8,29 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
-use crate::support::{Broker, ControlPlane, NodeProcess};
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
 
 const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
 const DONE: Duration = Duration::from_secs(20);
 
 fn rig(script: &str) -> (Broker, ControlPlane, NodeSetup) {
-    let body: String = script.lines().map(|l| format!("    {l}\n")).collect();
+    let body: String = format!("{GO}{script}")
+        .lines()
+        .map(|l| format!("    {l}\n"))
+        .collect();
     let (broker, cp, mut setup) =
         crate::support::rig(&format!("cyberwave:\n  training: |\n{body}"));
     setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
     (broker, cp, setup)
 }
 
-/// Starts workload `wl` and waits for its completion.
-fn run(cp: &ControlPlane, node: &NodeProcess, wl: &str) {
+/// The script waits for the test at `go N`: until the file `goN` is in its folder.
+const GO: &str = "go() { while [ ! -f \"go$1\" ]; do sleep 0.02; done; }\n";
+
+/// Starts workload `wl`; at step N the test waits until the backend has the line `steps[N-1]`,
+/// then lets the script go on past `go N`; then waits for the completion.
+fn run(cp: &ControlPlane, node: &NodeProcess, setup: &NodeSetup, wl: &str, steps: &[&str]) {
     cp.command(
         &node.uuid(),
         json!({"command": "training", "request_id": wl, "params": {"workload_uuid": wl}}),
@@ -32,6 +39,13 @@ fn run(cp: &ControlPlane, node: &NodeProcess, wl: &str) {
         cp.wait_reply(wl, REPLY).expect("start reply")["status"],
         "ok"
     );
+    for (n, line) in steps.iter().enumerate() {
+        let shipped = wait_for(REPLY, || {
+            stream(cp, wl).0.lines().any(|l| l == *line).then_some(())
+        });
+        assert!(shipped.is_some(), "{line:?} never shipped: {}", node.log());
+        std::fs::write(setup.cwd.join(format!("go{}", n + 1)), "").expect("go");
+    }
     assert!(
         cp.wait_status(wl, "completed", DONE).is_some(),
         "no completion: {}",
@@ -92,15 +106,15 @@ fn a_workload_that_truncates_its_log_loses_no_line_written_after() {
     // Truncated to zero and written past the old length at once (before the node looks), then
     // again: every line after each truncation reaches the backend and the console once.
     let (_b, cp, setup) = rig("for i in $(seq 1 20); do echo \"before $i\"; done\n\
-         sleep 0.8\n\
+         go 1\n\
          truncate -s 0 /proc/self/fd/1\n\
          for i in $(seq 1 40); do echo \"after $i\"; done\n\
-         sleep 0.8\n\
+         go 2\n\
          truncate -s 0 /proc/self/fd/1\n\
          for i in $(seq 1 40); do echo \"again $i\"; done\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "wl-trunc");
+    run(&cp, &node, &setup, "wl-trunc", &["before 20", "after 40"]);
     let (text, bodies) = stream(&cp, "wl-trunc");
     let lines: Vec<&str> = text.lines().collect();
     let shown = console(&node, "wl-trunc");
@@ -130,15 +144,15 @@ fn a_workload_that_truncates_its_log_loses_no_line_written_after() {
 #[test]
 fn a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_after() {
     let (_b, cp, setup) = rig("for i in $(seq 1 10); do echo \"keep $i\"; done\n\
-         sleep 0.8\n\
+         go 1\n\
          size=$(stat -L -c %s /proc/$$/fd/1)\n\
          for i in $(seq 1 10); do echo \"cut $i\"; done\n\
-         sleep 0.8\n\
+         go 2\n\
          truncate -s \"$size\" /proc/self/fd/1\n\
          for i in $(seq 1 40); do echo \"after $i\"; done\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "wl-mid");
+    run(&cp, &node, &setup, "wl-mid", &["keep 10", "cut 10"]);
     let (text, _) = stream(&cp, "wl-mid");
     let lines: Vec<&str> = text.lines().collect();
     let shown = console(&node, "wl-mid");
@@ -169,15 +183,15 @@ fn a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_after()
 fn a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
     // A 3 GiB hole in the middle, then one at the end.
     let (_b, cp, setup) = rig("echo before\n\
-         sleep 0.8\n\
+         go 1\n\
          truncate -s 3G /proc/self/fd/1\n\
          echo after\n\
-         sleep 0.8\n\
+         go 2\n\
          truncate -s +1G /proc/self/fd/1\n");
     let node = setup.spawn();
     node.wait_ready(READY);
     let t = std::time::Instant::now();
-    run(&cp, &node, "wl-sparse");
+    run(&cp, &node, &setup, "wl-sparse", &["before", "after"]);
     let (text, bodies) = stream(&cp, "wl-sparse");
     assert_eq!(text, "before\nafter\n");
     assert!(bodies
@@ -204,15 +218,22 @@ fn a_log_replaced_by_a_file_renamed_over_it_is_followed() {
     // the new file at the log's path is streamed.
     let (_b, cp, setup) = rig("log=$(readlink /proc/$$/fd/1)\n\
          echo \"old 1\"\n\
-         sleep 0.8\n\
+         go 1\n\
          for i in $(seq 1 20); do echo \"new $i\"; done > \"$log.tmp\"\n\
          mv \"$log.tmp\" \"$log\"\n\
-         sleep 0.8\n\
+         go 2\n\
          for i in $(seq 21 30); do echo \"new $i\"; done >> \"$log\"\n\
-         sleep 0.8\n");
+         go 3\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "wl-renamed");
+    // The new file streams while the workload runs (its watch woke), not only at its end.
+    run(
+        &cp,
+        &node,
+        &setup,
+        "wl-renamed",
+        &["old 1", "new 20", "new 30"],
+    );
     let (text, _) = stream(&cp, "wl-renamed");
     let lines: Vec<&str> = text.lines().collect();
     let shown = console(&node, "wl-renamed");

@@ -309,12 +309,43 @@ fn transfer_verdict(
             s @ (408 | 409 | 425 | 429 | 500 | 502 | 503 | 504) => Err((true, format!("HTTP {s}"))),
             s => Err((false, format!("HTTP {s}"))),
         },
+        // A URL or request the library cannot even form fails the same way every time.
+        Err(
+            e @ (ureq::Error::BadUri(_)
+            | ureq::Error::Http(_)
+            | ureq::Error::RequireHttpsOnly(_)
+            | ureq::Error::InvalidProxyUrl),
+        ) => Err((false, e.to_string())),
         Err(e) => Err((true, e.to_string())),
+    }
+}
+
+/// A transfer URL must be an absolute http(s) URL with a host; anything else fails at once and
+/// for good (it is not a transient problem to retry).
+fn checked_url(url: &str) -> Result<(), (bool, String)> {
+    // Not the URL itself: a signed URL's query is its credential.
+    let bad = |why: &str| {
+        Err((
+            false,
+            format!(
+                "the upload URL the backend gave cannot be used: {}",
+                crate::logtext::shown(why)
+            ),
+        ))
+    };
+    match url.parse::<ureq::http::Uri>() {
+        Err(e) => bad(&e.to_string()),
+        Ok(u) => match (u.scheme_str(), u.host()) {
+            (Some("http" | "https"), Some(h)) if !h.is_empty() => Ok(()),
+            (Some("http" | "https"), _) => bad("it names no host"),
+            _ => bad("it is not an http(s) URL"),
+        },
     }
 }
 
 /// E12: streams a file to a signed URL. `Err((retriable, why))`.
 pub fn put_file(url: &str, path: &std::path::Path) -> Result<(), (bool, String)> {
+    checked_url(url)?;
     let file = std::fs::File::open(path)
         .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))?;
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -390,6 +421,7 @@ impl Backend {
         } else {
             url.to_string()
         };
+        checked_url(&url)?;
         let body = std::io::Read::chain(
             std::io::Read::chain(std::io::Cursor::new(head), file),
             std::io::Cursor::new(tail),
@@ -455,6 +487,27 @@ fn same_origin(a: &str, b: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn g13_an_upload_url_that_cannot_be_parsed_fails_at_once_and_for_good() {
+        let file = std::env::temp_dir().join(format!("cw-url-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        for url in [
+            "ht tp://example.com/x",
+            "http://[::1/x",
+            "http:///nohost",
+            "ftp://example.com/x",
+            "/relative/only",
+            "",
+            "http://exa mple.com/x",
+        ] {
+            match put_file(url, &file) {
+                Err((false, why)) => assert!(why.contains("upload URL"), "{url}: {why}"),
+                other => panic!("{url:?}: {other:?}"),
+            }
+        }
+        let _ = std::fs::remove_file(&file);
+    }
 
     #[test]
     fn the_token_goes_only_to_the_api_origin() {

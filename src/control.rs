@@ -69,6 +69,45 @@ pub fn serve_with(path: &Path, tx: Sender<Request>, limits: Limits) -> std::io::
     Ok(())
 }
 
+/// D46.3: with a workload user, its group may connect (0660), for `emit` only (see [`handle`]).
+pub fn share_for_emit(path: &Path, gid: u32) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(path, None, Some(gid))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+}
+
+/// The uid of the process at the other end (`SO_PEERCRED`).
+fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::ucred>()).ok()?;
+    // SAFETY: getsockopt writes at most `len` bytes into the ucred we own.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+/// Whether a peer of uid `peer` may make this request: the node's own user and root anything;
+/// anyone else (a workload under `workload_user`) only `emit`, which its event token proves.
+fn allowed(peer: Option<u32>, body: &Value) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    match peer {
+        Some(uid) if uid == me || uid == 0 => true,
+        _ => body.get("op").and_then(Value::as_str) == Some("emit"),
+    }
+}
+
 /// One connection being served: a handle on its socket (to drop it when room is needed) and
 /// whether it is still waiting for its request line.
 struct Slot {
@@ -270,6 +309,8 @@ fn handle(
         )}),
         Ok(line) => match parse_request(&line) {
             None => json!({"ok": false, "error": "the request must be one line of JSON"}),
+            Some(body) if !allowed(peer_uid(&stream), &body) => json!({"ok": false, "error":
+                "only `emit` is open to workloads on this socket; other requests need the node's own user"}),
             Some(body) => {
                 let (rtx, rrx) = bounded(1);
                 if tx.send(Request { body, reply: rtx }).is_err() {
@@ -397,6 +438,27 @@ mod tests {
         let mut out = String::new();
         let _ = BufReader::new(s).read_line(&mut out);
         out
+    }
+
+    #[test]
+    fn g13_other_users_may_only_emit() {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let other = me.wrapping_add(1).max(1);
+        assert!(allowed(Some(me), &json!({"op": "drain"})));
+        assert!(allowed(Some(0), &json!({"op": "status"})));
+        assert!(allowed(Some(other), &json!({"op": "emit", "token": "t"})));
+        for body in [
+            json!({"op": "drain"}),
+            json!({"op": "resume"}),
+            json!({"op": "status"}),
+            json!({}),
+            json!({"op": 7}),
+            json!([]),
+        ] {
+            assert!(!allowed(Some(other), &body), "{body}");
+            assert!(!allowed(None, &body), "{body}");
+        }
     }
 
     #[test]

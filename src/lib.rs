@@ -20,6 +20,7 @@ pub mod config;
 pub mod control;
 pub mod emit;
 pub mod error;
+pub mod fds;
 pub mod gpu;
 pub mod ingress;
 pub mod ledger;

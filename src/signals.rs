@@ -42,6 +42,16 @@ pub fn block_in_this_thread() {
     }
 }
 
+/// Makes the process non-dumpable (D46.2): no core dump, and `/proc/<pid>/environ`, `mem` and
+/// ptrace are closed to processes of the same uid that lack `CAP_SYS_PTRACE`. Inherited by
+/// threads and forks, reset by exec (so the workloads the node starts are unaffected).
+pub fn not_dumpable() {
+    // SAFETY: prctl(PR_SET_DUMPABLE, 0) takes plain integers and cannot fail for value 0.
+    unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    }
+}
+
 /// Restores an empty signal mask; for a child between fork and exec (async-signal-safe).
 pub fn unblock_all() -> std::io::Result<()> {
     // SAFETY: sigprocmask with an empty set we own; async-signal-safe.

@@ -88,7 +88,7 @@ fn systemctl(user: bool, args: &[&str]) {
     if user {
         cmd.arg("--user");
     }
-    match cmd.args(args).status() {
+    match crate::fds::harden(cmd.args(args)).status() {
         Ok(s) if s.success() => crate::outln!(
             "systemctl {}{}: ok",
             if user { "--user " } else { "" },

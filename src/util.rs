@@ -53,6 +53,70 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
     buf
 }
 
+/// `N` bytes for a secret (an event token), from the kernel's CSPRNG (`getrandom`, else
+/// `/dev/urandom`), or `None`: a secret never falls back to guessable bytes.
+pub fn secret_bytes<const N: usize>() -> Option<[u8; N]> {
+    let mut buf = [0u8; N];
+    let getrandom = |rest: &mut [u8]| {
+        // SAFETY: getrandom writes at most `rest.len()` bytes into the slice we own.
+        let got = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        usize::try_from(got).map_err(|_| std::io::Error::last_os_error())
+    };
+    let urandom = |all: &mut [u8]| std::fs::File::open("/dev/urandom")?.read_exact(all);
+    fill_secret(&mut buf, getrandom, urandom).then_some(buf)
+}
+
+/// Fills `buf` from `getrandom` (retried on EINTR and short reads), else from `urandom`;
+/// false when neither gave every byte.
+fn fill_secret(
+    buf: &mut [u8],
+    mut getrandom: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
+    urandom: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
+) -> bool {
+    let mut filled = 0usize;
+    while let Some(rest) = buf.get_mut(filled..).filter(|r| !r.is_empty()) {
+        match getrandom(rest) {
+            Ok(n) if n > 0 => filled = filled.saturating_add(n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return urandom(buf).is_ok(),
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::*;
+
+    #[test]
+    fn g13_a_secret_fails_closed_when_the_kernel_gives_no_random_bytes() {
+        let none = |_: &mut [u8]| Err(std::io::Error::from_raw_os_error(libc::ENOSYS));
+        let no_file = |_: &mut [u8]| Err(std::io::Error::from(std::io::ErrorKind::NotFound));
+        let mut buf = [0u8; 16];
+        assert!(!fill_secret(&mut buf, none, no_file));
+        // Short reads and EINTR are retried; the fallback is used when getrandom is missing.
+        let mut calls = 0;
+        let short = |r: &mut [u8]| {
+            calls += 1;
+            if calls == 1 {
+                return Err(std::io::Error::from_raw_os_error(libc::EINTR));
+            }
+            r[0] = 7;
+            Ok(1)
+        };
+        assert!(fill_secret(&mut buf, short, no_file));
+        assert_eq!(buf, [7u8; 16]);
+        let ones = |all: &mut [u8]| {
+            all.fill(1);
+            Ok(())
+        };
+        assert!(fill_secret(&mut buf, none, ones));
+        assert_eq!(buf, [1u8; 16]);
+        let (a, b) = (secret_bytes::<16>(), secret_bytes::<16>());
+        assert!(a.is_some() && a != b);
+    }
+}
+
 /// Whether two secrets are equal, in a time that does not depend on where they first differ
 /// (only on their lengths), so a local client cannot guess a token byte by byte.
 pub fn same_secret(a: &str, b: &str) -> bool {

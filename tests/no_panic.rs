@@ -81,6 +81,8 @@ fn huge_seconds_in_the_environment_are_no_panic() {
                 env: base.env.clone(),
                 args: base.args.clone(),
                 cwd: base.cwd.clone(),
+                uid: None,
+                under: Vec::new(),
             };
             s.set(var, v);
             let out = s.run(&["config", "--json"]);

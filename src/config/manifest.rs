@@ -78,6 +78,8 @@ pub struct Manifest {
     pub gpus_per_workload: Option<u32>,
     /// Parsed and stored.
     pub max_result_bytes: Option<u64>,
+    /// D46.3: the user (name or uid) workloads run as.
+    pub workload_user: Option<String>,
     /// For each key the node took from the file, the section it came from (`cyberwave`,
     /// `cyberwave-cloud-node`, `cloud_node` or `root`); `config` shows it.
     pub sections: Vec<(String, String)>,
@@ -198,6 +200,7 @@ const NODE_FIELDS: &[(&str, NodeKind)] = &[
     ("gpus_per_workload", NodeKind::Whole(0, u32::MAX as u64)),
     ("max_result_bytes", NodeKind::Whole(1, u64::MAX)),
     ("environment_uuid", NodeKind::Text),
+    ("workload_user", NodeKind::Text),
 ];
 
 pub const WRAPPER_NEW: &str = "cyberwave";
@@ -926,7 +929,11 @@ fn node_field(cx: &mut Ctx, m: &mut Manifest, key: &str, line: usize, v: &Node) 
         },
         NodeKind::Text => match usable_text(v) {
             Some(s) => {
-                m.environment_uuid = Some(s).filter(|s| !s.trim().is_empty());
+                let s = Some(s).filter(|s| !s.trim().is_empty());
+                match key {
+                    "workload_user" => m.workload_user = s.map(|u| u.trim().to_string()),
+                    _ => m.environment_uuid = s,
+                }
                 Ok(())
             }
             None => Err(format!("expected a string, got {got}")),

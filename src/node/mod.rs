@@ -19,6 +19,7 @@ macro_rules! wire {
     };
 }
 
+mod container;
 mod gpus;
 mod ingress;
 pub mod operate;
@@ -116,6 +117,9 @@ struct Shutdown {
     exit_code: i32,
     /// Correlation of the R5 (or R6) request whose reply ends the shutdown early.
     waiting_for: Option<Vec<u8>>,
+    /// D58: a container's init waits for its stopped workloads' completions to be acknowledged
+    /// before it says goodbye (R5), at most until `deadline`.
+    stopping_workloads: bool,
 }
 
 pub struct Node {
@@ -674,24 +678,30 @@ impl Node {
             return;
         }
         crate::systemd::notify("STOPPING=1");
+        let now = self.clock.now();
+        if container::is_init(&self.s.env) {
+            // D58: its workloads die with the container; stop them and report them first.
+            let grace = container::stop_grace(&self.s.env);
+            let kill = container::kill_after(grace);
+            let n = self.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out));
+            log::info!(
+                "shutting down ({why}); as its container's main process the node stops its {n} running workload(s) (SIGTERM, SIGKILL after {:.1}s) and reports them before it exits, within {:.1}s",
+                kill.as_secs_f64(),
+                grace.as_secs_f64()
+            );
+            self.session.close();
+            self.shutdown = Some(Shutdown {
+                deadline: util::later(now, container::deadline_after(grace)),
+                exit_code,
+                waiting_for: None,
+                stopping_workloads: true,
+            });
+            return;
+        }
         log::info!("shutting down ({why}); running workloads are left running");
         self.log_running_workloads();
-        let now = self.clock.now();
         self.session.close();
-        let mut waiting_for = None;
-        if self.session.registered()
-            && self.session.connected()
-            && !self.s.standalone
-            && !self.session.startup_failed()
-        {
-            let topic = self.topics.terminate(self.uuid());
-            waiting_for = Some(self.request(
-                Op::Terminate,
-                &topic,
-                json!({}),
-                self.s.tuning.shutdown_flush,
-            ));
-        }
+        let waiting_for = self.say_goodbye();
         let deadline = if waiting_for.is_some() {
             util::later(now, self.s.tuning.shutdown_flush)
         } else {
@@ -701,6 +711,51 @@ impl Node {
             deadline,
             exit_code,
             waiting_for,
+            stopping_workloads: false,
+        });
+    }
+
+    /// R5: the goodbye to the backend when there is one to hear it; its correlation.
+    fn say_goodbye(&mut self) -> Option<Vec<u8>> {
+        if !self.session.registered()
+            || !self.session.connected()
+            || self.s.standalone
+            || self.session.startup_failed()
+        {
+            return None;
+        }
+        let topic = self.topics.terminate(self.uuid());
+        Some(self.request(
+            Op::Terminate,
+            &topic,
+            json!({}),
+            self.s.tuning.shutdown_flush,
+        ))
+    }
+
+    /// D58: once every stopped workload's completion is out (acknowledged, or published when
+    /// standalone), the goodbye (R5) goes out as in any shutdown, within the same deadline.
+    fn finish_stopping_workloads(&mut self) {
+        let Some(s) = &self.shutdown else {
+            return;
+        };
+        if !s.stopping_workloads || !self.active.is_empty() || !self.outbox.is_empty() {
+            return;
+        }
+        let (limit, exit_code) = (s.deadline, s.exit_code);
+        log::info!("every workload of the container is reported; exiting");
+        let now = self.clock.now();
+        let waiting_for = self.say_goodbye();
+        let deadline = if waiting_for.is_some() {
+            util::later(now, self.s.tuning.shutdown_flush).min(limit)
+        } else {
+            now
+        };
+        self.shutdown = Some(Shutdown {
+            deadline,
+            exit_code,
+            waiting_for,
+            stopping_workloads: false,
         });
     }
 
@@ -734,6 +789,7 @@ impl Node {
         }
         self.flush_outbox();
         self.pump_streams(true);
+        self.finish_stopping_workloads();
         if let Some(s) = &self.shutdown {
             if now >= s.deadline {
                 self.exit = Some(s.exit_code);

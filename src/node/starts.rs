@@ -297,6 +297,13 @@ impl Node {
             (Some(m), Some(p)) => Some(m.get().min(p.get())),
             (m, p) => m.or(p).map(Seconds::get),
         };
+        // The token a workload proves its workflow events with: never from guessable bytes.
+        let Some(token_bytes) = crate::util::secret_bytes::<16>() else {
+            let why = format!(
+                "Failed to start {kind}: the kernel gave no random bytes for the workload's event token"
+            );
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+        };
         let params = start.params;
         let req = StartRequest {
             kind: kind.to_string(),
@@ -310,7 +317,7 @@ impl Node {
             socket: self.layout.state.join("control.sock"),
             gpus,
             results_dir: self.results_dir_for(&safe_id),
-            event_token: crate::util::hex(&crate::util::random_bytes::<16>()),
+            event_token: crate::util::hex(&token_bytes),
         };
         let starting = Starting {
             kind: kind_t,

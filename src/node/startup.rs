@@ -3,7 +3,6 @@
 //! code instead of a node.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -32,6 +31,34 @@ use crate::{store, util};
 /// (workloads get their own credentials explicitly).
 pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 
+/// D46.3: the workload user exists and the node may become it (else exit 2); the state dir is
+/// then passed through by it (0711), never listed, its files all the node's own (0600).
+fn workload_user_ready(
+    spec: &str,
+    dir: &Path,
+) -> Result<crate::workload::user::WorkloadUser, StartupError> {
+    use crate::workload::user;
+    let u = user::lookup(spec)
+        .and_then(|u| user::check_privilege(&u).map(|()| u))
+        .map_err(|e| {
+            StartupError::Config(format!("{e} (cloud_node.workload_user in the manifest)"))
+        })?;
+    user::traversable(dir).map_err(|e| {
+        StartupError::Runtime(format!(
+            "cannot open {} to the workload user: {e}",
+            dir.display()
+        ))
+    })?;
+    log::info!(
+        "workloads run as {} (uid {}, gid {}, {} group(s)); the state dir is closed to them",
+        u.name,
+        u.uid,
+        u.gid,
+        u.groups.len()
+    );
+    Ok(u)
+}
+
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let started = Instant::now();
     let dir = &s.config_dir.value;
@@ -50,6 +77,10 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             .map(|m| m.path.display().to_string())
             .unwrap_or_else(|| "(none: environment only)".into())
     );
+    let workload_user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        Some(spec) => Some(workload_user_ready(spec, dir)?),
+        None => None,
+    };
     let (sig_tx, sig_rx) = unbounded();
     if let Err(e) = signals::spawn(sig_tx) {
         return Err(StartupError::Runtime(format!(
@@ -210,6 +241,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             dir.join("control.sock").display()
         )));
     }
+    if let Some(u) = &workload_user {
+        // Workflow events from workloads still reach the node (D46.3 keeps `emit` working).
+        if let Err(e) = crate::control::share_for_emit(&dir.join("control.sock"), u.gid) {
+            log::warn!(
+                "cannot open the control socket to the workload user's group: {e}; its workloads cannot report workflow events"
+            );
+        }
+    }
     // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
     let gpus = if s.hardware_telemetry {
         super::operate::gpu_inventory()
@@ -236,7 +275,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let per_workload = s.manifest.as_ref().and_then(|m| m.gpus_per_workload);
     let gpu = super::gpus::Gpus::new(monitor, first, &s.env, per_workload);
     let (reaped_tx, reaped) = unbounded();
-    let reaper = match Reaper::start(reaped_tx) {
+    let init = super::container::is_init(&s.env);
+    if init {
+        log::info!(
+            "the node is its container's main process (PID 1 or CYBERWAVE_NODE_INIT): it reaps orphans, and its workloads cannot outlive it here; on SIGTERM it stops them and reports each one within {:.0}s (CYBERWAVE_NODE_STOP_GRACE_SECONDS)",
+            super::container::stop_grace(&s.env).as_secs_f64()
+        );
+    }
+    let reaper = match Reaper::start(reaped_tx, init) {
         Ok(r) => r,
         Err(e) => {
             return Err(StartupError::Runtime(format!(
@@ -415,10 +461,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(signals::unblock_all);
-    }
+    crate::fds::harden(&mut cmd);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {

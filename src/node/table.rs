@@ -335,12 +335,46 @@ impl Table {
             grace_s: grace.as_secs_f64(),
             timed_out,
             stale: false,
+            reason: None,
         });
         if let Err(e) = out.save_meta(&a.meta) {
             log::warn!("workload {}: cannot record the cancel: {e}", shown(id));
         }
         self.advance(id, Event::Cancelled { grace }, now, out);
         Ok(message)
+    }
+
+    /// The node's own cancel of every running workload (D58: its container is stopping):
+    /// SIGTERM now, SIGKILL after `kill_after`, `reason` in each completion. Returns how many.
+    pub fn cancel_all(
+        &mut self,
+        reason: &str,
+        kill_after: Duration,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) -> usize {
+        let ids: Vec<String> = self
+            .active
+            .iter()
+            .filter(|(_, a)| !a.finished() && a.meta.cancel.is_none())
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut n = 0usize;
+        for id in ids {
+            match self.cancel(&id, libc::SIGTERM, "SIGTERM", kill_after, false, now, out) {
+                Ok(_) => n = n.saturating_add(1),
+                Err(e) => log::warn!("cannot stop workload {}: {e}", shown(&id)),
+            }
+            if let Some(a) = self.active.get_mut(&id) {
+                if let Some(c) = a.meta.cancel.as_mut() {
+                    c.reason = Some(reason.to_string());
+                    if let Err(e) = out.save_meta(&a.meta) {
+                        log::warn!("workload {}: cannot record the cancel: {e}", shown(&id));
+                    }
+                }
+            }
+        }
+        n
     }
 
     /// Self-heal: terminate a stale workload; it will be forgotten without a report.

@@ -164,10 +164,12 @@ impl Node {
                     exit.as_ref().map(Exit::code),
                     Some(how.clone()),
                 );
-                (
-                    json!({"status": status, "message": how, "signal": c.signal, "pid": pid}),
-                    format!("{status} status of {} {rid}", meta.kind),
-                )
+                let mut body =
+                    json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
+                if let Some(r) = &c.reason {
+                    crate::util::set(&mut body, "reason", json!(r));
+                }
+                (body, format!("{status} status of {} {rid}", meta.kind))
             }
             cancel => {
                 let code = exit.as_ref().map(Exit::code);
@@ -560,12 +562,16 @@ pub(super) fn start_output(meta: &Meta) -> Value {
 /// the workload outlived its grace ("cancelled by SIGTERM" alone would hide that it was killed).
 fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
     let asked = &c.signal;
-    match exit.and_then(|e| e.signal) {
+    let how = match exit.and_then(|e| e.signal) {
         Some(9) if asked != "SIGKILL" => format!(
             "Workload cancelled by {asked}; it was still running after the {}s grace and was killed with SIGKILL",
             c.grace_s
         ),
         _ => format!("Workload cancelled by {asked}"),
+    };
+    match &c.reason {
+        Some(r) => format!("{how} ({r})"),
+        None => how,
     }
 }
 
@@ -590,10 +596,17 @@ mod tests {
             grace_s: 2.5,
             timed_out: false,
             stale: false,
+            reason: None,
         };
         assert_eq!(
             cancel_message(&c("SIGTERM"), Some(&exit(Some(15)))),
             "Workload cancelled by SIGTERM"
+        );
+        let mut stopping = c("SIGTERM");
+        stopping.reason = Some(crate::node::container::REASON.into());
+        assert_eq!(
+            cancel_message(&stopping, Some(&exit(Some(9)))),
+            "Workload cancelled by SIGTERM; it was still running after the 2.5s grace and was killed with SIGKILL (the node's container is stopping)"
         );
         assert_eq!(
             cancel_message(&c("SIGTERM"), Some(&exit(Some(9)))),

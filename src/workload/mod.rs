@@ -8,6 +8,7 @@ pub mod reaper;
 pub mod shim;
 pub mod spawner;
 pub mod tail;
+pub mod user;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -45,6 +46,9 @@ pub struct Cancel {
     /// Set when self-healing found the workload stale: it ends without any report.
     #[serde(default)]
     pub stale: bool,
+    /// Why the node itself cancelled it (D58: its container is stopping); in the completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// The workflow a workload belongs to (from its start params), for node events (D18).
@@ -596,9 +600,36 @@ fn launch_in(
     dir: &Path,
     mut req: StartRequest,
 ) -> Result<Launched, String> {
-    let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
+    // D46.3: looked up at each start (the node checked it at its own start, exit 2 if wrong).
+    let user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        Some(spec) => Some(user::lookup(spec)?),
+        None => None,
+    };
+    // With a workload user the record's dir is passed through (to its params file), not listed.
+    let mode = if user.is_some() { 0o711 } else { 0o700 };
+    let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
     store::ensure_private_dir(&layout.logs())
         .map_err(|e| format!("cannot create {}: {e}", layout.logs().display()))?;
+    let give = |path: &Path| -> Result<(), String> {
+        match &user {
+            Some(u) => user::hand_over(path, u).map_err(|e| {
+                format!(
+                    "cannot hand {} to workload_user {}: {e}",
+                    path.display(),
+                    u.name
+                )
+            }),
+            None => Ok(()),
+        }
+    };
+    if user.is_some() {
+        user::traversable(&layout.workloads()).map_err(|e| {
+            format!(
+                "cannot open {} to the workload user: {e}",
+                layout.workloads().display()
+            )
+        })?;
+    }
     let token = req
         .params
         .remove("cyberwave_workload_token")
@@ -630,6 +661,10 @@ fn launch_in(
     {
         match save_image(layout, &stem, b64) {
             Ok(name) => {
+                if user.is_some() {
+                    let _ = user::traversable(&layout.inputs());
+                    give(&layout.inputs().join(&name))?;
+                }
                 req.params.remove("image_bytes_base64");
                 req.params.insert("image".into(), Value::String(name));
             }
@@ -645,6 +680,7 @@ fn launch_in(
     // is reported lost anyway).
     store::write_replace_unsynced(&params_file, &params_json, 0o600)
         .map_err(|e| format!("cannot write the params file: {e}"))?;
+    give(&params_file)?;
     let command = match &module {
         None => req
             .template
@@ -653,6 +689,7 @@ fn launch_in(
             let runner = dir.join("module_runner.py");
             store::write_replace_unsynced(&runner, MODULE_RUNNER.as_bytes(), 0o600)
                 .map_err(|e| format!("cannot write the module runner: {e}"))?;
+            give(&runner)?;
             let python = s
                 .env
                 .value("CYBERWAVE_PYTHON")
@@ -718,7 +755,13 @@ fn launch_in(
     );
     env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.clone());
     if let Some(d) = &req.results_dir {
+        give(d)?;
         env.insert("CYBERWAVE_RESULTS_DIR".into(), d.display().to_string());
+    }
+    if let Some(u) = &user {
+        env.insert("HOME".into(), u.home.display().to_string());
+        env.insert("USER".into(), u.name.clone());
+        env.insert("LOGNAME".into(), u.name.clone());
     }
     env.insert(
         "CYBERWAVE_INPUTS_DIR".into(),
@@ -769,10 +812,13 @@ fn launch_in(
         shell: shell.to_string(),
         command,
         cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
+        user: user.as_ref().map(user::WorkloadUser::ids),
     };
     let shim_log = std::fs::File::create(dir.join("shim.log"))
         .map_err(|e| format!("cannot create the shim log: {e}"))?;
-    let child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    crate::fds::no_inherited_fds(&mut cmd);
+    let child = cmd
         .args(args.to_args())
         .env_clear()
         .envs(&env)

@@ -15,11 +15,13 @@ pub struct Reaper {
 }
 
 impl Reaper {
-    pub fn start(tx: Sender<Reaped>) -> std::io::Result<Reaper> {
+    /// `init`: the node is its container's PID 1 (D58), so orphans of any descendant become its
+    /// children without a spawn to wake the thread: with no child it looks again every second.
+    pub fn start(tx: Sender<Reaped>, init: bool) -> std::io::Result<Reaper> {
         let (wake, wake_rx) = bounded::<()>(1);
         std::thread::Builder::new()
             .name("reaper".into())
-            .spawn(move || run(tx, wake_rx))?;
+            .spawn(move || run(tx, wake_rx, init))?;
         Ok(Reaper { wake })
     }
 
@@ -29,7 +31,7 @@ impl Reaper {
     }
 }
 
-fn run(tx: Sender<Reaped>, wake: Receiver<()>) {
+fn run(tx: Sender<Reaped>, wake: Receiver<()>, init: bool) {
     loop {
         let mut status = 0;
         // SAFETY: waitpid with a valid out pointer.
@@ -44,6 +46,13 @@ fn run(tx: Sender<Reaped>, wake: Receiver<()>) {
             Some(libc::EINTR) => continue,
             // No children: sleep until the next spawn. `spawned` is called after the fork, so a
             // wake is never missed (an idle node must not poll: issue 15).
+            _ if init => {
+                if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+                    wake.recv_timeout(std::time::Duration::from_secs(1))
+                {
+                    return;
+                }
+            }
             _ => {
                 if wake.recv().is_err() {
                     return;

@@ -68,6 +68,8 @@ pub struct ShimArgs {
     /// How long what is left of the group after the workload's exit gets between SIGTERM and
     /// SIGKILL (D25).
     pub cleanup_grace_ms: u64,
+    /// D46.3: the ids the workload runs as (None: the supervisor's own).
+    pub user: Option<super::user::Ids>,
 }
 
 /// Without the argument (a node of an older version started this shim): 10 s.
@@ -75,7 +77,7 @@ const DEFAULT_CLEANUP_GRACE_MS: u64 = 10_000;
 
 impl ShimArgs {
     pub fn to_args(&self) -> Vec<std::ffi::OsString> {
-        vec![
+        let mut v: Vec<std::ffi::OsString> = vec![
             "__shim".into(),
             self.dir.clone().into(),
             self.cwd.clone().into(),
@@ -84,10 +86,19 @@ impl ShimArgs {
             self.shell.clone().into(),
             self.command.clone().into(),
             self.cleanup_grace_ms.to_string().into(),
-        ]
+        ];
+        if let Some(ids) = &self.user {
+            let groups: Vec<String> = ids.groups.iter().map(u32::to_string).collect();
+            v.push(format!("{}:{}:{}", ids.uid, ids.gid, groups.join(",")).into());
+        }
+        v
     }
 
     pub fn parse(args: &[String]) -> Option<ShimArgs> {
+        let (args, user) = match args {
+            [rest @ .., user] if args.len() == 8 => (rest, Some(super::user::parse_arg(user)?)),
+            _ => (args, None),
+        };
         let (fixed, grace) = match args {
             [fixed @ .., grace] if args.len() == 7 => (fixed, grace.parse().ok()?),
             fixed => (fixed, DEFAULT_CLEANUP_GRACE_MS),
@@ -101,6 +112,7 @@ impl ShimArgs {
                 shell: shell.clone(),
                 command: command.clone(),
                 cleanup_grace_ms: grace,
+                user,
             }),
             _ => None,
         }
@@ -174,6 +186,9 @@ pub fn run(args: &[String]) -> i32 {
         );
         return 2;
     };
+    // D46.1: nothing the node held open (its broker socket, its lock) reaches the workload,
+    // whatever the node's libraries forgot to mark close-on-exec.
+    crate::fds::close_inherited();
     // SAFETY: setsid has no memory-safety preconditions.
     unsafe {
         libc::setsid();
@@ -195,17 +210,25 @@ pub fn run(args: &[String]) -> i32 {
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
-    // SAFETY: setpgid and sigprocmask are async-signal-safe.
+    let user = a.user.clone();
+    // SAFETY: setpgid, setgroups, setresgid and setresuid are async-signal-safe; nothing is
+    // allocated (the ids were parsed before the fork).
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            // The shim blocks the node's signals; the workload must start with none blocked,
-            // or a SIGTERM cancel would never reach it (std does not reset the mask).
-            crate::signals::unblock_all()
+            // D46.3: the workload's own uid and groups; an exec that cannot drop them fails.
+            match &user {
+                Some(ids) => super::user::drop_to(ids),
+                None => Ok(()),
+            }
         });
     }
+    // The shim blocks the node's signals; the workload must start with none blocked, or a
+    // SIGTERM cancel would never reach it (std does not reset the mask); and with no descriptor
+    // but its three streams.
+    crate::fds::harden(&mut cmd);
     let started_at = util::rfc3339(SystemTime::now());
     let mut child = match cmd.spawn() {
         Ok(c) => c,

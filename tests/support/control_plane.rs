@@ -295,6 +295,7 @@ impl ControlPlane {
 
     /// Publishes a command (QoS 1) to `…/cloud-node/{id}/command`.
     pub fn command(&self, id: &str, body: Value) {
+        super::secrets::register_in(&body);
         self.command_raw(id, serde_json::to_vec(&body).unwrap_or_default());
     }
 

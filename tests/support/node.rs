@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{node_bin, wait_for, Broker, ControlPlane, TempDir};
+use super::{node_bin, secrets, wait_for, Broker, ControlPlane, TempDir};
 
 pub const TOKEN: &str = "cw_test_token_0123456789abcdef";
 
@@ -20,6 +20,10 @@ pub struct NodeSetup {
     pub env: BTreeMap<String, String>,
     pub args: Vec<String>,
     pub cwd: PathBuf,
+    /// Run the node as this uid (and the same gid, no supplementary groups); needs root.
+    pub uid: Option<u32>,
+    /// A command the node runs under (e.g. `unshare --pid --fork`): its argv before the binary.
+    pub under: Vec<String>,
 }
 
 impl NodeSetup {
@@ -62,12 +66,15 @@ impl NodeSetup {
             "3".into(),
         );
         env.insert("CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS".into(), "2".into());
-        env.insert("RUST_LOG".into(), "debug,paho_mqtt=warn".into());
+        // Every test runs at the most verbose level, so every test guards D47 (see `secrets`).
+        env.insert("RUST_LOG".into(), "trace".into());
         NodeSetup {
             home,
             env,
             args: vec!["start".into()],
             cwd: work,
+            uid: None,
+            under: Vec::new(),
         }
     }
 
@@ -109,11 +116,31 @@ impl NodeSetup {
             .stdin(Stdio::null())
             .output()
             .expect("run node");
-        Output {
+        let out = Output {
             code: out.status.code(),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
             stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        };
+        let leaks = secrets::leaks(&format!("{}\n{}", out.stderr, out.stdout), &self.secrets());
+        assert!(
+            leaks.is_empty(),
+            "D47: `{}` printed a secret:\n{}",
+            args.join(" "),
+            leaks.join("\n")
+        );
+        out
+    }
+
+    /// The secrets this node is given (API key, MQTT password, an event token), and those the
+    /// fake backends of this test process sent.
+    pub fn secrets(&self) -> Vec<String> {
+        let mut v = secrets::registered();
+        for (k, val) in &self.env {
+            if k.contains("API_KEY") || k.contains("PASSWORD") || k.ends_with("_TOKEN") {
+                v.push(val.clone());
+            }
         }
+        v
     }
 }
 
@@ -133,11 +160,26 @@ pub struct NodeProcess {
     pub home: Arc<TempDir>,
     pub started: Instant,
     exit: Option<Option<i32>>,
+    /// What must not reach the node's log (D47), checked when the wrapper is dropped.
+    secrets: Vec<String>,
 }
 
 impl NodeProcess {
     fn spawn(setup: &NodeSetup) -> NodeProcess {
-        let mut child = Command::new(node_bin())
+        let mut cmd = match setup.under.split_first() {
+            Some((prog, rest)) => {
+                let mut c = Command::new(prog);
+                c.args(rest).arg(node_bin());
+                c
+            }
+            None => Command::new(node_bin()),
+        };
+        if let Some(uid) = setup.uid {
+            use std::os::unix::process::CommandExt;
+            // std drops the supplementary groups too when root sets a uid.
+            cmd.uid(uid).gid(uid);
+        }
+        let mut child = cmd
             .args(&setup.args)
             .env_clear()
             .envs(&setup.env)
@@ -188,6 +230,7 @@ impl NodeProcess {
             home: setup.home.clone(),
             started: Instant::now(),
             exit: None,
+            secrets: setup.secrets(),
         }
     }
 
@@ -281,6 +324,45 @@ impl NodeProcess {
     }
 }
 
+impl NodeProcess {
+    /// D47: no secret of the test in the node's log, nor in its stdout outside the lines that
+    /// mirror workload output (a workload may print what it likes). The event tokens it minted
+    /// are read from its workload records.
+    fn assert_no_secret_reached_the_log(&self) {
+        if self.exit.is_some() || self.pumps.iter().all(|p| p.is_finished()) {
+            // Everything is in.
+        } else {
+            wait_for(Duration::from_secs(2), || {
+                self.pumps.iter().all(|p| p.is_finished()).then_some(())
+            });
+        }
+        let mut secrets = self.secrets.clone();
+        secrets.extend(secrets::registered());
+        if let Ok(rd) = std::fs::read_dir(self.home.join(".cyberwave/workloads")) {
+            for e in rd.flatten() {
+                let meta = std::fs::read_to_string(e.path().join("meta.json")).unwrap_or_default();
+                if let Ok(v) = serde_json::from_str::<Value>(&meta) {
+                    if let Some(t) = v["event_token"].as_str() {
+                        secrets.push(t.to_string());
+                    }
+                }
+            }
+        }
+        let stdout: String = self
+            .stdout()
+            .lines()
+            .filter(|l| !l.starts_with("[workload "))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let leaks = secrets::leaks(&format!("{}\n{stdout}", self.log()), &secrets);
+        assert!(
+            leaks.is_empty(),
+            "D47: a secret reached the node's output:\n{}",
+            leaks.join("\n")
+        );
+    }
+}
+
 impl Drop for NodeProcess {
     fn drop(&mut self) {
         if self.exit.is_none() {
@@ -303,6 +385,9 @@ impl Drop for NodeProcess {
                     }
                 }
             }
+        }
+        if !std::thread::panicking() {
+            self.assert_no_secret_reached_the_log();
         }
         if std::thread::panicking() {
             eprintln!(

@@ -1,0 +1,166 @@
+//! The node as its container's main process (D58): PID 1 of a new PID namespace, or told so with
+//! `CYBERWAVE_NODE_INIT=1`. Its workloads die with the container, so on SIGTERM it stops them
+//! itself and gets every completion out before it exits; it reaps the orphans it inherits.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+
+/// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
+const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
+
+fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str) -> i64 {
+    cp.command(
+        &node.uuid(),
+        json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}),
+    );
+    let r = cp.wait_reply(rid, REPLY).expect("reply");
+    assert_eq!(r["status"], "ok", "{r}");
+    r["output"]["pid"].as_i64().unwrap_or(0)
+}
+
+fn gone(pid: i64) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
+        .unwrap_or_default();
+    stat.is_empty() || state == "Z"
+}
+
+fn last_status(cp: &ControlPlane, wl: &str) -> Value {
+    cp.statuses(wl).last().cloned().unwrap_or(Value::Null)
+}
+
+/// Asserts each workload's end reached the backend as a cancel for the container's stop, and
+/// that none of their processes is left.
+fn assert_stopped_and_reported(cp: &ControlPlane, node: &NodeProcess, pids: &[i64]) {
+    for (wl, want) in [("wl-inf", "cancelled"), ("wl-train", "failed")] {
+        let st = last_status(cp, wl);
+        assert_eq!(st["status"], want, "{wl}: {st}\n{}", node.log());
+        assert_eq!(st["reason"], "the node's container is stopping", "{st}");
+    }
+    assert!(
+        last_status(cp, "wl-train")["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("SIGKILL"),
+        "the one that ignored SIGTERM was killed: {}",
+        last_status(cp, "wl-train")
+    );
+    for pid in pids {
+        assert!(
+            wait_for(Duration::from_secs(2), || gone(*pid).then_some(())).is_some(),
+            "workload pid {pid} outlived the node"
+        );
+    }
+}
+
+#[test]
+fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends() {
+    let (_b, cp, mut setup) = rig(MANIFEST);
+    setup.set("CYBERWAVE_NODE_INIT", "1");
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        node.log().contains("container's main process"),
+        "{}",
+        node.log()
+    );
+    let pids = [
+        start(&cp, &node, "inference", "inf"),
+        start(&cp, &node, "training", "train"),
+    ];
+    // The training workload's trap is set once it loops.
+    std::thread::sleep(Duration::from_millis(300));
+    let asked = Instant::now();
+    node.sigterm();
+    let code = node
+        .wait_exit(Duration::from_secs(6))
+        .expect("the node exits");
+    let took = asked.elapsed();
+    assert_eq!(code, Some(0), "{}", node.log());
+    assert!(
+        took < Duration::from_secs(3),
+        "exited {took:?} after SIGTERM: past the 3 s grace"
+    );
+    assert_stopped_and_reported(&cp, &node, &pids);
+    assert!(node
+        .log()
+        .contains("every workload of the container is reported"));
+}
+
+/// PID 1 of a real PID namespace (as under `docker run`): no flag needed; the orphans it
+/// inherits (here from the install script) are reaped; SIGTERM from outside the namespace (as
+/// `docker stop` sends it) stops and reports its workloads.
+#[test]
+fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads() {
+    // SAFETY: geteuid has no preconditions.
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "this test makes a PID namespace and needs root (CI runs as root)"
+    );
+    let (_b, cp, mut setup) = rig("");
+    setup.write(
+        "cyberwave.yml",
+        &format!("{MANIFEST}  install: for i in 1 2 3 4 5; do (sleep 0.2; exit 0) & done\n"),
+    );
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
+    setup.under = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        .map(String::from)
+        .to_vec();
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        node.log().contains("container's main process"),
+        "{}",
+        node.log()
+    );
+    // The node's pid outside the namespace: the child of `unshare`.
+    let inner: i32 = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the node under unshare");
+    // Pids inside the namespace: nothing of it outlives its PID 1 anyway; what matters is that
+    // the backend heard of every workload.
+    start(&cp, &node, "inference", "inf");
+    start(&cp, &node, "training", "train");
+    // The install script's five orphans ended 0.2 s after start; none is left a zombie.
+    let zombies = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+            .filter(|stat| {
+                let Some((_, rest)) = stat.rsplit_once(')') else {
+                    return false;
+                };
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                f.first() == Some(&"Z") && f.get(1) == Some(&inner.to_string().as_str())
+            })
+            .count()
+    };
+    assert!(
+        wait_for(Duration::from_secs(3), || (zombies() == 0).then_some(())).is_some(),
+        "{} zombie(s) of the node",
+        zombies()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: the test's own node process.
+    unsafe {
+        libc::kill(inner, libc::SIGTERM);
+    }
+    let code = node
+        .wait_exit(Duration::from_secs(6))
+        .expect("the node exits");
+    assert_eq!(code, Some(0), "{}", node.log());
+    assert_stopped_and_reported(&cp, &node, &[]);
+}

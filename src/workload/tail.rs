@@ -25,8 +25,10 @@
 //! the same bytes past the node's position cannot be told from no truncation at all.
 //! Holes are not output: a read skips them with `SEEK_DATA`/`SEEK_HOLE` (never reading them;
 //! a 3 GiB hole costs two `lseek`s) and skips runs of NUL bytes too (the zeros of a block a hole
-//! starts or ends in, a filesystem without hole support), and says how many bytes it skipped;
-//! a chunk never holds a NUL byte.
+//! starts or ends in, a filesystem without hole support: a run at the start of a read, one of
+//! [`NUL_RUN`] bytes or more, or one up to a hole), and says how many bytes it skipped. A
+//! shorter run inside text stays in the chunk (text with a NUL between every character is not
+//! shipped a character per chunk); what is shipped and mirrored drops NUL bytes.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -65,6 +67,9 @@ pub const MARK_BYTES: usize = 32;
 /// by reading them; the next read goes on from there.
 pub const NUL_SCAN: u64 = 64 << 20;
 
+/// A run of NUL bytes this long inside data ends a chunk: it is a gap, not text.
+pub const NUL_RUN: usize = 4096;
+
 /// What the loop asks of the tailer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Request {
@@ -102,7 +107,7 @@ pub struct Chunk {
     pub resume: u64,
     /// Bytes of holes and NUL runs skipped from `resume`: `data` starts at `resume + skipped`.
     pub skipped: u64,
-    /// Never holds a NUL byte.
+    /// Holds no NUL run of a gap (shorter runs inside text may be there).
     pub data: Vec<u8>,
     /// `data` stops where a hole or a NUL run starts (not at the end of the file or of `max`).
     pub gap_follows: bool,
@@ -604,10 +609,11 @@ pub fn read(key: Key, path: &std::path::Path, offset: u64, max: usize, marks: &[
             continue;
         }
         buf.drain(..zeros);
-        if let Some(z) = buf.iter().position(|b| *b == 0) {
+        let to_hole = data.saturating_add(n as u64) == hole && hole < len;
+        if let Some(z) = gap_in(&buf, to_hole) {
             buf.truncate(z);
             c.gap_follows = true;
-        } else if data.saturating_add(n as u64) == hole && hole < len {
+        } else if to_hole {
             c.gap_follows = true;
         }
         c.data = buf;
@@ -615,6 +621,22 @@ pub fn read(key: Key, path: &std::path::Path, offset: u64, max: usize, marks: &[
     }
     c.skipped = pos.saturating_sub(c.resume);
     c
+}
+
+/// Where the first NUL run of a gap starts in `buf`: one of [`NUL_RUN`] bytes or more, or one
+/// that reaches its end when a hole follows.
+fn gap_in(buf: &[u8], to_hole: bool) -> Option<usize> {
+    let mut i = 0usize;
+    while let Some(z) = buf.get(i..)?.iter().position(|b| *b == 0) {
+        let start = i.saturating_add(z);
+        let run = buf.get(start..)?.iter().take_while(|b| **b == 0).count();
+        let end = start.saturating_add(run);
+        if run >= NUL_RUN || (to_hole && end == buf.len()) {
+            return Some(start);
+        }
+        i = end;
+    }
+    None
 }
 
 /// Reads into `buf` at `at` until it is full or the file ends; returns the bytes read.
@@ -934,15 +956,19 @@ mod tests {
         assert!(!c.truncated);
         assert_eq!((c.at(), c.skipped), (8 << 20, (8 << 20) - 7));
         assert_eq!(c.data, b"after\n");
-        // NUL bytes written as data (no hole) are skipped the same way.
+        // NUL bytes written as data (no hole) are skipped the same way when they are many;
+        // a few inside text stay (dropped from what is shown, not a chunk per character).
         let log2 = d.join("w.stderr.log");
         append(&log2, b"a\n");
-        append(&log2, &[0u8; 100]);
-        append(&log2, b"b\n");
-        let c = read(key(), &log2, 0, 1024, &[]);
+        append(&log2, &[0u8; NUL_RUN]);
+        append(&log2, b"b\0c\n");
+        let c = read(key(), &log2, 0, 1 << 20, &[]);
         assert_eq!((c.data.as_slice(), c.gap_follows), (&b"a\n"[..], true));
-        let c = read(key(), &log2, 2, 1024, &[]);
-        assert_eq!((c.skipped, c.data.as_slice()), (100, &b"b\n"[..]));
+        let c = read(key(), &log2, 2, 1 << 20, &[]);
+        assert_eq!(
+            (c.skipped, c.data.as_slice()),
+            (NUL_RUN as u64, &b"b\0c\n"[..])
+        );
     }
 
     #[test]

@@ -959,6 +959,14 @@ fn mirror(
     partial: &mut Vec<u8>,
     out: &mut dyn Outbound,
 ) {
+    // No NUL byte reaches the console (D52): a short run inside text is dropped from it.
+    let kept: Vec<u8>;
+    let data = if data.contains(&0) {
+        kept = data.iter().copied().filter(|b| *b != 0).collect();
+        kept.as_slice()
+    } else {
+        data
+    };
     let mut text = Vec::with_capacity(data.len().saturating_add(data.len() / 2).saturating_add(64));
     if partial.is_empty() {
         // The usual case (a chunk ends at a line end): no copy into `partial`.

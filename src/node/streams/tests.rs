@@ -1079,3 +1079,16 @@ fn a_cursor_mark_that_is_not_hex_or_past_the_cursor_is_refused() {
         })
     );
 }
+
+#[test]
+fn text_with_nul_bytes_inside_goes_in_one_chunk_without_them() {
+    let mut d = Disk::new("nulinside");
+    d.write(&b"w\0i\0d\0e\0\n".repeat(100));
+    d.settle();
+    assert_eq!(d.bodies().len(), 1, "not a chunk per character");
+    assert_eq!(d.rebuilt(), "wide\n".repeat(100).trim_end());
+    assert_eq!(
+        d.out.console[0],
+        "[workload wl-1 stdout] wide\n".repeat(100)
+    );
+}

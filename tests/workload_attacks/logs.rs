@@ -210,6 +210,9 @@ fn a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
         node.log()
     );
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    // The operator's `logs` command reads it the same way (not 4 GiB of NUL bytes).
+    let o = setup.run(&["logs", "wl-sparse"]);
+    assert_eq!(o.stdout, "before\nafter\n", "{}", o.stderr);
 }
 
 #[test]

@@ -2,7 +2,6 @@
 //! the node runs: a running node answers on its control socket; otherwise the state dir says
 //! what it knows.
 
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -293,10 +292,20 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Resul
         )));
     };
     // Not through a link the workload may have planted (it would print another file).
-    let mut f = crate::workload::tail::open_log(&path, false)
+    crate::workload::tail::open_log(&path, false)
         .map_err(|e| CliError::Runtime(format!("cannot open {}: {e}", path.display())))?;
+    // Read as the node streams it (D52): holes and NUL runs skipped, not read into memory.
+    let key = crate::workload::tail::Key::default();
     let mut text = Vec::new();
-    let _ = f.read_to_end(&mut text);
+    let mut pos = 0u64;
+    loop {
+        let c = crate::workload::tail::read(key.clone(), &path, pos, 1 << 20, &[]);
+        if c.data.is_empty() && c.skipped == 0 {
+            break;
+        }
+        pos = c.at().saturating_add(c.data.len() as u64);
+        text.extend_from_slice(&c.data);
+    }
     let start = match lines {
         Some(n) => {
             let body = text.strip_suffix(b"\n").unwrap_or(&text);
@@ -322,21 +331,19 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Resul
     if !follow {
         return Ok(());
     }
-    let mut pos = text.len() as u64;
     let dir = tracked.map(|t| state.join("workloads").join(t));
     loop {
         let ended = dir.as_ref().is_none_or(|d| !d.exists());
-        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-        if len > pos && f.seek(SeekFrom::Start(pos)).is_ok() {
-            let mut buf = Vec::new();
-            let _ = (&mut f).take(len.saturating_sub(pos)).read_to_end(&mut buf);
-            pos = pos.saturating_add(buf.len() as u64);
-            crate::out::stdout_bytes(&buf);
+        // A log truncated below `pos` is followed from its start.
+        let c = crate::workload::tail::read(key.clone(), &path, pos, 1 << 20, &[]);
+        pos = c.at().saturating_add(c.data.len() as u64);
+        crate::out::stdout_bytes(&c.data);
+        if c.data.is_empty() && c.skipped == 0 {
+            if ended {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        if ended {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

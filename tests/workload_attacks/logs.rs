@@ -1,1 +1,249 @@
-//! Workload attacks: see `mod.rs`.
+//! Workload attacks: see `mod.rs`. D52: a workload truncates, replaces or makes sparse its own
+//! log (its stdout is the log file, `/proc/self/fd/1`). Nothing written after is lost, no NUL
+//! byte of a hole reaches the backend or the node's console, and the node says so once.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::node::NodeSetup;
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+
+const READY: Duration = Duration::from_secs(15);
+const REPLY: Duration = Duration::from_secs(5);
+const DONE: Duration = Duration::from_secs(20);
+
+fn rig(script: &str) -> (Broker, ControlPlane, NodeSetup) {
+    let body: String = format!("{GO}{script}")
+        .lines()
+        .map(|l| format!("    {l}\n"))
+        .collect();
+    let (broker, cp, mut setup) =
+        crate::support::rig(&format!("cyberwave:\n  training: |\n{body}"));
+    setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", "0.2");
+    (broker, cp, setup)
+}
+
+/// The script waits for the test at `go N`: until the file `goN` is in its folder.
+const GO: &str = "go() { while [ ! -f \"go$1\" ]; do sleep 0.02; done; }\n";
+
+/// Starts workload `wl`; at step N the test waits until the backend has the line `steps[N-1]`,
+/// then lets the script go on past `go N`; then waits for the completion.
+fn run(cp: &ControlPlane, node: &NodeProcess, setup: &NodeSetup, wl: &str, steps: &[&str]) {
+    cp.command(
+        &node.uuid(),
+        json!({"command": "training", "request_id": wl, "params": {"workload_uuid": wl}}),
+    );
+    assert_eq!(
+        cp.wait_reply(wl, REPLY).expect("start reply")["status"],
+        "ok"
+    );
+    for (n, line) in steps.iter().enumerate() {
+        let shipped = wait_for(REPLY, || {
+            stream(cp, wl).0.lines().any(|l| l == *line).then_some(())
+        });
+        assert!(shipped.is_some(), "{line:?} never shipped: {}", node.log());
+        std::fs::write(setup.cwd.join(format!("go{}", n + 1)), "").expect("go");
+    }
+    assert!(
+        cp.wait_status(wl, "completed", DONE).is_some(),
+        "no completion: {}",
+        node.log()
+    );
+}
+
+/// The stdout stream of `wl` as the backend rebuilds it: chunks by offset (a resend repeats an
+/// offset and must agree), each continuing where the one before ended, or after the hole its
+/// `gap` (or `dropped`) announces; no NUL byte. Returns the text and the chunks' bodies.
+fn stream(cp: &ControlPlane, wl: &str) -> (String, Vec<Value>) {
+    let mut by_offset: BTreeMap<u64, Value> = BTreeMap::new();
+    for r in cp.requests("logs") {
+        if r.body["workload_uuid"] == json!(wl) && r.body["log_type"] == "stdout" {
+            let offset = r.body["offset"].as_u64().expect("offset");
+            if let Some(had) = by_offset.get(&offset) {
+                assert_eq!(
+                    had["log_content"], r.body["log_content"],
+                    "a resend disagrees"
+                );
+            }
+            by_offset.insert(offset, r.body.clone());
+        }
+    }
+    let mut text = String::new();
+    let mut next = 0u64;
+    for (offset, b) in &by_offset {
+        let content = b["log_content"].as_str().expect("content");
+        assert!(!content.contains('\0'), "a NUL byte reached the backend");
+        let said = b["gap"].as_u64().unwrap_or(0) + b["dropped"].as_u64().unwrap_or(0);
+        assert_eq!(*offset, next + said, "a gap nobody announced before {b}");
+        let length = b["length"].as_u64().expect("length");
+        text.push_str(content);
+        if length as usize == content.len() + 1 {
+            text.push('\n');
+        }
+        next = offset + length;
+    }
+    (text, by_offset.into_values().collect())
+}
+
+/// The lines the node mirrored for `wl`'s stdout, without their tag.
+fn console(node: &NodeProcess, wl: &str) -> Vec<String> {
+    let tag = format!("[workload {wl} stdout] ");
+    let out = node.stdout();
+    assert!(!out.contains('\0'), "a NUL byte reached the console");
+    out.lines()
+        .filter_map(|l| l.strip_prefix(&tag).map(str::to_string))
+        .collect()
+}
+
+fn count(lines: &[&str], want: &str) -> usize {
+    lines.iter().filter(|l| **l == want).count()
+}
+
+#[test]
+fn a_workload_that_truncates_its_log_loses_no_line_written_after() {
+    // Truncated to zero and written past the old length at once (before the node looks), then
+    // again: every line after each truncation reaches the backend and the console once.
+    let (_b, cp, setup) = rig("for i in $(seq 1 20); do echo \"before $i\"; done\n\
+         go 1\n\
+         truncate -s 0 /proc/self/fd/1\n\
+         for i in $(seq 1 40); do echo \"after $i\"; done\n\
+         go 2\n\
+         truncate -s 0 /proc/self/fd/1\n\
+         for i in $(seq 1 40); do echo \"again $i\"; done\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    run(&cp, &node, &setup, "wl-trunc", &["before 20", "after 40"]);
+    let (text, bodies) = stream(&cp, "wl-trunc");
+    let lines: Vec<&str> = text.lines().collect();
+    let shown = console(&node, "wl-trunc");
+    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
+    for i in 1..=40 {
+        for what in ["after", "again"] {
+            let l = format!("{what} {i}");
+            assert_eq!(count(&lines, &l), 1, "{l} in the stream: {text}");
+            assert_eq!(count(&shown, &l), 1, "{l} on the console: {shown:?}");
+        }
+    }
+    assert_eq!(
+        bodies.iter().filter(|b| b["truncated"] == true).count(),
+        2,
+        "each truncation is said once in the stream"
+    );
+    assert_eq!(
+        node.log()
+            .matches("truncated or replaced by the workload")
+            .count(),
+        1,
+        "one note on the console: {}",
+        node.log()
+    );
+}
+
+#[test]
+fn a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_after() {
+    let (_b, cp, setup) = rig("for i in $(seq 1 10); do echo \"keep $i\"; done\n\
+         go 1\n\
+         size=$(stat -L -c %s /proc/$$/fd/1)\n\
+         for i in $(seq 1 10); do echo \"cut $i\"; done\n\
+         go 2\n\
+         truncate -s \"$size\" /proc/self/fd/1\n\
+         for i in $(seq 1 40); do echo \"after $i\"; done\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    run(&cp, &node, &setup, "wl-mid", &["keep 10", "cut 10"]);
+    let (text, _) = stream(&cp, "wl-mid");
+    let lines: Vec<&str> = text.lines().collect();
+    let shown = console(&node, "wl-mid");
+    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
+    for i in 1..=40 {
+        let l = format!("after {i}");
+        assert_eq!(count(&lines, &l), 1, "{l} in the stream: {text}");
+        assert_eq!(count(&shown, &l), 1, "{l} on the console: {shown:?}");
+    }
+    // What the truncation kept is not sent again: reading resumed where it cut (the end of the
+    // chunk of `keep` lines, still intact).
+    for i in 1..=10 {
+        assert_eq!(count(&lines, &format!("cut {i}")), 1, "{text}");
+        assert_eq!(count(&lines, &format!("keep {i}")), 1, "{text}");
+        assert_eq!(count(&shown, &format!("keep {i}")), 1, "{shown:?}");
+    }
+    assert_eq!(
+        node.log()
+            .matches("truncated or replaced by the workload")
+            .count(),
+        1,
+        "{}",
+        node.log()
+    );
+}
+
+#[test]
+fn a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
+    // A 3 GiB hole in the middle, then one at the end.
+    let (_b, cp, setup) = rig("echo before\n\
+         go 1\n\
+         truncate -s 3G /proc/self/fd/1\n\
+         echo after\n\
+         go 2\n\
+         truncate -s +1G /proc/self/fd/1\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let t = std::time::Instant::now();
+    run(&cp, &node, &setup, "wl-sparse", &["before", "after"]);
+    let (text, bodies) = stream(&cp, "wl-sparse");
+    assert_eq!(text, "before\nafter\n");
+    assert!(bodies
+        .iter()
+        .any(|b| b["gap"].as_u64().unwrap_or(0) > 0 || b["dropped"].as_u64().unwrap_or(0) > 0));
+    assert_eq!(console(&node, "wl-sparse"), ["before", "after"]);
+    assert!(
+        node.stdout().len() < 4096,
+        "the console is not flooded: {} bytes",
+        node.stdout().len()
+    );
+    assert_eq!(
+        node.log().matches("has a hole").count(),
+        1,
+        "one note of the hole: {}",
+        node.log()
+    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    // The operator's `logs` command reads it the same way (not 4 GiB of NUL bytes).
+    let o = setup.run(&["logs", "wl-sparse"]);
+    assert_eq!(o.stdout, "before\nafter\n", "{}", o.stderr);
+}
+
+#[test]
+fn a_log_replaced_by_a_file_renamed_over_it_is_followed() {
+    // The workload's own descriptor still writes to the old (unlinked) file; what it writes to
+    // the new file at the log's path is streamed.
+    let (_b, cp, setup) = rig("log=$(readlink /proc/$$/fd/1)\n\
+         echo \"old 1\"\n\
+         go 1\n\
+         for i in $(seq 1 20); do echo \"new $i\"; done > \"$log.tmp\"\n\
+         mv \"$log.tmp\" \"$log\"\n\
+         go 2\n\
+         for i in $(seq 21 30); do echo \"new $i\"; done >> \"$log\"\n\
+         go 3\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    // The new file streams while the workload runs (its watch woke), not only at its end.
+    run(
+        &cp,
+        &node,
+        &setup,
+        "wl-renamed",
+        &["old 1", "new 20", "new 30"],
+    );
+    let (text, _) = stream(&cp, "wl-renamed");
+    let lines: Vec<&str> = text.lines().collect();
+    let shown = console(&node, "wl-renamed");
+    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
+    for i in 1..=30 {
+        let l = format!("new {i}");
+        assert_eq!(count(&lines, &l), 1, "{l} in the stream: {text}");
+        assert_eq!(count(&shown, &l), 1, "{l} on the console: {shown:?}");
+    }
+}

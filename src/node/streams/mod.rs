@@ -14,18 +14,29 @@
 //! The part learns that a file grew from the tailer's one-shot watch (see `workload::tail`): the
 //! loop sleeps until [`Streams::next_due`] and is never woken by a timer while nothing waits.
 //! Once a workload ended, its rest is shipped at once and as fast as the backend acknowledges.
+//!
+//! **Stream offsets** (what a chunk's `offset` says) are file offsets plus the stream's `base`,
+//! and never go back: they count every byte the stream moved past. Three things move it past
+//! bytes it did not ship, and the chunk after says which and how many: the `max_log_bytes` cap
+//! (`"dropped": n`, bytes cut before they were shipped; the offset jumps by n), a hole or a run
+//! of NUL bytes (`"gap": n`, D52: not output, never shipped or mirrored; the offset jumps by n),
+//! and a truncation by the workload (`"truncated": true`, D52: the log restarted; `base` grows
+//! so that the new data's first byte takes the next stream offset, with no jump). So the backend
+//! tells a truncation from a resend: a resend repeats an offset it already has, a chunk after a
+//! truncation continues at the next one and says `truncated`. The console gets one warning per
+//! stream for the first truncation and the first hole (later ones are logged at debug level).
 
 pub mod pace;
 pub mod text;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::workload::tail::{Chunk, Event, Key, Request};
+use crate::workload::tail::{Chunk, Event, Key, Mark, Request, MARK_BYTES};
 use pace::{Pace, Rules, MIN_READ};
 
 /// Largest chunk read and published at once.
@@ -41,6 +52,9 @@ pub const INSTALL_CHUNK: usize = 64 * 1024;
 pub const INSTALL_TAIL: u64 = 1024 * 1024;
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
+/// How many [`Mark`]s a stream keeps (the ends of its last chunks read): a truncation is found
+/// to have cut at or after the newest one still intact.
+pub const MARKS: usize = 16;
 
 /// `stream_name(i)` without a panic (a stream index is 0 or 1).
 fn stream_name(i: usize) -> &'static str {
@@ -56,6 +70,49 @@ pub struct Cursor {
     pub stdout_base: u64,
     #[serde(default)]
     pub stderr_base: u64,
+    /// The newest mark at or before the acknowledged offset (D52): a truncation while the node
+    /// was down is found after its restart too, even when the log grew back past the cursor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_mark: Option<SavedMark>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_mark: Option<SavedMark>,
+}
+
+/// A [`Mark`] as cursor.json keeps it: its bytes in hex.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SavedMark {
+    pub end: u64,
+    pub tail: String,
+}
+
+impl SavedMark {
+    fn of(m: &Mark) -> SavedMark {
+        SavedMark {
+            end: m.end,
+            tail: m.tail.iter().map(|b| format!("{b:02x}")).collect(),
+        }
+    }
+
+    /// The mark, or `None` when its text is not hex of at most [`MARK_BYTES`] bytes.
+    fn mark(&self) -> Option<Mark> {
+        let t = self.tail.as_bytes();
+        if t.is_empty() || t.len() % 2 != 0 || t.len() > MARK_BYTES.saturating_mul(2) {
+            return None;
+        }
+        let nibble = |c: u8| {
+            char::from(c)
+                .to_digit(16)
+                .and_then(|d| u8::try_from(d).ok())
+        };
+        let tail = t
+            .chunks(2)
+            .map(|p| Some(nibble(*p.first()?)? << 4 | nibble(*p.get(1)?)?))
+            .collect::<Option<Vec<u8>>>()?;
+        (self.end >= tail.len() as u64).then_some(Mark {
+            end: self.end,
+            tail,
+        })
+    }
 }
 
 /// Largest log offset a cursor may hold (1 PiB): far beyond any log, far from overflow.
@@ -64,7 +121,18 @@ pub const MAX_CURSOR: u64 = 1 << 50;
 impl crate::store::Validate for Cursor {
     fn validate(&self) -> Result<(), String> {
         let all = [self.stdout, self.stderr, self.stdout_base, self.stderr_base];
-        crate::store::check_offsets("log offsets", &all, MAX_CURSOR)
+        crate::store::check_offsets("log offsets", &all, MAX_CURSOR)?;
+        for (m, at) in [
+            (&self.stdout_mark, self.stdout),
+            (&self.stderr_mark, self.stderr),
+        ] {
+            if let Some(m) = m {
+                if m.end > at || m.mark().is_none() {
+                    return Err("a log mark is not one of the log's offsets".into());
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -127,6 +195,15 @@ struct Stream {
     base: u64,
     /// Cut bytes the backend never got, announced with the next chunk.
     dropped_unsent: u64,
+    /// Bytes of holes and NUL runs skipped since the last chunk, announced with the next one.
+    gap_unsent: u64,
+    /// The workload truncated the file since the last chunk: the next one says so.
+    truncated_unsent: bool,
+    /// The console was told of a truncation / of a hole of this stream (once each).
+    told_truncated: bool,
+    told_gap: bool,
+    /// The ends of the last chunks read, oldest first (at most [`MARKS`]).
+    marks: VecDeque<Mark>,
     pace: Pace,
 }
 
@@ -146,11 +223,20 @@ impl Workload {
 
     fn cursor(&self) -> Cursor {
         let [o, e] = &self.streams;
+        let saved = |s: &Stream| {
+            s.marks
+                .iter()
+                .rev()
+                .find(|m| m.end <= s.acked)
+                .map(SavedMark::of)
+        };
         Cursor {
             stdout: o.acked,
             stderr: e.acked,
             stdout_base: o.base,
             stderr_base: e.base,
+            stdout_mark: saved(o),
+            stderr_mark: saved(e),
         }
     }
 }
@@ -247,13 +333,14 @@ impl Streams {
         let shown = crate::logtext::shown(&tag);
         let prefix = STREAM_NAMES.map(|n| format!("[workload {shown} {n}] ").into_bytes());
         let mut streams = [Stream::default(), Stream::default()];
-        for (s, (at, base)) in streams.iter_mut().zip([
-            (cursor.stdout, cursor.stdout_base),
-            (cursor.stderr, cursor.stderr_base),
+        for (s, (at, base, mark)) in streams.iter_mut().zip([
+            (cursor.stdout, cursor.stdout_base, &cursor.stdout_mark),
+            (cursor.stderr, cursor.stderr_base, &cursor.stderr_mark),
         ]) {
             s.acked = at;
             s.mirrored = at;
             s.base = base;
+            s.marks.extend(mark.as_ref().and_then(SavedMark::mark));
             s.pace.unsent(now);
         }
         self.workloads.insert(
@@ -359,6 +446,7 @@ impl Streams {
                     path: w.src.logs.get(i).cloned().unwrap_or_default(),
                     offset,
                     max: usize::try_from(max).unwrap_or(usize::MAX),
+                    marks: s.marks.iter().rev().cloned().collect(),
                 });
             }
         }
@@ -427,6 +515,11 @@ impl Streams {
                 s.dropped_unsent = s.dropped_unsent.saturating_add(unsent);
                 s.acked = s.acked.saturating_sub(cut);
                 s.mirrored = s.mirrored.saturating_sub(cut);
+                s.marks
+                    .retain(|m| m.end >= cut.saturating_add(m.tail.len() as u64));
+                for m in &mut s.marks {
+                    m.end = m.end.saturating_sub(cut);
+                }
             }
             Ok(_) => {}
             Err(e) => log::warn!("cannot cap a log of {rid}: {e}"),
@@ -451,7 +544,9 @@ impl Streams {
         let path = w.src.logs.get(i).cloned().unwrap_or_default();
         // The max_log_bytes cap: the tailer keeps the newest half when the file outgrows it (a
         // copy of up to half a gigabyte: never on the loop).
-        if chunk.file_len > cap {
+        // What the file holds on disk counts, not the holes of a sparse file (D52: they are
+        // skipped, never cut by copying them as zeros).
+        if chunk.file_len.min(chunk.disk_len) > cap {
             s.reading = true;
             out.tail(Request::Cut {
                 key: chunk.key,
@@ -466,11 +561,29 @@ impl Streams {
             s.pace.unsent(now); // overtaken (a reconnect, a cut): read again
             return 0;
         }
+        let what = Said {
+            kind: &w.src.kind,
+            request_id: &w.src.request_id,
+            stream: i,
+        };
+        if chunk.truncated {
+            truncated(s, &chunk, &what);
+        }
+        if chunk.skipped > 0 && skipped(s, &chunk, mirroring, &what) {
+            // The line the console holds ends where the hole starts.
+            let rest = std::mem::take(&mut s.partial);
+            let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
+            mirror(prefix, i, &rest, true, &mut Vec::new(), out);
+        }
+        // From here on the chunk is the bytes at `offset`.
+        let offset = chunk.at();
         let mut data = chunk.data;
-        let read_end = chunk.offset.saturating_add(data.len() as u64);
+        let read_end = offset.saturating_add(data.len() as u64);
         // The read saw everything the file held.
         let caught_up = read_end >= chunk.file_len;
-        if !ending {
+        if chunk.gap_follows {
+            // Text that a hole or NUL run ends goes as it is: no line end will come.
+        } else if !ending {
             // While the workload runs, a chunk ends at a line end (unless one line fills a
             // whole read: then it goes in pieces ending on a whole character; D32, a line never
             // has to fit in memory).
@@ -486,8 +599,13 @@ impl Streams {
         // longer than the bytes read).
         let mut shrunk = false;
         let body = if publishing && !data.is_empty() {
-            let at = chunk.offset.saturating_add(s.base);
-            let mut b = chunk_body(&self.uuid, i, &data, &w.src, at, s.dropped_unsent);
+            let at = offset.saturating_add(s.base);
+            let notes = Notes {
+                dropped: s.dropped_unsent,
+                gap: s.gap_unsent,
+                truncated: s.truncated_unsent,
+            };
+            let mut b = chunk_body(&self.uuid, i, &data, &w.src, at, &notes);
             let mut tries: u32 = 0;
             while b.len() as u64 > payload_cap && data.len() > 1 && tries < 16 {
                 let keep = (data.len() as u128)
@@ -498,27 +616,30 @@ impl Streams {
                 let keep = keep.min(data.len().saturating_sub(1)).max(1);
                 data.truncate(text::utf8_cut(&data, keep));
                 shrunk = true;
-                b = chunk_body(&self.uuid, i, &data, &w.src, at, s.dropped_unsent);
+                b = chunk_body(&self.uuid, i, &data, &w.src, at, &notes);
                 tries = tries.saturating_add(1);
             }
-            s.dropped_unsent = 0;
             Some(b)
         } else {
             None
         };
-        let end = chunk.offset.saturating_add(data.len() as u64);
+        let end = offset.saturating_add(data.len() as u64);
+        if !data.is_empty() {
+            mark(s, end, &data);
+        }
         // Mirror what the console has not seen yet.
         if end > s.mirrored {
-            let from = usize::try_from(s.mirrored.saturating_sub(chunk.offset)).unwrap_or(0);
+            let from = usize::try_from(s.mirrored.saturating_sub(offset)).unwrap_or(0);
             let fresh = data.get(from.min(data.len())..).unwrap_or_default();
             let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
-            mirror(prefix, i, fresh, false, &mut s.partial, out);
+            // Text a hole ends is a whole line for the console too.
+            mirror(prefix, i, fresh, chunk.gap_follows, &mut s.partial, out);
             s.mirrored = end;
         }
         // (A chunk cut to fit the broker leaves whole lines behind.)
         let all_sent_or_partial = end >= chunk.file_len || (caught_up && !ending && !shrunk);
         if data.is_empty() || mirroring {
-            if ending && data.is_empty() && chunk.offset == s.acked {
+            if ending && data.is_empty() && offset == s.acked {
                 // Every byte acknowledged, up to the end of the file (or a file that cannot be
                 // read any further: it stays on disk, and the drain does not wait for it
                 // forever). Nothing to ship needs no connection.
@@ -542,7 +663,7 @@ impl Streams {
         let Some(body) = body else {
             return 0;
         };
-        s.inflight = Some((chunk.offset, data.len() as u64));
+        s.inflight = Some((offset, data.len() as u64));
         s.pace
             .sent(now, data.len() as u64, !all_sent_or_partial, &rules);
         if all_sent_or_partial && !ending {
@@ -579,6 +700,10 @@ impl Streams {
             return 0;
         }
         s.acked = offset.saturating_add(len);
+        // The notes went with it (a chunk sent again carries them again).
+        s.dropped_unsent = 0;
+        s.gap_unsent = 0;
+        s.truncated_unsent = false;
         s.persisting = true;
         let data = serde_json::to_vec(&w.cursor()).unwrap_or_default();
         out.tail(Request::Persist {
@@ -656,6 +781,106 @@ impl Streams {
     }
 }
 
+/// Who a console note is about.
+struct Said<'a> {
+    kind: &'a str,
+    request_id: &'a Value,
+    stream: usize,
+}
+
+impl Said<'_> {
+    fn who(&self) -> String {
+        let rid = crate::protocol::messages::request_id_text(self.request_id);
+        format!(
+            "{} {}: its {} log",
+            self.kind,
+            crate::logtext::shown(&rid),
+            stream_name(self.stream)
+        )
+    }
+}
+
+/// Remembers the last bytes read before `end` (the chunk's `data` ends there).
+fn mark(s: &mut Stream, end: u64, data: &[u8]) {
+    let from = data.len().saturating_sub(MARK_BYTES);
+    let tail = data.get(from..).unwrap_or_default().to_vec();
+    if s.marks.back().is_some_and(|m| m.end >= end) {
+        return; // read again (a resend): already marked
+    }
+    if s.marks.len() >= MARKS {
+        s.marks.pop_front();
+    }
+    s.marks.push_back(Mark { end, tail });
+}
+
+/// D52: the workload truncated (or replaced) the file below the position read from; the tailer
+/// resumed at `chunk.resume`, at or before the truncation point. Stream offsets stay monotonic:
+/// `base` grows so that the byte at `resume` takes the stream offset the acknowledged position
+/// had; the console may see what the truncation kept after `resume` once more, nothing is lost.
+fn truncated(s: &mut Stream, chunk: &Chunk, what: &Said<'_>) {
+    let r = chunk.resume;
+    if s.acked > r {
+        s.base = s
+            .base
+            .saturating_add(s.acked.saturating_sub(r))
+            .min(MAX_CURSOR);
+        s.acked = r;
+    }
+    if s.mirrored > r {
+        // The partial line held for the console: keep only what lies before `resume`.
+        let held = s.mirrored.saturating_sub(s.partial.len() as u64);
+        s.partial
+            .truncate(usize::try_from(r.saturating_sub(held)).unwrap_or(0));
+        s.mirrored = r;
+    }
+    s.marks.retain(|m| m.end <= r);
+    s.truncated_unsent = true;
+    if std::mem::replace(&mut s.told_truncated, true) {
+        log::debug!(
+            "{} was truncated again; continuing from byte {r} of the file",
+            what.who()
+        );
+    } else {
+        log::warn!(
+            "{} was truncated or replaced by the workload (now {} bytes, read up to byte {}); continuing from byte {r} of the file: nothing written after the truncation is lost",
+            what.who(),
+            chunk.file_len,
+            chunk.offset,
+        );
+    }
+}
+
+/// D52: the tailer skipped a hole (or NUL run) of `chunk.skipped` bytes from `chunk.resume`:
+/// the position moves past it with nothing shipped or mirrored; the next chunk says `gap`.
+/// True when the partial line held for the console ends at the hole (to be written now).
+fn skipped(s: &mut Stream, chunk: &Chunk, mirroring: bool, what: &Said<'_>) -> bool {
+    let to = chunk.at();
+    if !mirroring && s.acked == chunk.resume {
+        s.gap_unsent = s.gap_unsent.saturating_add(chunk.skipped);
+        s.acked = to;
+    }
+    let mut flush = false;
+    if s.mirrored < to {
+        flush = !s.partial.is_empty() && s.mirrored == chunk.resume;
+        s.mirrored = to;
+        if std::mem::replace(&mut s.told_gap, true) {
+            log::debug!(
+                "{}: another {} bytes of hole skipped",
+                what.who(),
+                chunk.skipped
+            );
+        } else {
+            log::warn!(
+                "{} has a hole (or NUL bytes) of {} bytes from byte {}: skipped, not shipped or mirrored",
+                what.who(),
+                chunk.skipped,
+                chunk.resume,
+            );
+        }
+    }
+    flush
+}
+
 fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, out: &mut dyn Outbound) {
     if !s.watching {
         s.watching = true;
@@ -663,15 +888,24 @@ fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, out: &mut dyn Outbou
     }
 }
 
+/// What a chunk says of the bytes the stream moved past before it (see the module's notes).
+#[derive(Debug, Default)]
+struct Notes {
+    dropped: u64,
+    gap: u64,
+    truncated: bool,
+}
+
 /// The R4 body of a chunk: `{"instance_uuid", "log_type", "log_content", "workload_request_id",
-/// "offset", "length", "dropped"?, "workload_uuid"?}`, written straight into one buffer.
+/// "offset", "length", "dropped"?, "gap"?, "truncated"?, "workload_uuid"?}`, written straight
+/// into one buffer.
 fn chunk_body(
     uuid: &str,
     stream: usize,
     data: &[u8],
     src: &Source,
     offset: u64,
-    dropped: u64,
+    notes: &Notes,
 ) -> Vec<u8> {
     let content = text::log_content(data);
     let mut b = Vec::with_capacity(
@@ -691,9 +925,17 @@ fn chunk_body(
         b.extend_from_slice(b"null");
     }
     b.extend_from_slice(format!(",\"offset\":{offset},\"length\":{}", data.len()).as_bytes());
-    if dropped > 0 {
+    if notes.dropped > 0 {
         // The max_log_bytes cap cut these bytes before they were shipped.
-        b.extend_from_slice(format!(",\"dropped\":{dropped}").as_bytes());
+        b.extend_from_slice(format!(",\"dropped\":{}", notes.dropped).as_bytes());
+    }
+    if notes.gap > 0 {
+        // Holes and NUL runs just before this chunk (D52): not output.
+        b.extend_from_slice(format!(",\"gap\":{}", notes.gap).as_bytes());
+    }
+    if notes.truncated {
+        // The workload truncated (or replaced) the log; this chunk is of its new data (D52).
+        b.extend_from_slice(b",\"truncated\":true");
     }
     if let Some(wl) = &src.workload_uuid {
         b.extend_from_slice(b",\"workload_uuid\":");
@@ -717,6 +959,14 @@ fn mirror(
     partial: &mut Vec<u8>,
     out: &mut dyn Outbound,
 ) {
+    // No NUL byte reaches the console (D52): a short run inside text is dropped from it.
+    let kept: Vec<u8>;
+    let data = if data.contains(&0) {
+        kept = data.iter().copied().filter(|b| *b != 0).collect();
+        kept.as_slice()
+    } else {
+        data
+    };
     let mut text = Vec::with_capacity(data.len().saturating_add(data.len() / 2).saturating_add(64));
     if partial.is_empty() {
         // The usual case (a chunk ends at a line end): no copy into `partial`.

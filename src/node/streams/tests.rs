@@ -160,8 +160,11 @@ impl Sim {
                         Event::Chunk(Chunk {
                             data: f[from..to].to_vec(),
                             file_len: f.len() as u64,
+                            disk_len: f.len() as u64,
                             key,
                             offset,
+                            resume: offset,
+                            ..Chunk::default()
                         })
                     }
                     Request::Cut { key, keep, .. } => {
@@ -685,7 +688,17 @@ fn a_chunk_body_matches_the_wire_format() {
         logs: ["a".into(), "b".into()],
         cursor_path: "c".into(),
     };
-    let body = chunk_body("u\"1", 1, b"tab\there \xff\n", &src, 7, 3);
+    let body = chunk_body(
+        "u\"1",
+        1,
+        b"tab\there \xff\n",
+        &src,
+        7,
+        &Notes {
+            dropped: 3,
+            ..Notes::default()
+        },
+    );
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(
         v,
@@ -698,5 +711,384 @@ fn a_chunk_body_matches_the_wire_format() {
             "length": 11,
             "dropped": 3,
         })
+    );
+}
+
+/// D52 against the real tailer's reads on real files: one workload "w1" whose stdout log the
+/// test (as the workload) truncates, replaces or makes sparse.
+struct Disk {
+    st: Streams,
+    out: Fake,
+    dir: std::path::PathBuf,
+    now: Instant,
+    answered: usize,
+    /// The last cursor written.
+    cursor: Cursor,
+    /// How chunks are answered (false: refused).
+    ok: bool,
+}
+
+impl Disk {
+    fn new(name: &str) -> Disk {
+        let dir = std::env::temp_dir().join(format!("cw-streams-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for l in ["out.log", "err.log"] {
+            std::fs::write(dir.join(l), b"").unwrap();
+        }
+        let mut d = Disk {
+            st: Streams::new(&settings(1000)),
+            out: Fake::default(),
+            dir,
+            now: Instant::now(),
+            answered: 0,
+            cursor: Cursor::default(),
+            ok: true,
+        };
+        d.restart();
+        d
+    }
+
+    /// A new node on the same files, from the last cursor written.
+    fn restart(&mut self) {
+        self.st = Streams::new(&settings(1000));
+        self.st.link(true, "inst-1", self.now);
+        let cursor = serde_json::from_slice(&serde_json::to_vec(&self.cursor).unwrap()).unwrap();
+        crate::store::Validate::validate(&cursor).unwrap();
+        self.st.track(
+            ID,
+            Source {
+                kind: "training".into(),
+                request_id: Value::from("req-1"),
+                workload_uuid: Some("wl-1".into()),
+                logs: [self.dir.join("out.log"), self.dir.join("err.log")],
+                cursor_path: self.dir.join("cursor.json"),
+            },
+            cursor,
+            self.now,
+        );
+    }
+
+    fn log(&self) -> std::path::PathBuf {
+        self.dir.join("out.log")
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.log())
+            .unwrap();
+        std::io::Write::write_all(&mut f, bytes).unwrap();
+    }
+
+    fn set_len(&mut self, len: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.log())
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
+    /// Lets the node see the file changed and ship everything there is (each chunk answered ok).
+    fn settle(&mut self) {
+        for _ in 0..100 {
+            self.now += Duration::from_secs(1);
+            let now = self.now;
+            self.st.on_tail(Event::Grew(key(0)), now, &mut self.out);
+            self.serve();
+            let before = self.answered;
+            while self.answered < self.out.published.len() {
+                let k = self.out.published[self.answered].0.clone();
+                self.answered += 1;
+                let ok = self.ok;
+                self.st.on_ack(&k, ok, now, &mut self.out);
+                self.serve();
+            }
+            if (before == self.answered || !self.ok) && self.out.tail.is_empty() {
+                return;
+            }
+        }
+        panic!("the stream never settled");
+    }
+
+    fn serve(&mut self) {
+        while !self.out.tail.is_empty() {
+            for job in std::mem::take(&mut self.out.tail) {
+                let ev = match job {
+                    Request::Read {
+                        key,
+                        path,
+                        offset,
+                        max,
+                        marks,
+                    } => Event::Chunk(crate::workload::tail::read(key, &path, offset, max, &marks)),
+                    Request::Cut { key, path, keep } => Event::Cut {
+                        key,
+                        result: crate::workload::tail::cut_front(&path, keep)
+                            .map_err(|e| e.to_string()),
+                    },
+                    Request::Persist { key, path, data } => {
+                        self.cursor = serde_json::from_slice(&data).unwrap();
+                        Event::Persisted {
+                            key,
+                            path,
+                            result: Ok(()),
+                        }
+                    }
+                    Request::Watch { .. } | Request::Unwatch(_) => continue,
+                };
+                let now = self.now;
+                self.st.on_tail(ev, now, &mut self.out);
+            }
+        }
+    }
+
+    /// The stdout chunks' bodies.
+    fn bodies(&self) -> Vec<Value> {
+        self.out
+            .published
+            .iter()
+            .filter(|(k, _)| k.stream == 0)
+            .map(|(_, b)| b.clone())
+            .collect()
+    }
+
+    /// The stream as the backend rebuilds it by offset: no gap except one a chunk announces
+    /// (`gap`, `dropped`), no offset that goes back, no NUL byte.
+    fn rebuilt(&self) -> String {
+        let mut text = String::new();
+        let mut next = 0u64;
+        let mut by_offset = BTreeMap::new();
+        for b in self.bodies() {
+            let offset = b["offset"].as_u64().unwrap();
+            if let Some(had) = by_offset.insert(offset, b.clone()) {
+                assert_eq!(had, b, "a chunk sent again is the same");
+            }
+        }
+        for b in by_offset.into_values() {
+            let offset = b["offset"].as_u64().unwrap();
+            let len = b["length"].as_u64().unwrap();
+            let mut content = b["log_content"].as_str().unwrap().to_string();
+            assert!(!content.contains('\0'), "a NUL byte shipped: {b}");
+            let said = b["gap"].as_u64().unwrap_or(0) + b["dropped"].as_u64().unwrap_or(0);
+            assert_eq!(offset, next + said, "offsets are contiguous: {b}");
+            if len as usize == content.len() + 1 {
+                content.push('\n');
+            }
+            text.push_str(&content);
+            next = offset + len;
+        }
+        text
+    }
+}
+
+impl Drop for Disk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn a_log_truncated_to_zero_continues_with_what_is_written_after() {
+    let mut d = Disk::new("trunc0");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    d.set_len(0);
+    d.write(lines("new", 1, 3).as_bytes());
+    d.settle();
+    // Truncated again and longer than before when the node looks.
+    d.set_len(0);
+    d.write(lines("newer", 1, 20).as_bytes());
+    d.settle();
+    let want = lines("old", 1, 5) + &lines("new", 1, 3) + &lines("newer", 1, 20);
+    assert_eq!(d.rebuilt(), want);
+    let b = d.bodies();
+    assert_eq!(b.len(), 3);
+    assert!(b[0].get("truncated").is_none());
+    assert_eq!(
+        (b[1]["truncated"].clone(), b[2]["truncated"].clone()),
+        (json!(true), json!(true))
+    );
+    let console: String = d.out.console[0].replace("[workload wl-1 stdout] ", "");
+    assert_eq!(console, want, "each line once on the console");
+}
+
+#[test]
+fn a_log_truncated_to_a_middle_offset_loses_and_repeats_nothing() {
+    let mut d = Disk::new("truncmid");
+    for i in 1..=6 {
+        d.write(format!("a {i}\n").as_bytes());
+        d.settle();
+    }
+    d.set_len(lines("a", 1, 3).len() as u64);
+    d.write(lines("b", 1, 10).as_bytes());
+    d.settle();
+    let want = lines("a", 1, 6) + &lines("b", 1, 10);
+    assert_eq!(d.rebuilt(), want);
+    let last = d.bodies().pop().unwrap();
+    assert_eq!(last["truncated"], true);
+    assert_eq!(last["log_content"], lines("b", 1, 10).trim_end());
+    assert_eq!(
+        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        want
+    );
+}
+
+#[test]
+fn a_hole_in_the_middle_is_skipped_and_announced_as_a_gap() {
+    let mut d = Disk::new("hole");
+    d.write(b"before\n");
+    d.settle();
+    d.set_len(64 << 20);
+    d.write(b"after\n");
+    d.settle();
+    assert_eq!(d.rebuilt(), "before\nafter\n");
+    let b = d.bodies();
+    assert_eq!(b.len(), 2);
+    assert_eq!(b[1]["offset"], 64 << 20);
+    assert_eq!(b[1]["gap"], (64 << 20) - 7);
+    assert_eq!(
+        d.out.console[0],
+        "[workload wl-1 stdout] before\n[workload wl-1 stdout] after\n"
+    );
+}
+
+#[test]
+fn a_hole_at_the_end_is_skipped_and_the_stream_drains() {
+    let mut d = Disk::new("holeend");
+    d.write(b"partial");
+    d.settle();
+    d.set_len(1 << 20);
+    d.settle();
+    let now = d.now;
+    d.st.end(ID, now, &mut d.out);
+    d.settle();
+    assert_eq!(d.rebuilt(), "partial");
+    assert!(d.st.drained(ID), "{:?}", d.st.undrained(ID));
+    assert_eq!(d.out.console[0], "[workload wl-1 stdout] partial\n");
+}
+
+#[test]
+fn a_huge_sparse_log_ships_only_its_text_in_milliseconds() {
+    let t = Instant::now();
+    let mut d = Disk::new("huge");
+    d.write(b"x\n");
+    d.settle();
+    d.set_len(3 << 30);
+    d.write(b"y\n");
+    d.settle();
+    assert_eq!(d.rebuilt(), "x\ny\n");
+    assert_eq!(
+        d.out.console[0],
+        "[workload wl-1 stdout] x\n[workload wl-1 stdout] y\n"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+#[test]
+fn a_truncation_while_the_node_was_down_is_found_after_its_restart() {
+    let mut d = Disk::new("restart");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    assert!(d.cursor.stdout_mark.is_some(), "the cursor keeps a mark");
+    // The node is down; the workload truncates its log and writes more than it held.
+    d.set_len(0);
+    d.write(lines("new", 1, 20).as_bytes());
+    d.restart();
+    d.settle();
+    assert_eq!(d.rebuilt(), lines("old", 1, 5) + &lines("new", 1, 20));
+    assert_eq!(d.bodies().last().unwrap()["truncated"], true);
+}
+
+#[test]
+fn the_truncated_note_goes_again_with_a_chunk_sent_again() {
+    let mut d = Disk::new("resend");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    d.set_len(0);
+    d.write(b"new\n");
+    d.ok = false;
+    d.settle();
+    d.ok = true;
+    d.settle();
+    let b = d.bodies();
+    assert!(b.len() >= 3, "refused, then sent again: {b:?}");
+    assert!(b[1..].iter().all(|b| b["truncated"] == true), "{b:?}");
+    assert_eq!(d.rebuilt(), lines("old", 1, 5) + "new\n");
+}
+
+#[test]
+fn a_truncation_during_an_outage_is_mirrored_once_and_shipped_after_it() {
+    let mut d = Disk::new("outage");
+    d.write(lines("old", 1, 5).as_bytes());
+    d.settle();
+    let now = d.now;
+    d.st.reset(now);
+    d.st.link(false, "inst-1", now);
+    d.set_len(0);
+    d.write(lines("new", 1, 20).as_bytes());
+    d.settle();
+    let want = lines("old", 1, 5) + &lines("new", 1, 20);
+    assert_eq!(
+        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        want,
+        "mirrored once while disconnected"
+    );
+    let now = d.now;
+    d.st.link(true, "inst-1", now);
+    d.settle();
+    assert_eq!(d.rebuilt(), want);
+    assert_eq!(
+        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        want
+    );
+}
+
+#[test]
+fn a_cursor_mark_that_is_not_hex_or_past_the_cursor_is_refused() {
+    use crate::store::Validate;
+    let with = |end: u64, tail: &str| Cursor {
+        stdout: 10,
+        stdout_mark: Some(SavedMark {
+            end,
+            tail: tail.into(),
+        }),
+        ..Cursor::default()
+    };
+    assert!(with(10, "0a").validate().is_ok());
+    let long = "00".repeat(MARK_BYTES + 1);
+    for (end, tail) in [
+        (11, "0a"),
+        (10, "zz"),
+        (10, "0"),
+        (10, ""),
+        (10, long.as_str()),
+    ] {
+        assert!(with(end, tail).validate().is_err(), "{end} {tail}");
+    }
+    assert!(
+        with(0, "0a").validate().is_err(),
+        "a mark longer than its end"
+    );
+    assert_eq!(
+        with(10, "0a").stdout_mark.unwrap().mark(),
+        Some(Mark {
+            end: 10,
+            tail: vec![10]
+        })
+    );
+}
+
+#[test]
+fn text_with_nul_bytes_inside_goes_in_one_chunk_without_them() {
+    let mut d = Disk::new("nulinside");
+    d.write(&b"w\0i\0d\0e\0\n".repeat(100));
+    d.settle();
+    assert_eq!(d.bodies().len(), 1, "not a chunk per character");
+    assert_eq!(d.rebuilt(), "wide\n".repeat(100).trim_end());
+    assert_eq!(
+        d.out.console[0],
+        "[workload wl-1 stdout] wide\n".repeat(100)
     );
 }

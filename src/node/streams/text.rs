@@ -12,6 +12,10 @@ use std::borrow::Cow;
 /// exceeds the content's bytes by one. Invalid UTF-8 becomes U+FFFD.
 pub fn log_content(data: &[u8]) -> Cow<'_, str> {
     let data = data.strip_suffix(b"\n").unwrap_or(data);
+    if data.contains(&0) {
+        // No NUL byte is shipped (D52): a short run inside text is dropped from it.
+        return Cow::Owned(String::from_utf8_lossy(data).replace('\0', ""));
+    }
     match std::str::from_utf8(data) {
         Ok(s) => Cow::Borrowed(s),
         Err(_) => String::from_utf8_lossy(data),
@@ -216,6 +220,7 @@ mod tests {
         assert_eq!(log_content(b"crlf\r\n"), "crlf\r");
         assert_eq!(log_content(b"bad \xff\n"), "bad \u{FFFD}");
         assert_eq!(log_content(b""), "");
+        assert_eq!(log_content(b"a\0b\0\n"), "ab", "no NUL byte is shipped");
     }
 
     /// A small deterministic generator of awkward text.

@@ -1,6 +1,7 @@
-//! Worker threads for blocking HTTP: one for result uploads (a PUT can take minutes), one for
-//! short REST calls (self-heal lookups, upload fallbacks), so neither waits behind the other and
-//! the event loop waits behind neither. Results come back as [`Done`] messages.
+//! Worker threads for blocking HTTP: a small pool for result uploads (a PUT can take minutes;
+//! two workloads that end together upload side by side, each its busy window alone), one
+//! for short REST calls (self-heal lookups, upload fallbacks), so neither waits behind the other
+//! and the event loop waits behind neither. Results come back as [`Done`] messages.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -62,25 +63,45 @@ pub struct Workers {
     http: Sender<Job>,
 }
 
+/// Upload threads by default, and the most `CYBERWAVE_NODE_UPLOAD_WORKERS` may ask for.
+pub const DEFAULT_UPLOADERS: usize = 2;
+pub const MAX_UPLOADERS: usize = 16;
+
+/// `CYBERWAVE_NODE_UPLOAD_WORKERS`: a whole number from 1 to 16, else the default.
+pub fn uploaders(value: Option<&str>) -> usize {
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=MAX_UPLOADERS).contains(n))
+        .unwrap_or(DEFAULT_UPLOADERS)
+}
+
 impl Workers {
-    pub fn start(backend: Backend, done: Sender<Done>) -> std::io::Result<Workers> {
-        let spawn = |name: &str| -> std::io::Result<Sender<Job>> {
+    /// `uploaders` threads take transfers from one queue (in the order they were asked for);
+    /// one thread takes the REST calls.
+    pub fn start(
+        backend: Backend,
+        done: Sender<Done>,
+        uploaders: usize,
+    ) -> std::io::Result<Workers> {
+        let spawn = |name: &str, threads: usize| -> std::io::Result<Sender<Job>> {
             let (tx, rx) = unbounded::<Job>();
-            let (b, d) = (backend.clone(), done.clone());
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || {
-                    for job in rx {
-                        if d.send(run(&b, job)).is_err() {
-                            return;
+            for _ in 0..threads.max(1) {
+                let (b, d, rx) = (backend.clone(), done.clone(), rx.clone());
+                std::thread::Builder::new()
+                    .name(name.into())
+                    .spawn(move || {
+                        for job in rx {
+                            if d.send(run(&b, job)).is_err() {
+                                return;
+                            }
                         }
-                    }
-                })?;
+                    })?;
+            }
             Ok(tx)
         };
         Ok(Workers {
-            uploads: spawn("uploads")?,
-            http: spawn("http")?,
+            uploads: spawn("uploads", uploaders)?,
+            http: spawn("http", 1)?,
         })
     }
 
@@ -91,6 +112,19 @@ impl Workers {
             &self.http
         };
         let _ = lane.send(job);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_upload_pool_size_is_bounded_and_hostile_values_fall_back() {
+        assert_eq!(super::uploaders(None), 2);
+        assert_eq!(super::uploaders(Some(" 4 ")), 4);
+        assert_eq!(super::uploaders(Some("16")), 16);
+        for bad in ["0", "17", "-1", "x", "", "1e3", "99999999999999999999"] {
+            assert_eq!(super::uploaders(Some(bad)), 2, "{bad:?}");
+        }
     }
 }
 

@@ -257,3 +257,37 @@ fn an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
         .count();
     assert!(hits >= 2, "the backend was asked: {hits}");
 }
+
+/// Issue 25: two workloads that end together upload side by side (a pool of upload workers,
+/// `CYBERWAVE_NODE_UPLOAD_WORKERS`, default 2), so the second's files do not wait behind the
+/// first's. Proven by the fake sink seeing both PUTs at once, not by timing. On main at f918294
+/// one upload thread sent them one after the other.
+#[test]
+fn two_workloads_ending_together_upload_side_by_side() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    cp.set_behaviour(|b| b.put_delay = Duration::from_millis(700));
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  training: |\n    while [ ! -f go ]; do sleep 0.02; done\n    head -c 100000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/model.bin\"\n  results_folder: out\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(start(&cp, &node, "pa", "wl-pa")["status"], "ok");
+    assert_eq!(start(&cp, &node, "pb", "wl-pb")["status"], "ok");
+    std::fs::write(setup.cwd.join("go"), "").unwrap();
+    for wl in ["wl-pa", "wl-pb"] {
+        assert!(
+            cp.wait_status(wl, "completed", DONE).is_some(),
+            "{wl}: {}",
+            node.log()
+        );
+    }
+    assert_eq!(cp.uploads().len(), 2, "{:?}", cp.uploads().keys());
+    assert_eq!(
+        cp.max_puts_in_flight(),
+        2,
+        "the two workloads' uploads went one after the other"
+    );
+}

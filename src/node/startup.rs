@@ -209,7 +209,9 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     };
     let (done_tx, worker_done) = unbounded();
     let backend = Backend::of(&s, &token);
-    let workers = match Workers::start(backend, done_tx) {
+    let uploaders =
+        crate::workers::uploaders(s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref());
+    let workers = match Workers::start(backend, done_tx, uploaders) {
         Ok(w) => w,
         Err(e) => {
             return Err(StartupError::Runtime(format!(

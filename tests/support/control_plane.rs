@@ -95,6 +95,9 @@ struct State {
     /// Requested file name → the attachment file name R9 answered with.
     attachment_names: std::collections::BTreeMap<String, String>,
     attachments: u32,
+    /// Signed-URL PUTs being received now, and the most at once so far.
+    puts_in_flight: usize,
+    max_puts_in_flight: usize,
 }
 
 /// One `multipart/form-data` upload as the fake platform received it.
@@ -254,6 +257,11 @@ impl ControlPlane {
     }
 
     /// Bytes that reached the signed-URL sink, by attachment file name.
+    /// The most signed-URL PUTs the fake received at the same time.
+    pub fn max_puts_in_flight(&self) -> usize {
+        lock(&self.state).max_puts_in_flight
+    }
+
     pub fn uploads(&self) -> std::collections::BTreeMap<String, Vec<u8>> {
         lock(&self.state).uploads.clone()
     }
@@ -415,6 +423,11 @@ fn serve_http(mut req: tiny_http::Request, st: &Arc<Mutex<State>>) {
             None => (400, "not a multipart/form-data POST".into()),
         }
     } else if let Some(name) = path.strip_prefix("/upload/") {
+        {
+            let mut s = lock(st);
+            s.puts_in_flight += 1;
+            s.max_puts_in_flight = s.max_puts_in_flight.max(s.puts_in_flight);
+        }
         let mut bytes = Vec::new();
         let _ = std::io::Read::read_to_end(req.as_reader(), &mut bytes);
         let (fail, delay) = {
@@ -426,6 +439,7 @@ fn serve_http(mut req: tiny_http::Request, st: &Arc<Mutex<State>>) {
             (fail, s.behaviour.put_delay)
         };
         std::thread::sleep(delay);
+        lock(st).puts_in_flight -= 1;
         if fail {
             (503, "try later".into())
         } else if *req.method() != tiny_http::Method::Put {

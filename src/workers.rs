@@ -115,19 +115,6 @@ impl Workers {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_upload_pool_size_is_bounded_and_hostile_values_fall_back() {
-        assert_eq!(super::uploaders(None), 2);
-        assert_eq!(super::uploaders(Some(" 4 ")), 4);
-        assert_eq!(super::uploaders(Some("16")), 16);
-        for bad in ["0", "17", "-1", "x", "", "1e3", "99999999999999999999"] {
-            assert_eq!(super::uploaders(Some(bad)), 2, "{bad:?}");
-        }
-    }
-}
-
 fn run(b: &Backend, job: Job) -> Done {
     match job {
         Job::Put {
@@ -159,5 +146,18 @@ fn run(b: &Backend, job: Job) -> Done {
             key,
             check: b.check_workload(&wl, &my_uuid, timeout),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_upload_pool_size_is_bounded_and_hostile_values_fall_back() {
+        assert_eq!(super::uploaders(None), 2);
+        assert_eq!(super::uploaders(Some(" 4 ")), 4);
+        assert_eq!(super::uploaders(Some("16")), 16);
+        for bad in ["0", "17", "-1", "x", "", "1e3", "99999999999999999999"] {
+            assert_eq!(super::uploaders(Some(bad)), 2, "{bad:?}");
+        }
     }
 }

@@ -38,7 +38,9 @@ printf 'root:x:0:\nnogroup:x:65534:\n' > "$root/etc/group"
 chmod 0644 "$root/etc/passwd" "$root/etc/group"
 install -d -m 0700 "$root/root" "$root/var/lib/cyberwave-cloud-node"
 install -d -m 1777 "$root/tmp"
-install -d -m 0755 "$root/work"
+install -d -m 0755 "$root/work" "$root/dev"
+# Mount points a container runtime fills (proc, sys; /dev gets its nodes from the runtime).
+install -d -m 0555 "$root/proc" "$root/sys"
 umoci repack --image "$layout:$version" "$bundle/b"
 umoci config --image "$layout:$version" \
   --author "Cyberwave" \

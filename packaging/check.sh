@@ -69,6 +69,9 @@ if [ ! -x /bin/busybox ] || ! file -b /bin/busybox | grep -q 'statically linked'
 fi
 install -D -m 0755 /bin/busybox "$rootfs/bin/busybox"
 chroot "$rootfs" /bin/busybox --install -s /bin
+# What a container runtime gives every container: /dev/null, /dev/urandom.
+mknod -m 0666 "$rootfs/dev/null" c 1 3
+mknod -m 0444 "$rootfs/dev/urandom" c 1 9
 CYBERWAVE_TEST_IMAGE_ROOTFS="$rootfs" CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
   cargo test --test main -- --ignored container::d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop
 

@@ -24,6 +24,8 @@ use support::{Broker, ControlPlane};
 mod fleet;
 #[path = "node/start.rs"]
 mod start;
+#[path = "node/upload.rs"]
+mod upload;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -115,6 +117,14 @@ fn main() {
         Some("idle") => return idle(Duration::from_secs(number(1, 60))),
         Some("fleet") => return fleet::run(number(1, 100) as usize),
         Some("start") => return start::run(number(1, 100) as usize),
+        Some("upload") => {
+            let sizes: Vec<u64> = words
+                .get(1)
+                .map(|w| w.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+                .filter(|v: &Vec<u64>| !v.is_empty())
+                .unwrap_or_else(|| vec![256, 1024, 4096]);
+            return upload::run(&sizes);
+        }
         Some("stream") => {
             let broker = Broker::start();
             let cp = ControlPlane::start(broker.port, "");

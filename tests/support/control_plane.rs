@@ -45,6 +45,9 @@ pub struct Behaviour {
     pub require_workspace_uuid: bool,
     /// A `multipart` answer names this URL instead of the platform's endpoint.
     pub multipart_url: Option<String>,
+    /// Signed URLs point at this origin instead of the fake's own `/upload/` (the upload
+    /// benchmark's discard sink).
+    pub upload_base: Option<String>,
 }
 
 impl Default for Behaviour {
@@ -61,6 +64,7 @@ impl Default for Behaviour {
             upload_methods: Default::default(),
             require_workspace_uuid: false,
             multipart_url: None,
+            upload_base: None,
         }
     }
 }
@@ -567,7 +571,12 @@ fn handle(cli: &mqtt5::Client, st: &Arc<Mutex<State>>, prefix: &str, msg: mqtt5:
                         s.http_url
                     )
                 } else {
-                    format!("{}/upload/{att}", s.http_url)
+                    let base = s
+                        .behaviour
+                        .upload_base
+                        .clone()
+                        .unwrap_or(s.http_url.clone());
+                    format!("{base}/upload/{att}")
                 };
                 let mut reply = json!({"signed_url": url, "filename": att, "expiration_hours": 1});
                 if let Some(m) = method {

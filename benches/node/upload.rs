@@ -275,8 +275,10 @@ fn node_run(
     workloads: usize,
     multipart: bool,
 ) -> NodeRun {
-    let mut behaviour = super::support::control_plane::Behaviour::default();
-    behaviour.upload_base = Some(sink.base());
+    let mut behaviour = super::support::control_plane::Behaviour {
+        upload_base: Some(sink.base()),
+        ..Default::default()
+    };
     if multipart {
         behaviour.multipart_url = Some(format!("{}/multipart", sink.base()));
         for f in files {
@@ -405,7 +407,7 @@ pub fn run(sizes_mib: &[u64]) {
     let mib = sizes_mib.iter().copied().min().unwrap_or(256);
     let file = data.join(&format!("result-{mib}.bin"));
     let alone = node_run(&broker, &http, None, std::slice::from_ref(&file), 1, false);
-    let together = node_run(&broker, &http, None, &[file.clone()], 2, false);
+    let together = node_run(&broker, &http, None, std::slice::from_ref(&file), 2, false);
     println!(
         "-- two workloads ending together ({mib} MiB each): busy alone {:.3} s; together {:.3} s and {:.3} s",
         alone.busy[0], together.busy[0], together.busy[1]

@@ -17,14 +17,14 @@ pub fn print(text: &str) -> i32 {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Ok(()) => crate::app::EXIT_OK,
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => crate::app::EXIT_OK,
+        Ok(()) => crate::error::Exit::Ok.code(),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => crate::error::Exit::Ok.code(),
         Err(e) => {
             let _ = writeln!(
                 std::io::stderr(),
                 "error: cannot write to standard output: {e}"
             );
-            crate::app::EXIT_RUNTIME
+            crate::error::Exit::Runtime.code()
         }
     }
 }

@@ -27,12 +27,12 @@ pub fn stderr(text: std::fmt::Arguments<'_>) {
 
 fn gone(e: &std::io::Error) -> ! {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
-        std::process::exit(crate::app::EXIT_OK)
+        std::process::exit(crate::error::Exit::Ok.code())
     }
     stderr(format_args!(
         "error: cannot write to standard output: {e}\n"
     ));
-    std::process::exit(crate::app::EXIT_RUNTIME)
+    std::process::exit(crate::error::Exit::Runtime.code())
 }
 
 /// `println!` for the CLI commands (see the module's comment).

@@ -40,7 +40,10 @@ use std::time::{Duration, Instant, SystemTime};
 use crossbeam_channel::{select, Receiver};
 use serde_json::{json, Value};
 
-use crate::app::{EXIT_CREDENTIALS, EXIT_OK, EXIT_RUNTIME};
+// Exit codes are chosen in `error.rs` alone (the binary's edge, `app.rs`, is not imported here).
+const EXIT_OK: i32 = crate::error::Exit::Ok.code();
+const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
+const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::ledger::Ledger;

@@ -200,7 +200,7 @@ impl Node {
         let since = *self.idle_since.get_or_insert(now);
         if self.outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT {
             self.begin_shutdown(
-                crate::app::EXIT_OK,
+                crate::error::Exit::Ok.code(),
                 "--drain-after-one: the workload completed",
             );
         }

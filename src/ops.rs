@@ -432,7 +432,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
     let marker = settings
         .config_dir
         .value
-        .join(crate::node::CLIENT_ID_CONFLICT);
+        .join(crate::store::CLIENT_ID_CONFLICT);
     let recent = std::fs::metadata(&marker)
         .and_then(|m| m.modified())
         .ok()
@@ -571,7 +571,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
             ),
         }
     }
-    match crate::node::operate::free_mb(state) {
+    match crate::store::free_mb(state) {
         Some(free) if free < settings.min_free_disk_mb.value => line(
             "FAIL",
             "free disk",

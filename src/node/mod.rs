@@ -74,7 +74,7 @@ const RESCAN_IDLE: Duration = Duration::from_secs(60);
 const DISK_RETRY: Duration = Duration::from_secs(1);
 /// Written into the state dir when another client takes the session over twice within a
 /// minute; `doctor` fails while it is recent.
-pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";
+pub use crate::store::CLIENT_ID_CONFLICT;
 
 /// Time, injected so timers can be driven in tests without sleeping.
 pub trait Clock {

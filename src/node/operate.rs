@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -19,20 +18,6 @@ pub struct Metrics {
     pub reconnects: u64,
     pub heartbeat_failures: u64,
     pub log_bytes: u64,
-}
-
-/// Free space (MiB) on the filesystem holding `dir` (or, before it exists, its nearest parent).
-pub fn free_mb(dir: &Path) -> Option<u64> {
-    let dir = dir.ancestors().find(|a| a.exists())?;
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: statvfs into a zeroed struct we own, with a valid C string.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
-            return None;
-        }
-        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64) / (1024 * 1024))
-    }
 }
 
 /// GPU count and a coarse VRAM tier, learned once at start-up (never serials or exact sizes).
@@ -175,7 +160,7 @@ impl Node {
         }
         let min = self.s.min_free_disk_mb.value;
         if min > 0 {
-            if let Some(free) = free_mb(&self.layout.state) {
+            if let Some(free) = crate::store::free_mb(&self.layout.state) {
                 if free < min {
                     return Some((
                         format!("{BUSY_PREFIX} low disk space: not enough free disk: {free} MiB free for {}, min_free_disk_mb is {min}", self.layout.state.display()),

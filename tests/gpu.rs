@@ -997,6 +997,30 @@ fn guarantee_15_doctor_reads_every_host_state_replayed_through_the_fake() {
         };
         assert!(out.stdout.contains(want), "{case}: {}", out.stdout);
     }
+    // Unhealthy in the driver's words: a bracketed error in a health column, a pending row
+    // remap, and one UUID on two lines (counted once, with its worse health).
+    for (case, count, words) in [
+        (
+            "h100x2-unknown-error",
+            "2 GPU(s), 1 healthy",
+            "GPU 1 GPU-00000000-0000-0000-0000-0000000000a4 (NVIDIA H100 80GB HBM3) is unhealthy: ecc.errors.uncorrected.volatile.total reads [Unknown Error]",
+        ),
+        (
+            "h200-remap-pending",
+            "1 GPU(s), 0 healthy",
+            "is unhealthy: a row remap is pending (the GPU needs a reset)",
+        ),
+        (
+            "duplicate-uuid",
+            "1 GPU(s), 0 healthy",
+            "is unhealthy: 2 uncorrected volatile ECC error(s)",
+        ),
+    ] {
+        smi.host(case);
+        let out = setup.run(&["doctor"]);
+        assert!(out.stdout.contains(count), "{case}: {}", out.stdout);
+        assert!(out.stdout.contains(words), "{case}: {}", out.stdout);
+    }
     for (case, words) in [
         (
             "nvml-mismatch",

@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 
 /// The fields the node asks for, in this order (one query serves inventory, health and
 /// accounting).
-pub const QUERY_FIELDS: &str = "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.failure";
-const FIELD_COUNT: usize = 12;
+pub const QUERY_FIELDS: &str = "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.failure,remapped_rows.pending";
+const FIELD_COUNT: usize = 13;
 /// For drivers older than row remapping (before R450), which refuse the whole query when one
-/// field is unknown: the same fields without `remapped_rows.failure`, read as `[N/A]`.
+/// field is unknown: the same fields without `remapped_rows.*`, read as `[N/A]`.
 pub const LEGACY_FIELDS: &str = "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending";
 /// Per-process GPU memory, matched against each workload's process group.
 pub const APPS_FIELDS: &str = "pid,used_memory";
@@ -60,8 +60,9 @@ impl Health {
     }
 }
 
-/// One schedulable unit: a whole GPU, or a MIG instance of one (then `index` is `"0:1"` and the
-/// readings are its parent's).
+/// One schedulable unit: a whole GPU, or a GPU instance of a MIG GPU (then `index` is `"0:1"`,
+/// `parent` the physical GPU and the readings are the whole board's, shared with its other
+/// instances).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gpu {
     pub index: String,
@@ -74,6 +75,49 @@ pub struct Gpu {
     pub power_w: Option<f64>,
     pub temperature_c: Option<u64>,
     pub health: Health,
+    /// A MIG unit's physical GPU (its UUID); `None` for a whole GPU.
+    pub parent: Option<String>,
+    /// A MIG unit's devices (compute instances of one GPU instance, which share its memory):
+    /// the first is `uuid`, the one a workload is given. Empty for a whole GPU.
+    pub members: Vec<String>,
+}
+
+impl Gpu {
+    /// A GPU known only from what the driver said about it (an error line naming its bus id):
+    /// counted, never assignable.
+    fn named_in_error(bus_id: &str, words: &str) -> Gpu {
+        Gpu {
+            index: "?".into(),
+            uuid: String::new(),
+            name: String::new(),
+            bus_id: clean_text(bus_id, 32),
+            memory_total_mib: None,
+            memory_used_mib: None,
+            util_pct: None,
+            power_w: None,
+            temperature_c: None,
+            health: Health::Unhealthy(words.to_string()),
+            parent: None,
+            members: Vec::new(),
+        }
+    }
+
+    /// The same GPU with no readings and this reason to be unhealthy.
+    fn gone(&self, why: &str) -> Gpu {
+        Gpu {
+            health: Health::Unhealthy(why.to_string()),
+            memory_used_mib: None,
+            util_pct: None,
+            power_w: None,
+            temperature_c: None,
+            ..self.clone()
+        }
+    }
+
+    /// Whether `uuid` is this unit (or one of its MIG devices).
+    pub fn is(&self, uuid: &str) -> bool {
+        !uuid.is_empty() && (self.uuid == uuid || self.members.iter().any(|m| m == uuid))
+    }
 }
 
 /// One answer of the monitor thread.
@@ -85,22 +129,36 @@ pub enum Snapshot {
         gpus: Vec<Gpu>,
         /// Per-process GPU memory: pid → MiB.
         apps: BTreeMap<i32, u64>,
-        /// Why the query failed (timeout, error text), when it did.
+        /// Why the query failed as a whole (timeout, the driver's words), when it did.
         error: Option<String>,
         at: Instant,
     },
 }
 
-/// A "[N/A]", "[Not Supported]", "N/A", "[Unknown Error]" … value: not reported.
+/// Empty, `N/A`, `[N/A]`, `Not Supported`, `[Not Supported]`: the driver does not report it.
 fn not_reported(v: &str) -> bool {
-    let v = v.trim();
-    v.is_empty() || v.eq_ignore_ascii_case("n/a") || (v.starts_with('[') && v.ends_with(']'))
+    let t = v.trim();
+    let inner = t
+        .strip_prefix('[')
+        .and_then(|x| x.strip_suffix(']'))
+        .unwrap_or(t)
+        .trim();
+    inner.is_empty()
+        || inner.eq_ignore_ascii_case("n/a")
+        || inner.eq_ignore_ascii_case("not supported")
 }
 
-/// A field that is either not reported (`Ok(None)`) or parses (`Ok(Some)`); anything else is
-/// an error naming the field.
+/// A bracketed value that is not "not reported" (`[Unknown Error]`, `[GPU is lost]`, …): the
+/// driver's own words for a failure.
+fn bracketed_error(v: &str) -> Option<&str> {
+    let t = v.trim();
+    (t.starts_with('[') && t.ends_with(']') && !not_reported(t)).then_some(t)
+}
+
+/// A reading that is either absent (`Ok(None)`: not reported, or any bracketed value, which the
+/// health columns judge) or parses (`Ok(Some)`); anything else is an error naming the field.
 fn field<T: std::str::FromStr>(name: &str, v: &str) -> Result<Option<T>, String> {
-    if not_reported(v) {
+    if not_reported(v) || bracketed_error(v).is_some() {
         return Ok(None);
     }
     v.trim()
@@ -144,99 +202,191 @@ fn clean_text(v: &str, max: usize) -> String {
         .collect()
 }
 
+/// A PCI bus id in one spelling (`00000000:0B:00.0` in the query, `0000:0B:00.0` in error
+/// lines): `b:0b:00.0`-like, lower case, the domain without leading zeros.
+pub fn bus_key(id: &str) -> Option<String> {
+    let mut parts = id.trim().split(':');
+    let (Some(domain), Some(bus), Some(devfn), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return None;
+    };
+    let domain = u32::from_str_radix(domain, 16).ok()?;
+    let bus = u8::from_str_radix(bus, 16).ok()?;
+    let (dev, func) = devfn.split_once('.')?;
+    let dev = u8::from_str_radix(dev, 16).ok()?;
+    let func = u8::from_str_radix(func, 16).ok()?;
+    Some(format!("{domain:x}:{bus:02x}:{dev:02x}.{func:x}"))
+}
+
+/// The bus id an error line of `nvidia-smi` names (`Unable to determine the device handle for
+/// GPU 0000:0B:00.0: Unknown Error`, also spelled `GPU0000:0B:00.0`).
+pub fn bus_named_in(line: &str) -> Option<String> {
+    let mut rest = line;
+    while let Some(at) = rest.find("GPU") {
+        let after = rest.get(at.saturating_add(3)..).unwrap_or("");
+        let token: String = after
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_hexdigit() || *c == ':' || *c == '.')
+            .collect();
+        if let Some(k) = bus_key(token.trim_end_matches([':', '.'])) {
+            return Some(k);
+        }
+        rest = after;
+    }
+    None
+}
+
+/// A line of the CSV answer, as opposed to a message of the driver's (whose first field is
+/// not an index).
+fn is_gpu_line(line: &str) -> bool {
+    line.split(',')
+        .next()
+        .is_some_and(|i| i.trim().parse::<u32>().is_ok())
+        && line.contains(',')
+}
+
 /// Parses the output of `nvidia-smi --query-gpu=QUERY_FIELDS --format=csv,noheader,nounits`.
-/// Never fails: a line that cannot be read becomes a GPU in state unknown (so the count stays
-/// true), a field that does not parse marks its GPU unknown.
-pub fn parse_query(text: &str) -> Vec<Gpu> {
-    let mut out = Vec::new();
+/// Never fails: a GPU line that cannot be read becomes a GPU in state unknown (so the count
+/// stays true), a field that does not parse marks its GPU unknown. Returns the GPUs (each UUID
+/// once: a repeated one keeps the worst health) and the lines that are the driver's messages.
+pub fn parse_answer(text: &str) -> (Vec<Gpu>, Vec<String>) {
+    let mut out: Vec<Gpu> = Vec::new();
+    let mut said = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let cols: Vec<&str> = line.split(',').map(str::trim).collect();
-        let col = |i: usize| cols.get(i).copied().unwrap_or("");
-        let mut problems: Vec<String> = Vec::new();
-        if cols.len() != FIELD_COUNT {
-            problems.push(format!(
-                "nvidia-smi printed {} fields where {FIELD_COUNT} were asked for",
-                cols.len()
-            ));
+        if !is_gpu_line(line) {
+            said.push(clean_text(line, 300));
+            continue;
         }
-        let index = match field::<u32>("index", col(0)) {
-            Ok(Some(i)) => i.to_string(),
-            Ok(None) | Err(_) => {
-                problems.push("index is not readable".into());
-                format!("?{n}")
+        let g = parse_line(n, line);
+        if let Some(first) = out
+            .iter_mut()
+            .find(|o| !g.uuid.is_empty() && o.uuid == g.uuid)
+        {
+            if first.health.is_healthy() && !g.health.is_healthy() {
+                first.health = g.health;
             }
-        };
-        let uuid = if valid_uuid(col(1)) {
-            col(1).to_string()
-        } else {
-            problems.push("uuid is not readable".into());
-            String::new()
-        };
-        let mut num = |name: &str, v: &str| match field::<u64>(name, v) {
-            Ok(x) => x,
-            Err(e) => {
-                problems.push(e);
-                None
-            }
-        };
-        let memory_total_mib = num("memory.total", col(4));
-        let memory_used_mib = num("memory.used", col(5));
-        let util_pct = num("utilization.gpu", col(6));
-        let temperature_c = num("temperature.gpu", col(8));
-        let ecc = num("ecc.errors.uncorrected.volatile.total", col(9));
-        let power_w = match field::<f64>("power.draw", col(7)) {
-            Ok(p) => p.filter(|p| p.is_finite() && *p >= 0.0),
-            Err(e) => {
-                problems.push(e);
-                None
-            }
-        };
-        let mut flag = |name: &str, v: &str| match yes_no(name, v) {
-            Ok(x) => x,
-            Err(e) => {
-                problems.push(e);
-                None
-            }
-        };
-        let retired = flag("retired_pages.pending", col(10));
-        let remap = flag("remapped_rows.failure", col(11));
-        let mut bad: Vec<String> = Vec::new();
-        if let Some(e) = ecc.filter(|e| *e > 0) {
-            bad.push(format!("{e} uncorrected volatile ECC error(s)"));
+            continue;
         }
-        if retired == Some(true) {
-            bad.push("pending retired pages".into());
-        }
-        if remap == Some(true) {
-            bad.push("a row remap failed".into());
-        }
-        let health = if !bad.is_empty() {
-            Health::Unhealthy(bad.join("; "))
-        } else if !problems.is_empty() {
-            Health::Unknown(problems.join("; "))
-        } else {
-            Health::Healthy
-        };
-        out.push(Gpu {
-            index,
-            uuid,
-            name: clean_text(col(2), 96),
-            bus_id: clean_text(col(3), 32),
-            memory_total_mib,
-            memory_used_mib,
-            util_pct,
-            power_w,
-            temperature_c,
-            health,
-        });
+        out.push(g);
     }
-    out
+    (out, said)
 }
 
-/// A MIG instance from `nvidia-smi -L`.
+/// The GPUs of [`parse_answer`].
+pub fn parse_query(text: &str) -> Vec<Gpu> {
+    parse_answer(text).0
+}
+
+fn parse_line(n: usize, line: &str) -> Gpu {
+    let cols: Vec<&str> = line.split(',').map(str::trim).collect();
+    let col = |i: usize| cols.get(i).copied().unwrap_or("");
+    let mut problems: Vec<String> = Vec::new();
+    if cols.len() != FIELD_COUNT {
+        problems.push(format!(
+            "nvidia-smi printed {} fields where {FIELD_COUNT} were asked for",
+            cols.len()
+        ));
+    }
+    let index = match field::<u32>("index", col(0)) {
+        Ok(Some(i)) => i.to_string(),
+        Ok(None) | Err(_) => {
+            problems.push("index is not readable".into());
+            format!("?{n}")
+        }
+    };
+    let uuid = if valid_uuid(col(1)) {
+        col(1).to_string()
+    } else {
+        problems.push("uuid is not readable".into());
+        String::new()
+    };
+    let mut num = |name: &str, v: &str| match field::<u64>(name, v) {
+        Ok(x) => x,
+        Err(e) => {
+            problems.push(e);
+            None
+        }
+    };
+    let memory_total_mib = num("memory.total", col(4));
+    let memory_used_mib = num("memory.used", col(5));
+    let util_pct = num("utilization.gpu", col(6));
+    let temperature_c = num("temperature.gpu", col(8));
+    let ecc = num("ecc.errors.uncorrected.volatile.total", col(9));
+    let power_w = match field::<f64>("power.draw", col(7)) {
+        Ok(p) => p.filter(|p| p.is_finite() && *p >= 0.0),
+        Err(e) => {
+            problems.push(e);
+            None
+        }
+    };
+    let mut bad: Vec<String> = Vec::new();
+    // The health columns: a bracketed error there is the driver saying it cannot tell (D56).
+    for (name, i) in [
+        ("ecc.errors.uncorrected.volatile.total", 9),
+        ("retired_pages.pending", 10),
+        ("remapped_rows.failure", 11),
+        ("remapped_rows.pending", 12),
+    ] {
+        if let Some(e) = bracketed_error(col(i)) {
+            bad.push(format!("{name} reads {}", clean_text(e, 80)));
+        }
+    }
+    let mut flag = |name: &str, v: &str| {
+        if bracketed_error(v).is_some() {
+            return None;
+        }
+        match yes_no(name, v) {
+            Ok(x) => x,
+            Err(e) => {
+                problems.push(e);
+                None
+            }
+        }
+    };
+    let retired = flag("retired_pages.pending", col(10));
+    let remap = flag("remapped_rows.failure", col(11));
+    let remap_pending = flag("remapped_rows.pending", col(12));
+    if let Some(e) = ecc.filter(|e| *e > 0) {
+        bad.insert(0, format!("{e} uncorrected volatile ECC error(s)"));
+    }
+    if retired == Some(true) {
+        bad.push("pending retired pages".into());
+    }
+    if remap == Some(true) {
+        bad.push("a row remap failed".into());
+    }
+    if remap_pending == Some(true) {
+        bad.push("a row remap is pending (the GPU needs a reset)".into());
+    }
+    let health = if !bad.is_empty() {
+        Health::Unhealthy(bad.join("; "))
+    } else if !problems.is_empty() {
+        Health::Unknown(problems.join("; "))
+    } else {
+        Health::Healthy
+    };
+    Gpu {
+        index,
+        uuid,
+        name: clean_text(col(2), 96),
+        bus_id: clean_text(col(3), 32),
+        memory_total_mib,
+        memory_used_mib,
+        util_pct,
+        power_w,
+        temperature_c,
+        health,
+        parent: None,
+        members: Vec::new(),
+    }
+}
+
+/// A MIG device from `nvidia-smi -L`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Mig {
     pub parent_uuid: String,
@@ -246,9 +396,10 @@ pub struct Mig {
 }
 
 /// Parses `nvidia-smi -L`: `GPU 0: NAME (UUID: GPU-…)` lines, each followed by its
-/// `  MIG 1g.5gb Device 0: (UUID: MIG-…)` lines. Lines that do not read are skipped.
+/// `  MIG 1g.5gb Device 0: (UUID: MIG-…)` lines. Lines that do not read are skipped, and a
+/// MIG UUID listed twice counts once.
 pub fn parse_list(text: &str) -> Vec<Mig> {
-    let mut out = Vec::new();
+    let mut out: Vec<Mig> = Vec::new();
     let mut parent: Option<String> = None;
     for line in text.lines() {
         let uuid = line
@@ -262,6 +413,9 @@ pub fn parse_list(text: &str) -> Vec<Mig> {
             let (Some(p), Some(u)) = (parent.as_ref(), uuid.filter(|u| valid_uuid(u))) else {
                 continue;
             };
+            if out.iter().any(|m| m.uuid == u) {
+                continue;
+            }
             let mut words = rest.split_whitespace();
             let profile = clean_text(words.next().unwrap_or(""), 32);
             let device = rest
@@ -301,8 +455,53 @@ pub fn parse_apps(text: &str) -> BTreeMap<i32, u64> {
     out
 }
 
-/// The schedulable units: a GPU with MIG instances is replaced by them (its health and
-/// readings carried over).
+/// A compute-instance profile (`1c.3g.71gb`): its compute slices, its GPU instance's profile
+/// (`3g.71gb`) and that instance's slices. `None` for a GPU instance's own profile.
+fn compute_instance(profile: &str) -> Option<(u32, &str, u32)> {
+    let (c, gi) = profile.split_once('.')?;
+    let c = c.strip_suffix('c')?.parse::<u32>().ok()?;
+    let g = gi
+        .split_once('.')?
+        .0
+        .strip_suffix('g')?
+        .parse::<u32>()
+        .ok()?;
+    Some((c, gi, g))
+}
+
+/// The GPU instances among one GPU's MIG devices: `nvidia-smi -L` lists the compute instances
+/// of one GPU instance one after the other, named `<c>c.<instance profile>`, until their
+/// slices fill it (`1c.3g.71gb` + `2c.3g.71gb` are one `3g.71gb` instance).
+fn gpu_instances<'a>(devices: &[&'a Mig]) -> Vec<(String, Vec<&'a Mig>)> {
+    let mut out: Vec<(String, Vec<&'a Mig>)> = Vec::new();
+    let mut left = 0u32;
+    let mut open: Option<String> = None;
+    for m in devices {
+        match compute_instance(&m.profile) {
+            Some((c, gi, g)) => {
+                if open.as_deref() == Some(gi) && left > 0 {
+                    if let Some((_, last)) = out.last_mut() {
+                        last.push(m);
+                        left = left.saturating_sub(c);
+                        continue;
+                    }
+                }
+                out.push((gi.to_string(), vec![m]));
+                open = Some(gi.to_string());
+                left = g.saturating_sub(c);
+            }
+            None => {
+                out.push((m.profile.clone(), vec![m]));
+                open = None;
+                left = 0;
+            }
+        }
+    }
+    out
+}
+
+/// The schedulable units: a GPU with MIG devices is replaced by its GPU instances (D56), its
+/// health and board readings carried over.
 pub fn units(gpus: Vec<Gpu>, migs: &[Mig]) -> Vec<Gpu> {
     let mut out = Vec::new();
     for g in gpus {
@@ -314,12 +513,17 @@ pub fn units(gpus: Vec<Gpu>, migs: &[Mig]) -> Vec<Gpu> {
             out.push(g);
             continue;
         }
-        for m in mine {
+        for (profile, members) in gpu_instances(&mine) {
+            let Some(first) = members.first() else {
+                continue;
+            };
             out.push(Gpu {
-                index: format!("{}:{}", g.index, m.device),
-                uuid: m.uuid.clone(),
-                name: format!("{} MIG {}", g.name, m.profile),
+                index: format!("{}:{}", g.index, first.device),
+                uuid: first.uuid.clone(),
+                name: format!("{} MIG {profile}", g.name),
                 memory_total_mib: None,
+                parent: Some(g.uuid.clone()),
+                members: members.iter().map(|m| m.uuid.clone()).collect(),
                 ..g.clone()
             });
         }
@@ -334,15 +538,43 @@ pub enum RunError {
     Failed(String),
 }
 
-/// Runs `nvidia-smi ARGS` in its own process group; its stdout, or why not. At `timeout` the
-/// whole group is killed. The exit status is not awaited (the node's reaper owns `waitpid`):
-/// the output is judged by the parsers.
-pub fn run(args: &[&str], timeout: Duration) -> Result<String, RunError> {
-    let mut child = match Command::new("nvidia-smi")
+/// What one `nvidia-smi` call printed, and its exit code when it could be had (the node's
+/// reaper may collect it first).
+#[derive(Debug, Clone, Default)]
+pub struct Output {
+    pub stdout: String,
+    pub stderr: String,
+    pub code: Option<i32>,
+}
+
+impl Output {
+    /// Its stderr lines (the driver's words), cleaned.
+    fn stderr_lines(&self) -> Vec<String> {
+        self.stderr
+            .lines()
+            .map(|l| clean_text(l, 300))
+            .filter(|l| !l.is_empty())
+            .collect()
+    }
+}
+
+/// Runs `nvidia-smi ARGS` in its own process group; what it printed, or why not. At `timeout`
+/// the whole group is killed, and so is a group still alive once the output has ended: no
+/// process of it is left behind.
+pub fn run(args: &[&str], timeout: Duration) -> Result<Output, RunError> {
+    run_program(std::ffi::OsStr::new("nvidia-smi"), args, timeout)
+}
+
+fn run_program(
+    program: &std::ffi::OsStr,
+    args: &[&str],
+    timeout: Duration,
+) -> Result<Output, RunError> {
+    let mut child = match Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .env("LC_ALL", "C")
         .process_group(0)
         .spawn()
@@ -352,26 +584,35 @@ pub fn run(args: &[&str], timeout: Duration) -> Result<String, RunError> {
         Err(e) => return Err(RunError::Failed(format!("cannot run nvidia-smi: {e}"))),
     };
     let pgid = i32::try_from(child.id()).unwrap_or(0);
-    let Some(mut out) = child.stdout.take() else {
+    let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
         return Err(RunError::Failed("no output pipe".into()));
     };
     let deadline = Instant::now().checked_add(timeout);
-    let mut buf = Vec::new();
+    let mut bufs: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+    let mut open = [true, true];
+    let fds = [out.as_raw_fd(), err.as_raw_fd()];
     let mut chunk = [0u8; 8192];
-    let fd = out.as_raw_fd();
     let result = loop {
+        if !open.iter().any(|o| *o) {
+            break Ok(());
+        }
         let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
         if left.is_zero() {
             break Err(RunError::TimedOut);
         }
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let mut pfds: Vec<libc::pollfd> = fds
+            .iter()
+            .zip(open.iter())
+            .map(|(fd, o)| libc::pollfd {
+                fd: if *o { *fd } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
         let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1);
-        // SAFETY: one valid pollfd that lives across the call.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        // SAFETY: a valid array of pollfds (negative fds are ignored) that lives across the
+        // call; its length is the count passed.
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         if rc < 0 {
             if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
@@ -381,33 +622,79 @@ pub fn run(args: &[&str], timeout: Duration) -> Result<String, RunError> {
         if rc == 0 {
             continue;
         }
-        match out.read(&mut chunk) {
-            Ok(0) => break Ok(()),
-            Ok(n) => {
-                buf.extend_from_slice(chunk.get(..n).unwrap_or(&[]));
-                if buf.len() > MAX_OUTPUT {
-                    break Err(RunError::Failed("nvidia-smi printed too much".into()));
+        let mut failed = None;
+        for (i, p) in pfds.iter().enumerate() {
+            if p.fd < 0 || p.revents == 0 {
+                continue;
+            }
+            let r = if i == 0 {
+                out.read(&mut chunk)
+            } else {
+                err.read(&mut chunk)
+            };
+            match r {
+                Ok(0) => {
+                    if let Some(o) = open.get_mut(i) {
+                        *o = false;
+                    }
+                }
+                Ok(n) => {
+                    if let Some(b) = bufs.get_mut(i) {
+                        b.extend_from_slice(chunk.get(..n).unwrap_or(&[]));
+                    }
+                    if bufs.iter().map(Vec::len).sum::<usize>() > MAX_OUTPUT {
+                        failed = Some(RunError::Failed("nvidia-smi printed too much".into()));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    failed = Some(RunError::Failed(format!("cannot read nvidia-smi: {e}")));
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => break Err(RunError::Failed(format!("cannot read nvidia-smi: {e}"))),
+        }
+        if let Some(f) = failed {
+            break Err(f);
         }
     };
-    if result.is_err() && pgid > 0 {
-        // SAFETY: the group is the child's own (process_group(0)), which has not been waited
-        // for by us; signalling a group that is gone fails harmlessly.
-        unsafe {
-            libc::killpg(pgid, libc::SIGKILL);
+    let kill = || {
+        if pgid > 0 {
+            // SAFETY: the group is the child's own (process_group(0)), whose leader has not
+            // been waited for by us; signalling a group that is gone fails harmlessly.
+            unsafe {
+                libc::killpg(pgid, libc::SIGKILL);
+            }
         }
+    };
+    // The leader is alive or a zombie here (the reaper collects only what has exited, and a
+    // timed-out leader has not), so the group id is still its own.
+    if result.is_err() {
+        kill();
     }
-    // Reap it unless the node's reaper does (then this returns an error at once).
-    for _ in 0..50 {
+    // Reap it unless the node's reaper does (then this returns an error at once); a leader
+    // that outlives its output is killed with its group.
+    let mut code = None;
+    for round in 0..60 {
         match child.try_wait() {
-            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
-            _ => break,
+            Ok(None) => {
+                if round == 50 {
+                    kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(Some(status)) => {
+                code = status.code();
+                break;
+            }
+            Err(_) => break,
         }
     }
-    result.map(|()| String::from_utf8_lossy(&buf).into_owned())
+    // No signal after this point: once the leader is reaped its id may be another's.
+    let [so, se] = bufs;
+    result.map(|()| Output {
+        stdout: String::from_utf8_lossy(&so).into_owned(),
+        stderr: String::from_utf8_lossy(&se).into_owned(),
+        code,
+    })
 }
 
 /// The monitor's settings.
@@ -446,65 +733,155 @@ impl Timing {
     }
 }
 
+/// Sorts GPUs by index (`"2"` before `"10"`; GPUs known only from an error line last).
+fn by_index(gpus: &mut [Gpu]) {
+    gpus.sort_by_key(|g| {
+        g.index
+            .split(':')
+            .next()
+            .and_then(|i| i.parse::<u32>().ok())
+            .unwrap_or(u32::MAX)
+    });
+}
+
+/// Adds a GPU for each error line naming a bus id that no GPU in `gpus` has (D57: a GPU the
+/// driver names but cannot reach is counted, unhealthy, in the driver's words).
+fn add_named(gpus: &mut Vec<Gpu>, said: &[String]) {
+    for l in said {
+        let Some(k) = bus_named_in(l) else {
+            continue;
+        };
+        if gpus
+            .iter()
+            .any(|g| bus_key(&g.bus_id).as_deref() == Some(k.as_str()))
+        {
+            continue;
+        }
+        gpus.push(Gpu::named_in_error(&k, l));
+    }
+}
+
+/// Judges one answer to the GPU query (D55, D57): the whole GPUs it lists, plus each GPU seen
+/// before (`seen`, by UUID, updated here) that it no longer lists, and each one its error lines
+/// name, unhealthy in the driver's own words (from stdout or stderr). When it lists no GPU at
+/// all the query failed as a whole: every GPU ever seen is unhealthy, and the error says why.
+pub fn judge(out: &Output, seen: &mut BTreeMap<String, Gpu>) -> (Vec<Gpu>, Option<String>) {
+    let (mut gpus, mut said) = parse_answer(&out.stdout);
+    said.extend(out.stderr_lines());
+    let words = said
+        .iter()
+        .take(3)
+        .map(|l| crate::logtext::shown(l).to_string())
+        .collect::<Vec<_>>()
+        .join(" / ");
+    if gpus.iter().all(|g| g.uuid.is_empty()) {
+        let why = match (out.code, words.is_empty()) {
+            (_, true) => "nvidia-smi reported no GPU".to_string(),
+            (Some(c), false) if c != 0 => format!("nvidia-smi failed (exit code {c}): {words}"),
+            _ => format!("nvidia-smi failed: {words}"),
+        };
+        let mut all: Vec<Gpu> = seen.values().map(|g| g.gone(&why)).collect();
+        add_named(&mut all, &said);
+        by_index(&mut all);
+        return (all, Some(why));
+    }
+    let mut missing = Vec::new();
+    for (uuid, g) in seen.iter() {
+        if gpus.iter().any(|x| x.uuid == *uuid) {
+            continue;
+        }
+        let key = bus_key(&g.bus_id);
+        let named = said
+            .iter()
+            .find(|l| key.is_some() && bus_named_in(l) == key);
+        let why = match named {
+            Some(l) => l.clone(),
+            None if !words.is_empty() => {
+                format!("no longer listed by nvidia-smi, which said: {words}")
+            }
+            None => "no longer listed by nvidia-smi".into(),
+        };
+        missing.push(g.gone(&why));
+    }
+    for g in gpus.iter().filter(|g| !g.uuid.is_empty()) {
+        seen.insert(g.uuid.clone(), g.clone());
+    }
+    gpus.extend(missing);
+    add_named(&mut gpus, &said);
+    by_index(&mut gpus);
+    (gpus, None)
+}
+
 /// One full query: the GPUs (with MIG instances when `list`), and per-process memory.
-/// `known` is the last inventory: on a timeout or failure those GPUs are reported unhealthy.
-pub fn query(timing: &Timing, migs: &mut Vec<Mig>, list: bool, known: &[Gpu]) -> Snapshot {
+/// `seen` is every GPU seen since start: on a timeout or failure those GPUs are reported
+/// unhealthy, and one missing from an answer stays, unhealthy (D57).
+pub fn query(
+    timing: &Timing,
+    migs: &mut Vec<Mig>,
+    list: bool,
+    seen: &mut BTreeMap<String, Gpu>,
+) -> Snapshot {
     let q = format!("--query-gpu={QUERY_FIELDS}");
     let at = Instant::now();
-    let failed = |why: String| {
-        let gpus = known
-            .iter()
-            .map(|g| Gpu {
-                health: Health::Unhealthy(why.clone()),
-                memory_used_mib: None,
-                util_pct: None,
-                power_w: None,
-                temperature_c: None,
-                ..g.clone()
-            })
-            .collect();
+    let failed = |why: String, seen: &BTreeMap<String, Gpu>, migs: &[Mig]| {
+        let mut gpus: Vec<Gpu> = seen.values().map(|g| g.gone(&why)).collect();
+        by_index(&mut gpus);
         Snapshot::Gpus {
-            gpus,
+            gpus: units(gpus, migs),
             apps: BTreeMap::new(),
             error: Some(why),
             at,
         }
     };
     let mut answer = run(&[&q, "--format=csv,noheader,nounits"], timing.timeout);
-    if matches!(&answer, Ok(t) if t.contains("is not a valid field to query")) {
+    let refused = |o: &Output| {
+        let f = "is not a valid field to query";
+        o.stdout.contains(f) || o.stderr.contains(f)
+    };
+    if matches!(&answer, Ok(o) if refused(o)) {
         let legacy = format!("--query-gpu={LEGACY_FIELDS}");
-        answer = run(&[&legacy, "--format=csv,noheader,nounits"], timing.timeout).map(|t| {
-            t.lines()
+        answer = run(&[&legacy, "--format=csv,noheader,nounits"], timing.timeout).map(|o| Output {
+            stdout: o
+                .stdout
+                .lines()
                 .filter(|l| !l.trim().is_empty())
-                .map(|l| format!("{l}, [N/A]\n"))
-                .collect()
+                .map(|l| {
+                    if is_gpu_line(l) {
+                        format!("{l}, [N/A], [N/A]\n")
+                    } else {
+                        format!("{l}\n")
+                    }
+                })
+                .collect(),
+            ..o
         });
     }
-    let text = match answer {
-        Ok(t) => t,
+    let out = match answer {
+        Ok(o) => o,
         Err(RunError::NotFound) => return Snapshot::Absent,
         Err(RunError::TimedOut) => {
-            return failed(format!(
+            let why = format!(
                 "nvidia-smi did not answer within {}s",
                 timing.timeout.as_secs_f64()
-            ))
+            );
+            return failed(why, seen, migs);
         }
-        Err(RunError::Failed(e)) => return failed(e),
+        Err(RunError::Failed(e)) => return failed(e, seen, migs),
     };
-    let gpus = parse_query(&text);
-    if gpus.iter().all(|g| g.uuid.is_empty()) {
-        let first = text.lines().map(str::trim).find(|l| !l.is_empty());
-        return failed(match first {
-            Some(l) => format!(
-                "nvidia-smi failed: {}",
-                crate::logtext::shown(&clean_text(l, 200))
-            ),
-            None => "nvidia-smi reported no GPU".into(),
-        });
+    let (gpus, error) = judge(&out, seen);
+    if let Some(e) = error {
+        let mut all = gpus;
+        by_index(&mut all);
+        return Snapshot::Gpus {
+            gpus: units(all, migs),
+            apps: BTreeMap::new(),
+            error: Some(e),
+            at,
+        };
     }
     if list {
         match run(&["-L"], timing.timeout) {
-            Ok(t) => *migs = parse_list(&t),
+            Ok(o) => *migs = parse_list(&o.stdout),
             Err(e) => log::warn!("nvidia-smi -L failed ({e:?}); MIG instances as last seen"),
         }
     }
@@ -515,7 +892,7 @@ pub fn query(timing: &Timing, migs: &mut Vec<Mig>, list: bool, known: &[Gpu]) ->
         ],
         timing.timeout,
     )
-    .map(|t| parse_apps(&t))
+    .map(|o| parse_apps(&o.stdout))
     .unwrap_or_default();
     Snapshot::Gpus {
         gpus: units(gpus, migs),
@@ -550,7 +927,7 @@ pub fn start(timing: Timing) -> std::io::Result<(Monitor, Receiver<Snapshot>)> {
 
 fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
     let mut migs = Vec::new();
-    let mut known: Vec<Gpu> = Vec::new();
+    let mut seen: BTreeMap<String, Gpu> = BTreeMap::new();
     let mut holding = false;
     let mut next_list = Instant::now();
     loop {
@@ -559,12 +936,7 @@ fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
         if list {
             next_list = now.checked_add(timing.inventory).unwrap_or(now);
         }
-        let snap = query(&timing, &mut migs, list, &known);
-        if let Snapshot::Gpus { gpus, error, .. } = &snap {
-            if error.is_none() {
-                known = gpus.clone();
-            }
-        }
+        let snap = query(&timing, &mut migs, list, &mut seen);
         if tx.send(snap).is_err() {
             return;
         }
@@ -622,7 +994,10 @@ pub fn assigned_in_environ(pid: i32) -> Option<Vec<String>> {
     ids.iter().all(|u| valid_uuid(u)).then_some(ids)
 }
 
-/// Accounting of one workload's GPUs (D38), from the samples taken while it held them.
+/// Accounting of one workload's GPUs (D38, D56), from the samples taken while it held them.
+/// Board-level figures (utilisation, power, energy) are taken once per physical GPU, however
+/// many of its units the workload holds; on a MIG slice they are the board's, shared with its
+/// other instances (`shared`), and the slice's memory is its own processes' only.
 #[derive(Debug, Clone, Default)]
 pub struct Usage {
     pub samples: u64,
@@ -630,9 +1005,11 @@ pub struct Usage {
     pub util_max: u64,
     /// Peak memory of the workload's own processes, once any of them was seen on its GPUs.
     own_peak_mib: Option<u64>,
-    /// Peak memory in use on its GPUs (exclusive, so normally all its own).
+    /// Peak memory in use on its whole GPUs (exclusive, so normally all its own).
     gpu_peak_mib: u64,
     pub energy_wh: f64,
+    /// It holds a MIG slice: the board's figures are shared with other workloads.
+    pub shared: bool,
     last: Option<Instant>,
 }
 
@@ -644,7 +1021,19 @@ impl Usage {
         if mine.is_empty() {
             return;
         }
-        let utils: Vec<u64> = mine.iter().filter_map(|g| g.util_pct).collect();
+        // Once per physical GPU.
+        let mut boards: Vec<&Gpu> = Vec::new();
+        for g in mine {
+            let board = g.parent.as_deref().unwrap_or(&g.uuid);
+            if !boards
+                .iter()
+                .any(|b| b.parent.as_deref().unwrap_or(&b.uuid) == board)
+            {
+                boards.push(g);
+            }
+        }
+        self.shared |= mine.iter().any(|g| g.parent.is_some());
+        let utils: Vec<u64> = boards.iter().filter_map(|g| g.util_pct).collect();
         if !utils.is_empty() {
             let sum: u64 = utils.iter().fold(0u64, |a, u| a.saturating_add(*u));
             let n = utils.len() as f64;
@@ -655,12 +1044,13 @@ impl Usage {
         if let Some(own) = own_mib {
             self.own_peak_mib = Some(self.own_peak_mib.unwrap_or(0).max(own));
         }
-        let used = mine
+        let used = boards
             .iter()
+            .filter(|g| g.parent.is_none())
             .filter_map(|g| g.memory_used_mib)
             .fold(0u64, u64::saturating_add);
         self.gpu_peak_mib = self.gpu_peak_mib.max(used);
-        let power: f64 = mine.iter().filter_map(|g| g.power_w).sum();
+        let power: f64 = boards.iter().filter_map(|g| g.power_w).sum();
         if let Some(last) = self.last {
             let dt = at.saturating_duration_since(last).min(cap);
             self.energy_wh += power * dt.as_secs_f64() / 3600.0;
@@ -669,29 +1059,51 @@ impl Usage {
     }
 
     /// The workload's own processes' peak when they were ever seen in the per-process list
-    /// (the only true figure on a MIG slice), else its GPUs' peak.
+    /// (the only true figure on a MIG slice, 0 there until they are), else its GPUs' peak.
     pub fn mem_peak_mib(&self) -> u64 {
         self.own_peak_mib.unwrap_or(self.gpu_peak_mib)
     }
 
-    pub fn util_avg(&self) -> f64 {
-        if self.samples == 0 {
-            0.0
-        } else {
-            self.util_sum / self.samples as f64
-        }
+    /// The mean utilisation over the samples that reported one; `None` when none did (a MIG
+    /// board reports none).
+    pub fn util_avg(&self) -> Option<f64> {
+        (self.samples > 0).then(|| self.util_sum / self.samples as f64)
+    }
+}
+
+/// One `doctor` line about an unhealthy GPU.
+fn doctor_line(g: &Gpu) -> String {
+    let reason = g.health.reason().unwrap_or("");
+    if g.uuid.is_empty() {
+        format!("GPU at {} is {}: {reason}", g.bus_id, g.health.label())
+    } else {
+        format!(
+            "GPU {} {} ({}) is {}: {reason}",
+            g.index,
+            g.uuid,
+            g.name,
+            g.health.label()
+        )
     }
 }
 
 /// `doctor`'s lines about GPUs: (level, detail).
 pub fn doctor_lines(timing: &Timing) -> Vec<(&'static str, String)> {
     let mut migs = Vec::new();
-    match query(timing, &mut migs, true, &[]) {
+    match query(timing, &mut migs, true, &mut BTreeMap::new()) {
         Snapshot::Absent => vec![(
             "WARN",
             "nvidia-smi not found: no NVIDIA GPU visible to this user (a CPU-only node)".into(),
         )],
-        Snapshot::Gpus { error: Some(e), .. } => vec![("FAIL", e)],
+        Snapshot::Gpus {
+            error: Some(e),
+            gpus,
+            ..
+        } => {
+            let mut out = vec![("FAIL", e)];
+            out.extend(gpus.iter().map(|g| ("WARN", doctor_line(g))));
+            out
+        }
         Snapshot::Gpus { gpus, .. } => {
             let healthy = gpus.iter().filter(|g| g.health.is_healthy()).count();
             let mut out = vec![(
@@ -703,17 +1115,7 @@ pub fn doctor_lines(timing: &Timing) -> Vec<(&'static str, String)> {
                 format!("{} GPU(s), {healthy} healthy", gpus.len()),
             )];
             for g in gpus.iter().filter(|g| !g.health.is_healthy()) {
-                out.push((
-                    "WARN",
-                    format!(
-                        "GPU {} {} ({}) is {}: {}",
-                        g.index,
-                        g.uuid,
-                        g.name,
-                        g.health.label(),
-                        g.health.reason().unwrap_or("")
-                    ),
-                ));
+                out.push(("WARN", doctor_line(g)));
             }
             out
         }
@@ -724,10 +1126,10 @@ pub fn doctor_lines(timing: &Timing) -> Vec<(&'static str, String)> {
 mod tests {
     use super::*;
 
-    const FOUR: &str = "0, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60, NVIDIA A100-SXM4-80GB, 00000000:07:00.0, 81920, 1234, 87, 312.45, 61, 0, No, No\n\
-1, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e61, NVIDIA A100-SXM4-80GB, 00000000:0F:00.0, 81920, 0, 0, 61.20, 34, 0, No, No\n\
-2, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e62, NVIDIA A100-SXM4-80GB, 00000000:47:00.0, 81920, 0, 0, 60.80, 33, 2, No, No\n\
-3, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e63, NVIDIA A100-SXM4-80GB, 00000000:4E:00.0, 81920, 0, 0, 59.10, 33, 0, Yes, No\n";
+    const FOUR: &str = "0, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60, NVIDIA A100-SXM4-80GB, 00000000:07:00.0, 81920, 1234, 87, 312.45, 61, 0, No, No, No\n\
+1, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e61, NVIDIA A100-SXM4-80GB, 00000000:0F:00.0, 81920, 0, 0, 61.20, 34, 0, No, No, No\n\
+2, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e62, NVIDIA A100-SXM4-80GB, 00000000:47:00.0, 81920, 0, 0, 60.80, 33, 2, No, No, No\n\
+3, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e63, NVIDIA A100-SXM4-80GB, 00000000:4E:00.0, 81920, 0, 0, 59.10, 33, 0, Yes, No, No\n";
 
     #[test]
     fn reads_a_healthy_gpu_and_each_health_rule() {
@@ -751,7 +1153,13 @@ mod tests {
             g[3].health,
             Health::Unhealthy("pending retired pages".into())
         );
-        let remap = parse_query(&FOUR.lines().next().unwrap().replace("No, No", "No, Yes"));
+        let remap = parse_query(
+            &FOUR
+                .lines()
+                .next()
+                .unwrap()
+                .replace("No, No, No", "No, Yes, No"),
+        );
         assert_eq!(
             remap[0].health,
             Health::Unhealthy("a row remap failed".into())
@@ -760,7 +1168,7 @@ mod tests {
 
     #[test]
     fn not_available_fields_are_not_faults() {
-        let line = "0, GPU-0e1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60, NVIDIA GeForce RTX 4090, 00000000:01:00.0, 24564, 13, 0, [N/A], 38, [N/A], [N/A], [Not Supported]\n";
+        let line = "0, GPU-0e1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60, NVIDIA GeForce RTX 4090, 00000000:01:00.0, 24564, 13, 0, [N/A], 38, [N/A], [N/A], [Not Supported], [N/A]\n";
         let g = parse_query(line);
         assert_eq!(g.len(), 1);
         assert_eq!(g[0].health, Health::Healthy, "{g:?}");
@@ -786,7 +1194,7 @@ mod tests {
             "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.",
             ",,,,,,,,,,,",
             ",,,,,,,,,,,,,,,,,,,,,,,,,,,,,,",
-            "0, GPU-\u{0}bad, x, y, 1, 1, 1, 1, 1, 0, No, No",
+            "0, GPU-\u{0}bad, x, y, 1, 1, 1, 1, 1, 0, No, No, No",
             "0, GPU-ünïcode, x, y, 1, 1, 1, 1, 1, 0, No, No",
             "-1, GPU-aa, x, y, -5, 1, 1, NaN, 1, -3, maybe, No",
             "0, GPU-aa, x, y, 1, 1, 1, inf, 1, 0, No, No",
@@ -804,6 +1212,23 @@ mod tests {
             let _ = parse_list(t);
             let _ = parse_apps(t);
         }
+        for l in [
+            "GPU",
+            "GPU ",
+            "for GPU :",
+            "GPU 0000:0B",
+            "GPU zz:0B:00.0",
+            "GPU 0000:0B:00.0.0:1",
+            "Unable to determine the device handle for GPU 0000:0B:00.0",
+        ] {
+            let _ = bus_named_in(l);
+        }
+        assert_eq!(
+            bus_named_in("handle for GPU0000:0B:00.0: Unknown Error").as_deref(),
+            Some("0:0b:00.0")
+        );
+        assert_eq!(bus_key("00000000:0B:00.0"), bus_key("0000:0b:00.0"));
+        assert_eq!(bus_key("0000:0B:00"), None);
         assert!(!valid_uuid("GPU-a b"));
         assert!(!valid_uuid("GPU-a,b"));
         assert!(!valid_uuid("GPU-"));
@@ -817,7 +1242,7 @@ mod tests {
         assert_eq!(migs.len(), 2);
         assert_eq!(migs[1].device, 1);
         assert_eq!(migs[1].profile, "1g.5gb");
-        let q = "0, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77, NVIDIA A100-SXM4-40GB, 00000000:07:00.0, 40960, 0, 0, 50.0, 30, 0, No, No\n1, GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78, NVIDIA A100-SXM4-40GB, 00000000:0F:00.0, 40960, 0, 0, 50.0, 30, 0, No, No\n";
+        let q = "0, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77, NVIDIA A100-SXM4-40GB, 00000000:07:00.0, 40960, 0, 0, 50.0, 30, 0, No, No, No\n1, GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78, NVIDIA A100-SXM4-40GB, 00000000:0F:00.0, 40960, 0, 0, 50.0, 30, 0, No, No, No\n";
         let u = units(parse_query(q), &migs);
         let ids: Vec<&str> = u.iter().map(|g| g.index.as_str()).collect();
         assert_eq!(ids, ["0:0", "0:1", "1"]);
@@ -886,6 +1311,341 @@ mod tests {
         assert_eq!(assigned_in_environ(i32::MAX), None);
     }
 
+    /// A file of a host state under tests/fixtures/gpu/hosts (synthetic, modelled on the
+    /// driver's documented and reported behaviour: see FACTS.md there).
+    fn host(case: &str, file: &str) -> String {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/gpu/hosts")
+            .join(case)
+            .join(file);
+        std::fs::read_to_string(&p).unwrap_or_default()
+    }
+
+    /// The answer the fake replays for `name` (query, list, apps) of a host state.
+    fn answer(case: &str, name: &str) -> Output {
+        Output {
+            stdout: host(case, &format!("{name}.out")),
+            stderr: host(case, &format!("{name}.err")),
+            code: host(case, &format!("{name}.rc")).trim().parse().ok(),
+        }
+    }
+
+    /// One-GPU host states, idle and under load: each board's UUID ends in these two digits.
+    const HOSTS: [(&str, &str); 16] = [
+        ("h100-idle", "a1"),
+        ("h100-load", "a1"),
+        ("h100-mig-idle", "a2"),
+        ("h100-mig-load", "a2"),
+        ("h200-idle", "b1"),
+        ("h200-load", "b1"),
+        ("h200-mig-idle", "b2"),
+        ("h200-mig-load", "b2"),
+        ("l40s-idle", "c1"),
+        ("l40s-load", "c1"),
+        ("rtx2080super-idle", "d1"),
+        ("rtx2080super-load", "d1"),
+        ("rtx4080super-idle", "d2"),
+        ("rtx4080super-load", "d2"),
+        ("rtx4090-idle", "d3"),
+        ("rtx4090-load", "d3"),
+    ];
+
+    #[test]
+    fn guarantee_15_every_host_state_reads_as_the_driver_said() {
+        for (case, tail) in HOSTS {
+            let uuid = format!("GPU-00000000-0000-0000-0000-0000000000{tail}");
+            let q = host(case, "query.out");
+            assert!(!q.is_empty(), "{case}: no host state");
+            let (gpus, said) = parse_answer(&q);
+            assert!(said.is_empty(), "{case}: {said:?}");
+            assert_eq!(gpus.len(), 1, "{case}");
+            let g = &gpus[0];
+            assert!(g.health.is_healthy(), "{case}: {:?}", g.health);
+            assert_eq!(g.uuid, uuid, "{case}");
+            assert!(g.memory_total_mib.is_some_and(|m| m >= 8192), "{case}");
+            assert!(g.power_w.is_some_and(|p| p > 10.0), "{case}");
+            // Its name is the one `-L` gives it.
+            let list = host(case, "list.out");
+            assert!(
+                list.starts_with(&format!("GPU 0: {} (UUID: {})", g.name, g.uuid)),
+                "{case}"
+            );
+            let mig = case.contains("mig");
+            // A MIG board reports no utilisation: absent, never a made-up 0.
+            assert_eq!(g.util_pct.is_none(), mig, "{case}: {:?}", g.util_pct);
+            let u = units(gpus.clone(), &parse_list(&list));
+            assert_eq!(u.iter().all(|x| x.parent.is_some()), mig, "{case}");
+            assert_eq!(u.len(), if mig { 4 } else { 1 }, "{case}: {u:?}");
+            // A whole GPU's utilisation is its own reading: busy under load, not when idle.
+            if !mig {
+                let busy = g.util_pct.is_some_and(|p| p >= 90);
+                assert_eq!(busy, case.ends_with("load"), "{case}: {:?}", g.util_pct);
+            }
+            let apps = parse_apps(&host(case, "apps.out"));
+            if case.ends_with("idle") {
+                assert!(apps.len() <= 1, "{case}: {apps:?}");
+            } else {
+                assert!(apps.len() >= 2, "{case}: {apps:?}");
+            }
+        }
+        // Unit count is the MIG devices' GPU instances: H100 2g+2g+2g+1g, H200 2g+3g (two
+        // compute instances)+1g+1g.
+        let h200 = units(
+            parse_query(&host("h200-mig-load", "query.out")),
+            &parse_list(&host("h200-mig-load", "list.out")),
+        );
+        let names: Vec<&str> = h200.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "NVIDIA H200 MIG 2g.35gb",
+                "NVIDIA H200 MIG 3g.71gb",
+                "NVIDIA H200 MIG 1g.18gb",
+                "NVIDIA H200 MIG 1g.18gb"
+            ]
+        );
+    }
+
+    #[test]
+    fn guarantee_15_compute_instances_of_one_gpu_instance_are_one_unit() {
+        let list = host("h200-mig-load", "list.out");
+        let migs = parse_list(&list);
+        assert_eq!(migs.len(), 5, "five MIG devices listed");
+        let u = units(parse_query(&host("h200-mig-load", "query.out")), &migs);
+        assert_eq!(u.len(), 4, "{u:?}");
+        assert_eq!(u[0].members, ["MIG-00000000-0000-0000-0000-0000000b2000"]);
+        // The split GPU instance, second in the list: one unit named by its first device.
+        assert_eq!(u[1].uuid, "MIG-00000000-0000-0000-0000-0000000b2001");
+        assert_eq!(
+            u[1].members,
+            [
+                "MIG-00000000-0000-0000-0000-0000000b2001",
+                "MIG-00000000-0000-0000-0000-0000000b2002"
+            ]
+        );
+        assert!(u[1].is("MIG-00000000-0000-0000-0000-0000000b2002"));
+        assert_eq!(u[2].members, ["MIG-00000000-0000-0000-0000-0000000b2003"]);
+        assert_eq!(
+            u[1].parent.as_deref(),
+            Some("GPU-00000000-0000-0000-0000-0000000000b2")
+        );
+        // Seven 1g instances are seven units (none without their GPU's line in the query); a
+        // mixed host has its whole GPUs and its slices (the `-L` layout of NVIDIA's MIG guide,
+        // one space apart, reads as the padded one does).
+        assert_eq!(
+            units(Vec::new(), &parse_list(&host("a100-mig7", "list.out"))).len(),
+            0
+        );
+        let a7 = parse_list(&host("a100-mig7", "list.out"));
+        assert_eq!(a7.len(), 7);
+        let mixed = units(
+            parse_query(&host("a100x4-mig", "query.out")),
+            &parse_list(&host("a100x4-mig", "list.out")),
+        );
+        assert_eq!(mixed.len(), 7, "3 whole GPUs + 4 slices: {mixed:?}");
+        assert_eq!(mixed.iter().filter(|u| u.parent.is_none()).count(), 3);
+        assert_eq!(
+            mixed[1].parent.as_deref(),
+            Some("GPU-00000000-0000-0000-0000-0000000000e3")
+        );
+        assert_eq!(mixed[1].name, "NVIDIA A100-SXM4-80GB MIG 3g.40gb");
+        // Two full compute instances in a row are two instances, not one.
+        let two = "GPU 0: X (UUID: GPU-a)\n  MIG 1c.2g.20gb Device 0: (UUID: MIG-a)\n  MIG 1c.2g.20gb Device 1: (UUID: MIG-b)\n  MIG 1c.2g.20gb Device 2: (UUID: MIG-c)\n";
+        let g = parse_query("0, GPU-a, X, 00000000:01:00.0, 1, 1, 1, 1, 1, 0, No, No, No\n");
+        let u = units(g, &parse_list(two));
+        assert_eq!(u.len(), 2, "{u:?}");
+        assert_eq!(u[0].members, ["MIG-a", "MIG-b"]);
+    }
+
+    #[test]
+    fn guarantee_15_bracketed_errors_and_pending_remaps_are_unhealthy_na_is_not() {
+        let base = "0, GPU-aa, NVIDIA H100 80GB HBM3, 00000000:00:09.0, 81559, 0, 0, 69.85, 41";
+        let health = |tail: &str| parse_query(&format!("{base}, {tail}\n"))[0].health.clone();
+        assert_eq!(health("0, [N/A], No, No"), Health::Healthy);
+        assert_eq!(
+            health("[N/A], [N/A], [Not Supported], [N/A]"),
+            Health::Healthy
+        );
+        assert_eq!(health("N/A, N/A, N/A, N/A"), Health::Healthy);
+        let bad = health("[Unknown Error], [N/A], No, No");
+        assert!(
+            matches!(&bad, Health::Unhealthy(r) if r.contains("ecc.errors.uncorrected.volatile.total reads [Unknown Error]")),
+            "{bad:?}"
+        );
+        assert!(!health("0, [GPU is lost], No, No").is_healthy());
+        assert!(!health("0, [N/A], [Unknown Error], No").is_healthy());
+        assert!(!health("0, [N/A], No, [Unknown Error]").is_healthy());
+        let pending = health("0, [N/A], No, Yes");
+        assert!(
+            matches!(&pending, Health::Unhealthy(r) if r.contains("row remap is pending")),
+            "{pending:?}"
+        );
+        // A bracketed error in a reading is only an absent reading.
+        let g = &parse_query(
+            "0, GPU-aa, X, 00000000:00:09.0, 81559, [Unknown Error], 0, [Unknown Error], 41, 0, No, No, No\n",
+        )[0];
+        assert!(g.health.is_healthy());
+        assert_eq!((g.memory_used_mib, g.power_w), (None, None));
+    }
+
+    #[test]
+    fn guarantee_15_a_uuid_listed_twice_counts_once_with_its_worst_health() {
+        let line = "0, GPU-aa, X, 00000000:01:00.0, 1, 1, 1, 1, 1, 0, No, No, No\n";
+        let twice = format!("{line}{}", line.replace("0, No, No, No", "3, No, No, No"));
+        let g = parse_query(&twice);
+        assert_eq!(g.len(), 1, "{g:?}");
+        assert!(!g[0].health.is_healthy());
+        let list = "GPU 0: X (UUID: GPU-aa)\n  MIG 1g.10gb Device 0: (UUID: MIG-a)\n  MIG 1g.10gb Device 0: (UUID: MIG-a)\n";
+        assert_eq!(units(parse_query(line), &parse_list(list)).len(), 1);
+    }
+
+    #[test]
+    fn guarantee_15_a_gpu_seen_once_stays_counted_unhealthy_in_the_drivers_words() {
+        let words = "Unable to determine the device handle for GPU 0000:65:00.0: Unknown Error";
+        for case in ["gpu-lost-stdout", "gpu-lost-stderr"] {
+            let mut seen = BTreeMap::new();
+            let (four, e) = judge(&answer("rtx2080ti-x4", "query"), &mut seen);
+            assert_eq!((four.len(), e), (4, None));
+            let (now, e) = judge(&answer(case, "query"), &mut seen);
+            assert_eq!(e, None, "{case}: the others still answer");
+            assert_eq!(now.len(), 4, "{case}: {now:?}");
+            assert_eq!(now.iter().filter(|g| g.health.is_healthy()).count(), 3);
+            let lost = &now[1];
+            assert_eq!(
+                lost.uuid, "GPU-00000000-0000-0000-0000-0000000000f1",
+                "{case}"
+            );
+            assert_eq!(lost.health, Health::Unhealthy(words.into()), "{case}");
+            assert_eq!(lost.power_w, None);
+            // Never seen before (doctor, a node started after the fall): counted from the line.
+            let (fresh, _) = judge(&answer(case, "query"), &mut BTreeMap::new());
+            assert_eq!(fresh.len(), 4, "{case}: {fresh:?}");
+            assert_eq!(fresh[3].bus_id, "0:65:00.0");
+            assert_eq!(fresh[3].health, Health::Unhealthy(words.into()));
+            assert!(fresh[3].uuid.is_empty(), "never assignable");
+        }
+        // One simply missing, with nothing said: still there.
+        let mut seen = BTreeMap::new();
+        judge(&answer("rtx2080ti-x4", "query"), &mut seen);
+        let three: String = host("rtx2080ti-x4", "query.out")
+            .lines()
+            .skip(1)
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let (now, _) = judge(
+            &Output {
+                stdout: three,
+                ..Output::default()
+            },
+            &mut seen,
+        );
+        assert_eq!(now.len(), 4);
+        assert_eq!(
+            now[0].health,
+            Health::Unhealthy("no longer listed by nvidia-smi".into())
+        );
+    }
+
+    #[test]
+    fn guarantee_15_a_failing_nvidia_smi_makes_every_known_gpu_unhealthy_in_its_words() {
+        let mut seen = BTreeMap::new();
+        judge(&answer("rtx2080ti-x4", "query"), &mut seen);
+        for (case, words) in [
+            ("nvml-mismatch", "(exit code 18): Failed to initialize NVML: Driver/library version mismatch / NVML library version: 570.133"),
+            ("nvml-unknown-error", "(exit code 255): Failed to initialize NVML: Unknown Error"),
+            ("no-devices", "(exit code 6): No devices were found"),
+        ] {
+            let (gpus, e) = judge(&answer(case, "query"), &mut seen);
+            let e = e.unwrap_or_default();
+            assert!(e.ends_with(words), "{case}: {e}");
+            assert_eq!(gpus.len(), 4, "{case}");
+            assert!(gpus.iter().all(|g| g.health == Health::Unhealthy(e.clone())), "{case}");
+        }
+    }
+
+    #[test]
+    fn guarantee_15_a_hung_nvidia_smi_is_killed_with_its_whole_process_group() {
+        let dir = std::env::temp_dir().join(format!("cw-gpu-hang-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("nvidia-smi");
+        let pids = dir.join("pids");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\nsleep 3600 &\necho $! > {p}\necho $$ >> {p}\nsleep 3600\n",
+                p = pids.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let t0 = Instant::now();
+        let r = run_program(script.as_os_str(), &["-L"], Duration::from_millis(400));
+        assert!(matches!(r, Err(RunError::TimedOut)), "{r:?}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let alive = |pid: &str| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, r)| r.trim_start().starts_with('Z'))
+                        .map(|z| !z)
+                })
+                .unwrap_or(false)
+        };
+        let listed = std::fs::read_to_string(&pids).unwrap();
+        let listed: Vec<&str> = listed.split_whitespace().collect();
+        assert_eq!(listed.len(), 2);
+        let mut left: Vec<&str> = listed.clone();
+        for _ in 0..100 {
+            left.retain(|p| alive(p));
+            if left.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(left.is_empty(), "left behind: {left:?}");
+        // Its stderr and exit code come back with its stdout.
+        std::fs::write(&script, "#!/bin/sh\necho out; echo err >&2; exit 15\n").unwrap();
+        let o = run_program(script.as_os_str(), &[], Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            (o.stdout.as_str(), o.stderr.as_str(), o.code),
+            ("out\n", "err\n", Some(15))
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn guarantee_15_a_slice_is_never_billed_the_board_and_a_board_is_counted_once() {
+        let q = parse_query(&host("h200-mig-load", "query.out"));
+        let u = units(q, &parse_list(&host("h200-mig-load", "list.out")));
+        let t0 = Instant::now();
+        let cap = Duration::from_secs(10);
+        let mut one = Usage::default();
+        one.add(&[&u[0]], None, t0, cap);
+        one.add(&[&u[0]], Some(3072), t0 + Duration::from_secs(10), cap);
+        assert!(one.shared);
+        assert_eq!(
+            one.mem_peak_mib(),
+            3072,
+            "its own processes, not the board's 21846"
+        );
+        assert_eq!(one.util_avg(), None, "the board reports none in MIG mode");
+        let board = 312.77 * 10.0 / 3600.0;
+        assert!((one.energy_wh - board).abs() < 1e-9, "{}", one.energy_wh);
+        // Two slices of one board (never handed out together, but were the record to say so):
+        // the board once.
+        let mut two = Usage::default();
+        two.add(&[&u[0], &u[1]], None, t0, cap);
+        two.add(&[&u[0], &u[1]], None, t0 + Duration::from_secs(10), cap);
+        assert!((two.energy_wh - board).abs() < 1e-9, "{}", two.energy_wh);
+        assert_eq!(
+            two.mem_peak_mib(),
+            0,
+            "never the board's memory for a slice"
+        );
+    }
+
     #[test]
     fn usage_averages_and_integrates_power() {
         let g = parse_query(FOUR);
@@ -900,7 +1660,7 @@ mod tests {
         );
         u.add(&[&g[0]], Some(700), t0 + Duration::from_secs(3600), cap);
         assert_eq!(u.samples, 2);
-        assert_eq!(u.util_avg(), 87.0);
+        assert_eq!(u.util_avg(), Some(87.0));
         assert_eq!(u.util_max, 87);
         assert_eq!(u.mem_peak_mib(), 700);
         // The hour-long gap is billed at most `cap`.
@@ -908,6 +1668,6 @@ mod tests {
         let mut none = Usage::default();
         none.add(&[], None, t0, cap);
         assert_eq!(none.samples, 0);
-        assert_eq!(none.util_avg(), 0.0);
+        assert_eq!(none.util_avg(), None);
     }
 }

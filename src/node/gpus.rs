@@ -126,6 +126,20 @@ pub(super) fn put(v: &mut Value, key: &str, x: Value) {
     }
 }
 
+/// Whether a workload holds this unit (by its UUID, or one of its MIG devices' from an
+/// assignment made before compute instances were grouped).
+fn is_held(u: &Gpu, held: &BTreeMap<String, Value>) -> bool {
+    holder_of(u, held).is_some()
+}
+
+fn holder_of<'a>(u: &Gpu, held: &'a BTreeMap<String, Value>) -> Option<&'a Value> {
+    if u.uuid.is_empty() {
+        return None;
+    }
+    held.get(&u.uuid)
+        .or_else(|| u.members.iter().find_map(|m| held.get(m)))
+}
+
 /// One per-GPU gauge's value: (the GPU, whether a workload holds it).
 type Gauge = fn(&Gpu, bool) -> Option<f64>;
 
@@ -184,7 +198,10 @@ impl Node {
                 let Some(mine) = a.meta.gpus.as_ref().filter(|g| !g.is_empty()) else {
                     continue;
                 };
-                let units: Vec<&Gpu> = gpus.iter().filter(|g| mine.contains(&g.uuid)).collect();
+                let units: Vec<&Gpu> = gpus
+                    .iter()
+                    .filter(|g| mine.iter().any(|m| g.is(m)))
+                    .collect();
                 let own = by_group.get(&a.meta.pid()).copied();
                 self.gpu
                     .usage
@@ -210,8 +227,10 @@ impl Node {
         }
     }
 
-    /// The GPUs a new workload gets (D36): `Ok(None)` on a CPU-only node (nothing changes for
-    /// it), else its exclusive share, or the refusal (busy when waiting can help).
+    /// The GPUs a new workload gets (D36, D55, D56): `Ok(None)` on a CPU-only node (nothing
+    /// changes for it), else its exclusive share, or the refusal (busy when waiting can help).
+    /// On a GPU host `auto` is never zero, and a MIG host gives a workload at most one MIG
+    /// device: more than one GPU comes from whole GPUs only.
     pub(super) fn assign_gpus(
         &self,
         requested: Option<u32>,
@@ -228,24 +247,47 @@ impl Node {
                 None => Ok(None),
             };
         }
-        let total = g.units.len();
-        let healthy = g.healthy();
+        let mig_host = g.units.iter().any(|u| u.parent.is_some());
         let capacity = usize::try_from(self.s.max_concurrent_workloads.value)
             .unwrap_or(1)
             .max(1);
-        let need = match requested.or(g.per_workload) {
+        let explicit = requested.or(g.per_workload);
+        let need = match explicit {
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-            None if capacity == 1 => healthy,
-            None => healthy.checked_div(capacity).unwrap_or(0),
+            None if mig_host => 1,
+            None if capacity == 1 => g.healthy().max(1),
+            None => g.healthy().checked_div(capacity).unwrap_or(0).max(1),
         };
         if need == 0 {
             return Ok(Some(Vec::new()));
         }
+        // More than one: whole GPUs only on a MIG host (a CUDA process sees one MIG device).
+        let pool: Vec<&Gpu> = g
+            .units
+            .iter()
+            .filter(|u| need == 1 || u.parent.is_none())
+            .collect();
+        let total = pool.len();
+        let healthy = pool.iter().filter(|u| u.health.is_healthy()).count();
         if need > total {
             if let Some(e) = &g.error {
                 // The query fails: this node's GPUs are not known, not absent.
                 return Err((
                     format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({e})"),
+                    Some(Busy::GpusUnhealthy),
+                ));
+            }
+            if mig_host && need > 1 {
+                return Err((
+                    format!(
+                        "{BUSY_PREFIX} unsatisfiable GPUs: {need} needed, and a workload gets at most one MIG device; this node has {total} whole GPU(s)"
+                    ),
+                    Some(Busy::GpusUnsatisfiable),
+                ));
+            }
+            if explicit.is_none() {
+                return Err((
+                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable"),
                     Some(Busy::GpusUnhealthy),
                 ));
             }
@@ -255,10 +297,9 @@ impl Node {
             ));
         }
         let held = self.gpu_holders();
-        let free: Vec<String> = g
-            .units
+        let free: Vec<String> = pool
             .iter()
-            .filter(|u| u.health.is_healthy() && !held.contains_key(&u.uuid))
+            .filter(|u| u.health.is_healthy() && !is_held(u, &held))
             .map(|u| u.uuid.clone())
             .take(need)
             .collect();
@@ -292,15 +333,22 @@ impl Node {
                 .units
                 .iter()
                 .map(|u| {
-                    json!({
+                    let mut v = json!({
                         "index": u.index,
                         "uuid": u.uuid,
                         "name": u.name,
+                        "bus_id": u.bus_id,
                         "memory_total_mib": u.memory_total_mib,
                         "health": u.health.label(),
                         "reason": u.health.reason(),
-                        "held_by": holders.get(&u.uuid),
-                    })
+                        "held_by": holder_of(u, &holders),
+                    });
+                    if let Some(p) = &u.parent {
+                        put(&mut v, "shared", json!(true));
+                        put(&mut v, "parent_uuid", json!(p));
+                        put(&mut v, "mig_devices", json!(u.members));
+                    }
+                    v
                 })
                 .collect(),
         ))
@@ -316,7 +364,7 @@ impl Node {
             .gpu
             .units
             .iter()
-            .filter(|u| u.health.is_healthy() && !held.contains_key(&u.uuid))
+            .filter(|u| u.health.is_healthy() && !is_held(u, &held))
             .count();
         put(body, "gpus_total", json!(self.gpu.units.len()));
         put(body, "gpus_healthy", json!(self.gpu.healthy()));
@@ -335,14 +383,23 @@ impl Node {
             return None;
         }
         let seconds = (crate::workload::unix_now() - meta.created_unix).max(0.0);
-        Some(json!({
+        let shared = usage.shared || meta.gpus.iter().flatten().any(|u| u.starts_with("MIG-"));
+        let util = usage.util_avg();
+        let mut out = json!({
             "count": count,
             "seconds": round(seconds, 1),
-            "util_avg_pct": round(usage.util_avg(), 1),
-            "util_max_pct": usage.util_max,
+            // Not reported (a MIG board reports none): null, never a made-up 0.
+            "util_avg_pct": util.map(|u| round(u, 1)),
+            "util_max_pct": util.map(|_| usage.util_max),
             "mem_peak_mib": usage.mem_peak_mib(),
             "energy_wh": round(usage.energy_wh, 3),
-        }))
+        });
+        if shared {
+            // Utilisation, power and energy are the whole board's, shared with its other
+            // instances; the memory is the workload's own processes'.
+            put(&mut out, "shared", json!(true));
+        }
+        Some(out)
     }
 
     /// Per-GPU gauges for the metrics file.
@@ -350,43 +407,68 @@ impl Node {
         if !self.gpu.present {
             return;
         }
-        let held: BTreeSet<String> = self.gpu_holders().into_keys().collect();
-        let gauges: [(&str, &str, Gauge); 7] = [
+        let held = self.gpu_holders();
+        // (name, help, value, board-level: once per physical GPU, never per MIG slice (D56))
+        let gauges: [(&str, &str, Gauge, bool); 7] = [
             (
                 "gpu_healthy",
                 "1 when the GPU takes workloads (D37).",
                 |g, _| Some(f64::from(u8::from(g.health.is_healthy()))),
+                false,
             ),
             (
                 "gpu_assigned",
                 "1 while a workload holds the GPU.",
                 |_, h| Some(f64::from(u8::from(h))),
+                false,
             ),
-            ("gpu_utilization_percent", "GPU utilisation.", |g, _| {
-                g.util_pct.map(|v| v as f64)
-            }),
-            ("gpu_memory_used_mib", "GPU memory in use.", |g, _| {
-                g.memory_used_mib.map(|v| v as f64)
-            }),
-            ("gpu_memory_total_mib", "GPU memory.", |g, _| {
-                g.memory_total_mib.map(|v| v as f64)
-            }),
-            ("gpu_power_watts", "GPU power draw.", |g, _| g.power_w),
-            ("gpu_temperature_celsius", "GPU temperature.", |g, _| {
-                g.temperature_c.map(|v| v as f64)
-            }),
+            (
+                "gpu_utilization_percent",
+                "GPU utilisation.",
+                |g, _| g.util_pct.map(|v| v as f64),
+                true,
+            ),
+            (
+                "gpu_memory_used_mib",
+                "GPU memory in use.",
+                |g, _| g.memory_used_mib.map(|v| v as f64),
+                true,
+            ),
+            (
+                "gpu_memory_total_mib",
+                "GPU memory.",
+                |g, _| g.memory_total_mib.map(|v| v as f64),
+                false,
+            ),
+            ("gpu_power_watts", "GPU power draw.", |g, _| g.power_w, true),
+            (
+                "gpu_temperature_celsius",
+                "GPU temperature.",
+                |g, _| g.temperature_c.map(|v| v as f64),
+                true,
+            ),
         ];
-        for (name, help, get) in gauges {
+        for (name, help, get, board) in gauges {
             let _ = writeln!(
                 t,
                 "# HELP cyberwave_node_{name} {help}\n# TYPE cyberwave_node_{name} gauge"
             );
+            let mut boards: BTreeSet<&str> = BTreeSet::new();
             for u in &self.gpu.units {
-                if let Some(v) = get(u, held.contains(&u.uuid)) {
+                let (gpu, uuid, shared) = match (&u.parent, board) {
+                    (Some(p), true) => {
+                        if !boards.insert(p.as_str()) {
+                            continue;
+                        }
+                        let index = u.index.split(':').next().unwrap_or(&u.index);
+                        (index, p.as_str(), ",shared=\"true\"")
+                    }
+                    _ => (u.index.as_str(), u.uuid.as_str(), ""),
+                };
+                if let Some(v) = get(u, is_held(u, &held)) {
                     let _ = writeln!(
                         t,
-                        "cyberwave_node_{name}{{gpu=\"{}\",uuid=\"{}\"}} {v}",
-                        u.index, u.uuid
+                        "cyberwave_node_{name}{{gpu=\"{gpu}\",uuid=\"{uuid}\"{shared}}} {v}"
                     );
                 }
             }

@@ -42,7 +42,12 @@ pub fn gpu_inventory() -> (usize, Option<&'static str>) {
             Duration::from_secs(10),
         )
         .ok()
-        .and_then(|t| t.lines().filter_map(|l| l.trim().parse::<u64>().ok()).max())
+        .and_then(|o| {
+            o.stdout
+                .lines()
+                .filter_map(|l| l.trim().parse::<u64>().ok())
+                .max()
+        })
         .map(|mb| match mb {
             0..=16_383 => "<16GB",
             16_384..=32_767 => "16-32GB",
@@ -106,6 +111,8 @@ pub enum Busy {
     GpusBusy,
     /// Not enough healthy GPUs at all (D37).
     GpusUnhealthy,
+    /// More than one GPU asked for on a MIG host that has too few whole GPUs (D56).
+    GpusUnsatisfiable,
 }
 
 impl Busy {
@@ -119,6 +126,7 @@ impl Busy {
             Busy::ShuttingDown => "shutting_down",
             Busy::GpusBusy => "gpus_busy",
             Busy::GpusUnhealthy => "gpus_unhealthy",
+            Busy::GpusUnsatisfiable => "gpus_unsatisfiable",
         }
     }
 }

@@ -570,7 +570,11 @@ fn run_program(
     args: &[&str],
     timeout: Duration,
 ) -> Result<Output, RunError> {
-    let mut child = match Command::new(program)
+    let mut cmd = Command::new(program);
+    // No descriptor of the node (its broker socket) and no blocked signal in nvidia-smi (D46.1,
+    // D51): a hung one must die of the SIGKILL of its group, not hold the node's connection.
+    crate::fds::harden(&mut cmd);
+    let mut child = match cmd
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

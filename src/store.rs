@@ -564,6 +564,24 @@ fn fnv1a32(data: &[u8]) -> u32 {
     h
 }
 
+/// Free space (MiB) on the filesystem holding `dir` (or, before it exists, its nearest parent).
+pub fn free_mb(dir: &Path) -> Option<u64> {
+    let dir = dir.ancestors().find(|a| a.exists())?;
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs into a zeroed struct we own, with a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64) / (1024 * 1024))
+    }
+}
+
+/// The marker a node writes in its state dir when the broker said another client took its id
+/// (D33); `doctor` reads it.
+pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -861,21 +879,3 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 }
-
-/// Free space (MiB) on the filesystem holding `dir` (or, before it exists, its nearest parent).
-pub fn free_mb(dir: &Path) -> Option<u64> {
-    let dir = dir.ancestors().find(|a| a.exists())?;
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: statvfs into a zeroed struct we own, with a valid C string.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
-            return None;
-        }
-        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64) / (1024 * 1024))
-    }
-}
-
-/// The marker a node writes in its state dir when the broker said another client took its id
-/// (D33); `doctor` reads it.
-pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";

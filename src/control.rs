@@ -323,7 +323,8 @@ fn handle(
             }
         },
     };
-    let _ = writeln!(stream, "{reply}");
+    // One write: a client reading once gets the whole line (Display writes JSON in pieces).
+    let _ = stream.write_all(format!("{reply}\n").as_bytes());
 }
 
 /// One request line (with or without its newline) as JSON; `None` when it is not UTF-8 JSON.

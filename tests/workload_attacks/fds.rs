@@ -69,6 +69,9 @@ fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
         "    if ls /proc/$node/fd > nodefds.txt 2>/dev/null; then echo read > fd.rc; else echo refused > fd.rc; fi\n",
     ));
     setup.uid = Some(NOBODY);
+    // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
+    // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
+    setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
     let chown = std::process::Command::new("chown")
         .args(["-R", &format!("{NOBODY}:{NOBODY}")])
         .arg(setup.home.path())
@@ -138,7 +141,7 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
                 "    try touch \"$(dirname {{body}})/exit.json\" >> out/attempts\n",
                 "    try ls {s}/workload_logs >> out/attempts\n",
                 "    \"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-u --trigger-json '{{}}' > out/emit 2>&1; echo \"rc=$?\" >> out/emit\n",
-                "    python3 -c 'import socket,os; s=socket.socket(socket.AF_UNIX); s.connect(os.environ[\"CYBERWAVE_NODE_SOCKET\"]); s.sendall(b\"{{\\\"op\\\": \\\"drain\\\"}}\\n\"); print(s.recv(4096).decode())' > out/drain 2>&1\n",
+                "    python3 -c 'import socket,os; s=socket.socket(socket.AF_UNIX); s.connect(os.environ[\"CYBERWAVE_NODE_SOCKET\"]); s.sendall(b\"{{\\\"op\\\": \\\"drain\\\"}}\\n\"); print(s.makefile().readline())' > out/drain 2>&1\n",
                 "    echo visible-output\n",
             ),
             s = state
@@ -200,6 +203,9 @@ fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() 
             "cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n",
         );
         setup.uid = Some(NOBODY);
+        // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
+        // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
+        setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
         chown_nobody(setup.home.path());
         let mut node = setup.spawn();
         let code = node.wait_exit(Duration::from_secs(10)).expect("exits");

@@ -7,7 +7,8 @@
 //!    so the exit record is always written.
 //! 3. Tells the node the workload's pid on its stdout, records pid and start times in
 //!    `started.json` (what a restarted node re-adopts it by), and closes that pipe.
-//! 4. Waits for the workload, then writes `exit.json` atomically and exits.
+//! 4. Waits for the workload, reaping every orphan it adopts (it is their subreaper) as soon as
+//!    that one ends, then writes `exit.json` atomically and exits.
 //!
 //! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
 //! SIGTERM/SIGINT/SIGHUP; the workload starts with an empty mask, reset between fork and exec.
@@ -169,6 +170,26 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
     }
 }
 
+/// Waits for the workload's own process `pid`, reaping every other child as soon as it ends:
+/// as a subreaper this shim adopts the workload's orphans, and one that ends while the workload
+/// runs must not stay a zombie until the workload ends. `None` when there is nothing to wait for.
+fn wait_workload(pid: i32) -> Option<std::process::ExitStatus> {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on any child with a valid out pointer.
+        let got = unsafe { libc::waitpid(-1, &mut status, 0) };
+        if got == pid {
+            return Some(std::process::ExitStatus::from_raw(status));
+        }
+        if got > 0 {
+            continue; // an adopted orphan, reaped
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return None; // ECHILD: cannot happen while the workload is unreaped
+        }
+    }
+}
+
 fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
     OpenOptions::new()
         .create(true)
@@ -230,7 +251,7 @@ pub fn run(args: &[String]) -> i32 {
     // but its three streams.
     crate::fds::harden(&mut cmd);
     let started_at = util::rfc3339(SystemTime::now());
-    let mut child = match cmd.spawn() {
+    let child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
             let _ = writeln!(
@@ -270,13 +291,9 @@ pub fn run(args: &[String]) -> i32 {
             libc::dup2(null.as_raw_fd(), 1);
         }
     }
-    let status = loop {
-        match child.wait() {
-            Ok(s) => break Some(s),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => break None,
-        }
-    };
+    // Reaped here, not through `child` (which would wait for that pid alone).
+    drop(child);
+    let status = wait_workload(pid);
     // D25: nothing of the workload outlives its report.
     clear_group(
         pid,

@@ -432,8 +432,7 @@ impl Node {
                     }
                 );
             }
-            let exit: Option<Exit> =
-                workload::load_json(&dir.join("exit.json"), "workload exit record");
+            let exit: Option<Exit> = workload::load_exit(&dir);
             // Outside text in a log line: escaped and cut (D31).
             let rid = store::clip(&meta.request_id_text(), 120);
             // Its log streams resume from its cursor (node/streams_out.rs reads it).

@@ -100,3 +100,155 @@ fn the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
     let done: Vec<&Value> = done.iter().filter(|b| b["status"] == "completed").collect();
     assert_eq!(done[0]["exit_code"], 0, "{done:?}");
 }
+
+/// A small tmpfs mounted on the node's state dir (unmounted when dropped: declare it after the
+/// `NodeSetup`, before the node). `None` (the test says it is skipped) when not root.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(setup: &NodeSetup) -> Option<SmallDisk> {
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!(
+                "SKIPPED: a full state dir needs a small tmpfs, and mounting one needs root (CI runs as root)"
+            );
+            return None;
+        }
+        let dir = setup.config_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs"])
+            .arg(&dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "cannot mount a 4 MiB tmpfs on {} as root: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(SmallDisk(dir))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .output();
+    }
+}
+
+/// The workload of the full-disk tests: once `t/go` exists, it fills the state dir's disk with
+/// its own stdout (the write that finds it full fails) and exits 7.
+const FILLER: &str = "cyberwave:\n  inference: until [ -e t/go ]; do sleep 0.05; done; head -c 8000000 /dev/zero | tr '\\0' x; exit 7\n";
+
+fn full_disk_rig() -> (Broker, ControlPlane, NodeSetup) {
+    let (broker, cp, mut setup) = rig(FILLER);
+    setup.set("CYBERWAVE_MIN_FREE_DISK_MB", "0");
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    (broker, cp, setup)
+}
+
+fn completions(cp: &ControlPlane, wl: &str) -> Vec<Value> {
+    cp.statuses(wl)
+        .into_iter()
+        .filter(|b| b["status"] == "completed")
+        .collect()
+}
+
+/// D54: a workload whose own log fills the state dir's disk gets its completion out while the
+/// disk is still full (its supervisor cannot write `exit.json` and hands the status over), with
+/// its real exit code; once space returns, nothing of it is left behind.
+#[test]
+fn a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
+    let (_broker, cp, setup) = full_disk_rig();
+    let Some(_disk) = SmallDisk::mount(&setup) else {
+        return;
+    };
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "fill", "params": {"workload_uuid": "wl-fill"}}),
+    );
+    let reply = cp
+        .wait_reply("fill", Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
+    assert_eq!(reply["status"], "ok", "{reply}");
+    std::fs::write(setup.cwd.join("t/go"), "").unwrap();
+    let done = wait_for(Duration::from_secs(15), || {
+        Some(completions(&cp, "wl-fill")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| panic!("no completion while the disk is full; log:\n{}", node.log()));
+    assert_eq!(done[0]["exit_code"], 7, "{done:?}");
+    assert_eq!(done[0]["success"], false, "{done:?}");
+    // Space returns (the test frees the log); the workload's record is settled: its exit
+    // record written or the whole record retired once the completion was acknowledged.
+    let logs = setup.config_dir().join("workload_logs");
+    for e in std::fs::read_dir(&logs).unwrap().flatten() {
+        let _ = std::fs::remove_file(e.path());
+    }
+    let dir = setup.config_dir().join("workloads/fill");
+    let settled = wait_for(Duration::from_secs(10), || {
+        (!dir.exists() || dir.join("exit.json").is_file()).then_some(())
+    });
+    assert!(
+        settled.is_some(),
+        "the record of the workload is neither written nor retired after space returned: {:?}; log:\n{}",
+        std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>()),
+        node.log()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        completions(&cp, "wl-fill").len(),
+        1,
+        "exactly one completion"
+    );
+}
+
+/// D54 across a restart: the node is SIGKILLed, then the workload fills the disk and exits; its
+/// supervisor leaves the status where a full disk still takes it. The restarted node (the disk
+/// still full) reports the real exit code.
+#[test]
+fn a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_the_restart() {
+    let (_broker, cp, setup) = full_disk_rig();
+    let Some(_disk) = SmallDisk::mount(&setup) else {
+        return;
+    };
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "fill2", "params": {"workload_uuid": "wl-fill2"}}),
+    );
+    let reply = cp
+        .wait_reply("fill2", Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
+    assert_eq!(reply["status"], "ok", "{reply}");
+    let shim = started(&setup, "fill2").and_then(|s| s["shim_pid"].as_i64());
+    node.kill9();
+    std::fs::write(setup.cwd.join("t/go"), "").unwrap();
+    // The workload ends; its supervisor does not wait for space that only the node could free.
+    let shim = shim.expect("the supervisor's start record");
+    let gone = wait_for(Duration::from_secs(10), || {
+        (!std::path::Path::new(&format!("/proc/{shim}")).exists()).then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "the supervisor still waits for disk space after its workload ended"
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let done = wait_for(Duration::from_secs(15), || {
+        Some(completions(&cp, "wl-fill2")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no completion after the restart on a full disk; log:\n{}",
+            node.log()
+        )
+    });
+    assert_eq!(done[0]["exit_code"], 7, "{done:?}");
+}

@@ -252,3 +252,113 @@ fn a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_the_r
     });
     assert_eq!(done[0]["exit_code"], 7, "{done:?}");
 }
+
+fn runs(setup: &NodeSetup, rid: &str) -> usize {
+    std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs")))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// D53: the node is SIGKILLed with starts in flight, on a slow disk: two whose workloads run
+/// (not yet answered: their records are being synced), one whose supervisor was not forked yet
+/// (its image is being saved) and two queued behind it. After the restart every one of them
+/// gets exactly one answer, without being asked again: `ok` and `running` for the two that
+/// run, a retryable host-busy error and a `failed` status for the three that never started;
+/// none runs twice.
+#[test]
+fn starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restart() {
+    let (_broker, cp, mut setup) =
+        rig("cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 4\n");
+    setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "8");
+    setup.set("CYBERWAVE_TEST_SLOW_FSYNC_MS", "1500");
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let start = |uuid: &str, rid: &str, extra: Value| {
+        let mut params = json!({"workload_uuid": format!("wl-{rid}")});
+        if let (Some(p), Some(e)) = (params.as_object_mut(), extra.as_object()) {
+            p.extend(e.clone());
+        }
+        cp.command(
+            uuid,
+            json!({"command": "inference", "request_id": rid, "params": params}),
+        );
+    };
+    let uuid = node.uuid();
+    start(&uuid, "r1", json!({}));
+    start(&uuid, "r2", json!({}));
+    // Saving an image syncs it: the spawner is held up before it forks this one's supervisor.
+    start(&uuid, "i1", json!({"image_bytes_base64": "aGVsbG8="}));
+    start(&uuid, "n1", json!({}));
+    start(&uuid, "n2", json!({}));
+    wait_for(Duration::from_secs(10), || {
+        (runs(&setup, "r1") == 1 && runs(&setup, "r2") == 1).then_some(())
+    })
+    .unwrap_or_else(|| panic!("the first workloads did not run; log:\n{}", node.log()));
+    std::thread::sleep(Duration::from_millis(200));
+    let all = ["r1", "r2", "i1", "n1", "n2"];
+    for rid in all {
+        assert!(
+            cp.replies_for(rid).is_empty(),
+            "{rid} was answered before the kill: the test needs it in flight"
+        );
+    }
+    node.kill9();
+    setup.unset("CYBERWAVE_TEST_SLOW_FSYNC_MS");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    for rid in all {
+        wait_for(Duration::from_secs(10), || {
+            Some(()).filter(|_| !cp.replies_for(rid).is_empty())
+        })
+        .unwrap_or_else(|| panic!("{rid} not answered after the restart; log:\n{}", node.log()));
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    for rid in ["r1", "r2"] {
+        let replies = cp.replies_for(rid);
+        assert_eq!(replies.len(), 1, "{rid}: exactly one answer: {replies:?}");
+        assert_eq!(replies[0]["status"], "ok", "{rid}: {replies:?}");
+        assert!(
+            replies[0]["output"]["pid"].as_i64().unwrap_or(0) > 0,
+            "{replies:?}"
+        );
+        let statuses = cp.statuses(&format!("wl-{rid}"));
+        assert_eq!(
+            statuses.iter().filter(|s| s["status"] == "running").count(),
+            1,
+            "{rid}: one running status: {statuses:?}"
+        );
+        assert_eq!(runs(&setup, rid), 1, "{rid} ran exactly once");
+    }
+    for rid in ["i1", "n1", "n2"] {
+        let replies = cp.replies_for(rid);
+        assert_eq!(replies.len(), 1, "{rid}: exactly one answer: {replies:?}");
+        assert_eq!(replies[0]["status"], "error", "{rid}: {replies:?}");
+        let text = replies[0]["error"].as_str().unwrap_or_default().to_string();
+        assert!(
+            text.starts_with("Controller host is busy with")
+                && text.contains("interrupted by a node restart"),
+            "{rid}: a retryable refusal that says why: {text}"
+        );
+        let statuses = cp.statuses(&format!("wl-{rid}"));
+        let failed: Vec<&Value> = statuses
+            .iter()
+            .filter(|s| s["status"] == "failed")
+            .collect();
+        assert_eq!(failed.len(), 1, "{rid}: one failed status: {statuses:?}");
+        assert_eq!(failed[0]["rejection_reason"], "host_busy", "{failed:?}");
+        assert_eq!(runs(&setup, rid), 0, "{rid} never ran");
+    }
+    // A redelivery of an interrupted start repeats its answer; nothing is spawned for it.
+    start(&uuid, "n1", json!({}));
+    start(&uuid, "r1", json!({}));
+    wait_for(Duration::from_secs(10), || {
+        (cp.replies_for("n1").len() == 2 && cp.replies_for("r1").len() == 2).then_some(())
+    })
+    .unwrap_or_else(|| panic!("redeliveries not answered; log:\n{}", node.log()));
+    assert_eq!(cp.replies_for("n1")[1]["status"], "error");
+    assert_eq!(cp.replies_for("r1")[1]["status"], "ok");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(runs(&setup, "n1"), 0, "n1 never ran");
+    assert_eq!(runs(&setup, "r1"), 1, "r1 ran exactly once");
+}

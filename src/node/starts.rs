@@ -6,8 +6,10 @@
 //! active workload, exactly as a start was before.
 //!
 //! Exactly once, and what a crash at each point leaves (the order of the writes):
-//! 1. loop: the request is in flight in memory only. A node killed now has written nothing and
-//!    answered nothing: a redelivery starts it (for the first time).
+//! 1. loop: the start's note (`starts/<safe-id>.json`, [`super::interrupted`]) is left, then the
+//!    request is in flight. A node killed from here on until the answer leaves the note: the
+//!    next node answers the start (D53), from its workload if it started, else with a
+//!    retryable refusal.
 //! 2. spawner: the workload's directory (created exclusively: a second spawn of the same id
 //!    fails), params, and `meta.json` (phase `starting`) are written, unsynced; then the shim is
 //!    forked and execs the workload. A node killed now leaves the record for the next node:

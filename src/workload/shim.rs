@@ -8,7 +8,8 @@
 //! 3. Tells the node the workload's pid on its stdout, records pid and start times in
 //!    `started.json` (what a restarted node re-adopts it by), and closes that pipe.
 //! 4. Waits for the workload, reaping every orphan it adopts (it is their subreaper) as soon as
-//!    that one ends, then writes `exit.json` atomically and exits.
+//!    that one ends, then writes `exit.json` atomically and exits. On a full disk it leaves the
+//!    status in `exit.status` instead and exits at once (D54: see [`EXIT_LINK`]).
 //!
 //! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
 //! SIGTERM/SIGINT/SIGHUP; the workload starts with an empty mask, reset between fork and exec.

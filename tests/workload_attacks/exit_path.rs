@@ -270,7 +270,7 @@ fn starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restart()
     let (_broker, cp, mut setup) =
         rig("cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 4\n");
     setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "8");
-    setup.set("CYBERWAVE_TEST_SLOW_FSYNC_MS", "1500");
+    setup.set("CYBERWAVE_TEST_SLOW_FSYNC_MS", "2500");
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let mut node = setup.spawn();
     node.wait_ready(READY);

@@ -298,18 +298,22 @@ mod tests {
         forget(&layout, "a");
         forget(&layout, "a"); // twice: nothing to say
         assert_eq!(load_all(&layout).len(), 1);
-        // Hostile or broken: invalid JSON, a wrong kind, a stray name. (A FIFO is the state
-        // files' reader's to refuse: D48, `store::read_capped`.)
+        // Hostile or broken: invalid JSON, a wrong kind, a FIFO (never opened blocking: D48),
+        // a stray name.
         let d = dir(&layout);
         std::fs::write(d.join("c.json"), "{not json").unwrap();
         let mut bad = serde_json::to_value(taken("d", 1.0)).unwrap();
         bad["kind"] = json!("rm -rf");
         std::fs::write(d.join("d.json"), bad.to_string()).unwrap();
+        let fifo = std::ffi::CString::new(d.join("e.json").to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
         std::fs::write(d.join(".b.json.tmp-1234"), "{}").unwrap();
         let all = load_all(&layout);
         let ids: Vec<&str> = all.iter().map(|(id, _)| id.as_str()).collect();
         assert_eq!(ids, ["b"]);
         assert!(!d.join("c.json").exists(), "quarantined");
+        assert!(!d.join("e.json").exists(), "quarantined");
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 }

@@ -22,6 +22,7 @@ macro_rules! wire {
 mod container;
 mod gpus;
 mod ingress;
+mod interrupted;
 pub mod operate;
 mod selfheal;
 mod session;
@@ -145,6 +146,8 @@ pub struct Node {
     reaped: Receiver<Reaped>,
     /// Starts in flight, and what the spawner thread reports about them.
     starts: starts::Starts,
+    /// Starts the node before this one took and did not answer (D53), answered once registered.
+    interrupted: Vec<(String, interrupted::Taken, interrupted::Answer)>,
     spawned: Receiver<crate::workload::spawner::Outcome>,
     tailer: Tailer,
     chunks: Receiver<TailEvent>,
@@ -316,7 +319,10 @@ impl Node {
                     self.send_ingress();
                 }
                 Happening::Lost => self.connection_lost(),
-                Happening::Registered => self.ship_install_logs(),
+                Happening::Registered => {
+                    self.ship_install_logs();
+                    self.answer_interrupted_starts();
+                }
                 Happening::RegisteredAfterFailedStart(err) => self.report_failed_start(err),
                 Happening::Command(payload) => self.on_command(&payload),
                 Happening::Outcome {

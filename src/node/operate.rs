@@ -113,6 +113,8 @@ pub enum Busy {
     GpusUnhealthy,
     /// More than one GPU asked for on a MIG host that has too few whole GPUs (D56).
     GpusUnsatisfiable,
+    /// The start was interrupted by a node restart before its workload ran (D53).
+    Restarted,
 }
 
 impl Busy {
@@ -127,6 +129,7 @@ impl Busy {
             Busy::GpusBusy => "gpus_busy",
             Busy::GpusUnhealthy => "gpus_unhealthy",
             Busy::GpusUnsatisfiable => "gpus_unsatisfiable",
+            Busy::Restarted => "node_restarted",
         }
     }
 }

@@ -6,8 +6,10 @@
 //! active workload, exactly as a start was before.
 //!
 //! Exactly once, and what a crash at each point leaves (the order of the writes):
-//! 1. loop: the request is in flight in memory only. A node killed now has written nothing and
-//!    answered nothing: a redelivery starts it (for the first time).
+//! 1. loop: the start's note (`starts/<safe-id>.json`, [`super::interrupted`]) is left, then the
+//!    request is in flight. A node killed from here on until the answer leaves the note: the
+//!    next node answers the start (D53), from its workload if it started, else with a
+//!    retryable refusal.
 //! 2. spawner: the workload's directory (created exclusively: a second spawn of the same id
 //!    fails), params, and `meta.json` (phase `starting`) are written, unsynced; then the shim is
 //!    forked and execs the workload. A node killed now leaves the record for the next node:
@@ -331,7 +333,22 @@ impl Node {
             event_token: req.event_token.clone(),
             held: Vec::new(),
         };
+        // D53: taken; from here on this start is answered, if need be by the next node.
+        let taken = super::interrupted::Taken {
+            request_id: request_id.clone(),
+            kind: kind.to_string(),
+            workload_uuid: workload_uuid.clone(),
+            taken_unix: starting.created_unix,
+        };
+        if let Err(e) = super::interrupted::note(&self.layout, &safe_id, &taken) {
+            log::warn!(
+                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
+                shown(&rid),
+                crate::logtext::shown(&super::interrupted::dir(&self.layout).display().to_string())
+            );
+        }
         if let Err(e) = self.starts.begin(starting, req) {
+            super::interrupted::forget(&self.layout, &safe_id);
             let why = format!("Failed to start {kind}: {e}");
             self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
             // The spawner is gone: what is still in flight will never be reported.
@@ -382,6 +399,7 @@ impl Node {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.workload_status(wl, body);
                 }
+                super::interrupted::forget(&self.layout, &safe_id);
                 self.report_started(&meta);
                 self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
@@ -435,7 +453,7 @@ impl Node {
                     log::error!("a start that was not in flight failed: {}", shown(&why));
                     return;
                 };
-                self.fail_start(st, &why);
+                self.fail_start(&safe_id, st, &why);
                 if self.s.drain_after_one && !self.one_started && self.starts.is_empty() {
                     // The one workload did not start: the node takes the next start.
                     self.set_draining(false, "--drain-after-one: the start failed");
@@ -454,12 +472,12 @@ impl Node {
             self.on_spawn_outcome(o);
         }
         self.spawned = crossbeam_channel::never();
-        for (_, st) in self.starts.stopped() {
-            self.fail_start(st, SPAWNER_GONE);
+        for (safe_id, st) in self.starts.stopped() {
+            self.fail_start(&safe_id, st, SPAWNER_GONE);
         }
     }
 
-    fn fail_start(&mut self, st: Starting, why: &str) {
+    fn fail_start(&mut self, safe_id: &str, st: Starting, why: &str) {
         let why = format!("Failed to start {}: {why}", st.kind.as_str());
         log::error!("{why}");
         for req in st.held {
@@ -477,6 +495,7 @@ impl Node {
             None,
             st.ctx,
         );
+        super::interrupted::forget(&self.layout, safe_id);
     }
 
     /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid
@@ -619,7 +638,7 @@ impl Node {
 
     /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
     /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
-    fn reject_start(
+    pub(super) fn reject_start(
         &mut self,
         request_id: &Value,
         workload_uuid: Option<&str>,

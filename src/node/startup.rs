@@ -342,6 +342,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         outbox,
         reaped,
         starts: super::starts::Starts::new(spawner),
+        interrupted: Vec::new(),
         spawned,
         tailer,
         chunks,

@@ -60,7 +60,7 @@ impl Outbound for NodeOut<'_> {
     }
 
     fn exit_record(&self, id: &str) -> Option<Exit> {
-        workload::read_json(&self.layout.exit(id))
+        workload::load_exit(&self.layout.dir(id))
     }
 
     fn supervisor_alive(&self, meta: &Meta) -> bool {

@@ -4,10 +4,12 @@
 //! belong to the workload table (`table.rs`), which this file drives through
 //! [`Node::with_table`].
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::interrupted::{self, Taken};
 use super::table::{Active, DEFAULT_GRACE, SALVAGED};
 use super::{Node, Op};
 use crate::logtext::shown;
@@ -382,8 +384,23 @@ impl Node {
 
     // ---- recovery ---------------------------------------------------------------------------
 
-    /// Re-adopts every workload in the state dir (run once, before the loop).
+    /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
+    /// answers of the starts the node before this one took and did not answer (D53).
     pub(super) fn recover(&mut self) {
+        let mut notes: BTreeMap<String, Taken> =
+            interrupted::load_all(&self.layout).into_iter().collect();
+        let mut started = Vec::new();
+        self.recover_workloads(&mut notes, &mut started);
+        self.settle_interrupted(started, notes);
+    }
+
+    /// [`Node::recover`]'s workloads: the notes of starts whose workload started move from
+    /// `notes` to `started`, with the `ok` output of their start.
+    fn recover_workloads(
+        &mut self,
+        notes: &mut BTreeMap<String, Taken>,
+        started: &mut Vec<(String, Taken, Value)>,
+    ) {
         let _ = store::ensure_dir_or_quarantine(&self.layout.workloads());
         let Ok(entries) = std::fs::read_dir(self.layout.workloads()) else {
             return;
@@ -432,10 +449,12 @@ impl Node {
                     }
                 );
             }
-            let exit: Option<Exit> =
-                workload::load_json(&dir.join("exit.json"), "workload exit record");
+            let exit: Option<Exit> = workload::load_exit(&dir);
             // Outside text in a log line: escaped and cut (D31).
             let rid = store::clip(&meta.request_id_text(), 120);
+            if let Some(taken) = notes.remove(&name) {
+                started.push((name.clone(), taken, start_output(&meta)));
+            }
             // Its log streams resume from its cursor (node/streams_out.rs reads it).
             self.active
                 .insert(name.clone(), Active::new(meta, false, now));

@@ -7,7 +7,9 @@
 //!    so the exit record is always written.
 //! 3. Tells the node the workload's pid on its stdout, records pid and start times in
 //!    `started.json` (what a restarted node re-adopts it by), and closes that pipe.
-//! 4. Waits for the workload, then writes `exit.json` atomically and exits.
+//! 4. Waits for the workload, reaping every orphan it adopts (it is their subreaper) as soon as
+//!    that one ends, then writes `exit.json` atomically and exits. On a full disk it leaves the
+//!    status in `exit.status` instead and exits at once (D54: see [`EXIT_LINK`]).
 //!
 //! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
 //! SIGTERM/SIGINT/SIGHUP; the workload starts with an empty mask, reset between fork and exec.
@@ -56,6 +58,73 @@ impl Exit {
             (None, None) => -1,
         }
     }
+}
+
+/// Where the shim leaves the exit status when `exit.json` cannot be written (D54: the state
+/// dir's disk is full, typically filled by the workload's own log): a symbolic link in the
+/// workload's directory whose target is the status ([`Exit::link_text`]). A full disk still
+/// takes one: a short link target lives in the inode (ext4, xfs) or, on tmpfs, outside the size
+/// limit, so it needs no free data block, only a free inode.
+pub const EXIT_LINK: &str = "exit.status";
+
+/// The shim's own exit code when it left the status in [`EXIT_LINK`] instead of `exit.json`
+/// (0: `exit.json` written; 1: nothing to write to any more, the directory is gone).
+pub const EXIT_IN_LINK: i32 = 3;
+
+impl Exit {
+    /// The status as [`EXIT_LINK`]'s target: `v1 exit=N`, `v1 signal=N` or `v1 unknown` (at
+    /// most a few dozen bytes, so that it fits in an inode; the times are not kept).
+    pub fn link_text(&self) -> String {
+        match (self.exit_code, self.signal) {
+            (Some(c), _) => format!("v1 exit={c}"),
+            (None, Some(s)) => format!("v1 signal={s}"),
+            (None, None) => "v1 unknown".to_string(),
+        }
+    }
+
+    /// The status read back from [`EXIT_LINK`]'s target; `None` unless it is exactly what
+    /// [`Exit::link_text`] writes, with an exit code 0–255 or a signal 1–64.
+    pub fn from_link_text(text: &str) -> Option<Exit> {
+        let exit = |exit_code, signal| Exit {
+            exit_code,
+            signal,
+            started_at: String::new(),
+            ended_at: String::new(),
+        };
+        let rest = text.strip_prefix("v1 ")?;
+        if rest == "unknown" {
+            return Some(exit(None, None));
+        }
+        let number = |digits: &str, range: std::ops::RangeInclusive<i32>| {
+            (!digits.is_empty() && digits.len() <= 3 && digits.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| digits.parse::<i32>().ok())
+                .flatten()
+                .filter(|n| range.contains(n))
+        };
+        if let Some(c) = rest.strip_prefix("exit=") {
+            return number(c, 0..=255).map(|c| exit(Some(c), None));
+        }
+        let s = rest.strip_prefix("signal=")?;
+        number(s, 1..=64).map(|s| exit(None, Some(s)))
+    }
+}
+
+/// Leaves `exit` in `dir`/[`EXIT_LINK`] (replacing whatever is there: a new link under a
+/// temporary name, renamed over it), then syncs the directory as far as it can.
+fn write_exit_link(dir: &Path, exit: &Exit) -> std::io::Result<()> {
+    let tmp = dir.join(format!(
+        ".{EXIT_LINK}.tmp-{}",
+        util::hex(&util::random_bytes::<4>())
+    ));
+    std::os::unix::fs::symlink(exit.link_text(), &tmp)?;
+    if let Err(e) = std::fs::rename(&tmp, dir.join(EXIT_LINK)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 pub struct ShimArgs {
@@ -169,6 +238,26 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
     }
 }
 
+/// Waits for the workload's own process `pid`, reaping every other child as soon as it ends:
+/// as a subreaper this shim adopts the workload's orphans, and one that ends while the workload
+/// runs must not stay a zombie until the workload ends. `None` when there is nothing to wait for.
+fn wait_workload(pid: i32) -> Option<std::process::ExitStatus> {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on any child with a valid out pointer.
+        let got = unsafe { libc::waitpid(-1, &mut status, 0) };
+        if got == pid {
+            return Some(std::process::ExitStatus::from_raw(status));
+        }
+        if got > 0 {
+            continue; // an adopted orphan, reaped
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return None; // ECHILD: cannot happen while the workload is unreaped
+        }
+    }
+}
+
 fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
     OpenOptions::new()
         .create(true)
@@ -230,7 +319,7 @@ pub fn run(args: &[String]) -> i32 {
     // but its three streams.
     crate::fds::harden(&mut cmd);
     let started_at = util::rfc3339(SystemTime::now());
-    let mut child = match cmd.spawn() {
+    let child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
             let _ = writeln!(
@@ -270,13 +359,9 @@ pub fn run(args: &[String]) -> i32 {
             libc::dup2(null.as_raw_fd(), 1);
         }
     }
-    let status = loop {
-        match child.wait() {
-            Ok(s) => break Some(s),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => break None,
-        }
-    };
+    // Reaped here, not through `child` (which would wait for that pid alone).
+    drop(child);
+    let status = wait_workload(pid);
     // D25: nothing of the workload outlives its report.
     clear_group(
         pid,
@@ -292,13 +377,36 @@ pub fn run(args: &[String]) -> i32 {
     let Ok(json) = serde_json::to_vec(&exit) else {
         return 1;
     };
-    // D28: the exit status is never lost to a full disk. Until the record is written the
+    let path = a.dir.join("exit.json");
+    match store::write_atomic(&path, &json, 0o600) {
+        Ok(()) => return 0,
+        Err(_) if !a.dir.is_dir() => return 1,
+        Err(_) => {}
+    }
+    // D54: the disk is full (most likely the workload's own log filled it, and only the
+    // workload's completion makes the node free that). Waiting here for space would hold back
+    // the completion for ever, so the status is handed over now: left in `exit.status`, which
+    // needs no free data block, and the shim exits with EXIT_IN_LINK. The node (which reaps
+    // this shim, or, restarted, finds the workload's group and supervisor gone) reads it from
+    // there, reports from memory, and writes `exit.json` from it once it can; the link stays
+    // until then, so a node restart while the disk is still full does not lose the status.
+    if write_exit_link(&a.dir, &exit).is_ok() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "cannot write {}: status left in {EXIT_LINK}",
+            path.display()
+        );
+        return EXIT_IN_LINK;
+    }
+    // Not even an inode left: the status is never lost (D28). Until a record is written the
     // shim stays, so the node keeps the workload and learns its end once space comes back.
     loop {
-        match store::write_atomic(&a.dir.join("exit.json"), &json, 0o600) {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        match store::write_atomic(&path, &json, 0o600) {
             Ok(()) => return 0,
             Err(_) if !a.dir.is_dir() => return 1,
-            Err(_) => std::thread::sleep(std::time::Duration::from_secs(1)),
+            Err(_) if write_exit_link(&a.dir, &exit).is_ok() => return EXIT_IN_LINK,
+            Err(_) => {}
         }
     }
 }

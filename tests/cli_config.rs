@@ -123,6 +123,40 @@ fn validate_good_manifest() {
 }
 
 #[test]
+fn validate_and_start_read_a_manifest_with_a_byte_order_mark_and_refuse_one_over_4_mib() {
+    // D49: saved by a Windows editor; PyYAML (the platform) skips the mark.
+    let s = NodeSetup::bare();
+    s.write(
+        "cyberwave.yml",
+        "\u{FEFF}cyberwave:\n  inference: python infer.py {body}\n  mqtt_host: bom-broker\n",
+    );
+    let out = s.run(&["validate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("OK (0 warnings)"), "{out:?}");
+    assert!(out.stdout.contains("inference: [shell mode]"), "{out:?}");
+    // `start` reads the same values (`config` shows what `start` would use).
+    let out = s.run(&["config", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v["mqtt_host"]["value"], "bom-broker", "{v}");
+    // Over the bound: refused, naming the size and the bound.
+    let big = s.write("big.yml", "cyberwave:\n  inference: x\n");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&big)
+        .unwrap()
+        .set_len(5 << 20)
+        .unwrap();
+    let out = s.run(&["validate", big.to_str().unwrap()]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("the file is 5242880 bytes; a manifest may be at most 4194304 (4 MiB)"),
+        "{out:?}"
+    );
+}
+
+#[test]
 fn validate_lists_every_problem_with_its_line() {
     let s = NodeSetup::bare();
     let path = s.write(

@@ -157,6 +157,30 @@ fn validate_and_start_read_a_manifest_with_a_byte_order_mark_and_refuse_one_over
 }
 
 #[test]
+fn a_topic_prefix_with_a_wildcard_stops_start_with_exit_2_naming_the_variable() {
+    // D50: `#` in the prefix would make every subscription a wildcard: the node would be deaf.
+    for (var, value) in [
+        ("CYBERWAVE_ENVIRONMENT", "dev#"),
+        ("CYBERWAVE_TOPIC_PREFIX", "a+b/"),
+        ("CYBERWAVE_MQTT_TOPIC_PREFIX", "de v/"),
+    ] {
+        let mut s = NodeSetup::bare();
+        s.set("CYBERWAVE_API_KEY", "cw_prefix_test_token_aaaa");
+        s.set("CYBERWAVE_MQTT_PORT", "1");
+        s.set(var, value);
+        let mut node = s.spawn();
+        let code = node.wait_exit(Duration::from_secs(10));
+        let log = node.log();
+        node.kill9();
+        assert_eq!(code, Some(Some(2)), "{var}={value:?}: {log}");
+        assert!(
+            log.contains(&format!("{var} (env {var})")) && log.contains("cannot be a topic prefix"),
+            "{log}"
+        );
+    }
+}
+
+#[test]
 fn validate_lists_every_problem_with_its_line() {
     let s = NodeSetup::bare();
     let path = s.write(

@@ -338,6 +338,32 @@ impl Settings {
     }
 }
 
+/// Longest topic prefix (D50, as a D20 id).
+pub const MAX_TOPIC_PREFIX_BYTES: usize = 256;
+
+/// A topic prefix is glued in front of every topic the node subscribes to and publishes on
+/// (D50): a wildcard would leave the node deaf, whitespace or a control character is a typo.
+/// Like a D20 id it is printable ASCII without `+` or `#` (a `/` is allowed), at most 256 bytes;
+/// empty means none.
+pub fn check_topic_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.len() > MAX_TOPIC_PREFIX_BYTES {
+        return Err(format!(
+            "is {} bytes long; a topic prefix may be at most {MAX_TOPIC_PREFIX_BYTES}",
+            prefix.len()
+        ));
+    }
+    match prefix
+        .chars()
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '+' | '#'))
+    {
+        Some(c) => Err(format!(
+            "{prefix:?} cannot be a topic prefix: it may hold only printable ASCII without '+', '#' (MQTT wildcards), whitespace or control characters (found '{}')",
+            c.escape_default()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The config dir (resolved from the process environment only, before any `.env` is read):
 /// `CYBERWAVE_EDGE_CONFIG_DIR`, else `~/.cyberwave`.
 pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> {
@@ -454,10 +480,14 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     // As the SDK: CYBERWAVE_MQTT_TOPIC_PREFIX, else CYBERWAVE_TOPIC_PREFIX (a blank one counts as
     // unset), else derived from CYBERWAVE_ENVIRONMENT.
     let explicit_prefix = |name: &str| env_str(name).filter(|(v, _)| !v.trim().is_empty());
-    let topic_prefix = match explicit_prefix("CYBERWAVE_MQTT_TOPIC_PREFIX")
-        .or_else(|| explicit_prefix("CYBERWAVE_TOPIC_PREFIX"))
-    {
-        Some((v, s)) => sourced(v.trim().to_string(), s),
+    let explicit = ["CYBERWAVE_MQTT_TOPIC_PREFIX", "CYBERWAVE_TOPIC_PREFIX"]
+        .into_iter()
+        .find_map(|name| explicit_prefix(name).map(|found| (name, found)));
+    let prefix_var = explicit
+        .as_ref()
+        .map_or("CYBERWAVE_ENVIRONMENT", |(n, _)| *n);
+    let topic_prefix = match explicit {
+        Some((_, (v, s))) => sourced(v.trim().to_string(), s),
         None => {
             let (v, s) = env_str("CYBERWAVE_ENVIRONMENT")
                 .or_else(|| {
@@ -475,6 +505,9 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
             sourced(prefix.to_string(), s)
         }
     };
+    if let Err(e) = check_topic_prefix(&topic_prefix.value) {
+        errors.push(format!("{prefix_var} ({}) {e}", topic_prefix.source));
+    }
 
     let identity_path = config_dir.value.join("instance_identity.json");
     let identity = match Identity::load(&identity_path) {
@@ -1078,6 +1111,63 @@ mod tests {
             d.resolve(&flags, &[]).unwrap().mqtt_use_tls.value,
             "flag beats file"
         );
+    }
+
+    #[test]
+    fn a_prefix_with_a_wildcard_whitespace_or_a_control_character_is_refused_naming_its_variable() {
+        // D50: a `#` or `+` would leave the node deaf (every subscription a wildcard).
+        let d = Dir::new("prefix-bad");
+        let err = |vars: &[(&str, &str)]| match d.resolve(&Flags::default(), vars) {
+            Ok(s) => panic!("accepted {vars:?}: prefix {:?}", s.topic_prefix.value),
+            Err(e) => e.0.join("\n"),
+        };
+        for (var, value, found) in [
+            ("CYBERWAVE_ENVIRONMENT", "dev#", "#"),
+            ("CYBERWAVE_ENVIRONMENT", "+", "+"),
+            ("CYBERWAVE_TOPIC_PREFIX", "a b/", " "),
+            ("CYBERWAVE_MQTT_TOPIC_PREFIX", "x\u{0}y", "\\u{0}"),
+            ("CYBERWAVE_MQTT_TOPIC_PREFIX", "x\ty", "\\t"),
+            ("CYBERWAVE_TOPIC_PREFIX", "x\u{1b}[2J", "\\u{1b}"),
+            ("CYBERWAVE_ENVIRONMENT", "d\u{e9}v", "\\u{e9}"),
+            ("CYBERWAVE_ENVIRONMENT", "d\u{a0}v", "\\u{a0}"),
+        ] {
+            let e = err(&[(var, value)]);
+            assert!(e.contains(&format!("{var} (env {var})")), "{e}");
+            assert!(e.contains(&format!("(found '{found}')")), "{e}");
+            assert!(e.contains("cannot be a topic prefix"), "{e}");
+            assert!(!e.contains('\u{0}') && !e.contains('\u{1b}'), "{e}");
+        }
+        // The explicit variable that wins is the one named.
+        let e = err(&[
+            ("CYBERWAVE_ENVIRONMENT", "dev"),
+            ("CYBERWAVE_TOPIC_PREFIX", "dev/#"),
+        ]);
+        assert!(e.contains("CYBERWAVE_TOPIC_PREFIX (env"), "{e}");
+        let e = err(&[("CYBERWAVE_TOPIC_PREFIX", &"p".repeat(257))]);
+        assert!(
+            e.contains("257 bytes long; a topic prefix may be at most 256"),
+            "{e}"
+        );
+        // Allowed: slashes, dots, dashes; 256 bytes; empty; surrounding blanks are trimmed.
+        for ok in ["dev/", "a.b-c_d/e", &"p".repeat(256), " local\n"] {
+            assert!(
+                d.resolve(&Flags::default(), &[("CYBERWAVE_TOPIC_PREFIX", ok)])
+                    .is_ok(),
+                "{ok:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_wildcard_prefix_from_credentials_json_is_refused_naming_the_file() {
+        let d = Dir::new("prefix-creds");
+        d.write(
+            "cfg/credentials.json",
+            r#"{"token":"t","envs":{"CYBERWAVE_ENVIRONMENT":"dev+"}}"#,
+        );
+        let e = d.resolve(&Flags::default(), &[]).unwrap_err().0.join("\n");
+        assert!(e.contains("CYBERWAVE_ENVIRONMENT ("), "{e}");
+        assert!(e.contains("credentials.json)"), "{e}");
     }
 
     #[test]

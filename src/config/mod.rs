@@ -364,20 +364,92 @@ pub fn check_topic_prefix(prefix: &str) -> Result<(), String> {
     }
 }
 
-/// The config dir (resolved from the process environment only, before any `.env` is read):
-/// `CYBERWAVE_EDGE_CONFIG_DIR`, else `~/.cyberwave`.
+/// The config dir (resolved from the process environment only, before any `.env` is read,
+/// D42): `CYBERWAVE_EDGE_CONFIG_DIR`, else `$HOME/.cyberwave`, else the home of the effective
+/// uid's passwd entry + `/.cyberwave` (a systemd unit without `User=`, `env -i`, cron set no
+/// `HOME`; the Python original falls back to the passwd entry too). The source says which.
 pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> {
-    if let Some((v, src)) = process.get("CYBERWAVE_EDGE_CONFIG_DIR") {
-        return Ok(sourced(PathBuf::from(v), src));
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let euid = unsafe { libc::geteuid() };
+    config_dir_with(process, euid, passwd_home)
+}
+
+/// [`config_dir`] with the passwd lookup given (for tests).
+fn config_dir_with(
+    process: &EnvLayers,
+    euid: u32,
+    home_of: impl Fn(u32) -> Result<PathBuf, String>,
+) -> Result<Sourced<PathBuf>, ConfigError> {
+    let mut tried = Vec::new();
+    // (A blank variable counts as unset.)
+    match process.get("CYBERWAVE_EDGE_CONFIG_DIR") {
+        Some((v, src)) => return Ok(sourced(PathBuf::from(v), src)),
+        None => tried.push("CYBERWAVE_EDGE_CONFIG_DIR is not set"),
     }
     match process.value("HOME") {
-        Some(home) => Ok(sourced(
-            Path::new(&home).join(".cyberwave"),
-            Source::Default,
-        )),
-        None => Err(ConfigError(vec![
-            "cannot find a config dir: neither CYBERWAVE_EDGE_CONFIG_DIR nor HOME is set".into(),
-        ])),
+        Some(home) if Path::new(&home).is_absolute() => {
+            return Ok(sourced(
+                Path::new(&home).join(".cyberwave"),
+                Source::Derived("$HOME/.cyberwave".into()),
+            ))
+        }
+        Some(_) => tried.push("HOME is not an absolute path"),
+        None => tried.push("HOME is not set"),
+    }
+    let passwd = match home_of(euid) {
+        Ok(home) if home.is_absolute() => {
+            return Ok(sourced(
+                home.join(".cyberwave"),
+                Source::Derived(format!(
+                    "HOME unset: the home of uid {euid} in the passwd database + /.cyberwave"
+                )),
+            ))
+        }
+        Ok(home) => format!(
+            "the passwd entry of uid {euid} has no absolute home ({:?})",
+            home.display().to_string()
+        ),
+        Err(e) => e,
+    };
+    Err(ConfigError(vec![format!(
+        "cannot find a config dir: {}, {} and {passwd}; set CYBERWAVE_EDGE_CONFIG_DIR (or HOME)",
+        tried.first().copied().unwrap_or_default(),
+        tried.get(1).copied().unwrap_or_default(),
+    )]))
+}
+
+/// Largest passwd buffer tried (getpwuid_r reports ERANGE below what it needs).
+const MAX_PASSWD_BUF: usize = 1 << 20;
+
+/// The home directory of `uid`'s passwd entry (`getpwuid_r`).
+fn passwd_home(uid: u32) -> Result<PathBuf, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut size = 1024usize;
+    loop {
+        let mut buf = vec![0 as libc::c_char; size];
+        // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids); it is only read after
+        // getpwuid_r filled it.
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: the buffer, the passwd struct and the result pointer are ours and valid for
+        // the call, and the length given is the buffer's.
+        let rc = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+        if rc == libc::ERANGE && size < MAX_PASSWD_BUF {
+            size = size.saturating_mul(4);
+            continue;
+        }
+        if rc != 0 {
+            return Err(format!(
+                "the passwd entry of uid {uid} cannot be read: {}",
+                std::io::Error::from_raw_os_error(rc)
+            ));
+        }
+        if found.is_null() || pw.pw_dir.is_null() {
+            return Err(format!("uid {uid} has no passwd entry"));
+        }
+        // SAFETY: getpwuid_r succeeded: pw_dir points into `buf`, NUL-terminated, non-null.
+        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+        return Ok(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())));
     }
 }
 
@@ -972,6 +1044,64 @@ mod tests {
     }
 
     #[test]
+    fn without_home_the_config_dir_is_the_passwd_home_and_only_all_three_failing_is_an_error() {
+        // D42: a systemd unit without `User=` (what `cyberwave compute install` writes), `env -i`.
+        let env = |vars: &[(&str, &str)]| {
+            EnvLayers::new(
+                vars.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        let passwd = |uid: u32| match uid {
+            0 => Ok(PathBuf::from("/root")),
+            7 => Ok(PathBuf::from("")),
+            _ => Err(format!("uid {uid} has no passwd entry")),
+        };
+        for vars in [
+            &[][..],
+            &[("HOME", "")][..],
+            &[("HOME", "relative")][..],
+            &[("CYBERWAVE_EDGE_CONFIG_DIR", "")][..],
+        ] {
+            let d = config_dir_with(&env(vars), 0, passwd).unwrap();
+            assert_eq!(d.value, PathBuf::from("/root/.cyberwave"), "{vars:?}");
+            assert!(
+                d.source
+                    .to_string()
+                    .contains("home of uid 0 in the passwd database"),
+                "{}",
+                d.source
+            );
+        }
+        // The override and HOME still come first.
+        let d = config_dir_with(&env(&[("HOME", "/home/u")]), 0, passwd).unwrap();
+        assert_eq!(d.value, PathBuf::from("/home/u/.cyberwave"));
+        // All three fail: one error naming each.
+        let e = config_dir_with(&env(&[]), 4242, passwd)
+            .unwrap_err()
+            .0
+            .join("\n");
+        for needle in [
+            "CYBERWAVE_EDGE_CONFIG_DIR is not set",
+            "HOME is not set",
+            "uid 4242 has no passwd entry",
+        ] {
+            assert!(e.contains(needle), "{e}");
+        }
+        let e = config_dir_with(&env(&[("HOME", "")]), 7, passwd)
+            .unwrap_err()
+            .0
+            .join("\n");
+        assert!(e.contains("no absolute home"), "{e}");
+        // The real lookup: this process's uid has an entry on any sane test host.
+        // SAFETY: geteuid cannot fail.
+        let me = unsafe { libc::geteuid() };
+        assert!(passwd_home(me).unwrap().is_absolute());
+        assert!(passwd_home(u32::MAX - 7).is_err());
+    }
+
+    #[test]
     fn config_dir_is_the_override_else_home_dot_cyberwave() {
         let env = |vars: &[(&str, &str)]| {
             EnvLayers::new(
@@ -989,10 +1119,7 @@ mod tests {
         assert_eq!(d.source, Source::Env("CYBERWAVE_EDGE_CONFIG_DIR".into()));
         let d = config_dir(&env(&[("HOME", "/home/u")])).unwrap();
         assert_eq!(d.value, PathBuf::from("/home/u/.cyberwave"));
-        assert!(
-            config_dir(&env(&[])).is_err(),
-            "no HOME and no override is a clear error"
-        );
+        assert_eq!(d.source, Source::Derived("$HOME/.cyberwave".into()));
         // A .env file cannot move the config dir (it is read from that dir).
         let dir = Dir::new("cfgdir");
         dir.write("work/.env", "CYBERWAVE_EDGE_CONFIG_DIR=/elsewhere\n");

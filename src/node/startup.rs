@@ -69,9 +69,10 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         Err(e) => return Err(e.into()),
     }
     log::info!(
-        "cyberwave-cloud-node {} starting: state dir {}, manifest {}",
+        "cyberwave-cloud-node {} starting: state dir {} ({}), manifest {}",
         crate::cli::VERSION,
         dir.display(),
+        s.config_dir.source,
         s.manifest
             .as_ref()
             .map(|m| m.path.display().to_string())

@@ -66,6 +66,9 @@ pub fn run(args: &[String]) -> i32 {
             )))
         }
     };
+    if inv.command == Command::Start && !inv.explicit {
+        reexec_as_start(args);
+    }
     init_logging(inv.verbosity);
     let cwd = match std::env::current_dir() {
         Ok(d) => d,
@@ -112,6 +115,41 @@ pub fn run(args: &[String]) -> i32 {
             }
         }
     }
+}
+
+/// Set in the environment of the re-executed node (D43); removed again at once, so that
+/// workloads do not inherit it.
+pub const REEXEC_MARKER: &str = "CYBERWAVE_NODE_REEXECUTED";
+
+/// D43: a node started with no subcommand (the platform CLI's `cyberwave compute start` and
+/// `restart` do this) replaces itself, same pid, with `<same executable> start <same
+/// arguments>`, so that the CLI's `compute stop` and `restart` (`pgrep -f "cyberwave-cloud-node
+/// start"`) find it. The marker prevents a second round; when the exec fails the node carries
+/// on as `start` in this process. Call before any thread exists.
+fn reexec_as_start(args: &[String]) {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os(REEXEC_MARKER).is_some() {
+        // The re-executed node: forget the marker (single-threaded still, see above).
+        std::env::remove_var(REEXEC_MARKER);
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let arg0 = std::env::args_os()
+        .next()
+        .unwrap_or_else(|| exe.clone().into_os_string());
+    let err = std::process::Command::new(&exe)
+        .arg0(arg0)
+        .arg("start")
+        .args(args)
+        .env(REEXEC_MARKER, "1")
+        .exec();
+    let _ = writeln!(
+        std::io::stderr(),
+        "warning: cannot re-execute as `{} start` ({err}); running as start without it",
+        exe.display()
+    );
 }
 
 fn validate(flags: &config::Flags, cwd: &std::path::Path) -> Result<(), CliError> {

@@ -20,6 +20,7 @@ mod gpu;
 mod hostile;
 mod hygiene;
 mod ingress;
+mod install;
 mod lifecycle;
 mod logs;
 mod manifest_corpus;

@@ -15,6 +15,8 @@ pub const EXIT_CREDENTIALS: i32 = Exit::Credentials.code();
 pub fn run(args: &[String]) -> i32 {
     // The workload supervisor mode (started by the node itself, never by a person).
     if args.first().map(String::as_str) == Some("__shim") {
+        // Blocked before any thread exists (the shim outlives a stopping node: signals.rs).
+        crate::signals::block_in_this_thread();
         return crate::workload::shim::run(args.get(1..).unwrap_or_default());
     }
     // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
@@ -66,8 +68,15 @@ pub fn run(args: &[String]) -> i32 {
             )))
         }
     };
-    if inv.command == Command::Start && !inv.explicit {
-        reexec_as_start(args);
+    if inv.command == Command::Start {
+        // Blocked before any thread exists, so every thread inherits the mask and only the
+        // signal thread ever receives them (see signals.rs).
+        crate::signals::block_in_this_thread();
+        if !inv.explicit {
+            reexec_as_start(args);
+        }
+    } else {
+        crate::signals::end_on_interrupt();
     }
     init_logging(inv.verbosity);
     let cwd = match std::env::current_dir() {

@@ -14,6 +14,7 @@ mod support;
 mod attack;
 mod cli_config;
 mod cli_pipes;
+mod cli_signals;
 mod edge;
 mod endpoints;
 mod gpu;

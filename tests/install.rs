@@ -73,3 +73,54 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.starts_with("cyberwave-cloud-node "), "{out:?}");
 }
+
+/// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes when it masks the
+/// packaged one: `Type=simple`, root, no environment file (ecosystem.md §4.1).
+pub const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=network-online.target\nWants=network-online.target\n\n[Service]\nType=simple\nExecStart=/usr/bin/cyberwave-cloud-node start\nRestart=on-failure\nRestartSec=5\nStandardOutput=journal\nStandardError=journal\nSyslogIdentifier=cyberwave-cloud-node\n\n[Install]\nWantedBy=multi-user.target\n";
+
+#[test]
+fn doctor_warns_that_the_cli_unit_masks_the_packaged_one_and_says_how_to_go_back() {
+    // D44. The unit dirs of a test host: /etc's beside the package's /lib.
+    let (_broker, _cp, mut setup) = crate::support::rig("cyberwave:\n  training: sleep 1\n");
+    let units = crate::support::TempDir::new("units");
+    let packaged = std::process::Command::new(node_bin())
+        .arg("__print-unit")
+        .output()
+        .unwrap();
+    assert!(packaged.status.success());
+    units.write(
+        "lib/systemd/system/cyberwave-cloud-node.service",
+        &String::from_utf8_lossy(&packaged.stdout),
+    );
+    let dirs = format!(
+        "{}:{}",
+        units.join("etc/systemd/system").display(),
+        units.join("lib/systemd/system").display()
+    );
+    setup.set("CYBERWAVE_NODE_SYSTEMD_DIRS", &dirs);
+    let line = |out: &crate::support::node::Output, level: &str| {
+        out.stdout
+            .lines()
+            .find(|l| l.starts_with(level) && l.contains("systemd unit"))
+            .map(String::from)
+    };
+    let out = setup.run(&["doctor"]);
+    assert_eq!(out.code, Some(0), "the packaged unit alone passes: {out:?}");
+    assert!(line(&out, "WARN").is_none(), "{}", out.stdout);
+    units.write("etc/systemd/system/cyberwave-cloud-node.service", CLI_UNIT);
+    let out = setup.run(&["doctor"]);
+    let warn = line(&out, "WARN").unwrap_or_else(|| panic!("no WARN: {}", out.stdout));
+    for needle in [
+        "is not the packaged unit: it masks",
+        "User=",
+        "EnvironmentFile=",
+        "Type=notify",
+        "a state dir",
+        "sudo systemctl revert cyberwave-cloud-node",
+    ] {
+        assert!(warn.contains(needle), "no {needle:?} in {warn}");
+    }
+    // It also lacks KillMode=process: a restart would kill the workloads.
+    assert!(line(&out, "FAIL").is_some(), "{}", out.stdout);
+    assert_eq!(out.code, Some(1), "{out:?}");
+}

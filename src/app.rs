@@ -129,6 +129,7 @@ pub fn run(args: &[String]) -> i32 {
 /// Set in the environment of the re-executed node (D43); removed again at once, so that
 /// workloads do not inherit it.
 pub const REEXEC_MARKER: &str = "CYBERWAVE_NODE_REEXECUTED";
+const LOCK_WAIT: &str = "CYBERWAVE_NODE_LOCK_WAIT_SECONDS";
 
 /// D43: a node started with no subcommand (the platform CLI's `cyberwave compute start` and
 /// `restart` do this) replaces itself, same pid, with `<same executable> start <same
@@ -148,12 +149,17 @@ fn reexec_as_start(args: &[String]) {
     let arg0 = std::env::args_os()
         .next()
         .unwrap_or_else(|| exe.clone().into_os_string());
-    let err = std::process::Command::new(&exe)
-        .arg0(arg0)
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg0(arg0)
         .arg("start")
         .args(args)
-        .env(REEXEC_MARKER, "1")
-        .exec();
+        .env(REEXEC_MARKER, "1");
+    // `compute restart` starts the new node right after it sent the old one SIGTERM: the new
+    // one waits for the state dir instead of dying on its lock.
+    if std::env::var_os(LOCK_WAIT).is_none() {
+        cmd.env(LOCK_WAIT, "30");
+    }
+    let err = cmd.exec();
     let _ = writeln!(
         std::io::stderr(),
         "warning: cannot re-execute as `{} start` ({err}); running as start without it",

@@ -74,6 +74,53 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     assert!(out.stdout.starts_with("cyberwave-cloud-node "), "{out:?}");
 }
 
+#[test]
+fn started_as_compute_restart_starts_it_the_node_waits_for_the_stopping_one_instead_of_dying() {
+    // `cyberwave compute restart` sends SIGTERM and starts the new node at once: the new one
+    // used to die on the state-dir lock of the old one, which was still saying goodbye.
+    let mut s = offline();
+    let mut old = s.spawn();
+    assert!(
+        old.wait_log("starting: state dir", Duration::from_secs(10)),
+        "{}",
+        old.log()
+    );
+    s.args = vec![];
+    let mut new = s.spawn();
+    assert!(
+        new.wait_log("waiting up to 30 s for it to stop", Duration::from_secs(10)),
+        "{}",
+        new.log()
+    );
+    assert_eq!(
+        new.wait_exit(Duration::from_millis(500)),
+        None,
+        "{}",
+        new.log()
+    );
+    // An explicit `start` beside them still refuses at once (guarantee 12).
+    s.args = vec!["start".into()];
+    let mut third = s.spawn();
+    assert_eq!(
+        third.wait_exit(Duration::from_secs(10)),
+        Some(Some(1)),
+        "{}",
+        third.log()
+    );
+    old.sigterm();
+    assert!(
+        old.wait_exit(Duration::from_secs(10)).is_some(),
+        "{}",
+        old.log()
+    );
+    assert!(
+        new.wait_log("starting: state dir", Duration::from_secs(10)),
+        "{}",
+        new.log()
+    );
+    new.kill9();
+}
+
 /// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes when it masks the
 /// packaged one: `Type=simple`, root, no environment file (ecosystem.md §4.1).
 pub const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=network-online.target\nWants=network-online.target\n\n[Service]\nType=simple\nExecStart=/usr/bin/cyberwave-cloud-node start\nRestart=on-failure\nRestartSec=5\nStandardOutput=journal\nStandardError=journal\nSyslogIdentifier=cyberwave-cloud-node\n\n[Install]\nWantedBy=multi-user.target\n";

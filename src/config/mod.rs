@@ -107,6 +107,9 @@ pub struct Tuning {
     pub cleanup_grace: Duration,
     /// How often `--metrics-file` is rewritten.
     pub metrics_interval: Duration,
+    /// How long `start` waits for a state dir another node holds (0: not at all). A node
+    /// started with no subcommand (the platform CLI's `compute restart`) waits 30 s (D43).
+    pub lock_wait: Duration,
 }
 
 impl Default for Tuning {
@@ -123,6 +126,7 @@ impl Default for Tuning {
             request_timeout: Duration::from_secs(30),
             cleanup_grace: Duration::from_secs(10),
             metrics_interval: Duration::from_secs(5),
+            lock_wait: Duration::ZERO,
         }
     }
 }
@@ -948,6 +952,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
             "CYBERWAVE_NODE_METRICS_INTERVAL_SECONDS",
             &mut tuning.metrics_interval,
         );
+        knob("CYBERWAVE_NODE_LOCK_WAIT_SECONDS", &mut tuning.lock_wait);
     }
 
     if !errors.is_empty() {

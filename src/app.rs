@@ -15,6 +15,8 @@ pub const EXIT_CREDENTIALS: i32 = Exit::Credentials.code();
 pub fn run(args: &[String]) -> i32 {
     // The workload supervisor mode (started by the node itself, never by a person).
     if args.first().map(String::as_str) == Some("__shim") {
+        // Blocked before any thread exists (the shim outlives a stopping node: signals.rs).
+        crate::signals::block_in_this_thread();
         return crate::workload::shim::run(args.get(1..).unwrap_or_default());
     }
     // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
@@ -66,6 +68,16 @@ pub fn run(args: &[String]) -> i32 {
             )))
         }
     };
+    if inv.command == Command::Start {
+        // Blocked before any thread exists, so every thread inherits the mask and only the
+        // signal thread ever receives them (see signals.rs).
+        crate::signals::block_in_this_thread();
+        if !inv.explicit {
+            reexec_as_start(args);
+        }
+    } else {
+        crate::signals::end_on_interrupt();
+    }
     init_logging(inv.verbosity);
     let cwd = match std::env::current_dir() {
         Ok(d) => d,
@@ -112,6 +124,47 @@ pub fn run(args: &[String]) -> i32 {
             }
         }
     }
+}
+
+/// Set in the environment of the re-executed node (D43); removed again at once, so that
+/// workloads do not inherit it.
+pub const REEXEC_MARKER: &str = "CYBERWAVE_NODE_REEXECUTED";
+const LOCK_WAIT: &str = "CYBERWAVE_NODE_LOCK_WAIT_SECONDS";
+
+/// D43: a node started with no subcommand (the platform CLI's `cyberwave compute start` and
+/// `restart` do this) replaces itself, same pid, with `<same executable> start <same
+/// arguments>`, so that the CLI's `compute stop` and `restart` (`pgrep -f "cyberwave-cloud-node
+/// start"`) find it. The marker prevents a second round; when the exec fails the node carries
+/// on as `start` in this process. Call before any thread exists.
+fn reexec_as_start(args: &[String]) {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os(REEXEC_MARKER).is_some() {
+        // The re-executed node: forget the marker (single-threaded still, see above).
+        std::env::remove_var(REEXEC_MARKER);
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let arg0 = std::env::args_os()
+        .next()
+        .unwrap_or_else(|| exe.clone().into_os_string());
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg0(arg0)
+        .arg("start")
+        .args(args)
+        .env(REEXEC_MARKER, "1");
+    // `compute restart` starts the new node right after it sent the old one SIGTERM: the new
+    // one waits for the state dir instead of dying on its lock.
+    if std::env::var_os(LOCK_WAIT).is_none() {
+        cmd.env(LOCK_WAIT, "30");
+    }
+    let err = cmd.exec();
+    let _ = writeln!(
+        std::io::stderr(),
+        "warning: cannot re-execute as `{} start` ({err}); running as start without it",
+        exe.display()
+    );
 }
 
 fn validate(flags: &config::Flags, cwd: &std::path::Path) -> Result<(), CliError> {

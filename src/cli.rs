@@ -43,6 +43,8 @@ pub struct Invocation {
     pub stderr: bool,
     pub wait: bool,
     pub lines: Option<usize>,
+    /// The command line named the command (false: `start` by default, D43).
+    pub explicit: bool,
 }
 
 impl PartialEq for Invocation {
@@ -293,6 +295,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
         stderr,
         wait,
         lines,
+        explicit,
     }))
 }
 
@@ -413,6 +416,8 @@ mod tests {
     #[test]
     fn no_subcommand_means_start() {
         assert_eq!(run(&[]).command, Command::Start);
+        assert!(!run(&[]).explicit && !run(&["--config", "x"]).explicit);
+        assert!(run(&["start"]).explicit && run(&["--config", "x", "start"]).explicit);
         assert_eq!(run(&["--slug", "x"]).flags.slug.as_deref(), Some("x"));
     }
 

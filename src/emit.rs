@@ -128,11 +128,10 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
 }
 
 fn state_dir() -> PathBuf {
-    std::env::var_os("CYBERWAVE_EDGE_CONFIG_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cyberwave")
-        })
+    // The node's own rule (D42), so `emit` finds the node wherever `start` put its state dir.
+    crate::config::config_dir(&crate::config::env::EnvLayers::from_process())
+        .map(|d| d.value)
+        .unwrap_or_else(|_| PathBuf::from(".cyberwave"))
 }
 
 fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<(), String> {

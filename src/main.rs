@@ -3,9 +3,8 @@
 use cyberwave_cloud_node::{app, signals};
 
 fn main() {
-    // Signals are blocked before any thread exists, so every thread inherits the mask and only
-    // the signal thread ever receives them (see signals.rs).
-    signals::block_in_this_thread();
+    // Signals: `app::run` blocks them for `start` and the supervisor before any thread exists
+    // (see signals.rs); every other command ends on SIGINT / SIGTERM (D51).
     // D46.2: a same-uid process (a workload) can neither read this process's environment or
     // memory through /proc nor ptrace it. Every mode: the CLI holds the API key too.
     signals::not_dumpable();

@@ -590,34 +590,13 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
         ),
         None => line("WARN", "free disk", "cannot measure".into()),
     }
-    let units: Vec<PathBuf> = [
-        "/etc/systemd/system",
-        "/lib/systemd/system",
-        "/usr/lib/systemd/system",
-    ]
-    .iter()
-    .map(|d| Path::new(d).join(crate::systemd::UNIT_NAME))
-    .chain(crate::systemd::paths(true).ok().map(|p| p.unit))
-    .filter(|p| p.exists())
-    .collect();
-    match units.first() {
-        None => line(
-            "PASS",
-            "systemd unit",
-            "not installed (fine when you run the node another way)".into(),
-        ),
-        Some(u) => {
-            let text = std::fs::read_to_string(u).unwrap_or_default();
-            if text.lines().any(|l| l.trim() == "KillMode=process") {
-                line(
-                    "PASS",
-                    "systemd unit",
-                    format!("{} keeps workloads alive (KillMode=process)", u.display()),
-                );
-            } else {
-                line("FAIL", "systemd unit", format!("{} lacks KillMode=process: a restart would kill running workloads — reinstall it", u.display()));
-            }
-        }
+    // D44: the unit in effect, and whether it is the packaged one.
+    let (dirs, with_user_unit) = crate::systemd::unit_dirs();
+    let user_unit = with_user_unit
+        .then(|| crate::systemd::paths(true).ok().map(|p| p.unit))
+        .flatten();
+    for (level, detail) in crate::systemd::doctor_lines(&dirs, user_unit) {
+        line(level, "systemd unit", detail);
     }
     // GPUs (D35, D37): the node's own query; each unhealthy GPU named with its reason.
     let timing = crate::gpu::Timing::from_env(&EnvLayers::from_process());

@@ -1,6 +1,7 @@
-//! Signals as messages: the main thread blocks the signals the node handles before it starts
-//! any thread (so every thread inherits the mask), and one thread takes them with `sigwait`
-//! and forwards them. Children must unblock them again: see [`unblock_all`].
+//! Signals as messages: in `start` (and the supervisor) the main thread blocks the signals the
+//! node handles before it starts any thread (so every thread inherits the mask), and one thread
+//! takes them with `sigwait` and forwards them. Children must unblock them again: see
+//! [`unblock_all`]. Every other command ends on SIGINT / SIGTERM: see [`end_on_interrupt`].
 
 use crossbeam_channel::Sender;
 
@@ -52,7 +53,10 @@ pub fn not_dumpable() {
     }
 }
 
-/// Restores an empty signal mask; for a child between fork and exec (async-signal-safe).
+/// Restores an empty signal mask and the default disposition of every signal; for a child
+/// between fork and exec (async-signal-safe: sigemptyset, sigprocmask, sigaction). A signal
+/// the node's own parent had ignored (`nohup`, a background job of a script) is not ignored by
+/// the node's children either (D51).
 pub fn unblock_all() -> std::io::Result<()> {
     // SAFETY: sigprocmask with an empty set we own; async-signal-safe.
     unsafe {
@@ -62,7 +66,41 @@ pub fn unblock_all() -> std::io::Result<()> {
             return Err(std::io::Error::last_os_error());
         }
     }
+    default_dispositions(1..=31);
     Ok(())
+}
+
+/// Sets the disposition of each signal in `range` to the default (async-signal-safe). Caught
+/// signals are reset by exec anyway; this undoes ignored ones. SIGKILL, SIGSTOP and numbers the
+/// C library reserves answer EINVAL, which is harmless.
+fn default_dispositions(range: std::ops::RangeInclusive<libc::c_int>) {
+    for sig in range {
+        // SAFETY: a zeroed sigaction with SIG_DFL (0) and an empty mask is valid; sigaction is
+        // async-signal-safe and the struct is ours.
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = libc::SIG_DFL;
+            libc::sigemptyset(&mut act.sa_mask);
+            libc::sigaction(sig, &act, std::ptr::null_mut());
+        }
+    }
+}
+
+/// For the CLI commands (`logs -f`, `drain --wait`, `status`, `doctor`, `config`, …, D51):
+/// SIGINT and SIGTERM end the process at once, whatever mask or disposition it inherited (the
+/// shell then reports 130 / 143). Only `start` and the supervisor block them.
+pub fn end_on_interrupt() {
+    // SAFETY: sigemptyset/sigaddset fill a plain sigset_t we own; then the calling (only)
+    // thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+    }
+    default_dispositions(libc::SIGINT..=libc::SIGINT);
+    default_dispositions(libc::SIGTERM..=libc::SIGTERM);
 }
 
 /// Starts the signal thread.
@@ -92,4 +130,58 @@ pub fn spawn(tx: Sender<Signal>) -> std::io::Result<()> {
             }
         })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    /// `SigBlk` and `SigIgn` of a child, as its /proc status shows them.
+    fn child_masks(cmd: &mut Command) -> (u64, u64) {
+        let out = cmd
+            .args(["-E", "^Sig(Blk|Ign):", "/proc/self/status"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+                .unwrap()
+        };
+        (field("SigBlk:"), field("SigIgn:"))
+    }
+
+    #[test]
+    fn a_hardened_child_starts_with_an_empty_mask_and_default_dispositions() {
+        // D51: a child of the node (which blocks SIGTERM & co. for its signal thread, and may
+        // have been started with signals ignored) must not keep either.
+        let bit = |sig: libc::c_int| 1u64 << (sig - 1);
+        let handled: u64 = super::HANDLED.iter().map(|s| bit(*s)).sum();
+        std::thread::spawn(move || {
+            // This thread only: its mask is what a fork from it inherits.
+            super::block_in_this_thread();
+            // SAFETY: SIGURG's default is to ignore it; making that explicit changes nothing
+            // for this test process, and it is set back below.
+            unsafe {
+                libc::signal(libc::SIGURG, libc::SIG_IGN);
+            }
+            let (blk, ign) = child_masks(&mut Command::new("grep"));
+            assert_eq!(blk & handled, handled, "std passes the mask on: {blk:x}");
+            assert_ne!(
+                ign & bit(libc::SIGURG),
+                0,
+                "an ignored signal stays ignored: {ign:x}"
+            );
+            let (blk, ign) = child_masks(crate::fds::harden(&mut Command::new("grep")));
+            // SAFETY: as above.
+            unsafe {
+                libc::signal(libc::SIGURG, libc::SIG_DFL);
+            }
+            assert_eq!(blk, 0, "{blk:x}");
+            assert_eq!(ign & bit(libc::SIGURG), 0, "{ign:x}");
+        })
+        .join()
+        .unwrap();
+    }
 }

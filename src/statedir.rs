@@ -211,6 +211,32 @@ pub fn lock(dir: &Path) -> Result<Lock, StateDirError> {
     Ok(Lock { _file: file })
 }
 
+/// [`lock`], waiting up to `wait` while another node holds it (D43: `cyberwave compute restart`
+/// sends the old node SIGTERM and starts the new one at once, before the old one has exited).
+pub fn lock_waiting(dir: &Path, wait: std::time::Duration) -> Result<Lock, StateDirError> {
+    let deadline = std::time::Instant::now().checked_add(wait);
+    let mut said = false;
+    loop {
+        match lock(dir) {
+            Err(StateDirError::Locked { holder, .. })
+                if deadline.is_some_and(|d| std::time::Instant::now() < d) =>
+            {
+                if !said {
+                    said = true;
+                    log::info!(
+                        "another node ({}) holds the state dir {}; waiting up to {:.0} s for it to stop",
+                        holder.map_or_else(|| "pid unknown".into(), |p| format!("pid {p}")),
+                        dir.display(),
+                        wait.as_secs_f64()
+                    );
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

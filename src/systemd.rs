@@ -173,9 +173,294 @@ pub fn uninstall(user: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// The unit directories systemd reads, highest precedence first (D44). Tests only:
+/// `CYBERWAVE_NODE_SYSTEMD_DIRS` (colon-separated) replaces them, and the user unit is then not
+/// looked at. A directory whose path ends in `lib/systemd/system` holds packaged units.
+pub fn unit_dirs() -> (Vec<PathBuf>, bool) {
+    match std::env::var_os("CYBERWAVE_NODE_SYSTEMD_DIRS") {
+        Some(v) => (std::env::split_paths(&v).collect(), false),
+        None => (
+            [
+                "/etc/systemd/system",
+                "/run/systemd/system",
+                "/usr/local/lib/systemd/system",
+                "/lib/systemd/system",
+                "/usr/lib/systemd/system",
+            ]
+            .iter()
+            .map(PathBuf::from)
+            .collect(),
+            true,
+        ),
+    }
+}
+
+fn is_packaged_dir(dir: &Path) -> bool {
+    dir.ends_with("lib/systemd/system") && !dir.starts_with("/usr/local")
+}
+
+/// The last value of `key=` in unit text (an empty assignment resets it, as in systemd).
+fn last_value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    let mut value = None;
+    for l in text.lines() {
+        if let Some((k, v)) = l.trim().split_once('=') {
+            if k.trim() == key {
+                let v = v.trim();
+                value = (!v.is_empty()).then_some(v);
+            }
+        }
+    }
+    value
+}
+
+/// What a unit lacks that the packaged one gives the node (D44), each with its consequence.
+/// A user unit (`systemctl --user`) runs as its user by nature: `system` false skips `User=`.
+pub fn unit_lacks(text: &str, system: bool) -> Vec<&'static str> {
+    let mut lacks = Vec::new();
+    if system && last_value(text, "User").is_none_or(|u| u == "root" || u == "0") {
+        lacks.push("User= (the node and its workloads run as root)");
+    }
+    if last_value(text, "EnvironmentFile").is_none() {
+        lacks.push("EnvironmentFile=-/etc/cyberwave/cloud-node.env (where the API key and CYBERWAVE_MANIFEST go)");
+    }
+    if last_value(text, "Type") != Some("notify") {
+        lacks.push("Type=notify (`systemctl start` returns before the node is ready, and there is no watchdog)");
+    }
+    let state_dir = last_value(text, "StateDirectory").is_some()
+        || text.lines().any(|l| {
+            l.trim()
+                .strip_prefix("Environment=")
+                .is_some_and(|v| v.contains("CYBERWAVE_EDGE_CONFIG_DIR="))
+        });
+    if !state_dir {
+        lacks.push("a state dir (StateDirectory= / CYBERWAVE_EDGE_CONFIG_DIR: the node keeps its identity in the passwd home of its user, /root/.cyberwave for root)");
+    }
+    lacks
+}
+
+/// `doctor`'s lines about the unit in effect: the first one found in `dirs` (or the user unit),
+/// with the drop-ins of every dir applied; `(level, detail)`.
+pub fn doctor_lines(dirs: &[PathBuf], user_unit: Option<PathBuf>) -> Vec<(&'static str, String)> {
+    let found: Vec<PathBuf> = dirs
+        .iter()
+        .map(|d| d.join(UNIT_NAME))
+        .chain(user_unit)
+        .filter(|p| p.symlink_metadata().is_ok())
+        .collect();
+    let Some(unit) = found.first() else {
+        return vec![(
+            "PASS",
+            "not installed (fine when you run the node another way)".into(),
+        )];
+    };
+    if std::fs::canonicalize(unit).is_ok_and(|p| p == Path::new("/dev/null")) {
+        return vec![(
+            "WARN",
+            format!(
+                "{} is masked (a link to /dev/null): `sudo systemctl unmask {UNIT_NAME}`",
+                unit.display()
+            ),
+        )];
+    }
+    let mut text = std::fs::read_to_string(unit).unwrap_or_default();
+    for dir in dirs {
+        let dropins = dir.join(format!("{UNIT_NAME}.d"));
+        let mut confs: Vec<PathBuf> = std::fs::read_dir(&dropins)
+            .map(|rd| rd.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        confs.retain(|p| p.extension().is_some_and(|e| e == "conf"));
+        confs.sort();
+        for c in confs {
+            text.push('\n');
+            text.push_str(&std::fs::read_to_string(&c).unwrap_or_default());
+        }
+    }
+    let mut lines = Vec::new();
+    let in_dir = |d: &PathBuf| unit.parent() == Some(d.as_path());
+    let packaged = dirs
+        .iter()
+        .filter(|d| is_packaged_dir(d))
+        .map(|d| d.join(UNIT_NAME))
+        .find(|p| p.is_file());
+    let is_packaged = dirs.iter().any(|d| in_dir(d) && is_packaged_dir(d));
+    let lacks = unit_lacks(&text, dirs.iter().any(in_dir));
+    if !is_packaged && (packaged.is_some() || !lacks.is_empty()) {
+        let what = match &packaged {
+            Some(p) => format!(
+                "{} is not the packaged unit: it masks {}",
+                unit.display(),
+                p.display()
+            ),
+            None => format!("{} is not the node's own unit", unit.display()),
+        };
+        let missing = if lacks.is_empty() {
+            String::new()
+        } else {
+            format!("; it lacks {}", lacks.join(", "))
+        };
+        let back = match &packaged {
+            Some(_) => format!(
+                "go back with `sudo systemctl revert {}` (or remove {} and `sudo systemctl daemon-reload`), then `sudo systemctl restart {UNIT_NAME}`",
+                UNIT_NAME.trim_end_matches(".service"),
+                unit.display()
+            ),
+            None => "replace it with `sudo cyberwave-cloud-node install-service` (or install the package)".into(),
+        };
+        lines.push(("WARN", format!("{what}{missing} — {back}")));
+    }
+    if last_value(&text, "KillMode") == Some("process") {
+        lines.push((
+            "PASS",
+            format!(
+                "{} keeps workloads alive (KillMode=process)",
+                unit.display()
+            ),
+        ));
+    } else {
+        lines.push((
+            "FAIL",
+            format!(
+                "{} lacks KillMode=process: a restart would kill running workloads — reinstall it",
+                unit.display()
+            ),
+        ));
+    }
+    lines
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes, as documented in
+    /// ecosystem.md §4.1: `Type=simple`, root, no environment file.
+    const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=network-online.target\n\n[Service]\nType=simple\nExecStart=/usr/bin/cyberwave-cloud-node start\nRestart=on-failure\nRestartSec=5\n\n[Install]\nWantedBy=multi-user.target\n";
+
+    struct Dirs(PathBuf);
+    impl Dirs {
+        fn new(tag: &str) -> Dirs {
+            let root = std::env::temp_dir().join(format!("cw-units-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            for d in ["etc/systemd/system", "lib/systemd/system"] {
+                std::fs::create_dir_all(root.join(d)).unwrap();
+            }
+            Dirs(root)
+        }
+        fn list(&self) -> Vec<PathBuf> {
+            vec![
+                self.0.join("etc/systemd/system"),
+                self.0.join("lib/systemd/system"),
+            ]
+        }
+        fn write(&self, rel: &str, text: &str) {
+            let p = self.0.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+    }
+    impl Drop for Dirs {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn packaged() -> String {
+        render_unit(
+            Path::new("/usr/bin/cyberwave-cloud-node"),
+            &paths(false).unwrap(),
+            false,
+        )
+    }
+
+    #[test]
+    fn doctor_warns_about_a_unit_that_masks_the_packaged_one_and_says_how_to_go_back() {
+        // D44.
+        let d = Dirs::new("mask");
+        d.write(
+            "lib/systemd/system/cyberwave-cloud-node.service",
+            &packaged(),
+        );
+        // The packaged unit alone: nothing to say but that workloads survive restarts.
+        let lines = doctor_lines(&d.list(), None);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert_eq!(lines[0].0, "PASS", "{lines:?}");
+        // The CLI's unit beside it, with the CLI's drop-in for --config.
+        d.write("etc/systemd/system/cyberwave-cloud-node.service", CLI_UNIT);
+        d.write(
+            "etc/systemd/system/cyberwave-cloud-node.service.d/override.conf",
+            "[Service]\nExecStart=\nExecStart=/usr/bin/cyberwave-cloud-node start --config /srv/cyberwave.yml\n",
+        );
+        let lines = doctor_lines(&d.list(), None);
+        let warn = &lines.iter().find(|(l, _)| *l == "WARN").expect("a WARN").1;
+        for needle in [
+            "etc/systemd/system/cyberwave-cloud-node.service is not the packaged unit: it masks",
+            "lib/systemd/system/cyberwave-cloud-node.service",
+            "User=",
+            "EnvironmentFile=",
+            "Type=notify",
+            "a state dir",
+            "`sudo systemctl revert cyberwave-cloud-node`",
+            "daemon-reload",
+        ] {
+            assert!(warn.contains(needle), "no {needle:?} in {warn}");
+        }
+        assert!(lines
+            .iter()
+            .any(|(l, t)| *l == "FAIL" && t.contains("KillMode=process")));
+        // A drop-in that gives what the unit lacks is taken into account.
+        d.write(
+            "etc/systemd/system/cyberwave-cloud-node.service.d/fix.conf",
+            "[Service]\nUser=cyberwave\nType=notify\n",
+        );
+        let warn = doctor_lines(&d.list(), None)
+            .into_iter()
+            .find(|(l, _)| *l == "WARN")
+            .unwrap()
+            .1;
+        assert!(
+            !warn.contains("User=") && !warn.contains("Type=notify"),
+            "{warn}"
+        );
+        assert!(warn.contains("EnvironmentFile="), "{warn}");
+    }
+
+    #[test]
+    fn without_a_package_the_cli_unit_is_named_and_the_nodes_own_unit_passes() {
+        let d = Dirs::new("nopkg");
+        d.write("etc/systemd/system/cyberwave-cloud-node.service", CLI_UNIT);
+        let lines = doctor_lines(&d.list(), None);
+        let warn = &lines.iter().find(|(l, _)| *l == "WARN").unwrap().1;
+        assert!(warn.contains("is not the node's own unit"), "{warn}");
+        assert!(warn.contains("install-service"), "{warn}");
+        // What `install-service` writes (the packaged unit in /etc) passes.
+        d.write(
+            "etc/systemd/system/cyberwave-cloud-node.service",
+            &packaged(),
+        );
+        let lines = doctor_lines(&d.list(), None);
+        assert!(lines.iter().all(|(l, _)| *l == "PASS"), "{lines:?}");
+        // A user unit from `install-service --user` has no User= by nature.
+        let user = d.0.join("user/cyberwave-cloud-node.service");
+        let p = paths(false).unwrap();
+        d.write(
+            "user/cyberwave-cloud-node.service",
+            &render_unit(Path::new("/usr/bin/cyberwave-cloud-node"), &p, true),
+        );
+        std::fs::remove_file(d.0.join("etc/systemd/system/cyberwave-cloud-node.service")).unwrap();
+        let lines = doctor_lines(&d.list(), Some(user));
+        assert!(lines.iter().all(|(l, _)| *l == "PASS"), "{lines:?}");
+        // A masked unit.
+        std::os::unix::fs::symlink(
+            "/dev/null",
+            d.0.join("etc/systemd/system/cyberwave-cloud-node.service"),
+        )
+        .unwrap();
+        let lines = doctor_lines(&d.list(), None);
+        assert!(lines[0].1.contains("systemctl unmask"), "{lines:?}");
+        // None at all.
+        std::fs::remove_file(d.0.join("etc/systemd/system/cyberwave-cloud-node.service")).unwrap();
+        assert!(doctor_lines(&d.list(), None)[0].1.contains("not installed"));
+    }
 
     #[test]
     fn the_unit_keeps_workloads_alive_and_holds_no_secret() {

@@ -123,6 +123,162 @@ fn validate_good_manifest() {
 }
 
 #[test]
+fn validate_and_start_read_a_manifest_with_a_byte_order_mark_and_refuse_one_over_4_mib() {
+    // D49: saved by a Windows editor; PyYAML (the platform) skips the mark.
+    let s = NodeSetup::bare();
+    s.write(
+        "cyberwave.yml",
+        "\u{FEFF}cyberwave:\n  inference: python infer.py {body}\n  mqtt_host: bom-broker\n",
+    );
+    let out = s.run(&["validate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("OK (0 warnings)"), "{out:?}");
+    assert!(out.stdout.contains("inference: [shell mode]"), "{out:?}");
+    // `start` reads the same values (`config` shows what `start` would use).
+    let out = s.run(&["config", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v["mqtt_host"]["value"], "bom-broker", "{v}");
+    // Over the bound: refused, naming the size and the bound.
+    let big = s.write("big.yml", "cyberwave:\n  inference: x\n");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&big)
+        .unwrap()
+        .set_len(5 << 20)
+        .unwrap();
+    let out = s.run(&["validate", big.to_str().unwrap()]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("the file is 5242880 bytes; a manifest may be at most 4194304 (4 MiB)"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_topic_prefix_with_a_wildcard_stops_start_with_exit_2_naming_the_variable() {
+    // D50: `#` in the prefix would make every subscription a wildcard: the node would be deaf.
+    for (var, value) in [
+        ("CYBERWAVE_ENVIRONMENT", "dev#"),
+        ("CYBERWAVE_TOPIC_PREFIX", "a+b/"),
+        ("CYBERWAVE_MQTT_TOPIC_PREFIX", "de v/"),
+    ] {
+        let mut s = NodeSetup::bare();
+        s.set("CYBERWAVE_API_KEY", "cw_prefix_test_token_aaaa");
+        s.set("CYBERWAVE_MQTT_PORT", "1");
+        s.set(var, value);
+        let mut node = s.spawn();
+        let code = node.wait_exit(Duration::from_secs(10));
+        let log = node.log();
+        node.kill9();
+        assert_eq!(code, Some(Some(2)), "{var}={value:?}: {log}");
+        assert!(
+            log.contains(&format!("{var} (env {var})")) && log.contains("cannot be a topic prefix"),
+            "{log}"
+        );
+    }
+}
+
+/// The home of `uid`'s passwd entry, as the C library gives it.
+fn passwd_home(uid: u32) -> Option<String> {
+    // SAFETY: getpwuid returns null or a pointer to a static entry, read at once (this test
+    // process looks up no other user meanwhile).
+    unsafe {
+        let pw = libc::getpwuid(uid);
+        if pw.is_null() || (*pw).pw_dir.is_null() {
+            return None;
+        }
+        Some(
+            std::ffi::CStr::from_ptr((*pw).pw_dir)
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+}
+
+#[test]
+fn without_home_the_config_dir_is_the_passwd_home_as_under_a_unit_without_user() {
+    // D42: `cyberwave compute install` writes a unit without `User=`: systemd sets no HOME, and
+    // the node used to exit 2 every 5 s for ever.
+    let mut s = NodeSetup::bare();
+    s.unset("HOME").unset("CYBERWAVE_EDGE_CONFIG_DIR");
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let home = passwd_home(me).expect("this test's uid has a passwd entry");
+    let out = s.run(&["config", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(
+        v["config_dir"]["value"],
+        format!("{}/.cyberwave", home.trim_end_matches('/')),
+        "{v}"
+    );
+    assert!(
+        v["config_dir"]["source"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&format!("the home of uid {me} in the passwd database")),
+        "{v}"
+    );
+    // HOME, when set, comes before it; the start-up line says which was used.
+    let mut s = NodeSetup::bare();
+    s.unset("CYBERWAVE_EDGE_CONFIG_DIR")
+        .set("CYBERWAVE_API_KEY", "cw_home_test_token_aaaa")
+        .set("CYBERWAVE_BASE_URL", "http://127.0.0.1:1")
+        .set("CYBERWAVE_MQTT_HOST", "127.0.0.1")
+        .set("CYBERWAVE_MQTT_PORT", "1");
+    let mut node = s.spawn();
+    let line = format!(
+        "starting: state dir {} ($HOME/.cyberwave)",
+        s.home.join(".cyberwave").display()
+    );
+    let seen = node.wait_log(&line, Duration::from_secs(10));
+    let log = node.log();
+    node.kill9();
+    assert!(seen, "no {line:?} in:\n{log}");
+    if me != 0 {
+        eprintln!("SKIPPED (not root): `start` under a uid without a passwd entry");
+        return;
+    }
+    // `start` uses the passwd home too: nobody's (/nonexistent) cannot be created.
+    let mut s = NodeSetup::bare();
+    s.unset("HOME")
+        .unset("CYBERWAVE_EDGE_CONFIG_DIR")
+        .set("CYBERWAVE_API_KEY", "cw_home_test_token_aaaa");
+    s.cwd = std::path::PathBuf::from("/");
+    if let Some(nobody) = passwd_home(65534) {
+        s.uid = Some(65534);
+        let mut node = s.spawn();
+        let code = node.wait_exit(Duration::from_secs(10));
+        let log = node.log();
+        node.kill9();
+        assert!(matches!(code, Some(Some(c)) if c != 0), "{code:?} {log}");
+        let dir = format!("{}/.cyberwave", nobody.trim_end_matches('/'));
+        assert!(log.contains(&dir), "no {dir} in:\n{log}");
+    }
+    // All three fail (a uid without a passwd entry): exit 2, naming each.
+    s.uid = Some(4242);
+    assert!(
+        passwd_home(4242).is_none(),
+        "uid 4242 is in use on this host"
+    );
+    let mut node = s.spawn();
+    let code = node.wait_exit(Duration::from_secs(10));
+    let log = node.log();
+    node.kill9();
+    assert_eq!(code, Some(Some(2)), "{log}");
+    for needle in [
+        "cannot find a config dir",
+        "CYBERWAVE_EDGE_CONFIG_DIR is not set",
+        "HOME is not set",
+        "uid 4242 has no passwd entry",
+    ] {
+        assert!(log.contains(needle), "no {needle:?} in:\n{log}");
+    }
+}
+
+#[test]
 fn validate_lists_every_problem_with_its_line() {
     let s = NodeSetup::bare();
     let path = s.write(

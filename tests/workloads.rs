@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, TOKEN};
-use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
 
 const READY: Duration = Duration::from_secs(15);
 const REPLY: Duration = Duration::from_secs(5);
@@ -265,6 +265,66 @@ fn hostile_params_reach_the_workload_intact_and_never_a_shell() {
 }
 
 #[test]
+fn with_tls_the_workload_gets_the_broker_ca_under_the_sdks_name_too() {
+    // D45: the platform SDK reads `CYBERWAVE_MQTT_TLS_CA_CERT`; the node's own name is
+    // `…_CERTS`. A workload's SDK client must reach the same broker the same way.
+    let pki = TempDir::new("pki");
+    let sh = |script: &str| {
+        let ok = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir(pki.path())
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        assert!(ok, "openssl failed: {script}");
+    };
+    sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=cw-test-ca 2>/dev/null");
+    sh("openssl req -newkey rsa:2048 -nodes -keyout srv.key -out srv.csr -subj /CN=srv 2>/dev/null && \
+        printf 'subjectAltName=IP:127.0.0.1\n' > srv.ext && \
+        openssl x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out srv.pem -days 2 -extfile srv.ext 2>/dev/null && \
+        chmod 644 srv.key");
+    // One broker: plain for the fake backend, TLS for the node.
+    let tls_port = crate::support::free_port();
+    let broker = Broker::start_with_conf(&format!(
+        "listener {tls_port} 127.0.0.1\ncafile {}\ncertfile {}\nkeyfile {}\n",
+        pki.join("ca.pem").display(),
+        pki.join("srv.pem").display(),
+        pki.join("srv.key").display()
+    ));
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_MQTT_PORT", &tls_port.to_string());
+    setup.set("CYBERWAVE_MQTT_USE_TLS", "true");
+    // Relative to the working dir in the manifest: the workload gets the absolute path.
+    std::fs::copy(pki.join("ca.pem"), setup.cwd.join("ca.pem")).unwrap();
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  mqtt_tls_ca_certs: ca.pem\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n",
+    );
+    let rig = Rig { broker, cp, setup };
+    let node = rig.node();
+    assert!(node.log().contains("(TLS)"), "{}", node.log());
+    rig.start(
+        &node,
+        "training",
+        "tls-1",
+        json!({"workload_uuid": "wl-tls"}),
+    );
+    rig.completion("wl-tls");
+    let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
+    let ca = rig.setup.cwd.join("ca.pem").display().to_string();
+    for name in ["CYBERWAVE_MQTT_TLS_CA_CERT", "CYBERWAVE_MQTT_TLS_CA_CERTS"] {
+        assert!(env.contains(&format!("{name}={ca}\n")), "{name}: {env}");
+    }
+    assert!(env.contains("CYBERWAVE_MQTT_USE_TLS=true\n"), "{env}");
+    assert!(
+        env.contains(&format!("CYBERWAVE_MQTT_PORT={tls_port}\n")),
+        "{env}"
+    );
+}
+
+#[test]
 fn the_workload_gets_its_own_credentials_and_context() {
     let rig = Rig::new("cyberwave:\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n");
     let mut setup_env = rig.setup.env.clone();
@@ -293,6 +353,13 @@ fn the_workload_gets_its_own_credentials_and_context() {
     assert!(env.contains("CYBERWAVE_WORKLOAD_UUID=wl-env\n"), "{env}");
     assert!(env.contains("CYBERWAVE_WORKLOAD_TYPE=training\n"), "{env}");
     assert!(env.contains("CYBERWAVE_PARAMS_FILE=/"), "{env}");
+    // D45: edge-core labels the containers a workload starts with these two.
+    assert!(
+        env.contains(&format!("CYBERWAVE_CLOUD_NODE_ID={}\n", node.uuid())),
+        "{env}"
+    );
+    // Without TLS there is no CA to pass on.
+    assert!(!env.contains("CYBERWAVE_MQTT_TLS_CA_CERT"), "{env}");
     assert!(
         !env.contains(TOKEN),
         "the node's own token is not passed on when a workload token came: {env}"

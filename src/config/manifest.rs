@@ -221,7 +221,7 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
         ),
         None => (cwd.join("cyberwave.yml"), cwd.join("README.md")),
     };
-    match std::fs::read(&yml) {
+    match read_bounded(&yml) {
         Ok(bytes) => {
             return String::from_utf8(bytes).map(|t| Some((yml.clone(), t))).map_err(|e| {
                 let at = e.utf8_error().valid_up_to();
@@ -231,19 +231,30 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
                     .map(|b| b.iter().filter(|c| **c == b'\n').count())
                     .unwrap_or(0)
                     .saturating_add(1);
+                let hint = if e.as_bytes().starts_with(&[0xFF, 0xFE])
+                    || e.as_bytes().starts_with(&[0xFE, 0xFF])
+                {
+                    "; it starts with a UTF-16 byte-order mark: save it as UTF-8"
+                } else {
+                    ""
+                };
                 format!(
-                    "{}:{line}: error: yaml: the file is not UTF-8 text (invalid byte at offset {at})",
+                    "{}:{line}: error: yaml: the file is not UTF-8 text (invalid byte at offset {at}){hint}",
                     yml.display()
                 )
             });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => {
+            return Err(format!("{}:1: error: yaml: {e}", yml.display()))
         }
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             return Err(format!("cannot read {}: {e}", yml.display()))
         }
         Err(_) => {}
     }
-    if let Ok(text) = std::fs::read_to_string(&readme) {
-        if let Some(front) = front_matter(&text) {
+    let readme_text = read_bounded(&readme).map(String::from_utf8);
+    if let Ok(Ok(text)) = readme_text {
+        if let Some(front) = front_matter(strip_bom(&text)) {
             return Ok(Some((readme, front)));
         }
     }
@@ -254,6 +265,40 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
         )),
         None => Ok(None),
     }
+}
+
+/// Reads a file of at most [`MAX_MANIFEST_BYTES`] (D49); a larger one is refused, naming its
+/// size and the bound, without reading it (`ErrorKind::FileTooLarge`).
+fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    let too_large = |size: u64| {
+        std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!(
+                "the file is {size} bytes; a manifest may be at most {MAX_MANIFEST_BYTES} (4 MiB)"
+            ),
+        )
+    };
+    let bound = u64::try_from(MAX_MANIFEST_BYTES).unwrap_or(u64::MAX);
+    let declared = file.metadata()?.len();
+    if declared > bound {
+        return Err(too_large(declared));
+    }
+    // A file that grows while read (or a pipe, whose length reads 0) is bounded too.
+    let mut bytes = Vec::new();
+    file.take(bound.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() > MAX_MANIFEST_BYTES {
+        return Err(too_large(
+            declared.max(u64::try_from(bytes.len()).unwrap_or(u64::MAX)),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Text without its leading UTF-8 byte-order mark, which PyYAML skips too (D49).
+fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{FEFF}').unwrap_or(text)
 }
 
 /// The YAML between the first two `---` lines of a README, with blank lines in front so that
@@ -339,13 +384,13 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
             1,
             "yaml",
             format!(
-                "the file is {} bytes; a manifest may be at most {MAX_MANIFEST_BYTES}",
+                "the file is {} bytes; a manifest may be at most {MAX_MANIFEST_BYTES} (4 MiB)",
                 text.len()
             ),
         );
         return None;
     }
-    let (root, notes) = match yaml11::load(text) {
+    let (root, notes) = match yaml11::load(strip_bom(text)) {
         Ok(x) => x,
         Err(f) => {
             cx.fatal(f.line, "yaml", f.message);
@@ -1250,6 +1295,63 @@ mod tests {
             "{e}"
         );
         assert!(locate(Some(&dir.join("nope/x.yml")), &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_utf8_byte_order_mark_is_skipped_as_pyyaml_does() {
+        // D49: Windows editors save one; PyYAML skips it, so the platform reads the file.
+        let c = parse_manifest_text("\u{FEFF}cyberwave:\n  inference: x {body}\n", false);
+        assert!(c.problems.is_empty(), "{:?}", c.problems);
+        assert!(c.valid());
+        let m = c.manifest.unwrap();
+        assert_eq!(m.inference.as_deref(), Some("x {body}"));
+        assert_eq!(m.wrapper.as_deref(), Some(WRAPPER_NEW));
+        // Line numbers are unchanged by it.
+        let c = parse_manifest_text("\u{FEFF}cyberwave:\n  inferense: x\n", false);
+        assert_eq!(c.problems[0].line, Some(2), "{:?}", c.problems);
+        // Only one, at the very start: a second one is text.
+        let c = parse_manifest_text("\u{FEFF}\u{FEFF}cyberwave:\n  inference: x\n", false);
+        assert!(!c.valid());
+    }
+
+    #[test]
+    fn locate_reads_a_bom_file_and_refuses_one_over_the_bound_unread() {
+        let dir = std::env::temp_dir().join(format!("cw-bom-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A README whose front matter follows a byte-order mark.
+        std::fs::write(dir.join("README.md"), "\u{FEFF}---\ninference: r\n---\n").unwrap();
+        let (path, text) = locate(None, &dir).unwrap().unwrap();
+        assert!(path.ends_with("README.md"));
+        assert_eq!(
+            check(&path, &text, false)
+                .manifest
+                .unwrap()
+                .inference
+                .as_deref(),
+            Some("r")
+        );
+        // 5 GiB, sparse: refused from its size, never read into memory.
+        let big = dir.join("big.yml");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(5 << 30).unwrap();
+        let e = locate(Some(&big), &dir).unwrap_err();
+        assert!(
+            e.contains("big.yml:1: error: yaml: the file is 5368709120 bytes; a manifest may be at most 4194304 (4 MiB)"),
+            "{e}"
+        );
+        // One byte over the bound is refused; the bound itself is read.
+        f.set_len(u64::try_from(MAX_MANIFEST_BYTES).unwrap() + 1)
+            .unwrap();
+        assert!(locate(Some(&big), &dir)
+            .unwrap_err()
+            .contains("4194305 bytes"));
+        f.set_len(u64::try_from(MAX_MANIFEST_BYTES).unwrap())
+            .unwrap();
+        assert!(locate(Some(&big), &dir).is_ok());
+        // UTF-16 is named as such.
+        std::fs::write(&big, b"\xff\xfec\x00y\x00").unwrap();
+        assert!(locate(Some(&big), &dir).unwrap_err().contains("UTF-16"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -107,6 +107,9 @@ pub struct Tuning {
     pub cleanup_grace: Duration,
     /// How often `--metrics-file` is rewritten.
     pub metrics_interval: Duration,
+    /// How long `start` waits for a state dir another node holds (0: not at all). A node
+    /// started with no subcommand (the platform CLI's `compute restart`) waits 30 s (D43).
+    pub lock_wait: Duration,
 }
 
 impl Default for Tuning {
@@ -123,6 +126,7 @@ impl Default for Tuning {
             request_timeout: Duration::from_secs(30),
             cleanup_grace: Duration::from_secs(10),
             metrics_interval: Duration::from_secs(5),
+            lock_wait: Duration::ZERO,
         }
     }
 }
@@ -338,20 +342,118 @@ impl Settings {
     }
 }
 
-/// The config dir (resolved from the process environment only, before any `.env` is read):
-/// `CYBERWAVE_EDGE_CONFIG_DIR`, else `~/.cyberwave`.
+/// Longest topic prefix (D50, as a D20 id).
+pub const MAX_TOPIC_PREFIX_BYTES: usize = 256;
+
+/// A topic prefix is glued in front of every topic the node subscribes to and publishes on
+/// (D50): a wildcard would leave the node deaf, whitespace or a control character is a typo.
+/// Like a D20 id it is printable ASCII without `+` or `#` (a `/` is allowed), at most 256 bytes;
+/// empty means none.
+pub fn check_topic_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.len() > MAX_TOPIC_PREFIX_BYTES {
+        return Err(format!(
+            "is {} bytes long; a topic prefix may be at most {MAX_TOPIC_PREFIX_BYTES}",
+            prefix.len()
+        ));
+    }
+    match prefix
+        .chars()
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '+' | '#'))
+    {
+        Some(c) => Err(format!(
+            "{prefix:?} cannot be a topic prefix: it may hold only printable ASCII without '+', '#' (MQTT wildcards), whitespace or control characters (found '{}')",
+            c.escape_default()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The config dir (resolved from the process environment only, before any `.env` is read,
+/// D42): `CYBERWAVE_EDGE_CONFIG_DIR`, else `$HOME/.cyberwave`, else the home of the effective
+/// uid's passwd entry + `/.cyberwave` (a systemd unit without `User=`, `env -i`, cron set no
+/// `HOME`; the Python original falls back to the passwd entry too). The source says which.
 pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> {
-    if let Some((v, src)) = process.get("CYBERWAVE_EDGE_CONFIG_DIR") {
-        return Ok(sourced(PathBuf::from(v), src));
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let euid = unsafe { libc::geteuid() };
+    config_dir_with(process, euid, passwd_home)
+}
+
+/// [`config_dir`] with the passwd lookup given (for tests).
+fn config_dir_with(
+    process: &EnvLayers,
+    euid: u32,
+    home_of: impl Fn(u32) -> Result<PathBuf, String>,
+) -> Result<Sourced<PathBuf>, ConfigError> {
+    let mut tried = Vec::new();
+    // (A blank variable counts as unset.)
+    match process.get("CYBERWAVE_EDGE_CONFIG_DIR") {
+        Some((v, src)) => return Ok(sourced(PathBuf::from(v), src)),
+        None => tried.push("CYBERWAVE_EDGE_CONFIG_DIR is not set"),
     }
     match process.value("HOME") {
-        Some(home) => Ok(sourced(
-            Path::new(&home).join(".cyberwave"),
-            Source::Default,
-        )),
-        None => Err(ConfigError(vec![
-            "cannot find a config dir: neither CYBERWAVE_EDGE_CONFIG_DIR nor HOME is set".into(),
-        ])),
+        Some(home) if Path::new(&home).is_absolute() => {
+            return Ok(sourced(
+                Path::new(&home).join(".cyberwave"),
+                Source::Derived("$HOME/.cyberwave".into()),
+            ))
+        }
+        Some(_) => tried.push("HOME is not an absolute path"),
+        None => tried.push("HOME is not set"),
+    }
+    let passwd = match home_of(euid) {
+        Ok(home) if home.is_absolute() => {
+            return Ok(sourced(
+                home.join(".cyberwave"),
+                Source::Derived(format!(
+                    "HOME unset: the home of uid {euid} in the passwd database + /.cyberwave"
+                )),
+            ))
+        }
+        Ok(home) => format!(
+            "the passwd entry of uid {euid} has no absolute home ({:?})",
+            home.display().to_string()
+        ),
+        Err(e) => e,
+    };
+    Err(ConfigError(vec![format!(
+        "cannot find a config dir: {}, {} and {passwd}; set CYBERWAVE_EDGE_CONFIG_DIR (or HOME)",
+        tried.first().copied().unwrap_or_default(),
+        tried.get(1).copied().unwrap_or_default(),
+    )]))
+}
+
+/// Largest passwd buffer tried (getpwuid_r reports ERANGE below what it needs).
+const MAX_PASSWD_BUF: usize = 1 << 20;
+
+/// The home directory of `uid`'s passwd entry (`getpwuid_r`).
+fn passwd_home(uid: u32) -> Result<PathBuf, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut size = 1024usize;
+    loop {
+        let mut buf = vec![0 as libc::c_char; size];
+        // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids); it is only read after
+        // getpwuid_r filled it.
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: the buffer, the passwd struct and the result pointer are ours and valid for
+        // the call, and the length given is the buffer's.
+        let rc = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+        if rc == libc::ERANGE && size < MAX_PASSWD_BUF {
+            size = size.saturating_mul(4);
+            continue;
+        }
+        if rc != 0 {
+            return Err(format!(
+                "the passwd entry of uid {uid} cannot be read: {}",
+                std::io::Error::from_raw_os_error(rc)
+            ));
+        }
+        if found.is_null() || pw.pw_dir.is_null() {
+            return Err(format!("uid {uid} has no passwd entry"));
+        }
+        // SAFETY: getpwuid_r succeeded: pw_dir points into `buf`, NUL-terminated, non-null.
+        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+        return Ok(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())));
     }
 }
 
@@ -454,10 +556,14 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     // As the SDK: CYBERWAVE_MQTT_TOPIC_PREFIX, else CYBERWAVE_TOPIC_PREFIX (a blank one counts as
     // unset), else derived from CYBERWAVE_ENVIRONMENT.
     let explicit_prefix = |name: &str| env_str(name).filter(|(v, _)| !v.trim().is_empty());
-    let topic_prefix = match explicit_prefix("CYBERWAVE_MQTT_TOPIC_PREFIX")
-        .or_else(|| explicit_prefix("CYBERWAVE_TOPIC_PREFIX"))
-    {
-        Some((v, s)) => sourced(v.trim().to_string(), s),
+    let explicit = ["CYBERWAVE_MQTT_TOPIC_PREFIX", "CYBERWAVE_TOPIC_PREFIX"]
+        .into_iter()
+        .find_map(|name| explicit_prefix(name).map(|found| (name, found)));
+    let prefix_var = explicit
+        .as_ref()
+        .map_or("CYBERWAVE_ENVIRONMENT", |(n, _)| *n);
+    let topic_prefix = match explicit {
+        Some((_, (v, s))) => sourced(v.trim().to_string(), s),
         None => {
             let (v, s) = env_str("CYBERWAVE_ENVIRONMENT")
                 .or_else(|| {
@@ -475,6 +581,9 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
             sourced(prefix.to_string(), s)
         }
     };
+    if let Err(e) = check_topic_prefix(&topic_prefix.value) {
+        errors.push(format!("{prefix_var} ({}) {e}", topic_prefix.source));
+    }
 
     let identity_path = config_dir.value.join("instance_identity.json");
     let identity = match Identity::load(&identity_path) {
@@ -843,6 +952,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
             "CYBERWAVE_NODE_METRICS_INTERVAL_SECONDS",
             &mut tuning.metrics_interval,
         );
+        knob("CYBERWAVE_NODE_LOCK_WAIT_SECONDS", &mut tuning.lock_wait);
     }
 
     if !errors.is_empty() {
@@ -939,6 +1049,64 @@ mod tests {
     }
 
     #[test]
+    fn without_home_the_config_dir_is_the_passwd_home_and_only_all_three_failing_is_an_error() {
+        // D42: a systemd unit without `User=` (what `cyberwave compute install` writes), `env -i`.
+        let env = |vars: &[(&str, &str)]| {
+            EnvLayers::new(
+                vars.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        let passwd = |uid: u32| match uid {
+            0 => Ok(PathBuf::from("/root")),
+            7 => Ok(PathBuf::from("")),
+            _ => Err(format!("uid {uid} has no passwd entry")),
+        };
+        for vars in [
+            &[][..],
+            &[("HOME", "")][..],
+            &[("HOME", "relative")][..],
+            &[("CYBERWAVE_EDGE_CONFIG_DIR", "")][..],
+        ] {
+            let d = config_dir_with(&env(vars), 0, passwd).unwrap();
+            assert_eq!(d.value, PathBuf::from("/root/.cyberwave"), "{vars:?}");
+            assert!(
+                d.source
+                    .to_string()
+                    .contains("home of uid 0 in the passwd database"),
+                "{}",
+                d.source
+            );
+        }
+        // The override and HOME still come first.
+        let d = config_dir_with(&env(&[("HOME", "/home/u")]), 0, passwd).unwrap();
+        assert_eq!(d.value, PathBuf::from("/home/u/.cyberwave"));
+        // All three fail: one error naming each.
+        let e = config_dir_with(&env(&[]), 4242, passwd)
+            .unwrap_err()
+            .0
+            .join("\n");
+        for needle in [
+            "CYBERWAVE_EDGE_CONFIG_DIR is not set",
+            "HOME is not set",
+            "uid 4242 has no passwd entry",
+        ] {
+            assert!(e.contains(needle), "{e}");
+        }
+        let e = config_dir_with(&env(&[("HOME", "")]), 7, passwd)
+            .unwrap_err()
+            .0
+            .join("\n");
+        assert!(e.contains("no absolute home"), "{e}");
+        // The real lookup: this process's uid has an entry on any sane test host.
+        // SAFETY: geteuid cannot fail.
+        let me = unsafe { libc::geteuid() };
+        assert!(passwd_home(me).unwrap().is_absolute());
+        assert!(passwd_home(u32::MAX - 7).is_err());
+    }
+
+    #[test]
     fn config_dir_is_the_override_else_home_dot_cyberwave() {
         let env = |vars: &[(&str, &str)]| {
             EnvLayers::new(
@@ -956,10 +1124,7 @@ mod tests {
         assert_eq!(d.source, Source::Env("CYBERWAVE_EDGE_CONFIG_DIR".into()));
         let d = config_dir(&env(&[("HOME", "/home/u")])).unwrap();
         assert_eq!(d.value, PathBuf::from("/home/u/.cyberwave"));
-        assert!(
-            config_dir(&env(&[])).is_err(),
-            "no HOME and no override is a clear error"
-        );
+        assert_eq!(d.source, Source::Derived("$HOME/.cyberwave".into()));
         // A .env file cannot move the config dir (it is read from that dir).
         let dir = Dir::new("cfgdir");
         dir.write("work/.env", "CYBERWAVE_EDGE_CONFIG_DIR=/elsewhere\n");
@@ -1078,6 +1243,63 @@ mod tests {
             d.resolve(&flags, &[]).unwrap().mqtt_use_tls.value,
             "flag beats file"
         );
+    }
+
+    #[test]
+    fn a_prefix_with_a_wildcard_whitespace_or_a_control_character_is_refused_naming_its_variable() {
+        // D50: a `#` or `+` would leave the node deaf (every subscription a wildcard).
+        let d = Dir::new("prefix-bad");
+        let err = |vars: &[(&str, &str)]| match d.resolve(&Flags::default(), vars) {
+            Ok(s) => panic!("accepted {vars:?}: prefix {:?}", s.topic_prefix.value),
+            Err(e) => e.0.join("\n"),
+        };
+        for (var, value, found) in [
+            ("CYBERWAVE_ENVIRONMENT", "dev#", "#"),
+            ("CYBERWAVE_ENVIRONMENT", "+", "+"),
+            ("CYBERWAVE_TOPIC_PREFIX", "a b/", " "),
+            ("CYBERWAVE_MQTT_TOPIC_PREFIX", "x\u{0}y", "\\u{0}"),
+            ("CYBERWAVE_MQTT_TOPIC_PREFIX", "x\ty", "\\t"),
+            ("CYBERWAVE_TOPIC_PREFIX", "x\u{1b}[2J", "\\u{1b}"),
+            ("CYBERWAVE_ENVIRONMENT", "d\u{e9}v", "\\u{e9}"),
+            ("CYBERWAVE_ENVIRONMENT", "d\u{a0}v", "\\u{a0}"),
+        ] {
+            let e = err(&[(var, value)]);
+            assert!(e.contains(&format!("{var} (env {var})")), "{e}");
+            assert!(e.contains(&format!("(found '{found}')")), "{e}");
+            assert!(e.contains("cannot be a topic prefix"), "{e}");
+            assert!(!e.contains('\u{0}') && !e.contains('\u{1b}'), "{e}");
+        }
+        // The explicit variable that wins is the one named.
+        let e = err(&[
+            ("CYBERWAVE_ENVIRONMENT", "dev"),
+            ("CYBERWAVE_TOPIC_PREFIX", "dev/#"),
+        ]);
+        assert!(e.contains("CYBERWAVE_TOPIC_PREFIX (env"), "{e}");
+        let e = err(&[("CYBERWAVE_TOPIC_PREFIX", &"p".repeat(257))]);
+        assert!(
+            e.contains("257 bytes long; a topic prefix may be at most 256"),
+            "{e}"
+        );
+        // Allowed: slashes, dots, dashes; 256 bytes; empty; surrounding blanks are trimmed.
+        for ok in ["dev/", "a.b-c_d/e", &"p".repeat(256), " local\n"] {
+            assert!(
+                d.resolve(&Flags::default(), &[("CYBERWAVE_TOPIC_PREFIX", ok)])
+                    .is_ok(),
+                "{ok:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_wildcard_prefix_from_credentials_json_is_refused_naming_the_file() {
+        let d = Dir::new("prefix-creds");
+        d.write(
+            "cfg/credentials.json",
+            r#"{"token":"t","envs":{"CYBERWAVE_ENVIRONMENT":"dev+"}}"#,
+        );
+        let e = d.resolve(&Flags::default(), &[]).unwrap_err().0.join("\n");
+        assert!(e.contains("CYBERWAVE_ENVIRONMENT ("), "{e}");
+        assert!(e.contains("credentials.json)"), "{e}");
     }
 
     #[test]

@@ -320,6 +320,7 @@ impl Node {
             gpus,
             results_dir: self.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
+            node_uuid: self.uuid().to_string(),
         };
         let starting = Starting {
             kind: kind_t,
@@ -709,6 +710,7 @@ mod tests {
             gpus: None,
             results_dir: None,
             event_token: format!("tok{rid}"),
+            node_uuid: "node-uuid".into(),
         }
     }
 

@@ -64,14 +64,17 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let dir = &s.config_dir.value;
     // D30: the dir is ours and private, and no other node runs on it; checked before anything
     // is written there. The lock lives as long as the process (the node is never dropped).
-    match crate::statedir::check_or_create(dir).and_then(|()| crate::statedir::lock(dir)) {
+    match crate::statedir::check_or_create(dir)
+        .and_then(|()| crate::statedir::lock_waiting(dir, s.tuning.lock_wait))
+    {
         Ok(lock) => std::mem::forget(lock),
         Err(e) => return Err(e.into()),
     }
     log::info!(
-        "cyberwave-cloud-node {} starting: state dir {}, manifest {}",
+        "cyberwave-cloud-node {} starting: state dir {} ({}), manifest {}",
         crate::cli::VERSION,
         dir.display(),
+        s.config_dir.source,
         s.manifest
             .as_ref()
             .map(|m| m.path.display().to_string())

@@ -559,6 +559,8 @@ pub struct StartRequest {
     pub results_dir: Option<PathBuf>,
     /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
     pub event_token: String,
+    /// The node's instance UUID (`CYBERWAVE_CLOUD_NODE_ID`, D45).
+    pub node_uuid: String,
 }
 
 /// Environment variables that hold the node's own secrets or identity; never passed on as they
@@ -828,6 +830,15 @@ fn launch_in(
         "CYBERWAVE_MQTT_TOPIC_PREFIX".into(),
         s.topic_prefix.value.clone(),
     );
+    // D45: what the platform SDK and edge-core read. Edge-core labels the containers a
+    // workload starts with this node and workload (`container_spec.workload_labels`); the SDK
+    // takes the broker's CA under its own name.
+    env.insert("CYBERWAVE_CLOUD_NODE_ID".into(), req.node_uuid.clone());
+    if let Some(ca) = s.mqtt_ca_certs.as_ref().filter(|_| s.mqtt_use_tls.value) {
+        for name in ["CYBERWAVE_MQTT_TLS_CA_CERTS", "CYBERWAVE_MQTT_TLS_CA_CERT"] {
+            env.insert(name.into(), ca.value.display().to_string());
+        }
+    }
     if let Some(gpus) = &req.gpus {
         // D36: exactly its GPUs, by UUID; none at all when it needs none.
         let list = gpus.join(",");

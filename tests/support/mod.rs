@@ -105,3 +105,18 @@ pub fn node_bin() -> PathBuf {
         None => PathBuf::from(env!("CARGO_BIN_EXE_cyberwave-cloud-node")),
     }
 }
+
+/// Root's home in the passwd database (`/root` on most hosts).
+pub fn passwd_home_of_root() -> String {
+    // SAFETY: getpwuid returns null or a pointer to a static entry, read at once.
+    unsafe {
+        let pw = libc::getpwuid(0);
+        assert!(
+            !pw.is_null() && !(*pw).pw_dir.is_null(),
+            "no passwd entry for root"
+        );
+        std::ffi::CStr::from_ptr((*pw).pw_dir)
+            .to_string_lossy()
+            .into_owned()
+    }
+}

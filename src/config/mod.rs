@@ -107,6 +107,9 @@ pub struct Tuning {
     pub cleanup_grace: Duration,
     /// How often `--metrics-file` is rewritten.
     pub metrics_interval: Duration,
+    /// How long one connect attempt waits for the broker's CONNACK (a clustered broker may
+    /// take well over 10 s to take a session over from another node).
+    pub connect_timeout: Duration,
 }
 
 impl Default for Tuning {
@@ -123,6 +126,7 @@ impl Default for Tuning {
             request_timeout: Duration::from_secs(30),
             cleanup_grace: Duration::from_secs(10),
             metrics_interval: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -822,6 +826,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         knob(
             "CYBERWAVE_NODE_SESSION_EXPIRY_SECONDS",
             &mut tuning.session_expiry,
+        );
+        knob(
+            "CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS",
+            &mut tuning.connect_timeout,
         );
         knob(
             "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS",

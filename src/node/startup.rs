@@ -361,6 +361,7 @@ pub fn mqtt_options(
         password: s.mqtt_password.as_ref().map(|p| p.value.clone()),
         keep_alive: std::time::Duration::from_secs(60),
         session_expiry,
+        connect_timeout: s.tuning.connect_timeout,
     })
 }
 

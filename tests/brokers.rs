@@ -1,0 +1,243 @@
+//! Brokers other than mosquitto (issue 22): a scripted broker (`support::mqtt5::ScriptedBroker`)
+//! does what real ones do — refuse subscriptions in SUBACK, answer as a v3-only broker, hold the
+//! CONNACK, drop the connection after a publish over a limit it never announced — and the node
+//! neither crashes nor storms, and says what happened in the broker's own terms.
+
+use std::time::Duration;
+
+use crate::support::mqtt5::{Script, ScriptedBroker};
+use crate::support::node::NodeSetup;
+use crate::support::{wait_for, NodeProcess};
+
+const SOON: Duration = Duration::from_secs(10);
+
+fn setup_on(broker: &ScriptedBroker) -> NodeSetup {
+    let mut s = NodeSetup::bare();
+    s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+    s.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
+    s.arg("--standalone");
+    s
+}
+
+fn node_on(broker: &ScriptedBroker) -> NodeProcess {
+    setup_on(broker).spawn()
+}
+
+/// A start command for a workload of the node's manifest, published by the broker itself.
+fn start_command(kind: &str) -> Option<(String, Vec<u8>)> {
+    Some((
+        "/command".into(),
+        serde_json::json!({"command": kind, "request_id": "sb-1", "params": {"workload_uuid": "wl-sb"}})
+            .to_string()
+            .into_bytes(),
+    ))
+}
+
+#[test]
+fn a_scripted_broker_serves_a_standalone_node() {
+    let broker = ScriptedBroker::start(Script::default());
+    let node = node_on(&broker);
+    node.wait_ready(SOON);
+    assert!(!broker.connects().is_empty());
+}
+
+/// Paho C frees its in-flight messages when a connect asks for a clean session (or the broker
+/// has none), the path of its open double-free reports: the node never asks for one while the
+/// client holds QoS 1 messages the broker has not acknowledged.
+#[test]
+fn no_reconnect_asks_for_a_clean_session_while_qos1_messages_are_in_flight() {
+    // The broker never acknowledges: the node's QoS 1 messages stay in flight.
+    let broker = ScriptedBroker::start(Script {
+        withhold_puback: true,
+        ..Script::default()
+    });
+    let setup = setup_on(&broker);
+    // Install logs: shipped (QoS 1) as soon as the node is registered.
+    let dir = setup.config_dir();
+    std::fs::create_dir_all(dir.join("install_logs")).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::write(
+        dir.join("install_logs/install.stdout.log"),
+        "pip install ok\n",
+    )
+    .unwrap();
+    let node = setup.spawn();
+    node.wait_ready(SOON);
+    let sent = wait_for(SOON, || {
+        broker.publishes().iter().any(|p| p.2 == 1).then_some(())
+    });
+    assert!(sent.is_some(), "{}", node.log());
+    // Past the request's timeout (2 s), then the connection drops, and the next ones die
+    // right after their CONNACK (a broker restarting, a cluster node handing over).
+    std::thread::sleep(Duration::from_millis(2500));
+    broker.set(|s| s.drop_after_connack = 3);
+    broker.kick();
+    let enough = wait_for(Duration::from_secs(15), || {
+        (broker.connects().len() >= 4).then_some(())
+    });
+    let connects = broker.connects();
+    assert!(enough.is_some(), "{connects:?}\n{}", node.log());
+    for c in &connects {
+        assert!(
+            !(c.clean_start && c.unacked > 0),
+            "a CONNECT asked for a clean session with {} QoS 1 messages in flight: {connects:?}\n{}",
+            c.unacked,
+            node.log()
+        );
+    }
+}
+
+/// A broker (rumqttd, AWS IoT Core-class) that drops the connection on a publish over a limit
+/// it never announced: the node halves its largest message after two such drops and says so
+/// with the size; chunks that fit then go through, and the drops stay few (no storm).
+#[test]
+fn a_drop_after_a_large_publish_halves_the_largest_message() {
+    let broker = ScriptedBroker::start(Script {
+        drop_publish_over: Some(40_000),
+        command: start_command("inference"),
+        ..Script::default()
+    });
+    let setup = setup_on(&broker);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  inference: |\n    for i in $(seq 60); do head -c 65536 /dev/zero | tr '\\0' y; echo; sleep 0.15; done\n",
+    );
+    let node = setup.spawn();
+    let fitted = wait_for(Duration::from_secs(30), || {
+        broker
+            .publishes()
+            .iter()
+            .any(|p| p.0.ends_with("/logs") && p.1 > 16 * 1024 && p.1 <= 40_000)
+            .then_some(())
+    });
+    let log = node.log();
+    assert!(
+        fitted.is_some(),
+        "no log chunk under the broker's limit after {} drops:\n{log}",
+        broker.drops_after_publish()
+    );
+    let said = log
+        .matches("enforces a packet size limit it did not announce")
+        .count();
+    assert!((1..=5).contains(&said), "said {said} times:\n{log}");
+    assert!(log.contains("after a publish of"), "{log}");
+    assert!(
+        broker.drops_after_publish() <= 12,
+        "{} drops: a reconnect storm\n{log}",
+        broker.drops_after_publish()
+    );
+    // No log chunk is ever smaller than 16 KiB because of it.
+    let tiny = broker
+        .publishes()
+        .iter()
+        .filter(|p| p.0.ends_with("/logs") && p.1 < 8 * 1024)
+        .count();
+    assert!(tiny <= 2, "{tiny} tiny chunks");
+}
+
+/// D50: a broker that refuses the command subscriptions in its SUBACK (EMQX/HiveMQ-class: 0x87,
+/// 0x80) gets an ERROR naming the topic and the reason, never "node ready".
+#[test]
+fn d50_refused_command_subscriptions_are_an_error_and_never_node_ready() {
+    for (code, name) in [(0x87u8, "Not authorized"), (0x80, "Unspecified error")] {
+        let broker = ScriptedBroker::start(Script {
+            refuse_filter: Some(("/command".into(), code)),
+            ..Script::default()
+        });
+        let node = node_on(&broker);
+        let shown = format!("{code:#04x}");
+        assert!(node.wait_log(&shown, SOON), "{}", node.log());
+        std::thread::sleep(Duration::from_millis(500));
+        let log = node.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains(&shown))
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            line.contains("ERROR") && line.contains("/command") && line.contains(name),
+            "{line}\n{log}"
+        );
+        assert!(!log.contains("node ready"), "{log}");
+        assert!(!log.contains("another client uses"), "{log}");
+    }
+}
+
+/// Every connect failure says what it is in the broker's own terms.
+#[test]
+fn connect_errors_say_what_the_broker_said() {
+    let cases: Vec<(Script, &str)> = vec![
+        (
+            Script {
+                v3_only: true,
+                ..Script::default()
+            },
+            "MQTT v5",
+        ),
+        (
+            Script {
+                connack_reason: 0x84,
+                ..Script::default()
+            },
+            "0x84 Unsupported Protocol Version",
+        ),
+        (
+            Script {
+                connack_reason: 0x86,
+                ..Script::default()
+            },
+            "0x86 Bad User Name or Password",
+        ),
+        (
+            Script {
+                connack_reason: 0x87,
+                ..Script::default()
+            },
+            "0x87 Not authorized",
+        ),
+        (
+            Script {
+                hold_connack: true,
+                ..Script::default()
+            },
+            "within 2 s (CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS)",
+        ),
+    ];
+    for (script, want) in cases {
+        let broker = ScriptedBroker::start(script);
+        let mut setup = setup_on(&broker);
+        setup.set("CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS", "2");
+        let node = setup.spawn();
+        assert!(node.wait_log(want, SOON), "want {want:?}:\n{}", node.log());
+        let log = node.log();
+        assert!(!log.contains("is it an MQTT listener"), "{log}");
+        assert!(!log.contains("node ready"), "{log}");
+    }
+    // Nothing listens.
+    let port = crate::support::free_port();
+    let mut setup = NodeSetup::bare();
+    setup.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+    setup.set("CYBERWAVE_MQTT_PORT", &port.to_string());
+    setup.arg("--standalone");
+    let node = setup.spawn();
+    assert!(node.wait_log("connection refused", SOON), "{}", node.log());
+}
+
+/// The node's stdout mirrors workload output: nothing of Paho's goes there.
+#[test]
+fn nothing_of_paho_reaches_the_nodes_stdout() {
+    let broker = ScriptedBroker::start(Script {
+        drop_after_connack: 2,
+        ..Script::default()
+    });
+    let mut node = node_on(&broker);
+    node.wait_ready(SOON);
+    // C's stdout reaches a pipe when it is flushed: at the latest at exit.
+    node.sigterm();
+    assert_eq!(node.wait_exit(SOON), Some(Some(0)), "{}", node.log());
+    let out = node.stdout();
+    assert!(
+        !out.contains("checking") && !out.contains("tcp://") && !out.contains("Connection lost"),
+        "{out:?}"
+    );
+}

@@ -241,3 +241,69 @@ fn nothing_of_paho_reaches_the_nodes_stdout() {
         "{out:?}"
     );
 }
+
+/// CONNACK limits: Maximum QoS 0 caps what the node publishes at QoS 0 (a QoS 1 publish would
+/// be a protocol error the broker disconnects for); Receive Maximum 1 keeps at most one QoS 1
+/// message unacknowledged.
+#[test]
+fn connack_maximum_qos_and_receive_maximum_are_honoured() {
+    let setup_with_install = |broker: &ScriptedBroker| {
+        let setup = setup_on(broker);
+        let dir = setup.config_dir();
+        std::fs::create_dir_all(dir.join("install_logs")).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .unwrap();
+        std::fs::write(dir.join("install_logs/install.stdout.log"), "out\n").unwrap();
+        std::fs::write(dir.join("install_logs/install.stderr.log"), "err\n").unwrap();
+        setup
+    };
+    // Maximum QoS (0x24) = 0.
+    let broker = ScriptedBroker::start(Script {
+        connack_props: vec![0x24, 0],
+        ..Script::default()
+    });
+    let node = setup_with_install(&broker).spawn();
+    node.wait_ready(SOON);
+    let sent = wait_for(SOON, || (broker.publishes().len() >= 2).then_some(()));
+    assert!(sent.is_some(), "{}", node.log());
+    let qos: Vec<u8> = broker.publishes().iter().map(|p| p.2).collect();
+    assert!(qos.iter().all(|q| *q == 0), "{qos:?}");
+    drop(node);
+
+    // Receive Maximum (0x21) = 1, and no PUBACK ever: one message in flight, the rest wait.
+    let broker = ScriptedBroker::start(Script {
+        connack_props: vec![0x21, 0, 1],
+        withhold_puback: true,
+        ..Script::default()
+    });
+    let node = setup_with_install(&broker).spawn();
+    node.wait_ready(SOON);
+    let sent = wait_for(SOON, || (!broker.publishes().is_empty()).then_some(()));
+    assert!(sent.is_some(), "{}", node.log());
+    std::thread::sleep(Duration::from_millis(1000));
+    let qos1 = broker.publishes().iter().filter(|p| p.2 == 1).count();
+    assert_eq!(qos1, 1, "{:?}", broker.publishes());
+}
+
+/// A standalone node has no backend to acknowledge workload statuses: no false warning that
+/// they were "not acknowledged in time".
+#[test]
+fn a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
+    let broker = ScriptedBroker::start(Script {
+        command: start_command("inference"),
+        ..Script::default()
+    });
+    let mut setup = setup_on(&broker);
+    setup.set("CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS", "0.5");
+    setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
+    let node = setup.spawn();
+    assert!(node.wait_log("finished: success", SOON), "{}", node.log());
+    std::thread::sleep(Duration::from_millis(1500));
+    let log = node.log();
+    assert!(
+        broker.publishes().iter().any(|p| p.0.contains("wl-sb")),
+        "statuses were published: {:?}",
+        broker.publishes()
+    );
+    assert!(!log.contains("not acknowledged in time"), "{log}");
+}

@@ -933,3 +933,28 @@ fn d50_a_refused_command_subscription_is_never_ready_and_is_asked_again_on_recon
     s.on_mqtt(MqttEvent::Subscribed(Ok(vec![1, 1])), false, due, &mut rec);
     assert_eq!(rec.notes, vec!["READY=1"]);
 }
+
+/// A SUBACK that grants QoS 0 instead of 1 is a grant (with a warning), not a refusal.
+#[test]
+fn a_command_subscription_granted_at_qos_0_is_ready() {
+    let t0 = Instant::now();
+    let (mut s, mut rec) = connected(cfg(), t0);
+    let topics = cfg().topics;
+    s.tick(false, t0, &mut rec);
+    let (_, _, c1) = rec.last_request();
+    let r = reply_to(
+        &c1,
+        &topics,
+        json!({"success": true, "uuid": "u-1", "slug": "s-1"}),
+    );
+    s.on_mqtt(r, false, t0, &mut rec);
+    let (_, _, c2) = rec.last_request();
+    s.on_mqtt(
+        reply_to(&c2, &topics, json!({"success": true})),
+        false,
+        t0,
+        &mut rec,
+    );
+    s.on_mqtt(MqttEvent::Subscribed(Ok(vec![0, 0])), false, t0, &mut rec);
+    assert_eq!(rec.notes, vec!["READY=1"]);
+}

@@ -307,3 +307,75 @@ fn a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
     );
     assert!(!log.contains("not acknowledged in time"), "{log}");
 }
+
+// ---- a second real broker: rumqttd 0.20 ------------------------------------------------------
+
+mod rumqttd {
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use crate::support::node::{NodeSetup, TOKEN};
+    use crate::support::rumqttd::Rumqttd;
+    use crate::support::ControlPlane;
+
+    const LONG: Duration = Duration::from_secs(30);
+
+    fn node_setup(broker: &Rumqttd, cp: &ControlPlane) -> NodeSetup {
+        let mut s = NodeSetup::bare();
+        s.set("CYBERWAVE_BASE_URL", &cp.http_url);
+        s.set("CYBERWAVE_API_KEY", TOKEN);
+        s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+        s.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
+        s
+    }
+
+    /// Connect, registration, `status`, a workload printing 64 KiB lines to its completion
+    /// (rumqttd drops a client that publishes more than its `max_payload_size`, which it never
+    /// announces), and a broker restart: the node neither crashes nor storms.
+    #[test]
+    fn rumqttd_serves_a_node_through_a_64k_line_flood_and_a_restart() {
+        let mut broker = Rumqttd::start(100 * 1024);
+        let cp = ControlPlane::start(broker.port, "");
+        let setup = node_setup(&broker, &cp);
+        setup.write(
+            "cyberwave.yml",
+            "cyberwave:\n  training: |\n    for i in $(seq 40); do head -c 65536 /dev/zero | tr '\\0' z; echo; done\n    echo flood-done\n",
+        );
+        let mut node = setup.spawn();
+        node.wait_ready(LONG);
+        let uuid = node.uuid();
+        assert!(cp.status(&uuid, "rq-1", LONG).is_some(), "{}", node.log());
+        cp.command(
+            &uuid,
+            json!({"command": "training", "request_id": "rq-2", "params": {"workload_uuid": "wl-rq"}}),
+        );
+        assert!(
+            cp.wait_status("wl-rq", "completed", Duration::from_secs(60))
+                .is_some(),
+            "{}\n{}",
+            node.log(),
+            broker.log()
+        );
+        let logs: String = cp
+            .requests("logs")
+            .iter()
+            .filter(|r| r.body["workload_uuid"] == json!("wl-rq"))
+            .filter_map(|r| r.body["log_content"].as_str().map(str::to_string))
+            .collect();
+        assert!(logs.contains("flood-done"), "the log's end arrived");
+        let losses = node.log().matches("MQTT connection problem").count();
+        assert!(losses <= 10, "{losses} connection losses:\n{}", node.log());
+        // A broker restart (its sessions gone): back, and serving. A command published before
+        // the node resubscribed is lost with the broker's session: ask until one is answered.
+        broker.restart();
+        let mut n = 0;
+        let answered = crate::support::wait_for(LONG, || {
+            n += 1;
+            cp.status(&uuid, &format!("rq-3-{n}"), Duration::from_secs(2))
+        });
+        assert!(answered.is_some(), "{}", node.log());
+        node.sigterm();
+        assert!(node.wait_exit(Duration::from_secs(10)).is_some());
+    }
+}

@@ -7,6 +7,7 @@ pub mod broker;
 pub mod control_plane;
 pub mod mqtt5;
 pub mod node;
+pub mod rumqttd;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -335,7 +335,12 @@ struct Held {
     msg: paho::Message,
     /// A request's correlation: its PUBACK is watched for.
     correlation: Option<Vec<u8>>,
+    /// How often it went to a new client because the last one did not deliver it.
+    resends: u32,
 }
+
+/// How often a reply or status the connection lost is sent again on the next connection.
+const MAX_RESENDS: u32 = 3;
 
 /// The most messages kept while disconnected (the oldest go first).
 const MAX_HELD: usize = 10_000;
@@ -432,6 +437,13 @@ pub struct Mqtt {
     /// Requests whose PUBACK the ack thread waits for (a refusal comes back as
     /// `MqttEvent::Refused`).
     acks: Option<Sender<(Vec<u8>, paho::DeliveryToken)>>,
+    /// QoS 1 publishes that are not requests (command replies, standalone statuses), watched
+    /// until their PUBACK: what a lost connection left undelivered comes back on `undelivered`
+    /// and goes to the next client (what Paho would resend on a resumed session).
+    inflight: Option<Sender<(Held, paho::DeliveryToken)>>,
+    undelivered: crossbeam_channel::Receiver<Held>,
+    /// Publishes handed to the watcher and not yet settled.
+    unsettled: Arc<AtomicU32>,
     /// Publishes refused here for their size, logged at most once a minute.
     too_big: std::cell::RefCell<crate::logtext::Throttle>,
 }
@@ -503,6 +515,15 @@ impl Mqtt {
         for e in &opts.endpoints {
             connect_opts.push(connect_options(&opts, &uri(&opts, e))?);
         }
+        let (undelivered_tx, undelivered) = crossbeam_channel::unbounded();
+        let unsettled = Arc::new(AtomicU32::new(0));
+        let inflight = match start_inflight_thread(undelivered_tx, unsettled.clone()) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::warn!("cannot start the MQTT delivery thread ({e}); a reply in flight when the connection drops is not sent again");
+                None
+            }
+        };
         let acks = match start_ack_thread(tx.clone()) {
             Ok(a) => Some(a),
             Err(e) => {
@@ -522,6 +543,9 @@ impl Mqtt {
             max_qos: Arc::new(AtomicU32::new(2)),
             guess: std::cell::RefCell::new(LimitGuess::default()),
             acks,
+            inflight,
+            undelivered,
+            unsettled,
             too_big: std::cell::RefCell::new(crate::logtext::Throttle::default()),
         })
     }
@@ -622,7 +646,10 @@ impl Mqtt {
                 Ok(fresh) => {
                     let old = self.client.replace(fresh);
                     self.used.store(false, Ordering::SeqCst);
+                    // Destroying it fails what it still had in flight (Paho calls each
+                    // one's failure callback); the watcher hands those back at once.
                     drop(old);
+                    self.take_undelivered();
                 }
                 Err(e) => {
                     let _ = self.tx.send(MqttEvent::Connect(Err(e)));
@@ -705,14 +732,70 @@ impl Mqtt {
             Err(_) => return,
         };
         for h in held {
+            let size = publish_packet_size(
+                h.msg.topic().len(),
+                if h.correlation.is_some() { 1024 } else { 0 },
+                h.msg.payload().len(),
+                h.msg.qos() as i32,
+            );
+            if fits(size, self.limit()).is_err() {
+                // Too big for what the broker showed it takes (a request is failed by its
+                // timeout and handled there).
+                continue;
+            }
             match client.try_publish(h.msg) {
-                Ok(token) => {
-                    if let (Some(c), Some(acks)) = (h.correlation, &self.acks) {
-                        let _ = acks.send((c, token));
+                Ok(token) => match h.correlation {
+                    Some(c) => {
+                        if let Some(acks) = &self.acks {
+                            let _ = acks.send((c, token));
+                        }
                     }
-                }
+                    None => self.watch(token, h.resends),
+                },
                 Err(e) => log::warn!("could not queue a held message: {e}"),
             }
+        }
+    }
+
+    /// What the destroyed client left undelivered, held for the next one (each message at
+    /// most [`MAX_RESENDS`] times: one the broker drops the connection for is not resent for
+    /// ever). Waits at most 200 ms for the watcher to settle them.
+    fn take_undelivered(&self) {
+        let end = crate::util::later(Instant::now(), Duration::from_millis(200));
+        while self.unsettled.load(Ordering::SeqCst) > 0 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        for mut h in self.undelivered.try_iter() {
+            h.resends = h.resends.saturating_add(1);
+            if h.resends > MAX_RESENDS {
+                log::warn!(
+                    "a message for {} was not delivered after {MAX_RESENDS} connections; dropped",
+                    crate::logtext::shown(&redact_topic(h.msg.topic()))
+                );
+                continue;
+            }
+            if let Ok(mut held) = self.held.try_borrow_mut() {
+                held.push_back(h);
+            }
+        }
+    }
+
+    /// Watches a QoS 1 publish that is not a request until its PUBACK (see `inflight`).
+    fn watch(&self, token: paho::DeliveryToken, resends: u32) {
+        let Some(tx) = &self.inflight else {
+            return;
+        };
+        if token.message().qos() == paho::QoS::AtMostOnce {
+            return;
+        }
+        let held = Held {
+            msg: token.message().clone(),
+            correlation: None,
+            resends,
+        };
+        self.unsettled.fetch_add(1, Ordering::SeqCst);
+        if tx.send((held, token)).is_err() {
+            self.unsettled.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -722,7 +805,11 @@ impl Mqtt {
             if h.len() >= MAX_HELD {
                 h.pop_front();
             }
-            h.push_back(Held { msg, correlation });
+            h.push_back(Held {
+                msg,
+                correlation,
+                resends: 0,
+            });
         }
     }
 
@@ -737,7 +824,8 @@ impl Mqtt {
         // Replies, without properties; a reserve for any others.
         let props_len = if props.is_empty() { 0 } else { 1024 };
         match self.queue(topic, payload, qos, props, props_len, Some(None)) {
-            Ok(_) => {}
+            Ok(Some(token)) => self.watch(token, 0),
+            Ok(None) => {}
             Err(NotSent::Never(why)) => self.log_too_big(
                 &format!("to {}", crate::logtext::shown(&redact_topic(topic))),
                 &why,
@@ -922,6 +1010,31 @@ impl Mqtt {
             let _ = client.disconnect(None).wait_for(timeout);
         }
     }
+}
+
+/// Waits, in order and off the event loop, for the outcome of each watched publish and sends
+/// back (on `undelivered`) those the client failed without a PUBACK refusal: a connection lost
+/// or a client destroyed with them in flight.
+fn start_inflight_thread(
+    undelivered: Sender<Held>,
+    unsettled: Arc<AtomicU32>,
+) -> std::io::Result<Sender<(Held, paho::DeliveryToken)>> {
+    let (tx, rx) = crossbeam_channel::unbounded::<(Held, paho::DeliveryToken)>();
+    std::thread::Builder::new()
+        .name("mqtt-inflight".into())
+        .spawn(move || {
+            for (held, token) in rx {
+                let result = token.wait_for(Duration::from_secs(60)).map(|_| ());
+                let failed = result.is_err() && refusal_of(&result).is_none();
+                if failed && undelivered.send(held).is_err() {
+                    return;
+                }
+                let _ = unsettled.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    Some(n.saturating_sub(1))
+                });
+            }
+        })?;
+    Ok(tx)
 }
 
 /// Waits, in order and off the event loop, for the PUBACK of each request, and reports the

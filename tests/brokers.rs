@@ -308,6 +308,39 @@ fn a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
     assert!(!log.contains("not acknowledged in time"), "{log}");
 }
 
+/// Each connection uses a fresh MQTT client (never a clean session on one with messages in
+/// flight): a command reply the broker never acknowledged is sent again on the next
+/// connection, as a resumed session would.
+#[test]
+fn a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
+    let broker = ScriptedBroker::start(Script {
+        withhold_puback: true,
+        command: Some((
+            "/command".into(),
+            serde_json::json!({"command": "status", "request_id": "sb-resend"})
+                .to_string()
+                .into_bytes(),
+        )),
+        ..Script::default()
+    });
+    let node = node_on(&broker);
+    let replied = wait_for(SOON, || {
+        (broker.publishes_containing("sb-resend") >= 1).then_some(())
+    });
+    assert!(replied.is_some(), "{}", node.log());
+    broker.set(|s| s.withhold_puback = false);
+    broker.kick();
+    let again = wait_for(SOON, || {
+        (broker.publishes_containing("sb-resend") >= 2).then_some(())
+    });
+    assert!(
+        again.is_some(),
+        "the unacknowledged reply was not sent again: {} connects\n{}",
+        broker.connects().len(),
+        node.log()
+    );
+}
+
 // ---- a second real broker: rumqttd 0.20 ------------------------------------------------------
 
 mod rumqttd {

@@ -466,6 +466,8 @@ struct Seen {
     connects: Vec<SeenConnect>,
     /// (topic, packet size, qos) of every PUBLISH received.
     publishes: Vec<(String, usize, u8)>,
+    /// The first 4 KiB of each PUBLISH's body (topic, properties, payload).
+    bodies: Vec<Vec<u8>>,
     /// Packet ids of QoS 1 PUBLISHes never acknowledged.
     unacked: std::collections::BTreeSet<u16>,
     drops_after_publish: usize,
@@ -525,6 +527,15 @@ impl ScriptedBroker {
     /// (topic, packet size, qos) of every PUBLISH the client sent.
     pub fn publishes(&self) -> Vec<(String, usize, u8)> {
         lock(&self.seen).publishes.clone()
+    }
+
+    /// How many PUBLISHes the client sent whose first 4 KiB contain `needle`.
+    pub fn publishes_containing(&self, needle: &str) -> usize {
+        lock(&self.seen)
+            .bodies
+            .iter()
+            .filter(|b| String::from_utf8_lossy(b).contains(needle))
+            .count()
     }
 
     /// Drops every live connection (as a broker restart or a network cut would).
@@ -617,7 +628,11 @@ fn serve(mut s: TcpStream, script: &Mutex<Script>, seen: &Mutex<Seen>, stop: &At
                 let mut c = Cur(&body);
                 let topic = c.string().unwrap_or_default();
                 let id = if qos > 0 { c.u16() } else { None };
-                lock(seen).publishes.push((topic, size, qos));
+                {
+                    let mut seen = lock(seen);
+                    seen.publishes.push((topic, size, qos));
+                    seen.bodies.push(body.get(..4096).unwrap_or(&body).to_vec());
+                }
                 if sc.drop_publish_over.is_some_and(|n| size > n) {
                     let mut seen = lock(seen);
                     seen.drops_after_publish += 1;

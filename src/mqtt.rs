@@ -444,12 +444,30 @@ pub struct Mqtt {
     undelivered: crossbeam_channel::Receiver<Held>,
     /// Publishes handed to the watcher and not yet settled.
     unsettled: Arc<AtomicU32>,
+    /// Requests are watched like replies and sent again on the next connection (a standalone
+    /// node: nothing else sends its workload statuses again).
+    resend_requests: std::cell::Cell<bool>,
+    /// When the current client's connection was lost.
+    lost_at: LostAt,
     /// Publishes refused here for their size, logged at most once a minute.
     too_big: std::cell::RefCell<crate::logtext::Throttle>,
 }
 
+/// When the current connection was lost (set by the client's callbacks).
+type LostAt = Arc<std::sync::Mutex<Option<Instant>>>;
+
+fn mark_lost(lost_at: &LostAt) {
+    if let Ok(mut l) = lost_at.lock() {
+        *l = Some(Instant::now());
+    }
+}
+
 /// A Paho client for `opts`, its callbacks forwarding into `tx`.
-fn create_client(opts: &MqttOptions, tx: &Sender<MqttEvent>) -> Result<paho::AsyncClient, String> {
+fn create_client(
+    opts: &MqttOptions,
+    tx: &Sender<MqttEvent>,
+    lost_at: &LostAt,
+) -> Result<paho::AsyncClient, String> {
     let first = opts
         .endpoints
         .first()
@@ -485,11 +503,15 @@ fn create_client(opts: &MqttOptions, tx: &Sender<MqttEvent>) -> Result<paho::Asy
         }
     });
     let t = tx.clone();
+    let l = lost_at.clone();
     client.set_connection_lost_callback(move |_| {
+        mark_lost(&l);
         let _ = t.send(MqttEvent::Lost("connection lost".into()));
     });
     let t = tx.clone();
+    let l = lost_at.clone();
     client.set_disconnected_callback(move |_, _, reason| {
+        mark_lost(&l);
         let _ = t.send(if reason == paho::ReasonCode::SessionTakenOver {
             MqttEvent::TakenOver
         } else {
@@ -510,14 +532,15 @@ fn uri(opts: &MqttOptions, e: &Endpoint) -> String {
 
 impl Mqtt {
     pub fn new(opts: MqttOptions, tx: Sender<MqttEvent>) -> Result<Mqtt, String> {
-        let client = create_client(&opts, &tx)?;
+        let lost_at: LostAt = Arc::new(std::sync::Mutex::new(None));
+        let client = create_client(&opts, &tx, &lost_at)?;
         let mut connect_opts = Vec::with_capacity(opts.endpoints.len());
         for e in &opts.endpoints {
             connect_opts.push(connect_options(&opts, &uri(&opts, e))?);
         }
         let (undelivered_tx, undelivered) = crossbeam_channel::unbounded();
         let unsettled = Arc::new(AtomicU32::new(0));
-        let inflight = match start_inflight_thread(undelivered_tx, unsettled.clone()) {
+        let inflight = match start_inflight_thread(undelivered_tx, unsettled.clone(), tx.clone()) {
             Ok(t) => Some(t),
             Err(e) => {
                 log::warn!("cannot start the MQTT delivery thread ({e}); a reply in flight when the connection drops is not sent again");
@@ -546,6 +569,8 @@ impl Mqtt {
             inflight,
             undelivered,
             unsettled,
+            resend_requests: std::cell::Cell::new(false),
+            lost_at,
             too_big: std::cell::RefCell::new(crate::logtext::Throttle::default()),
         })
     }
@@ -565,14 +590,21 @@ impl Mqtt {
         tighter(self.max_packet.load(Ordering::Relaxed), learned)
     }
 
-    /// The connection is gone: a drop right after a large publish, twice, halves the largest
-    /// message the node sends from now on (said once, with the size).
-    pub fn connection_dropped(&self) {
+    /// The last connection is gone (checked before the next connect, so a connection closed
+    /// right after its CONNACK counts too): a drop right after a large publish, twice, halves
+    /// the largest message the node sends from now on (said once, with the size).
+    fn connection_dropped(&self) {
+        let at = self
+            .lost_at
+            .lock()
+            .ok()
+            .and_then(|mut l| l.take())
+            .unwrap_or_else(Instant::now);
         let learned = self
             .guess
             .try_borrow_mut()
             .ok()
-            .and_then(|mut g| g.dropped(Instant::now()));
+            .and_then(|mut g| g.dropped(at));
         if let Some((size, limit)) = learned {
             log::warn!(
                 "the broker dropped the connection right after a publish of {size} bytes, twice: it enforces a packet size limit it did not announce; the node now sends messages of at most {limit} bytes"
@@ -642,7 +674,8 @@ impl Mqtt {
     /// published while disconnected was held here and goes to the new client.
     pub fn start_connect(&self) {
         if self.used.load(Ordering::SeqCst) {
-            match create_client(&self.opts, &self.tx) {
+            self.connection_dropped();
+            match create_client(&self.opts, &self.tx, &self.lost_at) {
                 Ok(fresh) => {
                     let old = self.client.replace(fresh);
                     self.used.store(false, Ordering::SeqCst);
@@ -743,15 +776,11 @@ impl Mqtt {
                 // timeout and handled there).
                 continue;
             }
+            if let Ok(mut g) = self.guess.try_borrow_mut() {
+                g.published(size, Instant::now());
+            }
             match client.try_publish(h.msg) {
-                Ok(token) => match h.correlation {
-                    Some(c) => {
-                        if let Some(acks) = &self.acks {
-                            let _ = acks.send((c, token));
-                        }
-                    }
-                    None => self.watch(token, h.resends),
-                },
+                Ok(token) => self.track(token, h.correlation, h.resends),
                 Err(e) => log::warn!("could not queue a held message: {e}"),
             }
         }
@@ -780,8 +809,28 @@ impl Mqtt {
         }
     }
 
-    /// Watches a QoS 1 publish that is not a request until its PUBACK (see `inflight`).
-    fn watch(&self, token: paho::DeliveryToken, resends: u32) {
+    /// Requests are sent again on the next connection when the one they went out on is lost
+    /// before their PUBACK (for a standalone node, whose statuses nothing else resends).
+    pub fn resend_requests(&self) {
+        self.resend_requests.set(true);
+    }
+
+    /// Hands a publish's token to whoever waits for its PUBACK: a request's to the ack
+    /// thread (refusals come back as `MqttEvent::Refused`), unless requests are resent; the
+    /// rest (and resent requests) to the watcher.
+    fn track(&self, token: paho::DeliveryToken, correlation: Option<Vec<u8>>, resends: u32) {
+        match correlation {
+            Some(c) if !self.resend_requests.get() => {
+                if let Some(acks) = &self.acks {
+                    let _ = acks.send((c, token));
+                }
+            }
+            c => self.watch(token, resends, c),
+        }
+    }
+
+    /// Watches a QoS 1 publish until its PUBACK (see `inflight`).
+    fn watch(&self, token: paho::DeliveryToken, resends: u32, correlation: Option<Vec<u8>>) {
         let Some(tx) = &self.inflight else {
             return;
         };
@@ -790,7 +839,7 @@ impl Mqtt {
         }
         let held = Held {
             msg: token.message().clone(),
-            correlation: None,
+            correlation,
             resends,
         };
         self.unsettled.fetch_add(1, Ordering::SeqCst);
@@ -824,7 +873,7 @@ impl Mqtt {
         // Replies, without properties; a reserve for any others.
         let props_len = if props.is_empty() { 0 } else { 1024 };
         match self.queue(topic, payload, qos, props, props_len, Some(None)) {
-            Ok(Some(token)) => self.watch(token, 0),
+            Ok(Some(token)) => self.watch(token, 0, None),
             Ok(None) => {}
             Err(NotSent::Never(why)) => self.log_too_big(
                 &format!("to {}", crate::logtext::shown(&redact_topic(topic))),
@@ -925,11 +974,7 @@ impl Mqtt {
         }
         let props_len = request_props_size(inbox.len(), correlation.len(), token.len());
         match self.queue(topic, payload, 1, props, props_len, Some(Some(correlation))) {
-            Ok(Some(t)) => {
-                if let Some(acks) = &self.acks {
-                    let _ = acks.send((correlation.to_vec(), t));
-                }
-            }
+            Ok(Some(t)) => self.track(t, Some(correlation.to_vec()), 0),
             Ok(None) => {}
             Err(NotSent::Never(why)) => {
                 let _ = self.tx.send(MqttEvent::Refused {
@@ -1018,6 +1063,7 @@ impl Mqtt {
 fn start_inflight_thread(
     undelivered: Sender<Held>,
     unsettled: Arc<AtomicU32>,
+    events: Sender<MqttEvent>,
 ) -> std::io::Result<Sender<(Held, paho::DeliveryToken)>> {
     let (tx, rx) = crossbeam_channel::unbounded::<(Held, paho::DeliveryToken)>();
     std::thread::Builder::new()
@@ -1025,9 +1071,20 @@ fn start_inflight_thread(
         .spawn(move || {
             for (held, token) in rx {
                 let result = token.wait_for(Duration::from_secs(60)).map(|_| ());
-                let failed = result.is_err() && refusal_of(&result).is_none();
-                if failed && undelivered.send(held).is_err() {
-                    return;
+                match refusal_of(&result) {
+                    Some((why, permanent)) => {
+                        // A request the broker refused: the session hears of it.
+                        if let Some(correlation) = held.correlation {
+                            let _ = events.send(MqttEvent::Refused {
+                                correlation,
+                                why,
+                                permanent,
+                            });
+                        }
+                    }
+                    // Lost with its connection (or its client): for the next client.
+                    None if result.is_err() && undelivered.send(held).is_err() => return,
+                    None => {}
                 }
                 let _ = unsettled.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                     Some(n.saturating_sub(1))

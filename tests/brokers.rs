@@ -341,6 +341,35 @@ fn a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
     );
 }
 
+/// A standalone node has no backend to acknowledge its workload statuses, so nothing else
+/// sends one again: a completion the broker had not acknowledged when the connection dropped
+/// goes out again on the next connection.
+#[test]
+fn a_standalone_completion_in_flight_when_the_connection_drops_is_sent_again() {
+    let broker = ScriptedBroker::start(Script {
+        withhold_puback: true,
+        command: start_command("inference"),
+        ..Script::default()
+    });
+    let setup = setup_on(&broker);
+    setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
+    let node = setup.spawn();
+    let done = wait_for(SOON, || {
+        (broker.publishes_containing("completed") >= 1).then_some(())
+    });
+    assert!(done.is_some(), "{}", node.log());
+    broker.set(|s| s.withhold_puback = false);
+    broker.kick();
+    let again = wait_for(SOON, || {
+        (broker.publishes_containing("completed") >= 2).then_some(())
+    });
+    assert!(
+        again.is_some(),
+        "the completion was not sent again:\n{}",
+        node.log()
+    );
+}
+
 // ---- a second real broker: rumqttd 0.20 ------------------------------------------------------
 
 mod rumqttd {

@@ -348,9 +348,8 @@ impl Node {
             );
         }
         // The refused message sat in the MQTT client too: the next connect uses a fresh client
-        // (never a clean session, see `Mqtt::start_connect`), which resends nothing.
-        // A drop right after a large publish may be a limit the broker never announced.
-        self.mqtt.connection_dropped();
+        // (never a clean session, see `Mqtt::start_connect`), which resends nothing of the
+        // loop's requests but a standalone node's (`Mqtt::resend_requests`).
         self.reset_streams();
     }
 

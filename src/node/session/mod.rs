@@ -392,7 +392,9 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
     ) -> Vec<Happening<T>> {
         let mut happened = Vec::new();
         match ev {
-            MqttEvent::Connect(Ok(resumed)) => self.on_connected(resumed, now, out, &mut happened),
+            MqttEvent::Connect(Ok(resumed)) => {
+                self.on_connected(resumed, publishing, now, out, &mut happened)
+            }
             MqttEvent::Connect(Err(why)) => {
                 let attempt = match self.conn {
                     Conn::Connecting { attempt } => attempt,
@@ -543,6 +545,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
     fn on_connected(
         &mut self,
         resumed: bool,
+        publishing: bool,
         now: Instant,
         out: &mut dyn Outbound,
         happened: &mut Vec<Happening<T>>,
@@ -568,7 +571,12 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
                 now,
                 out,
             );
-            return self.note_short_connection(now, out);
+            // A message of the loop resent at once may be what the broker drops the
+            // connection for (D34), not another client (D33).
+            if !publishing {
+                self.note_short_connection(now, out);
+            }
+            return;
         }
         self.conn = Conn::Connected;
         // A loss can race the connect's own outcome (its event then comes while the attempt is

@@ -2,7 +2,8 @@
 # Installs, on Debian/Ubuntu, what building and testing the node needs when it is missing:
 # cmake (Paho C), a C toolchain, OpenSSL headers, mosquitto and its clients, openssl (test CA),
 # file and lintian (the packaging check; lintian brings man-db), python3 (module-mode and
-# workload tests), umoci and a static busybox (the OCI image and its test).
+# workload tests), umoci and a static busybox (the OCI image and its test), python3-venv (the
+# wheel test), and rumqttd (a second MQTT broker for the tests, built with cargo once).
 set -euo pipefail
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
@@ -21,7 +22,16 @@ python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 # The OCI image (packaging/build-image.sh) and the image test's workload shell (packaging/check.sh).
 command -v umoci >/dev/null 2>&1 || need+=(umoci)
 file -b /bin/busybox 2>/dev/null | grep -q 'statically linked' || need+=(busybox-static)
+# A second real MQTT v5 broker for the tests of tests/brokers.rs (issue 22): built once with
+# cargo (a few minutes) and kept in ~/.cargo/bin.
+install_rumqttd() {
+  if ! command -v rumqttd >/dev/null 2>&1 && [ ! -x "${CARGO_HOME:-$HOME/.cargo}/bin/rumqttd" ]; then
+    echo "installing rumqttd 0.20.0 (once; a few minutes)"
+    cargo install rumqttd --version 0.20.0
+  fi
+}
 if [ ${#need[@]} -eq 0 ]; then
+  install_rumqttd
   exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
@@ -33,3 +43,4 @@ if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 echo "installing: ${need[*]}"
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+install_rumqttd

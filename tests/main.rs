@@ -12,6 +12,7 @@
 mod support;
 
 mod attack;
+mod brokers;
 mod cli_config;
 mod cli_pipes;
 mod cli_signals;

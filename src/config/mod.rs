@@ -110,6 +110,9 @@ pub struct Tuning {
     /// How long `start` waits for a state dir another node holds (0: not at all). A node
     /// started with no subcommand (the platform CLI's `compute restart`) waits 30 s (D43).
     pub lock_wait: Duration,
+    /// How long one connect attempt waits for the broker's CONNACK (a clustered broker may
+    /// take well over 10 s to take a session over from another node).
+    pub connect_timeout: Duration,
 }
 
 impl Default for Tuning {
@@ -127,6 +130,7 @@ impl Default for Tuning {
             cleanup_grace: Duration::from_secs(10),
             metrics_interval: Duration::from_secs(5),
             lock_wait: Duration::ZERO,
+            connect_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -931,6 +935,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         knob(
             "CYBERWAVE_NODE_SESSION_EXPIRY_SECONDS",
             &mut tuning.session_expiry,
+        );
+        knob(
+            "CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS",
+            &mut tuning.connect_timeout,
         );
         knob(
             "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS",

@@ -352,9 +352,7 @@ impl Node {
         self.session.forget(|op| matches!(op, Op::Outbox(_)));
         let refused = self.outbox.reset_in_flight();
         let refused_events = self.ingress.reset_in_flight();
-        let mut any_refused = false;
         for (item, aside) in refused.into_iter().chain(refused_events) {
-            any_refused = true;
             log::error!(
                 "the broker dropped the connection each of the last {} times the {} was sent; it is set aside in {} and not sent again",
                 crate::outbox::MAX_REFUSALS,
@@ -362,11 +360,9 @@ impl Node {
                 aside.display()
             );
         }
-        if any_refused {
-            // The refused message also sits in the MQTT session (client and broker resend an
-            // unacknowledged QoS 1 publish on resume): start the next one clean.
-            self.mqtt.clean_start_next();
-        }
+        // The refused message sat in the MQTT client too: the next connect uses a fresh client
+        // (never a clean session, see `Mqtt::start_connect`), which resends nothing of the
+        // loop's requests but a standalone node's (`Mqtt::resend_requests`).
         self.reset_streams();
     }
 
@@ -432,6 +428,10 @@ impl Node {
                     "workload status update refused: {}",
                     crate::logtext::shown(&b.message)
                 ),
+                // A standalone node has no backend to acknowledge it: no reply is expected.
+                None if self.s.standalone => {
+                    log::debug!("workload status update published (standalone: no reply expected)")
+                }
                 None => log::warn!("workload status update not acknowledged in time"),
             },
             Op::Terminate | Op::Fail => {
@@ -834,8 +834,8 @@ struct Wire<'a> {
 }
 
 impl session::Outbound for Wire<'_> {
-    fn connect(&mut self) -> bool {
-        self.mqtt.start_connect()
+    fn connect(&mut self) {
+        self.mqtt.start_connect();
     }
     fn is_connected(&self) -> bool {
         self.mqtt.is_connected()
@@ -848,9 +848,6 @@ impl session::Outbound for Wire<'_> {
     }
     fn next_endpoint(&mut self) {
         self.mqtt.next_endpoint();
-    }
-    fn clean_start_next(&mut self) {
-        self.mqtt.clean_start_next();
     }
     fn subscribe(&mut self, topics: &[String]) {
         self.mqtt.subscribe(topics);

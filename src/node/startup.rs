@@ -157,6 +157,11 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     log::info!("MQTT client {client_id} → {}", mqtt.endpoint());
+    if s.standalone {
+        // No backend acknowledges a standalone node's workload statuses, so nothing else would
+        // send one again that a lost connection took with it.
+        mqtt.resend_requests();
+    }
 
     // Identity: a standalone node names itself; otherwise the backend does, at registration.
     let identity = if s.standalone {
@@ -422,6 +427,7 @@ pub fn mqtt_options(
         password: s.mqtt_password.as_ref().map(|p| p.value.clone()),
         keep_alive: std::time::Duration::from_secs(60),
         session_expiry,
+        connect_timeout: s.tuning.connect_timeout,
     })
 }
 

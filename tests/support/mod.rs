@@ -8,6 +8,7 @@ pub mod control_plane;
 pub mod mqtt5;
 pub mod node;
 pub mod secrets;
+pub mod rumqttd;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

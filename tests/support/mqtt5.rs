@@ -422,6 +422,285 @@ fn parse_publish(body: &[u8], qos: u8) -> Option<(Incoming, Option<u16>)> {
     Some((msg, id))
 }
 
+// ---- a scripted broker ------------------------------------------------------------------------
+
+/// What a [`ScriptedBroker`] does; change it between connections with [`ScriptedBroker::set`].
+#[derive(Clone, Default)]
+pub struct Script {
+    /// Never answer a CONNECT (a cluster node still taking the session over).
+    pub hold_connack: bool,
+    /// Answer a v5 CONNECT as a v3.1.1-only broker does: a v3 CONNACK with return code 1
+    /// ("unacceptable protocol version"), then close.
+    pub v3_only: bool,
+    /// Refuse the connection with this v5 CONNACK reason (0: accept).
+    pub connack_reason: u8,
+    /// Raw v5 properties of an accepting CONNACK (Maximum QoS, Receive Maximum, …).
+    pub connack_props: Vec<u8>,
+    /// Close this many connections right after their CONNACK (counts down).
+    pub drop_after_connack: u32,
+    /// SUBACK reason for every filter containing this text (granted QoS 1 for the others).
+    pub refuse_filter: Option<(String, u8)>,
+    /// Grant at most this QoS in SUBACK (default 1).
+    pub grant_qos: Option<u8>,
+    /// Close the connection, without PUBACK, on a PUBLISH packet over this many bytes.
+    pub drop_publish_over: Option<usize>,
+    /// Never send PUBACK: the client's QoS 1 messages stay in flight.
+    pub withhold_puback: bool,
+    /// Once a filter containing the first text is subscribed, publish the second to it (once).
+    pub command: Option<(String, Vec<u8>)>,
+}
+
+/// A CONNECT the broker saw.
+#[derive(Clone, Debug)]
+pub struct SeenConnect {
+    pub version: u8,
+    pub clean_start: bool,
+    /// QoS 1 PUBLISHes the broker received from this client id and never acknowledged (the
+    /// client holds them in flight) when this CONNECT came.
+    pub unacked: usize,
+    pub at: std::time::Instant,
+}
+
+#[derive(Default)]
+struct Seen {
+    connects: Vec<SeenConnect>,
+    /// (topic, packet size, qos) of every PUBLISH received.
+    publishes: Vec<(String, usize, u8)>,
+    /// The first 4 KiB of each PUBLISH's body (topic, properties, payload).
+    bodies: Vec<Vec<u8>>,
+    /// Packet ids of QoS 1 PUBLISHes never acknowledged.
+    unacked: std::collections::BTreeSet<u16>,
+    drops_after_publish: usize,
+    command_sent: bool,
+}
+
+/// A fake MQTT v5 broker on a free loopback port whose answers a test scripts: refused
+/// subscriptions, a v3-only or a refusing CONNACK, a held CONNACK, a drop after a large publish,
+/// a drop right after CONNACK. One thread per connection; it records what the client sent.
+pub struct ScriptedBroker {
+    pub port: u16,
+    script: Arc<Mutex<Script>>,
+    seen: Arc<Mutex<Seen>>,
+    stop: Arc<AtomicBool>,
+    /// The live connections (for [`ScriptedBroker::kick`]).
+    live: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl ScriptedBroker {
+    pub fn start(script: Script) -> ScriptedBroker {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let b = ScriptedBroker {
+            port,
+            script: Arc::new(Mutex::new(script)),
+            seen: Arc::new(Mutex::new(Seen::default())),
+            stop: Arc::new(AtomicBool::new(false)),
+            live: Arc::new(Mutex::new(Vec::new())),
+        };
+        let (script, seen, stop) = (b.script.clone(), b.seen.clone(), b.stop.clone());
+        let live = b.live.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(conn) = conn else { continue };
+                if let Ok(c) = conn.try_clone() {
+                    lock(&live).push(c);
+                }
+                let (script, seen, stop) = (script.clone(), seen.clone(), stop.clone());
+                std::thread::spawn(move || serve(conn, &script, &seen, &stop));
+            }
+        });
+        b
+    }
+
+    /// Changes the script (for the connections that follow, and the live one's next packet).
+    pub fn set(&self, f: impl FnOnce(&mut Script)) {
+        f(&mut lock(&self.script));
+    }
+
+    pub fn connects(&self) -> Vec<SeenConnect> {
+        lock(&self.seen).connects.clone()
+    }
+
+    /// (topic, packet size, qos) of every PUBLISH the client sent.
+    pub fn publishes(&self) -> Vec<(String, usize, u8)> {
+        lock(&self.seen).publishes.clone()
+    }
+
+    /// How many PUBLISHes the client sent whose first 4 KiB contain `needle`.
+    pub fn publishes_containing(&self, needle: &str) -> usize {
+        lock(&self.seen)
+            .bodies
+            .iter()
+            .filter(|b| String::from_utf8_lossy(b).contains(needle))
+            .count()
+    }
+
+    /// Drops every live connection (as a broker restart or a network cut would).
+    pub fn kick(&self) {
+        for s in lock(&self.live).drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// How often the broker closed a connection on a PUBLISH over `drop_publish_over`.
+    pub fn drops_after_publish(&self) -> usize {
+        lock(&self.seen).drops_after_publish
+    }
+}
+
+impl Drop for ScriptedBroker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn serve(mut s: TcpStream, script: &Mutex<Script>, seen: &Mutex<Seen>, stop: &AtomicBool) {
+    let _ = s.set_nodelay(true);
+    let mut held = false;
+    // Until the client closes the connection (a node that exits does).
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok((kind, body)) = read_packet(&mut s) else {
+            return;
+        };
+        let sc = lock(script).clone();
+        if held {
+            continue;
+        }
+        match kind >> 4 {
+            1 => {
+                let mut c = Cur(&body);
+                let _ = c.string();
+                let version = c.u8().unwrap_or(0);
+                let flags = c.u8().unwrap_or(0);
+                let present = {
+                    let mut seen = lock(seen);
+                    let unacked = seen.unacked.len();
+                    let present = flags & 0x02 == 0 && !seen.connects.is_empty();
+                    seen.connects.push(SeenConnect {
+                        version,
+                        clean_start: flags & 0x02 != 0,
+                        unacked,
+                        at: std::time::Instant::now(),
+                    });
+                    if flags & 0x02 != 0 {
+                        seen.unacked.clear();
+                    }
+                    present
+                };
+                if sc.hold_connack {
+                    held = true;
+                    continue;
+                }
+                if sc.v3_only && version != 4 {
+                    let _ = s.write_all(&[0x20, 2, 0, 1]);
+                    return;
+                }
+                // Session present: the broker keeps sessions, as mosquitto does.
+                let mut b = vec![
+                    u8::from(present && sc.connack_reason == 0),
+                    sc.connack_reason,
+                ];
+                put_varint(&mut b, sc.connack_props.len());
+                b.extend_from_slice(&sc.connack_props);
+                let _ = s.write_all(&packet(0x20, &b));
+                if sc.connack_reason != 0 {
+                    return;
+                }
+                if sc.drop_after_connack > 0 {
+                    lock(script).drop_after_connack -= 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                    let _ = s.shutdown(Shutdown::Both);
+                    return;
+                }
+            }
+            3 => {
+                let qos = (kind >> 1) & 3;
+                let mut len_bytes = Vec::new();
+                put_varint(&mut len_bytes, body.len());
+                let size = 1 + len_bytes.len() + body.len();
+                let mut c = Cur(&body);
+                let topic = c.string().unwrap_or_default();
+                let id = if qos > 0 { c.u16() } else { None };
+                {
+                    let mut seen = lock(seen);
+                    seen.publishes.push((topic, size, qos));
+                    seen.bodies.push(body.get(..4096).unwrap_or(&body).to_vec());
+                }
+                if sc.drop_publish_over.is_some_and(|n| size > n) {
+                    let mut seen = lock(seen);
+                    seen.drops_after_publish += 1;
+                    if let Some(id) = id {
+                        seen.unacked.insert(id);
+                    }
+                    drop(seen);
+                    let _ = s.shutdown(Shutdown::Both);
+                    return;
+                }
+                if let Some(id) = id {
+                    if sc.withhold_puback {
+                        lock(seen).unacked.insert(id);
+                    } else {
+                        lock(seen).unacked.remove(&id);
+                        let mut ack = vec![0x40, 2];
+                        ack.extend_from_slice(&id.to_be_bytes());
+                        let _ = s.write_all(&ack);
+                    }
+                }
+            }
+            8 => {
+                let mut c = Cur(&body);
+                let id = c.u16().unwrap_or(0);
+                let plen = c.varint().unwrap_or(0);
+                let _ = c.take(plen);
+                let mut codes = Vec::new();
+                let mut filters = Vec::new();
+                while let Some(f) = c.string() {
+                    let opts = c.u8().unwrap_or(1);
+                    let code = match &sc.refuse_filter {
+                        Some((needle, code)) if f.contains(needle.as_str()) => *code,
+                        _ => (opts & 3).min(sc.grant_qos.unwrap_or(1)),
+                    };
+                    codes.push(code);
+                    filters.push(f);
+                }
+                let mut b = id.to_be_bytes().to_vec();
+                b.push(0);
+                b.extend_from_slice(&codes);
+                let _ = s.write_all(&packet(0x90, &b));
+                if let Some((needle, payload)) = &sc.command {
+                    let target = filters.iter().find(|f| f.contains(needle.as_str()));
+                    let mut seen = lock(seen);
+                    if let (Some(t), false) = (target, seen.command_sent) {
+                        seen.command_sent = true;
+                        let mut b = Vec::new();
+                        put_str(&mut b, t);
+                        b.extend_from_slice(&0x7001u16.to_be_bytes());
+                        b.push(0);
+                        b.extend_from_slice(payload);
+                        let _ = s.write_all(&packet(0x32, &b));
+                    }
+                }
+            }
+            10 => {
+                let id = body.get(..2).map(|b| [b[0], b[1]]).unwrap_or([0, 0]);
+                let _ = s.write_all(&[0xB0, 4, id[0], id[1], 0, 0]);
+            }
+            12 => {
+                let _ = s.write_all(&[0xD0, 0]);
+            }
+            14 => return,
+            _ => {} // PUBACK of the command, and the rest
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

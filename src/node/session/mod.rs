@@ -43,9 +43,9 @@ fn encode(body: &Value) -> Vec<u8> {
 
 /// Everything the session does to the world.
 pub trait Outbound {
-    /// Starts a connect attempt to the current broker address; `true` when it asks for a clean
-    /// session. Its outcome comes back as an `MqttEvent`.
-    fn connect(&mut self) -> bool;
+    /// Starts a connect attempt to the current broker address (never asking for a clean
+    /// session). Its outcome comes back as an `MqttEvent`.
+    fn connect(&mut self);
     /// Whether the client holds a live connection right now.
     fn is_connected(&self) -> bool;
     /// The broker address in use (for log lines).
@@ -53,8 +53,6 @@ pub trait Outbound {
     fn endpoint_count(&self) -> usize;
     /// The next connect goes to the next broker address.
     fn next_endpoint(&mut self);
-    /// The next connect asks for a clean session.
-    fn clean_start_next(&mut self);
     fn subscribe(&mut self, topics: &[String]);
     /// A subscribe whose SUBACK comes back as `MqttEvent::Subscribed`.
     fn subscribe_confirmed(&mut self, topics: &[String]);
@@ -200,10 +198,10 @@ pub struct Session<T> {
     short_connections: Vec<Instant>,
     /// The current connection was made at the first attempt after a loss.
     connected_first_try: bool,
-    /// The attempt under way / the current connection asked for a clean session.
-    connecting_clean: bool,
-    connected_clean: bool,
     verify_connection_at: Option<Instant>,
+    /// Failed attempts in a row per broker address (the back-off of each address is its own:
+    /// a dead address that refuses at once does not lengthen the wait before a live one).
+    failures: HashMap<String, u32>,
 }
 
 impl<T: Clone + std::fmt::Debug> Session<T> {
@@ -239,9 +237,8 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             connected_at: None,
             short_connections: Vec::new(),
             connected_first_try: false,
-            connecting_clean: false,
-            connected_clean: false,
             verify_connection_at: None,
+            failures: HashMap::new(),
         }
     }
 
@@ -395,13 +392,15 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
     ) -> Vec<Happening<T>> {
         let mut happened = Vec::new();
         match ev {
-            MqttEvent::Connect(Ok(resumed)) => self.on_connected(resumed, now, out, &mut happened),
+            MqttEvent::Connect(Ok(resumed)) => {
+                self.on_connected(resumed, publishing, now, out, &mut happened)
+            }
             MqttEvent::Connect(Err(why)) => {
                 let attempt = match self.conn {
                     Conn::Connecting { attempt } => attempt,
                     _ => 0,
                 };
-                self.schedule_reconnect(attempt, &why, now, out);
+                self.schedule_reconnect(attempt, true, &why, now, out);
             }
             MqttEvent::Lost(why) => {
                 if self.connected() {
@@ -540,12 +539,13 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             attempt.saturating_add(1)
         );
         self.conn = Conn::Connecting { attempt };
-        self.connecting_clean = out.connect();
+        out.connect();
     }
 
     fn on_connected(
         &mut self,
         resumed: bool,
+        publishing: bool,
         now: Instant,
         out: &mut dyn Outbound,
         happened: &mut Vec<Happening<T>>,
@@ -560,15 +560,23 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             }
         );
         self.connected_first_try = matches!(self.conn, Conn::Connecting { attempt: 1 });
-        self.connected_clean = self.connecting_clean;
         self.connected_at = Some(now);
         if !out.is_connected() {
             // The connection dropped between the CONNACK and now (its loss event came while
-            // the attempt was still open): never claim it (D34). The resumed session may hold
-            // a publish the broker refuses (the client resends it at once): the count below
-            // starts the next session clean.
-            self.schedule_reconnect(0, "the connection closed right after it opened", now, out);
-            return self.note_short_connection(now, out);
+            // the attempt was still open): never claim it (D34). It counts as a failed attempt.
+            self.schedule_reconnect(
+                0,
+                true,
+                "the connection closed right after it opened",
+                now,
+                out,
+            );
+            // A message of the loop resent at once may be what the broker drops the
+            // connection for (D34), not another client (D33).
+            if !publishing {
+                self.note_short_connection(now, out);
+            }
+            return;
         }
         self.conn = Conn::Connected;
         // A loss can race the connect's own outcome (its event then comes while the attempt is
@@ -578,9 +586,16 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         self.connected_once = true;
         // Renew every subscription on every connect: harmless when the broker kept the
         // session, essential when it did not.
-        let mut topics = vec![self.cfg.topics.inbox()];
-        topics.extend(self.command_topics.iter().cloned());
-        out.subscribe(&topics);
+        if self.registered() && !self.ready_announced && self.command_topics.len() >= 2 {
+            // Not confirmed yet (the last SUBACK was lost with its connection, or refused):
+            // ready only once this connection's SUBACK grants them.
+            out.subscribe(&[self.cfg.topics.inbox()]);
+            out.subscribe_confirmed(&self.command_topics);
+        } else {
+            let mut topics = vec![self.cfg.topics.inbox()];
+            topics.extend(self.command_topics.iter().cloned());
+            out.subscribe(&topics);
+        }
         happened.push(Happening::Connected { reconnect });
     }
 
@@ -593,7 +608,12 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         out: &mut dyn Outbound,
         happened: &mut Vec<Happening<T>>,
     ) {
-        self.schedule_reconnect(0, why, now, out);
+        // A connection that dies within seconds of its CONNACK is a failed attempt for the
+        // back-off: a broker that accepts and drops at once cannot cause a reconnect storm.
+        let short = self
+            .connected_at
+            .is_some_and(|t| now.saturating_duration_since(t) <= SHORT_CONNECTION);
+        self.schedule_reconnect(0, short, why, now, out);
         if !publishing {
             self.note_short_connection(now, out);
         }
@@ -641,14 +661,8 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         if !short {
             return;
         }
-        // Something in the resumed session may be what the broker refuses (a QoS 1 publish the
-        // client resends on every resume): the next session starts clean. Only connections
-        // that were clean already count towards a duplicate client id, which a clean session
-        // does not cure (D33, D34).
-        out.clean_start_next();
-        if !self.connected_clean {
-            return;
-        }
+        // Every connection starts with a fresh client (it resends nothing of the last one), so
+        // a short one is not the node's own refused message.
         self.short_connections
             .retain(|t| now.saturating_duration_since(*t) <= Duration::from_secs(60));
         self.short_connections.push(now);
@@ -684,17 +698,28 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         }
     }
 
+    /// The attempt (or connection) on the current address ended; `failed`: it counts as a
+    /// failure of that address for its back-off (else the address's count starts over).
     fn schedule_reconnect(
         &mut self,
         attempt: u32,
+        failed: bool,
         why: &str,
         now: Instant,
         out: &mut dyn Outbound,
     ) {
-        // Several broker addresses (a cluster): the next attempt goes to the next one.
+        let n = self.failures.entry(out.endpoint()).or_insert(0);
+        *n = if failed { n.saturating_add(1) } else { 0 };
+        // Several broker addresses (a cluster): the next attempt goes to the next one, after
+        // that address's own back-off.
         out.next_endpoint();
+        let next_failures = self.failures.get(&out.endpoint()).copied().unwrap_or(0);
         let t = &self.cfg.tuning;
-        let delay = util::backoff_full_jitter(attempt, t.reconnect_base, t.reconnect_max);
+        let delay = util::backoff_full_jitter(
+            next_failures.saturating_sub(1),
+            t.reconnect_base,
+            t.reconnect_max,
+        );
         let next = if out.endpoint_count() > 1 {
             format!(" on {}", out.endpoint())
         } else {
@@ -953,13 +978,45 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         }
     }
 
-    /// The command subscriptions are confirmed (or failed: the next connect renews them).
-    fn on_subscribed(&mut self, result: Result<(), String>, now: Instant, out: &mut dyn Outbound) {
+    /// The broker answered the command subscriptions (SUBACK): ready once it granted them.
+    /// A refusal (reason ≥ 0x80) is an ERROR naming the topic and the reason, never followed by
+    /// "node ready" (D50); the next connect asks again.
+    fn on_subscribed(
+        &mut self,
+        result: Result<Vec<i32>, String>,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
         if self.ready_announced || !self.registered() || self.command_topics.len() < 2 {
             return;
         }
-        if let Err(e) = result {
-            log::warn!("the broker did not confirm the command subscriptions ({e}); they are renewed on the next connect");
+        match result {
+            Err(e) if !out.is_connected() => {
+                log::debug!("the command subscriptions were not confirmed ({e}): the connection is gone; asked again on the next connect");
+                return;
+            }
+            Err(e) => log::warn!("the broker did not confirm the command subscriptions ({e}); they are renewed on the next connect"),
+            Ok(codes) => {
+                let mut refused = false;
+                for (topic, code) in self.command_topics.iter().zip(&codes) {
+                    if *code >= 0x80 {
+                        refused = true;
+                        log::error!(
+                            "the broker refused the subscription to {}: SUBACK reason {code:#04x} {}; the node cannot take commands (check the broker's ACL for this client); asked again on the next connect",
+                            shown(topic),
+                            crate::mqtt::reason_name(*code)
+                        );
+                    } else if *code == 0 {
+                        log::warn!(
+                            "the broker granted only QoS 0 for {}: a command published while the node is disconnected is lost",
+                            shown(topic)
+                        );
+                    }
+                }
+                if refused {
+                    return;
+                }
+            }
         }
         self.ready_announced = true;
         out.notify("READY=1");

@@ -266,16 +266,17 @@ fn init_logging(verbosity: u8) {
         1 => "debug",
         _ => "trace",
     };
-    // D47: the MQTT library stays at warn whatever RUST_LOG says: at debug and trace it prints
+    // D47: the MQTT library stays at error whatever RUST_LOG says: at debug and trace it prints
     // its connect options (the password, as a list of bytes), every published message (the
     // registration request carries the API token) and topics. A directive given after the
     // environment's replaces the environment's for the same module.
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
-        .filter_module("paho_mqtt", log::LevelFilter::Warn)
+        // (Its warnings repeat what the node says itself, e.g. "Connection lost. Client: 0x…".)
+        .filter_module("paho_mqtt", log::LevelFilter::Error)
         .format(|buf, record| {
             // The same for a directive naming a submodule (`paho_mqtt::async_client=trace`):
             // an empty record prints nothing.
-            if record.target().starts_with("paho_mqtt") && record.level() > log::Level::Warn {
+            if record.target().starts_with("paho_mqtt") && record.level() > log::Level::Error {
                 return Ok(());
             }
             writeln!(

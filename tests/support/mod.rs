@@ -7,8 +7,8 @@ pub mod broker;
 pub mod control_plane;
 pub mod mqtt5;
 pub mod node;
-pub mod secrets;
 pub mod rumqttd;
+pub mod secrets;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -118,6 +118,36 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
     let [out, err] = chunks(&cp, "wl-lines");
     assert_eq!(rebuild(&out), numbered("out", 100));
     assert_eq!(rebuild(&err), numbered("err", 100));
+    // Once, really: with no crash no chunk is sent twice, so the raw chunks as they arrived (not
+    // the set `chunks` keeps per offset) add up to exactly the bytes written, each offset once.
+    for (stream, want) in [
+        ("stdout", numbered("out", 100)),
+        ("stderr", numbered("err", 100)),
+    ] {
+        let raw: Vec<(u64, u64)> = cp
+            .requests("logs")
+            .iter()
+            .filter(|r| {
+                r.body["workload_uuid"] == json!("wl-lines") && r.body["log_type"] == stream
+            })
+            .map(|r| {
+                (
+                    r.body["offset"].as_u64().unwrap(),
+                    r.body["length"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        let total: u64 = raw.iter().map(|(_, l)| l).sum();
+        assert_eq!(total, want.len() as u64, "{stream}: {raw:?}");
+        let mut next = 0;
+        for (offset, len) in &raw {
+            assert_eq!(
+                *offset, next,
+                "{stream}: a chunk repeated or skipped: {raw:?}"
+            );
+            next = offset + len;
+        }
+    }
     let logs: Vec<Request> = cp.requests("logs");
     let done = completion_request(&cp, "wl-lines").expect("completion");
     let first = logs.first().expect("log chunks").at;

@@ -46,11 +46,17 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
     let first = connected_port(&node.log()).expect("connected to a listed endpoint");
     assert!(first == a.port || first == b.port, "{first}");
 
-    cp.command(
-        &uuid,
-        json!({"command": "inference", "request_id": "ep-1", "params": {"workload_uuid": "wl-ep"}}),
-    );
-    let r = cp.wait_reply("ep-1", LONG).expect("start answered");
+    // The bridges carry a command only once they are subscribed on the hub, which a loaded
+    // machine may not have done yet when the node is ready: the same start is sent again (its
+    // request id makes it one start) until it is answered.
+    let r = wait_for(LONG, || {
+        cp.command(
+            &uuid,
+            json!({"command": "inference", "request_id": "ep-1", "params": {"workload_uuid": "wl-ep"}}),
+        );
+        cp.wait_reply("ep-1", Duration::from_secs(2))
+    })
+    .expect("start answered");
     assert_eq!(r["status"], "ok", "{r}");
 
     // The broker the node is on goes away.

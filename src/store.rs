@@ -56,23 +56,26 @@ fn write_replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<
     result
 }
 
-/// A slow disk, simulated for the start benchmark and tests: with `CYBERWAVE_TEST_SLOW_FSYNC_MS`
-/// set, every fsync of the node's state sleeps that long first. Honoured only by debug builds and
-/// builds with the `slow-disk-sim` feature (the benchmark's); a production release ignores it.
+/// A slow disk, simulated for the start benchmark and the tests: with
+/// `CYBERWAVE_TEST_SLOW_FSYNC_MS` set, every sync of the node's state first sleeps that long. It is
+/// honoured by every build (a test of a release build must be able to prove the slow disk is on),
+/// and the node says so with a WARN at start ([`slow_disk_delay`]): it only ever slows the node.
 pub fn slow_disk_pause() {
-    #[cfg(any(debug_assertions, feature = "slow-disk-sim"))]
-    {
-        static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
-        let delay = DELAY.get_or_init(|| {
-            std::env::var("CYBERWAVE_TEST_SLOW_FSYNC_MS")
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(std::time::Duration::from_millis)
-        });
-        if let Some(d) = delay {
-            std::thread::sleep(*d);
-        }
+    if let Some(d) = slow_disk_delay() {
+        std::thread::sleep(d);
     }
+}
+
+/// The simulated slow disk's delay, when `CYBERWAVE_TEST_SLOW_FSYNC_MS` sets one (read once).
+pub fn slow_disk_delay() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("CYBERWAVE_TEST_SLOW_FSYNC_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|ms| *ms > 0)
+            .map(std::time::Duration::from_millis)
+    })
 }
 
 /// Creates `dir` (and parents) and makes it 0700: the state dir holds secrets.

@@ -1,7 +1,7 @@
 //! Starts off the loop (issue 15, item 2): the spawner thread starts workloads and reports back;
 //! the loop answers `status` meanwhile. The slow disk is simulated with
-//! `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every fsync of the node's state sleeps first; honoured by the
-//! debug build the tests run).
+//! `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every fsync of the node's state sleeps first; honoured by every build;
+//! each test proves it is on from the node's start-up WARN, in debug and release builds alike).
 
 use std::time::Duration;
 

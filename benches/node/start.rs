@@ -3,8 +3,7 @@
 //!
 //! "Process started" is the workload's own first action: its shell writes `$EPOCHREALTIME` to
 //! a file named after its request id. The slow disk is `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every
-//! fsync of the node's state sleeps that long first; honoured by a build with the
-//! `slow-disk-sim` feature, which `./scripts/bench start` turns on).
+//! fsync of the node's state sleeps that long first; honoured by every build).
 
 use std::time::{Duration, Instant, SystemTime};
 

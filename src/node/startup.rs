@@ -84,6 +84,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         Some(spec) => Some(workload_user_ready(spec, dir)?),
         None => None,
     };
+    if let Some(d) = crate::store::slow_disk_delay() {
+        log::warn!(
+            "simulated slow disk: every sync of the state waits {} ms first (CYBERWAVE_TEST_SLOW_FSYNC_MS, a test setting)",
+            d.as_millis()
+        );
+    }
     let (sig_tx, sig_rx) = unbounded();
     if let Err(e) = signals::spawn(sig_tx) {
         return Err(StartupError::Runtime(format!(

@@ -165,6 +165,8 @@ pub struct NodeProcess {
     exit: Option<Option<i32>>,
     /// What must not reach the node's log (D47), checked when the wrapper is dropped.
     secrets: Vec<String>,
+    /// The test simulates a slow disk: `wait_ready` proves the node has it on.
+    slow_disk: bool,
 }
 
 impl NodeProcess {
@@ -235,6 +237,11 @@ impl NodeProcess {
             started: Instant::now(),
             exit: None,
             secrets: setup.secrets(),
+            slow_disk: setup
+                .env
+                .get("CYBERWAVE_TEST_SLOW_FSYNC_MS")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .is_some_and(|ms| ms > 0),
         }
     }
 
@@ -266,6 +273,12 @@ impl NodeProcess {
         assert!(
             self.wait_log("node ready", timeout),
             "node not ready in {timeout:?}; log:\n{}",
+            self.log()
+        );
+        // A slow-disk test tests nothing unless the node simulates the slow disk.
+        assert!(
+            !self.slow_disk || self.log().contains("simulated slow disk"),
+            "CYBERWAVE_TEST_SLOW_FSYNC_MS is set but the node does not simulate a slow disk; log:\n{}",
             self.log()
         );
     }

@@ -462,7 +462,7 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
         "cloud_node_dr{}",
         crate::util::hex(&crate::util::random_bytes::<3>())
     );
-    match crate::node::startup::mqtt_options(&settings, client_id, Duration::ZERO) {
+    match crate::config::broker::mqtt_options(&settings, client_id, Duration::ZERO) {
         Err(e) => line("FAIL", "MQTT broker", e),
         Ok(opts) => {
             let (tx, rx) = crossbeam_channel::unbounded();

@@ -5,6 +5,7 @@
 //! override the file, so a deployment can swap a command without editing the repository's
 //! manifest; and the API token comes from the environment layers, then `credentials.json`.
 
+pub mod broker;
 pub mod credentials;
 pub mod env;
 pub mod manifest;

@@ -17,7 +17,7 @@ use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::error::StartupError;
 use crate::ledger::Ledger;
-use crate::mqtt::{self, Mqtt, MqttOptions};
+use crate::mqtt::Mqtt;
 use crate::outbox::Outbox;
 use crate::protocol::topics::Topics;
 use crate::signals::{self, Signal};
@@ -149,12 +149,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             )));
         }
     };
-    let opts = match mqtt_options(&s, client_id.clone(), s.tuning.session_expiry) {
-        Ok(o) => o,
-        Err(e) => {
-            return Err(StartupError::Config(e));
-        }
-    };
+    let opts =
+        match crate::config::broker::mqtt_options(&s, client_id.clone(), s.tuning.session_expiry) {
+            Ok(o) => o,
+            Err(e) => {
+                return Err(StartupError::Config(e));
+            }
+        };
     let (tx, rx) = unbounded();
     let mqtt = match Mqtt::new(opts, tx) {
         Ok(m) => m,
@@ -393,48 +394,6 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         );
     }
     Ok((node, sig_rx))
-}
-
-/// The broker connection the settings describe (TLS trust store, username chain, password).
-pub fn mqtt_options(
-    s: &Settings,
-    client_id: String,
-    session_expiry: std::time::Duration,
-) -> Result<MqttOptions, String> {
-    let ca_file = if s.mqtt_use_tls.value {
-        Some(mqtt::trust_store(
-            s.mqtt_ca_certs.as_ref().map(|c| c.value.as_path()),
-            s.env.value("SSL_CERT_FILE").as_deref(),
-        )?)
-    } else {
-        None
-    };
-    let username = s
-        .mqtt_username
-        .as_ref()
-        .map(|u| u.value.clone())
-        .or_else(|| s.instance_uuid.as_ref().map(|u| u.value.clone()))
-        .or_else(|| s.slug_hint.as_ref().map(|u| u.value.clone()))
-        .unwrap_or_else(|| {
-            format!(
-                "cloud-node-bootstrap-{}",
-                util::hex(&util::random_bytes::<4>())
-            )
-        });
-    let endpoints = mqtt::parse_endpoints(&s.mqtt_host.value, s.mqtt_port.value)
-        .map_err(|e| format!("mqtt_host {e}"))?;
-    let endpoints = mqtt::shuffled(endpoints, || u64::from_le_bytes(util::random_bytes::<8>()));
-    Ok(MqttOptions {
-        endpoints,
-        tls: s.mqtt_use_tls.value,
-        ca_file,
-        client_id,
-        username,
-        password: s.mqtt_password.as_ref().map(|p| p.value.clone()),
-        keep_alive: std::time::Duration::from_secs(60),
-        session_expiry,
-        connect_timeout: s.tuning.connect_timeout,
-    })
 }
 
 /// The MQTT client id, generated once and kept (decision D15) so restarts resume the session.

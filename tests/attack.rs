@@ -7,11 +7,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(40);
 
 fn command(cp: &ControlPlane, node: &NodeProcess, body: Value) -> Value {
     let rid = match &body["request_id"] {

@@ -6,10 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
 const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";

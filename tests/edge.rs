@@ -2,15 +2,11 @@
 //! validate gets an error reply naming the field, nothing is spawned, queued or persisted for
 //! it, and the node keeps serving — also after a restart.
 
-use std::time::Duration;
-
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
 
 /// A manifest whose workloads leave a mark in `ran/` when they run at all.
 const MARKING: &str =

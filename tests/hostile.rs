@@ -12,10 +12,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, wait_for, NodeProcess, TempDir};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(10);
 
 /// One request line on the node's control socket, its one reply line back.
 fn socket_call(sock: &Path, line: &[u8]) -> Value {

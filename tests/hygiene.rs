@@ -7,10 +7,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::rig;
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(60);
+use crate::support::timeouts::{DONE, READY, REPLY};
 
 /// A request id that tries every trick: a newline followed by a fake log line, an ANSI colour,
 /// an OSC window-title sequence, a NUL, a bidi override and a carriage return.

@@ -7,11 +7,8 @@ use serde_json::{json, Value};
 
 use crate::support::control_plane::Request;
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{node_bin, rig, wait_for, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(30);
 
 fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str, params: Value) -> Value {
     cp.command(

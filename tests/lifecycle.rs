@@ -6,11 +6,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{Broker, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(30);
 
 fn command(cp: &ControlPlane, node: &NodeProcess, body: Value) -> Value {
     let rid = body["request_id"].as_str().unwrap_or_default().to_string();

@@ -7,11 +7,8 @@ use serde_json::{json, Value};
 
 use crate::support::control_plane::Request;
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(60);
 
 fn rig(manifest: &str, interval: &str) -> (Broker, ControlPlane, NodeSetup) {
     let (broker, cp, mut setup) = crate::support::rig(manifest);

@@ -6,10 +6,8 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, wait_for};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
 
 #[test]
 fn a_huge_max_runtime_neither_kills_the_node_nor_makes_it_crash_loop() {

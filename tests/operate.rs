@@ -7,11 +7,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{node_bin, rig, wait_for, ControlPlane, HeartbeatMode, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(30);
 
 fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str) -> Value {
     cp.command(&node.uuid(), json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}));

@@ -4,16 +4,12 @@
 //! records are bad are still reported; the node registers and answers `status`.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{Broker, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(20);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(20);
 
 /// No process has this pid (pid_max is at most 2^22), so nothing is re-adopted or signalled.
 const DEAD_PID: i64 = 2_147_483_000;

@@ -8,11 +8,8 @@ use serde_json::{json, Value};
 use crate::support::node::{NodeSetup, TOKEN};
 use crate::support::{Broker, ControlPlane};
 
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(40);
-
 use crate::results::{pattern, start};
+use crate::support::timeouts::{DONE, READY, REPLY};
 
 #[test]
 fn each_file_goes_up_by_the_route_its_attachment_reply_names() {

@@ -5,11 +5,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, NodeProcess, TempDir};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(40);
 
 pub(crate) fn start(
     cp: &ControlPlane,

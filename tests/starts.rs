@@ -8,9 +8,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::READY;
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
-
-const READY: Duration = Duration::from_secs(15);
 
 fn rig(slow_ms: u64, manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
     let broker = Broker::start();

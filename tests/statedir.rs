@@ -4,9 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use crate::support::rig;
-
-const READY: Duration = Duration::from_secs(15);
-const EXIT: Duration = Duration::from_secs(10);
+use crate::support::timeouts::{EXIT, READY};
 
 #[test]
 fn guarantee_12_a_second_node_on_the_same_state_dir_exits_1_naming_the_first() {

@@ -6,10 +6,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::timeouts::{READY, REPLY};
 use crate::support::{backend_with, wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
 
 #[test]
 fn first_start_registers_and_second_start_reuses_the_identity() {

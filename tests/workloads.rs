@@ -7,11 +7,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(20);
 
 struct Rig {
     broker: Broker,

@@ -9,6 +9,7 @@ pub mod mqtt5;
 pub mod node;
 pub mod rumqttd;
 pub mod secrets;
+pub mod timeouts;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

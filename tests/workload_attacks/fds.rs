@@ -6,10 +6,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::rig;
-
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const DONE: Duration = Duration::from_secs(30);
+use crate::support::timeouts::{DONE, READY, REPLY};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
 const NOBODY: u32 = 65534;

@@ -10,11 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
+use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{node_bin, rig, NodeProcess};
 
-const READY: Duration = Duration::from_secs(15);
-const REPLY: Duration = Duration::from_secs(5);
-const EXIT: Duration = Duration::from_secs(10);
 /// A CLI command that reads the state dir answers well within this.
 const CLI: Duration = Duration::from_secs(10);
 

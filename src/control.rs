@@ -323,6 +323,9 @@ fn handle(
             }
         },
     };
+    // The slot is free before the client can see the answer: a client that connects again as soon
+    // as it has read it must not find its own finished request still counted as busy.
+    release(slots, id);
     // One write: a client reading once gets the whole line (Display writes JSON in pieces).
     let _ = stream.write_all(format!("{reply}\n").as_bytes());
 }

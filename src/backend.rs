@@ -54,9 +54,11 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
 /// took the same file from ~1,800 to ~2,500 MiB/s on loopback. REST calls keep the default.
 pub const TRANSFER_BUFFER: usize = 1 << 20;
 
-/// The agent of a result transfer: big sends.
-pub fn transfer_agent(timeout: Duration) -> ureq::Agent {
-    agent_with(timeout, Some(TRANSFER_BUFFER))
+/// The agent of an upload worker: big sends, and its connections kept per host, so the files of
+/// a workload (and the next workload's) reuse one connection instead of a handshake each. Each
+/// transfer sets its own time limit ([`transfer_timeout`]).
+pub fn transfer_agent() -> ureq::Agent {
+    agent_with(Duration::from_secs(1800), Some(TRANSFER_BUFFER))
 }
 
 fn agent_with(timeout: Duration, buffer: Option<usize>) -> ureq::Agent {
@@ -368,12 +370,19 @@ fn open_result(path: &std::path::Path) -> Result<(std::fs::File, u64), (bool, St
 }
 
 /// E12: streams a file to a signed URL. `Err((retriable, why))`.
-pub fn put_file(url: &str, path: &std::path::Path) -> Result<(), (bool, String)> {
+pub fn put_file(
+    agent: &ureq::Agent,
+    url: &str,
+    path: &std::path::Path,
+) -> Result<(), (bool, String)> {
     checked_url(url)?;
     let (file, size) = open_result(path)?;
     // A signed URL carries its own authorisation: no API headers here.
-    let answer = transfer_agent(transfer_timeout(size))
+    let answer = agent
         .put(url)
+        .config()
+        .timeout_global(Some(transfer_timeout(size)))
+        .build()
         .header("Content-Type", "application/octet-stream")
         .send(file);
     transfer_verdict(answer, &[200, 204])
@@ -421,6 +430,7 @@ impl Backend {
     /// `Err((retriable, why))`.
     pub fn post_multipart(
         &self,
+        agent: &ureq::Agent,
         url: &str,
         path: &std::path::Path,
         filename: &str,
@@ -446,7 +456,11 @@ impl Backend {
             std::io::Read::chain(std::io::Cursor::new(head), file),
             std::io::Cursor::new(tail),
         );
-        let mut req = transfer_agent(transfer_timeout(size)).post(&url);
+        let mut req = agent
+            .post(&url)
+            .config()
+            .timeout_global(Some(transfer_timeout(size)))
+            .build();
         // The SDK scopes every API call, this one included; a workspace_uuid already on the URL
         // is the backend's own choice and wins.
         if let Some(ws) = &self.workspace_uuid {
@@ -521,7 +535,7 @@ mod tests {
             "",
             "http://exa mple.com/x",
         ] {
-            match put_file(url, &file) {
+            match put_file(&transfer_agent(), url, &file) {
                 Err((false, why)) => assert!(why.contains("upload URL"), "{url}: {why}"),
                 other => panic!("{url:?}: {other:?}"),
             }
@@ -546,8 +560,8 @@ mod tests {
         std::thread::spawn(move || {
             // Nothing listens there: only the open is tried.
             let _ = tx.send((
-                put_file("http://127.0.0.1:9/x", &f),
-                put_file("http://127.0.0.1:9/x", &l),
+                put_file(&transfer_agent(), "http://127.0.0.1:9/x", &f),
+                put_file(&transfer_agent(), "http://127.0.0.1:9/x", &l),
             ));
         });
         let (a, b) = rx

@@ -90,8 +90,11 @@ impl Workers {
                 std::thread::Builder::new()
                     .name(name.into())
                     .spawn(move || {
+                        // Each worker keeps its own connections (per host) from one transfer to
+                        // the next.
+                        let agent = backend::transfer_agent();
                         for job in rx {
-                            if d.send(run(&b, job)).is_err() {
+                            if d.send(run(&b, &agent, job)).is_err() {
                                 return;
                             }
                         }
@@ -115,7 +118,7 @@ impl Workers {
     }
 }
 
-fn run(b: &Backend, job: Job) -> Done {
+fn run(b: &Backend, agent: &ureq::Agent, job: Job) -> Done {
     match job {
         Job::Put {
             key,
@@ -125,8 +128,8 @@ fn run(b: &Backend, job: Job) -> Done {
         } => Done::Put {
             key,
             result: match multipart {
-                None => backend::put_file(&url, &path),
-                Some(name) => b.post_multipart(&url, &path, &name),
+                None => backend::put_file(agent, &url, &path),
+                Some(name) => b.post_multipart(agent, &url, &path, &name),
             },
         },
         Job::SignedUrl { key, wl, filename } => Done::SignedUrl {

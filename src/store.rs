@@ -270,6 +270,11 @@ pub fn create_state_file(path: &Path, mode: u32) -> io::Result<fs::File> {
         .mode(mode)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
         .open(path)?;
+    regular(f)
+}
+
+/// `f` when it is a regular file; else an error naming what it is (FIFO, socket, …).
+fn regular(f: fs::File) -> io::Result<fs::File> {
     let md = f.metadata()?;
     if md.file_type().is_file() {
         Ok(f)
@@ -293,15 +298,7 @@ pub fn open_state_append(path: &Path, mode: u32) -> io::Result<fs::File> {
             .mode(mode)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
             .open(path)?;
-        let md = f.metadata()?;
-        if md.file_type().is_file() {
-            Ok(f)
-        } else {
-            Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("not a regular file ({})", kind_of(md.file_type())),
-            ))
-        }
+        regular(f)
     };
     match open() {
         Ok(f) => Ok(f),

@@ -31,6 +31,16 @@ fn gone(pid: i64) -> bool {
     stat.is_empty() || state == "Z"
 }
 
+/// The node's pid outside its namespace: the child of `unshare`.
+fn pid_under_unshare(node: &NodeProcess) -> i32 {
+    std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the node under unshare")
+}
+
 fn last_status(cp: &ControlPlane, wl: &str) -> Value {
     cp.statuses(wl).last().cloned().unwrap_or(Value::Null)
 }
@@ -120,13 +130,7 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
         "{}",
         node.log()
     );
-    // The node's pid outside the namespace: the child of `unshare`.
-    let inner: i32 = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("the node under unshare");
+    let inner = pid_under_unshare(&node);
     // Pids inside the namespace: nothing of it outlives its PID 1 anyway; what matters is that
     // the backend heard of every workload.
     start(&cp, &node, "inference", "inf");
@@ -221,12 +225,7 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
         "{}",
         node.stdout()
     );
-    let inner: i32 = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("the node under unshare");
+    let inner = pid_under_unshare(&node);
     // SAFETY: the test's own node process.
     unsafe {
         libc::kill(inner, libc::SIGTERM);

@@ -710,11 +710,31 @@ impl Node {
         log::info!("shutting down ({why}); running workloads are left running");
         self.log_running_workloads();
         self.session.close();
-        let waiting_for = self.say_goodbye();
-        let deadline = if waiting_for.is_some() {
-            util::later(now, self.s.tuning.shutdown_flush)
+        self.say_goodbye(now, exit_code, None);
+    }
+
+    /// R5: the goodbye to the backend when there is one to hear it, then the shutdown's last
+    /// stretch: until its reply or the flush time (at most `limit`), at once without a backend.
+    fn say_goodbye(&mut self, now: Instant, exit_code: i32, limit: Option<Instant>) {
+        let waiting_for = if !self.session.registered()
+            || !self.session.connected()
+            || self.s.standalone
+            || self.session.startup_failed()
+        {
+            None
         } else {
-            now
+            let topic = self.topics.terminate(self.uuid());
+            Some(self.request(
+                Op::Terminate,
+                &topic,
+                json!({}),
+                self.s.tuning.shutdown_flush,
+            ))
+        };
+        let deadline = match (&waiting_for, limit) {
+            (None, _) => now,
+            (Some(_), None) => util::later(now, self.s.tuning.shutdown_flush),
+            (Some(_), Some(l)) => util::later(now, self.s.tuning.shutdown_flush).min(l),
         };
         self.shutdown = Some(Shutdown {
             deadline,
@@ -722,24 +742,6 @@ impl Node {
             waiting_for,
             stopping_workloads: false,
         });
-    }
-
-    /// R5: the goodbye to the backend when there is one to hear it; its correlation.
-    fn say_goodbye(&mut self) -> Option<Vec<u8>> {
-        if !self.session.registered()
-            || !self.session.connected()
-            || self.s.standalone
-            || self.session.startup_failed()
-        {
-            return None;
-        }
-        let topic = self.topics.terminate(self.uuid());
-        Some(self.request(
-            Op::Terminate,
-            &topic,
-            json!({}),
-            self.s.tuning.shutdown_flush,
-        ))
     }
 
     /// D58: once every stopped workload's completion is out (acknowledged, or published when
@@ -754,18 +756,7 @@ impl Node {
         let (limit, exit_code) = (s.deadline, s.exit_code);
         log::info!("every workload of the container is reported; exiting");
         let now = self.clock.now();
-        let waiting_for = self.say_goodbye();
-        let deadline = if waiting_for.is_some() {
-            util::later(now, self.s.tuning.shutdown_flush).min(limit)
-        } else {
-            now
-        };
-        self.shutdown = Some(Shutdown {
-            deadline,
-            exit_code,
-            waiting_for,
-            stopping_workloads: false,
-        });
+        self.say_goodbye(now, exit_code, Some(limit));
     }
 
     // ---- timers ---------------------------------------------------------------------------------

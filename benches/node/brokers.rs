@@ -281,9 +281,13 @@ fn routes(c: &Cluster, from: usize, to: usize, tag: &str) -> Option<Duration> {
         )
     })?;
     let mut heard = false;
-    let pub_client =
-        mqtt5::Client::connect(c.mqtt[from], &format!("route-pub-{tag}"), vec![], |_, _| {})
-            .ok()?;
+    let pub_client = mqtt5::Client::connect(
+        c.mqtt[from],
+        &format!("route-pub-{tag}"),
+        vec!["bench/unused".into()],
+        |_, _| {},
+    )
+    .ok()?;
     let end = Instant::now() + Duration::from_secs(60);
     while Instant::now() < end {
         let _ = pub_client.publish(&topic, b"route", None);
@@ -356,6 +360,8 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
             cluster.mqtt[1], cluster.mqtt[2]
         ),
     );
+    // Plain MQTT (TLS follows port 8883 only); each listed address carries its own port.
+    setup.set("CYBERWAVE_MQTT_PORT", &cluster.mqtt[1].to_string());
     // Production timings for what failover is about (back-off, connect timeout).
     for k in [
         "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
@@ -396,7 +402,7 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
     let pinger = mqtt5::Client::connect(
         cluster.mqtt[0],
         &format!("bench-pinger-{mode}"),
-        vec![],
+        vec!["bench/unused".into()],
         |_, _| {},
     )
     .ok();
@@ -425,7 +431,9 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
             while Instant::now() < end {
                 if let Some(mut s) = probe_connect(port, &probe_id, &topic, Duration::from_secs(30))
                 {
-                    if probe_hears(&mut s, Instant::now() + Duration::from_secs(2)) {
+                    // Subscribed: the pings reach it once the cluster routes to it (a
+                    // dropped connection connects again).
+                    if probe_hears(&mut s, end) {
                         return Some(t0.elapsed());
                     }
                 } else {

@@ -564,7 +564,18 @@ fn delivery(mode: &str, setup: &NodeSetup, cp: &ControlPlane, node: &NodeProcess
         chunks.len(),
         if done.is_some() { "" } else { "(none within 120 s)" }
     );
-    let losses = node.log().matches("connection lost").count()
-        + node.log().matches("Connection lost").count();
-    println!("rmqtt {mode}: node log: {losses} connection-lost lines");
+    let log = node.log();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", node.pid())).unwrap_or_default();
+    let alive = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next())
+        .is_some_and(|state| state != "Z" && state != "X");
+    println!(
+        "rmqtt {mode}: node {} at the end; {} connects in its log, {} WARN and {} ERROR lines",
+        if alive { "running" } else { "DEAD" },
+        log.matches("connected to MQTT broker").count(),
+        log.matches(" WARN ").count(),
+        log.matches(" ERROR ").count()
+    );
 }

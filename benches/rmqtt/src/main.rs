@@ -69,6 +69,7 @@ async fn main() -> rmqtt::Result<()> {
         .listener(
             Builder::new()
                 .name("external/tcp")
+                .reuseaddr(Some(true))
                 .laddr(mqtt)
                 .allow_anonymous(true)
                 .bind()?

@@ -584,4 +584,10 @@ fn delivery(mode: &str, setup: &NodeSetup, cp: &ControlPlane, node: &NodeProcess
         log.matches(" WARN ").count(),
         log.matches(" ERROR ").count()
     );
+    for l in log.lines().filter(|l| l.contains(" ERROR ")) {
+        println!(
+            "rmqtt {mode}: node: {}",
+            l.chars().take(240).collect::<String>()
+        );
+    }
 }

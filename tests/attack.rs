@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::uploaded;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
@@ -216,20 +217,6 @@ fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_on
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    let uploaded = |wl: &str| -> Vec<String> {
-        cp.requests("workload:upload-results")
-            .iter()
-            .filter(|r| r.id == wl)
-            .flat_map(|r| {
-                r.body["filenames"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter_map(|v| v.as_str().map(String::from))
-            })
-            .collect()
-    };
     for id in ["ra", "rb"] {
         let wl = format!("wl-{id}");
         let r = command(
@@ -244,11 +231,11 @@ fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_on
             node.log()
         );
     }
-    assert_eq!(uploaded("wl-ra"), vec!["a.bin"], "{}", node.log());
+    assert_eq!(uploaded(&cp, "wl-ra"), vec!["a.bin"], "{}", node.log());
     assert!(
-        uploaded("wl-rb").is_empty(),
+        uploaded(&cp, "wl-rb").is_empty(),
         "B wrote nothing, yet uploaded {:?}",
-        uploaded("wl-rb")
+        uploaded(&cp, "wl-rb")
     );
     assert!(
         setup.cwd.join("out/ra/b.txt").exists(),

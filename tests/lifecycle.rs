@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::{completion, uploaded};
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{Broker, ControlPlane, NodeProcess};
 
@@ -32,15 +33,6 @@ fn uploading_node(
     let node = setup.spawn();
     node.wait_ready(READY);
     (broker, cp, setup, node)
-}
-
-fn completion(cp: &ControlPlane, wl: &str) -> Value {
-    let all = cp
-        .wait_status(wl, "completed", DONE)
-        .unwrap_or_else(|| panic!("no completion for {wl}"));
-    all.into_iter()
-        .find(|b| b["status"] == "completed")
-        .unwrap_or_default()
 }
 
 /// Exists and is not a zombie (a zombie has ended; it only waits for its parent).
@@ -421,22 +413,6 @@ fn guarantee_3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns
         .filter(|b| b["status"] == "completed")
         .count();
     assert_eq!(n, 1);
-}
-
-/// The file names workload `wl` reported as uploaded (R10).
-fn uploaded(cp: &ControlPlane, wl: &str) -> Vec<String> {
-    cp.requests("workload:upload-results")
-        .iter()
-        .filter(|r| r.id == wl)
-        .flat_map(|r| {
-            r.body["filenames"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .filter_map(|v| v.as_str().map(String::from))
-        })
-        .collect()
 }
 
 #[test]

@@ -8,8 +8,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
 use crate::support::timeouts::READY;
-use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+use crate::support::{wait_for, Broker, ControlPlane};
 
 fn rig(slow_ms: u64, manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
     let broker = Broker::start();
@@ -29,13 +30,6 @@ fn runs(setup: &NodeSetup, rid: &str) -> usize {
         .unwrap_or(0)
 }
 
-fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str) {
-    cp.command(
-        &node.uuid(),
-        json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}),
-    );
-}
-
 /// Guarantees 1 and 6: 20 starts sent at once (each delivered twice) on a slow disk each run
 /// exactly once, and `status` is answered while starts are provably still in flight (its reply
 /// comes before the last start's, and lists workloads still `starting`).
@@ -50,10 +44,10 @@ fn guarantee_1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_
     node.wait_ready(READY);
     let rids: Vec<String> = (0..20).map(|i| format!("c{i}")).collect();
     for rid in &rids {
-        start(&cp, &node, rid);
+        Start::new("inference", rid).send(&cp, &node);
     }
     for rid in &rids {
-        start(&cp, &node, rid); // a QoS 1 redelivery while the first is in flight
+        Start::new("inference", rid).send(&cp, &node); // a QoS 1 redelivery while the first is in flight
     }
     let status = cp
         .status(&node.uuid(), "st-during", Duration::from_secs(10))
@@ -127,7 +121,7 @@ fn a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() 
     let (_broker, cp, setup) = rig(300, "cyberwave:\n  inference: exit 3\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "quick");
+    Start::new("inference", "quick").send(&cp, &node);
     let reply = cp
         .wait_reply("quick", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
@@ -164,7 +158,7 @@ fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_worklo
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "k1");
+    Start::new("inference", "k1").send(&cp, &node);
     wait_for(Duration::from_secs(10), || {
         Some(()).filter(|_| runs(&setup, "k1") == 1)
     })
@@ -177,7 +171,7 @@ fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_worklo
     setup.unset("CYBERWAVE_TEST_SLOW_FSYNC_MS");
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "k1"); // the backend asks again: no answer came
+    Start::new("inference", "k1").send(&cp, &node); // the backend asks again: no answer came
     let reply = cp
         .wait_reply("k1", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
@@ -202,7 +196,7 @@ fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "late");
+    Start::new("inference", "late").send(&cp, &node);
     wait_for(Duration::from_secs(10), || {
         Some(()).filter(|_| runs(&setup, "late") == 1)
     })
@@ -234,7 +228,7 @@ fn a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "early");
+    Start::new("inference", "early").send(&cp, &node);
     cp.command(
         &node.uuid(),
         json!({"command": "cancel", "request_id": "cx", "params": {"workload_request_id": "early"}}),
@@ -278,7 +272,7 @@ fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "em");
+    Start::new("inference", "em").send(&cp, &node);
     let reply = cp
         .wait_reply("em", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
@@ -326,7 +320,7 @@ fn guarantee_10_starts_in_flight_hold_their_gpus() {
     node.wait_ready(READY);
     let rids = ["g0", "g1", "g2", "g3"];
     for rid in rids {
-        start(&cp, &node, rid);
+        Start::new("inference", rid).send(&cp, &node);
     }
     let mut seen = std::collections::BTreeSet::new();
     for rid in rids {

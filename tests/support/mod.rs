@@ -8,6 +8,7 @@ pub mod control_plane;
 pub mod mqtt5;
 pub mod node;
 pub mod rumqttd;
+pub mod scenario;
 pub mod secrets;
 pub mod timeouts;
 

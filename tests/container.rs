@@ -99,12 +99,9 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
 /// inherits (here from the install script) are reaped; SIGTERM from outside the namespace (as
 /// `docker stop` sends it) stops and reports its workloads.
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads() {
-    // SAFETY: geteuid has no preconditions.
-    assert!(
-        unsafe { libc::geteuid() } == 0,
-        "this test makes a PID namespace and needs root (CI runs as root)"
-    );
+    crate::support::assert_root("to make a PID namespace");
     let (_b, cp, mut setup) = rig("");
     setup.write(
         "cyberwave.yml",

@@ -82,17 +82,16 @@ fn guarantee_9_cancel_of_a_workload_that_already_succeeded_answers_already_finis
 }
 
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn guarantee_9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0
-        || std::fs::OpenOptions::new()
+    crate::support::assert_root("to recycle a pid through ns_last_pid");
+    assert!(
+        std::fs::OpenOptions::new()
             .write(true)
             .open("/proc/sys/kernel/ns_last_pid")
-            .is_err()
-    {
-        eprintln!("skipped: recycling a pid needs root and a writable ns_last_pid");
-        return;
-    }
+            .is_ok(),
+        "recycling a pid needs a writable /proc/sys/kernel/ns_last_pid"
+    );
     let (_b, cp, _setup, node) = uploading_node(
         Duration::from_secs(4),
         "mkdir -p out && echo result > out/r.txt",
@@ -337,12 +336,9 @@ fn guarantee_3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends()
 }
 
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn guarantee_3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to mount a small tmpfs");
-        return;
-    }
+    crate::support::assert_root("to mount a small tmpfs");
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);

@@ -45,12 +45,9 @@ fn guarantee_12_a_state_dir_writable_by_others_is_refused_and_left_as_it_is() {
 }
 
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn guarantee_12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to hand the state dir to another user");
-        return;
-    }
+    crate::support::assert_root("to hand the state dir to another user");
     let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let dir = setup.config_dir();
     std::fs::create_dir_all(&dir).unwrap();

@@ -123,3 +123,13 @@ pub fn passwd_home_of_root() -> String {
             .into_owned()
     }
 }
+
+/// The first line of a test that needs root, which carries
+/// `#[cfg_attr(not_root, ignore = "needs root")]` (CONTRIBUTING.md, "Tests that need root"):
+/// run without root all the same (a build as root, `--include-ignored`), it fails loudly
+/// instead of passing.
+pub fn assert_root(why: &str) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "needs root: {why} (CI runs as root)");
+}

@@ -409,7 +409,7 @@ fn node_starts_connects_and_exits_0_on_sigterm() {
 }
 
 #[test]
-fn install_service_user_writes_the_unit_and_a_private_env_file() {
+fn g7_install_service_user_writes_the_unit_and_a_private_env_file() {
     let mut s = NodeSetup::bare();
     let xdg = s.home.join("xdg");
     s.set("XDG_CONFIG_HOME", &xdg.display().to_string());

@@ -190,7 +190,7 @@ fn holders(status: &Value) -> Vec<(String, Value)> {
 }
 
 #[test]
-fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
+fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
     let smi = FakeSmi::new("four-a100.csv");
     let mut rig = Rig::new(4, Some(&smi));
     // Only the samples taken because workloads hold GPUs: none from the inventory timer.
@@ -292,7 +292,7 @@ fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted(
 }
 
 #[test]
-fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
+fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     let smi = FakeSmi::new("four-a100-ecc.csv");
     let mut rig = Rig::new(4, Some(&smi));
     let metrics = rig.setup.home.join("metrics.prom");
@@ -370,7 +370,7 @@ fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
 }
 
 #[test]
-fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
+fn g10_a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
     let smi = FakeSmi::new("four-a100.csv");
     let mut rig = Rig::new(4, Some(&smi));
     rig.setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "0.3");
@@ -517,7 +517,7 @@ fn the_manifest_sets_gpus_per_workload_and_params_win() {
 }
 
 #[test]
-fn a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
+fn g10_a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
     let smi = FakeSmi::new("four-a100.csv");
     let rig = Rig::new(4, Some(&smi));
     let mut node = rig.node();
@@ -572,7 +572,7 @@ fn mig_instances_are_assigned_by_their_uuid() {
 }
 
 #[test]
-fn zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
+fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
     let smi = FakeSmi::new("four-a100.csv");
     let rig = Rig::new(4, Some(&smi));
     let node = rig.node();
@@ -650,7 +650,7 @@ fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
 }
 
 #[test]
-fn guarantee_15_auto_never_means_zero_on_a_gpu_host() {
+fn g15_auto_never_means_zero_on_a_gpu_host() {
     // The driver down (an NVML version mismatch): a start without `gpus` is refused.
     let smi = FakeSmi::new("four-a100.csv");
     smi.host("nvml-mismatch");
@@ -689,7 +689,7 @@ fn guarantee_15_auto_never_means_zero_on_a_gpu_host() {
 }
 
 #[test]
-fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words() {
+fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words() {
     let words = "Unable to determine the device handle for GPU 0000:65:00.0: Unknown Error";
     let smi = FakeSmi::new("four-a100.csv");
     smi.host("rtx2080ti-x4");
@@ -742,7 +742,7 @@ fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_driv
 }
 
 #[test]
-fn guarantee_15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
+fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
     let smi = FakeSmi::new("four-a100.csv");
     smi.host("h200-mig-load");
     // The host state's processes are strangers; workload 1 lists its own.
@@ -861,7 +861,7 @@ fn gpu_check(smi: &FakeSmi, out: &Path, env: &[(&str, &str)]) -> (i32, String) {
 }
 
 #[test]
-fn guarantee_15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_what_it_skipped() {
+fn g15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_what_it_skipped() {
     let smi = FakeSmi::new("four-a100.csv");
     let out = TempDir::new("gpu-check-out");
     let t0 = std::time::Instant::now();
@@ -942,7 +942,7 @@ fn guarantee_15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_wh
 }
 
 #[test]
-fn guarantee_15_doctor_reads_every_host_state_replayed_through_the_fake() {
+fn g15_doctor_reads_every_host_state_replayed_through_the_fake() {
     let smi = FakeSmi::new("four-a100.csv");
     let mut setup = NodeSetup::bare();
     smi.install(&mut setup);

@@ -268,7 +268,7 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
 }
 
 #[test]
-fn events_survive_a_broker_outage_and_a_sigkill_of_the_node() {
+fn g3_events_survive_a_broker_outage_and_a_sigkill_of_the_node() {
     let (mut broker, cp, setup) = rig(
         "cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    E=$(\"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-k --execution ex-k)\n    for i in $(seq 1 99); do \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-k --execution ex-k --node n$i --status success || exit 9; done\n    echo done > emitted.txt\n",
     );

@@ -89,7 +89,7 @@ fn completion_request(cp: &ControlPlane, wl: &str) -> Option<Request> {
 }
 
 #[test]
-fn every_line_is_streamed_once_in_order_and_mirrored() {
+fn g4_every_line_is_streamed_once_in_order_and_mirrored() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  training: |\n    for i in $(seq 1 100); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
         "0.2",
@@ -176,7 +176,7 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
 // every_line_of_a_chunk_is_tagged_and_an_unfinished_one_waits.
 
 #[test]
-fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
+fn g4_a_node_killed_mid_stream_resumes_without_gap_or_loss() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  training: |\n    for i in $(seq 1 200); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
         "0.2",
@@ -202,7 +202,7 @@ fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
 }
 
 #[test]
-fn a_broker_outage_mid_stream_loses_nothing() {
+fn g4_a_broker_outage_mid_stream_loses_nothing() {
     let (mut broker, cp, setup) = rig(
         "cyberwave:\n  training: |\n    for i in $(seq 1 150); do echo \"out $i\"; sleep 0.01; done\n    while [ ! -f go ]; do sleep 0.05; done\n    for i in $(seq 151 300); do echo \"out $i\"; sleep 0.01; done\n",
         "0.2",
@@ -229,7 +229,7 @@ fn a_broker_outage_mid_stream_loses_nothing() {
 }
 
 #[test]
-fn a_flood_of_output_does_not_starve_commands() {
+fn g6_a_flood_of_output_does_not_starve_commands() {
     let (_b, cp, setup) = rig("cyberwave:\n  training: yes 0123456789abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz | head -c 500000000\n", "0.5");
     let node = setup.spawn();
     node.wait_ready(READY);

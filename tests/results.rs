@@ -16,7 +16,7 @@ pub(crate) fn pattern(seed: u8, len: usize) -> Vec<u8> {
 }
 
 #[test]
-fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
+fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     cp.set_behaviour(|b| {
@@ -189,7 +189,7 @@ fn self_heal_runs_before_heartbeats_and_404_means_stale() {
 }
 
 #[test]
-fn an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
+fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);

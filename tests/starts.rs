@@ -34,8 +34,7 @@ fn runs(setup: &NodeSetup, rid: &str) -> usize {
 /// exactly once, and `status` is answered while starts are provably still in flight (its reply
 /// comes before the last start's, and lists workloads still `starting`).
 #[test]
-fn guarantee_1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_meanwhile()
-{
+fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_meanwhile() {
     let (_broker, cp, setup) = rig(
         100,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; until [ -e t/stop ]; do sleep 0.1; done\n",
@@ -117,7 +116,7 @@ fn guarantee_1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_
 /// workload exits at once while the node still syncs its record on a slow disk): the end is
 /// not lost, and the completion goes out once with the real exit code.
 #[test]
-fn a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() {
+fn g3_a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() {
     let (_broker, cp, setup) = rig(300, "cyberwave:\n  inference: exit 3\n");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -151,7 +150,7 @@ fn a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() 
 /// workload; the redelivered start is answered from it and does not run it a second time; its
 /// completion goes out once.
 #[test]
-fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
+fn g1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
     let (_broker, cp, mut setup) = rig(
         600,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 1\n",
@@ -189,7 +188,7 @@ fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_worklo
 /// A shutdown while a start is in flight: the node waits for it, answers it and names the
 /// workload it leaves running (guarantee 2), then exits cleanly.
 #[test]
-fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
+fn g2_a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
     let (_broker, cp, setup) = rig(
         700,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 5\n",
@@ -221,7 +220,7 @@ fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
 /// A cancel that comes while its workload is starting is answered at once and carried out as
 /// soon as the workload runs: the workload gets the signal and is reported cancelled, once.
 #[test]
-fn a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload_runs() {
+fn g9_a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload_runs() {
     let (_broker, cp, setup) = rig(
         500,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; trap 'echo term >> t/$CYBERWAVE_REQUEST_ID.runs; exit 143' TERM; sleep 30 & wait\n",
@@ -265,7 +264,7 @@ fn a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload
 /// A workload runs before its start is reported: an `emit` it sends meanwhile waits for the
 /// report and is then accepted (its token is the workload's own), not refused as unknown.
 #[test]
-fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
+fn g10_an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
     let (_broker, cp, setup) = rig(
         500,
         "cyberwave:\n  inference: |\n    \"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-s > t/emit.out 2>&1; echo \"rc=$?\" >> t/emit.out\n    sleep 1\n",
@@ -298,7 +297,7 @@ fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
 /// with four GPUs (one each) get four different GPUs, although none was reported yet when the
 /// next was accepted.
 #[test]
-fn guarantee_10_starts_in_flight_hold_their_gpus() {
+fn g10_starts_in_flight_hold_their_gpus() {
     let (_broker, cp, mut setup) = rig(
         300,
         "cyberwave:\n  max_concurrent_workloads: 4\n  inference: |\n    echo \"$CUDA_VISIBLE_DEVICES\" > t/$CYBERWAVE_REQUEST_ID.gpu\n    sleep 2\n",

@@ -98,7 +98,7 @@ fn completions_carry_the_real_exit_code() {
 }
 
 #[test]
-fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
+fn g1_the_same_start_twice_spawns_once_and_capacity_is_enforced() {
     let rig = Rig::new("cyberwave:\n  simulate: echo started >> starts.txt; sleep 3\n");
     let node = rig.node();
     let first = Start::new("simulate", "dup").reply(&rig.cp, &node);
@@ -170,7 +170,7 @@ fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
 }
 
 #[test]
-fn hostile_params_reach_the_workload_intact_and_never_a_shell() {
+fn g5_hostile_params_reach_the_workload_intact_and_never_a_shell() {
     let rig = Rig::new("cyberwave:\n  inference: mkdir -p got && cp {body} \"got/$(date +%s%N).json\"\n  max_concurrent_workloads: 8\n");
     let node = rig.node();
     let values = [
@@ -299,7 +299,7 @@ fn with_tls_the_workload_gets_the_broker_ca_under_the_sdks_name_too() {
 }
 
 #[test]
-fn the_workload_gets_its_own_credentials_and_context() {
+fn g7_the_workload_gets_its_own_credentials_and_context() {
     let rig = Rig::new("cyberwave:\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n");
     let mut setup_env = rig.setup.env.clone();
     setup_env.insert(
@@ -430,7 +430,7 @@ fn cancel_by_pid_and_by_request_id_with_each_signal() {
 }
 
 #[test]
-fn cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
+fn g9_cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
     let rig = Rig::new(
         "cyberwave:\n  simulate: |\n    trap '' TERM\n    (trap '' TERM; sleep 60) &\n    echo $! > child.pid\n    sleep 60\n",
     );
@@ -540,7 +540,7 @@ fn workload_received_dispatches_a_start() {
 }
 
 #[test]
-fn workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
+fn g2_workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
     let rig = Rig::new(
         "cyberwave:\n  training: |\n    n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"n\"])' {body})\n    while [ ! -f release-$n ]; do sleep 0.05; done\n    exit $n\n  max_concurrent_workloads: 3\n",
     );
@@ -610,7 +610,7 @@ fn workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
 }
 
 #[test]
-fn a_completion_during_a_broker_outage_arrives_once_afterwards() {
+fn g3_a_completion_during_a_broker_outage_arrives_once_afterwards() {
     let mut rig =
         Rig::new("cyberwave:\n  inference: while [ ! -f go ]; do sleep 0.05; done; exit 4\n");
     let node = rig.node();
@@ -640,7 +640,7 @@ fn a_completion_during_a_broker_outage_arrives_once_afterwards() {
 }
 
 #[test]
-fn completion_survives_a_node_restart_before_acknowledgement() {
+fn g3_completion_survives_a_node_restart_before_acknowledgement() {
     let rig = Rig::new("cyberwave:\n  inference: exit 5\n");
     let mut node = rig.node();
     rig.cp.set_behaviour(|b| b.mute = true);
@@ -692,7 +692,7 @@ impl Rig {
 }
 
 #[test]
-fn sigterm_leaves_workloads_running_and_names_them() {
+fn g2_sigterm_leaves_workloads_running_and_names_them() {
     let rig = Rig::new("cyberwave:\n  training: sleep 20\n");
     let mut node = rig.node();
     let r = Start::new("training", "keep")

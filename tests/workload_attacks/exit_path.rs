@@ -57,7 +57,7 @@ fn zombie_children(parent: i64) -> Vec<i64> {
 /// they end, not when the workload does (a long workload that forks short-lived children must
 /// not fill the process table with zombies).
 #[test]
-fn the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
+fn g13_the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
     let (_broker, cp, setup) = rig(
         "cyberwave:\n  inference: for i in $(seq 20); do (sleep 0.01 &) ; done; touch forked; sleep 4\n",
     );
@@ -156,7 +156,7 @@ fn completions(cp: &ControlPlane, wl: &str) -> Vec<Value> {
 /// its real exit code; once space returns, nothing of it is left behind.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
+fn g13_a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
     let (_broker, cp, setup) = full_disk_rig();
     let _disk = SmallDisk::mount(&setup);
     let node = setup.spawn();
@@ -205,7 +205,7 @@ fn a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
 /// still full) reports the real exit code.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_the_restart() {
+fn g13_a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_the_restart() {
     let (_broker, cp, setup) = full_disk_rig();
     let _disk = SmallDisk::mount(&setup);
     let mut node = setup.spawn();
@@ -257,7 +257,7 @@ fn runs(setup: &NodeSetup, rid: &str) -> usize {
 /// run, a retryable host-busy error and a `failed` status for the three that never started;
 /// none runs twice.
 #[test]
-fn starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restart() {
+fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restart() {
     let (_broker, cp, mut setup) =
         rig("cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 4\n");
     setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "8");

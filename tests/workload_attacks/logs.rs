@@ -90,7 +90,7 @@ fn count(lines: &[&str], want: &str) -> usize {
 }
 
 #[test]
-fn a_workload_that_truncates_its_log_loses_no_line_written_after() {
+fn g13_a_workload_that_truncates_its_log_loses_no_line_written_after() {
     // Truncated to zero and written past the old length at once (before the node looks), then
     // again: every line after each truncation reaches the backend and the console once.
     let (_b, cp, setup) = rig("for i in $(seq 1 20); do echo \"before $i\"; done\n\
@@ -130,7 +130,7 @@ fn a_workload_that_truncates_its_log_loses_no_line_written_after() {
 }
 
 #[test]
-fn a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_after() {
+fn g13_a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_after() {
     let (_b, cp, setup) = rig("for i in $(seq 1 10); do echo \"keep $i\"; done\n\
          go 1\n\
          size=$(stat -L -c %s /proc/$$/fd/1)\n\
@@ -168,7 +168,7 @@ fn a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_after()
 }
 
 #[test]
-fn a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
+fn g13_a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
     // A 3 GiB hole in the middle, then one at the end.
     let (_b, cp, setup) = rig("echo before\n\
          go 1\n\
@@ -204,7 +204,7 @@ fn a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
 }
 
 #[test]
-fn a_log_replaced_by_a_file_renamed_over_it_is_followed() {
+fn g13_a_log_replaced_by_a_file_renamed_over_it_is_followed() {
     // The workload's own descriptor still writes to the old (unlinked) file; what it writes to
     // the new file at the log's path is streamed.
     let (_b, cp, setup) = rig("log=$(readlink /proc/$$/fd/1)\n\

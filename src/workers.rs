@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Sender};
 use serde_json::Value;
 
-use crate::backend::{self, Backend, WorkloadCheck};
+use crate::backend::{self, Backend, BackendError, WorkloadCheck};
 
 #[derive(Debug)]
 pub enum Job {
@@ -42,15 +42,15 @@ pub enum Job {
 pub enum Done {
     Put {
         key: String,
-        result: Result<(), (bool, String)>,
+        result: Result<(), BackendError>,
     },
     SignedUrl {
         key: String,
-        result: Result<backend::Attachment, String>,
+        result: Result<backend::Attachment, BackendError>,
     },
     UploadResults {
         key: String,
-        result: Result<(), String>,
+        result: Result<(), BackendError>,
     },
     CheckWorkload {
         key: String,

@@ -5,8 +5,10 @@
 //! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
 //! a recording fake and a fake clock (the tests below).
 //!
-//! Only the table and the loop that owns it see [`Active`] and [`Upload`]; the table never sees
-//! the connection, the pending requests or the outbox.
+//! The result uploads are a value of their own ([`Uploads`]) that the table owns and drives:
+//! they go out through the table's [`Outbound`] and tell the table when a workload's uploads
+//! are over. Only the table and the loop that owns it see [`Active`]; the table never sees the
+//! connection, the pending requests or the outbox.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -14,10 +16,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::uploads::Upload;
+pub use super::uploads::UploadCfg;
+use super::uploads::{self, Uploads};
 use crate::logtext::shown;
 use crate::protocol::commands::Seconds;
-use crate::workers::Job;
+use crate::workers::{Done, Job};
 use crate::workload::lifecycle::{self, Action, Event, Phase};
 use crate::workload::shim::Exit;
 use crate::workload::{self, Cancel, Meta};
@@ -80,28 +83,32 @@ pub trait Outbound {
     fn retire(&mut self, id: &str);
 }
 
-/// What the result uploads need from the configuration.
-#[derive(Debug, Clone)]
-pub struct UploadCfg {
-    /// `upload_results`, and a backend to upload to (not standalone).
-    pub enabled: bool,
-    pub folder: PathBuf,
-    pub capacity: u32,
-    pub max_bytes: u64,
-}
+/// The uploads' way out: the table's [`Outbound`].
+struct Via<'a>(&'a mut dyn Outbound);
 
-impl UploadCfg {
-    pub fn of(s: &crate::config::Settings) -> UploadCfg {
-        UploadCfg {
-            enabled: s.upload_results.value && !s.standalone,
-            folder: s.results_folder.value.clone(),
-            capacity: s.max_concurrent_workloads.value,
-            max_bytes: s
-                .manifest
-                .as_ref()
-                .and_then(|m| m.max_result_bytes)
-                .unwrap_or(super::uploads::DEFAULT_MAX_RESULT_BYTES),
-        }
+impl uploads::Out for Via<'_> {
+    fn connected(&self) -> bool {
+        self.0.connected()
+    }
+    fn workload_status(&mut self, wl: &str, body: Value) {
+        self.0.workload_status(wl, body);
+    }
+    fn ask_signed_url(&mut self, id: &str, wl: &str, filename: &str) {
+        let _ = self.0.request(Request::SignedUrl {
+            id: id.to_string(),
+            wl: wl.to_string(),
+            filename: filename.to_string(),
+        });
+    }
+    fn tell_uploaded(&mut self, id: &str, wl: &str, body: Value) {
+        let _ = self.0.request(Request::UploadResults {
+            id: id.to_string(),
+            wl: wl.to_string(),
+            body,
+        });
+    }
+    fn submit(&mut self, job: Job) {
+        self.0.submit(job);
     }
 }
 
@@ -114,8 +121,6 @@ pub struct Active {
     pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
     pub next_check: Instant,
-    /// The progress of its result uploads, while the phase is `Uploading`.
-    pub upload: Option<Upload>,
 }
 
 impl Active {
@@ -144,7 +149,6 @@ impl Active {
             phase,
             runtime_deadline,
             next_check: now,
-            upload: None,
         }
     }
 
@@ -168,10 +172,6 @@ impl Active {
             self.runtime_deadline
                 .filter(|_| self.meta.cancel.is_none() && !self.finished()),
             self.phase.deadline(),
-            self.upload
-                .as_ref()
-                .filter(|u| !u.busy && matches!(self.phase, Phase::Uploading { .. }))
-                .and_then(|u| u.retry_at),
             (lingering || adopted).then_some(self.next_check),
         ]
         .into_iter()
@@ -187,9 +187,8 @@ pub struct Table {
     retire_on_ack: HashMap<u64, String>,
     /// Supervisors reaped before the table knew their workload (pid, when).
     unclaimed_reaps: Vec<(i32, Instant)>,
-    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
-    pub(super) loose_results_warned: bool,
-    pub(super) cfg: UploadCfg,
+    /// The result uploads of the workloads in their `Uploading` phase.
+    uploads: Uploads,
 }
 
 impl<'a> IntoIterator for &'a Table {
@@ -206,8 +205,7 @@ impl Table {
             active: BTreeMap::new(),
             retire_on_ack: HashMap::new(),
             unclaimed_reaps: Vec::new(),
-            loose_results_warned: false,
-            cfg,
+            uploads: Uploads::new(cfg),
         }
     }
 
@@ -265,7 +263,11 @@ impl Table {
 
     /// The earliest moment one of the table's timers falls due (for the loop's sleep).
     pub fn next_due(&self) -> Option<Instant> {
-        self.active.values().flat_map(Active::deadlines).min()
+        self.active
+            .values()
+            .flat_map(Active::deadlines)
+            .chain(self.uploads.next_due())
+            .min()
     }
 
     // ---- cancel -----------------------------------------------------------------------------
@@ -499,7 +501,13 @@ impl Table {
                         Some(Phase::Uploading { exit }) => exit.clone(),
                         _ => None,
                     };
-                    if !self.begin_uploads(id, exit, now, out) {
+                    let others: Vec<String> = self.active.keys().cloned().collect();
+                    let begun = self.active.get(id).is_some_and(|a| {
+                        let via = &mut Via(&mut *out);
+                        self.uploads
+                            .begin(id, &a.meta, exit.as_ref(), &others, now, via)
+                    });
+                    if !begun {
                         self.advance(id, Event::UploadsDone, now, out);
                     }
                 }
@@ -533,12 +541,56 @@ impl Table {
         }
     }
 
+    // ---- result uploads ([`Uploads`]) --------------------------------------------------------
+
+    /// D24: the workload's own results folder (see [`Uploads::results_dir_for`]).
+    pub fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
+        self.uploads.results_dir_for(safe_id)
+    }
+
+    /// Workloads uploading their results.
+    pub fn uploading(&self) -> usize {
+        self.uploads.uploading()
+    }
+
+    /// R9's answer (`None`: no answer in time).
+    pub fn on_signed_url_reply(
+        &mut self,
+        id: &str,
+        body: Option<Value>,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
+        if self
+            .uploads
+            .on_signed_url_reply(id, body, now, &mut Via(&mut *out))
+        {
+            self.advance(id, Event::UploadsDone, now, out);
+        }
+    }
+
+    /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback).
+    pub fn on_upload_reply(&mut self, id: &str, ok: bool, now: Instant, out: &mut dyn Outbound) {
+        if self.uploads.on_upload_reply(id, ok, &mut Via(&mut *out)) {
+            self.advance(id, Event::UploadsDone, now, out);
+        }
+    }
+
+    /// A worker's answer to an upload job (other answers are not the table's: ignored).
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Outbound) {
+        if let Some(id) = self.uploads.on_worker_done(done, now, &mut Via(&mut *out)) {
+            self.advance(&id, Event::UploadsDone, now, out);
+        }
+    }
+
     // ---- timers -----------------------------------------------------------------------------
 
     /// Everything due at `now`: max runtime, escalation and drain deadlines, logs that finished
     /// draining (`drained`: the loop's verdict, by safe id), upload retries, lingering groups and
     /// adopted workloads.
     pub fn tick(&mut self, now: Instant, drained: &[String], out: &mut dyn Outbound) {
+        let active = &self.active;
+        self.uploads.retain(|id| active.contains_key(id));
         self.unclaimed_reaps
             .retain(|(_, at)| now < crate::util::later(*at, UNCLAIMED_REAP));
         let ids: Vec<String> = self.active.keys().cloned().collect();
@@ -587,7 +639,9 @@ impl Table {
                     continue;
                 }
                 Phase::Uploading { .. } => {
-                    self.step_upload(&id, now, out);
+                    if self.uploads.step(&id, now, &mut Via(&mut *out)) {
+                        self.advance(&id, Event::UploadsDone, now, out);
+                    }
                     continue;
                 }
                 Phase::Lingering { .. } => {
@@ -706,7 +760,6 @@ pub(crate) mod fake {
 mod tests {
     use super::fake::Fake;
     use super::*;
-    use crate::workers::Done;
     use crate::workload::shim::Started;
 
     const TERM: i32 = libc::SIGTERM;
@@ -1079,7 +1132,10 @@ mod tests {
             failed_at.push(now);
             let done = Done::Put {
                 key: "w".into(),
-                result: Err((true, "503".into())),
+                result: Err(crate::backend::BackendError::Status {
+                    status: 503,
+                    detail: "HTTP 503".into(),
+                }),
             };
             t.on_worker_done(done, now, &mut f);
             if attempt < 3 {

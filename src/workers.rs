@@ -15,6 +15,8 @@ use crate::backend::{self, Backend, BackendError, WorkloadCheck};
 pub enum Job {
     Put {
         key: String,
+        /// Which of the workload's result files.
+        file: usize,
         url: String,
         path: PathBuf,
         /// `Some(form file name)`: a multipart POST (decision D40) instead of a PUT.
@@ -42,6 +44,7 @@ pub enum Job {
 pub enum Done {
     Put {
         key: String,
+        file: usize,
         result: Result<(), BackendError>,
     },
     SignedUrl {
@@ -122,11 +125,13 @@ fn run(b: &Backend, agent: &ureq::Agent, job: Job) -> Done {
     match job {
         Job::Put {
             key,
+            file,
             url,
             path,
             multipart,
         } => Done::Put {
             key,
+            file,
             result: match multipart {
                 None => backend::put_file(agent, &url, &path),
                 Some(name) => b.post_multipart(agent, &url, &path, &name),

@@ -561,12 +561,10 @@ impl Table {
         now: Instant,
         out: &mut dyn Outbound,
     ) {
-        if self
+        let over = self
             .uploads
-            .on_signed_url_reply(id, body, now, &mut Via(&mut *out))
-        {
-            self.advance(id, Event::UploadsDone, now, out);
-        }
+            .on_signed_url_reply(id, body, now, &mut Via(&mut *out));
+        self.uploads_over(over, now, out);
     }
 
     /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback).
@@ -578,7 +576,13 @@ impl Table {
 
     /// A worker's answer to an upload job (other answers are not the table's: ignored).
     pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Outbound) {
-        if let Some(id) = self.uploads.on_worker_done(done, now, &mut Via(&mut *out)) {
+        let over = self.uploads.on_worker_done(done, now, &mut Via(&mut *out));
+        self.uploads_over(over, now, out);
+    }
+
+    /// The workloads whose uploads are over move on.
+    fn uploads_over(&mut self, ids: Vec<String>, now: Instant, out: &mut dyn Outbound) {
+        for id in ids {
             self.advance(&id, Event::UploadsDone, now, out);
         }
     }
@@ -591,6 +595,9 @@ impl Table {
     pub fn tick(&mut self, now: Instant, drained: &[String], out: &mut dyn Outbound) {
         let active = &self.active;
         self.uploads.retain(|id| active.contains_key(id));
+        // Upload retries that fell due.
+        let over = self.uploads.pump_all(now, &mut Via(&mut *out));
+        self.uploads_over(over, now, out);
         self.unclaimed_reaps
             .retain(|(_, at)| now < crate::util::later(*at, UNCLAIMED_REAP));
         let ids: Vec<String> = self.active.keys().cloned().collect();
@@ -638,12 +645,7 @@ impl Table {
                     }
                     continue;
                 }
-                Phase::Uploading { .. } => {
-                    if self.uploads.step(&id, now, &mut Via(&mut *out)) {
-                        self.advance(&id, Event::UploadsDone, now, out);
-                    }
-                    continue;
-                }
+                Phase::Uploading { .. } => continue,
                 Phase::Lingering { .. } => {
                     if now >= a.next_check {
                         let gone = out.provable_group(&a.meta).is_none();
@@ -775,6 +777,7 @@ mod tests {
             folder,
             capacity: 1,
             max_bytes: 1 << 30,
+            workers: 2,
         }
     }
 
@@ -1119,19 +1122,38 @@ mod tests {
         assert_eq!(f.statuses[0].1["file_count"], 2);
         assert_eq!(t.uploading(), 1);
         assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
-        let mut asked = Vec::new();
-        let mut failed_at = Vec::new();
+        // a.txt's URL first; b.txt's is asked for while a.txt is sent, and with two upload
+        // workers b.txt goes beside it.
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
+        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f);
+        assert!(matches!(f.jobs.last(), Some(Job::Put { file: 0, .. })));
+        assert_eq!(
+            last_signed_url_request(&f).as_deref(),
+            Some("b.txt"),
+            "the next URL while a.txt is sent"
+        );
+        t.on_signed_url_reply("w", Some(signed("b.txt")), t0, &mut f);
+        assert!(matches!(f.jobs.last(), Some(Job::Put { file: 1, .. })));
+        let ok = Done::Put {
+            key: "w".into(),
+            file: 1,
+            result: Ok(()),
+        };
+        t.on_worker_done(ok, t0, &mut f);
         // Three attempts at a.txt, each PUT refused with a retriable error.
+        let mut asked = vec![t0];
         let mut now = t0;
         for attempt in 1..=3u64 {
-            assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
-            asked.push(now);
-            t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
-            assert!(matches!(f.jobs.last(), Some(Job::Put { .. })));
+            if attempt > 1 {
+                assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
+                asked.push(now);
+                t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
+                assert!(matches!(f.jobs.last(), Some(Job::Put { file: 0, .. })));
+            }
             now += Duration::from_millis(100);
-            failed_at.push(now);
             let done = Done::Put {
                 key: "w".into(),
+                file: 0,
                 result: Err(crate::backend::BackendError::Status {
                     status: 503,
                     detail: "HTTP 503".into(),
@@ -1150,14 +1172,7 @@ mod tests {
             }
         }
         assert_eq!(asked, vec![t0, at(t0, 2100), at(t0, 6200)]);
-        // Given up on a.txt: b.txt is next at once, and goes through.
-        assert_eq!(last_signed_url_request(&f).as_deref(), Some("b.txt"));
-        t.on_signed_url_reply("w", Some(signed("b.txt")), now, &mut f);
-        let ok = Done::Put {
-            key: "w".into(),
-            result: Ok(()),
-        };
-        t.on_worker_done(ok, now, &mut f);
+        // Given up on a.txt: the backend is told of b.txt alone.
         let Some(Request::UploadResults { body, .. }) = f.requests.last() else {
             panic!("R10 expected: {:?}", f.requests);
         };
@@ -1179,13 +1194,75 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// Issue 25: never more transfers at once than the pool holds, the next file's URL in hand
+    /// while they are sent, and a second workload always gets one of its own at once.
+    #[test]
+    fn one_workloads_files_share_the_pool_without_keeping_another_workload_waiting() {
+        let t0 = Instant::now();
+        let root = results("pool", &["a", "b", "c", "d"]);
+        std::fs::create_dir_all(root.join("v")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(root.join("v/x"), b"x").unwrap_or_else(|e| panic!("{e}"));
+        let mut t = Table::new(UploadCfg {
+            capacity: 2,
+            ..cfg(root.clone())
+        });
+        t.insert("w".into(), Active::new(meta("w", 100, None), true, t0));
+        t.insert("v".into(), Active::new(meta("v", 200, None), true, t0));
+        let mut f = Fake {
+            connected: true,
+            ..Fake::default()
+        };
+        f.exits.insert("w".into(), exit(0));
+        f.exits.insert("v".into(), exit(0));
+        t.on_reaped(99, t0, &mut f);
+        t.tick(t0, &["w".to_string()], &mut f);
+        let puts = |f: &Fake, id: &str| {
+            f.jobs
+                .iter()
+                .filter(|j| matches!(j, Job::Put { key, .. } if key == id))
+                .count()
+        };
+        for name in ["a", "b", "c"] {
+            assert_eq!(last_signed_url_request(&f).as_deref(), Some(name));
+            t.on_signed_url_reply("w", Some(signed(name)), t0, &mut f);
+        }
+        assert_eq!(puts(&f, "w"), 2, "two workers: two transfers, c waits");
+        assert_eq!(f.requests.len(), 3, "one URL in hand beyond the transfers");
+        // v ends while w holds both workers: it still sends its file at once.
+        t.on_reaped(199, t0, &mut f);
+        t.tick(t0, &["v".to_string()], &mut f);
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("x"));
+        t.on_signed_url_reply("v", Some(signed("x")), t0, &mut f);
+        assert_eq!(puts(&f, "v"), 1);
+        // One of w's transfers ends: c takes its place only when a worker is idle.
+        let ok = |file| Done::Put {
+            key: "w".into(),
+            file,
+            result: Ok(()),
+        };
+        t.on_worker_done(ok(0), t0, &mut f);
+        assert_eq!(puts(&f, "w"), 2, "w:1 + v:1 fill the pool");
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("d"));
+        t.on_worker_done(
+            Done::Put {
+                key: "v".into(),
+                file: 0,
+                result: Ok(()),
+            },
+            t0,
+            &mut f,
+        );
+        assert_eq!(puts(&f, "w"), 3, "a worker is free: c goes");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     #[test]
     fn uploads_without_the_broker_go_through_the_workers_and_clean_up_after_themselves() {
         let t0 = Instant::now();
         let root = results("rest", &["a.txt", "sub/b.txt"]);
         let (mut t, mut f) = exited_ok(&root, false, t0);
         assert!(f.requests.is_empty(), "no MQTT request while disconnected");
-        for name in ["a.txt", "sub/b.txt"] {
+        for (i, name) in ["a.txt", "sub/b.txt"].into_iter().enumerate() {
             let Some(Job::SignedUrl { filename, .. }) = f.jobs.last() else {
                 panic!("E8 expected: {:?}", f.jobs.len());
             };
@@ -1197,12 +1274,16 @@ mod tests {
                 result: Ok(attachment),
             };
             t.on_worker_done(done, t0, &mut f);
-            let Some(Job::Put { path, .. }) = f.jobs.last() else {
-                panic!("PUT expected");
-            };
-            assert_eq!(path, &root.join("w").join(name));
+            let put = f.jobs.iter().find_map(|j| match j {
+                Job::Put { file, path, .. } if *file == i => Some(path.clone()),
+                _ => None,
+            });
+            assert_eq!(put, Some(root.join("w").join(name)), "PUT expected");
+        }
+        for i in [1, 0] {
             let ok = Done::Put {
                 key: "w".into(),
+                file: i,
                 result: Ok(()),
             };
             t.on_worker_done(ok, t0, &mut f);

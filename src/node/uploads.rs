@@ -1,7 +1,14 @@
 //! Result uploads: after a successful workload, every regular file inside the results folder
-//! goes to a signed URL (R9, REST E8 as fallback; PUT on the upload thread; up to 3 attempts),
-//! then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
+//! goes to a signed URL (R9, REST E8 as fallback; PUT on the upload pool; up to 3 attempts a
+//! file), then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
 //! workload stays busy ("finalizing") the whole time.
+//!
+//! The files of one workload go up side by side (issue 25): up to the pool's size
+//! (`CYBERWAVE_NODE_UPLOAD_WORKERS`) at once, the next file's signed URL asked for while the
+//! current ones are sent (one request at a time per workload). A workload with nothing being
+//! sent may always send one file, and a second one only while a worker is idle, so the
+//! transfers of one workload never queue another's behind them; a file waiting for its retry
+//! holds no worker and no other file.
 //!
 //! [`Uploads`] is a value of its own that the table owns: the uploads of every workload in its
 //! `Uploading` phase, keyed by safe id. It reaches the outside only through [`Out`] (the
@@ -45,6 +52,8 @@ pub struct UploadCfg {
     pub folder: PathBuf,
     pub capacity: u32,
     pub max_bytes: u64,
+    /// The upload pool's size: the most transfers at once ([`crate::workers::uploaders`]).
+    pub workers: usize,
 }
 
 impl UploadCfg {
@@ -58,6 +67,9 @@ impl UploadCfg {
                 .as_ref()
                 .and_then(|m| m.max_result_bytes)
                 .unwrap_or(DEFAULT_MAX_RESULT_BYTES),
+            workers: crate::workers::uploaders(
+                s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref(),
+            ),
         }
     }
 }
@@ -96,20 +108,64 @@ impl std::fmt::Display for Failure {
     }
 }
 
+/// Where one result file is.
+#[derive(Debug)]
+enum State {
+    /// To be asked for a signed URL (again at `File::retry_at`, if set).
+    Waiting,
+    /// Its signed URL is asked for (R9, or E8 on the http worker).
+    Asking,
+    /// Its URL came; it waits for a free upload worker.
+    Ready(Attachment),
+    /// Its transfer is on the upload pool.
+    Sending(Attachment),
+    Sent(Attachment),
+    /// Given up on.
+    Failed,
+}
+
+/// One result file of a workload.
+struct File {
+    /// Its name relative to the folder.
+    name: String,
+    path: PathBuf,
+    state: State,
+    /// Failed attempts so far.
+    attempt: u32,
+    retry_at: Option<Instant>,
+}
+
 /// The uploads of one workload.
 struct Upload {
     /// Its workload uuid (the backend's name for it).
     wl: String,
-    /// (name relative to the folder, path)
-    files: Vec<(String, PathBuf)>,
-    idx: usize,
-    attempt: u32,
-    retry_at: Option<Instant>,
-    /// A request or transfer for the current step is under way.
-    busy: bool,
-    /// (name, signed url, attachment uuid) of the files uploaded.
-    done: Vec<(String, String, String)>,
+    files: Vec<File>,
+    /// R10/E9 is under way.
     notifying: bool,
+}
+
+impl Upload {
+    fn count(&self, f: impl Fn(&State) -> bool) -> usize {
+        self.files.iter().filter(|x| f(&x.state)).count()
+    }
+
+    fn sending(&self) -> usize {
+        self.count(|s| matches!(s, State::Sending(_)))
+    }
+
+    /// A signed URL may be asked for now: none is under way, and fewer URLs are in hand
+    /// (being sent or waiting for a worker) than the pool can take, plus the next one.
+    fn may_ask(&self, workers: usize) -> bool {
+        self.count(|s| matches!(s, State::Asking)) == 0
+            && self.count(|s| matches!(s, State::Ready(_) | State::Sending(_))) <= workers.max(1)
+    }
+
+    /// The file whose URL is asked for.
+    fn asking(&self) -> Option<usize> {
+        self.files
+            .iter()
+            .position(|f| matches!(f.state, State::Asking))
+    }
 }
 
 /// Every regular file below `root` (sorted), never following a symlink: a workload must not be
@@ -303,60 +359,124 @@ impl Uploads {
         );
         let count = files.len();
         out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
+        let files = files
+            .into_iter()
+            .map(|(name, path)| File {
+                name,
+                path,
+                state: State::Waiting,
+                attempt: 0,
+                retry_at: None,
+            })
+            .collect();
         self.active.insert(
             id.to_string(),
             Upload {
                 wl,
                 files,
-                idx: 0,
-                attempt: 0,
-                retry_at: None,
-                busy: false,
-                done: Vec::new(),
                 notifying: false,
             },
         );
         // Files to upload: the first step never ends the uploads.
-        let _ = self.step(id, now, out);
+        let _ = self.pump(id, now, out);
         true
     }
 
-    /// Moves an upload on by one step when nothing is under way; true when the uploads of
-    /// `id` are over (the table then moves the workload on).
-    pub fn step(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> bool {
+    /// Moves every workload's uploads on as far as they can go now (retries that fell due,
+    /// workers freed); the ids whose uploads are over (the table then moves them on).
+    pub fn pump_all(&mut self, now: Instant, out: &mut dyn Out) -> Vec<String> {
+        let ids: Vec<String> = self.active.keys().cloned().collect();
+        ids.into_iter()
+            .filter(|id| self.pump(id, now, out))
+            .collect()
+    }
+
+    /// After an event of workload `id`: it moves on first, then the others (a worker may
+    /// have been freed for them).
+    fn after(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> Vec<String> {
+        let mut over: Vec<String> = Vec::new();
+        if self.pump(id, now, out) {
+            over.push(id.to_string());
+        }
+        over.extend(self.pump_all(now, out));
+        over
+    }
+
+    /// Moves the uploads of `id` on: transfers for the URLs in hand while the pool allows,
+    /// the next URL asked for, and once every file is sent or given up on, R10. True when
+    /// its uploads are over.
+    fn pump(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> bool {
         let connected = out.connected();
+        let workers = self.cfg.workers.max(1);
+        let mut sending_all: usize = self.active.values().map(Upload::sending).sum();
         let Some(u) = self.active.get_mut(id) else {
             return false;
         };
-        if u.busy || u.retry_at.is_some_and(|t| now < t) {
-            return false;
+        // Transfers: one always when none of its own is under way, more while a worker is idle.
+        while u.sending() == 0 || sending_all < workers {
+            let Some(f) = u
+                .files
+                .iter_mut()
+                .enumerate()
+                .find(|(_, f)| matches!(f.state, State::Ready(_)))
+            else {
+                break;
+            };
+            let (i, f) = f;
+            let State::Ready(found) = std::mem::replace(&mut f.state, State::Failed) else {
+                break;
+            };
+            let multipart = match found.method {
+                UploadMethod::Multipart => Some(f.name.clone()),
+                _ => None,
+            };
+            out.submit(Job::Put {
+                key: id.to_string(),
+                file: i,
+                url: found.url.clone(),
+                path: f.path.clone(),
+                multipart,
+            });
+            f.state = State::Sending(found);
+            sending_all = sending_all.saturating_add(1);
         }
-        u.retry_at = None;
-        let wl = u.wl.clone();
-        if u.idx < u.files.len() {
-            u.busy = true;
-            let filename = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
-            if connected {
-                out.ask_signed_url(id, &wl, &filename);
-            } else {
-                out.submit(Job::SignedUrl {
-                    key: id.to_string(),
-                    wl,
-                    filename,
-                });
+        // The next signed URL, while the current files are sent.
+        if u.may_ask(workers) {
+            let due = u
+                .files
+                .iter_mut()
+                .find(|f| matches!(f.state, State::Waiting) && f.retry_at.is_none_or(|t| now >= t));
+            if let Some(f) = due {
+                f.state = State::Asking;
+                f.retry_at = None;
+                let filename = f.name.clone();
+                if connected {
+                    out.ask_signed_url(id, &u.wl, &filename);
+                } else {
+                    out.submit(Job::SignedUrl {
+                        key: id.to_string(),
+                        wl: u.wl.clone(),
+                        filename,
+                    });
+                }
             }
+        }
+        let settled = u
+            .files
+            .iter()
+            .all(|f| matches!(f.state, State::Sent(_) | State::Failed));
+        if !settled || u.notifying {
             return false;
         }
-        if !u.notifying && !u.done.is_empty() {
+        if u.count(|s| matches!(s, State::Sent(_))) > 0 {
             u.notifying = true;
-            u.busy = true;
             let body = notice(u);
             if connected {
-                out.tell_uploaded(id, &wl, body);
+                out.tell_uploaded(id, &u.wl, body);
             } else {
                 out.submit(Job::UploadResults {
                     key: id.to_string(),
-                    wl,
+                    wl: u.wl.clone(),
                     body,
                 });
             }
@@ -365,61 +485,60 @@ impl Uploads {
         self.finish(id, false)
     }
 
-    /// R9's answer (`None`: no answer in time): on to the PUT, or the REST fallback. True
-    /// when the uploads of `id` are over.
+    /// R9's answer (`None`: no answer in time): on to the PUT, or the REST fallback. The ids
+    /// whose uploads are over.
     pub fn on_signed_url_reply(
         &mut self,
         id: &str,
         body: Option<Value>,
         now: Instant,
         out: &mut dyn Out,
-    ) -> bool {
-        let parsed = body.as_ref().map(crate::backend::parse_signed_url);
-        match parsed {
-            Some(Ok(found)) => self.put(id, found, now, out),
+    ) -> Vec<String> {
+        let Some(u) = self.active.get(id) else {
+            return Vec::new();
+        };
+        let Some(i) = u.asking() else {
+            return Vec::new();
+        };
+        match body.as_ref().map(crate::backend::parse_signed_url) {
+            Some(Ok(found)) => self.url_came(id, i, found, now, out),
             _ => {
-                let Some(u) = self.active.get(id) else {
-                    return false;
-                };
-                let Some(filename) = u.files.get(u.idx).map(|f| f.0.clone()) else {
-                    return false;
-                };
-                out.submit(Job::SignedUrl {
-                    key: id.to_string(),
-                    wl: u.wl.clone(),
-                    filename,
-                });
-                false
+                if let Some(f) = u.files.get(i) {
+                    out.submit(Job::SignedUrl {
+                        key: id.to_string(),
+                        wl: u.wl.clone(),
+                        filename: f.name.clone(),
+                    });
+                }
+                Vec::new()
             }
         }
     }
 
-    /// The transfer of the current file, by the route the attachment reply chose (D40).
-    fn put(&mut self, id: &str, found: Attachment, now: Instant, out: &mut dyn Out) -> bool {
-        let Some(u) = self.active.get_mut(id) else {
-            return false;
+    /// File `i`'s signed URL came: it waits for a worker, unless the backend chose a route
+    /// this node does not know (D40).
+    fn url_came(
+        &mut self,
+        id: &str,
+        i: usize,
+        found: Attachment,
+        now: Instant,
+        out: &mut dyn Out,
+    ) -> Vec<String> {
+        let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
+            return Vec::new();
         };
-        let Some((name, path)) = u.files.get(u.idx).cloned() else {
-            return false;
-        };
-        let multipart = match found.method {
-            UploadMethod::SignedUrl => None,
-            UploadMethod::Multipart => Some(name.clone()),
-            UploadMethod::Other(m) => {
-                // The backend's text, bounded: it goes into the log.
-                let method: String = m.chars().take(80).collect();
-                let why = Failure::UnknownMethod { method, name };
-                return self.attempt_failed(id, &why, now, out);
-            }
-        };
-        u.done.push((name, found.url.clone(), found.uuid));
-        out.submit(Job::Put {
-            key: id.to_string(),
-            url: found.url,
-            path,
-            multipart,
-        });
-        false
+        if let UploadMethod::Other(m) = &found.method {
+            // The backend's text, bounded: it goes into the log.
+            let method: String = m.chars().take(80).collect();
+            let why = Failure::UnknownMethod {
+                method,
+                name: f.name.clone(),
+            };
+            return self.attempt_failed(id, i, &why, now, out);
+        }
+        f.state = State::Ready(found);
+        self.after(id, now, out)
     }
 
     /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback). True when
@@ -440,42 +559,41 @@ impl Uploads {
     }
 
     /// A worker's answer to an upload job (other answers are not the uploads': ignored).
-    /// `Some(id)` when the uploads of workload `id` are over.
-    pub fn on_worker_done(
-        &mut self,
-        done: Done,
-        now: Instant,
-        out: &mut dyn Out,
-    ) -> Option<String> {
-        let (key, over) = match done {
+    /// The ids whose uploads are over.
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Out) -> Vec<String> {
+        match done {
             Done::SignedUrl { key, result } => {
-                let over = match result {
-                    Ok(found) => self.put(&key, found, now, out),
-                    Err(e) => self.attempt_failed(&key, &Failure::NoUrl(e), now, out),
+                let Some(i) = self.active.get(&key).and_then(Upload::asking) else {
+                    return Vec::new();
                 };
-                (key, over)
+                match result {
+                    Ok(found) => self.url_came(&key, i, found, now, out),
+                    Err(e) => self.attempt_failed(&key, i, &Failure::NoUrl(e), now, out),
+                }
             }
-            Done::Put { key, result } => {
-                let over = match result {
-                    Ok(()) => {
-                        if let Some(u) = self.active.get_mut(&key) {
-                            if let Some(f) = u.files.get(u.idx) {
-                                log::info!("uploaded result file {}", crate::logtext::shown(&f.0));
-                            }
-                            u.idx = u.idx.saturating_add(1);
-                            u.attempt = 0;
-                            u.busy = false;
-                        }
-                        self.step(&key, now, out)
-                    }
-                    Err(e) => {
-                        if let Some(u) = self.active.get_mut(&key) {
-                            u.done.pop();
-                        }
-                        self.attempt_failed(&key, &Failure::Transfer(e), now, out)
-                    }
+            Done::Put { key, file, result } => {
+                let Some(f) = self
+                    .active
+                    .get_mut(&key)
+                    .and_then(|u| u.files.get_mut(file))
+                else {
+                    return Vec::new();
                 };
-                (key, over)
+                if !matches!(f.state, State::Sending(_)) {
+                    return Vec::new();
+                }
+                match result {
+                    Ok(()) => {
+                        log::info!("uploaded result file {}", crate::logtext::shown(&f.name));
+                        if let State::Sending(found) =
+                            std::mem::replace(&mut f.state, State::Failed)
+                        {
+                            f.state = State::Sent(found);
+                        }
+                        self.after(&key, now, out)
+                    }
+                    Err(e) => self.attempt_failed(&key, file, &Failure::Transfer(e), now, out),
+                }
             }
             Done::UploadResults { key, result } => {
                 if let Err(e) = &result {
@@ -484,43 +602,52 @@ impl Uploads {
                         crate::logtext::shown(&e.to_string())
                     );
                 }
-                let over = self.finish(&key, result.is_ok());
-                (key, over)
+                let mut over = Vec::new();
+                if self.finish(&key, result.is_ok()) {
+                    over.push(key);
+                }
+                over
             }
-            Done::CheckWorkload { .. } => return None,
-        };
-        over.then_some(key)
+            Done::CheckWorkload { .. } => Vec::new(),
+        }
     }
 
-    fn attempt_failed(&mut self, id: &str, why: &Failure, now: Instant, out: &mut dyn Out) -> bool {
-        let Some(u) = self.active.get_mut(id) else {
-            return false;
+    /// Attempt at file `i` failed: tried again 2 s, then 4 s later while `why` allows and
+    /// attempts are left, else given up on. The ids whose uploads are over.
+    fn attempt_failed(
+        &mut self,
+        id: &str,
+        i: usize,
+        why: &Failure,
+        now: Instant,
+        out: &mut dyn Out,
+    ) -> Vec<String> {
+        let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
+            return Vec::new();
         };
-        u.busy = false;
-        u.attempt = u.attempt.saturating_add(1);
-        let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
+        f.attempt = f.attempt.saturating_add(1);
         let why_text = why.to_string();
-        if why.retriable() && u.attempt < ATTEMPTS {
+        if why.retriable() && f.attempt < ATTEMPTS {
             // 2 s, 4 s, … (attempt is 1 or 2 here: ATTEMPTS is 3).
-            let wait = Duration::from_secs(2u64 << u.attempt.saturating_sub(1).min(10));
+            let wait = Duration::from_secs(2u64 << f.attempt.saturating_sub(1).min(10));
             log::warn!(
                 "upload of {} failed ({}); attempt {} of {ATTEMPTS} in {}s",
-                crate::logtext::shown(&name),
+                crate::logtext::shown(&f.name),
                 crate::logtext::shown(&why_text),
-                u.attempt.saturating_add(1),
+                f.attempt.saturating_add(1),
                 wait.as_secs()
             );
-            u.retry_at = Some(now.checked_add(wait).unwrap_or(now));
+            f.state = State::Waiting;
+            f.retry_at = Some(now.checked_add(wait).unwrap_or(now));
         } else {
             log::error!(
                 "upload of {} failed ({}); giving up on this file",
-                crate::logtext::shown(&name),
+                crate::logtext::shown(&f.name),
                 crate::logtext::shown(&why_text)
             );
-            u.idx = u.idx.saturating_add(1);
-            u.attempt = 0;
+            f.state = State::Failed;
         }
-        self.step(id, now, out)
+        self.after(id, now, out)
     }
 
     /// Uploads are over: delete the uploaded files once the backend knows of them. True when
@@ -529,16 +656,14 @@ impl Uploads {
         let Some(u) = self.active.remove(id) else {
             return false;
         };
+        let sent = u.count(|s| matches!(s, State::Sent(_)));
         if notified {
-            for (name, _, _) in &u.done {
-                if let Some((_, path)) = u.files.iter().find(|(n, _)| n == name) {
-                    let _ = std::fs::remove_file(path);
-                }
+            for f in u.files.iter().filter(|f| matches!(f.state, State::Sent(_))) {
+                let _ = std::fs::remove_file(&f.path);
             }
         }
         log::info!(
-            "result upload finished: {} of {} file(s) uploaded",
-            u.done.len(),
+            "result upload finished: {sent} of {} file(s) uploaded",
             u.files.len()
         );
         remove_empty_dirs(&self.cfg.folder.join(id));
@@ -550,12 +675,19 @@ impl Uploads {
         self.active.len()
     }
 
-    /// The earliest retry due (for the loop's sleep), only while nothing is under way for it.
+    /// The earliest retry due (for the loop's sleep), only of workloads that may ask for a
+    /// URL now (else it waits for an answer, which wakes the loop anyway).
     pub fn next_due(&self) -> Option<Instant> {
+        let workers = self.cfg.workers;
         self.active
             .values()
-            .filter(|u| !u.busy)
-            .filter_map(|u| u.retry_at)
+            .filter(|u| u.may_ask(workers))
+            .flat_map(|u| {
+                u.files
+                    .iter()
+                    .filter(|f| matches!(f.state, State::Waiting))
+                    .filter_map(|f| f.retry_at)
+            })
             .min()
     }
 
@@ -565,11 +697,19 @@ impl Uploads {
     }
 }
 
-/// R10's body: the files uploaded so far.
+/// R10's body: the files uploaded, in their order.
 fn notice(u: &Upload) -> Value {
+    let sent: Vec<(&str, &Attachment)> = u
+        .files
+        .iter()
+        .filter_map(|f| match &f.state {
+            State::Sent(a) => Some((f.name.as_str(), a)),
+            _ => None,
+        })
+        .collect();
     json!({
-        "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
-        "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
-        "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
+        "filenames": sent.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        "signed_urls": sent.iter().map(|(_, a)| a.url.clone()).collect::<Vec<_>>(),
+        "attachment_uuids": sent.iter().map(|(_, a)| a.uuid.clone()).collect::<Vec<_>>(),
     })
 }

@@ -125,7 +125,7 @@ fn discard<R: Read>(
 }
 
 fn serve<S: Read + Write>(stream: S, count: &AtomicU64, rate: Option<u64>) {
-    let mut pace = Pacer::new(rate);
+    let mut pace;
     // Paced: a small user-space buffer too, so the kernel's window is what the sender sees.
     let cap = if rate.is_some() {
         64 * 1024
@@ -135,6 +135,9 @@ fn serve<S: Read + Write>(stream: S, count: &AtomicU64, rate: Option<u64>) {
     let mut r = BufReader::with_capacity(cap, stream);
     let mut buf = vec![0u8; MIB as usize];
     while let Some((_request, headers)) = read_head(&mut r) {
+        // The pace holds while a body is sent: a connection idle between two files banks no
+        // credit (a link does not get faster for having been idle).
+        pace = Pacer::new(rate);
         let get = |k: &str| headers.iter().find(|(h, _)| h == k).map(|(_, v)| v.clone());
         if get("expect").is_some_and(|e| e.eq_ignore_ascii_case("100-continue")) {
             let _ = r.get_mut().write_all(b"HTTP/1.1 100 Continue\r\n\r\n");

@@ -1,7 +1,14 @@
 //! A start's inputs: module dispatch, the params file's contents, the command rendered from its
 //! template, an inline image saved to the inputs folder.
 
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use super::launch::StartRequest;
 use super::record::Layout;
+use super::user::{self, WorkloadUser};
+use crate::config::Settings;
 use crate::store;
 
 /// Module dispatch (product documentation, "Module dispatch for .py values"): a command value
@@ -22,11 +29,118 @@ pub fn module_function(kind: &str) -> &'static str {
     }
 }
 
-pub(super) const MODULE_RUNNER: &str = include_str!("module_runner.py");
+const MODULE_RUNNER: &str = include_str!("module_runner.py");
 
 /// Keys the platform puts into params that are not the module function's arguments (with every
 /// `workflow_*` key and the workload token, which never reaches the params file).
-pub(super) const PLATFORM_PARAMS: &[&str] = &["workload_uuid", "command_type", "status"];
+const PLATFORM_PARAMS: &[&str] = &["workload_uuid", "command_type", "status"];
+
+/// The module a `.py` command value names (the value, its file in the working directory);
+/// `Err` when that file is missing (refused before anything is written).
+pub(super) fn module_file(
+    s: &Settings,
+    template: &str,
+    kind: &str,
+) -> Result<Option<(String, PathBuf)>, String> {
+    let Some(value) = module_of(template) else {
+        return Ok(None);
+    };
+    let path = s.working_dir.join(value);
+    if !path.is_file() {
+        return Err(format!(
+            "Module not found: {value}. Check '{kind}: {value}' in cyberwave.yml."
+        ));
+    }
+    Ok(Some((value.to_string(), path)))
+}
+
+/// The platform's own keys go: they are not the module function's arguments.
+pub(super) fn drop_platform_params(params: &mut Map<String, Value>) {
+    params.retain(|k, _| !PLATFORM_PARAMS.contains(&k.as_str()) && !k.starts_with("workflow_"));
+}
+
+/// An inline `image_bytes_base64` saved to the inputs folder and replaced by the file's name in
+/// `image` (one that does not decode is passed on unchanged, with a warning).
+pub(super) fn inline_image(
+    layout: &Layout,
+    stem: &str,
+    safe_id: &str,
+    params: &mut Map<String, Value>,
+    user: Option<&WorkloadUser>,
+) -> Result<(), String> {
+    let Some(b64) = params
+        .get("image_bytes_base64")
+        .and_then(Value::as_str)
+        .filter(|b| !b.is_empty())
+    else {
+        return Ok(());
+    };
+    match save_image(layout, stem, b64) {
+        Ok(name) => {
+            if user.is_some() {
+                let _ = user::traversable(&layout.inputs());
+                user::give(user, &layout.inputs().join(&name))?;
+            }
+            params.remove("image_bytes_base64");
+            params.insert("image".into(), Value::String(name));
+        }
+        Err(e) => log::warn!(
+            "workload {safe_id}: image_bytes_base64 not decoded ({e}); params passed on unchanged"
+        ),
+    }
+    Ok(())
+}
+
+/// Writes the params file into the workload's directory; returns its path.
+pub(super) fn write_params(
+    dir: &Path,
+    params: Map<String, Value>,
+    user: Option<&WorkloadUser>,
+) -> Result<PathBuf, String> {
+    let params_file = dir.join("params.json");
+    let params_json = serde_json::to_vec(&Value::Object(params)).map_err(|e| e.to_string())?;
+    // Not synced: the workload needs it complete, not durable (after a host crash the workload
+    // is reported lost anyway).
+    store::write_replace_unsynced(&params_file, &params_json, 0o600)
+        .map_err(|e| format!("cannot write the params file: {e}"))?;
+    user::give(user, &params_file)?;
+    Ok(params_file)
+}
+
+/// The workload's command line: the template with `{body}` replaced by the params file, or for
+/// a module, the module runner (written into the workload's directory) calling its function.
+pub(super) fn command_line(
+    s: &Settings,
+    dir: &Path,
+    req: &StartRequest,
+    module: Option<&(String, PathBuf)>,
+    params_file: &Path,
+    user: Option<&WorkloadUser>,
+) -> Result<String, String> {
+    let Some((value, path)) = module else {
+        return Ok(req
+            .template
+            .replace("{body}", &shell_quote(&params_file.display().to_string())));
+    };
+    let runner = dir.join("module_runner.py");
+    store::write_replace_unsynced(&runner, MODULE_RUNNER.as_bytes(), 0o600)
+        .map_err(|e| format!("cannot write the module runner: {e}"))?;
+    user::give(user, &runner)?;
+    let python = s
+        .env
+        .value("CYBERWAVE_PYTHON")
+        .filter(|p| !p.trim().is_empty())
+        .unwrap_or_else(|| "python3".into());
+    Ok(format!(
+        "exec {} {} {} {} {} {}",
+        shell_quote(python.trim()),
+        shell_quote(&runner.display().to_string()),
+        shell_quote(&path.display().to_string()),
+        module_function(&req.kind),
+        shell_quote(&params_file.display().to_string()),
+        shell_quote(value)
+    ))
+}
 
 /// Quotes for a POSIX shell: bare when only safe characters, else single quotes.
 pub fn shell_quote(s: &str) -> String {
@@ -41,7 +155,7 @@ pub fn shell_quote(s: &str) -> String {
 }
 
 /// Decodes a (data-URL or plain) base64 image into the inputs folder; returns its file name.
-pub(super) fn save_image(layout: &Layout, stem: &str, b64: &str) -> Result<String, String> {
+fn save_image(layout: &Layout, stem: &str, b64: &str) -> Result<String, String> {
     let data = b64.split_once(',').map(|(_, d)| d).unwrap_or(b64);
     let bytes = base64_decode(data).ok_or("not valid base64")?;
     let ext = match bytes.as_slice() {

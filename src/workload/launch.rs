@@ -7,13 +7,12 @@ use std::process::{Command, Stdio};
 
 use serde_json::{Map, Value};
 
-use super::environment::NODE_ONLY_VARS;
-use super::inputs::{
-    module_function, module_of, save_image, shell_quote, MODULE_RUNNER, PLATFORM_PARAMS,
-};
+use super::environment;
+use super::inputs;
+use super::procinfo;
 use super::record::{unix_now, Layout, Meta, Phase, WorkflowCtx};
 use super::shim::ShimArgs;
-use super::{procinfo, user};
+use super::user::{self, WorkloadUser};
 use crate::config::Settings;
 use crate::store;
 
@@ -85,36 +84,8 @@ fn launch_in(
     dir: &Path,
     mut req: StartRequest,
 ) -> Result<Launched, String> {
-    // D46.3: looked up at each start (the node checked it at its own start, exit 2 if wrong).
-    let user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
-        Some(spec) => Some(user::lookup(spec)?),
-        None => None,
-    };
-    // With a workload user the record's dir is passed through (to its params file), not listed.
-    let mode = if user.is_some() { 0o711 } else { 0o700 };
-    let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
-    store::ensure_private_dir(&layout.logs())
-        .map_err(|e| format!("cannot create {}: {e}", layout.logs().display()))?;
-    let give = |path: &Path| -> Result<(), String> {
-        match &user {
-            Some(u) => user::hand_over(path, u).map_err(|e| {
-                format!(
-                    "cannot hand {} to workload_user {}: {e}",
-                    path.display(),
-                    u.name
-                )
-            }),
-            None => Ok(()),
-        }
-    };
-    if user.is_some() {
-        user::traversable(&layout.workloads()).map_err(|e| {
-            format!(
-                "cannot open {} to the workload user: {e}",
-                layout.workloads().display()
-            )
-        })?;
-    }
+    let user = prepare_dirs(s, layout, dir)?;
+    let user = user.as_ref();
     let token = req
         .params
         .remove("cyberwave_workload_token")
@@ -126,82 +97,78 @@ fn launch_in(
         .map(String::from);
     // Module dispatch: a missing file is refused before anything is written; the platform's
     // own keys are not the function's arguments.
-    let module = module_of(&req.template).map(|m| (m, s.working_dir.join(m)));
-    if let Some((value, path)) = &module {
-        if !path.is_file() {
-            return Err(format!(
-                "Module not found: {value}. Check '{}: {value}' in cyberwave.yml.",
-                req.kind
-            ));
-        }
-        req.params
-            .retain(|k, _| !PLATFORM_PARAMS.contains(&k.as_str()) && !k.starts_with("workflow_"));
+    let module = inputs::module_file(s, &req.template, &req.kind)?;
+    if module.is_some() {
+        inputs::drop_platform_params(&mut req.params);
     }
     let stem = format!("{}_{}", req.kind, req.safe_id);
-    if let Some(b64) = req
-        .params
-        .get("image_bytes_base64")
-        .and_then(Value::as_str)
-        .filter(|b| !b.is_empty())
-    {
-        match save_image(layout, &stem, b64) {
-            Ok(name) => {
-                if user.is_some() {
-                    let _ = user::traversable(&layout.inputs());
-                    give(&layout.inputs().join(&name))?;
-                }
-                req.params.remove("image_bytes_base64");
-                req.params.insert("image".into(), Value::String(name));
-            }
-            Err(e) => log::warn!(
-                "workload {}: image_bytes_base64 not decoded ({e}); params passed on unchanged",
-                req.safe_id
-            ),
-        }
+    inputs::inline_image(layout, &stem, &req.safe_id, &mut req.params, user)?;
+    let params_file = inputs::write_params(dir, std::mem::take(&mut req.params), user)?;
+    let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
+    let meta = write_record(layout, &req, workload_uuid, command, &stem)?;
+    if let Some(d) = &req.results_dir {
+        user::give(user, d)?;
     }
-    let params_file = dir.join("params.json");
-    let params_json = serde_json::to_vec(&Value::Object(req.params)).map_err(|e| e.to_string())?;
-    // Not synced: the workload needs it complete, not durable (after a host crash the workload
-    // is reported lost anyway).
-    store::write_replace_unsynced(&params_file, &params_json, 0o600)
-        .map_err(|e| format!("cannot write the params file: {e}"))?;
-    give(&params_file)?;
-    let command = match &module {
-        None => req
-            .template
-            .replace("{body}", &shell_quote(&params_file.display().to_string())),
-        Some((value, path)) => {
-            let runner = dir.join("module_runner.py");
-            store::write_replace_unsynced(&runner, MODULE_RUNNER.as_bytes(), 0o600)
-                .map_err(|e| format!("cannot write the module runner: {e}"))?;
-            give(&runner)?;
-            let python = s
-                .env
-                .value("CYBERWAVE_PYTHON")
-                .filter(|p| !p.trim().is_empty())
-                .unwrap_or_else(|| "python3".into());
-            format!(
-                "exec {} {} {} {} {} {}",
-                shell_quote(python.trim()),
-                shell_quote(&runner.display().to_string()),
-                shell_quote(&path.display().to_string()),
-                module_function(&req.kind),
-                shell_quote(&params_file.display().to_string()),
-                shell_quote(value)
-            )
-        }
+    // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
+    let env = environment::of(
+        s,
+        &meta,
+        &environment::Context {
+            credential: token.unwrap_or_else(|| req.node_token.clone()),
+            params_file: &params_file,
+            results_dir: req.results_dir.as_deref(),
+            user,
+            inputs: layout.inputs(),
+            socket: &req.socket,
+            exe,
+            node_uuid: &req.node_uuid,
+        },
+    );
+    fork_shim(s, exe, dir, meta, &env, user)
+}
+
+/// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
+/// 2 if wrong), and the folders the start writes to, open to that user as far as it needs.
+fn prepare_dirs(s: &Settings, layout: &Layout, dir: &Path) -> Result<Option<WorkloadUser>, String> {
+    let user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        Some(spec) => Some(user::lookup(spec)?),
+        None => None,
     };
-    let stdout_log = layout.logs().join(format!("{stem}.stdout.log"));
-    let stderr_log = layout.logs().join(format!("{stem}.stderr.log"));
+    // With a workload user the record's dir is passed through (to its params file), not listed.
+    let mode = if user.is_some() { 0o711 } else { 0o700 };
+    let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
+    store::ensure_private_dir(&layout.logs())
+        .map_err(|e| format!("cannot create {}: {e}", layout.logs().display()))?;
+    if user.is_some() {
+        user::traversable(&layout.workloads()).map_err(|e| {
+            format!(
+                "cannot open {} to the workload user: {e}",
+                layout.workloads().display()
+            )
+        })?;
+    }
+    Ok(user)
+}
+
+/// The workload's record (phase `starting`, no pid), written atomically (a reader never sees
+/// half of it) but not synced here: [`super::make_durable`] syncs it while the shim starts the
+/// workload.
+fn write_record(
+    layout: &Layout,
+    req: &StartRequest,
+    workload_uuid: Option<String>,
+    command: String,
+    stem: &str,
+) -> Result<Meta, String> {
     let meta = Meta {
         safe_id: req.safe_id.clone(),
         kind: req.kind.clone(),
         request_id: req.request_id.clone(),
-        workload_uuid: workload_uuid.clone(),
+        workload_uuid,
         created_unix: unix_now(),
-        command: command.clone(),
-        stdout_log: stdout_log.clone(),
-        stderr_log: stderr_log.clone(),
+        command,
+        stdout_log: layout.logs().join(format!("{stem}.stdout.log")),
+        stderr_log: layout.logs().join(format!("{stem}.stderr.log")),
         max_runtime_s: req.max_runtime_s,
         phase: Phase::Starting,
         started: None,
@@ -211,88 +178,21 @@ fn launch_in(
         gpus: req.gpus.clone(),
         salvaged: None,
     };
-    // Atomic (a reader never sees half of it) but not synced here: [`make_durable`] syncs it
-    // while the shim starts the workload.
     let json = serde_json::to_vec_pretty(&meta).map_err(|e| e.to_string())?;
     store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600)
         .map_err(|e| format!("cannot write the workload record: {e}"))?;
+    Ok(meta)
+}
 
-    // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
-    let mut env: BTreeMap<String, String> = s.env.merged();
-    for k in NODE_ONLY_VARS {
-        env.remove(*k);
-    }
-    // The simulated slow disk (`store::slow_disk_pause`) is the node's own, not its workloads'.
-    env.remove("CYBERWAVE_TEST_SLOW_FSYNC_MS");
-    let credential = token.unwrap_or_else(|| req.node_token.clone());
-    if !credential.is_empty() {
-        env.insert("CYBERWAVE_API_KEY".into(), credential.clone());
-        env.insert("CYBERWAVE_MQTT_PASSWORD".into(), credential);
-    }
-    env.insert(
-        "CYBERWAVE_PARAMS_FILE".into(),
-        params_file.display().to_string(),
-    );
-    // An environment value cannot hold NUL; such an id is passed with NUL as U+FFFD.
-    env.insert(
-        "CYBERWAVE_REQUEST_ID".into(),
-        meta.request_id_text().replace('\0', "\u{FFFD}"),
-    );
-    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), req.kind.clone());
-    if let Some(d) = &req.results_dir {
-        give(d)?;
-        env.insert("CYBERWAVE_RESULTS_DIR".into(), d.display().to_string());
-    }
-    if let Some(u) = &user {
-        env.insert("HOME".into(), u.home.display().to_string());
-        env.insert("USER".into(), u.name.clone());
-        env.insert("LOGNAME".into(), u.name.clone());
-    }
-    env.insert(
-        "CYBERWAVE_INPUTS_DIR".into(),
-        layout.inputs().display().to_string(),
-    );
-    env.insert(
-        "CYBERWAVE_NODE_SOCKET".into(),
-        req.socket.display().to_string(),
-    );
-    env.insert("CYBERWAVE_NODE_BIN".into(), exe.display().to_string());
-    env.insert(
-        "CYBERWAVE_NODE_EVENT_TOKEN".into(),
-        meta.event_token.clone(),
-    );
-    if let Some(wl) = &workload_uuid {
-        env.insert("CYBERWAVE_WORKLOAD_UUID".into(), wl.clone());
-    }
-    env.insert("CYBERWAVE_BASE_URL".into(), s.base_url.value.clone());
-    env.insert("CYBERWAVE_MQTT_HOST".into(), s.mqtt_host.value.clone());
-    env.insert("CYBERWAVE_MQTT_PORT".into(), s.mqtt_port.value.to_string());
-    env.insert(
-        "CYBERWAVE_MQTT_USE_TLS".into(),
-        s.mqtt_use_tls.value.to_string(),
-    );
-    env.insert(
-        "CYBERWAVE_MQTT_TOPIC_PREFIX".into(),
-        s.topic_prefix.value.clone(),
-    );
-    // D45: what the platform SDK and edge-core read. Edge-core labels the containers a
-    // workload starts with this node and workload (`container_spec.workload_labels`); the SDK
-    // takes the broker's CA under its own name.
-    env.insert("CYBERWAVE_CLOUD_NODE_ID".into(), req.node_uuid.clone());
-    if let Some(ca) = s.mqtt_ca_certs.as_ref().filter(|_| s.mqtt_use_tls.value) {
-        for name in ["CYBERWAVE_MQTT_TLS_CA_CERTS", "CYBERWAVE_MQTT_TLS_CA_CERT"] {
-            env.insert(name.into(), ca.value.display().to_string());
-        }
-    }
-    if let Some(gpus) = &req.gpus {
-        // D36: exactly its GPUs, by UUID; none at all when it needs none.
-        let list = gpus.join(",");
-        env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
-        env.insert("CUDA_VISIBLE_DEVICES".into(), list.clone());
-        let nvidia = if list.is_empty() { "none".into() } else { list };
-        env.insert("NVIDIA_VISIBLE_DEVICES".into(), nvidia);
-    }
-
+/// Forks the shim that runs the workload's command in `env`.
+fn fork_shim(
+    s: &Settings,
+    exe: &Path,
+    dir: &Path,
+    meta: Meta,
+    env: &BTreeMap<String, String>,
+    user: Option<&WorkloadUser>,
+) -> Result<Launched, String> {
     let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
         "bash"
     } else {
@@ -301,12 +201,12 @@ fn launch_in(
     let args = ShimArgs {
         dir: dir.to_path_buf(),
         cwd: s.working_dir.clone(),
-        stdout: stdout_log,
-        stderr: stderr_log,
+        stdout: meta.stdout_log.clone(),
+        stderr: meta.stderr_log.clone(),
         shell: shell.to_string(),
-        command,
+        command: meta.command.clone(),
         cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
-        user: user.as_ref().map(user::WorkloadUser::ids),
+        user: user.map(WorkloadUser::ids),
     };
     let shim_log = store::create_state_file(&dir.join("shim.log"), 0o600)
         .map_err(|e| format!("cannot create the shim log: {e}"))?;
@@ -315,7 +215,7 @@ fn launch_in(
     let child = cmd
         .args(args.to_args())
         .env_clear()
-        .envs(&env)
+        .envs(env)
         .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

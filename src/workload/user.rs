@@ -155,6 +155,20 @@ pub fn hand_over(path: &std::path::Path, u: &WorkloadUser) -> std::io::Result<()
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
 
+/// Hands `path` to the workload user, when there is one.
+pub fn give(user: Option<&WorkloadUser>, path: &std::path::Path) -> Result<(), String> {
+    match user {
+        Some(u) => hand_over(path, u).map_err(|e| {
+            format!(
+                "cannot hand {} to workload_user {}: {e}",
+                path.display(),
+                u.name
+            )
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A directory of the node's that a workload user must pass through but not list (0711).
 pub fn traversable(dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;

@@ -736,7 +736,6 @@ mod tests {
             stdout_log: PathBuf::from("/nonexistent/out.log"),
             stderr_log: PathBuf::from("/nonexistent/err.log"),
             max_runtime_s,
-            phase: Default::default(),
             started: Some(Started {
                 pid,
                 start_ticks: 1,

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use super::environment;
 use super::inputs;
 use super::procinfo;
-use super::record::{unix_now, Layout, Meta, Phase, WorkflowCtx};
+use super::record::{unix_now, Layout, Meta, WorkflowCtx};
 use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
 use crate::config::Settings;
@@ -42,7 +42,7 @@ pub struct StartRequest {
 
 /// A shim that was forked and has not reported the workload's pid yet.
 pub struct Launched {
-    /// The record as written (not yet synced): phase `Starting`, no pid.
+    /// The record as written (not yet synced), no pid.
     pub meta: Meta,
     pub shim_pid: i32,
     /// The shim's start time (its identity, read right after the fork).
@@ -51,7 +51,7 @@ pub struct Launched {
 }
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
-/// and record (`meta.json`, phase `starting`, written atomically but not yet synced), then the
+/// and record (`meta.json`, without a pid, written atomically but not yet synced), then the
 /// shim forked. [`settle`] then reads the pid, and [`make_durable`] syncs the record once the
 /// workload runs (a sync forces a journal commit, which would hold up the files the shim and
 /// the workload create as they start). On `Err` nothing was forked and the directory is gone.
@@ -150,7 +150,7 @@ fn prepare_dirs(s: &Settings, layout: &Layout, dir: &Path) -> Result<Option<Work
     Ok(user)
 }
 
-/// The workload's record (phase `starting`, no pid), written atomically (a reader never sees
+/// The workload's record (no pid yet), written atomically (a reader never sees
 /// half of it) but not synced here: [`super::make_durable`] syncs it while the shim starts the
 /// workload.
 fn write_record(
@@ -170,7 +170,6 @@ fn write_record(
         stdout_log: layout.logs().join(format!("{stem}.stdout.log")),
         stderr_log: layout.logs().join(format!("{stem}.stderr.log")),
         max_runtime_s: req.max_runtime_s,
-        phase: Phase::Starting,
         started: None,
         cancel: None,
         workflow: req.workflow.clone(),

@@ -15,15 +15,6 @@ pub const KINDS: [&str; 3] = ["inference", "simulate", "training"];
 /// A placeholder workload type for a rebuilt record whose type is unknown.
 pub const UNKNOWN_KIND: &str = "workload";
 
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    /// The directory exists; the shim has not reported a pid yet.
-    #[default]
-    Starting,
-    Running,
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Cancel {
     pub signal: String,
@@ -67,8 +58,6 @@ pub struct Meta {
     pub stderr_log: PathBuf,
     #[serde(default)]
     pub max_runtime_s: Option<f64>,
-    #[serde(default)]
-    pub phase: Phase,
     #[serde(default)]
     pub started: Option<Started>,
     #[serde(default)]
@@ -145,9 +134,6 @@ pub fn load_meta(dir: &Path) -> Option<Meta> {
     let mut meta = parse_meta(dir).ok()?;
     if meta.started.is_none() {
         meta.started = read_json(&dir.join("started.json"));
-        if meta.started.is_some() {
-            meta.phase = Phase::Running;
-        }
     }
     Some(meta)
 }
@@ -373,7 +359,6 @@ mod tests {
                 with("/stderr_log", serde_json::json!("/x/.ssh")),
             ),
             ("token", with("/event_token", serde_json::json!("a b"))),
-            ("phase", with("/phase", serde_json::json!("flying"))),
         ];
         for (what, bytes) in &cases {
             std::fs::write(&meta_path, bytes).unwrap();
@@ -414,6 +399,27 @@ mod tests {
             "never outside the log folder"
         );
         assert_eq!(m.max_runtime_s, Some(60.0));
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// Records written before the dead `phase` field was dropped still load (a node upgraded
+    /// while its workloads run re-adopts them), and a record written now has no such field.
+    #[test]
+    fn an_old_record_with_a_phase_still_loads() {
+        let layout = scratch("oldphase");
+        let dir = layout.dir("w1");
+        for phase in ["starting", "running"] {
+            let mut old = good_meta(&layout);
+            old["phase"] = serde_json::json!(phase);
+            std::fs::write(dir.join("meta.json"), old.to_string()).unwrap();
+            let m = load_meta(&dir).expect("an old record loads");
+            assert_eq!(m.pid(), 123456, "{phase}");
+            save_meta(&layout, &m).unwrap();
+            let saved: Value =
+                serde_json::from_slice(&std::fs::read(dir.join("meta.json")).unwrap()).unwrap();
+            assert!(saved.get("phase").is_none(), "no phase written");
+            assert_eq!(parse_meta(&dir).unwrap(), m);
+        }
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

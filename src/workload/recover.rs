@@ -8,8 +8,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::record::{
-    load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, Phase, KINDS,
-    UNKNOWN_KIND,
+    load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, KINDS, UNKNOWN_KIND,
 };
 use super::shim::Started;
 use super::{procinfo, spawner};
@@ -40,10 +39,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
                 // is about to run: a redelivery would start it a second time).
                 wait_for_shim_record(dir, &path);
                 match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
-                    Ok(st) => {
-                        meta.started = Some(st);
-                        meta.phase = Phase::Running;
-                    }
+                    Ok(st) => meta.started = Some(st),
                     Err(store::ReadError::Missing) => {}
                     // The shim wrote it, so the workload did start: it cannot be tracked
                     // without it, but it is reported, not forgotten.
@@ -105,11 +101,6 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         stdout_log: layout.logs().join(format!("{kind}_{name}.stdout.log")),
         stderr_log: layout.logs().join(format!("{kind}_{name}.stderr.log")),
         max_runtime_s: None,
-        phase: if started.is_some() {
-            Phase::Running
-        } else {
-            Phase::Starting
-        },
         started,
         cancel: None,
         workflow: None,
@@ -275,7 +266,6 @@ mod tests {
         let dir = layout.dir("w1");
         let mut meta = good_meta(&layout);
         meta.as_object_mut().unwrap().remove("started");
-        meta["phase"] = serde_json::json!("starting");
         std::fs::write(dir.join("meta.json"), meta.to_string()).unwrap();
         // Stands in for the shim: `__shim <dir>` on its command line.
         let mut shim = Command::new("sh")
@@ -298,7 +288,6 @@ mod tests {
         };
         writer.join().unwrap();
         assert_eq!(m.pid(), 123456, "the start record the shim wrote meanwhile");
-        assert_eq!(m.phase, Phase::Running);
         shim.kill().unwrap();
         shim.wait().unwrap();
         // No shim: nothing to wait for (a record without a pid is forgotten by the node).

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use super::launch::Launched;
 use super::procinfo;
-use super::record::{Layout, Meta, Phase};
+use super::record::{Layout, Meta};
 use super::shim::Started;
 use crate::store;
 
@@ -114,10 +114,9 @@ fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, String> {
         boot_id: procinfo::boot_id(),
         started_at: crate::util::rfc3339(SystemTime::now()),
     };
-    // meta.json on disk keeps saying "starting": the shim's started.json completes it at
+    // meta.json on disk stays without the pid: the shim's started.json completes it at
     // recovery, so a second synced write is not needed here.
     meta.started = Some(started);
-    meta.phase = Phase::Running;
     Ok(meta)
 }
 
@@ -229,7 +228,6 @@ mod tests {
         let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid());
         assert_eq!(pid(0), Ok(4242));
         assert_eq!(pid(3), Ok(4343));
-        assert_eq!(out[3].2.as_ref().unwrap().phase, Phase::Running);
         assert_eq!(out[1].2.as_ref().unwrap_err(), "cannot open the log files");
         assert_eq!(
             out[2].2.as_ref().unwrap_err(),

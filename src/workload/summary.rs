@@ -46,7 +46,6 @@ fn last_chars(s: &str, n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::record::Phase;
     use serde_json::Value;
 
     #[test]
@@ -63,7 +62,6 @@ mod tests {
             stdout_log: dir.join("o"),
             stderr_log: dir.join("e"),
             max_runtime_s: None,
-            phase: Phase::Running,
             started: None,
             cancel: None,
             workflow: None,

@@ -18,7 +18,7 @@ pub fn good_meta(layout: &Layout) -> Value {
         "workload_uuid": "wl-1", "created_unix": 1.7e9, "command": "echo hi",
         "stdout_log": layout.logs().join("inference_w1.stdout.log"),
         "stderr_log": layout.logs().join("inference_w1.stderr.log"),
-        "max_runtime_s": 60.0, "phase": "running",
+        "max_runtime_s": 60.0,
         "started": {"pid": 123456, "start_ticks": 5, "shim_pid": 123455,
                     "shim_start_ticks": 4, "boot_id": "b", "started_at": "t"},
         "event_token": "abc123"

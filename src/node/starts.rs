@@ -450,6 +450,7 @@ impl Node {
                 }
             }
             Outcome::SpawnFailed { safe_id, why } => {
+                let why = why.to_string();
                 let Some(st) = self.starts.end(&safe_id) else {
                     log::error!("a start that was not in flight failed: {}", shown(&why));
                     return;

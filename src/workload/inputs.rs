@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+use super::error::SpawnError;
 use super::launch::StartRequest;
 use super::record::Layout;
 use super::user::{self, WorkloadUser};
@@ -41,15 +42,16 @@ pub(super) fn module_file(
     s: &Settings,
     template: &str,
     kind: &str,
-) -> Result<Option<(String, PathBuf)>, String> {
+) -> Result<Option<(String, PathBuf)>, SpawnError> {
     let Some(value) = module_of(template) else {
         return Ok(None);
     };
     let path = s.working_dir.join(value);
     if !path.is_file() {
-        return Err(format!(
-            "Module not found: {value}. Check '{kind}: {value}' in cyberwave.yml."
-        ));
+        return Err(SpawnError::ModuleNotFound {
+            value: value.to_string(),
+            kind: kind.to_string(),
+        });
     }
     Ok(Some((value.to_string(), path)))
 }
@@ -67,7 +69,7 @@ pub(super) fn inline_image(
     safe_id: &str,
     params: &mut Map<String, Value>,
     user: Option<&WorkloadUser>,
-) -> Result<(), String> {
+) -> Result<(), SpawnError> {
     let Some(b64) = params
         .get("image_bytes_base64")
         .and_then(Value::as_str)
@@ -96,13 +98,17 @@ pub(super) fn write_params(
     dir: &Path,
     params: Map<String, Value>,
     user: Option<&WorkloadUser>,
-) -> Result<PathBuf, String> {
+) -> Result<PathBuf, SpawnError> {
     let params_file = dir.join("params.json");
-    let params_json = serde_json::to_vec(&Value::Object(params)).map_err(|e| e.to_string())?;
+    let params_json = serde_json::to_vec(&Value::Object(params))?;
     // Not synced: the workload needs it complete, not durable (after a host crash the workload
     // is reported lost anyway).
-    store::write_replace_unsynced(&params_file, &params_json, 0o600)
-        .map_err(|e| format!("cannot write the params file: {e}"))?;
+    store::write_replace_unsynced(&params_file, &params_json, 0o600).map_err(|source| {
+        SpawnError::Write {
+            what: "the params file",
+            source,
+        }
+    })?;
     user::give(user, &params_file)?;
     Ok(params_file)
 }
@@ -116,15 +122,19 @@ pub(super) fn command_line(
     module: Option<&(String, PathBuf)>,
     params_file: &Path,
     user: Option<&WorkloadUser>,
-) -> Result<String, String> {
+) -> Result<String, SpawnError> {
     let Some((value, path)) = module else {
         return Ok(req
             .template
             .replace("{body}", &shell_quote(&params_file.display().to_string())));
     };
     let runner = dir.join("module_runner.py");
-    store::write_replace_unsynced(&runner, MODULE_RUNNER.as_bytes(), 0o600)
-        .map_err(|e| format!("cannot write the module runner: {e}"))?;
+    store::write_replace_unsynced(&runner, MODULE_RUNNER.as_bytes(), 0o600).map_err(|source| {
+        SpawnError::Write {
+            what: "the module runner",
+            source,
+        }
+    })?;
     user::give(user, &runner)?;
     let python = s
         .env
@@ -155,9 +165,25 @@ pub fn shell_quote(s: &str) -> String {
 }
 
 /// Decodes a (data-URL or plain) base64 image into the inputs folder; returns its file name.
-fn save_image(layout: &Layout, stem: &str, b64: &str) -> Result<String, String> {
+/// Why an inline image was not saved (it is then passed on as it came).
+#[derive(Debug)]
+enum ImageError {
+    NotBase64,
+    Io(std::io::Error),
+}
+
+impl std::fmt::Display for ImageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ImageError::NotBase64 => f.write_str("not valid base64"),
+            ImageError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+fn save_image(layout: &Layout, stem: &str, b64: &str) -> Result<String, ImageError> {
     let data = b64.split_once(',').map(|(_, d)| d).unwrap_or(b64);
-    let bytes = base64_decode(data).ok_or("not valid base64")?;
+    let bytes = base64_decode(data).ok_or(ImageError::NotBase64)?;
     let ext = match bytes.as_slice() {
         [0xFF, 0xD8, 0xFF, ..] => "jpg",
         [0x89, b'P', b'N', b'G', ..] => "png",
@@ -165,9 +191,9 @@ fn save_image(layout: &Layout, stem: &str, b64: &str) -> Result<String, String> 
         [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'E', b'B', b'P', ..] => "webp",
         _ => "jpg",
     };
-    store::ensure_private_dir(&layout.inputs()).map_err(|e| e.to_string())?;
+    store::ensure_private_dir(&layout.inputs()).map_err(ImageError::Io)?;
     let name = format!("image_{stem}.{ext}");
-    store::write_atomic(&layout.inputs().join(&name), &bytes, 0o600).map_err(|e| e.to_string())?;
+    store::write_atomic(&layout.inputs().join(&name), &bytes, 0o600).map_err(ImageError::Io)?;
     Ok(name)
 }
 

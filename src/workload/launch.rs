@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use serde_json::{Map, Value};
 
 use super::environment;
+use super::error::SpawnError;
 use super::inputs;
 use super::procinfo;
 use super::record::{unix_now, Layout, Meta, WorkflowCtx};
@@ -65,11 +66,16 @@ pub fn launch(
     layout: &Layout,
     exe: &Path,
     req: StartRequest,
-) -> Result<Launched, String> {
+) -> Result<Launched, SpawnError> {
     let dir = layout.dir(&req.safe_id);
-    store::ensure_private_dir(&layout.workloads())
-        .map_err(|e| format!("cannot create {}: {e}", layout.workloads().display()))?;
-    std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    store::ensure_private_dir(&layout.workloads()).map_err(|source| SpawnError::CreateDir {
+        path: layout.workloads(),
+        source,
+    })?;
+    std::fs::create_dir(&dir).map_err(|source| SpawnError::CreateDir {
+        path: dir.clone(),
+        source,
+    })?;
     let result = launch_in(s, layout, exe, &dir, req);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
@@ -83,7 +89,7 @@ fn launch_in(
     exe: &Path,
     dir: &Path,
     mut req: StartRequest,
-) -> Result<Launched, String> {
+) -> Result<Launched, SpawnError> {
     let user = prepare_dirs(s, layout, dir)?;
     let user = user.as_ref();
     let token = req
@@ -129,7 +135,11 @@ fn launch_in(
 
 /// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
 /// 2 if wrong), and the folders the start writes to, open to that user as far as it needs.
-fn prepare_dirs(s: &Settings, layout: &Layout, dir: &Path) -> Result<Option<WorkloadUser>, String> {
+fn prepare_dirs(
+    s: &Settings,
+    layout: &Layout,
+    dir: &Path,
+) -> Result<Option<WorkloadUser>, SpawnError> {
     let user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
         Some(spec) => Some(user::lookup(spec)?),
         None => None,
@@ -137,14 +147,14 @@ fn prepare_dirs(s: &Settings, layout: &Layout, dir: &Path) -> Result<Option<Work
     // With a workload user the record's dir is passed through (to its params file), not listed.
     let mode = if user.is_some() { 0o711 } else { 0o700 };
     let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
-    store::ensure_private_dir(&layout.logs())
-        .map_err(|e| format!("cannot create {}: {e}", layout.logs().display()))?;
+    store::ensure_private_dir(&layout.logs()).map_err(|source| SpawnError::CreateDir {
+        path: layout.logs(),
+        source,
+    })?;
     if user.is_some() {
-        user::traversable(&layout.workloads()).map_err(|e| {
-            format!(
-                "cannot open {} to the workload user: {e}",
-                layout.workloads().display()
-            )
+        user::traversable(&layout.workloads()).map_err(|source| SpawnError::OpenToUser {
+            path: layout.workloads(),
+            source,
         })?;
     }
     Ok(user)
@@ -159,7 +169,7 @@ fn write_record(
     workload_uuid: Option<String>,
     command: String,
     stem: &str,
-) -> Result<Meta, String> {
+) -> Result<Meta, SpawnError> {
     let meta = Meta {
         safe_id: req.safe_id.clone(),
         kind: req.kind.clone(),
@@ -177,9 +187,13 @@ fn write_record(
         gpus: req.gpus.clone(),
         salvaged: None,
     };
-    let json = serde_json::to_vec_pretty(&meta).map_err(|e| e.to_string())?;
-    store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600)
-        .map_err(|e| format!("cannot write the workload record: {e}"))?;
+    let json = serde_json::to_vec_pretty(&meta)?;
+    store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600).map_err(|source| {
+        SpawnError::Write {
+            what: "the workload record",
+            source,
+        }
+    })?;
     Ok(meta)
 }
 
@@ -191,7 +205,7 @@ fn fork_shim(
     meta: Meta,
     env: &BTreeMap<String, String>,
     user: Option<&WorkloadUser>,
-) -> Result<Launched, String> {
+) -> Result<Launched, SpawnError> {
     let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
         "bash"
     } else {
@@ -207,8 +221,8 @@ fn fork_shim(
         cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
         user: user.map(WorkloadUser::ids),
     };
-    let shim_log = store::create_state_file(&dir.join("shim.log"), 0o600)
-        .map_err(|e| format!("cannot create the shim log: {e}"))?;
+    let shim_log =
+        store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
     let mut cmd = Command::new(exe);
     crate::fds::no_inherited_fds(&mut cmd);
     let child = cmd
@@ -220,11 +234,9 @@ fn fork_shim(
         .stdout(Stdio::piped())
         .stderr(shim_log)
         .spawn()
-        .map_err(|e| {
-            format!(
-                "cannot start the workload supervisor {}: {e}",
-                exe.display()
-            )
+        .map_err(|source| SpawnError::Fork {
+            exe: exe.to_path_buf(),
+            source,
         })?;
     let shim_pid = i32::try_from(child.id()).unwrap_or(0);
     Ok(Launched {

@@ -3,6 +3,7 @@
 //! (`node/workloads.rs`); this module holds no state of its own.
 
 pub mod environment;
+pub mod error;
 pub mod exit;
 pub mod inputs;
 pub mod launch;
@@ -21,6 +22,7 @@ mod testkit;
 pub mod user;
 
 pub use environment::NODE_ONLY_VARS;
+pub use error::SpawnError;
 pub use exit::load_exit;
 pub use inputs::{base64_decode, module_function, module_of, shell_quote};
 pub use launch::{launch, Launched, StartRequest};

@@ -4,6 +4,7 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
+use super::error::SpawnError;
 use super::launch::Launched;
 use super::procinfo;
 use super::record::{Layout, Meta};
@@ -55,7 +56,7 @@ pub fn settle(
     layout: &Layout,
     launched: Vec<Launched>,
     timeout: Duration,
-) -> Vec<(String, i32, Result<Meta, String>)> {
+) -> Vec<(String, i32, Result<Meta, SpawnError>)> {
     let lines = read_lines_timeout(&launched, timeout);
     launched
         .into_iter()
@@ -68,7 +69,7 @@ pub fn settle(
         .collect()
 }
 
-fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, String> {
+fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> {
     let Launched {
         mut meta,
         shim_pid,
@@ -98,9 +99,9 @@ fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, String> {
             }
             let _ = std::fs::remove_dir_all(layout.dir(&meta.safe_id));
             return Err(if why.is_empty() {
-                "the workload supervisor did not report a pid".to_string()
+                SpawnError::NoPid
             } else {
-                why
+                SpawnError::Shim(why)
             });
         }
     };
@@ -225,12 +226,15 @@ mod tests {
         make_durable(&layout, &["slow", "fast"]);
         let ids: Vec<&str> = out.iter().map(|(id, _, _)| id.as_str()).collect();
         assert_eq!(ids, ["slow", "err", "mute", "fast"], "in order");
-        let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid());
-        assert_eq!(pid(0), Ok(4242));
-        assert_eq!(pid(3), Ok(4343));
-        assert_eq!(out[1].2.as_ref().unwrap_err(), "cannot open the log files");
+        let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid()).ok();
+        assert_eq!(pid(0), Some(4242));
+        assert_eq!(pid(3), Some(4343));
         assert_eq!(
-            out[2].2.as_ref().unwrap_err(),
+            out[1].2.as_ref().unwrap_err().to_string(),
+            "cannot open the log files"
+        );
+        assert_eq!(
+            out[2].2.as_ref().unwrap_err().to_string(),
             "the workload supervisor did not report a pid"
         );
         assert!(

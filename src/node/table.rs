@@ -728,7 +728,7 @@ mod tests {
     fn meta(id: &str, pid: i32, max_runtime_s: Option<f64>) -> Meta {
         Meta {
             safe_id: id.into(),
-            kind: "training".into(),
+            kind: crate::protocol::commands::Kind::Training.into(),
             request_id: Value::String(id.into()),
             workload_uuid: Some(format!("wl-{id}")),
             created_unix: workload::unix_now(),

@@ -63,7 +63,7 @@ fn workload_vars(env: &mut BTreeMap<String, String>, meta: &Meta, c: &Context) {
         "CYBERWAVE_REQUEST_ID".into(),
         meta.request_id_text().replace('\0', "\u{FFFD}"),
     );
-    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), meta.kind.clone());
+    env.insert("CYBERWAVE_WORKLOAD_TYPE".into(), meta.kind.to_string());
     if let Some(d) = c.results_dir {
         env.insert("CYBERWAVE_RESULTS_DIR".into(), d.display().to_string());
     }

@@ -146,7 +146,7 @@ pub(super) fn command_line(
         shell_quote(python.trim()),
         shell_quote(&runner.display().to_string()),
         shell_quote(&path.display().to_string()),
-        module_function(&req.kind),
+        module_function(req.kind.as_str()),
         shell_quote(&params_file.display().to_string()),
         shell_quote(value)
     ))

@@ -15,12 +15,13 @@ use super::record::{unix_now, Layout, Meta, WorkflowCtx};
 use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
 use crate::config::Settings;
+use crate::protocol::commands::Kind;
 use crate::store;
 
 /// What a start needs beyond the settings (owned: it travels to the spawner thread).
 #[derive(Debug, Clone)]
 pub struct StartRequest {
-    pub kind: String,
+    pub kind: Kind,
     pub request_id: Value,
     pub safe_id: String,
     pub params: Map<String, Value>,
@@ -103,11 +104,11 @@ fn launch_in(
         .map(String::from);
     // Module dispatch: a missing file is refused before anything is written; the platform's
     // own keys are not the function's arguments.
-    let module = inputs::module_file(s, &req.template, &req.kind)?;
+    let module = inputs::module_file(s, &req.template, req.kind.as_str())?;
     if module.is_some() {
         inputs::drop_platform_params(&mut req.params);
     }
-    let stem = format!("{}_{}", req.kind, req.safe_id);
+    let stem = format!("{}_{}", req.kind.as_str(), req.safe_id);
     inputs::inline_image(layout, &stem, &req.safe_id, &mut req.params, user)?;
     let params_file = inputs::write_params(dir, std::mem::take(&mut req.params), user)?;
     let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
@@ -172,7 +173,7 @@ fn write_record(
 ) -> Result<Meta, SpawnError> {
     let meta = Meta {
         safe_id: req.safe_id.clone(),
-        kind: req.kind.clone(),
+        kind: req.kind.into(),
         request_id: req.request_id.clone(),
         workload_uuid,
         created_unix: unix_now(),

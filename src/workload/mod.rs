@@ -28,7 +28,7 @@ pub use inputs::{base64_decode, module_function, module_of, shell_quote};
 pub use launch::{launch, Launched, StartRequest};
 pub use record::{
     load_json, load_meta, parse_meta_bytes, read_json, save_meta, unix_now, Cancel, Layout, Meta,
-    WorkflowCtx, KINDS, UNKNOWN_KIND,
+    MetaKind, WorkflowCtx, KINDS, UNKNOWN_KIND,
 };
 pub use recover::{recover_meta, Recovered};
 pub use settle::{make_durable, settle};

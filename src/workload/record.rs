@@ -8,12 +8,73 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::shim::Started;
+use crate::protocol::commands::Kind;
 use crate::store;
 
 pub const KINDS: [&str; 3] = ["inference", "simulate", "training"];
 
 /// A placeholder workload type for a rebuilt record whose type is unknown.
 pub const UNKNOWN_KIND: &str = "workload";
+
+/// The workload type a record names: a start's [`Kind`], or [`MetaKind::Unknown`] in a record
+/// rebuilt at recovery whose type could not be proven. Written as its name (`"inference"`, …,
+/// [`UNKNOWN_KIND`]), as the record always held it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetaKind {
+    Known(Kind),
+    Unknown,
+}
+
+impl MetaKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MetaKind::Known(k) => k.as_str(),
+            MetaKind::Unknown => UNKNOWN_KIND,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<MetaKind> {
+        match Kind::parse(s) {
+            Some(k) => Some(MetaKind::Known(k)),
+            None => (s == UNKNOWN_KIND).then_some(MetaKind::Unknown),
+        }
+    }
+}
+
+impl From<Kind> for MetaKind {
+    fn from(k: Kind) -> MetaKind {
+        MetaKind::Known(k)
+    }
+}
+
+impl PartialEq<Kind> for MetaKind {
+    fn eq(&self, k: &Kind) -> bool {
+        *self == MetaKind::Known(*k)
+    }
+}
+
+impl std::fmt::Display for MetaKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for MetaKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for MetaKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<MetaKind, D::Error> {
+        let s = std::borrow::Cow::<'de, str>::deserialize(d)?;
+        MetaKind::parse(&s).ok_or_else(|| serde::de::Error::custom(kind_error()))
+    }
+}
+
+fn kind_error() -> String {
+    format!("kind must be one of {}", KINDS.join(", "))
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Cancel {
@@ -48,7 +109,7 @@ pub struct WorkflowCtx {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Meta {
     pub safe_id: String,
-    pub kind: String,
+    pub kind: MetaKind,
     pub request_id: Value,
     #[serde(default)]
     pub workload_uuid: Option<String>,
@@ -241,10 +302,8 @@ impl store::Validate for WorkflowCtx {
 
 impl store::Validate for Meta {
     fn validate(&self) -> Result<(), String> {
-        let kind_ok = KINDS.contains(&self.kind.as_str())
-            || (self.salvaged.is_some() && self.kind == UNKNOWN_KIND);
-        if !kind_ok {
-            return Err(format!("kind must be one of {}", KINDS.join(", ")));
+        if self.kind == MetaKind::Unknown && self.salvaged.is_none() {
+            return Err(kind_error());
         }
         if !matches!(
             self.request_id,
@@ -399,6 +458,30 @@ mod tests {
             "never outside the log folder"
         );
         assert_eq!(m.max_runtime_s, Some(60.0));
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// The typed kind is written and read as the name the record always held; the placeholder
+    /// of a rebuilt record is accepted only in a rebuilt record.
+    #[test]
+    fn the_kind_is_written_and_read_as_its_name() {
+        let layout = scratch("kind");
+        let logs = layout.logs();
+        for name in ["inference", "simulate", "training"] {
+            let mut m = good_meta(&layout);
+            m["kind"] = serde_json::json!(name);
+            let meta = parse_meta_bytes(m.to_string().as_bytes(), &logs).unwrap();
+            assert_eq!(meta.kind.to_string(), name);
+            let back: Value = serde_json::to_value(&meta).unwrap();
+            assert_eq!(back["kind"], serde_json::json!(name));
+        }
+        let mut m = good_meta(&layout);
+        m["kind"] = serde_json::json!(UNKNOWN_KIND);
+        assert!(parse_meta_bytes(m.to_string().as_bytes(), &logs).is_err());
+        m["salvaged"] = serde_json::json!("meta.json is missing");
+        let meta = parse_meta_bytes(m.to_string().as_bytes(), &logs).unwrap();
+        assert_eq!(meta.kind, MetaKind::Unknown);
+        assert_eq!(serde_json::to_value(&meta).unwrap()["kind"], "workload");
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

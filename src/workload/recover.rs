@@ -8,10 +8,11 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::record::{
-    load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, KINDS, UNKNOWN_KIND,
+    load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, MetaKind,
 };
 use super::shim::Started;
 use super::{procinfo, spawner};
+use crate::protocol::commands::Kind;
 use crate::store;
 
 /// How a workload's directory was read back at recovery.
@@ -75,16 +76,16 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         "workload params file",
     )
     .and_then(|p| p.workload_uuid());
-    let kind = KINDS
-        .iter()
+    let kind = [Kind::Inference, Kind::Simulate, Kind::Training]
+        .into_iter()
+        .map(MetaKind::Known)
         .find(|k| {
             layout
                 .logs()
                 .join(format!("{k}_{name}.stdout.log"))
                 .exists()
         })
-        .copied()
-        .unwrap_or(UNKNOWN_KIND);
+        .unwrap_or(MetaKind::Unknown);
     // D36: the GPUs it holds, read back from its own environment when it provably still runs
     // (else they would look free and be given to a second workload).
     let gpus = started
@@ -93,7 +94,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         .and_then(|s| crate::gpu::assigned_in_environ(s.pid));
     let meta = Meta {
         safe_id: name.to_string(),
-        kind: kind.to_string(),
+        kind,
         request_id: Value::Null,
         workload_uuid,
         created_unix: unix_now(),
@@ -205,7 +206,7 @@ mod tests {
             panic!("must be salvaged");
         };
         assert_eq!(m.workload_uuid.as_deref(), Some("wl-9"));
-        assert_eq!(m.kind, "training");
+        assert_eq!(m.kind, Kind::Training);
         assert_eq!(m.pid(), 123456);
         assert!(m.salvaged.as_deref().unwrap().contains("max_runtime_s"));
         assert_eq!(m.max_runtime_s, None);
@@ -231,7 +232,7 @@ mod tests {
             panic!("salvaged");
         };
         assert!(m.started.is_none() && m.workload_uuid.is_none());
-        assert_eq!(m.kind, UNKNOWN_KIND);
+        assert_eq!(m.kind, MetaKind::Unknown);
         assert_eq!(
             std::fs::read_dir(&q).unwrap().count(),
             3,

@@ -54,7 +54,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let meta = Meta {
             safe_id: "x".into(),
-            kind: "training".into(),
+            kind: crate::protocol::commands::Kind::Training.into(),
             request_id: Value::Null,
             workload_uuid: None,
             created_unix: 0.0,

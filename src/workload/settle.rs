@@ -165,7 +165,7 @@ fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
                 Ok(0) | Err(_) => *o = false,
                 Ok(k) => buf.extend_from_slice(chunk.get(..k).unwrap_or_default()),
             }
-            if buf.contains(&b'\n') {
+            if memchr::memchr(b'\n', buf).is_some() {
                 *o = false;
             }
         }

@@ -626,7 +626,7 @@ pub fn read(key: Key, path: &std::path::Path, offset: u64, max: usize, marks: &[
 /// that reaches its end when a hole follows.
 fn gap_in(buf: &[u8], to_hole: bool) -> Option<usize> {
     let mut i = 0usize;
-    while let Some(z) = buf.get(i..)?.iter().position(|b| *b == 0) {
+    while let Some(z) = memchr::memchr(0, buf.get(i..)?) {
         let start = i.saturating_add(z);
         let run = buf.get(start..)?.iter().take_while(|b| **b == 0).count();
         let end = start.saturating_add(run);

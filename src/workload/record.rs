@@ -343,18 +343,14 @@ mod tests {
     use crate::workload::testkit::{good_meta, scratch};
     use std::time::Duration;
 
-    #[test]
-    fn hostile_meta_records_are_refused() {
-        let layout = scratch("meta");
-        let dir = layout.dir("w1");
-        let meta_path = dir.join("meta.json");
-        let base = good_meta(&layout);
+    /// Records that must be refused: cut, not JSON, and `base` with one field made hostile.
+    fn hostile_cases(base: &Value) -> Vec<(&'static str, Vec<u8>)> {
         let with = |ptr: &str, v: Value| {
             let mut m = base.clone();
             *m.pointer_mut(ptr).unwrap() = v;
             m.to_string().into_bytes()
         };
-        let cases: Vec<(&str, Vec<u8>)> = vec![
+        vec![
             ("truncated", base.to_string().as_bytes()[..40].to_vec()),
             ("binary", vec![0x00, 0xff, 0x1b, b'[', 0x80]),
             ("array", b"[]".to_vec()),
@@ -418,7 +414,16 @@ mod tests {
                 with("/stderr_log", serde_json::json!("/x/.ssh")),
             ),
             ("token", with("/event_token", serde_json::json!("a b"))),
-        ];
+        ]
+    }
+
+    #[test]
+    fn hostile_meta_records_are_refused() {
+        let layout = scratch("meta");
+        let dir = layout.dir("w1");
+        let meta_path = dir.join("meta.json");
+        let base = good_meta(&layout);
+        let cases = hostile_cases(&base);
         for (what, bytes) in &cases {
             std::fs::write(&meta_path, bytes).unwrap();
             assert!(parse_meta(&dir).is_err(), "{what} must be refused");

@@ -378,7 +378,70 @@ pub fn check(path: &Path, text: &str, lenient: bool) -> Checked {
     }
 }
 
+/// The root of manifest text, once it is known to be a mapping.
+enum Top {
+    /// Nothing to read: an empty file, or a falsy scalar (read as empty, as the platform does).
+    Empty,
+    Map(Rc<Node>),
+}
+
 fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
+    let mut m = Manifest {
+        path: cx.path.to_path_buf(),
+        ..Default::default()
+    };
+    let root = match top(cx, text)? {
+        Top::Empty => return Some(m),
+        Top::Map(root) => root,
+    };
+    let Value::Map(entries) = &root.value else {
+        return Some(m);
+    };
+    let wrapper = [WRAPPER_NEW, WRAPPER_LEGACY]
+        .into_iter()
+        .find(|w| root.get(w).is_some());
+    m.wrapper = wrapper.map(String::from);
+    let inner = match wrapper {
+        Some(w) => wrapper_entries(cx, &root, entries, w),
+        None => entries.as_slice(),
+    };
+    if let Some(w) = wrapper {
+        beside_wrapper(cx, entries, w);
+    }
+    let section = wrapper.unwrap_or("root");
+    let node_from_wrapper = read_inner(cx, &mut m, inner, wrapper);
+    if wrapper.is_some() && cx.lenient {
+        mixed_unknown_keys(cx, inner);
+    }
+    cross_field_rule(cx, inner);
+    // `install` wins over `install_script` whatever their order.
+    if let Some(i) = inner
+        .iter()
+        .find(|(k, _)| k.as_str() == Some("install"))
+        .and_then(|(_, v)| usable_text(v))
+    {
+        m.install = Some(i);
+    }
+    // The node's own section, then the node settings found inside the wrapper.
+    let from_section = node_section(cx, &mut m, entries);
+    for (key, k, v) in node_from_wrapper {
+        if from_section.contains(&key) {
+            cx.warn(
+                k.line,
+                &key,
+                format!("ignored: `{NODE_SECTION}:` sets it too, and wins"),
+            );
+            continue;
+        }
+        node_field(cx, &mut m, &key, k.line, &v);
+        m.sections.push((key, section.to_string()));
+    }
+    Some(m)
+}
+
+/// Loads the YAML (bounded in size) and checks that it is a mapping; `None` when it cannot be
+/// read at all.
+fn top(cx: &mut Ctx, text: &str) -> Option<Top> {
     if text.len() > MAX_MANIFEST_BYTES {
         cx.fatal(
             1,
@@ -408,15 +471,11 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
             cx.warn(n.line, "yaml", n.message);
         }
     }
-    let mut m = Manifest {
-        path: cx.path.to_path_buf(),
-        ..Default::default()
-    };
     let Some(root) = root else {
-        return Some(m);
+        return Some(Top::Empty);
     };
-    let entries = match &root.value {
-        Value::Map(e) => e,
+    match &root.value {
+        Value::Map(_) => Some(Top::Map(root)),
         _ if root.is_falsy() => {
             if !root.is_null() {
                 cx.warn(
@@ -428,7 +487,7 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
                     ),
                 );
             }
-            return Some(m);
+            Some(Top::Empty)
         }
         _ => {
             cx.fatal(
@@ -439,69 +498,80 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
                     root.describe()
                 ),
             );
-            return None;
-        }
-    };
-    let wrapper = [WRAPPER_NEW, WRAPPER_LEGACY]
-        .into_iter()
-        .find(|w| root.get(w).is_some());
-    m.wrapper = wrapper.map(String::from);
-    let empty: Vec<(Rc<Node>, Rc<Node>)> = Vec::new();
-    let inner: &[(Rc<Node>, Rc<Node>)] = match wrapper {
-        Some(w) => match root.get(w) {
-            Some(node) => match &node.value {
-                Value::Map(e) => e.as_slice(),
-                _ => {
-                    if !node.is_null() {
-                        let line = key_line(entries, w);
-                        cx.warn(
-                            line,
-                            w,
-                            format!(
-                                "holds {}, not a mapping; read as empty, as the platform does",
-                                node.describe()
-                            ),
-                        );
-                    }
-                    &empty
-                }
-            },
-            None => &empty,
-        },
-        None => entries,
-    };
-    // Top level beside the wrapper: the platform ignores everything but the wrapper.
-    if let Some(w) = wrapper {
-        for (k, _) in entries.iter() {
-            let name = k.as_str().unwrap_or(&k.text);
-            if k.as_str() == Some(w) || k.as_str() == Some(NODE_SECTION) {
-                continue;
-            }
-            // Anything else beside the wrapper is ignored, silently as on the platform (it is
-            // where anchors for `<<` live), unless it looks like a misplaced setting.
-            let known = |n: &str| {
-                PLATFORM_FIELDS.iter().any(|(f, _)| *f == n)
-                    || NODE_FIELDS.iter().any(|(f, _)| *f == n)
-            };
-            let why = if k.as_str() == Some(WRAPPER_LEGACY) {
-                format!("ignored: `{w}:` is also present and wins (as on the platform)")
-            } else if known(name) {
-                format!("ignored: a setting beside `{w}:` (the platform ignores it too); settings belong under `{w}:`, node settings under `{NODE_SECTION}:`")
-            } else {
-                continue;
-            };
-            cx.warn(k.line, name, why);
+            None
         }
     }
+}
+
+/// The wrapper's own entries; one that is not a mapping reads as empty, as on the platform.
+fn wrapper_entries<'a>(
+    cx: &mut Ctx,
+    root: &'a Node,
+    entries: &[(Rc<Node>, Rc<Node>)],
+    w: &str,
+) -> &'a [(Rc<Node>, Rc<Node>)] {
+    let Some(node) = root.get(w) else {
+        return &[];
+    };
+    match &node.value {
+        Value::Map(e) => e.as_slice(),
+        _ => {
+            if !node.is_null() {
+                let line = key_line(entries, w);
+                cx.warn(
+                    line,
+                    w,
+                    format!(
+                        "holds {}, not a mapping; read as empty, as the platform does",
+                        node.describe()
+                    ),
+                );
+            }
+            &[]
+        }
+    }
+}
+
+/// Top level beside the wrapper: the platform ignores everything but the wrapper.
+fn beside_wrapper(cx: &mut Ctx, entries: &[(Rc<Node>, Rc<Node>)], w: &str) {
+    for (k, _) in entries.iter() {
+        let name = k.as_str().unwrap_or(&k.text);
+        if k.as_str() == Some(w) || k.as_str() == Some(NODE_SECTION) {
+            continue;
+        }
+        // Anything else beside the wrapper is ignored, silently as on the platform (it is
+        // where anchors for `<<` live), unless it looks like a misplaced setting.
+        let known = |n: &str| {
+            PLATFORM_FIELDS.iter().any(|(f, _)| *f == n) || NODE_FIELDS.iter().any(|(f, _)| *f == n)
+        };
+        let why = if k.as_str() == Some(WRAPPER_LEGACY) {
+            format!("ignored: `{w}:` is also present and wins (as on the platform)")
+        } else if known(name) {
+            format!("ignored: a setting beside `{w}:` (the platform ignores it too); settings belong under `{w}:`, node settings under `{NODE_SECTION}:`")
+        } else {
+            continue;
+        };
+        cx.warn(k.line, name, why);
+    }
+}
+
+/// Reads the wrapper's keys (or the root's, without one): the platform's fields into `m`; the
+/// node settings found there are returned, to be read after the node's own section.
+fn read_inner(
+    cx: &mut Ctx,
+    m: &mut Manifest,
+    inner: &[(Rc<Node>, Rc<Node>)],
+    wrapper: Option<&str>,
+) -> Vec<(String, Rc<Node>, Rc<Node>)> {
     let section = wrapper.unwrap_or("root");
-    let mut node_from_wrapper: Vec<(String, Rc<Node>, Rc<Node>)> = Vec::new();
+    let mut node_from_wrapper = Vec::new();
     for (k, v) in inner.iter() {
         let Some(key) = k.as_str() else {
             unknown_key(cx, k, wrapper);
             continue;
         };
         if let Some(&(_, kind)) = PLATFORM_FIELDS.iter().find(|(n, _)| *n == key) {
-            platform_field(cx, &mut m, key, kind, k.line, v);
+            platform_field(cx, m, key, kind, k.line, v);
             m.sections.push((key.to_string(), section.to_string()));
         } else if NODE_FIELDS.iter().any(|(n, _)| *n == key)
             || (wrapper.is_none() && key == NODE_SECTION)
@@ -527,34 +597,39 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
             unknown_key(cx, k, wrapper);
         }
     }
-    // With --lenient the platform sorts the unknown keys to list them: keys of types Python
-    // cannot compare (a string and a number, `null` and anything) crash its validator.
-    if wrapper.is_some() && cx.lenient {
-        let class = |k: &Node| match k.scalar() {
-            Some(Scalar::Str(_)) => 0u8,
-            Some(Scalar::Bool(_) | Scalar::Int(_) | Scalar::Float(_)) => 1,
-            Some(Scalar::Null) => 2,
-            Some(Scalar::Timestamp) => 3,
-            _ => 4,
-        };
-        let unknown: Vec<&Rc<Node>> = inner
-            .iter()
-            .map(|(k, _)| k)
-            .filter(|k| {
-                k.as_str()
-                    .is_none_or(|n| !PLATFORM_FIELDS.iter().any(|(f, _)| *f == n))
-            })
-            .collect();
-        let first = unknown.first().map(|k| class(k));
-        if let Some(odd) = unknown.iter().find(|k| Some(class(k)) != first) {
-            cx.platform(
-                odd.line,
-                &odd.text,
-                "unknown keys of mixed types (a string and a number or null): the platform's validator crashes on them with --lenient; the node ignores them".into(),
-            );
-        }
+    node_from_wrapper
+}
+
+/// With --lenient the platform sorts the unknown keys to list them: keys of types Python
+/// cannot compare (a string and a number, `null` and anything) crash its validator.
+fn mixed_unknown_keys(cx: &mut Ctx, inner: &[(Rc<Node>, Rc<Node>)]) {
+    let class = |k: &Node| match k.scalar() {
+        Some(Scalar::Str(_)) => 0u8,
+        Some(Scalar::Bool(_) | Scalar::Int(_) | Scalar::Float(_)) => 1,
+        Some(Scalar::Null) => 2,
+        Some(Scalar::Timestamp) => 3,
+        _ => 4,
+    };
+    let unknown: Vec<&Rc<Node>> = inner
+        .iter()
+        .map(|(k, _)| k)
+        .filter(|k| {
+            k.as_str()
+                .is_none_or(|n| !PLATFORM_FIELDS.iter().any(|(f, _)| *f == n))
+        })
+        .collect();
+    let first = unknown.first().map(|k| class(k));
+    if let Some(odd) = unknown.iter().find(|k| Some(class(k)) != first) {
+        cx.platform(
+            odd.line,
+            &odd.text,
+            "unknown keys of mixed types (a string and a number or null): the platform's validator crashes on them with --lenient; the node ignores them".into(),
+        );
     }
-    // The platform's cross-field rule, checked on the values it would have accepted.
+}
+
+/// The platform's cross-field rule, checked on the values it would have accepted.
+fn cross_field_rule(cx: &mut Ctx, inner: &[(Rc<Node>, Rc<Node>)]) {
     let truthy = |key: &str| {
         inner
             .iter()
@@ -571,66 +646,49 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
                 .into(),
         );
     }
-    // `install` wins over `install_script` whatever their order.
-    if let Some(i) = inner
-        .iter()
-        .find(|(k, _)| k.as_str() == Some("install"))
-        .and_then(|(_, v)| usable_text(v))
-    {
-        m.install = Some(i);
-    }
+}
 
-    // The node's own section, then the node settings found inside the wrapper.
+/// The node's own section (`cloud_node:`); returns the keys it set.
+fn node_section(cx: &mut Ctx, m: &mut Manifest, entries: &[(Rc<Node>, Rc<Node>)]) -> Vec<String> {
     let mut from_section: Vec<String> = Vec::new();
-    if let Some((sk, sv)) = entries
+    let Some((sk, sv)) = entries
         .iter()
         .find(|(k, _)| k.as_str() == Some(NODE_SECTION))
-    {
-        match &sv.value {
-            Value::Map(e) => {
-                for (k, v) in e.iter() {
-                    let key = k.as_str().unwrap_or(&k.text).to_string();
-                    if NODE_FIELDS.iter().any(|(n, _)| *n == key) {
-                        node_field(cx, &mut m, &key, k.line, v);
-                        m.sections.push((key.clone(), NODE_SECTION.to_string()));
-                        from_section.push(key);
+    else {
+        return from_section;
+    };
+    match &sv.value {
+        Value::Map(e) => {
+            for (k, v) in e.iter() {
+                let key = k.as_str().unwrap_or(&k.text).to_string();
+                if NODE_FIELDS.iter().any(|(n, _)| *n == key) {
+                    node_field(cx, m, &key, k.line, v);
+                    m.sections.push((key.clone(), NODE_SECTION.to_string()));
+                    from_section.push(key);
+                } else {
+                    let hint = closest(&key, true)
+                        .map(|s| format!(" (did you mean `{s}`?)"))
+                        .unwrap_or_default();
+                    let msg = format!("unknown node setting{hint}; ignored");
+                    if cx.lenient {
+                        cx.warn(k.line, &key, msg);
                     } else {
-                        let hint = closest(&key, true)
-                            .map(|s| format!(" (did you mean `{s}`?)"))
-                            .unwrap_or_default();
-                        let msg = format!("unknown node setting{hint}; ignored");
-                        if cx.lenient {
-                            cx.warn(k.line, &key, msg);
-                        } else {
-                            cx.platform(k.line, &key, msg);
-                        }
+                        cx.platform(k.line, &key, msg);
                     }
                 }
             }
-            _ if sv.is_null() => {}
-            _ => cx.platform(
-                sk.line,
-                NODE_SECTION,
-                format!(
-                    "expected a mapping of node settings, found {}; ignored",
-                    sv.describe()
-                ),
+        }
+        _ if sv.is_null() => {}
+        _ => cx.platform(
+            sk.line,
+            NODE_SECTION,
+            format!(
+                "expected a mapping of node settings, found {}; ignored",
+                sv.describe()
             ),
-        }
+        ),
     }
-    for (key, k, v) in node_from_wrapper {
-        if from_section.contains(&key) {
-            cx.warn(
-                k.line,
-                &key,
-                format!("ignored: `{NODE_SECTION}:` sets it too, and wins"),
-            );
-            continue;
-        }
-        node_field(cx, &mut m, &key, k.line, &v);
-        m.sections.push((key, section.to_string()));
-    }
-    Some(m)
+    from_section
 }
 
 fn key_line(entries: &[(Rc<Node>, Rc<Node>)], key: &str) -> usize {

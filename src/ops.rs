@@ -490,12 +490,12 @@ fn check_broker(settings: &Settings) -> Vec<Finding> {
     );
     let opts = match crate::config::broker::mqtt_options(settings, client_id, Duration::ZERO) {
         Ok(opts) => opts,
-        Err(e) => return fail(e),
+        Err(e) => return fail(e.to_string()),
     };
     let (tx, rx) = crossbeam_channel::unbounded();
     let m = match crate::mqtt::Mqtt::new(opts, tx) {
         Ok(m) => m,
-        Err(e) => return fail(e),
+        Err(e) => return fail(e.to_string()),
     };
     m.start_connect();
     let outcome = loop {

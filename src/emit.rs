@@ -60,7 +60,11 @@ pub fn fields(kind: &str, flags: &BTreeMap<String, String>) -> Result<Map<String
 
 pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError> {
     let (fields, event) = fields(kind, flags)
-        .and_then(|f| crate::ingress::build(&f).map(|ev| (f, ev)))
+        .and_then(|f| {
+            crate::ingress::build(&f)
+                .map(|ev| (f, ev))
+                .map_err(|e| e.to_string())
+        })
         .map_err(EmitError::Invalid)?;
     let Some(token) = std::env::var("CYBERWAVE_NODE_EVENT_TOKEN")
         .ok()

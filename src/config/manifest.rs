@@ -211,9 +211,64 @@ pub const MAX_MANIFEST_BYTES: usize = 4 << 20;
 /// Longest heartbeat the node accepts (seconds).
 const MAX_HEARTBEAT_SECONDS: f64 = u32::MAX as f64;
 
+/// Why no manifest text could be had.
+#[derive(Debug)]
+pub enum LocateError {
+    /// Not UTF-8: the line and byte offset of the first invalid byte, and whether the file
+    /// starts with a UTF-16 byte-order mark.
+    NotUtf8 {
+        path: PathBuf,
+        line: usize,
+        at: usize,
+        utf16: bool,
+    },
+    /// Larger than [`MAX_MANIFEST_BYTES`] (the error names both sizes).
+    TooLarge(PathBuf, std::io::Error),
+    /// It exists and cannot be read.
+    Unreadable(PathBuf, std::io::Error),
+    /// The explicit path does not exist, and no README.md with front matter is beside it.
+    Missing(PathBuf),
+}
+
+impl std::fmt::Display for LocateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LocateError::NotUtf8 {
+                path,
+                line,
+                at,
+                utf16,
+            } => {
+                let hint = if *utf16 {
+                    "; it starts with a UTF-16 byte-order mark: save it as UTF-8"
+                } else {
+                    ""
+                };
+                write!(
+                    f,
+                    "{}:{line}: error: yaml: the file is not UTF-8 text (invalid byte at offset {at}){hint}",
+                    path.display()
+                )
+            }
+            LocateError::TooLarge(path, e) => write!(f, "{}:1: error: yaml: {e}", path.display()),
+            LocateError::Unreadable(path, e) => write!(f, "cannot read {}: {e}", path.display()),
+            LocateError::Missing(p) => write!(
+                f,
+                "config file {} does not exist (and no README.md with front matter beside it)",
+                p.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LocateError {}
+
 /// Which file to read: an explicit path (its README.md front matter when it does not exist),
 /// else `./cyberwave.yml`, else `./README.md` front matter. `Ok(None)`: no manifest at all.
-pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, String)>, String> {
+pub fn locate(
+    explicit: Option<&Path>,
+    cwd: &Path,
+) -> Result<Option<(PathBuf, String)>, LocateError> {
     let (yml, readme) = match explicit {
         Some(p) => (
             p.to_path_buf(),
@@ -223,32 +278,31 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
     };
     match read_bounded(&yml) {
         Ok(bytes) => {
-            return String::from_utf8(bytes).map(|t| Some((yml.clone(), t))).map_err(|e| {
-                let at = e.utf8_error().valid_up_to();
-                let line = e
-                    .as_bytes()
-                    .get(..at)
-                    .map(|b| b.iter().filter(|c| **c == b'\n').count())
-                    .unwrap_or(0)
-                    .saturating_add(1);
-                let hint = if e.as_bytes().starts_with(&[0xFF, 0xFE])
-                    || e.as_bytes().starts_with(&[0xFE, 0xFF])
-                {
-                    "; it starts with a UTF-16 byte-order mark: save it as UTF-8"
-                } else {
-                    ""
-                };
-                format!(
-                    "{}:{line}: error: yaml: the file is not UTF-8 text (invalid byte at offset {at}){hint}",
-                    yml.display()
-                )
-            });
+            return String::from_utf8(bytes)
+                .map(|t| Some((yml.clone(), t)))
+                .map_err(|e| {
+                    let at = e.utf8_error().valid_up_to();
+                    let line = e
+                        .as_bytes()
+                        .get(..at)
+                        .map(|b| b.iter().filter(|c| **c == b'\n').count())
+                        .unwrap_or(0)
+                        .saturating_add(1);
+                    let utf16 = e.as_bytes().starts_with(&[0xFF, 0xFE])
+                        || e.as_bytes().starts_with(&[0xFE, 0xFF]);
+                    LocateError::NotUtf8 {
+                        path: yml.clone(),
+                        line,
+                        at,
+                        utf16,
+                    }
+                });
         }
         Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => {
-            return Err(format!("{}:1: error: yaml: {e}", yml.display()))
+            return Err(LocateError::TooLarge(yml, e))
         }
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(format!("cannot read {}: {e}", yml.display()))
+            return Err(LocateError::Unreadable(yml, e))
         }
         Err(_) => {}
     }
@@ -259,10 +313,7 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
         }
     }
     match explicit {
-        Some(p) => Err(format!(
-            "config file {} does not exist (and no README.md with front matter beside it)",
-            p.display()
-        )),
+        Some(p) => Err(LocateError::Missing(p.to_path_buf())),
         None => Ok(None),
     }
 }
@@ -1347,7 +1398,7 @@ mod tests {
         let (path, _) = locate(None, &dir).unwrap().unwrap();
         assert!(path.ends_with("cyberwave.yml"));
         std::fs::write(dir.join("cyberwave.yml"), b"a: b\nc: \xff\n").unwrap();
-        let e = locate(None, &dir).unwrap_err();
+        let e = locate(None, &dir).unwrap_err().to_string();
         assert!(
             e.contains("cyberwave.yml:2: error: yaml: the file is not UTF-8"),
             "{e}"
@@ -1393,7 +1444,7 @@ mod tests {
         let big = dir.join("big.yml");
         let f = std::fs::File::create(&big).unwrap();
         f.set_len(5 << 30).unwrap();
-        let e = locate(Some(&big), &dir).unwrap_err();
+        let e = locate(Some(&big), &dir).unwrap_err().to_string();
         assert!(
             e.contains("big.yml:1: error: yaml: the file is 5368709120 bytes; a manifest may be at most 4194304 (4 MiB)"),
             "{e}"
@@ -1403,13 +1454,17 @@ mod tests {
             .unwrap();
         assert!(locate(Some(&big), &dir)
             .unwrap_err()
+            .to_string()
             .contains("4194305 bytes"));
         f.set_len(u64::try_from(MAX_MANIFEST_BYTES).unwrap())
             .unwrap();
         assert!(locate(Some(&big), &dir).is_ok());
         // UTF-16 is named as such.
         std::fs::write(&big, b"\xff\xfec\x00y\x00").unwrap();
-        assert!(locate(Some(&big), &dir).unwrap_err().contains("UTF-16"));
+        assert!(locate(Some(&big), &dir)
+            .unwrap_err()
+            .to_string()
+            .contains("UTF-16"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -357,22 +357,61 @@ pub const MAX_TOPIC_PREFIX_BYTES: usize = 256;
 /// (D50): a wildcard would leave the node deaf, whitespace or a control character is a typo.
 /// Like a D20 id it is printable ASCII without `+` or `#` (a `/` is allowed), at most 256 bytes;
 /// empty means none.
-pub fn check_topic_prefix(prefix: &str) -> Result<(), String> {
+pub fn check_topic_prefix(prefix: &str) -> Result<(), TopicPrefixError> {
     if prefix.len() > MAX_TOPIC_PREFIX_BYTES {
-        return Err(format!(
-            "is {} bytes long; a topic prefix may be at most {MAX_TOPIC_PREFIX_BYTES}",
-            prefix.len()
-        ));
+        return Err(TopicPrefixError::TooLong(prefix.len()));
     }
     match prefix
         .chars()
         .find(|c| !c.is_ascii_graphic() || matches!(c, '+' | '#'))
     {
-        Some(c) => Err(format!(
-            "{prefix:?} cannot be a topic prefix: it may hold only printable ASCII without '+', '#' (MQTT wildcards), whitespace or control characters (found '{}')",
-            c.escape_default()
-        )),
+        Some(c) => Err(TopicPrefixError::Char(prefix.to_string(), c)),
         None => Ok(()),
+    }
+}
+
+/// Why a topic prefix cannot be one (printed after the setting's name and source).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TopicPrefixError {
+    /// Its length in bytes.
+    TooLong(usize),
+    /// The prefix, and the first character it may not hold.
+    Char(String, char),
+}
+
+impl std::fmt::Display for TopicPrefixError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TopicPrefixError::TooLong(len) => write!(
+                f,
+                "is {len} bytes long; a topic prefix may be at most {MAX_TOPIC_PREFIX_BYTES}"
+            ),
+            TopicPrefixError::Char(prefix, c) => write!(
+                f,
+                "{prefix:?} cannot be a topic prefix: it may hold only printable ASCII without '+', '#' (MQTT wildcards), whitespace or control characters (found '{}')",
+                c.escape_default()
+            ),
+        }
+    }
+}
+
+/// Why the passwd database gave no home directory for a uid.
+#[derive(Debug)]
+pub enum PasswdError {
+    /// `getpwuid_r` failed.
+    Unreadable(u32, std::io::Error),
+    /// The uid has no entry (or the entry no home).
+    NoEntry(u32),
+}
+
+impl std::fmt::Display for PasswdError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PasswdError::Unreadable(uid, e) => {
+                write!(f, "the passwd entry of uid {uid} cannot be read: {e}")
+            }
+            PasswdError::NoEntry(uid) => write!(f, "uid {uid} has no passwd entry"),
+        }
     }
 }
 
@@ -390,7 +429,7 @@ pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> 
 fn config_dir_with(
     process: &EnvLayers,
     euid: u32,
-    home_of: impl Fn(u32) -> Result<PathBuf, String>,
+    home_of: impl Fn(u32) -> Result<PathBuf, PasswdError>,
 ) -> Result<Sourced<PathBuf>, ConfigError> {
     let mut tried = Vec::new();
     // (A blank variable counts as unset.)
@@ -421,7 +460,7 @@ fn config_dir_with(
             "the passwd entry of uid {euid} has no absolute home ({:?})",
             home.display().to_string()
         ),
-        Err(e) => e,
+        Err(e) => e.to_string(),
     };
     Err(ConfigError(vec![format!(
         "cannot find a config dir: {}, {} and {passwd}; set CYBERWAVE_EDGE_CONFIG_DIR (or HOME)",
@@ -434,7 +473,7 @@ fn config_dir_with(
 const MAX_PASSWD_BUF: usize = 1 << 20;
 
 /// The home directory of `uid`'s passwd entry (`getpwuid_r`).
-fn passwd_home(uid: u32) -> Result<PathBuf, String> {
+fn passwd_home(uid: u32) -> Result<PathBuf, PasswdError> {
     use std::os::unix::ffi::OsStrExt;
     let mut size = 1024usize;
     loop {
@@ -451,13 +490,13 @@ fn passwd_home(uid: u32) -> Result<PathBuf, String> {
             continue;
         }
         if rc != 0 {
-            return Err(format!(
-                "the passwd entry of uid {uid} cannot be read: {}",
-                std::io::Error::from_raw_os_error(rc)
+            return Err(PasswdError::Unreadable(
+                uid,
+                std::io::Error::from_raw_os_error(rc),
             ));
         }
         if found.is_null() || pw.pw_dir.is_null() {
-            return Err(format!("uid {uid} has no passwd entry"));
+            return Err(PasswdError::NoEntry(uid));
         }
         // SAFETY: getpwuid_r succeeded: pw_dir points into `buf`, NUL-terminated, non-null.
         let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
@@ -516,7 +555,7 @@ mod tests {
         let passwd = |uid: u32| match uid {
             0 => Ok(PathBuf::from("/root")),
             7 => Ok(PathBuf::from("")),
-            _ => Err(format!("uid {uid} has no passwd entry")),
+            _ => Err(PasswdError::NoEntry(uid)),
         };
         for vars in [
             &[][..],

@@ -122,7 +122,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let mut env = process;
     for path in [working_dir.join(".env"), config_dir.value.join(".env")] {
         if let Err(e) = env.add_dotenv(&path) {
-            errors.push(e);
+            errors.push(e.to_string());
         }
     }
     let found = manifest_group(flags, cwd, &mut errors);
@@ -234,7 +234,7 @@ fn manifest_group(flags: &Flags, cwd: &Path, errors: &mut Vec<String>) -> Manife
             found.manifest = checked.manifest;
         }
         Ok(None) => {}
-        Err(e) => errors.push(e),
+        Err(e) => errors.push(e.to_string()),
     }
     found
 }

@@ -528,15 +528,35 @@ fn check_bash(_: &Settings) -> Vec<Finding> {
     }
 }
 
+/// Why a folder is neither writable nor creatable.
+#[derive(Debug)]
+enum NotWritable {
+    NoParent,
+    /// The nearest existing path is no folder.
+    NotAFolder(PathBuf),
+    /// A probe file cannot be created in the nearest existing folder.
+    Refused(PathBuf, std::io::Error),
+}
+
+impl std::fmt::Display for NotWritable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotWritable::NoParent => write!(f, "no existing parent"),
+            NotWritable::NotAFolder(p) => write!(f, "{} is not a folder", p.display()),
+            NotWritable::Refused(p, e) => write!(f, "cannot write in {}: {e}", p.display()),
+        }
+    }
+}
+
 /// Writable, or creatable: a probe file in the folder or its nearest existing parent (nothing
 /// is left behind).
-fn writable(dir: &Path) -> Result<(), String> {
+fn writable(dir: &Path) -> Result<(), NotWritable> {
     let existing = dir
         .ancestors()
         .find(|a| a.exists())
-        .ok_or("no existing parent")?;
+        .ok_or(NotWritable::NoParent)?;
     if !existing.is_dir() {
-        return Err(format!("{} is not a folder", existing.display()));
+        return Err(NotWritable::NotAFolder(existing.to_path_buf()));
     }
     // A fresh name, created exclusively: never a planted FIFO or link (D48).
     let probe = existing.join(format!(
@@ -548,7 +568,7 @@ fn writable(dir: &Path) -> Result<(), String> {
         .write(true)
         .create_new(true)
         .open(&probe)
-        .map_err(|e| format!("cannot write in {}: {e}", existing.display()))?;
+        .map_err(|e| NotWritable::Refused(existing.to_path_buf(), e))?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
 }

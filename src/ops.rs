@@ -97,18 +97,31 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
         crate::outln!("{st}");
         return Ok(());
     }
-    let s = |v: &Value| v.as_str().map(String::from).unwrap_or_else(|| "-".into());
-    if field(&st, "running") == true {
+    print_node(&st, &state);
+    print_workloads(&st);
+    print_gpus(&st);
+    Ok(())
+}
+
+/// A string field, else "-".
+fn text(v: &Value) -> String {
+    v.as_str().map(String::from).unwrap_or_else(|| "-".into())
+}
+
+/// `status`: the node, its instance, heartbeat, admission and outbox.
+fn print_node(st: &Value, state: &Path) {
+    let s = text;
+    if field(st, "running") == true {
         crate::outln!(
             "node:       running (pid {}), broker {} ({}), {}",
-            field(&st, "pid"),
-            s(field(&st, "broker")),
-            if field(&st, "connected") == true {
+            field(st, "pid"),
+            s(field(st, "broker")),
+            if field(st, "connected") == true {
                 "connected"
             } else {
                 "disconnected"
             },
-            if field(&st, "registered") == true {
+            if field(st, "registered") == true {
                 "registered"
             } else {
                 "not registered yet"
@@ -119,23 +132,23 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     }
     crate::outln!(
         "instance:   {} (slug {}){}",
-        s(field(&st, "instance_uuid")),
-        s(field(&st, "slug")),
-        field(&st, "environment_uuid")
+        s(field(st, "instance_uuid")),
+        s(field(st, "slug")),
+        field(st, "environment_uuid")
             .as_str()
             .map(|e| format!(", reserved for environment {e}"))
             .unwrap_or_default()
     );
-    if field(&st, "running") == true {
+    if field(st, "running") == true {
         crate::outln!(
             "heartbeat:  last acknowledged {}",
-            s(field(&st, "last_heartbeat_ok"))
+            s(field(st, "last_heartbeat_ok"))
         );
         crate::outln!(
             "accepting:  {}",
-            if field(&st, "accepting") == true {
+            if field(st, "accepting") == true {
                 "yes"
-            } else if field(&st, "draining") == true {
+            } else if field(st, "draining") == true {
                 "no (draining)"
             } else {
                 "no"
@@ -144,10 +157,15 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     }
     crate::outln!(
         "outbox:     {} completion(s), {} workflow event(s) waiting for acknowledgement",
-        field(&st, "outbox"),
-        field(&st, "ingress_queue")
+        field(st, "outbox"),
+        field(st, "ingress_queue")
     );
-    let wl = field(&st, "workloads")
+}
+
+/// `status`: each workload, its logs and GPUs.
+fn print_workloads(st: &Value) {
+    let s = text;
+    let wl = field(st, "workloads")
         .as_array()
         .cloned()
         .unwrap_or_default();
@@ -178,7 +196,12 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
             );
         }
     }
-    if let Some(gpus) = field(&st, "gpus").as_array() {
+}
+
+/// `status`: the GPUs and who holds them.
+fn print_gpus(st: &Value) {
+    let s = text;
+    if let Some(gpus) = field(st, "gpus").as_array() {
         crate::outln!("gpus:       {}", gpus.len());
         for g in gpus {
             let holder = match field(g, "held_by") {
@@ -198,7 +221,6 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
             );
         }
     }
-    Ok(())
 }
 
 pub fn drain(on: bool, wait: bool) -> Result<(), CliError> {

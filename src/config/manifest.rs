@@ -909,9 +909,41 @@ fn is_str_list(v: &Node) -> bool {
 /// Checks one platform field the way pydantic would, and takes what the node uses.
 fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: usize, v: &Node) {
     let uses = NODE_USES.contains(&key);
-    let got = v.describe();
     // 1. The platform's verdict.
-    let refusal: Option<String> = match kind {
+    let refusal = platform_verdict(kind, v);
+    // 2. What the node takes, and whether it can.
+    let unusable = if uses && !v.is_null() {
+        take_platform_value(m, key, v, &refusal)
+    } else {
+        if key == "name" {
+            m.name = v.as_str().map(String::from);
+        }
+        None
+    };
+    match (refusal, unusable) {
+        (_, Some(why)) => cx.fatal(line, key, why),
+        (Some(why), None) => {
+            let tail = if v.is_null() {
+                ""
+            } else if uses && key == "heartbeat_interval" {
+                " — the node uses it as it is"
+            } else if uses {
+                " — the node uses the value as written"
+            } else if !uses {
+                " — the node does not use this key"
+            } else {
+                ""
+            };
+            cx.platform(line, key, format!("{why}{tail}"));
+        }
+        (None, None) => {}
+    }
+}
+
+/// Why the platform (pydantic) refuses `v` as a field of this kind, if it does.
+fn platform_verdict(kind: Kind, v: &Node) -> Option<String> {
+    let got = v.describe();
+    match kind {
         _ if v.is_null() => match kind {
             Kind::Str | Kind::Bool | Kind::Int | Kind::Version => Some(
                 "an explicit null, which the platform refuses here (leave the key out for the default); the node treats it as unset".into(),
@@ -956,11 +988,20 @@ fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: u
             }
             _ => Some(format!("expected a mapping with `memory` and `cpus`, got {got}")),
         },
-    };
-    // 2. What the node takes, and whether it can.
+    }
+}
+
+/// Takes a platform field the node uses into `m`; `Some(why)` when the node cannot use it
+/// (`refusal` is the platform's verdict, which a switch shares).
+fn take_platform_value(
+    m: &mut Manifest,
+    key: &str,
+    v: &Node,
+    refusal: &Option<String>,
+) -> Option<String> {
+    let got = v.describe();
     let mut unusable: Option<String> = None;
-    if uses && !v.is_null() {
-        match key {
+    match key {
             "heartbeat_interval" => match lax_float(v).filter(|f| !f.is_nan()) {
                 Some(f) if f > 0.0 && f <= MAX_HEARTBEAT_SECONDS => m.heartbeat_interval = Some(f),
                 Some(_) => {
@@ -1010,28 +1051,8 @@ fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: u
                 }
                 None => unusable = Some(format!("expected a string, got {got}")),
             },
-        }
-    } else if key == "name" {
-        m.name = v.as_str().map(String::from);
     }
-    match (refusal, unusable) {
-        (_, Some(why)) => cx.fatal(line, key, why),
-        (Some(why), None) => {
-            let tail = if v.is_null() {
-                ""
-            } else if uses && key == "heartbeat_interval" {
-                " — the node uses it as it is"
-            } else if uses {
-                " — the node uses the value as written"
-            } else if !uses {
-                " — the node does not use this key"
-            } else {
-                ""
-            };
-            cx.platform(line, key, format!("{why}{tail}"));
-        }
-        (None, None) => {}
-    }
+    unusable
 }
 
 /// Checks and takes one node setting (the node's own rules: the platform never reads them).

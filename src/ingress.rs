@@ -152,113 +152,9 @@ pub fn build(fields: &Map<String, Value>) -> Result<Event, IngressError> {
         body.insert("source_type".into(), json!(st));
     }
     let event = match kind {
-        "started" => {
-            let execution = match s("execution") {
-                Some(e) => need_id("--execution", Some(e))?,
-                None => crate::util::uuid_v4(),
-            };
-            body.insert("execution_uuid".into(), json!(execution));
-            match fields.get("trigger") {
-                None | Some(Value::Null) => {}
-                Some(Value::Object(m)) if m.is_empty() => {}
-                Some(Value::Object(m)) => {
-                    body.insert("trigger_data".into(), Value::Object(m.clone()));
-                }
-                Some(_) => return Err(IngressError::NotAnObject("--trigger-json")),
-            }
-            Event {
-                topic: format!("cyberwave/workflow/{workflow}/execution/started"),
-                body: Value::Object(body),
-                execution,
-                workflow,
-            }
-        }
-        "node" => {
-            let execution = need_id("--execution", s("execution"))?;
-            let node = need_id("--node", s("node"))?;
-            let status = s("status").ok_or(IngressError::Required("--status"))?;
-            if !NODE_STATUSES.contains(&status) {
-                return Err(IngressError::Status(&NODE_STATUSES, status.to_string()));
-            }
-            body.insert("status".into(), json!(status));
-            for (k, key) in [("input", "input_data"), ("output", "output_data")] {
-                match fields.get(k) {
-                    None | Some(Value::Null) => {}
-                    Some(Value::Array(a)) => {
-                        body.insert(key.into(), Value::Array(a.clone()));
-                    }
-                    Some(other) => {
-                        body.insert(key.into(), Value::Array(vec![other.clone()]));
-                    }
-                }
-            }
-            if let Some(m) = s("error_message") {
-                body.insert("error_message".into(), json!(m));
-            }
-            if let Some(v) = fields.get("execution_time_ms").filter(|v| !v.is_null()) {
-                let ms = v
-                    .as_i64()
-                    .filter(|n| *n >= 0)
-                    .ok_or(IngressError::NotWhole("--execution-time-ms"))?;
-                body.insert("execution_time_ms".into(), json!(ms));
-            }
-            match fields.get("metadata") {
-                None | Some(Value::Null) => {}
-                Some(Value::Object(m)) if m.is_empty() => {}
-                Some(Value::Object(m)) => {
-                    body.insert("metadata".into(), Value::Object(m.clone()));
-                }
-                Some(_) => return Err(IngressError::NotAnObject("--metadata-json")),
-            }
-            for (k, flag) in [
-                ("started_at", "--started-at"),
-                ("finished_at", "--finished-at"),
-            ] {
-                if let Some(v) = fields.get(k).filter(|v| !v.is_null()) {
-                    body.insert(
-                        k.into(),
-                        json!(normalise_time(v).map_err(|e| IngressError::Time(flag, e))?),
-                    );
-                }
-            }
-            if let Some(v) = fields.get("activation_index").filter(|v| !v.is_null()) {
-                let n = v
-                    .as_u64()
-                    .ok_or(IngressError::NotWhole("--activation-index"))?;
-                if n > 0 {
-                    body.insert("activation_index".into(), json!(n));
-                }
-            }
-            if let Some(c) = s("caller_uuid") {
-                body.insert(
-                    "caller_uuid".into(),
-                    json!(need_id("--caller-uuid", Some(c))?),
-                );
-            }
-            Event {
-                topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/node/{node}"),
-                body: Value::Object(body),
-                execution,
-                workflow,
-            }
-        }
-        "finished" => {
-            let execution = need_id("--execution", s("execution"))?;
-            let status = s("status").ok_or(IngressError::Required("--status"))?;
-            if !FINISHED_STATUSES.contains(&status) {
-                return Err(IngressError::Status(&FINISHED_STATUSES, status.to_string()));
-            }
-            body.insert("status".into(), json!(status));
-            if let Some(m) = s("error_message") {
-                body.insert("error_message".into(), json!(m));
-            }
-            Event {
-                topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/finished"),
-                body: Value::Object(body),
-                execution,
-                workflow,
-            }
-        }
+        "started" => started_event(fields, workflow, body)?,
+        "node" => node_event(fields, workflow, body)?,
+        "finished" => finished_event(fields, workflow, body)?,
         other => return Err(IngressError::Kind(other.to_string())),
     };
     let size = serde_json::to_vec(&event.body)
@@ -268,6 +164,134 @@ pub fn build(fields: &Map<String, Value>) -> Result<Event, IngressError> {
         return Err(IngressError::TooLarge(size));
     }
     Ok(event)
+}
+
+/// `started`: the execution (generated when not given) and its trigger.
+fn started_event(
+    fields: &Map<String, Value>,
+    workflow: String,
+    mut body: Map<String, Value>,
+) -> Result<Event, IngressError> {
+    let s = |k: &str| fields.get(k).and_then(Value::as_str);
+    let execution = match s("execution") {
+        Some(e) => need_id("--execution", Some(e))?,
+        None => crate::util::uuid_v4(),
+    };
+    body.insert("execution_uuid".into(), json!(execution));
+    match fields.get("trigger") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(m)) => {
+            body.insert("trigger_data".into(), Value::Object(m.clone()));
+        }
+        Some(_) => return Err(IngressError::NotAnObject("--trigger-json")),
+    }
+    Ok(Event {
+        topic: format!("cyberwave/workflow/{workflow}/execution/started"),
+        body: Value::Object(body),
+        execution,
+        workflow,
+    })
+}
+
+/// `node`: one node's status, data, timing and times.
+fn node_event(
+    fields: &Map<String, Value>,
+    workflow: String,
+    mut body: Map<String, Value>,
+) -> Result<Event, IngressError> {
+    let s = |k: &str| fields.get(k).and_then(Value::as_str);
+    let execution = need_id("--execution", s("execution"))?;
+    let node = need_id("--node", s("node"))?;
+    let status = s("status").ok_or(IngressError::Required("--status"))?;
+    if !NODE_STATUSES.contains(&status) {
+        return Err(IngressError::Status(&NODE_STATUSES, status.to_string()));
+    }
+    body.insert("status".into(), json!(status));
+    for (k, key) in [("input", "input_data"), ("output", "output_data")] {
+        match fields.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) => {
+                body.insert(key.into(), Value::Array(a.clone()));
+            }
+            Some(other) => {
+                body.insert(key.into(), Value::Array(vec![other.clone()]));
+            }
+        }
+    }
+    if let Some(m) = s("error_message") {
+        body.insert("error_message".into(), json!(m));
+    }
+    if let Some(v) = fields.get("execution_time_ms").filter(|v| !v.is_null()) {
+        let ms = v
+            .as_i64()
+            .filter(|n| *n >= 0)
+            .ok_or(IngressError::NotWhole("--execution-time-ms"))?;
+        body.insert("execution_time_ms".into(), json!(ms));
+    }
+    match fields.get("metadata") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(m)) => {
+            body.insert("metadata".into(), Value::Object(m.clone()));
+        }
+        Some(_) => return Err(IngressError::NotAnObject("--metadata-json")),
+    }
+    for (k, flag) in [
+        ("started_at", "--started-at"),
+        ("finished_at", "--finished-at"),
+    ] {
+        if let Some(v) = fields.get(k).filter(|v| !v.is_null()) {
+            body.insert(
+                k.into(),
+                json!(normalise_time(v).map_err(|e| IngressError::Time(flag, e))?),
+            );
+        }
+    }
+    if let Some(v) = fields.get("activation_index").filter(|v| !v.is_null()) {
+        let n = v
+            .as_u64()
+            .ok_or(IngressError::NotWhole("--activation-index"))?;
+        if n > 0 {
+            body.insert("activation_index".into(), json!(n));
+        }
+    }
+    if let Some(c) = s("caller_uuid") {
+        body.insert(
+            "caller_uuid".into(),
+            json!(need_id("--caller-uuid", Some(c))?),
+        );
+    }
+    Ok(Event {
+        topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/node/{node}"),
+        body: Value::Object(body),
+        execution,
+        workflow,
+    })
+}
+
+/// `finished`: the execution's outcome.
+fn finished_event(
+    fields: &Map<String, Value>,
+    workflow: String,
+    mut body: Map<String, Value>,
+) -> Result<Event, IngressError> {
+    let s = |k: &str| fields.get(k).and_then(Value::as_str);
+    let execution = need_id("--execution", s("execution"))?;
+    let status = s("status").ok_or(IngressError::Required("--status"))?;
+    if !FINISHED_STATUSES.contains(&status) {
+        return Err(IngressError::Status(&FINISHED_STATUSES, status.to_string()));
+    }
+    body.insert("status".into(), json!(status));
+    if let Some(m) = s("error_message") {
+        body.insert("error_message".into(), json!(m));
+    }
+    Ok(Event {
+        topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/finished"),
+        body: Value::Object(body),
+        execution,
+        workflow,
+    })
 }
 
 /// The last second accepted, `jiff`'s latest time: 9999-12-30T22:00:00Z.

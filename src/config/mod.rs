@@ -268,7 +268,7 @@ impl Settings {
         let secs = |s: &Sourced<Duration>| {
             sourced(format!("{}s", s.value.as_secs_f64()), s.source.clone())
         };
-        vec![
+        let mut rows = vec![
             row("config_dir", &path(&self.config_dir)),
             (
                 "manifest",
@@ -319,6 +319,25 @@ impl Settings {
             row("min_free_disk_mb", &self.min_free_disk_mb),
             row("max_log_bytes", &self.max_log_bytes),
             row("log_retention_days", &self.log_retention_days),
+        ];
+        rows.extend(self.manifest_only_rows());
+        rows.push(opt("metrics_file", &self.metrics_file.as_ref().map(path)));
+        rows.push((
+            "standalone",
+            self.standalone.to_string(),
+            if self.standalone {
+                "flag --standalone"
+            } else {
+                "default"
+            }
+            .to_string(),
+        ));
+        rows
+    }
+
+    /// The node settings only the manifest sets.
+    fn manifest_only_rows(&self) -> Vec<(&'static str, String, String)> {
+        vec![
             self.manifest_row("max_runtime_seconds", |m| {
                 m.max_runtime_seconds.map(|s| format!("{s}s"))
             }),
@@ -335,17 +354,6 @@ impl Settings {
             self.manifest_row("max_result_bytes", |m| {
                 m.max_result_bytes.map(|n| n.to_string())
             }),
-            opt("metrics_file", &self.metrics_file.as_ref().map(path)),
-            (
-                "standalone",
-                self.standalone.to_string(),
-                if self.standalone {
-                    "flag --standalone"
-                } else {
-                    "default"
-                }
-                .to_string(),
-            ),
         ]
     }
 }

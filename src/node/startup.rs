@@ -153,14 +153,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         match crate::config::broker::mqtt_options(&s, client_id.clone(), s.tuning.session_expiry) {
             Ok(o) => o,
             Err(e) => {
-                return Err(StartupError::Config(e));
+                return Err(StartupError::Config(e.to_string()));
             }
         };
     let (tx, rx) = unbounded();
     let mqtt = match Mqtt::new(opts, tx) {
         Ok(m) => m,
         Err(e) => {
-            return Err(StartupError::Runtime(e));
+            return Err(StartupError::Runtime(e.to_string()));
         }
     };
     log::info!("MQTT client {client_id} → {}", mqtt.endpoint());

@@ -33,7 +33,7 @@ pub struct Entry {
 }
 
 impl Validate for Entry {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         store::check_unix("at", self.at)
     }
 }

@@ -96,7 +96,7 @@ pub struct Identity {
 }
 
 impl store::Validate for Identity {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         // The uuid and slug reach MQTT topics and paths.
         if !self.uuid.is_empty() {
             store::check_id("uuid", &self.uuid)?;

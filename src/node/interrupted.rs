@@ -39,18 +39,21 @@ pub struct Taken {
 }
 
 impl store::Validate for Taken {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         if !matches!(
             self.request_id,
             Value::Null | Value::String(_) | Value::Number(_)
         ) {
-            return Err("request_id must be a string or a number".into());
+            return Err(store::Invalid::Rule {
+                field: "request_id",
+                must: "be a string or a number",
+            });
         }
         if !crate::workload::KINDS.contains(&self.kind.as_str()) {
-            return Err(format!(
-                "kind must be one of {}",
-                crate::workload::KINDS.join(", ")
-            ));
+            return Err(store::Invalid::OneOf {
+                field: "kind",
+                allowed: &crate::workload::KINDS,
+            });
         }
         if let Some(u) = &self.workload_uuid {
             store::check_id("workload_uuid", u)?;

@@ -117,6 +117,167 @@ impl Gpus {
     pub fn healthy(&self) -> usize {
         self.units.iter().filter(|u| u.health.is_healthy()).count()
     }
+
+    /// The GPUs a new workload gets (D36, D55, D56): `Ok(None)` on a CPU-only node (nothing
+    /// changes for it), else its exclusive share of what `held` does not hold, or the refusal
+    /// (busy when waiting can help). On a GPU host `auto` is never zero, and a MIG host gives a
+    /// workload at most one MIG device: more than one GPU comes from whole GPUs only.
+    pub fn assign(
+        &self,
+        requested: Option<u32>,
+        capacity: usize,
+        held: &Holders,
+    ) -> Result<Option<Vec<String>>, GpuRefusal> {
+        if !self.present {
+            return match requested.filter(|n| *n > 0) {
+                Some(n) => Err(GpuRefusal::NoGpus(n)),
+                None => Ok(None),
+            };
+        }
+        let mig_host = self.units.iter().any(|u| u.parent.is_some());
+        let capacity = capacity.max(1);
+        let explicit = requested.or(self.per_workload);
+        let need = match explicit {
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None if mig_host => 1,
+            None if capacity == 1 => self.healthy().max(1),
+            None => self.healthy().checked_div(capacity).unwrap_or(0).max(1),
+        };
+        if need == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        // More than one: whole GPUs only on a MIG host (a CUDA process sees one MIG device).
+        let pool: Vec<&Gpu> = self
+            .units
+            .iter()
+            .filter(|u| need == 1 || u.parent.is_none())
+            .collect();
+        let total = pool.len();
+        let healthy = pool.iter().filter(|u| u.health.is_healthy()).count();
+        if need > total {
+            return Err(if let Some(e) = &self.error {
+                // The query fails: this node's GPUs are not known, not absent.
+                GpuRefusal::QueryFailed {
+                    need,
+                    error: e.clone(),
+                }
+            } else if mig_host && need > 1 {
+                GpuRefusal::Unsatisfiable { need, total }
+            } else if explicit.is_none() {
+                GpuRefusal::NoneUsable { need }
+            } else {
+                GpuRefusal::TooFew { need, total }
+            });
+        }
+        let free: Vec<String> = pool
+            .iter()
+            .filter(|u| u.health.is_healthy() && !is_held(u, held))
+            .map(|u| u.uuid.clone())
+            .take(need)
+            .collect();
+        if free.len() >= need {
+            return Ok(Some(free));
+        }
+        Err(if healthy >= need {
+            GpuRefusal::InUse {
+                need,
+                free: free.len(),
+                healthy,
+            }
+        } else {
+            GpuRefusal::Unhealthy {
+                need,
+                healthy,
+                total,
+            }
+        })
+    }
+}
+
+/// GPU UUID → the request id of the workload holding it (its safe id when the request id is
+/// not known).
+pub type Holders = BTreeMap<String, Value>;
+
+/// Why a workload gets no GPUs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GpuRefusal {
+    /// GPUs asked for on a CPU-only node: never here.
+    NoGpus(u32),
+    /// The inventory query fails: the GPUs are not known.
+    QueryFailed { need: usize, error: String },
+    /// More than one asked for on a MIG host with too few whole GPUs (D56).
+    Unsatisfiable { need: usize, total: usize },
+    /// `auto` with no usable GPU.
+    NoneUsable { need: usize },
+    /// More asked for than the node has: never here.
+    TooFew { need: usize, total: usize },
+    /// Enough healthy GPUs, not enough free: running workloads hold them.
+    InUse {
+        need: usize,
+        free: usize,
+        healthy: usize,
+    },
+    /// Not enough healthy GPUs (D37).
+    Unhealthy {
+        need: usize,
+        healthy: usize,
+        total: usize,
+    },
+}
+
+impl GpuRefusal {
+    pub fn busy(&self) -> Option<Busy> {
+        match self {
+            GpuRefusal::NoGpus(_) | GpuRefusal::TooFew { .. } => None,
+            GpuRefusal::QueryFailed { .. }
+            | GpuRefusal::NoneUsable { .. }
+            | GpuRefusal::Unhealthy { .. } => Some(Busy::GpusUnhealthy),
+            GpuRefusal::Unsatisfiable { .. } => Some(Busy::GpusUnsatisfiable),
+            GpuRefusal::InUse { .. } => Some(Busy::GpusBusy),
+        }
+    }
+}
+
+impl std::fmt::Display for GpuRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuRefusal::NoGpus(n) => write!(
+                f,
+                "this workload needs {n} GPU(s) and this node has none (no nvidia-smi)"
+            ),
+            GpuRefusal::QueryFailed { need, error } => write!(
+                f,
+                "{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({error})"
+            ),
+            GpuRefusal::Unsatisfiable { need, total } => write!(
+                f,
+                "{BUSY_PREFIX} unsatisfiable GPUs: {need} needed, and a workload gets at most one MIG device; this node has {total} whole GPU(s)"
+            ),
+            GpuRefusal::NoneUsable { need } => {
+                write!(f, "{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable")
+            }
+            GpuRefusal::TooFew { need, total } => write!(
+                f,
+                "this workload needs {need} GPU(s) and this node has {total}"
+            ),
+            GpuRefusal::InUse {
+                need,
+                free,
+                healthy,
+            } => write!(
+                f,
+                "{BUSY_PREFIX} GPUs in use: {need} needed, {free} of {healthy} healthy GPU(s) free"
+            ),
+            GpuRefusal::Unhealthy {
+                need,
+                healthy,
+                total,
+            } => write!(
+                f,
+                "{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"
+            ),
+        }
+    }
 }
 
 /// Sets `key` in a JSON object (nothing when `v` is not one).
@@ -128,7 +289,7 @@ pub(super) fn put(v: &mut Value, key: &str, x: Value) {
 
 /// Whether a workload holds this unit (by its UUID, or one of its MIG devices' from an
 /// assignment made before compute instances were grouped).
-fn is_held(u: &Gpu, held: &BTreeMap<String, Value>) -> bool {
+fn is_held(u: &Gpu, held: &Holders) -> bool {
     holder_of(u, held).is_some()
 }
 
@@ -151,7 +312,7 @@ fn round(x: f64, places: i32) -> f64 {
 impl Node {
     /// GPU UUID → the request id of the workload holding it (its safe id when the request id
     /// is not known).
-    fn gpu_holders(&self) -> BTreeMap<String, Value> {
+    pub(super) fn gpu_holders(&self) -> Holders {
         let mut out = BTreeMap::new();
         for (id, a) in &self.active {
             let holder = match &a.meta.request_id {
@@ -224,101 +385,6 @@ impl Node {
             .any(|a| a.meta.gpus.as_ref().is_some_and(|g| !g.is_empty()));
         if let Some(m) = &self.gpu.monitor {
             m.set_holding(holding);
-        }
-    }
-
-    /// The GPUs a new workload gets (D36, D55, D56): `Ok(None)` on a CPU-only node (nothing
-    /// changes for it), else its exclusive share, or the refusal (busy when waiting can help).
-    /// On a GPU host `auto` is never zero, and a MIG host gives a workload at most one MIG
-    /// device: more than one GPU comes from whole GPUs only.
-    pub(super) fn assign_gpus(
-        &self,
-        requested: Option<u32>,
-    ) -> Result<Option<Vec<String>>, (String, Option<Busy>)> {
-        let g = &self.gpu;
-        if !g.present {
-            return match requested.filter(|n| *n > 0) {
-                Some(n) => Err((
-                    format!(
-                        "this workload needs {n} GPU(s) and this node has none (no nvidia-smi)"
-                    ),
-                    None,
-                )),
-                None => Ok(None),
-            };
-        }
-        let mig_host = g.units.iter().any(|u| u.parent.is_some());
-        let capacity = usize::try_from(self.s.max_concurrent_workloads.value)
-            .unwrap_or(1)
-            .max(1);
-        let explicit = requested.or(g.per_workload);
-        let need = match explicit {
-            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-            None if mig_host => 1,
-            None if capacity == 1 => g.healthy().max(1),
-            None => g.healthy().checked_div(capacity).unwrap_or(0).max(1),
-        };
-        if need == 0 {
-            return Ok(Some(Vec::new()));
-        }
-        // More than one: whole GPUs only on a MIG host (a CUDA process sees one MIG device).
-        let pool: Vec<&Gpu> = g
-            .units
-            .iter()
-            .filter(|u| need == 1 || u.parent.is_none())
-            .collect();
-        let total = pool.len();
-        let healthy = pool.iter().filter(|u| u.health.is_healthy()).count();
-        if need > total {
-            if let Some(e) = &g.error {
-                // The query fails: this node's GPUs are not known, not absent.
-                return Err((
-                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({e})"),
-                    Some(Busy::GpusUnhealthy),
-                ));
-            }
-            if mig_host && need > 1 {
-                return Err((
-                    format!(
-                        "{BUSY_PREFIX} unsatisfiable GPUs: {need} needed, and a workload gets at most one MIG device; this node has {total} whole GPU(s)"
-                    ),
-                    Some(Busy::GpusUnsatisfiable),
-                ));
-            }
-            if explicit.is_none() {
-                return Err((
-                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable"),
-                    Some(Busy::GpusUnhealthy),
-                ));
-            }
-            return Err((
-                format!("this workload needs {need} GPU(s) and this node has {total}"),
-                None,
-            ));
-        }
-        let held = self.gpu_holders();
-        let free: Vec<String> = pool
-            .iter()
-            .filter(|u| u.health.is_healthy() && !is_held(u, &held))
-            .map(|u| u.uuid.clone())
-            .take(need)
-            .collect();
-        if free.len() >= need {
-            return Ok(Some(free));
-        }
-        if healthy >= need {
-            Err((
-                format!(
-                    "{BUSY_PREFIX} GPUs in use: {need} needed, {} of {healthy} healthy GPU(s) free",
-                    free.len()
-                ),
-                Some(Busy::GpusBusy),
-            ))
-        } else {
-            Err((
-                format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"),
-                Some(Busy::GpusUnhealthy),
-            ))
         }
     }
 

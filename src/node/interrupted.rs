@@ -221,14 +221,11 @@ impl super::Node {
                     }
                 }
                 Answer::NeverStarted(why) => {
-                    let busy = why
-                        .starts_with(super::operate::BUSY_PREFIX)
-                        .then_some(super::operate::Busy::Restarted);
+                    let why = super::admit::RejectReason::Recorded(why);
                     self.reject_start(
                         &taken.request_id,
                         taken.workload_uuid.as_deref(),
                         &why,
-                        busy,
                         None,
                     );
                 }

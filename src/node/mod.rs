@@ -19,6 +19,7 @@ macro_rules! wire {
     };
 }
 
+mod admit;
 mod container;
 mod gpus;
 mod ingress;

@@ -154,36 +154,6 @@ impl Node {
         self.draining = on;
     }
 
-    /// Refusal of the start guards, if any: shutting down, draining, or not enough free disk.
-    /// Capacity and uploads are checked later, by the caller, once self-healing had its say.
-    pub(super) fn start_guard(&self) -> Option<(String, Busy)> {
-        if self.shutdown.is_some() {
-            return Some((
-                format!("{BUSY_PREFIX} shutting down: this node takes no new workloads"),
-                Busy::ShuttingDown,
-            ));
-        }
-        if self.draining {
-            return Some((
-                format!("{BUSY_PREFIX} draining: it finishes its running workloads and takes no new ones"),
-                Busy::Draining,
-            ));
-        }
-        let min = self.s.min_free_disk_mb.value;
-        if min > 0 {
-            if let Some(free) = crate::store::free_mb(&self.layout.state) {
-                if free < min {
-                    return Some((
-                        format!("{BUSY_PREFIX} low disk space: not enough free disk: {free} MiB free for {}, min_free_disk_mb is {min}", self.layout.state.display()),
-                        Busy::DiskLow,
-                    ));
-                }
-            }
-        }
-        // GPUs busy or unhealthy are checked by `assign_gpus`, which knows the request.
-        None
-    }
-
     /// `--drain-after-one`: once the one workload finished and was reported, stop.
     pub(super) fn check_drain_after_one(&mut self, now: Instant) {
         if !self.s.drain_after_one

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use super::operate::{Busy, BUSY_PREFIX};
+use super::admit::{self, Ask, Decision, Earlier, Facts, RejectReason};
 use super::table::Active;
 use super::workloads::start_output;
 use super::Node;
@@ -208,103 +208,85 @@ impl Node {
             rid
         };
         let safe_id = store::safe_id(&rid);
-        // Exactly once: a request id seen before gets its original answer and nothing else.
-        if let Some(e) = self.ledger.get(&rid).cloned() {
-            log::info!(
-                "request {} was handled before; repeating its answer",
-                shown(&rid)
-            );
-            return if e.ok {
-                self.reply_ok(request_id, e.body)
-            } else {
-                self.reply_error(request_id, e.body.as_str().unwrap_or(""))
-            };
-        }
-        if let Some(a) = self.active.get(&safe_id) {
-            let out = start_output(&a.meta);
-            return self.reply_ok(request_id, out);
-        }
-        // In flight: answered with the original answer once the spawn reports.
-        if let Some(st) = self.starts.get_mut(&safe_id) {
-            log::info!(
-                "request {} is being started; it gets the same answer",
-                shown(&rid)
-            );
-            st.waiters.push(request_id.clone());
-            return;
-        }
         let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
         let ctx = super::ingress::context_of(kind, &start.params);
-        let Some(template) = self.s.command_template(kind).map(String::from) else {
-            let cap = match kind_t {
-                Kind::Inference => "Inference",
-                Kind::Simulate => "Simulate",
-                Kind::Training => "Training",
-            };
-            let why = format!("{cap} command not configured in cyberwave.yml");
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+        let ask = Ask {
+            kind: kind_t,
+            rid: &rid,
+            gpus: start.gpus,
+            max_runtime: start.max_runtime,
+            may_wait,
         };
-        if let Some((why, busy)) = self.start_guard() {
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
-        }
-        if let Some(gone) = self.starts.gone() {
-            let why = format!("Failed to start {kind}: {gone}");
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
-        }
-        // GPUs (D36) before capacity: with `auto`, a full node is a node without free GPUs.
-        let gpus = match self.assign_gpus(start.gpus) {
-            Ok(g) => g,
-            Err((why, busy)) => {
-                if busy == Some(Busy::GpusBusy)
-                    && may_wait
-                    && self.defer_start_for_heal(kind_t, request_id, &start)
-                {
-                    return;
-                }
-                return self.reject_start(request_id, workload_uuid.as_deref(), &why, busy, ctx);
+        let facts = Facts {
+            running: self.active.get(&safe_id).map(|a| start_output(&a.meta)),
+            in_flight: self.starts.get_mut(&safe_id).is_some(),
+            template: self.s.command_template(kind),
+            shutting_down: self.shutdown.is_some(),
+            draining: self.draining,
+            min_free_disk_mb: self.s.min_free_disk_mb.value,
+            state: &self.layout.state,
+            free_mb: &crate::store::free_mb,
+            spawner_gone: self.starts.gone(),
+            capacity: self.s.max_concurrent_workloads.value as usize,
+            used: self.in_use(),
+            uploading: self.uploading(),
+            manifest_limit: self
+                .s
+                .manifest
+                .as_ref()
+                .and_then(|m| m.max_runtime_seconds)
+                .and_then(Seconds::from_f64),
+        };
+        let held = self.gpu_holders();
+        let now = self.clock.now();
+        let wait = super::selfheal::defer_wait();
+        let decision = admit::decide(&ask, &facts, &self.ledger, &self.gpu, &held, now, wait);
+        let (template, gpus, max_runtime_s) = match decision {
+            Decision::Replay(Earlier::Answered { ok, body }) => {
+                log::info!(
+                    "request {} was handled before; repeating its answer",
+                    shown(&rid)
+                );
+                return if ok {
+                    self.reply_ok(request_id, body)
+                } else {
+                    self.reply_error(request_id, body.as_str().unwrap_or(""))
+                };
             }
-        };
-        let capacity = self.s.max_concurrent_workloads.value as usize;
-        // Starts in flight count: they hold their place from the moment they are accepted.
-        let used = self.in_use();
-        if used >= capacity && may_wait && self.defer_start_for_heal(kind_t, request_id, &start) {
-            return;
-        }
-        if used >= capacity {
-            let what = if kind == "inference" {
-                "controller"
-            } else {
-                "workload"
-            };
-            let uploading = self.uploading();
-            let (detail, busy) = if uploading > 0 {
-                (format!(" ({uploading} uploading results)"), Busy::Uploading)
-            } else {
-                (String::new(), Busy::Capacity)
-            };
-            let why = format!(
-                "{BUSY_PREFIX} {used} active workload(s){detail}. Stop the existing {what} before starting a new one."
-            );
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
-        }
-        // Both limits are bounded (D20): the manifest's by the configuration, the command's
-        // by its type; the shorter wins.
-        let manifest_limit = self
-            .s
-            .manifest
-            .as_ref()
-            .and_then(|m| m.max_runtime_seconds)
-            .and_then(Seconds::from_f64);
-        let max_runtime_s = match (manifest_limit, start.max_runtime) {
-            (Some(m), Some(p)) => Some(m.get().min(p.get())),
-            (m, p) => m.or(p).map(Seconds::get),
+            Decision::Replay(Earlier::Running(out)) => return self.reply_ok(request_id, out),
+            // In flight: answered with the original answer once the spawn reports.
+            Decision::Replay(Earlier::InFlight) => {
+                log::info!(
+                    "request {} is being started; it gets the same answer",
+                    shown(&rid)
+                );
+                if let Some(st) = self.starts.get_mut(&safe_id) {
+                    st.waiters.push(request_id.clone());
+                }
+                return;
+            }
+            Decision::Reject(why) => {
+                return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx)
+            }
+            Decision::Defer { until, otherwise } => {
+                if !self.defer_start_for_heal(kind_t, request_id, &start, until) {
+                    self.reject_start(request_id, workload_uuid.as_deref(), &otherwise, ctx);
+                }
+                return;
+            }
+            Decision::Spawn {
+                template,
+                gpus,
+                max_runtime_s,
+            } => (template, gpus, max_runtime_s),
         };
         // The token a workload proves its workflow events with: never from guessable bytes.
         let Some(token_bytes) = crate::util::secret_bytes::<16>() else {
-            let why = format!(
-                "Failed to start {kind}: the kernel gave no random bytes for the workload's event token"
-            );
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            let why = RejectReason::Failed {
+                kind: kind.into(),
+                why: "the kernel gave no random bytes for the workload's event token".into(),
+            };
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
         };
         let params = start.params;
         let req = StartRequest {
@@ -350,8 +332,11 @@ impl Node {
         }
         if let Err(e) = self.starts.begin(starting, req) {
             super::interrupted::forget(&self.layout, &safe_id);
-            let why = format!("Failed to start {kind}: {e}");
-            self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            let why = RejectReason::Failed {
+                kind: kind.into(),
+                why: e,
+            };
+            self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
             // The spawner is gone: what is still in flight will never be reported.
             return self.on_spawner_gone();
         }
@@ -479,7 +464,11 @@ impl Node {
     }
 
     fn fail_start(&mut self, safe_id: &str, st: Starting, why: &str) {
-        let why = format!("Failed to start {}: {why}", st.kind.as_str());
+        let reason = RejectReason::Failed {
+            kind: st.kind.as_str().into(),
+            why: why.into(),
+        };
+        let why = reason.to_string();
         log::error!("{why}");
         for req in st.held {
             let _ = req
@@ -489,13 +478,7 @@ impl Node {
         for w in &st.waiters {
             self.reply_error(w, &why);
         }
-        self.reject_start(
-            &st.request_id,
-            st.workload_uuid.as_deref(),
-            &why,
-            None,
-            st.ctx,
-        );
+        self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
         super::interrupted::forget(&self.layout, safe_id);
     }
 
@@ -643,19 +626,14 @@ impl Node {
         &mut self,
         request_id: &Value,
         workload_uuid: Option<&str>,
-        why: &str,
-        busy: Option<Busy>,
+        reason: &RejectReason,
         ctx: Option<workload::WorkflowCtx>,
     ) {
+        let why = reason.to_string();
+        let why = why.as_str();
+        let busy = reason.busy();
         self.report_rejected(ctx, why);
-        self.count_rejection(busy.map_or(
-            if why.contains("not configured") {
-                "not_configured"
-            } else {
-                "failed_to_start"
-            },
-            Busy::reason,
-        ));
+        self.count_rejection(reason.metric());
         log::warn!(
             "refused start {}: {}",
             shown(&request_id_text(request_id)),

@@ -174,6 +174,8 @@ pub struct Node {
     gpus: (usize, Option<&'static str>),
     /// GPU inventory, health and accounting (D35–D38).
     gpu: gpus::Gpus,
+    /// The GPU monitor thread (none when it could not start).
+    gpu_monitor: Option<crate::gpu::Monitor>,
     gpu_rx: Receiver<crate::gpu::Snapshot>,
     next_prune: Instant,
     /// Full-disk errors are logged once a minute (D28).
@@ -281,6 +283,23 @@ impl Node {
     /// Workloads that hold a slot: tracked ones and starts in flight.
     fn in_use(&self) -> usize {
         self.active.len().saturating_add(self.starts.len())
+    }
+
+    /// What the GPU part sees of the workloads: tracked ones and starts in flight.
+    fn gpu_holds(&self) -> Vec<gpus::Hold<'_>> {
+        gpus::holds_of(&self.active, &self.starts)
+    }
+
+    fn on_gpu_snapshot(&mut self, s: crate::gpu::Snapshot) {
+        let holds = gpus::holds_of(&self.active, &self.starts);
+        let wire = gpus::Wire(self.gpu_monitor.as_ref());
+        self.gpu.on_snapshot(s, &holds, &wire);
+    }
+
+    /// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
+    fn gpu_update_sampling(&self) {
+        let wire = gpus::Wire(self.gpu_monitor.as_ref());
+        self.gpu.update_sampling(&self.gpu_holds(), &wire);
     }
 
     fn uuid(&self) -> &str {
@@ -481,7 +500,7 @@ impl Node {
             "draining": self.draining,
             "uptime_s": self.started.elapsed().as_secs(),
         });
-        self.gpu_heartbeat(&mut body);
+        self.gpu.heartbeat(&self.gpu_holds(), &mut body);
         if let Some(h) = self.hardware() {
             util::set(&mut body, "hardware", h);
         }
@@ -586,7 +605,7 @@ impl Node {
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
         });
-        if let Some(g) = self.gpu_status() {
+        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
             gpus::put(&mut out, "gpus", g);
         }
         self.add_starting(&mut out, "active_workloads");
@@ -656,7 +675,7 @@ impl Node {
             "outbox": self.outbox.len(),
             "ingress_queue": self.ingress.len(),
         });
-        if let Some(g) = self.gpu_status() {
+        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
             gpus::put(&mut out, "gpus", g);
         }
         self.add_starting(&mut out, "workloads");

@@ -341,7 +341,7 @@ impl Node {
             "1 while the node refuses new workloads.",
             vec![(String::new(), u64::from(self.draining))],
         );
-        self.gpu_metrics(&mut t);
+        self.gpu.metrics(&self.gpu_holds(), &mut t);
         if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
             log::warn!("cannot write the metrics file {}: {e}", path.display());
         }

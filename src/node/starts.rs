@@ -237,7 +237,7 @@ impl Node {
                 .and_then(|m| m.max_runtime_seconds)
                 .and_then(Seconds::from_f64),
         };
-        let held = self.gpu_holders();
+        let held = super::gpus::holders(&self.gpu_holds());
         let now = self.clock.now();
         let wait = super::selfheal::defer_wait();
         let decision = admit::decide(&ask, &facts, &self.ledger, &self.gpu, &held, now, wait);

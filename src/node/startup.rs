@@ -299,7 +299,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     let per_workload = s.manifest.as_ref().and_then(|m| m.gpus_per_workload);
-    let gpu = super::gpus::Gpus::new(monitor, first, &s.env, per_workload);
+    let gpu = super::gpus::Gpus::new(first, &s.env, per_workload);
     let (reaped_tx, reaped) = unbounded();
     let init = super::container::is_init(&s.env);
     if init {
@@ -378,6 +378,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         next_metrics: now,
         gpus,
         gpu,
+        gpu_monitor: monitor,
         gpu_rx,
         next_prune: now,
         disk_errors: crate::logtext::Throttle::default(),

@@ -229,7 +229,7 @@ impl Node {
             }
         };
         let mut body = body;
-        if let Some(g) = self.gpu_usage_of(safe_id, &meta) {
+        if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             super::gpus::put(&mut body, "gpu", g); // D38
         }
         self.gpu_update_sampling();

@@ -159,7 +159,7 @@ pub struct Node {
     heal: selfheal::Heal,
     next_watchdog: Instant,
     /// Workflow execution events waiting for the broker's acknowledgement.
-    ingress: Outbox,
+    ingress: ingress::Ingress,
     acks_tx: crossbeam_channel::Sender<ingress::Tracked>,
     acked: Receiver<ingress::Acked>,
     control: Receiver<crate::control::Request>,
@@ -203,7 +203,7 @@ impl Node {
                 },
                 recv(self.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
                 recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
-                recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
+                recv(self.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
                 recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
                 recv(self.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
                 default(wait) => {}
@@ -253,7 +253,7 @@ impl Node {
             if let Some(o) = self.outbox.next_try() {
                 due(o);
             }
-            if let Some(o) = self.ingress.head_next_try() {
+            if let Some(o) = self.ingress.queue.head_next_try() {
                 due(o);
             }
         }
@@ -316,7 +316,7 @@ impl Node {
     /// of them (D34), not another client taking the session (D33).
     fn publishing(&self) -> bool {
         self.outbox.in_flight_count() > 0
-            || self.ingress.in_flight_count() > 0
+            || self.ingress.queue.in_flight_count() > 0
             || self.session.loop_requests_pending()
     }
 
@@ -336,7 +336,7 @@ impl Node {
                         self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
                     }
                     self.flush_outbox();
-                    self.send_ingress();
+                    self.with_ingress(|i, out| i.send(out));
                 }
                 Happening::Lost => self.connection_lost(),
                 Happening::Registered => {
@@ -371,7 +371,7 @@ impl Node {
         // Outbox messages in flight are sent again after the reconnect.
         self.session.forget(|op| matches!(op, Op::Outbox(_)));
         let refused = self.outbox.reset_in_flight();
-        let refused_events = self.ingress.reset_in_flight();
+        let refused_events = self.ingress.queue.reset_in_flight();
         for (item, aside) in refused.into_iter().chain(refused_events) {
             log::error!(
                 "the broker dropped the connection each of the last {} times the {} was sent; it is set aside in {} and not sent again",
@@ -673,7 +673,7 @@ impl Node {
                 "stderr_log": a.meta.stderr_log,
             }), &a.meta)).collect::<Vec<_>>(),
             "outbox": self.outbox.len(),
-            "ingress_queue": self.ingress.len(),
+            "ingress_queue": self.ingress.queue.len(),
         });
         if let Some(g) = self.gpu.status(&self.gpu_holds()) {
             gpus::put(&mut out, "gpus", g);
@@ -790,15 +790,15 @@ impl Node {
         self.retry_deferred_starts();
         if now >= self.next_rescan {
             // Events `emit` queued by itself while the node was unreachable.
-            self.ingress.rescan();
-            let every = if self.active.is_empty() && self.ingress.is_empty() {
+            self.ingress.queue.rescan();
+            let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
                 RESCAN_IDLE
             } else {
                 RESCAN_BUSY
             };
             self.next_rescan = now.checked_add(every).unwrap_or(now);
         }
-        self.send_ingress();
+        self.with_ingress(|i, out| i.send(out));
         self.check_drain_after_one(now);
         self.write_metrics(now);
         self.prune_old_files(now);

@@ -326,7 +326,7 @@ impl Node {
             "Completions and events waiting for acknowledgement.",
             vec![(
                 String::new(),
-                self.outbox.len().saturating_add(self.ingress.len()) as u64,
+                self.outbox.len().saturating_add(self.ingress.queue.len()) as u64,
             )],
         );
         metric(

@@ -386,7 +386,7 @@ impl Node {
                     self.workload_status(wl, body);
                 }
                 super::interrupted::forget(&self.layout, &safe_id);
-                self.report_started(&meta);
+                self.with_ingress(|i, out| i.report_started(&meta, out));
                 self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.one_started = true;
@@ -632,7 +632,7 @@ impl Node {
         let why = reason.to_string();
         let why = why.as_str();
         let busy = reason.busy();
-        self.report_rejected(ctx, why);
+        self.with_ingress(|i, out| i.report_rejected(ctx, why, out));
         self.count_rejection(reason.metric());
         log::warn!(
             "refused start {}: {}",

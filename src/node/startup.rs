@@ -366,7 +366,11 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         worker_done,
         heal: Default::default(),
         next_watchdog: now,
-        ingress,
+        ingress: super::ingress::Ingress::new(
+            ingress,
+            s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
+            s.topic_prefix.value.clone(),
+        ),
         acks_tx,
         acked,
         control,

@@ -160,12 +160,15 @@ impl Node {
                     crate::logtext::shown(&how)
                 );
                 self.count_completion("cancelled");
-                self.report_finished(
-                    &meta,
-                    false,
-                    exit.as_ref().map(Exit::code),
-                    Some(how.clone()),
-                );
+                self.with_ingress(|i, out| {
+                    i.report_finished(
+                        &meta,
+                        false,
+                        exit.as_ref().map(Exit::code),
+                        Some(how.clone()),
+                        out,
+                    )
+                });
                 let mut body =
                     json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
                 if let Some(r) = &c.reason {
@@ -205,12 +208,15 @@ impl Node {
                         crate::util::set(&mut body, "stderr", json!(s));
                     }
                 }
-                self.report_finished(
-                    &meta,
-                    success,
-                    code,
-                    body.get("error").and_then(Value::as_str).map(String::from),
-                );
+                self.with_ingress(|i, out| {
+                    i.report_finished(
+                        &meta,
+                        success,
+                        code,
+                        body.get("error").and_then(Value::as_str).map(String::from),
+                        out,
+                    )
+                });
                 self.count_completion(if success {
                     "success"
                 } else if lost.is_some() {

@@ -281,9 +281,7 @@ impl Ingress {
 pub(super) struct Wire<'a> {
     pub connected: bool,
     pub now: Instant,
-    pub mqtt: &'a crate::mqtt::Mqtt,
-    pub topics: &'a crate::protocol::topics::Topics,
-    pub acks: &'a Sender<Tracked>,
+    pub io: &'a super::io::Io,
     pub disk_errors: &'a mut crate::logtext::Throttle,
 }
 
@@ -295,11 +293,11 @@ impl Outbound for Wire<'_> {
         self.now
     }
     fn client_id(&self) -> &str {
-        self.topics.client_id()
+        self.io.topics.client_id()
     }
     fn publish_tracked(&mut self, seq: u64, topic: &str, payload: Vec<u8>) -> Result<(), NotSent> {
-        let token = self.mqtt.publish_tracked(topic, payload)?;
-        let _ = self.acks.send((seq, token));
+        let token = self.io.mqtt.publish_tracked(topic, payload)?;
+        let _ = self.io.acks_tx.send((seq, token));
         Ok(())
     }
     fn disk_error_due(&mut self) -> Option<u64> {
@@ -333,9 +331,7 @@ impl super::Node {
         let mut wire = Wire {
             connected: self.session.connected(),
             now: self.clock.now(),
-            mqtt: &self.mqtt,
-            topics: &self.topics,
-            acks: &self.acks_tx,
+            io: &self.io,
             disk_errors: &mut self.disk_errors,
         };
         f(&mut self.ingress, &mut wire)

@@ -5,25 +5,12 @@
 //! node wakes for its heartbeat and little else; while workloads run it wakes at least every
 //! [`BUSY_TICK`].
 
-/// The session's [`session::Outbound`] over the loop's own pieces. A macro, so that only the
-/// fields it names are borrowed while the session itself is borrowed mutably.
-macro_rules! wire {
-    ($node:ident) => {
-        Wire {
-            mqtt: &$node.mqtt,
-            topics: &$node.topics,
-            token: &$node.token,
-            identity_path: $node.s.identity_path(),
-            state: &$node.layout.state,
-        }
-    };
-}
-
 mod admit;
 mod container;
 mod gpus;
 mod ingress;
 mod interrupted;
+mod io;
 pub mod operate;
 mod selfheal;
 mod session;
@@ -36,8 +23,7 @@ mod table_out;
 mod uploads;
 mod workloads;
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{select, Receiver};
 use serde_json::{json, Value};
@@ -46,21 +32,18 @@ use serde_json::{json, Value};
 const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
-use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::ledger::Ledger;
-use crate::mqtt::{Mqtt, MqttEvent};
+use crate::mqtt::MqttEvent;
 use crate::outbox::Outbox;
 use crate::protocol::commands::{Command, Kind, Received, StartParams};
 use crate::protocol::messages::{self, Incoming};
 use crate::protocol::replies::Reply;
-use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
-use crate::workers::{Done, Workers};
-use crate::workload::reaper::Reaped;
-use crate::workload::tail::{Event as TailEvent, Key, Tailer};
+use crate::workload::tail::Key;
 use crate::workload::Layout;
+use io::Wire;
 use session::{Happening, Session};
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
@@ -129,11 +112,9 @@ struct Shutdown {
 
 pub struct Node {
     s: Settings,
+    /// The I/O handles: MQTT client, feeders' channels, threads.
+    io: io::Io,
     clock: Box<dyn Clock>,
-    mqtt: Mqtt,
-    events: Receiver<MqttEvent>,
-    topics: Topics,
-    token: String,
     /// The broker session: connection, registration, heartbeat, requests awaiting replies.
     session: Session<Op>,
     shutdown: Option<Shutdown>,
@@ -144,25 +125,16 @@ pub struct Node {
     active: table::Table,
     ledger: Ledger,
     outbox: Outbox,
-    reaped: Receiver<Reaped>,
     /// Starts in flight, and what the spawner thread reports about them.
     starts: starts::Starts,
     /// Starts the node before this one took and did not answer (D53), answered once registered.
     interrupted: Vec<(String, interrupted::Taken, interrupted::Answer)>,
-    spawned: Receiver<crate::workload::spawner::Outcome>,
-    tailer: Tailer,
-    chunks: Receiver<TailEvent>,
     /// Every workload's log streams (their cursors, pace and install-log shipping).
     streams: streams::Streams,
-    workers: Workers,
-    worker_done: Receiver<Done>,
     heal: selfheal::Heal,
     next_watchdog: Instant,
     /// Workflow execution events waiting for the broker's acknowledgement.
     ingress: ingress::Ingress,
-    acks_tx: crossbeam_channel::Sender<ingress::Tracked>,
-    acked: Receiver<ingress::Acked>,
-    control: Receiver<crate::control::Request>,
     next_rescan: Instant,
     draining: bool,
     /// `--drain-after-one`: a workload was started.
@@ -174,9 +146,6 @@ pub struct Node {
     gpus: (usize, Option<&'static str>),
     /// GPU inventory, health and accounting (D35–D38).
     gpu: gpus::Gpus,
-    /// The GPU monitor thread (none when it could not start).
-    gpu_monitor: Option<crate::gpu::Monitor>,
-    gpu_rx: Receiver<crate::gpu::Snapshot>,
     next_prune: Instant,
     /// Full-disk errors are logged once a minute (D28).
     disk_errors: crate::logtext::Throttle,
@@ -191,27 +160,27 @@ impl Node {
             let now = self.clock.now();
             let wait = self.next_wake(now).saturating_duration_since(now);
             select! {
-                recv(self.events) -> ev => match ev {
+                recv(self.io.events) -> ev => match ev {
                     Ok(ev) => self.on_mqtt(ev),
                     Err(_) => { log::error!("the MQTT client stopped"); self.exit = Some(EXIT_RUNTIME); }
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
-                recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
-                recv(self.spawned) -> o => match o {
+                recv(self.io.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
+                recv(self.io.spawned) -> o => match o {
                     Ok(o) => self.on_spawn_outcome(o),
                     Err(_) => self.on_spawner_gone(),
                 },
-                recv(self.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
-                recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
-                recv(self.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
-                recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
-                recv(self.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
+                recv(self.io.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
+                recv(self.io.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
+                recv(self.io.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
+                recv(self.io.control) -> r => if let Ok(r) = r { self.on_control(r) },
+                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
                 default(wait) => {}
             }
             self.tick();
             if let Some(code) = self.exit {
                 self.finish_starts();
-                self.mqtt.disconnect(Duration::from_millis(500));
+                self.io.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
                 // Dropping the Paho client joins Paho C's worker threads, which poll with 1 s
                 // timeouts: an exiting process has no use for that second. Every state file
@@ -292,13 +261,13 @@ impl Node {
 
     fn on_gpu_snapshot(&mut self, s: crate::gpu::Snapshot) {
         let holds = gpus::holds_of(&self.active, &self.starts);
-        let wire = gpus::Wire(self.gpu_monitor.as_ref());
+        let wire = gpus::Wire(self.io.gpu_monitor.as_ref());
         self.gpu.on_snapshot(s, &holds, &wire);
     }
 
     /// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
     fn gpu_update_sampling(&self) {
-        let wire = gpus::Wire(self.gpu_monitor.as_ref());
+        let wire = gpus::Wire(self.io.gpu_monitor.as_ref());
         self.gpu.update_sampling(&self.gpu_holds(), &wire);
     }
 
@@ -323,7 +292,12 @@ impl Node {
     fn on_mqtt(&mut self, ev: MqttEvent) {
         let now = self.clock.now();
         let publishing = self.publishing();
-        let happened = self.session.on_mqtt(ev, publishing, now, &mut wire!(self));
+        let happened = self.session.on_mqtt(
+            ev,
+            publishing,
+            now,
+            &mut self.io.wire(&self.s, &self.layout),
+        );
         self.carry_out(happened);
     }
 
@@ -398,7 +372,7 @@ impl Node {
             // A chunk that can never fit would hold its stream (and the workload's completion,
             // until the drain limit) for good: it is skipped, the rest of the log still goes.
             Op::Log(key) if permanent => {
-                self.mqtt.log_too_big(
+                self.io.mqtt.log_too_big(
                     &format!(
                         "a log chunk of {} (skipped)",
                         crate::logtext::shown(&key.safe_id)
@@ -410,7 +384,8 @@ impl Node {
             other => {
                 if permanent {
                     // At most once a minute: a log stream offers its chunk again and again.
-                    self.mqtt
+                    self.io
+                        .mqtt
                         .log_too_big(&format!("the {other:?} request"), why);
                 } else if let Some(held) = self.refusals.ready(self.clock.now()) {
                     // A refused log chunk is offered again at its stream's pace: once a minute.
@@ -429,8 +404,14 @@ impl Node {
     /// Sends one of the loop's requests through the session; returns its correlation.
     fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
         let now = self.clock.now();
-        self.session
-            .request(op, topic, &body, timeout, now, &mut wire!(self))
+        self.session.request(
+            op,
+            topic,
+            &body,
+            timeout,
+            now,
+            &mut self.io.wire(&self.s, &self.layout),
+        )
     }
 
     /// A request's reply (`Some`) or its timeout (`None`).
@@ -475,7 +456,7 @@ impl Node {
         if self.s.standalone {
             return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
         }
-        let topic = self.topics.fail(&uuid);
+        let topic = self.io.topics.fail(&uuid);
         let corr = self.request(
             Op::Fail,
             &topic,
@@ -505,7 +486,8 @@ impl Node {
             util::set(&mut body, "hardware", h);
         }
         let now = self.clock.now();
-        self.session.send_heartbeat(&body, now, &mut wire!(self));
+        self.session
+            .send_heartbeat(&body, now, &mut self.io.wire(&self.s, &self.layout));
     }
     // ---- commands -------------------------------------------------------------------------------
 
@@ -622,9 +604,10 @@ impl Node {
 
     fn publish_reply(&self, ok: bool, request_id: &Value, body: Value) {
         let payload = messages::reply(ok, request_id, self.slug(), self.uuid(), body);
-        let topic = self.topics.reply(self.uuid());
+        let topic = self.io.topics.reply(self.uuid());
         // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
-        self.mqtt
+        self.io
+            .mqtt
             .publish(&topic, payload, 1, paho_mqtt::Properties::new());
     }
 
@@ -655,7 +638,7 @@ impl Node {
             "instance_uuid": self.uuid(),
             "slug": self.slug(),
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
-            "broker": self.mqtt.endpoint(),
+            "broker": self.io.mqtt.endpoint(),
             "connected": self.session.connected(),
             "registered": self.session.registered(),
             "last_heartbeat_ok": self.session.last_heartbeat_ok().map(util::rfc3339),
@@ -743,7 +726,7 @@ impl Node {
         {
             None
         } else {
-            let topic = self.topics.terminate(self.uuid());
+            let topic = self.io.topics.terminate(self.uuid());
             Some(self.request(
                 Op::Terminate,
                 &topic,
@@ -784,7 +767,9 @@ impl Node {
     fn tick(&mut self) {
         let now = self.clock.now();
         let publishing = self.publishing();
-        let happened = self.session.tick(publishing, now, &mut wire!(self));
+        let happened = self
+            .session
+            .tick(publishing, now, &mut self.io.wire(&self.s, &self.layout));
         self.carry_out(happened);
         self.tick_workloads();
         self.retry_deferred_starts();
@@ -832,67 +817,6 @@ fn refused_in(q: &mut Outbox, seq: u64, why: &str, permanent: bool, now: Instant
             "{what} {seq} not delivered ({}); retrying later",
             crate::logtext::shown(why)
         ),
-    }
-}
-
-/// What the session does to the world, done with the node's MQTT client and state dir.
-struct Wire<'a> {
-    mqtt: &'a Mqtt,
-    topics: &'a Topics,
-    token: &'a str,
-    identity_path: PathBuf,
-    state: &'a std::path::Path,
-}
-
-impl session::Outbound for Wire<'_> {
-    fn connect(&mut self) {
-        self.mqtt.start_connect();
-    }
-    fn is_connected(&self) -> bool {
-        self.mqtt.is_connected()
-    }
-    fn endpoint(&self) -> String {
-        self.mqtt.endpoint()
-    }
-    fn endpoint_count(&self) -> usize {
-        self.mqtt.endpoint_count()
-    }
-    fn next_endpoint(&mut self) {
-        self.mqtt.next_endpoint();
-    }
-    fn subscribe(&mut self, topics: &[String]) {
-        self.mqtt.subscribe(topics);
-    }
-    fn subscribe_confirmed(&mut self, topics: &[String]) {
-        self.mqtt.subscribe_confirmed(topics);
-    }
-    fn unsubscribe(&mut self, topic: &str) {
-        self.mqtt.unsubscribe(topic);
-    }
-    fn request(&mut self, topic: &str, payload: Vec<u8>, correlation: &[u8]) {
-        self.mqtt.publish_request(
-            topic,
-            payload,
-            &self.topics.inbox(),
-            correlation,
-            self.token,
-        );
-    }
-    fn save_identity(&mut self, identity: &Identity) -> Result<(), String> {
-        identity
-            .save(&self.identity_path)
-            .map_err(|e| format!("{}: {e}", self.identity_path.display()))
-    }
-    fn mark_client_id_conflict(&mut self) {
-        let marker = self.state.join(CLIENT_ID_CONFLICT);
-        let _ = crate::store::write_atomic(
-            &marker,
-            crate::util::rfc3339(SystemTime::now()).as_bytes(),
-            0o600,
-        );
-    }
-    fn notify(&mut self, state: &str) {
-        crate::systemd::notify(state);
     }
 }
 

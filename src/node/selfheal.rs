@@ -57,7 +57,7 @@ impl Node {
             .collect();
         for (key, wl) in candidates {
             self.heal.checking.insert(key.clone());
-            self.workers.submit(Job::CheckWorkload {
+            self.io.workers.submit(Job::CheckWorkload {
                 key,
                 wl,
                 my_uuid: uuid.clone(),

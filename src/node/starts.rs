@@ -295,7 +295,7 @@ impl Node {
             safe_id: safe_id.clone(),
             params,
             template,
-            node_token: self.token.clone(),
+            node_token: self.io.token.clone(),
             max_runtime_s,
             workflow: ctx.clone(),
             socket: self.layout.state.join("control.sock"),
@@ -454,10 +454,10 @@ impl Node {
     pub(super) fn on_spawner_gone(&mut self) {
         log::error!("{SPAWNER_GONE}");
         // What it reported before it went is still taken up.
-        while let Ok(o) = self.spawned.try_recv() {
+        while let Ok(o) = self.io.spawned.try_recv() {
             self.on_spawn_outcome(o);
         }
-        self.spawned = crossbeam_channel::never();
+        self.io.spawned = crossbeam_channel::never();
         for (safe_id, st) in self.starts.stopped() {
             self.fail_start(&safe_id, st, SPAWNER_GONE);
         }
@@ -492,7 +492,7 @@ impl Node {
         let before: Vec<String> = self.active.keys().cloned().collect();
         while !self.starts.is_empty() {
             let left = until.saturating_duration_since(Instant::now());
-            match self.spawned.recv_timeout(left) {
+            match self.io.spawned.recv_timeout(left) {
                 Ok(o) => self.on_spawn_outcome(o),
                 Err(_) => break,
             }

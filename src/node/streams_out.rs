@@ -1,13 +1,15 @@
 //! The loop's side of the streams part ([`super::streams`]): it tells the part which workloads
-//! exist and whether the node may publish, carries out what the part asks ([`Outbound`] for
-//! `Node`: tailer jobs, publishes as requests, console lines) and maps a log request's outcome
+//! exist and whether the node may publish, carries out what the part asks ([`Outbound`] as
+//! `StreamsOut`: tailer jobs, publishes as requests, console lines) and maps a log request's outcome
 //! (`Op::Log(key)`) back to the part. Only this file sees both the part and the loop's types.
 
 use std::io::Write;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use super::io::Wire;
+use super::session::Session;
 use super::streams::{self, Cursor, Outbound, Source, Streams};
-use super::{Node, Op, Wire};
+use super::{Clock, Node, Op};
 use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Event, Key, Request};
 
@@ -20,9 +22,30 @@ pub(super) fn settings(s: &crate::config::Settings) -> streams::Settings {
     }
 }
 
-impl Outbound for Node {
+/// The streams part's [`Outbound`] on the loop's pieces: the tailer, the broker session (a
+/// chunk is a request kept until its reply) and the console.
+struct StreamsOut<'a> {
+    session: &'a mut Session<Op>,
+    wire: Wire<'a>,
+    clock: &'a dyn Clock,
+    /// The logs topic of this node.
+    topic: String,
+    timeout: Duration,
+}
+
+impl StreamsOut<'_> {
+    /// A request on the logs topic whose body is already encoded (the chunk's text is escaped
+    /// once, straight into the payload).
+    fn publish_log(&mut self, op: Op, payload: Vec<u8>) {
+        let now = self.clock.now();
+        self.session
+            .request_payload(op, &self.topic, payload, self.timeout, now, &mut self.wire);
+    }
+}
+
+impl Outbound for StreamsOut<'_> {
     fn tail(&mut self, req: Request) {
-        self.tailer.request(req);
+        self.wire.io.tailer.request(req);
     }
 
     fn publish(&mut self, key: &Key, payload: Vec<u8>) {
@@ -59,22 +82,17 @@ impl Outbound for Node {
 }
 
 impl Node {
-    /// A request on the logs topic whose body is already encoded (the chunk's text is escaped
-    /// once, straight into the payload).
-    fn publish_log(&mut self, op: Op, payload: Vec<u8>) {
-        let topic = self.topics.logs(self.uuid());
-        let now = self.clock.now();
-        let timeout = self.s.tuning.request_timeout;
-        self.session
-            .request_payload(op, &topic, payload, timeout, now, &mut wire!(self));
-    }
-
-    /// Runs `f` on the streams part with the node as its outbound side.
-    fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut Node) -> R) -> R {
-        let mut part = std::mem::take(&mut self.streams);
-        let r = f(&mut part, self);
-        self.streams = part;
-        r
+    /// Runs `f` on the streams part with its [`Outbound`].
+    fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut dyn Outbound) -> R) -> R {
+        let topic = self.io.topics.logs(self.session.uuid());
+        let mut out = StreamsOut {
+            session: &mut self.session,
+            wire: self.io.wire(&self.s, &self.layout),
+            clock: self.clock.as_ref(),
+            topic,
+            timeout: self.s.tuning.request_timeout,
+        };
+        f(&mut self.streams, &mut out)
     }
 
     /// Tells the part the link state and the workloads: new ones are tracked from their
@@ -85,7 +103,7 @@ impl Node {
         let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
         self.streams
-            .set_packet_limit(self.mqtt.max_packet_size().map(u64::from));
+            .set_packet_limit(self.io.mqtt.max_packet_size().map(u64::from));
         let active = &self.active;
         self.streams.retain(|id| active.contains_key(id));
         let mut ended = Vec::new();

@@ -26,7 +26,7 @@ impl Node {
         if wl.is_empty() || wl == "None" {
             return;
         }
-        let topic = self.topics.workload_status(wl);
+        let topic = self.io.topics.workload_status(wl);
         self.request(
             Op::WorkloadStatus,
             &topic,
@@ -244,7 +244,7 @@ impl Node {
             .as_deref()
             .filter(|w| !w.is_empty() && *w != "None")
         {
-            let topic = self.topics.workload_status(wl);
+            let topic = self.io.topics.workload_status(wl);
             let key = format!("end:{safe_id}");
             if self.s.standalone {
                 // No backend to acknowledge: published once for the site's own dispatcher.

@@ -6,6 +6,8 @@
 //! [`BUSY_TICK`].
 
 mod admit;
+mod cancel;
+mod commands;
 mod container;
 mod gpus;
 mod ingress;
@@ -14,6 +16,7 @@ mod io;
 pub mod operate;
 mod selfheal;
 mod session;
+mod shutdown;
 mod starts;
 pub mod startup;
 pub mod streams;
@@ -36,8 +39,6 @@ use crate::config::Settings;
 use crate::ledger::Ledger;
 use crate::mqtt::MqttEvent;
 use crate::outbox::Outbox;
-use crate::protocol::commands::{Command, Kind, Received, StartParams};
-use crate::protocol::messages::{self, Incoming};
 use crate::protocol::replies::Reply;
 use crate::signals::Signal;
 use crate::util;
@@ -45,6 +46,7 @@ use crate::workload::tail::Key;
 use crate::workload::Layout;
 use io::Wire;
 use session::{Happening, Session};
+use shutdown::Shutdown;
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
@@ -98,16 +100,6 @@ enum Op {
     SignedUrl(String),
     /// R10 for the workload with this safe id.
     UploadResults(String),
-}
-
-struct Shutdown {
-    deadline: Instant,
-    exit_code: i32,
-    /// Correlation of the R5 (or R6) request whose reply ends the shutdown early.
-    waiting_for: Option<Vec<u8>>,
-    /// D58: a container's init waits for its stopped workloads' completions to be acknowledged
-    /// before it says goodbye (R5), at most until `deadline`.
-    stopping_workloads: bool,
 }
 
 pub struct Node {
@@ -449,26 +441,6 @@ impl Node {
         }
     }
 
-    /// Registered after start-up failed: tell the backend (R6), then exit.
-    fn report_failed_start(&mut self, err: String) {
-        let uuid = self.uuid().to_string();
-        log::error!("reporting the start-up failure to the backend, then exiting");
-        if self.s.standalone {
-            return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-        }
-        let topic = self.io.topics.fail(&uuid);
-        let corr = self.request(
-            Op::Fail,
-            &topic,
-            json!({"instance_uuid": uuid, "error": err}),
-            self.s.tuning.heartbeat_timeout,
-        );
-        self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-        if let Some(s) = &mut self.shutdown {
-            s.waiting_for = Some(corr);
-        }
-    }
-
     /// A heartbeat is due (R3): its body is what the loop knows.
     fn send_heartbeat(&mut self) {
         // Self-heal runs beside the heartbeat, never in front of it.
@@ -489,279 +461,6 @@ impl Node {
         self.session
             .send_heartbeat(&body, now, &mut self.io.wire(&self.s, &self.layout));
     }
-    // ---- commands -------------------------------------------------------------------------------
-
-    fn on_command(&mut self, payload: &[u8]) {
-        let (request_id, command) = match messages::parse_command(payload) {
-            Incoming::Echo => return,
-            Incoming::Invalid {
-                request_id: Some(rid),
-                reason,
-                workload_uuid,
-            } => {
-                log::warn!(
-                    "refused a command (request {}): {}",
-                    crate::logtext::shown(&messages::request_id_text(&rid)),
-                    crate::logtext::shown(&reason)
-                );
-                if let Some(wl) = workload_uuid {
-                    let body =
-                        json!({"status": "failed", "error": reason, "failure_detail": reason});
-                    self.workload_status(wl.as_str(), body);
-                }
-                return self.reply_error(&rid, &reason);
-            }
-            Incoming::Invalid {
-                request_id: None,
-                reason,
-                ..
-            } => {
-                log::warn!(
-                    "ignored a command without a readable request id: {}",
-                    crate::logtext::shown(&reason)
-                );
-                return;
-            }
-            Incoming::Command {
-                request_id,
-                command,
-            } => (request_id, command),
-        };
-        log::info!(
-            "command {} (request {})",
-            command.name(),
-            crate::logtext::shown(&request_id.text())
-        );
-        let rid = request_id.value();
-        // A start is refused by its own guard, as a retryable "host busy" (D21).
-        let start = matches!(
-            command,
-            Command::Start(..) | Command::Received(Received::Start(..))
-        );
-        if self.shutdown.is_some() && !start {
-            return self.reply_error(rid, "node is shutting down and not accepting new commands");
-        }
-        match command {
-            Command::Status => {
-                let out = self.status_output();
-                self.reply_ok(rid, out);
-            }
-            Command::Start(kind, params) => self.on_start(kind, rid, params),
-            Command::Cancel(params) => self.cancel(&request_id, params),
-            Command::Received(Received::Start(kind, params)) => self.on_start(kind, rid, params),
-            Command::Received(Received::Ack(uuid)) => {
-                let shown = uuid.as_ref().map_or("None", |u| u.as_str());
-                self.reply_ok(
-                    rid,
-                    json!({"message": format!("Workload {shown} received and acknowledged")}),
-                );
-            }
-        }
-    }
-
-    fn on_start(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
-        if let (Some(mine), Some(theirs)) = (&self.s.environment_uuid, &params.environment_uuid) {
-            if mine.value != theirs.as_str() {
-                return self.reply_error(
-                    request_id,
-                    &format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value),
-                );
-            }
-        }
-        self.start_workload(kind, request_id, params);
-    }
-
-    fn status_output(&self) -> Value {
-        let mut out = json!({
-            "slug": self.slug(),
-            "instance_uuid": self.uuid(),
-            "profile_slug": self.s.profile_slug.value,
-            "has_inference": self.s.inference.is_some(),
-            "has_simulate": self.s.simulate.is_some(),
-            "has_training": self.s.training.is_some(),
-                        "is_busy": self.active.len() >= self.s.max_concurrent_workloads.value as usize,
-            "active_workloads": self.active_workloads_json(),
-                        "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.shutdown.is_none() && !self.draining,
-            "draining": self.draining,
-            "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
-            "node_version": crate::cli::VERSION,
-        });
-        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
-            gpus::put(&mut out, "gpus", g);
-        }
-        self.add_starting(&mut out, "active_workloads");
-        out
-    }
-
-    fn reply_ok(&self, request_id: &Value, output: Value) {
-        self.publish_reply(true, request_id, output);
-    }
-
-    fn reply_error(&self, request_id: &Value, error: &str) {
-        self.publish_reply(false, request_id, json!(error));
-    }
-
-    fn publish_reply(&self, ok: bool, request_id: &Value, body: Value) {
-        let payload = messages::reply(ok, request_id, self.slug(), self.uuid(), body);
-        let topic = self.io.topics.reply(self.uuid());
-        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
-        self.io
-            .mqtt
-            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
-    }
-
-    // ---- the control socket ---------------------------------------------------------------------
-
-    fn on_control(&mut self, req: crate::control::Request) {
-        let Some(req) = self.hold_for_start(req) else {
-            return;
-        };
-        let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
-        let reply = match op {
-            "emit" => self.on_emit(&req.body),
-            "drain" | "resume" => {
-                self.set_draining(op == "drain", "asked on the control socket");
-                json!({"ok": true, "draining": self.draining, "active_workloads": self.in_use()})
-            }
-            "status" => json!({"ok": true, "status": self.local_status()}),
-            other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
-        };
-        let _ = req.reply.send(reply);
-    }
-
-    /// What `cyberwave-cloud-node status` shows about a running node.
-    fn local_status(&self) -> Value {
-        let mut out = json!({
-            "running": true,
-            "pid": std::process::id(),
-            "instance_uuid": self.uuid(),
-            "slug": self.slug(),
-            "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
-            "broker": self.io.mqtt.endpoint(),
-            "connected": self.session.connected(),
-            "registered": self.session.registered(),
-            "last_heartbeat_ok": self.session.last_heartbeat_ok().map(util::rfc3339),
-                        "accepting": self.shutdown.is_none() && !self.draining,
-            "draining": self.draining,
-            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| crate::node::with_gpus(json!({
-                "pid": a.meta.pid(),
-                "type": a.meta.kind,
-                "request_id": a.meta.request_id,
-                "workload_uuid": a.meta.workload_uuid,
-                "state": a.state(),
-                "running_for_seconds": (crate::workload::unix_now() - a.meta.created_unix).max(0.0) as u64,
-                "stdout_log": a.meta.stdout_log,
-                "stderr_log": a.meta.stderr_log,
-            }), &a.meta)).collect::<Vec<_>>(),
-            "outbox": self.outbox.len(),
-            "ingress_queue": self.ingress.queue.len(),
-        });
-        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
-            gpus::put(&mut out, "gpus", g);
-        }
-        self.add_starting(&mut out, "workloads");
-        out
-    }
-
-    // ---- signals and shutdown -------------------------------------------------------------------
-
-    fn on_signal(&mut self, sig: Signal) {
-        match sig {
-            Signal::Term | Signal::Int => {
-                if self.shutdown.is_some() {
-                    log::warn!("second {sig:?}: exiting now");
-                    self.exit = Some(EXIT_OK);
-                    return;
-                }
-                self.begin_shutdown(EXIT_OK, &format!("{sig:?} received"));
-            }
-            Signal::Hup => {
-                log::info!("SIGHUP ignored (restart the service to reload the configuration)")
-            }
-            Signal::Usr1 => self.set_draining(true, "SIGUSR1"),
-            Signal::Usr2 => self.set_draining(false, "SIGUSR2"),
-        }
-    }
-
-    fn begin_shutdown(&mut self, exit_code: i32, why: &str) {
-        if self.shutdown.is_some() {
-            return;
-        }
-        crate::systemd::notify("STOPPING=1");
-        let now = self.clock.now();
-        if container::is_init(&self.s.env) {
-            // D58: its workloads die with the container; stop them and report them first.
-            let grace = container::stop_grace(&self.s.env);
-            let kill = container::kill_after(grace);
-            let n = self.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out));
-            log::info!(
-                "shutting down ({why}); as its container's main process the node stops its {n} running workload(s) (SIGTERM, SIGKILL after {:.1}s) and reports them before it exits, within {:.1}s",
-                kill.as_secs_f64(),
-                grace.as_secs_f64()
-            );
-            self.session.close();
-            self.shutdown = Some(Shutdown {
-                deadline: util::later(now, container::deadline_after(grace)),
-                exit_code,
-                waiting_for: None,
-                stopping_workloads: true,
-            });
-            return;
-        }
-        log::info!("shutting down ({why}); running workloads are left running");
-        self.log_running_workloads();
-        self.session.close();
-        self.say_goodbye(now, exit_code, None);
-    }
-
-    /// R5: the goodbye to the backend when there is one to hear it, then the shutdown's last
-    /// stretch: until its reply or the flush time (at most `limit`), at once without a backend.
-    fn say_goodbye(&mut self, now: Instant, exit_code: i32, limit: Option<Instant>) {
-        let waiting_for = if !self.session.registered()
-            || !self.session.connected()
-            || self.s.standalone
-            || self.session.startup_failed()
-        {
-            None
-        } else {
-            let topic = self.io.topics.terminate(self.uuid());
-            Some(self.request(
-                Op::Terminate,
-                &topic,
-                json!({}),
-                self.s.tuning.shutdown_flush,
-            ))
-        };
-        let deadline = match (&waiting_for, limit) {
-            (None, _) => now,
-            (Some(_), None) => util::later(now, self.s.tuning.shutdown_flush),
-            (Some(_), Some(l)) => util::later(now, self.s.tuning.shutdown_flush).min(l),
-        };
-        self.shutdown = Some(Shutdown {
-            deadline,
-            exit_code,
-            waiting_for,
-            stopping_workloads: false,
-        });
-    }
-
-    /// D58: once every stopped workload's completion is out (acknowledged, or published when
-    /// standalone), the goodbye (R5) goes out as in any shutdown, within the same deadline.
-    fn finish_stopping_workloads(&mut self) {
-        let Some(s) = &self.shutdown else {
-            return;
-        };
-        if !s.stopping_workloads || !self.active.is_empty() || !self.outbox.is_empty() {
-            return;
-        }
-        let (limit, exit_code) = (s.deadline, s.exit_code);
-        log::info!("every workload of the container is reported; exiting");
-        let now = self.clock.now();
-        self.say_goodbye(now, exit_code, Some(limit));
-    }
-
     // ---- timers ---------------------------------------------------------------------------------
 
     fn tick(&mut self) {

@@ -40,9 +40,7 @@ use super::table::Active;
 use super::workloads::start_output;
 use super::Node;
 use crate::logtext::shown;
-use crate::protocol::commands::{
-    CancelParams, CancelTarget, Kind, RequestId, Seconds, StartParams,
-};
+use crate::protocol::commands::{Kind, Seconds, StartParams};
 use crate::protocol::messages::request_id_text;
 use crate::store;
 use crate::workload::spawner::{Outcome, Spawner};
@@ -247,11 +245,7 @@ impl Node {
                     "request {} was handled before; repeating its answer",
                     shown(&rid)
                 );
-                return if ok {
-                    self.reply_ok(request_id, body)
-                } else {
-                    self.reply_error(request_id, body.as_str().unwrap_or(""))
-                };
+                return self.replay(request_id, ok, body);
             }
             Decision::Replay(Earlier::Running(out)) => return self.reply_ok(request_id, out),
             // In flight: answered with the original answer once the spawn reports.
@@ -515,60 +509,6 @@ impl Node {
                 self.starts.len()
             );
         }
-    }
-
-    /// `cancel`: a start in flight gets its cancel recorded (and carried out once it runs);
-    /// anything else goes to the workload table.
-    pub(super) fn cancel(&mut self, request_id: &RequestId, params: CancelParams) {
-        let rid = request_id.text();
-        let repeated = !rid.is_empty() && self.ledger.get(&rid).is_some();
-        let target = match &params.target {
-            CancelTarget::Request(r) if !repeated => self.starts.find_request(r),
-            _ => None,
-        };
-        let Some(safe_id) = target else {
-            return self.cancel_command(request_id, params);
-        };
-        let asked = PendingCancel {
-            signal: params.signal.number(),
-            name: params.signal.name(),
-            grace: params
-                .grace
-                .map_or(super::table::DEFAULT_GRACE, Seconds::duration),
-        };
-        let Some(kept) = self.starts.cancel(&safe_id, asked.clone()) else {
-            return self.cancel_command(request_id, params);
-        };
-        let Some(st) = self.starts.get_mut(&safe_id) else {
-            return;
-        };
-        let message = if kept == asked {
-            format!(
-                "Workload is starting; the cancel is recorded and {} goes to it as soon as its process runs",
-                kept.name
-            )
-        } else {
-            format!(
-                "Workload is starting and a cancel with {} is recorded already",
-                kept.name
-            )
-        };
-        let out = json!({
-            "message": message,
-            "pid": 0,
-            "workload_type": st.kind.as_str(),
-            "workload_request_id": st.request_id,
-            "signal": kept.name,
-            "state": "starting",
-        });
-        log::info!(
-            "cancel of {} recorded while it starts",
-            shown(&request_id_text(&st.request_id))
-        );
-        if !rid.is_empty() {
-            self.ledger.record(&rid, true, out.clone());
-        }
-        self.reply_ok(request_id.value(), out);
     }
 
     /// A control-socket request that must wait for a start in flight (an `emit` of a workload

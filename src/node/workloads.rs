@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::interrupted::{self, Taken};
-use super::table::{Active, DEFAULT_GRACE, SALVAGED};
+use super::table::{Active, SALVAGED};
 use super::{Node, Op};
 use crate::logtext::shown;
 use crate::outbox::Item;
-use crate::protocol::commands::{CancelParams, CancelTarget, RequestId, Seconds};
 use crate::store;
 use crate::workers::Done;
 use crate::workload::shim::Exit;
@@ -33,76 +32,6 @@ impl Node {
             body,
             self.s.tuning.request_timeout,
         );
-    }
-
-    // ---- cancel -----------------------------------------------------------------------------
-
-    pub(super) fn cancel_command(&mut self, request_id: &RequestId, params: CancelParams) {
-        let rid = request_id.text();
-        let request_id = request_id.value();
-        if !rid.is_empty() {
-            if let Some(e) = self.ledger.get(&rid).cloned() {
-                log::info!(
-                    "cancel {} was handled before; repeating its answer",
-                    shown(&rid)
-                );
-                return if e.ok {
-                    self.reply_ok(request_id, e.body)
-                } else {
-                    self.reply_error(request_id, e.body.as_str().unwrap_or(""))
-                };
-            }
-        }
-        let sig = params.signal.number();
-        let sig_name = params.signal.name();
-        let grace = params.grace.map_or(DEFAULT_GRACE, Seconds::duration);
-        let found = self
-            .active
-            .iter()
-            .find(|(_, a)| match &params.target {
-                CancelTarget::Pid(p) => a.meta.pid() == p.get() && a.meta.pid() > 0,
-                CancelTarget::Request(r) => &a.meta.request_id_text() == r,
-            })
-            .map(|(k, _)| k.clone());
-        let Some(safe_id) = found else {
-            // D29: a workload this node started, reported and forgot already finished.
-            if let CancelTarget::Request(r) = &params.target {
-                if self.ledger.get(r).is_some_and(|e| e.ok) {
-                    return self.reply_ok(
-                        request_id,
-                        json!({"message": "Workload already finished; its completion reports how it ended", "workload_request_id": r}),
-                    );
-                }
-            }
-            let msg = match &params.target {
-                CancelTarget::Pid(p) => format!("No active workload found with PID {}", p.get()),
-                CancelTarget::Request(r) => {
-                    format!("No active workload found with request_id {r}")
-                }
-            };
-            return self.reply_error(request_id, &msg);
-        };
-        match self
-            .with_table(|t, out, now| t.cancel(&safe_id, sig, sig_name, grace, false, now, out))
-        {
-            Ok(message) => {
-                let Some(a) = self.active.get(&safe_id) else {
-                    return self.reply_ok(request_id, json!({"message": message}));
-                };
-                let out = json!({
-                    "message": message,
-                    "pid": a.meta.pid(),
-                    "workload_type": a.meta.kind,
-                    "workload_request_id": a.meta.request_id,
-                    "signal": sig_name,
-                });
-                if !rid.is_empty() {
-                    self.ledger.record(&rid, true, out.clone());
-                }
-                self.reply_ok(request_id, out);
-            }
-            Err(e) => self.reply_error(request_id, &e),
-        }
     }
 
     /// Self-heal: terminate a stale workload; it will be forgotten without a report.

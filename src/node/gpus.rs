@@ -24,6 +24,8 @@ pub struct Gpus {
     pub per_workload: Option<u32>,
     /// Accounting of workloads holding GPUs, by safe id.
     pub usage: HashMap<String, Usage>,
+    /// GPU count and VRAM tier (hardware telemetry), learned at start-up.
+    pub telemetry: (usize, Option<&'static str>),
 }
 
 impl Gpus {

@@ -332,7 +332,7 @@ impl super::Node {
             connected: self.session.connected(),
             now: self.clock.now(),
             io: &self.io,
-            disk_errors: &mut self.disk_errors,
+            disk_errors: &mut self.throttle.disk,
         };
         f(&mut self.ingress, &mut wire)
     }

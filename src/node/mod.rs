@@ -109,39 +109,62 @@ pub struct Node {
     clock: Box<dyn Clock>,
     /// The broker session: connection, registration, heartbeat, requests awaiting replies.
     session: Session<Op>,
-    shutdown: Option<Shutdown>,
-    started: Instant,
-    exit: Option<i32>,
+    /// Uptime, the shutdown under way, the exit code once decided.
+    life: Life,
     layout: Layout,
     /// Active workloads by safe id.
     active: table::Table,
     ledger: Ledger,
     outbox: Outbox,
-    /// Starts in flight, and what the spawner thread reports about them.
+    /// Starts in flight, and those the node before this one took and did not answer (D53).
     starts: starts::Starts,
-    /// Starts the node before this one took and did not answer (D53), answered once registered.
-    interrupted: Vec<(String, interrupted::Taken, interrupted::Answer)>,
     /// Every workload's log streams (their cursors, pace and install-log shipping).
     streams: streams::Streams,
     heal: selfheal::Heal,
-    next_watchdog: Instant,
-    /// Workflow execution events waiting for the broker's acknowledgement.
+    /// Workflow execution events and the node's own reports of them.
     ingress: ingress::Ingress,
-    next_rescan: Instant,
-    draining: bool,
+    /// Draining (no new workloads) and `--drain-after-one`.
+    drain: Drain,
+    metrics: operate::Metrics,
+    /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
+    gpu: gpus::Gpus,
+    /// When the loop's own periodic work is next due.
+    due: Due,
+    throttle: Throttles,
+}
+
+/// The node's life: since when it runs, the shutdown under way, the exit code once decided.
+struct Life {
+    started: Instant,
+    shutdown: Option<Shutdown>,
+    exit: Option<i32>,
+}
+
+/// Draining: new workloads are refused while it is on.
+#[derive(Default)]
+struct Drain {
+    on: bool,
     /// `--drain-after-one`: a workload was started.
     one_started: bool,
     idle_since: Option<Instant>,
-    metrics: operate::Metrics,
-    next_metrics: Instant,
-    /// GPU count and VRAM tier (hardware telemetry).
-    gpus: (usize, Option<&'static str>),
-    /// GPU inventory, health and accounting (D35–D38).
-    gpu: gpus::Gpus,
-    next_prune: Instant,
-    /// Full-disk errors are logged once a minute (D28).
-    disk_errors: crate::logtext::Throttle,
-    /// Requests the broker refused in its PUBACK are logged once a minute (D34).
+}
+
+/// When the loop's periodic work is next due.
+struct Due {
+    /// A standalone node's watchdog ping (no heartbeats feed it).
+    watchdog: Instant,
+    /// Looking for events `emit` queued by itself.
+    rescan: Instant,
+    metrics: Instant,
+    prune: Instant,
+}
+
+/// Errors logged at most once a minute.
+#[derive(Default)]
+struct Throttles {
+    /// Full-disk errors (D28).
+    disk: crate::logtext::Throttle,
+    /// Requests the broker refused in its PUBACK (D34).
     refusals: crate::logtext::Throttle,
 }
 
@@ -154,7 +177,7 @@ impl Node {
             select! {
                 recv(self.io.events) -> ev => match ev {
                     Ok(ev) => self.on_mqtt(ev),
-                    Err(_) => { log::error!("the MQTT client stopped"); self.exit = Some(EXIT_RUNTIME); }
+                    Err(_) => { log::error!("the MQTT client stopped"); self.life.exit = Some(EXIT_RUNTIME); }
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
                 recv(self.io.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
@@ -170,7 +193,7 @@ impl Node {
                 default(wait) => {}
             }
             self.tick();
-            if let Some(code) = self.exit {
+            if let Some(code) = self.life.exit {
                 self.finish_starts();
                 self.io.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
@@ -193,11 +216,11 @@ impl Node {
         };
         let mut t = now.checked_add(cap).unwrap_or(now);
         let mut due = |d: Instant| t = t.min(d);
-        let open = self.shutdown.is_none();
+        let open = self.life.shutdown.is_none();
         if let Some(d) = self.session.next_due() {
             due(d);
         }
-        if let Some(s) = &self.shutdown {
+        if let Some(s) = &self.life.shutdown {
             due(s.deadline);
         }
         // Only while a stream has unsent bytes: growth of a file arrives as an event.
@@ -221,17 +244,17 @@ impl Node {
         if self.outbox.has_pending_writes() {
             due(now.checked_add(DISK_RETRY).unwrap_or(now));
         }
-        due(self.next_rescan);
+        due(self.due.rescan);
         if self.s.metrics_file.is_some() {
-            due(self.next_metrics);
+            due(self.due.metrics);
         }
         if self.s.log_retention_days.value > 0 {
-            due(self.next_prune);
+            due(self.due.prune);
         }
         if self.s.standalone && self.session.connected() {
-            due(self.next_watchdog);
+            due(self.due.watchdog);
         }
-        if let Some(since) = self.idle_since {
+        if let Some(since) = self.drain.idle_since {
             if self.s.drain_after_one && open && self.active.is_empty() {
                 due(since
                     .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
@@ -379,7 +402,7 @@ impl Node {
                     self.io
                         .mqtt
                         .log_too_big(&format!("the {other:?} request"), why);
-                } else if let Some(held) = self.refusals.ready(self.clock.now()) {
+                } else if let Some(held) = self.throttle.refusals.ready(self.clock.now()) {
                     // A refused log chunk is offered again at its stream's pace: once a minute.
                     log::warn!(
                         "{other:?} not delivered: {}{}",
@@ -431,7 +454,7 @@ impl Node {
                 if body.is_none() {
                     log::warn!("the backend did not acknowledge the {op:?} notice in time");
                 }
-                if let Some(s) = &mut self.shutdown {
+                if let Some(s) = &mut self.life.shutdown {
                     if s.waiting_for.as_deref() == Some(corr) {
                         s.waiting_for = None;
                         s.deadline = self.clock.now();
@@ -449,9 +472,9 @@ impl Node {
             "node_version": crate::cli::VERSION,
             "active_workloads": self.in_use(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.shutdown.is_none() && !self.draining,
-            "draining": self.draining,
-            "uptime_s": self.started.elapsed().as_secs(),
+            "accepting": self.life.shutdown.is_none() && !self.drain.on,
+            "draining": self.drain.on,
+            "uptime_s": self.life.started.elapsed().as_secs(),
         });
         self.gpu.heartbeat(&self.gpu_holds(), &mut body);
         if let Some(h) = self.hardware() {
@@ -472,7 +495,7 @@ impl Node {
         self.carry_out(happened);
         self.tick_workloads();
         self.retry_deferred_starts();
-        if now >= self.next_rescan {
+        if now >= self.due.rescan {
             // Events `emit` queued by itself while the node was unreachable.
             self.ingress.queue.rescan();
             let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
@@ -480,23 +503,23 @@ impl Node {
             } else {
                 RESCAN_BUSY
             };
-            self.next_rescan = now.checked_add(every).unwrap_or(now);
+            self.due.rescan = now.checked_add(every).unwrap_or(now);
         }
         self.with_ingress(|i, out| i.send(out));
         self.check_drain_after_one(now);
         self.write_metrics(now);
         self.prune_old_files(now);
-        if self.s.standalone && self.session.connected() && now >= self.next_watchdog {
+        if self.s.standalone && self.session.connected() && now >= self.due.watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");
-            self.next_watchdog = util::later(now, Duration::from_secs(10));
+            self.due.watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
         self.pump_streams(true);
         self.finish_stopping_workloads();
-        if let Some(s) = &self.shutdown {
+        if let Some(s) = &self.life.shutdown {
             if now >= s.deadline {
-                self.exit = Some(s.exit_code);
+                self.life.exit = Some(s.exit_code);
             }
         }
     }

@@ -36,7 +36,7 @@ impl Node {
             self.s.tuning.heartbeat_timeout,
         );
         self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-        if let Some(s) = &mut self.shutdown {
+        if let Some(s) = &mut self.life.shutdown {
             s.waiting_for = Some(corr);
         }
     }
@@ -46,9 +46,9 @@ impl Node {
     pub(super) fn on_signal(&mut self, sig: Signal) {
         match sig {
             Signal::Term | Signal::Int => {
-                if self.shutdown.is_some() {
+                if self.life.shutdown.is_some() {
                     log::warn!("second {sig:?}: exiting now");
-                    self.exit = Some(EXIT_OK);
+                    self.life.exit = Some(EXIT_OK);
                     return;
                 }
                 self.begin_shutdown(EXIT_OK, &format!("{sig:?} received"));
@@ -62,7 +62,7 @@ impl Node {
     }
 
     pub(super) fn begin_shutdown(&mut self, exit_code: i32, why: &str) {
-        if self.shutdown.is_some() {
+        if self.life.shutdown.is_some() {
             return;
         }
         crate::systemd::notify("STOPPING=1");
@@ -78,7 +78,7 @@ impl Node {
                 grace.as_secs_f64()
             );
             self.session.close();
-            self.shutdown = Some(Shutdown {
+            self.life.shutdown = Some(Shutdown {
                 deadline: util::later(now, container::deadline_after(grace)),
                 exit_code,
                 waiting_for: None,
@@ -115,7 +115,7 @@ impl Node {
             (Some(_), None) => util::later(now, self.s.tuning.shutdown_flush),
             (Some(_), Some(l)) => util::later(now, self.s.tuning.shutdown_flush).min(l),
         };
-        self.shutdown = Some(Shutdown {
+        self.life.shutdown = Some(Shutdown {
             deadline,
             exit_code,
             waiting_for,
@@ -126,7 +126,7 @@ impl Node {
     /// D58: once every stopped workload's completion is out (acknowledged, or published when
     /// standalone), the goodbye (R5) goes out as in any shutdown, within the same deadline.
     pub(super) fn finish_stopping_workloads(&mut self) {
-        let Some(s) = &self.shutdown else {
+        let Some(s) = &self.life.shutdown else {
             return;
         };
         if !s.stopping_workloads || !self.active.is_empty() || !self.outbox.is_empty() {

@@ -79,6 +79,12 @@ pub struct Starts {
     /// Why there is no spawner (it never started, or it stopped).
     gone: Option<String>,
     in_flight: BTreeMap<String, Starting>,
+    /// Starts the node before this one took and did not answer (D53), answered once registered.
+    pub interrupted: Vec<(
+        String,
+        super::interrupted::Taken,
+        super::interrupted::Answer,
+    )>,
 }
 
 /// What a node without a working spawner answers to a start.
@@ -95,6 +101,7 @@ impl Starts {
             spawner,
             gone,
             in_flight: BTreeMap::new(),
+            interrupted: Vec::new(),
         }
     }
 
@@ -219,8 +226,8 @@ impl Node {
             running: self.active.get(&safe_id).map(|a| start_output(&a.meta)),
             in_flight: self.starts.get_mut(&safe_id).is_some(),
             template: self.s.command_template(kind),
-            shutting_down: self.shutdown.is_some(),
-            draining: self.draining,
+            shutting_down: self.life.shutdown.is_some(),
+            draining: self.drain.on,
             min_free_disk_mb: self.s.min_free_disk_mb.value,
             state: &self.layout.state,
             free_mb: &crate::store::free_mb,
@@ -383,7 +390,7 @@ impl Node {
                 self.with_ingress(|i, out| i.report_started(&meta, out));
                 self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
-                    self.one_started = true;
+                    self.drain.one_started = true;
                     self.set_draining(true, "--drain-after-one");
                 }
                 let shim = meta
@@ -434,7 +441,7 @@ impl Node {
                     return;
                 };
                 self.fail_start(&safe_id, st, &why);
-                if self.s.drain_after_one && !self.one_started && self.starts.is_empty() {
+                if self.s.drain_after_one && !self.drain.one_started && self.starts.is_empty() {
                     // The one workload did not start: the node takes the next start.
                     self.set_draining(false, "--drain-after-one: the start failed");
                 }

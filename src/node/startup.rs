@@ -358,38 +358,39 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         gpu_rx,
         gpu_monitor: monitor,
     };
+    let mut gpu = gpu;
+    gpu.telemetry = gpus;
     let node = Node {
         io,
         clock: Box::new(SystemClock),
         session,
-        shutdown: None,
-        started,
-        exit: None,
+        life: super::Life {
+            started,
+            shutdown: None,
+            exit: None,
+        },
         layout,
         active: super::table::Table::new(super::table::UploadCfg::of(&s)),
         ledger: Ledger::load(dir.join("ledger.jsonl")),
         outbox,
         starts: super::starts::Starts::new(spawner),
-        interrupted: Vec::new(),
         streams,
         heal: Default::default(),
-        next_watchdog: now,
         ingress: super::ingress::Ingress::new(
             ingress,
             s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
             s.topic_prefix.value.clone(),
         ),
-        next_rescan: now,
-        draining: false,
-        one_started: false,
-        idle_since: None,
+        drain: super::Drain::default(),
         metrics: Default::default(),
-        next_metrics: now,
-        gpus,
         gpu,
-        next_prune: now,
-        disk_errors: crate::logtext::Throttle::default(),
-        refusals: crate::logtext::Throttle::default(),
+        due: super::Due {
+            watchdog: now,
+            rescan: now,
+            metrics: now,
+            prune: now,
+        },
+        throttle: super::Throttles::default(),
         s,
     };
     let mut node = node;

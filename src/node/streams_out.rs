@@ -149,7 +149,7 @@ impl Node {
         } = &ev
         {
             // A full disk: once a minute, not once per chunk (D28).
-            if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+            if let Some(held) = self.throttle.disk.ready(self.clock.now()) {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),

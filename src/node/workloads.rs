@@ -195,7 +195,7 @@ impl Node {
                     Err((seq, e)) => {
                         // D28: kept in memory and sent all the same; the workload's record
                         // stays until the backend acknowledged it, so a restart still knows.
-                        if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                        if let Some(held) = self.throttle.disk.ready(self.clock.now()) {
                             log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
                         }
                         self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
@@ -216,7 +216,7 @@ impl Node {
         if self.outbox.has_pending_writes() {
             let left = self.outbox.persist_pending();
             if left > 0 {
-                if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                if let Some(held) = self.throttle.disk.ready(self.clock.now()) {
                     log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
                 }
             }

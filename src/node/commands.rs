@@ -102,8 +102,8 @@ impl Node {
                         "is_busy": self.active.len() >= self.s.max_concurrent_workloads.value as usize,
             "active_workloads": self.active_workloads_json(),
                         "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.life.shutdown.is_none() && !self.drain.on,
-            "draining": self.drain.on,
+            "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
+            "draining": self.life.drain.on,
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
         });
@@ -142,7 +142,7 @@ impl Node {
             "emit" => self.on_emit(&req.body),
             "drain" | "resume" => {
                 self.set_draining(op == "drain", "asked on the control socket");
-                json!({"ok": true, "draining": self.drain.on, "active_workloads": self.in_use()})
+                json!({"ok": true, "draining": self.life.drain.on, "active_workloads": self.in_use()})
             }
             "status" => json!({"ok": true, "status": self.local_status()}),
             other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
@@ -162,8 +162,8 @@ impl Node {
             "connected": self.session.connected(),
             "registered": self.session.registered(),
             "last_heartbeat_ok": self.session.last_heartbeat_ok().map(util::rfc3339),
-                        "accepting": self.life.shutdown.is_none() && !self.drain.on,
-            "draining": self.drain.on,
+                        "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
+            "draining": self.life.drain.on,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
             "workloads": self.active.values().map(|a| crate::node::with_gpus(json!({
                 "pid": a.meta.pid(),

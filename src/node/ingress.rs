@@ -330,7 +330,7 @@ impl super::Node {
     ) -> R {
         let mut wire = Wire {
             connected: self.session.connected(),
-            now: self.clock.now(),
+            now: self.io.clock.now(),
             io: &self.io,
             disk_errors: &mut self.throttle.disk,
         };

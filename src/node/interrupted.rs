@@ -231,7 +231,7 @@ impl super::Node {
                     );
                 }
             }
-            forget(&self.layout, &safe_id);
+            forget(&self.io.layout, &safe_id);
         }
     }
 }

@@ -22,6 +22,10 @@ use crate::workload::reaper::Reaped;
 use crate::workload::tail::{Event as TailEvent, Tailer};
 
 pub struct Io {
+    /// Time, injected so timers can be driven in tests without sleeping.
+    pub clock: Box<dyn super::Clock>,
+    /// The state dir's layout.
+    pub layout: Layout,
     pub mqtt: Mqtt,
     pub events: Receiver<MqttEvent>,
     pub topics: Topics,
@@ -43,11 +47,11 @@ pub struct Io {
 
 impl Io {
     /// The broker session's [`super::session::Outbound`] on these handles.
-    pub fn wire<'a>(&'a self, s: &Settings, layout: &'a Layout) -> Wire<'a> {
+    pub fn wire<'a>(&'a self, s: &Settings) -> Wire<'a> {
         Wire {
             io: self,
             identity_path: s.identity_path(),
-            state: &layout.state,
+            state: &self.layout.state,
         }
     }
 }

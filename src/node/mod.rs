@@ -43,7 +43,6 @@ use crate::protocol::replies::Reply;
 use crate::signals::Signal;
 use crate::util;
 use crate::workload::tail::Key;
-use crate::workload::Layout;
 use io::Wire;
 use session::{Happening, Session};
 use shutdown::Shutdown;
@@ -106,12 +105,10 @@ pub struct Node {
     s: Settings,
     /// The I/O handles: MQTT client, feeders' channels, threads.
     io: io::Io,
-    clock: Box<dyn Clock>,
     /// The broker session: connection, registration, heartbeat, requests awaiting replies.
     session: Session<Op>,
-    /// Uptime, the shutdown under way, the exit code once decided.
+    /// Uptime, draining, the shutdown under way, the exit code once decided.
     life: Life,
-    layout: Layout,
     /// Active workloads by safe id.
     active: table::Table,
     ledger: Ledger,
@@ -123,8 +120,6 @@ pub struct Node {
     heal: selfheal::Heal,
     /// Workflow execution events and the node's own reports of them.
     ingress: ingress::Ingress,
-    /// Draining (no new workloads) and `--drain-after-one`.
-    drain: Drain,
     metrics: operate::Metrics,
     /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
     gpu: gpus::Gpus,
@@ -138,6 +133,8 @@ struct Life {
     started: Instant,
     shutdown: Option<Shutdown>,
     exit: Option<i32>,
+    /// Draining (no new workloads) and `--drain-after-one`.
+    drain: Drain,
 }
 
 /// Draining: new workloads are refused while it is on.
@@ -172,7 +169,7 @@ impl Node {
     fn run(mut self, signals: Receiver<Signal>) -> i32 {
         self.tick();
         loop {
-            let now = self.clock.now();
+            let now = self.io.clock.now();
             let wait = self.next_wake(now).saturating_duration_since(now);
             select! {
                 recv(self.io.events) -> ev => match ev {
@@ -254,7 +251,7 @@ impl Node {
         if self.s.standalone && self.session.connected() {
             due(self.due.watchdog);
         }
-        if let Some(since) = self.drain.idle_since {
+        if let Some(since) = self.life.drain.idle_since {
             if self.s.drain_after_one && open && self.active.is_empty() {
                 due(since
                     .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
@@ -305,14 +302,11 @@ impl Node {
     }
 
     fn on_mqtt(&mut self, ev: MqttEvent) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let publishing = self.publishing();
-        let happened = self.session.on_mqtt(
-            ev,
-            publishing,
-            now,
-            &mut self.io.wire(&self.s, &self.layout),
-        );
+        let happened = self
+            .session
+            .on_mqtt(ev, publishing, now, &mut self.io.wire(&self.s));
         self.carry_out(happened);
     }
 
@@ -381,7 +375,7 @@ impl Node {
     fn on_refused(&mut self, op: Op, why: &str, permanent: bool) {
         match op {
             Op::Outbox(seq) => {
-                let now = self.clock.now();
+                let now = self.io.clock.now();
                 refused_in(&mut self.outbox, seq, why, permanent, now, "outbox message");
             }
             // A chunk that can never fit would hold its stream (and the workload's completion,
@@ -402,7 +396,7 @@ impl Node {
                     self.io
                         .mqtt
                         .log_too_big(&format!("the {other:?} request"), why);
-                } else if let Some(held) = self.throttle.refusals.ready(self.clock.now()) {
+                } else if let Some(held) = self.throttle.refusals.ready(self.io.clock.now()) {
                     // A refused log chunk is offered again at its stream's pace: once a minute.
                     log::warn!(
                         "{other:?} not delivered: {}{}",
@@ -418,15 +412,9 @@ impl Node {
 
     /// Sends one of the loop's requests through the session; returns its correlation.
     fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
-        let now = self.clock.now();
-        self.session.request(
-            op,
-            topic,
-            &body,
-            timeout,
-            now,
-            &mut self.io.wire(&self.s, &self.layout),
-        )
+        let now = self.io.clock.now();
+        self.session
+            .request(op, topic, &body, timeout, now, &mut self.io.wire(&self.s))
     }
 
     /// A request's reply (`Some`) or its timeout (`None`).
@@ -457,7 +445,7 @@ impl Node {
                 if let Some(s) = &mut self.life.shutdown {
                     if s.waiting_for.as_deref() == Some(corr) {
                         s.waiting_for = None;
-                        s.deadline = self.clock.now();
+                        s.deadline = self.io.clock.now();
                     }
                 }
             }
@@ -472,26 +460,26 @@ impl Node {
             "node_version": crate::cli::VERSION,
             "active_workloads": self.in_use(),
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.life.shutdown.is_none() && !self.drain.on,
-            "draining": self.drain.on,
+            "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
+            "draining": self.life.drain.on,
             "uptime_s": self.life.started.elapsed().as_secs(),
         });
         self.gpu.heartbeat(&self.gpu_holds(), &mut body);
         if let Some(h) = self.hardware() {
             util::set(&mut body, "hardware", h);
         }
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         self.session
-            .send_heartbeat(&body, now, &mut self.io.wire(&self.s, &self.layout));
+            .send_heartbeat(&body, now, &mut self.io.wire(&self.s));
     }
     // ---- timers ---------------------------------------------------------------------------------
 
     fn tick(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let publishing = self.publishing();
         let happened = self
             .session
-            .tick(publishing, now, &mut self.io.wire(&self.s, &self.layout));
+            .tick(publishing, now, &mut self.io.wire(&self.s));
         self.carry_out(happened);
         self.tick_workloads();
         self.retry_deferred_starts();

@@ -140,7 +140,7 @@ fn round1(x: f64) -> f64 {
 
 impl Node {
     pub(super) fn set_draining(&mut self, on: bool, why: &str) {
-        if self.drain.on != on {
+        if self.life.drain.on != on {
             log::info!(
                 "{} ({why}); {} workload(s) running",
                 if on {
@@ -151,19 +151,19 @@ impl Node {
                 self.in_use()
             );
         }
-        self.drain.on = on;
+        self.life.drain.on = on;
     }
 
     /// `--drain-after-one`: once the one workload finished and was reported, stop.
     pub(super) fn check_drain_after_one(&mut self, now: Instant) {
         if !self.s.drain_after_one
-            || !self.drain.one_started
+            || !self.life.drain.one_started
             || !self.active.is_empty()
             || self.life.shutdown.is_some()
         {
             return;
         }
-        let since = *self.drain.idle_since.get_or_insert(now);
+        let since = *self.life.drain.idle_since.get_or_insert(now);
         if self.outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT {
             self.begin_shutdown(
                 crate::error::Exit::Ok.code(),
@@ -233,7 +233,7 @@ impl Node {
             .values()
             .flat_map(|a| [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()])
             .collect();
-        let dirs = vec![self.layout.logs(), self.layout.inputs()];
+        let dirs = vec![self.io.layout.logs(), self.io.layout.inputs()];
         let spawned = std::thread::Builder::new()
             .name("prune".into())
             .spawn(move || {
@@ -339,7 +339,7 @@ impl Node {
             "draining",
             "gauge",
             "1 while the node refuses new workloads.",
-            vec![(String::new(), u64::from(self.drain.on))],
+            vec![(String::new(), u64::from(self.life.drain.on))],
         );
         self.gpu.metrics(&self.gpu_holds(), &mut t);
         if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {

@@ -131,7 +131,7 @@ impl Node {
         if self.heal.deferred.is_empty() {
             return;
         }
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let capacity = self.s.max_concurrent_workloads.value as usize;
         let pending = std::mem::take(&mut self.heal.deferred);
         for (kind, rid, params, until) in pending {

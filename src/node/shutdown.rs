@@ -66,7 +66,7 @@ impl Node {
             return;
         }
         crate::systemd::notify("STOPPING=1");
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         if container::is_init(&self.s.env) {
             // D58: its workloads die with the container; stop them and report them first.
             let grace = container::stop_grace(&self.s.env);
@@ -134,7 +134,7 @@ impl Node {
         }
         let (limit, exit_code) = (s.deadline, s.exit_code);
         log::info!("every workload of the container is reported; exiting");
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         self.say_goodbye(now, exit_code, Some(limit));
     }
 }

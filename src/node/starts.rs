@@ -227,9 +227,9 @@ impl Node {
             in_flight: self.starts.get_mut(&safe_id).is_some(),
             template: self.s.command_template(kind),
             shutting_down: self.life.shutdown.is_some(),
-            draining: self.drain.on,
+            draining: self.life.drain.on,
             min_free_disk_mb: self.s.min_free_disk_mb.value,
-            state: &self.layout.state,
+            state: &self.io.layout.state,
             free_mb: &crate::store::free_mb,
             spawner_gone: self.starts.gone(),
             capacity: self.s.max_concurrent_workloads.value as usize,
@@ -243,7 +243,7 @@ impl Node {
                 .and_then(Seconds::from_f64),
         };
         let held = super::gpus::holders(&self.gpu_holds());
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let wait = super::selfheal::defer_wait();
         let decision = admit::decide(&ask, &facts, &self.ledger, &self.gpu, &held, now, wait);
         let (template, gpus, max_runtime_s) = match decision {
@@ -299,7 +299,7 @@ impl Node {
             node_token: self.io.token.clone(),
             max_runtime_s,
             workflow: ctx.clone(),
-            socket: self.layout.state.join("control.sock"),
+            socket: self.io.layout.state.join("control.sock"),
             gpus,
             results_dir: self.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
@@ -324,15 +324,15 @@ impl Node {
             workload_uuid: workload_uuid.clone(),
             taken_unix: starting.created_unix,
         };
-        if let Err(e) = super::interrupted::note(&self.layout, &safe_id, &taken) {
+        if let Err(e) = super::interrupted::note(&self.io.layout, &safe_id, &taken) {
             log::warn!(
                 "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
                 shown(&rid),
-                crate::logtext::shown(&super::interrupted::dir(&self.layout).display().to_string())
+                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
             );
         }
         if let Err(e) = self.starts.begin(starting, req) {
-            super::interrupted::forget(&self.layout, &safe_id);
+            super::interrupted::forget(&self.io.layout, &safe_id);
             let why = RejectReason::Failed {
                 kind: kind.into(),
                 why: e,
@@ -386,18 +386,18 @@ impl Node {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.workload_status(wl, body);
                 }
-                super::interrupted::forget(&self.layout, &safe_id);
+                super::interrupted::forget(&self.io.layout, &safe_id);
                 self.with_ingress(|i, out| i.report_started(&meta, out));
                 self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
-                    self.drain.one_started = true;
+                    self.life.drain.one_started = true;
                     self.set_draining(true, "--drain-after-one");
                 }
                 let shim = meta
                     .started
                     .as_ref()
                     .map(|s| (s.shim_pid, s.shim_start_ticks));
-                let now = self.clock.now();
+                let now = self.io.clock.now();
                 self.active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
                 self.gpu_update_sampling();
@@ -441,7 +441,8 @@ impl Node {
                     return;
                 };
                 self.fail_start(&safe_id, st, &why);
-                if self.s.drain_after_one && !self.drain.one_started && self.starts.is_empty() {
+                if self.s.drain_after_one && !self.life.drain.one_started && self.starts.is_empty()
+                {
                     // The one workload did not start: the node takes the next start.
                     self.set_draining(false, "--drain-after-one: the start failed");
                 }
@@ -480,7 +481,7 @@ impl Node {
             self.reply_error(w, &why);
         }
         self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
-        super::interrupted::forget(&self.layout, safe_id);
+        super::interrupted::forget(&self.io.layout, safe_id);
     }
 
     /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid

@@ -342,6 +342,8 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         now,
     );
     let io = super::io::Io {
+        clock: Box::new(SystemClock),
+        layout,
         mqtt,
         events: rx,
         topics,
@@ -362,14 +364,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     gpu.telemetry = gpus;
     let node = Node {
         io,
-        clock: Box::new(SystemClock),
         session,
         life: super::Life {
             started,
             shutdown: None,
             exit: None,
+            drain: super::Drain::default(),
         },
-        layout,
         active: super::table::Table::new(super::table::UploadCfg::of(&s)),
         ledger: Ledger::load(dir.join("ledger.jsonl")),
         outbox,
@@ -381,7 +382,6 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
             s.topic_prefix.value.clone(),
         ),
-        drain: super::Drain::default(),
         metrics: Default::default(),
         gpu,
         due: super::Due {

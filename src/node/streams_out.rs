@@ -87,8 +87,8 @@ impl Node {
         let topic = self.io.topics.logs(self.session.uuid());
         let mut out = StreamsOut {
             session: &mut self.session,
-            wire: self.io.wire(&self.s, &self.layout),
-            clock: self.clock.as_ref(),
+            wire: self.io.wire(&self.s),
+            clock: self.io.clock.as_ref(),
             topic,
             timeout: self.s.tuning.request_timeout,
         };
@@ -98,7 +98,7 @@ impl Node {
     /// Tells the part the link state and the workloads: new ones are tracked from their
     /// persisted cursor, ended ones ship their rest, forgotten ones are dropped.
     pub(super) fn sync_streams(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let connected = self.session.connected() && self.session.registered();
         let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
@@ -109,7 +109,7 @@ impl Node {
         let mut ended = Vec::new();
         for (id, a) in &self.active {
             if !self.streams.is_tracked(id) {
-                let dir = self.layout.dir(id);
+                let dir = self.io.layout.dir(id);
                 let cursor: Cursor =
                     crate::workload::load_json(&dir.join("cursor.json"), "log cursor")
                         .unwrap_or_default();
@@ -136,7 +136,7 @@ impl Node {
     /// Reads whatever is due (and, for a workload that just ended, its rest at once).
     pub(super) fn pump_streams(&mut self, _interval_due: bool) {
         self.sync_streams();
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         self.with_streams(|part, out| part.pump(now, out));
     }
 
@@ -149,7 +149,7 @@ impl Node {
         } = &ev
         {
             // A full disk: once a minute, not once per chunk (D28).
-            if let Some(held) = self.throttle.disk.ready(self.clock.now()) {
+            if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),
@@ -158,21 +158,21 @@ impl Node {
             }
         }
         self.sync_streams();
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_tail(ev, now, out));
         self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(n);
     }
 
     /// A log chunk's request ended: acknowledged (`ok`), refused or timed out.
     pub(super) fn on_log_ack(&mut self, key: &Key, ok: bool) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_ack(key, ok, now, out));
         self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(n);
     }
 
     /// Forgets chunks in flight (after a lost connection): they are read and sent again.
     pub(super) fn reset_streams(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         self.streams.reset(now);
         self.session.forget(|op| matches!(op, Op::Log(_)));
     }

@@ -126,12 +126,12 @@ impl Node {
         &mut self,
         f: impl FnOnce(&mut Table, &mut dyn Outbound, Instant) -> R,
     ) -> R {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let mut out = NodeOut {
             connected: self.session.connected(),
             session: &mut self.session,
-            wire: self.io.wire(&self.s, &self.layout),
-            layout: &self.layout,
+            wire: self.io.wire(&self.s),
+            layout: &self.io.layout,
             timeout: self.s.tuning.request_timeout,
             now,
             later: Vec::new(),

@@ -195,7 +195,7 @@ impl Node {
                     Err((seq, e)) => {
                         // D28: kept in memory and sent all the same; the workload's record
                         // stays until the backend acknowledged it, so a restart still knows.
-                        if let Some(held) = self.throttle.disk.ready(self.clock.now()) {
+                        if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                             log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
                         }
                         self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
@@ -216,7 +216,7 @@ impl Node {
         if self.outbox.has_pending_writes() {
             let left = self.outbox.persist_pending();
             if left > 0 {
-                if let Some(held) = self.throttle.disk.ready(self.clock.now()) {
+                if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                     log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
                 }
             }
@@ -224,7 +224,7 @@ impl Node {
         if !self.session.connected() {
             return;
         }
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         for (seq, item) in self.outbox.due(now) {
             if !crate::protocol::topics::publishable(&item.topic) {
                 // Queued by an older version or planted: no broker would take it (D34).
@@ -273,7 +273,7 @@ impl Node {
             }
             _ => {
                 log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.outbox.retry_later(seq, self.clock.now());
+                self.outbox.retry_later(seq, self.io.clock.now());
             }
         }
     }
@@ -281,7 +281,7 @@ impl Node {
     // ---- timers and answers for the table ----------------------------------------------------
 
     pub(super) fn tick_workloads(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         // The streams' verdict, read before the table is borrowed.
         let drained: Vec<String> = self
             .active
@@ -323,7 +323,7 @@ impl Node {
     /// answers of the starts the node before this one took and did not answer (D53).
     pub(super) fn recover(&mut self) {
         let mut notes: BTreeMap<String, Taken> =
-            interrupted::load_all(&self.layout).into_iter().collect();
+            interrupted::load_all(&self.io.layout).into_iter().collect();
         let mut started = Vec::new();
         self.recover_workloads(&mut notes, &mut started);
         self.settle_interrupted(started, notes);
@@ -336,12 +336,12 @@ impl Node {
         notes: &mut BTreeMap<String, Taken>,
         started: &mut Vec<(String, Taken, Value)>,
     ) {
-        let _ = store::ensure_dir_or_quarantine(&self.layout.workloads());
-        let Ok(entries) = std::fs::read_dir(self.layout.workloads()) else {
+        let _ = store::ensure_dir_or_quarantine(&self.io.layout.workloads());
+        let Ok(entries) = std::fs::read_dir(self.io.layout.workloads()) else {
             return;
         };
         let boot = procinfo::boot_id();
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         for entry in entries.flatten() {
             let dir = entry.path();
             if !dir.is_dir() {
@@ -357,7 +357,7 @@ impl Node {
             }
             // Every file is validated; an invalid one is quarantined, and a workload whose
             // record is bad is still tracked by what can be proven about it.
-            let (meta, salvaged) = match workload::recover_meta(&self.layout, &dir, &name) {
+            let (meta, salvaged) = match workload::recover_meta(&self.io.layout, &dir, &name) {
                 workload::Recovered::Intact(m) => (m, false),
                 workload::Recovered::Salvaged(m) => (m, true),
             };

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::operate::{Busy, BUSY_PREFIX};
-use crate::gpu::{self, Gpu, Monitor, Snapshot, Usage};
+use crate::gpu::{Gpu, Snapshot, Usage};
 
 /// What the node knows about its GPUs.
 #[derive(Default)]
@@ -536,46 +536,6 @@ impl Gpus {
             }
         }
     }
-}
-
-/// The GPU part's [`Outbound`] on the monitor thread (none when it could not start).
-pub struct Wire<'a>(pub Option<&'a Monitor>);
-
-impl Outbound for Wire<'_> {
-    fn set_holding(&self, holding: bool) {
-        if let Some(m) = self.0 {
-            m.set_holding(holding);
-        }
-    }
-    fn sample_every(&self) -> Duration {
-        self.0.map_or(gpu::SAMPLE_EVERY, |m| m.timing.sample)
-    }
-    fn pgid_of(&self, pid: i32) -> Option<i32> {
-        gpu::pgid_of(pid)
-    }
-}
-
-/// The holds of the node's tracked workloads and starts in flight.
-pub(super) fn holds_of<'a>(
-    active: &'a super::table::Table,
-    starts: &'a super::starts::Starts,
-) -> Vec<Hold<'a>> {
-    let running = active.iter().map(|(id, a)| Hold {
-        id,
-        holder: match &a.meta.request_id {
-            Value::Null => json!(id),
-            r => r.clone(),
-        },
-        pid: Some(a.meta.pid()),
-        gpus: a.meta.gpus.as_deref().unwrap_or_default(),
-    });
-    let starting = starts.iter().map(|(id, st)| Hold {
-        id,
-        holder: st.request_id.clone(),
-        pid: None,
-        gpus: st.gpus.as_deref().unwrap_or_default(),
-    });
-    running.chain(starting).collect()
 }
 
 #[cfg(test)]

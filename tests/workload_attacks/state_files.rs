@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{node_bin, rig, NodeProcess};
+use crate::support::{node_bin, rig, wait_for, NodeProcess};
 
 /// A CLI command that reads the state dir answers well within this.
 const CLI: Duration = Duration::from_secs(10);
@@ -250,8 +250,11 @@ fn d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_nod
         .collect();
     assert_eq!(dirs.len(), 1, "{dirs:?}");
     let started = dirs[0].join("started.json");
-    let pid = serde_json::from_str::<Value>(&std::fs::read_to_string(&started).unwrap()).unwrap()
-        ["pid"]
+    // The supervisor writes started.json right after it reports the pid, so under load the
+    // reply can come first: wait for it rather than race it.
+    let text = wait_for(REPLY, || std::fs::read_to_string(&started).ok())
+        .expect("the supervisor wrote no started.json");
+    let pid = serde_json::from_str::<Value>(&text).unwrap()["pid"]
         .as_i64()
         .unwrap();
     for f in ["started.json", "cursor.json"] {

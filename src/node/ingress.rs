@@ -4,42 +4,15 @@
 //! control socket (`emit`), checked against the workload's event token and workflow; and the
 //! node's own workloads reported as workflow node events (decision D18).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::{json, Map, Value};
 
+use super::io::{Acked, Io};
 use crate::ingress;
 use crate::mqtt::NotSent;
 use crate::outbox::{Item, Outbox};
 use crate::workload::{self, Meta, WorkflowCtx};
-
-/// The PUBACK of an ingress event: `Ok`, or `Err(Some((why, permanent)))` when the broker
-/// refused it, `Err(None)` when no acknowledgement came.
-pub type Acked = (u64, Result<(), Option<(String, bool)>>);
-/// An ingress event's sequence number and its delivery token, for the ack thread.
-pub type Tracked = (u64, paho_mqtt::DeliveryToken);
-
-/// Waits for delivery tokens, in order, off the event loop.
-pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)> {
-    let (tx, rx) = unbounded::<Tracked>();
-    let (atx, arx) = unbounded();
-    std::thread::Builder::new()
-        .name("acks".into())
-        .spawn(move || {
-            for (seq, token) in rx {
-                let result = token.wait_for(Duration::from_secs(30)).map(|_| ());
-                let acked = match crate::mqtt::refusal_of(&result) {
-                    Some(refused) => Err(Some(refused)),
-                    None => result.map_err(|_| None),
-                };
-                if atx.send((seq, acked)).is_err() {
-                    return;
-                }
-            }
-        })?;
-    Ok((tx, arx))
-}
 
 /// The workflow context a start's params carry, if complete (D18).
 pub fn context_of(kind: &str, params: &Map<String, Value>) -> Option<WorkflowCtx> {
@@ -281,7 +254,7 @@ impl Ingress {
 pub(super) struct Wire<'a> {
     pub connected: bool,
     pub now: Instant,
-    pub io: &'a super::io::Io,
+    pub io: &'a Io,
     pub disk_errors: &'a mut crate::logtext::Throttle,
 }
 

@@ -8,7 +8,9 @@
 use std::path::PathBuf;
 use std::time::SystemTime;
 
-use crossbeam_channel::{Receiver, Sender};
+use std::time::Duration;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
 
 use crate::config::credentials::Identity;
 use crate::config::Settings;
@@ -20,6 +22,33 @@ use crate::protocol::topics::Topics;
 use crate::workers::{Done, Workers};
 use crate::workload::reaper::Reaped;
 use crate::workload::tail::{Event as TailEvent, Tailer};
+
+/// The PUBACK of an ingress event: `Ok`, or `Err(Some((why, permanent)))` when the broker
+/// refused it, `Err(None)` when no acknowledgement came.
+pub type Acked = (u64, Result<(), Option<(String, bool)>>);
+/// An ingress event's sequence number and its delivery token, for the ack thread.
+pub type Tracked = (u64, paho_mqtt::DeliveryToken);
+
+/// Waits for delivery tokens, in order, off the event loop.
+pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)> {
+    let (tx, rx) = unbounded::<Tracked>();
+    let (atx, arx) = unbounded();
+    std::thread::Builder::new()
+        .name("acks".into())
+        .spawn(move || {
+            for (seq, token) in rx {
+                let result = token.wait_for(Duration::from_secs(30)).map(|_| ());
+                let acked = match crate::mqtt::refusal_of(&result) {
+                    Some(refused) => Err(Some(refused)),
+                    None => result.map_err(|_| None),
+                };
+                if atx.send((seq, acked)).is_err() {
+                    return;
+                }
+            }
+        })?;
+    Ok((tx, arx))
+}
 
 pub struct Io {
     /// Time, injected so timers can be driven in tests without sleeping.
@@ -37,8 +66,8 @@ pub struct Io {
     pub chunks: Receiver<TailEvent>,
     pub workers: Workers,
     pub worker_done: Receiver<Done>,
-    pub acks_tx: Sender<super::ingress::Tracked>,
-    pub acked: Receiver<super::ingress::Acked>,
+    pub acks_tx: Sender<Tracked>,
+    pub acked: Receiver<Acked>,
     pub control: Receiver<crate::control::Request>,
     pub gpu_rx: Receiver<crate::gpu::Snapshot>,
     /// The GPU monitor thread (none when it could not start).

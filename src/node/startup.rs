@@ -104,7 +104,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         "cannot open the ingress queue in {}",
         dir.join("ingress").display()
     )))?;
-    let (acks_tx, acked) = super::ingress::start_ack_thread()
+    let (acks_tx, acked) = super::io::start_ack_thread()
         .map_err(runtime("cannot start the acknowledgement thread"))?;
     let control = control_socket(&dir, workload_user.as_ref())?;
     let (gpu, monitor, gpu_rx) = gpus(&s);

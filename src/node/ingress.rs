@@ -162,7 +162,7 @@ impl Ingress {
         };
         let ev = match ingress::build(fields) {
             Ok(ev) => ev,
-            Err(e) => return json!({"ok": false, "error": e}),
+            Err(e) => return json!({"ok": false, "error": e.to_string()}),
         };
         if let Some(ctx) = &owner.workflow {
             if ctx.workflow != ev.workflow {

@@ -267,9 +267,9 @@ fn mqtt_client(s: &Settings) -> Result<(Mqtt, Receiver<MqttEvent>, String), Star
         s.node_id_path().display()
     )))?;
     let opts = crate::config::broker::mqtt_options(s, client_id.clone(), s.tuning.session_expiry)
-        .map_err(StartupError::Config)?;
+        .map_err(|e| StartupError::Config(e.to_string()))?;
     let (tx, rx) = unbounded();
-    let mqtt = Mqtt::new(opts, tx).map_err(StartupError::Runtime)?;
+    let mqtt = Mqtt::new(opts, tx).map_err(|e| StartupError::Runtime(e.to_string()))?;
     log::info!("MQTT client {client_id} → {}", mqtt.endpoint());
     if s.standalone {
         // No backend acknowledges a standalone node's workload statuses, so nothing else would

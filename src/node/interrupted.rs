@@ -182,14 +182,16 @@ impl super::Node {
         for (safe_id, taken, out) in all {
             let rid = request_id_text(&taken.request_id);
             let recorded = (!rid.is_empty())
-                .then(|| self.ledger.get(&rid).cloned())
+                .then(|| self.durable.ledger.get(&rid).cloned())
                 .flatten();
             let a = answer(recorded.as_ref(), out, &taken.kind);
             if recorded.is_none() && !rid.is_empty() {
                 // Before it is sent: a redelivery gets the same answer and spawns nothing.
                 match &a {
-                    Answer::Started(out) => self.ledger.record(&rid, true, out.clone()),
-                    Answer::NeverStarted(why) => self.ledger.record(&rid, false, json!(why)),
+                    Answer::Started(out) => self.durable.ledger.record(&rid, true, out.clone()),
+                    Answer::NeverStarted(why) => {
+                        self.durable.ledger.record(&rid, false, json!(why))
+                    }
                 }
             }
             log::warn!(

@@ -108,12 +108,12 @@ pub struct Node {
     io: io::Io,
     /// The broker session: connection, registration, heartbeat, requests awaiting replies.
     session: Session<Op>,
-    /// Uptime, draining, the shutdown under way, the exit code once decided.
+    /// Uptime, draining, the shutdown under way, the exit code once decided, the counters.
     life: Life,
     /// Active workloads by safe id.
     active: table::Table,
-    ledger: Ledger,
-    outbox: Outbox,
+    /// The ledger of handled request ids and the outbox of messages awaiting acknowledgement.
+    durable: Durable,
     /// Starts in flight, and those the node before this one took and did not answer (D53).
     starts: starts::Starts,
     /// Every workload's log streams (their cursors, pace and install-log shipping).
@@ -121,21 +121,37 @@ pub struct Node {
     heal: selfheal::Heal,
     /// Workflow execution events and the node's own reports of them.
     ingress: ingress::Ingress,
-    metrics: operate::Metrics,
     /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
     gpu: gpus::Gpus,
-    /// When the loop's own periodic work is next due.
-    due: Due,
-    throttle: Throttles,
+    /// When the loop's own periodic work is next due, and when errors may next be logged.
+    timers: Timers,
 }
 
-/// The node's life: since when it runs, the shutdown under way, the exit code once decided.
+/// The node's life: since when it runs, the shutdown under way, the exit code once decided,
+/// and what it counted along the way (the metrics file's counters).
 struct Life {
     started: Instant,
     shutdown: Option<Shutdown>,
     exit: Option<i32>,
     /// Draining (no new workloads) and `--drain-after-one`.
     drain: Drain,
+    metrics: operate::Metrics,
+}
+
+/// The node's durable queues: both live on disk and survive a restart.
+struct Durable {
+    /// Every request id handled, so a redelivered start or cancel is answered the same
+    /// (guarantee 1).
+    ledger: Ledger,
+    /// Terminal statuses and completions, kept until the backend acknowledges them.
+    outbox: Outbox,
+}
+
+/// The loop's own clocks: when its periodic work is next due, and how often an error that
+/// repeats may be logged.
+struct Timers {
+    due: Due,
+    throttle: Throttles,
 }
 
 /// Draining: new workloads are refused while it is on.
@@ -232,25 +248,25 @@ impl Node {
             due(*until);
         }
         if self.session.connected() {
-            if let Some(o) = self.outbox.next_try() {
+            if let Some(o) = self.durable.outbox.next_try() {
                 due(o);
             }
             if let Some(o) = self.ingress.queue.head_next_try() {
                 due(o);
             }
         }
-        if self.outbox.has_pending_writes() {
+        if self.durable.outbox.has_pending_writes() {
             due(now.checked_add(DISK_RETRY).unwrap_or(now));
         }
-        due(self.due.rescan);
+        due(self.timers.due.rescan);
         if self.s.metrics_file.is_some() {
-            due(self.due.metrics);
+            due(self.timers.due.metrics);
         }
         if self.s.log_retention_days.value > 0 {
-            due(self.due.prune);
+            due(self.timers.due.prune);
         }
         if self.s.standalone && self.session.connected() {
-            due(self.due.watchdog);
+            due(self.timers.due.watchdog);
         }
         if let Some(since) = self.life.drain.idle_since {
             if self.s.drain_after_one && open && self.active.is_empty() {
@@ -286,7 +302,7 @@ impl Node {
         self.carry_out(happened);
         self.tick_workloads();
         self.retry_deferred_starts();
-        if now >= self.due.rescan {
+        if now >= self.timers.due.rescan {
             // Events `emit` queued by itself while the node was unreachable.
             self.ingress.queue.rescan();
             let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
@@ -294,16 +310,16 @@ impl Node {
             } else {
                 RESCAN_BUSY
             };
-            self.due.rescan = now.checked_add(every).unwrap_or(now);
+            self.timers.due.rescan = now.checked_add(every).unwrap_or(now);
         }
         self.with_ingress(|i, out| i.send(out));
         self.check_drain_after_one(now);
         self.write_metrics(now);
         self.prune_old_files(now);
-        if self.s.standalone && self.session.connected() && now >= self.due.watchdog {
+        if self.s.standalone && self.session.connected() && now >= self.timers.due.watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");
-            self.due.watchdog = util::later(now, Duration::from_secs(10));
+            self.timers.due.watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
         self.pump_streams(true);

@@ -245,7 +245,15 @@ impl Node {
         let held = super::gpus::holders(&self.gpu_holds());
         let now = self.io.clock.now();
         let wait = super::selfheal::defer_wait();
-        let decision = admit::decide(&ask, &facts, &self.ledger, &self.gpu, &held, now, wait);
+        let decision = admit::decide(
+            &ask,
+            &facts,
+            &self.durable.ledger,
+            &self.gpu,
+            &held,
+            now,
+            wait,
+        );
         let (template, gpus, max_runtime_s) = match decision {
             Decision::Replay(Earlier::Answered { ok, body }) => {
                 log::info!(
@@ -362,7 +370,7 @@ impl Node {
                 let mut st = self.starts.end(&safe_id);
                 // No other thread appends to the ledger while no start is in flight.
                 let quiet = self.starts.is_empty();
-                self.ledger.remember(ledger, quiet);
+                self.durable.ledger.remember(ledger, quiet);
                 let kind = meta.kind;
                 let rid = meta.request_id_text();
                 log::info!(
@@ -388,7 +396,7 @@ impl Node {
                 }
                 super::interrupted::forget(&self.io.layout, &safe_id);
                 self.with_ingress(|i, out| i.report_started(&meta, out));
-                self.metrics.starts = self.metrics.starts.saturating_add(1);
+                self.life.metrics.starts = self.life.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.life.drain.one_started = true;
                     self.set_draining(true, "--drain-after-one");

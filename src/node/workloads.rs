@@ -183,19 +183,19 @@ impl Node {
                     body,
                     self.s.tuning.request_timeout,
                 );
-            } else if !self.outbox.has_key(&key) {
+            } else if !self.durable.outbox.has_key(&key) {
                 let item = Item {
                     topic,
                     body,
                     label,
                     key: Some(key),
                 };
-                match self.outbox.push(item) {
+                match self.durable.outbox.push(item) {
                     Ok(_) => self.flush_outbox(),
                     Err((seq, e)) => {
                         // D28: kept in memory and sent all the same; the workload's record
                         // stays until the backend acknowledged it, so a restart still knows.
-                        if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                        if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
                             log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
                         }
                         self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
@@ -213,10 +213,10 @@ impl Node {
     // ---- the outbox -------------------------------------------------------------------------
 
     pub(super) fn flush_outbox(&mut self) {
-        if self.outbox.has_pending_writes() {
-            let left = self.outbox.persist_pending();
+        if self.durable.outbox.has_pending_writes() {
+            let left = self.durable.outbox.persist_pending();
             if left > 0 {
-                if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
                     log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
                 }
             }
@@ -225,10 +225,10 @@ impl Node {
             return;
         }
         let now = self.io.clock.now();
-        for (seq, item) in self.outbox.due(now) {
+        for (seq, item) in self.durable.outbox.due(now) {
             if !crate::protocol::topics::publishable(&item.topic) {
                 // Queued by an older version or planted: no broker would take it (D34).
-                if let Some((item, aside)) = self.outbox.quarantine(seq) {
+                if let Some((item, aside)) = self.durable.outbox.quarantine(seq) {
                     log::error!(
                         "the {} has an invalid topic; set aside in {} and not sent",
                         crate::logtext::shown(&item.label),
@@ -243,7 +243,7 @@ impl Node {
                 item.body.clone(),
                 self.s.tuning.request_timeout,
             );
-            self.outbox.sent(seq, corr);
+            self.durable.outbox.sent(seq, corr);
         }
     }
 
@@ -254,7 +254,7 @@ impl Node {
     ) {
         match body {
             Some(b) if b.success => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
+                if let Some(item) = self.durable.outbox.acknowledged(seq) {
                     log::info!(
                         "backend acknowledged the {}",
                         crate::logtext::shown(&item.label)
@@ -263,7 +263,7 @@ impl Node {
                 self.with_table(|t, out, _| t.acknowledged(seq, out));
             }
             Some(b) if b.code.is_some_and(|c| c < 500) => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
+                if let Some(item) = self.durable.outbox.acknowledged(seq) {
                     log::error!(
                         "backend refused the {} ({}); not retried",
                         crate::logtext::shown(&item.label),
@@ -273,7 +273,7 @@ impl Node {
             }
             _ => {
                 log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.outbox.retry_later(seq, self.io.clock.now());
+                self.durable.outbox.retry_later(seq, self.io.clock.now());
             }
         }
     }

@@ -15,6 +15,7 @@ mod ingress;
 mod interrupted;
 mod io;
 pub mod operate;
+mod parts;
 mod selfheal;
 mod session;
 mod session_out;
@@ -25,6 +26,7 @@ pub mod streams;
 mod streams_out;
 mod table;
 mod table_out;
+mod timers;
 mod uploads;
 mod workloads;
 
@@ -37,26 +39,19 @@ const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::Settings;
-use crate::ledger::Ledger;
-use crate::outbox::Outbox;
 use crate::signals::Signal;
-use crate::util;
-use crate::workload::tail::Key;
 use gpus_out::with_gpus;
 use io::Wire;
+use parts::{Drain, Durable, Life, Op};
 use session::Session;
 use session_out::refused_in;
-use shutdown::Shutdown;
+use timers::{Due, Throttles, Timers};
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
 pub const BUSY_TICK: Duration = Duration::from_secs(1);
 /// The loop's longest sleep when nothing is tracked (a heartbeat is due sooner anyway).
 pub const IDLE_TICK: Duration = Duration::from_secs(60);
-/// How often events that `emit` queued itself are looked for while workloads run (they are
-/// the ones that emit) or the queue is not empty; an idle node looks once a minute.
-const RESCAN_BUSY: Duration = Duration::from_secs(2);
-const RESCAN_IDLE: Duration = Duration::from_secs(60);
 /// Retrying outbox writes that a full disk refused (D28).
 const DISK_RETRY: Duration = Duration::from_secs(1);
 /// Written into the state dir when another client takes the session over twice within a
@@ -86,22 +81,6 @@ pub fn run(settings: Settings) -> i32 {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-enum Op {
-    Terminate,
-    Fail,
-    /// A non-terminal workload status (R7), fire and forget.
-    WorkloadStatus,
-    /// An outbox message (terminal status, completion), removed once acknowledged.
-    Outbox(u64),
-    /// A log chunk of a workload stream.
-    Log(Key),
-    /// R9 for the workload with this safe id.
-    SignedUrl(String),
-    /// R10 for the workload with this safe id.
-    UploadResults(String),
-}
-
 pub struct Node {
     s: Settings,
     /// The I/O handles: MQTT client, feeders' channels, threads.
@@ -125,61 +104,6 @@ pub struct Node {
     gpu: gpus::Gpus,
     /// When the loop's own periodic work is next due, and when errors may next be logged.
     timers: Timers,
-}
-
-/// The node's life: since when it runs, the shutdown under way, the exit code once decided,
-/// and what it counted along the way (the metrics file's counters).
-struct Life {
-    started: Instant,
-    shutdown: Option<Shutdown>,
-    exit: Option<i32>,
-    /// Draining (no new workloads) and `--drain-after-one`.
-    drain: Drain,
-    metrics: operate::Metrics,
-}
-
-/// The node's durable queues: both live on disk and survive a restart.
-struct Durable {
-    /// Every request id handled, so a redelivered start or cancel is answered the same
-    /// (guarantee 1).
-    ledger: Ledger,
-    /// Terminal statuses and completions, kept until the backend acknowledges them.
-    outbox: Outbox,
-}
-
-/// The loop's own clocks: when its periodic work is next due, and how often an error that
-/// repeats may be logged.
-struct Timers {
-    due: Due,
-    throttle: Throttles,
-}
-
-/// Draining: new workloads are refused while it is on.
-#[derive(Default)]
-struct Drain {
-    on: bool,
-    /// `--drain-after-one`: a workload was started.
-    one_started: bool,
-    idle_since: Option<Instant>,
-}
-
-/// When the loop's periodic work is next due.
-struct Due {
-    /// A standalone node's watchdog ping (no heartbeats feed it).
-    watchdog: Instant,
-    /// Looking for events `emit` queued by itself.
-    rescan: Instant,
-    metrics: Instant,
-    prune: Instant,
-}
-
-/// Errors logged at most once a minute.
-#[derive(Default)]
-struct Throttles {
-    /// Full-disk errors (D28).
-    disk: crate::logtext::Throttle,
-    /// Requests the broker refused in its PUBACK (D34).
-    refusals: crate::logtext::Throttle,
 }
 
 impl Node {
@@ -289,45 +213,5 @@ impl Node {
 
     fn slug(&self) -> &str {
         self.session.slug()
-    }
-
-    // ---- timers ---------------------------------------------------------------------------------
-
-    fn tick(&mut self) {
-        let now = self.io.clock.now();
-        let publishing = self.publishing();
-        let happened = self
-            .session
-            .tick(publishing, now, &mut self.io.wire(&self.s));
-        self.carry_out(happened);
-        self.tick_workloads();
-        self.retry_deferred_starts();
-        if now >= self.timers.due.rescan {
-            // Events `emit` queued by itself while the node was unreachable.
-            self.ingress.queue.rescan();
-            let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
-                RESCAN_IDLE
-            } else {
-                RESCAN_BUSY
-            };
-            self.timers.due.rescan = now.checked_add(every).unwrap_or(now);
-        }
-        self.with_ingress(|i, out| i.send(out));
-        self.check_drain_after_one(now);
-        self.write_metrics(now);
-        self.prune_old_files(now);
-        if self.s.standalone && self.session.connected() && now >= self.timers.due.watchdog {
-            // No heartbeats without a backend: a live broker connection feeds the watchdog.
-            crate::systemd::notify("WATCHDOG=1");
-            self.timers.due.watchdog = util::later(now, Duration::from_secs(10));
-        }
-        self.flush_outbox();
-        self.pump_streams(true);
-        self.finish_stopping_workloads();
-        if let Some(s) = &self.life.shutdown {
-            if now >= s.deadline {
-                self.life.exit = Some(s.exit_code);
-            }
-        }
     }
 }

@@ -75,99 +75,136 @@ impl Node {
             return;
         }
         let (body, label) = match &meta.cancel {
-            Some(c) if !c.timed_out => {
-                let status = if meta.kind == crate::protocol::commands::Kind::Training {
-                    "failed"
-                } else {
-                    "cancelled"
-                };
-                let how = cancel_message(c, exit.as_ref());
-                log::info!(
-                    "{} {} (pid {pid}): {}",
-                    meta.kind,
-                    crate::logtext::shown(&rid),
-                    crate::logtext::shown(&how)
-                );
-                self.count_completion("cancelled");
-                self.with_ingress(|i, out| {
-                    i.report_finished(
-                        &meta,
-                        false,
-                        exit.as_ref().map(Exit::code),
-                        Some(how.clone()),
-                        out,
-                    )
-                });
-                let mut body =
-                    json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
-                if let Some(r) = &c.reason {
-                    crate::util::set(&mut body, "reason", json!(r));
-                }
-                (body, format!("{status} status of {} {rid}", meta.kind))
-            }
-            cancel => {
-                let code = exit.as_ref().map(Exit::code);
-                let timed_out = cancel.as_ref().is_some_and(|c| c.timed_out);
-                let success = code == Some(0) && lost.is_none() && !timed_out;
-                let mut body = json!({"status": "completed", "success": success});
-                if let Some(c) = code {
-                    crate::util::set(&mut body, "exit_code", json!(c));
-                }
-                if !success {
-                    let fallback = match (exit.as_ref().and_then(|e| e.signal), code) {
-                        (Some(s), _) => format!(
-                            "{} was killed by {} (signal {s}).",
-                            meta.kind,
-                            procinfo::signal_name(s)
-                        ),
-                        (None, Some(c)) => format!("{} exited with code {c}.", meta.kind),
-                        (None, None) => {
-                            format!("{} failed before reporting an exit code.", meta.kind)
-                        }
-                    };
-                    let (mut error, stderr) = workload::failure_summary(&meta, &fallback);
-                    if let Some(l) = lost {
-                        error = l.to_string();
-                    }
-                    if timed_out {
-                        error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
-                    }
-                    crate::util::set(&mut body, "error", json!(error));
-                    if let Some(s) = stderr {
-                        crate::util::set(&mut body, "stderr", json!(s));
-                    }
-                }
-                self.with_ingress(|i, out| {
-                    i.report_finished(
-                        &meta,
-                        success,
-                        code,
-                        body.get("error").and_then(Value::as_str).map(String::from),
-                        out,
-                    )
-                });
-                self.count_completion(if success {
-                    "success"
-                } else if lost.is_some() {
-                    "lost"
-                } else {
-                    "failure"
-                });
-                log::info!(
-                    "{} {} (pid {pid}) finished: {}{}",
-                    meta.kind,
-                    crate::logtext::shown(&rid),
-                    if success { "success" } else { "failure" },
-                    code.map(|c| format!(", exit code {c}")).unwrap_or_default()
-                );
-                (body, format!("completion of {} {rid}", meta.kind))
-            }
+            Some(c) if !c.timed_out => self.cancelled_body(&meta, c, exit.as_ref(), &rid),
+            _ => self.finished_body(&meta, exit.as_ref(), lost, &rid),
         };
         let mut body = body;
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             super::gpus::put(&mut body, "gpu", g); // D38
         }
         self.gpu_update_sampling();
+        match self.send_completion(safe_id, &meta, body, label, &rid) {
+            // D28: kept in memory and sent all the same; the workload's record stays until the
+            // backend acknowledged it, so a restart still knows.
+            Some(seq) => {
+                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
+                self.flush_outbox();
+            }
+            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
+        }
+        self.retry_deferred_starts();
+    }
+
+    /// The status a cancelled workload ends with (training: `failed`, else `cancelled`), and
+    /// its outbox label.
+    fn cancelled_body(
+        &mut self,
+        meta: &Meta,
+        c: &crate::workload::record::Cancel,
+        exit: Option<&Exit>,
+        rid: &str,
+    ) -> (Value, String) {
+        let pid = meta.pid();
+        let status = if meta.kind == crate::protocol::commands::Kind::Training {
+            "failed"
+        } else {
+            "cancelled"
+        };
+        let how = cancel_message(c, exit);
+        log::info!(
+            "{} {} (pid {pid}): {}",
+            meta.kind,
+            crate::logtext::shown(rid),
+            crate::logtext::shown(&how)
+        );
+        self.count_completion("cancelled");
+        self.with_ingress(|i, out| {
+            i.report_finished(meta, false, exit.map(Exit::code), Some(how.clone()), out)
+        });
+        let mut body = json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
+        if let Some(r) = &c.reason {
+            crate::util::set(&mut body, "reason", json!(r));
+        }
+        (body, format!("{status} status of {} {rid}", meta.kind))
+    }
+
+    /// The completion of a workload that ended by itself, timed out or was lost, and its
+    /// outbox label.
+    fn finished_body(
+        &mut self,
+        meta: &Meta,
+        exit: Option<&Exit>,
+        lost: Option<&str>,
+        rid: &str,
+    ) -> (Value, String) {
+        let pid = meta.pid();
+        let code = exit.map(Exit::code);
+        let timed_out = meta.cancel.as_ref().is_some_and(|c| c.timed_out);
+        let success = code == Some(0) && lost.is_none() && !timed_out;
+        let mut body = json!({"status": "completed", "success": success});
+        if let Some(c) = code {
+            crate::util::set(&mut body, "exit_code", json!(c));
+        }
+        if !success {
+            let fallback = match (exit.and_then(|e| e.signal), code) {
+                (Some(s), _) => format!(
+                    "{} was killed by {} (signal {s}).",
+                    meta.kind,
+                    procinfo::signal_name(s)
+                ),
+                (None, Some(c)) => format!("{} exited with code {c}.", meta.kind),
+                (None, None) => {
+                    format!("{} failed before reporting an exit code.", meta.kind)
+                }
+            };
+            let (mut error, stderr) = workload::failure_summary(meta, &fallback);
+            if let Some(l) = lost {
+                error = l.to_string();
+            }
+            if timed_out {
+                error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
+            }
+            crate::util::set(&mut body, "error", json!(error));
+            if let Some(s) = stderr {
+                crate::util::set(&mut body, "stderr", json!(s));
+            }
+        }
+        self.with_ingress(|i, out| {
+            i.report_finished(
+                meta,
+                success,
+                code,
+                body.get("error").and_then(Value::as_str).map(String::from),
+                out,
+            )
+        });
+        self.count_completion(if success {
+            "success"
+        } else if lost.is_some() {
+            "lost"
+        } else {
+            "failure"
+        });
+        log::info!(
+            "{} {} (pid {pid}) finished: {}{}",
+            meta.kind,
+            crate::logtext::shown(rid),
+            if success { "success" } else { "failure" },
+            code.map(|c| format!(", exit code {c}")).unwrap_or_default()
+        );
+        (body, format!("completion of {} {rid}", meta.kind))
+    }
+
+    /// Sends a workload's end: through the outbox (once per workload), or published once by a
+    /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
+    fn send_completion(
+        &mut self,
+        safe_id: &str,
+        meta: &Meta,
+        body: Value,
+        label: String,
+        rid: &str,
+    ) -> Option<u64> {
         if let Some(wl) = meta
             .workload_uuid
             .as_deref()
@@ -193,21 +230,15 @@ impl Node {
                 match self.durable.outbox.push(item) {
                     Ok(_) => self.flush_outbox(),
                     Err((seq, e)) => {
-                        // D28: kept in memory and sent all the same; the workload's record
-                        // stays until the backend acknowledged it, so a restart still knows.
                         if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
-                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), held_note(held));
                         }
-                        self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
-                        self.flush_outbox();
-                        self.retry_deferred_starts();
-                        return;
+                        return Some(seq);
                     }
                 }
             }
         }
-        self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
-        self.retry_deferred_starts();
+        None
     }
 
     // ---- the outbox -------------------------------------------------------------------------

@@ -139,11 +139,13 @@ pub fn load_all(layout: &Layout) -> Vec<(String, Taken)> {
         .filter_map(|e| {
             let name = e.file_name().to_str()?.to_string();
             let id = safe_id_of(&name)?;
-            let taken = store::load_record::<Taken>(
+            let mut taken = store::load_record::<Taken>(
                 &e.path(),
                 store::MAX_ENTRY_BYTES,
                 "note of a start in flight",
             )?;
+            // A note an older version wrote may hold `""` or `"None"`: no workload either way.
+            taken.workload_uuid = crate::protocol::commands::workload_id(taken.workload_uuid);
             Some((id.to_string(), taken))
         })
         .collect();

@@ -22,7 +22,7 @@ use crate::workload::{self, procinfo, Layout, Meta};
 impl Node {
     /// A non-terminal workload status (R7): sent once, its failure only logged.
     pub(super) fn workload_status(&mut self, wl: &str, body: Value) {
-        if wl.is_empty() || wl == "None" {
+        if wl.is_empty() {
             return;
         }
         let topic = self.io.topics.workload_status(wl);
@@ -205,11 +205,7 @@ impl Node {
         label: String,
         rid: &str,
     ) -> Option<u64> {
-        if let Some(wl) = meta
-            .workload_uuid
-            .as_deref()
-            .filter(|w| !w.is_empty() && *w != "None")
-        {
+        if let Some(wl) = meta.workload_uuid.as_deref().filter(|w| !w.is_empty()) {
             let topic = self.io.topics.workload_status(wl);
             let key = format!("end:{safe_id}");
             if self.s.standalone {

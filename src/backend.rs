@@ -116,6 +116,58 @@ pub fn workspace_required(status: u16, body: &str) -> Option<String> {
     })
 }
 
+/// Why a call to the backend or a result transfer failed, and whether another try may go
+/// better ([`BackendError::retriable`]): the upload retry decision reads it, never the text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendError {
+    /// No answer: the connection, TLS or a time limit failed.
+    Transport(String),
+    /// An HTTP answer that is not a success; `detail` says it for the log.
+    Status { status: u16, detail: String },
+    /// The URL or the request cannot even be formed: it fails the same way every time.
+    Unusable(String),
+    /// An answer came but could not be read, or did not hold what was asked for.
+    Answer(String),
+    /// The result file cannot be opened as a regular file.
+    File(String),
+}
+
+impl BackendError {
+    /// Another try may succeed: no answer at all, an answer that could not be read, or a
+    /// status that says "later" (408, 409, 425, 429, 500, 502, 503, 504).
+    pub fn retriable(&self) -> bool {
+        match self {
+            BackendError::Transport(_) | BackendError::Answer(_) => true,
+            BackendError::Status { status, .. } => {
+                matches!(status, 408 | 409 | 425 | 429 | 500 | 502 | 503 | 504)
+            }
+            BackendError::Unusable(_) | BackendError::File(_) => false,
+        }
+    }
+
+    /// A failed HTTP answer, its text read as [`http_error`] does.
+    fn status(status: u16, resp: &mut ureq::http::Response<ureq::Body>) -> BackendError {
+        BackendError::Status {
+            status,
+            detail: http_error(status, resp),
+        }
+    }
+}
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendError::Transport(s)
+            | BackendError::Unusable(s)
+            | BackendError::Answer(s)
+            | BackendError::File(s) => f.write_str(s),
+            BackendError::Status { detail, .. } => f.write_str(detail),
+        }
+    }
+}
+
+impl std::error::Error for BackendError {}
+
 /// Where and as whom the REST calls go (a copy lives on each worker thread).
 #[derive(Debug, Clone)]
 pub struct Backend {
@@ -224,7 +276,7 @@ impl Backend {
     }
 
     /// E8: a signed upload URL, its attachment uuid and how to upload to it.
-    pub fn signed_url(&self, wl: &str, filename: &str) -> Result<Attachment, String> {
+    pub fn signed_url(&self, wl: &str, filename: &str) -> Result<Attachment, BackendError> {
         let resp = self
             .post(
                 &format!("/api/v1/cloud-node-workloads/{wl}/attachments"),
@@ -233,17 +285,19 @@ impl Backend {
             .send_json(serde_json::json!({"filename": filename}));
         match resp {
             Ok(mut r) if r.status().as_u16() == 200 => {
-                let body: serde_json::Value =
-                    r.body_mut().read_json().map_err(|e| e.to_string())?;
+                let body: serde_json::Value = r
+                    .body_mut()
+                    .read_json()
+                    .map_err(|e| BackendError::Answer(e.to_string()))?;
                 parse_signed_url(&body)
             }
-            Ok(mut r) => Err(http_error(r.status().as_u16(), &mut r)),
-            Err(e) => Err(e.to_string()),
+            Ok(mut r) => Err(BackendError::status(r.status().as_u16(), &mut r)),
+            Err(e) => Err(BackendError::Transport(e.to_string())),
         }
     }
 
     /// E9: the upload-results notification.
-    pub fn upload_results(&self, wl: &str, body: &serde_json::Value) -> Result<(), String> {
+    pub fn upload_results(&self, wl: &str, body: &serde_json::Value) -> Result<(), BackendError> {
         match self
             .post(
                 &format!("/api/v1/cloud-node-workloads/{wl}/upload-results"),
@@ -252,8 +306,8 @@ impl Backend {
             .send_json(body)
         {
             Ok(r) if r.status().as_u16() == 200 => Ok(()),
-            Ok(mut r) => Err(http_error(r.status().as_u16(), &mut r)),
-            Err(e) => Err(e.to_string()),
+            Ok(mut r) => Err(BackendError::status(r.status().as_u16(), &mut r)),
+            Err(e) => Err(BackendError::Transport(e.to_string())),
         }
     }
 }
@@ -280,7 +334,7 @@ pub struct Attachment {
 
 /// Reads an R9/E8 answer. A missing URL is an error; an unknown `upload_method` is not (the
 /// caller fails that one file, naming the method, rather than asking again).
-pub fn parse_signed_url(body: &serde_json::Value) -> Result<Attachment, String> {
+pub fn parse_signed_url(body: &serde_json::Value) -> Result<Attachment, BackendError> {
     let url = body["signed_url"]
         .as_str()
         .filter(|u| !u.is_empty())
@@ -288,7 +342,7 @@ pub fn parse_signed_url(body: &serde_json::Value) -> Result<Attachment, String> 
             let msg = body["message"]
                 .as_str()
                 .unwrap_or("no signed_url in the answer");
-            format!("signed URL request failed: {msg}")
+            BackendError::Answer(format!("signed URL request failed: {msg}"))
         })?;
     let name = body["filename"].as_str().unwrap_or("");
     let base = name.rsplit('/').next().unwrap_or(name);
@@ -317,16 +371,18 @@ fn transfer_timeout(size: u64) -> Duration {
     Duration::from_secs_f64((mib * 8.0 + 120.0).clamp(300.0, 1800.0))
 }
 
-/// The verdict on a transfer's HTTP answer. `Err((retriable, why))`.
+/// The verdict on a transfer's HTTP answer.
 fn transfer_verdict(
     answer: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
     ok: &[u16],
-) -> Result<(), (bool, String)> {
+) -> Result<(), BackendError> {
     match answer {
         Ok(r) => match r.status().as_u16() {
             s if ok.contains(&s) => Ok(()),
-            s @ (408 | 409 | 425 | 429 | 500 | 502 | 503 | 504) => Err((true, format!("HTTP {s}"))),
-            s => Err((false, format!("HTTP {s}"))),
+            status => Err(BackendError::Status {
+                status,
+                detail: format!("HTTP {status}"),
+            }),
         },
         // A URL or request the library cannot even form fails the same way every time.
         Err(
@@ -334,23 +390,20 @@ fn transfer_verdict(
             | ureq::Error::Http(_)
             | ureq::Error::RequireHttpsOnly(_)
             | ureq::Error::InvalidProxyUrl),
-        ) => Err((false, e.to_string())),
-        Err(e) => Err((true, e.to_string())),
+        ) => Err(BackendError::Unusable(e.to_string())),
+        Err(e) => Err(BackendError::Transport(e.to_string())),
     }
 }
 
 /// A transfer URL must be an absolute http(s) URL with a host; anything else fails at once and
 /// for good (it is not a transient problem to retry).
-fn checked_url(url: &str) -> Result<(), (bool, String)> {
+fn checked_url(url: &str) -> Result<(), BackendError> {
     // Not the URL itself: a signed URL's query is its credential.
     let bad = |why: &str| {
-        Err((
-            false,
-            format!(
-                "the upload URL the backend gave cannot be used: {}",
-                crate::logtext::shown(why)
-            ),
-        ))
+        Err(BackendError::Unusable(format!(
+            "the upload URL the backend gave cannot be used: {}",
+            crate::logtext::shown(why)
+        )))
     };
     match url.parse::<ureq::http::Uri>() {
         Err(e) => bad(&e.to_string()),
@@ -364,17 +417,17 @@ fn checked_url(url: &str) -> Result<(), (bool, String)> {
 
 /// Opens a workload's result file for upload: only a regular file, never through a link, and
 /// never blocking (the workload may have swapped it for a FIFO after the folder was listed).
-fn open_result(path: &std::path::Path) -> Result<(std::fs::File, u64), (bool, String)> {
+fn open_result(path: &std::path::Path) -> Result<(std::fs::File, u64), BackendError> {
     crate::store::open_state_file(path)
-        .map_err(|e| (false, format!("cannot open {}: {e}", path.display())))
+        .map_err(|e| BackendError::File(format!("cannot open {}: {e}", path.display())))
 }
 
-/// E12: streams a file to a signed URL. `Err((retriable, why))`.
+/// E12: streams a file to a signed URL.
 pub fn put_file(
     agent: &ureq::Agent,
     url: &str,
     path: &std::path::Path,
-) -> Result<(), (bool, String)> {
+) -> Result<(), BackendError> {
     checked_url(url)?;
     let (file, size) = open_result(path)?;
     // A signed URL carries its own authorisation: no API headers here.
@@ -427,14 +480,13 @@ impl Backend {
     /// D40 `multipart`: POSTs the file as the one part `file` of a `multipart/form-data` body
     /// to `url` (the platform's `…/attachments/{attachment_uuid}/upload`), with the node's
     /// Authorization header. The file is streamed, never read whole into memory.
-    /// `Err((retriable, why))`.
     pub fn post_multipart(
         &self,
         agent: &ureq::Agent,
         url: &str,
         path: &std::path::Path,
         filename: &str,
-    ) -> Result<(), (bool, String)> {
+    ) -> Result<(), BackendError> {
         let (file, size) = open_result(path)?;
         // A random boundary: a file that happens to contain it would end the part early.
         let boundary = format!(
@@ -536,7 +588,12 @@ mod tests {
             "http://exa mple.com/x",
         ] {
             match put_file(&transfer_agent(), url, &file) {
-                Err((false, why)) => assert!(why.contains("upload URL"), "{url}: {why}"),
+                Err(e @ BackendError::Unusable(_)) => {
+                    assert!(
+                        !e.retriable() && e.to_string().contains("upload URL"),
+                        "{url}: {e}"
+                    )
+                }
                 other => panic!("{url:?}: {other:?}"),
             }
         }
@@ -568,8 +625,11 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(3))
             .expect("the upload blocks on a FIFO");
         for r in [a, b] {
-            let (retriable, why) = r.unwrap_err();
-            assert!(!retriable && why.contains("not a regular file"), "{why}");
+            let e = r.unwrap_err();
+            assert!(
+                !e.retriable() && e.to_string().contains("not a regular file"),
+                "{e}"
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -597,6 +657,24 @@ mod tests {
     }
 
     #[test]
+    fn only_a_missing_answer_or_a_later_status_is_worth_another_try() {
+        let status = |status| BackendError::Status {
+            status,
+            detail: format!("HTTP {status}"),
+        };
+        for s in [408, 409, 425, 429, 500, 502, 503, 504] {
+            assert!(status(s).retriable(), "{s}");
+        }
+        for s in [400, 401, 403, 404, 413, 501] {
+            assert!(!status(s).retriable(), "{s}");
+        }
+        assert!(BackendError::Transport("reset".into()).retriable());
+        assert!(!BackendError::Unusable("bad uri".into()).retriable());
+        assert!(!BackendError::File("a fifo".into()).retriable());
+        assert_eq!(status(503).to_string(), "HTTP 503");
+    }
+
+    #[test]
     fn attachment_uuid_is_the_filename_without_extension() {
         let b = serde_json::json!({"signed_url": "http://x/u", "filename": "abc-123.tar.gz"});
         let a = parse_signed_url(&b).unwrap();
@@ -606,7 +684,10 @@ mod tests {
         );
         assert_eq!(a.method, UploadMethod::SignedUrl);
         let b = serde_json::json!({"success": false, "message": "nope"});
-        assert!(parse_signed_url(&b).unwrap_err().contains("nope"));
+        assert!(parse_signed_url(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("nope"));
     }
 
     #[test]

@@ -9,12 +9,14 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Sender};
 use serde_json::Value;
 
-use crate::backend::{self, Backend, WorkloadCheck};
+use crate::backend::{self, Backend, BackendError, WorkloadCheck};
 
 #[derive(Debug)]
 pub enum Job {
     Put {
         key: String,
+        /// Which of the workload's result files.
+        file: usize,
         url: String,
         path: PathBuf,
         /// `Some(form file name)`: a multipart POST (decision D40) instead of a PUT.
@@ -42,15 +44,16 @@ pub enum Job {
 pub enum Done {
     Put {
         key: String,
-        result: Result<(), (bool, String)>,
+        file: usize,
+        result: Result<(), BackendError>,
     },
     SignedUrl {
         key: String,
-        result: Result<backend::Attachment, String>,
+        result: Result<backend::Attachment, BackendError>,
     },
     UploadResults {
         key: String,
-        result: Result<(), String>,
+        result: Result<(), BackendError>,
     },
     CheckWorkload {
         key: String,
@@ -122,11 +125,13 @@ fn run(b: &Backend, agent: &ureq::Agent, job: Job) -> Done {
     match job {
         Job::Put {
             key,
+            file,
             url,
             path,
             multipart,
         } => Done::Put {
             key,
+            file,
             result: match multipart {
                 None => backend::put_file(agent, &url, &path),
                 Some(name) => b.post_multipart(agent, &url, &path, &name),

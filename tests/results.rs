@@ -288,3 +288,61 @@ fn two_workloads_ending_together_upload_side_by_side() {
         "the two workloads' uploads went one after the other"
     );
 }
+
+/// Issue 25 item 3: the files of ONE workload go up side by side on the upload pool (default 2
+/// workers), never more at once than the pool holds, a retried file not holding up the others;
+/// the backend is told of every file (in their order) and the completion comes once, after
+/// all of them. Proven by the fake sink seeing two PUTs at once, not by timing. On main at
+/// 24ce237 one workload's files went one after the other.
+#[test]
+fn the_files_of_one_workload_upload_side_by_side_and_complete_once() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    cp.set_behaviour(|b| {
+        b.put_delay = Duration::from_millis(600);
+        b.put_failures = 1; // one PUT is refused once and retried 2 s later
+    });
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: |\n    for f in a b c d; do head -c 50000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/$f.bin\"; done\n  results_folder: out\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert_eq!(start(&cp, &node, "pf", "wl-pf")["status"], "ok");
+    let statuses = cp
+        .wait_status("wl-pf", "completed", DONE)
+        .unwrap_or_else(|| panic!("{}", node.log()));
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| s["status"] == "completed")
+            .count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(cp.uploads().len(), 4, "{:?}", cp.uploads().keys());
+    assert_eq!(
+        cp.max_puts_in_flight(),
+        2,
+        "one workload's files went one after the other (or more than the pool at once)"
+    );
+    let requests = cp.all_requests();
+    let r10: Vec<usize> = (0..requests.len())
+        .filter(|&i| requests[i].op == "workload:upload-results" && requests[i].id == "wl-pf")
+        .collect();
+    assert_eq!(r10.len(), 1, "the backend is told once");
+    let body = &requests[r10[0]].body;
+    assert_eq!(
+        body["filenames"],
+        json!(["a.bin", "b.bin", "c.bin", "d.bin"])
+    );
+    let completed = requests
+        .iter()
+        .position(|r| {
+            r.op == "workload:update-status" && r.id == "wl-pf" && r.body["status"] == "completed"
+        })
+        .expect("R8");
+    assert!(r10[0] < completed, "the completion comes after R10");
+    assert!(node.wait_log("attempt 2 of 3", REPLY), "{}", node.log());
+}

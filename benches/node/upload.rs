@@ -10,6 +10,13 @@
 //! time) to its completion arriving at the fake backend: noticing the exit, asking for the signed
 //! URL, the transfer, the report. Files are real bytes (not sparse), written once and hard-linked
 //! into each workload's results folder.
+//!
+//! Two more cases (issue 25 items 3 and 4): one workload with four files of the smallest size,
+//! with 1, 2 and 4 upload workers (`CYBERWAVE_NODE_UPLOAD_WORKERS`); and a **slow link**: a
+//! sink that paces each connection's reads to `CYBERWAVE_BENCH_LINK_MIBS` MiB/s (default 20),
+//! so that one stream is bounded by its window, not the CPU, and parallel streams show their
+//! gain. `CYBERWAVE_BENCH_CASES` (comma list of `single`, `together`, `small`, `files`, `slow`;
+//! default all) runs only some.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -35,6 +42,44 @@ struct Sink {
     bytes: Arc<AtomicU64>,
 }
 
+/// Paces one connection's reads to `rate` bytes a second (None: as fast as they come): the
+/// receive buffer fills, the window closes, and the sender waits, as over a slow link.
+struct Pacer {
+    rate: Option<u64>,
+    start: Instant,
+    read: u64,
+}
+
+impl Pacer {
+    fn new(rate: Option<u64>) -> Pacer {
+        Pacer {
+            rate,
+            start: Instant::now(),
+            read: 0,
+        }
+    }
+
+    /// The largest read at a time: small when paced, so the pace is smooth.
+    fn chunk(&self, buf_len: usize) -> usize {
+        if self.rate.is_some() {
+            buf_len.min(64 * 1024)
+        } else {
+            buf_len
+        }
+    }
+
+    fn after(&mut self, k: u64) {
+        self.read += k;
+        if let Some(rate) = self.rate {
+            let due = Duration::from_secs_f64(self.read as f64 / rate as f64);
+            let elapsed = self.start.elapsed();
+            if due > elapsed {
+                std::thread::sleep(due - elapsed);
+            }
+        }
+    }
+}
+
 fn read_head<R: BufRead>(r: &mut R) -> Option<(String, Vec<(String, String)>)> {
     let mut line = String::new();
     if r.read_line(&mut line).ok()? == 0 {
@@ -58,30 +103,47 @@ fn read_head<R: BufRead>(r: &mut R) -> Option<(String, Vec<(String, String)>)> {
 }
 
 /// Reads and drops `n` bytes; false at end of stream.
-fn discard<R: Read>(r: &mut R, mut n: u64, buf: &mut [u8], count: &AtomicU64) -> bool {
+fn discard<R: Read>(
+    r: &mut R,
+    mut n: u64,
+    buf: &mut [u8],
+    count: &AtomicU64,
+    pace: &mut Pacer,
+) -> bool {
     while n > 0 {
-        let want = buf.len().min(n as usize);
+        let want = pace.chunk(buf.len()).min(n as usize);
         match r.read(&mut buf[..want]) {
             Ok(0) | Err(_) => return false,
             Ok(k) => {
                 n -= k as u64;
                 count.fetch_add(k as u64, Ordering::Relaxed);
+                pace.after(k as u64);
             }
         }
     }
     true
 }
 
-fn serve<S: Read + Write>(stream: S, count: &AtomicU64) {
-    let mut r = BufReader::with_capacity(MIB as usize, stream);
+fn serve<S: Read + Write>(stream: S, count: &AtomicU64, rate: Option<u64>) {
+    let mut pace;
+    // Paced: a small user-space buffer too, so the kernel's window is what the sender sees.
+    let cap = if rate.is_some() {
+        64 * 1024
+    } else {
+        MIB as usize
+    };
+    let mut r = BufReader::with_capacity(cap, stream);
     let mut buf = vec![0u8; MIB as usize];
     while let Some((_request, headers)) = read_head(&mut r) {
+        // The pace holds while a body is sent: a connection idle between two files banks no
+        // credit (a link does not get faster for having been idle).
+        pace = Pacer::new(rate);
         let get = |k: &str| headers.iter().find(|(h, _)| h == k).map(|(_, v)| v.clone());
         if get("expect").is_some_and(|e| e.eq_ignore_ascii_case("100-continue")) {
             let _ = r.get_mut().write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
         }
         if let Some(len) = get("content-length").and_then(|l| l.parse::<u64>().ok()) {
-            if !discard(&mut r, len, &mut buf, count) {
+            if !discard(&mut r, len, &mut buf, count, &mut pace) {
                 return;
             }
         } else if get("transfer-encoding").is_some_and(|t| t.contains("chunked")) {
@@ -97,7 +159,7 @@ fn serve<S: Read + Write>(stream: S, count: &AtomicU64) {
                     let _ = r.read_line(&mut end);
                     break;
                 }
-                if !discard(&mut r, n, &mut buf, count) {
+                if !discard(&mut r, n, &mut buf, count, &mut pace) {
                     return;
                 }
                 let mut crlf = String::new();
@@ -116,7 +178,8 @@ fn serve<S: Read + Write>(stream: S, count: &AtomicU64) {
 }
 
 impl Sink {
-    fn start(tls: Option<native_tls::TlsAcceptor>) -> Sink {
+    /// `rate`: bytes a second each connection is read at (None: as fast as they come).
+    fn start(tls: Option<native_tls::TlsAcceptor>, rate: Option<u64>) -> Sink {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let bytes = Arc::new(AtomicU64::new(0));
@@ -131,10 +194,10 @@ impl Sink {
                     match tls {
                         Some(acc) => {
                             if let Ok(s) = acc.accept(stream) {
-                                serve(s, &count);
+                                serve(s, &count, rate);
                             }
                         }
-                        None => serve(stream, &count),
+                        None => serve(stream, &count, rate),
                     }
                 });
             }
@@ -274,6 +337,7 @@ fn node_run(
     files: &[PathBuf],
     workloads: usize,
     multipart: bool,
+    upload_workers: Option<usize>,
 ) -> NodeRun {
     let mut behaviour = super::support::control_plane::Behaviour {
         upload_base: Some(sink.base()),
@@ -289,6 +353,9 @@ fn node_run(
     let cp = ControlPlane::start_with(broker.port, "", behaviour);
     let mut setup = NodeSetup::new(broker, &cp);
     setup.set("RUST_LOG", "info");
+    if let Some(n) = upload_workers {
+        setup.set("CYBERWAVE_NODE_UPLOAD_WORKERS", &n.to_string());
+    }
     if let Some(c) = cert {
         setup.set("SSL_CERT_FILE", &c.display().to_string());
     }
@@ -347,8 +414,14 @@ pub fn run(sizes_mib: &[u64]) {
     let broker = Broker::start();
     let data = TempDir::new("upload-bench");
     let (cert, acceptor) = tls_acceptor(data.path());
-    let http = Sink::start(None);
-    let https = Sink::start(Some(acceptor));
+    let cases = std::env::var("CYBERWAVE_BENCH_CASES").ok();
+    let case = |c: &str| {
+        cases
+            .as_deref()
+            .is_none_or(|l| l.split(',').any(|x| x.trim() == c))
+    };
+    let http = Sink::start(None, None);
+    let https = Sink::start(Some(acceptor), None);
     println!(
         "upload benchmark: sizes {sizes_mib:?} MiB, {RUNS} runs each (median), discard sink on loopback"
     );
@@ -362,7 +435,7 @@ pub fn run(sizes_mib: &[u64]) {
             if busy > 0.0 { mib / busy } else { f64::NAN }
         );
     };
-    for &mib in sizes_mib {
+    for &mib in sizes_mib.iter().filter(|_| case("single")) {
         let file = data.join(&format!("result-{mib}.bin"));
         make_file(&file, mib);
         let limit = median((0..RUNS).map(|_| raw_tcp(http.port, &file)).collect());
@@ -376,7 +449,17 @@ pub fn run(sizes_mib: &[u64]) {
         ] {
             for multipart in [false, true] {
                 let runs: Vec<NodeRun> = (0..RUNS)
-                    .map(|_| node_run(&broker, sink, c, std::slice::from_ref(&file), 1, multipart))
+                    .map(|_| {
+                        node_run(
+                            &broker,
+                            sink,
+                            c,
+                            std::slice::from_ref(&file),
+                            1,
+                            multipart,
+                            None,
+                        )
+                    })
                     .collect();
                 let busy = median(runs.iter().map(|r| r.busy[0]).collect());
                 let cpu = median(runs.iter().map(|r| r.cpu).collect());
@@ -406,31 +489,93 @@ pub fn run(sizes_mib: &[u64]) {
     // Two workloads ending together, each with the smallest size; and one with 200 small files.
     let mib = sizes_mib.iter().copied().min().unwrap_or(256);
     let file = data.join(&format!("result-{mib}.bin"));
-    let alone = node_run(&broker, &http, None, std::slice::from_ref(&file), 1, false);
-    let together = node_run(&broker, &http, None, std::slice::from_ref(&file), 2, false);
-    println!(
-        "-- two workloads ending together ({mib} MiB each): busy alone {:.3} s; together {:.3} s and {:.3} s",
-        alone.busy[0], together.busy[0], together.busy[1]
-    );
-    let small = data.join("small");
-    std::fs::create_dir_all(&small).unwrap();
-    let files: Vec<PathBuf> = (0..200)
-        .map(|i| {
-            let p = small.join(format!("f{i:03}.bin"));
-            std::fs::write(&p, vec![i as u8; 64 * 1024]).unwrap();
-            p
-        })
-        .collect();
-    let many = node_run(&broker, &http, None, &files, 1, false);
+    if case("together") {
+        make_file(&file, mib);
+        let one = std::slice::from_ref(&file);
+        let alone = node_run(&broker, &http, None, one, 1, false, None);
+        let together = node_run(&broker, &http, None, one, 2, false, None);
+        println!(
+            "-- two workloads ending together ({mib} MiB each): busy alone {:.3} s; together {:.3} s and {:.3} s",
+            alone.busy[0], together.busy[0], together.busy[1]
+        );
+    }
+    if case("small") {
+        let small = data.join("small");
+        std::fs::create_dir_all(&small).unwrap();
+        let files: Vec<PathBuf> = (0..200)
+            .map(|i| {
+                let p = small.join(format!("f{i:03}.bin"));
+                std::fs::write(&p, vec![i as u8; 64 * 1024]).unwrap();
+                p
+            })
+            .collect();
+        let many = node_run(&broker, &http, None, &files, 1, false, None);
+        println!(
+            "-- 200 files of 64 KiB: busy {:.3} s ({:.1} ms a file), node CPU {:.2} s",
+            many.busy[0],
+            many.busy[0] * 1000.0 / 200.0,
+            many.cpu
+        );
+    }
+    // One workload, four files: its files side by side on the pool (issue 25 item 3).
+    let parts = |tag: &str, mib: u64| -> Vec<PathBuf> {
+        (0..4)
+            .map(|i| {
+                let p = data.join(&format!("{tag}{i}-{mib}.bin"));
+                make_file(&p, mib);
+                p
+            })
+            .collect()
+    };
+    let by_workers = |sink: &Sink, files: &[PathBuf], mib: u64, label: &str| {
+        for workers in [1, 2, 4] {
+            let runs: Vec<NodeRun> = (0..RUNS)
+                .map(|_| node_run(&broker, sink, None, files, 1, false, Some(workers)))
+                .collect();
+            let busy = median(runs.iter().map(|r| r.busy[0]).collect());
+            let cpu = median(runs.iter().map(|r| r.cpu).collect());
+            let rss = runs.iter().map(|r| r.rss_mib).fold(0.0, f64::max);
+            row(
+                &format!("{label}, {workers} worker(s)"),
+                busy,
+                (mib * files.len() as u64) as f64,
+                cpu,
+                rss,
+            );
+        }
+    };
+    if case("files") {
+        println!("-- one workload, 4 files of {mib} MiB, plain HTTP, signed-URL PUT:");
+        by_workers(
+            &http,
+            &parts("part", mib),
+            mib,
+            &format!("node 4x{mib} MiB"),
+        );
+    }
+    // A slow link (issue 25 item 4): each connection read at a fixed pace, so one stream is
+    // bounded by its window and the pace, not the CPU.
+    if case("slow") {
+        let link = std::env::var("CYBERWAVE_BENCH_LINK_MIBS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|v| *v > 0)
+            .unwrap_or(20);
+        let slow = Sink::start(None, Some(link * MIB));
+        let mib = 16;
+        println!(
+            "-- slow link: each connection read at {link} MiB/s; one workload, 4 files of {mib} MiB:"
+        );
+        by_workers(
+            &slow,
+            &parts("slow", mib),
+            mib,
+            &format!("node {link} MiB/s link"),
+        );
+    }
     println!(
         "-- the sink received {} MiB plain and {} MiB over TLS in all",
         http.bytes.load(Ordering::Relaxed) / MIB,
         https.bytes.load(Ordering::Relaxed) / MIB
-    );
-    println!(
-        "-- 200 files of 64 KiB: busy {:.3} s ({:.1} ms a file), node CPU {:.2} s",
-        many.busy[0],
-        many.busy[0] * 1000.0 / 200.0,
-        many.cpu
     );
 }

@@ -5,8 +5,10 @@
 //! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
 //! a recording fake and a fake clock (the tests below).
 //!
-//! Only the table and the loop that owns it see [`Active`] and [`Upload`]; the table never sees
-//! the connection, the pending requests or the outbox.
+//! The result uploads are a value of their own ([`Uploads`]) that the table owns and drives:
+//! they go out through the table's [`Outbound`] and tell the table when a workload's uploads
+//! are over. Only the table and the loop that owns it see [`Active`]; the table never sees the
+//! connection, the pending requests or the outbox.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -14,10 +16,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::uploads::Upload;
+pub use super::uploads::UploadCfg;
+use super::uploads::{self, Uploads};
 use crate::logtext::shown;
 use crate::protocol::commands::Seconds;
-use crate::workers::Job;
+use crate::workers::{Done, Job};
 use crate::workload::lifecycle::{self, Action, Event, Phase};
 use crate::workload::shim::Exit;
 use crate::workload::{self, Cancel, Meta};
@@ -80,28 +83,32 @@ pub trait Outbound {
     fn retire(&mut self, id: &str);
 }
 
-/// What the result uploads need from the configuration.
-#[derive(Debug, Clone)]
-pub struct UploadCfg {
-    /// `upload_results`, and a backend to upload to (not standalone).
-    pub enabled: bool,
-    pub folder: PathBuf,
-    pub capacity: u32,
-    pub max_bytes: u64,
-}
+/// The uploads' way out: the table's [`Outbound`].
+struct Via<'a>(&'a mut dyn Outbound);
 
-impl UploadCfg {
-    pub fn of(s: &crate::config::Settings) -> UploadCfg {
-        UploadCfg {
-            enabled: s.upload_results.value && !s.standalone,
-            folder: s.results_folder.value.clone(),
-            capacity: s.max_concurrent_workloads.value,
-            max_bytes: s
-                .manifest
-                .as_ref()
-                .and_then(|m| m.max_result_bytes)
-                .unwrap_or(super::uploads::DEFAULT_MAX_RESULT_BYTES),
-        }
+impl uploads::Out for Via<'_> {
+    fn connected(&self) -> bool {
+        self.0.connected()
+    }
+    fn workload_status(&mut self, wl: &str, body: Value) {
+        self.0.workload_status(wl, body);
+    }
+    fn ask_signed_url(&mut self, id: &str, wl: &str, filename: &str) {
+        let _ = self.0.request(Request::SignedUrl {
+            id: id.to_string(),
+            wl: wl.to_string(),
+            filename: filename.to_string(),
+        });
+    }
+    fn tell_uploaded(&mut self, id: &str, wl: &str, body: Value) {
+        let _ = self.0.request(Request::UploadResults {
+            id: id.to_string(),
+            wl: wl.to_string(),
+            body,
+        });
+    }
+    fn submit(&mut self, job: Job) {
+        self.0.submit(job);
     }
 }
 
@@ -114,8 +121,6 @@ pub struct Active {
     pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
     pub next_check: Instant,
-    /// The progress of its result uploads, while the phase is `Uploading`.
-    pub upload: Option<Upload>,
 }
 
 impl Active {
@@ -144,7 +149,6 @@ impl Active {
             phase,
             runtime_deadline,
             next_check: now,
-            upload: None,
         }
     }
 
@@ -168,10 +172,6 @@ impl Active {
             self.runtime_deadline
                 .filter(|_| self.meta.cancel.is_none() && !self.finished()),
             self.phase.deadline(),
-            self.upload
-                .as_ref()
-                .filter(|u| !u.busy && matches!(self.phase, Phase::Uploading { .. }))
-                .and_then(|u| u.retry_at),
             (lingering || adopted).then_some(self.next_check),
         ]
         .into_iter()
@@ -187,9 +187,8 @@ pub struct Table {
     retire_on_ack: HashMap<u64, String>,
     /// Supervisors reaped before the table knew their workload (pid, when).
     unclaimed_reaps: Vec<(i32, Instant)>,
-    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
-    pub(super) loose_results_warned: bool,
-    pub(super) cfg: UploadCfg,
+    /// The result uploads of the workloads in their `Uploading` phase.
+    uploads: Uploads,
 }
 
 impl<'a> IntoIterator for &'a Table {
@@ -206,8 +205,7 @@ impl Table {
             active: BTreeMap::new(),
             retire_on_ack: HashMap::new(),
             unclaimed_reaps: Vec::new(),
-            loose_results_warned: false,
-            cfg,
+            uploads: Uploads::new(cfg),
         }
     }
 
@@ -265,7 +263,11 @@ impl Table {
 
     /// The earliest moment one of the table's timers falls due (for the loop's sleep).
     pub fn next_due(&self) -> Option<Instant> {
-        self.active.values().flat_map(Active::deadlines).min()
+        self.active
+            .values()
+            .flat_map(Active::deadlines)
+            .chain(self.uploads.next_due())
+            .min()
     }
 
     // ---- cancel -----------------------------------------------------------------------------
@@ -499,7 +501,13 @@ impl Table {
                         Some(Phase::Uploading { exit }) => exit.clone(),
                         _ => None,
                     };
-                    if !self.begin_uploads(id, exit, now, out) {
+                    let others: Vec<String> = self.active.keys().cloned().collect();
+                    let begun = self.active.get(id).is_some_and(|a| {
+                        let via = &mut Via(&mut *out);
+                        self.uploads
+                            .begin(id, &a.meta, exit.as_ref(), &others, now, via)
+                    });
+                    if !begun {
                         self.advance(id, Event::UploadsDone, now, out);
                     }
                 }
@@ -533,12 +541,63 @@ impl Table {
         }
     }
 
+    // ---- result uploads ([`Uploads`]) --------------------------------------------------------
+
+    /// D24: the workload's own results folder (see [`Uploads::results_dir_for`]).
+    pub fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
+        self.uploads.results_dir_for(safe_id)
+    }
+
+    /// Workloads uploading their results.
+    pub fn uploading(&self) -> usize {
+        self.uploads.uploading()
+    }
+
+    /// R9's answer (`None`: no answer in time).
+    pub fn on_signed_url_reply(
+        &mut self,
+        id: &str,
+        body: Option<Value>,
+        now: Instant,
+        out: &mut dyn Outbound,
+    ) {
+        let over = self
+            .uploads
+            .on_signed_url_reply(id, body, now, &mut Via(&mut *out));
+        self.uploads_over(over, now, out);
+    }
+
+    /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback).
+    pub fn on_upload_reply(&mut self, id: &str, ok: bool, now: Instant, out: &mut dyn Outbound) {
+        if self.uploads.on_upload_reply(id, ok, &mut Via(&mut *out)) {
+            self.advance(id, Event::UploadsDone, now, out);
+        }
+    }
+
+    /// A worker's answer to an upload job (other answers are not the table's: ignored).
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Outbound) {
+        let over = self.uploads.on_worker_done(done, now, &mut Via(&mut *out));
+        self.uploads_over(over, now, out);
+    }
+
+    /// The workloads whose uploads are over move on.
+    fn uploads_over(&mut self, ids: Vec<String>, now: Instant, out: &mut dyn Outbound) {
+        for id in ids {
+            self.advance(&id, Event::UploadsDone, now, out);
+        }
+    }
+
     // ---- timers -----------------------------------------------------------------------------
 
     /// Everything due at `now`: max runtime, escalation and drain deadlines, logs that finished
     /// draining (`drained`: the loop's verdict, by safe id), upload retries, lingering groups and
     /// adopted workloads.
     pub fn tick(&mut self, now: Instant, drained: &[String], out: &mut dyn Outbound) {
+        let active = &self.active;
+        self.uploads.retain(|id| active.contains_key(id));
+        // Upload retries that fell due.
+        let over = self.uploads.pump_all(now, &mut Via(&mut *out));
+        self.uploads_over(over, now, out);
         self.unclaimed_reaps
             .retain(|(_, at)| now < crate::util::later(*at, UNCLAIMED_REAP));
         let ids: Vec<String> = self.active.keys().cloned().collect();
@@ -586,10 +645,7 @@ impl Table {
                     }
                     continue;
                 }
-                Phase::Uploading { .. } => {
-                    self.step_upload(&id, now, out);
-                    continue;
-                }
+                Phase::Uploading { .. } => continue,
                 Phase::Lingering { .. } => {
                     if now >= a.next_check {
                         let gone = out.provable_group(&a.meta).is_none();
@@ -706,7 +762,6 @@ pub(crate) mod fake {
 mod tests {
     use super::fake::Fake;
     use super::*;
-    use crate::workers::Done;
     use crate::workload::shim::Started;
 
     const TERM: i32 = libc::SIGTERM;
@@ -722,6 +777,7 @@ mod tests {
             folder,
             capacity: 1,
             max_bytes: 1 << 30,
+            workers: 2,
         }
     }
 
@@ -1066,20 +1122,42 @@ mod tests {
         assert_eq!(f.statuses[0].1["file_count"], 2);
         assert_eq!(t.uploading(), 1);
         assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
-        let mut asked = Vec::new();
-        let mut failed_at = Vec::new();
+        // a.txt's URL first; b.txt's is asked for while a.txt is sent, and with two upload
+        // workers b.txt goes beside it.
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
+        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f);
+        assert!(matches!(f.jobs.last(), Some(Job::Put { file: 0, .. })));
+        assert_eq!(
+            last_signed_url_request(&f).as_deref(),
+            Some("b.txt"),
+            "the next URL while a.txt is sent"
+        );
+        t.on_signed_url_reply("w", Some(signed("b.txt")), t0, &mut f);
+        assert!(matches!(f.jobs.last(), Some(Job::Put { file: 1, .. })));
+        let ok = Done::Put {
+            key: "w".into(),
+            file: 1,
+            result: Ok(()),
+        };
+        t.on_worker_done(ok, t0, &mut f);
         // Three attempts at a.txt, each PUT refused with a retriable error.
+        let mut asked = vec![t0];
         let mut now = t0;
         for attempt in 1..=3u64 {
-            assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
-            asked.push(now);
-            t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
-            assert!(matches!(f.jobs.last(), Some(Job::Put { .. })));
+            if attempt > 1 {
+                assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
+                asked.push(now);
+                t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
+                assert!(matches!(f.jobs.last(), Some(Job::Put { file: 0, .. })));
+            }
             now += Duration::from_millis(100);
-            failed_at.push(now);
             let done = Done::Put {
                 key: "w".into(),
-                result: Err((true, "503".into())),
+                file: 0,
+                result: Err(crate::backend::BackendError::Status {
+                    status: 503,
+                    detail: "HTTP 503".into(),
+                }),
             };
             t.on_worker_done(done, now, &mut f);
             if attempt < 3 {
@@ -1094,14 +1172,7 @@ mod tests {
             }
         }
         assert_eq!(asked, vec![t0, at(t0, 2100), at(t0, 6200)]);
-        // Given up on a.txt: b.txt is next at once, and goes through.
-        assert_eq!(last_signed_url_request(&f).as_deref(), Some("b.txt"));
-        t.on_signed_url_reply("w", Some(signed("b.txt")), now, &mut f);
-        let ok = Done::Put {
-            key: "w".into(),
-            result: Ok(()),
-        };
-        t.on_worker_done(ok, now, &mut f);
+        // Given up on a.txt: the backend is told of b.txt alone.
         let Some(Request::UploadResults { body, .. }) = f.requests.last() else {
             panic!("R10 expected: {:?}", f.requests);
         };
@@ -1123,13 +1194,75 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// Issue 25: never more transfers at once than the pool holds, the next file's URL in hand
+    /// while they are sent, and a second workload always gets one of its own at once.
+    #[test]
+    fn one_workloads_files_share_the_pool_without_keeping_another_workload_waiting() {
+        let t0 = Instant::now();
+        let root = results("pool", &["a", "b", "c", "d"]);
+        std::fs::create_dir_all(root.join("v")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(root.join("v/x"), b"x").unwrap_or_else(|e| panic!("{e}"));
+        let mut t = Table::new(UploadCfg {
+            capacity: 2,
+            ..cfg(root.clone())
+        });
+        t.insert("w".into(), Active::new(meta("w", 100, None), true, t0));
+        t.insert("v".into(), Active::new(meta("v", 200, None), true, t0));
+        let mut f = Fake {
+            connected: true,
+            ..Fake::default()
+        };
+        f.exits.insert("w".into(), exit(0));
+        f.exits.insert("v".into(), exit(0));
+        t.on_reaped(99, t0, &mut f);
+        t.tick(t0, &["w".to_string()], &mut f);
+        let puts = |f: &Fake, id: &str| {
+            f.jobs
+                .iter()
+                .filter(|j| matches!(j, Job::Put { key, .. } if key == id))
+                .count()
+        };
+        for name in ["a", "b", "c"] {
+            assert_eq!(last_signed_url_request(&f).as_deref(), Some(name));
+            t.on_signed_url_reply("w", Some(signed(name)), t0, &mut f);
+        }
+        assert_eq!(puts(&f, "w"), 2, "two workers: two transfers, c waits");
+        assert_eq!(f.requests.len(), 3, "one URL in hand beyond the transfers");
+        // v ends while w holds both workers: it still sends its file at once.
+        t.on_reaped(199, t0, &mut f);
+        t.tick(t0, &["v".to_string()], &mut f);
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("x"));
+        t.on_signed_url_reply("v", Some(signed("x")), t0, &mut f);
+        assert_eq!(puts(&f, "v"), 1);
+        // One of w's transfers ends: c takes its place only when a worker is idle.
+        let ok = |file| Done::Put {
+            key: "w".into(),
+            file,
+            result: Ok(()),
+        };
+        t.on_worker_done(ok(0), t0, &mut f);
+        assert_eq!(puts(&f, "w"), 2, "w:1 + v:1 fill the pool");
+        assert_eq!(last_signed_url_request(&f).as_deref(), Some("d"));
+        t.on_worker_done(
+            Done::Put {
+                key: "v".into(),
+                file: 0,
+                result: Ok(()),
+            },
+            t0,
+            &mut f,
+        );
+        assert_eq!(puts(&f, "w"), 3, "a worker is free: c goes");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     #[test]
     fn uploads_without_the_broker_go_through_the_workers_and_clean_up_after_themselves() {
         let t0 = Instant::now();
         let root = results("rest", &["a.txt", "sub/b.txt"]);
         let (mut t, mut f) = exited_ok(&root, false, t0);
         assert!(f.requests.is_empty(), "no MQTT request while disconnected");
-        for name in ["a.txt", "sub/b.txt"] {
+        for (i, name) in ["a.txt", "sub/b.txt"].into_iter().enumerate() {
             let Some(Job::SignedUrl { filename, .. }) = f.jobs.last() else {
                 panic!("E8 expected: {:?}", f.jobs.len());
             };
@@ -1141,12 +1274,16 @@ mod tests {
                 result: Ok(attachment),
             };
             t.on_worker_done(done, t0, &mut f);
-            let Some(Job::Put { path, .. }) = f.jobs.last() else {
-                panic!("PUT expected");
-            };
-            assert_eq!(path, &root.join("w").join(name));
+            let put = f.jobs.iter().find_map(|j| match j {
+                Job::Put { file, path, .. } if *file == i => Some(path.clone()),
+                _ => None,
+            });
+            assert_eq!(put, Some(root.join("w").join(name)), "PUT expected");
+        }
+        for i in [1, 0] {
             let ok = Done::Put {
                 key: "w".into(),
+                file: i,
                 result: Ok(()),
             };
             t.on_worker_done(ok, t0, &mut f);

@@ -1,30 +1,171 @@
 //! Result uploads: after a successful workload, every regular file inside the results folder
-//! goes to a signed URL (R9, REST E8 as fallback; PUT on the upload thread; up to 3 attempts),
-//! then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
+//! goes to a signed URL (R9, REST E8 as fallback; PUT on the upload pool; up to 3 attempts a
+//! file), then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
 //! workload stays busy ("finalizing") the whole time.
+//!
+//! The files of one workload go up side by side (issue 25): up to the pool's size
+//! (`CYBERWAVE_NODE_UPLOAD_WORKERS`) at once, the next file's signed URL asked for while the
+//! current ones are sent (one request at a time per workload). A workload with nothing being
+//! sent may always send one file, and a second one only while a worker is idle, so the
+//! transfers of one workload never queue another's behind them; a file waiting for its retry
+//! holds no worker and no other file.
+//!
+//! [`Uploads`] is a value of its own that the table owns: the uploads of every workload in its
+//! `Uploading` phase, keyed by safe id. It reaches the outside only through [`Out`] (the
+//! table's `Outbound` carries it out), and tells the table when a workload's uploads are over;
+//! the table then moves the workload on. It never sees the table.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::table::{Outbound, Request, Table};
+use crate::backend::{Attachment, BackendError, UploadMethod};
 use crate::workers::{Done, Job};
 use crate::workload::shim::Exit;
+use crate::workload::Meta;
 
 const ATTEMPTS: u32 = 3;
 
-pub struct Upload {
-    /// (name relative to the folder, path)
-    pub files: Vec<(String, PathBuf)>,
-    pub idx: usize,
-    pub attempt: u32,
-    pub retry_at: Option<Instant>,
-    /// A request or transfer for the current step is under way.
-    pub busy: bool,
-    /// (name, signed url, attachment uuid) of the files uploaded.
-    pub done: Vec<(String, String, String)>,
-    pub notifying: bool,
+/// Everything the uploads do to the outside world.
+pub trait Out {
+    /// The broker connection is up (requests go over MQTT, else over REST on the workers).
+    fn connected(&self) -> bool;
+    /// A non-terminal workload status (R7), fire and forget.
+    fn workload_status(&mut self, wl: &str, body: Value);
+    /// R9 over MQTT: a signed URL for `filename`, one result file of workload `id`; the
+    /// answer comes back through [`Uploads::on_signed_url_reply`].
+    fn ask_signed_url(&mut self, id: &str, wl: &str, filename: &str);
+    /// R10 over MQTT: the backend is told which result files were uploaded; the answer comes
+    /// back through [`Uploads::on_upload_reply`].
+    fn tell_uploaded(&mut self, id: &str, wl: &str, body: Value);
+    /// An HTTP job for the worker threads.
+    fn submit(&mut self, job: Job);
+}
+
+/// What the result uploads need from the configuration.
+#[derive(Debug, Clone)]
+pub struct UploadCfg {
+    /// `upload_results`, and a backend to upload to (not standalone).
+    pub enabled: bool,
+    pub folder: PathBuf,
+    pub capacity: u32,
+    pub max_bytes: u64,
+    /// The upload pool's size: the most transfers at once ([`crate::workers::uploaders`]).
+    pub workers: usize,
+}
+
+impl UploadCfg {
+    pub fn of(s: &crate::config::Settings) -> UploadCfg {
+        UploadCfg {
+            enabled: s.upload_results.value && !s.standalone,
+            folder: s.results_folder.value.clone(),
+            capacity: s.max_concurrent_workloads.value,
+            max_bytes: s
+                .manifest
+                .as_ref()
+                .and_then(|m| m.max_result_bytes)
+                .unwrap_or(DEFAULT_MAX_RESULT_BYTES),
+            workers: crate::workers::uploaders(
+                s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref(),
+            ),
+        }
+    }
+}
+
+/// Why one attempt at a file failed; [`Failure::retriable`] decides whether it is tried again.
+#[derive(Debug)]
+enum Failure {
+    /// No signed URL (E8 after R9): always asked for again.
+    NoUrl(BackendError),
+    /// The transfer failed: tried again when the backend error says another try may help.
+    Transfer(BackendError),
+    /// The attachment reply asked for an upload method this node does not know (D40).
+    UnknownMethod { method: String, name: String },
+}
+
+impl Failure {
+    fn retriable(&self) -> bool {
+        match self {
+            Failure::NoUrl(_) => true,
+            Failure::Transfer(e) => e.retriable(),
+            Failure::UnknownMethod { .. } => false,
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::NoUrl(e) => write!(f, "no signed URL: {e}"),
+            Failure::Transfer(e) => write!(f, "{e}"),
+            Failure::UnknownMethod { method, name } => write!(
+                f,
+                "the backend asked for upload_method {method:?} for {name}, which this node does not know (it knows signed_url and multipart)"
+            ),
+        }
+    }
+}
+
+/// Where one result file is.
+#[derive(Debug)]
+enum State {
+    /// To be asked for a signed URL (again at `File::retry_at`, if set).
+    Waiting,
+    /// Its signed URL is asked for (R9, or E8 on the http worker).
+    Asking,
+    /// Its URL came; it waits for a free upload worker.
+    Ready(Attachment),
+    /// Its transfer is on the upload pool.
+    Sending(Attachment),
+    Sent(Attachment),
+    /// Given up on.
+    Failed,
+}
+
+/// One result file of a workload.
+struct File {
+    /// Its name relative to the folder.
+    name: String,
+    path: PathBuf,
+    state: State,
+    /// Failed attempts so far.
+    attempt: u32,
+    retry_at: Option<Instant>,
+}
+
+/// The uploads of one workload.
+struct Upload {
+    /// Its workload uuid (the backend's name for it).
+    wl: String,
+    files: Vec<File>,
+    /// R10/E9 is under way.
+    notifying: bool,
+}
+
+impl Upload {
+    fn count(&self, f: impl Fn(&State) -> bool) -> usize {
+        self.files.iter().filter(|x| f(&x.state)).count()
+    }
+
+    fn sending(&self) -> usize {
+        self.count(|s| matches!(s, State::Sending(_)))
+    }
+
+    /// A signed URL may be asked for now: none is under way, and fewer URLs are in hand
+    /// (being sent or waiting for a worker) than the pool can take, plus the next one.
+    fn may_ask(&self, workers: usize) -> bool {
+        self.count(|s| matches!(s, State::Asking)) == 0
+            && self.count(|s| matches!(s, State::Ready(_) | State::Sending(_))) <= workers.max(1)
+    }
+
+    /// The file whose URL is asked for.
+    fn asking(&self) -> Option<usize> {
+        self.files
+            .iter()
+            .position(|f| matches!(f.state, State::Asking))
+    }
 }
 
 /// Every regular file below `root` (sorted), never following a symlink: a workload must not be
@@ -96,7 +237,23 @@ fn remove_empty_dirs(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }
 
-impl Table {
+/// The result uploads of the workloads in their `Uploading` phase, by safe id.
+pub struct Uploads {
+    cfg: UploadCfg,
+    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
+    loose_results_warned: bool,
+    active: BTreeMap<String, Upload>,
+}
+
+impl Uploads {
+    pub fn new(cfg: UploadCfg) -> Uploads {
+        Uploads {
+            cfg,
+            loose_results_warned: false,
+            active: BTreeMap::new(),
+        }
+    }
+
     /// D24: the workload's own results folder, `<results_folder>/<safe-id>/`, created empty
     /// when result uploads are on (None otherwise, or when it cannot be created).
     pub fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
@@ -116,22 +273,22 @@ impl Table {
         }
     }
 
-    /// The result files of workload `id` (D24): everything in its own folder, and with capacity
-    /// 1 also what was written straight into `results_folder` (outside other workloads' own
-    /// folders). With capacity > 1 files straight in `results_folder` belong to nobody: never
-    /// uploaded or deleted, and the node says so once.
-    fn result_files(&mut self, id: &str) -> Vec<(String, PathBuf)> {
+    /// The result files of workload `id`, started at `since` (D24): everything in its own
+    /// folder, and with capacity 1 also what was written straight into `results_folder`
+    /// (outside the folders of `others`, the other workloads tracked). With capacity > 1 files
+    /// straight in `results_folder` belong to nobody: never uploaded or deleted, and the node
+    /// says so once.
+    fn result_files(&mut self, id: &str, since: f64, others: &[String]) -> Vec<(String, PathBuf)> {
         let root = self.cfg.folder.clone();
         let mut files = collect(&root.join(id));
-        let others: Vec<PathBuf> = self
-            .keys()
+        let others: Vec<PathBuf> = others
+            .iter()
             .filter(|k| k.as_str() != id)
             .map(|k| root.join(k))
             .collect();
         // Only what the workload wrote: a file older than its start (the operator's own files
         // in a results folder that holds them, what an earlier workload left) is never
         // uploaded or deleted as its result.
-        let since = self.get(id).map_or(f64::MAX, |a| a.meta.created_unix);
         // The status-change time: a file moved (`mv`) or copied in keeping its times still
         // counts as written by the workload.
         let written_since = |p: &Path| {
@@ -171,206 +328,273 @@ impl Table {
         kept
     }
 
-    /// Starts the uploads of a finished workload; false when there is nothing to upload.
-    pub(super) fn begin_uploads(
+    /// Starts the uploads of workload `id` (its record `meta`, its exit `exit`), `others`
+    /// being the other workloads tracked; false when there is nothing to upload.
+    pub fn begin(
         &mut self,
         id: &str,
-        exit: Option<Exit>,
+        meta: &Meta,
+        exit: Option<&Exit>,
+        others: &[String],
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Out,
     ) -> bool {
-        let Some(a) = self.get(id) else {
+        let Some(wl) = meta.workload_uuid.clone() else {
             return false;
         };
-        let Some(wl) = a.meta.workload_uuid.clone() else {
-            return false;
-        };
-        if !self.cfg.enabled || a.meta.cancel.is_some() || exit.as_ref().map(Exit::code) != Some(0)
-        {
+        if !self.cfg.enabled || meta.cancel.is_some() || exit.map(Exit::code) != Some(0) {
             return false;
         }
-        let files = self.result_files(id);
+        let files = self.result_files(id, meta.created_unix, others);
         if files.is_empty() {
             remove_empty_dirs(&self.cfg.folder.join(id));
             return false;
         }
-        if let Some(a) = self.get(id) {
-            log::info!(
-                "{} {}: uploading {} result file(s) from {}",
-                a.meta.kind,
-                crate::logtext::shown(&a.meta.request_id_text()),
-                files.len(),
-                self.cfg.folder.display()
-            );
-        }
+        log::info!(
+            "{} {}: uploading {} result file(s) from {}",
+            meta.kind,
+            crate::logtext::shown(&meta.request_id_text()),
+            files.len(),
+            self.cfg.folder.display()
+        );
         let count = files.len();
-        if let Some(a) = self.get_mut(id) {
-            a.upload = Some(Upload {
-                files,
-                idx: 0,
+        out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
+        let files = files
+            .into_iter()
+            .map(|(name, path)| File {
+                name,
+                path,
+                state: State::Waiting,
                 attempt: 0,
                 retry_at: None,
-                busy: false,
-                done: Vec::new(),
+            })
+            .collect();
+        self.active.insert(
+            id.to_string(),
+            Upload {
+                wl,
+                files,
                 notifying: false,
-            });
-        }
-        out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
-        self.step_upload(id, now, out);
+            },
+        );
+        // Files to upload: the first step never ends the uploads.
+        let _ = self.pump(id, now, out);
         true
     }
 
-    /// Moves an upload on by one step when nothing is under way.
-    pub(super) fn step_upload(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
-        let connected = out.connected();
-        let Some(a) = self.get_mut(id) else {
-            return;
-        };
-        let wl = a.meta.workload_uuid.clone().unwrap_or_default();
-        let Some(u) = a.upload.as_mut() else { return };
-        if u.busy || u.retry_at.is_some_and(|t| now < t) {
-            return;
-        }
-        u.retry_at = None;
-        if u.idx < u.files.len() {
-            u.busy = true;
-            let filename = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
-            let key = id.to_string();
-            if connected {
-                out.request(Request::SignedUrl {
-                    id: key,
-                    wl,
-                    filename,
-                });
-            } else {
-                out.submit(Job::SignedUrl { key, wl, filename });
-            }
-            return;
-        }
-        if !u.notifying && !u.done.is_empty() {
-            u.notifying = true;
-            u.busy = true;
-            let body = notice(u);
-            let key = id.to_string();
-            if connected {
-                out.request(Request::UploadResults { id: key, wl, body });
-            } else {
-                out.submit(Job::UploadResults { key, wl, body });
-            }
-            return;
-        }
-        self.finish_upload(id, false, now, out);
+    /// Moves every workload's uploads on as far as they can go now (retries that fell due,
+    /// workers freed); the ids whose uploads are over (the table then moves them on).
+    pub fn pump_all(&mut self, now: Instant, out: &mut dyn Out) -> Vec<String> {
+        let ids: Vec<String> = self.active.keys().cloned().collect();
+        ids.into_iter()
+            .filter(|id| self.pump(id, now, out))
+            .collect()
     }
 
-    /// R9's answer (`None`: no answer in time): on to the PUT, or the REST fallback.
+    /// After an event of workload `id`: it moves on first, then the others (a worker may
+    /// have been freed for them).
+    fn after(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> Vec<String> {
+        let mut over: Vec<String> = Vec::new();
+        if self.pump(id, now, out) {
+            over.push(id.to_string());
+        }
+        over.extend(self.pump_all(now, out));
+        over
+    }
+
+    /// Moves the uploads of `id` on: transfers for the URLs in hand while the pool allows,
+    /// the next URL asked for, and once every file is sent or given up on, R10. True when
+    /// its uploads are over.
+    fn pump(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> bool {
+        let connected = out.connected();
+        let workers = self.cfg.workers.max(1);
+        let mut sending_all: usize = self.active.values().map(Upload::sending).sum();
+        let Some(u) = self.active.get_mut(id) else {
+            return false;
+        };
+        // Transfers: one always when none of its own is under way, more while a worker is idle.
+        while u.sending() == 0 || sending_all < workers {
+            let Some(f) = u
+                .files
+                .iter_mut()
+                .enumerate()
+                .find(|(_, f)| matches!(f.state, State::Ready(_)))
+            else {
+                break;
+            };
+            let (i, f) = f;
+            let State::Ready(found) = std::mem::replace(&mut f.state, State::Failed) else {
+                break;
+            };
+            let multipart = match found.method {
+                UploadMethod::Multipart => Some(f.name.clone()),
+                _ => None,
+            };
+            out.submit(Job::Put {
+                key: id.to_string(),
+                file: i,
+                url: found.url.clone(),
+                path: f.path.clone(),
+                multipart,
+            });
+            f.state = State::Sending(found);
+            sending_all = sending_all.saturating_add(1);
+        }
+        // The next signed URL, while the current files are sent.
+        if u.may_ask(workers) {
+            let due = u
+                .files
+                .iter_mut()
+                .find(|f| matches!(f.state, State::Waiting) && f.retry_at.is_none_or(|t| now >= t));
+            if let Some(f) = due {
+                f.state = State::Asking;
+                f.retry_at = None;
+                let filename = f.name.clone();
+                if connected {
+                    out.ask_signed_url(id, &u.wl, &filename);
+                } else {
+                    out.submit(Job::SignedUrl {
+                        key: id.to_string(),
+                        wl: u.wl.clone(),
+                        filename,
+                    });
+                }
+            }
+        }
+        let settled = u
+            .files
+            .iter()
+            .all(|f| matches!(f.state, State::Sent(_) | State::Failed));
+        if !settled || u.notifying {
+            return false;
+        }
+        if u.count(|s| matches!(s, State::Sent(_))) > 0 {
+            u.notifying = true;
+            let body = notice(u);
+            if connected {
+                out.tell_uploaded(id, &u.wl, body);
+            } else {
+                out.submit(Job::UploadResults {
+                    key: id.to_string(),
+                    wl: u.wl.clone(),
+                    body,
+                });
+            }
+            return false;
+        }
+        self.finish(id, false)
+    }
+
+    /// R9's answer (`None`: no answer in time): on to the PUT, or the REST fallback. The ids
+    /// whose uploads are over.
     pub fn on_signed_url_reply(
         &mut self,
         id: &str,
-        body: Option<serde_json::Value>,
+        body: Option<Value>,
         now: Instant,
-        out: &mut dyn Outbound,
-    ) {
-        let parsed = body.as_ref().map(crate::backend::parse_signed_url);
-        match parsed {
-            Some(Ok(found)) => self.put(id, found, now, out),
+        out: &mut dyn Out,
+    ) -> Vec<String> {
+        let Some(u) = self.active.get(id) else {
+            return Vec::new();
+        };
+        let Some(i) = u.asking() else {
+            return Vec::new();
+        };
+        match body.as_ref().map(crate::backend::parse_signed_url) {
+            Some(Ok(found)) => self.url_came(id, i, found, now, out),
             _ => {
-                let Some(a) = self.get(id) else { return };
-                let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
-                    return;
-                };
-                let Some(filename) = u.files.get(u.idx).map(|f| f.0.clone()) else {
-                    return;
-                };
-                out.submit(Job::SignedUrl {
-                    key: id.to_string(),
-                    wl,
-                    filename,
-                });
+                if let Some(f) = u.files.get(i) {
+                    out.submit(Job::SignedUrl {
+                        key: id.to_string(),
+                        wl: u.wl.clone(),
+                        filename: f.name.clone(),
+                    });
+                }
+                Vec::new()
             }
         }
     }
 
-    /// The transfer of the current file, by the route the attachment reply chose (D40).
-    fn put(
+    /// File `i`'s signed URL came: it waits for a worker, unless the backend chose a route
+    /// this node does not know (D40).
+    fn url_came(
         &mut self,
         id: &str,
-        found: crate::backend::Attachment,
+        i: usize,
+        found: Attachment,
         now: Instant,
-        out: &mut dyn Outbound,
-    ) {
-        use crate::backend::UploadMethod;
-        let Some(u) = self.get_mut(id).and_then(|a| a.upload.as_mut()) else {
-            return;
+        out: &mut dyn Out,
+    ) -> Vec<String> {
+        let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
+            return Vec::new();
         };
-        let Some((name, path)) = u.files.get(u.idx).cloned() else {
-            return;
-        };
-        let multipart = match found.method {
-            UploadMethod::SignedUrl => None,
-            UploadMethod::Multipart => Some(name.clone()),
-            UploadMethod::Other(m) => {
-                // The backend's text, bounded: it goes into the log.
-                let m: String = m.chars().take(80).collect();
-                let why = format!(
-                    "the backend asked for upload_method {m:?} for {name}, which this node does not know (it knows signed_url and multipart)"
-                );
-                return self.upload_attempt_failed(id, false, &why, now, out);
-            }
-        };
-        u.done.push((name, found.url.clone(), found.uuid));
-        out.submit(Job::Put {
-            key: id.to_string(),
-            url: found.url,
-            path,
-            multipart,
-        });
+        if let UploadMethod::Other(m) = &found.method {
+            // The backend's text, bounded: it goes into the log.
+            let method: String = m.chars().take(80).collect();
+            let why = Failure::UnknownMethod {
+                method,
+                name: f.name.clone(),
+            };
+            return self.attempt_failed(id, i, &why, now, out);
+        }
+        f.state = State::Ready(found);
+        self.after(id, now, out)
     }
 
-    /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback).
-    pub fn on_upload_reply(&mut self, id: &str, ok: bool, now: Instant, out: &mut dyn Outbound) {
+    /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback). True when
+    /// the uploads of `id` are over.
+    pub fn on_upload_reply(&mut self, id: &str, ok: bool, out: &mut dyn Out) -> bool {
         if ok {
-            return self.finish_upload(id, true, now, out);
+            return self.finish(id, true);
         }
-        let Some(a) = self.get(id) else { return };
-        let (Some(wl), Some(u)) = (a.meta.workload_uuid.clone(), a.upload.as_ref()) else {
-            return;
+        let Some(u) = self.active.get(id) else {
+            return false;
         };
-        let body = notice(u);
         out.submit(Job::UploadResults {
             key: id.to_string(),
-            wl,
-            body,
+            wl: u.wl.clone(),
+            body: notice(u),
         });
+        false
     }
 
-    /// A worker's answer to an upload job (other answers are not the table's: ignored).
-    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Outbound) {
+    /// A worker's answer to an upload job (other answers are not the uploads': ignored).
+    /// The ids whose uploads are over.
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Out) -> Vec<String> {
         match done {
-            Done::SignedUrl { key, result } => match result {
-                Ok(found) => self.put(&key, found, now, out),
-                Err(e) => {
-                    self.upload_attempt_failed(&key, true, &format!("no signed URL: {e}"), now, out)
+            Done::SignedUrl { key, result } => {
+                let Some(i) = self.active.get(&key).and_then(Upload::asking) else {
+                    return Vec::new();
+                };
+                match result {
+                    Ok(found) => self.url_came(&key, i, found, now, out),
+                    Err(e) => self.attempt_failed(&key, i, &Failure::NoUrl(e), now, out),
                 }
-            },
-            Done::Put { key, result } => match result {
-                Ok(()) => {
-                    if let Some(u) = self.get_mut(&key).and_then(|a| a.upload.as_mut()) {
-                        if let Some(f) = u.files.get(u.idx) {
-                            log::info!("uploaded result file {}", crate::logtext::shown(&f.0));
+            }
+            Done::Put { key, file, result } => {
+                let Some(f) = self
+                    .active
+                    .get_mut(&key)
+                    .and_then(|u| u.files.get_mut(file))
+                else {
+                    return Vec::new();
+                };
+                if !matches!(f.state, State::Sending(_)) {
+                    return Vec::new();
+                }
+                match result {
+                    Ok(()) => {
+                        log::info!("uploaded result file {}", crate::logtext::shown(&f.name));
+                        if let State::Sending(found) =
+                            std::mem::replace(&mut f.state, State::Failed)
+                        {
+                            f.state = State::Sent(found);
                         }
-                        u.idx = u.idx.saturating_add(1);
-                        u.attempt = 0;
-                        u.busy = false;
+                        self.after(&key, now, out)
                     }
-                    self.step_upload(&key, now, out);
+                    Err(e) => self.attempt_failed(&key, file, &Failure::Transfer(e), now, out),
                 }
-                Err((retriable, why)) => {
-                    if let Some(u) = self.get_mut(&key).and_then(|a| a.upload.as_mut()) {
-                        u.done.pop();
-                    }
-                    self.upload_attempt_failed(&key, retriable, &why, now, out);
-                }
-            },
+            }
             Done::UploadResults { key, result } => {
                 if let Err(e) = &result {
                     log::error!(
@@ -378,82 +602,114 @@ impl Table {
                         crate::logtext::shown(&e.to_string())
                     );
                 }
-                self.finish_upload(&key, result.is_ok(), now, out);
+                let mut over = Vec::new();
+                if self.finish(&key, result.is_ok()) {
+                    over.push(key);
+                }
+                over
             }
-            Done::CheckWorkload { .. } => {}
+            Done::CheckWorkload { .. } => Vec::new(),
         }
     }
 
-    fn upload_attempt_failed(
+    /// Attempt at file `i` failed: tried again 2 s, then 4 s later while `why` allows and
+    /// attempts are left, else given up on. The ids whose uploads are over.
+    fn attempt_failed(
         &mut self,
         id: &str,
-        retriable: bool,
-        why: &str,
+        i: usize,
+        why: &Failure,
         now: Instant,
-        out: &mut dyn Outbound,
-    ) {
-        let Some(u) = self.get_mut(id).and_then(|a| a.upload.as_mut()) else {
-            return;
+        out: &mut dyn Out,
+    ) -> Vec<String> {
+        let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
+            return Vec::new();
         };
-        u.busy = false;
-        u.attempt = u.attempt.saturating_add(1);
-        let name = u.files.get(u.idx).map(|f| f.0.clone()).unwrap_or_default();
-        if retriable && u.attempt < ATTEMPTS {
+        f.attempt = f.attempt.saturating_add(1);
+        let why_text = why.to_string();
+        if why.retriable() && f.attempt < ATTEMPTS {
             // 2 s, 4 s, … (attempt is 1 or 2 here: ATTEMPTS is 3).
-            let wait = Duration::from_secs(2u64 << u.attempt.saturating_sub(1).min(10));
+            let wait = Duration::from_secs(2u64 << f.attempt.saturating_sub(1).min(10));
             log::warn!(
                 "upload of {} failed ({}); attempt {} of {ATTEMPTS} in {}s",
-                crate::logtext::shown(&name),
-                crate::logtext::shown(why),
-                u.attempt.saturating_add(1),
+                crate::logtext::shown(&f.name),
+                crate::logtext::shown(&why_text),
+                f.attempt.saturating_add(1),
                 wait.as_secs()
             );
-            u.retry_at = Some(now.checked_add(wait).unwrap_or(now));
+            f.state = State::Waiting;
+            f.retry_at = Some(now.checked_add(wait).unwrap_or(now));
         } else {
             log::error!(
                 "upload of {} failed ({}); giving up on this file",
-                crate::logtext::shown(&name),
-                crate::logtext::shown(why)
+                crate::logtext::shown(&f.name),
+                crate::logtext::shown(&why_text)
             );
-            u.idx = u.idx.saturating_add(1);
-            u.attempt = 0;
+            f.state = State::Failed;
         }
-        self.step_upload(id, now, out);
+        self.after(id, now, out)
     }
 
-    /// Uploads are over: delete the uploaded files once the backend knows of them, then send
-    /// the completion.
-    fn finish_upload(&mut self, id: &str, notified: bool, now: Instant, out: &mut dyn Outbound) {
-        let Some(u) = self.get_mut(id).and_then(|a| a.upload.take()) else {
-            return;
+    /// Uploads are over: delete the uploaded files once the backend knows of them. True when
+    /// `id` was uploading (the table then sends the completion).
+    fn finish(&mut self, id: &str, notified: bool) -> bool {
+        let Some(u) = self.active.remove(id) else {
+            return false;
         };
+        let sent = u.count(|s| matches!(s, State::Sent(_)));
         if notified {
-            for (name, _, _) in &u.done {
-                if let Some((_, path)) = u.files.iter().find(|(n, _)| n == name) {
-                    let _ = std::fs::remove_file(path);
-                }
+            for f in u.files.iter().filter(|f| matches!(f.state, State::Sent(_))) {
+                let _ = std::fs::remove_file(&f.path);
             }
         }
         log::info!(
-            "result upload finished: {} of {} file(s) uploaded",
-            u.done.len(),
+            "result upload finished: {sent} of {} file(s) uploaded",
             u.files.len()
         );
         remove_empty_dirs(&self.cfg.folder.join(id));
-        self.advance(id, crate::workload::lifecycle::Event::UploadsDone, now, out);
+        true
     }
 
     /// Workloads uploading their results.
     pub fn uploading(&self) -> usize {
-        self.values().filter(|a| a.upload.is_some()).count()
+        self.active.len()
+    }
+
+    /// The earliest retry due (for the loop's sleep), only of workloads that may ask for a
+    /// URL now (else it waits for an answer, which wakes the loop anyway).
+    pub fn next_due(&self) -> Option<Instant> {
+        let workers = self.cfg.workers;
+        self.active
+            .values()
+            .filter(|u| u.may_ask(workers))
+            .flat_map(|u| {
+                u.files
+                    .iter()
+                    .filter(|f| matches!(f.state, State::Waiting))
+                    .filter_map(|f| f.retry_at)
+            })
+            .min()
+    }
+
+    /// Drops what is left of the uploads of workloads no longer tracked.
+    pub fn retain(&mut self, tracked: impl Fn(&str) -> bool) {
+        self.active.retain(|id, _| tracked(id));
     }
 }
 
-/// R10's body: the files uploaded so far.
-fn notice(u: &Upload) -> serde_json::Value {
+/// R10's body: the files uploaded, in their order.
+fn notice(u: &Upload) -> Value {
+    let sent: Vec<(&str, &Attachment)> = u
+        .files
+        .iter()
+        .filter_map(|f| match &f.state {
+            State::Sent(a) => Some((f.name.as_str(), a)),
+            _ => None,
+        })
+        .collect();
     json!({
-        "filenames": u.done.iter().map(|d| d.0.clone()).collect::<Vec<_>>(),
-        "signed_urls": u.done.iter().map(|d| d.1.clone()).collect::<Vec<_>>(),
-        "attachment_uuids": u.done.iter().map(|d| d.2.clone()).collect::<Vec<_>>(),
+        "filenames": sent.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        "signed_urls": sent.iter().map(|(_, a)| a.url.clone()).collect::<Vec<_>>(),
+        "attachment_uuids": sent.iter().map(|(_, a)| a.uuid.clone()).collect::<Vec<_>>(),
     })
 }

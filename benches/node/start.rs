@@ -115,7 +115,10 @@ fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Opti
     let kinds: &[(&str, &str)] = if slow_ms.is_some() {
         &[("simulate", "")]
     } else {
-        &[("inference", ", plain argv"), ("training", ", through bash")]
+        &[
+            ("inference", ", plain argv"),
+            ("training", ", through bash"),
+        ]
     };
     let cases = nodes.len() * kinds.len();
     let mut started = vec![Vec::new(); cases];

@@ -44,7 +44,7 @@ fi
 
 # The static binary passes the end-to-end workload and TLS tests (no SSL_CERT_FILE help).
 env -u SSL_CERT_FILE -u SSL_CERT_DIR CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
-  cargo test --test main -- workloads::completions_carry_the_real_exit_code wire::tls_connects_with_the_right_ca_and_refuses_otherwise logs::every_line_is_streamed_once_in_order_and_mirrored
+  cargo test --test main -- workloads::completions_carry_the_real_exit_code wire::tls_connects_with_the_right_ca_and_refuses_otherwise logs::g4_every_line_is_streamed_once_in_order_and_mirrored
 # The OCI image (README "Running in a container"): built from the static binary, read back by
 # umoci, its entrypoint and volume as documented, no shell in it; then the node runs from its root
 # filesystem as PID 1 of a new PID and mount namespace (tests/container.rs, with a static busybox

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::uploaded;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
@@ -55,7 +56,7 @@ fn fnv1a32(data: &[u8]) -> u32 {
 /// and never runs the second workload — and, were the first gone, both would share
 /// `workloads/<safe id>/` and `<results_folder>/<safe id>/`.
 #[test]
-fn d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
+fn g1_d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  training: |\n    mkdir -p ran && touch \"ran/$$\"\n    while [ ! -f release ]; do sleep 0.05; done\ncloud_node:\n  max_concurrent_workloads: 2\n",
     );
@@ -93,7 +94,7 @@ fn d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
 /// workload as completed. The supervisor is a subreaper and sees the child re-parented to it,
 /// yet clears only the process group.
 #[test]
-fn d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
+fn g9_d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
     assert_left_behind_is_ended(
         "cyberwave:\n  training: |\n    setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &\n    while [ ! -s escaped.pid ]; do sleep 0.05; done\n",
         "esc",
@@ -144,7 +145,7 @@ fn assert_left_behind_is_ended(manifest: &str, rid: &str, pid_file: &str, what: 
 /// to delete its identity, writes the `client_id_conflict` marker (so `doctor` FAILs) and waits
 /// 30 s — though no other client ever used its id (no 0x8E was sent).
 #[test]
-fn d33_a_broker_restart_loop_is_not_reported_as_a_duplicate_client_id() {
+fn g11_d33_a_broker_restart_loop_is_not_reported_as_a_duplicate_client_id() {
     let (mut broker, cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -186,7 +187,7 @@ fn d33_a_broker_restart_loop_is_not_reported_as_a_duplicate_client_id() {
 /// (a careless `mkdir -p ~/.cyberwave/lock`) is an operator's mistake like a `lock` that is a
 /// FIFO, yet it exits 1 with a bare "Is a directory" — the exit code of "another node runs".
 #[test]
-fn d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
+fn g12_d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
     let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let dir = setup.config_dir();
     std::fs::create_dir_all(dir.join("lock")).unwrap();
@@ -210,26 +211,12 @@ fn d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
 /// (`<A's safe id>/b.txt`) and deleted, with capacity 1: the "loose files" rule takes every
 /// file below `results_folder`, other (finished) workloads' folders included.
 #[test]
-fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_ones() {
+fn g10_d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_ones() {
     let (_broker, cp, setup) = rig(
         "cyberwave:\n  training: |\n    if [ \"$CYBERWAVE_REQUEST_ID\" = ra ]; then head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/a.bin\"; head -c 60 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/b.txt\"; fi\n  results_folder: out\ncloud_node:\n  max_result_bytes: 150\n",
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    let uploaded = |wl: &str| -> Vec<String> {
-        cp.requests("workload:upload-results")
-            .iter()
-            .filter(|r| r.id == wl)
-            .flat_map(|r| {
-                r.body["filenames"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter_map(|v| v.as_str().map(String::from))
-            })
-            .collect()
-    };
     for id in ["ra", "rb"] {
         let wl = format!("wl-{id}");
         let r = command(
@@ -244,11 +231,11 @@ fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_on
             node.log()
         );
     }
-    assert_eq!(uploaded("wl-ra"), vec!["a.bin"], "{}", node.log());
+    assert_eq!(uploaded(&cp, "wl-ra"), vec!["a.bin"], "{}", node.log());
     assert!(
-        uploaded("wl-rb").is_empty(),
+        uploaded(&cp, "wl-rb").is_empty(),
         "B wrote nothing, yet uploaded {:?}",
-        uploaded("wl-rb")
+        uploaded(&cp, "wl-rb")
     );
     assert!(
         setup.cwd.join("out/ra/b.txt").exists(),
@@ -261,7 +248,7 @@ fn d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_on
 /// group of its own — still in the supervisor's session, so the supervisor could find it.
 /// It survives the workload's completion: only the workload's first group is cleared.
 #[test]
-fn d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
+fn g9_d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
     assert_left_behind_is_ended(
         "cyberwave:\n  training: bash -c 'set -m; sleep 300 </dev/null >/dev/null 2>&1 & echo $! > bg.pid'\n",
         "pg",
@@ -277,7 +264,7 @@ fn d25_a_background_job_in_its_own_process_group_does_not_outlive_the_report() {
 /// operator to delete the node's identity, `doctor` FAILs, and 30 s pauses between attempts
 /// delay the quarantine D34 promises.
 #[test]
-fn d34_an_outbox_entry_the_broker_refuses_is_not_reported_as_a_duplicate_client_id() {
+fn g11_d34_an_outbox_entry_the_broker_refuses_is_not_reported_as_a_duplicate_client_id() {
     let (_broker, _cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
     let dir = setup.config_dir();
     std::fs::create_dir_all(dir.join("outbox")).unwrap();
@@ -316,7 +303,7 @@ fn d34_an_outbox_entry_the_broker_refuses_is_not_reported_as_a_duplicate_client_
 /// is not uploaded (good), but the node's cleanup (`remove_empty_dirs`) follows the link and
 /// deletes every empty folder below the link's target, outside the results folder.
 #[test]
-fn d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
+fn g5_d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
     let (_broker, cp, setup) = rig(
         "cyberwave:\n  training: rmdir \"$CYBERWAVE_RESULTS_DIR\" && ln -s \"$PWD/keep\" \"$CYBERWAVE_RESULTS_DIR\"\n  results_folder: out\n",
     );
@@ -349,7 +336,7 @@ fn d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
 /// restarts at attempt 0 after each short connection), pausing only for the false D33 waits.
 /// The node never registers; only deleting the broker's session (or a restart) ends it.
 #[test]
-fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
+fn g11_d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
     let (_broker, _cp, setup) = rig("cyberwave:\n  training: sleep 1\n");
     let dir = setup.config_dir();
     std::fs::create_dir_all(dir.join("outbox")).unwrap();
@@ -392,7 +379,7 @@ fn d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
 /// host, or whatever a proxied or compromised reply names) gets the node's API token in its
 /// `Authorization` header. The token should go only to the API base URL's origin.
 #[test]
-fn d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
+fn g7_d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
     use std::io::{Read, Write};
     let foreign = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = foreign.local_addr().unwrap().port();
@@ -455,7 +442,7 @@ fn d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
 /// working dir — and then deletes them. A results folder that holds the manifest should be
 /// refused (or its pre-existing files left alone).
 #[test]
-fn d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
+fn g5_d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
     let (_broker, cp, setup) = rig("cyberwave:\n  training: echo done\n  results_folder: .\n");
     let precious = setup.write("train.py", "print('my code')\n");
     let node = setup.spawn();
@@ -485,7 +472,7 @@ fn d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
 /// ERROR "No active workload found with request_id …" — though the node's ledger still knows
 /// that request id ran here and finished.
 #[test]
-fn d29_a_cancel_just_after_the_completion_was_acknowledged_answers_already_finished() {
+fn g9_d29_a_cancel_just_after_the_completion_was_acknowledged_answers_already_finished() {
     let (_broker, cp, setup) = rig("cyberwave:\n  training: echo hi\n");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -578,7 +565,7 @@ fn assert_stayed_up(cp: &ControlPlane, node: &NodeProcess, labels: &[&str]) {
 /// for ever, so set aside at once. What queues behind them is delivered, and the node answers
 /// `status` throughout.
 #[test]
-fn d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_connection() {
+fn g11_d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_connection() {
     let broker = crate::support::Broker::start_with_conf(
         "max_packet_size 65536\nmessage_size_limit 10000\n",
     );
@@ -654,7 +641,7 @@ fn d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_connec
 /// the broker's limit (every byte arrives, none is skipped), the connection stays, `status` is
 /// answered while the workload runs, and its completion arrives.
 #[test]
-fn d34_a_log_chunk_over_the_brokers_packet_size_does_not_cost_the_connection() {
+fn g11_d34_a_log_chunk_over_the_brokers_packet_size_does_not_cost_the_connection() {
     let broker = crate::support::Broker::start_with_conf("max_packet_size 65536\n");
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);
@@ -703,7 +690,7 @@ fn d34_a_log_chunk_over_the_brokers_packet_size_does_not_cost_the_connection() {
 /// after it for ever. Now each is set aside after 5 refusals with one ERROR line, the events
 /// behind it are delivered, and the node answers `status` throughout.
 #[test]
-fn d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
+fn g11_d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
     let broker = crate::support::Broker::start_with_acl(
         "pattern deny cyberwave/cloud-workload/wl-denied/#\npattern deny cyberwave/workflow/wf-denied/#\npattern readwrite #\n",
     );
@@ -772,7 +759,7 @@ fn d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
 /// log stream nor the failure summary may carry the secret, and the secret is left as it was
 /// (a `max_log_bytes` cut through the link would rewrite it).
 #[test]
-fn a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
+fn g5_a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
     let (_broker, cp, mut setup) = rig("cyberwave:\n  training: 'true'\n");
     let secret = setup.home.join("secret.txt");
     std::fs::write(&secret, "TOPSECRET-42\n".repeat(20)).unwrap();
@@ -823,7 +810,7 @@ fn a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
 /// each chunk is refused and offered again at the stream's pace, up to 4 times a second. The
 /// node keeps serving, and says so at most once a minute, not once per refused chunk.
 #[test]
-fn d34_a_logs_topic_the_broker_denies_is_not_a_warning_per_chunk() {
+fn g11_d34_a_logs_topic_the_broker_denies_is_not_a_warning_per_chunk() {
     let broker = crate::support::Broker::start_with_acl(
         "pattern deny cyberwave/cloud-node/+/logs\npattern readwrite #\n",
     );

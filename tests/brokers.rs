@@ -45,7 +45,7 @@ fn a_scripted_broker_serves_a_standalone_node() {
 /// has none), the path of its open double-free reports: the node never asks for one while the
 /// client holds QoS 1 messages the broker has not acknowledged.
 #[test]
-fn no_reconnect_asks_for_a_clean_session_while_qos1_messages_are_in_flight() {
+fn g14_no_reconnect_asks_for_a_clean_session_while_qos1_messages_are_in_flight() {
     // The broker never acknowledges: the node's QoS 1 messages stay in flight.
     let broker = ScriptedBroker::start(Script {
         withhold_puback: true,
@@ -91,7 +91,7 @@ fn no_reconnect_asks_for_a_clean_session_while_qos1_messages_are_in_flight() {
 /// it never announced: the node halves its largest message after two such drops and says so
 /// with the size; chunks that fit then go through, and the drops stay few (no storm).
 #[test]
-fn a_drop_after_a_large_publish_halves_the_largest_message() {
+fn g14_a_drop_after_a_large_publish_halves_the_largest_message() {
     let broker = ScriptedBroker::start(Script {
         drop_publish_over: Some(40_000),
         command: start_command("inference"),
@@ -138,7 +138,7 @@ fn a_drop_after_a_large_publish_halves_the_largest_message() {
 /// D50: a broker that refuses the command subscriptions in its SUBACK (EMQX/HiveMQ-class: 0x87,
 /// 0x80) gets an ERROR naming the topic and the reason, never "node ready".
 #[test]
-fn d50_refused_command_subscriptions_are_an_error_and_never_node_ready() {
+fn g14_d50_refused_command_subscriptions_are_an_error_and_never_node_ready() {
     for (code, name) in [(0x87u8, "Not authorized"), (0x80, "Unspecified error")] {
         let broker = ScriptedBroker::start(Script {
             refuse_filter: Some(("/command".into(), code)),
@@ -165,7 +165,7 @@ fn d50_refused_command_subscriptions_are_an_error_and_never_node_ready() {
 
 /// Every connect failure says what it is in the broker's own terms.
 #[test]
-fn connect_errors_say_what_the_broker_said() {
+fn g14_connect_errors_say_what_the_broker_said() {
     let cases: Vec<(Script, &str)> = vec![
         (
             Script {
@@ -225,7 +225,7 @@ fn connect_errors_say_what_the_broker_said() {
 
 /// The node's stdout mirrors workload output: nothing of Paho's goes there.
 #[test]
-fn nothing_of_paho_reaches_the_nodes_stdout() {
+fn g14_nothing_of_paho_reaches_the_nodes_stdout() {
     let broker = ScriptedBroker::start(Script {
         drop_after_connack: 2,
         ..Script::default()
@@ -246,7 +246,7 @@ fn nothing_of_paho_reaches_the_nodes_stdout() {
 /// be a protocol error the broker disconnects for); Receive Maximum 1 keeps at most one QoS 1
 /// message unacknowledged.
 #[test]
-fn connack_maximum_qos_and_receive_maximum_are_honoured() {
+fn g14_connack_maximum_qos_and_receive_maximum_are_honoured() {
     let setup_with_install = |broker: &ScriptedBroker| {
         let setup = setup_on(broker);
         let dir = setup.config_dir();
@@ -288,7 +288,7 @@ fn connack_maximum_qos_and_receive_maximum_are_honoured() {
 /// A standalone node has no backend to acknowledge workload statuses: no false warning that
 /// they were "not acknowledged in time".
 #[test]
-fn a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
+fn g14_a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
     let broker = ScriptedBroker::start(Script {
         command: start_command("inference"),
         ..Script::default()
@@ -312,7 +312,7 @@ fn a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
 /// flight): a command reply the broker never acknowledged is sent again on the next
 /// connection, as a resumed session would.
 #[test]
-fn a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
+fn g14_a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
     let broker = ScriptedBroker::start(Script {
         withhold_puback: true,
         command: Some((
@@ -345,7 +345,7 @@ fn a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
 /// sends one again: a completion the broker had not acknowledged when the connection dropped
 /// goes out again on the next connection.
 #[test]
-fn a_standalone_completion_in_flight_when_the_connection_drops_is_sent_again() {
+fn g14_a_standalone_completion_in_flight_when_the_connection_drops_is_sent_again() {
     let broker = ScriptedBroker::start(Script {
         withhold_puback: true,
         command: start_command("inference"),
@@ -396,7 +396,7 @@ mod rumqttd {
     /// (rumqttd drops a client that publishes more than its `max_payload_size`, which it never
     /// announces), and a broker restart: the node neither crashes nor storms.
     #[test]
-    fn rumqttd_serves_a_node_through_a_64k_line_flood_and_a_restart() {
+    fn g14_rumqttd_serves_a_node_through_a_64k_line_flood_and_a_restart() {
         let mut broker = Rumqttd::start(100 * 1024);
         let cp = ControlPlane::start(broker.port, "");
         let setup = node_setup(&broker, &cp);

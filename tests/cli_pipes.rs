@@ -37,7 +37,7 @@ fn run_into_closed_pipe(setup: &NodeSetup, args: &[&str]) -> (Option<i32>, Strin
 }
 
 #[test]
-fn cli_commands_end_quietly_with_exit_0_when_stdout_is_a_closed_pipe() {
+fn g8_cli_commands_end_quietly_with_exit_0_when_stdout_is_a_closed_pipe() {
     let mut s = NodeSetup::bare();
     s.set("CYBERWAVE_API_KEY", TOKEN);
     s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");

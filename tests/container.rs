@@ -6,21 +6,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::support::scenario::Start;
 use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
 const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
-
-fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str) -> i64 {
-    cp.command(
-        &node.uuid(),
-        json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}),
-    );
-    let r = cp.wait_reply(rid, REPLY).expect("reply");
-    assert_eq!(r["status"], "ok", "{r}");
-    r["output"]["pid"].as_i64().unwrap_or(0)
-}
 
 fn gone(pid: i64) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -82,8 +73,8 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
         node.log()
     );
     let pids = [
-        start(&cp, &node, "inference", "inf"),
-        start(&cp, &node, "training", "train"),
+        Start::new("inference", "inf").pid(&cp, &node),
+        Start::new("training", "train").pid(&cp, &node),
     ];
     // The training workload's trap is set once it loops.
     std::thread::sleep(Duration::from_millis(300));
@@ -108,12 +99,9 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
 /// inherits (here from the install script) are reaped; SIGTERM from outside the namespace (as
 /// `docker stop` sends it) stops and reports its workloads.
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads() {
-    // SAFETY: geteuid has no preconditions.
-    assert!(
-        unsafe { libc::geteuid() } == 0,
-        "this test makes a PID namespace and needs root (CI runs as root)"
-    );
+    crate::support::assert_root("to make a PID namespace");
     let (_b, cp, mut setup) = rig("");
     setup.write(
         "cyberwave.yml",
@@ -133,8 +121,8 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
     let inner = pid_under_unshare(&node);
     // Pids inside the namespace: nothing of it outlives its PID 1 anyway; what matters is that
     // the backend heard of every workload.
-    start(&cp, &node, "inference", "inf");
-    start(&cp, &node, "training", "train");
+    Start::new("inference", "inf").pid(&cp, &node);
+    Start::new("training", "train").pid(&cp, &node);
     // The install script's five orphans ended 0.2 s after start; none is left a zombie.
     let zombies = || {
         std::fs::read_dir("/proc")

@@ -40,7 +40,7 @@ fn still_serving(cp: &crate::support::ControlPlane, node: &NodeProcess, rid: &st
 }
 
 #[test]
-fn guarantee_8_a_runtime_limit_of_1e19_seconds_is_refused_and_cannot_crash_loop_the_node() {
+fn g8_a_runtime_limit_of_1e19_seconds_is_refused_and_cannot_crash_loop_the_node() {
     let (_broker, cp, setup) = rig(MARKING);
     let mut node = setup.spawn();
     node.wait_ready(READY);
@@ -86,7 +86,7 @@ fn guarantee_8_a_runtime_limit_of_1e19_seconds_is_refused_and_cannot_crash_loop_
 }
 
 #[test]
-fn guarantee_8_workload_uuids_with_topic_wildcards_are_refused_and_the_node_stays_connected() {
+fn g8_workload_uuids_with_topic_wildcards_are_refused_and_the_node_stays_connected() {
     let (_broker, cp, setup) = rig(MARKING);
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -129,7 +129,7 @@ fn guarantee_8_workload_uuids_with_topic_wildcards_are_refused_and_the_node_stay
 }
 
 #[test]
-fn guarantee_8_params_that_are_not_an_object_spawn_nothing() {
+fn g5_params_that_are_not_an_object_spawn_nothing() {
     let (_broker, cp, setup) = rig(MARKING);
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -167,7 +167,7 @@ fn guarantee_8_params_that_are_not_an_object_spawn_nothing() {
 }
 
 #[test]
-fn guarantee_8_a_non_string_environment_uuid_cannot_slip_past_a_reservation() {
+fn g8_a_non_string_environment_uuid_cannot_slip_past_a_reservation() {
     let (_broker, cp, mut setup) = rig(MARKING);
     setup.arg("--environment").arg("env-A");
     let node = setup.spawn();
@@ -196,7 +196,7 @@ fn guarantee_8_a_non_string_environment_uuid_cannot_slip_past_a_reservation() {
 }
 
 #[test]
-fn guarantee_8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
+fn g8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
     let (_broker, cp, setup) = rig(MARKING);
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -235,8 +235,7 @@ fn guarantee_8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
 }
 
 #[test]
-fn guarantee_11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays_connected(
-) {
+fn g11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays_connected() {
     let (_broker, cp, setup) = rig(MARKING);
     // What an older version queued for workload `a/#`: the broker would drop the connection
     // at every attempt, and the node would be deaf while saying "connected".

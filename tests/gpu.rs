@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
 
@@ -102,6 +103,11 @@ struct Rig {
 /// `own-mem-<n>` it lists itself in the fake's per-process GPU memory.
 const RECORDING: &str = "cyberwave:\n  training: |\n    n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"n\"])' {body})\n    if [ -f own-mem-$n ]; then echo \"$$, $(cat own-mem-$n)\" >> \"$FAKE_NVIDIA_SMI_DIR/apps.csv\"; fi\n    env | grep -E '^(CUDA_VISIBLE_DEVICES|NVIDIA_VISIBLE_DEVICES|CUDA_DEVICE_ORDER)=' | sort > env-$n.tmp\n    mv env-$n.tmp env-$n\n    while [ ! -f stop-$n ]; do sleep 0.05; done\n";
 
+/// Workload `n` of these tests: request id `g<n>`, workload `wl-g<n>`, `n` in its params.
+fn g(n: u32) -> Start {
+    Start::training(&format!("g{n}")).with(json!({ "n": n }))
+}
+
 impl Rig {
     fn new(capacity: u32, smi: Option<&FakeSmi>) -> Rig {
         let broker = Broker::start();
@@ -127,21 +133,6 @@ impl Rig {
         node
     }
 
-    fn start(&self, node: &NodeProcess, n: u32, extra: Value) -> Value {
-        let rid = format!("g{n}");
-        let mut params = json!({"workload_uuid": format!("wl-g{n}"), "n": n});
-        if let (Some(p), Some(e)) = (params.as_object_mut(), extra.as_object()) {
-            p.extend(e.clone());
-        }
-        self.cp.command(
-            &node.uuid(),
-            json!({"command": "training", "request_id": rid, "params": params}),
-        );
-        self.cp
-            .wait_reply(&rid, REPLY)
-            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
-    }
-
     /// The GPU variables workload `n` saw.
     fn env_of(&self, n: u32) -> Vec<String> {
         let path = self.setup.cwd.join(format!("env-{n}"));
@@ -162,17 +153,6 @@ impl Rig {
 
     fn stop(&self, n: u32) {
         std::fs::write(self.setup.cwd.join(format!("stop-{n}")), "").expect("stop");
-    }
-
-    fn completion(&self, n: u32) -> Value {
-        let wl = format!("wl-g{n}");
-        let all = self
-            .cp
-            .wait_status(&wl, "completed", DONE)
-            .unwrap_or_else(|| panic!("no completion for {wl}: {:?}", self.cp.statuses(&wl)));
-        all.into_iter()
-            .find(|b| b["status"] == "completed")
-            .unwrap_or_default()
     }
 
     fn refusal(&self, n: u32) -> Value {
@@ -210,19 +190,14 @@ fn holders(status: &Value) -> Vec<(String, Value)> {
 }
 
 #[test]
-fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
+fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
     let smi = FakeSmi::new("four-a100.csv");
     let mut rig = Rig::new(4, Some(&smi));
     // Only the samples taken because workloads hold GPUs: none from the inventory timer.
     rig.setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "300");
     let mut node = rig.node();
     for n in 1..=4 {
-        assert_eq!(
-            rig.start(&node, n, json!({}))["status"],
-            "ok",
-            "{}",
-            node.log()
-        );
+        assert_eq!(g(n).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
     }
     let mut seen = BTreeSet::new();
     for n in 1..=4 {
@@ -244,7 +219,7 @@ fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted(
     }
     assert_eq!(seen.len(), 4, "four distinct GPUs: {seen:?}");
     // A fifth: every GPU is held.
-    let fifth = rig.start(&node, 5, json!({}));
+    let fifth = g(5).reply(&rig.cp, &node);
     assert_eq!(fifth["status"], "error", "{fifth}");
     let refusal = rig.refusal(5);
     assert_eq!(refusal["rejection_reason"], "host_busy", "{refusal}");
@@ -269,7 +244,7 @@ fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted(
     let node = rig.node();
     let st = rig.cp.status(&node.uuid(), "st2", REPLY).expect("status");
     assert_eq!(holders(&st), before, "assignment kept across the restart");
-    rig.start(&node, 6, json!({}));
+    g(6).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(6)["busy_reason"], "gpus_busy");
     let local = rig.setup.run(&["status"]);
     assert!(local.stdout.contains("gpus:       4"), "{}", local.stdout);
@@ -299,7 +274,7 @@ fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted(
         rig.stop(n);
     }
     for n in 1..=4 {
-        let done = rig.completion(n);
+        let done = g(n).completion(&rig.cp);
         let gpu = &done["gpu"];
         let (util, mem) = fixture_reading("four-a100.csv", &rig.visible(n));
         assert_eq!(gpu["count"], 1, "{done}");
@@ -310,14 +285,14 @@ fn four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted(
         assert!(gpu["seconds"].as_f64().unwrap_or(0.0) > 0.0, "{done}");
     }
     // Released: a new workload gets a GPU again.
-    assert_eq!(rig.start(&node, 7, json!({}))["status"], "ok");
+    g(7).ok(&rig.cp, &node);
     assert!(rig.visible(7).starts_with("GPU-"));
     rig.stop(7);
-    rig.completion(7);
+    g(7).completion(&rig.cp);
 }
 
 #[test]
-fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
+fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     let smi = FakeSmi::new("four-a100-ecc.csv");
     let mut rig = Rig::new(4, Some(&smi));
     let metrics = rig.setup.home.join("metrics.prom");
@@ -327,14 +302,14 @@ fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     let node = rig.node();
     let bad = "GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e62";
     for n in 1..=3 {
-        assert_eq!(rig.start(&node, n, json!({"gpus": 1}))["status"], "ok");
+        g(n).with(json!({"gpus": 1})).ok(&rig.cp, &node);
         assert_ne!(rig.visible(n), bad, "the GPU with ECC errors got work");
     }
     // The only GPU left is unhealthy: busy (waiting for the others helps).
-    rig.start(&node, 4, json!({"gpus": 1}));
+    g(4).with(json!({"gpus": 1})).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(4)["busy_reason"], "gpus_busy");
     // Four healthy GPUs can never be had now: unhealthy.
-    rig.start(&node, 5, json!({"gpus": 4}));
+    g(5).with(json!({"gpus": 4})).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(5)["busy_reason"], "gpus_unhealthy");
     let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     let g2 = &st["output"]["gpus"][2];
@@ -390,12 +365,12 @@ fn unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     );
     for n in 1..=3 {
         rig.stop(n);
-        rig.completion(n);
+        g(n).completion(&rig.cp);
     }
 }
 
 #[test]
-fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
+fn g10_a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
     let smi = FakeSmi::new("four-a100.csv");
     let mut rig = Rig::new(4, Some(&smi));
     rig.setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "0.3");
@@ -413,7 +388,7 @@ fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
         .status(&node.uuid(), "st", REPLY)
         .expect("status while hanging");
     assert_eq!(st["output"]["gpus"][0]["health"], "unhealthy", "{st}");
-    rig.start(&node, 1, json!({"gpus": 1}));
+    g(1).with(json!({"gpus": 1})).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(1)["busy_reason"], "gpus_unhealthy");
     // Each hanging query was killed with its whole process group (the fake's `sleep` too).
     assert!(wait_for(DONE, || (smi.queries() >= q0 + 3).then_some(())).is_some());
@@ -428,7 +403,7 @@ fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
     let mut n = 1;
     let ok = wait_for(DONE, || {
         n += 1;
-        (rig.start(&node, n, json!({"gpus": 1}))["status"] == "ok").then_some(n)
+        (g(n).with(json!({"gpus": 1})).reply(&rig.cp, &node)["status"] == "ok").then_some(n)
     })
     .expect("a GPU once nvidia-smi answers again");
     assert!(rig.visible(ok).starts_with("GPU-"));
@@ -439,7 +414,7 @@ fn a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
         hanging_sleeps(&mine)
     );
     rig.stop(ok);
-    rig.completion(ok);
+    g(ok).completion(&rig.cp);
 }
 
 /// Live `sleep 3600` processes started by this test's fake.
@@ -468,7 +443,7 @@ fn a_node_starting_while_nvidia_smi_hangs_starts_and_refuses_gpu_work_as_busy() 
         "{}",
         node.log()
     );
-    rig.start(&node, 1, json!({"gpus": 1}));
+    g(1).with(json!({"gpus": 1})).reply(&rig.cp, &node);
     let r = rig.refusal(1);
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
 }
@@ -521,15 +496,15 @@ fn the_manifest_sets_gpus_per_workload_and_params_win() {
         &format!("{RECORDING}cloud_node:\n  max_concurrent_workloads: 4\n  gpus_per_workload: 2\n"),
     );
     let node = rig.node();
-    assert_eq!(rig.start(&node, 1, json!({}))["status"], "ok");
+    g(1).ok(&rig.cp, &node);
     assert_eq!(
         rig.visible(1).split(',').count(),
         2,
         "two GPUs from the manifest"
     );
-    assert_eq!(rig.start(&node, 2, json!({"gpus": 1}))["status"], "ok");
+    g(2).with(json!({"gpus": 1})).ok(&rig.cp, &node);
     assert_eq!(rig.visible(2).split(',').count(), 1, "params win");
-    rig.start(&node, 3, json!({}));
+    g(3).reply(&rig.cp, &node);
     assert_eq!(
         rig.refusal(3)["busy_reason"],
         "gpus_busy",
@@ -537,16 +512,16 @@ fn the_manifest_sets_gpus_per_workload_and_params_win() {
     );
     for n in 1..=2 {
         rig.stop(n);
-        rig.completion(n);
+        g(n).completion(&rig.cp);
     }
 }
 
 #[test]
-fn a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
+fn g10_a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
     let smi = FakeSmi::new("four-a100.csv");
     let rig = Rig::new(4, Some(&smi));
     let mut node = rig.node();
-    assert_eq!(rig.start(&node, 1, json!({"gpus": 1}))["status"], "ok");
+    g(1).with(json!({"gpus": 1})).ok(&rig.cp, &node);
     let held = rig.visible(1);
     node.kill9();
     let meta = rig.setup.config_dir().join("workloads/g1/meta.json");
@@ -554,7 +529,7 @@ fn a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
     std::fs::write(&meta, "{ not json").expect("corrupt");
     let node = rig.node();
     // Its GPU is still its own: four cannot be had, and status names the holder.
-    rig.start(&node, 2, json!({"gpus": 4}));
+    g(2).with(json!({"gpus": 4})).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(2)["busy_reason"], "gpus_busy");
     let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     let holder = holders(&st)
@@ -576,7 +551,7 @@ fn mig_instances_are_assigned_by_their_uuid() {
     std::fs::write(rig.setup.cwd.join("own-mem-1"), "777").expect("own");
     // auto: 3 healthy units ÷ capacity 3 = 1 each, in order.
     for n in 1..=3 {
-        assert_eq!(rig.start(&node, n, json!({}))["status"], "ok");
+        g(n).ok(&rig.cp, &node);
     }
     assert_eq!(rig.visible(1), "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f");
     assert_eq!(rig.visible(2), "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb");
@@ -586,22 +561,22 @@ fn mig_instances_are_assigned_by_their_uuid() {
     for n in 1..=3 {
         rig.stop(n);
     }
-    let one = rig.completion(1);
+    let one = g(1).completion(&rig.cp);
     assert_eq!(
         one["gpu"]["mem_peak_mib"], 777,
         "its own processes only: {one}"
     );
     // The whole GPU's memory when none of its processes was listed.
-    assert_eq!(rig.completion(3)["gpu"]["mem_peak_mib"], 0);
-    rig.completion(2);
+    assert_eq!(g(3).completion(&rig.cp)["gpu"]["mem_peak_mib"], 0);
+    g(2).completion(&rig.cp);
 }
 
 #[test]
-fn zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
+fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
     let smi = FakeSmi::new("four-a100.csv");
     let rig = Rig::new(4, Some(&smi));
     let node = rig.node();
-    assert_eq!(rig.start(&node, 1, json!({"gpus": 0}))["status"], "ok");
+    g(1).with(json!({"gpus": 0})).ok(&rig.cp, &node);
     let env = rig.env_of(1);
     assert!(
         env.contains(&"CUDA_VISIBLE_DEVICES=".to_string()),
@@ -613,7 +588,7 @@ fn zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
     );
     rig.stop(1);
     assert!(
-        rig.completion(1).get("gpu").is_none(),
+        g(1).completion(&rig.cp).get("gpu").is_none(),
         "no GPU, no accounting"
     );
     for (n, bad) in [
@@ -625,7 +600,7 @@ fn zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
         (15, json!([1])),
         (16, json!("１")),
     ] {
-        let r = rig.start(&node, n, json!({"gpus": bad}));
+        let r = g(n).with(json!({"gpus": bad})).reply(&rig.cp, &node);
         assert_eq!(r["status"], "error", "{bad}: {r}");
         assert!(
             r["error"].as_str().unwrap_or("").contains("params.gpus"),
@@ -633,7 +608,7 @@ fn zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
         );
     }
     // More than the node has: never possible here, so not "busy".
-    rig.start(&node, 20, json!({"gpus": 5}));
+    g(20).with(json!({"gpus": 5})).reply(&rig.cp, &node);
     assert!(rig.refusal(20).get("busy_reason").is_none());
 }
 
@@ -642,7 +617,7 @@ fn a_cpu_only_node_runs_workloads_as_before() {
     let rig = Rig::new(2, None);
     let node = rig.node();
     assert!(node.log().contains("a CPU-only node"), "{}", node.log());
-    assert_eq!(rig.start(&node, 1, json!({}))["status"], "ok");
+    g(1).ok(&rig.cp, &node);
     assert!(
         rig.env_of(1).is_empty(),
         "no GPU variables on a CPU-only node"
@@ -655,10 +630,10 @@ fn a_cpu_only_node_runs_workloads_as_before() {
     );
     rig.stop(1);
     assert_eq!(
-        rig.completion(1),
+        g(1).completion(&rig.cp),
         json!({"status": "completed", "success": true, "exit_code": 0})
     );
-    rig.start(&node, 2, json!({"gpus": 1}));
+    g(2).with(json!({"gpus": 1})).reply(&rig.cp, &node);
     let r = rig.refusal(2);
     assert!(r.get("busy_reason").is_none(), "{r}");
     assert!(
@@ -675,13 +650,13 @@ fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
 }
 
 #[test]
-fn guarantee_15_auto_never_means_zero_on_a_gpu_host() {
+fn g15_auto_never_means_zero_on_a_gpu_host() {
     // The driver down (an NVML version mismatch): a start without `gpus` is refused.
     let smi = FakeSmi::new("four-a100.csv");
     smi.host("nvml-mismatch");
     let rig = Rig::new(4, Some(&smi));
     let node = rig.node();
-    rig.start(&node, 1, json!({}));
+    g(1).reply(&rig.cp, &node);
     let r = rig.refusal(1);
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
     assert_eq!(r["rejection_reason"], "host_busy", "{r}");
@@ -693,10 +668,10 @@ fn guarantee_15_auto_never_means_zero_on_a_gpu_host() {
         "the driver's words: {r}"
     );
     // Only an explicit 0 runs without GPUs.
-    assert_eq!(rig.start(&node, 2, json!({"gpus": 0}))["status"], "ok");
+    g(2).with(json!({"gpus": 0})).ok(&rig.cp, &node);
     assert!(rig.env_of(2).contains(&"CUDA_VISIBLE_DEVICES=".to_string()));
     rig.stop(2);
-    rig.completion(2);
+    g(2).completion(&rig.cp);
     drop(node);
 
     // One L40S and four slots: auto is one GPU, not ⌊1 ÷ 4⌋ = 0.
@@ -704,22 +679,17 @@ fn guarantee_15_auto_never_means_zero_on_a_gpu_host() {
     smi.host("l40s-idle");
     let rig = Rig::new(4, Some(&smi));
     let node = rig.node();
-    assert_eq!(
-        rig.start(&node, 3, json!({}))["status"],
-        "ok",
-        "{}",
-        node.log()
-    );
+    assert_eq!(g(3).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
     assert_eq!(rig.visible(3), "GPU-00000000-0000-0000-0000-0000000000c1");
     // The only GPU is held: the next auto start waits for it (busy), never runs GPU-less.
-    rig.start(&node, 4, json!({}));
+    g(4).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(4)["busy_reason"], "gpus_busy");
     rig.stop(3);
-    rig.completion(3);
+    g(3).completion(&rig.cp);
 }
 
 #[test]
-fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words() {
+fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words() {
     let words = "Unable to determine the device handle for GPU 0000:65:00.0: Unknown Error";
     let smi = FakeSmi::new("four-a100.csv");
     smi.host("rtx2080ti-x4");
@@ -755,7 +725,7 @@ fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_driv
     .expect("a heartbeat with 3 healthy GPUs");
     assert_eq!(hb.body["gpus_total"], 4, "{}", hb.body);
     // Four can no longer be had.
-    rig.start(&node, 1, json!({"gpus": 4}));
+    g(1).with(json!({"gpus": 4})).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(1)["busy_reason"], "gpus_unhealthy");
     // doctor (which has seen nothing before) counts it from the driver's line, on stderr or
     // on stdout.
@@ -772,7 +742,7 @@ fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_driv
 }
 
 #[test]
-fn guarantee_15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
+fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
     let smi = FakeSmi::new("four-a100.csv");
     smi.host("h200-mig-load");
     // The host state's processes are strangers; workload 1 lists its own.
@@ -811,12 +781,7 @@ fn guarantee_15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once(
     );
     let mut seen = BTreeSet::new();
     for n in 1..=4 {
-        assert_eq!(
-            rig.start(&node, n, json!({}))["status"],
-            "ok",
-            "{}",
-            node.log()
-        );
+        assert_eq!(g(n).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
         let v = rig.visible(n);
         assert!(
             v.starts_with("MIG-") && !v.contains(','),
@@ -829,9 +794,9 @@ fn guarantee_15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once(
         !seen.contains("MIG-00000000-0000-0000-0000-0000000b2002"),
         "the second compute instance of a held GPU instance is not another GPU"
     );
-    rig.start(&node, 5, json!({}));
+    g(5).reply(&rig.cp, &node);
     assert_eq!(rig.refusal(5)["busy_reason"], "gpus_busy");
-    rig.start(&node, 6, json!({"gpus": 2}));
+    g(6).with(json!({"gpus": 2})).reply(&rig.cp, &node);
     let r = rig.refusal(6);
     assert_eq!(r["busy_reason"], "gpus_unsatisfiable", "{r}");
     assert_eq!(r["rejection_reason"], "host_busy", "{r}");
@@ -842,7 +807,7 @@ fn guarantee_15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once(
     }
     let mut energy = Vec::new();
     for n in 1..=4 {
-        let done = rig.completion(n);
+        let done = g(n).completion(&rig.cp);
         let gpu = &done["gpu"];
         assert_eq!(gpu["count"], 1, "{done}");
         assert_eq!(gpu["shared"], true, "{done}");
@@ -896,7 +861,7 @@ fn gpu_check(smi: &FakeSmi, out: &Path, env: &[(&str, &str)]) -> (i32, String) {
 }
 
 #[test]
-fn guarantee_15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_what_it_skipped() {
+fn g15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_what_it_skipped() {
     let smi = FakeSmi::new("four-a100.csv");
     let out = TempDir::new("gpu-check-out");
     let t0 = std::time::Instant::now();
@@ -977,7 +942,7 @@ fn guarantee_15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_wh
 }
 
 #[test]
-fn guarantee_15_doctor_reads_every_host_state_replayed_through_the_fake() {
+fn g15_doctor_reads_every_host_state_replayed_through_the_fake() {
     let smi = FakeSmi::new("four-a100.csv");
     let mut setup = NodeSetup::bare();
     smi.install(&mut setup);

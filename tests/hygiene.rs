@@ -31,7 +31,7 @@ fn assert_clean(log: &str) {
 }
 
 #[test]
-fn outside_text_cannot_forge_or_corrupt_a_node_log_line() {
+fn g8_outside_text_cannot_forge_or_corrupt_a_node_log_line() {
     let (_b, cp, setup) = rig("cyberwave:\n  training: echo done\n");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -104,7 +104,7 @@ fn proc_status(pid: i32, key: &str) -> u64 {
 }
 
 #[test]
-fn idle_control_connections_cannot_exhaust_threads_or_lock_out_status() {
+fn g8_idle_control_connections_cannot_exhaust_threads_or_lock_out_status() {
     let (_b, _cp, setup) = rig("cyberwave:\n  training: echo done\n");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -152,7 +152,7 @@ fn fnv1a(data: &[u8]) -> u64 {
 }
 
 #[test]
-fn fifty_megabytes_without_a_newline_keep_node_memory_bounded_and_arrive_whole() {
+fn g4_fifty_megabytes_without_a_newline_keep_node_memory_bounded_and_arrive_whole() {
     const LEN: usize = 50_000_000;
     // The workload keeps running after its output: the line is shipped while it runs.
     let (_b, cp, mut setup) = rig(
@@ -278,7 +278,7 @@ fn a_carriage_return_in_workload_output_cannot_hide_the_mirror_tag() {
 }
 
 #[test]
-fn a_result_file_name_cannot_forge_a_node_log_line() {
+fn g8_a_result_file_name_cannot_forge_a_node_log_line() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  training: mkdir -p out && printf x > \"out/$(printf 'f\\n2026-11-30T00:00:00Z ERROR FORGED\\033[31m')\"\n  results_folder: out\n",
     );

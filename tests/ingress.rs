@@ -3,21 +3,13 @@
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::support::control_plane::Request;
 use crate::support::node::NodeSetup;
-use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{node_bin, rig, wait_for, ControlPlane, NodeProcess};
-
-fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str, params: Value) -> Value {
-    cp.command(
-        &node.uuid(),
-        json!({"command": kind, "request_id": rid, "params": params}),
-    );
-    cp.wait_reply(rid, REPLY)
-        .unwrap_or_else(|| panic!("no reply to {rid}"))
-}
+use crate::support::scenario::Start;
+use crate::support::timeouts::{DONE, READY};
+use crate::support::{node_bin, rig, wait_for, ControlPlane};
 
 fn events(cp: &ControlPlane, prefix: &str) -> Vec<Request> {
     cp.requests("ingress")
@@ -48,10 +40,9 @@ fn the_node_reports_its_own_workloads_as_node_events() {
     let node = setup.spawn();
     node.wait_ready(READY);
     let ctx = |n: &str| json!({"workload_uuid": format!("wl-{n}"), "workflow_uuid": "wf-1", "workflow_execution_uuid": "ex-1", "workflow_node_uuid": n, "activation_index": 2, "caller_uuid": "caller-1"});
-    assert_eq!(
-        start(&cp, &node, "training", "ok", ctx("node-ok"))["status"],
-        "ok"
-    );
+    Start::new("training", "ok")
+        .params(ctx("node-ok"))
+        .ok(&cp, &node);
     let ok = wait_events(&cp, "wf-1/execution/ex-1/node/node-ok", 2);
     assert_eq!(ok[0].body["status"], "running");
     assert_eq!(ok[0].body["source_type"], "edge");
@@ -83,7 +74,7 @@ fn the_node_reports_its_own_workloads_as_node_events() {
     // A failing workload (simulate ⇒ source_type sim) reports error with its summary.
     let mut p = ctx("node-bad");
     p["execution_uuid"] = json!("ex-1");
-    assert_eq!(start(&cp, &node, "simulate", "bad", p)["status"], "ok");
+    Start::new("simulate", "bad").params(p).ok(&cp, &node);
     let bad = wait_events(&cp, "wf-1/execution/ex-1/node/node-bad", 2);
     assert_eq!(bad[1].body["status"], "error");
     assert_eq!(bad[1].body["source_type"], "sim");
@@ -115,16 +106,7 @@ fn workloads_emit_events_in_order_and_bad_tokens_are_refused() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(
-        start(
-            &cp,
-            &node,
-            "inference",
-            "em",
-            json!({"workload_uuid": "wl-em"})
-        )["status"],
-        "ok"
-    );
+    Start::new("inference", "em").ok(&cp, &node);
     let ev = wait_events(&cp, "wf-e/", 4);
     assert_eq!(
         ev.len(),
@@ -172,10 +154,7 @@ fn workloads_emit_events_in_order_and_bad_tokens_are_refused() {
     assert!(rc.contains("forged=3"), "{rc}");
     // A workload started for one workflow may report only that workflow.
     let bound = json!({"workload_uuid": "wl-bound", "workflow_uuid": "wf-bound", "execution_uuid": "x1", "node_uuid": "n0"});
-    assert_eq!(
-        start(&cp, &node, "training", "bound", bound)["status"],
-        "ok"
-    );
+    Start::new("training", "bound").params(bound).ok(&cp, &node);
     assert!(cp.wait_status("wl-bound", "completed", DONE).is_some());
     let rc = std::fs::read_to_string(setup.cwd.join("rc.txt")).unwrap_or_default();
     assert!(rc.contains("other=3") && rc.contains("own=0"), "{rc}");
@@ -289,22 +268,13 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
 }
 
 #[test]
-fn events_survive_a_broker_outage_and_a_sigkill_of_the_node() {
+fn g3_events_survive_a_broker_outage_and_a_sigkill_of_the_node() {
     let (mut broker, cp, setup) = rig(
         "cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    E=$(\"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-k --execution ex-k)\n    for i in $(seq 1 99); do \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-k --execution ex-k --node n$i --status success || exit 9; done\n    echo done > emitted.txt\n",
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(
-        start(
-            &cp,
-            &node,
-            "inference",
-            "k",
-            json!({"workload_uuid": "wl-k"})
-        )["status"],
-        "ok"
-    );
+    Start::new("inference", "k").ok(&cp, &node);
     broker.stop();
     std::fs::write(setup.cwd.join("go"), "").expect("go");
     // `emit` returns while the broker is down: the events are in the node's queue.
@@ -356,16 +326,7 @@ fn emit_while_the_node_is_down_queues_the_event_for_its_return() {
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(
-        start(
-            &cp,
-            &node,
-            "inference",
-            "off",
-            json!({"workload_uuid": "wl-off"})
-        )["status"],
-        "ok"
-    );
+    Start::new("inference", "off").ok(&cp, &node);
     node.kill9();
     std::fs::write(setup.cwd.join("go"), "").expect("go");
     let rc = wait_for(DONE, || {

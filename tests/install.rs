@@ -284,12 +284,9 @@ fn pid_in(out: &str) -> Option<i32> {
 }
 
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_without_home() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("\n*** SKIPPED: a private PID namespace needs root ***\n");
-        return;
-    }
+    crate::support::assert_root("for a private PID namespace");
     let Some(venv) = cli_venv() else { return };
     let (_broker, cp, setup) = crate::support::rig("cyberwave:\n  training: sleep 1\n");
     let manifest = setup.cwd.join("cyberwave.yml");

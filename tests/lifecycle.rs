@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::{completion, uploaded};
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{Broker, ControlPlane, NodeProcess};
 
@@ -34,15 +35,6 @@ fn uploading_node(
     (broker, cp, setup, node)
 }
 
-fn completion(cp: &ControlPlane, wl: &str) -> Value {
-    let all = cp
-        .wait_status(wl, "completed", DONE)
-        .unwrap_or_else(|| panic!("no completion for {wl}"));
-    all.into_iter()
-        .find(|b| b["status"] == "completed")
-        .unwrap_or_default()
-}
-
 /// Exists and is not a zombie (a zombie has ended; it only waits for its parent).
 fn alive(pid: u32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -56,7 +48,7 @@ fn alive(pid: u32) -> bool {
 }
 
 #[test]
-fn guarantee_9_cancel_of_a_workload_that_already_succeeded_answers_already_finished() {
+fn g9_cancel_of_a_workload_that_already_succeeded_answers_already_finished() {
     let (_b, cp, _setup, node) = uploading_node(
         Duration::from_secs(3),
         "mkdir -p out && echo result > out/r.txt",
@@ -90,17 +82,16 @@ fn guarantee_9_cancel_of_a_workload_that_already_succeeded_answers_already_finis
 }
 
 #[test]
-fn guarantee_9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0
-        || std::fs::OpenOptions::new()
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
+    crate::support::assert_root("to recycle a pid through ns_last_pid");
+    assert!(
+        std::fs::OpenOptions::new()
             .write(true)
             .open("/proc/sys/kernel/ns_last_pid")
-            .is_err()
-    {
-        eprintln!("skipped: recycling a pid needs root and a writable ns_last_pid");
-        return;
-    }
+            .is_ok(),
+        "recycling a pid needs a writable /proc/sys/kernel/ns_last_pid"
+    );
     let (_b, cp, _setup, node) = uploading_node(
         Duration::from_secs(4),
         "mkdir -p out && echo result > out/r.txt",
@@ -157,7 +148,7 @@ fn guarantee_9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
 }
 
 #[test]
-fn guarantee_9_a_second_cancel_keeps_the_first_deadline() {
+fn g9_a_second_cancel_keeps_the_first_deadline() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);
@@ -234,7 +225,7 @@ fn pids_in(path: &std::path::Path) -> Vec<u32> {
 }
 
 #[test]
-fn guarantee_9_processes_a_workload_leaves_behind_are_ended_before_it_is_reported() {
+fn g9_processes_a_workload_leaves_behind_are_ended_before_it_is_reported() {
     let (_b, cp, setup, node) = node_with(
         "cyberwave:\n  training: |\n    for i in $(seq 1 20); do sleep 40 & echo $! >> kids; done\n    (trap '' TERM; exec sleep 40) & echo $! >> kids\n    exit 0\n",
         &[("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1")],
@@ -256,7 +247,7 @@ fn guarantee_9_processes_a_workload_leaves_behind_are_ended_before_it_is_reporte
 }
 
 #[test]
-fn guarantee_9_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cancellable() {
+fn g2_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cancellable() {
     let (_b, cp, setup, node) = node_with(
         "cyberwave:\n  simulate: sleep 60\n",
         &[("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1")],
@@ -310,7 +301,7 @@ fn guarantee_9_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cance
 }
 
 #[test]
-fn guarantee_3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends() {
+fn g3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends() {
     let (_b, cp, setup, node) = node_with("cyberwave:\n  simulate: sleep 60\n", &[]);
     let r = command(
         &cp,
@@ -345,12 +336,9 @@ fn guarantee_3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends()
 }
 
 #[test]
-fn guarantee_3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to mount a small tmpfs");
-        return;
-    }
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
+    crate::support::assert_root("to mount a small tmpfs");
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);
@@ -423,24 +411,8 @@ fn guarantee_3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns
     assert_eq!(n, 1);
 }
 
-/// The file names workload `wl` reported as uploaded (R10).
-fn uploaded(cp: &ControlPlane, wl: &str) -> Vec<String> {
-    cp.requests("workload:upload-results")
-        .iter()
-        .filter(|r| r.id == wl)
-        .flat_map(|r| {
-            r.body["filenames"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .filter_map(|v| v.as_str().map(String::from))
-        })
-        .collect()
-}
-
 #[test]
-fn guarantee_10_concurrent_workloads_upload_only_their_own_results() {
+fn g10_concurrent_workloads_upload_only_their_own_results() {
     let (_b, cp, setup, node) = node_with(
         "cyberwave:\n  training: |\n    id=$CYBERWAVE_REQUEST_ID\n    echo \"result of $id\" > \"$CYBERWAVE_RESULTS_DIR/$id.txt\"\n    mkdir -p out && echo loose > \"out/loose-$id.txt\"\n    while [ ! -f \"release-$id\" ]; do sleep 0.05; done\n  results_folder: out\ncloud_node:\n  max_concurrent_workloads: 2\n",
         &[],
@@ -493,7 +465,7 @@ fn guarantee_10_concurrent_workloads_upload_only_their_own_results() {
 }
 
 #[test]
-fn guarantee_10_results_over_max_result_bytes_are_skipped_by_name() {
+fn g10_results_over_max_result_bytes_are_skipped_by_name() {
     let (_b, cp, _setup, node) = node_with(
         "cyberwave:\n  training: |\n    head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/big.bin\"\n    printf small > \"$CYBERWAVE_RESULTS_DIR/small.txt\"\n  results_folder: out\ncloud_node:\n  max_result_bytes: 10\n",
         &[],

@@ -7,24 +7,14 @@ use serde_json::{json, Value};
 
 use crate::support::control_plane::Request;
 use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+use crate::support::{wait_for, Broker, ControlPlane};
 
 fn rig(manifest: &str, interval: &str) -> (Broker, ControlPlane, NodeSetup) {
     let (broker, cp, mut setup) = crate::support::rig(manifest);
     setup.set("CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL", interval);
     (broker, cp, setup)
-}
-
-fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str, wl: &str) {
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
-    );
-    assert_eq!(
-        cp.wait_reply(rid, REPLY).expect("start reply")["status"],
-        "ok"
-    );
 }
 
 /// Log chunks of workload `wl`, by stream: offset → the longest chunk sent from there. A chunk
@@ -99,14 +89,14 @@ fn completion_request(cp: &ControlPlane, wl: &str) -> Option<Request> {
 }
 
 #[test]
-fn every_line_is_streamed_once_in_order_and_mirrored() {
+fn g4_every_line_is_streamed_once_in_order_and_mirrored() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  training: |\n    for i in $(seq 1 100); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
         "0.2",
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "lines", "wl-lines");
+    Start::training("lines").ok(&cp, &node);
     assert!(
         cp.wait_status("wl-lines", "completed", DONE).is_some(),
         "{}",
@@ -186,14 +176,14 @@ fn every_line_is_streamed_once_in_order_and_mirrored() {
 // every_line_of_a_chunk_is_tagged_and_an_unfinished_one_waits.
 
 #[test]
-fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
+fn g4_a_node_killed_mid_stream_resumes_without_gap_or_loss() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  training: |\n    for i in $(seq 1 200); do echo \"out $i\"; echo \"err $i\" >&2; sleep 0.01; done\n",
         "0.2",
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "kill", "wl-kill");
+    Start::training("kill").ok(&cp, &node);
     assert!(wait_for(REPLY, || (chunks(&cp, "wl-kill")[0].len() >= 2)
         .then_some(()))
     .is_some());
@@ -212,14 +202,14 @@ fn a_node_killed_mid_stream_resumes_without_gap_or_loss() {
 }
 
 #[test]
-fn a_broker_outage_mid_stream_loses_nothing() {
+fn g4_a_broker_outage_mid_stream_loses_nothing() {
     let (mut broker, cp, setup) = rig(
         "cyberwave:\n  training: |\n    for i in $(seq 1 150); do echo \"out $i\"; sleep 0.01; done\n    while [ ! -f go ]; do sleep 0.05; done\n    for i in $(seq 151 300); do echo \"out $i\"; sleep 0.01; done\n",
         "0.2",
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "outage", "wl-outage");
+    Start::training("outage").ok(&cp, &node);
     assert!(wait_for(REPLY, || (rebuild(&chunks(&cp, "wl-outage")[0])
         == numbered("out", 150))
     .then_some(()))
@@ -239,11 +229,11 @@ fn a_broker_outage_mid_stream_loses_nothing() {
 }
 
 #[test]
-fn a_flood_of_output_does_not_starve_commands() {
+fn g6_a_flood_of_output_does_not_starve_commands() {
     let (_b, cp, setup) = rig("cyberwave:\n  training: yes 0123456789abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz | head -c 500000000\n", "0.5");
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "flood", "wl-flood");
+    Start::training("flood").ok(&cp, &node);
     let log = setup
         .home
         .join(".cyberwave/workload_logs/training_flood.stdout.log");
@@ -286,7 +276,7 @@ fn max_log_bytes_keeps_the_newest_part_and_says_what_was_dropped() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "cap", "wl-cap");
+    Start::training("cap").ok(&cp, &node);
     let log = setup
         .home
         .join(".cyberwave/workload_logs/training_cap.stdout.log");
@@ -360,7 +350,7 @@ fn old_logs_are_pruned_but_never_a_running_workloads() {
     );
     assert!(fresh.exists(), "recent logs kept");
     // A running workload's log is kept however old its timestamp looks.
-    start(&cp, &node, "run", "wl-run");
+    Start::training("run").ok(&cp, &node);
     node.kill9();
     let running_log = state.join("workload_logs/training_run.stdout.log");
     let ok = std::process::Command::new("touch")

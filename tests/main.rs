@@ -20,6 +20,7 @@ mod container;
 mod edge;
 mod endpoints;
 mod gpu;
+mod guarantees;
 mod hostile;
 mod hygiene;
 mod ingress;

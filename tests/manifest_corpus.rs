@@ -83,7 +83,7 @@ fn exception(file: &str, mode: &str) -> Option<&'static str> {
 }
 
 #[test]
-fn validate_agrees_with_the_platform_on_every_corpus_file() {
+fn g8_validate_agrees_with_the_platform_on_every_corpus_file() {
     let verdicts: Value = serde_json::from_str(
         &std::fs::read_to_string(corpus_dir().join("verdicts.json")).expect("verdicts.json"),
     )

@@ -10,7 +10,7 @@ use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, wait_for};
 
 #[test]
-fn a_huge_max_runtime_neither_kills_the_node_nor_makes_it_crash_loop() {
+fn g8_a_huge_max_runtime_neither_kills_the_node_nor_makes_it_crash_loop() {
     // A manifest limit past 30 days is a configuration error (exit 2, naming the key), never
     // a panic; the command's own huge limit is refused at the edge.
     let (_b, cp, setup) = rig("cyberwave:\n  training: sleep 30\n  max_runtime_seconds: 1e300\n");
@@ -63,7 +63,7 @@ fn a_huge_max_runtime_neither_kills_the_node_nor_makes_it_crash_loop() {
 }
 
 #[test]
-fn huge_seconds_in_the_environment_are_no_panic() {
+fn g8_huge_seconds_in_the_environment_are_no_panic() {
     let mut base = NodeSetup::bare();
     base.set("CYBERWAVE_API_KEY", TOKEN);
     base.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");

@@ -7,14 +7,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{node_bin, rig, wait_for, ControlPlane, HeartbeatMode, NodeProcess};
-
-fn start(cp: &ControlPlane, node: &NodeProcess, kind: &str, rid: &str) -> Value {
-    cp.command(&node.uuid(), json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}));
-    cp.wait_reply(rid, REPLY)
-        .unwrap_or_else(|| panic!("no reply to {rid}"))
-}
+use crate::support::{node_bin, rig, wait_for, HeartbeatMode};
 
 fn status_json(setup: &NodeSetup) -> Value {
     let out = setup.run(&["status", "--json"]);
@@ -27,7 +22,7 @@ fn status_shows_the_running_node_and_what_the_state_dir_says_when_it_is_down() {
     let (_b, cp, setup) = rig("cyberwave:\n  training: sleep 20\n");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    let pid = start(&cp, &node, "training", "st-1")["output"]["pid"]
+    let pid = Start::new("training", "st-1").reply(&cp, &node)["output"]["pid"]
         .as_i64()
         .unwrap_or(0);
     let st = status_json(&setup);
@@ -62,7 +57,7 @@ fn logs_prints_and_follows_a_workload_until_it_ends() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "training", "lg");
+    Start::new("training", "lg").reply(&cp, &node);
     let t = Instant::now();
     let out = Command::new(node_bin())
         .args(["logs", "lg", "-f"])
@@ -156,10 +151,10 @@ fn drain_refuses_new_work_lets_running_work_finish_and_resume_accepts_again() {
     setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.3");
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(start(&cp, &node, "training", "first")["status"], "ok");
+    Start::new("training", "first").ok(&cp, &node);
     let drained = setup.run(&["drain"]);
     assert_eq!(drained.code, Some(0), "{drained:?}");
-    let r = start(&cp, &node, "training", "refused");
+    let r = Start::new("training", "refused").reply(&cp, &node);
     assert_eq!(r["status"], "error");
     let failed = cp
         .wait_status("wl-refused", "failed", REPLY)
@@ -188,7 +183,7 @@ fn drain_refuses_new_work_lets_running_work_finish_and_resume_accepts_again() {
     );
     assert!(t.elapsed() < Duration::from_secs(5));
     assert_eq!(setup.run(&["resume"]).code, Some(0));
-    assert_eq!(start(&cp, &node, "training", "again")["status"], "ok");
+    Start::new("training", "again").ok(&cp, &node);
     // The signal pair does the same.
     node.signal(libc::SIGUSR1);
     assert!(wait_for(REPLY, || (status_json(&setup)["draining"] == true)
@@ -208,9 +203,9 @@ fn drain_after_one_exits_0_once_the_workload_completed() {
     setup.arg("--drain-after-one");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(start(&cp, &node, "training", "only")["status"], "ok");
+    Start::new("training", "only").ok(&cp, &node);
     assert_eq!(
-        start(&cp, &node, "training", "second")["status"],
+        Start::new("training", "second").reply(&cp, &node)["status"],
         "error",
         "one-shot: no second workload"
     );
@@ -229,7 +224,7 @@ fn the_disk_guard_refuses_starts() {
         rig("cyberwave:\n  training: sleep 1\n  min_free_disk_mb: 999999999999\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    let r = start(&cp, &node, "training", "full");
+    let r = Start::new("training", "full").reply(&cp, &node);
     assert_eq!(r["status"], "error");
     assert!(
         r["error"]
@@ -313,8 +308,8 @@ fn the_metrics_file_is_prometheus_text_and_its_counters_move() {
         &wait_for(REPLY, || std::fs::read_to_string(&metrics).ok()).expect("metrics file"),
     );
     assert_eq!(sample(&before, "cyberwave_node_starts_total", ""), 0.0);
-    start(&cp, &node, "training", "m1");
-    start(&cp, &node, "simulate", "m2");
+    Start::new("training", "m1").reply(&cp, &node);
+    Start::new("simulate", "m2").reply(&cp, &node);
     cp.command(
         &node.uuid(),
         json!({"command": "inference", "request_id": "m3", "params": {}}),

@@ -8,7 +8,8 @@ use serde_json::{json, Value};
 use crate::support::node::{NodeSetup, TOKEN};
 use crate::support::{Broker, ControlPlane};
 
-use crate::results::{pattern, start};
+use crate::results::pattern;
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
 
 #[test]
@@ -57,7 +58,7 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(start(&cp, &node, "mp", "wl-mp")["status"], "ok");
+    Start::training("mp").ok(&cp, &node);
     assert!(
         cp.wait_status("wl-mp", "completed", DONE).is_some(),
         "{}",
@@ -130,7 +131,7 @@ fn a_start_during_shutdown_is_a_retryable_host_busy_refusal() {
     node.wait_ready(READY);
     node.sigterm();
     assert!(node.wait_log("shutting down", REPLY));
-    let r = start(&cp, &node, "late", "wl-late");
+    let r = Start::training("late").reply(&cp, &node);
     assert_eq!(r["status"], "error");
     let err = r["error"].as_str().unwrap_or_default().to_string();
     assert!(err.starts_with("Controller host is busy with"), "{err}");

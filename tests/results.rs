@@ -5,22 +5,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, NodeProcess, TempDir};
-
-pub(crate) fn start(
-    cp: &ControlPlane,
-    node: &NodeProcess,
-    rid: &str,
-    wl: &str,
-) -> serde_json::Value {
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
-    );
-    cp.wait_reply(rid, REPLY)
-        .unwrap_or_else(|| panic!("no reply to {rid}"))
-}
+use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
 
 pub(crate) fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
@@ -29,7 +16,7 @@ pub(crate) fn pattern(seed: u8, len: usize) -> Vec<u8> {
 }
 
 #[test]
-fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
+fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     cp.set_behaviour(|b| {
@@ -54,7 +41,7 @@ fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(start(&cp, &node, "up", "wl-up")["status"], "ok");
+    Start::training("up").ok(&cp, &node);
     // During the upload the node is busy and says why.
     assert!(
         cp.wait_status("wl-up", "finalizing", DONE).is_some(),
@@ -64,7 +51,7 @@ fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(st["output"]["is_busy"], true);
     assert_eq!(st["output"]["active_workloads"][0]["state"], "finalizing");
-    let r = start(&cp, &node, "during", "wl-during");
+    let r = Start::training("during").reply(&cp, &node);
     assert_eq!(r["status"], "error");
     let err = r["error"].as_str().unwrap_or_default();
     assert!(
@@ -118,7 +105,7 @@ fn results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     );
     assert!(secret.exists(), "the symlink's target is untouched");
     // And the node is free again.
-    assert_eq!(start(&cp, &node, "after", "wl-after")["status"], "ok");
+    Start::training("after").ok(&cp, &node);
 }
 
 #[test]
@@ -130,7 +117,7 @@ fn a_stale_workload_is_terminated_and_its_slot_reused() {
     setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    let first = start(&cp, &node, "old", "wl-old");
+    let first = Start::training("old").reply(&cp, &node);
     let pid = first["output"]["pid"].as_i64().unwrap_or(0);
     // The backend finished with it long ago; a new start must not be refused because of it.
     cp.set_behaviour(|b| {
@@ -138,7 +125,7 @@ fn a_stale_workload_is_terminated_and_its_slot_reused() {
             .insert("wl-old".into(), Some((200, json!({"status": "completed"}))));
     });
     let t = Instant::now();
-    let r = start(&cp, &node, "new", "wl-new");
+    let r = Start::training("new").reply(&cp, &node);
     assert_eq!(r["status"], "ok", "{r}\n{}", node.log());
     assert!(t.elapsed() < Duration::from_secs(8));
     // SAFETY: probing a pid.
@@ -169,7 +156,7 @@ fn self_heal_runs_before_heartbeats_and_404_means_stale() {
     setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    let r = start(&cp, &node, "gone", "wl-gone");
+    let r = Start::training("gone").reply(&cp, &node);
     let pid = r["output"]["pid"].as_i64().unwrap_or(0);
     cp.set_behaviour(|b| {
         b.workloads.insert(
@@ -202,7 +189,7 @@ fn self_heal_runs_before_heartbeats_and_404_means_stale() {
 }
 
 #[test]
-fn an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
+fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);
@@ -218,10 +205,12 @@ fn an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
     });
     let node = setup.spawn();
     node.wait_ready(READY);
-    let p1 = start(&cp, &node, "k500", "wl-500")["output"]["pid"]
+    let p1 = Start::training("k500").workload("wl-500").reply(&cp, &node)["output"]["pid"]
         .as_i64()
         .unwrap_or(0);
-    let p2 = start(&cp, &node, "khang", "wl-hang")["output"]["pid"]
+    let p2 = Start::training("khang")
+        .workload("wl-hang")
+        .reply(&cp, &node)["output"]["pid"]
         .as_i64()
         .unwrap_or(0);
     let from = Instant::now();
@@ -271,8 +260,8 @@ fn two_workloads_ending_together_upload_side_by_side() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(start(&cp, &node, "pa", "wl-pa")["status"], "ok");
-    assert_eq!(start(&cp, &node, "pb", "wl-pb")["status"], "ok");
+    Start::training("pa").ok(&cp, &node);
+    Start::training("pb").ok(&cp, &node);
     std::fs::write(setup.cwd.join("go"), "").unwrap();
     for wl in ["wl-pa", "wl-pb"] {
         assert!(
@@ -295,7 +284,7 @@ fn two_workloads_ending_together_upload_side_by_side() {
 /// all of them. Proven by the fake sink seeing two PUTs at once, not by timing. On main at
 /// 24ce237 one workload's files went one after the other.
 #[test]
-fn the_files_of_one_workload_upload_side_by_side_and_complete_once() {
+fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     cp.set_behaviour(|b| {
@@ -309,7 +298,7 @@ fn the_files_of_one_workload_upload_side_by_side_and_complete_once() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert_eq!(start(&cp, &node, "pf", "wl-pf")["status"], "ok");
+    Start::training("pf").ok(&cp, &node);
     let statuses = cp
         .wait_status("wl-pf", "completed", DONE)
         .unwrap_or_else(|| panic!("{}", node.log()));

@@ -8,8 +8,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
 use crate::support::timeouts::READY;
-use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+use crate::support::{wait_for, Broker, ControlPlane};
 
 fn rig(slow_ms: u64, manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
     let broker = Broker::start();
@@ -29,19 +30,11 @@ fn runs(setup: &NodeSetup, rid: &str) -> usize {
         .unwrap_or(0)
 }
 
-fn start(cp: &ControlPlane, node: &NodeProcess, rid: &str) {
-    cp.command(
-        &node.uuid(),
-        json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("wl-{rid}")}}),
-    );
-}
-
 /// Guarantees 1 and 6: 20 starts sent at once (each delivered twice) on a slow disk each run
 /// exactly once, and `status` is answered while starts are provably still in flight (its reply
 /// comes before the last start's, and lists workloads still `starting`).
 #[test]
-fn guarantee_1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_meanwhile()
-{
+fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_meanwhile() {
     let (_broker, cp, setup) = rig(
         100,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; until [ -e t/stop ]; do sleep 0.1; done\n",
@@ -50,10 +43,10 @@ fn guarantee_1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_
     node.wait_ready(READY);
     let rids: Vec<String> = (0..20).map(|i| format!("c{i}")).collect();
     for rid in &rids {
-        start(&cp, &node, rid);
+        Start::new("inference", rid).send(&cp, &node);
     }
     for rid in &rids {
-        start(&cp, &node, rid); // a QoS 1 redelivery while the first is in flight
+        Start::new("inference", rid).send(&cp, &node); // a QoS 1 redelivery while the first is in flight
     }
     let status = cp
         .status(&node.uuid(), "st-during", Duration::from_secs(10))
@@ -123,11 +116,11 @@ fn guarantee_1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_
 /// workload exits at once while the node still syncs its record on a slow disk): the end is
 /// not lost, and the completion goes out once with the real exit code.
 #[test]
-fn a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() {
+fn g3_a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() {
     let (_broker, cp, setup) = rig(300, "cyberwave:\n  inference: exit 3\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "quick");
+    Start::new("inference", "quick").send(&cp, &node);
     let reply = cp
         .wait_reply("quick", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
@@ -157,14 +150,14 @@ fn a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() 
 /// workload; the redelivered start is answered from it and does not run it a second time; its
 /// completion goes out once.
 #[test]
-fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
+fn g1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
     let (_broker, cp, mut setup) = rig(
         600,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 1\n",
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "k1");
+    Start::new("inference", "k1").send(&cp, &node);
     wait_for(Duration::from_secs(10), || {
         Some(()).filter(|_| runs(&setup, "k1") == 1)
     })
@@ -177,7 +170,7 @@ fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_worklo
     setup.unset("CYBERWAVE_TEST_SLOW_FSYNC_MS");
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "k1"); // the backend asks again: no answer came
+    Start::new("inference", "k1").send(&cp, &node); // the backend asks again: no answer came
     let reply = cp
         .wait_reply("k1", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
@@ -195,14 +188,14 @@ fn guarantee_1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_worklo
 /// A shutdown while a start is in flight: the node waits for it, answers it and names the
 /// workload it leaves running (guarantee 2), then exits cleanly.
 #[test]
-fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
+fn g2_a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
     let (_broker, cp, setup) = rig(
         700,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 5\n",
     );
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "late");
+    Start::new("inference", "late").send(&cp, &node);
     wait_for(Duration::from_secs(10), || {
         Some(()).filter(|_| runs(&setup, "late") == 1)
     })
@@ -227,14 +220,14 @@ fn a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
 /// A cancel that comes while its workload is starting is answered at once and carried out as
 /// soon as the workload runs: the workload gets the signal and is reported cancelled, once.
 #[test]
-fn a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload_runs() {
+fn g9_a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload_runs() {
     let (_broker, cp, setup) = rig(
         500,
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; trap 'echo term >> t/$CYBERWAVE_REQUEST_ID.runs; exit 143' TERM; sleep 30 & wait\n",
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "early");
+    Start::new("inference", "early").send(&cp, &node);
     cp.command(
         &node.uuid(),
         json!({"command": "cancel", "request_id": "cx", "params": {"workload_request_id": "early"}}),
@@ -271,14 +264,14 @@ fn a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workload
 /// A workload runs before its start is reported: an `emit` it sends meanwhile waits for the
 /// report and is then accepted (its token is the workload's own), not refused as unknown.
 #[test]
-fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
+fn g10_an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
     let (_broker, cp, setup) = rig(
         500,
         "cyberwave:\n  inference: |\n    \"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-s > t/emit.out 2>&1; echo \"rc=$?\" >> t/emit.out\n    sleep 1\n",
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    start(&cp, &node, "em");
+    Start::new("inference", "em").send(&cp, &node);
     let reply = cp
         .wait_reply("em", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
@@ -304,7 +297,7 @@ fn an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
 /// with four GPUs (one each) get four different GPUs, although none was reported yet when the
 /// next was accepted.
 #[test]
-fn guarantee_10_starts_in_flight_hold_their_gpus() {
+fn g10_starts_in_flight_hold_their_gpus() {
     let (_broker, cp, mut setup) = rig(
         300,
         "cyberwave:\n  max_concurrent_workloads: 4\n  inference: |\n    echo \"$CUDA_VISIBLE_DEVICES\" > t/$CYBERWAVE_REQUEST_ID.gpu\n    sleep 2\n",
@@ -326,7 +319,7 @@ fn guarantee_10_starts_in_flight_hold_their_gpus() {
     node.wait_ready(READY);
     let rids = ["g0", "g1", "g2", "g3"];
     for rid in rids {
-        start(&cp, &node, rid);
+        Start::new("inference", rid).send(&cp, &node);
     }
     let mut seen = std::collections::BTreeSet::new();
     for rid in rids {

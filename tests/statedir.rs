@@ -7,7 +7,7 @@ use crate::support::rig;
 use crate::support::timeouts::{EXIT, READY};
 
 #[test]
-fn guarantee_12_a_second_node_on_the_same_state_dir_exits_1_naming_the_first() {
+fn g12_a_second_node_on_the_same_state_dir_exits_1_naming_the_first() {
     let (_broker, cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let first = setup.spawn();
     first.wait_ready(READY);
@@ -27,7 +27,7 @@ fn guarantee_12_a_second_node_on_the_same_state_dir_exits_1_naming_the_first() {
 }
 
 #[test]
-fn guarantee_12_a_state_dir_writable_by_others_is_refused_and_left_as_it_is() {
+fn g12_a_state_dir_writable_by_others_is_refused_and_left_as_it_is() {
     let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let dir = setup.config_dir();
     std::fs::create_dir_all(&dir).unwrap();
@@ -45,12 +45,9 @@ fn guarantee_12_a_state_dir_writable_by_others_is_refused_and_left_as_it_is() {
 }
 
 #[test]
-fn guarantee_12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to hand the state dir to another user");
-        return;
-    }
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
+    crate::support::assert_root("to hand the state dir to another user");
     let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let dir = setup.config_dir();
     std::fs::create_dir_all(&dir).unwrap();
@@ -69,7 +66,7 @@ fn guarantee_12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
 }
 
 #[test]
-fn guarantee_11_a_copied_state_dir_is_named_as_a_duplicate_client_id_and_doctor_fails() {
+fn g11_a_copied_state_dir_is_named_as_a_duplicate_client_id_and_doctor_fails() {
     let (broker, cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let first = setup.spawn();
     first.wait_ready(READY);

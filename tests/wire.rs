@@ -113,7 +113,7 @@ fn production_environment_means_no_prefix() {
 }
 
 #[test]
-fn heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
+fn g6_heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
     let delay = Duration::from_millis(1500);
     let (broker, cp) = backend_with(|b| b.heartbeat = HeartbeatMode::Delay(delay));
     let mut setup = NodeSetup::new(&broker, &cp);
@@ -210,7 +210,7 @@ fn reconnects_and_resubscribes_after_a_broker_outage() {
 }
 
 #[test]
-fn a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
+fn g1_a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);
@@ -512,7 +512,7 @@ fn environment_reservation_is_sent_and_enforced() {
 }
 
 #[test]
-fn bad_commands_get_clear_errors_and_the_node_keeps_serving() {
+fn g5_bad_commands_get_clear_errors_and_the_node_keeps_serving() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let node = NodeSetup::new(&broker, &cp).spawn();
@@ -718,7 +718,7 @@ fn the_token_check_over_https_verifies_against_the_system_trust_store() {
 }
 
 #[test]
-fn systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping() {
+fn g11_systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut setup = NodeSetup::new(&broker, &cp);

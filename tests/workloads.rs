@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::scenario::{completion, Start};
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
 
@@ -29,26 +30,6 @@ impl Rig {
         let node = self.setup.spawn();
         node.wait_ready(READY);
         node
-    }
-
-    fn start(&self, node: &NodeProcess, kind: &str, rid: &str, params: Value) -> Value {
-        self.cp.command(
-            &node.uuid(),
-            json!({"command": kind, "request_id": rid, "params": params}),
-        );
-        self.cp
-            .wait_reply(rid, REPLY)
-            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
-    }
-
-    fn completion(&self, wl: &str) -> Value {
-        let all = self
-            .cp
-            .wait_status(wl, "completed", DONE)
-            .unwrap_or_else(|| panic!("no completion for {wl}: {:?}", self.cp.statuses(wl)));
-        let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
-        assert_eq!(done.len(), 1, "exactly one completion for {wl}: {all:?}");
-        done[0].clone()
     }
 
     fn work(&self, rel: &str) -> std::path::PathBuf {
@@ -87,30 +68,27 @@ fn completions_carry_the_real_exit_code() {
         ("signal", "wl-signal"),
         ("fast", "wl-fast"),
     ] {
-        let r = rig.start(
-            &node,
-            "training",
-            &format!("r-{mode}"),
-            json!({"workload_uuid": wl, "mode": mode}),
-        );
+        let r = Start::new("training", &format!("r-{mode}"))
+            .params(json!({"workload_uuid": wl, "mode": mode}))
+            .reply(&rig.cp, &node);
         assert_eq!(r["status"], "ok", "{r}");
         assert!(r["output"]["pid"].as_i64().unwrap_or(0) > 0, "{r}");
         assert_eq!(r["output"]["workload_request_id"], format!("r-{mode}"));
     }
-    let ok = rig.completion("wl-ok");
+    let ok = completion(&rig.cp, "wl-ok");
     assert_eq!(
         ok,
         json!({"status": "completed", "success": true, "exit_code": 0})
     );
-    let three = rig.completion("wl-three");
+    let three = completion(&rig.cp, "wl-three");
     assert_eq!(three["success"], false);
     assert_eq!(three["exit_code"], 3);
     assert_eq!(three["error"], "it broke badly");
     assert_eq!(three["stderr"], "it broke badly");
-    let sig = rig.completion("wl-signal");
+    let sig = completion(&rig.cp, "wl-signal");
     assert_eq!(sig["success"], false);
     assert_eq!(sig["exit_code"], -9, "killed by signal 9: {sig}");
-    let fast = rig.completion("wl-fast");
+    let fast = completion(&rig.cp, "wl-fast");
     assert_eq!(fast["exit_code"], 0);
     assert_eq!(fast["success"], true);
     // R7 running came first, with the workload's pid.
@@ -120,10 +98,10 @@ fn completions_carry_the_real_exit_code() {
 }
 
 #[test]
-fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
+fn g1_the_same_start_twice_spawns_once_and_capacity_is_enforced() {
     let rig = Rig::new("cyberwave:\n  simulate: echo started >> starts.txt; sleep 3\n");
     let node = rig.node();
-    let first = rig.start(&node, "simulate", "dup", json!({"workload_uuid": "wl-dup"}));
+    let first = Start::new("simulate", "dup").reply(&rig.cp, &node);
     rig.cp.command(
         &node.uuid(),
         json!({"command": "simulate", "request_id": "dup", "params": {"workload_uuid": "wl-dup"}}),
@@ -173,7 +151,7 @@ fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
         Some(1)
     );
     // Once it is done, the same request id is still answered from the ledger, not run again.
-    rig.completion("wl-dup");
+    completion(&rig.cp, "wl-dup");
     rig.cp.command(
         &node.uuid(),
         json!({"command": "simulate", "request_id": "dup", "params": {}}),
@@ -192,7 +170,7 @@ fn the_same_start_twice_spawns_once_and_capacity_is_enforced() {
 }
 
 #[test]
-fn hostile_params_reach_the_workload_intact_and_never_a_shell() {
+fn g5_hostile_params_reach_the_workload_intact_and_never_a_shell() {
     let rig = Rig::new("cyberwave:\n  inference: mkdir -p got && cp {body} \"got/$(date +%s%N).json\"\n  max_concurrent_workloads: 8\n");
     let node = rig.node();
     let values = [
@@ -204,9 +182,11 @@ fn hostile_params_reach_the_workload_intact_and_never_a_shell() {
         json!("x".repeat(1024 * 1024)),
     ];
     let params = json!({"workload_uuid": "wl-hostile", "a": values[0], "b": values[1], "c": values[2], "d": values[3], "e": values[4], "f": values[5], "cyberwave_workload_token": "cw_workload_secret"});
-    let r = rig.start(&node, "inference", "hostile", params.clone());
+    let r = Start::new("inference", "hostile")
+        .params(params.clone())
+        .reply(&rig.cp, &node);
     assert_eq!(r["status"], "ok", "{r}");
-    rig.completion("wl-hostile");
+    completion(&rig.cp, "wl-hostile");
     let got_dir = rig.work("got");
     let files = files_below(&got_dir);
     assert_eq!(files.len(), 1, "{files:?}");
@@ -244,7 +224,7 @@ fn hostile_params_reach_the_workload_intact_and_never_a_shell() {
             .wait_reply(rid, REPLY)
             .unwrap_or_else(|| panic!("no reply for id #{i}"));
         assert_eq!(r["status"], "ok", "{r}");
-        rig.completion(&format!("wl-id-{i}"));
+        completion(&rig.cp, &format!("wl-id-{i}"));
     }
     let after: Vec<String> = files_below(&home)
         .into_iter()
@@ -302,13 +282,10 @@ fn with_tls_the_workload_gets_the_broker_ca_under_the_sdks_name_too() {
     let rig = Rig { broker, cp, setup };
     let node = rig.node();
     assert!(node.log().contains("(TLS)"), "{}", node.log());
-    rig.start(
-        &node,
-        "training",
-        "tls-1",
-        json!({"workload_uuid": "wl-tls"}),
-    );
-    rig.completion("wl-tls");
+    Start::new("training", "tls-1")
+        .workload("wl-tls")
+        .reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-tls");
     let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
     let ca = rig.setup.cwd.join("ca.pem").display().to_string();
     for name in ["CYBERWAVE_MQTT_TLS_CA_CERT", "CYBERWAVE_MQTT_TLS_CA_CERTS"] {
@@ -322,7 +299,7 @@ fn with_tls_the_workload_gets_the_broker_ca_under_the_sdks_name_too() {
 }
 
 #[test]
-fn the_workload_gets_its_own_credentials_and_context() {
+fn g7_the_workload_gets_its_own_credentials_and_context() {
     let rig = Rig::new("cyberwave:\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n");
     let mut setup_env = rig.setup.env.clone();
     setup_env.insert(
@@ -330,13 +307,8 @@ fn the_workload_gets_its_own_credentials_and_context() {
         "node-broker-password".into(),
     );
     let node = rig.node();
-    rig.start(
-        &node,
-        "training",
-        "env-1",
-        json!({"workload_uuid": "wl-env", "cyberwave_workload_token": "cw_scoped_workload_token"}),
-    );
-    rig.completion("wl-env");
+    Start::new("training", "env-1").params(json!({"workload_uuid": "wl-env", "cyberwave_workload_token": "cw_scoped_workload_token"})).reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-env");
     let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
     assert!(
         env.contains("CYBERWAVE_API_KEY=cw_scoped_workload_token\n"),
@@ -362,13 +334,10 @@ fn the_workload_gets_its_own_credentials_and_context() {
         "the node's own token is not passed on when a workload token came: {env}"
     );
     // Without a workload token the node's token is used (as the original does).
-    rig.start(
-        &node,
-        "training",
-        "env-2",
-        json!({"workload_uuid": "wl-env2"}),
-    );
-    rig.completion("wl-env2");
+    Start::new("training", "env-2")
+        .workload("wl-env2")
+        .reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-env2");
     let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
     assert!(
         env.contains(&format!("CYBERWAVE_API_KEY={TOKEN}\n")),
@@ -387,24 +356,15 @@ fn cancel_by_pid_and_by_request_id_with_each_signal() {
         "cyberwave:\n  simulate: sleep 30\n  training: sleep 30\n  max_concurrent_workloads: 3\n",
     );
     let node = rig.node();
-    let a = rig.start(
-        &node,
-        "simulate",
-        "c-term",
-        json!({"workload_uuid": "wl-term"}),
-    );
-    let b = rig.start(
-        &node,
-        "training",
-        "c-int",
-        json!({"workload_uuid": "wl-int"}),
-    );
-    let c = rig.start(
-        &node,
-        "simulate",
-        "c-kill",
-        json!({"workload_uuid": "wl-kill"}),
-    );
+    let a = Start::new("simulate", "c-term")
+        .workload("wl-term")
+        .reply(&rig.cp, &node);
+    let b = Start::new("training", "c-int")
+        .workload("wl-int")
+        .reply(&rig.cp, &node);
+    let c = Start::new("simulate", "c-kill")
+        .workload("wl-kill")
+        .reply(&rig.cp, &node);
     let pid_a = a["output"]["pid"].as_i64().unwrap_or(0);
     let pid_c = c["output"]["pid"].as_i64().unwrap_or(0);
     rig.cp.command(
@@ -470,17 +430,12 @@ fn cancel_by_pid_and_by_request_id_with_each_signal() {
 }
 
 #[test]
-fn cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
+fn g9_cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
     let rig = Rig::new(
         "cyberwave:\n  simulate: |\n    trap '' TERM\n    (trap '' TERM; sleep 60) &\n    echo $! > child.pid\n    sleep 60\n",
     );
     let node = rig.node();
-    let r = rig.start(
-        &node,
-        "simulate",
-        "stubborn",
-        json!({"workload_uuid": "wl-stubborn"}),
-    );
+    let r = Start::new("simulate", "stubborn").reply(&rig.cp, &node);
     let pid = r["output"]["pid"].as_i64().unwrap_or(0);
     let child: i64 = wait_for(REPLY, || {
         std::fs::read_to_string(rig.work("child.pid"))
@@ -551,13 +506,10 @@ fn cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
 fn max_runtime_cancels_and_reports_a_timeout() {
     let rig = Rig::new("cyberwave:\n  training: sleep 30\n  max_runtime_seconds: 60\n");
     let node = rig.node();
-    rig.start(
-        &node,
-        "training",
-        "slow",
-        json!({"workload_uuid": "wl-slow", "max_runtime_seconds": 0.5}),
-    );
-    let done = rig.completion("wl-slow");
+    Start::new("training", "slow")
+        .params(json!({"workload_uuid": "wl-slow", "max_runtime_seconds": 0.5}))
+        .reply(&rig.cp, &node);
+    let done = completion(&rig.cp, "wl-slow");
     assert_eq!(done["success"], false);
     assert_eq!(done["error"], "timed out after 0.5s");
 }
@@ -574,7 +526,7 @@ fn workload_received_dispatches_a_start() {
         rig.cp.wait_reply("wr", REPLY).expect("reply")["status"],
         "ok"
     );
-    rig.completion("wl-wr");
+    completion(&rig.cp, "wl-wr");
     let got: Value =
         serde_json::from_str(&std::fs::read_to_string(rig.work("wr.json")).unwrap_or_default())
             .unwrap_or_default();
@@ -588,19 +540,16 @@ fn workload_received_dispatches_a_start() {
 }
 
 #[test]
-fn workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
+fn g2_workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
     let rig = Rig::new(
         "cyberwave:\n  training: |\n    n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"n\"])' {body})\n    while [ ! -f release-$n ]; do sleep 0.05; done\n    exit $n\n  max_concurrent_workloads: 3\n",
     );
     let mut node = rig.node();
     let mut pids = Vec::new();
     for n in 1..=3 {
-        let r = rig.start(
-            &node,
-            "training",
-            &format!("k{n}"),
-            json!({"workload_uuid": format!("wl-k{n}"), "n": n}),
-        );
+        let r = Start::new("training", &format!("k{n}"))
+            .params(json!({"workload_uuid": format!("wl-k{n}"), "n": n}))
+            .reply(&rig.cp, &node);
         pids.push(r["output"]["pid"].as_i64().unwrap_or(0));
     }
     node.kill9();
@@ -631,12 +580,12 @@ fn workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
     });
     assert!(listed.is_some(), "{st}");
     assert_eq!(
-        rig.completion("wl-k1")["exit_code"],
+        completion(&rig.cp, "wl-k1")["exit_code"],
         1,
         "ended while the node was down"
     );
     std::fs::write(rig.work("release-2"), "").expect("release");
-    assert_eq!(rig.completion("wl-k2")["exit_code"], 2);
+    assert_eq!(completion(&rig.cp, "wl-k2")["exit_code"], 2);
     // Cancel works on an adopted workload.
     rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "ck3", "params": {"workload_request_id": "k3", "grace_seconds": 1}}));
     assert_eq!(
@@ -661,16 +610,13 @@ fn workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart() {
 }
 
 #[test]
-fn a_completion_during_a_broker_outage_arrives_once_afterwards() {
+fn g3_a_completion_during_a_broker_outage_arrives_once_afterwards() {
     let mut rig =
         Rig::new("cyberwave:\n  inference: while [ ! -f go ]; do sleep 0.05; done; exit 4\n");
     let node = rig.node();
-    rig.start(
-        &node,
-        "inference",
-        "out-1",
-        json!({"workload_uuid": "wl-outage"}),
-    );
+    Start::new("inference", "out-1")
+        .workload("wl-outage")
+        .reply(&rig.cp, &node);
     rig.broker.stop();
     std::fs::write(rig.work("go"), "").expect("go");
     assert!(
@@ -680,7 +626,7 @@ fn a_completion_during_a_broker_outage_arrives_once_afterwards() {
     );
     std::thread::sleep(Duration::from_secs(1));
     rig.broker.restart();
-    let done = rig.completion("wl-outage");
+    let done = completion(&rig.cp, "wl-outage");
     assert_eq!(done["exit_code"], 4);
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(
@@ -694,7 +640,7 @@ fn a_completion_during_a_broker_outage_arrives_once_afterwards() {
 }
 
 #[test]
-fn completion_survives_a_node_restart_before_acknowledgement() {
+fn g3_completion_survives_a_node_restart_before_acknowledgement() {
     let rig = Rig::new("cyberwave:\n  inference: exit 5\n");
     let mut node = rig.node();
     rig.cp.set_behaviour(|b| b.mute = true);
@@ -746,10 +692,12 @@ impl Rig {
 }
 
 #[test]
-fn sigterm_leaves_workloads_running_and_names_them() {
+fn g2_sigterm_leaves_workloads_running_and_names_them() {
     let rig = Rig::new("cyberwave:\n  training: sleep 20\n");
     let mut node = rig.node();
-    let r = rig.start(&node, "training", "keep", json!({}));
+    let r = Start::new("training", "keep")
+        .params(json!({}))
+        .reply(&rig.cp, &node);
     let pid = r["output"]["pid"].as_i64().unwrap_or(0);
     node.sigterm();
     assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
@@ -791,9 +739,11 @@ fn module_values_call_the_python_function_with_the_params() {
     let params = json!({"workload_uuid": "wl-mod", "n": 21, "note": "it's $(touch canary)",
         "workflow_uuid": "wf-1", "workflow_execution_uuid": "ex-1", "workflow_node_uuid": "n-1",
         "command_type": "training", "status": "x", "cyberwave_workload_token": "cw_workload_tok"});
-    let r = rig.start(&node, "training", "m-ok", params);
+    let r = Start::new("training", "m-ok")
+        .params(params)
+        .reply(&rig.cp, &node);
     assert_eq!(r["status"], "ok", "{r}");
-    let done = rig.completion("wl-mod");
+    let done = completion(&rig.cp, "wl-mod");
     assert_eq!(done["success"], true, "{done}");
     assert!(
         node.wait_stdout("[workload wl-mod stdout] {\"doubled\": 42}\n", REPLY),
@@ -816,25 +766,19 @@ fn module_values_call_the_python_function_with_the_params() {
     );
 
     // The function's exception fails the workload with exit code 1 and names the error.
-    rig.start(
-        &node,
-        "training",
-        "m-boom",
-        json!({"workload_uuid": "wl-boom", "n": 1, "boom": "bad input"}),
-    );
-    let boom = rig.completion("wl-boom");
+    Start::new("training", "m-boom")
+        .params(json!({"workload_uuid": "wl-boom", "n": 1, "boom": "bad input"}))
+        .reply(&rig.cp, &node);
+    let boom = completion(&rig.cp, "wl-boom");
     assert_eq!(boom["success"], false);
     assert_eq!(boom["exit_code"], 1);
     assert_eq!(boom["error"], "ValueError: boom: bad input", "{boom}");
 
     // A module without the type's function says what to add.
-    rig.start(
-        &node,
-        "inference",
-        "m-nofn",
-        json!({"workload_uuid": "wl-nofn"}),
-    );
-    let nofn = rig.completion("wl-nofn");
+    Start::new("inference", "m-nofn")
+        .workload("wl-nofn")
+        .reply(&rig.cp, &node);
+    let nofn = completion(&rig.cp, "wl-nofn");
     assert_eq!(nofn["exit_code"], 2);
     assert_eq!(
         nofn["error"],
@@ -852,12 +796,9 @@ fn module_values_call_the_python_function_with_the_params() {
     );
 
     // Module workloads are tracked like any other: busy, listed and cancellable.
-    let r = rig.start(
-        &node,
-        "training",
-        "m-long",
-        json!({"workload_uuid": "wl-long", "n": 1, "sleep": 30}),
-    );
+    let r = Start::new("training", "m-long")
+        .params(json!({"workload_uuid": "wl-long", "n": 1, "sleep": 30}))
+        .reply(&rig.cp, &node);
     let pid = r["output"]["pid"].as_i64().unwrap_or(0);
     assert!(pid > 0 && pid_alive(pid), "{r}");
     rig.cp.command(&node.uuid(), json!({"command": "cancel", "request_id": "m-cancel", "params": {"workload_request_id": "m-long"}}));

@@ -308,7 +308,7 @@ impl Node {
         };
         let params = start.params;
         let req = StartRequest {
-            kind: kind.to_string(),
+            kind: kind_t,
             request_id: request_id.clone(),
             safe_id: safe_id.clone(),
             params,
@@ -377,7 +377,7 @@ impl Node {
                 // No other thread appends to the ledger while no start is in flight.
                 let quiet = self.starts.is_empty();
                 self.ledger.remember(ledger, quiet);
-                let kind = meta.kind.clone();
+                let kind = meta.kind;
                 let rid = meta.request_id_text();
                 log::info!(
                     "{kind} {} started: pid {} (supervisor forked {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
@@ -450,6 +450,7 @@ impl Node {
                 }
             }
             Outcome::SpawnFailed { safe_id, why } => {
+                let why = why.to_string();
                 let Some(st) = self.starts.end(&safe_id) else {
                     log::error!("a start that was not in flight failed: {}", shown(&why));
                     return;
@@ -698,7 +699,7 @@ mod tests {
 
     fn request(rid: &str) -> StartRequest {
         StartRequest {
-            kind: "inference".into(),
+            kind: Kind::Inference,
             request_id: json!(rid),
             safe_id: store::safe_id(rid),
             params: Map::new(),

@@ -96,7 +96,7 @@ impl Node {
                     crate::workload::load_json(&dir.join("cursor.json"), "log cursor")
                         .unwrap_or_default();
                 let src = Source {
-                    kind: a.meta.kind.clone(),
+                    kind: a.meta.kind.to_string(),
                     request_id: a.meta.request_id.clone(),
                     workload_uuid: a.meta.workload_uuid.clone(),
                     logs: [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()],

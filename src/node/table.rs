@@ -784,7 +784,7 @@ mod tests {
     fn meta(id: &str, pid: i32, max_runtime_s: Option<f64>) -> Meta {
         Meta {
             safe_id: id.into(),
-            kind: "training".into(),
+            kind: crate::protocol::commands::Kind::Training.into(),
             request_id: Value::String(id.into()),
             workload_uuid: Some(format!("wl-{id}")),
             created_unix: workload::unix_now(),
@@ -792,7 +792,6 @@ mod tests {
             stdout_log: PathBuf::from("/nonexistent/out.log"),
             stderr_log: PathBuf::from("/nonexistent/err.log"),
             max_runtime_s,
-            phase: Default::default(),
             started: Some(Started {
                 pid,
                 start_ticks: 1,

@@ -147,7 +147,7 @@ impl Node {
         }
         let (body, label) = match &meta.cancel {
             Some(c) if !c.timed_out => {
-                let status = if meta.kind == "training" {
+                let status = if meta.kind == crate::protocol::commands::Kind::Training {
                     "failed"
                 } else {
                     "cancelled"

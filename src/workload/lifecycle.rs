@@ -143,131 +143,130 @@ impl Phase {
 /// phase as it is with no action (never a panic).
 pub fn step(phase: &Phase, event: Event, now: Instant) -> (Phase, Vec<Action>) {
     let same = || (phase.clone(), Vec::new());
-    let drain = |exit: Option<Exit>, lost: Option<&'static str>| {
-        (
-            Phase::Draining {
-                exit,
-                lost,
-                until: now.checked_add(DRAIN_LIMIT).unwrap_or(now),
-            },
-            vec![Action::ShipLogs],
-        )
-    };
-    match (phase, event) {
-        // A cancel: only a running workload is signalled, and a second cancel keeps the first
-        // deadline (the node does not send one; if it reports one anyway, nothing changes).
-        (Phase::Running, Event::Cancelled { grace }) => (
-            Phase::Cancelling {
-                escalate_at: Some(now.checked_add(grace).unwrap_or(now)),
-            },
-            Vec::new(),
-        ),
-        (
-            Phase::Lingering {
-                exit,
-                cancelled: false,
-                ..
-            },
-            Event::Cancelled { grace },
-        ) => (
+    match event {
+        Event::Cancelled { grace } => on_cancel(phase, grace, now).unwrap_or_else(same),
+        Event::Tick => on_tick(phase, now).unwrap_or_else(same),
+        Event::SupervisorEnded { exit, group_alive } => {
+            on_supervisor_ended(phase, exit, group_alive, now).unwrap_or_else(same)
+        }
+        Event::Lost { exit, reason } => match phase {
+            Phase::Running | Phase::Cancelling { .. } | Phase::Lingering { .. } => {
+                drain(exit, Some(reason), now)
+            }
+            _ => same(),
+        },
+        // What lingered is gone.
+        Event::GroupEmpty => match phase {
+            Phase::Lingering { exit, .. } => {
+                let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
+                drain(exit.clone(), lost, now)
+            }
+            _ => same(),
+        },
+        // The logs are shipped.
+        Event::LogsDrained => match phase {
+            Phase::Draining { exit, lost, .. } => settle(exit, *lost),
+            _ => same(),
+        },
+        // Uploads.
+        Event::UploadsBegun => same(),
+        Event::UploadsDone => match phase {
+            Phase::Uploading { exit } => (
+                Phase::Done,
+                vec![Action::Report {
+                    exit: exit.clone(),
+                    lost: None,
+                }],
+            ),
+            _ => same(),
+        },
+    }
+}
+
+/// The logs are shipped before the end is reported, at most until [`DRAIN_LIMIT`].
+fn drain(exit: Option<Exit>, lost: Option<&'static str>, now: Instant) -> (Phase, Vec<Action>) {
+    (
+        Phase::Draining {
+            exit,
+            lost,
+            until: now.checked_add(DRAIN_LIMIT).unwrap_or(now),
+        },
+        vec![Action::ShipLogs],
+    )
+}
+
+/// A cancel: only a running workload is signalled, and a second cancel keeps the first
+/// deadline (the node does not send one; if it reports one anyway, nothing changes).
+fn on_cancel(phase: &Phase, grace: Duration, now: Instant) -> Option<(Phase, Vec<Action>)> {
+    let escalate_at = Some(now.checked_add(grace).unwrap_or(now));
+    match phase {
+        Phase::Running => Some((Phase::Cancelling { escalate_at }, Vec::new())),
+        Phase::Lingering {
+            exit,
+            cancelled: false,
+            ..
+        } => Some((
             Phase::Lingering {
                 exit: exit.clone(),
                 cancelled: true,
-                escalate_at: Some(now.checked_add(grace).unwrap_or(now)),
+                escalate_at,
             },
             Vec::new(),
-        ),
-        (_, Event::Cancelled { .. }) => same(),
+        )),
+        _ => None,
+    }
+}
 
-        // Escalation deadlines.
-        (
-            Phase::Cancelling {
-                escalate_at: Some(t),
-            },
-            Event::Tick,
-        ) if now >= *t => (
+/// Escalation deadlines, and the drain's time limit.
+fn on_tick(phase: &Phase, now: Instant) -> Option<(Phase, Vec<Action>)> {
+    match phase {
+        Phase::Cancelling {
+            escalate_at: Some(t),
+        } if now >= *t => Some((
             Phase::Cancelling { escalate_at: None },
             vec![Action::KillGroup],
-        ),
-        (
-            Phase::Lingering {
-                exit,
-                cancelled,
-                escalate_at: Some(t),
-            },
-            Event::Tick,
-        ) if now >= *t => (
+        )),
+        Phase::Lingering {
+            exit,
+            cancelled,
+            escalate_at: Some(t),
+        } if now >= *t => Some((
             Phase::Lingering {
                 exit: exit.clone(),
                 cancelled: *cancelled,
                 escalate_at: None,
             },
             vec![Action::KillGroup],
-        ),
-
-        // The supervisor ended.
-        (
-            Phase::Running | Phase::Cancelling { .. },
-            Event::SupervisorEnded {
-                exit,
-                group_alive: true,
-            },
-        ) => {
-            let (cancelled, escalate_at) = match phase {
-                Phase::Cancelling { escalate_at } => (true, *escalate_at),
-                _ => (false, None),
-            };
-            (
-                Phase::Lingering {
-                    exit,
-                    cancelled,
-                    escalate_at,
-                },
-                Vec::new(),
-            )
-        }
-        (
-            Phase::Running | Phase::Cancelling { .. },
-            Event::SupervisorEnded {
-                exit,
-                group_alive: false,
-            },
-        ) => {
-            let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
-            drain(exit, lost)
-        }
-        (_, Event::SupervisorEnded { .. }) => same(),
-
-        (
-            Phase::Running | Phase::Cancelling { .. } | Phase::Lingering { .. },
-            Event::Lost { exit, reason },
-        ) => drain(exit, Some(reason)),
-        (_, Event::Lost { .. }) => same(),
-
-        // What lingered is gone.
-        (Phase::Lingering { exit, .. }, Event::GroupEmpty) => {
-            let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
-            drain(exit.clone(), lost)
-        }
-        (_, Event::GroupEmpty) => same(),
-
-        // The logs are shipped, or their time is up.
-        (Phase::Draining { exit, lost, .. }, Event::LogsDrained) => settle(exit, *lost),
-        (Phase::Draining { exit, lost, until }, Event::Tick) if now >= *until => {
-            settle(exit, *lost)
-        }
-
-        // Uploads.
-        (Phase::Uploading { .. }, Event::UploadsBegun) => same(),
-        (Phase::Uploading { exit }, Event::UploadsDone) => (
-            Phase::Done,
-            vec![Action::Report {
-                exit: exit.clone(),
-                lost: None,
-            }],
-        ),
-        (_, Event::UploadsBegun | Event::UploadsDone | Event::LogsDrained | Event::Tick) => same(),
+        )),
+        Phase::Draining { exit, lost, until } if now >= *until => Some(settle(exit, *lost)),
+        _ => None,
     }
+}
+
+/// The supervisor ended: what it left of the group lingers, else the logs are drained.
+fn on_supervisor_ended(
+    phase: &Phase,
+    exit: Option<Exit>,
+    group_alive: bool,
+    now: Instant,
+) -> Option<(Phase, Vec<Action>)> {
+    let (cancelled, escalate_at) = match phase {
+        Phase::Running => (false, None),
+        Phase::Cancelling { escalate_at } => (true, *escalate_at),
+        _ => return None,
+    };
+    if group_alive {
+        return Some((
+            Phase::Lingering {
+                exit,
+                cancelled,
+                escalate_at,
+            },
+            Vec::new(),
+        ));
+    }
+    let lost = exit.is_none().then_some(SUPERVISOR_KILLED);
+    Some(drain(exit, lost, now))
 }
 
 /// After the drain: a lost workload is reported at once; one that ended is checked for results.

@@ -533,11 +533,40 @@ pub fn run(args: &[String]) -> i32 {
         // clears the group (D25).
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
+    let (child, started_at) = match spawn_workload(&a) {
+        Ok(started) => started,
+        Err(code) => return code,
+    };
+    let pid = child.id() as i32;
+    let me = std::process::id() as i32;
+    report_start(&a, pid, me, &started_at);
+    // Reaped here, not through `child` (which would wait for that pid alone).
+    drop(child);
+    let status = wait_workload(pid);
+    // D25: nothing of the workload outlives its report.
+    clear_group(
+        pid,
+        me,
+        std::time::Duration::from_millis(a.cleanup_grace_ms),
+    );
+    let exit = Exit {
+        exit_code: status.and_then(|s| s.code()),
+        signal: status.and_then(|s| s.signal()),
+        started_at,
+        ended_at: util::rfc3339(SystemTime::now()),
+    };
+    record_exit(&a, &exit)
+}
+
+/// Starts the workload's command in its own process group, as its user, its output to its log
+/// files; returns it and its start time, or (after an `error:` line to the node) the shim's
+/// exit code.
+fn spawn_workload(a: &ShimArgs) -> Result<(std::process::Child, String), i32> {
     let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
             let _ = writeln!(std::io::stdout(), "error: cannot open the log files: {e}");
-            return 1;
+            return Err(1);
         }
     };
     // D46.1 / D25 / D46.3 for whichever way the workload is started: its own process group,
@@ -591,8 +620,8 @@ pub fn run(args: &[String]) -> i32 {
             cmd.spawn()
         }),
     };
-    let child = match spawned {
-        Ok(c) => c,
+    match spawned {
+        Ok(c) => Ok((c, started_at)),
         Err(e) => {
             let _ = writeln!(
                 std::io::stdout(),
@@ -600,11 +629,14 @@ pub fn run(args: &[String]) -> i32 {
                 a.shell,
                 a.cwd.display()
             );
-            return 1;
+            Err(1)
         }
-    };
-    let pid = child.id() as i32;
-    let me = std::process::id() as i32;
+    }
+}
+
+/// Tells the node the workload's pid, records its start for a restarted node, and closes the
+/// pipe to the node.
+fn report_start(a: &ShimArgs, pid: i32, me: i32, started_at: &str) {
     {
         // The pid first: the node is waiting for it (it reads the start times from /proc itself).
         let mut stdout = std::io::stdout().lock();
@@ -617,7 +649,7 @@ pub fn run(args: &[String]) -> i32 {
         shim_pid: me,
         shim_start_ticks: procinfo::start_ticks(me).unwrap_or(0),
         boot_id: procinfo::boot_id(),
-        started_at: started_at.clone(),
+        started_at: started_at.to_string(),
     };
     // The record a restarted node re-adopts the workload by.
     if let Ok(json) = serde_json::to_vec(&started) {
@@ -631,22 +663,12 @@ pub fn run(args: &[String]) -> i32 {
             libc::dup2(null.as_raw_fd(), 1);
         }
     }
-    // Reaped here, not through `child` (which would wait for that pid alone).
-    drop(child);
-    let status = wait_workload(pid);
-    // D25: nothing of the workload outlives its report.
-    clear_group(
-        pid,
-        me,
-        std::time::Duration::from_millis(a.cleanup_grace_ms),
-    );
-    let exit = Exit {
-        exit_code: status.and_then(|s| s.code()),
-        signal: status.and_then(|s| s.signal()),
-        started_at,
-        ended_at: util::rfc3339(SystemTime::now()),
-    };
-    let Ok(json) = serde_json::to_vec(&exit) else {
+}
+
+/// Writes the exit record (D54: left in [`EXIT_LINK`] when the disk is full); returns the
+/// shim's exit code.
+fn record_exit(a: &ShimArgs, exit: &Exit) -> i32 {
+    let Ok(json) = serde_json::to_vec(exit) else {
         return 1;
     };
     let path = a.dir.join("exit.json");
@@ -662,7 +684,7 @@ pub fn run(args: &[String]) -> i32 {
     // this shim, or, restarted, finds the workload's group and supervisor gone) reads it from
     // there, reports from memory, and writes `exit.json` from it once it can; the link stays
     // until then, so a node restart while the disk is still full does not lose the status.
-    if write_exit_link(&a.dir, &exit).is_ok() {
+    if write_exit_link(&a.dir, exit).is_ok() {
         let _ = writeln!(
             std::io::stderr(),
             "cannot write {}: status left in {EXIT_LINK}",
@@ -677,7 +699,7 @@ pub fn run(args: &[String]) -> i32 {
         match store::write_atomic(&path, &json, 0o600) {
             Ok(()) => return 0,
             Err(_) if !a.dir.is_dir() => return 1,
-            Err(_) if write_exit_link(&a.dir, &exit).is_ok() => return EXIT_IN_LINK,
+            Err(_) if write_exit_link(&a.dir, exit).is_ok() => return EXIT_IN_LINK,
             Err(_) => {}
         }
     }

@@ -24,7 +24,7 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::Value;
 
 use super::reaper::Reaper;
-use super::{Launched, Layout, Meta, StartRequest};
+use super::{Launched, Layout, Meta, SpawnError, StartRequest};
 use crate::config::Settings;
 use crate::ledger;
 
@@ -46,7 +46,7 @@ pub enum Outcome {
         total: Duration,
     },
     /// Nothing runs and nothing is left of it on disk.
-    SpawnFailed { safe_id: String, why: String },
+    SpawnFailed { safe_id: String, why: SpawnError },
 }
 
 /// What the spawner needs for every start, fixed for the node's lifetime.
@@ -107,8 +107,7 @@ fn spawn_loop(
         let run = std::panic::AssertUnwindSafe(|| {
             super::launch(&ctx.settings, &ctx.layout, &ctx.exe, req)
         });
-        let result = std::panic::catch_unwind(run)
-            .unwrap_or_else(|_| Err("internal error while starting the workload".into()));
+        let result = std::panic::catch_unwind(run).unwrap_or_else(|_| Err(SpawnError::Internal));
         match result {
             Ok(l) => {
                 ctx.reaper.spawned();
@@ -120,7 +119,7 @@ fn spawn_loop(
                     let _ = super::settle(&ctx.layout, vec![l], Duration::ZERO);
                     let _ = out.send(Outcome::SpawnFailed {
                         safe_id: id,
-                        why: "the workload spawner stopped".into(),
+                        why: SpawnError::Stopped,
                     });
                     return;
                 }

@@ -131,7 +131,7 @@ pub enum Event {
     /// A cut: the bytes cut from the front of the file (`Err`: why it failed).
     Cut {
         key: Key,
-        result: Result<u64, String>,
+        result: std::io::Result<u64>,
     },
     /// A watched file changed.
     Grew(Key),
@@ -139,7 +139,7 @@ pub enum Event {
     Persisted {
         key: Key,
         path: PathBuf,
-        result: Result<(), String>,
+        result: std::io::Result<()>,
     },
 }
 
@@ -382,7 +382,7 @@ impl Worker {
             } => Event::Chunk(read(key, &path, offset, max, &marks)),
             Request::Cut { key, path, keep } => Event::Cut {
                 key,
-                result: cut_front(&path, keep).map_err(|e| e.to_string()),
+                result: cut_front(&path, keep),
             },
             // Atomic (temp file, rename) but not fsynced: a cursor must survive the node's
             // crash, which the page cache does; after a host crash the log file it counts
@@ -390,8 +390,7 @@ impl Worker {
             // cursor could only point past what survived. Two fsyncs per chunk were most of
             // this thread's CPU under a flood.
             Request::Persist { key, path, data } => Event::Persisted {
-                result: crate::store::write_replace_unsynced(&path, &data, 0o600)
-                    .map_err(|e| e.to_string()),
+                result: crate::store::write_replace_unsynced(&path, &data, 0o600),
                 key,
                 path,
             },
@@ -627,7 +626,7 @@ pub fn read(key: Key, path: &std::path::Path, offset: u64, max: usize, marks: &[
 /// that reaches its end when a hole follows.
 fn gap_in(buf: &[u8], to_hole: bool) -> Option<usize> {
     let mut i = 0usize;
-    while let Some(z) = buf.get(i..)?.iter().position(|b| *b == 0) {
+    while let Some(z) = memchr::memchr(0, buf.get(i..)?) {
         let start = i.saturating_add(z);
         let run = buf.get(start..)?.iter().take_while(|b| **b == 0).count();
         let end = start.saturating_add(run);

@@ -24,14 +24,54 @@ pub struct WorkloadUser {
 /// Largest passwd/group buffer tried (getpwnam_r reports ERANGE below what it needs).
 const MAX_BUF: usize = 1 << 20;
 
+/// Why a workload user cannot be used.
+#[derive(Debug)]
+pub enum UserError {
+    Empty,
+    HoldsNul(String),
+    Lookup {
+        spec: String,
+        source: std::io::Error,
+    },
+    NotFound(String),
+    /// The node may not become the user (name, uid, the node's effective uid).
+    NoPrivilege {
+        name: String,
+        uid: u32,
+        euid: u32,
+    },
+}
+
+impl std::fmt::Display for UserError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UserError::Empty => f.write_str("workload_user is empty"),
+            UserError::HoldsNul(spec) => write!(f, "workload_user {spec:?} holds a NUL"),
+            UserError::Lookup { spec, source } => {
+                write!(f, "cannot look up workload_user {spec:?}: {source}")
+            }
+            UserError::NotFound(spec) => write!(
+                f,
+                "workload_user {spec:?} is not a user of this host (no passwd entry)"
+            ),
+            UserError::NoPrivilege { name, uid, euid } => write!(
+                f,
+                "workload_user {name} (uid {uid}) needs the node to run as root or with CAP_SETUID, CAP_SETGID, CAP_KILL, CAP_CHOWN and CAP_DAC_OVERRIDE; it runs as uid {euid} without them"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for UserError {}
+
 /// The passwd entry for a name or a numeric uid.
-pub fn lookup(spec: &str) -> Result<WorkloadUser, String> {
+pub fn lookup(spec: &str) -> Result<WorkloadUser, UserError> {
     let spec = spec.trim();
     if spec.is_empty() {
-        return Err("workload_user is empty".into());
+        return Err(UserError::Empty);
     }
     let by_uid = spec.parse::<u32>().ok();
-    let name = CString::new(spec).map_err(|_| format!("workload_user {spec:?} holds a NUL"))?;
+    let name = CString::new(spec).map_err(|_| UserError::HoldsNul(spec.to_string()))?;
     let mut size = 1024usize;
     loop {
         let mut buf = vec![0 as libc::c_char; size];
@@ -60,15 +100,13 @@ pub fn lookup(spec: &str) -> Result<WorkloadUser, String> {
             continue;
         }
         if rc != 0 {
-            return Err(format!(
-                "cannot look up workload_user {spec:?}: {}",
-                std::io::Error::from_raw_os_error(rc)
-            ));
+            return Err(UserError::Lookup {
+                spec: spec.to_string(),
+                source: std::io::Error::from_raw_os_error(rc),
+            });
         }
         if found.is_null() {
-            return Err(format!(
-                "workload_user {spec:?} is not a user of this host (no passwd entry)"
-            ));
+            return Err(UserError::NotFound(spec.to_string()));
         }
         // SAFETY: getpw*_r succeeded: pw_name and pw_dir point into `buf`, NUL-terminated (or
         // are null, which is checked).
@@ -119,16 +157,17 @@ fn groups_of(name: &str, gid: u32) -> Vec<u32> {
 /// CAP_SETUID, CAP_SETGID (to become it), CAP_KILL (to cancel it), CAP_CHOWN (to hand it its
 /// params file) and CAP_DAC_OVERRIDE (to upload and clear the results it wrote): a unit's
 /// `AmbientCapabilities=`.
-pub fn check_privilege(u: &WorkloadUser) -> Result<(), String> {
+pub fn check_privilege(u: &WorkloadUser) -> Result<(), UserError> {
     // SAFETY: geteuid/getegid have no preconditions.
     let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
     if euid == 0 || (euid == u.uid && egid == u.gid) || has_setid_caps() {
         return Ok(());
     }
-    Err(format!(
-        "workload_user {} (uid {}) needs the node to run as root or with CAP_SETUID, CAP_SETGID, CAP_KILL, CAP_CHOWN and CAP_DAC_OVERRIDE; it runs as uid {euid} without them",
-        u.name, u.uid
-    ))
+    Err(UserError::NoPrivilege {
+        name: u.name.clone(),
+        uid: u.uid,
+        euid,
+    })
 }
 
 /// CAP_CHOWN (0), CAP_DAC_OVERRIDE (1), CAP_KILL (5), CAP_SETGID (6) and CAP_SETUID (7) in the
@@ -153,6 +192,18 @@ pub fn hand_over(path: &std::path::Path, u: &WorkloadUser) -> std::io::Result<()
         0o400
     };
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+/// Hands `path` to the workload user, when there is one.
+pub fn give(user: Option<&WorkloadUser>, path: &std::path::Path) -> Result<(), super::SpawnError> {
+    match user {
+        Some(u) => hand_over(path, u).map_err(|source| super::SpawnError::HandOver {
+            path: path.to_path_buf(),
+            user: u.name.clone(),
+            source,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// A directory of the node's that a workload user must pass through but not list (0711).

@@ -8,6 +8,7 @@ pub mod control_plane;
 pub mod mqtt5;
 pub mod node;
 pub mod rumqttd;
+pub mod scenario;
 pub mod secrets;
 pub mod timeouts;
 
@@ -121,4 +122,14 @@ pub fn passwd_home_of_root() -> String {
             .to_string_lossy()
             .into_owned()
     }
+}
+
+/// The first line of a test that needs root, which carries
+/// `#[cfg_attr(not_root, ignore = "needs root")]` (CONTRIBUTING.md, "Tests that need root"):
+/// run without root all the same (a build as root, `--include-ignored`), it fails loudly
+/// instead of passing.
+pub fn assert_root(why: &str) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "needs root: {why} (CI runs as root)");
 }

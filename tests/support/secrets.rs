@@ -128,7 +128,7 @@ mod tests {
     const S: &str = "cw_test_token_0123456789abcdef";
 
     #[test]
-    fn d47_the_check_finds_a_secret_in_every_form() {
+    fn g7_d47_the_check_finds_a_secret_in_every_form() {
         let secrets = vec![S.to_string()];
         let debug = format!("Connect options: password: Some({:?})", S.as_bytes());
         let hex: String = S.bytes().map(|b| format!("{b:02X}")).collect();

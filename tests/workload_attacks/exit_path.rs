@@ -57,7 +57,7 @@ fn zombie_children(parent: i64) -> Vec<i64> {
 /// they end, not when the workload does (a long workload that forks short-lived children must
 /// not fill the process table with zombies).
 #[test]
-fn the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
+fn g13_the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
     let (_broker, cp, setup) = rig(
         "cyberwave:\n  inference: for i in $(seq 20); do (sleep 0.01 &) ; done; touch forked; sleep 4\n",
     );
@@ -101,18 +101,12 @@ fn the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
 }
 
 /// A small tmpfs mounted on the node's state dir (unmounted when dropped: declare it after the
-/// `NodeSetup`, before the node). `None` (the test says it is skipped) when not root.
+/// `NodeSetup`, before the node). Mounting needs root: the tests using it need root.
 struct SmallDisk(std::path::PathBuf);
 
 impl SmallDisk {
-    fn mount(setup: &NodeSetup) -> Option<SmallDisk> {
-        // SAFETY: geteuid cannot fail.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!(
-                "SKIPPED: a full state dir needs a small tmpfs, and mounting one needs root (CI runs as root)"
-            );
-            return None;
-        }
+    fn mount(setup: &NodeSetup) -> SmallDisk {
+        crate::support::assert_root("a full state dir is a small tmpfs, and mounting one");
         let dir = setup.config_dir();
         std::fs::create_dir_all(&dir).unwrap();
         let out = std::process::Command::new("mount")
@@ -126,7 +120,7 @@ impl SmallDisk {
             dir.display(),
             String::from_utf8_lossy(&out.stderr)
         );
-        Some(SmallDisk(dir))
+        SmallDisk(dir)
     }
 }
 
@@ -161,11 +155,10 @@ fn completions(cp: &ControlPlane, wl: &str) -> Vec<Value> {
 /// disk is still full (its supervisor cannot write `exit.json` and hands the status over), with
 /// its real exit code; once space returns, nothing of it is left behind.
 #[test]
-fn a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g13_a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
     let (_broker, cp, setup) = full_disk_rig();
-    let Some(_disk) = SmallDisk::mount(&setup) else {
-        return;
-    };
+    let _disk = SmallDisk::mount(&setup);
     let node = setup.spawn();
     node.wait_ready(READY);
     cp.command(
@@ -211,11 +204,10 @@ fn a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out() {
 /// supervisor leaves the status where a full disk still takes it. The restarted node (the disk
 /// still full) reports the real exit code.
 #[test]
-fn a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_the_restart() {
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g13_a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_the_restart() {
     let (_broker, cp, setup) = full_disk_rig();
-    let Some(_disk) = SmallDisk::mount(&setup) else {
-        return;
-    };
+    let _disk = SmallDisk::mount(&setup);
     let mut node = setup.spawn();
     node.wait_ready(READY);
     cp.command(
@@ -265,7 +257,7 @@ fn runs(setup: &NodeSetup, rid: &str) -> usize {
 /// run, a retryable host-busy error and a `failed` status for the three that never started;
 /// none runs twice.
 #[test]
-fn starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restart() {
+fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restart() {
     let (_broker, cp, mut setup) =
         rig("cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; sleep 4\n");
     setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "8");

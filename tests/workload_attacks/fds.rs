@@ -11,11 +11,6 @@ use crate::support::timeouts::{DONE, READY, REPLY};
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
 const NOBODY: u32 = 65534;
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// D46.1: the node's broker socket (Paho C opens it without close-on-exec) and every other
 /// descriptor of the node stay out of the workload: it holds exactly its three streams. On
 /// main at f918294 the workload held the live broker connection and could publish as the node.
@@ -53,11 +48,9 @@ fn g13_a_workload_holds_no_descriptor_of_the_node() {
 /// list its descriptors through /proc. The node runs as an unprivileged uid here: root reads
 /// everything, so the attack is only meaningful without it. On main the workload read the key.
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
-    assert!(
-        is_root(),
-        "this test runs the node as uid {NOBODY} and needs root for that (CI runs as root)"
-    );
+    crate::support::assert_root(&format!("to run the node as uid {NOBODY}"));
     let (_b, cp, mut setup) = rig(concat!(
         "cyberwave:\n  training: |\n",
         "    node=$(awk '{print $4}' /proc/$PPID/stat)\n",
@@ -114,11 +107,9 @@ fn chown_nobody(path: &std::path::Path) {
 /// state dir (its identity, other records, its own record). On main the key was unknown and
 /// the workload ran as root.
 #[test]
+#[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
-    assert!(
-        is_root(),
-        "this test needs root to run workloads as uid {NOBODY}"
-    );
+    crate::support::assert_root(&format!("to run workloads as uid {NOBODY}"));
     let (_b, cp, setup) = rig("");
     let state = setup.config_dir().display().to_string();
     setup.write(
@@ -183,30 +174,33 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     );
 }
 
-/// D46.3: a workload user the node cannot become (it lacks the privilege) or that does not
-/// exist is refused at start with exit 2 naming the setting, before anything runs.
+/// D46.3: a workload user that does not exist is refused at start with exit 2 naming the
+/// setting, before anything runs (one the node lacks the privilege to become: the next test).
 #[test]
 fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() {
-    let (_b, _cp, mut setup) =
+    let (_b, _cp, setup) =
         rig("cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n");
     let mut node = setup.spawn();
     let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
     assert!(node.log().contains("workload_user"), "{}", node.log());
-    drop(node);
-    if is_root() {
-        setup.write(
-            "cyberwave.yml",
-            "cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n",
-        );
-        setup.uid = Some(NOBODY);
-        // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
-        // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
-        setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
-        chown_nobody(setup.home.path());
-        let mut node = setup.spawn();
-        let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
-        assert_eq!(code, Some(2), "{}", node.log());
-        assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
-    }
+}
+
+/// D46.3 for a node without the privilege (root to run it as uid 65534): a workload user it
+/// cannot become is refused at start with exit 2 naming CAP_SETUID, before anything runs.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_start_with_exit_2() {
+    crate::support::assert_root(&format!("to run the node as uid {NOBODY}"));
+    let (_b, _cp, mut setup) =
+        rig("cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n");
+    setup.uid = Some(NOBODY);
+    // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
+    // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
+    setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
+    chown_nobody(setup.home.path());
+    let mut node = setup.spawn();
+    let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert_eq!(code, Some(2), "{}", node.log());
+    assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
 }

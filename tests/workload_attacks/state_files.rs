@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{node_bin, rig, NodeProcess};
+use crate::support::{node_bin, rig, wait_for, NodeProcess};
 
 /// A CLI command that reads the state dir answers well within this.
 const CLI: Duration = Duration::from_secs(10);
@@ -175,52 +175,52 @@ impl Drop for Unplant {
 }
 
 #[test]
-fn d48_a_fifo_for_the_instance_identity_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_the_instance_identity_never_wedges_the_node() {
     a_fifo_at("instance_identity.json", |_| {});
 }
 
 #[test]
-fn d48_a_fifo_for_the_node_id_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_the_node_id_never_wedges_the_node() {
     a_fifo_at("node_id", |_| {});
 }
 
 #[test]
-fn d48_a_fifo_for_the_request_ledger_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_the_request_ledger_never_wedges_the_node() {
     a_fifo_at("ledger.jsonl", |_| {});
 }
 
 #[test]
-fn d48_a_fifo_for_an_outbox_entry_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_an_outbox_entry_never_wedges_the_node() {
     a_fifo_at("outbox/00000000000000000001.json", |_| {});
 }
 
 #[test]
-fn d48_a_fifo_for_an_ingress_entry_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_an_ingress_entry_never_wedges_the_node() {
     a_fifo_at("ingress/00000000000000000002.json", |_| {});
 }
 
 #[test]
-fn d48_a_fifo_for_a_workload_record_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_a_workload_record_never_wedges_the_node() {
     a_fifo_at("workloads/wa/meta.json", |s| record(s, "wa"));
 }
 
 #[test]
-fn d48_a_fifo_for_a_workload_start_record_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_a_workload_start_record_never_wedges_the_node() {
     a_fifo_at("workloads/wa/started.json", |s| record(s, "wa"));
 }
 
 #[test]
-fn d48_a_fifo_for_a_workload_exit_record_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_a_workload_exit_record_never_wedges_the_node() {
     a_fifo_at("workloads/wa/exit.json", |s| record(s, "wa"));
 }
 
 #[test]
-fn d48_a_fifo_for_a_log_cursor_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_a_log_cursor_never_wedges_the_node() {
     a_fifo_at("workloads/wa/cursor.json", |s| record(s, "wa"));
 }
 
 #[test]
-fn d48_a_fifo_for_the_params_of_a_salvaged_workload_never_wedges_the_node() {
+fn g13_d48_a_fifo_for_the_params_of_a_salvaged_workload_never_wedges_the_node() {
     a_fifo_at("workloads/wa/params.json", |s| {
         record(s, "wa");
         std::fs::write(s.join("workloads/wa/meta.json"), "{torn").unwrap();
@@ -230,7 +230,7 @@ fn d48_a_fifo_for_the_params_of_a_salvaged_workload_never_wedges_the_node() {
 /// The real thing: a running workload, the node killed with SIGKILL, its start record and log
 /// cursor replaced by FIFOs (what the workload itself could do), the node started again.
 #[test]
-fn d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_node() {
+fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_node() {
     let (_broker, cp, setup) = rig("cyberwave:\n  inference: sleep 30\n");
     let state = setup.config_dir();
     let _guard = Unplant(state.clone());
@@ -250,8 +250,11 @@ fn d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_nod
         .collect();
     assert_eq!(dirs.len(), 1, "{dirs:?}");
     let started = dirs[0].join("started.json");
-    let pid = serde_json::from_str::<Value>(&std::fs::read_to_string(&started).unwrap()).unwrap()
-        ["pid"]
+    // The supervisor writes started.json right after it reports the pid, so under load the
+    // reply can come first: wait for it rather than race it.
+    let text = wait_for(REPLY, || std::fs::read_to_string(&started).ok())
+        .expect("the supervisor wrote no started.json");
+    let pid = serde_json::from_str::<Value>(&text).unwrap()["pid"]
         .as_i64()
         .unwrap();
     for f in ["started.json", "cursor.json"] {
@@ -289,7 +292,7 @@ fn d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_nod
 
 /// Files of the state dir that are not records: the login, an env file, the doctor's marker.
 #[test]
-fn d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_or_doctor() {
+fn g13_d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_or_doctor() {
     let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();
@@ -321,7 +324,7 @@ fn d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_or_d
 /// A directory where the control socket belongs cannot be replaced: exit 2 (no restart loop
 /// under systemd) naming the path.
 #[test]
-fn a_directory_in_place_of_the_control_socket_is_exit_2_naming_it() {
+fn g13_a_directory_in_place_of_the_control_socket_is_exit_2_naming_it() {
     let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
     let sock = setup.config_dir().join("control.sock");
     std::fs::create_dir_all(sock.join("inner")).unwrap();

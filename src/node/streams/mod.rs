@@ -488,7 +488,7 @@ impl Streams {
     fn on_cut(
         &mut self,
         key: &Key,
-        result: Result<u64, String>,
+        result: std::io::Result<u64>,
         now: Instant,
         _: &mut dyn Outbound,
     ) {

@@ -825,8 +825,7 @@ impl Disk {
                     } => Event::Chunk(crate::workload::tail::read(key, &path, offset, max, &marks)),
                     Request::Cut { key, path, keep } => Event::Cut {
                         key,
-                        result: crate::workload::tail::cut_front(&path, keep)
-                            .map_err(|e| e.to_string()),
+                        result: crate::workload::tail::cut_front(&path, keep),
                     },
                     Request::Persist { key, path, data } => {
                         self.cursor = serde_json::from_slice(&data).unwrap();

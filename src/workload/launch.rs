@@ -1,0 +1,249 @@
+//! Starting a workload under the shim, step 1 of 2: its directory, params, record and the shim
+//! forked ([`super::settle`] is step 2).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::{Map, Value};
+
+use super::environment;
+use super::error::SpawnError;
+use super::inputs;
+use super::procinfo;
+use super::record::{unix_now, Layout, Meta, WorkflowCtx};
+use super::shim::ShimArgs;
+use super::user::{self, WorkloadUser};
+use crate::config::Settings;
+use crate::protocol::commands::Kind;
+use crate::store;
+
+/// What a start needs beyond the settings (owned: it travels to the spawner thread).
+#[derive(Debug, Clone)]
+pub struct StartRequest {
+    pub kind: Kind,
+    pub request_id: Value,
+    pub safe_id: String,
+    pub params: Map<String, Value>,
+    pub template: String,
+    /// The node's own API token (empty in standalone mode).
+    pub node_token: String,
+    pub max_runtime_s: Option<f64>,
+    pub workflow: Option<WorkflowCtx>,
+    /// The node's control socket, for `emit`.
+    pub socket: PathBuf,
+    /// Its GPUs (D36): `Some` sets the CUDA/NVIDIA variables (an empty list hides every GPU).
+    pub gpus: Option<Vec<String>>,
+    /// This workload's own results folder (D24), when result uploads are on.
+    pub results_dir: Option<PathBuf>,
+    /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
+    pub event_token: String,
+    /// The node's instance UUID (`CYBERWAVE_CLOUD_NODE_ID`, D45).
+    pub node_uuid: String,
+}
+
+/// A shim that was forked and has not reported the workload's pid yet.
+pub struct Launched {
+    /// The record as written (not yet synced), no pid.
+    pub meta: Meta,
+    pub shim_pid: i32,
+    /// The shim's start time (its identity, read right after the fork).
+    pub shim_start_ticks: u64,
+    pub(super) child: std::process::Child,
+}
+
+/// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
+/// and record (`meta.json`, without a pid, written atomically but not yet synced), then the
+/// shim forked. [`settle`] then reads the pid, and [`make_durable`] syncs the record once the
+/// workload runs (a sync forces a journal commit, which would hold up the files the shim and
+/// the workload create as they start). On `Err` nothing was forked and the directory is gone.
+///
+/// Crash safety of the order: a node killed at any point leaves what it wrote in the page cache
+/// (a record written is read back by the next node, synced or not); only a host crash loses
+/// unsynced files, and it ends the workload too. The start is answered (and recorded in the
+/// ledger) only after [`make_durable`], so an answered start always has its durable record.
+pub fn launch(
+    s: &Settings,
+    layout: &Layout,
+    exe: &Path,
+    req: StartRequest,
+) -> Result<Launched, SpawnError> {
+    let dir = layout.dir(&req.safe_id);
+    store::ensure_private_dir(&layout.workloads()).map_err(|source| SpawnError::CreateDir {
+        path: layout.workloads(),
+        source,
+    })?;
+    std::fs::create_dir(&dir).map_err(|source| SpawnError::CreateDir {
+        path: dir.clone(),
+        source,
+    })?;
+    let result = launch_in(s, layout, exe, &dir, req);
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+fn launch_in(
+    s: &Settings,
+    layout: &Layout,
+    exe: &Path,
+    dir: &Path,
+    mut req: StartRequest,
+) -> Result<Launched, SpawnError> {
+    let user = prepare_dirs(s, layout, dir)?;
+    let user = user.as_ref();
+    let token = req
+        .params
+        .remove("cyberwave_workload_token")
+        .and_then(|v| v.as_str().map(String::from));
+    let workload_uuid = req
+        .params
+        .get("workload_uuid")
+        .and_then(Value::as_str)
+        .map(String::from);
+    // Module dispatch: a missing file is refused before anything is written; the platform's
+    // own keys are not the function's arguments.
+    let module = inputs::module_file(s, &req.template, req.kind.as_str())?;
+    if module.is_some() {
+        inputs::drop_platform_params(&mut req.params);
+    }
+    let stem = format!("{}_{}", req.kind.as_str(), req.safe_id);
+    inputs::inline_image(layout, &stem, &req.safe_id, &mut req.params, user)?;
+    let params_file = inputs::write_params(dir, std::mem::take(&mut req.params), user)?;
+    let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
+    let meta = write_record(layout, &req, workload_uuid, command, &stem)?;
+    if let Some(d) = &req.results_dir {
+        user::give(user, d)?;
+    }
+    // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
+    let env = environment::of(
+        s,
+        &meta,
+        &environment::Context {
+            credential: token.unwrap_or_else(|| req.node_token.clone()),
+            params_file: &params_file,
+            results_dir: req.results_dir.as_deref(),
+            user,
+            inputs: layout.inputs(),
+            socket: &req.socket,
+            exe,
+            node_uuid: &req.node_uuid,
+        },
+    );
+    fork_shim(s, exe, dir, meta, &env, user)
+}
+
+/// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
+/// 2 if wrong), and the folders the start writes to, open to that user as far as it needs.
+fn prepare_dirs(
+    s: &Settings,
+    layout: &Layout,
+    dir: &Path,
+) -> Result<Option<WorkloadUser>, SpawnError> {
+    let user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        Some(spec) => Some(user::lookup(spec)?),
+        None => None,
+    };
+    // With a workload user the record's dir is passed through (to its params file), not listed.
+    let mode = if user.is_some() { 0o711 } else { 0o700 };
+    let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
+    store::ensure_private_dir(&layout.logs()).map_err(|source| SpawnError::CreateDir {
+        path: layout.logs(),
+        source,
+    })?;
+    if user.is_some() {
+        user::traversable(&layout.workloads()).map_err(|source| SpawnError::OpenToUser {
+            path: layout.workloads(),
+            source,
+        })?;
+    }
+    Ok(user)
+}
+
+/// The workload's record (no pid yet), written atomically (a reader never sees
+/// half of it) but not synced here: [`super::make_durable`] syncs it while the shim starts the
+/// workload.
+fn write_record(
+    layout: &Layout,
+    req: &StartRequest,
+    workload_uuid: Option<String>,
+    command: String,
+    stem: &str,
+) -> Result<Meta, SpawnError> {
+    let meta = Meta {
+        safe_id: req.safe_id.clone(),
+        kind: req.kind.into(),
+        request_id: req.request_id.clone(),
+        workload_uuid,
+        created_unix: unix_now(),
+        command,
+        stdout_log: layout.logs().join(format!("{stem}.stdout.log")),
+        stderr_log: layout.logs().join(format!("{stem}.stderr.log")),
+        max_runtime_s: req.max_runtime_s,
+        started: None,
+        cancel: None,
+        workflow: req.workflow.clone(),
+        event_token: req.event_token.clone(),
+        gpus: req.gpus.clone(),
+        salvaged: None,
+    };
+    let json = serde_json::to_vec_pretty(&meta)?;
+    store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600).map_err(|source| {
+        SpawnError::Write {
+            what: "the workload record",
+            source,
+        }
+    })?;
+    Ok(meta)
+}
+
+/// Forks the shim that runs the workload's command in `env`.
+fn fork_shim(
+    s: &Settings,
+    exe: &Path,
+    dir: &Path,
+    meta: Meta,
+    env: &BTreeMap<String, String>,
+    user: Option<&WorkloadUser>,
+) -> Result<Launched, SpawnError> {
+    let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
+        "bash"
+    } else {
+        "sh"
+    };
+    let args = ShimArgs {
+        dir: dir.to_path_buf(),
+        cwd: s.working_dir.clone(),
+        stdout: meta.stdout_log.clone(),
+        stderr: meta.stderr_log.clone(),
+        shell: shell.to_string(),
+        command: meta.command.clone(),
+        cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
+        user: user.map(WorkloadUser::ids),
+    };
+    let shim_log =
+        store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
+    let mut cmd = Command::new(exe);
+    crate::fds::no_inherited_fds(&mut cmd);
+    let child = cmd
+        .args(args.to_args())
+        .env_clear()
+        .envs(env)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(shim_log)
+        .spawn()
+        .map_err(|source| SpawnError::Fork {
+            exe: exe.to_path_buf(),
+            source,
+        })?;
+    let shim_pid = i32::try_from(child.id()).unwrap_or(0);
+    Ok(Launched {
+        meta,
+        shim_pid,
+        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        child,
+    })
+}

@@ -1,0 +1,302 @@
+//! Reading a workload's directory back at recovery: every file validated, a bad record rebuilt
+//! from what can be proven.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::record::{
+    load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, MetaKind,
+};
+use super::shim::Started;
+use super::{procinfo, spawner};
+use crate::protocol::commands::Kind;
+use crate::store;
+
+/// How a workload's directory was read back at recovery.
+#[derive(Debug)]
+pub enum Recovered {
+    /// The record validated.
+    Intact(Meta),
+    /// `meta.json` did not validate (it is quarantined): this record was rebuilt from what
+    /// could be proven — the directory name, the pid identity (`started.json`), the
+    /// workload uuid (`params.json`), the log files' names. Its `salvaged` says why.
+    Salvaged(Meta),
+}
+
+/// Reads a workload's directory for recovery: every file validated, an invalid one
+/// quarantined (one ERROR line each), a bad `meta.json` replaced by a rebuilt record that is
+/// saved so the next start reads it as it is (recovery never repeats the same work or loops).
+pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
+    let meta_path = dir.join("meta.json");
+    let why = match parse_meta(dir) {
+        Ok(mut meta) => {
+            if meta.started.is_none() {
+                let path = dir.join("started.json");
+                // A node killed between forking the shim and the shim's start record: the
+                // shim is still at work, and the record comes (never forget a workload that
+                // is about to run: a redelivery would start it a second time).
+                wait_for_shim_record(dir, &path);
+                match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
+                    Ok(st) => meta.started = Some(st),
+                    Err(store::ReadError::Missing) => {}
+                    // The shim wrote it, so the workload did start: it cannot be tracked
+                    // without it, but it is reported, not forgotten.
+                    Err(e) => {
+                        let why = format!("started.json is not a valid workload start record: {e}");
+                        if e.is_bad_content() {
+                            let _ = store::quarantine(&path, &why);
+                        }
+                        meta.safe_id = name.to_string();
+                        meta.salvaged = Some(why);
+                        return Recovered::Salvaged(meta);
+                    }
+                }
+            }
+            meta.safe_id = name.to_string();
+            return if meta.salvaged.is_some() {
+                Recovered::Salvaged(meta)
+            } else {
+                Recovered::Intact(meta)
+            };
+        }
+        Err(store::ReadError::Missing) => "meta.json is missing".to_string(),
+        Err(e) => {
+            let why = format!("meta.json is not a valid workload record: {e}");
+            let _ = store::quarantine(&meta_path, &why);
+            why
+        }
+    };
+    let started: Option<Started> = load_json(&dir.join("started.json"), "workload start record");
+    let workload_uuid = store::load_record::<Params>(
+        &dir.join("params.json"),
+        store::MAX_ENTRY_BYTES,
+        "workload params file",
+    )
+    .and_then(|p| p.workload_uuid());
+    let kind = [Kind::Inference, Kind::Simulate, Kind::Training]
+        .into_iter()
+        .map(MetaKind::Known)
+        .find(|k| {
+            layout
+                .logs()
+                .join(format!("{k}_{name}.stdout.log"))
+                .exists()
+        })
+        .unwrap_or(MetaKind::Unknown);
+    // D36: the GPUs it holds, read back from its own environment when it provably still runs
+    // (else they would look free and be given to a second workload).
+    let gpus = started
+        .as_ref()
+        .filter(|s| procinfo::same_process_alive(s.pid, s.start_ticks))
+        .and_then(|s| crate::gpu::assigned_in_environ(s.pid));
+    let meta = Meta {
+        safe_id: name.to_string(),
+        kind,
+        request_id: Value::Null,
+        workload_uuid,
+        created_unix: unix_now(),
+        command: String::new(),
+        stdout_log: layout.logs().join(format!("{kind}_{name}.stdout.log")),
+        stderr_log: layout.logs().join(format!("{kind}_{name}.stderr.log")),
+        max_runtime_s: None,
+        started,
+        cancel: None,
+        workflow: None,
+        event_token: String::new(),
+        salvaged: Some(why),
+        gpus,
+    };
+    // Saved only when it names a process to track: a record without one is reported and
+    // retired right away.
+    if meta.started.is_some() && log_name_ok(name) {
+        if let Err(e) = save_meta(layout, &meta) {
+            log::warn!(
+                "cannot save the rebuilt record of workload {}: {e}",
+                store::clip(name, 80)
+            );
+        }
+    }
+    Recovered::Salvaged(meta)
+}
+
+/// While a shim started for `dir` is alive and `started` does not exist yet, waits for it (at
+/// most the spawner's pid timeout).
+fn wait_for_shim_record(dir: &Path, started: &Path) {
+    if started.exists() {
+        return;
+    }
+    let Some((pid, ticks)) = shim_of(dir) else {
+        return;
+    };
+    log::info!(
+        "the supervisor of {} (pid {pid}) is still starting its workload; waiting for its start record",
+        store::shown(dir)
+    );
+    let until = crate::util::later(std::time::Instant::now(), spawner::PID_TIMEOUT);
+    while !started.exists()
+        && procinfo::same_process_alive(pid, ticks)
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The live shim process (pid, start ticks) supervising `dir`, found by its command line
+/// (`<exe> __shim <dir> …`) among this user's processes.
+fn shim_of(dir: &Path) -> Option<(i32, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let want = dir.as_os_str().as_bytes();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .find_map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+            let is_shim = args
+                .windows(2)
+                .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want));
+            let ticks = procinfo::start_ticks(pid)?;
+            (is_shim && procinfo::same_process_alive(pid, ticks)).then_some((pid, ticks))
+        })
+}
+
+/// `params.json` as far as the node reads it back: a JSON object.
+#[derive(Debug, Deserialize)]
+#[serde(transparent)]
+struct Params(Map<String, Value>);
+
+impl Params {
+    /// The workload uuid, if it is there and valid (D20).
+    fn workload_uuid(&self) -> Option<String> {
+        self.0
+            .get("workload_uuid")
+            .and_then(Value::as_str)
+            .filter(|u| store::check_id("workload_uuid", u).is_ok())
+            .map(String::from)
+    }
+}
+
+impl store::Validate for Params {
+    fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::testkit::{good_meta, scratch};
+    use std::process::Command;
+
+    #[test]
+    fn a_workload_with_a_bad_record_is_salvaged_from_what_can_be_proven() {
+        let layout = scratch("salvage");
+        let dir = layout.dir("w1");
+        let mut bad = good_meta(&layout);
+        bad["max_runtime_s"] = serde_json::json!(1e19);
+        std::fs::write(dir.join("meta.json"), bad.to_string()).unwrap();
+        std::fs::write(dir.join("started.json"), bad["started"].to_string()).unwrap();
+        std::fs::write(dir.join("params.json"), r#"{"workload_uuid":"wl-9","x":1}"#).unwrap();
+        std::fs::write(layout.logs().join("training_w1.stdout.log"), "").unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("must be salvaged");
+        };
+        assert_eq!(m.workload_uuid.as_deref(), Some("wl-9"));
+        assert_eq!(m.kind, Kind::Training);
+        assert_eq!(m.pid(), 123456);
+        assert!(m.salvaged.as_deref().unwrap().contains("max_runtime_s"));
+        assert_eq!(m.max_runtime_s, None);
+        let q = layout.state.join("quarantine");
+        assert_eq!(
+            std::fs::read_dir(&q).unwrap().count(),
+            1,
+            "meta.json quarantined"
+        );
+        // The rebuilt record is saved: the next recovery reads it without quarantining again.
+        let Recovered::Salvaged(again) = recover_meta(&layout, &dir, "w1") else {
+            panic!("still a salvaged record");
+        };
+        assert_eq!(again.workload_uuid.as_deref(), Some("wl-9"));
+        assert_eq!(std::fs::read_dir(&q).unwrap().count(), 1);
+
+        // Nothing provable: no pid, params invalid (quarantined too), unknown kind.
+        std::fs::remove_file(dir.join("meta.json")).unwrap();
+        std::fs::write(dir.join("started.json"), r#"{"pid":-4}"#).unwrap();
+        std::fs::write(dir.join("params.json"), "\u{0}\u{0}").unwrap();
+        std::fs::remove_file(layout.logs().join("training_w1.stdout.log")).unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("salvaged");
+        };
+        assert!(m.started.is_none() && m.workload_uuid.is_none());
+        assert_eq!(m.kind, MetaKind::Unknown);
+        assert_eq!(
+            std::fs::read_dir(&q).unwrap().count(),
+            3,
+            "started.json and params.json"
+        );
+        assert!(
+            !dir.join("meta.json").exists(),
+            "nothing to track: not saved"
+        );
+
+        // A valid record whose start record is bad: reported, not forgotten as "never started".
+        let mut no_start = good_meta(&layout);
+        no_start.as_object_mut().unwrap().remove("started");
+        std::fs::write(dir.join("meta.json"), no_start.to_string()).unwrap();
+        std::fs::write(dir.join("started.json"), r#"{"pid":0}"#).unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("a bad started.json makes it salvaged");
+        };
+        assert!(m.started.is_none());
+        assert_eq!(m.workload_uuid.as_deref(), Some("wl-1"));
+        assert!(m.salvaged.unwrap().contains("started.json"));
+        assert_eq!(std::fs::read_dir(&q).unwrap().count(), 4);
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// A node killed between forking a shim and the shim's start record: recovery waits for
+    /// the record while that shim lives, so the workload is re-adopted, not forgotten (and
+    /// then started a second time by a redelivery).
+    #[test]
+    fn recovery_waits_for_the_start_record_of_a_shim_still_starting() {
+        let layout = scratch("waitshim");
+        let dir = layout.dir("w1");
+        let mut meta = good_meta(&layout);
+        meta.as_object_mut().unwrap().remove("started");
+        std::fs::write(dir.join("meta.json"), meta.to_string()).unwrap();
+        // Stands in for the shim: `__shim <dir>` on its command line.
+        let mut shim = Command::new("sh")
+            .arg("-c")
+            .arg("sleep 5; true")
+            .arg("__shim")
+            .arg(&dir)
+            .spawn()
+            .unwrap();
+        let record = good_meta(&layout)["started"].to_string();
+        let writer = {
+            let path = dir.join("started.json");
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                std::fs::write(path, record).unwrap();
+            })
+        };
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("intact");
+        };
+        writer.join().unwrap();
+        assert_eq!(m.pid(), 123456, "the start record the shim wrote meanwhile");
+        shim.kill().unwrap();
+        shim.wait().unwrap();
+        // No shim: nothing to wait for (a record without a pid is forgotten by the node).
+        std::fs::remove_file(dir.join("started.json")).unwrap();
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+            panic!("intact");
+        };
+        assert!(m.started.is_none());
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+}

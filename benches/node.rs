@@ -20,6 +20,8 @@ use serde_json::json;
 use support::node::NodeSetup;
 use support::{Broker, ControlPlane};
 
+#[path = "node/brokers.rs"]
+mod brokers;
 #[path = "node/fleet.rs"]
 mod fleet;
 #[path = "node/start.rs"]
@@ -118,6 +120,7 @@ fn main() {
     };
     match words.first().map(String::as_str) {
         Some("idle") => return idle(Duration::from_secs(number(1, 60))),
+        Some("brokers") => return brokers::run(number(1, 5) as usize),
         Some("fleet") => return fleet::run(number(1, 100) as usize),
         Some("start") => return start::run(number(1, 100) as usize),
         Some("upload") => {

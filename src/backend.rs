@@ -15,7 +15,8 @@ fn roots() -> RootCerts {
     ROOTS
         .get_or_init(|| {
             let file =
-                crate::mqtt::trust_store(None, std::env::var("SSL_CERT_FILE").ok().as_deref());
+                crate::mqtt::trust_store(None, std::env::var("SSL_CERT_FILE").ok().as_deref())
+                    .map_err(|e| e.to_string());
             let pem = file.and_then(|p| std::fs::read(&p).map_err(|e| e.to_string()));
             let certs: Vec<_> = match pem {
                 Ok(pem) => ureq::tls::parse_pem(&pem)

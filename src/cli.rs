@@ -135,12 +135,26 @@ pub fn takes_value(flag: &str) -> bool {
     ) || crate::emit::FLAGS.contains(&flag)
 }
 
-pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
-    let mut command = None;
-    let mut positional: Vec<String> = Vec::new();
-    let mut pairs: Vec<(String, Option<String>)> = Vec::new();
-    let mut verbosity = 0u8;
-    let mut help = false;
+/// The command line split into its parts, before the flags are checked against the command.
+struct Words {
+    command: Option<Command>,
+    positional: Vec<String>,
+    pairs: Vec<(String, Option<String>)>,
+    verbosity: u8,
+    help: bool,
+    /// `-V`/`--version` was seen (the words after it are not read).
+    version: bool,
+}
+
+fn words(args: &[String]) -> Result<Words, UsageError> {
+    let mut w = Words {
+        command: None,
+        positional: Vec::new(),
+        pairs: Vec::new(),
+        verbosity: 0,
+        help: false,
+        version: false,
+    };
     let expanded: Vec<String> = args
         .iter()
         .map(|a| match a.as_str() {
@@ -152,10 +166,13 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     let mut it = expanded.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "-h" | "--help" => help = true,
-            "-V" | "--version" => return Ok(Parsed::Version),
-            "-v" | "--verbose" => verbosity = verbosity.saturating_add(1),
-            "-vv" => verbosity = verbosity.saturating_add(2),
+            "-h" | "--help" => w.help = true,
+            "-V" | "--version" => {
+                w.version = true;
+                return Ok(w);
+            }
+            "-v" | "--verbose" => w.verbosity = w.verbosity.saturating_add(1),
+            "-vv" => w.verbosity = w.verbosity.saturating_add(2),
             a if a.starts_with("--") => {
                 let (name, inline) = match a.split_once('=') {
                     Some((n, v)) => (n.to_string(), Some(v.to_string())),
@@ -175,70 +192,93 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
                 } else {
                     None
                 };
-                pairs.push((name, value));
+                w.pairs.push((name, value));
             }
             a if a.starts_with('-') && a.len() > 1 => {
                 return Err(UsageError(format!("unknown option {a}")))
             }
-            a if command.is_none() && positional.is_empty() => {
-                command = Some(match a {
-                    "start" => Command::Start,
-                    "validate" => Command::Validate,
-                    "config" => Command::Config,
-                    "install-service" => Command::InstallService,
-                    "uninstall-service" => Command::UninstallService,
-                    "emit" => Command::Emit,
-                    "status" => Command::Status,
-                    "logs" => Command::Logs,
-                    "drain" => Command::Drain,
-                    "resume" => Command::Resume,
-                    "doctor" => Command::Doctor,
-                    "help" => {
-                        help = true;
-                        Command::Start
-                    }
-                    other => {
-                        return Err(UsageError(format!(
-                            "unknown command '{other}' (commands: start, validate, config)"
-                        )))
-                    }
-                })
+            a if w.command.is_none() && w.positional.is_empty() => {
+                w.command = Some(command_named(a, &mut w.help)?);
             }
-            a => positional.push(a.to_string()),
+            a => w.positional.push(a.to_string()),
         }
     }
-    let explicit = command.is_some();
-    let command = command.unwrap_or(Command::Start);
-    if help {
-        return Ok(Parsed::Help(help_text(if explicit || !pairs.is_empty() {
-            Some(command)
-        } else {
-            None
-        })));
+    Ok(w)
+}
+
+/// The command a word names (`help` asks for help on `start`).
+fn command_named(a: &str, help: &mut bool) -> Result<Command, UsageError> {
+    Ok(match a {
+        "start" => Command::Start,
+        "validate" => Command::Validate,
+        "config" => Command::Config,
+        "install-service" => Command::InstallService,
+        "uninstall-service" => Command::UninstallService,
+        "emit" => Command::Emit,
+        "status" => Command::Status,
+        "logs" => Command::Logs,
+        "drain" => Command::Drain,
+        "resume" => Command::Resume,
+        "doctor" => Command::Doctor,
+        "help" => {
+            *help = true;
+            Command::Start
+        }
+        other => {
+            return Err(UsageError(format!(
+                "unknown command '{other}' (commands: start, validate, config)"
+            )))
+        }
+    })
+}
+
+pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
+    let w = words(args)?;
+    if w.version {
+        return Ok(Parsed::Version);
     }
-    let mut flags = Flags::default();
-    let mut json = false;
-    let mut user = false;
-    let (mut follow, mut stderr, mut wait, mut lines) = (false, false, false, None);
+    let explicit = w.command.is_some();
+    let command = w.command.unwrap_or(Command::Start);
+    if w.help {
+        return Ok(Parsed::Help(help_text(
+            if explicit || !w.pairs.is_empty() {
+                Some(command)
+            } else {
+                None
+            },
+        )));
+    }
+    let mut inv = Invocation {
+        command,
+        flags: Flags::default(),
+        verbosity: w.verbosity,
+        json: false,
+        user: false,
+        emit_kind: String::new(),
+        emit: std::collections::BTreeMap::new(),
+        follow: false,
+        stderr: false,
+        wait: false,
+        lines: None,
+        explicit,
+    };
     // `validate PATH` takes the manifest path as a positional argument too; `emit KIND` its kind.
-    let mut emit_kind = String::new();
-    match (command, positional.as_slice()) {
+    match (command, w.positional.as_slice()) {
         (Command::Emit, [k]) if ["started", "node", "finished"].contains(&k.as_str()) => {
-            emit_kind = k.clone()
+            inv.emit_kind = k.clone()
         }
         (Command::Emit, _) => {
             return Err(UsageError(
                 "emit needs one of: started, node, finished".into(),
             ))
         }
-        (Command::Logs, [id]) => emit_kind = id.clone(),
+        (Command::Logs, [id]) => inv.emit_kind = id.clone(),
         (Command::Logs, _) => return Err(UsageError("logs needs one request id or pid".into())),
         (_, []) => {}
-        (Command::Validate, [p]) => flags.config = Some(PathBuf::from(p)),
+        (Command::Validate, [p]) => inv.flags.config = Some(PathBuf::from(p)),
         (_, [p, ..]) => return Err(UsageError(format!("unexpected argument '{p}'"))),
     }
-    let mut emit = std::collections::BTreeMap::new();
-    for (name, value) in pairs {
+    for (name, value) in w.pairs {
         if !allowed(command, &name) {
             return Err(UsageError(format!(
                 "unknown flag {name} for '{}'",
@@ -247,56 +287,50 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
         }
         let v = value.unwrap_or_default();
         if command == Command::Emit {
-            emit.insert(name, v);
+            inv.emit.insert(name, v);
             continue;
         }
-        match name.as_str() {
-            "--config" => flags.config = Some(PathBuf::from(v)),
-            "--slug" => flags.slug = Some(non_empty(&name, v)?),
-            "--profile" => flags.profile = Some(non_empty(&name, v)?),
-            "--environment" => flags.environment = Some(non_empty(&name, v)?),
-            "--mqtt-host" => flags.mqtt_host = Some(non_empty(&name, v)?),
-            "--mqtt-port" => {
-                flags.mqtt_port =
-                    Some(v.parse::<u16>().ok().filter(|p| *p >= 1).ok_or_else(|| {
-                        UsageError(format!(
-                            "--mqtt-port: expected a whole number from 1 to 65535, got {v:?}"
-                        ))
-                    })?)
-            }
-            "--mqtt-tls" => flags.mqtt_tls = Some(true),
-            "--no-mqtt-tls" => flags.mqtt_tls = Some(false),
-            "--standalone" => flags.standalone = true,
-            "--drain-after-one" => flags.drain_after_one = true,
-            "--metrics-file" => flags.metrics_file = Some(PathBuf::from(v)),
-            "--lenient" => flags.lenient = true,
-            "--json" => json = true,
-            "--user" => user = true,
-            "--follow" => follow = true,
-            "--stderr" => stderr = true,
-            "--wait" => wait = true,
-            "--lines" => {
-                lines = Some(v.parse::<usize>().map_err(|_| {
+        set_flag(&mut inv, &name, v)?;
+    }
+    Ok(Parsed::Run(inv))
+}
+
+/// One flag of a command other than `emit`, already known to be allowed for it.
+fn set_flag(inv: &mut Invocation, name: &str, v: String) -> Result<(), UsageError> {
+    let flags = &mut inv.flags;
+    match name {
+        "--config" => flags.config = Some(PathBuf::from(v)),
+        "--slug" => flags.slug = Some(non_empty(name, v)?),
+        "--profile" => flags.profile = Some(non_empty(name, v)?),
+        "--environment" => flags.environment = Some(non_empty(name, v)?),
+        "--mqtt-host" => flags.mqtt_host = Some(non_empty(name, v)?),
+        "--mqtt-port" => {
+            flags.mqtt_port = Some(v.parse::<u16>().ok().filter(|p| *p >= 1).ok_or_else(|| {
+                UsageError(format!(
+                    "--mqtt-port: expected a whole number from 1 to 65535, got {v:?}"
+                ))
+            })?)
+        }
+        "--mqtt-tls" => flags.mqtt_tls = Some(true),
+        "--no-mqtt-tls" => flags.mqtt_tls = Some(false),
+        "--standalone" => flags.standalone = true,
+        "--drain-after-one" => flags.drain_after_one = true,
+        "--metrics-file" => flags.metrics_file = Some(PathBuf::from(v)),
+        "--lenient" => flags.lenient = true,
+        "--json" => inv.json = true,
+        "--user" => inv.user = true,
+        "--follow" => inv.follow = true,
+        "--stderr" => inv.stderr = true,
+        "--wait" => inv.wait = true,
+        "--lines" => {
+            inv.lines =
+                Some(v.parse::<usize>().map_err(|_| {
                     UsageError(format!("-n: expected a number of lines, got {v:?}"))
                 })?)
-            }
-            _ => return Err(UsageError(format!("unknown flag {name}"))),
         }
+        _ => return Err(UsageError(format!("unknown flag {name}"))),
     }
-    Ok(Parsed::Run(Invocation {
-        command,
-        flags,
-        verbosity,
-        json,
-        user,
-        emit_kind,
-        emit,
-        follow,
-        stderr,
-        wait,
-        lines,
-        explicit,
-    }))
+    Ok(())
 }
 
 fn non_empty(name: &str, v: String) -> Result<String, UsageError> {

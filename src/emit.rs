@@ -33,7 +33,10 @@ pub const FLAGS: &[&str] = &[
 ];
 
 /// The flags as the event's fields; `Err` is a usage error.
-pub fn fields(kind: &str, flags: &BTreeMap<String, String>) -> Result<Map<String, Value>, String> {
+pub fn fields(
+    kind: &str,
+    flags: &BTreeMap<String, String>,
+) -> Result<Map<String, Value>, EmitError> {
     let mut f = Map::new();
     f.insert("kind".into(), json!(kind));
     for (flag, value) in flags {
@@ -41,14 +44,15 @@ pub fn fields(kind: &str, flags: &BTreeMap<String, String>) -> Result<Map<String
         let (name, v) = match key {
             "trigger-json" | "input-json" | "output-json" | "metadata-json" => {
                 let parsed: Value = serde_json::from_str(value)
-                    .map_err(|e| format!("{flag}: not valid JSON ({e})"))?;
+                    .map_err(|e| EmitError::Invalid(format!("{flag}: not valid JSON ({e})")))?;
                 (key.trim_end_matches("-json").to_string(), parsed)
             }
             "execution-time-ms" | "activation-index" => {
-                let n: u64 = value
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("{flag}: expected a whole number ≥ 0, got {value:?}"))?;
+                let n: u64 = value.trim().parse().map_err(|_| {
+                    EmitError::Invalid(format!(
+                        "{flag}: expected a whole number ≥ 0, got {value:?}"
+                    ))
+                })?;
                 (key.replace('-', "_"), json!(n))
             }
             _ => (key.replace('-', "_"), json!(value)),
@@ -59,9 +63,11 @@ pub fn fields(kind: &str, flags: &BTreeMap<String, String>) -> Result<Map<String
 }
 
 pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError> {
-    let (fields, event) = fields(kind, flags)
-        .and_then(|f| crate::ingress::build(&f).map(|ev| (f, ev)))
-        .map_err(EmitError::Invalid)?;
+    let (fields, event) = fields(kind, flags).and_then(|f| {
+        crate::ingress::build(&f)
+            .map(|ev| (f, ev))
+            .map_err(|e| EmitError::Invalid(e.to_string()))
+    })?;
     let Some(token) = std::env::var("CYBERWAVE_NODE_EVENT_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
@@ -103,7 +109,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
         Err(CallError::NotRunning) => {
             // The node is down: check the token against the workload records and queue directly.
             let state = socket.parent().map(PathBuf::from).unwrap_or_else(state_dir);
-            authorised(&state, &token, &event.workflow).map_err(EmitError::Refused)?;
+            authorised(&state, &token, &event.workflow)?;
             let item = Item {
                 topic: event.topic.clone(),
                 body: event.body.clone(),
@@ -134,22 +140,23 @@ fn state_dir() -> PathBuf {
         .unwrap_or_else(|_| PathBuf::from(".cyberwave"))
 }
 
-fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<(), String> {
+/// Whether `token` is a workload's own event token, for `workflow`; `Err` is a refusal.
+fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<(), EmitError> {
     let rd = std::fs::read_dir(state.join("workloads"))
-        .map_err(|e| format!("cannot check the event token: {e}"))?;
+        .map_err(|e| EmitError::Refused(format!("cannot check the event token: {e}")))?;
     for e in rd.flatten() {
         let Some(meta) = crate::workload::load_meta(&e.path()) else {
             continue;
         };
         if !meta.event_token.is_empty() && crate::util::same_secret(&meta.event_token, token) {
             return match &meta.workflow {
-                Some(ctx) if ctx.workflow != workflow => Err(format!(
+                Some(ctx) if ctx.workflow != workflow => Err(EmitError::Refused(format!(
                     "this workload may only report workflow {}",
                     ctx.workflow
-                )),
+                ))),
                 _ => Ok(()),
             };
         }
     }
-    Err("invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)".into())
+    Err(EmitError::Refused("invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)".into()))
 }

@@ -20,6 +20,96 @@ pub struct Event {
     pub workflow: String,
 }
 
+/// Why named fields make no event: the flag at fault and what is wrong with it. Each prints as
+/// the line `emit` shows (and the socket answers).
+#[derive(Debug, Clone, PartialEq)]
+pub enum IngressError {
+    /// A required field is missing (`--workflow`, `--status`, …).
+    Required(&'static str),
+    /// An id that is not a uuid-like id; the first 40 characters given.
+    NotAnId(&'static str, String),
+    /// A `source_type` outside the platform's list.
+    SourceType(String),
+    /// A `--…-json` field that is not a JSON object.
+    NotAnObject(&'static str),
+    /// A `--status` outside `allowed`.
+    Status(&'static [&'static str], String),
+    /// A field that must be a whole number ≥ 0.
+    NotWhole(&'static str),
+    /// A `--started-at`/`--finished-at` that is no usable time.
+    Time(&'static str, TimeError),
+    /// A kind other than started, node or finished.
+    Kind(String),
+    /// The payload is larger than [`MAX_EVENT_BYTES`].
+    TooLarge(usize),
+}
+
+impl std::fmt::Display for IngressError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IngressError::Required(what) => write!(f, "{what} is required"),
+            IngressError::NotAnId(what, got) => write!(
+                f,
+                "{what} must be a uuid (letters, digits, - and _), got {got:?}"
+            ),
+            IngressError::SourceType(st) => write!(f, "--source-type must be one of edge, sim, tele, edit (or edge_leader, edge_follower, sim_tele), got {st:?}"),
+            IngressError::NotAnObject(what) => write!(f, "{what} must be a JSON object"),
+            IngressError::Status(allowed, got) => write!(
+                f,
+                "--status must be one of {}, got {got:?}",
+                allowed.join(", ")
+            ),
+            IngressError::NotWhole(what) => write!(f, "{what} must be a whole number ≥ 0"),
+            IngressError::Time(flag, e) => write!(f, "{flag}: {e}"),
+            IngressError::Kind(other) => write!(
+                f,
+                "the event must be started, node or finished, got {other:?}"
+            ),
+            IngressError::TooLarge(size) => write!(
+                f,
+                "the event payload is {size} bytes; the limit is {MAX_EVENT_BYTES}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for IngressError {}
+
+/// Why a value is not a usable time.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TimeError {
+    /// A JSON number serde cannot give as a float.
+    NotANumber,
+    /// Neither a string nor a number.
+    NotATime,
+    /// Parsed, but before 1970 or after the year 9999 (as RFC 3339).
+    OutOfRange(String),
+    /// Epoch seconds out of range.
+    Epoch(f64),
+    /// Not RFC 3339; the first 64 characters given.
+    NotRfc3339(String),
+}
+
+impl std::fmt::Display for TimeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TimeError::NotANumber => write!(f, "not a number"),
+            TimeError::NotATime => write!(f, "expected RFC 3339 or epoch seconds"),
+            TimeError::OutOfRange(ts) => write!(f, "{ts} is not a usable time (1970 to 9999)"),
+            TimeError::Epoch(secs) => write!(
+                f,
+                "{secs} is not a usable time (epoch seconds from 0 to {MAX_EPOCH_SECONDS})"
+            ),
+            TimeError::NotRfc3339(s) => write!(
+                f,
+                "{s:?} is not an RFC 3339 time (e.g. 2026-11-29T15:48:12Z) or epoch seconds"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TimeError {}
+
 fn id_ok(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
@@ -27,14 +117,11 @@ fn id_ok(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
-fn need_id(what: &str, v: Option<&str>) -> Result<String, String> {
+fn need_id(what: &'static str, v: Option<&str>) -> Result<String, IngressError> {
     match v {
         Some(s) if id_ok(s) => Ok(s.to_string()),
-        Some(s) => Err(format!(
-            "{what} must be a uuid (letters, digits, - and _), got {:?}",
-            s.chars().take(40).collect::<String>()
-        )),
-        None => Err(format!("{what} is required")),
+        Some(s) => Err(IngressError::NotAnId(what, s.chars().take(40).collect())),
+        None => Err(IngressError::Required(what)),
     }
 }
 
@@ -42,7 +129,7 @@ fn need_id(what: &str, v: Option<&str>) -> Result<String, String> {
 /// `fields` keys: kind (started|node|finished), workflow, execution, node, status, trigger,
 /// input, output, error_message, execution_time_ms, metadata, started_at, finished_at,
 /// activation_index, caller_uuid, source_type.
-pub fn build(fields: &Map<String, Value>) -> Result<Event, String> {
+pub fn build(fields: &Map<String, Value>) -> Result<Event, IngressError> {
     let s = |k: &str| fields.get(k).and_then(Value::as_str);
     let kind = s("kind").unwrap_or("");
     let workflow = need_id("--workflow", s("workflow"))?;
@@ -60,137 +147,151 @@ pub fn build(fields: &Map<String, Value>) -> Result<Event, String> {
         ]
         .contains(&st)
         {
-            return Err(format!("--source-type must be one of edge, sim, tele, edit (or edge_leader, edge_follower, sim_tele), got {st:?}"));
+            return Err(IngressError::SourceType(st.to_string()));
         }
         body.insert("source_type".into(), json!(st));
     }
     let event = match kind {
-        "started" => {
-            let execution = match s("execution") {
-                Some(e) => need_id("--execution", Some(e))?,
-                None => crate::util::uuid_v4(),
-            };
-            body.insert("execution_uuid".into(), json!(execution));
-            match fields.get("trigger") {
-                None | Some(Value::Null) => {}
-                Some(Value::Object(m)) if m.is_empty() => {}
-                Some(Value::Object(m)) => {
-                    body.insert("trigger_data".into(), Value::Object(m.clone()));
-                }
-                Some(_) => return Err("--trigger-json must be a JSON object".into()),
-            }
-            Event {
-                topic: format!("cyberwave/workflow/{workflow}/execution/started"),
-                body: Value::Object(body),
-                execution,
-                workflow,
-            }
-        }
-        "node" => {
-            let execution = need_id("--execution", s("execution"))?;
-            let node = need_id("--node", s("node"))?;
-            let status = s("status").ok_or("--status is required")?;
-            if !NODE_STATUSES.contains(&status) {
-                return Err(format!(
-                    "--status must be one of {}, got {status:?}",
-                    NODE_STATUSES.join(", ")
-                ));
-            }
-            body.insert("status".into(), json!(status));
-            for (k, key) in [("input", "input_data"), ("output", "output_data")] {
-                match fields.get(k) {
-                    None | Some(Value::Null) => {}
-                    Some(Value::Array(a)) => {
-                        body.insert(key.into(), Value::Array(a.clone()));
-                    }
-                    Some(other) => {
-                        body.insert(key.into(), Value::Array(vec![other.clone()]));
-                    }
-                }
-            }
-            if let Some(m) = s("error_message") {
-                body.insert("error_message".into(), json!(m));
-            }
-            if let Some(v) = fields.get("execution_time_ms").filter(|v| !v.is_null()) {
-                let ms = v
-                    .as_i64()
-                    .filter(|n| *n >= 0)
-                    .ok_or("--execution-time-ms must be a whole number ≥ 0")?;
-                body.insert("execution_time_ms".into(), json!(ms));
-            }
-            match fields.get("metadata") {
-                None | Some(Value::Null) => {}
-                Some(Value::Object(m)) if m.is_empty() => {}
-                Some(Value::Object(m)) => {
-                    body.insert("metadata".into(), Value::Object(m.clone()));
-                }
-                Some(_) => return Err("--metadata-json must be a JSON object".into()),
-            }
-            for k in ["started_at", "finished_at"] {
-                if let Some(v) = fields.get(k).filter(|v| !v.is_null()) {
-                    body.insert(
-                        k.into(),
-                        json!(normalise_time(v)
-                            .map_err(|e| format!("--{}: {e}", k.replace('_', "-")))?),
-                    );
-                }
-            }
-            if let Some(v) = fields.get("activation_index").filter(|v| !v.is_null()) {
-                let n = v
-                    .as_u64()
-                    .ok_or("--activation-index must be a whole number ≥ 0")?;
-                if n > 0 {
-                    body.insert("activation_index".into(), json!(n));
-                }
-            }
-            if let Some(c) = s("caller_uuid") {
-                body.insert(
-                    "caller_uuid".into(),
-                    json!(need_id("--caller-uuid", Some(c))?),
-                );
-            }
-            Event {
-                topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/node/{node}"),
-                body: Value::Object(body),
-                execution,
-                workflow,
-            }
-        }
-        "finished" => {
-            let execution = need_id("--execution", s("execution"))?;
-            let status = s("status").ok_or("--status is required")?;
-            if !FINISHED_STATUSES.contains(&status) {
-                return Err(format!(
-                    "--status must be one of {}, got {status:?}",
-                    FINISHED_STATUSES.join(", ")
-                ));
-            }
-            body.insert("status".into(), json!(status));
-            if let Some(m) = s("error_message") {
-                body.insert("error_message".into(), json!(m));
-            }
-            Event {
-                topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/finished"),
-                body: Value::Object(body),
-                execution,
-                workflow,
-            }
-        }
-        other => {
-            return Err(format!(
-                "the event must be started, node or finished, got {other:?}"
-            ))
-        }
+        "started" => started_event(fields, workflow, body)?,
+        "node" => node_event(fields, workflow, body)?,
+        "finished" => finished_event(fields, workflow, body)?,
+        other => return Err(IngressError::Kind(other.to_string())),
     };
     let size = serde_json::to_vec(&event.body)
         .map(|b| b.len())
         .unwrap_or(0);
     if size > MAX_EVENT_BYTES {
-        return Err(format!(
-            "the event payload is {size} bytes; the limit is {MAX_EVENT_BYTES}"
-        ));
+        return Err(IngressError::TooLarge(size));
     }
     Ok(event)
+}
+
+/// `started`: the execution (generated when not given) and its trigger.
+fn started_event(
+    fields: &Map<String, Value>,
+    workflow: String,
+    mut body: Map<String, Value>,
+) -> Result<Event, IngressError> {
+    let s = |k: &str| fields.get(k).and_then(Value::as_str);
+    let execution = match s("execution") {
+        Some(e) => need_id("--execution", Some(e))?,
+        None => crate::util::uuid_v4(),
+    };
+    body.insert("execution_uuid".into(), json!(execution));
+    match fields.get("trigger") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(m)) => {
+            body.insert("trigger_data".into(), Value::Object(m.clone()));
+        }
+        Some(_) => return Err(IngressError::NotAnObject("--trigger-json")),
+    }
+    Ok(Event {
+        topic: format!("cyberwave/workflow/{workflow}/execution/started"),
+        body: Value::Object(body),
+        execution,
+        workflow,
+    })
+}
+
+/// `node`: one node's status, data, timing and times.
+fn node_event(
+    fields: &Map<String, Value>,
+    workflow: String,
+    mut body: Map<String, Value>,
+) -> Result<Event, IngressError> {
+    let s = |k: &str| fields.get(k).and_then(Value::as_str);
+    let execution = need_id("--execution", s("execution"))?;
+    let node = need_id("--node", s("node"))?;
+    let status = s("status").ok_or(IngressError::Required("--status"))?;
+    if !NODE_STATUSES.contains(&status) {
+        return Err(IngressError::Status(&NODE_STATUSES, status.to_string()));
+    }
+    body.insert("status".into(), json!(status));
+    for (k, key) in [("input", "input_data"), ("output", "output_data")] {
+        match fields.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) => {
+                body.insert(key.into(), Value::Array(a.clone()));
+            }
+            Some(other) => {
+                body.insert(key.into(), Value::Array(vec![other.clone()]));
+            }
+        }
+    }
+    if let Some(m) = s("error_message") {
+        body.insert("error_message".into(), json!(m));
+    }
+    if let Some(v) = fields.get("execution_time_ms").filter(|v| !v.is_null()) {
+        let ms = v
+            .as_i64()
+            .filter(|n| *n >= 0)
+            .ok_or(IngressError::NotWhole("--execution-time-ms"))?;
+        body.insert("execution_time_ms".into(), json!(ms));
+    }
+    match fields.get("metadata") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(m)) => {
+            body.insert("metadata".into(), Value::Object(m.clone()));
+        }
+        Some(_) => return Err(IngressError::NotAnObject("--metadata-json")),
+    }
+    for (k, flag) in [
+        ("started_at", "--started-at"),
+        ("finished_at", "--finished-at"),
+    ] {
+        if let Some(v) = fields.get(k).filter(|v| !v.is_null()) {
+            body.insert(
+                k.into(),
+                json!(normalise_time(v).map_err(|e| IngressError::Time(flag, e))?),
+            );
+        }
+    }
+    if let Some(v) = fields.get("activation_index").filter(|v| !v.is_null()) {
+        let n = v
+            .as_u64()
+            .ok_or(IngressError::NotWhole("--activation-index"))?;
+        if n > 0 {
+            body.insert("activation_index".into(), json!(n));
+        }
+    }
+    if let Some(c) = s("caller_uuid") {
+        body.insert(
+            "caller_uuid".into(),
+            json!(need_id("--caller-uuid", Some(c))?),
+        );
+    }
+    Ok(Event {
+        topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/node/{node}"),
+        body: Value::Object(body),
+        execution,
+        workflow,
+    })
+}
+
+/// `finished`: the execution's outcome.
+fn finished_event(
+    fields: &Map<String, Value>,
+    workflow: String,
+    mut body: Map<String, Value>,
+) -> Result<Event, IngressError> {
+    let s = |k: &str| fields.get(k).and_then(Value::as_str);
+    let execution = need_id("--execution", s("execution"))?;
+    let status = s("status").ok_or(IngressError::Required("--status"))?;
+    if !FINISHED_STATUSES.contains(&status) {
+        return Err(IngressError::Status(&FINISHED_STATUSES, status.to_string()));
+    }
+    body.insert("status".into(), json!(status));
+    if let Some(m) = s("error_message") {
+        body.insert("error_message".into(), json!(m));
+    }
+    Ok(Event {
+        topic: format!("cyberwave/workflow/{workflow}/execution/{execution}/finished"),
+        body: Value::Object(body),
+        execution,
+        workflow,
+    })
 }
 
 /// The last second accepted, `jiff`'s latest time: 9999-12-30T22:00:00Z.
@@ -198,42 +299,36 @@ const MAX_EPOCH_SECONDS: i64 = 253_402_207_200;
 
 /// RFC 3339 (any offset) or epoch seconds → RFC 3339 UTC (`…T15:48:12.123456Z`). Times before
 /// 1970 or after the year 9999 are refused.
-pub fn normalise_time(v: &Value) -> Result<String, String> {
+pub fn normalise_time(v: &Value) -> Result<String, TimeError> {
     let ts = match v {
-        Value::Number(n) => from_epoch_seconds(n.as_f64().ok_or("not a number")?)?,
+        Value::Number(n) => from_epoch_seconds(n.as_f64().ok_or(TimeError::NotANumber)?)?,
         Value::String(s) => match s.trim().parse::<f64>() {
             Ok(f) => from_epoch_seconds(f)?,
             Err(_) => parse_rfc3339(s.trim())?,
         },
-        _ => return Err("expected RFC 3339 or epoch seconds".into()),
+        _ => return Err(TimeError::NotATime),
     };
     if !(0..=MAX_EPOCH_SECONDS).contains(&ts.as_second()) {
-        return Err(format!("{ts} is not a usable time (1970 to 9999)"));
+        return Err(TimeError::OutOfRange(ts.to_string()));
     }
     Ok(crate::util::rfc3339_of(ts))
 }
 
-fn from_epoch_seconds(secs: f64) -> Result<jiff::Timestamp, String> {
-    let bad =
-        || format!("{secs} is not a usable time (epoch seconds from 0 to {MAX_EPOCH_SECONDS})");
+fn from_epoch_seconds(secs: f64) -> Result<jiff::Timestamp, TimeError> {
     if !secs.is_finite() || !(0.0..=MAX_EPOCH_SECONDS as f64).contains(&secs) {
-        return Err(bad());
+        return Err(TimeError::Epoch(secs));
     }
     jiff::SignedDuration::try_from_secs_f64(secs)
         .ok()
         .and_then(|d| jiff::Timestamp::from_duration(d).ok())
-        .ok_or_else(bad)
+        .ok_or(TimeError::Epoch(secs))
 }
 
 /// An RFC 3339 time with an offset (`2026-11-29T15:48:12Z`, `…12.5+01:00`), parsed by `jiff`
 /// (which also takes the ISO 8601 forms RFC 3339 leaves out, such as the offset `+01`).
-pub fn parse_rfc3339(s: &str) -> Result<jiff::Timestamp, String> {
-    s.parse::<jiff::Timestamp>().map_err(|_| {
-        format!(
-            "{:?} is not an RFC 3339 time (e.g. 2026-11-29T15:48:12Z) or epoch seconds",
-            s.chars().take(64).collect::<String>()
-        )
-    })
+pub fn parse_rfc3339(s: &str) -> Result<jiff::Timestamp, TimeError> {
+    s.parse::<jiff::Timestamp>()
+        .map_err(|_| TimeError::NotRfc3339(s.chars().take(64).collect()))
 }
 
 /// The payload as published: `session_id` is the publishing client's id unless the event
@@ -395,7 +490,7 @@ mod tests {
             "\u{202e}2026-11-30T15:48:12Z",
         ];
         for s in hostile {
-            let err = normalise_time(&json!(s)).unwrap_err();
+            let err = normalise_time(&json!(s)).unwrap_err().to_string();
             assert!(err.contains("RFC 3339"), "{s:?}: {err}");
         }
         // Through the `emit` flag parser, as `emit node … --started-at '…+0é00'` runs it.
@@ -410,7 +505,7 @@ mod tests {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
         let fields = crate::emit::fields("node", &flags).unwrap();
-        let err = build(&fields).unwrap_err();
+        let err = build(&fields).unwrap_err().to_string();
         assert!(err.starts_with("--started-at: "), "{err}");
     }
 

@@ -33,7 +33,7 @@ pub struct Entry {
 }
 
 impl Validate for Entry {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         store::check_unix("at", self.at)
     }
 }
@@ -52,8 +52,8 @@ pub fn key(rid: &str) -> String {
 }
 
 /// One ledger line parsed and validated (also the entry point for fuzzing).
-pub fn parse_line(line: &[u8]) -> Result<Entry, String> {
-    store::parse_record::<Entry>(line).map_err(|e| e.to_string())
+pub fn parse_line(line: &[u8]) -> Result<Entry, store::ReadError> {
+    store::parse_record::<Entry>(line)
 }
 
 /// Whether `k` is already a key as [`key`] makes them (a hash, or a short plain id).
@@ -136,7 +136,7 @@ fn scan_lines(mut reader: BufReader<std::fs::File>, cutoff: f64) -> std::io::Res
         } else if buf.iter().all(u8::is_ascii_whitespace) {
             continue;
         } else {
-            parse_line(&buf)
+            parse_line(&buf).map_err(|e| e.to_string())
         };
         match parsed {
             Ok(mut e) => {

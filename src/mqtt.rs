@@ -95,15 +95,68 @@ pub fn request_props_size(inbox: usize, correlation: usize, token: usize) -> usi
         .saturating_add(user)
 }
 
+/// Why the MQTT client cannot be set up, or a message can never be sent. Each prints as the
+/// line the node shows for it.
+#[derive(Debug)]
+pub enum MqttError {
+    /// `mqtt_host` is not a list of broker addresses (printed after the setting's name).
+    Endpoints(EndpointsError),
+    /// No broker address at all.
+    NoEndpoint,
+    /// A packet of `size` bytes and the broker's Maximum Packet Size `limit`.
+    TooLarge { size: u64, limit: u32 },
+    /// The configured CA file does not exist.
+    NoCaFile(PathBuf),
+    /// TLS is on and no system CA bundle exists.
+    NoCaBundle,
+    /// TLS is on and the options name no CA file.
+    TlsWithoutCa,
+    /// Paho cannot load the CA file.
+    CaFile(PathBuf, paho::Error),
+    /// Paho cannot create a client for this address.
+    Client(String, paho::Error),
+    /// Paho refuses the session expiry property.
+    SessionExpiry(paho::Error),
+}
+
+impl std::fmt::Display for MqttError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MqttError::Endpoints(e) => write!(f, "mqtt_host {e}"),
+            MqttError::NoEndpoint => write!(f, "no MQTT broker address is configured"),
+            MqttError::TooLarge { size, limit } => write!(
+                f,
+                "the message is {size} bytes and the broker takes at most {limit} (its Maximum Packet Size); sending it would only make the broker drop the connection"
+            ),
+            MqttError::NoCaFile(p) => write!(f, "the MQTT CA file {} does not exist", p.display()),
+            MqttError::NoCaBundle => write!(
+                f,
+                "TLS is on but no CA bundle was found (tried {}); install ca-certificates or set CYBERWAVE_MQTT_TLS_CA_CERTS",
+                SYSTEM_CA_BUNDLES.join(", ")
+            ),
+            MqttError::TlsWithoutCa => write!(f, "TLS needs a CA file"),
+            MqttError::CaFile(p, e) => write!(f, "CA file {}: {e}", p.display()),
+            MqttError::Client(uri, e) => write!(f, "cannot create the MQTT client for {uri}: {e}"),
+            MqttError::SessionExpiry(e) => write!(f, "session expiry property: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for MqttError {}
+
+impl From<EndpointsError> for MqttError {
+    fn from(e: EndpointsError) -> Self {
+        MqttError::Endpoints(e)
+    }
+}
+
 /// Whether a packet of `size` bytes fits the broker's Maximum Packet Size `limit` (0: the
 /// broker named none). `Err` says why not.
-pub fn fits(size: u64, limit: u32) -> Result<(), String> {
+pub fn fits(size: u64, limit: u32) -> Result<(), MqttError> {
     if limit == 0 || size <= u64::from(limit) {
         Ok(())
     } else {
-        Err(format!(
-            "the message is {size} bytes and the broker takes at most {limit} (its Maximum Packet Size); sending it would only make the broker drop the connection"
-        ))
+        Err(MqttError::TooLarge { size, limit })
     }
 }
 
@@ -145,6 +198,101 @@ impl Endpoint {
     }
 }
 
+/// Why `mqtt_host` is not a list of broker addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndpointsError {
+    /// More than [`MAX_ENDPOINTS`] entries.
+    TooMany(usize),
+    /// Entry `pos` (from 1) of `count`, as written, and what is wrong with it.
+    Entry {
+        pos: usize,
+        count: usize,
+        item: String,
+        why: BadEndpoint,
+    },
+}
+
+impl std::fmt::Display for EndpointsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EndpointsError::TooMany(count) => write!(
+                f,
+                "lists {count} broker addresses; at most {MAX_ENDPOINTS} are allowed"
+            ),
+            EndpointsError::Entry {
+                count: 1,
+                item,
+                why,
+                ..
+            } => write!(f, "{}: {why}", quoted(item)),
+            EndpointsError::Entry {
+                pos,
+                count,
+                item,
+                why,
+            } => write!(f, "entry {pos} ({}) of {count}: {why}", quoted(item)),
+        }
+    }
+}
+
+/// What is wrong with one entry of `mqtt_host`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BadEndpoint {
+    Empty,
+    UnclosedBracket,
+    NotIpv6,
+    NoPortAfterBracket,
+    Ipv6WithoutBrackets,
+    NoHost,
+    NotAscii,
+    HostTooLong,
+    NotHostName,
+    /// The port as written.
+    Port(String),
+}
+
+impl std::fmt::Display for BadEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BadEndpoint::Empty => {
+                write!(
+                    f,
+                    "empty (expected host[:port], addresses separated by commas)"
+                )
+            }
+            BadEndpoint::UnclosedBracket => {
+                write!(f, "an IPv6 address opened with [ is not closed with ]")
+            }
+            BadEndpoint::NotIpv6 => write!(f, "not an IPv6 address inside [ ]"),
+            BadEndpoint::NoPortAfterBracket => {
+                write!(f, "expected :port after the ] of an IPv6 address")
+            }
+            BadEndpoint::Ipv6WithoutBrackets => {
+                write!(f, "an IPv6 address goes in brackets, as in [::1]:1883")
+            }
+            BadEndpoint::NoHost => write!(f, "no host name before the :port"),
+            BadEndpoint::NotAscii => write!(
+                f,
+                "not an ASCII host name (write an internationalised name in its xn-- form)"
+            ),
+            BadEndpoint::HostTooLong => {
+                write!(f, "host name longer than {MAX_HOST_LEN} characters")
+            }
+            BadEndpoint::NotHostName => write!(
+                f,
+                "not a host name (letters, digits, '-', '.' and '_' only; no scheme such as tcp://)"
+            ),
+            BadEndpoint::Port(p) => {
+                write!(
+                    f,
+                    "port {} is not a whole number from 1 to 65535",
+                    quoted(p)
+                )
+            }
+        }
+    }
+}
+
 /// The most broker addresses `mqtt_host` may list.
 pub const MAX_ENDPOINTS: usize = 32;
 /// The longest DNS name.
@@ -153,23 +301,20 @@ const MAX_HOST_LEN: usize = 253;
 /// `mqtt_host` as a list of broker addresses: `host[:port]` separated by commas (clustered
 /// brokers are reached through several addresses); an entry without a port gets
 /// `default_port`; an IPv6 address goes in brackets (`[::1]:1883`). Duplicates are dropped.
-pub fn parse_endpoints(list: &str, default_port: u16) -> Result<Vec<Endpoint>, String> {
+pub fn parse_endpoints(list: &str, default_port: u16) -> Result<Vec<Endpoint>, EndpointsError> {
     let count = list.split(',').count();
     if count > MAX_ENDPOINTS {
-        return Err(format!(
-            "lists {count} broker addresses; at most {MAX_ENDPOINTS} are allowed"
-        ));
+        return Err(EndpointsError::TooMany(count));
     }
     let mut out: Vec<Endpoint> = Vec::new();
     for (n, item) in list.split(',').enumerate() {
         let pos = n.saturating_add(1);
         let item = item.trim();
-        let e = parse_endpoint(item, default_port).map_err(|why| {
-            if count == 1 {
-                format!("{}: {why}", quoted(item))
-            } else {
-                format!("entry {pos} ({}) of {count}: {why}", quoted(item))
-            }
+        let e = parse_endpoint(item, default_port).map_err(|why| EndpointsError::Entry {
+            pos,
+            count,
+            item: item.to_string(),
+            why,
         })?;
         if !out.contains(&e) {
             out.push(e);
@@ -178,35 +323,28 @@ pub fn parse_endpoints(list: &str, default_port: u16) -> Result<Vec<Endpoint>, S
     Ok(out)
 }
 
-fn parse_endpoint(item: &str, default_port: u16) -> Result<Endpoint, String> {
+fn parse_endpoint(item: &str, default_port: u16) -> Result<Endpoint, BadEndpoint> {
     if item.is_empty() {
-        return Err("empty (expected host[:port], addresses separated by commas)".into());
+        return Err(BadEndpoint::Empty);
     }
     let (host, port) = if let Some(rest) = item.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or("an IPv6 address opened with [ is not closed with ]")?;
+        let (host, after) = rest.split_once(']').ok_or(BadEndpoint::UnclosedBracket)?;
         if host.is_empty()
             || !host
                 .chars()
                 .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
             || !host.contains(':')
         {
-            return Err("not an IPv6 address inside [ ]".into());
+            return Err(BadEndpoint::NotIpv6);
         }
         let port = match after {
             "" => None,
-            p => Some(
-                p.strip_prefix(':')
-                    .ok_or("expected :port after the ] of an IPv6 address")?,
-            ),
+            p => Some(p.strip_prefix(':').ok_or(BadEndpoint::NoPortAfterBracket)?),
         };
         (host, port)
     } else {
         let (h, p) = match item.split_once(':') {
-            Some((_, p)) if p.contains(':') => {
-                return Err("an IPv6 address goes in brackets, as in [::1]:1883".into())
-            }
+            Some((_, p)) if p.contains(':') => return Err(BadEndpoint::Ipv6WithoutBrackets),
             Some((h, p)) => (h, Some(p)),
             None => (item, None),
         };
@@ -219,7 +357,7 @@ fn parse_endpoint(item: &str, default_port: u16) -> Result<Endpoint, String> {
             .filter(|p| !p.is_empty() && p.len() <= 5 && p.chars().all(|c| c.is_ascii_digit()))
             .and_then(|p| p.parse::<u16>().ok())
             .filter(|p| *p >= 1)
-            .ok_or_else(|| format!("port {} is not a whole number from 1 to 65535", quoted(p)))?,
+            .ok_or_else(|| BadEndpoint::Port(p.to_string()))?,
     };
     Ok(Endpoint {
         host: host.to_string(),
@@ -239,27 +377,22 @@ fn quoted(s: &str) -> String {
     format!("\"{}{more}\"", crate::logtext::shown(&head))
 }
 
-fn check_host_name(h: &str) -> Result<(), String> {
+fn check_host_name(h: &str) -> Result<(), BadEndpoint> {
     if h.is_empty() {
-        return Err("no host name before the :port".into());
+        return Err(BadEndpoint::NoHost);
     }
     if !h.is_ascii() {
-        return Err(
-            "not an ASCII host name (write an internationalised name in its xn-- form)".into(),
-        );
+        return Err(BadEndpoint::NotAscii);
     }
     if h.len() > MAX_HOST_LEN {
-        return Err(format!("host name longer than {MAX_HOST_LEN} characters"));
+        return Err(BadEndpoint::HostTooLong);
     }
     let ok = h
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_')
         && !h.starts_with(['-', '.']);
     if !ok {
-        return Err(
-            "not a host name (letters, digits, '-', '.' and '_' only; no scheme such as tcp://)"
-                .into(),
-        );
+        return Err(BadEndpoint::NotHostName);
     }
     Ok(())
 }
@@ -294,12 +427,12 @@ pub const SYSTEM_CA_BUNDLES: &[&str] = &[
 pub fn trust_store(
     configured: Option<&Path>,
     ssl_cert_file: Option<&str>,
-) -> Result<PathBuf, String> {
+) -> Result<PathBuf, MqttError> {
     if let Some(p) = configured {
         return if p.is_file() {
             Ok(p.to_path_buf())
         } else {
-            Err(format!("the MQTT CA file {} does not exist", p.display()))
+            Err(MqttError::NoCaFile(p.to_path_buf()))
         };
     }
     if let Some(p) = ssl_cert_file.filter(|p| Path::new(p).is_file()) {
@@ -309,12 +442,7 @@ pub fn trust_store(
         .iter()
         .map(PathBuf::from)
         .find(|p| p.is_file())
-        .ok_or_else(|| {
-            format!(
-                "TLS is on but no CA bundle was found (tried {}); install ca-certificates or set CYBERWAVE_MQTT_TLS_CA_CERTS",
-                SYSTEM_CA_BUNDLES.join(", ")
-            )
-        })
+        .ok_or(MqttError::NoCaBundle)
 }
 
 /// `v` in a random order (Fisher–Yates), drawing from `random`: a fleet spreads over the
@@ -467,12 +595,12 @@ fn create_client(
     opts: &MqttOptions,
     tx: &Sender<MqttEvent>,
     lost_at: &LostAt,
-) -> Result<paho::AsyncClient, String> {
+) -> Result<paho::AsyncClient, MqttError> {
     let first = opts
         .endpoints
         .first()
         .map(|e| uri(opts, e))
-        .ok_or("no MQTT broker address is configured")?;
+        .ok_or(MqttError::NoEndpoint)?;
     let client = paho::CreateOptionsBuilder::new()
         .server_uri(&first)
         .client_id(&opts.client_id)
@@ -487,7 +615,7 @@ fn create_client(
         .max_buffered_messages(i32::try_from(MAX_HELD).unwrap_or(i32::MAX))
         .delete_oldest_messages(true)
         .create_client()
-        .map_err(|e| format!("cannot create the MQTT client for {first}: {e}"))?;
+        .map_err(|e| MqttError::Client(first.clone(), e))?;
     let t = tx.clone();
     client.set_message_callback(move |_, msg| {
         if let Some(msg) = msg {
@@ -531,7 +659,7 @@ fn uri(opts: &MqttOptions, e: &Endpoint) -> String {
 }
 
 impl Mqtt {
-    pub fn new(opts: MqttOptions, tx: Sender<MqttEvent>) -> Result<Mqtt, String> {
+    pub fn new(opts: MqttOptions, tx: Sender<MqttEvent>) -> Result<Mqtt, MqttError> {
         let lost_at: LostAt = Arc::new(std::sync::Mutex::new(None));
         let client = create_client(&opts, &tx, &lost_at)?;
         let mut connect_opts = Vec::with_capacity(opts.endpoints.len());
@@ -685,7 +813,7 @@ impl Mqtt {
                     self.take_undelivered();
                 }
                 Err(e) => {
-                    let _ = self.tx.send(MqttEvent::Connect(Err(e)));
+                    let _ = self.tx.send(MqttEvent::Connect(Err(e.to_string())));
                     return;
                 }
             }
@@ -894,7 +1022,7 @@ impl Mqtt {
             return Err(NotSent::Never("the topic is invalid".into()));
         }
         let size = publish_packet_size(topic.len(), props_len, payload, qos);
-        fits(size, self.limit()).map_err(NotSent::Never)?;
+        fits(size, self.limit()).map_err(|e| NotSent::Never(e.to_string()))?;
         Ok(size)
     }
 
@@ -1124,7 +1252,7 @@ fn start_ack_thread(
 
 /// CONNECT options naming only `uri` (Paho tries the addresses of a list itself, in order and
 /// at once; the node wants its own order, backoff and jitter between them).
-fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions, String> {
+fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions, MqttError> {
     let mut props = paho::Properties::new();
     // At least 1 s: with a session expiry of 0 Paho cleans the session (frees what is in
     // flight) on every connection loss, the path of its double-free reports.
@@ -1133,7 +1261,7 @@ fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions
         .max(1);
     props
         .push_u32(paho::PropertyCode::SessionExpiryInterval, expiry)
-        .map_err(|e| format!("session expiry property: {e}"))?;
+        .map_err(MqttError::SessionExpiry)?;
     let mut b = paho::ConnectOptionsBuilder::new_v5();
     b.server_uris(&[uri])
         .keep_alive_interval(opts.keep_alive)
@@ -1149,10 +1277,10 @@ fn connect_options(opts: &MqttOptions, uri: &str) -> Result<paho::ConnectOptions
         b.password(p);
     }
     if opts.tls {
-        let ca = opts.ca_file.clone().ok_or("TLS needs a CA file")?;
+        let ca = opts.ca_file.clone().ok_or(MqttError::TlsWithoutCa)?;
         let ssl = paho::SslOptionsBuilder::new()
             .trust_store(&ca)
-            .map_err(|e| format!("CA file {}: {e}", ca.display()))?
+            .map_err(|e| MqttError::CaFile(ca.clone(), e))?
             .enable_server_cert_auth(true)
             .verify(true) // host-name verification: Paho skips it without this
             .finalize();
@@ -1405,7 +1533,7 @@ mod tests {
 
     #[test]
     fn hostile_endpoint_lists_get_clear_errors() {
-        let err = |s: &str| parse_endpoints(s, 1883).unwrap_err();
+        let err = |s: &str| parse_endpoints(s, 1883).unwrap_err().to_string();
         assert!(err("").contains("empty"), "{}", err(""));
         assert!(err(" ").contains("empty"));
         assert!(err("a,,b").contains("entry 2"), "{}", err("a,,b"));
@@ -1504,7 +1632,7 @@ mod tests {
     #[test]
     fn a_message_over_the_brokers_maximum_packet_size_never_fits() {
         assert!(fits(65_536, 65_536).is_ok());
-        let e = fits(65_537, 65_536).unwrap_err();
+        let e = fits(65_537, 65_536).unwrap_err().to_string();
         assert!(e.contains("65537") && e.contains("65536"), "{e}");
         // A broker that names no limit takes anything.
         assert!(fits(u64::MAX, 0).is_ok());

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::config::{self, env::EnvLayers, Flags};
+use crate::config::{self, env::EnvLayers, Flags, Settings};
 use crate::control::{self, CallError};
 use crate::error::CliError;
 use crate::workload::{self, procinfo, Meta};
@@ -97,18 +97,31 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
         crate::outln!("{st}");
         return Ok(());
     }
-    let s = |v: &Value| v.as_str().map(String::from).unwrap_or_else(|| "-".into());
-    if field(&st, "running") == true {
+    print_node(&st, &state);
+    print_workloads(&st);
+    print_gpus(&st);
+    Ok(())
+}
+
+/// A string field, else "-".
+fn text(v: &Value) -> String {
+    v.as_str().map(String::from).unwrap_or_else(|| "-".into())
+}
+
+/// `status`: the node, its instance, heartbeat, admission and outbox.
+fn print_node(st: &Value, state: &Path) {
+    let s = text;
+    if field(st, "running") == true {
         crate::outln!(
             "node:       running (pid {}), broker {} ({}), {}",
-            field(&st, "pid"),
-            s(field(&st, "broker")),
-            if field(&st, "connected") == true {
+            field(st, "pid"),
+            s(field(st, "broker")),
+            if field(st, "connected") == true {
                 "connected"
             } else {
                 "disconnected"
             },
-            if field(&st, "registered") == true {
+            if field(st, "registered") == true {
                 "registered"
             } else {
                 "not registered yet"
@@ -119,23 +132,23 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     }
     crate::outln!(
         "instance:   {} (slug {}){}",
-        s(field(&st, "instance_uuid")),
-        s(field(&st, "slug")),
-        field(&st, "environment_uuid")
+        s(field(st, "instance_uuid")),
+        s(field(st, "slug")),
+        field(st, "environment_uuid")
             .as_str()
             .map(|e| format!(", reserved for environment {e}"))
             .unwrap_or_default()
     );
-    if field(&st, "running") == true {
+    if field(st, "running") == true {
         crate::outln!(
             "heartbeat:  last acknowledged {}",
-            s(field(&st, "last_heartbeat_ok"))
+            s(field(st, "last_heartbeat_ok"))
         );
         crate::outln!(
             "accepting:  {}",
-            if field(&st, "accepting") == true {
+            if field(st, "accepting") == true {
                 "yes"
-            } else if field(&st, "draining") == true {
+            } else if field(st, "draining") == true {
                 "no (draining)"
             } else {
                 "no"
@@ -144,10 +157,15 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     }
     crate::outln!(
         "outbox:     {} completion(s), {} workflow event(s) waiting for acknowledgement",
-        field(&st, "outbox"),
-        field(&st, "ingress_queue")
+        field(st, "outbox"),
+        field(st, "ingress_queue")
     );
-    let wl = field(&st, "workloads")
+}
+
+/// `status`: each workload, its logs and GPUs.
+fn print_workloads(st: &Value) {
+    let s = text;
+    let wl = field(st, "workloads")
         .as_array()
         .cloned()
         .unwrap_or_default();
@@ -178,7 +196,12 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
             );
         }
     }
-    if let Some(gpus) = field(&st, "gpus").as_array() {
+}
+
+/// `status`: the GPUs and who holds them.
+fn print_gpus(st: &Value) {
+    let s = text;
+    if let Some(gpus) = field(st, "gpus").as_array() {
         crate::outln!("gpus:       {}", gpus.len());
         for g in gpus {
             let holder = match field(g, "held_by") {
@@ -198,7 +221,6 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
             );
         }
     }
-    Ok(())
 }
 
 pub fn drain(on: bool, wait: bool) -> Result<(), CliError> {
@@ -347,88 +369,119 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Resul
     }
 }
 
+/// One line of `doctor`'s report: its level (`PASS`, `WARN`, `FAIL`) and what it found.
+type Finding = (&'static str, String);
+
+/// One of `doctor`'s checks: its findings on the resolved settings.
+type Check = fn(&Settings) -> Vec<Finding>;
+
+/// `doctor`'s checks after the configuration, run in this order: each is named in the report's
+/// second column and returns its lines.
+const CHECKS: &[(&str, Check)] = &[
+    ("API token", check_api_token),
+    ("MQTT client id", check_client_id),
+    ("MQTT broker", check_broker),
+    ("bash", check_bash),
+    ("state dir", check_state_dir),
+    ("results folder", check_results_folder),
+    ("free disk", check_free_disk),
+    ("systemd unit", check_systemd_unit),
+    ("GPUs", check_gpus),
+];
+
+fn pass(detail: impl Into<String>) -> Vec<Finding> {
+    vec![("PASS", detail.into())]
+}
+fn warn(detail: impl Into<String>) -> Vec<Finding> {
+    vec![("WARN", detail.into())]
+}
+fn fail(detail: impl Into<String>) -> Vec<Finding> {
+    vec![("FAIL", detail.into())]
+}
+
+/// Prints one report line; counts the failures.
+fn report(fails: &mut u32, level: &str, what: &str, detail: &str) {
+    if level == "FAIL" {
+        *fails = fails.saturating_add(1);
+    }
+    crate::outln!("{level:<4}  {what:<22} {detail}");
+}
+
 /// `doctor`: one line per check; exit 1 on any FAIL.
 pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
     let mut fails = 0u32;
-    let mut line = |level: &str, what: &str, detail: String| {
-        if level == "FAIL" {
-            fails = fails.saturating_add(1);
-        }
-        crate::outln!("{level:<4}  {what:<22} {detail}");
-    };
     let settings = match config::resolve(flags, EnvLayers::from_process(), cwd) {
         Ok(s) => {
-            line(
-                "PASS",
-                "configuration",
-                s.manifest
-                    .as_ref()
-                    .map(|m| {
-                        let refused = s.manifest_platform_refusals;
-                        if refused == 0 {
-                            format!("{} is valid", m.path.display())
-                        } else {
-                            format!(
-                                "{} runs, but the platform's validator would refuse it ({refused} problem(s); `cyberwave-cloud-node validate` lists them)",
-                                m.path.display()
-                            )
-                        }
-                    })
-                    .unwrap_or_else(|| "no manifest; environment only".into()),
-            );
+            report(&mut fails, "PASS", "configuration", &configuration_line(&s));
             s
         }
         Err(e) => {
-            line(
-                "FAIL",
-                "configuration",
-                format!(
-                    "{} — fix it (`cyberwave-cloud-node validate` lists every problem)",
-                    e.0.join("; ")
-                ),
+            let detail = format!(
+                "{} — fix it (`cyberwave-cloud-node validate` lists every problem)",
+                e.0.join("; ")
             );
+            report(&mut fails, "FAIL", "configuration", &detail);
             crate::outln!("\n{fails} check(s) failed");
             return Err(CliError::Found);
         }
     };
-    if settings.standalone {
-        line("PASS", "API token", "not needed (--standalone)".into());
-    } else {
-        match &settings.api_token {
-            None => line(
-                "FAIL",
-                "API token",
-                "none: set CYBERWAVE_API_KEY or run `cyberwave login`".into(),
-            ),
-            Some(t) => match crate::backend::check_token(
-                &crate::backend::Backend::of(&settings, &t.value),
-                settings.tuning.token_check_timeout,
-            ) {
-                crate::backend::TokenCheck::Accepted => line(
-                    "PASS",
-                    "API token",
-                    format!(
-                        "{} accepted by {}",
-                        crate::util::mask_secret(&t.value),
-                        settings.base_url.value
-                    ),
-                ),
-                crate::backend::TokenCheck::Rejected(s) => line(
-                    "FAIL",
-                    "API token",
-                    format!(
-                        "{} rejected (HTTP {s}); it came from {} — replace it there",
-                        crate::util::mask_secret(&t.value),
-                        t.source
-                    ),
-                ),
-                crate::backend::TokenCheck::Inconclusive(why) => {
-                    line("WARN", "API token", format!("could not check it: {why}"))
-                }
-            },
+    for (what, check) in CHECKS {
+        for (level, detail) in check(&settings) {
+            report(&mut fails, level, what, &detail);
         }
     }
-    // D33: a running node records when another client took its broker session over.
+    if fails > 0 {
+        crate::outln!("\n{fails} check(s) failed");
+        Err(CliError::Found)
+    } else {
+        Ok(())
+    }
+}
+
+fn configuration_line(s: &Settings) -> String {
+    s.manifest
+        .as_ref()
+        .map(|m| {
+            let refused = s.manifest_platform_refusals;
+            if refused == 0 {
+                format!("{} is valid", m.path.display())
+            } else {
+                format!(
+                    "{} runs, but the platform's validator would refuse it ({refused} problem(s); `cyberwave-cloud-node validate` lists them)",
+                    m.path.display()
+                )
+            }
+        })
+        .unwrap_or_else(|| "no manifest; environment only".into())
+}
+
+fn check_api_token(settings: &Settings) -> Vec<Finding> {
+    if settings.standalone {
+        return pass("not needed (--standalone)");
+    }
+    let Some(t) = &settings.api_token else {
+        return fail("none: set CYBERWAVE_API_KEY or run `cyberwave login`");
+    };
+    match crate::backend::check_token(
+        &crate::backend::Backend::of(settings, &t.value),
+        settings.tuning.token_check_timeout,
+    ) {
+        crate::backend::TokenCheck::Accepted => pass(format!(
+            "{} accepted by {}",
+            crate::util::mask_secret(&t.value),
+            settings.base_url.value
+        )),
+        crate::backend::TokenCheck::Rejected(s) => fail(format!(
+            "{} rejected (HTTP {s}); it came from {} — replace it there",
+            crate::util::mask_secret(&t.value),
+            t.source
+        )),
+        crate::backend::TokenCheck::Inconclusive(why) => warn(format!("could not check it: {why}")),
+    }
+}
+
+/// D33: a running node records when another client took its broker session over.
+fn check_client_id(settings: &Settings) -> Vec<Finding> {
     let marker = settings
         .config_dir
         .value
@@ -438,175 +491,157 @@ pub fn doctor(flags: &Flags, cwd: &Path) -> Result<(), CliError> {
         .ok()
         .and_then(|t| t.elapsed().ok())
         .is_some_and(|age| age <= Duration::from_secs(600));
-    if recent {
-        line(
-            "FAIL",
-            "MQTT client id",
-            format!(
-                "another client took this node's broker session over (at {}): a copy of {} runs elsewhere with the same node_id; stop the copy, delete node_id and instance_identity.json in its state dir, start it again",
-                crate::store::read_state_file(&marker, crate::store::MAX_RECORD_BYTES)
-                    .map(|b| crate::store::clip(String::from_utf8_lossy(&b).trim(), 64))
-                    .unwrap_or_default(),
-                settings.config_dir.value.display()
-            ),
-        );
-    } else {
-        line(
-            "PASS",
-            "MQTT client id",
-            "no other client took this node's session in the last 10 minutes".into(),
-        );
+    if !recent {
+        return pass("no other client took this node's session in the last 10 minutes");
     }
-    // A real CONNECT with the node's settings (its own client id, so a running node is not disturbed).
+    fail(format!(
+        "another client took this node's broker session over (at {}): a copy of {} runs elsewhere with the same node_id; stop the copy, delete node_id and instance_identity.json in its state dir, start it again",
+        crate::store::read_state_file(&marker, crate::store::MAX_RECORD_BYTES)
+            .map(|b| crate::store::clip(String::from_utf8_lossy(&b).trim(), 64))
+            .unwrap_or_default(),
+        settings.config_dir.value.display()
+    ))
+}
+
+/// A real CONNECT with the node's settings (its own client id, so a running node is not
+/// disturbed).
+fn check_broker(settings: &Settings) -> Vec<Finding> {
     let client_id = format!(
         "cloud_node_dr{}",
         crate::util::hex(&crate::util::random_bytes::<3>())
     );
-    match crate::config::broker::mqtt_options(&settings, client_id, Duration::ZERO) {
-        Err(e) => line("FAIL", "MQTT broker", e),
-        Ok(opts) => {
-            let (tx, rx) = crossbeam_channel::unbounded();
-            match crate::mqtt::Mqtt::new(opts, tx) {
-                Err(e) => line("FAIL", "MQTT broker", e),
-                Ok(m) => {
-                    m.start_connect();
-                    let outcome = loop {
-                        match rx.recv_timeout(Duration::from_secs(15)) {
-                            Ok(crate::mqtt::MqttEvent::Connect(r)) => break Some(r),
-                            Ok(_) => continue,
-                            Err(_) => break None,
-                        }
-                    };
-                    match outcome {
-                        Some(Ok(_)) => line(
-                            "PASS",
-                            "MQTT broker",
-                            format!("{} accepted the connection and credentials", m.endpoint()),
-                        ),
-                        Some(Err(why)) => line("FAIL", "MQTT broker", why),
-                        None => line(
-                            "FAIL",
-                            "MQTT broker",
-                            format!("no answer from {} in 15 s", m.endpoint()),
-                        ),
-                    }
-                    m.disconnect(Duration::from_millis(500));
-                }
-            }
+    let opts = match crate::config::broker::mqtt_options(settings, client_id, Duration::ZERO) {
+        Ok(opts) => opts,
+        Err(e) => return fail(e.to_string()),
+    };
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let m = match crate::mqtt::Mqtt::new(opts, tx) {
+        Ok(m) => m,
+        Err(e) => return fail(e.to_string()),
+    };
+    m.start_connect();
+    let outcome = loop {
+        match rx.recv_timeout(Duration::from_secs(15)) {
+            Ok(crate::mqtt::MqttEvent::Connect(r)) => break Some(r),
+            Ok(_) => continue,
+            Err(_) => break None,
         }
-    }
+    };
+    let found = match outcome {
+        Some(Ok(_)) => pass(format!(
+            "{} accepted the connection and credentials",
+            m.endpoint()
+        )),
+        Some(Err(why)) => fail(why),
+        None => fail(format!("no answer from {} in 15 s", m.endpoint())),
+    };
+    m.disconnect(Duration::from_millis(500));
+    found
+}
+
+fn check_bash(_: &Settings) -> Vec<Finding> {
     let bash = ["/bin/bash", "/usr/bin/bash"]
         .iter()
         .any(|p| Path::new(p).exists());
     if bash {
-        line(
-            "PASS",
-            "bash",
-            "present (workload commands run with bash -c)".into(),
-        );
+        pass("present (workload commands run with bash -c)")
     } else {
-        line(
-            "WARN",
-            "bash",
-            "missing: commands run with sh -c, which lacks `source` and other bashisms".into(),
-        );
+        warn("missing: commands run with sh -c, which lacks `source` and other bashisms")
     }
-    // Writable, or creatable: a probe file in the folder or its nearest existing parent
-    // (nothing is left behind).
-    let writable = |dir: &Path| -> Result<(), String> {
-        let existing = dir
-            .ancestors()
-            .find(|a| a.exists())
-            .ok_or("no existing parent")?;
-        if !existing.is_dir() {
-            return Err(format!("{} is not a folder", existing.display()));
+}
+
+/// Why a folder is neither writable nor creatable.
+#[derive(Debug)]
+enum NotWritable {
+    NoParent,
+    /// The nearest existing path is no folder.
+    NotAFolder(PathBuf),
+    /// A probe file cannot be created in the nearest existing folder.
+    Refused(PathBuf, std::io::Error),
+}
+
+impl std::fmt::Display for NotWritable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotWritable::NoParent => write!(f, "no existing parent"),
+            NotWritable::NotAFolder(p) => write!(f, "{} is not a folder", p.display()),
+            NotWritable::Refused(p, e) => write!(f, "cannot write in {}: {e}", p.display()),
         }
-        // A fresh name, created exclusively: never a planted FIFO or link (D48).
-        let probe = existing.join(format!(
-            ".cw-doctor-{}-{}",
-            std::process::id(),
-            crate::util::hex(&crate::util::random_bytes::<4>())
-        ));
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&probe)
-            .map_err(|e| format!("cannot write in {}: {e}", existing.display()))?;
-        let _ = std::fs::remove_file(&probe);
-        Ok(())
-    };
+    }
+}
+
+/// Writable, or creatable: a probe file in the folder or its nearest existing parent (nothing
+/// is left behind).
+fn writable(dir: &Path) -> Result<(), NotWritable> {
+    let existing = dir
+        .ancestors()
+        .find(|a| a.exists())
+        .ok_or(NotWritable::NoParent)?;
+    if !existing.is_dir() {
+        return Err(NotWritable::NotAFolder(existing.to_path_buf()));
+    }
+    // A fresh name, created exclusively: never a planted FIFO or link (D48).
+    let probe = existing.join(format!(
+        ".cw-doctor-{}-{}",
+        std::process::id(),
+        crate::util::hex(&crate::util::random_bytes::<4>())
+    ));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| NotWritable::Refused(existing.to_path_buf(), e))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+fn check_state_dir(settings: &Settings) -> Vec<Finding> {
     let state = &settings.config_dir.value;
     match writable(state) {
-        Ok(()) => line(
-            "PASS",
-            "state dir",
-            format!("{} is writable", state.display()),
-        ),
-        Err(e) => line(
-            "FAIL",
-            "state dir",
-            format!(
-                "{}: {e} — fix its ownership or set CYBERWAVE_EDGE_CONFIG_DIR",
-                state.display()
-            ),
-        ),
+        Ok(()) => pass(format!("{} is writable", state.display())),
+        Err(e) => fail(format!(
+            "{}: {e} — fix its ownership or set CYBERWAVE_EDGE_CONFIG_DIR",
+            state.display()
+        )),
     }
+}
+
+fn check_results_folder(settings: &Settings) -> Vec<Finding> {
     let results = &settings.results_folder.value;
     if !settings.upload_results.value {
-        line("PASS", "results folder", "uploads are off".into());
-    } else {
-        match writable(results) {
-            Ok(()) => line(
-                "PASS",
-                "results folder",
-                format!("{} is writable", results.display()),
-            ),
-            Err(e) => line(
-                "FAIL",
-                "results folder",
-                format!(
-                    "{}: {e} — create it writable for the node's user, or set results_folder",
-                    results.display()
-                ),
-            ),
-        }
+        return pass("uploads are off");
     }
-    match crate::store::free_mb(state) {
-        Some(free) if free < settings.min_free_disk_mb.value => line(
-            "FAIL",
-            "free disk",
-            format!(
-                "{free} MiB free, min_free_disk_mb is {}: free space or lower the limit",
-                settings.min_free_disk_mb.value
-            ),
-        ),
-        Some(free) => line(
-            "PASS",
-            "free disk",
-            format!(
-                "{free} MiB free (minimum {})",
-                settings.min_free_disk_mb.value
-            ),
-        ),
-        None => line("WARN", "free disk", "cannot measure".into()),
+    match writable(results) {
+        Ok(()) => pass(format!("{} is writable", results.display())),
+        Err(e) => fail(format!(
+            "{}: {e} — create it writable for the node's user, or set results_folder",
+            results.display()
+        )),
     }
-    // D44: the unit in effect, and whether it is the packaged one.
+}
+
+fn check_free_disk(settings: &Settings) -> Vec<Finding> {
+    let min = settings.min_free_disk_mb.value;
+    match crate::store::free_mb(&settings.config_dir.value) {
+        Some(free) if free < min => fail(format!(
+            "{free} MiB free, min_free_disk_mb is {min}: free space or lower the limit"
+        )),
+        Some(free) => pass(format!("{free} MiB free (minimum {min})")),
+        None => warn("cannot measure"),
+    }
+}
+
+/// D44: the unit in effect, and whether it is the packaged one.
+fn check_systemd_unit(_: &Settings) -> Vec<Finding> {
     let (dirs, with_user_unit) = crate::systemd::unit_dirs();
     let user_unit = with_user_unit
         .then(|| crate::systemd::paths(true).ok().map(|p| p.unit))
         .flatten();
-    for (level, detail) in crate::systemd::doctor_lines(&dirs, user_unit) {
-        line(level, "systemd unit", detail);
-    }
-    // GPUs (D35, D37): the node's own query; each unhealthy GPU named with its reason.
+    crate::systemd::doctor_lines(&dirs, user_unit)
+}
+
+/// GPUs (D35, D37): the node's own query; each unhealthy GPU named with its reason.
+fn check_gpus(_: &Settings) -> Vec<Finding> {
     let timing = crate::gpu::Timing::from_env(&EnvLayers::from_process());
-    for (level, detail) in crate::gpu::doctor_lines(&timing) {
-        line(level, "GPUs", detail);
-    }
-    if fails > 0 {
-        crate::outln!("\n{fails} check(s) failed");
-        Err(CliError::Found)
-    } else {
-        Ok(())
-    }
+    crate::gpu::doctor_lines(&timing)
 }

@@ -33,7 +33,7 @@ pub const MAX_LABEL_CHARS: usize = 512;
 pub const MAX_SEQ: u64 = u64::MAX / 2;
 
 impl crate::store::Validate for Item {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), crate::store::Invalid> {
         let t = &self.topic;
         let topic_ok = !t.is_empty()
             && t.len() <= MAX_TOPIC_BYTES
@@ -43,12 +43,15 @@ impl crate::store::Validate for Item {
             && !t.ends_with('/')
             && !t.contains("//");
         if !topic_ok {
-            return Err(format!(
-                "invalid topic: it must be 1-{MAX_TOPIC_BYTES} printable ASCII characters without + or # and without empty levels"
-            ));
+            return Err(crate::store::Invalid::Topic {
+                max: MAX_TOPIC_BYTES,
+            });
         }
         if !self.body.is_object() {
-            return Err("body must be a JSON object".into());
+            return Err(crate::store::Invalid::Rule {
+                field: "body",
+                must: "be a JSON object",
+            });
         }
         if let Some(k) = &self.key {
             crate::store::check_text("key", k, 256)?;

@@ -138,7 +138,96 @@ pub const QUARANTINE_DIR: &str = "quarantine";
 /// A persisted record that checks its own values after it was parsed: numbers finite and in
 /// range, ids of the allowed shape. `Err` says which field and why.
 pub trait Validate {
-    fn validate(&self) -> Result<(), String>;
+    fn validate(&self) -> Result<(), Invalid>;
+}
+
+/// Why a persisted record's value was refused: the field, and the rule it broke. Shown (in the
+/// quarantine line and `doctor`) as one sentence naming both.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Invalid {
+    /// Not an id (D20): 1–256 printable ASCII characters without `+ # /`.
+    Id { field: &'static str },
+    /// Not a pid from 1 to 2^31-1.
+    Pid { field: &'static str, got: i32 },
+    /// Not a number of seconds from (or above) 0 to [`MAX_SECONDS`].
+    Seconds {
+        field: &'static str,
+        got: f64,
+        zero_ok: bool,
+    },
+    /// Not a Unix time from 0 to [`MAX_UNIX`].
+    Unix { field: &'static str, got: f64 },
+    /// A byte offset above `max`.
+    Offsets { field: &'static str, max: u64 },
+    /// Text longer than `max` bytes, or with control characters.
+    Text { field: &'static str, max: usize },
+    /// An integer outside `low..=high`.
+    Range {
+        field: &'static str,
+        low: i64,
+        high: i64,
+        got: i64,
+    },
+    /// Any other rule: "`field` must `must`".
+    Rule {
+        field: &'static str,
+        must: &'static str,
+    },
+    /// Not one of the allowed names (a workload kind).
+    OneOf {
+        field: &'static str,
+        allowed: &'static [&'static str],
+    },
+    /// An outbox entry's topic is not a topic the node publishes to.
+    Topic { max: usize },
+    /// A log cursor's mark is not at one of the log's offsets.
+    LogMark,
+}
+
+impl std::fmt::Display for Invalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Invalid::Id { field } => write!(
+                f,
+                "{field} must be 1-256 printable ASCII characters without + # / or whitespace"
+            ),
+            Invalid::Pid { field, got } => {
+                write!(f, "{field} must be a pid from 1 to 2147483647, got {got}")
+            }
+            Invalid::Seconds {
+                field,
+                got,
+                zero_ok,
+            } => write!(
+                f,
+                "{field} must be a number of seconds {} 0 and at most {MAX_SECONDS}, got {got}",
+                if *zero_ok { "from" } else { "above" }
+            ),
+            Invalid::Unix { field, got } => {
+                write!(f, "{field} must be a Unix time from 0 to {MAX_UNIX}, got {got}")
+            }
+            Invalid::Offsets { field, max } => write!(f, "{field} must be at most {max}"),
+            Invalid::Text { field, max } => write!(
+                f,
+                "{field} must be at most {max} bytes without control characters"
+            ),
+            Invalid::Range {
+                field,
+                low,
+                high,
+                got,
+            } => write!(f, "{field} must be from {low} to {high}, got {got}"),
+            Invalid::Rule { field, must } => write!(f, "{field} must {must}"),
+            Invalid::OneOf { field, allowed } => {
+                write!(f, "{field} must be one of {}", allowed.join(", "))
+            }
+            Invalid::Topic { max } => write!(
+                f,
+                "invalid topic: it must be 1-{max} printable ASCII characters without + or # and without empty levels"
+            ),
+            Invalid::LogMark => write!(f, "a log mark is not one of the log's offsets"),
+        }
+    }
 }
 
 /// Why a persisted file could not be used.
@@ -322,7 +411,9 @@ where
     T: serde::de::DeserializeOwned + Validate,
 {
     let value: T = serde_json::from_slice(bytes).map_err(|e| ReadError::Invalid(e.to_string()))?;
-    value.validate().map_err(ReadError::Invalid)?;
+    value
+        .validate()
+        .map_err(|e| ReadError::Invalid(e.to_string()))?;
     Ok(value)
 }
 
@@ -483,7 +574,7 @@ pub const MAX_SECONDS: f64 = 30.0 * 24.0 * 3600.0;
 pub const MAX_UNIX: f64 = 253_402_300_799.0;
 
 /// A workload uuid or similar id (D20): 1–256 bytes of printable ASCII without `+`, `#`, `/`.
-pub fn check_id(field: &str, v: &str) -> Result<(), String> {
+pub fn check_id(field: &'static str, v: &str) -> Result<(), Invalid> {
     let ok = !v.is_empty()
         && v.len() <= 256
         && v.bytes()
@@ -491,66 +582,59 @@ pub fn check_id(field: &str, v: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "{field} must be 1-256 printable ASCII characters without + # / or whitespace"
-        ))
+        Err(Invalid::Id { field })
     }
 }
 
 /// A process id: 1..=2^31-1.
-pub fn check_pid(field: &str, v: i32) -> Result<(), String> {
+pub fn check_pid(field: &'static str, v: i32) -> Result<(), Invalid> {
     if v >= 1 {
         Ok(())
     } else {
-        Err(format!(
-            "{field} must be a pid from 1 to 2147483647, got {v}"
-        ))
+        Err(Invalid::Pid { field, got: v })
     }
 }
 
 /// A number of seconds: finite, from `min` (exclusive when `min` is 0 and `zero_ok` is false)
 /// to 30 days.
-pub fn check_seconds(field: &str, v: f64, zero_ok: bool) -> Result<(), String> {
+pub fn check_seconds(field: &'static str, v: f64, zero_ok: bool) -> Result<(), Invalid> {
     let low_ok = if zero_ok { v >= 0.0 } else { v > 0.0 };
     if v.is_finite() && low_ok && v <= MAX_SECONDS {
         Ok(())
     } else {
-        Err(format!(
-            "{field} must be a number of seconds {} 0 and at most {MAX_SECONDS}, got {v}",
-            if zero_ok { "from" } else { "above" }
-        ))
+        Err(Invalid::Seconds {
+            field,
+            got: v,
+            zero_ok,
+        })
     }
 }
 
 /// A Unix time in seconds: finite, from 0 to the year 9999.
-pub fn check_unix(field: &str, v: f64) -> Result<(), String> {
+pub fn check_unix(field: &'static str, v: f64) -> Result<(), Invalid> {
     if v.is_finite() && (0.0..=MAX_UNIX).contains(&v) {
         Ok(())
     } else {
-        Err(format!(
-            "{field} must be a Unix time from 0 to {MAX_UNIX}, got {v}"
-        ))
+        Err(Invalid::Unix { field, got: v })
     }
 }
 
 /// Byte offsets (log cursors): each at most `max`, so that sums of them cannot overflow.
-pub fn check_offsets(field: &str, values: &[u64], max: u64) -> Result<(), String> {
+pub fn check_offsets(field: &'static str, values: &[u64], max: u64) -> Result<(), Invalid> {
     if values.iter().all(|v| *v <= max) {
         Ok(())
     } else {
-        Err(format!("{field} must be at most {max}"))
+        Err(Invalid::Offsets { field, max })
     }
 }
 
 /// Short printable text (a timestamp, a boot id, a label): at most `max` bytes, no control
 /// characters.
-pub fn check_text(field: &str, v: &str, max: usize) -> Result<(), String> {
+pub fn check_text(field: &'static str, v: &str, max: usize) -> Result<(), Invalid> {
     if v.len() <= max && !v.chars().any(char::is_control) {
         Ok(())
     } else {
-        Err(format!(
-            "{field} must be at most {max} bytes without control characters"
-        ))
+        Err(Invalid::Text { field, max })
     }
 }
 
@@ -584,6 +668,51 @@ pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_invalid_value_is_told_as_one_sentence_naming_its_field() {
+        let cases = [
+            (
+                check_id("uuid", "a/b").unwrap_err(),
+                "uuid must be 1-256 printable ASCII characters without + # / or whitespace",
+            ),
+            (
+                check_pid("pid", 0).unwrap_err(),
+                "pid must be a pid from 1 to 2147483647, got 0",
+            ),
+            (
+                check_seconds("grace_s", -1.0, true).unwrap_err(),
+                "grace_s must be a number of seconds from 0 and at most 2592000, got -1",
+            ),
+            (
+                check_seconds("max_runtime_s", 0.0, false).unwrap_err(),
+                "max_runtime_s must be a number of seconds above 0 and at most 2592000, got 0",
+            ),
+            (
+                check_unix("at", f64::NAN).unwrap_err(),
+                "at must be a Unix time from 0 to 253402300799, got NaN",
+            ),
+            (
+                check_offsets("log offsets", &[5], 4).unwrap_err(),
+                "log offsets must be at most 4",
+            ),
+            (
+                check_text("boot_id", "a\nb", 64).unwrap_err(),
+                "boot_id must be at most 64 bytes without control characters",
+            ),
+            (
+                Invalid::OneOf {
+                    field: "kind",
+                    allowed: &["inference", "training"],
+                },
+                "kind must be one of inference, training",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+        }
+        assert!(check_id("uuid", "wl-1").is_ok() && check_pid("pid", 1).is_ok());
+    }
     use super::*;
 
     #[test]
@@ -626,7 +755,7 @@ mod tests {
         n: f64,
     }
     impl Validate for Rec {
-        fn validate(&self) -> Result<(), String> {
+        fn validate(&self) -> Result<(), Invalid> {
             check_seconds("n", self.n, false)
         }
     }

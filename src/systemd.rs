@@ -32,6 +32,41 @@ pub fn notify(msg: &str) {
     }
 }
 
+/// Why `install-service` or `uninstall-service` could not do its part.
+#[derive(Debug)]
+pub enum ServiceError {
+    /// A user unit needs `$HOME`.
+    NoHome,
+    /// `current_exe` failed.
+    NoExe(std::io::Error),
+    /// Creating, writing, chmod-ing or removing `path` failed (`doing` is the verb).
+    Io {
+        doing: &'static str,
+        path: PathBuf,
+        err: std::io::Error,
+    },
+}
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServiceError::NoHome => write!(f, "HOME is not set"),
+            ServiceError::NoExe(e) => write!(f, "cannot find this program's path: {e}"),
+            ServiceError::Io { doing, path, err } => {
+                write!(f, "cannot {doing} {}: {err}", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for ServiceError {}
+
+/// The `map_err` of a file operation on `path`.
+fn io_error(doing: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ServiceError {
+    let path = path.to_path_buf();
+    move |err| ServiceError::Io { doing, path, err }
+}
+
 pub struct Paths {
     pub unit: PathBuf,
     pub env_file: PathBuf,
@@ -39,7 +74,7 @@ pub struct Paths {
 }
 
 /// Where the unit and its environment file go: system scope (/etc) or user scope (XDG).
-pub fn paths(user: bool) -> Result<Paths, String> {
+pub fn paths(user: bool) -> Result<Paths, ServiceError> {
     if !user {
         return Ok(Paths {
             unit: PathBuf::from("/etc/systemd/system").join(UNIT_NAME),
@@ -49,7 +84,7 @@ pub fn paths(user: bool) -> Result<Paths, String> {
     }
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
-        .ok_or("HOME is not set")?;
+        .ok_or(ServiceError::NoHome)?;
     let config = std::env::var_os("XDG_CONFIG_HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| home.join(".config"));
@@ -105,29 +140,26 @@ fn have_systemd() -> bool {
 
 /// `install-service [--user]`: writes the unit and (if missing) the 0600 environment file, then
 /// `daemon-reload` + `enable` when systemd runs. The API key is never written into the unit.
-pub fn install(user: bool) -> Result<(), String> {
+pub fn install(user: bool) -> Result<(), ServiceError> {
     let p = paths(user)?;
-    let exe =
-        std::env::current_exe().map_err(|e| format!("cannot find this program's path: {e}"))?;
+    let exe = std::env::current_exe().map_err(ServiceError::NoExe)?;
     let exe = PathBuf::from(exe.to_string_lossy().trim_end_matches(" (deleted)"));
     for dir in [p.unit.parent(), p.env_file.parent()].into_iter().flatten() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(io_error("create", dir))?;
     }
     if user {
-        crate::store::ensure_private_dir(&p.state_dir)
-            .map_err(|e| format!("cannot create {}: {e}", p.state_dir.display()))?;
+        crate::store::ensure_private_dir(&p.state_dir).map_err(io_error("create", &p.state_dir))?;
     }
     crate::store::write_atomic(&p.unit, render_unit(&exe, &p, user).as_bytes(), 0o644)
-        .map_err(|e| format!("cannot write {}: {e}", p.unit.display()))?;
+        .map_err(io_error("write", &p.unit))?;
     crate::outln!("wrote {}", p.unit.display());
     if p.env_file.exists() {
         std::fs::set_permissions(&p.env_file, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| format!("cannot chmod {}: {e}", p.env_file.display()))?;
+            .map_err(io_error("chmod", &p.env_file))?;
         crate::outln!("kept {} (mode 0600)", p.env_file.display());
     } else {
         crate::store::write_atomic(&p.env_file, ENV_TEMPLATE.as_bytes(), 0o600)
-            .map_err(|e| format!("cannot write {}: {e}", p.env_file.display()))?;
+            .map_err(io_error("write", &p.env_file))?;
         crate::outln!(
             "wrote {} (mode 0600): put your CYBERWAVE_API_KEY and CYBERWAVE_MANIFEST there",
             p.env_file.display()
@@ -150,7 +182,7 @@ pub fn install(user: bool) -> Result<(), String> {
 }
 
 /// `uninstall-service [--user]`: disables and removes the unit; keeps the env file and state.
-pub fn uninstall(user: bool) -> Result<(), String> {
+pub fn uninstall(user: bool) -> Result<(), ServiceError> {
     let p = paths(user)?;
     if have_systemd() {
         systemctl(user, &["disable", "--now", UNIT_NAME]);
@@ -160,7 +192,7 @@ pub fn uninstall(user: bool) -> Result<(), String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             crate::outln!("{} was not installed", p.unit.display())
         }
-        Err(e) => return Err(format!("cannot remove {}: {e}", p.unit.display())),
+        Err(e) => return Err(io_error("remove", &p.unit)(e)),
     }
     if have_systemd() {
         systemctl(user, &["daemon-reload"]);

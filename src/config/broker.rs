@@ -2,7 +2,7 @@
 //! the MQTT client's options (used by `start` and by `doctor`'s broker check).
 
 use super::Settings;
-use crate::mqtt::{self, MqttOptions};
+use crate::mqtt::{self, MqttError, MqttOptions};
 use crate::util;
 
 /// The broker connection the settings describe (TLS trust store, username chain, password).
@@ -10,7 +10,7 @@ pub fn mqtt_options(
     s: &Settings,
     client_id: String,
     session_expiry: std::time::Duration,
-) -> Result<MqttOptions, String> {
+) -> Result<MqttOptions, MqttError> {
     let ca_file = if s.mqtt_use_tls.value {
         Some(mqtt::trust_store(
             s.mqtt_ca_certs.as_ref().map(|c| c.value.as_path()),
@@ -31,8 +31,7 @@ pub fn mqtt_options(
                 util::hex(&util::random_bytes::<4>())
             )
         });
-    let endpoints = mqtt::parse_endpoints(&s.mqtt_host.value, s.mqtt_port.value)
-        .map_err(|e| format!("mqtt_host {e}"))?;
+    let endpoints = mqtt::parse_endpoints(&s.mqtt_host.value, s.mqtt_port.value)?;
     let endpoints = mqtt::shuffled(endpoints, || u64::from_le_bytes(util::random_bytes::<8>()));
     Ok(MqttOptions {
         endpoints,

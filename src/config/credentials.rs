@@ -96,7 +96,7 @@ pub struct Identity {
 }
 
 impl store::Validate for Identity {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         // The uuid and slug reach MQTT topics and paths.
         if !self.uuid.is_empty() {
             store::check_id("uuid", &self.uuid)?;
@@ -114,12 +114,24 @@ impl store::Validate for Identity {
     }
 }
 
+/// The identity file exists and cannot be read (permissions, I/O).
+#[derive(Debug)]
+pub struct IdentityError(pub PathBuf, pub store::ReadError);
+
+impl std::fmt::Display for IdentityError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", store::shown(&self.0), self.1)
+    }
+}
+
+impl std::error::Error for IdentityError {}
+
 impl Identity {
     /// Reads the identity file. Absent → `Ok(None)`; one that does not validate (torn,
     /// binary, wrong-typed, over 64 KiB, a uuid that is not topic-safe) is quarantined with
     /// one ERROR line and counts as absent: the node registers afresh rather than dying.
     /// Unreadable → `Err` with a message (the caller warns and carries on).
-    pub fn load(path: &Path) -> Result<Option<Identity>, String> {
+    pub fn load(path: &Path) -> Result<Option<Identity>, IdentityError> {
         match store::read_record::<Identity>(path, store::MAX_RECORD_BYTES) {
             Ok(i) => Ok(Some(i).filter(|i| !i.uuid.trim().is_empty())),
             Err(store::ReadError::Missing) => Ok(None),
@@ -132,7 +144,7 @@ impl Identity {
                 );
                 Ok(None)
             }
-            Err(e) => Err(format!("{} {e}", store::shown(path))),
+            Err(e) => Err(IdentityError(path.to_path_buf(), e)),
         }
     }
 

@@ -8,6 +8,55 @@ use std::path::{Path, PathBuf};
 
 use super::Source;
 
+/// Why a `.env` file cannot be used.
+#[derive(Debug)]
+pub enum DotenvError {
+    /// It exists but cannot be read (or is no regular file, or too big, or not UTF-8).
+    Unreadable(PathBuf, crate::store::ReadError),
+    /// A line that is not python-dotenv.
+    Syntax(PathBuf, SyntaxError),
+}
+
+impl std::fmt::Display for DotenvError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DotenvError::Unreadable(path, e) => write!(f, "cannot read {}: {e}", path.display()),
+            DotenvError::Syntax(path, e) => write!(f, "{}:{}: {e}", path.display(), e.line),
+        }
+    }
+}
+
+impl std::error::Error for DotenvError {}
+
+/// A line of a `.env` file that does not parse: its number (from 1) and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyntaxError {
+    pub line: usize,
+    pub problem: Syntax,
+}
+
+/// What is wrong with a `.env` line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Syntax {
+    /// No `=`; the line's first 40 characters.
+    NoEquals(String),
+    /// A name of other than letters, digits, `_` and `.`; its first 40 characters.
+    BadName(String),
+    UnterminatedSingle,
+    UnterminatedDouble,
+}
+
+impl std::fmt::Display for SyntaxError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.problem {
+            Syntax::NoEquals(line) => write!(f, "expected KEY=VALUE, got {line:?}"),
+            Syntax::BadName(key) => write!(f, "invalid variable name {key:?}"),
+            Syntax::UnterminatedSingle => write!(f, "unterminated single quote"),
+            Syntax::UnterminatedDouble => write!(f, "unterminated double quote"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct EnvLayers {
     process: BTreeMap<String, String>,
@@ -35,7 +84,7 @@ impl EnvLayers {
 
     /// Adds a `.env` file below the layers already present. A missing file is not an error;
     /// an unreadable one is.
-    pub fn add_dotenv(&mut self, path: &Path) -> Result<(), String> {
+    pub fn add_dotenv(&mut self, path: &Path) -> Result<(), DotenvError> {
         // Never a FIFO or a link (D48): `<state dir>/.env` is within a workload's reach.
         let read =
             crate::store::read_state_file(path, crate::store::MAX_ENTRY_BYTES).and_then(|b| {
@@ -46,12 +95,12 @@ impl EnvLayers {
         match read {
             Ok(text) => {
                 let vars = parse_dotenv(&text, |name| self.get(name).map(|(v, _)| v))
-                    .map_err(|(line, msg)| format!("{}:{line}: {msg}", path.display()))?;
+                    .map_err(|e| DotenvError::Syntax(path.to_path_buf(), e))?;
                 self.files.push((path.to_path_buf(), vars));
                 Ok(())
             }
             Err(crate::store::ReadError::Missing) => Ok(()),
-            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+            Err(e) => Err(DotenvError::Unreadable(path.to_path_buf(), e)),
         }
     }
 
@@ -95,7 +144,7 @@ impl EnvLayers {
 pub fn parse_dotenv(
     text: &str,
     lookup: impl Fn(&str) -> Option<String>,
-) -> Result<BTreeMap<String, String>, (usize, String)> {
+) -> Result<BTreeMap<String, String>, SyntaxError> {
     let mut out = BTreeMap::new();
     for (i, raw) in text.lines().enumerate() {
         let line_no = i.saturating_add(1);
@@ -108,10 +157,10 @@ pub fn parse_dotenv(
             .map(str::trim_start)
             .unwrap_or(line);
         let Some((key, rest)) = line.split_once('=') else {
-            return Err((
-                line_no,
-                format!("expected KEY=VALUE, got {:?}", truncate(line, 40)),
-            ));
+            return Err(SyntaxError {
+                line: line_no,
+                problem: Syntax::NoEquals(truncate(line, 40)),
+            });
         };
         let key = key.trim();
         if key.is_empty()
@@ -119,16 +168,17 @@ pub fn parse_dotenv(
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
         {
-            return Err((
-                line_no,
-                format!("invalid variable name {:?}", truncate(key, 40)),
-            ));
+            return Err(SyntaxError {
+                line: line_no,
+                problem: Syntax::BadName(truncate(key, 40)),
+            });
         }
         let rest = rest.trim();
         let value = if let Some(inner) = rest.strip_prefix('\'') {
-            let end = inner
-                .find('\'')
-                .ok_or((line_no, "unterminated single quote".to_string()))?;
+            let end = inner.find('\'').ok_or(SyntaxError {
+                line: line_no,
+                problem: Syntax::UnterminatedSingle,
+            })?;
             inner[..end].to_string()
         } else if let Some(inner) = rest.strip_prefix('"') {
             let mut v = String::new();
@@ -150,7 +200,10 @@ pub fn parse_dotenv(
                 }
             }
             if !closed {
-                return Err((line_no, "unterminated double quote".to_string()));
+                return Err(SyntaxError {
+                    line: line_no,
+                    problem: Syntax::UnterminatedDouble,
+                });
             }
             expand(&v, &out, &lookup)
         } else {
@@ -243,9 +296,9 @@ mod tests {
     #[test]
     fn rejects_garbage_with_its_line() {
         let e = parse_dotenv("A=1\nnot a pair\n", |_| None).unwrap_err();
-        assert_eq!(e.0, 2);
+        assert_eq!(e.line, 2);
         let e = parse_dotenv("A=\"open\n", |_| None).unwrap_err();
-        assert_eq!(e.0, 1);
+        assert_eq!(e.line, 1);
     }
 
     #[test]

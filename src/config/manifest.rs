@@ -211,9 +211,64 @@ pub const MAX_MANIFEST_BYTES: usize = 4 << 20;
 /// Longest heartbeat the node accepts (seconds).
 const MAX_HEARTBEAT_SECONDS: f64 = u32::MAX as f64;
 
+/// Why no manifest text could be had.
+#[derive(Debug)]
+pub enum LocateError {
+    /// Not UTF-8: the line and byte offset of the first invalid byte, and whether the file
+    /// starts with a UTF-16 byte-order mark.
+    NotUtf8 {
+        path: PathBuf,
+        line: usize,
+        at: usize,
+        utf16: bool,
+    },
+    /// Larger than [`MAX_MANIFEST_BYTES`] (the error names both sizes).
+    TooLarge(PathBuf, std::io::Error),
+    /// It exists and cannot be read.
+    Unreadable(PathBuf, std::io::Error),
+    /// The explicit path does not exist, and no README.md with front matter is beside it.
+    Missing(PathBuf),
+}
+
+impl std::fmt::Display for LocateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LocateError::NotUtf8 {
+                path,
+                line,
+                at,
+                utf16,
+            } => {
+                let hint = if *utf16 {
+                    "; it starts with a UTF-16 byte-order mark: save it as UTF-8"
+                } else {
+                    ""
+                };
+                write!(
+                    f,
+                    "{}:{line}: error: yaml: the file is not UTF-8 text (invalid byte at offset {at}){hint}",
+                    path.display()
+                )
+            }
+            LocateError::TooLarge(path, e) => write!(f, "{}:1: error: yaml: {e}", path.display()),
+            LocateError::Unreadable(path, e) => write!(f, "cannot read {}: {e}", path.display()),
+            LocateError::Missing(p) => write!(
+                f,
+                "config file {} does not exist (and no README.md with front matter beside it)",
+                p.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LocateError {}
+
 /// Which file to read: an explicit path (its README.md front matter when it does not exist),
 /// else `./cyberwave.yml`, else `./README.md` front matter. `Ok(None)`: no manifest at all.
-pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, String)>, String> {
+pub fn locate(
+    explicit: Option<&Path>,
+    cwd: &Path,
+) -> Result<Option<(PathBuf, String)>, LocateError> {
     let (yml, readme) = match explicit {
         Some(p) => (
             p.to_path_buf(),
@@ -223,32 +278,31 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
     };
     match read_bounded(&yml) {
         Ok(bytes) => {
-            return String::from_utf8(bytes).map(|t| Some((yml.clone(), t))).map_err(|e| {
-                let at = e.utf8_error().valid_up_to();
-                let line = e
-                    .as_bytes()
-                    .get(..at)
-                    .map(|b| b.iter().filter(|c| **c == b'\n').count())
-                    .unwrap_or(0)
-                    .saturating_add(1);
-                let hint = if e.as_bytes().starts_with(&[0xFF, 0xFE])
-                    || e.as_bytes().starts_with(&[0xFE, 0xFF])
-                {
-                    "; it starts with a UTF-16 byte-order mark: save it as UTF-8"
-                } else {
-                    ""
-                };
-                format!(
-                    "{}:{line}: error: yaml: the file is not UTF-8 text (invalid byte at offset {at}){hint}",
-                    yml.display()
-                )
-            });
+            return String::from_utf8(bytes)
+                .map(|t| Some((yml.clone(), t)))
+                .map_err(|e| {
+                    let at = e.utf8_error().valid_up_to();
+                    let line = e
+                        .as_bytes()
+                        .get(..at)
+                        .map(|b| b.iter().filter(|c| **c == b'\n').count())
+                        .unwrap_or(0)
+                        .saturating_add(1);
+                    let utf16 = e.as_bytes().starts_with(&[0xFF, 0xFE])
+                        || e.as_bytes().starts_with(&[0xFE, 0xFF]);
+                    LocateError::NotUtf8 {
+                        path: yml.clone(),
+                        line,
+                        at,
+                        utf16,
+                    }
+                });
         }
         Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => {
-            return Err(format!("{}:1: error: yaml: {e}", yml.display()))
+            return Err(LocateError::TooLarge(yml, e))
         }
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(format!("cannot read {}: {e}", yml.display()))
+            return Err(LocateError::Unreadable(yml, e))
         }
         Err(_) => {}
     }
@@ -259,10 +313,7 @@ pub fn locate(explicit: Option<&Path>, cwd: &Path) -> Result<Option<(PathBuf, St
         }
     }
     match explicit {
-        Some(p) => Err(format!(
-            "config file {} does not exist (and no README.md with front matter beside it)",
-            p.display()
-        )),
+        Some(p) => Err(LocateError::Missing(p.to_path_buf())),
         None => Ok(None),
     }
 }
@@ -378,7 +429,70 @@ pub fn check(path: &Path, text: &str, lenient: bool) -> Checked {
     }
 }
 
+/// The root of manifest text, once it is known to be a mapping.
+enum Top {
+    /// Nothing to read: an empty file, or a falsy scalar (read as empty, as the platform does).
+    Empty,
+    Map(Rc<Node>),
+}
+
 fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
+    let mut m = Manifest {
+        path: cx.path.to_path_buf(),
+        ..Default::default()
+    };
+    let root = match top(cx, text)? {
+        Top::Empty => return Some(m),
+        Top::Map(root) => root,
+    };
+    let Value::Map(entries) = &root.value else {
+        return Some(m);
+    };
+    let wrapper = [WRAPPER_NEW, WRAPPER_LEGACY]
+        .into_iter()
+        .find(|w| root.get(w).is_some());
+    m.wrapper = wrapper.map(String::from);
+    let inner = match wrapper {
+        Some(w) => wrapper_entries(cx, &root, entries, w),
+        None => entries.as_slice(),
+    };
+    if let Some(w) = wrapper {
+        beside_wrapper(cx, entries, w);
+    }
+    let section = wrapper.unwrap_or("root");
+    let node_from_wrapper = read_inner(cx, &mut m, inner, wrapper);
+    if wrapper.is_some() && cx.lenient {
+        mixed_unknown_keys(cx, inner);
+    }
+    cross_field_rule(cx, inner);
+    // `install` wins over `install_script` whatever their order.
+    if let Some(i) = inner
+        .iter()
+        .find(|(k, _)| k.as_str() == Some("install"))
+        .and_then(|(_, v)| usable_text(v))
+    {
+        m.install = Some(i);
+    }
+    // The node's own section, then the node settings found inside the wrapper.
+    let from_section = node_section(cx, &mut m, entries);
+    for (key, k, v) in node_from_wrapper {
+        if from_section.contains(&key) {
+            cx.warn(
+                k.line,
+                &key,
+                format!("ignored: `{NODE_SECTION}:` sets it too, and wins"),
+            );
+            continue;
+        }
+        node_field(cx, &mut m, &key, k.line, &v);
+        m.sections.push((key, section.to_string()));
+    }
+    Some(m)
+}
+
+/// Loads the YAML (bounded in size) and checks that it is a mapping; `None` when it cannot be
+/// read at all.
+fn top(cx: &mut Ctx, text: &str) -> Option<Top> {
     if text.len() > MAX_MANIFEST_BYTES {
         cx.fatal(
             1,
@@ -408,15 +522,11 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
             cx.warn(n.line, "yaml", n.message);
         }
     }
-    let mut m = Manifest {
-        path: cx.path.to_path_buf(),
-        ..Default::default()
-    };
     let Some(root) = root else {
-        return Some(m);
+        return Some(Top::Empty);
     };
-    let entries = match &root.value {
-        Value::Map(e) => e,
+    match &root.value {
+        Value::Map(_) => Some(Top::Map(root)),
         _ if root.is_falsy() => {
             if !root.is_null() {
                 cx.warn(
@@ -428,7 +538,7 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
                     ),
                 );
             }
-            return Some(m);
+            Some(Top::Empty)
         }
         _ => {
             cx.fatal(
@@ -439,69 +549,80 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
                     root.describe()
                 ),
             );
-            return None;
-        }
-    };
-    let wrapper = [WRAPPER_NEW, WRAPPER_LEGACY]
-        .into_iter()
-        .find(|w| root.get(w).is_some());
-    m.wrapper = wrapper.map(String::from);
-    let empty: Vec<(Rc<Node>, Rc<Node>)> = Vec::new();
-    let inner: &[(Rc<Node>, Rc<Node>)] = match wrapper {
-        Some(w) => match root.get(w) {
-            Some(node) => match &node.value {
-                Value::Map(e) => e.as_slice(),
-                _ => {
-                    if !node.is_null() {
-                        let line = key_line(entries, w);
-                        cx.warn(
-                            line,
-                            w,
-                            format!(
-                                "holds {}, not a mapping; read as empty, as the platform does",
-                                node.describe()
-                            ),
-                        );
-                    }
-                    &empty
-                }
-            },
-            None => &empty,
-        },
-        None => entries,
-    };
-    // Top level beside the wrapper: the platform ignores everything but the wrapper.
-    if let Some(w) = wrapper {
-        for (k, _) in entries.iter() {
-            let name = k.as_str().unwrap_or(&k.text);
-            if k.as_str() == Some(w) || k.as_str() == Some(NODE_SECTION) {
-                continue;
-            }
-            // Anything else beside the wrapper is ignored, silently as on the platform (it is
-            // where anchors for `<<` live), unless it looks like a misplaced setting.
-            let known = |n: &str| {
-                PLATFORM_FIELDS.iter().any(|(f, _)| *f == n)
-                    || NODE_FIELDS.iter().any(|(f, _)| *f == n)
-            };
-            let why = if k.as_str() == Some(WRAPPER_LEGACY) {
-                format!("ignored: `{w}:` is also present and wins (as on the platform)")
-            } else if known(name) {
-                format!("ignored: a setting beside `{w}:` (the platform ignores it too); settings belong under `{w}:`, node settings under `{NODE_SECTION}:`")
-            } else {
-                continue;
-            };
-            cx.warn(k.line, name, why);
+            None
         }
     }
+}
+
+/// The wrapper's own entries; one that is not a mapping reads as empty, as on the platform.
+fn wrapper_entries<'a>(
+    cx: &mut Ctx,
+    root: &'a Node,
+    entries: &[(Rc<Node>, Rc<Node>)],
+    w: &str,
+) -> &'a [(Rc<Node>, Rc<Node>)] {
+    let Some(node) = root.get(w) else {
+        return &[];
+    };
+    match &node.value {
+        Value::Map(e) => e.as_slice(),
+        _ => {
+            if !node.is_null() {
+                let line = key_line(entries, w);
+                cx.warn(
+                    line,
+                    w,
+                    format!(
+                        "holds {}, not a mapping; read as empty, as the platform does",
+                        node.describe()
+                    ),
+                );
+            }
+            &[]
+        }
+    }
+}
+
+/// Top level beside the wrapper: the platform ignores everything but the wrapper.
+fn beside_wrapper(cx: &mut Ctx, entries: &[(Rc<Node>, Rc<Node>)], w: &str) {
+    for (k, _) in entries.iter() {
+        let name = k.as_str().unwrap_or(&k.text);
+        if k.as_str() == Some(w) || k.as_str() == Some(NODE_SECTION) {
+            continue;
+        }
+        // Anything else beside the wrapper is ignored, silently as on the platform (it is
+        // where anchors for `<<` live), unless it looks like a misplaced setting.
+        let known = |n: &str| {
+            PLATFORM_FIELDS.iter().any(|(f, _)| *f == n) || NODE_FIELDS.iter().any(|(f, _)| *f == n)
+        };
+        let why = if k.as_str() == Some(WRAPPER_LEGACY) {
+            format!("ignored: `{w}:` is also present and wins (as on the platform)")
+        } else if known(name) {
+            format!("ignored: a setting beside `{w}:` (the platform ignores it too); settings belong under `{w}:`, node settings under `{NODE_SECTION}:`")
+        } else {
+            continue;
+        };
+        cx.warn(k.line, name, why);
+    }
+}
+
+/// Reads the wrapper's keys (or the root's, without one): the platform's fields into `m`; the
+/// node settings found there are returned, to be read after the node's own section.
+fn read_inner(
+    cx: &mut Ctx,
+    m: &mut Manifest,
+    inner: &[(Rc<Node>, Rc<Node>)],
+    wrapper: Option<&str>,
+) -> Vec<(String, Rc<Node>, Rc<Node>)> {
     let section = wrapper.unwrap_or("root");
-    let mut node_from_wrapper: Vec<(String, Rc<Node>, Rc<Node>)> = Vec::new();
+    let mut node_from_wrapper = Vec::new();
     for (k, v) in inner.iter() {
         let Some(key) = k.as_str() else {
             unknown_key(cx, k, wrapper);
             continue;
         };
         if let Some(&(_, kind)) = PLATFORM_FIELDS.iter().find(|(n, _)| *n == key) {
-            platform_field(cx, &mut m, key, kind, k.line, v);
+            platform_field(cx, m, key, kind, k.line, v);
             m.sections.push((key.to_string(), section.to_string()));
         } else if NODE_FIELDS.iter().any(|(n, _)| *n == key)
             || (wrapper.is_none() && key == NODE_SECTION)
@@ -527,34 +648,39 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
             unknown_key(cx, k, wrapper);
         }
     }
-    // With --lenient the platform sorts the unknown keys to list them: keys of types Python
-    // cannot compare (a string and a number, `null` and anything) crash its validator.
-    if wrapper.is_some() && cx.lenient {
-        let class = |k: &Node| match k.scalar() {
-            Some(Scalar::Str(_)) => 0u8,
-            Some(Scalar::Bool(_) | Scalar::Int(_) | Scalar::Float(_)) => 1,
-            Some(Scalar::Null) => 2,
-            Some(Scalar::Timestamp) => 3,
-            _ => 4,
-        };
-        let unknown: Vec<&Rc<Node>> = inner
-            .iter()
-            .map(|(k, _)| k)
-            .filter(|k| {
-                k.as_str()
-                    .is_none_or(|n| !PLATFORM_FIELDS.iter().any(|(f, _)| *f == n))
-            })
-            .collect();
-        let first = unknown.first().map(|k| class(k));
-        if let Some(odd) = unknown.iter().find(|k| Some(class(k)) != first) {
-            cx.platform(
-                odd.line,
-                &odd.text,
-                "unknown keys of mixed types (a string and a number or null): the platform's validator crashes on them with --lenient; the node ignores them".into(),
-            );
-        }
+    node_from_wrapper
+}
+
+/// With --lenient the platform sorts the unknown keys to list them: keys of types Python
+/// cannot compare (a string and a number, `null` and anything) crash its validator.
+fn mixed_unknown_keys(cx: &mut Ctx, inner: &[(Rc<Node>, Rc<Node>)]) {
+    let class = |k: &Node| match k.scalar() {
+        Some(Scalar::Str(_)) => 0u8,
+        Some(Scalar::Bool(_) | Scalar::Int(_) | Scalar::Float(_)) => 1,
+        Some(Scalar::Null) => 2,
+        Some(Scalar::Timestamp) => 3,
+        _ => 4,
+    };
+    let unknown: Vec<&Rc<Node>> = inner
+        .iter()
+        .map(|(k, _)| k)
+        .filter(|k| {
+            k.as_str()
+                .is_none_or(|n| !PLATFORM_FIELDS.iter().any(|(f, _)| *f == n))
+        })
+        .collect();
+    let first = unknown.first().map(|k| class(k));
+    if let Some(odd) = unknown.iter().find(|k| Some(class(k)) != first) {
+        cx.platform(
+            odd.line,
+            &odd.text,
+            "unknown keys of mixed types (a string and a number or null): the platform's validator crashes on them with --lenient; the node ignores them".into(),
+        );
     }
-    // The platform's cross-field rule, checked on the values it would have accepted.
+}
+
+/// The platform's cross-field rule, checked on the values it would have accepted.
+fn cross_field_rule(cx: &mut Ctx, inner: &[(Rc<Node>, Rc<Node>)]) {
     let truthy = |key: &str| {
         inner
             .iter()
@@ -571,66 +697,49 @@ fn read(cx: &mut Ctx, text: &str) -> Option<Manifest> {
                 .into(),
         );
     }
-    // `install` wins over `install_script` whatever their order.
-    if let Some(i) = inner
-        .iter()
-        .find(|(k, _)| k.as_str() == Some("install"))
-        .and_then(|(_, v)| usable_text(v))
-    {
-        m.install = Some(i);
-    }
+}
 
-    // The node's own section, then the node settings found inside the wrapper.
+/// The node's own section (`cloud_node:`); returns the keys it set.
+fn node_section(cx: &mut Ctx, m: &mut Manifest, entries: &[(Rc<Node>, Rc<Node>)]) -> Vec<String> {
     let mut from_section: Vec<String> = Vec::new();
-    if let Some((sk, sv)) = entries
+    let Some((sk, sv)) = entries
         .iter()
         .find(|(k, _)| k.as_str() == Some(NODE_SECTION))
-    {
-        match &sv.value {
-            Value::Map(e) => {
-                for (k, v) in e.iter() {
-                    let key = k.as_str().unwrap_or(&k.text).to_string();
-                    if NODE_FIELDS.iter().any(|(n, _)| *n == key) {
-                        node_field(cx, &mut m, &key, k.line, v);
-                        m.sections.push((key.clone(), NODE_SECTION.to_string()));
-                        from_section.push(key);
+    else {
+        return from_section;
+    };
+    match &sv.value {
+        Value::Map(e) => {
+            for (k, v) in e.iter() {
+                let key = k.as_str().unwrap_or(&k.text).to_string();
+                if NODE_FIELDS.iter().any(|(n, _)| *n == key) {
+                    node_field(cx, m, &key, k.line, v);
+                    m.sections.push((key.clone(), NODE_SECTION.to_string()));
+                    from_section.push(key);
+                } else {
+                    let hint = closest(&key, true)
+                        .map(|s| format!(" (did you mean `{s}`?)"))
+                        .unwrap_or_default();
+                    let msg = format!("unknown node setting{hint}; ignored");
+                    if cx.lenient {
+                        cx.warn(k.line, &key, msg);
                     } else {
-                        let hint = closest(&key, true)
-                            .map(|s| format!(" (did you mean `{s}`?)"))
-                            .unwrap_or_default();
-                        let msg = format!("unknown node setting{hint}; ignored");
-                        if cx.lenient {
-                            cx.warn(k.line, &key, msg);
-                        } else {
-                            cx.platform(k.line, &key, msg);
-                        }
+                        cx.platform(k.line, &key, msg);
                     }
                 }
             }
-            _ if sv.is_null() => {}
-            _ => cx.platform(
-                sk.line,
-                NODE_SECTION,
-                format!(
-                    "expected a mapping of node settings, found {}; ignored",
-                    sv.describe()
-                ),
+        }
+        _ if sv.is_null() => {}
+        _ => cx.platform(
+            sk.line,
+            NODE_SECTION,
+            format!(
+                "expected a mapping of node settings, found {}; ignored",
+                sv.describe()
             ),
-        }
+        ),
     }
-    for (key, k, v) in node_from_wrapper {
-        if from_section.contains(&key) {
-            cx.warn(
-                k.line,
-                &key,
-                format!("ignored: `{NODE_SECTION}:` sets it too, and wins"),
-            );
-            continue;
-        }
-        node_field(cx, &mut m, &key, k.line, &v);
-        m.sections.push((key, section.to_string()));
-    }
-    Some(m)
+    from_section
 }
 
 fn key_line(entries: &[(Rc<Node>, Rc<Node>)], key: &str) -> usize {
@@ -800,9 +909,41 @@ fn is_str_list(v: &Node) -> bool {
 /// Checks one platform field the way pydantic would, and takes what the node uses.
 fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: usize, v: &Node) {
     let uses = NODE_USES.contains(&key);
-    let got = v.describe();
     // 1. The platform's verdict.
-    let refusal: Option<String> = match kind {
+    let refusal = platform_verdict(kind, v);
+    // 2. What the node takes, and whether it can.
+    let unusable = if uses && !v.is_null() {
+        take_platform_value(m, key, v, &refusal)
+    } else {
+        if key == "name" {
+            m.name = v.as_str().map(String::from);
+        }
+        None
+    };
+    match (refusal, unusable) {
+        (_, Some(why)) => cx.fatal(line, key, why),
+        (Some(why), None) => {
+            let tail = if v.is_null() {
+                ""
+            } else if uses && key == "heartbeat_interval" {
+                " — the node uses it as it is"
+            } else if uses {
+                " — the node uses the value as written"
+            } else if !uses {
+                " — the node does not use this key"
+            } else {
+                ""
+            };
+            cx.platform(line, key, format!("{why}{tail}"));
+        }
+        (None, None) => {}
+    }
+}
+
+/// Why the platform (pydantic) refuses `v` as a field of this kind, if it does.
+fn platform_verdict(kind: Kind, v: &Node) -> Option<String> {
+    let got = v.describe();
+    match kind {
         _ if v.is_null() => match kind {
             Kind::Str | Kind::Bool | Kind::Int | Kind::Version => Some(
                 "an explicit null, which the platform refuses here (leave the key out for the default); the node treats it as unset".into(),
@@ -847,11 +988,20 @@ fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: u
             }
             _ => Some(format!("expected a mapping with `memory` and `cpus`, got {got}")),
         },
-    };
-    // 2. What the node takes, and whether it can.
+    }
+}
+
+/// Takes a platform field the node uses into `m`; `Some(why)` when the node cannot use it
+/// (`refusal` is the platform's verdict, which a switch shares).
+fn take_platform_value(
+    m: &mut Manifest,
+    key: &str,
+    v: &Node,
+    refusal: &Option<String>,
+) -> Option<String> {
+    let got = v.describe();
     let mut unusable: Option<String> = None;
-    if uses && !v.is_null() {
-        match key {
+    match key {
             "heartbeat_interval" => match lax_float(v).filter(|f| !f.is_nan()) {
                 Some(f) if f > 0.0 && f <= MAX_HEARTBEAT_SECONDS => m.heartbeat_interval = Some(f),
                 Some(_) => {
@@ -901,28 +1051,8 @@ fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: u
                 }
                 None => unusable = Some(format!("expected a string, got {got}")),
             },
-        }
-    } else if key == "name" {
-        m.name = v.as_str().map(String::from);
     }
-    match (refusal, unusable) {
-        (_, Some(why)) => cx.fatal(line, key, why),
-        (Some(why), None) => {
-            let tail = if v.is_null() {
-                ""
-            } else if uses && key == "heartbeat_interval" {
-                " — the node uses it as it is"
-            } else if uses {
-                " — the node uses the value as written"
-            } else if !uses {
-                " — the node does not use this key"
-            } else {
-                ""
-            };
-            cx.platform(line, key, format!("{why}{tail}"));
-        }
-        (None, None) => {}
-    }
+    unusable
 }
 
 /// Checks and takes one node setting (the node's own rules: the platform never reads them).
@@ -1289,7 +1419,7 @@ mod tests {
         let (path, _) = locate(None, &dir).unwrap().unwrap();
         assert!(path.ends_with("cyberwave.yml"));
         std::fs::write(dir.join("cyberwave.yml"), b"a: b\nc: \xff\n").unwrap();
-        let e = locate(None, &dir).unwrap_err();
+        let e = locate(None, &dir).unwrap_err().to_string();
         assert!(
             e.contains("cyberwave.yml:2: error: yaml: the file is not UTF-8"),
             "{e}"
@@ -1335,7 +1465,7 @@ mod tests {
         let big = dir.join("big.yml");
         let f = std::fs::File::create(&big).unwrap();
         f.set_len(5 << 30).unwrap();
-        let e = locate(Some(&big), &dir).unwrap_err();
+        let e = locate(Some(&big), &dir).unwrap_err().to_string();
         assert!(
             e.contains("big.yml:1: error: yaml: the file is 5368709120 bytes; a manifest may be at most 4194304 (4 MiB)"),
             "{e}"
@@ -1345,13 +1475,17 @@ mod tests {
             .unwrap();
         assert!(locate(Some(&big), &dir)
             .unwrap_err()
+            .to_string()
             .contains("4194305 bytes"));
         f.set_len(u64::try_from(MAX_MANIFEST_BYTES).unwrap())
             .unwrap();
         assert!(locate(Some(&big), &dir).is_ok());
         // UTF-16 is named as such.
         std::fs::write(&big, b"\xff\xfec\x00y\x00").unwrap();
-        assert!(locate(Some(&big), &dir).unwrap_err().contains("UTF-16"));
+        assert!(locate(Some(&big), &dir)
+            .unwrap_err()
+            .to_string()
+            .contains("UTF-16"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

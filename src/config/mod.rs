@@ -9,12 +9,15 @@ pub mod broker;
 pub mod credentials;
 pub mod env;
 pub mod manifest;
+mod resolve;
 pub mod yaml11;
+
+pub use resolve::resolve;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use credentials::{Credentials, Identity};
+use credentials::Identity;
 use env::EnvLayers;
 use manifest::{Manifest, Problem};
 
@@ -265,7 +268,7 @@ impl Settings {
         let secs = |s: &Sourced<Duration>| {
             sourced(format!("{}s", s.value.as_secs_f64()), s.source.clone())
         };
-        vec![
+        let mut rows = vec![
             row("config_dir", &path(&self.config_dir)),
             (
                 "manifest",
@@ -316,6 +319,25 @@ impl Settings {
             row("min_free_disk_mb", &self.min_free_disk_mb),
             row("max_log_bytes", &self.max_log_bytes),
             row("log_retention_days", &self.log_retention_days),
+        ];
+        rows.extend(self.manifest_only_rows());
+        rows.push(opt("metrics_file", &self.metrics_file.as_ref().map(path)));
+        rows.push((
+            "standalone",
+            self.standalone.to_string(),
+            if self.standalone {
+                "flag --standalone"
+            } else {
+                "default"
+            }
+            .to_string(),
+        ));
+        rows
+    }
+
+    /// The node settings only the manifest sets.
+    fn manifest_only_rows(&self) -> Vec<(&'static str, String, String)> {
+        vec![
             self.manifest_row("max_runtime_seconds", |m| {
                 m.max_runtime_seconds.map(|s| format!("{s}s"))
             }),
@@ -332,17 +354,6 @@ impl Settings {
             self.manifest_row("max_result_bytes", |m| {
                 m.max_result_bytes.map(|n| n.to_string())
             }),
-            opt("metrics_file", &self.metrics_file.as_ref().map(path)),
-            (
-                "standalone",
-                self.standalone.to_string(),
-                if self.standalone {
-                    "flag --standalone"
-                } else {
-                    "default"
-                }
-                .to_string(),
-            ),
         ]
     }
 }
@@ -354,22 +365,61 @@ pub const MAX_TOPIC_PREFIX_BYTES: usize = 256;
 /// (D50): a wildcard would leave the node deaf, whitespace or a control character is a typo.
 /// Like a D20 id it is printable ASCII without `+` or `#` (a `/` is allowed), at most 256 bytes;
 /// empty means none.
-pub fn check_topic_prefix(prefix: &str) -> Result<(), String> {
+pub fn check_topic_prefix(prefix: &str) -> Result<(), TopicPrefixError> {
     if prefix.len() > MAX_TOPIC_PREFIX_BYTES {
-        return Err(format!(
-            "is {} bytes long; a topic prefix may be at most {MAX_TOPIC_PREFIX_BYTES}",
-            prefix.len()
-        ));
+        return Err(TopicPrefixError::TooLong(prefix.len()));
     }
     match prefix
         .chars()
         .find(|c| !c.is_ascii_graphic() || matches!(c, '+' | '#'))
     {
-        Some(c) => Err(format!(
-            "{prefix:?} cannot be a topic prefix: it may hold only printable ASCII without '+', '#' (MQTT wildcards), whitespace or control characters (found '{}')",
-            c.escape_default()
-        )),
+        Some(c) => Err(TopicPrefixError::Char(prefix.to_string(), c)),
         None => Ok(()),
+    }
+}
+
+/// Why a topic prefix cannot be one (printed after the setting's name and source).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TopicPrefixError {
+    /// Its length in bytes.
+    TooLong(usize),
+    /// The prefix, and the first character it may not hold.
+    Char(String, char),
+}
+
+impl std::fmt::Display for TopicPrefixError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TopicPrefixError::TooLong(len) => write!(
+                f,
+                "is {len} bytes long; a topic prefix may be at most {MAX_TOPIC_PREFIX_BYTES}"
+            ),
+            TopicPrefixError::Char(prefix, c) => write!(
+                f,
+                "{prefix:?} cannot be a topic prefix: it may hold only printable ASCII without '+', '#' (MQTT wildcards), whitespace or control characters (found '{}')",
+                c.escape_default()
+            ),
+        }
+    }
+}
+
+/// Why the passwd database gave no home directory for a uid.
+#[derive(Debug)]
+pub enum PasswdError {
+    /// `getpwuid_r` failed.
+    Unreadable(u32, std::io::Error),
+    /// The uid has no entry (or the entry no home).
+    NoEntry(u32),
+}
+
+impl std::fmt::Display for PasswdError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PasswdError::Unreadable(uid, e) => {
+                write!(f, "the passwd entry of uid {uid} cannot be read: {e}")
+            }
+            PasswdError::NoEntry(uid) => write!(f, "uid {uid} has no passwd entry"),
+        }
     }
 }
 
@@ -387,7 +437,7 @@ pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> 
 fn config_dir_with(
     process: &EnvLayers,
     euid: u32,
-    home_of: impl Fn(u32) -> Result<PathBuf, String>,
+    home_of: impl Fn(u32) -> Result<PathBuf, PasswdError>,
 ) -> Result<Sourced<PathBuf>, ConfigError> {
     let mut tried = Vec::new();
     // (A blank variable counts as unset.)
@@ -418,7 +468,7 @@ fn config_dir_with(
             "the passwd entry of uid {euid} has no absolute home ({:?})",
             home.display().to_string()
         ),
-        Err(e) => e,
+        Err(e) => e.to_string(),
     };
     Err(ConfigError(vec![format!(
         "cannot find a config dir: {}, {} and {passwd}; set CYBERWAVE_EDGE_CONFIG_DIR (or HOME)",
@@ -431,7 +481,7 @@ fn config_dir_with(
 const MAX_PASSWD_BUF: usize = 1 << 20;
 
 /// The home directory of `uid`'s passwd entry (`getpwuid_r`).
-fn passwd_home(uid: u32) -> Result<PathBuf, String> {
+fn passwd_home(uid: u32) -> Result<PathBuf, PasswdError> {
     use std::os::unix::ffi::OsStrExt;
     let mut size = 1024usize;
     loop {
@@ -448,574 +498,17 @@ fn passwd_home(uid: u32) -> Result<PathBuf, String> {
             continue;
         }
         if rc != 0 {
-            return Err(format!(
-                "the passwd entry of uid {uid} cannot be read: {}",
-                std::io::Error::from_raw_os_error(rc)
+            return Err(PasswdError::Unreadable(
+                uid,
+                std::io::Error::from_raw_os_error(rc),
             ));
         }
         if found.is_null() || pw.pw_dir.is_null() {
-            return Err(format!("uid {uid} has no passwd entry"));
+            return Err(PasswdError::NoEntry(uid));
         }
         // SAFETY: getpwuid_r succeeded: pw_dir points into `buf`, NUL-terminated, non-null.
         let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
         return Ok(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())));
-    }
-}
-
-/// Resolves every setting. `process` is the process environment; `cwd` the current directory.
-pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings, ConfigError> {
-    let mut errors = Vec::new();
-    // The manifest path: --config, else CYBERWAVE_MANIFEST (for services, which take no flags).
-    let mut flags = flags.clone();
-    if flags.config.is_none() {
-        flags.config = process.value("CYBERWAVE_MANIFEST").map(PathBuf::from);
-    }
-    let flags = &flags;
-    let config_dir = config_dir(&process)?;
-    let working_dir = match &flags.config {
-        Some(p) => {
-            let parent = p.parent().filter(|p| !p.as_os_str().is_empty());
-            let parent = parent
-                .map(|p| cwd.join(p))
-                .unwrap_or_else(|| cwd.to_path_buf());
-            parent.canonicalize().unwrap_or(parent)
-        }
-        None => cwd.to_path_buf(),
-    };
-
-    let mut env = process;
-    for path in [working_dir.join(".env"), config_dir.value.join(".env")] {
-        if let Err(e) = env.add_dotenv(&path) {
-            errors.push(e);
-        }
-    }
-
-    // The manifest.
-    let mut manifest = None;
-    let mut manifest_warnings = Vec::new();
-    let mut manifest_platform_refusals = 0usize;
-    match manifest::locate(flags.config.as_deref(), cwd) {
-        Ok(Some((path, text))) => {
-            // `start` runs whatever it can use (D22): a problem it can live with is a warning.
-            let checked = manifest::check(&path, &text, flags.lenient);
-            for mut p in checked.problems {
-                if p.start_ok {
-                    if !p.warning {
-                        manifest_platform_refusals = manifest_platform_refusals.saturating_add(1);
-                    }
-                    p.warning = true;
-                    manifest_warnings.push(p);
-                } else {
-                    errors.push(p.to_string());
-                }
-            }
-            manifest = checked.manifest;
-        }
-        Ok(None) => {}
-        Err(e) => errors.push(e),
-    }
-    let m = manifest.clone().unwrap_or_default();
-    // Each manifest value's source names the section it came from (D23: `cloud_node:` or the
-    // wrapper; `cloud_node:` wins when both set a node setting).
-    let file_of = |key: &str| match m.section_of(key) {
-        Some(section) => Source::Manifest(m.path.clone(), section.to_string()),
-        None => Source::File(m.path.clone()),
-    };
-    let creds = Credentials::load(&config_dir.value.join("credentials.json"));
-    let cred_src = || Source::Credentials(creds.path.clone());
-
-    // Helpers for the common chains.
-    let env_str = |name: &str| env.get(name);
-    let parse_env = |name: &str,
-                     expected: &str,
-                     errors: &mut Vec<String>,
-                     parse: &dyn Fn(&str) -> Option<f64>|
-     -> Option<Sourced<f64>> {
-        let (v, src) = env.get(name)?;
-        match parse(v.trim()) {
-            Some(n) => Some(sourced(n, src)),
-            None => {
-                errors.push(format!("{name} ({src}): expected {expected}, got {v:?}"));
-                None
-            }
-        }
-    };
-    let pos_secs = |s: &str| s.parse::<f64>().ok().filter(|f| f.is_finite() && *f > 0.0);
-    let port = |s: &str| s.parse::<u16>().ok().filter(|p| *p >= 1).map(f64::from);
-    let whole1 = |s: &str| s.parse::<u32>().ok().filter(|n| *n >= 1).map(f64::from);
-
-    let api_token = env_str("CYBERWAVE_API_KEY")
-        .map(|(v, s)| sourced(v.trim().to_string(), s))
-        .or_else(|| creds.token.clone().map(|t| sourced(t, cred_src())));
-    let base_url = env_str("CYBERWAVE_BASE_URL")
-        .map(|(v, s)| sourced(v.trim().trim_end_matches('/').to_string(), s))
-        .or_else(|| {
-            creds
-                .env_value("CYBERWAVE_BASE_URL")
-                .map(|v| sourced(v.trim_end_matches('/').to_string(), cred_src()))
-        })
-        .unwrap_or_else(|| sourced(DEFAULT_BASE_URL.to_string(), Source::Default));
-    let workspace_slug = env_str("CYBERWAVE_WORKSPACE_SLUG")
-        .map(|(v, s)| sourced(v.trim().to_string(), s))
-        .or_else(|| creds.workspace_slug.clone().map(|w| sourced(w, cred_src())));
-    // As the SDK: CYBERWAVE_MQTT_TOPIC_PREFIX, else CYBERWAVE_TOPIC_PREFIX (a blank one counts as
-    // unset), else derived from CYBERWAVE_ENVIRONMENT.
-    let explicit_prefix = |name: &str| env_str(name).filter(|(v, _)| !v.trim().is_empty());
-    let explicit = ["CYBERWAVE_MQTT_TOPIC_PREFIX", "CYBERWAVE_TOPIC_PREFIX"]
-        .into_iter()
-        .find_map(|name| explicit_prefix(name).map(|found| (name, found)));
-    let prefix_var = explicit
-        .as_ref()
-        .map_or("CYBERWAVE_ENVIRONMENT", |(n, _)| *n);
-    let topic_prefix = match explicit {
-        Some((_, (v, s))) => sourced(v.trim().to_string(), s),
-        None => {
-            let (v, s) = env_str("CYBERWAVE_ENVIRONMENT")
-                .or_else(|| {
-                    creds
-                        .env_value("CYBERWAVE_ENVIRONMENT")
-                        .map(|v| (v, cred_src()))
-                })
-                .unwrap_or_default_with(Source::Default);
-            let v = v.trim();
-            let prefix = if v.eq_ignore_ascii_case("production") {
-                ""
-            } else {
-                v
-            };
-            sourced(prefix.to_string(), s)
-        }
-    };
-    if let Err(e) = check_topic_prefix(&topic_prefix.value) {
-        errors.push(format!("{prefix_var} ({}) {e}", topic_prefix.source));
-    }
-
-    let identity_path = config_dir.value.join("instance_identity.json");
-    let identity = match Identity::load(&identity_path) {
-        Ok(i) => i,
-        Err(e) => {
-            log::warn!("{e}; the node will register a new instance");
-            None
-        }
-    };
-    let instance_uuid = env_str("CYBERWAVE_CLOUD_NODE_INSTANCE_UUID")
-        .map(|(v, s)| sourced(v.trim().to_string(), s))
-        .or_else(|| {
-            identity
-                .as_ref()
-                .map(|i| sourced(i.uuid.clone(), Source::Identity(identity_path.clone())))
-        });
-    let slug_hint = flags
-        .slug
-        .clone()
-        .map(|s| sourced(s, Source::Flag("--slug".into())))
-        .or_else(|| {
-            env_str("CYBERWAVE_INSTANCE_SLUG").map(|(v, s)| sourced(v.trim().to_string(), s))
-        })
-        .or_else(|| {
-            identity
-                .as_ref()
-                .filter(|i| !i.slug.is_empty())
-                .map(|i| sourced(i.slug.clone(), Source::Identity(identity_path.clone())))
-        });
-    let profile_slug = flags
-        .profile
-        .clone()
-        .map(|s| sourced(s, Source::Flag("--profile".into())))
-        .or_else(|| {
-            m.profile_slug
-                .clone()
-                .map(|s| sourced(s, file_of("profile_slug")))
-        })
-        .or_else(|| {
-            env_str("CYBERWAVE_PROFILE_SLUG").map(|(v, s)| sourced(v.trim().to_string(), s))
-        })
-        .unwrap_or_else(|| sourced("default".into(), Source::Default));
-
-    // Command templates: the env vars override the file (see the module docs).
-    let command = |var: &str, from_file: &Option<String>, key: &str| {
-        env_str(var)
-            .map(|(v, s)| sourced(v, s))
-            .or_else(|| from_file.clone().map(|v| sourced(v, file_of(key))))
-    };
-    let install_key = if m.section_of("install").is_some() {
-        "install"
-    } else {
-        "install_script"
-    };
-    let install = command("CYBERWAVE_INSTALL_SCRIPT", &m.install, install_key);
-    let inference = command("CYBERWAVE_INFERENCE_CMD", &m.inference, "inference");
-    let simulate = command("CYBERWAVE_SIMULATE_CMD", &m.simulate, "simulate");
-    let training = command("CYBERWAVE_TRAINING_CMD", &m.training, "training");
-
-    // A number from the manifest, else from its environment variable, else the default.
-    let number = |from_file: Option<f64>,
-                  key: &str,
-                  var: &str,
-                  expected: &str,
-                  parse: &dyn Fn(&str) -> Option<f64>,
-                  default: f64,
-                  errors: &mut Vec<String>| match from_file {
-        Some(v) => sourced(v, file_of(key)),
-        None => parse_env(var, expected, errors, parse)
-            .unwrap_or_else(|| sourced(default, Source::Default)),
-    };
-    let secs = |n: Sourced<f64>| sourced(crate::util::secs_f64(n.value), n.source);
-    let heartbeat_interval = secs(number(
-        m.heartbeat_interval,
-        "heartbeat_interval",
-        "CYBERWAVE_HEARTBEAT_INTERVAL",
-        "a number of seconds greater than 0",
-        &pos_secs,
-        30.0,
-        &mut errors,
-    ));
-
-    let mqtt_host = flags
-        .mqtt_host
-        .clone()
-        .map(|h| sourced(h, Source::Flag("--mqtt-host".into())))
-        .or_else(|| {
-            m.mqtt_host
-                .clone()
-                .map(|h| sourced(h, file_of("mqtt_host")))
-        })
-        .or_else(|| env_str("CYBERWAVE_MQTT_HOST").map(|(v, s)| sourced(v.trim().to_string(), s)))
-        .or_else(|| {
-            creds
-                .env_value("CYBERWAVE_MQTT_HOST")
-                .map(|v| sourced(v, cred_src()))
-        })
-        .unwrap_or_else(|| sourced(DEFAULT_MQTT_HOST.into(), Source::Default));
-    let mqtt_port = match (flags.mqtt_port, m.mqtt_port) {
-        (Some(p), _) => sourced(p, Source::Flag("--mqtt-port".into())),
-        (None, Some(p)) => sourced(p, file_of("mqtt_port")),
-        (None, None) => match parse_env(
-            "CYBERWAVE_MQTT_PORT",
-            "a whole number from 1 to 65535",
-            &mut errors,
-            &port,
-        ) {
-            Some(p) => sourced(p.value as u16, p.source),
-            None => match creds.env_value("CYBERWAVE_MQTT_PORT") {
-                Some(v) => match v.trim().parse::<u16>() {
-                    Ok(p) if p >= 1 => sourced(p, cred_src()),
-                    _ => {
-                        errors.push(format!(
-                            "CYBERWAVE_MQTT_PORT in {}: expected a whole number from 1 to 65535, got {v:?}",
-                            creds.path.display()
-                        ));
-                        sourced(DEFAULT_MQTT_PORT, Source::Default)
-                    }
-                },
-                None => sourced(DEFAULT_MQTT_PORT, Source::Default),
-            },
-        },
-    };
-    // Several broker addresses may be listed (host[:port], comma-separated).
-    if let Err(e) = crate::mqtt::parse_endpoints(&mqtt_host.value, mqtt_port.value) {
-        errors.push(format!("mqtt_host ({}) {e}", mqtt_host.source));
-    }
-    // Decision D11: an explicit switch decides; otherwise the effective port does.
-    let mqtt_use_tls = match (flags.mqtt_tls, m.mqtt_use_tls) {
-        (Some(t), _) => sourced(
-            t,
-            Source::Flag(if t { "--mqtt-tls" } else { "--no-mqtt-tls" }.into()),
-        ),
-        (None, Some(t)) => sourced(t, file_of("mqtt_use_tls")),
-        (None, None) => match env_str("CYBERWAVE_MQTT_USE_TLS") {
-            Some((v, s)) => match env::parse_bool(&v) {
-                Some(b) => sourced(b, s),
-                None => {
-                    errors.push(format!(
-                        "CYBERWAVE_MQTT_USE_TLS ({s}): expected one of 1,true,yes,on / 0,false,no,off, got {v:?}"
-                    ));
-                    sourced(false, s)
-                }
-            },
-            None => sourced(
-                mqtt_port.value == 8883,
-                Source::Derived(format!(
-                    "port {} {} 8883",
-                    mqtt_port.value,
-                    if mqtt_port.value == 8883 {
-                        "is"
-                    } else {
-                        "is not"
-                    }
-                )),
-            ),
-        },
-    };
-    let mqtt_ca_certs = m
-        .mqtt_tls_ca_certs
-        .clone()
-        .map(|p| sourced(p, file_of("mqtt_tls_ca_certs")))
-        .or_else(|| {
-            env_str("CYBERWAVE_MQTT_TLS_CA_CERTS").map(|(v, s)| sourced(v.trim().to_string(), s))
-        })
-        .map(|s| sourced(working_dir.join(s.value), s.source));
-    let mqtt_username = m
-        .mqtt_username
-        .clone()
-        .filter(|s| !s.is_empty())
-        .map(|v| sourced(v, file_of("mqtt_username")))
-        .or_else(|| env_str("CYBERWAVE_MQTT_USERNAME").map(|(v, s)| sourced(v, s)));
-    let broker_password = m
-        .mqtt_password
-        .clone()
-        .filter(|s| !s.is_empty())
-        .map(|v| sourced(v, file_of("mqtt_password")))
-        .or_else(|| env_str("CYBERWAVE_MQTT_PASSWORD").map(|(v, s)| sourced(v, s)));
-    // The newest SDK's rule (ecosystem §2.2, credentials::derived_mqtt_username): its placeholder
-    // username becomes `cwh_` + hex SHA-256 of the token, which the broker checks at CONNECT.
-    // Opt-in: only the placeholder triggers it; any other username is used as it is.
-    let mqtt_username = mqtt_username.map(|u| {
-        match credentials::derived_mqtt_username(
-            &u.value,
-            broker_password.as_ref().map(|p| p.value.as_str()),
-            api_token.as_ref().map(|t| t.value.as_str()),
-        ) {
-            Some(derived) => sourced(
-                derived,
-                Source::Derived(format!(
-                    "{MQTT_USERNAME_PLACEHOLDER} ({}) + token",
-                    u.source
-                )),
-            ),
-            None => u,
-        }
-    });
-    let mqtt_password = broker_password.or_else(|| api_token.clone());
-
-    let upload_results = match m.upload_results {
-        Some(b) => sourced(b, file_of("upload_results")),
-        None => match env_str("CYBERWAVE_UPLOAD_RESULTS") {
-            Some((v, s)) => match env::parse_bool(&v) {
-                Some(b) => sourced(b, s),
-                None => {
-                    errors.push(format!(
-                        "CYBERWAVE_UPLOAD_RESULTS ({s}): expected true or false, got {v:?}"
-                    ));
-                    sourced(true, s)
-                }
-            },
-            None => sourced(true, Source::Default),
-        },
-    };
-    let results_folder = m
-        .results_folder
-        .clone()
-        .map(|f| sourced(f, file_of("results_folder")))
-        .or_else(|| {
-            env_str("CYBERWAVE_RESULTS_FOLDER").map(|(v, s)| sourced(v.trim().to_string(), s))
-        })
-        .unwrap_or_else(|| sourced("/results".into(), Source::Default));
-    let results_folder = sourced(
-        working_dir.join(&results_folder.value),
-        results_folder.source,
-    );
-
-    let environment_uuid = flags
-        .environment
-        .clone()
-        .filter(|s| !s.trim().is_empty())
-        .map(|e| sourced(e, Source::Flag("--environment".into())))
-        .or_else(|| {
-            m.environment_uuid
-                .clone()
-                .map(|e| sourced(e, file_of("environment_uuid")))
-        })
-        .or_else(|| {
-            env_str("CYBERWAVE_NODE_ENVIRONMENT_UUID")
-                .map(|(v, s)| sourced(v.trim().to_string(), s))
-        });
-
-    let n = number(
-        m.max_concurrent_workloads.map(f64::from),
-        "max_concurrent_workloads",
-        "CYBERWAVE_MAX_CONCURRENT_WORKLOADS",
-        "a whole number ≥ 1",
-        &whole1,
-        1.0,
-        &mut errors,
-    );
-    let max_concurrent_workloads = sourced(n.value as u32, n.source);
-    let log_stream_interval = parse_env(
-        "CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL",
-        "a number of seconds greater than 0",
-        &mut errors,
-        &pos_secs,
-    )
-    .map(|s| sourced(crate::util::secs_f64(s.value), s.source))
-    .unwrap_or_else(|| sourced(Duration::from_secs(3), Source::Default));
-
-    let whole0 = |s: &str| s.parse::<u64>().ok().map(|n| n as f64);
-    let n = number(
-        m.min_free_disk_mb.map(|v| v as f64),
-        "min_free_disk_mb",
-        "CYBERWAVE_MIN_FREE_DISK_MB",
-        "a whole number ≥ 0",
-        &whole0,
-        1024.0,
-        &mut errors,
-    );
-    let min_free_disk_mb = sourced(n.value as u64, n.source);
-    let whole1_u64 = |s: &str| s.parse::<u64>().ok().filter(|n| *n >= 1).map(|n| n as f64);
-    let n = number(
-        m.max_log_bytes.map(|v| v as f64),
-        "max_log_bytes",
-        "CYBERWAVE_MAX_LOG_BYTES",
-        "a whole number ≥ 1",
-        &whole1_u64,
-        (1u64 << 30) as f64,
-        &mut errors,
-    );
-    let max_log_bytes = sourced(n.value as u64, n.source);
-    let n = number(
-        m.log_retention_days.map(|v| v as f64),
-        "log_retention_days",
-        "CYBERWAVE_LOG_RETENTION_DAYS",
-        "a whole number of days ≥ 0 (0 keeps logs forever)",
-        &whole0,
-        14.0,
-        &mut errors,
-    );
-    let log_retention_days = sourced(n.value as u64, n.source);
-    let metrics_file = flags
-        .metrics_file
-        .clone()
-        .map(|p| sourced(p, Source::Flag("--metrics-file".into())))
-        .or_else(|| {
-            env_str("CYBERWAVE_METRICS_FILE").map(|(v, s)| sourced(PathBuf::from(v.trim()), s))
-        })
-        .map(|s| sourced(cwd.join(s.value), s.source));
-    let hardware_telemetry = match env_str("CYBERWAVE_HARDWARE_TELEMETRY") {
-        Some((v, src)) => match env::parse_bool(&v) {
-            Some(b) => b,
-            None => {
-                errors.push(format!("CYBERWAVE_HARDWARE_TELEMETRY ({src}): expected 1/true/on or 0/false/off, got {v:?}"));
-                false
-            }
-        },
-        None => false,
-    };
-
-    let mut tuning = Tuning::default();
-    {
-        let mut knob = |name: &str, slot: &mut Duration| {
-            if let Some(s) = parse_env(
-                name,
-                "a number of seconds greater than 0",
-                &mut errors,
-                &pos_secs,
-            ) {
-                *slot = crate::util::secs_f64(s.value);
-            }
-        };
-        knob(
-            "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
-            &mut tuning.reconnect_base,
-        );
-        knob(
-            "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
-            &mut tuning.reconnect_max,
-        );
-        knob(
-            "CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS",
-            &mut tuning.register_retry_max,
-        );
-        knob(
-            "CYBERWAVE_NODE_HEARTBEAT_TIMEOUT_SECONDS",
-            &mut tuning.heartbeat_timeout,
-        );
-        knob(
-            "CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS",
-            &mut tuning.auth_retry_base,
-        );
-        knob(
-            "CYBERWAVE_NODE_SESSION_EXPIRY_SECONDS",
-            &mut tuning.session_expiry,
-        );
-        knob(
-            "CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS",
-            &mut tuning.connect_timeout,
-        );
-        knob(
-            "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS",
-            &mut tuning.token_check_timeout,
-        );
-        knob(
-            "CYBERWAVE_NODE_SHUTDOWN_FLUSH_SECONDS",
-            &mut tuning.shutdown_flush,
-        );
-        knob(
-            "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
-            &mut tuning.request_timeout,
-        );
-        knob(
-            "CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS",
-            &mut tuning.cleanup_grace,
-        );
-        knob(
-            "CYBERWAVE_NODE_METRICS_INTERVAL_SECONDS",
-            &mut tuning.metrics_interval,
-        );
-        knob("CYBERWAVE_NODE_LOCK_WAIT_SECONDS", &mut tuning.lock_wait);
-    }
-
-    if !errors.is_empty() {
-        return Err(ConfigError(errors));
-    }
-    Ok(Settings {
-        config_dir,
-        working_dir,
-        manifest,
-        manifest_warnings,
-        manifest_platform_refusals,
-        api_token,
-        base_url,
-        workspace_slug,
-        topic_prefix,
-        instance_uuid,
-        slug_hint,
-        profile_slug,
-        install,
-        inference,
-        simulate,
-        training,
-        heartbeat_interval,
-        mqtt_host,
-        mqtt_port,
-        mqtt_use_tls,
-        mqtt_ca_certs,
-        mqtt_username,
-        mqtt_password,
-        upload_results,
-        results_folder,
-        environment_uuid,
-        max_concurrent_workloads,
-        log_stream_interval,
-        standalone: flags.standalone,
-        drain_after_one: flags.drain_after_one,
-        metrics_file,
-        min_free_disk_mb,
-        max_log_bytes,
-        log_retention_days,
-        hardware_telemetry,
-        identity,
-        tuning,
-        env,
-    })
-}
-
-trait OrDefaultWith {
-    fn unwrap_or_default_with(self, s: Source) -> (String, Source);
-}
-
-impl OrDefaultWith for Option<(String, Source)> {
-    fn unwrap_or_default_with(self, s: Source) -> (String, Source) {
-        self.unwrap_or((String::new(), s))
     }
 }
 
@@ -1070,7 +563,7 @@ mod tests {
         let passwd = |uid: u32| match uid {
             0 => Ok(PathBuf::from("/root")),
             7 => Ok(PathBuf::from("")),
-            _ => Err(format!("uid {uid} has no passwd entry")),
+            _ => Err(PasswdError::NoEntry(uid)),
         };
         for vars in [
             &[][..],

@@ -10,13 +10,11 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::operate::{Busy, BUSY_PREFIX};
-use super::Node;
-use crate::gpu::{self, Gpu, Monitor, Snapshot, Usage};
+use crate::gpu::{Gpu, Snapshot, Usage};
 
 /// What the node knows about its GPUs.
 #[derive(Default)]
 pub struct Gpus {
-    pub monitor: Option<Monitor>,
     /// `nvidia-smi` answered (the node schedules GPUs); false: a CPU-only node.
     pub present: bool,
     pub units: Vec<Gpu>,
@@ -26,12 +24,13 @@ pub struct Gpus {
     pub per_workload: Option<u32>,
     /// Accounting of workloads holding GPUs, by safe id.
     pub usage: HashMap<String, Usage>,
+    /// GPU count and VRAM tier (hardware telemetry), learned at start-up.
+    pub telemetry: (usize, Option<&'static str>),
 }
 
 impl Gpus {
     /// From the first snapshot (taken before the loop starts).
     pub fn new(
-        monitor: Option<Monitor>,
         first: Option<Snapshot>,
         env: &crate::config::env::EnvLayers,
         manifest: Option<u32>,
@@ -53,7 +52,6 @@ impl Gpus {
             n
         }));
         let mut g = Gpus {
-            monitor,
             per_workload,
             ..Gpus::default()
         };
@@ -117,6 +115,167 @@ impl Gpus {
     pub fn healthy(&self) -> usize {
         self.units.iter().filter(|u| u.health.is_healthy()).count()
     }
+
+    /// The GPUs a new workload gets (D36, D55, D56): `Ok(None)` on a CPU-only node (nothing
+    /// changes for it), else its exclusive share of what `held` does not hold, or the refusal
+    /// (busy when waiting can help). On a GPU host `auto` is never zero, and a MIG host gives a
+    /// workload at most one MIG device: more than one GPU comes from whole GPUs only.
+    pub fn assign(
+        &self,
+        requested: Option<u32>,
+        capacity: usize,
+        held: &Holders,
+    ) -> Result<Option<Vec<String>>, GpuRefusal> {
+        if !self.present {
+            return match requested.filter(|n| *n > 0) {
+                Some(n) => Err(GpuRefusal::NoGpus(n)),
+                None => Ok(None),
+            };
+        }
+        let mig_host = self.units.iter().any(|u| u.parent.is_some());
+        let capacity = capacity.max(1);
+        let explicit = requested.or(self.per_workload);
+        let need = match explicit {
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None if mig_host => 1,
+            None if capacity == 1 => self.healthy().max(1),
+            None => self.healthy().checked_div(capacity).unwrap_or(0).max(1),
+        };
+        if need == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        // More than one: whole GPUs only on a MIG host (a CUDA process sees one MIG device).
+        let pool: Vec<&Gpu> = self
+            .units
+            .iter()
+            .filter(|u| need == 1 || u.parent.is_none())
+            .collect();
+        let total = pool.len();
+        let healthy = pool.iter().filter(|u| u.health.is_healthy()).count();
+        if need > total {
+            return Err(if let Some(e) = &self.error {
+                // The query fails: this node's GPUs are not known, not absent.
+                GpuRefusal::QueryFailed {
+                    need,
+                    error: e.clone(),
+                }
+            } else if mig_host && need > 1 {
+                GpuRefusal::Unsatisfiable { need, total }
+            } else if explicit.is_none() {
+                GpuRefusal::NoneUsable { need }
+            } else {
+                GpuRefusal::TooFew { need, total }
+            });
+        }
+        let free: Vec<String> = pool
+            .iter()
+            .filter(|u| u.health.is_healthy() && !is_held(u, held))
+            .map(|u| u.uuid.clone())
+            .take(need)
+            .collect();
+        if free.len() >= need {
+            return Ok(Some(free));
+        }
+        Err(if healthy >= need {
+            GpuRefusal::InUse {
+                need,
+                free: free.len(),
+                healthy,
+            }
+        } else {
+            GpuRefusal::Unhealthy {
+                need,
+                healthy,
+                total,
+            }
+        })
+    }
+}
+
+/// GPU UUID → the request id of the workload holding it (its safe id when the request id is
+/// not known).
+pub type Holders = BTreeMap<String, Value>;
+
+/// Why a workload gets no GPUs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GpuRefusal {
+    /// GPUs asked for on a CPU-only node: never here.
+    NoGpus(u32),
+    /// The inventory query fails: the GPUs are not known.
+    QueryFailed { need: usize, error: String },
+    /// More than one asked for on a MIG host with too few whole GPUs (D56).
+    Unsatisfiable { need: usize, total: usize },
+    /// `auto` with no usable GPU.
+    NoneUsable { need: usize },
+    /// More asked for than the node has: never here.
+    TooFew { need: usize, total: usize },
+    /// Enough healthy GPUs, not enough free: running workloads hold them.
+    InUse {
+        need: usize,
+        free: usize,
+        healthy: usize,
+    },
+    /// Not enough healthy GPUs (D37).
+    Unhealthy {
+        need: usize,
+        healthy: usize,
+        total: usize,
+    },
+}
+
+impl GpuRefusal {
+    pub fn busy(&self) -> Option<Busy> {
+        match self {
+            GpuRefusal::NoGpus(_) | GpuRefusal::TooFew { .. } => None,
+            GpuRefusal::QueryFailed { .. }
+            | GpuRefusal::NoneUsable { .. }
+            | GpuRefusal::Unhealthy { .. } => Some(Busy::GpusUnhealthy),
+            GpuRefusal::Unsatisfiable { .. } => Some(Busy::GpusUnsatisfiable),
+            GpuRefusal::InUse { .. } => Some(Busy::GpusBusy),
+        }
+    }
+}
+
+impl std::fmt::Display for GpuRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuRefusal::NoGpus(n) => write!(
+                f,
+                "this workload needs {n} GPU(s) and this node has none (no nvidia-smi)"
+            ),
+            GpuRefusal::QueryFailed { need, error } => write!(
+                f,
+                "{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({error})"
+            ),
+            GpuRefusal::Unsatisfiable { need, total } => write!(
+                f,
+                "{BUSY_PREFIX} unsatisfiable GPUs: {need} needed, and a workload gets at most one MIG device; this node has {total} whole GPU(s)"
+            ),
+            GpuRefusal::NoneUsable { need } => {
+                write!(f, "{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable")
+            }
+            GpuRefusal::TooFew { need, total } => write!(
+                f,
+                "this workload needs {need} GPU(s) and this node has {total}"
+            ),
+            GpuRefusal::InUse {
+                need,
+                free,
+                healthy,
+            } => write!(
+                f,
+                "{BUSY_PREFIX} GPUs in use: {need} needed, {free} of {healthy} healthy GPU(s) free"
+            ),
+            GpuRefusal::Unhealthy {
+                need,
+                healthy,
+                total,
+            } => write!(
+                f,
+                "{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"
+            ),
+        }
+    }
 }
 
 /// Sets `key` in a JSON object (nothing when `v` is not one).
@@ -128,7 +287,7 @@ pub(super) fn put(v: &mut Value, key: &str, x: Value) {
 
 /// Whether a workload holds this unit (by its UUID, or one of its MIG devices' from an
 /// assignment made before compute instances were grouped).
-fn is_held(u: &Gpu, held: &BTreeMap<String, Value>) -> bool {
+fn is_held(u: &Gpu, held: &Holders) -> bool {
     holder_of(u, held).is_some()
 }
 
@@ -148,30 +307,44 @@ fn round(x: f64, places: i32) -> f64 {
     (x * f).round() / f
 }
 
-impl Node {
-    /// GPU UUID → the request id of the workload holding it (its safe id when the request id
-    /// is not known).
-    fn gpu_holders(&self) -> BTreeMap<String, Value> {
-        let mut out = BTreeMap::new();
-        for (id, a) in &self.active {
-            let holder = match &a.meta.request_id {
-                Value::Null => json!(id),
-                r => r.clone(),
-            };
-            for u in a.meta.gpus.iter().flatten() {
-                out.insert(u.clone(), holder.clone());
-            }
-        }
-        // Starts in flight hold theirs already (node/starts.rs).
-        for (_, st) in self.starts.iter() {
-            for u in st.gpus.iter().flatten() {
-                out.insert(u.clone(), st.request_id.clone());
-            }
-        }
-        out
-    }
+/// A workload that holds (or may hold) GPUs, as the part sees it: a tracked workload (with its
+/// process group) or a start in flight (which holds its GPUs already, node/starts.rs).
+pub struct Hold<'a> {
+    /// Its safe id.
+    pub id: &'a str,
+    /// The request id shown as its holder.
+    pub holder: Value,
+    /// The workload's process group (its pid); `None` for a start in flight.
+    pub pid: Option<i32>,
+    pub gpus: &'a [String],
+}
 
-    pub(super) fn on_gpu_snapshot(&mut self, s: Snapshot) {
+/// What the GPU part needs of the world: the monitor thread's sampling switch and the process
+/// groups of the processes using GPUs.
+pub trait Outbound {
+    /// Sampling every few seconds on (a workload holds GPUs) or off.
+    fn set_holding(&self, holding: bool);
+    /// How often the monitor samples.
+    fn sample_every(&self) -> Duration;
+    fn pgid_of(&self, pid: i32) -> Option<i32>;
+}
+
+/// GPU UUID → the request id of the workload holding it (its safe id when the request id is
+/// not known).
+pub fn holders(holds: &[Hold<'_>]) -> Holders {
+    let mut out = BTreeMap::new();
+    for h in holds {
+        for u in h.gpus {
+            out.insert(u.clone(), h.holder.clone());
+        }
+    }
+    out
+}
+
+impl Gpus {
+    /// A monitor snapshot: the accounting of each tracked workload holding GPUs (D38), then
+    /// the inventory and health (D37).
+    pub fn on_snapshot(&mut self, s: Snapshot, holds: &[Hold<'_>], out: &dyn Outbound) {
         if let Snapshot::Gpus {
             gpus,
             apps,
@@ -179,158 +352,53 @@ impl Node {
             at,
         } = &s
         {
-            let cap = self
-                .gpu
-                .monitor
-                .as_ref()
-                .map_or(gpu::SAMPLE_EVERY, |m| m.timing.sample)
+            let cap = out
+                .sample_every()
                 .saturating_mul(2)
                 .max(Duration::from_secs(1));
             // Per-process memory by process group: the workload's group is its pid.
             let mut by_group: BTreeMap<i32, u64> = BTreeMap::new();
             for (pid, mib) in apps {
-                if let Some(g) = gpu::pgid_of(*pid) {
+                if let Some(g) = out.pgid_of(*pid) {
                     let e = by_group.entry(g).or_default();
                     *e = e.saturating_add(*mib);
                 }
             }
-            for (id, a) in &self.active {
-                let Some(mine) = a.meta.gpus.as_ref().filter(|g| !g.is_empty()) else {
+            for h in holds {
+                let Some(pid) = h.pid.filter(|_| !h.gpus.is_empty()) else {
                     continue;
                 };
                 let units: Vec<&Gpu> = gpus
                     .iter()
-                    .filter(|g| mine.iter().any(|m| g.is(m)))
+                    .filter(|g| h.gpus.iter().any(|m| g.is(m)))
                     .collect();
-                let own = by_group.get(&a.meta.pid()).copied();
-                self.gpu
-                    .usage
-                    .entry(id.clone())
+                let own = by_group.get(&pid).copied();
+                self.usage
+                    .entry(h.id.to_string())
                     .or_default()
                     .add(&units, own, *at, cap);
             }
         }
-        let active = &self.active;
-        self.gpu.usage.retain(|id, _| active.contains_key(id));
-        self.gpu.apply(s);
-        self.gpu_update_sampling();
+        self.usage
+            .retain(|id, _| holds.iter().any(|h| h.pid.is_some() && h.id == id));
+        self.apply(s);
+        self.update_sampling(holds, out);
     }
 
-    /// Sampling runs every few seconds only while a workload holds GPUs.
-    pub(super) fn gpu_update_sampling(&self) {
-        let holding = self
-            .active
-            .values()
-            .any(|a| a.meta.gpus.as_ref().is_some_and(|g| !g.is_empty()));
-        if let Some(m) = &self.gpu.monitor {
-            m.set_holding(holding);
-        }
-    }
-
-    /// The GPUs a new workload gets (D36, D55, D56): `Ok(None)` on a CPU-only node (nothing
-    /// changes for it), else its exclusive share, or the refusal (busy when waiting can help).
-    /// On a GPU host `auto` is never zero, and a MIG host gives a workload at most one MIG
-    /// device: more than one GPU comes from whole GPUs only.
-    pub(super) fn assign_gpus(
-        &self,
-        requested: Option<u32>,
-    ) -> Result<Option<Vec<String>>, (String, Option<Busy>)> {
-        let g = &self.gpu;
-        if !g.present {
-            return match requested.filter(|n| *n > 0) {
-                Some(n) => Err((
-                    format!(
-                        "this workload needs {n} GPU(s) and this node has none (no nvidia-smi)"
-                    ),
-                    None,
-                )),
-                None => Ok(None),
-            };
-        }
-        let mig_host = g.units.iter().any(|u| u.parent.is_some());
-        let capacity = usize::try_from(self.s.max_concurrent_workloads.value)
-            .unwrap_or(1)
-            .max(1);
-        let explicit = requested.or(g.per_workload);
-        let need = match explicit {
-            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-            None if mig_host => 1,
-            None if capacity == 1 => g.healthy().max(1),
-            None => g.healthy().checked_div(capacity).unwrap_or(0).max(1),
-        };
-        if need == 0 {
-            return Ok(Some(Vec::new()));
-        }
-        // More than one: whole GPUs only on a MIG host (a CUDA process sees one MIG device).
-        let pool: Vec<&Gpu> = g
-            .units
-            .iter()
-            .filter(|u| need == 1 || u.parent.is_none())
-            .collect();
-        let total = pool.len();
-        let healthy = pool.iter().filter(|u| u.health.is_healthy()).count();
-        if need > total {
-            if let Some(e) = &g.error {
-                // The query fails: this node's GPUs are not known, not absent.
-                return Err((
-                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({e})"),
-                    Some(Busy::GpusUnhealthy),
-                ));
-            }
-            if mig_host && need > 1 {
-                return Err((
-                    format!(
-                        "{BUSY_PREFIX} unsatisfiable GPUs: {need} needed, and a workload gets at most one MIG device; this node has {total} whole GPU(s)"
-                    ),
-                    Some(Busy::GpusUnsatisfiable),
-                ));
-            }
-            if explicit.is_none() {
-                return Err((
-                    format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable"),
-                    Some(Busy::GpusUnhealthy),
-                ));
-            }
-            return Err((
-                format!("this workload needs {need} GPU(s) and this node has {total}"),
-                None,
-            ));
-        }
-        let held = self.gpu_holders();
-        let free: Vec<String> = pool
-            .iter()
-            .filter(|u| u.health.is_healthy() && !is_held(u, &held))
-            .map(|u| u.uuid.clone())
-            .take(need)
-            .collect();
-        if free.len() >= need {
-            return Ok(Some(free));
-        }
-        if healthy >= need {
-            Err((
-                format!(
-                    "{BUSY_PREFIX} GPUs in use: {need} needed, {} of {healthy} healthy GPU(s) free",
-                    free.len()
-                ),
-                Some(Busy::GpusBusy),
-            ))
-        } else {
-            Err((
-                format!("{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"),
-                Some(Busy::GpusUnhealthy),
-            ))
-        }
+    /// Sampling runs every few seconds only while a tracked workload holds GPUs.
+    pub fn update_sampling(&self, holds: &[Hold<'_>], out: &dyn Outbound) {
+        let holding = holds.iter().any(|h| h.pid.is_some() && !h.gpus.is_empty());
+        out.set_holding(holding);
     }
 
     /// `status`: each GPU with its health and holder (absent on a CPU-only node).
-    pub(super) fn gpu_status(&self) -> Option<Value> {
-        if !self.gpu.present {
+    pub fn status(&self, holds: &[Hold<'_>]) -> Option<Value> {
+        if !self.present {
             return None;
         }
-        let holders = self.gpu_holders();
+        let holders = holders(holds);
         Some(Value::Array(
-            self.gpu
-                .units
+            self.units
                 .iter()
                 .map(|u| {
                     let mut v = json!({
@@ -355,29 +423,24 @@ impl Node {
     }
 
     /// Heartbeat fields (D37), on a node with GPUs.
-    pub(super) fn gpu_heartbeat(&self, body: &mut Value) {
-        if !self.gpu.present {
+    pub fn heartbeat(&self, holds: &[Hold<'_>], body: &mut Value) {
+        if !self.present {
             return;
         }
-        let held = self.gpu_holders();
+        let held = holders(holds);
         let free = self
-            .gpu
             .units
             .iter()
             .filter(|u| u.health.is_healthy() && !is_held(u, &held))
             .count();
-        put(body, "gpus_total", json!(self.gpu.units.len()));
-        put(body, "gpus_healthy", json!(self.gpu.healthy()));
+        put(body, "gpus_total", json!(self.units.len()));
+        put(body, "gpus_healthy", json!(self.healthy()));
         put(body, "gpus_free", json!(free));
     }
 
     /// The completion's `gpu` object (D38), for a workload that held GPUs.
-    pub(super) fn gpu_usage_of(
-        &mut self,
-        safe_id: &str,
-        meta: &crate::workload::Meta,
-    ) -> Option<Value> {
-        let usage = self.gpu.usage.remove(safe_id).unwrap_or_default();
+    pub fn usage_of(&mut self, safe_id: &str, meta: &crate::workload::Meta) -> Option<Value> {
+        let usage = self.usage.remove(safe_id).unwrap_or_default();
         let count = meta.gpus.as_ref().map_or(0, Vec::len);
         if count == 0 {
             return None;
@@ -401,13 +464,12 @@ impl Node {
         }
         Some(out)
     }
-
     /// Per-GPU gauges for the metrics file.
-    pub(super) fn gpu_metrics(&self, t: &mut String) {
-        if !self.gpu.present {
+    pub fn metrics(&self, holds: &[Hold<'_>], t: &mut String) {
+        if !self.present {
             return;
         }
-        let held = self.gpu_holders();
+        let held = holders(holds);
         // (name, help, value, board-level: once per physical GPU, never per MIG slice (D56))
         let gauges: [(&str, &str, Gauge, bool); 7] = [
             (
@@ -454,7 +516,7 @@ impl Node {
                 "# HELP cyberwave_node_{name} {help}\n# TYPE cyberwave_node_{name} gauge"
             );
             let mut boards: BTreeSet<&str> = BTreeSet::new();
-            for u in &self.gpu.units {
+            for u in &self.units {
                 let (gpu, uuid, shared) = match (&u.parent, board) {
                     (Some(p), true) => {
                         if !boards.insert(p.as_str()) {
@@ -473,5 +535,100 @@ impl Node {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::Health;
+    use std::cell::RefCell;
+    use std::time::Instant;
+
+    /// A recording fake of the monitor and `/proc`.
+    #[derive(Default)]
+    struct Fake {
+        holding: RefCell<Vec<bool>>,
+    }
+    impl Outbound for Fake {
+        fn set_holding(&self, holding: bool) {
+            self.holding.borrow_mut().push(holding);
+        }
+        fn sample_every(&self) -> Duration {
+            Duration::from_secs(5)
+        }
+        fn pgid_of(&self, pid: i32) -> Option<i32> {
+            Some(pid)
+        }
+    }
+
+    fn unit(uuid: &str) -> Gpu {
+        Gpu {
+            index: "0".into(),
+            uuid: uuid.into(),
+            name: "H200".into(),
+            bus_id: String::new(),
+            memory_total_mib: Some(1000),
+            memory_used_mib: Some(10),
+            util_pct: Some(50),
+            power_w: Some(100.0),
+            temperature_c: Some(40),
+            health: Health::Healthy,
+            parent: None,
+            members: Vec::new(),
+        }
+    }
+
+    fn snapshot(units: &[&str], at: Instant) -> Snapshot {
+        Snapshot::Gpus {
+            gpus: units.iter().map(|u| unit(u)).collect(),
+            apps: BTreeMap::from([(7, 300)]),
+            error: None,
+            at,
+        }
+    }
+
+    #[test]
+    fn a_tracked_workload_holding_gpus_is_sampled_and_accounted_a_start_only_holds() {
+        let mut g = Gpus::default();
+        let fake = Fake::default();
+        let a = vec!["GPU-a".to_string()];
+        let b = vec!["GPU-b".to_string()];
+        let starting = [Hold {
+            id: "s1",
+            holder: json!("r1"),
+            pid: None,
+            gpus: &b,
+        }];
+        let t0 = Instant::now();
+        g.on_snapshot(snapshot(&["GPU-a", "GPU-b"], t0), &starting, &fake);
+        assert_eq!(
+            *fake.holding.borrow(),
+            vec![false],
+            "a start is not sampled"
+        );
+        assert!(g.usage.is_empty());
+        // The start holds its GPU already: no other workload gets it.
+        assert_eq!(
+            g.assign(Some(1), 2, &holders(&starting)),
+            Ok(Some(vec!["GPU-a".to_string()]))
+        );
+        let running = [Hold {
+            id: "w1",
+            holder: json!("r0"),
+            pid: Some(7),
+            gpus: &a,
+        }];
+        g.on_snapshot(snapshot(&["GPU-a", "GPU-b"], t0), &running, &fake);
+        assert_eq!(*fake.holding.borrow(), vec![false, true]);
+        assert!(g.usage.contains_key("w1"), "accounted");
+        let mut body = json!({});
+        g.heartbeat(&running, &mut body);
+        assert_eq!(body["gpus_free"], json!(1));
+        assert_eq!(g.status(&running).unwrap()[0]["held_by"], json!("r0"));
+        // Gone from the table: its accounting goes with it.
+        g.on_snapshot(snapshot(&["GPU-a", "GPU-b"], t0), &[], &fake);
+        assert!(g.usage.is_empty());
+        assert_eq!(fake.holding.borrow().last(), Some(&false));
     }
 }

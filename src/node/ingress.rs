@@ -4,42 +4,15 @@
 //! control socket (`emit`), checked against the workload's event token and workflow; and the
 //! node's own workloads reported as workflow node events (decision D18).
 
-use std::time::Duration;
+use std::time::Instant;
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::{json, Map, Value};
 
-use super::Node;
+use super::io::{Acked, Io};
 use crate::ingress;
-use crate::outbox::Item;
+use crate::mqtt::NotSent;
+use crate::outbox::{Item, Outbox};
 use crate::workload::{self, Meta, WorkflowCtx};
-
-/// The PUBACK of an ingress event: `Ok`, or `Err(Some((why, permanent)))` when the broker
-/// refused it, `Err(None)` when no acknowledgement came.
-pub type Acked = (u64, Result<(), Option<(String, bool)>>);
-/// An ingress event's sequence number and its delivery token, for the ack thread.
-pub type Tracked = (u64, paho_mqtt::DeliveryToken);
-
-/// Waits for delivery tokens, in order, off the event loop.
-pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)> {
-    let (tx, rx) = unbounded::<Tracked>();
-    let (atx, arx) = unbounded();
-    std::thread::Builder::new()
-        .name("acks".into())
-        .spawn(move || {
-            for (seq, token) in rx {
-                let result = token.wait_for(Duration::from_secs(30)).map(|_| ());
-                let acked = match crate::mqtt::refusal_of(&result) {
-                    Some(refused) => Err(Some(refused)),
-                    None => result.map_err(|_| None),
-                };
-                if atx.send((seq, acked)).is_err() {
-                    return;
-                }
-            }
-        })?;
-    Ok((tx, arx))
-}
 
 /// The workflow context a start's params carry, if complete (D18).
 pub fn context_of(kind: &str, params: &Map<String, Value>) -> Option<WorkflowCtx> {
@@ -69,44 +42,69 @@ pub fn context_of(kind: &str, params: &Map<String, Value>) -> Option<WorkflowCtx
     })
 }
 
-impl Node {
-    fn reporting(&self) -> bool {
-        self.s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false)
+/// The ingress part: the durable queue of workflow events and the node's own reports into it.
+pub struct Ingress {
+    /// Workflow execution events waiting for the broker's acknowledgement.
+    pub queue: Outbox,
+    /// `workflow_reporting` of the manifest is not off: the node reports its own workloads.
+    reporting: bool,
+    /// `topic_prefix`.
+    prefix: String,
+}
+
+/// What the ingress part needs of the world.
+pub trait Outbound {
+    fn connected(&self) -> bool;
+    fn now(&self) -> Instant;
+    /// The MQTT client id, the session of every event (the backend dedups on it).
+    fn client_id(&self) -> &str;
+    /// Publishes an event at QoS 1; its acknowledgement comes back as an [`Acked`].
+    fn publish_tracked(&mut self, seq: u64, topic: &str, payload: Vec<u8>) -> Result<(), NotSent>;
+    /// A full-disk error is due to be logged (once a minute, D28): `Some(held)`.
+    fn disk_error_due(&mut self) -> Option<u64>;
+}
+
+impl Ingress {
+    pub fn new(queue: Outbox, reporting: bool, prefix: String) -> Ingress {
+        Ingress {
+            queue,
+            reporting,
+            prefix,
+        }
     }
 
-    /// Queues an event durably; returns once it is on disk.
-    fn queue_event(&mut self, ev: ingress::Event, label: String) -> Result<(), String> {
+    /// Queues an event durably (in memory when the disk refuses, D28), then sends what is due.
+    fn queue_event(&mut self, ev: ingress::Event, label: String, out: &mut dyn Outbound) {
         let item = Item {
             topic: ev.topic,
             body: ev.body,
             label,
             key: None,
         };
-        if let Err((_, e)) = self.ingress.push(item) {
+        if let Err((_, e)) = self.queue.push(item) {
             // Kept in memory and sent all the same (D28); written once the disk allows.
-            if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+            if let Some(held) = out.disk_error_due() {
                 log::error!(
                     "cannot write a workflow event to disk ({e}); it is kept in memory and sent anyway{}",
                     super::workloads::held_note(held)
                 );
             }
         }
-        self.send_ingress();
-        Ok(())
+        self.send(out);
     }
 
     /// Publishes the oldest queued event when nothing is in flight.
-    pub(super) fn send_ingress(&mut self) {
-        if !self.session.connected() {
+    pub fn send(&mut self, out: &mut dyn Outbound) {
+        if !out.connected() {
             return;
         }
-        let Some((seq, item)) = self.ingress.head_due(self.clock.now()) else {
+        let Some((seq, item)) = self.queue.head_due(out.now()) else {
             return;
         };
-        let topic = format!("{}{}", self.s.topic_prefix.value, item.topic);
+        let topic = format!("{}{}", self.prefix, item.topic);
         if !crate::protocol::topics::publishable(&topic) {
             // Queued by an older version or planted: no broker would take it (D34).
-            if let Some((item, aside)) = self.ingress.quarantine(seq) {
+            if let Some((item, aside)) = self.queue.quarantine(seq) {
                 log::error!(
                     "the {} has an invalid topic; set aside in {} and not sent",
                     crate::logtext::shown(&item.label),
@@ -115,73 +113,56 @@ impl Node {
             }
             return;
         }
-        let payload =
-            serde_json::to_vec(&ingress::with_session(&item.body, self.topics.client_id()))
-                .unwrap_or_default();
-        match self.mqtt.publish_tracked(&topic, payload) {
-            Ok(token) => {
-                self.ingress.sent(seq, Vec::new());
-                let _ = self.acks_tx.send((seq, token));
+        let payload = serde_json::to_vec(&ingress::with_session(&item.body, out.client_id()))
+            .unwrap_or_default();
+        match out.publish_tracked(seq, &topic, payload) {
+            Ok(()) => self.queue.sent(seq, Vec::new()),
+            Err(NotSent::Never(why)) => {
+                self.refused(seq, &why, true, out.now());
+                self.send(out);
             }
-            Err(crate::mqtt::NotSent::Never(why)) => {
-                self.ingress_refused(seq, &why, true);
-                self.send_ingress();
-            }
-            Err(crate::mqtt::NotSent::NotNow(_)) => self.ingress.retry_later(seq, self.clock.now()),
+            Err(NotSent::NotNow(_)) => self.queue.retry_later(seq, out.now()),
         }
     }
 
     /// The broker refused an event, or it can never be sent (D34): set aside with one ERROR
     /// line at once (`permanent`) or after [`crate::outbox::MAX_REFUSALS`] refusals, so that
     /// the events queued behind it are not held up for ever.
-    fn ingress_refused(&mut self, seq: u64, why: &str, permanent: bool) {
-        let now = self.clock.now();
-        super::refused_in(
-            &mut self.ingress,
-            seq,
-            why,
-            permanent,
-            now,
-            "workflow event",
-        );
+    fn refused(&mut self, seq: u64, why: &str, permanent: bool, now: Instant) {
+        super::refused_in(&mut self.queue, seq, why, permanent, now, "workflow event");
     }
 
-    pub(super) fn on_ingress_ack(&mut self, (seq, acked): Acked) {
-        if !self.ingress.in_flight(seq) {
+    pub fn on_ack(&mut self, (seq, acked): Acked, out: &mut dyn Outbound) {
+        if !self.queue.in_flight(seq) {
             return; // from before a reconnect: that event is sent again
         }
         if let Err(Some((why, permanent))) = &acked {
-            self.ingress_refused(seq, why, *permanent);
+            self.refused(seq, why, *permanent, out.now());
         } else if acked.is_ok() {
-            if let Some(item) = self.ingress.acknowledged(seq) {
+            if let Some(item) = self.queue.acknowledged(seq) {
                 log::debug!(
                     "ingress event delivered: {}",
                     crate::logtext::shown(&item.label)
                 );
             }
         } else {
-            self.ingress.retry_later(seq, self.clock.now());
+            self.queue.retry_later(seq, out.now());
         }
-        self.send_ingress();
+        self.send(out);
     }
 
-    /// `emit` from a workload, through the control socket.
-    pub(super) fn on_emit(&mut self, body: &Value) -> Value {
-        let token = body.get("token").and_then(Value::as_str).unwrap_or("");
+    /// `emit` from a workload, through the control socket: `owner` is the running workload
+    /// whose event token the request carries, if any.
+    pub fn emit(&mut self, body: &Value, owner: Option<&Meta>, out: &mut dyn Outbound) -> Value {
         let Some(fields) = body.get("fields").and_then(Value::as_object) else {
             return json!({"ok": false, "error": "emit needs fields"});
         };
-        let owner = self
-            .active
-            .values()
-            .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
-            .map(|a| a.meta.clone());
         let Some(owner) = owner else {
             return json!({"ok": false, "refused": true, "error": "invalid event token (only a running workload's own CYBERWAVE_NODE_EVENT_TOKEN is accepted)"});
         };
         let ev = match ingress::build(fields) {
             Ok(ev) => ev,
-            Err(e) => return json!({"ok": false, "error": e}),
+            Err(e) => return json!({"ok": false, "error": e.to_string()}),
         };
         if let Some(ctx) = &owner.workflow {
             if ctx.workflow != ev.workflow {
@@ -195,31 +176,30 @@ impl Node {
             ev.workflow,
             owner.request_id_text()
         );
-        match self.queue_event(ev, label) {
-            Ok(()) => json!({"ok": true, "execution_uuid": execution}),
-            Err(e) => json!({"ok": false, "error": e}),
-        }
+        self.queue_event(ev, label, out);
+        json!({"ok": true, "execution_uuid": execution})
     }
 
     /// The node's own workload as a workflow node event: `running` at spawn.
-    pub(super) fn report_started(&mut self, meta: &Meta) {
-        let Some(ctx) = meta.workflow.clone().filter(|_| self.reporting()) else {
+    pub fn report_started(&mut self, meta: &Meta, out: &mut dyn Outbound) {
+        let Some(ctx) = meta.workflow.clone().filter(|_| self.reporting) else {
             return;
         };
         let mut f = base_fields(&ctx, "running");
         f.insert("started_at".into(), json!(workload::unix_now()));
-        self.queue_own(f, &ctx);
+        self.queue_own(f, &ctx, out);
     }
 
     /// … and `success` / `error` at the end.
-    pub(super) fn report_finished(
+    pub fn report_finished(
         &mut self,
         meta: &Meta,
         success: bool,
         exit_code: Option<i32>,
         error: Option<String>,
+        out: &mut dyn Outbound,
     ) {
-        let Some(ctx) = meta.workflow.clone().filter(|_| self.reporting()) else {
+        let Some(ctx) = meta.workflow.clone().filter(|_| self.reporting) else {
             return;
         };
         let now = workload::unix_now();
@@ -232,29 +212,29 @@ impl Node {
         if let Some(e) = error.filter(|_| !success) {
             f.insert("error_message".into(), json!(e));
         }
-        let mut out = Map::new();
+        let mut o = Map::new();
         if let Some(c) = exit_code {
-            out.insert("exit_code".into(), json!(c));
+            o.insert("exit_code".into(), json!(c));
         }
         if let Some(wl) = &meta.workload_uuid {
-            out.insert("workload_uuid".into(), json!(wl));
+            o.insert("workload_uuid".into(), json!(wl));
         }
-        f.insert("output".into(), json!([Value::Object(out)]));
-        self.queue_own(f, &ctx);
+        f.insert("output".into(), json!([Value::Object(o)]));
+        self.queue_own(f, &ctx, out);
     }
 
     /// A start that was refused, for a workload with workflow context.
-    pub(super) fn report_rejected(&mut self, ctx: Option<WorkflowCtx>, why: &str) {
-        let Some(ctx) = ctx.filter(|_| self.reporting()) else {
+    pub fn report_rejected(&mut self, ctx: Option<WorkflowCtx>, why: &str, out: &mut dyn Outbound) {
+        let Some(ctx) = ctx.filter(|_| self.reporting) else {
             return;
         };
         let mut f = base_fields(&ctx, "error");
         f.insert("finished_at".into(), json!(workload::unix_now()));
         f.insert("error_message".into(), json!(why));
-        self.queue_own(f, &ctx);
+        self.queue_own(f, &ctx, out);
     }
 
-    fn queue_own(&mut self, f: Map<String, Value>, ctx: &WorkflowCtx) {
+    fn queue_own(&mut self, f: Map<String, Value>, ctx: &WorkflowCtx, out: &mut dyn Outbound) {
         match ingress::build(&f) {
             Ok(ev) => {
                 let label = format!(
@@ -263,12 +243,38 @@ impl Node {
                     ctx.workflow,
                     f.get("status").and_then(Value::as_str).unwrap_or("")
                 );
-                if let Err(e) = self.queue_event(ev, label) {
-                    log::error!("{e}");
-                }
+                self.queue_event(ev, label, out);
             }
             Err(e) => log::warn!("workflow context not reported: {e}"),
         }
+    }
+}
+
+/// The ingress part's [`Outbound`] on the node's MQTT client and the ack thread.
+pub(super) struct Wire<'a> {
+    pub connected: bool,
+    pub now: Instant,
+    pub io: &'a Io,
+    pub disk_errors: &'a mut crate::logtext::Throttle,
+}
+
+impl Outbound for Wire<'_> {
+    fn connected(&self) -> bool {
+        self.connected
+    }
+    fn now(&self) -> Instant {
+        self.now
+    }
+    fn client_id(&self) -> &str {
+        self.io.topics.client_id()
+    }
+    fn publish_tracked(&mut self, seq: u64, topic: &str, payload: Vec<u8>) -> Result<(), NotSent> {
+        let token = self.io.mqtt.publish_tracked(topic, payload)?;
+        let _ = self.io.acks_tx.send((seq, token));
+        Ok(())
+    }
+    fn disk_error_due(&mut self) -> Option<u64> {
+        self.disk_errors.ready(self.now)
     }
 }
 
@@ -287,4 +293,104 @@ fn base_fields(ctx: &WorkflowCtx, status: &str) -> Map<String, Value> {
         f.insert("caller_uuid".into(), json!(c));
     }
     f
+}
+
+impl super::Node {
+    /// Runs `f` on the ingress part with its [`Wire`].
+    pub(super) fn with_ingress<R>(
+        &mut self,
+        f: impl FnOnce(&mut Ingress, &mut dyn Outbound) -> R,
+    ) -> R {
+        let mut wire = Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: &self.io,
+            disk_errors: &mut self.throttle.disk,
+        };
+        f(&mut self.ingress, &mut wire)
+    }
+
+    /// `emit` from a workload, through the control socket: its owner found by its token.
+    pub(super) fn on_emit(&mut self, body: &Value) -> Value {
+        let token = body.get("token").and_then(Value::as_str).unwrap_or("");
+        let owner = self
+            .active
+            .values()
+            .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
+            .map(|a| a.meta.clone());
+        self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A recording fake: what was published, and whether it is connected.
+    struct Fake {
+        connected: bool,
+        now: Instant,
+        published: Vec<(u64, String)>,
+    }
+    impl Outbound for Fake {
+        fn connected(&self) -> bool {
+            self.connected
+        }
+        fn now(&self) -> Instant {
+            self.now
+        }
+        fn client_id(&self) -> &str {
+            "client-1"
+        }
+        fn publish_tracked(&mut self, seq: u64, topic: &str, _: Vec<u8>) -> Result<(), NotSent> {
+            self.published.push((seq, topic.to_string()));
+            Ok(())
+        }
+        fn disk_error_due(&mut self) -> Option<u64> {
+            Some(0)
+        }
+    }
+
+    fn ctx() -> WorkflowCtx {
+        WorkflowCtx {
+            workflow: "11111111-1111-4111-8111-111111111111".into(),
+            execution: "22222222-2222-4222-8222-222222222222".into(),
+            node: "33333333-3333-4333-8333-333333333333".into(),
+            source_type: "edge".into(),
+            activation_index: None,
+            caller_uuid: None,
+        }
+    }
+
+    #[test]
+    fn a_refused_start_is_queued_sent_once_connected_one_at_a_time_and_removed_on_its_ack() {
+        let dir = std::env::temp_dir().join(format!("cw-ingress-part-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let queue = Outbox::load(dir.clone()).unwrap();
+        let mut part = Ingress::new(queue, true, "pre/".into());
+        let mut out = Fake {
+            connected: false,
+            now: Instant::now(),
+            published: Vec::new(),
+        };
+        part.report_rejected(Some(ctx()), "busy", &mut out);
+        part.report_rejected(Some(ctx()), "busy again", &mut out);
+        assert_eq!(part.queue.len(), 2, "queued durably");
+        assert!(out.published.is_empty(), "not connected: nothing sent");
+        out.connected = true;
+        out.now += std::time::Duration::from_secs(1);
+        part.send(&mut out);
+        part.send(&mut out);
+        assert_eq!(out.published.len(), 1, "strictly one in flight");
+        let (seq, topic) = out.published[0].clone();
+        assert!(topic.starts_with("pre/"), "{topic}");
+        part.on_ack((seq, Ok(())), &mut out);
+        assert_eq!(part.queue.len(), 1);
+        assert_eq!(out.published.len(), 2, "the next goes on the ack");
+        // Reporting off: the node's own workloads are not reported.
+        let mut quiet = Ingress::new(Outbox::load(dir.join("q")).unwrap(), false, String::new());
+        quiet.report_rejected(Some(ctx()), "busy", &mut out);
+        assert_eq!(quiet.queue.len(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

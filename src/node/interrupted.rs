@@ -39,18 +39,21 @@ pub struct Taken {
 }
 
 impl store::Validate for Taken {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         if !matches!(
             self.request_id,
             Value::Null | Value::String(_) | Value::Number(_)
         ) {
-            return Err("request_id must be a string or a number".into());
+            return Err(store::Invalid::Rule {
+                field: "request_id",
+                must: "be a string or a number",
+            });
         }
         if !crate::workload::KINDS.contains(&self.kind.as_str()) {
-            return Err(format!(
-                "kind must be one of {}",
-                crate::workload::KINDS.join(", ")
-            ));
+            return Err(store::Invalid::OneOf {
+                field: "kind",
+                allowed: &crate::workload::KINDS,
+            });
         }
         if let Some(u) = &self.workload_uuid {
             store::check_id("workload_uuid", u)?;
@@ -198,15 +201,16 @@ impl super::Node {
                     Answer::NeverStarted(_) => "it never started: it is refused (retryable) once the node is registered",
                 }
             );
-            self.interrupted.push((safe_id, taken, a));
+            self.starts.interrupted.push((safe_id, taken, a));
         }
-        self.interrupted
+        self.starts
+            .interrupted
             .sort_by(|a, b| a.1.taken_unix.total_cmp(&b.1.taken_unix));
     }
 
     /// Once registered: every interrupted start gets its answer (D53), and its note goes.
     pub(super) fn answer_interrupted_starts(&mut self) {
-        for (safe_id, taken, a) in std::mem::take(&mut self.interrupted) {
+        for (safe_id, taken, a) in std::mem::take(&mut self.starts.interrupted) {
             match a {
                 Answer::Started(out) => {
                     self.reply_ok(&taken.request_id, out);
@@ -221,19 +225,16 @@ impl super::Node {
                     }
                 }
                 Answer::NeverStarted(why) => {
-                    let busy = why
-                        .starts_with(super::operate::BUSY_PREFIX)
-                        .then_some(super::operate::Busy::Restarted);
+                    let why = super::admit::RejectReason::Recorded(why);
                     self.reject_start(
                         &taken.request_id,
                         taken.workload_uuid.as_deref(),
                         &why,
-                        busy,
                         None,
                     );
                 }
             }
-            forget(&self.layout, &safe_id);
+            forget(&self.io.layout, &safe_id);
         }
     }
 }

@@ -5,27 +5,20 @@
 //! node wakes for its heartbeat and little else; while workloads run it wakes at least every
 //! [`BUSY_TICK`].
 
-/// The session's [`session::Outbound`] over the loop's own pieces. A macro, so that only the
-/// fields it names are borrowed while the session itself is borrowed mutably.
-macro_rules! wire {
-    ($node:ident) => {
-        Wire {
-            mqtt: &$node.mqtt,
-            topics: &$node.topics,
-            token: &$node.token,
-            identity_path: $node.s.identity_path(),
-            state: &$node.layout.state,
-        }
-    };
-}
-
+mod admit;
+mod cancel;
+mod commands;
 mod container;
 mod gpus;
+mod gpus_out;
 mod ingress;
 mod interrupted;
+mod io;
 pub mod operate;
 mod selfheal;
 mod session;
+mod session_out;
+mod shutdown;
 mod starts;
 pub mod startup;
 pub mod streams;
@@ -35,32 +28,25 @@ mod table_out;
 mod uploads;
 mod workloads;
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{select, Receiver};
-use serde_json::{json, Value};
 
 // Exit codes are chosen in `error.rs` alone (the binary's edge, `app.rs`, is not imported here).
 const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
-use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::ledger::Ledger;
-use crate::mqtt::{Mqtt, MqttEvent};
 use crate::outbox::Outbox;
-use crate::protocol::commands::{Command, Kind, Received, StartParams};
-use crate::protocol::messages::{self, Incoming};
-use crate::protocol::replies::Reply;
-use crate::protocol::topics::Topics;
 use crate::signals::Signal;
 use crate::util;
-use crate::workers::{Done, Workers};
-use crate::workload::reaper::Reaped;
-use crate::workload::tail::{Event as TailEvent, Key, Tailer};
-use crate::workload::Layout;
-use session::{Happening, Session};
+use crate::workload::tail::Key;
+use gpus_out::with_gpus;
+use io::Wire;
+use session::Session;
+use session_out::refused_in;
+use shutdown::Shutdown;
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
@@ -116,68 +102,67 @@ enum Op {
     UploadResults(String),
 }
 
-struct Shutdown {
-    deadline: Instant,
-    exit_code: i32,
-    /// Correlation of the R5 (or R6) request whose reply ends the shutdown early.
-    waiting_for: Option<Vec<u8>>,
-    /// D58: a container's init waits for its stopped workloads' completions to be acknowledged
-    /// before it says goodbye (R5), at most until `deadline`.
-    stopping_workloads: bool,
-}
-
 pub struct Node {
     s: Settings,
-    clock: Box<dyn Clock>,
-    mqtt: Mqtt,
-    events: Receiver<MqttEvent>,
-    topics: Topics,
-    token: String,
+    /// The I/O handles: MQTT client, feeders' channels, threads.
+    io: io::Io,
     /// The broker session: connection, registration, heartbeat, requests awaiting replies.
     session: Session<Op>,
-    shutdown: Option<Shutdown>,
-    started: Instant,
-    exit: Option<i32>,
-    layout: Layout,
+    /// Uptime, draining, the shutdown under way, the exit code once decided.
+    life: Life,
     /// Active workloads by safe id.
     active: table::Table,
     ledger: Ledger,
     outbox: Outbox,
-    reaped: Receiver<Reaped>,
-    /// Starts in flight, and what the spawner thread reports about them.
+    /// Starts in flight, and those the node before this one took and did not answer (D53).
     starts: starts::Starts,
-    /// Starts the node before this one took and did not answer (D53), answered once registered.
-    interrupted: Vec<(String, interrupted::Taken, interrupted::Answer)>,
-    spawned: Receiver<crate::workload::spawner::Outcome>,
-    tailer: Tailer,
-    chunks: Receiver<TailEvent>,
     /// Every workload's log streams (their cursors, pace and install-log shipping).
     streams: streams::Streams,
-    workers: Workers,
-    worker_done: Receiver<Done>,
     heal: selfheal::Heal,
-    next_watchdog: Instant,
-    /// Workflow execution events waiting for the broker's acknowledgement.
-    ingress: Outbox,
-    acks_tx: crossbeam_channel::Sender<ingress::Tracked>,
-    acked: Receiver<ingress::Acked>,
-    control: Receiver<crate::control::Request>,
-    next_rescan: Instant,
-    draining: bool,
+    /// Workflow execution events and the node's own reports of them.
+    ingress: ingress::Ingress,
+    metrics: operate::Metrics,
+    /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
+    gpu: gpus::Gpus,
+    /// When the loop's own periodic work is next due.
+    due: Due,
+    throttle: Throttles,
+}
+
+/// The node's life: since when it runs, the shutdown under way, the exit code once decided.
+struct Life {
+    started: Instant,
+    shutdown: Option<Shutdown>,
+    exit: Option<i32>,
+    /// Draining (no new workloads) and `--drain-after-one`.
+    drain: Drain,
+}
+
+/// Draining: new workloads are refused while it is on.
+#[derive(Default)]
+struct Drain {
+    on: bool,
     /// `--drain-after-one`: a workload was started.
     one_started: bool,
     idle_since: Option<Instant>,
-    metrics: operate::Metrics,
-    next_metrics: Instant,
-    /// GPU count and VRAM tier (hardware telemetry).
-    gpus: (usize, Option<&'static str>),
-    /// GPU inventory, health and accounting (D35–D38).
-    gpu: gpus::Gpus,
-    gpu_rx: Receiver<crate::gpu::Snapshot>,
-    next_prune: Instant,
-    /// Full-disk errors are logged once a minute (D28).
-    disk_errors: crate::logtext::Throttle,
-    /// Requests the broker refused in its PUBACK are logged once a minute (D34).
+}
+
+/// When the loop's periodic work is next due.
+struct Due {
+    /// A standalone node's watchdog ping (no heartbeats feed it).
+    watchdog: Instant,
+    /// Looking for events `emit` queued by itself.
+    rescan: Instant,
+    metrics: Instant,
+    prune: Instant,
+}
+
+/// Errors logged at most once a minute.
+#[derive(Default)]
+struct Throttles {
+    /// Full-disk errors (D28).
+    disk: crate::logtext::Throttle,
+    /// Requests the broker refused in its PUBACK (D34).
     refusals: crate::logtext::Throttle,
 }
 
@@ -185,30 +170,30 @@ impl Node {
     fn run(mut self, signals: Receiver<Signal>) -> i32 {
         self.tick();
         loop {
-            let now = self.clock.now();
+            let now = self.io.clock.now();
             let wait = self.next_wake(now).saturating_duration_since(now);
             select! {
-                recv(self.events) -> ev => match ev {
+                recv(self.io.events) -> ev => match ev {
                     Ok(ev) => self.on_mqtt(ev),
-                    Err(_) => { log::error!("the MQTT client stopped"); self.exit = Some(EXIT_RUNTIME); }
+                    Err(_) => { log::error!("the MQTT client stopped"); self.life.exit = Some(EXIT_RUNTIME); }
                 },
                 recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
-                recv(self.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
-                recv(self.spawned) -> o => match o {
+                recv(self.io.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
+                recv(self.io.spawned) -> o => match o {
                     Ok(o) => self.on_spawn_outcome(o),
                     Err(_) => self.on_spawner_gone(),
                 },
-                recv(self.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
-                recv(self.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
-                recv(self.acked) -> a => if let Ok(a) = a { self.on_ingress_ack(a) },
-                recv(self.control) -> r => if let Ok(r) = r { self.on_control(r) },
-                recv(self.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
+                recv(self.io.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
+                recv(self.io.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
+                recv(self.io.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
+                recv(self.io.control) -> r => if let Ok(r) = r { self.on_control(r) },
+                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
                 default(wait) => {}
             }
             self.tick();
-            if let Some(code) = self.exit {
+            if let Some(code) = self.life.exit {
                 self.finish_starts();
-                self.mqtt.disconnect(Duration::from_millis(500));
+                self.io.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
                 // Dropping the Paho client joins Paho C's worker threads, which poll with 1 s
                 // timeouts: an exiting process has no use for that second. Every state file
@@ -229,11 +214,11 @@ impl Node {
         };
         let mut t = now.checked_add(cap).unwrap_or(now);
         let mut due = |d: Instant| t = t.min(d);
-        let open = self.shutdown.is_none();
+        let open = self.life.shutdown.is_none();
         if let Some(d) = self.session.next_due() {
             due(d);
         }
-        if let Some(s) = &self.shutdown {
+        if let Some(s) = &self.life.shutdown {
             due(s.deadline);
         }
         // Only while a stream has unsent bytes: growth of a file arrives as an event.
@@ -250,24 +235,24 @@ impl Node {
             if let Some(o) = self.outbox.next_try() {
                 due(o);
             }
-            if let Some(o) = self.ingress.head_next_try() {
+            if let Some(o) = self.ingress.queue.head_next_try() {
                 due(o);
             }
         }
         if self.outbox.has_pending_writes() {
             due(now.checked_add(DISK_RETRY).unwrap_or(now));
         }
-        due(self.next_rescan);
+        due(self.due.rescan);
         if self.s.metrics_file.is_some() {
-            due(self.next_metrics);
+            due(self.due.metrics);
         }
         if self.s.log_retention_days.value > 0 {
-            due(self.next_prune);
+            due(self.due.prune);
         }
         if self.s.standalone && self.session.connected() {
-            due(self.next_watchdog);
+            due(self.due.watchdog);
         }
-        if let Some(since) = self.idle_since {
+        if let Some(since) = self.life.drain.idle_since {
             if self.s.drain_after_one && open && self.active.is_empty() {
                 due(since
                     .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
@@ -290,596 +275,43 @@ impl Node {
         self.session.slug()
     }
 
-    // ---- the broker session -------------------------------------------------------------------
-
-    /// Whether messages of the loop are in flight: a loss may then be the broker refusing one
-    /// of them (D34), not another client taking the session (D33).
-    fn publishing(&self) -> bool {
-        self.outbox.in_flight_count() > 0
-            || self.ingress.in_flight_count() > 0
-            || self.session.loop_requests_pending()
-    }
-
-    fn on_mqtt(&mut self, ev: MqttEvent) {
-        let now = self.clock.now();
-        let publishing = self.publishing();
-        let happened = self.session.on_mqtt(ev, publishing, now, &mut wire!(self));
-        self.carry_out(happened);
-    }
-
-    /// Acts on what the session reports.
-    fn carry_out(&mut self, happened: Vec<Happening<Op>>) {
-        for h in happened {
-            match h {
-                Happening::Connected { reconnect } => {
-                    if reconnect {
-                        self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
-                    }
-                    self.flush_outbox();
-                    self.send_ingress();
-                }
-                Happening::Lost => self.connection_lost(),
-                Happening::Registered => {
-                    self.ship_install_logs();
-                    self.answer_interrupted_starts();
-                }
-                Happening::RegisteredAfterFailedStart(err) => self.report_failed_start(err),
-                Happening::Command(payload) => self.on_command(&payload),
-                Happening::Outcome {
-                    tag,
-                    reply,
-                    correlation,
-                } => self.on_outcome(tag, reply, &correlation),
-                Happening::Refused {
-                    tag,
-                    why,
-                    permanent,
-                } => self.on_refused(tag, &why, permanent),
-                Happening::HeartbeatDue => self.send_heartbeat(),
-                Happening::HeartbeatFailed => {
-                    self.metrics.heartbeat_failures =
-                        self.metrics.heartbeat_failures.saturating_add(1);
-                }
-                Happening::TokenRejected => self.begin_shutdown(EXIT_CREDENTIALS, "token rejected"),
-            }
-        }
-    }
-
-    /// The connection is gone (the session schedules the reconnect): what was in flight goes
-    /// again, except what the broker refused too often (D34).
-    fn connection_lost(&mut self) {
-        // Outbox messages in flight are sent again after the reconnect.
-        self.session.forget(|op| matches!(op, Op::Outbox(_)));
-        let refused = self.outbox.reset_in_flight();
-        let refused_events = self.ingress.reset_in_flight();
-        for (item, aside) in refused.into_iter().chain(refused_events) {
-            log::error!(
-                "the broker dropped the connection each of the last {} times the {} was sent; it is set aside in {} and not sent again",
-                crate::outbox::MAX_REFUSALS,
-                crate::logtext::shown(&item.label),
-                aside.display()
-            );
-        }
-        // The refused message sat in the MQTT client too: the next connect uses a fresh client
-        // (never a clean session, see `Mqtt::start_connect`), which resends nothing of the
-        // loop's requests but a standalone node's (`Mqtt::resend_requests`).
-        self.reset_streams();
-    }
-
-    /// A request the broker refused, or that can never be sent as it is: an outbox message is
-    /// set aside (at once when it can never fit, else after the broker refused it
-    /// [`crate::outbox::MAX_REFUSALS`] times) with one ERROR line; the others fail now (D34).
-    fn on_refused(&mut self, op: Op, why: &str, permanent: bool) {
-        match op {
-            Op::Outbox(seq) => {
-                let now = self.clock.now();
-                refused_in(&mut self.outbox, seq, why, permanent, now, "outbox message");
-            }
-            // A chunk that can never fit would hold its stream (and the workload's completion,
-            // until the drain limit) for good: it is skipped, the rest of the log still goes.
-            Op::Log(key) if permanent => {
-                self.mqtt.log_too_big(
-                    &format!(
-                        "a log chunk of {} (skipped)",
-                        crate::logtext::shown(&key.safe_id)
-                    ),
-                    why,
-                );
-                self.on_log_ack(&key, true);
-            }
-            other => {
-                if permanent {
-                    // At most once a minute: a log stream offers its chunk again and again.
-                    self.mqtt
-                        .log_too_big(&format!("the {other:?} request"), why);
-                } else if let Some(held) = self.refusals.ready(self.clock.now()) {
-                    // A refused log chunk is offered again at its stream's pace: once a minute.
-                    log::warn!(
-                        "{other:?} not delivered: {}{}",
-                        crate::logtext::shown(why),
-                        workloads::held_note(held)
-                    );
-                }
-                // Failed now rather than at its timeout (a log chunk is read and sent again).
-                self.on_outcome(other, None, &[]);
-            }
-        }
-    }
-
-    /// Sends one of the loop's requests through the session; returns its correlation.
-    fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
-        let now = self.clock.now();
-        self.session
-            .request(op, topic, &body, timeout, now, &mut wire!(self))
-    }
-
-    /// A request's reply (`Some`) or its timeout (`None`).
-    fn on_outcome(&mut self, op: Op, body: Option<Reply>, corr: &[u8]) {
-        match op {
-            Op::Outbox(seq) => self.on_outbox_reply(seq, body),
-            Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(|b| b.success)),
-            Op::SignedUrl(id) => self.on_signed_url_reply(&id, body.map(|b| b.body)),
-            Op::UploadResults(id) => {
-                self.on_upload_reply(&id, body.as_ref().is_some_and(|b| b.success))
-            }
-            Op::WorkloadStatus => match body {
-                Some(b) if b.success => {}
-                Some(b) => log::warn!(
-                    "workload status update refused: {}",
-                    crate::logtext::shown(&b.message)
-                ),
-                // A standalone node has no backend to acknowledge it: no reply is expected.
-                None if self.s.standalone => {
-                    log::debug!("workload status update published (standalone: no reply expected)")
-                }
-                None => log::warn!("workload status update not acknowledged in time"),
-            },
-            Op::Terminate | Op::Fail => {
-                if body.is_none() {
-                    log::warn!("the backend did not acknowledge the {op:?} notice in time");
-                }
-                if let Some(s) = &mut self.shutdown {
-                    if s.waiting_for.as_deref() == Some(corr) {
-                        s.waiting_for = None;
-                        s.deadline = self.clock.now();
-                    }
-                }
-            }
-        }
-    }
-
-    /// Registered after start-up failed: tell the backend (R6), then exit.
-    fn report_failed_start(&mut self, err: String) {
-        let uuid = self.uuid().to_string();
-        log::error!("reporting the start-up failure to the backend, then exiting");
-        if self.s.standalone {
-            return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-        }
-        let topic = self.topics.fail(&uuid);
-        let corr = self.request(
-            Op::Fail,
-            &topic,
-            json!({"instance_uuid": uuid, "error": err}),
-            self.s.tuning.heartbeat_timeout,
-        );
-        self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
-        if let Some(s) = &mut self.shutdown {
-            s.waiting_for = Some(corr);
-        }
-    }
-
-    /// A heartbeat is due (R3): its body is what the loop knows.
-    fn send_heartbeat(&mut self) {
-        // Self-heal runs beside the heartbeat, never in front of it.
-        self.start_heal_pass();
-        let mut body = json!({
-            "node_version": crate::cli::VERSION,
-            "active_workloads": self.in_use(),
-            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.shutdown.is_none() && !self.draining,
-            "draining": self.draining,
-            "uptime_s": self.started.elapsed().as_secs(),
-        });
-        self.gpu_heartbeat(&mut body);
-        if let Some(h) = self.hardware() {
-            util::set(&mut body, "hardware", h);
-        }
-        let now = self.clock.now();
-        self.session.send_heartbeat(&body, now, &mut wire!(self));
-    }
-    // ---- commands -------------------------------------------------------------------------------
-
-    fn on_command(&mut self, payload: &[u8]) {
-        let (request_id, command) = match messages::parse_command(payload) {
-            Incoming::Echo => return,
-            Incoming::Invalid {
-                request_id: Some(rid),
-                reason,
-                workload_uuid,
-            } => {
-                log::warn!(
-                    "refused a command (request {}): {}",
-                    crate::logtext::shown(&messages::request_id_text(&rid)),
-                    crate::logtext::shown(&reason)
-                );
-                if let Some(wl) = workload_uuid {
-                    let body =
-                        json!({"status": "failed", "error": reason, "failure_detail": reason});
-                    self.workload_status(wl.as_str(), body);
-                }
-                return self.reply_error(&rid, &reason);
-            }
-            Incoming::Invalid {
-                request_id: None,
-                reason,
-                ..
-            } => {
-                log::warn!(
-                    "ignored a command without a readable request id: {}",
-                    crate::logtext::shown(&reason)
-                );
-                return;
-            }
-            Incoming::Command {
-                request_id,
-                command,
-            } => (request_id, command),
-        };
-        log::info!(
-            "command {} (request {})",
-            command.name(),
-            crate::logtext::shown(&request_id.text())
-        );
-        let rid = request_id.value();
-        // A start is refused by its own guard, as a retryable "host busy" (D21).
-        let start = matches!(
-            command,
-            Command::Start(..) | Command::Received(Received::Start(..))
-        );
-        if self.shutdown.is_some() && !start {
-            return self.reply_error(rid, "node is shutting down and not accepting new commands");
-        }
-        match command {
-            Command::Status => {
-                let out = self.status_output();
-                self.reply_ok(rid, out);
-            }
-            Command::Start(kind, params) => self.on_start(kind, rid, params),
-            Command::Cancel(params) => self.cancel(&request_id, params),
-            Command::Received(Received::Start(kind, params)) => self.on_start(kind, rid, params),
-            Command::Received(Received::Ack(uuid)) => {
-                let shown = uuid.as_ref().map_or("None", |u| u.as_str());
-                self.reply_ok(
-                    rid,
-                    json!({"message": format!("Workload {shown} received and acknowledged")}),
-                );
-            }
-        }
-    }
-
-    fn on_start(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
-        if let (Some(mine), Some(theirs)) = (&self.s.environment_uuid, &params.environment_uuid) {
-            if mine.value != theirs.as_str() {
-                return self.reply_error(
-                    request_id,
-                    &format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value),
-                );
-            }
-        }
-        self.start_workload(kind, request_id, params);
-    }
-
-    fn status_output(&self) -> Value {
-        let mut out = json!({
-            "slug": self.slug(),
-            "instance_uuid": self.uuid(),
-            "profile_slug": self.s.profile_slug.value,
-            "has_inference": self.s.inference.is_some(),
-            "has_simulate": self.s.simulate.is_some(),
-            "has_training": self.s.training.is_some(),
-                        "is_busy": self.active.len() >= self.s.max_concurrent_workloads.value as usize,
-            "active_workloads": self.active_workloads_json(),
-                        "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "accepting": self.shutdown.is_none() && !self.draining,
-            "draining": self.draining,
-            "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
-            "node_version": crate::cli::VERSION,
-        });
-        if let Some(g) = self.gpu_status() {
-            gpus::put(&mut out, "gpus", g);
-        }
-        self.add_starting(&mut out, "active_workloads");
-        out
-    }
-
-    fn reply_ok(&self, request_id: &Value, output: Value) {
-        self.publish_reply(true, request_id, output);
-    }
-
-    fn reply_error(&self, request_id: &Value, error: &str) {
-        self.publish_reply(false, request_id, json!(error));
-    }
-
-    fn publish_reply(&self, ok: bool, request_id: &Value, body: Value) {
-        let payload = messages::reply(ok, request_id, self.slug(), self.uuid(), body);
-        let topic = self.topics.reply(self.uuid());
-        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
-        self.mqtt
-            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
-    }
-
-    // ---- the control socket ---------------------------------------------------------------------
-
-    fn on_control(&mut self, req: crate::control::Request) {
-        let Some(req) = self.hold_for_start(req) else {
-            return;
-        };
-        let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
-        let reply = match op {
-            "emit" => self.on_emit(&req.body),
-            "drain" | "resume" => {
-                self.set_draining(op == "drain", "asked on the control socket");
-                json!({"ok": true, "draining": self.draining, "active_workloads": self.in_use()})
-            }
-            "status" => json!({"ok": true, "status": self.local_status()}),
-            other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
-        };
-        let _ = req.reply.send(reply);
-    }
-
-    /// What `cyberwave-cloud-node status` shows about a running node.
-    fn local_status(&self) -> Value {
-        let mut out = json!({
-            "running": true,
-            "pid": std::process::id(),
-            "instance_uuid": self.uuid(),
-            "slug": self.slug(),
-            "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
-            "broker": self.mqtt.endpoint(),
-            "connected": self.session.connected(),
-            "registered": self.session.registered(),
-            "last_heartbeat_ok": self.session.last_heartbeat_ok().map(util::rfc3339),
-                        "accepting": self.shutdown.is_none() && !self.draining,
-            "draining": self.draining,
-            "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| crate::node::with_gpus(json!({
-                "pid": a.meta.pid(),
-                "type": a.meta.kind,
-                "request_id": a.meta.request_id,
-                "workload_uuid": a.meta.workload_uuid,
-                "state": a.state(),
-                "running_for_seconds": (crate::workload::unix_now() - a.meta.created_unix).max(0.0) as u64,
-                "stdout_log": a.meta.stdout_log,
-                "stderr_log": a.meta.stderr_log,
-            }), &a.meta)).collect::<Vec<_>>(),
-            "outbox": self.outbox.len(),
-            "ingress_queue": self.ingress.len(),
-        });
-        if let Some(g) = self.gpu_status() {
-            gpus::put(&mut out, "gpus", g);
-        }
-        self.add_starting(&mut out, "workloads");
-        out
-    }
-
-    // ---- signals and shutdown -------------------------------------------------------------------
-
-    fn on_signal(&mut self, sig: Signal) {
-        match sig {
-            Signal::Term | Signal::Int => {
-                if self.shutdown.is_some() {
-                    log::warn!("second {sig:?}: exiting now");
-                    self.exit = Some(EXIT_OK);
-                    return;
-                }
-                self.begin_shutdown(EXIT_OK, &format!("{sig:?} received"));
-            }
-            Signal::Hup => {
-                log::info!("SIGHUP ignored (restart the service to reload the configuration)")
-            }
-            Signal::Usr1 => self.set_draining(true, "SIGUSR1"),
-            Signal::Usr2 => self.set_draining(false, "SIGUSR2"),
-        }
-    }
-
-    fn begin_shutdown(&mut self, exit_code: i32, why: &str) {
-        if self.shutdown.is_some() {
-            return;
-        }
-        crate::systemd::notify("STOPPING=1");
-        let now = self.clock.now();
-        if container::is_init(&self.s.env) {
-            // D58: its workloads die with the container; stop them and report them first.
-            let grace = container::stop_grace(&self.s.env);
-            let kill = container::kill_after(grace);
-            let n = self.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out));
-            log::info!(
-                "shutting down ({why}); as its container's main process the node stops its {n} running workload(s) (SIGTERM, SIGKILL after {:.1}s) and reports them before it exits, within {:.1}s",
-                kill.as_secs_f64(),
-                grace.as_secs_f64()
-            );
-            self.session.close();
-            self.shutdown = Some(Shutdown {
-                deadline: util::later(now, container::deadline_after(grace)),
-                exit_code,
-                waiting_for: None,
-                stopping_workloads: true,
-            });
-            return;
-        }
-        log::info!("shutting down ({why}); running workloads are left running");
-        self.log_running_workloads();
-        self.session.close();
-        self.say_goodbye(now, exit_code, None);
-    }
-
-    /// R5: the goodbye to the backend when there is one to hear it, then the shutdown's last
-    /// stretch: until its reply or the flush time (at most `limit`), at once without a backend.
-    fn say_goodbye(&mut self, now: Instant, exit_code: i32, limit: Option<Instant>) {
-        let waiting_for = if !self.session.registered()
-            || !self.session.connected()
-            || self.s.standalone
-            || self.session.startup_failed()
-        {
-            None
-        } else {
-            let topic = self.topics.terminate(self.uuid());
-            Some(self.request(
-                Op::Terminate,
-                &topic,
-                json!({}),
-                self.s.tuning.shutdown_flush,
-            ))
-        };
-        let deadline = match (&waiting_for, limit) {
-            (None, _) => now,
-            (Some(_), None) => util::later(now, self.s.tuning.shutdown_flush),
-            (Some(_), Some(l)) => util::later(now, self.s.tuning.shutdown_flush).min(l),
-        };
-        self.shutdown = Some(Shutdown {
-            deadline,
-            exit_code,
-            waiting_for,
-            stopping_workloads: false,
-        });
-    }
-
-    /// D58: once every stopped workload's completion is out (acknowledged, or published when
-    /// standalone), the goodbye (R5) goes out as in any shutdown, within the same deadline.
-    fn finish_stopping_workloads(&mut self) {
-        let Some(s) = &self.shutdown else {
-            return;
-        };
-        if !s.stopping_workloads || !self.active.is_empty() || !self.outbox.is_empty() {
-            return;
-        }
-        let (limit, exit_code) = (s.deadline, s.exit_code);
-        log::info!("every workload of the container is reported; exiting");
-        let now = self.clock.now();
-        self.say_goodbye(now, exit_code, Some(limit));
-    }
-
     // ---- timers ---------------------------------------------------------------------------------
 
     fn tick(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let publishing = self.publishing();
-        let happened = self.session.tick(publishing, now, &mut wire!(self));
+        let happened = self
+            .session
+            .tick(publishing, now, &mut self.io.wire(&self.s));
         self.carry_out(happened);
         self.tick_workloads();
         self.retry_deferred_starts();
-        if now >= self.next_rescan {
+        if now >= self.due.rescan {
             // Events `emit` queued by itself while the node was unreachable.
-            self.ingress.rescan();
-            let every = if self.active.is_empty() && self.ingress.is_empty() {
+            self.ingress.queue.rescan();
+            let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
                 RESCAN_IDLE
             } else {
                 RESCAN_BUSY
             };
-            self.next_rescan = now.checked_add(every).unwrap_or(now);
+            self.due.rescan = now.checked_add(every).unwrap_or(now);
         }
-        self.send_ingress();
+        self.with_ingress(|i, out| i.send(out));
         self.check_drain_after_one(now);
         self.write_metrics(now);
         self.prune_old_files(now);
-        if self.s.standalone && self.session.connected() && now >= self.next_watchdog {
+        if self.s.standalone && self.session.connected() && now >= self.due.watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");
-            self.next_watchdog = util::later(now, Duration::from_secs(10));
+            self.due.watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
         self.pump_streams(true);
         self.finish_stopping_workloads();
-        if let Some(s) = &self.shutdown {
+        if let Some(s) = &self.life.shutdown {
             if now >= s.deadline {
-                self.exit = Some(s.exit_code);
+                self.life.exit = Some(s.exit_code);
             }
         }
     }
-}
-
-/// Counts a broker's refusal of queue entry `seq` (D34): one ERROR line when it is set aside
-/// (at once when it can never fit, else after [`crate::outbox::MAX_REFUSALS`]), else a WARN.
-fn refused_in(q: &mut Outbox, seq: u64, why: &str, permanent: bool, now: Instant, what: &str) {
-    match q.refused(seq, permanent, now) {
-        Some((item, aside)) => log::error!(
-            "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
-            crate::logtext::shown(&item.label),
-            crate::logtext::shown(why),
-            aside.display()
-        ),
-        None => log::warn!(
-            "{what} {seq} not delivered ({}); retrying later",
-            crate::logtext::shown(why)
-        ),
-    }
-}
-
-/// What the session does to the world, done with the node's MQTT client and state dir.
-struct Wire<'a> {
-    mqtt: &'a Mqtt,
-    topics: &'a Topics,
-    token: &'a str,
-    identity_path: PathBuf,
-    state: &'a std::path::Path,
-}
-
-impl session::Outbound for Wire<'_> {
-    fn connect(&mut self) {
-        self.mqtt.start_connect();
-    }
-    fn is_connected(&self) -> bool {
-        self.mqtt.is_connected()
-    }
-    fn endpoint(&self) -> String {
-        self.mqtt.endpoint()
-    }
-    fn endpoint_count(&self) -> usize {
-        self.mqtt.endpoint_count()
-    }
-    fn next_endpoint(&mut self) {
-        self.mqtt.next_endpoint();
-    }
-    fn subscribe(&mut self, topics: &[String]) {
-        self.mqtt.subscribe(topics);
-    }
-    fn subscribe_confirmed(&mut self, topics: &[String]) {
-        self.mqtt.subscribe_confirmed(topics);
-    }
-    fn unsubscribe(&mut self, topic: &str) {
-        self.mqtt.unsubscribe(topic);
-    }
-    fn request(&mut self, topic: &str, payload: Vec<u8>, correlation: &[u8]) {
-        self.mqtt.publish_request(
-            topic,
-            payload,
-            &self.topics.inbox(),
-            correlation,
-            self.token,
-        );
-    }
-    fn save_identity(&mut self, identity: &Identity) -> Result<(), String> {
-        identity
-            .save(&self.identity_path)
-            .map_err(|e| format!("{}: {e}", self.identity_path.display()))
-    }
-    fn mark_client_id_conflict(&mut self) {
-        let marker = self.state.join(CLIENT_ID_CONFLICT);
-        let _ = crate::store::write_atomic(
-            &marker,
-            crate::util::rfc3339(SystemTime::now()).as_bytes(),
-            0o600,
-        );
-    }
-    fn notify(&mut self, state: &str) {
-        crate::systemd::notify(state);
-    }
-}
-
-/// A workload's status entry, with its GPUs when it has an assignment.
-fn with_gpus(mut w: Value, meta: &crate::workload::Meta) -> Value {
-    if let Some(g) = &meta.gpus {
-        gpus::put(&mut w, "gpus", json!(g));
-    }
-    w
 }

@@ -140,7 +140,7 @@ fn round1(x: f64) -> f64 {
 
 impl Node {
     pub(super) fn set_draining(&mut self, on: bool, why: &str) {
-        if self.draining != on {
+        if self.life.drain.on != on {
             log::info!(
                 "{} ({why}); {} workload(s) running",
                 if on {
@@ -151,49 +151,19 @@ impl Node {
                 self.in_use()
             );
         }
-        self.draining = on;
-    }
-
-    /// Refusal of the start guards, if any: shutting down, draining, or not enough free disk.
-    /// Capacity and uploads are checked later, by the caller, once self-healing had its say.
-    pub(super) fn start_guard(&self) -> Option<(String, Busy)> {
-        if self.shutdown.is_some() {
-            return Some((
-                format!("{BUSY_PREFIX} shutting down: this node takes no new workloads"),
-                Busy::ShuttingDown,
-            ));
-        }
-        if self.draining {
-            return Some((
-                format!("{BUSY_PREFIX} draining: it finishes its running workloads and takes no new ones"),
-                Busy::Draining,
-            ));
-        }
-        let min = self.s.min_free_disk_mb.value;
-        if min > 0 {
-            if let Some(free) = crate::store::free_mb(&self.layout.state) {
-                if free < min {
-                    return Some((
-                        format!("{BUSY_PREFIX} low disk space: not enough free disk: {free} MiB free for {}, min_free_disk_mb is {min}", self.layout.state.display()),
-                        Busy::DiskLow,
-                    ));
-                }
-            }
-        }
-        // GPUs busy or unhealthy are checked by `assign_gpus`, which knows the request.
-        None
+        self.life.drain.on = on;
     }
 
     /// `--drain-after-one`: once the one workload finished and was reported, stop.
     pub(super) fn check_drain_after_one(&mut self, now: Instant) {
         if !self.s.drain_after_one
-            || !self.one_started
+            || !self.life.drain.one_started
             || !self.active.is_empty()
-            || self.shutdown.is_some()
+            || self.life.shutdown.is_some()
         {
             return;
         }
-        let since = *self.idle_since.get_or_insert(now);
+        let since = *self.life.drain.idle_since.get_or_insert(now);
         if self.outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT {
             self.begin_shutdown(
                 crate::error::Exit::Ok.code(),
@@ -244,8 +214,8 @@ impl Node {
             _ => None,
         };
         Some(json!({
-            "gpu_count": self.gpus.0,
-            "vram_tier": self.gpus.1,
+            "gpu_count": self.gpu.telemetry.0,
+            "vram_tier": self.gpu.telemetry.1,
             "cpu_load_ratio": load.map(|l| round1(l / cores)),
             "ram_used_ratio": ram,
         }))
@@ -254,16 +224,16 @@ impl Node {
     /// Log retention: at start-up and every hour, old workload logs and input images go.
     pub(super) fn prune_old_files(&mut self, now: Instant) {
         let days = self.s.log_retention_days.value;
-        if days == 0 || now < self.next_prune {
+        if days == 0 || now < self.due.prune {
             return;
         }
-        self.next_prune = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
+        self.due.prune = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
         let keep: std::collections::BTreeSet<std::path::PathBuf> = self
             .active
             .values()
             .flat_map(|a| [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()])
             .collect();
-        let dirs = vec![self.layout.logs(), self.layout.inputs()];
+        let dirs = vec![self.io.layout.logs(), self.io.layout.inputs()];
         let spawned = std::thread::Builder::new()
             .name("prune".into())
             .spawn(move || {
@@ -282,10 +252,10 @@ impl Node {
         let Some(path) = self.s.metrics_file.as_ref().map(|m| m.value.clone()) else {
             return;
         };
-        if now < self.next_metrics {
+        if now < self.due.metrics {
             return;
         }
-        self.next_metrics = crate::util::later(now, self.s.tuning.metrics_interval);
+        self.due.metrics = crate::util::later(now, self.s.tuning.metrics_interval);
         let m = &self.metrics;
         let mut t = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
@@ -356,7 +326,7 @@ impl Node {
             "Completions and events waiting for acknowledgement.",
             vec![(
                 String::new(),
-                self.outbox.len().saturating_add(self.ingress.len()) as u64,
+                self.outbox.len().saturating_add(self.ingress.queue.len()) as u64,
             )],
         );
         metric(
@@ -369,9 +339,9 @@ impl Node {
             "draining",
             "gauge",
             "1 while the node refuses new workloads.",
-            vec![(String::new(), u64::from(self.draining))],
+            vec![(String::new(), u64::from(self.life.drain.on))],
         );
-        self.gpu_metrics(&mut t);
+        self.gpu.metrics(&self.gpu_holds(), &mut t);
         if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
             log::warn!("cannot write the metrics file {}: {e}", path.display());
         }

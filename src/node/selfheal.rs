@@ -29,6 +29,11 @@ pub struct Heal {
     pub deferred: Vec<(Kind, Value, StartParams, Instant)>,
 }
 
+/// How long a busy start waits for a self-heal pass.
+pub fn defer_wait() -> Duration {
+    super::admit::defer_limit(CHECK_TIMEOUT, STALE_GRACE)
+}
+
 impl Node {
     /// Starts a pass unless one is still under way. Returns whether lookups are pending.
     pub(super) fn start_heal_pass(&mut self) -> bool {
@@ -52,7 +57,7 @@ impl Node {
             .collect();
         for (key, wl) in candidates {
             self.heal.checking.insert(key.clone());
-            self.workers.submit(Job::CheckWorkload {
+            self.io.workers.submit(Job::CheckWorkload {
                 key,
                 wl,
                 my_uuid: uuid.clone(),
@@ -100,22 +105,17 @@ impl Node {
         self.cancel_stale(key, STALE_GRACE)
     }
 
-    /// Busy: wait (bounded) for a pass before rejecting. Returns true when the start was deferred.
+    /// Busy: wait (until `until`, see [`defer_wait`]) for a pass before rejecting. Returns true when the start was deferred.
     pub(super) fn defer_start_for_heal(
         &mut self,
         kind: Kind,
         request_id: &Value,
         params: &StartParams,
+        until: Instant,
     ) -> bool {
         if !self.start_heal_pass() {
             return false;
         }
-        let until = crate::util::later(
-            self.clock.now(),
-            CHECK_TIMEOUT
-                .saturating_add(STALE_GRACE)
-                .saturating_add(Duration::from_secs(1)),
-        );
         log::info!(
             "node busy: checking with the backend for stale workloads before answering {}",
             crate::logtext::shown(&crate::protocol::messages::request_id_text(request_id))
@@ -131,7 +131,7 @@ impl Node {
         if self.heal.deferred.is_empty() {
             return;
         }
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let capacity = self.s.max_concurrent_workloads.value as usize;
         let pending = std::mem::take(&mut self.heal.deferred);
         for (kind, rid, params, until) in pending {
@@ -141,7 +141,7 @@ impl Node {
                 .any(|a| a.meta.cancel.as_ref().is_some_and(|c| c.stale));
             let room = self.in_use() < capacity;
             let undecided = !self.heal.checking.is_empty() || stale_left;
-            if room || now >= until || !undecided {
+            if super::admit::go_ahead(now, until, room, undecided) {
                 self.start_workload_now(kind, &rid, params);
             } else {
                 self.heal.deferred.push((kind, rid, params, until));

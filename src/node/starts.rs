@@ -35,14 +35,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use super::operate::{Busy, BUSY_PREFIX};
+use super::admit::{self, Ask, Decision, Earlier, Facts, RejectReason};
 use super::table::Active;
 use super::workloads::start_output;
 use super::Node;
 use crate::logtext::shown;
-use crate::protocol::commands::{
-    CancelParams, CancelTarget, Kind, RequestId, Seconds, StartParams,
-};
+use crate::protocol::commands::{Kind, Seconds, StartParams};
 use crate::protocol::messages::request_id_text;
 use crate::store;
 use crate::workload::spawner::{Outcome, Spawner};
@@ -81,6 +79,12 @@ pub struct Starts {
     /// Why there is no spawner (it never started, or it stopped).
     gone: Option<String>,
     in_flight: BTreeMap<String, Starting>,
+    /// Starts the node before this one took and did not answer (D53), answered once registered.
+    pub interrupted: Vec<(
+        String,
+        super::interrupted::Taken,
+        super::interrupted::Answer,
+    )>,
 }
 
 /// What a node without a working spawner answers to a start.
@@ -97,6 +101,7 @@ impl Starts {
             spawner,
             gone,
             in_flight: BTreeMap::new(),
+            interrupted: Vec::new(),
         }
     }
 
@@ -208,103 +213,81 @@ impl Node {
             rid
         };
         let safe_id = store::safe_id(&rid);
-        // Exactly once: a request id seen before gets its original answer and nothing else.
-        if let Some(e) = self.ledger.get(&rid).cloned() {
-            log::info!(
-                "request {} was handled before; repeating its answer",
-                shown(&rid)
-            );
-            return if e.ok {
-                self.reply_ok(request_id, e.body)
-            } else {
-                self.reply_error(request_id, e.body.as_str().unwrap_or(""))
-            };
-        }
-        if let Some(a) = self.active.get(&safe_id) {
-            let out = start_output(&a.meta);
-            return self.reply_ok(request_id, out);
-        }
-        // In flight: answered with the original answer once the spawn reports.
-        if let Some(st) = self.starts.get_mut(&safe_id) {
-            log::info!(
-                "request {} is being started; it gets the same answer",
-                shown(&rid)
-            );
-            st.waiters.push(request_id.clone());
-            return;
-        }
         let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
         let ctx = super::ingress::context_of(kind, &start.params);
-        let Some(template) = self.s.command_template(kind).map(String::from) else {
-            let cap = match kind_t {
-                Kind::Inference => "Inference",
-                Kind::Simulate => "Simulate",
-                Kind::Training => "Training",
-            };
-            let why = format!("{cap} command not configured in cyberwave.yml");
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+        let ask = Ask {
+            kind: kind_t,
+            rid: &rid,
+            gpus: start.gpus,
+            max_runtime: start.max_runtime,
+            may_wait,
         };
-        if let Some((why, busy)) = self.start_guard() {
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
-        }
-        if let Some(gone) = self.starts.gone() {
-            let why = format!("Failed to start {kind}: {gone}");
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
-        }
-        // GPUs (D36) before capacity: with `auto`, a full node is a node without free GPUs.
-        let gpus = match self.assign_gpus(start.gpus) {
-            Ok(g) => g,
-            Err((why, busy)) => {
-                if busy == Some(Busy::GpusBusy)
-                    && may_wait
-                    && self.defer_start_for_heal(kind_t, request_id, &start)
-                {
-                    return;
-                }
-                return self.reject_start(request_id, workload_uuid.as_deref(), &why, busy, ctx);
+        let facts = Facts {
+            running: self.active.get(&safe_id).map(|a| start_output(&a.meta)),
+            in_flight: self.starts.get_mut(&safe_id).is_some(),
+            template: self.s.command_template(kind),
+            shutting_down: self.life.shutdown.is_some(),
+            draining: self.life.drain.on,
+            min_free_disk_mb: self.s.min_free_disk_mb.value,
+            state: &self.io.layout.state,
+            free_mb: &crate::store::free_mb,
+            spawner_gone: self.starts.gone(),
+            capacity: self.s.max_concurrent_workloads.value as usize,
+            used: self.in_use(),
+            uploading: self.uploading(),
+            manifest_limit: self
+                .s
+                .manifest
+                .as_ref()
+                .and_then(|m| m.max_runtime_seconds)
+                .and_then(Seconds::from_f64),
+        };
+        let held = super::gpus::holders(&self.gpu_holds());
+        let now = self.io.clock.now();
+        let wait = super::selfheal::defer_wait();
+        let decision = admit::decide(&ask, &facts, &self.ledger, &self.gpu, &held, now, wait);
+        let (template, gpus, max_runtime_s) = match decision {
+            Decision::Replay(Earlier::Answered { ok, body }) => {
+                log::info!(
+                    "request {} was handled before; repeating its answer",
+                    shown(&rid)
+                );
+                return self.replay(request_id, ok, body);
             }
-        };
-        let capacity = self.s.max_concurrent_workloads.value as usize;
-        // Starts in flight count: they hold their place from the moment they are accepted.
-        let used = self.in_use();
-        if used >= capacity && may_wait && self.defer_start_for_heal(kind_t, request_id, &start) {
-            return;
-        }
-        if used >= capacity {
-            let what = if kind == "inference" {
-                "controller"
-            } else {
-                "workload"
-            };
-            let uploading = self.uploading();
-            let (detail, busy) = if uploading > 0 {
-                (format!(" ({uploading} uploading results)"), Busy::Uploading)
-            } else {
-                (String::new(), Busy::Capacity)
-            };
-            let why = format!(
-                "{BUSY_PREFIX} {used} active workload(s){detail}. Stop the existing {what} before starting a new one."
-            );
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, Some(busy), ctx);
-        }
-        // Both limits are bounded (D20): the manifest's by the configuration, the command's
-        // by its type; the shorter wins.
-        let manifest_limit = self
-            .s
-            .manifest
-            .as_ref()
-            .and_then(|m| m.max_runtime_seconds)
-            .and_then(Seconds::from_f64);
-        let max_runtime_s = match (manifest_limit, start.max_runtime) {
-            (Some(m), Some(p)) => Some(m.get().min(p.get())),
-            (m, p) => m.or(p).map(Seconds::get),
+            Decision::Replay(Earlier::Running(out)) => return self.reply_ok(request_id, out),
+            // In flight: answered with the original answer once the spawn reports.
+            Decision::Replay(Earlier::InFlight) => {
+                log::info!(
+                    "request {} is being started; it gets the same answer",
+                    shown(&rid)
+                );
+                if let Some(st) = self.starts.get_mut(&safe_id) {
+                    st.waiters.push(request_id.clone());
+                }
+                return;
+            }
+            Decision::Reject(why) => {
+                return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx)
+            }
+            Decision::Defer { until, otherwise } => {
+                if !self.defer_start_for_heal(kind_t, request_id, &start, until) {
+                    self.reject_start(request_id, workload_uuid.as_deref(), &otherwise, ctx);
+                }
+                return;
+            }
+            Decision::Spawn {
+                template,
+                gpus,
+                max_runtime_s,
+            } => (template, gpus, max_runtime_s),
         };
         // The token a workload proves its workflow events with: never from guessable bytes.
         let Some(token_bytes) = crate::util::secret_bytes::<16>() else {
-            let why = format!(
-                "Failed to start {kind}: the kernel gave no random bytes for the workload's event token"
-            );
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            let why = RejectReason::Failed {
+                kind: kind.into(),
+                why: "the kernel gave no random bytes for the workload's event token".into(),
+            };
+            return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
         };
         let params = start.params;
         let req = StartRequest {
@@ -313,10 +296,10 @@ impl Node {
             safe_id: safe_id.clone(),
             params,
             template,
-            node_token: self.token.clone(),
+            node_token: self.io.token.clone(),
             max_runtime_s,
             workflow: ctx.clone(),
-            socket: self.layout.state.join("control.sock"),
+            socket: self.io.layout.state.join("control.sock"),
             gpus,
             results_dir: self.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
@@ -341,17 +324,20 @@ impl Node {
             workload_uuid: workload_uuid.clone(),
             taken_unix: starting.created_unix,
         };
-        if let Err(e) = super::interrupted::note(&self.layout, &safe_id, &taken) {
+        if let Err(e) = super::interrupted::note(&self.io.layout, &safe_id, &taken) {
             log::warn!(
                 "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
                 shown(&rid),
-                crate::logtext::shown(&super::interrupted::dir(&self.layout).display().to_string())
+                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
             );
         }
         if let Err(e) = self.starts.begin(starting, req) {
-            super::interrupted::forget(&self.layout, &safe_id);
-            let why = format!("Failed to start {kind}: {e}");
-            self.reject_start(request_id, workload_uuid.as_deref(), &why, None, ctx);
+            super::interrupted::forget(&self.io.layout, &safe_id);
+            let why = RejectReason::Failed {
+                kind: kind.into(),
+                why: e,
+            };
+            self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
             // The spawner is gone: what is still in flight will never be reported.
             return self.on_spawner_gone();
         }
@@ -400,18 +386,18 @@ impl Node {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.workload_status(wl, body);
                 }
-                super::interrupted::forget(&self.layout, &safe_id);
-                self.report_started(&meta);
+                super::interrupted::forget(&self.io.layout, &safe_id);
+                self.with_ingress(|i, out| i.report_started(&meta, out));
                 self.metrics.starts = self.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
-                    self.one_started = true;
+                    self.life.drain.one_started = true;
                     self.set_draining(true, "--drain-after-one");
                 }
                 let shim = meta
                     .started
                     .as_ref()
                     .map(|s| (s.shim_pid, s.shim_start_ticks));
-                let now = self.clock.now();
+                let now = self.io.clock.now();
                 self.active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
                 self.gpu_update_sampling();
@@ -456,7 +442,8 @@ impl Node {
                     return;
                 };
                 self.fail_start(&safe_id, st, &why);
-                if self.s.drain_after_one && !self.one_started && self.starts.is_empty() {
+                if self.s.drain_after_one && !self.life.drain.one_started && self.starts.is_empty()
+                {
                     // The one workload did not start: the node takes the next start.
                     self.set_draining(false, "--drain-after-one: the start failed");
                 }
@@ -470,17 +457,21 @@ impl Node {
     pub(super) fn on_spawner_gone(&mut self) {
         log::error!("{SPAWNER_GONE}");
         // What it reported before it went is still taken up.
-        while let Ok(o) = self.spawned.try_recv() {
+        while let Ok(o) = self.io.spawned.try_recv() {
             self.on_spawn_outcome(o);
         }
-        self.spawned = crossbeam_channel::never();
+        self.io.spawned = crossbeam_channel::never();
         for (safe_id, st) in self.starts.stopped() {
             self.fail_start(&safe_id, st, SPAWNER_GONE);
         }
     }
 
     fn fail_start(&mut self, safe_id: &str, st: Starting, why: &str) {
-        let why = format!("Failed to start {}: {why}", st.kind.as_str());
+        let reason = RejectReason::Failed {
+            kind: st.kind.as_str().into(),
+            why: why.into(),
+        };
+        let why = reason.to_string();
         log::error!("{why}");
         for req in st.held {
             let _ = req
@@ -490,14 +481,8 @@ impl Node {
         for w in &st.waiters {
             self.reply_error(w, &why);
         }
-        self.reject_start(
-            &st.request_id,
-            st.workload_uuid.as_deref(),
-            &why,
-            None,
-            st.ctx,
-        );
-        super::interrupted::forget(&self.layout, safe_id);
+        self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
+        super::interrupted::forget(&self.io.layout, safe_id);
     }
 
     /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid
@@ -510,7 +495,7 @@ impl Node {
         let before: Vec<String> = self.active.keys().cloned().collect();
         while !self.starts.is_empty() {
             let left = until.saturating_duration_since(Instant::now());
-            match self.spawned.recv_timeout(left) {
+            match self.io.spawned.recv_timeout(left) {
                 Ok(o) => self.on_spawn_outcome(o),
                 Err(_) => break,
             }
@@ -533,60 +518,6 @@ impl Node {
                 self.starts.len()
             );
         }
-    }
-
-    /// `cancel`: a start in flight gets its cancel recorded (and carried out once it runs);
-    /// anything else goes to the workload table.
-    pub(super) fn cancel(&mut self, request_id: &RequestId, params: CancelParams) {
-        let rid = request_id.text();
-        let repeated = !rid.is_empty() && self.ledger.get(&rid).is_some();
-        let target = match &params.target {
-            CancelTarget::Request(r) if !repeated => self.starts.find_request(r),
-            _ => None,
-        };
-        let Some(safe_id) = target else {
-            return self.cancel_command(request_id, params);
-        };
-        let asked = PendingCancel {
-            signal: params.signal.number(),
-            name: params.signal.name(),
-            grace: params
-                .grace
-                .map_or(super::table::DEFAULT_GRACE, Seconds::duration),
-        };
-        let Some(kept) = self.starts.cancel(&safe_id, asked.clone()) else {
-            return self.cancel_command(request_id, params);
-        };
-        let Some(st) = self.starts.get_mut(&safe_id) else {
-            return;
-        };
-        let message = if kept == asked {
-            format!(
-                "Workload is starting; the cancel is recorded and {} goes to it as soon as its process runs",
-                kept.name
-            )
-        } else {
-            format!(
-                "Workload is starting and a cancel with {} is recorded already",
-                kept.name
-            )
-        };
-        let out = json!({
-            "message": message,
-            "pid": 0,
-            "workload_type": st.kind.as_str(),
-            "workload_request_id": st.request_id,
-            "signal": kept.name,
-            "state": "starting",
-        });
-        log::info!(
-            "cancel of {} recorded while it starts",
-            shown(&request_id_text(&st.request_id))
-        );
-        if !rid.is_empty() {
-            self.ledger.record(&rid, true, out.clone());
-        }
-        self.reply_ok(request_id.value(), out);
     }
 
     /// A control-socket request that must wait for a start in flight (an `emit` of a workload
@@ -644,19 +575,14 @@ impl Node {
         &mut self,
         request_id: &Value,
         workload_uuid: Option<&str>,
-        why: &str,
-        busy: Option<Busy>,
+        reason: &RejectReason,
         ctx: Option<workload::WorkflowCtx>,
     ) {
-        self.report_rejected(ctx, why);
-        self.count_rejection(busy.map_or(
-            if why.contains("not configured") {
-                "not_configured"
-            } else {
-                "failed_to_start"
-            },
-            Busy::reason,
-        ));
+        let why = reason.to_string();
+        let why = why.as_str();
+        let busy = reason.busy();
+        self.with_ingress(|i, out| i.report_rejected(ctx, why, out));
+        self.count_rejection(reason.metric());
         log::warn!(
             "refused start {}: {}",
             shown(&request_id_text(request_id)),

@@ -17,7 +17,7 @@ use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::error::StartupError;
 use crate::ledger::Ledger;
-use crate::mqtt::Mqtt;
+use crate::mqtt::{Mqtt, MqttEvent};
 use crate::outbox::Outbox;
 use crate::protocol::topics::Topics;
 use crate::signals::{self, Signal};
@@ -59,17 +59,140 @@ fn workload_user_ready(
     Ok(u)
 }
 
+/// Start-up as a sequence of steps, each logging its line; the first that makes running
+/// pointless ends it with a [`StartupError`] (its exit code).
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let started = Instant::now();
-    let dir = &s.config_dir.value;
-    // D30: the dir is ours and private, and no other node runs on it; checked before anything
-    // is written there. The lock lives as long as the process (the node is never dropped).
-    match crate::statedir::check_or_create(dir)
-        .and_then(|()| crate::statedir::lock_waiting(dir, s.tuning.lock_wait))
-    {
-        Ok(lock) => std::mem::forget(lock),
-        Err(e) => return Err(e.into()),
+    let dir = s.config_dir.value.clone();
+    let workload_user = claim_state_dir(&s)?;
+    let (sig_tx, sig_rx) = unbounded();
+    signals::spawn(sig_tx).map_err(runtime("cannot start the signal thread"))?;
+    let token = api_token(&s)?;
+    // 1. Install script.
+    let startup_failure = s
+        .install
+        .as_ref()
+        .and_then(|script| run_install_script(&s, &script.value));
+    // 2. Token check (REST E1).
+    check_token(&s, &token)?;
+    // 3. MQTT client.
+    let (mqtt, events, client_id) = mqtt_client(&s)?;
+    let identity = standalone_identity(&s);
+    let topics = Topics::new(&s.topic_prefix.value, &client_id);
+    let layout = Layout { state: dir.clone() };
+    let exe = std::env::current_exe()
+        // After an in-place upgrade /proc/self/exe names the deleted inode; the new binary
+        // sits at the same path.
+        .map(|p| PathBuf::from(p.to_string_lossy().trim_end_matches(" (deleted)")))
+        .map_err(runtime(
+            "cannot find this program's path (needed to supervise workloads)",
+        ))?;
+    let outbox = Outbox::load(dir.join("outbox")).map_err(runtime(format!(
+        "cannot open the outbox in {}",
+        dir.join("outbox").display()
+    )))?;
+    let (chunk_tx, chunks) = unbounded();
+    let streams = super::streams::Streams::new(&super::streams_out::settings(&s));
+    let tailer = Tailer::start(chunk_tx).map_err(runtime("cannot start the tailer thread"))?;
+    let (done_tx, worker_done) = unbounded();
+    let backend = Backend::of(&s, &token);
+    let uploaders =
+        crate::workers::uploaders(s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref());
+    let workers = Workers::start(backend, done_tx, uploaders)
+        .map_err(runtime("cannot start the HTTP worker threads"))?;
+    let ingress = Outbox::load(dir.join("ingress")).map_err(runtime(format!(
+        "cannot open the ingress queue in {}",
+        dir.join("ingress").display()
+    )))?;
+    let (acks_tx, acked) = super::io::start_ack_thread()
+        .map_err(runtime("cannot start the acknowledgement thread"))?;
+    let control = control_socket(&dir, workload_user.as_ref())?;
+    let (gpu, monitor, gpu_rx) = gpus(&s);
+    let (spawner, spawned, reaped) = spawner(&s, &layout, exe)?;
+    let now = Instant::now();
+    let session = Session::new(
+        session::Config::from_settings(&s, topics.clone(), token.clone()),
+        identity,
+        startup_failure,
+        now,
+    );
+    let io = super::io::Io {
+        clock: Box::new(SystemClock),
+        layout,
+        mqtt,
+        events,
+        topics,
+        token,
+        reaped,
+        spawned,
+        tailer,
+        chunks,
+        workers,
+        worker_done,
+        acks_tx,
+        acked,
+        control,
+        gpu_rx,
+        gpu_monitor: monitor,
+    };
+    let mut node = Node {
+        io,
+        session,
+        life: super::Life {
+            started,
+            shutdown: None,
+            exit: None,
+            drain: super::Drain::default(),
+        },
+        active: super::table::Table::new(super::table::UploadCfg::of(&s)),
+        ledger: Ledger::load(dir.join("ledger.jsonl")),
+        outbox,
+        starts: super::starts::Starts::new(spawner),
+        streams,
+        heal: Default::default(),
+        ingress: super::ingress::Ingress::new(
+            ingress,
+            s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
+            s.topic_prefix.value.clone(),
+        ),
+        metrics: Default::default(),
+        gpu,
+        due: super::Due {
+            watchdog: now,
+            rescan: now,
+            metrics: now,
+            prune: now,
+        },
+        throttle: super::Throttles::default(),
+        s,
+    };
+    node.recover();
+    node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
+    if !node.outbox.is_empty() {
+        log::info!(
+            "{} message(s) in the outbox will be sent once connected",
+            node.outbox.len()
+        );
     }
+    Ok((node, sig_rx))
+}
+
+/// A host failure of a start-up step (exit 1): `what` and the error.
+fn runtime<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> StartupError {
+    let what = what.into();
+    move |e| StartupError::Runtime(format!("{what}: {e}"))
+}
+
+/// D30: the state dir is ours and private, and no other node runs on it; checked before
+/// anything is written there. The lock lives as long as the process (the node is never
+/// dropped). Then the workload user, if the manifest names one (D46.3).
+fn claim_state_dir(
+    s: &Settings,
+) -> Result<Option<crate::workload::user::WorkloadUser>, StartupError> {
+    let dir = &s.config_dir.value;
+    let lock = crate::statedir::check_or_create(dir)
+        .and_then(|()| crate::statedir::lock_waiting(dir, s.tuning.lock_wait))?;
+    std::mem::forget(lock);
     log::info!(
         "cyberwave-cloud-node {} starting: state dir {} ({}), manifest {}",
         crate::cli::VERSION,
@@ -90,167 +213,100 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             d.as_millis()
         );
     }
-    let (sig_tx, sig_rx) = unbounded();
-    if let Err(e) = signals::spawn(sig_tx) {
-        return Err(StartupError::Runtime(format!(
-            "cannot start the signal thread: {e}"
-        )));
+    Ok(workload_user)
+}
+
+/// The API token (none needed standalone).
+fn api_token(s: &Settings) -> Result<String, StartupError> {
+    match (&s.api_token, s.standalone) {
+        (Some(t), _) => Ok(t.value.clone()),
+        (None, true) => Ok(String::new()),
+        (None, false) => Err(StartupError::Config(format!(
+            "no API token: set CYBERWAVE_API_KEY (environment, {}, or {}) or log in with `cyberwave login` ({})",
+            s.working_dir.join(".env").display(),
+            s.config_dir.value.join(".env").display(),
+            s.config_dir.value.join("credentials.json").display()
+        ))),
     }
+}
 
-    let token = match (&s.api_token, s.standalone) {
-        (Some(t), _) => t.value.clone(),
-        (None, true) => String::new(),
-        (None, false) => {
-            return Err(StartupError::Config(format!("no API token: set CYBERWAVE_API_KEY (environment, {}, or {}) or log in with `cyberwave login` ({})",
-                s.working_dir.join(".env").display(),
-                dir.join(".env").display(),
-                dir.join("credentials.json").display())));
-        }
-    };
-
-    // 1. Install script.
-    let startup_failure = match &s.install {
-        Some(script) => run_install_script(&s, &script.value),
-        None => None,
-    };
-
-    // 2. Token check (REST E1).
-    if !s.standalone {
-        let src = s
-            .api_token
-            .as_ref()
-            .map(|t| t.source.to_string())
-            .unwrap_or_default();
-        match backend::check_token(&Backend::of(&s, &token), s.tuning.token_check_timeout) {
-            TokenCheck::Accepted => log::info!(
-                "API token {} accepted by {}",
-                util::mask_secret(&token),
-                s.base_url.value
-            ),
-            TokenCheck::Rejected(status) => {
-                return Err(StartupError::Credentials(format!(
-                    "the backend rejected the API token {} (HTTP {status}); it came from {src}. Fix or replace it there (e.g. `cyberwave login`).",
-                    util::mask_secret(&token)
-                )));
-            }
-            TokenCheck::Inconclusive(why) => {
-                log::warn!("could not validate the API token at start-up ({why}); continuing")
-            }
-        }
+/// The token check (REST E1): a rejected token ends start-up (exit 3); an inconclusive check
+/// does not.
+fn check_token(s: &Settings, token: &str) -> Result<(), StartupError> {
+    if s.standalone {
+        return Ok(());
     }
-
-    // 3. MQTT client.
-    let client_id = match client_id(&s.node_id_path()) {
-        Ok(id) => id,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot read or create {}: {e}",
-                s.node_id_path().display()
+    let src = s
+        .api_token
+        .as_ref()
+        .map(|t| t.source.to_string())
+        .unwrap_or_default();
+    match backend::check_token(&Backend::of(s, token), s.tuning.token_check_timeout) {
+        TokenCheck::Accepted => log::info!(
+            "API token {} accepted by {}",
+            util::mask_secret(token),
+            s.base_url.value
+        ),
+        TokenCheck::Rejected(status) => {
+            return Err(StartupError::Credentials(format!(
+                "the backend rejected the API token {} (HTTP {status}); it came from {src}. Fix or replace it there (e.g. `cyberwave login`).",
+                util::mask_secret(token)
             )));
         }
-    };
-    let opts =
-        match crate::config::broker::mqtt_options(&s, client_id.clone(), s.tuning.session_expiry) {
-            Ok(o) => o,
-            Err(e) => {
-                return Err(StartupError::Config(e));
-            }
-        };
-    let (tx, rx) = unbounded();
-    let mqtt = match Mqtt::new(opts, tx) {
-        Ok(m) => m,
-        Err(e) => {
-            return Err(StartupError::Runtime(e));
+        TokenCheck::Inconclusive(why) => {
+            log::warn!("could not validate the API token at start-up ({why}); continuing")
         }
-    };
+    }
+    Ok(())
+}
+
+/// The MQTT client (not connected yet), its events and its client id.
+fn mqtt_client(s: &Settings) -> Result<(Mqtt, Receiver<MqttEvent>, String), StartupError> {
+    let client_id = client_id(&s.node_id_path()).map_err(runtime(format!(
+        "cannot read or create {}",
+        s.node_id_path().display()
+    )))?;
+    let opts = crate::config::broker::mqtt_options(s, client_id.clone(), s.tuning.session_expiry)
+        .map_err(|e| StartupError::Config(e.to_string()))?;
+    let (tx, rx) = unbounded();
+    let mqtt = Mqtt::new(opts, tx).map_err(|e| StartupError::Runtime(e.to_string()))?;
     log::info!("MQTT client {client_id} → {}", mqtt.endpoint());
     if s.standalone {
         // No backend acknowledges a standalone node's workload statuses, so nothing else would
         // send one again that a lost connection took with it.
         mqtt.resend_requests();
     }
+    Ok((mqtt, rx, client_id))
+}
 
-    // Identity: a standalone node names itself; otherwise the backend does, at registration.
-    let identity = if s.standalone {
-        let existing = s.identity.clone().filter(|i| i.standalone);
-        Some(existing.unwrap_or_else(|| {
-            let uuid = util::uuid_v4();
-            let slug = s
-                .slug_hint
-                .as_ref()
-                .map(|h| h.value.clone())
-                .unwrap_or_else(|| format!("cn-{}", &uuid[..8]));
-            Identity {
-                uuid,
-                slug,
-                workspace_slug: None,
-                registered_at: Some(util::rfc3339(std::time::SystemTime::now())),
-                standalone: true,
-            }
-        }))
-    } else {
-        None
-    };
-    let topics = Topics::new(&s.topic_prefix.value, &client_id);
-    let layout = Layout { state: dir.clone() };
-    let exe = match std::env::current_exe() {
-        // After an in-place upgrade /proc/self/exe names the deleted inode; the new binary sits
-        // at the same path.
-        Ok(p) => PathBuf::from(p.to_string_lossy().trim_end_matches(" (deleted)")),
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot find this program's path (needed to supervise workloads): {e}"
-            )));
+/// Identity: a standalone node names itself; otherwise the backend does, at registration.
+fn standalone_identity(s: &Settings) -> Option<Identity> {
+    if !s.standalone {
+        return None;
+    }
+    let existing = s.identity.clone().filter(|i| i.standalone);
+    Some(existing.unwrap_or_else(|| {
+        let uuid = util::uuid_v4();
+        let slug = s
+            .slug_hint
+            .as_ref()
+            .map(|h| h.value.clone())
+            .unwrap_or_else(|| format!("cn-{}", uuid.get(..8).unwrap_or(&uuid)));
+        Identity {
+            uuid,
+            slug,
+            workspace_slug: None,
+            registered_at: Some(util::rfc3339(std::time::SystemTime::now())),
+            standalone: true,
         }
-    };
-    let outbox = match Outbox::load(dir.join("outbox")) {
-        Ok(o) => o,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot open the outbox in {}: {e}",
-                dir.join("outbox").display()
-            )));
-        }
-    };
-    let (chunk_tx, chunks) = unbounded();
-    let streams = super::streams::Streams::new(&super::streams_out::settings(&s));
-    let tailer = match Tailer::start(chunk_tx) {
-        Ok(t) => t,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot start the tailer thread: {e}"
-            )));
-        }
-    };
-    let (done_tx, worker_done) = unbounded();
-    let backend = Backend::of(&s, &token);
-    let uploaders =
-        crate::workers::uploaders(s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref());
-    let workers = match Workers::start(backend, done_tx, uploaders) {
-        Ok(w) => w,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot start the HTTP worker threads: {e}"
-            )));
-        }
-    };
-    let ingress = match Outbox::load(dir.join("ingress")) {
-        Ok(o) => o,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot open the ingress queue in {}: {e}",
-                dir.join("ingress").display()
-            )));
-        }
-    };
-    let (acks_tx, acked) = match super::ingress::start_ack_thread() {
-        Ok(pair) => pair,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot start the acknowledgement thread: {e}"
-            )));
-        }
-    };
+    }))
+}
+
+/// The control socket (`emit`, `drain`, `status` from the CLI and the workloads).
+fn control_socket(
+    dir: &Path,
+    workload_user: Option<&crate::workload::user::WorkloadUser>,
+) -> Result<Receiver<crate::control::Request>, StartupError> {
     let (control_tx, control) = unbounded();
     // A directory in the socket's place cannot be replaced (a stale socket or file can): the
     // operator must remove it, and restarting would not help (exit 2, not a restart loop).
@@ -261,28 +317,36 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             sock.display()
         )));
     }
-    if let Err(e) = crate::control::serve(&sock, control_tx) {
-        return Err(StartupError::Runtime(format!(
-            "cannot open the control socket {}: {e}",
-            sock.display()
-        )));
-    }
-    if let Some(u) = &workload_user {
+    crate::control::serve(&sock, control_tx).map_err(runtime(format!(
+        "cannot open the control socket {}",
+        sock.display()
+    )))?;
+    if let Some(u) = workload_user {
         // Workflow events from workloads still reach the node (D46.3 keeps `emit` working).
-        if let Err(e) = crate::control::share_for_emit(&dir.join("control.sock"), u.gid) {
+        if let Err(e) = crate::control::share_for_emit(&sock, u.gid) {
             log::warn!(
                 "cannot open the control socket to the workload user's group: {e}; its workloads cannot report workflow events"
             );
         }
     }
+    Ok(control)
+}
+
+/// The GPU part from the monitor thread's first inventory (D35), awaited here before any
+/// command; each of its queries is killed at its timeout, so this wait is bounded.
+fn gpus(
+    s: &Settings,
+) -> (
+    super::gpus::Gpus,
+    Option<crate::gpu::Monitor>,
+    Receiver<crate::gpu::Snapshot>,
+) {
     // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
-    let gpus = if s.hardware_telemetry {
+    let telemetry = if s.hardware_telemetry {
         super::operate::gpu_inventory()
     } else {
         (0, None)
     };
-    // GPUs (D35): the monitor thread's first inventory is awaited here, before any command;
-    // each of its queries is killed at its timeout, so this wait is bounded.
     let timing = crate::gpu::Timing::from_env(&s.env);
     let (monitor, gpu_rx, first) = match crate::gpu::start(timing) {
         Ok((m, rx)) => {
@@ -299,7 +363,20 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         }
     };
     let per_workload = s.manifest.as_ref().and_then(|m| m.gpus_per_workload);
-    let gpu = super::gpus::Gpus::new(monitor, first, &s.env, per_workload);
+    let mut gpu = super::gpus::Gpus::new(first, &s.env, per_workload);
+    gpu.telemetry = telemetry;
+    (gpu, monitor, gpu_rx)
+}
+
+type SpawnerParts = (
+    Result<crate::workload::spawner::Spawner, String>,
+    Receiver<crate::workload::spawner::Outcome>,
+    Receiver<crate::workload::reaper::Reaped>,
+);
+
+/// The reaper, then the spawner thread starts run on (issue 15): without the spawner the node
+/// still runs, reports and cancels its workloads, and refuses starts with a clear error.
+fn spawner(s: &Settings, layout: &Layout, exe: PathBuf) -> Result<SpawnerParts, StartupError> {
     let (reaped_tx, reaped) = unbounded();
     let init = super::container::is_init(&s.env);
     if init {
@@ -308,23 +385,15 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             super::container::stop_grace(&s.env).as_secs_f64()
         );
     }
-    let reaper = match Reaper::start(reaped_tx, init) {
-        Ok(r) => r,
-        Err(e) => {
-            return Err(StartupError::Runtime(format!(
-                "cannot start the reaper thread: {e}"
-            )));
-        }
-    };
-    // Starts run on the spawner thread (issue 15): without it the node still runs, reports and
-    // cancels its workloads, and refuses starts with a clear error.
+    let reaper =
+        Reaper::start(reaped_tx, init).map_err(runtime("cannot start the reaper thread"))?;
     let (spawned_tx, spawned) = unbounded();
     let spawner = crate::workload::spawner::Spawner::start(
         crate::workload::spawner::Context {
             settings: s.clone(),
             layout: layout.clone(),
             exe,
-            ledger: dir.join("ledger.jsonl"),
+            ledger: layout.state.join("ledger.jsonl"),
             reaper,
             body: super::workloads::start_output,
         },
@@ -334,66 +403,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         log::error!("cannot start the workload spawner thread: {e}; starts are refused");
         format!("cannot start the workload spawner thread: {e}")
     });
-    let now = Instant::now();
-    let session = Session::new(
-        session::Config::from_settings(&s, topics.clone(), token.clone()),
-        identity,
-        startup_failure,
-        now,
-    );
-    let node = Node {
-        clock: Box::new(SystemClock),
-        mqtt,
-        events: rx,
-        topics,
-        token,
-        session,
-        shutdown: None,
-        started,
-        exit: None,
-        layout,
-        active: super::table::Table::new(super::table::UploadCfg::of(&s)),
-        ledger: Ledger::load(dir.join("ledger.jsonl")),
-        outbox,
-        reaped,
-        starts: super::starts::Starts::new(spawner),
-        interrupted: Vec::new(),
-        spawned,
-        tailer,
-        chunks,
-        streams,
-        workers,
-        worker_done,
-        heal: Default::default(),
-        next_watchdog: now,
-        ingress,
-        acks_tx,
-        acked,
-        control,
-        next_rescan: now,
-        draining: false,
-        one_started: false,
-        idle_since: None,
-        metrics: Default::default(),
-        next_metrics: now,
-        gpus,
-        gpu,
-        gpu_rx,
-        next_prune: now,
-        disk_errors: crate::logtext::Throttle::default(),
-        refusals: crate::logtext::Throttle::default(),
-        s,
-    };
-    let mut node = node;
-    node.recover();
-    node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
-    if !node.outbox.is_empty() {
-        log::info!(
-            "{} message(s) in the outbox will be sent once connected",
-            node.outbox.len()
-        );
-    }
-    Ok((node, sig_rx))
+    Ok((spawner, spawned, reaped))
 }
 
 /// The MQTT client id, generated once and kept (decision D15) so restarts resume the session.

@@ -1,13 +1,15 @@
 //! The loop's side of the streams part ([`super::streams`]): it tells the part which workloads
-//! exist and whether the node may publish, carries out what the part asks ([`Outbound`] for
-//! `Node`: tailer jobs, publishes as requests, console lines) and maps a log request's outcome
+//! exist and whether the node may publish, carries out what the part asks ([`Outbound`] as
+//! `StreamsOut`: tailer jobs, publishes as requests, console lines) and maps a log request's outcome
 //! (`Op::Log(key)`) back to the part. Only this file sees both the part and the loop's types.
 
 use std::io::Write;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use super::io::Wire;
+use super::session::Session;
 use super::streams::{self, Cursor, Outbound, Source, Streams};
-use super::{Node, Op, Wire};
+use super::{Clock, Node, Op};
 use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Event, Key, Request};
 
@@ -20,9 +22,30 @@ pub(super) fn settings(s: &crate::config::Settings) -> streams::Settings {
     }
 }
 
-impl Outbound for Node {
+/// The streams part's [`Outbound`] on the loop's pieces: the tailer, the broker session (a
+/// chunk is a request kept until its reply) and the console.
+struct StreamsOut<'a> {
+    session: &'a mut Session<Op>,
+    wire: Wire<'a>,
+    clock: &'a dyn Clock,
+    /// The logs topic of this node.
+    topic: String,
+    timeout: Duration,
+}
+
+impl StreamsOut<'_> {
+    /// A request on the logs topic whose body is already encoded (the chunk's text is escaped
+    /// once, straight into the payload).
+    fn publish_log(&mut self, op: Op, payload: Vec<u8>) {
+        let now = self.clock.now();
+        self.session
+            .request_payload(op, &self.topic, payload, self.timeout, now, &mut self.wire);
+    }
+}
+
+impl Outbound for StreamsOut<'_> {
     fn tail(&mut self, req: Request) {
-        self.tailer.request(req);
+        self.wire.io.tailer.request(req);
     }
 
     fn publish(&mut self, key: &Key, payload: Vec<u8>) {
@@ -59,39 +82,34 @@ impl Outbound for Node {
 }
 
 impl Node {
-    /// A request on the logs topic whose body is already encoded (the chunk's text is escaped
-    /// once, straight into the payload).
-    fn publish_log(&mut self, op: Op, payload: Vec<u8>) {
-        let topic = self.topics.logs(self.uuid());
-        let now = self.clock.now();
-        let timeout = self.s.tuning.request_timeout;
-        self.session
-            .request_payload(op, &topic, payload, timeout, now, &mut wire!(self));
-    }
-
-    /// Runs `f` on the streams part with the node as its outbound side.
-    fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut Node) -> R) -> R {
-        let mut part = std::mem::take(&mut self.streams);
-        let r = f(&mut part, self);
-        self.streams = part;
-        r
+    /// Runs `f` on the streams part with its [`Outbound`].
+    fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut dyn Outbound) -> R) -> R {
+        let topic = self.io.topics.logs(self.session.uuid());
+        let mut out = StreamsOut {
+            session: &mut self.session,
+            wire: self.io.wire(&self.s),
+            clock: self.io.clock.as_ref(),
+            topic,
+            timeout: self.s.tuning.request_timeout,
+        };
+        f(&mut self.streams, &mut out)
     }
 
     /// Tells the part the link state and the workloads: new ones are tracked from their
     /// persisted cursor, ended ones ship their rest, forgotten ones are dropped.
     pub(super) fn sync_streams(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let connected = self.session.connected() && self.session.registered();
         let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
         self.streams
-            .set_packet_limit(self.mqtt.max_packet_size().map(u64::from));
+            .set_packet_limit(self.io.mqtt.max_packet_size().map(u64::from));
         let active = &self.active;
         self.streams.retain(|id| active.contains_key(id));
         let mut ended = Vec::new();
         for (id, a) in &self.active {
             if !self.streams.is_tracked(id) {
-                let dir = self.layout.dir(id);
+                let dir = self.io.layout.dir(id);
                 let cursor: Cursor =
                     crate::workload::load_json(&dir.join("cursor.json"), "log cursor")
                         .unwrap_or_default();
@@ -118,7 +136,7 @@ impl Node {
     /// Reads whatever is due (and, for a workload that just ended, its rest at once).
     pub(super) fn pump_streams(&mut self, _interval_due: bool) {
         self.sync_streams();
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         self.with_streams(|part, out| part.pump(now, out));
     }
 
@@ -131,7 +149,7 @@ impl Node {
         } = &ev
         {
             // A full disk: once a minute, not once per chunk (D28).
-            if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+            if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),
@@ -140,21 +158,21 @@ impl Node {
             }
         }
         self.sync_streams();
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_tail(ev, now, out));
         self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(n);
     }
 
     /// A log chunk's request ended: acknowledged (`ok`), refused or timed out.
     pub(super) fn on_log_ack(&mut self, key: &Key, ok: bool) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_ack(key, ok, now, out));
         self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(n);
     }
 
     /// Forgets chunks in flight (after a lost connection): they are read and sent again.
     pub(super) fn reset_streams(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         self.streams.reset(now);
         self.session.forget(|op| matches!(op, Op::Log(_)));
     }

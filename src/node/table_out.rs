@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::session::Session;
 use super::table::{Outbound, Request, Table};
 use super::{Node, Op, Wire};
-use crate::workers::{Job, Workers};
+use crate::workers::Job;
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Layout, Meta};
 
@@ -30,7 +30,6 @@ struct NodeOut<'a> {
     /// Requests go through the broker session, which keeps them until their reply.
     session: &'a mut Session<Op>,
     wire: Wire<'a>,
-    workers: &'a Workers,
     layout: &'a Layout,
     timeout: Duration,
     now: Instant,
@@ -77,14 +76,14 @@ impl Outbound for NodeOut<'_> {
         if wl.is_empty() || wl == "None" {
             return;
         }
-        let topic = self.wire.topics.workload_status(wl);
+        let topic = self.wire.io.topics.workload_status(wl);
         self.send(Op::WorkloadStatus, &topic, &body);
     }
 
     fn request(&mut self, req: Request) -> Vec<u8> {
         match req {
             Request::SignedUrl { id, wl, filename } => {
-                let topic = self.wire.topics.signed_url(&wl);
+                let topic = self.wire.io.topics.signed_url(&wl);
                 self.send(
                     Op::SignedUrl(id),
                     &topic,
@@ -92,14 +91,14 @@ impl Outbound for NodeOut<'_> {
                 )
             }
             Request::UploadResults { id, wl, body } => {
-                let topic = self.wire.topics.upload_results(&wl);
+                let topic = self.wire.io.topics.upload_results(&wl);
                 self.send(Op::UploadResults(id), &topic, &body)
             }
         }
     }
 
     fn submit(&mut self, job: Job) {
-        self.workers.submit(job);
+        self.wire.io.workers.submit(job);
     }
 
     fn ship_logs(&mut self) {
@@ -127,13 +126,12 @@ impl Node {
         &mut self,
         f: impl FnOnce(&mut Table, &mut dyn Outbound, Instant) -> R,
     ) -> R {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         let mut out = NodeOut {
             connected: self.session.connected(),
             session: &mut self.session,
-            wire: wire!(self),
-            workers: &self.workers,
-            layout: &self.layout,
+            wire: self.io.wire(&self.s),
+            layout: &self.io.layout,
             timeout: self.s.tuning.request_timeout,
             now,
             later: Vec::new(),

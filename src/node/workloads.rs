@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::interrupted::{self, Taken};
-use super::table::{Active, DEFAULT_GRACE, SALVAGED};
+use super::table::{Active, SALVAGED};
 use super::{Node, Op};
 use crate::logtext::shown;
 use crate::outbox::Item;
-use crate::protocol::commands::{CancelParams, CancelTarget, RequestId, Seconds};
 use crate::store;
 use crate::workers::Done;
 use crate::workload::shim::Exit;
@@ -26,83 +25,13 @@ impl Node {
         if wl.is_empty() || wl == "None" {
             return;
         }
-        let topic = self.topics.workload_status(wl);
+        let topic = self.io.topics.workload_status(wl);
         self.request(
             Op::WorkloadStatus,
             &topic,
             body,
             self.s.tuning.request_timeout,
         );
-    }
-
-    // ---- cancel -----------------------------------------------------------------------------
-
-    pub(super) fn cancel_command(&mut self, request_id: &RequestId, params: CancelParams) {
-        let rid = request_id.text();
-        let request_id = request_id.value();
-        if !rid.is_empty() {
-            if let Some(e) = self.ledger.get(&rid).cloned() {
-                log::info!(
-                    "cancel {} was handled before; repeating its answer",
-                    shown(&rid)
-                );
-                return if e.ok {
-                    self.reply_ok(request_id, e.body)
-                } else {
-                    self.reply_error(request_id, e.body.as_str().unwrap_or(""))
-                };
-            }
-        }
-        let sig = params.signal.number();
-        let sig_name = params.signal.name();
-        let grace = params.grace.map_or(DEFAULT_GRACE, Seconds::duration);
-        let found = self
-            .active
-            .iter()
-            .find(|(_, a)| match &params.target {
-                CancelTarget::Pid(p) => a.meta.pid() == p.get() && a.meta.pid() > 0,
-                CancelTarget::Request(r) => &a.meta.request_id_text() == r,
-            })
-            .map(|(k, _)| k.clone());
-        let Some(safe_id) = found else {
-            // D29: a workload this node started, reported and forgot already finished.
-            if let CancelTarget::Request(r) = &params.target {
-                if self.ledger.get(r).is_some_and(|e| e.ok) {
-                    return self.reply_ok(
-                        request_id,
-                        json!({"message": "Workload already finished; its completion reports how it ended", "workload_request_id": r}),
-                    );
-                }
-            }
-            let msg = match &params.target {
-                CancelTarget::Pid(p) => format!("No active workload found with PID {}", p.get()),
-                CancelTarget::Request(r) => {
-                    format!("No active workload found with request_id {r}")
-                }
-            };
-            return self.reply_error(request_id, &msg);
-        };
-        match self
-            .with_table(|t, out, now| t.cancel(&safe_id, sig, sig_name, grace, false, now, out))
-        {
-            Ok(message) => {
-                let Some(a) = self.active.get(&safe_id) else {
-                    return self.reply_ok(request_id, json!({"message": message}));
-                };
-                let out = json!({
-                    "message": message,
-                    "pid": a.meta.pid(),
-                    "workload_type": a.meta.kind,
-                    "workload_request_id": a.meta.request_id,
-                    "signal": sig_name,
-                });
-                if !rid.is_empty() {
-                    self.ledger.record(&rid, true, out.clone());
-                }
-                self.reply_ok(request_id, out);
-            }
-            Err(e) => self.reply_error(request_id, &e),
-        }
     }
 
     /// Self-heal: terminate a stale workload; it will be forgotten without a report.
@@ -160,12 +89,15 @@ impl Node {
                     crate::logtext::shown(&how)
                 );
                 self.count_completion("cancelled");
-                self.report_finished(
-                    &meta,
-                    false,
-                    exit.as_ref().map(Exit::code),
-                    Some(how.clone()),
-                );
+                self.with_ingress(|i, out| {
+                    i.report_finished(
+                        &meta,
+                        false,
+                        exit.as_ref().map(Exit::code),
+                        Some(how.clone()),
+                        out,
+                    )
+                });
                 let mut body =
                     json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
                 if let Some(r) = &c.reason {
@@ -205,12 +137,15 @@ impl Node {
                         crate::util::set(&mut body, "stderr", json!(s));
                     }
                 }
-                self.report_finished(
-                    &meta,
-                    success,
-                    code,
-                    body.get("error").and_then(Value::as_str).map(String::from),
-                );
+                self.with_ingress(|i, out| {
+                    i.report_finished(
+                        &meta,
+                        success,
+                        code,
+                        body.get("error").and_then(Value::as_str).map(String::from),
+                        out,
+                    )
+                });
                 self.count_completion(if success {
                     "success"
                 } else if lost.is_some() {
@@ -229,7 +164,7 @@ impl Node {
             }
         };
         let mut body = body;
-        if let Some(g) = self.gpu_usage_of(safe_id, &meta) {
+        if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             super::gpus::put(&mut body, "gpu", g); // D38
         }
         self.gpu_update_sampling();
@@ -238,7 +173,7 @@ impl Node {
             .as_deref()
             .filter(|w| !w.is_empty() && *w != "None")
         {
-            let topic = self.topics.workload_status(wl);
+            let topic = self.io.topics.workload_status(wl);
             let key = format!("end:{safe_id}");
             if self.s.standalone {
                 // No backend to acknowledge: published once for the site's own dispatcher.
@@ -260,7 +195,7 @@ impl Node {
                     Err((seq, e)) => {
                         // D28: kept in memory and sent all the same; the workload's record
                         // stays until the backend acknowledged it, so a restart still knows.
-                        if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                        if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                             log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
                         }
                         self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
@@ -281,7 +216,7 @@ impl Node {
         if self.outbox.has_pending_writes() {
             let left = self.outbox.persist_pending();
             if left > 0 {
-                if let Some(held) = self.disk_errors.ready(self.clock.now()) {
+                if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                     log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
                 }
             }
@@ -289,7 +224,7 @@ impl Node {
         if !self.session.connected() {
             return;
         }
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         for (seq, item) in self.outbox.due(now) {
             if !crate::protocol::topics::publishable(&item.topic) {
                 // Queued by an older version or planted: no broker would take it (D34).
@@ -338,7 +273,7 @@ impl Node {
             }
             _ => {
                 log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.outbox.retry_later(seq, self.clock.now());
+                self.outbox.retry_later(seq, self.io.clock.now());
             }
         }
     }
@@ -346,7 +281,7 @@ impl Node {
     // ---- timers and answers for the table ----------------------------------------------------
 
     pub(super) fn tick_workloads(&mut self) {
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         // The streams' verdict, read before the table is borrowed.
         let drained: Vec<String> = self
             .active
@@ -388,7 +323,7 @@ impl Node {
     /// answers of the starts the node before this one took and did not answer (D53).
     pub(super) fn recover(&mut self) {
         let mut notes: BTreeMap<String, Taken> =
-            interrupted::load_all(&self.layout).into_iter().collect();
+            interrupted::load_all(&self.io.layout).into_iter().collect();
         let mut started = Vec::new();
         self.recover_workloads(&mut notes, &mut started);
         self.settle_interrupted(started, notes);
@@ -401,12 +336,12 @@ impl Node {
         notes: &mut BTreeMap<String, Taken>,
         started: &mut Vec<(String, Taken, Value)>,
     ) {
-        let _ = store::ensure_dir_or_quarantine(&self.layout.workloads());
-        let Ok(entries) = std::fs::read_dir(self.layout.workloads()) else {
+        let _ = store::ensure_dir_or_quarantine(&self.io.layout.workloads());
+        let Ok(entries) = std::fs::read_dir(self.io.layout.workloads()) else {
             return;
         };
         let boot = procinfo::boot_id();
-        let now = self.clock.now();
+        let now = self.io.clock.now();
         for entry in entries.flatten() {
             let dir = entry.path();
             if !dir.is_dir() {
@@ -422,7 +357,7 @@ impl Node {
             }
             // Every file is validated; an invalid one is quarantined, and a workload whose
             // record is bad is still tracked by what can be proven about it.
-            let (meta, salvaged) = match workload::recover_meta(&self.layout, &dir, &name) {
+            let (meta, salvaged) = match workload::recover_meta(&self.io.layout, &dir, &name) {
                 workload::Recovered::Intact(m) => (m, false),
                 workload::Recovered::Salvaged(m) => (m, true),
             };

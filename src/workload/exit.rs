@@ -46,15 +46,25 @@ fn read_exit_link(path: &Path) -> Option<shim::Exit> {
 }
 
 impl store::Validate for shim::Exit {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         if let Some(c) = self.exit_code {
             if !(0..=255).contains(&c) {
-                return Err(format!("exit_code must be from 0 to 255, got {c}"));
+                return Err(store::Invalid::Range {
+                    field: "exit_code",
+                    low: 0,
+                    high: 255,
+                    got: i64::from(c),
+                });
             }
         }
         if let Some(sig) = self.signal {
             if !(1..=64).contains(&sig) {
-                return Err(format!("signal must be from 1 to 64, got {sig}"));
+                return Err(store::Invalid::Range {
+                    field: "signal",
+                    low: 1,
+                    high: 64,
+                    got: i64::from(sig),
+                });
             }
         }
         store::check_text("started_at", &self.started_at, 64)?;

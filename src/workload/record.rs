@@ -72,8 +72,11 @@ impl<'de> Deserialize<'de> for MetaKind {
     }
 }
 
-fn kind_error() -> String {
-    format!("kind must be one of {}", KINDS.join(", "))
+fn kind_error() -> store::Invalid {
+    store::Invalid::OneOf {
+        field: "kind",
+        allowed: &KINDS,
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -263,13 +266,13 @@ pub(super) fn log_name_ok(name: &str) -> bool {
 }
 
 impl store::Validate for Value {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         Ok(())
     }
 }
 
 impl store::Validate for Started {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         store::check_pid("pid", self.pid)?;
         store::check_pid("shim_pid", self.shim_pid)?;
         store::check_text("boot_id", &self.boot_id, 64)?;
@@ -278,9 +281,12 @@ impl store::Validate for Started {
 }
 
 impl store::Validate for Cancel {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         if !matches!(self.signal.as_str(), "SIGTERM" | "SIGINT" | "SIGKILL") {
-            return Err("cancel.signal must be SIGTERM, SIGINT or SIGKILL".into());
+            return Err(store::Invalid::Rule {
+                field: "cancel.signal",
+                must: "be SIGTERM, SIGINT or SIGKILL",
+            });
         }
         store::check_unix("cancel.requested_unix", self.requested_unix)?;
         store::check_seconds("cancel.grace_s", self.grace_s, true)
@@ -288,7 +294,7 @@ impl store::Validate for Cancel {
 }
 
 impl store::Validate for WorkflowCtx {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         store::check_id("workflow.workflow", &self.workflow)?;
         store::check_id("workflow.execution", &self.execution)?;
         store::check_id("workflow.node", &self.node)?;
@@ -301,7 +307,7 @@ impl store::Validate for WorkflowCtx {
 }
 
 impl store::Validate for Meta {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         if self.kind == MetaKind::Unknown && self.salvaged.is_none() {
             return Err(kind_error());
         }
@@ -309,7 +315,10 @@ impl store::Validate for Meta {
             self.request_id,
             Value::Null | Value::String(_) | Value::Number(_)
         ) {
-            return Err("request_id must be a string or a number".into());
+            return Err(store::Invalid::Rule {
+                field: "request_id",
+                must: "be a string or a number",
+            });
         }
         if let Some(u) = self.workload_uuid.as_deref().filter(|u| !u.is_empty()) {
             store::check_id("workload_uuid", u)?;
@@ -330,7 +339,10 @@ impl store::Validate for Meta {
         if !self.event_token.chars().all(|c| c.is_ascii_alphanumeric())
             || self.event_token.len() > 128
         {
-            return Err("event_token must be at most 128 letters and digits".into());
+            return Err(store::Invalid::Rule {
+                field: "event_token",
+                must: "be at most 128 letters and digits",
+            });
         }
         Ok(())
     }

@@ -181,7 +181,7 @@ impl Params {
 }
 
 impl store::Validate for Params {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), store::Invalid> {
         Ok(())
     }
 }

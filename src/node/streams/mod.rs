@@ -119,7 +119,7 @@ impl SavedMark {
 pub const MAX_CURSOR: u64 = 1 << 50;
 
 impl crate::store::Validate for Cursor {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), crate::store::Invalid> {
         let all = [self.stdout, self.stderr, self.stdout_base, self.stderr_base];
         crate::store::check_offsets("log offsets", &all, MAX_CURSOR)?;
         for (m, at) in [
@@ -128,7 +128,7 @@ impl crate::store::Validate for Cursor {
         ] {
             if let Some(m) = m {
                 if m.end > at || m.mark().is_none() {
-                    return Err("a log mark is not one of the log's offsets".into());
+                    return Err(crate::store::Invalid::LogMark);
                 }
             }
         }

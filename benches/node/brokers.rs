@@ -1,0 +1,593 @@
+//! `./scripts/bench brokers [KILLS]`: failover on a clustered broker (issue 22 item 9).
+//!
+//! A 3-node rmqtt cluster on loopback (its broadcast plugin, then its raft plugin), built once by
+//! `scripts/bench` from rmqtt's crates (`benches/rmqtt/`, path in `CW_RMQTT_BIN`). The fake
+//! backend sits on cluster node 1, which is never killed; the real node lists nodes 2 and 3 as
+//! its endpoints and runs a workload streaming numbered log lines. KILLS times (default 5), the
+//! cluster node the node is on is killed (SIGKILL), and two clocks start:
+//!
+//! - the broker's own recovery: a probe client that was on the killed node, with the same kind
+//!   of MQTT v5 connect as the node's, connects to the surviving endpoint over and over (the
+//!   cluster's session takeover bounds it) until a message published on node 1 reaches it;
+//! - the node's: a `status` command sent from node 1 every 250 ms until one is answered.
+//!
+//! The difference is the node-side delay (its loss detection, back-off and connect timeout).
+//! The killed node is started again and rejoins before the next kill. At the end the workload
+//! ends and every byte of its stdout is checked against the log messages' offsets (missing,
+//! duplicated), and the completion counted. `CW_BROKERS_CLUSTERS` (default `broadcast,raft`)
+//! chooses the clusters. Judges nothing.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::support::mqtt5;
+use super::support::node::{NodeProcess, NodeSetup, TOKEN};
+use super::support::{free_port, wait_for, ControlPlane, TempDir};
+
+const NODES: usize = 3;
+
+pub fn run(kills: usize) {
+    let Some(bin) = std::env::var_os("CW_RMQTT_BIN")
+        .map(PathBuf::from)
+        .filter(|p| p.exists())
+    else {
+        println!("brokers: no rmqtt build (CW_RMQTT_BIN unset or missing); `./scripts/bench brokers` builds it");
+        return;
+    };
+    let modes = std::env::var("CW_BROKERS_CLUSTERS").unwrap_or_else(|_| "broadcast,raft".into());
+    for mode in modes.split(',').map(str::trim).filter(|m| !m.is_empty()) {
+        failover(&bin, mode, kills);
+    }
+}
+
+/// One rmqtt process per cluster node, with its ports and its log.
+struct Cluster {
+    bin: PathBuf,
+    mode: String,
+    dir: TempDir,
+    mqtt: Vec<u16>,
+    grpc: Vec<u16>,
+    children: Vec<Option<Child>>,
+}
+
+impl Cluster {
+    fn start(bin: &Path, mode: &str) -> Option<Cluster> {
+        let dir = TempDir::new("rmqtt");
+        let mqtt: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
+        let grpc: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
+        let raft: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
+        let list = |ports: &[u16]| {
+            ports
+                .iter()
+                .enumerate()
+                .map(|(i, p)| format!("\"{}@127.0.0.1:{p}\"", i + 1))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        // Our own minimal plugin configs: the peers' addresses, everything else rmqtt's defaults
+        // (raft: leader = the first peer, node 1, which the benchmark never kills).
+        dir.write(
+            "plugins/rmqtt-cluster-broadcast.toml",
+            &format!("node_grpc_addrs = [{}]\n", list(&grpc)),
+        );
+        dir.write(
+            "plugins/rmqtt-cluster-raft.toml",
+            &format!(
+                "worker_threads = 2\nraft.grpc_reuseaddr = true\nnode_grpc_addrs = [{}]\nraft_peer_addrs = [{}]\n",
+                list(&grpc),
+                list(&raft)
+            ),
+        );
+        let mut c = Cluster {
+            bin: bin.to_path_buf(),
+            mode: mode.to_string(),
+            dir,
+            mqtt,
+            grpc,
+            children: (0..NODES).map(|_| None).collect(),
+        };
+        for i in 0..NODES {
+            let t = Instant::now();
+            if !c.spawn(i) {
+                println!(
+                    "rmqtt {mode}: cluster node {} did not come up; its log:\n{}",
+                    i + 1,
+                    c.log(i)
+                );
+                return None;
+            }
+            println!(
+                "rmqtt {mode}: cluster node {} listening on 127.0.0.1:{} after {:.1} s",
+                i + 1,
+                c.mqtt[i],
+                t.elapsed().as_secs_f64()
+            );
+        }
+        Some(c)
+    }
+
+    fn log_path(&self, i: usize) -> PathBuf {
+        self.dir.join(&format!("node{}.log", i + 1))
+    }
+
+    fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.log_path(i)).unwrap_or_default()
+    }
+
+    /// Starts cluster node `i` (again) and waits for its MQTT listener (60 s: raft joins first).
+    fn spawn(&mut self, i: usize) -> bool {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(i))
+            .ok();
+        let child = Command::new(&self.bin)
+            .arg(&self.mode)
+            .arg((i + 1).to_string())
+            .arg(format!("127.0.0.1:{}", self.mqtt[i]))
+            .arg(format!("127.0.0.1:{}", self.grpc[i]))
+            .arg(self.dir.join("plugins"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log.map_or(Stdio::null(), Stdio::from))
+            .spawn();
+        let Ok(child) = child else { return false };
+        self.children[i] = Some(child);
+        let port = self.mqtt[i];
+        let up = wait_for(Duration::from_secs(60), || {
+            TcpStream::connect(("127.0.0.1", port)).ok().map(|_| ())
+        });
+        let alive = self.children[i]
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+        up.is_some() && alive
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.children[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..NODES {
+            self.kill(i);
+        }
+    }
+}
+
+// A raw MQTT v5 probe: one connection, a CONNACK wait as long as the node's connect timeout.
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn packet(first: u8, body: &[u8]) -> Vec<u8> {
+    let mut p = vec![first];
+    let mut n = body.len();
+    loop {
+        let mut b = (n % 128) as u8;
+        n /= 128;
+        if n > 0 {
+            b |= 0x80;
+        }
+        p.push(b);
+        if n == 0 {
+            break;
+        }
+    }
+    p.extend_from_slice(body);
+    p
+}
+
+fn read_packet(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    let mut first = [0u8; 1];
+    s.read_exact(&mut first).ok()?;
+    let (mut len, mut mul) = (0usize, 1usize);
+    loop {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).ok()?;
+        len += (b[0] & 0x7f) as usize * mul;
+        mul *= 128;
+        if b[0] & 0x80 == 0 {
+            break;
+        }
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).ok()?;
+    Some((first[0], body))
+}
+
+/// CONNECT (clean start, as the node after a lost session) and SUBSCRIBE `topic`: the stream,
+/// or `None` when refused, dropped or unanswered within `wait`.
+fn probe_connect(port: u16, client_id: &str, topic: &str, wait: Duration) -> Option<TcpStream> {
+    let mut s =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(wait)).ok()?;
+    let mut body = Vec::new();
+    put_str(&mut body, "MQTT");
+    body.extend_from_slice(&[5, 0x02, 0, 60, 0]);
+    put_str(&mut body, client_id);
+    s.write_all(&packet(0x10, &body)).ok()?;
+    let (kind, ack) = read_packet(&mut s)?;
+    if kind >> 4 != 2 || ack.get(1).copied() != Some(0) {
+        return None;
+    }
+    let mut sub = vec![0, 1, 0];
+    put_str(&mut sub, topic);
+    sub.push(1);
+    s.write_all(&packet(0x82, &sub)).ok()?;
+    loop {
+        let (kind, ack) = read_packet(&mut s)?;
+        if kind >> 4 == 9 {
+            return (ack.last().copied().unwrap_or(0x80) < 0x80).then_some(s);
+        }
+    }
+}
+
+/// Waits for a PUBLISH on `s` until `deadline`.
+fn probe_hears(s: &mut TcpStream, deadline: Instant) -> bool {
+    while Instant::now() < deadline {
+        let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+        match read_packet(s) {
+            Some((kind, body)) if kind >> 4 == 3 => {
+                if kind & 0x06 != 0 {
+                    // QoS 1: acknowledge (the packet id follows the topic).
+                    let tl = u16::from_be_bytes([body[0], body[1]]) as usize;
+                    let id = [body[2 + tl], body[3 + tl]];
+                    let _ = s.write_all(&packet(0x40, &[id[0], id[1]]));
+                }
+                return true;
+            }
+            Some(_) => {}
+            None => {
+                if s.peek(&mut [0u8; 1]).is_ok_and(|n| n == 0) {
+                    return false;
+                }
+            }
+        }
+    }
+    false
+}
+
+/// The port of the broker the node's log last reported connecting to.
+fn connected_port(log: &str) -> Option<u16> {
+    log.lines()
+        .rev()
+        .find_map(|l| l.split("connected to MQTT broker 127.0.0.1:").nth(1))
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|p| p.parse().ok())
+}
+
+/// A message published on cluster node `from` reaches a subscriber on node `to` (60 s).
+fn routes(c: &Cluster, from: usize, to: usize, tag: &str) -> Option<Duration> {
+    let t = Instant::now();
+    let topic = format!("bench/route/{tag}");
+    let mut s = wait_for(Duration::from_secs(60), || {
+        probe_connect(
+            c.mqtt[to],
+            &format!("route-{tag}"),
+            &topic,
+            Duration::from_secs(30),
+        )
+    })?;
+    let mut heard = false;
+    let pub_client = mqtt5::Client::connect(
+        c.mqtt[from],
+        &format!("route-pub-{tag}"),
+        vec!["bench/unused".into()],
+        |_, _| {},
+    )
+    .ok()?;
+    let end = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < end {
+        let _ = pub_client.publish(&topic, b"route", None);
+        if probe_hears(&mut s, Instant::now() + Duration::from_millis(100)) {
+            heard = true;
+            break;
+        }
+    }
+    pub_client.close();
+    heard.then(|| t.elapsed())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn line(name: &str, mut v: Vec<f64>, of: usize) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    println!(
+        "{name:<52} {}/{of}  p50 {:>8.0} ms  p99 {:>8.0} ms  max {:>8.0} ms",
+        v.len(),
+        pct(&v, 0.5),
+        pct(&v, 0.99),
+        v.last().copied().unwrap_or(f64::NAN)
+    );
+}
+
+fn failover(bin: &Path, mode: &str, kills: usize) {
+    println!(
+        "rmqtt cluster ({mode} plugin), 3 nodes on loopback; {kills} kills of the node's broker"
+    );
+    let Some(mut cluster) = Cluster::start(bin, mode) else {
+        return;
+    };
+    // The cluster routes between its nodes before anything else runs.
+    for to in 1..NODES {
+        match routes(&cluster, 0, to, &format!("{mode}-up-{to}")) {
+            Some(d) => println!(
+                "rmqtt {mode}: node 1 → node {} routed after {:.1} s",
+                to + 1,
+                d.as_secs_f64()
+            ),
+            None => {
+                println!(
+                    "rmqtt {mode}: node 1 → node {} never routed; logs:\n{}\n{}",
+                    to + 1,
+                    cluster.log(0),
+                    cluster.log(to)
+                );
+                return;
+            }
+        }
+    }
+    let cp = ControlPlane::start(cluster.mqtt[0], "");
+    let mut setup = NodeSetup::bare();
+    setup.set("CYBERWAVE_BASE_URL", &cp.http_url);
+    setup.set("CYBERWAVE_API_KEY", TOKEN);
+    setup.set(
+        "CYBERWAVE_MQTT_HOST",
+        &format!(
+            "127.0.0.1:{},127.0.0.1:{}",
+            cluster.mqtt[1], cluster.mqtt[2]
+        ),
+    );
+    // Plain MQTT (TLS follows port 8883 only); each listed address carries its own port.
+    setup.set("CYBERWAVE_MQTT_PORT", &cluster.mqtt[1].to_string());
+    // Production timings for what failover is about (back-off, connect timeout).
+    for k in [
+        "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
+        "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
+        "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
+    ] {
+        setup.unset(k);
+    }
+    setup.set("RUST_LOG", "info");
+    // About 20 numbered lines a second until `stop` exists, then the count.
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  inference: |\n    i=0\n    while [ ! -f stop ]; do i=$((i+1)); echo \"line $i $EPOCHREALTIME 0123456789abcdefghijklmnopqrstuvwxyz\"; sleep 0.05; done\n    echo \"done $i\"\n",
+    );
+    let node = setup.spawn();
+    if !node.wait_log("node ready", Duration::from_secs(120)) {
+        println!(
+            "rmqtt {mode}: the node never got ready; its log:\n{}",
+            node.log()
+        );
+        return;
+    }
+    let uuid = node.uuid();
+    let started = wait_for(Duration::from_secs(60), || {
+        cp.command(
+            &uuid,
+            json!({"command": "inference", "request_id": "fo", "params": {"workload_uuid": "wl-fo"}}),
+        );
+        cp.wait_reply("fo", Duration::from_secs(2))
+    });
+    if started.is_none() {
+        println!(
+            "rmqtt {mode}: the workload start was never answered; node log:\n{}",
+            node.log()
+        );
+        return;
+    }
+    let pinger = mqtt5::Client::connect(
+        cluster.mqtt[0],
+        &format!("bench-pinger-{mode}"),
+        vec!["bench/unused".into()],
+        |_, _| {},
+    )
+    .ok();
+    let (mut broker_ms, mut node_ms, mut delay_ms, mut reconnect_ms) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for k in 0..kills {
+        std::thread::sleep(Duration::from_secs(3));
+        let Some(on) =
+            connected_port(&node.log()).and_then(|p| cluster.mqtt.iter().position(|&m| m == p))
+        else {
+            println!("rmqtt {mode}: kill {k}: cannot tell which broker the node is on");
+            break;
+        };
+        let survivor = if on == 1 { 2 } else { 1 };
+        let probe_id = format!("bench-probe-{mode}-{k}");
+        let topic = format!("bench/probe/{mode}/{k}");
+        let pre = probe_connect(cluster.mqtt[on], &probe_id, &topic, Duration::from_secs(30));
+        let connects_before = node.log().matches("connected to MQTT broker").count();
+        let t0 = Instant::now();
+        cluster.kill(on);
+        drop(pre);
+        // The broker's own recovery, measured beside the node's.
+        let port = cluster.mqtt[survivor];
+        let probe = std::thread::spawn(move || -> Option<Duration> {
+            let end = t0 + Duration::from_secs(60);
+            while Instant::now() < end {
+                if let Some(mut s) = probe_connect(port, &probe_id, &topic, Duration::from_secs(30))
+                {
+                    // Subscribed: the pings reach it once the cluster routes to it (a
+                    // dropped connection connects again).
+                    if probe_hears(&mut s, end) {
+                        return Some(t0.elapsed());
+                    }
+                } else {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            None
+        });
+        let ping_topic = format!("bench/probe/{mode}/{k}");
+        let command_topic = format!("cyberwave/cloud-node/{uuid}/command");
+        let mut answered = None;
+        let mut reconnected = None;
+        let mut i = 0;
+        let end = t0 + Duration::from_secs(60);
+        let mut sent = Vec::new();
+        while Instant::now() < end && (answered.is_none() || !probe.is_finished()) {
+            if let Some(p) = &pinger {
+                let _ = p.publish(&ping_topic, b"ping", None);
+            }
+            if answered.is_none() {
+                let rid = format!("fo-{mode}-{k}-{i}");
+                i += 1;
+                // Through the pinger, not the backend's own client: node 1 holds a PUBACK while
+                // it cannot forward to the dead node, and the backend's sender gives up on it.
+                if let Some(p) = &pinger {
+                    let body = json!({"command": "status", "request_id": rid}).to_string();
+                    let _ = p.publish(&command_topic, body.as_bytes(), None);
+                }
+                sent.push(rid);
+                answered = sent.iter().filter_map(|r| cp.reply_time(r)).min();
+            }
+            if reconnected.is_none()
+                && node.log().matches("connected to MQTT broker").count() > connects_before
+            {
+                reconnected = Some(t0.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let broker = probe.join().ok().flatten();
+        let node_d = answered.map(|a| a.saturating_duration_since(t0));
+        println!(
+            "rmqtt {mode}: kill {k} of node {}: broker recovered {}, node reconnected {}, status answered {}",
+            on + 1,
+            broker.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+            reconnected.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+            node_d.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+        );
+        if let Some(b) = broker {
+            broker_ms.push(ms(b));
+        }
+        if let Some(n) = node_d {
+            node_ms.push(ms(n));
+        }
+        if let Some(r) = reconnected {
+            reconnect_ms.push(ms(r));
+        }
+        if let (Some(b), Some(n)) = (broker, node_d) {
+            delay_ms.push(ms(n) - ms(b));
+        }
+        // The killed node comes back and routes again before the next kill.
+        if !cluster.spawn(on) || routes(&cluster, 0, on, &format!("{mode}-back-{k}")).is_none() {
+            println!(
+                "rmqtt {mode}: cluster node {} did not come back; its log:\n{}",
+                on + 1,
+                cluster.log(on)
+            );
+            break;
+        }
+    }
+    line(
+        &format!("rmqtt {mode}: kill → broker recovered (probe)"),
+        broker_ms,
+        kills,
+    );
+    line(
+        &format!("rmqtt {mode}: kill → node reconnected"),
+        reconnect_ms,
+        kills,
+    );
+    line(
+        &format!("rmqtt {mode}: kill → status answered"),
+        node_ms,
+        kills,
+    );
+    line(
+        &format!("rmqtt {mode}: node-side delay beyond the broker's"),
+        delay_ms,
+        kills,
+    );
+    if let Some(p) = pinger {
+        p.close();
+    }
+    delivery(mode, &setup, &cp, &node);
+}
+
+/// Ends the workload and checks every byte of its stdout and its completion arrived once.
+fn delivery(mode: &str, setup: &NodeSetup, cp: &ControlPlane, node: &NodeProcess) {
+    let _ = std::fs::write(setup.cwd.join("stop"), "");
+    let done = cp.wait_status("wl-fo", "completed", Duration::from_secs(120));
+    // The last log messages may trail the completion.
+    std::thread::sleep(Duration::from_secs(5));
+    let file = setup
+        .home
+        .join(".cyberwave/workload_logs/inference_fo.stdout.log");
+    let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    let mut chunks: Vec<(u64, u64)> = cp
+        .requests("logs")
+        .iter()
+        .filter(|r| r.body["workload_uuid"] == "wl-fo")
+        .filter(|r| r.body["log_type"].as_str().is_none_or(|s| s == "stdout"))
+        .filter_map(|r| Some((r.body["offset"].as_u64()?, r.body["length"].as_u64()?)))
+        .collect();
+    chunks.sort_unstable();
+    let (mut covered, mut twice, mut at) = (0u64, 0u64, 0u64);
+    for (off, len) in &chunks {
+        let end = off + len;
+        if end > at {
+            let fresh_from = at.max(*off);
+            covered += end - fresh_from;
+            twice += fresh_from - off;
+            at = end;
+        } else {
+            twice += len;
+        }
+    }
+    let completions = cp
+        .statuses("wl-fo")
+        .iter()
+        .filter(|b| b["status"] == "completed")
+        .count();
+    println!(
+        "rmqtt {mode}: log bytes: {covered} of {size} arrived, {} missing, {twice} duplicated ({} messages); completion arrived {completions}× {}",
+        size.saturating_sub(covered),
+        chunks.len(),
+        if done.is_some() { "" } else { "(none within 120 s)" }
+    );
+    let log = node.log();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", node.pid())).unwrap_or_default();
+    let alive = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next())
+        .is_some_and(|state| state != "Z" && state != "X");
+    println!(
+        "rmqtt {mode}: node {} at the end; {} connects in its log, {} WARN and {} ERROR lines",
+        if alive { "running" } else { "DEAD" },
+        log.matches("connected to MQTT broker").count(),
+        log.matches(" WARN ").count(),
+        log.matches(" ERROR ").count()
+    );
+    for l in log.lines().filter(|l| l.contains(" ERROR ")) {
+        println!(
+            "rmqtt {mode}: node: {}",
+            l.chars().take(240).collect::<String>()
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! The loop's I/O handles as one value: the MQTT client and its naming, the feeders' channels
+//! (broker events, reaped pids, spawn outcomes, log growth, worker results, acknowledgements,
+//! control-socket requests, GPU snapshots) and the threads the loop sends work to (tailer,
+//! workers, the ack thread, the GPU monitor). The parts never see it: each reaches the world
+//! through its own `Outbound`, which the loop builds from these handles (one adapter pattern:
+//! a struct that borrows the handles it needs for the length of one call).
+
+use std::path::PathBuf;
+use std::time::SystemTime;
+
+use std::time::Duration;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+
+use crate::config::credentials::Identity;
+use crate::config::Settings;
+use crate::store::CLIENT_ID_CONFLICT;
+use crate::workload::Layout;
+
+use crate::mqtt::{Mqtt, MqttEvent};
+use crate::protocol::topics::Topics;
+use crate::workers::{Done, Workers};
+use crate::workload::reaper::Reaped;
+use crate::workload::tail::{Event as TailEvent, Tailer};
+
+/// The PUBACK of an ingress event: `Ok`, or `Err(Some((why, permanent)))` when the broker
+/// refused it, `Err(None)` when no acknowledgement came.
+pub type Acked = (u64, Result<(), Option<(String, bool)>>);
+/// An ingress event's sequence number and its delivery token, for the ack thread.
+pub type Tracked = (u64, paho_mqtt::DeliveryToken);
+
+/// Waits for delivery tokens, in order, off the event loop.
+pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)> {
+    let (tx, rx) = unbounded::<Tracked>();
+    let (atx, arx) = unbounded();
+    std::thread::Builder::new()
+        .name("acks".into())
+        .spawn(move || {
+            for (seq, token) in rx {
+                let result = token.wait_for(Duration::from_secs(30)).map(|_| ());
+                let acked = match crate::mqtt::refusal_of(&result) {
+                    Some(refused) => Err(Some(refused)),
+                    None => result.map_err(|_| None),
+                };
+                if atx.send((seq, acked)).is_err() {
+                    return;
+                }
+            }
+        })?;
+    Ok((tx, arx))
+}
+
+pub struct Io {
+    /// Time, injected so timers can be driven in tests without sleeping.
+    pub clock: Box<dyn super::Clock>,
+    /// The state dir's layout.
+    pub layout: Layout,
+    pub mqtt: Mqtt,
+    pub events: Receiver<MqttEvent>,
+    pub topics: Topics,
+    /// The node token every request carries.
+    pub token: String,
+    pub reaped: Receiver<Reaped>,
+    pub spawned: Receiver<crate::workload::spawner::Outcome>,
+    pub tailer: Tailer,
+    pub chunks: Receiver<TailEvent>,
+    pub workers: Workers,
+    pub worker_done: Receiver<Done>,
+    pub acks_tx: Sender<Tracked>,
+    pub acked: Receiver<Acked>,
+    pub control: Receiver<crate::control::Request>,
+    pub gpu_rx: Receiver<crate::gpu::Snapshot>,
+    /// The GPU monitor thread (none when it could not start).
+    pub gpu_monitor: Option<crate::gpu::Monitor>,
+}
+
+impl Io {
+    /// The broker session's [`super::session::Outbound`] on these handles.
+    pub fn wire<'a>(&'a self, s: &Settings) -> Wire<'a> {
+        Wire {
+            io: self,
+            identity_path: s.identity_path(),
+            state: &self.layout.state,
+        }
+    }
+}
+
+/// What the session does to the world, done with the node's MQTT client and state dir.
+pub struct Wire<'a> {
+    pub io: &'a Io,
+    identity_path: PathBuf,
+    state: &'a std::path::Path,
+}
+
+impl super::session::Outbound for Wire<'_> {
+    fn connect(&mut self) {
+        self.io.mqtt.start_connect();
+    }
+    fn is_connected(&self) -> bool {
+        self.io.mqtt.is_connected()
+    }
+    fn endpoint(&self) -> String {
+        self.io.mqtt.endpoint()
+    }
+    fn endpoint_count(&self) -> usize {
+        self.io.mqtt.endpoint_count()
+    }
+    fn next_endpoint(&mut self) {
+        self.io.mqtt.next_endpoint();
+    }
+    fn subscribe(&mut self, topics: &[String]) {
+        self.io.mqtt.subscribe(topics);
+    }
+    fn subscribe_confirmed(&mut self, topics: &[String]) {
+        self.io.mqtt.subscribe_confirmed(topics);
+    }
+    fn unsubscribe(&mut self, topic: &str) {
+        self.io.mqtt.unsubscribe(topic);
+    }
+    fn request(&mut self, topic: &str, payload: Vec<u8>, correlation: &[u8]) {
+        self.io.mqtt.publish_request(
+            topic,
+            payload,
+            &self.io.topics.inbox(),
+            correlation,
+            &self.io.token,
+        );
+    }
+    fn save_identity(&mut self, identity: &Identity) -> Result<(), String> {
+        identity
+            .save(&self.identity_path)
+            .map_err(|e| format!("{}: {e}", self.identity_path.display()))
+    }
+    fn mark_client_id_conflict(&mut self) {
+        let marker = self.state.join(CLIENT_ID_CONFLICT);
+        let _ = crate::store::write_atomic(
+            &marker,
+            crate::util::rfc3339(SystemTime::now()).as_bytes(),
+            0o600,
+        );
+    }
+    fn notify(&mut self, state: &str) {
+        crate::systemd::notify(state);
+    }
+}

@@ -99,6 +99,9 @@ fn proc_stats(pid: i32) -> (u64, u64, f64) {
 }
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("__stamp") {
+        return start::stamp(); // the start benchmark's workload
+    }
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo test --benches` asks for a list; nothing to list
     }

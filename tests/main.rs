@@ -32,6 +32,7 @@ mod no_panic;
 mod operate;
 mod persist;
 mod pip;
+mod plain_argv;
 mod platform;
 mod results;
 mod starts;

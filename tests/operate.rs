@@ -320,12 +320,19 @@ fn the_metrics_file_is_prometheus_text_and_its_counters_move() {
     );
     let after = wait_for(Duration::from_secs(10), || {
         let s = parse_prometheus(&std::fs::read_to_string(&metrics).ok()?);
-        (sample(
+        // Both completions counted: the file is rewritten on its own interval, so one may
+        // show before the other.
+        let failures = sample(
             &s,
             "cyberwave_node_completions_total",
             "{outcome=\"failure\"}",
-        ) == 1.0)
-            .then_some(s)
+        );
+        let successes = sample(
+            &s,
+            "cyberwave_node_completions_total",
+            "{outcome=\"success\"}",
+        );
+        (failures >= 1.0 && successes >= 1.0).then_some(s)
     })
     .expect("counters moved");
     assert_eq!(sample(&after, "cyberwave_node_starts_total", ""), 2.0);

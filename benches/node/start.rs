@@ -1,9 +1,14 @@
 //! `./scripts/bench start`: how fast a start command becomes a running workload process, and
 //! whether `status` is still answered at once while starts are in flight on a slow disk.
 //!
-//! "Process started" is the workload's own first action: its shell writes `$EPOCHREALTIME` to
-//! a file named after its request id. The slow disk is `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every
-//! fsync of the node's state sleeps that long first; honoured by every build).
+//! "Process started" is the workload's own first action: it writes the wall clock to a file named
+//! after its request id. In the normal-disk case the workload is this benchmark's own binary
+//! (`… __stamp`, see [`stamp`]) started three ways, interleaved round by round: by the node from a
+//! plain word list (exec'd by the supervisor without a shell since issue 25 item 5), by the node
+//! through bash (the same words with a `# comment`), and by the benchmark itself with a bare
+//! fork+exec, the floor. Elsewhere it is a shell writing `$EPOCHREALTIME`. The slow disk is
+//! `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every fsync of the node's state sleeps that long first;
+//! honoured by every build).
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -27,20 +32,55 @@ pub fn run(sequential: usize) {
     sequential_starts(&broker, &cp, sequential, None);
     sequential_starts(&broker, &cp, sequential.min(30), Some(SLOW_FSYNC_MS));
     concurrent_starts(&broker, &cp);
+    println!("Python original: not installed here (pip install cyberwave-cloud-node==<the original's version> to compare)");
 }
 
+/// `… __stamp`: the workload of the normal-disk case. Writes the wall clock (seconds since the
+/// epoch) to `t/$CYBERWAVE_REQUEST_ID.start` in its working directory and exits.
+pub fn stamp() {
+    let now = epoch(SystemTime::now());
+    let rid = std::env::var("CYBERWAVE_REQUEST_ID").unwrap_or_default();
+    let _ = std::fs::write(format!("t/{rid}.start"), format!("{now:.6}\n"));
+}
+
+/// The stamping workload: this benchmark's own binary.
+fn stamper() -> String {
+    std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// `inference`: the stamper as a plain word list; `training`: the same through bash (a comment
+/// is shell syntax; bash still execs the one command in its place); `simulate`: a shell script
+/// (the slow-disk cases).
 fn setup(broker: &Broker, cp: &ControlPlane, slow_ms: Option<u64>) -> NodeSetup {
     let mut setup = NodeSetup::new(broker, cp);
     setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "64");
     if let Some(ms) = slow_ms {
         setup.set("CYBERWAVE_TEST_SLOW_FSYNC_MS", &ms.to_string());
     }
+    let exe = stamper();
     setup.write(
         "cyberwave.yml",
-        "cyberwave:\n  inference: |\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.start\n    sleep ${SLEEP_S:-0}\n",
+        &format!("cyberwave:\n  inference: {exe} __stamp\n  training: {exe} __stamp # through bash\n  simulate: |\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.start\n    sleep ${{SLEEP_S:-0}}\n"),
     );
     std::fs::create_dir_all(setup.cwd.join("t")).ok();
     setup
+}
+
+/// The floor: the stamper started by a bare fork+exec from here (std's `Command`), in the
+/// node's working directory; wall time before the spawn → its stamp.
+fn floor_start(setup: &NodeSetup, rid: &str) -> Option<Duration> {
+    let wall = SystemTime::now();
+    let mut child = std::process::Command::new(stamper())
+        .arg("__stamp")
+        .env("CYBERWAVE_REQUEST_ID", rid)
+        .current_dir(&setup.cwd)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let _ = child.wait();
+    started_at(setup, rid).map(|s| Duration::from_secs_f64((s - epoch(wall)).max(0.0)))
 }
 
 fn started_at(setup: &NodeSetup, rid: &str) -> Option<f64> {
@@ -70,48 +110,71 @@ fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Opti
         })
         .collect();
     std::env::set_var("CYBERWAVE_NODE_BIN", &bins[0].1);
-    let mut started = vec![Vec::new(); nodes.len()];
-    let mut replied = vec![Vec::new(); nodes.len()];
+    // Normal disk: per node the plain word list and the same through bash, then the floor,
+    // round by round. Slow disk: the shell script.
+    let kinds: &[(&str, &str)] = if slow_ms.is_some() {
+        &[("simulate", "")]
+    } else {
+        &[
+            ("inference", ", plain argv"),
+            ("training", ", through bash"),
+        ]
+    };
+    let cases = nodes.len() * kinds.len();
+    let mut started = vec![Vec::new(); cases];
+    let mut replied = vec![Vec::new(); cases];
+    let mut floor = Vec::new();
     // Request ids of their own per run: the fake backend keeps every reply it saw.
     let tag = if slow_ms.is_some() { "slow" } else { "fast" };
-    for i in 0..n * nodes.len() {
-        let k = i % nodes.len();
+    for i in 0..n * cases {
+        let c = i % cases;
+        let (k, kind) = (c / kinds.len(), kinds[c % kinds.len()].0);
         let (_, setup, node) = &nodes[k];
         let rid = format!("{tag}{i}");
         let wall = SystemTime::now();
         let t = Instant::now();
         cp.command(
             &node.uuid(),
-            json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("w{rid}")}}),
+            json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("w{rid}")}}),
         );
         if cp.wait_reply(&rid, Duration::from_secs(20)).is_none() {
             continue;
         }
         if let Some(at) = cp.reply_time(&rid) {
-            replied[k].push(at.saturating_duration_since(t));
+            replied[c].push(at.saturating_duration_since(t));
         }
         let s = super::support::wait_for(Duration::from_secs(5), || started_at(setup, &rid));
         if let Some(s) = s {
-            started[k].push(Duration::from_secs_f64((s - epoch(wall)).max(0.0)));
+            started[c].push(Duration::from_secs_f64((s - epoch(wall)).max(0.0)));
         }
         // Let it end before the next one: one start at a time.
         cp.wait_status(&format!("w{rid}"), "completed", Duration::from_secs(10));
+        if slow_ms.is_none() && c + 1 == cases {
+            if let Some(d) = floor_start(setup, &format!("floor{i}")) {
+                floor.push(d);
+            }
+        }
     }
     let disk = match slow_ms {
         None => "normal disk".to_string(),
         Some(ms) => format!("fsync {ms} ms"),
     };
-    for (k, (label, ..)) in nodes.iter().enumerate() {
+    for (c, (started, replied)) in started.into_iter().zip(replied).enumerate() {
+        let label = &nodes[c / kinds.len()].0;
+        let how = kinds[c % kinds.len()].1;
         report(
-            &format!("command → workload process started ({disk}){label}"),
-            std::mem::take(&mut started[k]),
+            &format!("command → workload started ({disk}{how}){label}"),
+            started,
             "p99 ≤ 5 ms",
         );
         report(
-            &format!("command → start reply ({disk}){label}"),
-            std::mem::take(&mut replied[k]),
+            &format!("command → start reply ({disk}{how}){label}"),
+            replied,
             "-",
         );
+    }
+    if slow_ms.is_none() {
+        report("bare fork+exec → workload started (floor)", floor, "-");
     }
 }
 
@@ -129,7 +192,7 @@ fn concurrent_starts(broker: &Broker, cp: &ControlPlane) {
         sent.push((rid.clone(), SystemTime::now()));
         cp.command(
             &uuid,
-            json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("wc{i}")}}),
+            json!({"command": "simulate", "request_id": rid, "params": {"workload_uuid": format!("wc{i}")}}),
         );
     }
     let all_replied = || sent.iter().all(|(r, _)| !cp.replies_for(r).is_empty());

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::error::SpawnError;
-use super::launch::StartRequest;
 use super::record::Layout;
+use super::request::StartRequest;
 use super::user::{self, WorkloadUser};
 use crate::config::Settings;
 use crate::store;

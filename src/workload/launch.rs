@@ -2,45 +2,21 @@
 //! forked ([`super::settle`] is step 2).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::environment;
 use super::error::SpawnError;
 use super::inputs;
 use super::procinfo;
-use super::record::{unix_now, Layout, Meta, WorkflowCtx};
+use super::record::{unix_now, Layout, Meta};
+use super::request::StartRequest;
 use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
 use crate::config::Settings;
-use crate::protocol::commands::Kind;
 use crate::store;
-
-/// What a start needs beyond the settings (owned: it travels to the spawner thread).
-#[derive(Debug, Clone)]
-pub struct StartRequest {
-    pub kind: Kind,
-    pub request_id: Value,
-    pub safe_id: String,
-    pub params: Map<String, Value>,
-    pub template: String,
-    /// The node's own API token (empty in standalone mode).
-    pub node_token: String,
-    pub max_runtime_s: Option<f64>,
-    pub workflow: Option<WorkflowCtx>,
-    /// The node's control socket, for `emit`.
-    pub socket: PathBuf,
-    /// Its GPUs (D36): `Some` sets the CUDA/NVIDIA variables (an empty list hides every GPU).
-    pub gpus: Option<Vec<String>>,
-    /// This workload's own results folder (D24), when result uploads are on.
-    pub results_dir: Option<PathBuf>,
-    /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
-    pub event_token: String,
-    /// The node's instance UUID (`CYBERWAVE_CLOUD_NODE_ID`, D45).
-    pub node_uuid: String,
-}
 
 /// A shim that was forked and has not reported the workload's pid yet.
 pub struct Launched {

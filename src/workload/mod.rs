@@ -12,6 +12,7 @@ pub mod procinfo;
 pub mod reaper;
 pub mod record;
 pub mod recover;
+pub mod request;
 pub mod settle;
 pub mod shim;
 pub mod spawner;
@@ -25,11 +26,12 @@ pub use environment::NODE_ONLY_VARS;
 pub use error::SpawnError;
 pub use exit::load_exit;
 pub use inputs::{base64_decode, module_function, module_of, shell_quote};
-pub use launch::{launch, Launched, StartRequest};
+pub use launch::{launch, Launched};
 pub use record::{
     load_json, load_meta, parse_meta_bytes, read_json, save_meta, unix_now, Cancel, Layout, Meta,
     MetaKind, WorkflowCtx, KINDS, UNKNOWN_KIND,
 };
 pub use recover::{recover_meta, Recovered};
+pub use request::StartRequest;
 pub use settle::{make_durable, settle};
 pub use summary::{failure_summary, tail};

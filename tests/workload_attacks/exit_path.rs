@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
-use crate::support::timeouts::READY;
+use crate::support::timeouts::{READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane};
 
 fn rig(manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
@@ -218,7 +218,10 @@ fn g13_a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_t
         .wait_reply("fill2", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
     assert_eq!(reply["status"], "ok", "{reply}");
-    let shim = started(&setup, "fill2").and_then(|s| s["shim_pid"].as_i64());
+    // The supervisor writes started.json right after it reports the pid: wait, do not race it.
+    let shim = wait_for(REPLY, || {
+        started(&setup, "fill2").and_then(|s| s["shim_pid"].as_i64())
+    });
     node.kill9();
     std::fs::write(setup.cwd.join("t/go"), "").unwrap();
     // The workload ends; its supervisor does not wait for space that only the node could free.

@@ -680,12 +680,13 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
     /// at least 30 s between attempts so the two do not take the session from each other
     /// several times a second (D33).
     fn duplicate_client_id(&mut self, sign: &str, now: Instant, out: &mut dyn Outbound) {
+        // Recorded before it is said, so whoever reads the line finds the record (`doctor`).
+        out.mark_client_id_conflict();
         log::error!(
             "another client uses this node's MQTT client id {} ({sign}); most likely a copy of this state dir {} runs on another host, and each takes the session from the other. Give the copy its own identity: stop it, delete node_id and instance_identity.json in its state dir, start it again. Reconnecting in 30 s",
             self.cfg.topics.client_id(),
             self.cfg.state_dir
         );
-        out.mark_client_id_conflict();
         if let Conn::Disconnected {
             next_attempt,
             attempt,

@@ -261,6 +261,11 @@ impl Node {
         }
         self.timers.due.metrics = crate::util::later(now, self.s.tuning.metrics_interval);
         let m = &self.life.metrics;
+        let queued = self
+            .durable
+            .outbox
+            .len()
+            .saturating_add(self.ingress.queue.len()) as u64;
         let mut t = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
             let _ = writeln!(
@@ -328,13 +333,7 @@ impl Node {
             "outbox_depth",
             "gauge",
             "Completions and events waiting for acknowledgement.",
-            vec![(
-                String::new(),
-                self.durable
-                    .outbox
-                    .len()
-                    .saturating_add(self.ingress.queue.len()) as u64,
-            )],
+            vec![(String::new(), queued)],
         );
         metric(
             "log_bytes_streamed_total",

@@ -12,16 +12,20 @@ pub const EXIT_RUNTIME: i32 = Exit::Runtime.code();
 pub const EXIT_USAGE: i32 = Exit::Usage.code();
 pub const EXIT_CREDENTIALS: i32 = Exit::Credentials.code();
 
-pub fn run(args: &[String]) -> i32 {
+/// The hidden modes, started by the node itself or by the packaging, never by a person: the
+/// workload supervisor, the packaged unit, the man page and the completions. `None`: not one.
+fn hidden_mode(args: &[String]) -> Option<i32> {
     // The workload supervisor mode (started by the node itself, never by a person).
     if args.first().map(String::as_str) == Some("__shim") {
         // Blocked before any thread exists (the shim outlives a stopping node: signals.rs).
         crate::signals::block_in_this_thread();
-        return crate::workload::shim::run(args.get(1..).unwrap_or_default());
+        return Some(crate::workload::shim::run(
+            args.get(1..).unwrap_or_default(),
+        ));
     }
     // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
     if args.first().map(String::as_str) == Some("__print-unit") {
-        return match crate::systemd::paths(false) {
+        return Some(match crate::systemd::paths(false) {
             Ok(p) => {
                 crate::out!(
                     "{}",
@@ -34,22 +38,28 @@ pub fn run(args: &[String]) -> i32 {
                 EXIT_OK
             }
             Err(e) => error::report(&CliError::Runtime(e.to_string())),
-        };
+        });
     }
     // The man page and the shell completions, for the packages (hidden from --help).
     match (args.first().map(String::as_str), args.get(1)) {
-        (Some("__man"), None) => return crate::manpage::print(&crate::manpage::man_page()),
+        (Some("__man"), None) => Some(crate::manpage::print(&crate::manpage::man_page())),
         (Some("__completions"), shell) => {
-            return match shell.and_then(|s| crate::manpage::completions(s)) {
+            Some(match shell.and_then(|s| crate::manpage::completions(s)) {
                 Some(script) if args.len() == 2 => crate::manpage::print(&script),
                 _ => {
                     let usage = "error: usage: cyberwave-cloud-node __completions bash|zsh|fish";
                     let _ = writeln!(std::io::stderr(), "{usage}");
                     EXIT_USAGE
                 }
-            };
+            })
         }
-        _ => {}
+        _ => None,
+    }
+}
+
+pub fn run(args: &[String]) -> i32 {
+    if let Some(code) = hidden_mode(args) {
+        return code;
     }
     let inv = match cli::parse(args) {
         Ok(Parsed::Version) => {

@@ -591,6 +591,24 @@ fn run_program(
     let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
         return Err(RunError::Failed("no output pipe".into()));
     };
+    let (bufs, result) = read_both(&mut out, &mut err, timeout);
+    let code = reap(&mut child, pgid, result.is_err());
+    // No signal after this point: once the leader is reaped its id may be another's.
+    let [so, se] = bufs;
+    result.map(|()| Output {
+        stdout: String::from_utf8_lossy(&so).into_owned(),
+        stderr: String::from_utf8_lossy(&se).into_owned(),
+        code,
+    })
+}
+
+/// Reads the child's two pipes until both end, `timeout` passes or the output grows past
+/// [`MAX_OUTPUT`]; what each printed so far comes back either way.
+fn read_both(
+    out: &mut std::process::ChildStdout,
+    err: &mut std::process::ChildStderr,
+    timeout: Duration,
+) -> ([Vec<u8>; 2], Result<(), RunError>) {
     let deadline = Instant::now().checked_add(timeout);
     let mut bufs: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
     let mut open = [true, true];
@@ -660,6 +678,13 @@ fn run_program(
             break Err(f);
         }
     };
+    (bufs, result)
+}
+
+/// Kills the child's group when `failed` (a timeout or a read error), then reaps the leader
+/// unless the node's reaper does (then this returns at once); a leader that outlives its output
+/// is killed with its group. Its exit code, where it was seen.
+fn reap(child: &mut std::process::Child, pgid: i32, failed: bool) -> Option<i32> {
     let kill = || {
         if pgid > 0 {
             // SAFETY: the group is the child's own (process_group(0)), whose leader has not
@@ -671,7 +696,7 @@ fn run_program(
     };
     // The leader is alive or a zombie here (the reaper collects only what has exited, and a
     // timed-out leader has not), so the group id is still its own.
-    if result.is_err() {
+    if failed {
         kill();
     }
     // Reap it unless the node's reaper does (then this returns an error at once); a leader
@@ -692,13 +717,7 @@ fn run_program(
             Err(_) => break,
         }
     }
-    // No signal after this point: once the leader is reaped its id may be another's.
-    let [so, se] = bufs;
-    result.map(|()| Output {
-        stdout: String::from_utf8_lossy(&so).into_owned(),
-        stderr: String::from_utf8_lossy(&se).into_owned(),
-        code,
-    })
+    code
 }
 
 /// The monitor's settings.

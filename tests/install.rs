@@ -283,6 +283,8 @@ fn pid_in(out: &str) -> Option<i32> {
     out.get(at + 6..)?.split(')').next()?.trim().parse().ok()
 }
 
+type Env = std::collections::BTreeMap<String, String>;
+
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_without_home() {
@@ -304,106 +306,131 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
     );
     env.insert("NO_COLOR".into(), "1".into());
     env.insert("COLUMNS".into(), "200".into());
-    let cli = venv.join("bin/cyberwave").display().to_string();
     let ns = Namespace::new();
-    let status = |ns: &Namespace| -> serde_json::Value {
-        let (_, out) = ns.run(&env, &["cyberwave-cloud-node", "status", "--json"]);
-        serde_json::from_str(out.trim()).unwrap_or_default()
+    let cli = Cli {
+        ns: &ns,
+        env: &env,
+        cli: venv.join("bin/cyberwave").display().to_string(),
+        manifest: manifest.to_str().unwrap(),
     };
-    let wait_ready = |ns: &Namespace, pid: i32| {
+    let started = cli.start_and_look();
+    let second = cli.restart(started);
+    cli.stop(second);
+    let unit = cli_unit(&ns, &env, &venv, &bin.join("cyberwave-cloud-node"));
+    doctor_names_what_the_unit_lacks(&env, &unit);
+    unit_runs_without_home(&ns, &env, &cp.http_url, &unit);
+}
+
+/// The platform's CLI (`<venv>/bin/cyberwave`) run in the namespace with `env`.
+struct Cli<'a> {
+    ns: &'a Namespace,
+    env: &'a Env,
+    cli: String,
+    manifest: &'a str,
+}
+
+impl Cli<'_> {
+    /// `cyberwave-cloud-node status --json` in the namespace.
+    fn status(&self) -> serde_json::Value {
+        let (_, out) = self
+            .ns
+            .run(self.env, &["cyberwave-cloud-node", "status", "--json"]);
+        serde_json::from_str(out.trim()).unwrap_or_default()
+    }
+
+    /// The status once node `pid` runs and is registered (20 s).
+    fn wait_ready(&self, pid: i32) -> serde_json::Value {
         crate::support::wait_for(Duration::from_secs(20), || {
-            let st = status(ns);
+            let st = self.status();
             (st["running"] == true && st["registered"] == true && st["pid"] == pid).then_some(st)
         })
-        .unwrap_or_else(|| panic!("node {pid} not ready: {}", status(ns)))
-    };
+        .unwrap_or_else(|| panic!("node {pid} not ready: {}", self.status()))
+    }
 
-    // `compute start`: the node with no subcommand, in the background.
-    let (code, out) = ns.run(
-        &env,
-        &[
-            &cli,
-            "compute",
-            "start",
-            "--config",
-            manifest.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(code, Some(0), "{out}");
-    let first = pid_in(&out).unwrap_or_else(|| panic!("no pid in: {out}"));
-    let st = wait_ready(&ns, first);
-    assert_eq!(
-        ns.nodes(&env),
-        [first],
-        "pgrep -f 'cyberwave-cloud-node start' finds it"
-    );
-    let uuid = st["instance_uuid"].as_str().unwrap().to_string();
+    /// `compute start`, then `compute status` and `compute logs` on the node it started: its
+    /// pid and uuid.
+    fn start_and_look(&self) -> (i32, String) {
+        let (ns, env, cli) = (self.ns, self.env, self.cli.as_str());
+        // `compute start`: the node with no subcommand, in the background.
+        let (code, out) = ns.run(env, &[cli, "compute", "start", "--config", self.manifest]);
+        assert_eq!(code, Some(0), "{out}");
+        let first = pid_in(&out).unwrap_or_else(|| panic!("no pid in: {out}"));
+        let st = self.wait_ready(first);
+        assert_eq!(
+            ns.nodes(env),
+            [first],
+            "pgrep -f 'cyberwave-cloud-node start' finds it"
+        );
+        let uuid = st["instance_uuid"].as_str().unwrap().to_string();
 
-    // `compute status`: the identity the node stored where the CLI looks for it.
-    let (code, out) = ns.run(&env, &[&cli, "compute", "status"]);
-    assert_eq!(code, Some(0), "{out}");
-    assert!(out.contains(&format!("Node UUID: {uuid}")), "{out}");
-    assert!(!out.contains("Traceback"), "{out}");
+        // `compute status`: the identity the node stored where the CLI looks for it.
+        let (code, out) = ns.run(env, &[cli, "compute", "status"]);
+        assert_eq!(code, Some(0), "{out}");
+        assert!(out.contains(&format!("Node UUID: {uuid}")), "{out}");
+        assert!(!out.contains("Traceback"), "{out}");
 
-    // `compute logs`: the journal (there is none for this test node); it must not fail.
-    let (code, out) = ns.run(&env, &[&cli, "compute", "logs", "-n", "5"]);
-    assert_eq!(code, Some(0), "{out}");
-    assert!(!out.contains("Traceback"), "{out}");
+        // `compute logs`: the journal (there is none for this test node); it must not fail.
+        let (code, out) = ns.run(env, &[cli, "compute", "logs", "-n", "5"]);
+        assert_eq!(code, Some(0), "{out}");
+        assert!(!out.contains("Traceback"), "{out}");
+        (first, uuid)
+    }
 
-    // `compute restart`: SIGTERM, then a new node at once, on the same state dir.
-    let (code, out) = ns.run(
-        &env,
-        &[
-            &cli,
-            "compute",
-            "restart",
-            "--config",
-            manifest.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(code, Some(0), "{out}");
-    assert!(out.contains(&format!("Stopped PID {first}")), "{out}");
-    let second = pid_in(&out).unwrap_or_else(|| panic!("no pid in: {out}"));
-    let st = wait_ready(&ns, second);
-    assert_eq!(
-        st["instance_uuid"],
-        uuid.as_str(),
-        "the same identity after a restart"
-    );
-    assert_eq!(
-        ns.nodes(&env),
-        [second],
-        "the old node is gone, the new one runs"
-    );
+    /// `compute restart`: SIGTERM to `first`, then a new node at once, on the same state dir
+    /// (the same uuid): the new node's pid.
+    fn restart(&self, (first, uuid): (i32, String)) -> i32 {
+        let (ns, env, cli) = (self.ns, self.env, self.cli.as_str());
+        let (code, out) = ns.run(env, &[cli, "compute", "restart", "--config", self.manifest]);
+        assert_eq!(code, Some(0), "{out}");
+        assert!(out.contains(&format!("Stopped PID {first}")), "{out}");
+        let second = pid_in(&out).unwrap_or_else(|| panic!("no pid in: {out}"));
+        let st = self.wait_ready(second);
+        assert_eq!(
+            st["instance_uuid"],
+            uuid.as_str(),
+            "the same identity after a restart"
+        );
+        assert_eq!(
+            ns.nodes(env),
+            [second],
+            "the old node is gone, the new one runs"
+        );
+        second
+    }
 
-    // `compute stop`: finds it and stops it.
-    let (code, out) = ns.run(&env, &[&cli, "compute", "stop"]);
-    assert_eq!(code, Some(0), "{out}");
-    assert!(
-        out.contains(&format!("Stopped cloud node (PID: {second})")),
-        "{out}"
-    );
-    assert!(
-        crate::support::wait_for(Duration::from_secs(10), || ns
-            .nodes(&env)
-            .is_empty()
-            .then_some(()))
-        .is_some(),
-        "still running after compute stop: {:?}",
-        ns.nodes(&env)
-    );
-    let (_, out) = ns.run(&env, &[&cli, "compute", "stop"]);
-    assert!(out.contains("No running cloud node process found"), "{out}");
+    /// `compute stop`: finds node `second` and stops it; a second `stop` finds none.
+    fn stop(&self, second: i32) {
+        let (ns, env, cli) = (self.ns, self.env, self.cli.as_str());
+        let (code, out) = ns.run(env, &[cli, "compute", "stop"]);
+        assert_eq!(code, Some(0), "{out}");
+        assert!(
+            out.contains(&format!("Stopped cloud node (PID: {second})")),
+            "{out}"
+        );
+        assert!(
+            crate::support::wait_for(Duration::from_secs(10), || ns
+                .nodes(env)
+                .is_empty()
+                .then_some(()))
+            .is_some(),
+            "still running after compute stop: {:?}",
+            ns.nodes(env)
+        );
+        let (_, out) = ns.run(env, &[cli, "compute", "stop"]);
+        assert!(out.contains("No running cloud node process found"), "{out}");
+    }
+}
 
-    // The unit `compute install` writes, run as systemd runs it: root, `env -i`, no HOME; its
-    // config comes from what `cyberwave login` stored in root's ~/.cyberwave.
+/// The unit `compute install` writes for the node at `binary`: no `User=`, no
+/// `EnvironmentFile=`.
+fn cli_unit(ns: &Namespace, env: &Env, venv: &std::path::Path, binary: &std::path::Path) -> String {
     let (code, unit) = ns.run(
-        &env,
+        env,
         &[
             &venv.join("bin/python").display().to_string(),
             "-c",
             "import sys\nfrom cyberwave_cli.core import CLOUD_NODE_SPEC as s\nsys.stdout.write(s.unit_template.format(binary_path=sys.argv[1]))",
-            &bin.join("cyberwave-cloud-node").display().to_string(),
+            &binary.display().to_string(),
         ],
     );
     assert_eq!(code, Some(0), "{unit}");
@@ -411,9 +438,13 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
         !unit.contains("User=") && !unit.contains("EnvironmentFile="),
         "{unit}"
     );
-    // D44: `doctor` names what this very unit lacks when it masks the packaged one.
+    unit
+}
+
+/// D44: `doctor` names what this very unit lacks when it masks the packaged one.
+fn doctor_names_what_the_unit_lacks(env: &Env, unit: &str) {
     let units = crate::support::TempDir::new("cli-units");
-    units.write("etc/systemd/system/cyberwave-cloud-node.service", &unit);
+    units.write("etc/systemd/system/cyberwave-cloud-node.service", unit);
     let packaged = std::process::Command::new(node_bin())
         .arg("__print-unit")
         .output()
@@ -425,7 +456,7 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
     let doctor = std::process::Command::new(node_bin())
         .arg("doctor")
         .env_clear()
-        .envs(&env)
+        .envs(env)
         .env(
             "CYBERWAVE_NODE_SYSTEMD_DIRS",
             format!(
@@ -446,6 +477,11 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
             && l.contains("systemctl revert")),
         "{doctor}"
     );
+}
+
+/// The `unit`'s ExecStart run as systemd runs it: root, `env -i`, no HOME; its config comes
+/// from what `cyberwave login` stored in root's ~/.cyberwave (backend at `base_url`).
+fn unit_runs_without_home(ns: &Namespace, env: &Env, base_url: &str, unit: &str) {
     let exec: Vec<String> = unit
         .lines()
         .find_map(|l| l.strip_prefix("ExecStart="))
@@ -457,7 +493,7 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
     root_home.write(
         ".cyberwave/credentials.json",
         &serde_json::json!({"token": crate::support::node::TOKEN, "envs": {
-            "CYBERWAVE_BASE_URL": cp.http_url,
+            "CYBERWAVE_BASE_URL": base_url,
             "CYBERWAVE_MQTT_HOST": "127.0.0.1",
             "CYBERWAVE_MQTT_PORT": env["CYBERWAVE_MQTT_PORT"],
         }})
@@ -471,20 +507,20 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
     let home = crate::support::passwd_home_of_root();
     // In the namespace's own mounts only: the test's dir over root's home.
     let (code, out) = ns.run(
-        &env,
+        env,
         &["mount", "--bind", root_home.path().to_str().unwrap(), &home],
     );
     assert_eq!(code, Some(0), "{out}");
     let mut args: Vec<&str> = vec!["env", "-i", "--chdir=/"];
     args.extend(exec.iter().map(String::as_str));
     let unit_node = ns
-        .command(&env, &args)
+        .command(env, &args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let started =
-        crate::support::wait_for(Duration::from_secs(20), || ns.nodes(&env).first().copied());
+        crate::support::wait_for(Duration::from_secs(20), || ns.nodes(env).first().copied());
     // `status` in the namespace, as root without HOME, finds it through the passwd home too.
     let mut bare = std::collections::BTreeMap::new();
     bare.insert("PATH".to_string(), env["PATH"].clone());
@@ -493,10 +529,7 @@ fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_w
         let st: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_default();
         (st["registered"] == true).then_some(st)
     });
-    let _ = ns.run(
-        &env,
-        &["pkill", "-TERM", "-f", "cyberwave-cloud-node start"],
-    );
+    let _ = ns.run(env, &["pkill", "-TERM", "-f", "cyberwave-cloud-node start"]);
     let out = unit_node.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(started.is_some(), "the unit's node did not start: {log}");

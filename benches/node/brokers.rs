@@ -330,9 +330,70 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
     let Some(mut cluster) = Cluster::start(bin, mode) else {
         return;
     };
-    // The cluster routes between its nodes before anything else runs.
+    if !routes_up(&cluster, mode) {
+        return;
+    }
+    let cp = ControlPlane::start(cluster.mqtt[0], "");
+    let setup = node_setup(&cluster, &cp);
+    let node = setup.spawn();
+    let Some(uuid) = workload_started(mode, &cp, &node) else {
+        return;
+    };
+    let pinger = mqtt5::Client::connect(
+        cluster.mqtt[0],
+        &format!("bench-pinger-{mode}"),
+        vec!["bench/unused".into()],
+        |_, _| {},
+    )
+    .ok();
+    let mut samples = Samples::default();
+    for k in 0..kills {
+        std::thread::sleep(Duration::from_secs(3));
+        let Some(on) =
+            connected_port(&node.log()).and_then(|p| cluster.mqtt.iter().position(|&m| m == p))
+        else {
+            println!("rmqtt {mode}: kill {k}: cannot tell which broker the node is on");
+            break;
+        };
+        let run = Run {
+            mode,
+            k,
+            cp: &cp,
+            node: &node,
+            uuid: &uuid,
+            pinger: pinger.as_ref(),
+        };
+        let kill = kill_once(&mut cluster, &run, on);
+        println!(
+            "rmqtt {mode}: kill {k} of node {}: broker recovered {}, node reconnected {}, status answered {}",
+            on + 1,
+            kill.broker.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+            kill.reconnected.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+            kill.node.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+        );
+        samples.add(&kill);
+        // The killed node comes back and routes again before the next kill.
+        if !cluster.spawn(on) || routes(&cluster, 0, on, &format!("{mode}-back-{k}")).is_none() {
+            println!(
+                "rmqtt {mode}: cluster node {} did not come back; its log:\n{}",
+                on + 1,
+                cluster.log(on)
+            );
+            break;
+        }
+    }
+    samples.print(mode, kills);
+    if let Some(p) = pinger {
+        p.close();
+    }
+    delivery(mode, &setup, &cp, &node);
+}
+
+/// The cluster routes from node 1 to each other node before anything else runs; prints how
+/// long each took, or the logs of the pair that never routed (false).
+fn routes_up(cluster: &Cluster, mode: &str) -> bool {
     for to in 1..NODES {
-        match routes(&cluster, 0, to, &format!("{mode}-up-{to}")) {
+        match routes(cluster, 0, to, &format!("{mode}-up-{to}")) {
             Some(d) => println!(
                 "rmqtt {mode}: node 1 → node {} routed after {:.1} s",
                 to + 1,
@@ -345,11 +406,16 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
                     cluster.log(0),
                     cluster.log(to)
                 );
-                return;
+                return false;
             }
         }
     }
-    let cp = ControlPlane::start(cluster.mqtt[0], "");
+    true
+}
+
+/// The node: backend `cp`, cluster nodes 2 and 3 as its endpoints, production timings for
+/// what failover is about, and a workload streaming numbered lines until `stop` exists.
+fn node_setup(cluster: &Cluster, cp: &ControlPlane) -> NodeSetup {
     let mut setup = NodeSetup::bare();
     setup.set("CYBERWAVE_BASE_URL", &cp.http_url);
     setup.set("CYBERWAVE_API_KEY", TOKEN);
@@ -376,13 +442,18 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
         "cyberwave.yml",
         "cyberwave:\n  inference: |\n    i=0\n    while [ ! -f stop ]; do i=$((i+1)); echo \"line $i $EPOCHREALTIME 0123456789abcdefghijklmnopqrstuvwxyz\"; sleep 0.05; done\n    echo \"done $i\"\n",
     );
-    let node = setup.spawn();
+    setup
+}
+
+/// Waits for the node to be ready and starts its workload: the node's uuid, or None (and its
+/// log printed) when either never happens.
+fn workload_started(mode: &str, cp: &ControlPlane, node: &NodeProcess) -> Option<String> {
     if !node.wait_log("node ready", Duration::from_secs(120)) {
         println!(
             "rmqtt {mode}: the node never got ready; its log:\n{}",
             node.log()
         );
-        return;
+        return None;
     }
     let uuid = node.uuid();
     let started = wait_for(Duration::from_secs(60), || {
@@ -397,136 +468,155 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
             "rmqtt {mode}: the workload start was never answered; node log:\n{}",
             node.log()
         );
-        return;
+        return None;
     }
-    let pinger = mqtt5::Client::connect(
-        cluster.mqtt[0],
-        &format!("bench-pinger-{mode}"),
-        vec!["bench/unused".into()],
-        |_, _| {},
-    )
-    .ok();
-    let (mut broker_ms, mut node_ms, mut delay_ms, mut reconnect_ms) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for k in 0..kills {
-        std::thread::sleep(Duration::from_secs(3));
-        let Some(on) =
-            connected_port(&node.log()).and_then(|p| cluster.mqtt.iter().position(|&m| m == p))
-        else {
-            println!("rmqtt {mode}: kill {k}: cannot tell which broker the node is on");
-            break;
-        };
-        let survivor = if on == 1 { 2 } else { 1 };
-        let probe_id = format!("bench-probe-{mode}-{k}");
-        let topic = format!("bench/probe/{mode}/{k}");
-        let pre = probe_connect(cluster.mqtt[on], &probe_id, &topic, Duration::from_secs(30));
-        let connects_before = node.log().matches("connected to MQTT broker").count();
-        let t0 = Instant::now();
-        cluster.kill(on);
-        drop(pre);
-        // The broker's own recovery, measured beside the node's.
-        let port = cluster.mqtt[survivor];
-        let probe = std::thread::spawn(move || -> Option<Duration> {
-            let end = t0 + Duration::from_secs(60);
-            while Instant::now() < end {
-                if let Some(mut s) = probe_connect(port, &probe_id, &topic, Duration::from_secs(30))
-                {
-                    // Subscribed: the pings reach it once the cluster routes to it (a
-                    // dropped connection connects again).
-                    if probe_hears(&mut s, end) {
-                        return Some(t0.elapsed());
-                    }
-                } else {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+    Some(uuid)
+}
+
+/// What one kill needs besides the cluster: the cluster mode, the kill's number, the backend,
+/// the node, and the client on node 1 that pings the probe and carries the `status` commands.
+struct Run<'a> {
+    mode: &'a str,
+    k: usize,
+    cp: &'a ControlPlane,
+    node: &'a NodeProcess,
+    uuid: &'a str,
+    pinger: Option<&'a mqtt5::Client>,
+}
+
+/// One kill's clocks, each from the kill; None: not within 60 s.
+struct Kill {
+    /// The probe client heard a ping through the surviving endpoint.
+    broker: Option<Duration>,
+    /// The node's log reported a new connection.
+    reconnected: Option<Duration>,
+    /// A `status` command was answered.
+    node: Option<Duration>,
+}
+
+/// Kills cluster node `on` (the one the node is on) and measures the broker's recovery beside
+/// the node's.
+fn kill_once(cluster: &mut Cluster, run: &Run, on: usize) -> Kill {
+    let (mode, k) = (run.mode, run.k);
+    let survivor = if on == 1 { 2 } else { 1 };
+    let probe_id = format!("bench-probe-{mode}-{k}");
+    let topic = format!("bench/probe/{mode}/{k}");
+    let pre = probe_connect(cluster.mqtt[on], &probe_id, &topic, Duration::from_secs(30));
+    let connects_before = run.node.log().matches("connected to MQTT broker").count();
+    let t0 = Instant::now();
+    cluster.kill(on);
+    drop(pre);
+    // The broker's own recovery, measured beside the node's.
+    let probe = broker_probe(cluster.mqtt[survivor], probe_id, topic, t0);
+    let ping_topic = format!("bench/probe/{mode}/{k}");
+    let command_topic = format!("cyberwave/cloud-node/{}/command", run.uuid);
+    let mut answered = None;
+    let mut reconnected = None;
+    let mut i = 0;
+    let end = t0 + Duration::from_secs(60);
+    let mut sent = Vec::new();
+    while Instant::now() < end && (answered.is_none() || !probe.is_finished()) {
+        if let Some(p) = run.pinger {
+            let _ = p.publish(&ping_topic, b"ping", None);
+        }
+        if answered.is_none() {
+            let rid = format!("fo-{mode}-{k}-{i}");
+            i += 1;
+            // Through the pinger, not the backend's own client: node 1 holds a PUBACK while
+            // it cannot forward to the dead node, and the backend's sender gives up on it.
+            if let Some(p) = run.pinger {
+                let body = json!({"command": "status", "request_id": rid}).to_string();
+                let _ = p.publish(&command_topic, body.as_bytes(), None);
             }
-            None
-        });
-        let ping_topic = format!("bench/probe/{mode}/{k}");
-        let command_topic = format!("cyberwave/cloud-node/{uuid}/command");
-        let mut answered = None;
-        let mut reconnected = None;
-        let mut i = 0;
+            sent.push(rid);
+            answered = sent.iter().filter_map(|r| run.cp.reply_time(r)).min();
+        }
+        if reconnected.is_none()
+            && run.node.log().matches("connected to MQTT broker").count() > connects_before
+        {
+            reconnected = Some(t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    Kill {
+        broker: probe.join().ok().flatten(),
+        reconnected,
+        node: answered.map(|a| a.saturating_duration_since(t0)),
+    }
+}
+
+/// A probe client connecting to `port` over and over until the pings reach it: the time from
+/// `t0`, or None after 60 s.
+fn broker_probe(
+    port: u16,
+    probe_id: String,
+    topic: String,
+    t0: Instant,
+) -> std::thread::JoinHandle<Option<Duration>> {
+    std::thread::spawn(move || -> Option<Duration> {
         let end = t0 + Duration::from_secs(60);
-        let mut sent = Vec::new();
-        while Instant::now() < end && (answered.is_none() || !probe.is_finished()) {
-            if let Some(p) = &pinger {
-                let _ = p.publish(&ping_topic, b"ping", None);
-            }
-            if answered.is_none() {
-                let rid = format!("fo-{mode}-{k}-{i}");
-                i += 1;
-                // Through the pinger, not the backend's own client: node 1 holds a PUBACK while
-                // it cannot forward to the dead node, and the backend's sender gives up on it.
-                if let Some(p) = &pinger {
-                    let body = json!({"command": "status", "request_id": rid}).to_string();
-                    let _ = p.publish(&command_topic, body.as_bytes(), None);
+        while Instant::now() < end {
+            if let Some(mut s) = probe_connect(port, &probe_id, &topic, Duration::from_secs(30)) {
+                // Subscribed: the pings reach it once the cluster routes to it (a
+                // dropped connection connects again).
+                if probe_hears(&mut s, end) {
+                    return Some(t0.elapsed());
                 }
-                sent.push(rid);
-                answered = sent.iter().filter_map(|r| cp.reply_time(r)).min();
+            } else {
+                std::thread::sleep(Duration::from_millis(20));
             }
-            if reconnected.is_none()
-                && node.log().matches("connected to MQTT broker").count() > connects_before
-            {
-                reconnected = Some(t0.elapsed());
-            }
-            std::thread::sleep(Duration::from_millis(250));
         }
-        let broker = probe.join().ok().flatten();
-        let node_d = answered.map(|a| a.saturating_duration_since(t0));
-        println!(
-            "rmqtt {mode}: kill {k} of node {}: broker recovered {}, node reconnected {}, status answered {}",
-            on + 1,
-            broker.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
-            reconnected.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
-            node_d.map_or("never".into(), |d| format!("{:.0} ms", ms(d))),
+        None
+    })
+}
+
+/// Every kill's clocks, in ms, for the summary lines.
+#[derive(Default)]
+struct Samples {
+    broker_ms: Vec<f64>,
+    node_ms: Vec<f64>,
+    delay_ms: Vec<f64>,
+    reconnect_ms: Vec<f64>,
+}
+
+impl Samples {
+    fn add(&mut self, kill: &Kill) {
+        if let Some(b) = kill.broker {
+            self.broker_ms.push(ms(b));
+        }
+        if let Some(n) = kill.node {
+            self.node_ms.push(ms(n));
+        }
+        if let Some(r) = kill.reconnected {
+            self.reconnect_ms.push(ms(r));
+        }
+        if let (Some(b), Some(n)) = (kill.broker, kill.node) {
+            self.delay_ms.push(ms(n) - ms(b));
+        }
+    }
+
+    fn print(self, mode: &str, kills: usize) {
+        line(
+            &format!("rmqtt {mode}: kill → broker recovered (probe)"),
+            self.broker_ms,
+            kills,
         );
-        if let Some(b) = broker {
-            broker_ms.push(ms(b));
-        }
-        if let Some(n) = node_d {
-            node_ms.push(ms(n));
-        }
-        if let Some(r) = reconnected {
-            reconnect_ms.push(ms(r));
-        }
-        if let (Some(b), Some(n)) = (broker, node_d) {
-            delay_ms.push(ms(n) - ms(b));
-        }
-        // The killed node comes back and routes again before the next kill.
-        if !cluster.spawn(on) || routes(&cluster, 0, on, &format!("{mode}-back-{k}")).is_none() {
-            println!(
-                "rmqtt {mode}: cluster node {} did not come back; its log:\n{}",
-                on + 1,
-                cluster.log(on)
-            );
-            break;
-        }
+        line(
+            &format!("rmqtt {mode}: kill → node reconnected"),
+            self.reconnect_ms,
+            kills,
+        );
+        line(
+            &format!("rmqtt {mode}: kill → status answered"),
+            self.node_ms,
+            kills,
+        );
+        line(
+            &format!("rmqtt {mode}: node-side delay beyond the broker's"),
+            self.delay_ms,
+            kills,
+        );
     }
-    line(
-        &format!("rmqtt {mode}: kill → broker recovered (probe)"),
-        broker_ms,
-        kills,
-    );
-    line(
-        &format!("rmqtt {mode}: kill → node reconnected"),
-        reconnect_ms,
-        kills,
-    );
-    line(
-        &format!("rmqtt {mode}: kill → status answered"),
-        node_ms,
-        kills,
-    );
-    line(
-        &format!("rmqtt {mode}: node-side delay beyond the broker's"),
-        delay_ms,
-        kills,
-    );
-    if let Some(p) = pinger {
-        p.close();
-    }
-    delivery(mode, &setup, &cp, &node);
 }
 
 /// Ends the workload and checks every byte of its stdout and its completion arrived once.

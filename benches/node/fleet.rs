@@ -73,55 +73,26 @@ fn fan_out(cp: &ControlPlane, uuids: &[String], tag: &str) -> Vec<Duration> {
     got.into_values().collect()
 }
 
-pub fn run(n: usize) {
-    let idle = env_secs("CW_FLEET_IDLE_SECONDS", 60);
-    let outage = env_secs("CW_FLEET_OUTAGE_SECONDS", 3);
-    let mut broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    println!(
-        "fleet: {n} node processes started at once, one mosquitto, the fake backend; idle window {} s, broker outage {} s",
-        idle.as_secs(),
-        outage.as_secs()
-    );
-
-    // 1. exec → ready, all started at once.
-    let mut nodes: Vec<NodeProcess> = (0..n)
-        .map(|_| {
-            let mut s = NodeSetup::new(&broker, &cp);
-            // Production timings, not the test rig's fast ones.
-            for k in [
-                "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
-                "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
-                "CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS",
-                "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS",
-                "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
-            ] {
-                s.unset(k);
-            }
-            s.set("RUST_LOG", "info");
-            s.spawn()
-        })
-        .collect();
-    let mut ready: Vec<Option<Duration>> = vec![None; n];
-    let end = Instant::now() + Duration::from_secs(300);
-    while ready.iter().any(Option::is_none) && Instant::now() < end {
-        for (i, node) in nodes.iter().enumerate() {
-            if ready.get(i).is_some_and(Option::is_none) && node.log().contains("node ready") {
-                if let Some(r) = ready.get_mut(i) {
-                    *r = Some(node.started.elapsed());
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
+/// One node with the production timings, not the test rig's fast ones.
+fn spawn_node(broker: &Broker, cp: &ControlPlane) -> NodeProcess {
+    let mut s = NodeSetup::new(broker, cp);
+    for k in [
+        "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
+        "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
+        "CYBERWAVE_NODE_REGISTER_RETRY_MAX_SECONDS",
+        "CYBERWAVE_NODE_TOKEN_CHECK_TIMEOUT_SECONDS",
+        "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
+    ] {
+        s.unset(k);
     }
-    spread(
-        "exec → node ready",
-        ready.iter().flatten().copied().collect(),
-        n,
-    );
-    let uuids: Vec<String> = nodes.iter().map(NodeProcess::uuid).collect();
+    s.set("RUST_LOG", "info");
+    s.spawn()
+}
 
-    // 2. Footprint and idle cost.
+/// Prints RSS per node, then publishes and CPU per node per minute over an `idle` window and
+/// the heartbeat phase spread in it.
+fn idle_cost(nodes: &[NodeProcess], cp: &ControlPlane, idle: Duration) {
+    let n = nodes.len();
     std::thread::sleep(Duration::from_secs(5));
     let mut rss: Vec<u64> = nodes.iter().map(|p| proc_stats(p.pid()).1).collect();
     rss.sort_unstable();
@@ -172,6 +143,68 @@ pub fn run(n: usize) {
         per_sec.len(),
         per_sec.values().max().copied().unwrap_or(0)
     );
+}
+
+/// Prints the peak CONNECTs per second that mosquitto logged from `restart_wall` on.
+fn reconnect_storm(broker_log: &str, restart_wall: u64) {
+    // mosquitto logs "<unix time>: New client connected ..." per CONNECT.
+    let mut connects_per_sec: BTreeMap<u64, usize> = BTreeMap::new();
+    for line in broker_log.lines() {
+        if !line.contains("New client connected") {
+            continue;
+        }
+        if let Some(ts) = line
+            .split(':')
+            .next()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+        {
+            if ts >= restart_wall {
+                *connects_per_sec.entry(ts).or_default() += 1;
+            }
+        }
+    }
+    println!(
+        "{:<44} peak {} CONNECTs/s, {} in all",
+        "reconnect storm (mosquitto log)",
+        connects_per_sec.values().max().copied().unwrap_or(0),
+        connects_per_sec.values().sum::<usize>()
+    );
+}
+
+pub fn run(n: usize) {
+    let idle = env_secs("CW_FLEET_IDLE_SECONDS", 60);
+    let outage = env_secs("CW_FLEET_OUTAGE_SECONDS", 3);
+    let mut broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    println!(
+        "fleet: {n} node processes started at once, one mosquitto, the fake backend; idle window {} s, broker outage {} s",
+        idle.as_secs(),
+        outage.as_secs()
+    );
+
+    // 1. exec → ready, all started at once.
+    let mut nodes: Vec<NodeProcess> = (0..n).map(|_| spawn_node(&broker, &cp)).collect();
+    let mut ready: Vec<Option<Duration>> = vec![None; n];
+    let end = Instant::now() + Duration::from_secs(300);
+    while ready.iter().any(Option::is_none) && Instant::now() < end {
+        for (i, node) in nodes.iter().enumerate() {
+            if ready.get(i).is_some_and(Option::is_none) && node.log().contains("node ready") {
+                if let Some(r) = ready.get_mut(i) {
+                    *r = Some(node.started.elapsed());
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    spread(
+        "exec → node ready",
+        ready.iter().flatten().copied().collect(),
+        n,
+    );
+    let uuids: Vec<String> = nodes.iter().map(NodeProcess::uuid).collect();
+
+    // 2. Footprint and idle cost.
+    idle_cost(&nodes, &cp, idle);
 
     // 3. status to every node at once.
     let lat = fan_out(&cp, &uuids, "fan");
@@ -206,28 +239,7 @@ pub fn run(n: usize) {
         back.iter().flatten().copied().collect(),
         n,
     );
-    // mosquitto logs "<unix time>: New client connected ..." per CONNECT.
-    let mut connects_per_sec: BTreeMap<u64, usize> = BTreeMap::new();
-    for line in broker.log().lines() {
-        if !line.contains("New client connected") {
-            continue;
-        }
-        if let Some(ts) = line
-            .split(':')
-            .next()
-            .and_then(|t| t.trim().parse::<u64>().ok())
-        {
-            if ts >= restart_wall {
-                *connects_per_sec.entry(ts).or_default() += 1;
-            }
-        }
-    }
-    println!(
-        "{:<44} peak {} CONNECTs/s, {} in all",
-        "reconnect storm (mosquitto log)",
-        connects_per_sec.values().max().copied().unwrap_or(0),
-        connects_per_sec.values().sum::<usize>()
-    );
+    reconnect_storm(&broker.log(), restart_wall);
     let lat = fan_out(&cp, &uuids, "after");
     spread("status fan-out after the restart", lat, n);
 

@@ -410,6 +410,115 @@ fn node_run(
     }
 }
 
+/// One row of the table: busy seconds, the MiB/s they make of `mib`, CPU seconds, peak RSS.
+fn row(name: &str, busy: f64, mib: f64, cpu: f64, rss: f64) {
+    println!(
+        "{name:<34} {busy:>10.3} {:>10.0} {cpu:>9.2} {rss:>9.1}",
+        if busy > 0.0 { mib / busy } else { f64::NAN }
+    );
+}
+
+/// The row of RUNS node runs: the medians of the first workload's busy time and of the CPU,
+/// and the peak RSS.
+fn node_row(name: &str, runs: &[NodeRun], mib: f64) {
+    let busy = median(runs.iter().map(|r| r.busy[0]).collect());
+    let cpu = median(runs.iter().map(|r| r.cpu).collect());
+    let rss = runs.iter().map(|r| r.rss_mib).fold(0.0, f64::max);
+    row(name, busy, mib, cpu, rss);
+}
+
+/// One `mib` MiB file on one stream: the raw TCP limit, then the node (signed-URL PUT and
+/// multipart POST) and curl, over plain HTTP and over TLS.
+fn single(broker: &Broker, http: &Sink, https: &Sink, cert: &Path, file: &Path, mib: u64) {
+    let limit = median((0..RUNS).map(|_| raw_tcp(http.port, file)).collect());
+    println!(
+        "-- {mib} MiB: single-stream limit (raw TCP, 1 MiB sends) {:.0} MiB/s",
+        mib as f64 / limit
+    );
+    let file = file.to_path_buf();
+    for (label, sink, c) in [("http", http, None), ("https", https, Some(cert))] {
+        for multipart in [false, true] {
+            let runs: Vec<NodeRun> = (0..RUNS)
+                .map(|_| {
+                    node_run(
+                        broker,
+                        sink,
+                        c,
+                        std::slice::from_ref(&file),
+                        1,
+                        multipart,
+                        None,
+                    )
+                })
+                .collect();
+            let how = if multipart {
+                "multipart POST"
+            } else {
+                "signed-URL PUT"
+            };
+            node_row(&format!("node {label} {how}"), &runs, mib as f64);
+        }
+        let curls: Vec<(f64, f64)> = (0..RUNS).filter_map(|_| curl(sink, &file, c)).collect();
+        if curls.is_empty() {
+            println!("curl {label}: not installed");
+        } else {
+            row(
+                &format!("curl -T {label}"),
+                median(curls.iter().map(|c| c.0).collect()),
+                mib as f64,
+                median(curls.iter().map(|c| c.1).collect()),
+                f64::NAN,
+            );
+        }
+    }
+    println!("Python original: not installed here (pip install cyberwave-cloud-node==<the original's version> to compare)");
+}
+
+/// 200 files of 64 KiB in one workload.
+fn small_files(broker: &Broker, http: &Sink, data: &TempDir) {
+    let small = data.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    let files: Vec<PathBuf> = (0..200)
+        .map(|i| {
+            let p = small.join(format!("f{i:03}.bin"));
+            std::fs::write(&p, vec![i as u8; 64 * 1024]).unwrap();
+            p
+        })
+        .collect();
+    let many = node_run(broker, http, None, &files, 1, false, None);
+    println!(
+        "-- 200 files of 64 KiB: busy {:.3} s ({:.1} ms a file), node CPU {:.2} s",
+        many.busy[0],
+        many.busy[0] * 1000.0 / 200.0,
+        many.cpu
+    );
+}
+
+/// Four files of `mib` MiB, named after `tag`.
+fn parts(data: &TempDir, tag: &str, mib: u64) -> Vec<PathBuf> {
+    (0..4)
+        .map(|i| {
+            let p = data.join(&format!("{tag}{i}-{mib}.bin"));
+            make_file(&p, mib);
+            p
+        })
+        .collect()
+}
+
+/// One workload uploading `files` (each `mib` MiB) with 1, 2 and 4 upload workers: a row each.
+fn by_workers(broker: &Broker, sink: &Sink, files: &[PathBuf], mib: u64, label: &str) {
+    for workers in [1, 2, 4] {
+        let runs: Vec<NodeRun> = (0..RUNS)
+            .map(|_| node_run(broker, sink, None, files, 1, false, Some(workers)))
+            .collect();
+        node_row(
+            &format!("{label}, {workers} worker(s)"),
+            &runs,
+            (mib * files.len() as u64) as f64,
+        );
+    }
+}
+
 pub fn run(sizes_mib: &[u64]) {
     let broker = Broker::start();
     let data = TempDir::new("upload-bench");
@@ -429,62 +538,10 @@ pub fn run(sizes_mib: &[u64]) {
         "{:<34} {:>10} {:>10} {:>9} {:>9}",
         "case", "busy s", "MiB/s", "CPU s", "RSS MiB"
     );
-    let row = |name: &str, busy: f64, mib: f64, cpu: f64, rss: f64| {
-        println!(
-            "{name:<34} {busy:>10.3} {:>10.0} {cpu:>9.2} {rss:>9.1}",
-            if busy > 0.0 { mib / busy } else { f64::NAN }
-        );
-    };
     for &mib in sizes_mib.iter().filter(|_| case("single")) {
         let file = data.join(&format!("result-{mib}.bin"));
         make_file(&file, mib);
-        let limit = median((0..RUNS).map(|_| raw_tcp(http.port, &file)).collect());
-        println!(
-            "-- {mib} MiB: single-stream limit (raw TCP, 1 MiB sends) {:.0} MiB/s",
-            mib as f64 / limit
-        );
-        for (label, sink, c) in [
-            ("http", &http, None),
-            ("https", &https, Some(cert.as_path())),
-        ] {
-            for multipart in [false, true] {
-                let runs: Vec<NodeRun> = (0..RUNS)
-                    .map(|_| {
-                        node_run(
-                            &broker,
-                            sink,
-                            c,
-                            std::slice::from_ref(&file),
-                            1,
-                            multipart,
-                            None,
-                        )
-                    })
-                    .collect();
-                let busy = median(runs.iter().map(|r| r.busy[0]).collect());
-                let cpu = median(runs.iter().map(|r| r.cpu).collect());
-                let rss = runs.iter().map(|r| r.rss_mib).fold(0.0, f64::max);
-                let how = if multipart {
-                    "multipart POST"
-                } else {
-                    "signed-URL PUT"
-                };
-                row(&format!("node {label} {how}"), busy, mib as f64, cpu, rss);
-            }
-            let curls: Vec<(f64, f64)> = (0..RUNS).filter_map(|_| curl(sink, &file, c)).collect();
-            if curls.is_empty() {
-                println!("curl {label}: not installed");
-            } else {
-                row(
-                    &format!("curl -T {label}"),
-                    median(curls.iter().map(|c| c.0).collect()),
-                    mib as f64,
-                    median(curls.iter().map(|c| c.1).collect()),
-                    f64::NAN,
-                );
-            }
-        }
-        println!("Python original: not installed here (pip install cyberwave-cloud-node==<the original's version> to compare)");
+        single(&broker, &http, &https, &cert, &file, mib);
     }
     // Two workloads ending together, each with the smallest size; and one with 200 small files.
     let mib = sizes_mib.iter().copied().min().unwrap_or(256);
@@ -500,55 +557,15 @@ pub fn run(sizes_mib: &[u64]) {
         );
     }
     if case("small") {
-        let small = data.join("small");
-        std::fs::create_dir_all(&small).unwrap();
-        let files: Vec<PathBuf> = (0..200)
-            .map(|i| {
-                let p = small.join(format!("f{i:03}.bin"));
-                std::fs::write(&p, vec![i as u8; 64 * 1024]).unwrap();
-                p
-            })
-            .collect();
-        let many = node_run(&broker, &http, None, &files, 1, false, None);
-        println!(
-            "-- 200 files of 64 KiB: busy {:.3} s ({:.1} ms a file), node CPU {:.2} s",
-            many.busy[0],
-            many.busy[0] * 1000.0 / 200.0,
-            many.cpu
-        );
+        small_files(&broker, &http, &data);
     }
     // One workload, four files: its files side by side on the pool (issue 25 item 3).
-    let parts = |tag: &str, mib: u64| -> Vec<PathBuf> {
-        (0..4)
-            .map(|i| {
-                let p = data.join(&format!("{tag}{i}-{mib}.bin"));
-                make_file(&p, mib);
-                p
-            })
-            .collect()
-    };
-    let by_workers = |sink: &Sink, files: &[PathBuf], mib: u64, label: &str| {
-        for workers in [1, 2, 4] {
-            let runs: Vec<NodeRun> = (0..RUNS)
-                .map(|_| node_run(&broker, sink, None, files, 1, false, Some(workers)))
-                .collect();
-            let busy = median(runs.iter().map(|r| r.busy[0]).collect());
-            let cpu = median(runs.iter().map(|r| r.cpu).collect());
-            let rss = runs.iter().map(|r| r.rss_mib).fold(0.0, f64::max);
-            row(
-                &format!("{label}, {workers} worker(s)"),
-                busy,
-                (mib * files.len() as u64) as f64,
-                cpu,
-                rss,
-            );
-        }
-    };
     if case("files") {
         println!("-- one workload, 4 files of {mib} MiB, plain HTTP, signed-URL PUT:");
         by_workers(
+            &broker,
             &http,
-            &parts("part", mib),
+            &parts(&data, "part", mib),
             mib,
             &format!("node 4x{mib} MiB"),
         );
@@ -567,8 +584,9 @@ pub fn run(sizes_mib: &[u64]) {
             "-- slow link: each connection read at {link} MiB/s; one workload, 4 files of {mib} MiB:"
         );
         by_workers(
+            &broker,
             &slow,
-            &parts("slow", mib),
+            &parts(&data, "slow", mib),
             mib,
             &format!("node {link} MiB/s link"),
         );

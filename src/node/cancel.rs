@@ -17,7 +17,10 @@ impl Node {
     pub(super) fn cancel(&mut self, request_id: &RequestId, params: CancelParams) {
         let rid = request_id.text();
         // Exactly once: a cancel seen before gets its original answer and nothing else.
-        if let Some(e) = (!rid.is_empty()).then(|| self.ledger.get(&rid)).flatten() {
+        if let Some(e) = (!rid.is_empty())
+            .then(|| self.durable.ledger.get(&rid))
+            .flatten()
+        {
             log::info!(
                 "cancel {} was handled before; repeating its answer",
                 shown(&rid)
@@ -67,7 +70,7 @@ impl Node {
             shown(&request_id_text(&st.request_id))
         );
         if !rid.is_empty() {
-            self.ledger.record(&rid, true, out.clone());
+            self.durable.ledger.record(&rid, true, out.clone());
         }
         self.reply_ok(request_id.value(), out);
     }
@@ -90,7 +93,7 @@ impl Node {
         let Some(safe_id) = found else {
             // D29: a workload this node started, reported and forgot already finished.
             if let CancelTarget::Request(r) = &params.target {
-                if self.ledger.get(r).is_some_and(|e| e.ok) {
+                if self.durable.ledger.get(r).is_some_and(|e| e.ok) {
                     return self.reply_ok(
                         request_id,
                         json!({"message": "Workload already finished; its completion reports how it ended", "workload_request_id": r}),
@@ -120,7 +123,7 @@ impl Node {
                     "signal": sig_name,
                 });
                 if !rid.is_empty() {
-                    self.ledger.record(&rid, true, out.clone());
+                    self.durable.ledger.record(&rid, true, out.clone());
                 }
                 self.reply_ok(request_id, out);
             }

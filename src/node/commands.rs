@@ -175,7 +175,7 @@ impl Node {
                 "stdout_log": a.meta.stdout_log,
                 "stderr_log": a.meta.stderr_log,
             }), &a.meta)).collect::<Vec<_>>(),
-            "outbox": self.outbox.len(),
+            "outbox": self.durable.outbox.len(),
             "ingress_queue": self.ingress.queue.len(),
         });
         if let Some(g) = self.gpu.status(&self.gpu_holds()) {

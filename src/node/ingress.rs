@@ -305,7 +305,7 @@ impl super::Node {
             connected: self.session.connected(),
             now: self.io.clock.now(),
             io: &self.io,
-            disk_errors: &mut self.throttle.disk,
+            disk_errors: &mut self.timers.throttle.disk,
         };
         f(&mut self.ingress, &mut wire)
     }

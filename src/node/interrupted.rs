@@ -139,11 +139,13 @@ pub fn load_all(layout: &Layout) -> Vec<(String, Taken)> {
         .filter_map(|e| {
             let name = e.file_name().to_str()?.to_string();
             let id = safe_id_of(&name)?;
-            let taken = store::load_record::<Taken>(
+            let mut taken = store::load_record::<Taken>(
                 &e.path(),
                 store::MAX_ENTRY_BYTES,
                 "note of a start in flight",
             )?;
+            // A note an older version wrote may hold `""` or `"None"`: no workload either way.
+            taken.workload_uuid = crate::protocol::commands::workload_id(taken.workload_uuid);
             Some((id.to_string(), taken))
         })
         .collect();
@@ -182,14 +184,16 @@ impl super::Node {
         for (safe_id, taken, out) in all {
             let rid = request_id_text(&taken.request_id);
             let recorded = (!rid.is_empty())
-                .then(|| self.ledger.get(&rid).cloned())
+                .then(|| self.durable.ledger.get(&rid).cloned())
                 .flatten();
             let a = answer(recorded.as_ref(), out, &taken.kind);
             if recorded.is_none() && !rid.is_empty() {
                 // Before it is sent: a redelivery gets the same answer and spawns nothing.
                 match &a {
-                    Answer::Started(out) => self.ledger.record(&rid, true, out.clone()),
-                    Answer::NeverStarted(why) => self.ledger.record(&rid, false, json!(why)),
+                    Answer::Started(out) => self.durable.ledger.record(&rid, true, out.clone()),
+                    Answer::NeverStarted(why) => {
+                        self.durable.ledger.record(&rid, false, json!(why))
+                    }
                 }
             }
             log::warn!(

@@ -15,6 +15,7 @@ mod ingress;
 mod interrupted;
 mod io;
 pub mod operate;
+mod parts;
 mod selfheal;
 mod session;
 mod session_out;
@@ -25,6 +26,7 @@ pub mod streams;
 mod streams_out;
 mod table;
 mod table_out;
+mod timers;
 mod uploads;
 mod workloads;
 
@@ -37,26 +39,19 @@ const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::Settings;
-use crate::ledger::Ledger;
-use crate::outbox::Outbox;
 use crate::signals::Signal;
-use crate::util;
-use crate::workload::tail::Key;
 use gpus_out::with_gpus;
 use io::Wire;
+use parts::{Drain, Durable, Life, Op};
 use session::Session;
 use session_out::refused_in;
-use shutdown::Shutdown;
+use timers::{Due, Throttles, Timers};
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
 pub const BUSY_TICK: Duration = Duration::from_secs(1);
 /// The loop's longest sleep when nothing is tracked (a heartbeat is due sooner anyway).
 pub const IDLE_TICK: Duration = Duration::from_secs(60);
-/// How often events that `emit` queued itself are looked for while workloads run (they are
-/// the ones that emit) or the queue is not empty; an idle node looks once a minute.
-const RESCAN_BUSY: Duration = Duration::from_secs(2);
-const RESCAN_IDLE: Duration = Duration::from_secs(60);
 /// Retrying outbox writes that a full disk refused (D28).
 const DISK_RETRY: Duration = Duration::from_secs(1);
 /// Written into the state dir when another client takes the session over twice within a
@@ -86,34 +81,18 @@ pub fn run(settings: Settings) -> i32 {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-enum Op {
-    Terminate,
-    Fail,
-    /// A non-terminal workload status (R7), fire and forget.
-    WorkloadStatus,
-    /// An outbox message (terminal status, completion), removed once acknowledged.
-    Outbox(u64),
-    /// A log chunk of a workload stream.
-    Log(Key),
-    /// R9 for the workload with this safe id.
-    SignedUrl(String),
-    /// R10 for the workload with this safe id.
-    UploadResults(String),
-}
-
 pub struct Node {
     s: Settings,
     /// The I/O handles: MQTT client, feeders' channels, threads.
     io: io::Io,
     /// The broker session: connection, registration, heartbeat, requests awaiting replies.
     session: Session<Op>,
-    /// Uptime, draining, the shutdown under way, the exit code once decided.
+    /// Uptime, draining, the shutdown under way, the exit code once decided, the counters.
     life: Life,
     /// Active workloads by safe id.
     active: table::Table,
-    ledger: Ledger,
-    outbox: Outbox,
+    /// The ledger of handled request ids and the outbox of messages awaiting acknowledgement.
+    durable: Durable,
     /// Starts in flight, and those the node before this one took and did not answer (D53).
     starts: starts::Starts,
     /// Every workload's log streams (their cursors, pace and install-log shipping).
@@ -121,49 +100,10 @@ pub struct Node {
     heal: selfheal::Heal,
     /// Workflow execution events and the node's own reports of them.
     ingress: ingress::Ingress,
-    metrics: operate::Metrics,
     /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
     gpu: gpus::Gpus,
-    /// When the loop's own periodic work is next due.
-    due: Due,
-    throttle: Throttles,
-}
-
-/// The node's life: since when it runs, the shutdown under way, the exit code once decided.
-struct Life {
-    started: Instant,
-    shutdown: Option<Shutdown>,
-    exit: Option<i32>,
-    /// Draining (no new workloads) and `--drain-after-one`.
-    drain: Drain,
-}
-
-/// Draining: new workloads are refused while it is on.
-#[derive(Default)]
-struct Drain {
-    on: bool,
-    /// `--drain-after-one`: a workload was started.
-    one_started: bool,
-    idle_since: Option<Instant>,
-}
-
-/// When the loop's periodic work is next due.
-struct Due {
-    /// A standalone node's watchdog ping (no heartbeats feed it).
-    watchdog: Instant,
-    /// Looking for events `emit` queued by itself.
-    rescan: Instant,
-    metrics: Instant,
-    prune: Instant,
-}
-
-/// Errors logged at most once a minute.
-#[derive(Default)]
-struct Throttles {
-    /// Full-disk errors (D28).
-    disk: crate::logtext::Throttle,
-    /// Requests the broker refused in its PUBACK (D34).
-    refusals: crate::logtext::Throttle,
+    /// When the loop's own periodic work is next due, and when errors may next be logged.
+    timers: Timers,
 }
 
 impl Node {
@@ -232,25 +172,25 @@ impl Node {
             due(*until);
         }
         if self.session.connected() {
-            if let Some(o) = self.outbox.next_try() {
+            if let Some(o) = self.durable.outbox.next_try() {
                 due(o);
             }
             if let Some(o) = self.ingress.queue.head_next_try() {
                 due(o);
             }
         }
-        if self.outbox.has_pending_writes() {
+        if self.durable.outbox.has_pending_writes() {
             due(now.checked_add(DISK_RETRY).unwrap_or(now));
         }
-        due(self.due.rescan);
+        due(self.timers.due.rescan);
         if self.s.metrics_file.is_some() {
-            due(self.due.metrics);
+            due(self.timers.due.metrics);
         }
         if self.s.log_retention_days.value > 0 {
-            due(self.due.prune);
+            due(self.timers.due.prune);
         }
         if self.s.standalone && self.session.connected() {
-            due(self.due.watchdog);
+            due(self.timers.due.watchdog);
         }
         if let Some(since) = self.life.drain.idle_since {
             if self.s.drain_after_one && open && self.active.is_empty() {
@@ -273,45 +213,5 @@ impl Node {
 
     fn slug(&self) -> &str {
         self.session.slug()
-    }
-
-    // ---- timers ---------------------------------------------------------------------------------
-
-    fn tick(&mut self) {
-        let now = self.io.clock.now();
-        let publishing = self.publishing();
-        let happened = self
-            .session
-            .tick(publishing, now, &mut self.io.wire(&self.s));
-        self.carry_out(happened);
-        self.tick_workloads();
-        self.retry_deferred_starts();
-        if now >= self.due.rescan {
-            // Events `emit` queued by itself while the node was unreachable.
-            self.ingress.queue.rescan();
-            let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
-                RESCAN_IDLE
-            } else {
-                RESCAN_BUSY
-            };
-            self.due.rescan = now.checked_add(every).unwrap_or(now);
-        }
-        self.with_ingress(|i, out| i.send(out));
-        self.check_drain_after_one(now);
-        self.write_metrics(now);
-        self.prune_old_files(now);
-        if self.s.standalone && self.session.connected() && now >= self.due.watchdog {
-            // No heartbeats without a backend: a live broker connection feeds the watchdog.
-            crate::systemd::notify("WATCHDOG=1");
-            self.due.watchdog = util::later(now, Duration::from_secs(10));
-        }
-        self.flush_outbox();
-        self.pump_streams(true);
-        self.finish_stopping_workloads();
-        if let Some(s) = &self.life.shutdown {
-            if now >= s.deadline {
-                self.life.exit = Some(s.exit_code);
-            }
-        }
     }
 }

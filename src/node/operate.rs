@@ -164,7 +164,9 @@ impl Node {
             return;
         }
         let since = *self.life.drain.idle_since.get_or_insert(now);
-        if self.outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT {
+        if self.durable.outbox.is_empty()
+            || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT
+        {
             self.begin_shutdown(
                 crate::error::Exit::Ok.code(),
                 "--drain-after-one: the workload completed",
@@ -174,6 +176,7 @@ impl Node {
 
     pub(super) fn count_rejection(&mut self, reason: &str) {
         let n = self
+            .life
             .metrics
             .rejections
             .entry(reason.to_string())
@@ -183,6 +186,7 @@ impl Node {
 
     pub(super) fn count_completion(&mut self, outcome: &str) {
         let n = self
+            .life
             .metrics
             .completions
             .entry(outcome.to_string())
@@ -224,10 +228,10 @@ impl Node {
     /// Log retention: at start-up and every hour, old workload logs and input images go.
     pub(super) fn prune_old_files(&mut self, now: Instant) {
         let days = self.s.log_retention_days.value;
-        if days == 0 || now < self.due.prune {
+        if days == 0 || now < self.timers.due.prune {
             return;
         }
-        self.due.prune = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
+        self.timers.due.prune = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
         let keep: std::collections::BTreeSet<std::path::PathBuf> = self
             .active
             .values()
@@ -252,11 +256,16 @@ impl Node {
         let Some(path) = self.s.metrics_file.as_ref().map(|m| m.value.clone()) else {
             return;
         };
-        if now < self.due.metrics {
+        if now < self.timers.due.metrics {
             return;
         }
-        self.due.metrics = crate::util::later(now, self.s.tuning.metrics_interval);
-        let m = &self.metrics;
+        self.timers.due.metrics = crate::util::later(now, self.s.tuning.metrics_interval);
+        let m = &self.life.metrics;
+        let queued = self
+            .durable
+            .outbox
+            .len()
+            .saturating_add(self.ingress.queue.len()) as u64;
         let mut t = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
             let _ = writeln!(
@@ -324,10 +333,7 @@ impl Node {
             "outbox_depth",
             "gauge",
             "Completions and events waiting for acknowledgement.",
-            vec![(
-                String::new(),
-                self.outbox.len().saturating_add(self.ingress.queue.len()) as u64,
-            )],
+            vec![(String::new(), queued)],
         );
         metric(
             "log_bytes_streamed_total",

@@ -17,7 +17,7 @@ impl Node {
     /// Whether messages of the loop are in flight: a loss may then be the broker refusing one
     /// of them (D34), not another client taking the session (D33).
     pub(super) fn publishing(&self) -> bool {
-        self.outbox.in_flight_count() > 0
+        self.durable.outbox.in_flight_count() > 0
             || self.ingress.queue.in_flight_count() > 0
             || self.session.loop_requests_pending()
     }
@@ -37,7 +37,8 @@ impl Node {
             match h {
                 Happening::Connected { reconnect } => {
                     if reconnect {
-                        self.metrics.reconnects = self.metrics.reconnects.saturating_add(1);
+                        self.life.metrics.reconnects =
+                            self.life.metrics.reconnects.saturating_add(1);
                     }
                     self.flush_outbox();
                     self.with_ingress(|i, out| i.send(out));
@@ -61,8 +62,8 @@ impl Node {
                 } => self.on_refused(tag, &why, permanent),
                 Happening::HeartbeatDue => self.send_heartbeat(),
                 Happening::HeartbeatFailed => {
-                    self.metrics.heartbeat_failures =
-                        self.metrics.heartbeat_failures.saturating_add(1);
+                    self.life.metrics.heartbeat_failures =
+                        self.life.metrics.heartbeat_failures.saturating_add(1);
                 }
                 Happening::TokenRejected => self.begin_shutdown(EXIT_CREDENTIALS, "token rejected"),
             }
@@ -74,7 +75,7 @@ impl Node {
     pub(super) fn connection_lost(&mut self) {
         // Outbox messages in flight are sent again after the reconnect.
         self.session.forget(|op| matches!(op, Op::Outbox(_)));
-        let refused = self.outbox.reset_in_flight();
+        let refused = self.durable.outbox.reset_in_flight();
         let refused_events = self.ingress.queue.reset_in_flight();
         for (item, aside) in refused.into_iter().chain(refused_events) {
             log::error!(
@@ -97,7 +98,14 @@ impl Node {
         match op {
             Op::Outbox(seq) => {
                 let now = self.io.clock.now();
-                refused_in(&mut self.outbox, seq, why, permanent, now, "outbox message");
+                refused_in(
+                    &mut self.durable.outbox,
+                    seq,
+                    why,
+                    permanent,
+                    now,
+                    "outbox message",
+                );
             }
             // A chunk that can never fit would hold its stream (and the workload's completion,
             // until the drain limit) for good: it is skipped, the rest of the log still goes.
@@ -117,7 +125,8 @@ impl Node {
                     self.io
                         .mqtt
                         .log_too_big(&format!("the {other:?} request"), why);
-                } else if let Some(held) = self.throttle.refusals.ready(self.io.clock.now()) {
+                } else if let Some(held) = self.timers.throttle.refusals.ready(self.io.clock.now())
+                {
                     // A refused log chunk is offered again at its stream's pace: once a minute.
                     log::warn!(
                         "{other:?} not delivered: {}{}",

@@ -129,7 +129,7 @@ impl Node {
         let Some(s) = &self.life.shutdown else {
             return;
         };
-        if !s.stopping_workloads || !self.active.is_empty() || !self.outbox.is_empty() {
+        if !s.stopping_workloads || !self.active.is_empty() || !self.durable.outbox.is_empty() {
             return;
         }
         let (limit, exit_code) = (s.deadline, s.exit_code);

@@ -177,6 +177,21 @@ impl Starts {
     }
 }
 
+/// The request id as the ledger keys it: the request's own, or one made up for a request
+/// without one.
+fn ledger_id(request_id: &Value) -> String {
+    let rid = request_id_text(request_id);
+    if rid.is_empty() {
+        format!(
+            "auto-{}-{}",
+            workload::unix_now() as u64,
+            crate::util::hex(&crate::util::random_bytes::<4>())
+        )
+    } else {
+        rid
+    }
+}
+
 impl Node {
     // ---- start ------------------------------------------------------------------------------
 
@@ -202,16 +217,7 @@ impl Node {
         may_wait: bool,
     ) {
         let kind = kind_t.as_str();
-        let rid = request_id_text(request_id);
-        let rid = if rid.is_empty() {
-            format!(
-                "auto-{}-{}",
-                workload::unix_now() as u64,
-                crate::util::hex(&crate::util::random_bytes::<4>())
-            )
-        } else {
-            rid
-        };
+        let rid = ledger_id(request_id);
         let safe_id = store::safe_id(&rid);
         let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
         let ctx = super::ingress::context_of(kind, &start.params);
@@ -222,30 +228,7 @@ impl Node {
             max_runtime: start.max_runtime,
             may_wait,
         };
-        let facts = Facts {
-            running: self.active.get(&safe_id).map(|a| start_output(&a.meta)),
-            in_flight: self.starts.get_mut(&safe_id).is_some(),
-            template: self.s.command_template(kind),
-            shutting_down: self.life.shutdown.is_some(),
-            draining: self.life.drain.on,
-            min_free_disk_mb: self.s.min_free_disk_mb.value,
-            state: &self.io.layout.state,
-            free_mb: &crate::store::free_mb,
-            spawner_gone: self.starts.gone(),
-            capacity: self.s.max_concurrent_workloads.value as usize,
-            used: self.in_use(),
-            uploading: self.uploading(),
-            manifest_limit: self
-                .s
-                .manifest
-                .as_ref()
-                .and_then(|m| m.max_runtime_seconds)
-                .and_then(Seconds::from_f64),
-        };
-        let held = super::gpus::holders(&self.gpu_holds());
-        let now = self.io.clock.now();
-        let wait = super::selfheal::defer_wait();
-        let decision = admit::decide(&ask, &facts, &self.ledger, &self.gpu, &held, now, wait);
+        let decision = self.admission(&ask, &safe_id);
         let (template, gpus, max_runtime_s) = match decision {
             Decision::Replay(Earlier::Answered { ok, body }) => {
                 log::info!(
@@ -318,19 +301,7 @@ impl Node {
             held: Vec::new(),
         };
         // D53: taken; from here on this start is answered, if need be by the next node.
-        let taken = super::interrupted::Taken {
-            request_id: request_id.clone(),
-            kind: kind.to_string(),
-            workload_uuid: workload_uuid.clone(),
-            taken_unix: starting.created_unix,
-        };
-        if let Err(e) = super::interrupted::note(&self.io.layout, &safe_id, &taken) {
-            log::warn!(
-                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
-                shown(&rid),
-                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
-            );
-        }
+        self.note_taken(&safe_id, &rid, &starting);
         if let Err(e) = self.starts.begin(starting, req) {
             super::interrupted::forget(&self.io.layout, &safe_id);
             let why = RejectReason::Failed {
@@ -348,6 +319,62 @@ impl Node {
         }
     }
 
+    /// Notes the start as taken (D53), so that a node killed before it is answered answers it
+    /// after its restart.
+    fn note_taken(&self, safe_id: &str, rid: &str, starting: &Starting) {
+        let taken = super::interrupted::Taken {
+            request_id: starting.request_id.clone(),
+            kind: starting.kind.as_str().to_string(),
+            workload_uuid: starting.workload_uuid.clone(),
+            taken_unix: starting.created_unix,
+        };
+        if let Err(e) = super::interrupted::note(&self.io.layout, safe_id, &taken) {
+            log::warn!(
+                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
+                shown(rid),
+                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
+            );
+        }
+    }
+
+    /// The admission decision for this start: the node's facts gathered, then [`admit::decide`].
+    fn admission(&mut self, ask: &Ask<'_>, safe_id: &str) -> Decision {
+        let running = self.active.get(safe_id).map(|a| start_output(&a.meta));
+        let in_flight = self.starts.get_mut(safe_id).is_some();
+        let facts = Facts {
+            running,
+            in_flight,
+            template: self.s.command_template(ask.kind.as_str()),
+            shutting_down: self.life.shutdown.is_some(),
+            draining: self.life.drain.on,
+            min_free_disk_mb: self.s.min_free_disk_mb.value,
+            state: &self.io.layout.state,
+            free_mb: &crate::store::free_mb,
+            spawner_gone: self.starts.gone(),
+            capacity: self.s.max_concurrent_workloads.value as usize,
+            used: self.in_use(),
+            uploading: self.uploading(),
+            manifest_limit: self
+                .s
+                .manifest
+                .as_ref()
+                .and_then(|m| m.max_runtime_seconds)
+                .and_then(Seconds::from_f64),
+        };
+        let held = super::gpus::holders(&self.gpu_holds());
+        let now = self.io.clock.now();
+        let wait = super::selfheal::defer_wait();
+        admit::decide(
+            ask,
+            &facts,
+            &self.durable.ledger,
+            &self.gpu,
+            &held,
+            now,
+            wait,
+        )
+    }
+
     /// The spawner reported a start: from here on it is what a start was before (answer, status
     /// `running`, tracking), or its refusal.
     pub(super) fn on_spawn_outcome(&mut self, outcome: Outcome) {
@@ -362,7 +389,7 @@ impl Node {
                 let mut st = self.starts.end(&safe_id);
                 // No other thread appends to the ledger while no start is in flight.
                 let quiet = self.starts.is_empty();
-                self.ledger.remember(ledger, quiet);
+                self.durable.ledger.remember(ledger, quiet);
                 let kind = meta.kind;
                 let rid = meta.request_id_text();
                 log::info!(
@@ -388,7 +415,7 @@ impl Node {
                 }
                 super::interrupted::forget(&self.io.layout, &safe_id);
                 self.with_ingress(|i, out| i.report_started(&meta, out));
-                self.metrics.starts = self.metrics.starts.saturating_add(1);
+                self.life.metrics.starts = self.life.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.life.drain.one_started = true;
                     self.set_draining(true, "--drain-after-one");

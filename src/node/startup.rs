@@ -143,10 +143,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             shutdown: None,
             exit: None,
             drain: super::Drain::default(),
+            metrics: Default::default(),
         },
         active: super::table::Table::new(super::table::UploadCfg::of(&s)),
-        ledger: Ledger::load(dir.join("ledger.jsonl")),
-        outbox,
+        durable: super::Durable {
+            ledger: Ledger::load(dir.join("ledger.jsonl")),
+            outbox,
+        },
         starts: super::starts::Starts::new(spawner),
         streams,
         heal: Default::default(),
@@ -155,23 +158,24 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
             s.topic_prefix.value.clone(),
         ),
-        metrics: Default::default(),
         gpu,
-        due: super::Due {
-            watchdog: now,
-            rescan: now,
-            metrics: now,
-            prune: now,
+        timers: super::Timers {
+            due: super::Due {
+                watchdog: now,
+                rescan: now,
+                metrics: now,
+                prune: now,
+            },
+            throttle: super::Throttles::default(),
         },
-        throttle: super::Throttles::default(),
         s,
     };
     node.recover();
     node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
-    if !node.outbox.is_empty() {
+    if !node.durable.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",
-            node.outbox.len()
+            node.durable.outbox.len()
         );
     }
     Ok((node, sig_rx))

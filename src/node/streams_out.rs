@@ -149,7 +149,7 @@ impl Node {
         } = &ev
         {
             // A full disk: once a minute, not once per chunk (D28).
-            if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+            if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),
@@ -160,14 +160,14 @@ impl Node {
         self.sync_streams();
         let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_tail(ev, now, out));
-        self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(n);
+        self.life.metrics.log_bytes = self.life.metrics.log_bytes.saturating_add(n);
     }
 
     /// A log chunk's request ended: acknowledged (`ok`), refused or timed out.
     pub(super) fn on_log_ack(&mut self, key: &Key, ok: bool) {
         let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_ack(key, ok, now, out));
-        self.metrics.log_bytes = self.metrics.log_bytes.saturating_add(n);
+        self.life.metrics.log_bytes = self.life.metrics.log_bytes.saturating_add(n);
     }
 
     /// Forgets chunks in flight (after a lost connection): they are read and sent again.

@@ -73,7 +73,7 @@ impl Outbound for NodeOut<'_> {
     }
 
     fn workload_status(&mut self, wl: &str, body: Value) {
-        if wl.is_empty() || wl == "None" {
+        if wl.is_empty() {
             return;
         }
         let topic = self.wire.io.topics.workload_status(wl);

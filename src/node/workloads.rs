@@ -22,7 +22,7 @@ use crate::workload::{self, procinfo, Layout, Meta};
 impl Node {
     /// A non-terminal workload status (R7): sent once, its failure only logged.
     pub(super) fn workload_status(&mut self, wl: &str, body: Value) {
-        if wl.is_empty() || wl == "None" {
+        if wl.is_empty() {
             return;
         }
         let topic = self.io.topics.workload_status(wl);
@@ -75,104 +75,137 @@ impl Node {
             return;
         }
         let (body, label) = match &meta.cancel {
-            Some(c) if !c.timed_out => {
-                let status = if meta.kind == crate::protocol::commands::Kind::Training {
-                    "failed"
-                } else {
-                    "cancelled"
-                };
-                let how = cancel_message(c, exit.as_ref());
-                log::info!(
-                    "{} {} (pid {pid}): {}",
-                    meta.kind,
-                    crate::logtext::shown(&rid),
-                    crate::logtext::shown(&how)
-                );
-                self.count_completion("cancelled");
-                self.with_ingress(|i, out| {
-                    i.report_finished(
-                        &meta,
-                        false,
-                        exit.as_ref().map(Exit::code),
-                        Some(how.clone()),
-                        out,
-                    )
-                });
-                let mut body =
-                    json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
-                if let Some(r) = &c.reason {
-                    crate::util::set(&mut body, "reason", json!(r));
-                }
-                (body, format!("{status} status of {} {rid}", meta.kind))
-            }
-            cancel => {
-                let code = exit.as_ref().map(Exit::code);
-                let timed_out = cancel.as_ref().is_some_and(|c| c.timed_out);
-                let success = code == Some(0) && lost.is_none() && !timed_out;
-                let mut body = json!({"status": "completed", "success": success});
-                if let Some(c) = code {
-                    crate::util::set(&mut body, "exit_code", json!(c));
-                }
-                if !success {
-                    let fallback = match (exit.as_ref().and_then(|e| e.signal), code) {
-                        (Some(s), _) => format!(
-                            "{} was killed by {} (signal {s}).",
-                            meta.kind,
-                            procinfo::signal_name(s)
-                        ),
-                        (None, Some(c)) => format!("{} exited with code {c}.", meta.kind),
-                        (None, None) => {
-                            format!("{} failed before reporting an exit code.", meta.kind)
-                        }
-                    };
-                    let (mut error, stderr) = workload::failure_summary(&meta, &fallback);
-                    if let Some(l) = lost {
-                        error = l.to_string();
-                    }
-                    if timed_out {
-                        error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
-                    }
-                    crate::util::set(&mut body, "error", json!(error));
-                    if let Some(s) = stderr {
-                        crate::util::set(&mut body, "stderr", json!(s));
-                    }
-                }
-                self.with_ingress(|i, out| {
-                    i.report_finished(
-                        &meta,
-                        success,
-                        code,
-                        body.get("error").and_then(Value::as_str).map(String::from),
-                        out,
-                    )
-                });
-                self.count_completion(if success {
-                    "success"
-                } else if lost.is_some() {
-                    "lost"
-                } else {
-                    "failure"
-                });
-                log::info!(
-                    "{} {} (pid {pid}) finished: {}{}",
-                    meta.kind,
-                    crate::logtext::shown(&rid),
-                    if success { "success" } else { "failure" },
-                    code.map(|c| format!(", exit code {c}")).unwrap_or_default()
-                );
-                (body, format!("completion of {} {rid}", meta.kind))
-            }
+            Some(c) if !c.timed_out => self.cancelled_body(&meta, c, exit.as_ref(), &rid),
+            _ => self.finished_body(&meta, exit.as_ref(), lost, &rid),
         };
         let mut body = body;
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             super::gpus::put(&mut body, "gpu", g); // D38
         }
         self.gpu_update_sampling();
-        if let Some(wl) = meta
-            .workload_uuid
-            .as_deref()
-            .filter(|w| !w.is_empty() && *w != "None")
-        {
+        match self.send_completion(safe_id, &meta, body, label, &rid) {
+            // D28: kept in memory and sent all the same; the workload's record stays until the
+            // backend acknowledged it, so a restart still knows.
+            Some(seq) => {
+                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
+                self.flush_outbox();
+            }
+            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
+        }
+        self.retry_deferred_starts();
+    }
+
+    /// The status a cancelled workload ends with (training: `failed`, else `cancelled`), and
+    /// its outbox label.
+    fn cancelled_body(
+        &mut self,
+        meta: &Meta,
+        c: &crate::workload::record::Cancel,
+        exit: Option<&Exit>,
+        rid: &str,
+    ) -> (Value, String) {
+        let pid = meta.pid();
+        let status = if meta.kind == crate::protocol::commands::Kind::Training {
+            "failed"
+        } else {
+            "cancelled"
+        };
+        let how = cancel_message(c, exit);
+        log::info!(
+            "{} {} (pid {pid}): {}",
+            meta.kind,
+            crate::logtext::shown(rid),
+            crate::logtext::shown(&how)
+        );
+        self.count_completion("cancelled");
+        self.with_ingress(|i, out| {
+            i.report_finished(meta, false, exit.map(Exit::code), Some(how.clone()), out)
+        });
+        let mut body = json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
+        if let Some(r) = &c.reason {
+            crate::util::set(&mut body, "reason", json!(r));
+        }
+        (body, format!("{status} status of {} {rid}", meta.kind))
+    }
+
+    /// The completion of a workload that ended by itself, timed out or was lost, and its
+    /// outbox label.
+    fn finished_body(
+        &mut self,
+        meta: &Meta,
+        exit: Option<&Exit>,
+        lost: Option<&str>,
+        rid: &str,
+    ) -> (Value, String) {
+        let pid = meta.pid();
+        let code = exit.map(Exit::code);
+        let timed_out = meta.cancel.as_ref().is_some_and(|c| c.timed_out);
+        let success = code == Some(0) && lost.is_none() && !timed_out;
+        let mut body = json!({"status": "completed", "success": success});
+        if let Some(c) = code {
+            crate::util::set(&mut body, "exit_code", json!(c));
+        }
+        if !success {
+            let fallback = match (exit.and_then(|e| e.signal), code) {
+                (Some(s), _) => format!(
+                    "{} was killed by {} (signal {s}).",
+                    meta.kind,
+                    procinfo::signal_name(s)
+                ),
+                (None, Some(c)) => format!("{} exited with code {c}.", meta.kind),
+                (None, None) => {
+                    format!("{} failed before reporting an exit code.", meta.kind)
+                }
+            };
+            let (mut error, stderr) = workload::failure_summary(meta, &fallback);
+            if let Some(l) = lost {
+                error = l.to_string();
+            }
+            if timed_out {
+                error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
+            }
+            crate::util::set(&mut body, "error", json!(error));
+            if let Some(s) = stderr {
+                crate::util::set(&mut body, "stderr", json!(s));
+            }
+        }
+        self.with_ingress(|i, out| {
+            i.report_finished(
+                meta,
+                success,
+                code,
+                body.get("error").and_then(Value::as_str).map(String::from),
+                out,
+            )
+        });
+        self.count_completion(if success {
+            "success"
+        } else if lost.is_some() {
+            "lost"
+        } else {
+            "failure"
+        });
+        log::info!(
+            "{} {} (pid {pid}) finished: {}{}",
+            meta.kind,
+            crate::logtext::shown(rid),
+            if success { "success" } else { "failure" },
+            code.map(|c| format!(", exit code {c}")).unwrap_or_default()
+        );
+        (body, format!("completion of {} {rid}", meta.kind))
+    }
+
+    /// Sends a workload's end: through the outbox (once per workload), or published once by a
+    /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
+    fn send_completion(
+        &mut self,
+        safe_id: &str,
+        meta: &Meta,
+        body: Value,
+        label: String,
+        rid: &str,
+    ) -> Option<u64> {
+        if let Some(wl) = meta.workload_uuid.as_deref().filter(|w| !w.is_empty()) {
             let topic = self.io.topics.workload_status(wl);
             let key = format!("end:{safe_id}");
             if self.s.standalone {
@@ -183,40 +216,34 @@ impl Node {
                     body,
                     self.s.tuning.request_timeout,
                 );
-            } else if !self.outbox.has_key(&key) {
+            } else if !self.durable.outbox.has_key(&key) {
                 let item = Item {
                     topic,
                     body,
                     label,
                     key: Some(key),
                 };
-                match self.outbox.push(item) {
+                match self.durable.outbox.push(item) {
                     Ok(_) => self.flush_outbox(),
                     Err((seq, e)) => {
-                        // D28: kept in memory and sent all the same; the workload's record
-                        // stays until the backend acknowledged it, so a restart still knows.
-                        if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
-                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(&rid), held_note(held));
+                        if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), held_note(held));
                         }
-                        self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
-                        self.flush_outbox();
-                        self.retry_deferred_starts();
-                        return;
+                        return Some(seq);
                     }
                 }
             }
         }
-        self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
-        self.retry_deferred_starts();
+        None
     }
 
     // ---- the outbox -------------------------------------------------------------------------
 
     pub(super) fn flush_outbox(&mut self) {
-        if self.outbox.has_pending_writes() {
-            let left = self.outbox.persist_pending();
+        if self.durable.outbox.has_pending_writes() {
+            let left = self.durable.outbox.persist_pending();
             if left > 0 {
-                if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
                     log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
                 }
             }
@@ -225,10 +252,10 @@ impl Node {
             return;
         }
         let now = self.io.clock.now();
-        for (seq, item) in self.outbox.due(now) {
+        for (seq, item) in self.durable.outbox.due(now) {
             if !crate::protocol::topics::publishable(&item.topic) {
                 // Queued by an older version or planted: no broker would take it (D34).
-                if let Some((item, aside)) = self.outbox.quarantine(seq) {
+                if let Some((item, aside)) = self.durable.outbox.quarantine(seq) {
                     log::error!(
                         "the {} has an invalid topic; set aside in {} and not sent",
                         crate::logtext::shown(&item.label),
@@ -243,7 +270,7 @@ impl Node {
                 item.body.clone(),
                 self.s.tuning.request_timeout,
             );
-            self.outbox.sent(seq, corr);
+            self.durable.outbox.sent(seq, corr);
         }
     }
 
@@ -254,7 +281,7 @@ impl Node {
     ) {
         match body {
             Some(b) if b.success => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
+                if let Some(item) = self.durable.outbox.acknowledged(seq) {
                     log::info!(
                         "backend acknowledged the {}",
                         crate::logtext::shown(&item.label)
@@ -263,7 +290,7 @@ impl Node {
                 self.with_table(|t, out, _| t.acknowledged(seq, out));
             }
             Some(b) if b.code.is_some_and(|c| c < 500) => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
+                if let Some(item) = self.durable.outbox.acknowledged(seq) {
                     log::error!(
                         "backend refused the {} ({}); not retried",
                         crate::logtext::shown(&item.label),
@@ -273,7 +300,7 @@ impl Node {
             }
             _ => {
                 log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.outbox.retry_later(seq, self.io.clock.now());
+                self.durable.outbox.retry_later(seq, self.io.clock.now());
             }
         }
     }

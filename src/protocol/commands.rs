@@ -115,6 +115,17 @@ impl RequestId {
     }
 }
 
+/// What a Python sender writes for a missing workload id (`str(None)`): no workload topic is
+/// ever `…/None/…` (protocol §2.6, R7–R10).
+const NO_WORKLOAD: &str = "None";
+
+/// A workload id as it is read from a command, a workload's record or a note of a start:
+/// `None` when it is absent, empty or the text `"None"`. Parsed here, where the value enters,
+/// so that nothing past the edge compares with that text.
+pub fn workload_id(s: Option<String>) -> Option<String> {
+    s.filter(|u| !u.is_empty() && u != NO_WORKLOAD)
+}
+
 /// An id that may be part of an MQTT topic (D20): 1 to 256 bytes of printable ASCII without
 /// `+`, `#`, `/` or whitespace.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -144,6 +155,15 @@ impl TopicId {
             ));
         }
         Ok(TopicId(s.to_string()))
+    }
+
+    /// The `workload_uuid` field of a params object: as [`TopicId::field`], and the text
+    /// `"None"` means none too ([`workload_id`]).
+    fn workload_field(
+        params: &Map<String, Value>,
+        path: &str,
+    ) -> Result<Option<TopicId>, FieldError> {
+        Ok(TopicId::field(params, "workload_uuid", path)?.filter(|u| u.0 != NO_WORKLOAD))
     }
 
     /// An optional id field of a params object: absent, `null` or `""` mean none.
@@ -299,7 +319,7 @@ impl StartParams {
     pub fn parse(params: Option<&Value>, path: &str) -> Result<StartParams, FieldError> {
         let map = object(params, path)?;
         let field = |k: &str| format!("{path}{k}");
-        let workload_uuid = TopicId::field(map, "workload_uuid", path)?;
+        let workload_uuid = TopicId::workload_field(map, path)?;
         let environment_uuid = TopicId::field(map, "environment_uuid", path)?;
         for k in ID_KEYS {
             TopicId::field(map, k, path)?;
@@ -441,7 +461,7 @@ pub enum Received {
 impl Received {
     fn parse(params: Option<&Value>) -> Result<Received, FieldError> {
         let map = object(params, "params.")?;
-        let uuid = TopicId::field(map, "workload_uuid", "params.")?;
+        let uuid = TopicId::workload_field(map, "params.")?;
         let kind = match map.get("command_type") {
             Some(Value::String(s)) => Kind::parse(s),
             _ => None,
@@ -463,9 +483,7 @@ impl Received {
     /// `workload_received` still gets its `failed` status (D8) when this much is sound.
     fn uuid_of(params: Option<&Value>) -> Option<TopicId> {
         let map = params?.as_object()?;
-        TopicId::field(map, "workload_uuid", "params.")
-            .ok()
-            .flatten()
+        TopicId::workload_field(map, "params.").ok().flatten()
     }
 }
 
@@ -509,7 +527,7 @@ impl Command {
                 .map_err(|error| Refused {
                     workload_uuid: params
                         .and_then(Value::as_object)
-                        .and_then(|m| TopicId::field(m, "workload_uuid", "params.").ok().flatten()),
+                        .and_then(|m| TopicId::workload_field(m, "params.").ok().flatten()),
                     error,
                 });
         }
@@ -666,6 +684,26 @@ mod tests {
         // A refused start still names its workload when that part was sound.
         let r = start(json!({"workload_uuid": "w-ok", "max_runtime_seconds": -5})).unwrap_err();
         assert_eq!(r.workload_uuid.unwrap().as_str(), "w-ok");
+    }
+
+    #[test]
+    fn a_workload_uuid_of_none_text_or_empty_is_no_workload() {
+        for none in ["None", ""] {
+            let Ok(Command::Start(_, p)) = start(json!({"workload_uuid": none})) else {
+                panic!("refused {none:?}")
+            };
+            assert_eq!(p.workload_uuid, None, "{none:?}");
+        }
+        let Ok(Command::Start(_, p)) = start(json!({"workload_uuid": "w1"})) else {
+            panic!()
+        };
+        assert_eq!(
+            p.workload_uuid.map(|u| u.as_str().to_string()).as_deref(),
+            Some("w1")
+        );
+        assert_eq!(workload_id(Some("None".into())), None);
+        assert_eq!(workload_id(Some(String::new())), None);
+        assert_eq!(workload_id(Some("none".into())).as_deref(), Some("none"));
     }
 
     #[test]

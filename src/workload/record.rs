@@ -242,9 +242,7 @@ pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::ReadEr
         // outside its own log folder.
         *p = logs.join(name);
     }
-    if meta.workload_uuid.as_deref() == Some("") {
-        meta.workload_uuid = None;
-    }
+    meta.workload_uuid = crate::protocol::commands::workload_id(meta.workload_uuid.take());
     Ok(meta)
 }
 
@@ -427,6 +425,20 @@ mod tests {
             ),
             ("token", with("/event_token", serde_json::json!("a b"))),
         ]
+    }
+
+    #[test]
+    fn a_record_whose_workload_uuid_is_empty_or_none_text_has_no_workload() {
+        let layout = scratch("meta-none");
+        let dir = layout.dir("w1");
+        let base = good_meta(&layout);
+        for (uuid, want) in [("None", None), ("", None), ("w-1", Some("w-1"))] {
+            let mut m = base.clone();
+            m["workload_uuid"] = serde_json::json!(uuid);
+            std::fs::write(dir.join("meta.json"), m.to_string()).unwrap();
+            let meta = parse_meta(&dir).unwrap();
+            assert_eq!(meta.workload_uuid.as_deref(), want, "{uuid:?}");
+        }
     }
 
     #[test]

@@ -571,9 +571,7 @@ impl Streams {
         }
         if chunk.skipped > 0 && skipped(s, &chunk, mirroring, &what) {
             // The line the console holds ends where the hole starts.
-            let rest = std::mem::take(&mut s.partial);
-            let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
-            mirror(prefix, i, &rest, true, &mut Vec::new(), out);
+            end_partial_line(s, w.prefix.get(i), i, out);
         }
         // From here on the chunk is the bytes at `offset`.
         let offset = chunk.at();
@@ -581,47 +579,20 @@ impl Streams {
         let read_end = offset.saturating_add(data.len() as u64);
         // The read saw everything the file held.
         let caught_up = read_end >= chunk.file_len;
-        if chunk.gap_follows {
-            // Text that a hole or NUL run ends goes as it is: no line end will come.
-        } else if !ending {
-            // While the workload runs, a chunk ends at a line end (unless one line fills a
-            // whole read: then it goes in pieces ending on a whole character; D32, a line never
-            // has to fit in memory).
-            match data.iter().rposition(|b| *b == b'\n') {
-                Some(pos) => data.truncate(pos.saturating_add(1)),
-                None if (data.len() as u64) < piece => data.clear(),
-                None => data.truncate(text::utf8_cut(&data, data.len())),
-            }
-        } else if !caught_up {
-            data.truncate(text::utf8_cut(&data, data.len()));
-        }
+        trim_chunk(&mut data, chunk.gap_follows, ending, caught_up, piece);
         // The body, cut to the broker's packet size if it set one (escaping can make the text
         // longer than the bytes read).
-        let mut shrunk = false;
-        let body = if publishing && !data.is_empty() {
+        let (body, shrunk) = if publishing && !data.is_empty() {
             let at = offset.saturating_add(s.base);
             let notes = Notes {
                 dropped: s.dropped_unsent,
                 gap: s.gap_unsent,
                 truncated: s.truncated_unsent,
             };
-            let mut b = chunk_body(&self.uuid, i, &data, &w.src, at, &notes);
-            let mut tries: u32 = 0;
-            while b.len() as u64 > payload_cap && data.len() > 1 && tries < 16 {
-                let keep = (data.len() as u128)
-                    .saturating_mul(u128::from(payload_cap))
-                    .checked_div(b.len() as u128)
-                    .unwrap_or(0);
-                let keep = usize::try_from(keep).unwrap_or(0);
-                let keep = keep.min(data.len().saturating_sub(1)).max(1);
-                data.truncate(text::utf8_cut(&data, keep));
-                shrunk = true;
-                b = chunk_body(&self.uuid, i, &data, &w.src, at, &notes);
-                tries = tries.saturating_add(1);
-            }
-            Some(b)
+            let (b, cut) = fitted_body(&self.uuid, i, &mut data, &w.src, at, &notes, payload_cap);
+            (Some(b), cut)
         } else {
-            None
+            (None, false)
         };
         let end = offset.saturating_add(data.len() as u64);
         if !data.is_empty() {
@@ -645,9 +616,7 @@ impl Streams {
                 // forever). Nothing to ship needs no connection.
                 s.drained = true;
                 s.pace.caught_up();
-                let rest = std::mem::take(&mut s.partial);
-                let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
-                mirror(prefix, i, &rest, true, &mut Vec::new(), out);
+                end_partial_line(s, w.prefix.get(i), i, out);
                 return 0;
             }
             if all_sent_or_partial {
@@ -886,6 +855,62 @@ fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, out: &mut dyn Outbou
         s.watching = true;
         out.tail(Request::Watch { key, path, len });
     }
+}
+
+/// Mirrors the partial line the console holds as a whole line: no more of it will come.
+fn end_partial_line(s: &mut Stream, prefix: Option<&Vec<u8>>, i: usize, out: &mut dyn Outbound) {
+    let rest = std::mem::take(&mut s.partial);
+    let prefix = prefix.map(Vec::as_slice).unwrap_or_default();
+    mirror(prefix, i, &rest, true, &mut Vec::new(), out);
+}
+
+/// Where a chunk ends. Text that a hole or NUL run ends (`gap_follows`) goes as it is: no line
+/// end will come. While the workload runs, a chunk ends at a line end (unless one line fills a
+/// whole read of `piece` bytes: then it goes in pieces ending on a whole character; D32, a line
+/// never has to fit in memory). Once it ended, a read that did not reach the end of the file
+/// ends on a whole character.
+fn trim_chunk(data: &mut Vec<u8>, gap_follows: bool, ending: bool, caught_up: bool, piece: u64) {
+    if gap_follows {
+        return;
+    }
+    if !ending {
+        match data.iter().rposition(|b| *b == b'\n') {
+            Some(pos) => data.truncate(pos.saturating_add(1)),
+            None if (data.len() as u64) < piece => data.clear(),
+            None => data.truncate(text::utf8_cut(data, data.len())),
+        }
+    } else if !caught_up {
+        data.truncate(text::utf8_cut(data, data.len()));
+    }
+}
+
+/// The chunk's body, with `data` cut until it fits the broker's packet size if it set one
+/// (escaping can make the text longer than the bytes read); `true` when it was cut.
+fn fitted_body(
+    uuid: &str,
+    i: usize,
+    data: &mut Vec<u8>,
+    src: &Source,
+    at: u64,
+    notes: &Notes,
+    payload_cap: u64,
+) -> (Vec<u8>, bool) {
+    let mut shrunk = false;
+    let mut b = chunk_body(uuid, i, data, src, at, notes);
+    let mut tries: u32 = 0;
+    while b.len() as u64 > payload_cap && data.len() > 1 && tries < 16 {
+        let keep = (data.len() as u128)
+            .saturating_mul(u128::from(payload_cap))
+            .checked_div(b.len() as u128)
+            .unwrap_or(0);
+        let keep = usize::try_from(keep).unwrap_or(0);
+        let keep = keep.min(data.len().saturating_sub(1)).max(1);
+        data.truncate(text::utf8_cut(data, keep));
+        shrunk = true;
+        b = chunk_body(uuid, i, data, src, at, notes);
+        tries = tries.saturating_add(1);
+    }
+    (b, shrunk)
 }
 
 /// What a chunk says of the bytes the stream moved past before it (see the module's notes).

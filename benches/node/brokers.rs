@@ -1,5 +1,13 @@
-//! `./scripts/bench brokers [KILLS]`: failover on a clustered broker (issue 22 item 9).
+//! `./scripts/bench brokers [KILLS]`: a 64 KiB-line flood on each broker, then failover on a
+//! clustered broker (issue 22 item 9). `CW_BROKERS_CASES` (default `flood,failover`) chooses.
 //!
+//! Flood: on mosquitto, rumqttd 0.20 (100 KiB `max_payload_size`, unannounced), one rmqtt 0.24
+//! node and the 3-node rmqtt raft cluster, the real node (production back-off) runs a workload
+//! printing one 64 KiB line about every 100 ms for `CW_FLOOD_SECONDS` (default 60); one line per
+//! broker: minutes, connection losses ("MQTT connection problem" in the node's log) per minute,
+//! whether the node still runs, stdout bytes against log bytes received, completions.
+//!
+//! Failover:
 //! A 3-node rmqtt cluster on loopback (its broadcast plugin, then its raft plugin), built once by
 //! `scripts/bench` from rmqtt's crates (`benches/rmqtt/`, path in `CW_RMQTT_BIN`). The fake
 //! backend sits on cluster node 1, which is never killed; the real node lists nodes 2 and 3 as
@@ -27,15 +35,24 @@ use serde_json::json;
 
 use super::support::mqtt5;
 use super::support::node::{NodeProcess, NodeSetup, TOKEN};
-use super::support::{free_port, wait_for, ControlPlane, TempDir};
+use super::support::rumqttd::Rumqttd;
+use super::support::{free_port, wait_for, Broker, ControlPlane, TempDir};
 
 const NODES: usize = 3;
 
 pub fn run(kills: usize) {
-    let Some(bin) = std::env::var_os("CW_RMQTT_BIN")
+    let cases = std::env::var("CW_BROKERS_CASES").unwrap_or_else(|_| "flood,failover".into());
+    let has = |case: &str| cases.split(',').any(|c| c.trim() == case);
+    let bin = std::env::var_os("CW_RMQTT_BIN")
         .map(PathBuf::from)
-        .filter(|p| p.exists())
-    else {
+        .filter(|p| p.exists());
+    if has("flood") {
+        flood_all(bin.as_deref());
+    }
+    if !has("failover") {
+        return;
+    }
+    let Some(bin) = bin else {
         println!("brokers: no rmqtt build (CW_RMQTT_BIN unset or missing); `./scripts/bench brokers` builds it");
         return;
     };
@@ -56,11 +73,12 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn start(bin: &Path, mode: &str) -> Option<Cluster> {
+    /// `nodes` cluster nodes (1: a lone rmqtt node, its plugin with no peers).
+    fn start(bin: &Path, mode: &str, nodes: usize) -> Option<Cluster> {
         let dir = TempDir::new("rmqtt");
-        let mqtt: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
-        let grpc: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
-        let raft: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
+        let mqtt: Vec<u16> = (0..nodes).map(|_| free_port()).collect();
+        let grpc: Vec<u16> = (0..nodes).map(|_| free_port()).collect();
+        let raft: Vec<u16> = (0..nodes).map(|_| free_port()).collect();
         let list = |ports: &[u16]| {
             ports
                 .iter()
@@ -89,9 +107,9 @@ impl Cluster {
             dir,
             mqtt,
             grpc,
-            children: (0..NODES).map(|_| None).collect(),
+            children: (0..nodes).map(|_| None).collect(),
         };
-        for i in 0..NODES {
+        for i in 0..nodes {
             let t = Instant::now();
             if !c.spawn(i) {
                 println!(
@@ -158,7 +176,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for i in 0..NODES {
+        for i in 0..self.children.len() {
             self.kill(i);
         }
     }
@@ -327,7 +345,7 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
     println!(
         "rmqtt cluster ({mode} plugin), 3 nodes on loopback; {kills} kills of the node's broker"
     );
-    let Some(mut cluster) = Cluster::start(bin, mode) else {
+    let Some(mut cluster) = Cluster::start(bin, mode, NODES) else {
         return;
     };
     if !routes_up(&cluster, mode) {
@@ -336,7 +354,7 @@ fn failover(bin: &Path, mode: &str, kills: usize) {
     let cp = ControlPlane::start(cluster.mqtt[0], "");
     let setup = node_setup(&cluster, &cp);
     let node = setup.spawn();
-    let Some(uuid) = workload_started(mode, &cp, &node) else {
+    let Some(uuid) = workload_started(mode, &cp, &node, ("fo", "wl-fo")) else {
         return;
     };
     let pinger = mqtt5::Client::connect(
@@ -447,7 +465,12 @@ fn node_setup(cluster: &Cluster, cp: &ControlPlane) -> NodeSetup {
 
 /// Waits for the node to be ready and starts its workload: the node's uuid, or None (and its
 /// log printed) when either never happens.
-fn workload_started(mode: &str, cp: &ControlPlane, node: &NodeProcess) -> Option<String> {
+fn workload_started(
+    mode: &str,
+    cp: &ControlPlane,
+    node: &NodeProcess,
+    (rid, wl): (&str, &str),
+) -> Option<String> {
     if !node.wait_log("node ready", Duration::from_secs(120)) {
         println!(
             "rmqtt {mode}: the node never got ready; its log:\n{}",
@@ -459,9 +482,9 @@ fn workload_started(mode: &str, cp: &ControlPlane, node: &NodeProcess) -> Option
     let started = wait_for(Duration::from_secs(60), || {
         cp.command(
             &uuid,
-            json!({"command": "inference", "request_id": "fo", "params": {"workload_uuid": "wl-fo"}}),
+            json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": wl}}),
         );
-        cp.wait_reply("fo", Duration::from_secs(2))
+        cp.wait_reply(rid, Duration::from_secs(2))
     });
     if started.is_none() {
         println!(
@@ -629,10 +652,42 @@ fn delivery(mode: &str, setup: &NodeSetup, cp: &ControlPlane, node: &NodeProcess
         .home
         .join(".cyberwave/workload_logs/inference_fo.stdout.log");
     let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    let (covered, twice, messages) = coverage(cp, "wl-fo");
+    let completions = cp
+        .statuses("wl-fo")
+        .iter()
+        .filter(|b| b["status"] == "completed")
+        .count();
+    println!(
+        "rmqtt {mode}: log bytes: {covered} of {size} arrived, {} missing, {twice} duplicated ({} messages); completion arrived {completions}× {}",
+        size.saturating_sub(covered),
+        messages,
+        if done.is_some() { "" } else { "(none within 120 s)" }
+    );
+    let log = node.log();
+    let alive = running(node);
+    println!(
+        "rmqtt {mode}: node {} at the end; {} connects in its log, {} WARN and {} ERROR lines",
+        if alive { "running" } else { "DEAD" },
+        log.matches("connected to MQTT broker").count(),
+        log.matches(" WARN ").count(),
+        log.matches(" ERROR ").count()
+    );
+    for l in log.lines().filter(|l| l.contains(" ERROR ")) {
+        println!(
+            "rmqtt {mode}: node: {}",
+            l.chars().take(240).collect::<String>()
+        );
+    }
+}
+
+/// The stdout bytes of workload `wl` the backend received in log messages: (bytes covered,
+/// bytes received again, messages), from each message's `offset` and `length`.
+fn coverage(cp: &ControlPlane, wl: &str) -> (u64, u64, usize) {
     let mut chunks: Vec<(u64, u64)> = cp
         .requests("logs")
         .iter()
-        .filter(|r| r.body["workload_uuid"] == "wl-fo")
+        .filter(|r| r.body["workload_uuid"] == wl)
         .filter(|r| r.body["log_type"].as_str().is_none_or(|s| s == "stdout"))
         .filter_map(|r| Some((r.body["offset"].as_u64()?, r.body["length"].as_u64()?)))
         .collect();
@@ -649,34 +704,125 @@ fn delivery(mode: &str, setup: &NodeSetup, cp: &ControlPlane, node: &NodeProcess
             twice += len;
         }
     }
+    (covered, twice, chunks.len())
+}
+
+/// The node process exists and is neither a zombie nor dead.
+fn running(node: &NodeProcess) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", node.pid())).unwrap_or_default();
+    stat.rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next())
+        .is_some_and(|state| state != "Z" && state != "X")
+}
+
+// ---- flood: a workload printing 64 KiB lines, on each broker (issue 22's goal figure) ----------
+
+/// The flood on every broker available: mosquitto, rumqttd 0.20 (when installed), one rmqtt
+/// 0.24 node and the 3-node rmqtt raft cluster (with `CW_RMQTT_BIN`).
+fn flood_all(rmqtt: Option<&Path>) {
+    let secs: u64 = std::env::var("CW_FLOOD_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    println!(
+        "flood: a workload printing one 64 KiB line every ~100 ms for {secs} s, on each broker"
+    );
+    {
+        let b = Broker::start();
+        flood("mosquitto", &[b.port], b.port, secs);
+    }
+    match std::panic::catch_unwind(|| Rumqttd::start(100 * 1024)) {
+        Ok(b) => flood(
+            "rumqttd 0.20 (max_payload_size 100 KiB)",
+            &[b.port],
+            b.port,
+            secs,
+        ),
+        Err(_) => println!("flood rumqttd: not installed (scripts/deps.sh installs it)"),
+    }
+    let Some(bin) = rmqtt else {
+        println!("flood rmqtt: no rmqtt build (CW_RMQTT_BIN unset or missing)");
+        return;
+    };
+    if let Some(c) = Cluster::start(bin, "broadcast", 1) {
+        flood("rmqtt 0.24, one node", &[c.mqtt[0]], c.mqtt[0], secs);
+    }
+    // As in the failover case: the backend on node 1, the node on nodes 2 and 3.
+    if let Some(c) = Cluster::start(bin, "raft", NODES) {
+        if routes_up(&c, "raft") {
+            flood(
+                "rmqtt 0.24 raft, 3 nodes",
+                &[c.mqtt[1], c.mqtt[2]],
+                c.mqtt[0],
+                secs,
+            );
+        }
+    }
+}
+
+/// The node (production back-off and timeouts) on `endpoints`, the backend on `backend`, and a
+/// workload printing a 64 KiB line of `z` about every 100 ms (paced: ~640 KiB/s, under the
+/// node's 4 MiB-per-interval shipping budget) for `secs` seconds; one line of figures.
+fn flood(name: &str, endpoints: &[u16], backend: u16, secs: u64) {
+    let cp = ControlPlane::start(backend, "");
+    let mut setup = NodeSetup::bare();
+    setup.set("CYBERWAVE_BASE_URL", &cp.http_url);
+    setup.set("CYBERWAVE_API_KEY", TOKEN);
+    let hosts: Vec<String> = endpoints.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    setup.set("CYBERWAVE_MQTT_HOST", &hosts.join(","));
+    setup.set("CYBERWAVE_MQTT_PORT", &endpoints[0].to_string());
+    for k in [
+        "CYBERWAVE_NODE_RECONNECT_MAX_SECONDS",
+        "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
+        "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
+    ] {
+        setup.unset(k);
+    }
+    setup.set("RUST_LOG", "info");
+    setup.write(
+        "cyberwave.yml",
+        &format!(
+            "cyberwave:\n  inference: |\n    end=$((SECONDS+{secs})); n=0\n    while [ $SECONDS -lt $end ]; do head -c 65536 /dev/zero | tr '\\0' z; echo; n=$((n+1)); sleep 0.1; done\n    echo \"flood-done $n\"\n"
+        ),
+    );
+    let node = setup.spawn();
+    if workload_started(name, &cp, &node, ("fl", "wl-fl")).is_none() {
+        return;
+    }
+    let t0 = Instant::now();
+    let done = cp.wait_status("wl-fl", "completed", Duration::from_secs(secs + 300));
+    let minutes = t0.elapsed().as_secs_f64() / 60.0;
+    // The last log messages may trail the completion.
+    std::thread::sleep(Duration::from_secs(5));
+    let file = setup
+        .home
+        .join(".cyberwave/workload_logs/inference_fl.stdout.log");
+    let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    let (covered, twice, messages) = coverage(&cp, "wl-fl");
     let completions = cp
-        .statuses("wl-fo")
+        .statuses("wl-fl")
         .iter()
         .filter(|b| b["status"] == "completed")
         .count();
-    println!(
-        "rmqtt {mode}: log bytes: {covered} of {size} arrived, {} missing, {twice} duplicated ({} messages); completion arrived {completions}× {}",
-        size.saturating_sub(covered),
-        chunks.len(),
-        if done.is_some() { "" } else { "(none within 120 s)" }
-    );
     let log = node.log();
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", node.pid())).unwrap_or_default();
-    let alive = stat
-        .rsplit(')')
-        .next()
-        .and_then(|r| r.split_whitespace().next())
-        .is_some_and(|state| state != "Z" && state != "X");
+    let losses = log.matches("MQTT connection problem").count();
+    let alive = running(&node);
     println!(
-        "rmqtt {mode}: node {} at the end; {} connects in its log, {} WARN and {} ERROR lines",
+        "flood {name}: {minutes:.2} min, {losses} connection losses ({:.1}/min), node {} (crashes {}); stdout {size} B, log {covered} B arrived, {} missing, {twice} twice ({messages} messages); completion {completions}×{}",
+        losses as f64 / minutes.max(1e-9),
         if alive { "running" } else { "DEAD" },
-        log.matches("connected to MQTT broker").count(),
-        log.matches(" WARN ").count(),
-        log.matches(" ERROR ").count()
+        u8::from(!alive),
+        size.saturating_sub(covered),
+        if done.is_some() { "" } else { " (none in time)" }
     );
-    for l in log.lines().filter(|l| l.contains(" ERROR ")) {
+    for l in log
+        .lines()
+        .filter(|l| l.contains(" ERROR ") || l.contains("MQTT connection problem"))
+        .take(5)
+    {
         println!(
-            "rmqtt {mode}: node: {}",
+            "flood {name}: node: {}",
             l.chars().take(240).collect::<String>()
         );
     }

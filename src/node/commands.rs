@@ -107,7 +107,10 @@ impl Node {
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
         });
-        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
+        if let Some(g) = self
+            .gpu
+            .status(&super::gpus_out::holds_of(&self.active, &self.starts))
+        {
             gpus::put(&mut out, "gpus", g);
         }
         self.add_starting(&mut out, "active_workloads");
@@ -178,7 +181,10 @@ impl Node {
             "outbox": self.durable.outbox.len(),
             "ingress_queue": self.ingress.queue.len(),
         });
-        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
+        if let Some(g) = self
+            .gpu
+            .status(&super::gpus_out::holds_of(&self.active, &self.starts))
+        {
             gpus::put(&mut out, "gpus", g);
         }
         self.add_starting(&mut out, "workloads");

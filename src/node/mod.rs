@@ -127,7 +127,7 @@ impl Node {
                 recv(self.io.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.io.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
                 recv(self.io.control) -> r => if let Ok(r) = r { self.on_control(r) },
-                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
+                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { gpus_out::on_snapshot(&mut self.gpu, &self.active, &self.starts, self.io.gpu_monitor.as_ref(), s) },
                 default(wait) => {}
             }
             self.tick();

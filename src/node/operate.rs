@@ -347,7 +347,10 @@ impl Node {
             "1 while the node refuses new workloads.",
             vec![(String::new(), u64::from(self.life.drain.on))],
         );
-        self.gpu.metrics(&self.gpu_holds(), &mut t);
+        self.gpu.metrics(
+            &super::gpus_out::holds_of(&self.active, &self.starts),
+            &mut t,
+        );
         if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
             log::warn!("cannot write the metrics file {}: {e}", path.display());
         }

@@ -200,7 +200,10 @@ impl Node {
             "draining": self.life.drain.on,
             "uptime_s": self.life.started.elapsed().as_secs(),
         });
-        self.gpu.heartbeat(&self.gpu_holds(), &mut body);
+        self.gpu.heartbeat(
+            &super::gpus_out::holds_of(&self.active, &self.starts),
+            &mut body,
+        );
         if let Some(h) = self.hardware() {
             util::set(&mut body, "hardware", h);
         }

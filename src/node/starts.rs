@@ -361,7 +361,7 @@ impl Node {
                 .and_then(|m| m.max_runtime_seconds)
                 .and_then(Seconds::from_f64),
         };
-        let held = super::gpus::holders(&self.gpu_holds());
+        let held = super::gpus::holders(&super::gpus_out::holds_of(&self.active, &self.starts));
         let now = self.io.clock.now();
         let wait = super::selfheal::defer_wait();
         admit::decide(
@@ -427,7 +427,12 @@ impl Node {
                 let now = self.io.clock.now();
                 self.active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
-                self.gpu_update_sampling();
+                super::gpus_out::update_sampling(
+                    &self.gpu,
+                    &self.active,
+                    &self.starts,
+                    self.io.gpu_monitor.as_ref(),
+                );
                 // What the workload asked of the node before its start was reported.
                 for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
                     let reply = self.on_emit(&req.body);

@@ -82,7 +82,12 @@ impl Node {
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             super::gpus::put(&mut body, "gpu", g); // D38
         }
-        self.gpu_update_sampling();
+        super::gpus_out::update_sampling(
+            &self.gpu,
+            &self.active,
+            &self.starts,
+            self.io.gpu_monitor.as_ref(),
+        );
         match self.send_completion(safe_id, &meta, body, label, &rid) {
             // D28: kept in memory and sent all the same; the workload's record stays until the
             // backend acknowledged it, so a restart still knows.

@@ -123,7 +123,7 @@ impl Node {
                     Ok(o) => self.on_spawn_outcome(o),
                     Err(_) => self.on_spawner_gone(),
                 },
-                recv(self.io.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
+                recv(self.io.chunks) -> c => if let Ok(c) = c { self.logs().on_tail(c) },
                 recv(self.io.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
                 recv(self.io.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
                 recv(self.io.control) -> r => if let Ok(r) = r { self.on_control(r) },
@@ -162,7 +162,7 @@ impl Node {
             due(s.deadline);
         }
         // Only while a stream has unsent bytes: growth of a file arrives as an event.
-        if let Some(d) = self.next_stream_due() {
+        if let Some(d) = self.streams.next_due() {
             due(d);
         }
         if let Some(d) = self.active.next_due() {
@@ -205,6 +205,19 @@ impl Node {
     /// Workloads that hold a slot: tracked ones and starts in flight.
     fn in_use(&self) -> usize {
         self.active.len().saturating_add(self.starts.len())
+    }
+
+    /// The streams part and what its calls touch, borrowed apart from the rest of the node.
+    fn logs(&mut self) -> streams_out::Logs<'_> {
+        streams_out::Logs {
+            streams: &mut self.streams,
+            session: &mut self.session,
+            io: &self.io,
+            s: &self.s,
+            active: &self.active,
+            disk: &mut self.timers.throttle.disk,
+            log_bytes: &mut self.life.metrics.log_bytes,
+        }
     }
 
     fn uuid(&self) -> &str {

@@ -45,7 +45,7 @@ impl Node {
                 }
                 Happening::Lost => self.connection_lost(),
                 Happening::Registered => {
-                    self.ship_install_logs();
+                    self.logs().ship_install();
                     self.answer_interrupted_starts();
                 }
                 Happening::RegisteredAfterFailedStart(err) => self.report_failed_start(err),
@@ -88,7 +88,7 @@ impl Node {
         // The refused message sat in the MQTT client too: the next connect uses a fresh client
         // (never a clean session, see `Mqtt::start_connect`), which resends nothing of the
         // loop's requests but a standalone node's (`Mqtt::resend_requests`).
-        self.reset_streams();
+        super::streams_out::reset(&mut self.streams, &mut self.session, self.io.clock.now());
     }
 
     /// A request the broker refused, or that can never be sent as it is: an outbox message is
@@ -117,7 +117,7 @@ impl Node {
                     ),
                     why,
                 );
-                self.on_log_ack(&key, true);
+                self.logs().on_ack(&key, true);
             }
             other => {
                 if permanent {
@@ -157,7 +157,9 @@ impl Node {
     pub(super) fn on_outcome(&mut self, op: Op, body: Option<Reply>, corr: &[u8]) {
         match op {
             Op::Outbox(seq) => self.on_outbox_reply(seq, body),
-            Op::Log(key) => self.on_log_ack(&key, body.as_ref().is_some_and(|b| b.success)),
+            Op::Log(key) => self
+                .logs()
+                .on_ack(&key, body.as_ref().is_some_and(|b| b.success)),
             Op::SignedUrl(id) => self.on_signed_url_reply(&id, body.map(|b| b.body)),
             Op::UploadResults(id) => {
                 self.on_upload_reply(&id, body.as_ref().is_some_and(|b| b.success))

@@ -143,7 +143,7 @@ impl Node {
             match l {
                 Later::ShipLogs if !shipped => {
                     shipped = true;
-                    self.pump_streams(false);
+                    self.logs().pump();
                 }
                 Later::ShipLogs => {}
                 Later::Report {

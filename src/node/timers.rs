@@ -67,7 +67,7 @@ impl Node {
             self.timers.due.watchdog = util::later(now, Duration::from_secs(10));
         }
         self.flush_outbox();
-        self.pump_streams(true);
+        self.logs().pump();
         self.finish_stopping_workloads();
         if let Some(s) = &self.life.shutdown {
             if now >= s.deadline {

@@ -319,7 +319,7 @@ impl Node {
             .active
             .draining()
             .into_iter()
-            .filter(|id| self.drained(id, now))
+            .filter(|id| super::streams_out::drained(&self.streams, &self.active, id, now))
             .collect();
         self.with_table(|t, out, now| t.tick(now, &drained, out));
     }

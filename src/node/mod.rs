@@ -144,6 +144,45 @@ impl Node {
         }
     }
 
+    /// The loop's periodic work: run after every event and every wake-up.
+    pub(super) fn tick(&mut self) {
+        let now = self.io.clock.now();
+        let publishing = self.publishing();
+        let happened = self
+            .session
+            .tick(publishing, now, &mut self.io.wire(&self.s));
+        self.carry_out(happened);
+        self.tick_workloads();
+        self.retry_deferred_starts();
+        if now >= self.timers.due.rescan {
+            // Events `emit` queued by itself while the node was unreachable.
+            self.ingress.queue.rescan();
+            let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
+                timers::RESCAN_IDLE
+            } else {
+                timers::RESCAN_BUSY
+            };
+            self.timers.due.rescan = now.checked_add(every).unwrap_or(now);
+        }
+        self.with_ingress(|i, out| i.send(out));
+        self.check_drain_after_one(now);
+        self.write_metrics(now);
+        self.prune_old_files(now);
+        if self.s.standalone && self.session.connected() && now >= self.timers.due.watchdog {
+            // No heartbeats without a backend: a live broker connection feeds the watchdog.
+            crate::systemd::notify("WATCHDOG=1");
+            self.timers.due.watchdog = crate::util::later(now, Duration::from_secs(10));
+        }
+        self.flush_outbox();
+        self.logs().pump();
+        self.finish_stopping_workloads();
+        if let Some(s) = &self.life.shutdown {
+            if now >= s.deadline {
+                self.life.exit = Some(s.exit_code);
+            }
+        }
+    }
+
     /// The earliest moment something is due: every timer that [`Node::tick`] acts on has its
     /// deadline here, so the loop sleeps exactly until then.
     fn next_wake(&self, now: Instant) -> Instant {

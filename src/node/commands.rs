@@ -144,7 +144,9 @@ impl Node {
         let reply = match op {
             "emit" => self.on_emit(&req.body),
             "drain" | "resume" => {
-                self.set_draining(op == "drain", "asked on the control socket");
+                self.life
+                    .drain
+                    .set(op == "drain", "asked on the control socket", self.in_use());
                 json!({"ok": true, "draining": self.life.drain.on, "active_workloads": self.in_use()})
             }
             "status" => json!({"ok": true, "status": self.local_status()}),

@@ -165,9 +165,35 @@ impl Node {
             self.timers.due.rescan = now.checked_add(every).unwrap_or(now);
         }
         self.with_ingress(|i, out| i.send(out));
-        self.check_drain_after_one(now);
-        self.write_metrics(now);
-        self.prune_old_files(now);
+        if operate::drain_after_one_done(
+            &self.s,
+            &mut self.life,
+            &self.active,
+            &self.durable.outbox,
+            now,
+        ) {
+            self.begin_shutdown(EXIT_OK, "--drain-after-one: the workload completed");
+        }
+        operate::write_metrics(
+            &self.s,
+            &mut self.timers.due.metrics,
+            now,
+            &self.life,
+            self.durable
+                .outbox
+                .len()
+                .saturating_add(self.ingress.queue.len()),
+            &self.active,
+            &self.starts,
+            &self.gpu,
+        );
+        operate::prune_old_files(
+            &self.s,
+            &mut self.timers.due.prune,
+            &self.active,
+            &self.io.layout,
+            now,
+        );
         if self.s.standalone && self.session.connected() && now >= self.timers.due.watchdog {
             // No heartbeats without a backend: a live broker connection feeds the watchdog.
             crate::systemd::notify("WATCHDOG=1");

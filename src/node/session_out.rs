@@ -206,7 +206,7 @@ impl Node {
             &super::gpus_out::holds_of(&self.active, &self.starts),
             &mut body,
         );
-        if let Some(h) = self.hardware() {
+        if let Some(h) = super::operate::hardware(&self.s, &self.gpu) {
             util::set(&mut body, "hardware", h);
         }
         let now = self.io.clock.now();

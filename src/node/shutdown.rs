@@ -56,8 +56,8 @@ impl Node {
             Signal::Hup => {
                 log::info!("SIGHUP ignored (restart the service to reload the configuration)")
             }
-            Signal::Usr1 => self.set_draining(true, "SIGUSR1"),
-            Signal::Usr2 => self.set_draining(false, "SIGUSR2"),
+            Signal::Usr1 => self.life.drain.set(true, "SIGUSR1", self.in_use()),
+            Signal::Usr2 => self.life.drain.set(false, "SIGUSR2", self.in_use()),
         }
     }
 

@@ -315,7 +315,9 @@ impl Node {
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
         if self.s.drain_after_one {
             // One workload: no second start is taken while this one is in flight.
-            self.set_draining(true, "--drain-after-one");
+            self.life
+                .drain
+                .set(true, "--drain-after-one", self.in_use());
         }
     }
 
@@ -418,7 +420,9 @@ impl Node {
                 self.life.metrics.starts = self.life.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.life.drain.one_started = true;
-                    self.set_draining(true, "--drain-after-one");
+                    self.life
+                        .drain
+                        .set(true, "--drain-after-one", self.in_use());
                 }
                 let shim = meta
                     .started
@@ -477,7 +481,11 @@ impl Node {
                 if self.s.drain_after_one && !self.life.drain.one_started && self.starts.is_empty()
                 {
                     // The one workload did not start: the node takes the next start.
-                    self.set_draining(false, "--drain-after-one: the start failed");
+                    self.life.drain.set(
+                        false,
+                        "--drain-after-one: the start failed",
+                        self.in_use(),
+                    );
                 }
                 self.retry_deferred_starts();
             }
@@ -614,7 +622,7 @@ impl Node {
         let why = why.as_str();
         let busy = reason.busy();
         self.with_ingress(|i, out| i.report_rejected(ctx, why, out));
-        self.count_rejection(reason.metric());
+        self.life.metrics.count_rejection(reason.metric());
         log::warn!(
             "refused start {}: {}",
             shown(&request_id_text(request_id)),

@@ -69,7 +69,7 @@ impl Node {
                 meta.kind,
                 crate::logtext::shown(&rid)
             );
-            self.count_completion("stale");
+            self.life.metrics.count_completion("stale");
             self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
             self.retry_deferred_starts();
             return;
@@ -122,7 +122,7 @@ impl Node {
             crate::logtext::shown(rid),
             crate::logtext::shown(&how)
         );
-        self.count_completion("cancelled");
+        self.life.metrics.count_completion("cancelled");
         self.with_ingress(|i, out| {
             i.report_finished(meta, false, exit.map(Exit::code), Some(how.clone()), out)
         });
@@ -183,7 +183,7 @@ impl Node {
                 out,
             )
         });
-        self.count_completion(if success {
+        self.life.metrics.count_completion(if success {
             "success"
         } else if lost.is_some() {
             "lost"

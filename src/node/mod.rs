@@ -39,12 +39,15 @@ const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::Settings;
+use crate::protocol::replies::Reply;
 use crate::signals::Signal;
 use gpus_out::with_gpus;
 use io::Wire;
 use parts::{Drain, Durable, Life, Op};
+use serde_json::Value;
+use session::Happening;
 use session::Session;
-use session_out::refused_in;
+use session_out::{refused_in, AfterRefusal};
 use timers::{Due, Throttles, Timers};
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
@@ -147,7 +150,8 @@ impl Node {
     /// The loop's periodic work: run after every event and every wake-up.
     pub(super) fn tick(&mut self) {
         let now = self.io.clock.now();
-        let publishing = self.publishing();
+        let publishing =
+            session_out::publishing(&self.session, &self.durable.outbox, &self.ingress.queue);
         let happened = self
             .session
             .tick(publishing, now, &mut self.io.wire(&self.s));
@@ -207,6 +211,113 @@ impl Node {
                 self.life.exit = Some(s.exit_code);
             }
         }
+    }
+
+    // ---- the broker session's dispatch ----------------------------------------------------
+
+    fn on_mqtt(&mut self, ev: crate::mqtt::MqttEvent) {
+        let now = self.io.clock.now();
+        let publishing =
+            session_out::publishing(&self.session, &self.durable.outbox, &self.ingress.queue);
+        let happened = self
+            .session
+            .on_mqtt(ev, publishing, now, &mut self.io.wire(&self.s));
+        self.carry_out(happened);
+    }
+
+    /// Acts on what the session reports.
+    fn carry_out(&mut self, happened: Vec<Happening<Op>>) {
+        for h in happened {
+            match h {
+                Happening::Connected { reconnect } => {
+                    if reconnect {
+                        self.life.metrics.reconnects =
+                            self.life.metrics.reconnects.saturating_add(1);
+                    }
+                    self.flush_outbox();
+                    self.with_ingress(|i, out| i.send(out));
+                }
+                Happening::Lost => session_out::connection_lost(
+                    &mut self.session,
+                    &mut self.durable.outbox,
+                    &mut self.ingress.queue,
+                    &mut self.streams,
+                    self.io.clock.now(),
+                ),
+                Happening::Registered => {
+                    self.logs().ship_install();
+                    self.answer_interrupted_starts();
+                }
+                Happening::RegisteredAfterFailedStart(err) => self.report_failed_start(err),
+                Happening::Command(payload) => self.on_command(&payload),
+                Happening::Outcome {
+                    tag,
+                    reply,
+                    correlation,
+                } => self.on_outcome(tag, reply, &correlation),
+                Happening::Refused {
+                    tag,
+                    why,
+                    permanent,
+                } => {
+                    let now = self.io.clock.now();
+                    let throttle = &mut self.timers.throttle.refusals;
+                    let (outbox, mqtt) = (&mut self.durable.outbox, &self.io.mqtt);
+                    match session_out::refused(tag, &why, permanent, outbox, mqtt, throttle, now) {
+                        AfterRefusal::Nothing => {}
+                        AfterRefusal::SkipLog(key) => self.logs().on_ack(&key, true),
+                        AfterRefusal::Fail(op) => self.on_outcome(op, None, &[]),
+                    }
+                }
+                Happening::HeartbeatDue => {
+                    // Self-heal runs beside the heartbeat, never in front of it.
+                    self.start_heal_pass();
+                    let holds = gpus_out::holds_of(&self.active, &self.starts);
+                    let body = session_out::heartbeat_body(
+                        &self.s,
+                        &self.life,
+                        self.in_use(),
+                        &self.gpu,
+                        &holds,
+                    );
+                    let now = self.io.clock.now();
+                    self.session
+                        .send_heartbeat(&body, now, &mut self.io.wire(&self.s));
+                }
+                Happening::HeartbeatFailed => {
+                    self.life.metrics.heartbeat_failures =
+                        self.life.metrics.heartbeat_failures.saturating_add(1);
+                }
+                Happening::TokenRejected => self.begin_shutdown(EXIT_CREDENTIALS, "token rejected"),
+            }
+        }
+    }
+
+    /// A request's reply (`Some`) or its timeout (`None`).
+    fn on_outcome(&mut self, op: Op, body: Option<Reply>, corr: &[u8]) {
+        match op {
+            Op::Outbox(seq) => self.on_outbox_reply(seq, body),
+            Op::Log(key) => self
+                .logs()
+                .on_ack(&key, body.as_ref().is_some_and(|b| b.success)),
+            Op::SignedUrl(id) => self.on_signed_url_reply(&id, body.map(|b| b.body)),
+            Op::UploadResults(id) => {
+                self.on_upload_reply(&id, body.as_ref().is_some_and(|b| b.success))
+            }
+            Op::WorkloadStatus => session_out::on_status_outcome(body, self.s.standalone),
+            Op::Terminate | Op::Fail => {
+                let now = self.io.clock.now();
+                let shutdown = self.life.shutdown.as_mut();
+                session_out::on_goodbye_outcome(&op, body.is_some(), shutdown, corr, now);
+            }
+        }
+    }
+
+    /// Sends one of the loop's requests through the session; returns its correlation.
+    fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
+        let now = self.io.clock.now();
+        self.session
+            .request(op, topic, &body, timeout, now, &mut self.io.wire(&self.s))
     }
 
     /// The earliest moment something is due: every timer that [`Node::tick`] acts on has its

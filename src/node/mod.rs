@@ -320,6 +320,34 @@ impl Node {
             .request(op, topic, &body, timeout, now, &mut self.io.wire(&self.s))
     }
 
+    /// Runs `f` on the workload table with the real [`table::Outbound`], then does what it
+    /// left for the loop (logs to ship, completions to queue).
+    fn with_table<R>(
+        &mut self,
+        f: impl FnOnce(&mut table::Table, &mut dyn table::Outbound, Instant) -> R,
+    ) -> R {
+        let now = self.io.clock.now();
+        let mut out = table_out::NodeOut::new(&mut self.session, &self.io, &self.s, now);
+        let r = f(&mut self.active, &mut out, now);
+        let mut shipped = false;
+        for l in out.into_later() {
+            match l {
+                table_out::Later::ShipLogs if !shipped => {
+                    shipped = true;
+                    self.logs().pump();
+                }
+                table_out::Later::ShipLogs => {}
+                table_out::Later::Report {
+                    id,
+                    meta,
+                    exit,
+                    lost,
+                } => self.complete(&id, *meta, exit, lost),
+            }
+        }
+        r
+    }
+
     /// The earliest moment something is due: every timer that [`Node::tick`] acts on has its
     /// deadline here, so the loop sleeps exactly until then.
     fn next_wake(&self, now: Instant) -> Instant {

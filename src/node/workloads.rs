@@ -2,7 +2,7 @@
 //! the cancel command, building and queueing completions (exactly once, through the outbox),
 //! and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
 //! belong to the workload table (`table.rs`), which this file drives through
-//! [`Node::with_table`].
+//! `Node::with_table` (in `mod.rs`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -411,6 +411,27 @@ impl Node {
         self.active.len().saturating_add(self.starts.len())
     }
 
+    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
+    /// full-disk throttle).
+    fn with_ingress<R>(
+        &mut self,
+        f: impl FnOnce(&mut ingress::Ingress, &mut dyn ingress::Outbound) -> R,
+    ) -> R {
+        let mut wire = ingress::Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: &self.io,
+            disk_errors: &mut self.timers.throttle.disk,
+        };
+        f(&mut self.ingress, &mut wire)
+    }
+
+    /// `emit` from a workload, through the control socket: its owner found by its token.
+    fn on_emit(&mut self, body: &Value) -> Value {
+        let owner = ingress::owner_of(&self.active, body);
+        self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
+    }
+
     /// The streams part and what its calls touch, borrowed apart from the rest of the node.
     fn logs(&mut self) -> streams_out::Logs<'_> {
         streams_out::Logs {

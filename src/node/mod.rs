@@ -313,6 +313,36 @@ impl Node {
         }
     }
 
+    /// Once registered: every interrupted start gets its answer (D53), and its note goes.
+    pub(super) fn answer_interrupted_starts(&mut self) {
+        for (safe_id, taken, a) in std::mem::take(&mut self.starts.interrupted) {
+            match a {
+                interrupted::Answer::Started(out) => {
+                    self.reply_ok(&taken.request_id, out);
+                    let pid = self
+                        .active
+                        .get(&safe_id)
+                        .filter(|a| !a.finished())
+                        .map(|a| a.meta.pid());
+                    if let (Some(pid), Some(wl)) = (pid, &taken.workload_uuid) {
+                        let body = serde_json::json!({"status": "running", "message": format!("{} started in background", taken.kind), "pid": pid});
+                        self.workload_status(wl, body);
+                    }
+                }
+                interrupted::Answer::NeverStarted(why) => {
+                    let why = admit::RejectReason::Recorded(why);
+                    self.reject_start(
+                        &taken.request_id,
+                        taken.workload_uuid.as_deref(),
+                        &why,
+                        None,
+                    );
+                }
+            }
+            interrupted::forget(&self.io.layout, &safe_id);
+        }
+    }
+
     /// Sends one of the loop's requests through the session; returns its correlation.
     fn request(&mut self, op: Op, topic: &str, body: Value, timeout: Duration) -> Vec<u8> {
         let now = self.io.clock.now();

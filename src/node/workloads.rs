@@ -358,7 +358,7 @@ impl Node {
             interrupted::load_all(&self.io.layout).into_iter().collect();
         let mut started = Vec::new();
         self.recover_workloads(&mut notes, &mut started);
-        self.settle_interrupted(started, notes);
+        interrupted::settle(&mut self.durable.ledger, &mut self.starts, started, notes);
     }
 
     /// [`Node::recover`]'s workloads: the notes of starts whose workload started move from

@@ -2,7 +2,7 @@
 //! in flight gets its cancel recorded (carried out once its process runs, `starts.rs`), and
 //! anything else goes to the workload table.
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::starts::PendingCancel;
 use super::table::DEFAULT_GRACE;
@@ -26,7 +26,7 @@ impl Node {
                 shown(&rid)
             );
             let (ok, body) = (e.ok, e.body.clone());
-            return self.replay(request_id.value(), ok, body);
+            return self.replies().replay(request_id.value(), ok, body);
         }
         let target = match &params.target {
             CancelTarget::Request(r) => self.starts.find_request(r),
@@ -72,7 +72,7 @@ impl Node {
         if !rid.is_empty() {
             self.durable.ledger.record(&rid, true, out.clone());
         }
-        self.reply_ok(request_id.value(), out);
+        self.replies().ok(request_id.value(), out);
     }
 
     /// A cancel of a tracked workload (or of one that finished already, D29).
@@ -94,7 +94,7 @@ impl Node {
             // D29: a workload this node started, reported and forgot already finished.
             if let CancelTarget::Request(r) = &params.target {
                 if self.durable.ledger.get(r).is_some_and(|e| e.ok) {
-                    return self.reply_ok(
+                    return self.replies().ok(
                         request_id,
                         json!({"message": "Workload already finished; its completion reports how it ended", "workload_request_id": r}),
                     );
@@ -106,14 +106,14 @@ impl Node {
                     format!("No active workload found with request_id {r}")
                 }
             };
-            return self.reply_error(request_id, &msg);
+            return self.replies().error(request_id, &msg);
         };
         match self
             .with_table(|t, out, now| t.cancel(&safe_id, sig, sig_name, grace, false, now, out))
         {
             Ok(message) => {
                 let Some(a) = self.active.get(&safe_id) else {
-                    return self.reply_ok(request_id, json!({"message": message}));
+                    return self.replies().ok(request_id, json!({"message": message}));
                 };
                 let out = json!({
                     "message": message,
@@ -125,18 +125,9 @@ impl Node {
                 if !rid.is_empty() {
                     self.durable.ledger.record(&rid, true, out.clone());
                 }
-                self.reply_ok(request_id, out);
+                self.replies().ok(request_id, out);
             }
-            Err(e) => self.reply_error(request_id, &e),
-        }
-    }
-
-    /// The answer a request had before, again (the ledger's `ok` output or `error` text).
-    pub(super) fn replay(&mut self, request_id: &Value, ok: bool, body: Value) {
-        if ok {
-            self.reply_ok(request_id, body)
-        } else {
-            self.reply_error(request_id, body.as_str().unwrap_or(""))
+            Err(e) => self.replies().error(request_id, &e),
         }
     }
 }

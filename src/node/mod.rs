@@ -39,8 +39,10 @@ const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::Settings;
+use crate::protocol::commands::{Command, Received};
 use crate::protocol::replies::Reply;
 use crate::signals::Signal;
+use commands::Accepted;
 use gpus_out::with_gpus;
 use io::Wire;
 use parts::{Drain, Durable, Life, Op};
@@ -318,7 +320,7 @@ impl Node {
         for (safe_id, taken, a) in std::mem::take(&mut self.starts.interrupted) {
             match a {
                 interrupted::Answer::Started(out) => {
-                    self.reply_ok(&taken.request_id, out);
+                    self.replies().ok(&taken.request_id, out);
                     let pid = self
                         .active
                         .get(&safe_id)
@@ -441,6 +443,85 @@ impl Node {
         self.active.len().saturating_add(self.starts.len())
     }
 
+    // ---- commands and the control socket's requests ----------------------------------------
+
+    fn on_command(&mut self, payload: &[u8]) {
+        let (request_id, command) = match commands::accept(payload, self.life.shutdown.is_some()) {
+            Accepted::Nothing => return,
+            Accepted::Refused {
+                rid,
+                reason,
+                failed,
+            } => {
+                if let Some((wl, body)) = failed {
+                    self.workload_status(&wl, body);
+                }
+                return self.replies().error(&rid, &reason);
+            }
+            Accepted::Run(request_id, command) => (request_id, command),
+        };
+        let rid = request_id.value();
+        match command {
+            Command::Status => self.replies().ok(rid, self.view().status()),
+            Command::Start(kind, params) | Command::Received(Received::Start(kind, params)) => {
+                match commands::wrong_environment(&self.s, &params) {
+                    Some(why) => self.replies().error(rid, &why),
+                    None => self.start_workload(kind, rid, params),
+                }
+            }
+            Command::Cancel(params) => self.cancel(&request_id, params),
+            Command::Received(Received::Ack(uuid)) => {
+                let shown = uuid.as_ref().map_or("None", |u| u.as_str());
+                self.replies().ok(
+                    rid,
+                    serde_json::json!({"message": format!("Workload {shown} received and acknowledged")}),
+                );
+            }
+        }
+    }
+
+    fn on_control(&mut self, req: crate::control::Request) {
+        let Some(req) = self.hold_for_start(req) else {
+            return;
+        };
+        let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
+        let reply = match op {
+            "emit" => self.on_emit(&req.body),
+            "drain" | "resume" => {
+                self.life
+                    .drain
+                    .set(op == "drain", "asked on the control socket", self.in_use());
+                serde_json::json!({"ok": true, "draining": self.life.drain.on, "active_workloads": self.in_use()})
+            }
+            "status" => serde_json::json!({"ok": true, "status": self.view().local()}),
+            other => serde_json::json!({"ok": false, "error": format!("unknown op {other:?}")}),
+        };
+        let _ = req.reply.send(reply);
+    }
+
+    /// Replies to the backend's commands.
+    fn replies(&self) -> commands::Replies<'_> {
+        commands::Replies {
+            io: &self.io,
+            session: &self.session,
+        }
+    }
+
+    /// What the status answers read of the node.
+    fn view(&self) -> commands::View<'_> {
+        commands::View {
+            s: &self.s,
+            session: &self.session,
+            io: &self.io,
+            life: &self.life,
+            active: &self.active,
+            starts: &self.starts,
+            gpu: &self.gpu,
+            outbox: &self.durable.outbox,
+            events: &self.ingress.queue,
+        }
+    }
+
     /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
     /// full-disk throttle).
     fn with_ingress<R>(
@@ -477,9 +558,5 @@ impl Node {
 
     fn uuid(&self) -> &str {
         self.session.uuid()
-    }
-
-    fn slug(&self) -> &str {
-        self.session.slug()
     }
 }

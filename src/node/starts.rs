@@ -235,9 +235,9 @@ impl Node {
                     "request {} was handled before; repeating its answer",
                     shown(&rid)
                 );
-                return self.replay(request_id, ok, body);
+                return self.replies().replay(request_id, ok, body);
             }
-            Decision::Replay(Earlier::Running(out)) => return self.reply_ok(request_id, out),
+            Decision::Replay(Earlier::Running(out)) => return self.replies().ok(request_id, out),
             // In flight: answered with the original answer once the spawn reports.
             Decision::Replay(Earlier::InFlight) => {
                 log::info!(
@@ -407,9 +407,9 @@ impl Node {
                 let request_id = st
                     .as_ref()
                     .map_or_else(|| meta.request_id.clone(), |s| s.request_id.clone());
-                self.reply_ok(&request_id, out.clone());
+                self.replies().ok(&request_id, out.clone());
                 for w in st.iter().flat_map(|s| s.waiters.iter()) {
-                    self.reply_ok(w, out.clone());
+                    self.replies().ok(w, out.clone());
                 }
                 if let Some(wl) = &meta.workload_uuid {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
@@ -519,7 +519,7 @@ impl Node {
                 .send(json!({"ok": false, "refused": true, "error": why}));
         }
         for w in &st.waiters {
-            self.reply_error(w, &why);
+            self.replies().error(w, &why);
         }
         self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
         super::interrupted::forget(&self.io.layout, safe_id);
@@ -583,32 +583,6 @@ impl Node {
         }
     }
 
-    /// The starts in flight in a `status` reply: each in `active_workloads` with state
-    /// `starting`, and counted in `is_busy`.
-    pub(super) fn add_starting(&self, out: &mut Value, key: &str) {
-        let now = workload::unix_now();
-        if let Some(list) = out.get_mut(key).and_then(Value::as_array_mut) {
-            for st in self.starts.iter().map(|(_, s)| s) {
-                let mut w = json!({
-                    "pid": 0,
-                    "type": st.kind.as_str(),
-                    "request_id": st.request_id,
-                    "workload_uuid": st.workload_uuid,
-                    "running_for_seconds": (now - st.created_unix).max(0.0) as u64,
-                    "state": "starting",
-                });
-                if let Some(g) = &st.gpus {
-                    super::gpus::put(&mut w, "gpus", json!(g));
-                }
-                list.push(w);
-            }
-        }
-        if let Some(busy) = out.get_mut("is_busy") {
-            let used = self.in_use();
-            *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
-        }
-    }
-
     /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
     /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
     pub(super) fn reject_start(
@@ -628,7 +602,7 @@ impl Node {
             shown(&request_id_text(request_id)),
             shown(why)
         );
-        self.reply_error(request_id, why);
+        self.replies().error(request_id, why);
         if let Some(wl) = workload_uuid {
             let mut body = Map::new();
             body.insert("status".into(), json!("failed"));

@@ -466,28 +466,6 @@ impl Node {
         self.begin_ending(name, None, Some(SALVAGED));
     }
 
-    pub(super) fn active_workloads_json(&self) -> Value {
-        let now = workload::unix_now();
-        Value::Array(
-            self.active
-                .values()
-                .map(|a| {
-                    super::with_gpus(
-                        json!({
-                            "pid": a.meta.pid(),
-                            "type": a.meta.kind,
-                            "request_id": a.meta.request_id,
-                            "workload_uuid": a.meta.workload_uuid,
-                            "running_for_seconds": (now - a.meta.created_unix).max(0.0) as u64,
-                            "state": a.state(),
-                        }),
-                        &a.meta,
-                    )
-                })
-                .collect(),
-        )
-    }
-
     pub(super) fn log_running_workloads(&self) {
         for a in self.active.values() {
             log::info!(

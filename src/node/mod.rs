@@ -39,7 +39,7 @@ const EXIT_OK: i32 = crate::error::Exit::Ok.code();
 const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
 const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::Settings;
-use crate::protocol::commands::{Command, Received};
+use crate::protocol::commands::{CancelParams, Command, Received, RequestId};
 use crate::protocol::replies::Reply;
 use crate::signals::Signal;
 use commands::Accepted;
@@ -478,6 +478,30 @@ impl Node {
                 );
             }
         }
+    }
+
+    /// `cancel`: decided on the ledger, the starts and the table ([`cancel::decide`]); a
+    /// tracked workload is cancelled by the table.
+    fn cancel(&mut self, request_id: &RequestId, params: CancelParams) {
+        let ledger = &mut self.durable.ledger;
+        let (ok, body) =
+            match cancel::decide(ledger, &mut self.starts, &self.active, request_id, &params) {
+                cancel::Step::Nothing => return,
+                cancel::Step::Answer(ok, body) => (ok, body),
+                cancel::Step::Table {
+                    safe_id,
+                    sig,
+                    sig_name,
+                    grace,
+                } => {
+                    let r = self.with_table(|t, out, now| {
+                        t.cancel(&safe_id, sig, sig_name, grace, false, now, out)
+                    });
+                    let ledger = &mut self.durable.ledger;
+                    cancel::answer(ledger, &self.active, request_id, &safe_id, sig_name, r)
+                }
+            };
+        self.replies().replay(request_id.value(), ok, body);
     }
 
     fn on_control(&mut self, req: crate::control::Request) {

@@ -273,7 +273,12 @@ impl Node {
                 }
                 Happening::HeartbeatDue => {
                     // Self-heal runs beside the heartbeat, never in front of it.
-                    self.start_heal_pass();
+                    self.heal.start_pass(
+                        self.s.standalone,
+                        &self.active,
+                        &self.io.workers,
+                        self.session.uuid(),
+                    );
                     let holds = gpus_out::holds_of(&self.active, &self.starts);
                     let body = session_out::heartbeat_body(
                         &self.s,
@@ -521,6 +526,48 @@ impl Node {
             other => serde_json::json!({"ok": false, "error": format!("unknown op {other:?}")}),
         };
         let _ = req.reply.send(reply);
+    }
+
+    /// A self-heal lookup's answer: a stale workload is terminated without a completion.
+    fn on_workload_check(&mut self, key: &str, check: crate::backend::WorkloadCheck) {
+        let what = match self.heal.on_check(key, check, &self.active) {
+            selfheal::Checked::Moot => return,
+            selfheal::Checked::Kept => None,
+            selfheal::Checked::Stale(what) => Some(what),
+        };
+        if let Some(what) = what {
+            let grace = selfheal::STALE_GRACE;
+            if let Err(e) = self.with_table(|t, out, now| t.cancel_stale(key, grace, now, out)) {
+                log::error!(
+                    "self-heal: cannot terminate {}: {e}; it stays tracked",
+                    crate::logtext::shown(&what)
+                );
+            }
+        }
+        self.retry_deferred_starts();
+    }
+
+    /// Deferred starts go ahead once there is room, or are refused once their time is up.
+    pub(super) fn retry_deferred_starts(&mut self) {
+        if self.heal.deferred.is_empty() {
+            return;
+        }
+        let now = self.io.clock.now();
+        let capacity = self.s.max_concurrent_workloads.value as usize;
+        let pending = std::mem::take(&mut self.heal.deferred);
+        for (kind, rid, params, until) in pending {
+            let stale_left = self
+                .active
+                .values()
+                .any(|a| a.meta.cancel.as_ref().is_some_and(|c| c.stale));
+            let room = self.in_use() < capacity;
+            let undecided = !self.heal.checking.is_empty() || stale_left;
+            if admit::go_ahead(now, until, room, undecided) {
+                self.start_workload_now(kind, &rid, params);
+            } else {
+                self.heal.deferred.push((kind, rid, params, until));
+            }
+        }
     }
 
     /// Replies to the backend's commands.

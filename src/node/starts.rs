@@ -253,7 +253,14 @@ impl Node {
                 return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx)
             }
             Decision::Defer { until, otherwise } => {
-                if !self.defer_start_for_heal(kind_t, request_id, &start, until) {
+                let (active, workers) = (&self.active, &self.io.workers);
+                let uuid = self.session.uuid();
+                if self
+                    .heal
+                    .start_pass(self.s.standalone, active, workers, uuid)
+                {
+                    self.heal.defer(kind_t, request_id, &start, until);
+                } else {
                     self.reject_start(request_id, workload_uuid.as_deref(), &otherwise, ctx);
                 }
                 return;

@@ -5,7 +5,7 @@
 //! `Node::with_table` (in `mod.rs`).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::{json, Value};
 
@@ -32,11 +32,6 @@ impl Node {
             body,
             self.s.tuning.request_timeout,
         );
-    }
-
-    /// Self-heal: terminate a stale workload; it will be forgotten without a report.
-    pub(super) fn cancel_stale(&mut self, safe_id: &str, grace: Duration) -> Result<(), String> {
-        self.with_table(|t, out, now| t.cancel_stale(safe_id, grace, now, out))
     }
 
     // ---- exits and completion ---------------------------------------------------------------

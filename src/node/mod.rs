@@ -207,12 +207,91 @@ impl Node {
         }
         self.flush_outbox();
         self.logs().pump();
-        self.finish_stopping_workloads();
+        shutdown::finish_stopping_workloads(
+            &mut self.life,
+            &self.active,
+            &self.durable.outbox,
+            &mut self.session,
+            &self.io,
+            &self.s,
+        );
         if let Some(s) = &self.life.shutdown {
             if now >= s.deadline {
                 self.life.exit = Some(s.exit_code);
             }
         }
+    }
+
+    // ---- signals and shutdown -------------------------------------------------------------
+
+    /// Registered after start-up failed: tell the backend (R6), then exit.
+    pub(super) fn report_failed_start(&mut self, err: String) {
+        let uuid = self.uuid().to_string();
+        log::error!("reporting the start-up failure to the backend, then exiting");
+        if self.s.standalone {
+            return self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
+        }
+        let topic = self.io.topics.fail(&uuid);
+        let corr = self.request(
+            Op::Fail,
+            &topic,
+            serde_json::json!({"instance_uuid": uuid, "error": err}),
+            self.s.tuning.heartbeat_timeout,
+        );
+        self.begin_shutdown(EXIT_RUNTIME, "start-up failed");
+        if let Some(s) = &mut self.life.shutdown {
+            s.waiting_for = Some(corr);
+        }
+    }
+
+    pub(super) fn on_signal(&mut self, sig: Signal) {
+        match sig {
+            Signal::Term | Signal::Int => {
+                if self.life.shutdown.is_some() {
+                    log::warn!("second {sig:?}: exiting now");
+                    self.life.exit = Some(EXIT_OK);
+                    return;
+                }
+                self.begin_shutdown(EXIT_OK, &format!("{sig:?} received"));
+            }
+            Signal::Hup => {
+                log::info!("SIGHUP ignored (restart the service to reload the configuration)")
+            }
+            Signal::Usr1 => self.life.drain.set(true, "SIGUSR1", self.in_use()),
+            Signal::Usr2 => self.life.drain.set(false, "SIGUSR2", self.in_use()),
+        }
+    }
+
+    pub(super) fn begin_shutdown(&mut self, exit_code: i32, why: &str) {
+        if self.life.shutdown.is_some() {
+            return;
+        }
+        crate::systemd::notify("STOPPING=1");
+        let now = self.io.clock.now();
+        if container::is_init(&self.s.env) {
+            // D58: its workloads die with the container; stop them and report them first.
+            let grace = container::stop_grace(&self.s.env);
+            let kill = container::kill_after(grace);
+            let n = self.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out));
+            log::info!(
+                "shutting down ({why}); as its container's main process the node stops its {n} running workload(s) (SIGTERM, SIGKILL after {:.1}s) and reports them before it exits, within {:.1}s",
+                kill.as_secs_f64(),
+                grace.as_secs_f64()
+            );
+            self.session.close();
+            self.life.shutdown = Some(shutdown::Shutdown {
+                deadline: crate::util::later(now, container::deadline_after(grace)),
+                exit_code,
+                waiting_for: None,
+                stopping_workloads: true,
+            });
+            return;
+        }
+        log::info!("shutting down ({why}); running workloads are left running");
+        workloads::log_running(&self.active);
+        self.session.close();
+        let (session, io, s) = (&mut self.session, &self.io, &self.s);
+        self.life.shutdown = Some(shutdown::goodbye(session, io, s, now, exit_code, None));
     }
 
     // ---- the broker session's dispatch ----------------------------------------------------

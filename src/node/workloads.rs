@@ -460,18 +460,19 @@ impl Node {
             .insert(name.to_string(), Active::new(meta, false, now));
         self.begin_ending(name, None, Some(SALVAGED));
     }
+}
 
-    pub(super) fn log_running_workloads(&self) {
-        for a in self.active.values() {
-            log::info!(
-                "left running: {} {} pid {} (logs {} and {})",
-                a.meta.kind,
-                crate::logtext::shown(&a.meta.request_id_text()),
-                a.meta.pid(),
-                crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
-                crate::logtext::shown(&a.meta.stderr_log.display().to_string())
-            );
-        }
+/// At shutdown: the workloads left running, one line each.
+pub(super) fn log_running(active: &super::table::Table) {
+    for a in active.values() {
+        log::info!(
+            "left running: {} {} pid {} (logs {} and {})",
+            a.meta.kind,
+            crate::logtext::shown(&a.meta.request_id_text()),
+            a.meta.pid(),
+            crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
+            crate::logtext::shown(&a.meta.stderr_log.display().to_string())
+        );
     }
 }
 

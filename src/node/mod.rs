@@ -42,6 +42,9 @@ use crate::config::Settings;
 use crate::protocol::commands::{CancelParams, Command, Received, RequestId};
 use crate::protocol::replies::Reply;
 use crate::signals::Signal;
+use crate::workers::Done;
+use crate::workload::shim::Exit;
+use crate::workload::Meta;
 use commands::Accepted;
 use gpus_out::with_gpus;
 use io::Wire;
@@ -525,6 +528,141 @@ impl Node {
     /// Workloads that hold a slot: tracked ones and starts in flight.
     fn in_use(&self) -> usize {
         self.active.len().saturating_add(self.starts.len())
+    }
+
+    // ---- workloads: the table's events and completions -----------------------------------
+
+    /// A non-terminal workload status (R7): sent once, its failure only logged.
+    fn workload_status(&mut self, wl: &str, body: Value) {
+        if wl.is_empty() {
+            return;
+        }
+        let topic = self.io.topics.workload_status(wl);
+        self.request(
+            Op::WorkloadStatus,
+            &topic,
+            body,
+            self.s.tuning.request_timeout,
+        );
+    }
+
+    fn on_reaped(&mut self, pid: i32) {
+        self.with_table(|t, out, now| t.on_reaped(pid, now, out));
+    }
+
+    /// A workload known to have ended (found at recovery).
+    fn begin_ending(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&'static str>) {
+        self.with_table(|t, out, now| t.end(safe_id, exit, lost, now, out));
+    }
+
+    /// Reports the end of a workload exactly once (through the outbox); the table no longer
+    /// tracks it, and its record goes once the completion is safe ([`table::Table::completion_queued`]).
+    fn complete(&mut self, safe_id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&str>) {
+        let pid = meta.pid();
+        let rid = meta.request_id_text();
+        if meta.cancel.as_ref().is_some_and(|c| c.stale) {
+            log::info!(
+                "stale {} {} (pid {pid}) is gone; forgotten without a completion",
+                meta.kind,
+                crate::logtext::shown(&rid)
+            );
+            self.life.metrics.count_completion("stale");
+            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
+            self.retry_deferred_starts();
+            return;
+        }
+        let mut wire = ingress::Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: &self.io,
+            disk_errors: &mut self.timers.throttle.disk,
+        };
+        let (metrics, events) = (&mut self.life.metrics, &mut self.ingress);
+        let (body, label) = match &meta.cancel {
+            Some(c) if !c.timed_out => {
+                workloads::cancelled_body(&meta, c, exit.as_ref(), &rid, metrics, events, &mut wire)
+            }
+            _ => workloads::finished_body(
+                &meta,
+                exit.as_ref(),
+                lost,
+                &rid,
+                metrics,
+                events,
+                &mut wire,
+            ),
+        };
+        let mut body = body;
+        if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
+            gpus::put(&mut body, "gpu", g); // D38
+        }
+        gpus_out::update_sampling(
+            &self.gpu,
+            &self.active,
+            &self.starts,
+            self.io.gpu_monitor.as_ref(),
+        );
+        match self
+            .outgoing()
+            .send_completion(safe_id, &meta, body, label, &rid)
+        {
+            // D28: kept in memory and sent all the same; the workload's record stays until the
+            // backend acknowledged it, so a restart still knows.
+            Some(seq) => {
+                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
+                self.outgoing().flush();
+            }
+            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
+        }
+        self.retry_deferred_starts();
+    }
+
+    fn tick_workloads(&mut self) {
+        let now = self.io.clock.now();
+        // The streams' verdict, read before the table is borrowed.
+        let drained: Vec<String> = self
+            .active
+            .draining()
+            .into_iter()
+            .filter(|id| streams_out::drained(&self.streams, &self.active, id, now))
+            .collect();
+        self.with_table(|t, out, now| t.tick(now, &drained, out));
+    }
+
+    fn on_signed_url_reply(&mut self, id: &str, body: Option<Value>) {
+        self.with_table(|t, out, now| t.on_signed_url_reply(id, body, now, out));
+    }
+
+    fn on_upload_reply(&mut self, id: &str, ok: bool) {
+        self.with_table(|t, out, now| t.on_upload_reply(id, ok, now, out));
+    }
+
+    fn on_worker_done(&mut self, done: Done) {
+        match done {
+            Done::CheckWorkload { key, check } => self.on_workload_check(&key, check),
+            done => self.with_table(|t, out, now| t.on_worker_done(done, now, out)),
+        }
+    }
+
+    /// The outbox and what sending from it touches.
+    fn outgoing(&mut self) -> workloads::Outgoing<'_> {
+        workloads::Outgoing {
+            outbox: &mut self.durable.outbox,
+            session: &mut self.session,
+            io: &self.io,
+            s: &self.s,
+            disk: &mut self.timers.throttle.disk,
+        }
+    }
+
+    fn flush_outbox(&mut self) {
+        self.outgoing().flush();
+    }
+
+    fn on_outbox_reply(&mut self, seq: u64, body: Option<Reply>) {
+        if self.outgoing().on_reply(seq, body) {
+            self.with_table(|t, out, _| t.acknowledged(seq, out));
+        }
     }
 
     // ---- commands and the control socket's requests ----------------------------------------

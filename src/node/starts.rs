@@ -291,7 +291,7 @@ impl Node {
             workflow: ctx.clone(),
             socket: self.io.layout.state.join("control.sock"),
             gpus,
-            results_dir: self.results_dir_for(&safe_id),
+            results_dir: self.active.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
             node_uuid: self.uuid().to_string(),
         };
@@ -362,7 +362,7 @@ impl Node {
             spawner_gone: self.starts.gone(),
             capacity: self.s.max_concurrent_workloads.value as usize,
             used: self.in_use(),
-            uploading: self.uploading(),
+            uploading: self.active.uploading(),
             manifest_limit: self
                 .s
                 .manifest

@@ -665,6 +665,29 @@ impl Node {
         }
     }
 
+    /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
+    /// answers of the starts the node before this one took and did not answer (D53).
+    fn recover(&mut self) {
+        let mut notes: std::collections::BTreeMap<String, interrupted::Taken> =
+            interrupted::load_all(&self.io.layout).into_iter().collect();
+        let mut started = Vec::new();
+        let layout = self.io.layout.clone();
+        let now = self.io.clock.now();
+        workloads::recover_workloads(
+            &layout,
+            &mut notes,
+            &mut started,
+            &mut |name, meta, ending| {
+                self.active
+                    .insert(name.clone(), table::Active::new(meta, false, now));
+                if let Some((exit, lost)) = ending {
+                    self.begin_ending(&name, exit, lost);
+                }
+            },
+        );
+        interrupted::settle(&mut self.durable.ledger, &mut self.starts, started, notes);
+    }
+
     // ---- commands and the control socket's requests ----------------------------------------
 
     fn on_command(&mut self, payload: &[u8]) {

@@ -5,17 +5,16 @@
 //! `Node::with_table` (in `mod.rs`).
 
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 use serde_json::{json, Value};
 
 use super::ingress::{self, Ingress};
-use super::interrupted::{self, Taken};
+use super::interrupted::Taken;
 use super::io::Io;
 use super::operate::Metrics;
 use super::session::Session;
-use super::table::{Active, SALVAGED};
-use super::{Node, Op};
+use super::table::SALVAGED;
+use super::Op;
 use crate::config::Settings;
 use crate::logtext::shown;
 use crate::logtext::Throttle;
@@ -25,123 +24,122 @@ use crate::store;
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Layout, Meta};
 
-impl Node {
-    // ---- recovery ---------------------------------------------------------------------------
+/// How a workload found at recovery ended: its exit record, and what was lost when it is a
+/// failure the node reports itself.
+pub(super) type Ending = (Option<Exit>, Option<&'static str>);
 
-    /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
-    /// answers of the starts the node before this one took and did not answer (D53).
-    pub(super) fn recover(&mut self) {
-        let mut notes: BTreeMap<String, Taken> =
-            interrupted::load_all(&self.io.layout).into_iter().collect();
-        let mut started = Vec::new();
-        self.recover_workloads(&mut notes, &mut started);
-        interrupted::settle(&mut self.durable.ledger, &mut self.starts, started, notes);
-    }
-
-    /// [`Node::recover`]'s workloads: the notes of starts whose workload started move from
-    /// `notes` to `started`, with the `ok` output of their start.
-    fn recover_workloads(
-        &mut self,
-        notes: &mut BTreeMap<String, Taken>,
-        started: &mut Vec<(String, Taken, Value)>,
-    ) {
-        let _ = store::ensure_dir_or_quarantine(&self.io.layout.workloads());
-        let Ok(entries) = std::fs::read_dir(self.io.layout.workloads()) else {
-            return;
+/// `Node::recover`'s workloads (in `mod.rs`): the notes of starts whose workload started move from
+/// `notes` to `started`, with the `ok` output of their start.
+/// Each one is handed to `adopt`, with its end when it is known to have ended.
+pub(super) fn recover_workloads(
+    layout: &Layout,
+    notes: &mut BTreeMap<String, Taken>,
+    started: &mut Vec<(String, Taken, Value)>,
+    adopt: &mut dyn FnMut(String, Meta, Option<Ending>),
+) {
+    let _ = store::ensure_dir_or_quarantine(&layout.workloads());
+    let Ok(entries) = std::fs::read_dir(layout.workloads()) else {
+        return;
+    };
+    let boot = procinfo::boot_id();
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        if !dir.is_dir() {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".retired-") {
+            let _ = std::fs::remove_dir_all(&dir); // reported already; deletion was cut short
+            continue;
+        }
+        if name.ends_with(".corrupt") {
+            continue;
+        }
+        // Every file is validated; an invalid one is quarantined, and a workload whose
+        // record is bad is still tracked by what can be proven about it.
+        let (meta, salvaged) = match workload::recover_meta(layout, &dir, &name) {
+            workload::Recovered::Intact(m) => (m, false),
+            workload::Recovered::Salvaged(m) => (m, true),
         };
-        let boot = procinfo::boot_id();
-        let now = self.io.clock.now();
-        for entry in entries.flatten() {
-            let dir = entry.path();
-            if !dir.is_dir() {
-                continue;
-            }
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(".retired-") {
-                let _ = std::fs::remove_dir_all(&dir); // reported already; deletion was cut short
-                continue;
-            }
-            if name.ends_with(".corrupt") {
-                continue;
-            }
-            // Every file is validated; an invalid one is quarantined, and a workload whose
-            // record is bad is still tracked by what can be proven about it.
-            let (meta, salvaged) = match workload::recover_meta(&self.io.layout, &dir, &name) {
-                workload::Recovered::Intact(m) => (m, false),
-                workload::Recovered::Salvaged(m) => (m, true),
-            };
-            let shown = store::clip(&name, 80);
-            let Some(st) = meta.started.clone() else {
-                if salvaged {
-                    // Nothing proves which process it was: report it (once) and retire it.
-                    self.report_unprovable(&name, meta, now);
-                } else {
-                    log::warn!("workload {shown} never started (the node stopped while starting it); forgetting it");
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-                continue;
-            };
+        let shown = store::clip(&name, 80);
+        let Some(st) = meta.started.clone() else {
             if salvaged {
-                log::error!(
-                    "workload {shown} has no valid record ({}); tracking it by its pid {} and reporting its end as a failure{}",
-                    store::clip(meta.salvaged.as_deref().unwrap_or(""), 300),
-                    st.pid,
-                    if meta.workload_uuid.is_none() {
-                        " (its workload uuid is unknown: the backend cannot be told)"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            let exit: Option<Exit> = workload::load_exit(&dir);
-            // Outside text in a log line: escaped and cut (D31).
-            let rid = store::clip(&meta.request_id_text(), 120);
-            if let Some(taken) = notes.remove(&name) {
-                started.push((name.clone(), taken, start_output(&meta)));
-            }
-            // Its log streams resume from its cursor (node/streams_out.rs reads it).
-            self.active
-                .insert(name.clone(), Active::new(meta, false, now));
-            if salvaged && (exit.is_some() || !alive(&st)) {
-                self.begin_ending(&name, exit, Some(SALVAGED));
-            } else if exit.is_some() {
-                log::info!("workload {rid} ended while the node was down; reporting it");
-                self.begin_ending(&name, exit, None);
-            } else if !st.boot_id.is_empty() && st.boot_id != boot {
-                log::warn!("workload {rid} was lost: the host rebooted");
-                self.begin_ending(&name, None, Some("workload lost: host rebooted"));
-            } else if alive(&st) {
-                log::info!("re-adopted running workload {rid} (pid {})", st.pid);
+                // Nothing proves which process it was: report it (once) and retire it.
+                report_unprovable(name, meta, adopt);
             } else {
-                log::warn!("workload {rid} was lost while the node was down");
-                self.begin_ending(
-                    &name,
+                log::warn!("workload {shown} never started (the node stopped while starting it); forgetting it");
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            continue;
+        };
+        if salvaged {
+            log::error!(
+                "workload {shown} has no valid record ({}); tracking it by its pid {} and reporting its end as a failure{}",
+                store::clip(meta.salvaged.as_deref().unwrap_or(""), 300),
+                st.pid,
+                if meta.workload_uuid.is_none() {
+                    " (its workload uuid is unknown: the backend cannot be told)"
+                } else {
+                    ""
+                }
+            );
+        }
+        let exit: Option<Exit> = workload::load_exit(&dir);
+        // Outside text in a log line: escaped and cut (D31).
+        let rid = store::clip(&meta.request_id_text(), 120);
+        if let Some(taken) = notes.remove(&name) {
+            started.push((name.clone(), taken, start_output(&meta)));
+        }
+        // Its log streams resume from its cursor (node/streams_out.rs reads it).
+        if salvaged && (exit.is_some() || !alive(&st)) {
+            adopt(name, meta, Some((exit, Some(SALVAGED))));
+        } else if exit.is_some() {
+            log::info!("workload {rid} ended while the node was down; reporting it");
+            adopt(name, meta, Some((exit, None)));
+        } else if !st.boot_id.is_empty() && st.boot_id != boot {
+            log::warn!("workload {rid} was lost: the host rebooted");
+            adopt(
+                name,
+                meta,
+                Some((None, Some("workload lost: host rebooted"))),
+            );
+        } else if alive(&st) {
+            log::info!("re-adopted running workload {rid} (pid {})", st.pid);
+            adopt(name, meta, None);
+        } else {
+            log::warn!("workload {rid} was lost while the node was down");
+            adopt(
+                name,
+                meta,
+                Some((
                     None,
                     Some("workload lost: node restarted and no exit status was recorded"),
-                );
-            }
+                )),
+            );
         }
     }
+}
 
-    /// A workload whose record did not validate and that no pid identity ties to a process:
-    /// its end is reported once (a failure, when its workload uuid is known; an ERROR line
-    /// otherwise) and its directory retired.
-    fn report_unprovable(&mut self, name: &str, meta: Meta, now: Instant) {
-        let shown = store::clip(name, 80);
-        let why = store::clip(meta.salvaged.as_deref().unwrap_or(""), 300);
-        match &meta.workload_uuid {
-            Some(wl) => log::error!(
-                "workload {shown} has no valid record ({why}) and no proof of its process; reporting workload {} as failed",
-                store::clip(wl, 80)
-            ),
-            None => log::error!(
-                "workload {shown} has no valid record ({why}), no proof of its process and no known workload uuid; it cannot be reported to the backend and is forgotten"
-            ),
-        }
-        self.active
-            .insert(name.to_string(), Active::new(meta, false, now));
-        self.begin_ending(name, None, Some(SALVAGED));
+/// A workload whose record did not validate and that no pid identity ties to a process:
+/// its end is reported once (a failure, when its workload uuid is known; an ERROR line
+/// otherwise) and its directory retired.
+fn report_unprovable(
+    name: String,
+    meta: Meta,
+    adopt: &mut dyn FnMut(String, Meta, Option<Ending>),
+) {
+    let shown = store::clip(&name, 80);
+    let why = store::clip(meta.salvaged.as_deref().unwrap_or(""), 300);
+    match &meta.workload_uuid {
+        Some(wl) => log::error!(
+            "workload {shown} has no valid record ({why}) and no proof of its process; reporting workload {} as failed",
+            store::clip(wl, 80)
+        ),
+        None => log::error!(
+            "workload {shown} has no valid record ({why}), no proof of its process and no known workload uuid; it cannot be reported to the backend and is forgotten"
+        ),
     }
+    adopt(name, meta, Some((None, Some(SALVAGED))));
 }
 
 /// The outbox and what sending from it touches, borrowed apart from the node for one call

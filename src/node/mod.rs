@@ -750,7 +750,7 @@ impl Node {
     }
 
     fn on_control(&mut self, req: crate::control::Request) {
-        let Some(req) = self.hold_for_start(req) else {
+        let Some(req) = self.starts.hold_for_start(req) else {
             return;
         };
         let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");

@@ -175,6 +175,47 @@ impl Starts {
         let s = self.in_flight.get_mut(safe_id)?;
         Some(s.cancel.get_or_insert(c).clone())
     }
+
+    /// A control-socket request that must wait for a start in flight (an `emit` of a workload
+    /// whose start is not reported yet: its token is not known to the workload table yet) is
+    /// kept and answered once the start is; anything else is given back.
+    pub fn hold_for_start(
+        &mut self,
+        req: crate::control::Request,
+    ) -> Option<crate::control::Request> {
+        let token = req
+            .body
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty());
+        let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
+        let owner = token.and_then(|t| self.by_token(t));
+        match owner {
+            Some(st) if emit => {
+                st.held.push(req);
+                None
+            }
+            _ => Some(req),
+        }
+    }
+}
+
+/// Notes the start as taken (D53), so that a node killed before it is answered answers it
+/// after its restart.
+fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, starting: &Starting) {
+    let taken = super::interrupted::Taken {
+        request_id: starting.request_id.clone(),
+        kind: starting.kind.as_str().to_string(),
+        workload_uuid: starting.workload_uuid.clone(),
+        taken_unix: starting.created_unix,
+    };
+    if let Err(e) = super::interrupted::note(layout, safe_id, &taken) {
+        log::warn!(
+            "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
+            shown(rid),
+            crate::logtext::shown(&super::interrupted::dir(layout).display().to_string())
+        );
+    }
 }
 
 /// The request id as the ledger keys it: the request's own, or one made up for a request
@@ -308,7 +349,7 @@ impl Node {
             held: Vec::new(),
         };
         // D53: taken; from here on this start is answered, if need be by the next node.
-        self.note_taken(&safe_id, &rid, &starting);
+        note_taken(&self.io.layout, &safe_id, &rid, &starting);
         if let Err(e) = self.starts.begin(starting, req) {
             super::interrupted::forget(&self.io.layout, &safe_id);
             let why = RejectReason::Failed {
@@ -325,24 +366,6 @@ impl Node {
             self.life
                 .drain
                 .set(true, "--drain-after-one", self.in_use());
-        }
-    }
-
-    /// Notes the start as taken (D53), so that a node killed before it is answered answers it
-    /// after its restart.
-    fn note_taken(&self, safe_id: &str, rid: &str, starting: &Starting) {
-        let taken = super::interrupted::Taken {
-            request_id: starting.request_id.clone(),
-            kind: starting.kind.as_str().to_string(),
-            workload_uuid: starting.workload_uuid.clone(),
-            taken_unix: starting.created_unix,
-        };
-        if let Err(e) = super::interrupted::note(&self.io.layout, safe_id, &taken) {
-            log::warn!(
-                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
-                shown(rid),
-                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
-            );
         }
     }
 
@@ -564,29 +587,6 @@ impl Node {
                 "{} start(s) still in flight at exit; the next node start re-adopts what they started",
                 self.starts.len()
             );
-        }
-    }
-
-    /// A control-socket request that must wait for a start in flight (an `emit` of a workload
-    /// whose start is not reported yet: its token is not known to the workload table yet) is
-    /// kept and answered once the start is; anything else is given back.
-    pub(super) fn hold_for_start(
-        &mut self,
-        req: crate::control::Request,
-    ) -> Option<crate::control::Request> {
-        let token = req
-            .body
-            .get("token")
-            .and_then(Value::as_str)
-            .filter(|t| !t.is_empty());
-        let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
-        let owner = token.and_then(|t| self.starts.by_token(t));
-        match owner {
-            Some(st) if emit => {
-                st.held.push(req);
-                None
-            }
-            _ => Some(req),
         }
     }
 

@@ -281,7 +281,10 @@ mod tests {
             let path = dir.join("started.json");
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(300));
-                std::fs::write(path, record).unwrap();
+                // Atomically, as the shim writes it: a plain write is seen empty for a moment.
+                let tmp = path.with_extension("tmp");
+                std::fs::write(&tmp, record).unwrap();
+                std::fs::rename(&tmp, path).unwrap();
             })
         };
         let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {

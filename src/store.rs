@@ -586,6 +586,19 @@ pub fn check_id(field: &'static str, v: &str) -> Result<(), Invalid> {
     }
 }
 
+/// A request id as the sender gave it: a string, a number or none (`null`).
+pub fn check_request_id(v: &serde_json::Value) -> Result<(), Invalid> {
+    use serde_json::Value;
+    if matches!(v, Value::Null | Value::String(_) | Value::Number(_)) {
+        Ok(())
+    } else {
+        Err(Invalid::Rule {
+            field: "request_id",
+            must: "be a string or a number",
+        })
+    }
+}
+
 /// A process id: 1..=2^31-1.
 pub fn check_pid(field: &'static str, v: i32) -> Result<(), Invalid> {
     if v >= 1 {

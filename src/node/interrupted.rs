@@ -40,15 +40,7 @@ pub struct Taken {
 
 impl store::Validate for Taken {
     fn validate(&self) -> Result<(), store::Invalid> {
-        if !matches!(
-            self.request_id,
-            Value::Null | Value::String(_) | Value::Number(_)
-        ) {
-            return Err(store::Invalid::Rule {
-                field: "request_id",
-                must: "be a string or a number",
-            });
-        }
+        store::check_request_id(&self.request_id)?;
         if !crate::workload::KINDS.contains(&self.kind.as_str()) {
             return Err(store::Invalid::OneOf {
                 field: "kind",

@@ -309,15 +309,7 @@ impl store::Validate for Meta {
         if self.kind == MetaKind::Unknown && self.salvaged.is_none() {
             return Err(kind_error());
         }
-        if !matches!(
-            self.request_id,
-            Value::Null | Value::String(_) | Value::Number(_)
-        ) {
-            return Err(store::Invalid::Rule {
-                field: "request_id",
-                must: "be a string or a number",
-            });
-        }
+        store::check_request_id(&self.request_id)?;
         if let Some(u) = self.workload_uuid.as_deref().filter(|u| !u.is_empty()) {
             store::check_id("workload_uuid", u)?;
         }

@@ -128,3 +128,41 @@ fn a_plain_argv_workload_gets_the_environment_bash_would_give_it() {
     assert!(plain.iter().any(|l| l == "SHLVL=2"), "{plain:?}");
     assert!(!plain.iter().any(|l| l.starts_with("OLDPWD=")), "{plain:?}");
 }
+
+/// D46.1 on the direct path: a workload exec'd without bash holds no descriptor of the node
+/// either (its broker socket, its lock). `ls` lists its own descriptors; the only one beyond
+/// its three streams is the directory it is reading.
+#[test]
+fn g13_a_plain_argv_workload_holds_no_descriptor_of_the_node() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    let notes = noting_bash(&mut setup);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  inference: ls -l /proc/self/fd\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    run(&cp, &node.uuid(), "inference", "fdplain");
+    let noted = std::fs::read_to_string(&notes).unwrap_or_default();
+    assert!(
+        !noted.contains("/proc/self/fd"),
+        "went through bash: {noted:?}"
+    );
+    let listing = stdout_of(&setup, "fdplain");
+    let foreign: Vec<&str> = listing
+        .lines()
+        .filter_map(|l| l.split_once(" -> "))
+        .filter(|(left, target)| {
+            let n = left.split_whitespace().last().unwrap_or("");
+            !matches!(n, "0" | "1" | "2") && !target.starts_with("/proc/")
+        })
+        .map(|(_, target)| target)
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "the workload inherited descriptors of the node: {foreign:?}\n{listing}"
+    );
+    assert!(!listing.contains("socket:"), "{listing}");
+}

@@ -271,7 +271,7 @@ mod tests {
     }
 
     #[test]
-    fn the_child_gets_its_streams_directory_environment_and_nothing_else() {
+    fn g13_the_supervisor_started_without_a_fork_holds_only_its_three_streams() {
         // A descriptor opened as Paho opens its socket: without close-on-exec.
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: socketpair writes two descriptors into the array we own.

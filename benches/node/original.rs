@@ -25,6 +25,8 @@ use super::support::{wait_for, Broker, ControlPlane};
 use super::{epoch, proc_stats, report};
 
 const ENV: &str = "CYBERWAVE_BENCH_ORIGINAL";
+/// How often the original looks whether a workload has exited (its monitor loop).
+const POLL: Duration = Duration::from_secs(5);
 
 /// The original's launcher as argv, when `CYBERWAVE_BENCH_ORIGINAL` names one.
 fn launcher() -> Option<Vec<String>> {
@@ -292,8 +294,11 @@ pub fn upload(
     };
     let label = if cert.is_some() { "https" } else { "http" };
     let mut samples = Vec::new();
-    for _ in 0..runs {
-        if let Some(s) = upload_run(&argv, broker, base, cert, file) {
+    for r in 0..runs {
+        // Its exit poll runs every 5 s from its start: the starts are spread over that period
+        // (the middle of each of `runs` slices), so the median is the mean case, not the worst.
+        let phase = POLL.mul_f64((r as f64 + 0.5) / runs as f64);
+        if let Some(s) = upload_run(&argv, broker, base, cert, file, phase) {
             samples.push(s);
         }
     }
@@ -328,13 +333,15 @@ struct UploadRun {
     rss_mib: f64,
 }
 
-/// One original, one workload: started, let go, its completion awaited.
+/// One original, one workload: started `phase` after it answered its first status, let go,
+/// its completion awaited.
 fn upload_run(
     argv: &[String],
     broker: &Broker,
     base: &str,
     cert: Option<&Path>,
     file: &Path,
+    phase: Duration,
 ) -> Option<UploadRun> {
     let behaviour = super::support::control_plane::Behaviour {
         upload_base: Some(base.to_string()),
@@ -353,6 +360,7 @@ fn upload_run(
     let (nodes, _) = start_ready(argv, broker, &cp, &manifest, 1, &env);
     let mut o = nodes.into_iter().next()?;
     std::fs::create_dir_all(o.setup.cwd.join("out")).ok();
+    std::thread::sleep(phase);
     let wl = "wl-orig-up".to_string();
     cp.command(
         &o.uuid,

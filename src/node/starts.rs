@@ -175,6 +175,47 @@ impl Starts {
         let s = self.in_flight.get_mut(safe_id)?;
         Some(s.cancel.get_or_insert(c).clone())
     }
+
+    /// A control-socket request that must wait for a start in flight (an `emit` of a workload
+    /// whose start is not reported yet: its token is not known to the workload table yet) is
+    /// kept and answered once the start is; anything else is given back.
+    pub fn hold_for_start(
+        &mut self,
+        req: crate::control::Request,
+    ) -> Option<crate::control::Request> {
+        let token = req
+            .body
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty());
+        let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
+        let owner = token.and_then(|t| self.by_token(t));
+        match owner {
+            Some(st) if emit => {
+                st.held.push(req);
+                None
+            }
+            _ => Some(req),
+        }
+    }
+}
+
+/// Notes the start as taken (D53), so that a node killed before it is answered answers it
+/// after its restart.
+fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, starting: &Starting) {
+    let taken = super::interrupted::Taken {
+        request_id: starting.request_id.clone(),
+        kind: starting.kind.as_str().to_string(),
+        workload_uuid: starting.workload_uuid.clone(),
+        taken_unix: starting.created_unix,
+    };
+    if let Err(e) = super::interrupted::note(layout, safe_id, &taken) {
+        log::warn!(
+            "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
+            shown(rid),
+            crate::logtext::shown(&super::interrupted::dir(layout).display().to_string())
+        );
+    }
 }
 
 /// The request id as the ledger keys it: the request's own, or one made up for a request
@@ -235,9 +276,9 @@ impl Node {
                     "request {} was handled before; repeating its answer",
                     shown(&rid)
                 );
-                return self.replay(request_id, ok, body);
+                return self.replies().replay(request_id, ok, body);
             }
-            Decision::Replay(Earlier::Running(out)) => return self.reply_ok(request_id, out),
+            Decision::Replay(Earlier::Running(out)) => return self.replies().ok(request_id, out),
             // In flight: answered with the original answer once the spawn reports.
             Decision::Replay(Earlier::InFlight) => {
                 log::info!(
@@ -253,7 +294,14 @@ impl Node {
                 return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx)
             }
             Decision::Defer { until, otherwise } => {
-                if !self.defer_start_for_heal(kind_t, request_id, &start, until) {
+                let (active, workers) = (&self.active, &self.io.workers);
+                let uuid = self.session.uuid();
+                if self
+                    .heal
+                    .start_pass(self.s.standalone, active, workers, uuid)
+                {
+                    self.heal.defer(kind_t, request_id, &start, until);
+                } else {
                     self.reject_start(request_id, workload_uuid.as_deref(), &otherwise, ctx);
                 }
                 return;
@@ -284,7 +332,7 @@ impl Node {
             workflow: ctx.clone(),
             socket: self.io.layout.state.join("control.sock"),
             gpus,
-            results_dir: self.results_dir_for(&safe_id),
+            results_dir: self.active.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
             node_uuid: self.uuid().to_string(),
         };
@@ -301,7 +349,7 @@ impl Node {
             held: Vec::new(),
         };
         // D53: taken; from here on this start is answered, if need be by the next node.
-        self.note_taken(&safe_id, &rid, &starting);
+        note_taken(&self.io.layout, &safe_id, &rid, &starting);
         if let Err(e) = self.starts.begin(starting, req) {
             super::interrupted::forget(&self.io.layout, &safe_id);
             let why = RejectReason::Failed {
@@ -315,25 +363,9 @@ impl Node {
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
         if self.s.drain_after_one {
             // One workload: no second start is taken while this one is in flight.
-            self.set_draining(true, "--drain-after-one");
-        }
-    }
-
-    /// Notes the start as taken (D53), so that a node killed before it is answered answers it
-    /// after its restart.
-    fn note_taken(&self, safe_id: &str, rid: &str, starting: &Starting) {
-        let taken = super::interrupted::Taken {
-            request_id: starting.request_id.clone(),
-            kind: starting.kind.as_str().to_string(),
-            workload_uuid: starting.workload_uuid.clone(),
-            taken_unix: starting.created_unix,
-        };
-        if let Err(e) = super::interrupted::note(&self.io.layout, safe_id, &taken) {
-            log::warn!(
-                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
-                shown(rid),
-                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
-            );
+            self.life
+                .drain
+                .set(true, "--drain-after-one", self.in_use());
         }
     }
 
@@ -353,7 +385,7 @@ impl Node {
             spawner_gone: self.starts.gone(),
             capacity: self.s.max_concurrent_workloads.value as usize,
             used: self.in_use(),
-            uploading: self.uploading(),
+            uploading: self.active.uploading(),
             manifest_limit: self
                 .s
                 .manifest
@@ -361,7 +393,7 @@ impl Node {
                 .and_then(|m| m.max_runtime_seconds)
                 .and_then(Seconds::from_f64),
         };
-        let held = super::gpus::holders(&self.gpu_holds());
+        let held = super::gpus::holders(&super::gpus_out::holds_of(&self.active, &self.starts));
         let now = self.io.clock.now();
         let wait = super::selfheal::defer_wait();
         admit::decide(
@@ -405,9 +437,9 @@ impl Node {
                 let request_id = st
                     .as_ref()
                     .map_or_else(|| meta.request_id.clone(), |s| s.request_id.clone());
-                self.reply_ok(&request_id, out.clone());
+                self.replies().ok(&request_id, out.clone());
                 for w in st.iter().flat_map(|s| s.waiters.iter()) {
-                    self.reply_ok(w, out.clone());
+                    self.replies().ok(w, out.clone());
                 }
                 if let Some(wl) = &meta.workload_uuid {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
@@ -418,7 +450,9 @@ impl Node {
                 self.life.metrics.starts = self.life.metrics.starts.saturating_add(1);
                 if self.s.drain_after_one {
                     self.life.drain.one_started = true;
-                    self.set_draining(true, "--drain-after-one");
+                    self.life
+                        .drain
+                        .set(true, "--drain-after-one", self.in_use());
                 }
                 let shim = meta
                     .started
@@ -427,7 +461,12 @@ impl Node {
                 let now = self.io.clock.now();
                 self.active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
-                self.gpu_update_sampling();
+                super::gpus_out::update_sampling(
+                    &self.gpu,
+                    &self.active,
+                    &self.starts,
+                    self.io.gpu_monitor.as_ref(),
+                );
                 // What the workload asked of the node before its start was reported.
                 for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
                     let reply = self.on_emit(&req.body);
@@ -472,7 +511,11 @@ impl Node {
                 if self.s.drain_after_one && !self.life.drain.one_started && self.starts.is_empty()
                 {
                     // The one workload did not start: the node takes the next start.
-                    self.set_draining(false, "--drain-after-one: the start failed");
+                    self.life.drain.set(
+                        false,
+                        "--drain-after-one: the start failed",
+                        self.in_use(),
+                    );
                 }
                 self.retry_deferred_starts();
             }
@@ -506,7 +549,7 @@ impl Node {
                 .send(json!({"ok": false, "refused": true, "error": why}));
         }
         for w in &st.waiters {
-            self.reply_error(w, &why);
+            self.replies().error(w, &why);
         }
         self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
         super::interrupted::forget(&self.io.layout, safe_id);
@@ -547,55 +590,6 @@ impl Node {
         }
     }
 
-    /// A control-socket request that must wait for a start in flight (an `emit` of a workload
-    /// whose start is not reported yet: its token is not known to the workload table yet) is
-    /// kept and answered once the start is; anything else is given back.
-    pub(super) fn hold_for_start(
-        &mut self,
-        req: crate::control::Request,
-    ) -> Option<crate::control::Request> {
-        let token = req
-            .body
-            .get("token")
-            .and_then(Value::as_str)
-            .filter(|t| !t.is_empty());
-        let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
-        let owner = token.and_then(|t| self.starts.by_token(t));
-        match owner {
-            Some(st) if emit => {
-                st.held.push(req);
-                None
-            }
-            _ => Some(req),
-        }
-    }
-
-    /// The starts in flight in a `status` reply: each in `active_workloads` with state
-    /// `starting`, and counted in `is_busy`.
-    pub(super) fn add_starting(&self, out: &mut Value, key: &str) {
-        let now = workload::unix_now();
-        if let Some(list) = out.get_mut(key).and_then(Value::as_array_mut) {
-            for st in self.starts.iter().map(|(_, s)| s) {
-                let mut w = json!({
-                    "pid": 0,
-                    "type": st.kind.as_str(),
-                    "request_id": st.request_id,
-                    "workload_uuid": st.workload_uuid,
-                    "running_for_seconds": (now - st.created_unix).max(0.0) as u64,
-                    "state": "starting",
-                });
-                if let Some(g) = &st.gpus {
-                    super::gpus::put(&mut w, "gpus", json!(g));
-                }
-                list.push(w);
-            }
-        }
-        if let Some(busy) = out.get_mut("is_busy") {
-            let used = self.in_use();
-            *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
-        }
-    }
-
     /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
     /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
     pub(super) fn reject_start(
@@ -609,13 +603,13 @@ impl Node {
         let why = why.as_str();
         let busy = reason.busy();
         self.with_ingress(|i, out| i.report_rejected(ctx, why, out));
-        self.count_rejection(reason.metric());
+        self.life.metrics.count_rejection(reason.metric());
         log::warn!(
             "refused start {}: {}",
             shown(&request_id_text(request_id)),
             shown(why)
         );
-        self.reply_error(request_id, why);
+        self.replies().error(request_id, why);
         if let Some(wl) = workload_uuid {
             let mut body = Map::new();
             body.insert("status".into(), json!("failed"));

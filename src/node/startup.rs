@@ -171,7 +171,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         s,
     };
     node.recover();
-    node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
+    super::gpus_out::update_sampling(
+        &node.gpu,
+        &node.active,
+        &node.starts,
+        node.io.gpu_monitor.as_ref(),
+    ); // re-adopted workloads holding GPUs are sampled at once
     if !node.durable.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",

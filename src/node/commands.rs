@@ -9,10 +9,10 @@ use serde_json::{json, Value};
 use super::gpus::{self, Gpus};
 use super::io::Io;
 use super::parts::Life;
+use super::parts::Op;
 use super::session::Session;
 use super::starts::Starts;
 use super::table::Table;
-use super::Op;
 use crate::config::Settings;
 use crate::outbox::Outbox;
 use crate::protocol::commands::{Command, Received, RequestId, StartParams};
@@ -183,7 +183,7 @@ impl View<'_> {
             self.active
                 .values()
                 .map(|a| {
-                    super::with_gpus(
+                    super::gpus_out::with_gpus(
                         json!({
                             "pid": a.meta.pid(),
                             "type": a.meta.kind,

@@ -86,7 +86,7 @@ impl Ingress {
             if let Some(held) = out.disk_error_due() {
                 log::error!(
                     "cannot write a workflow event to disk ({e}); it is kept in memory and sent anyway{}",
-                    super::workloads::held_note(held)
+                    crate::logtext::held_note(held)
                 );
             }
         }
@@ -129,7 +129,7 @@ impl Ingress {
     /// line at once (`permanent`) or after [`crate::outbox::MAX_REFUSALS`] refusals, so that
     /// the events queued behind it are not held up for ever.
     fn refused(&mut self, seq: u64, why: &str, permanent: bool, now: Instant) {
-        super::refused_in(&mut self.queue, seq, why, permanent, now, "workflow event");
+        super::parts::refused_in(&mut self.queue, seq, why, permanent, now, "workflow event");
     }
 
     pub fn on_ack(&mut self, (seq, acked): Acked, out: &mut dyn Outbound) {

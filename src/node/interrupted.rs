@@ -68,7 +68,7 @@ pub enum Answer {
 pub fn interrupted_text(kind: &str) -> String {
     format!(
         "{} a restart: the start of this {kind} was interrupted by a node restart before its workload ran; nothing runs for it, retry it",
-        super::operate::BUSY_PREFIX
+        super::parts::BUSY_PREFIX
     )
 }
 
@@ -160,10 +160,10 @@ fn safe_id_of(name: &str) -> Option<&str> {
 
 /// At recovery: the answer of every start taken and not answered before the restart,
 /// `started` (with its `ok` output) or not (`never`), recorded in the ledger and kept for
-/// `Node::answer_interrupted_starts` (in `mod.rs`).
+/// the loop to send once registered.
 pub(super) fn settle(
     ledger: &mut ledger::Ledger,
-    starts: &mut super::starts::Starts,
+    interrupted: &mut Vec<(String, Taken, Answer)>,
     started: Vec<(String, Taken, Value)>,
     never: std::collections::BTreeMap<String, Taken>,
 ) {
@@ -195,11 +195,9 @@ pub(super) fn settle(
                     "it never started: it is refused (retryable) once the node is registered",
             }
         );
-        starts.interrupted.push((safe_id, taken, a));
+        interrupted.push((safe_id, taken, a));
     }
-    starts
-        .interrupted
-        .sort_by(|a, b| a.1.taken_unix.total_cmp(&b.1.taken_unix));
+    interrupted.sort_by(|a, b| a.1.taken_unix.total_cmp(&b.1.taken_unix));
 }
 
 #[cfg(test)]

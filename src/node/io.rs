@@ -52,7 +52,7 @@ pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)>
 
 pub struct Io {
     /// Time, injected so timers can be driven in tests without sleeping.
-    pub clock: Box<dyn super::Clock>,
+    pub clock: Box<dyn super::parts::Clock>,
     /// The state dir's layout.
     pub layout: Layout,
     pub mqtt: Mqtt,

@@ -47,13 +47,12 @@ use crate::workload::shim::Exit;
 use crate::workload::Meta;
 use commands::Accepted;
 use gpus_out::with_gpus;
-use io::Wire;
-use parts::{Drain, Durable, Life, Op};
+use parts::{Durable, Life, Op};
 use serde_json::Value;
 use session::Happening;
 use session::Session;
-use session_out::{refused_in, AfterRefusal};
-use timers::{Due, Throttles, Timers};
+use session_out::AfterRefusal;
+use timers::Timers;
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`Node::next_wake`].
@@ -65,18 +64,6 @@ const DISK_RETRY: Duration = Duration::from_secs(1);
 /// Written into the state dir when another client takes the session over twice within a
 /// minute; `doctor` fails while it is recent.
 pub use crate::store::CLIENT_ID_CONFLICT;
-
-/// Time, injected so timers can be driven in tests without sleeping.
-pub trait Clock {
-    fn now(&self) -> Instant;
-}
-
-pub struct SystemClock;
-impl Clock for SystemClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
-}
 
 /// Runs the node until it shuts down; returns the exit code.
 pub fn run(settings: Settings) -> i32 {
@@ -282,7 +269,7 @@ impl Node {
                 grace.as_secs_f64()
             );
             self.session.close();
-            self.life.shutdown = Some(shutdown::Shutdown {
+            self.life.shutdown = Some(parts::Shutdown {
                 deadline: crate::util::later(now, container::deadline_after(grace)),
                 exit_code,
                 waiting_for: None,
@@ -685,7 +672,8 @@ impl Node {
                 }
             },
         );
-        interrupted::settle(&mut self.durable.ledger, &mut self.starts, started, notes);
+        let interrupted = &mut self.starts.interrupted;
+        interrupted::settle(&mut self.durable.ledger, interrupted, started, notes);
     }
 
     // ---- commands and the control socket's requests ----------------------------------------

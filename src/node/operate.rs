@@ -8,23 +8,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::gpus::Gpus;
-use super::parts::{Drain, Life};
+use super::parts::Life;
 use super::starts::Starts;
 use super::table::Table;
 use crate::config::Settings;
 use crate::outbox::Outbox;
 use crate::workload::Layout;
-
-/// Counters for the metrics file.
-#[derive(Default)]
-pub struct Metrics {
-    pub starts: u64,
-    pub rejections: BTreeMap<String, u64>,
-    pub completions: BTreeMap<String, u64>,
-    pub reconnects: u64,
-    pub heartbeat_failures: u64,
-    pub log_bytes: u64,
-}
 
 /// GPU count and a coarse VRAM tier, learned once at start-up (never serials or exact sizes).
 pub fn gpu_inventory() -> (usize, Option<&'static str>) {
@@ -99,66 +88,8 @@ pub fn prune(
 /// `--drain-after-one`: how long the outbox may take to empty before the node stops anyway.
 pub const DRAIN_AFTER_ONE_WAIT: Duration = Duration::from_secs(10);
 
-/// The text every retryable refusal starts with: legacy backends classify on it (D13).
-pub const BUSY_PREFIX: &str = "Controller host is busy with";
-
-/// A "not now, not here" refusal (decision D21): it keeps the host-busy contract of D13
-/// (`rejection_reason: "host_busy"`, the error starting [`BUSY_PREFIX`],
-/// `rejecting_instance_uuid`) so the backend may send the workload elsewhere, and says which
-/// in `busy_reason`. Refusals that can never succeed on this node are not `Busy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Busy {
-    Capacity,
-    Uploading,
-    Draining,
-    DiskLow,
-    ShuttingDown,
-    /// Not enough free healthy GPUs (D36): some are held by running workloads.
-    GpusBusy,
-    /// Not enough healthy GPUs at all (D37).
-    GpusUnhealthy,
-    /// More than one GPU asked for on a MIG host that has too few whole GPUs (D56).
-    GpusUnsatisfiable,
-    /// The start was interrupted by a node restart before its workload ran (D53).
-    Restarted,
-}
-
-impl Busy {
-    /// The wire value of `busy_reason`.
-    pub fn reason(self) -> &'static str {
-        match self {
-            Busy::Capacity => "capacity",
-            Busy::Uploading => "uploading",
-            Busy::Draining => "draining",
-            Busy::DiskLow => "disk_low",
-            Busy::ShuttingDown => "shutting_down",
-            Busy::GpusBusy => "gpus_busy",
-            Busy::GpusUnhealthy => "gpus_unhealthy",
-            Busy::GpusUnsatisfiable => "gpus_unsatisfiable",
-            Busy::Restarted => "node_restarted",
-        }
-    }
-}
-
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
-}
-
-impl Drain {
-    /// Draining on or off, with one line when it changes.
-    pub(super) fn set(&mut self, on: bool, why: &str, in_use: usize) {
-        if self.on != on {
-            log::info!(
-                "{} ({why}); {in_use} workload(s) running",
-                if on {
-                    "draining: new workloads are refused"
-                } else {
-                    "resumed: accepting workloads"
-                },
-            );
-        }
-        self.on = on;
-    }
 }
 
 /// `--drain-after-one`: true once the one workload finished and was reported (then the node
@@ -179,18 +110,6 @@ pub(super) fn drain_after_one_done(
     }
     let since = *life.drain.idle_since.get_or_insert(now);
     outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT
-}
-
-impl Metrics {
-    pub(super) fn count_rejection(&mut self, reason: &str) {
-        let n = self.rejections.entry(reason.to_string()).or_default();
-        *n = n.saturating_add(1);
-    }
-
-    pub(super) fn count_completion(&mut self, outcome: &str) {
-        let n = self.completions.entry(outcome.to_string()).or_default();
-        *n = n.saturating_add(1);
-    }
 }
 
 /// Opt-in coarse hardware facts for the heartbeat: no process lists, users, paths,

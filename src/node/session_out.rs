@@ -9,10 +9,10 @@ use serde_json::{json, Value};
 
 use super::gpus::{Gpus, Hold};
 use super::parts::Life;
+use super::parts::Shutdown;
+use super::parts::{refused_in, Op};
 use super::session::Session;
-use super::shutdown::Shutdown;
 use super::streams::Streams;
-use super::{workloads, Op};
 use crate::config::Settings;
 use crate::logtext::Throttle;
 use crate::mqtt::Mqtt;
@@ -101,7 +101,7 @@ pub(super) fn refused(
                 log::warn!(
                     "{other:?} not delivered: {}{}",
                     crate::logtext::shown(why),
-                    workloads::held_note(held)
+                    crate::logtext::held_note(held)
                 );
             }
             // Failed now rather than at its timeout (a log chunk is read and sent again).
@@ -167,28 +167,4 @@ pub(super) fn heartbeat_body(
         util::set(&mut body, "hardware", h);
     }
     body
-}
-
-/// Counts a broker's refusal of queue entry `seq` (D34): one ERROR line when it is set aside
-/// (at once when it can never fit, else after [`crate::outbox::MAX_REFUSALS`]), else a WARN.
-pub(super) fn refused_in(
-    q: &mut Outbox,
-    seq: u64,
-    why: &str,
-    permanent: bool,
-    now: Instant,
-    what: &str,
-) {
-    match q.refused(seq, permanent, now) {
-        Some((item, aside)) => log::error!(
-            "the {} cannot be delivered ({}); it is set aside in {} and not sent again",
-            crate::logtext::shown(&item.label),
-            crate::logtext::shown(why),
-            aside.display()
-        ),
-        None => log::warn!(
-            "{what} {seq} not delivered ({}); retrying later",
-            crate::logtext::shown(why)
-        ),
-    }
 }

@@ -7,23 +7,13 @@ use std::time::Instant;
 use serde_json::json;
 
 use super::io::Io;
-use super::parts::Life;
+use super::parts::Op;
+use super::parts::{Life, Shutdown};
 use super::session::Session;
 use super::table::Table;
-use super::Op;
 use crate::config::Settings;
 use crate::outbox::Outbox;
 use crate::util;
-
-pub(super) struct Shutdown {
-    pub deadline: Instant,
-    pub exit_code: i32,
-    /// Correlation of the R5 (or R6) request whose reply ends the shutdown early.
-    pub waiting_for: Option<Vec<u8>>,
-    /// D58: a container's init waits for its stopped workloads' completions to be acknowledged
-    /// before it says goodbye (R5), at most until `deadline`.
-    pub stopping_workloads: bool,
-}
 
 /// R5: the goodbye to the backend when there is one to hear it, then the shutdown's last
 /// stretch: until its reply or the flush time (at most `limit`), at once without a backend.

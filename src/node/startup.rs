@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver};
 
+use super::parts::SystemClock;
 use super::session::{self, Session};
-use super::{Node, SystemClock};
+use super::Node;
 use crate::backend::{self, Backend, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
@@ -138,15 +139,15 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let mut node = Node {
         io,
         session,
-        life: super::Life {
+        life: super::parts::Life {
             started,
             shutdown: None,
             exit: None,
-            drain: super::Drain::default(),
+            drain: super::parts::Drain::default(),
             metrics: Default::default(),
         },
         active: super::table::Table::new(super::table::UploadCfg::of(&s)),
-        durable: super::Durable {
+        durable: super::parts::Durable {
             ledger: Ledger::load(dir.join("ledger.jsonl")),
             outbox,
         },
@@ -159,14 +160,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             s.topic_prefix.value.clone(),
         ),
         gpu,
-        timers: super::Timers {
-            due: super::Due {
+        timers: super::timers::Timers {
+            due: super::timers::Due {
                 watchdog: now,
                 rescan: now,
                 metrics: now,
                 prune: now,
             },
-            throttle: super::Throttles::default(),
+            throttle: super::timers::Throttles::default(),
         },
         s,
     };

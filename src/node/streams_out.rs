@@ -7,10 +7,10 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use super::io::{Io, Wire};
+use super::parts::{Clock, Op};
 use super::session::Session;
 use super::streams::{self, Cursor, Outbound, Source, Streams};
 use super::table::Table;
-use super::{Clock, Op};
 use crate::config::Settings;
 use crate::logtext::Throttle;
 use crate::workload::lifecycle::Phase;
@@ -170,7 +170,7 @@ impl Logs<'_> {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),
-                    super::workloads::held_note(held)
+                    crate::logtext::held_note(held)
                 );
             }
         }

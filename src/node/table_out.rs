@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::io::Io;
+use super::io::Wire;
+use super::parts::Op;
 use super::session::Session;
 use super::table::{Outbound, Request};
-use super::{Op, Wire};
 use crate::config::Settings;
 use crate::workers::Job;
 use crate::workload::shim::Exit;

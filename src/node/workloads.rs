@@ -11,10 +11,10 @@ use serde_json::{json, Value};
 use super::ingress::{self, Ingress};
 use super::interrupted::Taken;
 use super::io::Io;
-use super::operate::Metrics;
+use super::parts::Metrics;
+use super::parts::Op;
 use super::session::Session;
 use super::table::SALVAGED;
-use super::Op;
 use crate::config::Settings;
 use crate::logtext::shown;
 use crate::logtext::Throttle;
@@ -198,7 +198,7 @@ impl Outgoing<'_> {
                     Ok(_) => self.flush(),
                     Err((seq, e)) => {
                         if let Some(held) = self.disk.ready(self.io.clock.now()) {
-                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), held_note(held));
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), crate::logtext::held_note(held));
                         }
                         return Some(seq);
                     }
@@ -214,7 +214,7 @@ impl Outgoing<'_> {
             let left = self.outbox.persist_pending();
             if left > 0 {
                 if let Some(held) = self.disk.ready(self.io.clock.now()) {
-                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
+                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", crate::logtext::held_note(held));
                 }
             }
         }
@@ -391,15 +391,6 @@ pub(super) fn log_running(active: &super::table::Table) {
             crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
             crate::logtext::shown(&a.meta.stderr_log.display().to_string())
         );
-    }
-}
-
-/// " (N more like it held back)" for a throttled log line.
-pub(super) fn held_note(held: u64) -> String {
-    if held == 0 {
-        String::new()
-    } else {
-        format!(" ({held} more like it in the last minute not logged)")
     }
 }
 

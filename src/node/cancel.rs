@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 use super::starts::{PendingCancel, Starts};
 use super::table::{Table, DEFAULT_GRACE};
+use super::workloads::Work;
 use crate::ledger::Ledger;
 use crate::logtext::shown;
 use crate::protocol::commands::{CancelParams, CancelTarget, RequestId, Seconds};
@@ -161,4 +162,30 @@ pub(super) fn answer(
         }
         Err(e) => (false, json!(e)),
     }
+}
+
+/// `cancel`: decided on the ledger, the starts and the table ([`decide`]); a tracked workload
+/// is cancelled by the table, then answered ([`answer`]).
+pub(super) fn cancel(
+    ledger: &mut Ledger,
+    w: &mut Work<'_>,
+    request_id: &RequestId,
+    params: CancelParams,
+) {
+    let (ok, body) = match decide(ledger, w.starts, w.active, request_id, &params) {
+        Step::Nothing => return,
+        Step::Answer(ok, body) => (ok, body),
+        Step::Table {
+            safe_id,
+            sig,
+            sig_name,
+            grace,
+        } => {
+            let r = w.with_table(|t, out, now| {
+                t.cancel(&safe_id, sig, sig_name, grace, false, now, out)
+            });
+            answer(ledger, w.active, request_id, &safe_id, sig_name, r)
+        }
+    };
+    w.replies().replay(request_id.value(), ok, body);
 }

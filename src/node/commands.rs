@@ -1,18 +1,19 @@
 //! Commands from the backend (`status`, `start`, `cancel`, `received`) and their replies, and
-//! requests on the local control socket (`emit`, `drain`, `resume`, `status`). The dispatch is
-//! in `mod.rs` (`Node::on_command`, `Node::on_control`); here are what it is built of: a
-//! command read and checked ([`accept`]), the replies ([`Replies`], on the MQTT client and the
-//! session's naming) and the status answers ([`View`], the parts they read).
+//! requests on the local control socket (`emit`, `drain`, `resume`, `status`): a command read
+//! and checked ([`accept`]), then answered (the status answers: [`View`], the parts they read)
+//! or handed to the start path ([`Start`]) or to [`cancel`].
 
 use serde_json::{json, Value};
 
+use super::cancel;
 use super::gpus::{self, Gpus};
 use super::io::Io;
-use super::parts::Life;
-use super::parts::Op;
+use super::parts::{Life, Op};
 use super::session::Session;
 use super::starts::Starts;
+use super::starts_out::Start;
 use super::table::Table;
+use super::workloads::Work;
 use crate::config::Settings;
 use crate::outbox::Outbox;
 use crate::protocol::commands::{Command, Received, RequestId, StartParams};
@@ -98,41 +99,6 @@ pub(super) fn wrong_environment(s: &Settings, params: &StartParams) -> Option<St
         return None;
     };
     (mine.value != theirs.as_str()).then(|| format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value))
-}
-
-/// Replies to the backend's commands, on the node's MQTT client and under its session's names.
-pub(super) struct Replies<'a> {
-    pub(super) io: &'a Io,
-    pub(super) session: &'a Session<Op>,
-}
-
-impl Replies<'_> {
-    pub(super) fn ok(&self, request_id: &Value, output: Value) {
-        self.publish(true, request_id, output);
-    }
-
-    pub(super) fn error(&self, request_id: &Value, error: &str) {
-        self.publish(false, request_id, json!(error));
-    }
-
-    /// The answer a request had before, again (the ledger's `ok` output or `error` text).
-    pub(super) fn replay(&self, request_id: &Value, ok: bool, body: Value) {
-        if ok {
-            self.ok(request_id, body)
-        } else {
-            self.error(request_id, body.as_str().unwrap_or(""))
-        }
-    }
-
-    fn publish(&self, ok: bool, request_id: &Value, body: Value) {
-        let (slug, uuid) = (self.session.slug(), self.session.uuid());
-        let payload = messages::reply(ok, request_id, slug, uuid, body);
-        let topic = self.io.topics.reply(uuid);
-        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
-        self.io
-            .mqtt
-            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
-    }
 }
 
 /// What the status answers read of the node, borrowed for one answer.
@@ -240,7 +206,7 @@ impl View<'_> {
                         "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
             "draining": self.life.drain.on,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| crate::node::with_gpus(json!({
+            "workloads": self.active.values().map(|a| super::gpus_out::with_gpus(json!({
                 "pid": a.meta.pid(),
                 "type": a.meta.kind,
                 "request_id": a.meta.request_id,
@@ -262,4 +228,81 @@ impl View<'_> {
         self.add_starting(&mut out, "workloads");
         out
     }
+}
+
+impl<'a> View<'a> {
+    /// The status answers' view of a workload's parts.
+    pub(super) fn of(w: &'a Work<'_>) -> View<'a> {
+        View {
+            s: w.s,
+            session: w.session,
+            io: w.io,
+            life: w.life,
+            active: w.active,
+            starts: w.starts,
+            gpu: w.gpu,
+            outbox: w.outbox,
+            events: &w.ingress.queue,
+        }
+    }
+}
+
+/// A command from the backend: read and checked, then answered or carried out.
+pub(super) fn on_command(st: &mut Start<'_>, payload: &[u8]) {
+    let (request_id, command) = match accept(payload, st.work.life.shutdown.is_some()) {
+        Accepted::Nothing => return,
+        Accepted::Refused {
+            rid,
+            reason,
+            failed,
+        } => {
+            if let Some((wl, body)) = failed {
+                st.work.workload_status(&wl, body);
+            }
+            return st.work.replies().error(&rid, &reason);
+        }
+        Accepted::Run(request_id, command) => (request_id, command),
+    };
+    let rid = request_id.value();
+    match command {
+        Command::Status => {
+            let status = View::of(&st.work).status();
+            st.work.replies().ok(rid, status);
+        }
+        Command::Start(kind, params) | Command::Received(Received::Start(kind, params)) => {
+            match wrong_environment(st.work.s, &params) {
+                Some(why) => st.work.replies().error(rid, &why),
+                None => st.start_workload(kind, rid, params),
+            }
+        }
+        Command::Cancel(params) => cancel::cancel(st.ledger, &mut st.work, &request_id, params),
+        Command::Received(Received::Ack(uuid)) => {
+            let shown = uuid.as_ref().map_or("None", |u| u.as_str());
+            st.work.replies().ok(
+                rid,
+                json!({"message": format!("Workload {shown} received and acknowledged")}),
+            );
+        }
+    }
+}
+
+/// A request on the local control socket (`emit`, `drain`, `resume`, `status`).
+pub(super) fn on_control(w: &mut Work<'_>, req: crate::control::Request) {
+    let Some(req) = w.starts.hold_for_start(req) else {
+        return;
+    };
+    let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
+    let reply = match op {
+        "emit" => w.on_emit(&req.body),
+        "drain" | "resume" => {
+            let in_use = w.in_use();
+            w.life
+                .drain
+                .set(op == "drain", "asked on the control socket", in_use);
+            json!({"ok": true, "draining": w.life.drain.on, "active_workloads": in_use})
+        }
+        "status" => json!({"ok": true, "status": View::of(w).local()}),
+        other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
+    };
+    let _ = req.reply.send(reply);
 }

@@ -61,7 +61,6 @@ pub struct Io {
     /// The node token every request carries.
     pub token: String,
     pub reaped: Receiver<Reaped>,
-    pub spawned: Receiver<crate::workload::spawner::Outcome>,
     pub tailer: Tailer,
     pub chunks: Receiver<TailEvent>,
     pub workers: Workers,

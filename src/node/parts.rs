@@ -9,6 +9,11 @@ use crate::ledger::Ledger;
 use crate::outbox::Outbox;
 use crate::workload::tail::Key;
 
+// Exit codes are chosen in `error.rs` alone.
+pub(super) const EXIT_OK: i32 = crate::error::Exit::Ok.code();
+pub(super) const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
+pub(super) const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
+
 /// The node's life: since when it runs, the shutdown under way, the exit code once decided,
 /// and what it counted along the way (the metrics file's counters).
 pub(super) struct Life {
@@ -183,4 +188,30 @@ pub(super) fn refused_in(
             crate::logtext::shown(why)
         ),
     }
+}
+
+/// The loop's own clocks: when its periodic work is next due, and how often an error that
+/// repeats may be logged.
+pub(super) struct Timers {
+    pub(super) due: Due,
+    pub(super) throttle: Throttles,
+}
+
+/// When the loop's periodic work is next due.
+pub(super) struct Due {
+    /// A standalone node's watchdog ping (no heartbeats feed it).
+    pub(super) watchdog: Instant,
+    /// Looking for events `emit` queued by itself.
+    pub(super) rescan: Instant,
+    pub(super) metrics: Instant,
+    pub(super) prune: Instant,
+}
+
+/// Errors logged at most once a minute.
+#[derive(Default)]
+pub(super) struct Throttles {
+    /// Full-disk errors (D28).
+    pub(super) disk: crate::logtext::Throttle,
+    /// Requests the broker refused in its PUBACK (D34).
+    pub(super) refusals: crate::logtext::Throttle,
 }

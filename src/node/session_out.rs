@@ -8,6 +8,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use super::gpus::{Gpus, Hold};
+use super::io::Io;
 use super::parts::Life;
 use super::parts::Shutdown;
 use super::parts::{refused_in, Op};
@@ -17,6 +18,7 @@ use crate::config::Settings;
 use crate::logtext::Throttle;
 use crate::mqtt::Mqtt;
 use crate::outbox::Outbox;
+use crate::protocol::messages;
 use crate::protocol::replies::Reply;
 use crate::util;
 use crate::workload::tail::Key;
@@ -167,4 +169,39 @@ pub(super) fn heartbeat_body(
         util::set(&mut body, "hardware", h);
     }
     body
+}
+
+/// Replies to the backend's commands, on the node's MQTT client and under its session's names.
+pub(super) struct Replies<'a> {
+    pub(super) io: &'a Io,
+    pub(super) session: &'a Session<Op>,
+}
+
+impl Replies<'_> {
+    pub(super) fn ok(&self, request_id: &Value, output: Value) {
+        self.publish(true, request_id, output);
+    }
+
+    pub(super) fn error(&self, request_id: &Value, error: &str) {
+        self.publish(false, request_id, json!(error));
+    }
+
+    /// The answer a request had before, again (the ledger's `ok` output or `error` text).
+    pub(super) fn replay(&self, request_id: &Value, ok: bool, body: Value) {
+        if ok {
+            self.ok(request_id, body)
+        } else {
+            self.error(request_id, body.as_str().unwrap_or(""))
+        }
+    }
+
+    fn publish(&self, ok: bool, request_id: &Value, body: Value) {
+        let (slug, uuid) = (self.session.slug(), self.session.uuid());
+        let payload = messages::reply(ok, request_id, slug, uuid, body);
+        let topic = self.io.topics.reply(uuid);
+        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
+        self.io
+            .mqtt
+            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
+    }
 }

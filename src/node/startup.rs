@@ -125,7 +125,6 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         topics,
         token,
         reaped,
-        spawned,
         tailer,
         chunks,
         workers,
@@ -151,7 +150,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             ledger: Ledger::load(dir.join("ledger.jsonl")),
             outbox,
         },
-        starts: super::starts::Starts::new(spawner),
+        starts: super::starts::Starts::new(spawner, spawned),
         streams,
         heal: Default::default(),
         ingress: super::ingress::Ingress::new(
@@ -160,14 +159,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             s.topic_prefix.value.clone(),
         ),
         gpu,
-        timers: super::timers::Timers {
-            due: super::timers::Due {
+        timers: super::parts::Timers {
+            due: super::parts::Due {
                 watchdog: now,
                 rescan: now,
                 metrics: now,
                 prune: now,
             },
-            throttle: super::timers::Throttles::default(),
+            throttle: super::parts::Throttles::default(),
         },
         s,
     };

@@ -141,6 +141,29 @@ impl Outbound for NodeOut<'_> {
     }
 
     fn retire(&mut self, id: &str) {
-        super::workloads::retire(self.layout, id);
+        retire(self.layout, id);
+    }
+}
+
+/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
+/// a half-deleted record that a restart would misread), then the deletion.
+fn retire(layout: &Layout, safe_id: &str) {
+    let dir = layout.dir(safe_id);
+    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
+    let target = match std::fs::rename(&dir, &trash) {
+        Ok(()) => trash,
+        Err(e) => {
+            log::warn!(
+                "cannot retire {}: {e}",
+                crate::logtext::shown(&dir.display().to_string())
+            );
+            return;
+        }
+    };
+    if let Err(e) = std::fs::remove_dir_all(&target) {
+        log::warn!(
+            "cannot remove {}: {e}",
+            crate::logtext::shown(&target.display().to_string())
+        );
     }
 }

@@ -2,25 +2,35 @@
 //! the cancel command, building and queueing completions (exactly once, through the outbox),
 //! and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
 //! belong to the workload table (`table.rs`), which this file drives through
-//! `Node::with_table` (in `mod.rs`).
+//! [`Work::with_table`].
 
 use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
+use std::time::{Duration, Instant};
+
+use super::gpus::{self, Gpus};
+use super::gpus_out;
 use super::ingress::{self, Ingress};
 use super::interrupted::Taken;
 use super::io::Io;
-use super::parts::Metrics;
-use super::parts::Op;
+use super::parts::{Life, Metrics, Op, Throttles};
 use super::session::Session;
-use super::table::SALVAGED;
+use super::session_out::Replies;
+use super::starts::Starts;
+use super::streams::Streams;
+use super::streams_out;
+use super::table::{self, Table, SALVAGED};
+use super::table_out;
 use crate::config::Settings;
 use crate::logtext::shown;
 use crate::logtext::Throttle;
 use crate::outbox::Item;
 use crate::outbox::Outbox;
+use crate::protocol::replies::Reply;
 use crate::store;
+use crate::workers::Done;
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Layout, Meta};
 
@@ -394,29 +404,6 @@ pub(super) fn log_running(active: &super::table::Table) {
     }
 }
 
-/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
-/// a half-deleted record that a restart would misread), then the deletion.
-pub(super) fn retire(layout: &Layout, safe_id: &str) {
-    let dir = layout.dir(safe_id);
-    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
-    let target = match std::fs::rename(&dir, &trash) {
-        Ok(()) => trash,
-        Err(e) => {
-            log::warn!(
-                "cannot retire {}: {e}",
-                crate::logtext::shown(&dir.display().to_string())
-            );
-            return;
-        }
-    };
-    if let Err(e) = std::fs::remove_dir_all(&target) {
-        log::warn!(
-            "cannot remove {}: {e}",
-            crate::logtext::shown(&target.display().to_string())
-        );
-    }
-}
-
 /// The workload's shim or the workload itself is still the process it was (D9).
 fn alive(st: &workload::shim::Started) -> bool {
     procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
@@ -441,6 +428,249 @@ fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
     match &c.reason {
         Some(r) => format!("{how} ({r})"),
         None => how,
+    }
+}
+
+/// The notes of the starts that the node before this one took and did not answer (D53):
+/// those whose workload started (with the `ok` output of their start), and the others.
+pub(super) type Recovered = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
+
+/// What a workload's events touch, borrowed apart from the node for one call (the loop builds
+/// it): the table and its [`table::Outbound`] (the session, io handles and settings), the
+/// streams (logs to ship), the outbox (completions), the ingress part (workflow reports), the
+/// GPUs (accounting) and the starts that hold some, the node's life (its counters) and the
+/// throttles of repeated errors.
+pub(super) struct Work<'a> {
+    pub(super) s: &'a Settings,
+    pub(super) io: &'a Io,
+    pub(super) session: &'a mut Session<Op>,
+    pub(super) life: &'a mut Life,
+    pub(super) active: &'a mut Table,
+    pub(super) outbox: &'a mut Outbox,
+    pub(super) starts: &'a mut Starts,
+    pub(super) streams: &'a mut Streams,
+    pub(super) ingress: &'a mut Ingress,
+    pub(super) gpu: &'a mut Gpus,
+    pub(super) throttle: &'a mut Throttles,
+}
+
+impl Work<'_> {
+    pub(super) fn now(&self) -> Instant {
+        self.io.clock.now()
+    }
+
+    /// Workloads that hold a slot: tracked ones and starts in flight.
+    pub(super) fn in_use(&self) -> usize {
+        self.active.len().saturating_add(self.starts.len())
+    }
+
+    /// Replies to the backend's commands.
+    pub(super) fn replies(&self) -> Replies<'_> {
+        Replies {
+            io: self.io,
+            session: self.session,
+        }
+    }
+
+    /// Sends one of the loop's requests through the session; returns its correlation.
+    pub(super) fn request(
+        &mut self,
+        op: Op,
+        topic: &str,
+        body: Value,
+        timeout: Duration,
+    ) -> Vec<u8> {
+        let now = self.now();
+        self.session
+            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
+    }
+
+    /// A non-terminal workload status (R7): sent once, its failure only logged.
+    pub(super) fn workload_status(&mut self, wl: &str, body: Value) {
+        if wl.is_empty() {
+            return;
+        }
+        let topic = self.io.topics.workload_status(wl);
+        let timeout = self.s.tuning.request_timeout;
+        self.request(Op::WorkloadStatus, &topic, body, timeout);
+    }
+
+    /// Runs `f` on the workload table with the real [`table::Outbound`], then does what it
+    /// left for the loop (logs to ship, completions to queue).
+    pub(super) fn with_table<R>(
+        &mut self,
+        f: impl FnOnce(&mut Table, &mut dyn table::Outbound, Instant) -> R,
+    ) -> R {
+        let now = self.now();
+        let mut out = table_out::NodeOut::new(self.session, self.io, self.s, now);
+        let r = f(self.active, &mut out, now);
+        let mut shipped = false;
+        for l in out.into_later() {
+            match l {
+                table_out::Later::ShipLogs if !shipped => {
+                    shipped = true;
+                    self.logs().pump();
+                }
+                table_out::Later::ShipLogs => {}
+                table_out::Later::Report {
+                    id,
+                    meta,
+                    exit,
+                    lost,
+                } => self.complete(&id, *meta, exit, lost),
+            }
+        }
+        r
+    }
+
+    pub(super) fn on_reaped(&mut self, pid: i32) {
+        self.with_table(|t, out, now| t.on_reaped(pid, now, out));
+    }
+
+    /// Reports the end of a workload exactly once (through the outbox); the table no longer
+    /// tracks it, and its record goes once the completion is safe
+    /// ([`Table::completion_queued`]). Deferred starts that it made room for go ahead at the
+    /// loop's next tick, in the same turn.
+    fn complete(&mut self, safe_id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&str>) {
+        let pid = meta.pid();
+        let rid = meta.request_id_text();
+        if meta.cancel.as_ref().is_some_and(|c| c.stale) {
+            log::info!(
+                "stale {} {} (pid {pid}) is gone; forgotten without a completion",
+                meta.kind,
+                shown(&rid)
+            );
+            self.life.metrics.count_completion("stale");
+            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
+            return;
+        }
+        let mut wire = ingress::Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: self.io,
+            disk_errors: &mut self.throttle.disk,
+        };
+        let (metrics, events) = (&mut self.life.metrics, &mut *self.ingress);
+        let (mut body, label) = match &meta.cancel {
+            Some(c) if !c.timed_out => {
+                cancelled_body(&meta, c, exit.as_ref(), &rid, metrics, events, &mut wire)
+            }
+            _ => finished_body(&meta, exit.as_ref(), lost, &rid, metrics, events, &mut wire),
+        };
+        if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
+            gpus::put(&mut body, "gpu", g); // D38
+        }
+        gpus_out::update_sampling(
+            self.gpu,
+            self.active,
+            self.starts,
+            self.io.gpu_monitor.as_ref(),
+        );
+        match self
+            .outgoing()
+            .send_completion(safe_id, &meta, body, label, &rid)
+        {
+            // D28: kept in memory and sent all the same; the workload's record stays until the
+            // backend acknowledged it, so a restart still knows.
+            Some(seq) => {
+                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
+                self.outgoing().flush();
+            }
+            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
+        }
+    }
+
+    /// The table's timers, with the streams' verdict on which ending workloads are drained.
+    pub(super) fn tick(&mut self) {
+        let now = self.now();
+        // The streams' verdict, read before the table is borrowed.
+        let drained: Vec<String> = self
+            .active
+            .draining()
+            .into_iter()
+            .filter(|id| streams_out::drained(self.streams, self.active, id, now))
+            .collect();
+        self.with_table(|t, out, now| t.tick(now, &drained, out));
+    }
+
+    /// A worker's result other than a self-heal lookup.
+    pub(super) fn on_worker_done(&mut self, done: Done) {
+        self.with_table(|t, out, now| t.on_worker_done(done, now, out));
+    }
+
+    /// The outbox and what sending from it touches.
+    pub(super) fn outgoing(&mut self) -> Outgoing<'_> {
+        Outgoing {
+            outbox: self.outbox,
+            session: self.session,
+            io: self.io,
+            s: self.s,
+            disk: &mut self.throttle.disk,
+        }
+    }
+
+    pub(super) fn on_outbox_reply(&mut self, seq: u64, body: Option<Reply>) {
+        if self.outgoing().on_reply(seq, body) {
+            self.with_table(|t, out, _| t.acknowledged(seq, out));
+        }
+    }
+
+    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
+    /// full-disk throttle).
+    pub(super) fn with_ingress<R>(
+        &mut self,
+        f: impl FnOnce(&mut Ingress, &mut dyn ingress::Outbound) -> R,
+    ) -> R {
+        let mut wire = ingress::Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: self.io,
+            disk_errors: &mut self.throttle.disk,
+        };
+        f(self.ingress, &mut wire)
+    }
+
+    /// `emit` from a workload, through the control socket: its owner found by its token.
+    pub(super) fn on_emit(&mut self, body: &Value) -> Value {
+        let owner = ingress::owner_of(self.active, body);
+        self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
+    }
+
+    /// The streams part and what its calls touch.
+    pub(super) fn logs(&mut self) -> streams_out::Logs<'_> {
+        streams_out::Logs {
+            streams: self.streams,
+            session: self.session,
+            io: self.io,
+            s: self.s,
+            active: self.active,
+            disk: &mut self.throttle.disk,
+            log_bytes: &mut self.life.metrics.log_bytes,
+        }
+    }
+
+    /// Re-adopts every workload in the state dir (run once, before the loop); returns the
+    /// notes of the starts the node before this one took and did not answer (D53), those
+    /// whose workload started apart, to be settled on the ledger.
+    pub(super) fn recover(&mut self) -> Recovered {
+        let layout = self.io.layout.clone();
+        let mut notes: BTreeMap<String, Taken> =
+            super::interrupted::load_all(&layout).into_iter().collect();
+        let mut started = Vec::new();
+        let now = self.now();
+        recover_workloads(
+            &layout,
+            &mut notes,
+            &mut started,
+            &mut |name, meta, ending| {
+                self.active
+                    .insert(name.clone(), table::Active::new(meta, false, now));
+                if let Some((exit, lost)) = ending {
+                    self.with_table(|t, out, now| t.end(&name, exit, lost, now, out));
+                }
+            },
+        );
+        (started, notes)
     }
 }
 

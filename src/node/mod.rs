@@ -19,7 +19,6 @@ mod parts;
 mod selfheal;
 mod session;
 mod session_in;
-mod session_out;
 mod shutdown;
 mod starts;
 mod starts_out;

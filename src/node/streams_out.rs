@@ -85,7 +85,7 @@ impl Outbound for StreamsOut<'_> {
 }
 
 /// The parts a streams call touches, borrowed apart from the node for the length of one call
-/// (the loop builds it with [`super::Node::logs`]): the part itself, the broker session its
+/// (built by `workloads::Work::logs`): the part itself, the broker session its
 /// chunks go through, the loop's I/O handles, the settings, the workloads it follows, the
 /// throttle of full-disk warnings and the counter of log bytes acknowledged.
 pub(super) struct Logs<'a> {

@@ -1,7 +1,7 @@
 //! The workload table's [`Outbound`] on the loop's real pieces: signals through procinfo,
 //! requests over MQTT (recorded as pending), jobs for the workers, records in the state dir.
-//! What needs the whole node (shipping logs, building and queueing a completion) is done by the
-//! loop right after the table's call returns (`Node::with_table`, in `mod.rs`).
+//! What needs more than the table (shipping logs, building and queueing a completion) is done
+//! right after the table's call returns (`workloads::Work::with_table`).
 
 use std::time::{Duration, Instant};
 

@@ -24,11 +24,11 @@ const RESCAN_IDLE: Duration = Duration::from_secs(60);
 
 /// The loop's periodic work: run after every event and every wake-up.
 pub(super) fn tick(st: &mut Start<'_>, due: &mut Due) {
-    session_in::tick(st);
+    let now = st.work.now();
+    session_in::tick(st, now);
     st.work.tick();
     st.retry_deferred();
     let w = &mut st.work;
-    let now = w.now();
     if now >= due.rescan {
         // Events `emit` queued by itself while the node was unreachable.
         w.ingress.queue.rescan();

@@ -1,6 +1,5 @@
-//! The node's side of workloads: starting (exactly once per request id, within capacity),
-//! the cancel command, building and queueing completions (exactly once, through the outbox),
-//! and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
+//! The node's side of workloads ([`Work`], the parts their events touch): building and queueing
+//! completions (exactly once, through the outbox), and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
 //! belong to the workload table (`table.rs`), which this file drives through
 //! [`Work::with_table`].
 
@@ -14,10 +13,9 @@ use super::gpus::{self, Gpus};
 use super::gpus_out;
 use super::ingress::{self, Ingress};
 use super::interrupted::Taken;
-use super::io::Io;
+use super::io::{Io, Replies};
 use super::parts::{Life, Metrics, Op, Throttles};
 use super::session::Session;
-use super::session_out::Replies;
 use super::starts::Starts;
 use super::streams::Streams;
 use super::streams_out;
@@ -38,7 +36,7 @@ use crate::workload::{self, procinfo, Layout, Meta};
 /// failure the node reports itself.
 pub(super) type Ending = (Option<Exit>, Option<&'static str>);
 
-/// `Node::recover`'s workloads (in `mod.rs`): the notes of starts whose workload started move from
+/// [`Work::recover`]'s workloads: the notes of starts whose workload started move from
 /// `notes` to `started`, with the `ok` output of their start.
 /// Each one is handed to `adopt`, with its end when it is known to have ended.
 pub(super) fn recover_workloads(
@@ -153,7 +151,7 @@ fn report_unprovable(
 }
 
 /// The outbox and what sending from it touches, borrowed apart from the node for one call
-/// (built by `Node::outgoing` in `mod.rs`): the broker session its messages go through, the
+/// (built by [`Work::outgoing`]): the broker session its messages go through, the
 /// io handles, the settings and the throttle of full-disk errors.
 pub(super) struct Outgoing<'a> {
     pub(super) outbox: &'a mut Outbox,

@@ -63,8 +63,6 @@ fn ledger_id(request_id: &Value) -> String {
 }
 
 impl Start<'_> {
-    // ---- start ------------------------------------------------------------------------------
-
     pub(super) fn start_workload(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
         self.start_workload_inner(kind, request_id, params, true);
     }

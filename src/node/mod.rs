@@ -48,17 +48,6 @@ use workloads::Work;
 pub use crate::store::CLIENT_ID_CONFLICT;
 pub use timers::{BUSY_TICK, IDLE_TICK};
 
-/// Runs the node until it shuts down; returns the exit code.
-pub fn run(settings: Settings) -> i32 {
-    match startup::prepare(settings) {
-        Ok((node, signals)) => node.run(signals),
-        Err(e) => {
-            log::error!("{e}");
-            crate::error::Failure::exit(&e).code()
-        }
-    }
-}
-
 pub struct Node {
     s: Settings,
     /// The I/O handles: MQTT client, feeders' channels, threads.

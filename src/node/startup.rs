@@ -60,6 +60,17 @@ fn workload_user_ready(
     Ok(u)
 }
 
+/// Runs the node until it shuts down; returns the exit code.
+pub fn run(settings: Settings) -> i32 {
+    match prepare(settings) {
+        Ok((node, signals)) => node.run(signals),
+        Err(e) => {
+            log::error!("{e}");
+            crate::error::Failure::exit(&e).code()
+        }
+    }
+}
+
 /// Start-up as a sequence of steps, each logging its line; the first that makes running
 /// pointless ends it with a [`StartupError`] (its exit code).
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {

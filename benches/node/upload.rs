@@ -645,8 +645,8 @@ fn single(
                 f64::NAN,
             );
         }
+        super::original::upload(broker, &sink.base(), c, &file, mib, RUNS);
     }
-    println!("Python original: not installed here (pip install cyberwave-cloud-node==<the original's version> to compare)");
 }
 
 /// 200 files of 64 KiB in one workload.
@@ -710,6 +710,7 @@ pub fn run(sizes_mib: &[u64]) {
     println!(
         "upload benchmark: sizes {sizes_mib:?} MiB, {RUNS} runs each (median), discard sink on loopback"
     );
+    super::original::say_if_not_run();
     println!(
         "{:<34} {:>10} {:>10} {:>9} {:>9}",
         "case", "busy s", "MiB/s", "CPU s", "RSS MiB"

@@ -24,6 +24,8 @@ use support::{Broker, ControlPlane};
 mod brokers;
 #[path = "node/fleet.rs"]
 mod fleet;
+#[path = "node/original.rs"]
+mod original;
 #[path = "node/start.rs"]
 mod start;
 #[path = "node/upload.rs"]
@@ -101,6 +103,9 @@ fn proc_stats(pid: i32) -> (u64, u64, f64) {
 fn main() {
     if std::env::args().nth(1).as_deref() == Some("__stamp") {
         return start::stamp(); // the start benchmark's workload
+    }
+    if std::env::args().nth(1).as_deref() == Some("__stamp_original") {
+        return original::stamp(); // the same, under the Python original
     }
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo test --benches` asks for a list; nothing to list

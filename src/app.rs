@@ -130,7 +130,7 @@ pub fn run(args: &[String]) -> i32 {
                 for w in &settings.manifest_warnings {
                     log::warn!("{w}");
                 }
-                crate::node::run(settings)
+                crate::node::startup::run(settings)
             }
         }
     }

@@ -119,7 +119,7 @@ impl Failure for EmitError {
     }
 }
 
-/// Why the node could not start (logged as one ERROR line by `node::run`).
+/// Why the node could not start (logged as one ERROR line by `node::startup::run`).
 #[derive(Debug, PartialEq)]
 pub enum StartupError {
     /// The configuration cannot work: no API token, an unusable TLS setting, … (exit 2).

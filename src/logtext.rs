@@ -100,6 +100,15 @@ fn escape_char(f: &mut impl Write, c: char) -> fmt::Result {
     }
 }
 
+/// " (N more like it held back)" for a throttled log line.
+pub fn held_note(held: u64) -> String {
+    if held == 0 {
+        String::new()
+    } else {
+        format!(" ({held} more like it in the last minute not logged)")
+    }
+}
+
 /// Lets a repeated error through once per [`Throttle::PERIOD`] (D28: a full disk is logged
 /// once a minute, not once per attempt). Returns how many were held back since the last one.
 #[derive(Debug, Default)]

@@ -29,10 +29,13 @@ pub fn run(sequential: usize) {
     println!(
         "start benchmark: {sequential} sequential starts; then {CONCURRENT} at once with every fsync {SLOW_FSYNC_MS} ms"
     );
-    sequential_starts(&broker, &cp, sequential, None);
-    sequential_starts(&broker, &cp, sequential.min(30), Some(SLOW_FSYNC_MS));
+    let mut original = super::original::Pool::start(&broker, &cp);
+    sequential_starts(&broker, &cp, sequential, None, original.as_mut());
+    if let Some(o) = original {
+        o.report();
+    }
+    sequential_starts(&broker, &cp, sequential.min(30), Some(SLOW_FSYNC_MS), None);
     concurrent_starts(&broker, &cp);
-    println!("Python original: not installed here (pip install cyberwave-cloud-node==<the original's version> to compare)");
 }
 
 /// `… __stamp`: the workload of the normal-disk case. Writes the wall clock (seconds since the
@@ -92,7 +95,14 @@ fn started_at(setup: &NodeSetup, rid: &str) -> Option<f64> {
 /// One start at a time: command → workload process started, and command → reply. With
 /// `CYBERWAVE_NODE_BIN_B` set (another build, e.g. the one before a change), a node of each runs
 /// side by side and the starts alternate between them, so both see the same machine load.
-fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Option<u64>) {
+/// `original`: the Python original's pool, one start of it per round (after the floor).
+fn sequential_starts(
+    broker: &Broker,
+    cp: &ControlPlane,
+    n: usize,
+    slow_ms: Option<u64>,
+    mut original: Option<&mut super::original::Pool>,
+) {
     let mut bins = vec![(String::new(), super::support::node_bin())];
     if let Some(b) = std::env::var_os("CYBERWAVE_NODE_BIN_B") {
         bins[0].0 = " A".into();
@@ -152,6 +162,9 @@ fn sequential_starts(broker: &Broker, cp: &ControlPlane, n: usize, slow_ms: Opti
         if slow_ms.is_none() && c + 1 == cases {
             if let Some(d) = floor_start(setup, &format!("floor{i}")) {
                 floor.push(d);
+            }
+            if let Some(o) = original.as_deref_mut() {
+                o.round(cp, i);
             }
         }
     }

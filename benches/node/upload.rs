@@ -5,6 +5,12 @@
 //! made with `openssl`), one thread per connection, 1 MiB reads, keep-alive, chunked or sized
 //! bodies; it counts bytes and answers 200. `curl -T` to the same sink is the reference, and the
 //! box's single-stream limit is measured by a raw TCP copy of the same bytes with 1 MiB sends.
+//! Beside it, the same copy with `sendfile(2)` (what a plain-HTTP upload could gain from it) and
+//! the box's **single-stream TLS limit**: a raw TLS copy through the same OpenSSL (native-tls),
+//! with a send per record (as every user-space TLS client sends) and with the records gathered
+//! into 256 KiB and 1 MiB sends, each with the sender's and the receiver's CPU seconds. The
+//! HTTPS sink reads through a 1 MiB buffer under its TLS, so its two reads a record are not the
+//! limit.
 //!
 //! For the node, the **busy window** is from the workload's exit (its last action writes the
 //! time) to its completion arriving at the fake backend: noticing the exit, asking for the signed
@@ -179,13 +185,12 @@ fn serve<S: Read + Write>(stream: S, count: &AtomicU64, rate: Option<u64>) {
 
 impl Sink {
     /// `rate`: bytes a second each connection is read at (None: as fast as they come).
-    fn start(tls: Option<native_tls::TlsAcceptor>, rate: Option<u64>) -> Sink {
+    fn start(tls: Option<Arc<native_tls::TlsAcceptor>>, rate: Option<u64>) -> Sink {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let bytes = Arc::new(AtomicU64::new(0));
         let count = bytes.clone();
         let is_tls = tls.is_some();
-        let tls = tls.map(Arc::new);
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let (count, tls) = (count.clone(), tls.clone());
@@ -193,7 +198,7 @@ impl Sink {
                     let _ = stream.set_nodelay(true);
                     match tls {
                         Some(acc) => {
-                            if let Ok(s) = acc.accept(stream) {
+                            if let Ok(s) = acc.accept(ReadBuffered::new(stream)) {
                                 serve(s, &count, rate);
                             }
                         }
@@ -322,6 +327,149 @@ fn raw_tcp(sink_port: u16, file: &Path) -> f64 {
     t0.elapsed().as_secs_f64()
 }
 
+/// A TCP stream whose reads go through a 1 MiB buffer, under the sink's TLS: OpenSSL reads
+/// each record's 5-byte header and then its body, two `read`s a 16 KiB record, which made the
+/// sink (not the sender) the limit of an HTTPS upload. Writes go straight through.
+#[derive(Debug)]
+struct ReadBuffered {
+    inner: BufReader<TcpStream>,
+}
+
+impl ReadBuffered {
+    fn new(s: TcpStream) -> ReadBuffered {
+        ReadBuffered {
+            inner: BufReader::with_capacity(MIB as usize, s),
+        }
+    }
+}
+
+impl Read for ReadBuffered {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl Write for ReadBuffered {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.get_mut().write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.get_mut().flush()
+    }
+}
+
+/// A TCP stream whose writes gather in a buffer of `cap` bytes (0: none), under a sender's TLS:
+/// the records of a 1 MiB write leave in one `send` instead of one each. A read flushes first
+/// (the handshake), and so does the end of the body.
+#[derive(Debug)]
+struct WriteBuffered(std::io::BufWriter<TcpStream>);
+
+impl Read for WriteBuffered {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.flush()?;
+        self.0.get_mut().read(buf)
+    }
+}
+
+impl Write for WriteBuffered {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+/// CPU seconds of the calling thread.
+fn thread_cpu() -> f64 {
+    // SAFETY: a timespec we own, filled by the kernel.
+    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid clock id and out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
+/// The box's single-stream TLS limit: the file over one TLS connection (the same OpenSSL
+/// through native-tls, the sink's certificate), 1 MiB writes, to a reader that drops what it
+/// decrypts: (seconds, sender's CPU seconds, receiver's CPU seconds).
+fn raw_tls(
+    acceptor: &Arc<native_tls::TlsAcceptor>,
+    cert: &Path,
+    file: &Path,
+    wbuf: usize,
+) -> (f64, f64, f64) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let acc = acceptor.clone();
+    let reader = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let mut s = acc.accept(ReadBuffered::new(s)).unwrap();
+        let c0 = thread_cpu();
+        let mut buf = vec![0u8; MIB as usize];
+        while s.read(&mut buf).unwrap_or(0) > 0 {}
+        thread_cpu() - c0
+    });
+    let ca = native_tls::Certificate::from_pem(&std::fs::read(cert).unwrap()).unwrap();
+    let connector = native_tls::TlsConnector::builder()
+        .add_root_certificate(ca)
+        .build()
+        .unwrap();
+    let tcp = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut s = connector
+        .connect(
+            "127.0.0.1",
+            WriteBuffered(std::io::BufWriter::with_capacity(wbuf, tcp)),
+        )
+        .unwrap();
+    let mut f = std::fs::File::open(file).unwrap();
+    let mut buf = vec![0u8; MIB as usize];
+    let (t0, c0) = (Instant::now(), thread_cpu());
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        s.write_all(&buf[..n]).unwrap();
+    }
+    s.flush().unwrap();
+    let _ = s.shutdown();
+    drop(s);
+    let sender = thread_cpu() - c0;
+    let receiver = reader.join().unwrap();
+    (t0.elapsed().as_secs_f64(), sender, receiver)
+}
+
+/// The file over one raw TCP connection with `sendfile(2)`: no copy through user space
+/// (what a plain-HTTP upload could gain from it): (seconds, sender's CPU seconds).
+fn raw_sendfile(file: &Path) -> (f64, f64) {
+    use std::os::fd::AsRawFd;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = vec![0u8; MIB as usize];
+        while s.read(&mut buf).unwrap_or(0) > 0 {}
+    });
+    let f = std::fs::File::open(file).unwrap();
+    let len = f.metadata().unwrap().len();
+    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let (t0, c0) = (Instant::now(), thread_cpu());
+    let mut sent: u64 = 0;
+    while sent < len {
+        let want = (len - sent).min(1 << 30) as usize;
+        // SAFETY: two descriptors we own; a null offset uses (and moves) the file's position.
+        let n = unsafe { libc::sendfile(s.as_raw_fd(), f.as_raw_fd(), std::ptr::null_mut(), want) };
+        if n <= 0 {
+            break;
+        }
+        sent += n as u64;
+    }
+    let cpu = thread_cpu() - c0;
+    drop(s);
+    reader.join().unwrap();
+    (t0.elapsed().as_secs_f64(), cpu)
+}
+
 struct NodeRun {
     busy: Vec<f64>,
     cpu: f64,
@@ -429,12 +577,39 @@ fn node_row(name: &str, runs: &[NodeRun], mib: f64) {
 
 /// One `mib` MiB file on one stream: the raw TCP limit, then the node (signed-URL PUT and
 /// multipart POST) and curl, over plain HTTP and over TLS.
-fn single(broker: &Broker, http: &Sink, https: &Sink, cert: &Path, file: &Path, mib: u64) {
+fn single(
+    broker: &Broker,
+    (http, https): (&Sink, &Sink),
+    (cert, acceptor): (&Path, &Arc<native_tls::TlsAcceptor>),
+    file: &Path,
+    mib: u64,
+) {
     let limit = median((0..RUNS).map(|_| raw_tcp(http.port, file)).collect());
     println!(
         "-- {mib} MiB: single-stream limit (raw TCP, 1 MiB sends) {:.0} MiB/s",
         mib as f64 / limit
     );
+    let sf: Vec<(f64, f64)> = (0..RUNS).map(|_| raw_sendfile(file)).collect();
+    println!(
+        "   raw TCP with sendfile(2): {:.0} MiB/s, sender CPU {:.2} s",
+        mib as f64 / median(sf.iter().map(|r| r.0).collect()),
+        median(sf.iter().map(|r| r.1).collect())
+    );
+    for (wbuf, how) in [
+        (0, "a send per record"),
+        (256 * 1024, "records gathered into 256 KiB sends"),
+        (MIB as usize, "records gathered into 1 MiB sends"),
+    ] {
+        let tls: Vec<(f64, f64, f64)> = (0..RUNS)
+            .map(|_| raw_tls(acceptor, cert, file, wbuf))
+            .collect();
+        println!(
+            "   single-stream TLS limit (raw TLS, same OpenSSL, {how}): {:.0} MiB/s, sender CPU {:.2} s, receiver CPU {:.2} s",
+            mib as f64 / median(tls.iter().map(|r| r.0).collect()),
+            median(tls.iter().map(|r| r.1).collect()),
+            median(tls.iter().map(|r| r.2).collect())
+        );
+    }
     let file = file.to_path_buf();
     for (label, sink, c) in [("http", http, None), ("https", https, Some(cert))] {
         for multipart in [false, true] {
@@ -470,8 +645,8 @@ fn single(broker: &Broker, http: &Sink, https: &Sink, cert: &Path, file: &Path, 
                 f64::NAN,
             );
         }
+        super::original::upload(broker, &sink.base(), c, &file, mib, RUNS);
     }
-    println!("Python original: not installed here (pip install cyberwave-cloud-node==<the original's version> to compare)");
 }
 
 /// 200 files of 64 KiB in one workload.
@@ -523,6 +698,7 @@ pub fn run(sizes_mib: &[u64]) {
     let broker = Broker::start();
     let data = TempDir::new("upload-bench");
     let (cert, acceptor) = tls_acceptor(data.path());
+    let acceptor = Arc::new(acceptor);
     let cases = std::env::var("CYBERWAVE_BENCH_CASES").ok();
     let case = |c: &str| {
         cases
@@ -530,10 +706,11 @@ pub fn run(sizes_mib: &[u64]) {
             .is_none_or(|l| l.split(',').any(|x| x.trim() == c))
     };
     let http = Sink::start(None, None);
-    let https = Sink::start(Some(acceptor), None);
+    let https = Sink::start(Some(acceptor.clone()), None);
     println!(
         "upload benchmark: sizes {sizes_mib:?} MiB, {RUNS} runs each (median), discard sink on loopback"
     );
+    super::original::say_if_not_run();
     println!(
         "{:<34} {:>10} {:>10} {:>9} {:>9}",
         "case", "busy s", "MiB/s", "CPU s", "RSS MiB"
@@ -541,7 +718,7 @@ pub fn run(sizes_mib: &[u64]) {
     for &mib in sizes_mib.iter().filter(|_| case("single")) {
         let file = data.join(&format!("result-{mib}.bin"));
         make_file(&file, mib);
-        single(&broker, &http, &https, &cert, &file, mib);
+        single(&broker, (&http, &https), (&cert, &acceptor), &file, mib);
     }
     // Two workloads ending together, each with the smallest size; and one with 200 small files.
     let mib = sizes_mib.iter().copied().min().unwrap_or(256);

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::gpus::{GpuRefusal, Gpus, Holders};
-use super::operate::{Busy, BUSY_PREFIX};
+use super::parts::{Busy, BUSY_PREFIX};
 use crate::ledger::Ledger;
 use crate::protocol::commands::{Kind, Seconds};
 

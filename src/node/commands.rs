@@ -1,162 +1,203 @@
 //! Commands from the backend (`status`, `start`, `cancel`, `received`) and their replies, and
-//! requests on the local control socket (`emit`, `drain`, `resume`, `status`).
+//! requests on the local control socket (`emit`, `drain`, `resume`, `status`): a command read
+//! and checked ([`accept`]), then answered (the status answers: [`View`], the parts they read)
+//! or handed to the start path ([`Start`]) or to [`cancel`].
 
 use serde_json::{json, Value};
 
-use super::{gpus, Node};
-use crate::protocol::commands::{Command, Kind, Received, StartParams};
+use super::cancel;
+use super::gpus::{self, Gpus};
+use super::io::Io;
+use super::parts::{Life, Op};
+use super::session::Session;
+use super::starts::Starts;
+use super::starts_out::Start;
+use super::table::Table;
+use super::workloads::Work;
+use crate::config::Settings;
+use crate::outbox::Outbox;
+use crate::protocol::commands::{Command, Received, RequestId, StartParams};
 use crate::protocol::messages::{self, Incoming};
 use crate::util;
 
-impl Node {
-    // ---- commands -------------------------------------------------------------------------------
+/// A command as the dispatch gets it.
+pub(super) enum Accepted {
+    /// An echo, or unreadable without a request id: nothing to answer.
+    Nothing,
+    /// Refused: the error reply, and R7 `failed` when the backend named the workload.
+    Refused {
+        rid: Value,
+        reason: String,
+        failed: Option<(String, Value)>,
+    },
+    Run(RequestId, Command),
+}
 
-    pub(super) fn on_command(&mut self, payload: &[u8]) {
-        let (request_id, command) = match messages::parse_command(payload) {
-            Incoming::Echo => return,
-            Incoming::Invalid {
-                request_id: Some(rid),
+/// Reads and checks a command: a start is refused by its own guard, as a retryable "host busy"
+/// (D21); anything else is refused while the node shuts down.
+pub(super) fn accept(payload: &[u8], shutting_down: bool) -> Accepted {
+    let (request_id, command) = match messages::parse_command(payload) {
+        Incoming::Echo => return Accepted::Nothing,
+        Incoming::Invalid {
+            request_id: Some(rid),
+            reason,
+            workload_uuid,
+        } => {
+            log::warn!(
+                "refused a command (request {}): {}",
+                crate::logtext::shown(&messages::request_id_text(&rid)),
+                crate::logtext::shown(&reason)
+            );
+            let failed = workload_uuid.map(|wl| {
+                let body = json!({"status": "failed", "error": reason, "failure_detail": reason});
+                (wl.as_str().to_string(), body)
+            });
+            return Accepted::Refused {
+                rid,
                 reason,
-                workload_uuid,
-            } => {
-                log::warn!(
-                    "refused a command (request {}): {}",
-                    crate::logtext::shown(&messages::request_id_text(&rid)),
-                    crate::logtext::shown(&reason)
-                );
-                if let Some(wl) = workload_uuid {
-                    let body =
-                        json!({"status": "failed", "error": reason, "failure_detail": reason});
-                    self.workload_status(wl.as_str(), body);
-                }
-                return self.reply_error(&rid, &reason);
-            }
-            Incoming::Invalid {
-                request_id: None,
-                reason,
-                ..
-            } => {
-                log::warn!(
-                    "ignored a command without a readable request id: {}",
-                    crate::logtext::shown(&reason)
-                );
-                return;
-            }
-            Incoming::Command {
-                request_id,
-                command,
-            } => (request_id, command),
-        };
-        log::info!(
-            "command {} (request {})",
-            command.name(),
-            crate::logtext::shown(&request_id.text())
-        );
-        let rid = request_id.value();
-        // A start is refused by its own guard, as a retryable "host busy" (D21).
-        let start = matches!(
+                failed,
+            };
+        }
+        Incoming::Invalid {
+            request_id: None,
+            reason,
+            ..
+        } => {
+            log::warn!(
+                "ignored a command without a readable request id: {}",
+                crate::logtext::shown(&reason)
+            );
+            return Accepted::Nothing;
+        }
+        Incoming::Command {
+            request_id,
             command,
-            Command::Start(..) | Command::Received(Received::Start(..))
-        );
-        if self.life.shutdown.is_some() && !start {
-            return self.reply_error(rid, "node is shutting down and not accepting new commands");
-        }
-        match command {
-            Command::Status => {
-                let out = self.status_output();
-                self.reply_ok(rid, out);
-            }
-            Command::Start(kind, params) => self.on_start(kind, rid, params),
-            Command::Cancel(params) => self.cancel(&request_id, params),
-            Command::Received(Received::Start(kind, params)) => self.on_start(kind, rid, params),
-            Command::Received(Received::Ack(uuid)) => {
-                let shown = uuid.as_ref().map_or("None", |u| u.as_str());
-                self.reply_ok(
-                    rid,
-                    json!({"message": format!("Workload {shown} received and acknowledged")}),
-                );
-            }
-        }
+        } => (request_id, command),
+    };
+    log::info!(
+        "command {} (request {})",
+        command.name(),
+        crate::logtext::shown(&request_id.text())
+    );
+    let start = matches!(
+        command,
+        Command::Start(..) | Command::Received(Received::Start(..))
+    );
+    if shutting_down && !start {
+        return Accepted::Refused {
+            rid: request_id.value().clone(),
+            reason: "node is shutting down and not accepting new commands".into(),
+            failed: None,
+        };
     }
+    Accepted::Run(request_id, command)
+}
 
-    pub(super) fn on_start(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
-        if let (Some(mine), Some(theirs)) = (&self.s.environment_uuid, &params.environment_uuid) {
-            if mine.value != theirs.as_str() {
-                return self.reply_error(
-                    request_id,
-                    &format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value),
-                );
-            }
-        }
-        self.start_workload(kind, request_id, params);
-    }
+/// A start for another environment than the one this node is reserved for: the refusal.
+pub(super) fn wrong_environment(s: &Settings, params: &StartParams) -> Option<String> {
+    let (Some(mine), Some(theirs)) = (&s.environment_uuid, &params.environment_uuid) else {
+        return None;
+    };
+    (mine.value != theirs.as_str()).then(|| format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value))
+}
 
-    pub(super) fn status_output(&self) -> Value {
+/// What the status answers read of the node, borrowed for one answer.
+pub(super) struct View<'a> {
+    pub(super) s: &'a Settings,
+    pub(super) session: &'a Session<Op>,
+    pub(super) io: &'a Io,
+    pub(super) life: &'a Life,
+    pub(super) active: &'a Table,
+    pub(super) starts: &'a Starts,
+    pub(super) gpu: &'a Gpus,
+    pub(super) outbox: &'a Outbox,
+    /// The ingress queue.
+    pub(super) events: &'a Outbox,
+}
+
+impl View<'_> {
+    /// The `status` command's output.
+    pub(super) fn status(&self) -> Value {
         let mut out = json!({
-            "slug": self.slug(),
-            "instance_uuid": self.uuid(),
+            "slug": self.session.slug(),
+            "instance_uuid": self.session.uuid(),
             "profile_slug": self.s.profile_slug.value,
             "has_inference": self.s.inference.is_some(),
             "has_simulate": self.s.simulate.is_some(),
             "has_training": self.s.training.is_some(),
                         "is_busy": self.active.len() >= self.s.max_concurrent_workloads.value as usize,
-            "active_workloads": self.active_workloads_json(),
+            "active_workloads": self.active_json(),
                         "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
             "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
             "draining": self.life.drain.on,
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
         });
-        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
+        if let Some(g) = self
+            .gpu
+            .status(&super::gpus_out::holds_of(self.active, self.starts))
+        {
             gpus::put(&mut out, "gpus", g);
         }
         self.add_starting(&mut out, "active_workloads");
         out
     }
 
-    pub(super) fn reply_ok(&self, request_id: &Value, output: Value) {
-        self.publish_reply(true, request_id, output);
+    fn active_json(&self) -> Value {
+        let now = crate::workload::unix_now();
+        Value::Array(
+            self.active
+                .values()
+                .map(|a| {
+                    super::gpus_out::with_gpus(
+                        json!({
+                            "pid": a.meta.pid(),
+                            "type": a.meta.kind,
+                            "request_id": a.meta.request_id,
+                            "workload_uuid": a.meta.workload_uuid,
+                            "running_for_seconds": (now - a.meta.created_unix).max(0.0) as u64,
+                            "state": a.state(),
+                        }),
+                        &a.meta,
+                    )
+                })
+                .collect(),
+        )
     }
 
-    pub(super) fn reply_error(&self, request_id: &Value, error: &str) {
-        self.publish_reply(false, request_id, json!(error));
-    }
-
-    pub(super) fn publish_reply(&self, ok: bool, request_id: &Value, body: Value) {
-        let payload = messages::reply(ok, request_id, self.slug(), self.uuid(), body);
-        let topic = self.io.topics.reply(self.uuid());
-        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
-        self.io
-            .mqtt
-            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
-    }
-
-    // ---- the control socket ---------------------------------------------------------------------
-
-    pub(super) fn on_control(&mut self, req: crate::control::Request) {
-        let Some(req) = self.hold_for_start(req) else {
-            return;
-        };
-        let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
-        let reply = match op {
-            "emit" => self.on_emit(&req.body),
-            "drain" | "resume" => {
-                self.set_draining(op == "drain", "asked on the control socket");
-                json!({"ok": true, "draining": self.life.drain.on, "active_workloads": self.in_use()})
+    /// The starts in flight in a `status` reply: each in `active_workloads` with state
+    /// `starting`, and counted in `is_busy`.
+    fn add_starting(&self, out: &mut Value, key: &str) {
+        let now = crate::workload::unix_now();
+        if let Some(list) = out.get_mut(key).and_then(Value::as_array_mut) {
+            for st in self.starts.iter().map(|(_, s)| s) {
+                let mut w = json!({
+                    "pid": 0,
+                    "type": st.kind.as_str(),
+                    "request_id": st.request_id,
+                    "workload_uuid": st.workload_uuid,
+                    "running_for_seconds": (now - st.created_unix).max(0.0) as u64,
+                    "state": "starting",
+                });
+                if let Some(g) = &st.gpus {
+                    super::gpus::put(&mut w, "gpus", json!(g));
+                }
+                list.push(w);
             }
-            "status" => json!({"ok": true, "status": self.local_status()}),
-            other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
-        };
-        let _ = req.reply.send(reply);
+        }
+        if let Some(busy) = out.get_mut("is_busy") {
+            let used = self.active.len().saturating_add(self.starts.len());
+            *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
+        }
     }
 
     /// What `cyberwave-cloud-node status` shows about a running node.
-    pub(super) fn local_status(&self) -> Value {
+    pub(super) fn local(&self) -> Value {
         let mut out = json!({
             "running": true,
             "pid": std::process::id(),
-            "instance_uuid": self.uuid(),
-            "slug": self.slug(),
+            "instance_uuid": self.session.uuid(),
+            "slug": self.session.slug(),
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "broker": self.io.mqtt.endpoint(),
             "connected": self.session.connected(),
@@ -165,7 +206,7 @@ impl Node {
                         "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
             "draining": self.life.drain.on,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| crate::node::with_gpus(json!({
+            "workloads": self.active.values().map(|a| super::gpus_out::with_gpus(json!({
                 "pid": a.meta.pid(),
                 "type": a.meta.kind,
                 "request_id": a.meta.request_id,
@@ -175,13 +216,93 @@ impl Node {
                 "stdout_log": a.meta.stdout_log,
                 "stderr_log": a.meta.stderr_log,
             }), &a.meta)).collect::<Vec<_>>(),
-            "outbox": self.durable.outbox.len(),
-            "ingress_queue": self.ingress.queue.len(),
+            "outbox": self.outbox.len(),
+            "ingress_queue": self.events.len(),
         });
-        if let Some(g) = self.gpu.status(&self.gpu_holds()) {
+        if let Some(g) = self
+            .gpu
+            .status(&super::gpus_out::holds_of(self.active, self.starts))
+        {
             gpus::put(&mut out, "gpus", g);
         }
         self.add_starting(&mut out, "workloads");
         out
     }
+}
+
+impl<'a> View<'a> {
+    /// The status answers' view of a workload's parts.
+    pub(super) fn of(w: &'a Work<'_>) -> View<'a> {
+        View {
+            s: w.s,
+            session: w.session,
+            io: w.io,
+            life: w.life,
+            active: w.active,
+            starts: w.starts,
+            gpu: w.gpu,
+            outbox: w.outbox,
+            events: &w.ingress.queue,
+        }
+    }
+}
+
+/// A command from the backend: read and checked, then answered or carried out.
+pub(super) fn on_command(st: &mut Start<'_>, payload: &[u8]) {
+    let (request_id, command) = match accept(payload, st.work.life.shutdown.is_some()) {
+        Accepted::Nothing => return,
+        Accepted::Refused {
+            rid,
+            reason,
+            failed,
+        } => {
+            if let Some((wl, body)) = failed {
+                st.work.workload_status(&wl, body);
+            }
+            return st.work.replies().error(&rid, &reason);
+        }
+        Accepted::Run(request_id, command) => (request_id, command),
+    };
+    let rid = request_id.value();
+    match command {
+        Command::Status => {
+            let status = View::of(&st.work).status();
+            st.work.replies().ok(rid, status);
+        }
+        Command::Start(kind, params) | Command::Received(Received::Start(kind, params)) => {
+            match wrong_environment(st.work.s, &params) {
+                Some(why) => st.work.replies().error(rid, &why),
+                None => st.start_workload(kind, rid, params),
+            }
+        }
+        Command::Cancel(params) => cancel::cancel(st.ledger, &mut st.work, &request_id, params),
+        Command::Received(Received::Ack(uuid)) => {
+            let shown = uuid.as_ref().map_or("None", |u| u.as_str());
+            st.work.replies().ok(
+                rid,
+                json!({"message": format!("Workload {shown} received and acknowledged")}),
+            );
+        }
+    }
+}
+
+/// A request on the local control socket (`emit`, `drain`, `resume`, `status`).
+pub(super) fn on_control(w: &mut Work<'_>, req: crate::control::Request) {
+    let Some(req) = w.starts.hold_for_start(req) else {
+        return;
+    };
+    let op = req.body.get("op").and_then(Value::as_str).unwrap_or("");
+    let reply = match op {
+        "emit" => w.on_emit(&req.body),
+        "drain" | "resume" => {
+            let in_use = w.in_use();
+            w.life
+                .drain
+                .set(op == "drain", "asked on the control socket", in_use);
+            json!({"ok": true, "draining": w.life.drain.on, "active_workloads": in_use})
+        }
+        "status" => json!({"ok": true, "status": View::of(w).local()}),
+        other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
+    };
+    let _ = req.reply.send(reply);
 }

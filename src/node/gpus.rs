@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::operate::{Busy, BUSY_PREFIX};
+use super::parts::{Busy, BUSY_PREFIX};
 use crate::gpu::{Gpu, Snapshot, Usage};
 
 /// What the node knows about its GPUs.

@@ -5,10 +5,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::gpus::{put, Hold, Outbound};
+use super::gpus::{put, Gpus, Hold, Outbound};
 use super::starts::Starts;
 use super::table::Table;
-use super::Node;
 use crate::gpu::{self, Monitor};
 
 /// The GPU part's [`Outbound`] on the monitor thread (none when it could not start).
@@ -48,23 +47,25 @@ pub(super) fn holds_of<'a>(active: &'a Table, starts: &'a Starts) -> Vec<Hold<'a
     running.chain(starting).collect()
 }
 
-impl Node {
-    /// What the GPU part sees of the workloads: tracked ones and starts in flight.
-    pub(super) fn gpu_holds(&self) -> Vec<Hold<'_>> {
-        holds_of(&self.active, &self.starts)
-    }
+/// A GPU snapshot from the monitor thread, seen against the workloads' holds.
+pub(super) fn on_snapshot(
+    gpu: &mut Gpus,
+    active: &Table,
+    starts: &Starts,
+    monitor: Option<&Monitor>,
+    s: gpu::Snapshot,
+) {
+    gpu.on_snapshot(s, &holds_of(active, starts), &Wire(monitor));
+}
 
-    pub(super) fn on_gpu_snapshot(&mut self, s: crate::gpu::Snapshot) {
-        let holds = holds_of(&self.active, &self.starts);
-        let wire = Wire(self.io.gpu_monitor.as_ref());
-        self.gpu.on_snapshot(s, &holds, &wire);
-    }
-
-    /// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
-    pub(super) fn gpu_update_sampling(&self) {
-        let wire = Wire(self.io.gpu_monitor.as_ref());
-        self.gpu.update_sampling(&self.gpu_holds(), &wire);
-    }
+/// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
+pub(super) fn update_sampling(
+    gpu: &Gpus,
+    active: &Table,
+    starts: &Starts,
+    monitor: Option<&Monitor>,
+) {
+    gpu.update_sampling(&holds_of(active, starts), &Wire(monitor));
 }
 
 /// A workload's status entry, with its GPUs when it has an assignment.

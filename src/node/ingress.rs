@@ -86,7 +86,7 @@ impl Ingress {
             if let Some(held) = out.disk_error_due() {
                 log::error!(
                     "cannot write a workflow event to disk ({e}); it is kept in memory and sent anyway{}",
-                    super::workloads::held_note(held)
+                    crate::logtext::held_note(held)
                 );
             }
         }
@@ -129,7 +129,7 @@ impl Ingress {
     /// line at once (`permanent`) or after [`crate::outbox::MAX_REFUSALS`] refusals, so that
     /// the events queued behind it are not held up for ever.
     fn refused(&mut self, seq: u64, why: &str, permanent: bool, now: Instant) {
-        super::refused_in(&mut self.queue, seq, why, permanent, now, "workflow event");
+        super::parts::refused_in(&mut self.queue, seq, why, permanent, now, "workflow event");
     }
 
     pub fn on_ack(&mut self, (seq, acked): Acked, out: &mut dyn Outbound) {
@@ -295,31 +295,13 @@ fn base_fields(ctx: &WorkflowCtx, status: &str) -> Map<String, Value> {
     f
 }
 
-impl super::Node {
-    /// Runs `f` on the ingress part with its [`Wire`].
-    pub(super) fn with_ingress<R>(
-        &mut self,
-        f: impl FnOnce(&mut Ingress, &mut dyn Outbound) -> R,
-    ) -> R {
-        let mut wire = Wire {
-            connected: self.session.connected(),
-            now: self.io.clock.now(),
-            io: &self.io,
-            disk_errors: &mut self.timers.throttle.disk,
-        };
-        f(&mut self.ingress, &mut wire)
-    }
-
-    /// `emit` from a workload, through the control socket: its owner found by its token.
-    pub(super) fn on_emit(&mut self, body: &Value) -> Value {
-        let token = body.get("token").and_then(Value::as_str).unwrap_or("");
-        let owner = self
-            .active
-            .values()
-            .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
-            .map(|a| a.meta.clone());
-        self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
-    }
+/// The workload an `emit` on the control socket comes from, found by its token.
+pub(super) fn owner_of(active: &super::table::Table, body: &Value) -> Option<Meta> {
+    let token = body.get("token").and_then(Value::as_str).unwrap_or("");
+    active
+        .values()
+        .find(|a| !token.is_empty() && crate::util::same_secret(&a.meta.event_token, token))
+        .map(|a| a.meta.clone())
 }
 
 #[cfg(test)]

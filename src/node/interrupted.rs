@@ -68,7 +68,7 @@ pub enum Answer {
 pub fn interrupted_text(kind: &str) -> String {
     format!(
         "{} a restart: the start of this {kind} was interrupted by a node restart before its workload ran; nothing runs for it, retry it",
-        super::operate::BUSY_PREFIX
+        super::parts::BUSY_PREFIX
     )
 }
 
@@ -158,81 +158,46 @@ fn safe_id_of(name: &str) -> Option<&str> {
     ok.then_some(id)
 }
 
-impl super::Node {
-    /// At recovery: the answer of every start taken and not answered before the restart,
-    /// `started` (with its `ok` output) or not (`never`), recorded in the ledger and kept for
-    /// [`Node::answer_interrupted_starts`].
-    ///
-    /// [`Node::answer_interrupted_starts`]: super::Node::answer_interrupted_starts
-    pub(super) fn settle_interrupted(
-        &mut self,
-        started: Vec<(String, Taken, Value)>,
-        never: std::collections::BTreeMap<String, Taken>,
-    ) {
-        let all = started
-            .into_iter()
-            .map(|(id, t, out)| (id, t, Some(out)))
-            .chain(never.into_iter().map(|(id, t)| (id, t, None)));
-        for (safe_id, taken, out) in all {
-            let rid = request_id_text(&taken.request_id);
-            let recorded = (!rid.is_empty())
-                .then(|| self.durable.ledger.get(&rid).cloned())
-                .flatten();
-            let a = answer(recorded.as_ref(), out, &taken.kind);
-            if recorded.is_none() && !rid.is_empty() {
-                // Before it is sent: a redelivery gets the same answer and spawns nothing.
-                match &a {
-                    Answer::Started(out) => self.durable.ledger.record(&rid, true, out.clone()),
-                    Answer::NeverStarted(why) => {
-                        self.durable.ledger.record(&rid, false, json!(why))
-                    }
-                }
+/// At recovery: the answer of every start taken and not answered before the restart,
+/// `started` (with its `ok` output) or not (`never`), recorded in the ledger and kept for
+/// the loop to send once registered.
+pub(super) fn settle(
+    ledger: &mut ledger::Ledger,
+    interrupted: &mut Vec<(String, Taken, Answer)>,
+    started: Vec<(String, Taken, Value)>,
+    never: std::collections::BTreeMap<String, Taken>,
+) {
+    let all = started
+        .into_iter()
+        .map(|(id, t, out)| (id, t, Some(out)))
+        .chain(never.into_iter().map(|(id, t)| (id, t, None)));
+    for (safe_id, taken, out) in all {
+        let rid = request_id_text(&taken.request_id);
+        let recorded = (!rid.is_empty())
+            .then(|| ledger.get(&rid).cloned())
+            .flatten();
+        let a = answer(recorded.as_ref(), out, &taken.kind);
+        if recorded.is_none() && !rid.is_empty() {
+            // Before it is sent: a redelivery gets the same answer and spawns nothing.
+            match &a {
+                Answer::Started(out) => ledger.record(&rid, true, out.clone()),
+                Answer::NeverStarted(why) => ledger.record(&rid, false, json!(why)),
             }
-            log::warn!(
-                "the start of {} {} was interrupted by the node's restart before it was answered; {}",
-                taken.kind,
-                shown(&rid),
-                match &a {
-                    Answer::Started(_) => "its workload started: it gets its answer once the node is registered",
-                    Answer::NeverStarted(_) => "it never started: it is refused (retryable) once the node is registered",
-                }
-            );
-            self.starts.interrupted.push((safe_id, taken, a));
         }
-        self.starts
-            .interrupted
-            .sort_by(|a, b| a.1.taken_unix.total_cmp(&b.1.taken_unix));
-    }
-
-    /// Once registered: every interrupted start gets its answer (D53), and its note goes.
-    pub(super) fn answer_interrupted_starts(&mut self) {
-        for (safe_id, taken, a) in std::mem::take(&mut self.starts.interrupted) {
-            match a {
-                Answer::Started(out) => {
-                    self.reply_ok(&taken.request_id, out);
-                    let pid = self
-                        .active
-                        .get(&safe_id)
-                        .filter(|a| !a.finished())
-                        .map(|a| a.meta.pid());
-                    if let (Some(pid), Some(wl)) = (pid, &taken.workload_uuid) {
-                        let body = json!({"status": "running", "message": format!("{} started in background", taken.kind), "pid": pid});
-                        self.workload_status(wl, body);
-                    }
-                }
-                Answer::NeverStarted(why) => {
-                    let why = super::admit::RejectReason::Recorded(why);
-                    self.reject_start(
-                        &taken.request_id,
-                        taken.workload_uuid.as_deref(),
-                        &why,
-                        None,
-                    );
-                }
+        log::warn!(
+            "the start of {} {} was interrupted by the node's restart before it was answered; {}",
+            taken.kind,
+            shown(&rid),
+            match &a {
+                Answer::Started(_) =>
+                    "its workload started: it gets its answer once the node is registered",
+                Answer::NeverStarted(_) =>
+                    "it never started: it is refused (retryable) once the node is registered",
             }
-            forget(&self.io.layout, &safe_id);
-        }
+        );
+        interrupted.push((safe_id, taken, a));
     }
+    interrupted.sort_by(|a, b| a.1.taken_unix.total_cmp(&b.1.taken_unix));
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The loop's I/O handles as one value: the MQTT client and its naming, the feeders' channels
 //! (broker events, reaped pids, spawn outcomes, log growth, worker results, acknowledgements,
 //! control-socket requests, GPU snapshots) and the threads the loop sends work to (tailer,
-//! workers, the ack thread, the GPU monitor). The parts never see it: each reaches the world
+//! workers, the ack thread, the GPU monitor), and the replies to the backend's commands
+//! published on them ([`Replies`]). The parts never see it: each reaches the world
 //! through its own `Outbound`, which the loop builds from these handles (one adapter pattern:
 //! a struct that borrows the handles it needs for the length of one call).
 
@@ -12,12 +13,17 @@ use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 
+use serde_json::{json, Value};
+
+use super::parts::Op;
+use super::session::Session;
 use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::store::CLIENT_ID_CONFLICT;
 use crate::workload::Layout;
 
 use crate::mqtt::{Mqtt, MqttEvent};
+use crate::protocol::messages;
 use crate::protocol::topics::Topics;
 use crate::workers::{Done, Workers};
 use crate::workload::reaper::Reaped;
@@ -52,7 +58,7 @@ pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)>
 
 pub struct Io {
     /// Time, injected so timers can be driven in tests without sleeping.
-    pub clock: Box<dyn super::Clock>,
+    pub clock: Box<dyn super::parts::Clock>,
     /// The state dir's layout.
     pub layout: Layout,
     pub mqtt: Mqtt,
@@ -61,7 +67,6 @@ pub struct Io {
     /// The node token every request carries.
     pub token: String,
     pub reaped: Receiver<Reaped>,
-    pub spawned: Receiver<crate::workload::spawner::Outcome>,
     pub tailer: Tailer,
     pub chunks: Receiver<TailEvent>,
     pub workers: Workers,
@@ -141,5 +146,40 @@ impl super::session::Outbound for Wire<'_> {
     }
     fn notify(&mut self, state: &str) {
         crate::systemd::notify(state);
+    }
+}
+
+/// Replies to the backend's commands, on the node's MQTT client and under its session's names.
+pub(super) struct Replies<'a> {
+    pub(super) io: &'a Io,
+    pub(super) session: &'a Session<Op>,
+}
+
+impl Replies<'_> {
+    pub(super) fn ok(&self, request_id: &Value, output: Value) {
+        self.publish(true, request_id, output);
+    }
+
+    pub(super) fn error(&self, request_id: &Value, error: &str) {
+        self.publish(false, request_id, json!(error));
+    }
+
+    /// The answer a request had before, again (the ledger's `ok` output or `error` text).
+    pub(super) fn replay(&self, request_id: &Value, ok: bool, body: Value) {
+        if ok {
+            self.ok(request_id, body)
+        } else {
+            self.error(request_id, body.as_str().unwrap_or(""))
+        }
+    }
+
+    fn publish(&self, ok: bool, request_id: &Value, body: Value) {
+        let (slug, uuid) = (self.session.slug(), self.session.uuid());
+        let payload = messages::reply(ok, request_id, slug, uuid, body);
+        let topic = self.io.topics.reply(uuid);
+        // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
+        self.io
+            .mqtt
+            .publish(&topic, payload, 1, paho_mqtt::Properties::new());
     }
 }

@@ -1,9 +1,9 @@
 //! The node: start-up (install script → token check → MQTT), then one event loop on the main
 //! thread that owns every piece of state and selects over the feeders' channels. Nothing in the
 //! loop waits on the network: requests are published and their replies (or deadlines) come
-//! back as events. The loop sleeps until the next real deadline ([`Node::next_wake`]): an idle
-//! node wakes for its heartbeat and little else; while workloads run it wakes at least every
-//! [`BUSY_TICK`].
+//! back as events. The loop sleeps until the next real deadline ([`timers::next_wake`]). Each
+//! event goes to its handler with the parts it touches, borrowed apart from the node: a
+//! workload's ([`Work`]) or the start path's ([`Start`]).
 
 mod admit;
 mod cancel;
@@ -18,9 +18,10 @@ pub mod operate;
 mod parts;
 mod selfheal;
 mod session;
-mod session_out;
+mod session_in;
 mod shutdown;
 mod starts;
+mod starts_out;
 pub mod startup;
 pub mod streams;
 mod streams_out;
@@ -30,56 +31,22 @@ mod timers;
 mod uploads;
 mod workloads;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{select, Receiver};
 
-// Exit codes are chosen in `error.rs` alone (the binary's edge, `app.rs`, is not imported here).
-const EXIT_OK: i32 = crate::error::Exit::Ok.code();
-const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
-const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
 use crate::config::Settings;
 use crate::signals::Signal;
-use gpus_out::with_gpus;
-use io::Wire;
-use parts::{Drain, Durable, Life, Op};
+use crate::workers::Done;
+use parts::{Durable, Life, Op, Timers, EXIT_RUNTIME};
 use session::Session;
-use session_out::refused_in;
-use timers::{Due, Throttles, Timers};
+use starts_out::Start;
+use workloads::Work;
 
-/// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
-/// each of which has its own deadline in [`Node::next_wake`].
-pub const BUSY_TICK: Duration = Duration::from_secs(1);
-/// The loop's longest sleep when nothing is tracked (a heartbeat is due sooner anyway).
-pub const IDLE_TICK: Duration = Duration::from_secs(60);
-/// Retrying outbox writes that a full disk refused (D28).
-const DISK_RETRY: Duration = Duration::from_secs(1);
 /// Written into the state dir when another client takes the session over twice within a
 /// minute; `doctor` fails while it is recent.
 pub use crate::store::CLIENT_ID_CONFLICT;
-
-/// Time, injected so timers can be driven in tests without sleeping.
-pub trait Clock {
-    fn now(&self) -> Instant;
-}
-
-pub struct SystemClock;
-impl Clock for SystemClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
-}
-
-/// Runs the node until it shuts down; returns the exit code.
-pub fn run(settings: Settings) -> i32 {
-    match startup::prepare(settings) {
-        Ok((node, signals)) => node.run(signals),
-        Err(e) => {
-            log::error!("{e}");
-            crate::error::Failure::exit(&e).code()
-        }
-    }
-}
+pub use timers::{BUSY_TICK, IDLE_TICK};
 
 pub struct Node {
     s: Settings,
@@ -111,28 +78,29 @@ impl Node {
         self.tick();
         loop {
             let now = self.io.clock.now();
-            let wait = self.next_wake(now).saturating_duration_since(now);
+            let (st, due) = self.parts();
+            let wait = timers::next_wake(&st, due, now).saturating_duration_since(now);
             select! {
                 recv(self.io.events) -> ev => match ev {
-                    Ok(ev) => self.on_mqtt(ev),
+                    Ok(ev) => session_in::on_mqtt(&mut self.start(), ev),
                     Err(_) => { log::error!("the MQTT client stopped"); self.life.exit = Some(EXIT_RUNTIME); }
                 },
-                recv(signals) -> sig => if let Ok(sig) = sig { self.on_signal(sig) },
-                recv(self.io.reaped) -> r => if let Ok(r) = r { self.on_reaped(r.pid) },
-                recv(self.io.spawned) -> o => match o {
-                    Ok(o) => self.on_spawn_outcome(o),
-                    Err(_) => self.on_spawner_gone(),
+                recv(signals) -> sig => if let Ok(sig) = sig { shutdown::on_signal(&mut self.work(), sig) },
+                recv(self.io.reaped) -> r => if let Ok(r) = r { self.work().on_reaped(r.pid) },
+                recv(self.starts.outcomes) -> o => match o {
+                    Ok(o) => self.start().on_spawn_outcome(o),
+                    Err(_) => self.start().on_spawner_gone(),
                 },
-                recv(self.io.chunks) -> c => if let Ok(c) = c { self.on_tail(c) },
+                recv(self.io.chunks) -> c => if let Ok(c) = c { self.work().logs().on_tail(c) },
                 recv(self.io.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
-                recv(self.io.acked) -> a => if let Ok(a) = a { self.with_ingress(|i, out| i.on_ack(a, out)) },
-                recv(self.io.control) -> r => if let Ok(r) = r { self.on_control(r) },
-                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { self.on_gpu_snapshot(s) },
+                recv(self.io.acked) -> a => if let Ok(a) = a { self.work().with_ingress(|i, out| i.on_ack(a, out)) },
+                recv(self.io.control) -> r => if let Ok(r) = r { commands::on_control(&mut self.work(), r) },
+                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { gpus_out::on_snapshot(&mut self.gpu, &self.active, &self.starts, self.io.gpu_monitor.as_ref(), s) },
                 default(wait) => {}
             }
             self.tick();
             if let Some(code) = self.life.exit {
-                self.finish_starts();
+                self.start().finish_starts();
                 self.io.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
                 // Dropping the Paho client joins Paho C's worker threads, which poll with 1 s
@@ -144,74 +112,66 @@ impl Node {
         }
     }
 
-    /// The earliest moment something is due: every timer that [`Node::tick`] acts on has its
-    /// deadline here, so the loop sleeps exactly until then.
-    fn next_wake(&self, now: Instant) -> Instant {
-        let cap = if self.active.is_empty() {
-            IDLE_TICK
-        } else {
-            BUSY_TICK
+    /// The loop's periodic work ([`timers::tick`]).
+    fn tick(&mut self) {
+        let (mut st, due) = self.parts();
+        timers::tick(&mut st, due);
+    }
+
+    fn on_worker_done(&mut self, done: Done) {
+        match done {
+            Done::CheckWorkload { key, check } => self.start().on_workload_check(&key, check),
+            done => self.work().on_worker_done(done),
+        }
+    }
+
+    /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
+    /// answers of the starts the node before this one took and did not answer (D53).
+    fn recover(&mut self) {
+        let (started, notes) = self.work().recover();
+        let interrupted = &mut self.starts.interrupted;
+        interrupted::settle(&mut self.durable.ledger, interrupted, started, notes);
+    }
+
+    /// The node split into the parts a handler borrows: the start path's ([`Start`], which
+    /// holds a workload's, [`Work`]) and the loop's own clocks.
+    fn parts(&mut self) -> (Start<'_>, &mut parts::Due) {
+        let Node {
+            s,
+            io,
+            session,
+            life,
+            active,
+            durable,
+            starts,
+            streams,
+            heal,
+            ingress,
+            gpu,
+            timers,
+        } = self;
+        let work = Work {
+            s,
+            io,
+            session,
+            life,
+            active,
+            outbox: &mut durable.outbox,
+            starts,
+            streams,
+            ingress,
+            gpu,
+            throttle: &mut timers.throttle,
         };
-        let mut t = now.checked_add(cap).unwrap_or(now);
-        let mut due = |d: Instant| t = t.min(d);
-        let open = self.life.shutdown.is_none();
-        if let Some(d) = self.session.next_due() {
-            due(d);
-        }
-        if let Some(s) = &self.life.shutdown {
-            due(s.deadline);
-        }
-        // Only while a stream has unsent bytes: growth of a file arrives as an event.
-        if let Some(d) = self.next_stream_due() {
-            due(d);
-        }
-        if let Some(d) = self.active.next_due() {
-            due(d);
-        }
-        for (.., until) in &self.heal.deferred {
-            due(*until);
-        }
-        if self.session.connected() {
-            if let Some(o) = self.durable.outbox.next_try() {
-                due(o);
-            }
-            if let Some(o) = self.ingress.queue.head_next_try() {
-                due(o);
-            }
-        }
-        if self.durable.outbox.has_pending_writes() {
-            due(now.checked_add(DISK_RETRY).unwrap_or(now));
-        }
-        due(self.timers.due.rescan);
-        if self.s.metrics_file.is_some() {
-            due(self.timers.due.metrics);
-        }
-        if self.s.log_retention_days.value > 0 {
-            due(self.timers.due.prune);
-        }
-        if self.s.standalone && self.session.connected() {
-            due(self.timers.due.watchdog);
-        }
-        if let Some(since) = self.life.drain.idle_since {
-            if self.s.drain_after_one && open && self.active.is_empty() {
-                due(since
-                    .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
-                    .unwrap_or(since));
-            }
-        }
-        t
+        let ledger = &mut durable.ledger;
+        (Start { work, ledger, heal }, &mut timers.due)
     }
 
-    /// Workloads that hold a slot: tracked ones and starts in flight.
-    fn in_use(&self) -> usize {
-        self.active.len().saturating_add(self.starts.len())
+    fn start(&mut self) -> Start<'_> {
+        self.parts().0
     }
 
-    fn uuid(&self) -> &str {
-        self.session.uuid()
-    }
-
-    fn slug(&self) -> &str {
-        self.session.slug()
+    fn work(&mut self) -> Work<'_> {
+        self.parts().0.work
     }
 }

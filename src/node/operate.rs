@@ -7,18 +7,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::Node;
-
-/// Counters for the metrics file.
-#[derive(Default)]
-pub struct Metrics {
-    pub starts: u64,
-    pub rejections: BTreeMap<String, u64>,
-    pub completions: BTreeMap<String, u64>,
-    pub reconnects: u64,
-    pub heartbeat_failures: u64,
-    pub log_bytes: u64,
-}
+use super::gpus::Gpus;
+use super::parts::Life;
+use super::starts::Starts;
+use super::table::Table;
+use crate::config::Settings;
+use crate::outbox::Outbox;
+use crate::workload::Layout;
 
 /// GPU count and a coarse VRAM tier, learned once at start-up (never serials or exact sizes).
 pub fn gpu_inventory() -> (usize, Option<&'static str>) {
@@ -93,264 +88,198 @@ pub fn prune(
 /// `--drain-after-one`: how long the outbox may take to empty before the node stops anyway.
 pub const DRAIN_AFTER_ONE_WAIT: Duration = Duration::from_secs(10);
 
-/// The text every retryable refusal starts with: legacy backends classify on it (D13).
-pub const BUSY_PREFIX: &str = "Controller host is busy with";
-
-/// A "not now, not here" refusal (decision D21): it keeps the host-busy contract of D13
-/// (`rejection_reason: "host_busy"`, the error starting [`BUSY_PREFIX`],
-/// `rejecting_instance_uuid`) so the backend may send the workload elsewhere, and says which
-/// in `busy_reason`. Refusals that can never succeed on this node are not `Busy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Busy {
-    Capacity,
-    Uploading,
-    Draining,
-    DiskLow,
-    ShuttingDown,
-    /// Not enough free healthy GPUs (D36): some are held by running workloads.
-    GpusBusy,
-    /// Not enough healthy GPUs at all (D37).
-    GpusUnhealthy,
-    /// More than one GPU asked for on a MIG host that has too few whole GPUs (D56).
-    GpusUnsatisfiable,
-    /// The start was interrupted by a node restart before its workload ran (D53).
-    Restarted,
-}
-
-impl Busy {
-    /// The wire value of `busy_reason`.
-    pub fn reason(self) -> &'static str {
-        match self {
-            Busy::Capacity => "capacity",
-            Busy::Uploading => "uploading",
-            Busy::Draining => "draining",
-            Busy::DiskLow => "disk_low",
-            Busy::ShuttingDown => "shutting_down",
-            Busy::GpusBusy => "gpus_busy",
-            Busy::GpusUnhealthy => "gpus_unhealthy",
-            Busy::GpusUnsatisfiable => "gpus_unsatisfiable",
-            Busy::Restarted => "node_restarted",
-        }
-    }
-}
-
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
 
-impl Node {
-    pub(super) fn set_draining(&mut self, on: bool, why: &str) {
-        if self.life.drain.on != on {
-            log::info!(
-                "{} ({why}); {} workload(s) running",
-                if on {
-                    "draining: new workloads are refused"
-                } else {
-                    "resumed: accepting workloads"
-                },
-                self.in_use()
-            );
-        }
-        self.life.drain.on = on;
+/// `--drain-after-one`: true once the one workload finished and was reported (then the node
+/// stops).
+pub(super) fn drain_after_one_done(
+    s: &Settings,
+    life: &mut Life,
+    active: &Table,
+    outbox: &Outbox,
+    now: Instant,
+) -> bool {
+    if !s.drain_after_one
+        || !life.drain.one_started
+        || !active.is_empty()
+        || life.shutdown.is_some()
+    {
+        return false;
     }
+    let since = *life.drain.idle_since.get_or_insert(now);
+    outbox.is_empty() || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT
+}
 
-    /// `--drain-after-one`: once the one workload finished and was reported, stop.
-    pub(super) fn check_drain_after_one(&mut self, now: Instant) {
-        if !self.s.drain_after_one
-            || !self.life.drain.one_started
-            || !self.active.is_empty()
-            || self.life.shutdown.is_some()
-        {
-            return;
-        }
-        let since = *self.life.drain.idle_since.get_or_insert(now);
-        if self.durable.outbox.is_empty()
-            || now.saturating_duration_since(since) > DRAIN_AFTER_ONE_WAIT
-        {
-            self.begin_shutdown(
-                crate::error::Exit::Ok.code(),
-                "--drain-after-one: the workload completed",
-            );
-        }
+/// Opt-in coarse hardware facts for the heartbeat: no process lists, users, paths,
+/// environment, serials or exact memory.
+pub(super) fn hardware(s: &Settings, gpu: &Gpus) -> Option<Value> {
+    if !s.hardware_telemetry {
+        return None;
     }
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1) as f64;
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib = |k: &str| {
+        meminfo
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+    };
+    let ram = match (kib("MemTotal:"), kib("MemAvailable:")) {
+        (Some(t), Some(a)) if t > 0.0 => Some(round1(1.0 - a / t)),
+        _ => None,
+    };
+    Some(json!({
+        "gpu_count": gpu.telemetry.0,
+        "vram_tier": gpu.telemetry.1,
+        "cpu_load_ratio": load.map(|l| round1(l / cores)),
+        "ram_used_ratio": ram,
+    }))
+}
 
-    pub(super) fn count_rejection(&mut self, reason: &str) {
-        let n = self
-            .life
-            .metrics
-            .rejections
-            .entry(reason.to_string())
-            .or_default();
-        *n = n.saturating_add(1);
+/// Log retention: at start-up and every hour, old workload logs and input images go.
+pub(super) fn prune_old_files(
+    s: &Settings,
+    due: &mut Instant,
+    active: &Table,
+    layout: &Layout,
+    now: Instant,
+) {
+    let days = s.log_retention_days.value;
+    if days == 0 || now < *due {
+        return;
     }
-
-    pub(super) fn count_completion(&mut self, outcome: &str) {
-        let n = self
-            .life
-            .metrics
-            .completions
-            .entry(outcome.to_string())
-            .or_default();
-        *n = n.saturating_add(1);
-    }
-
-    /// Opt-in coarse hardware facts for the heartbeat: no process lists, users, paths,
-    /// environment, serials or exact memory.
-    pub(super) fn hardware(&self) -> Option<Value> {
-        if !self.s.hardware_telemetry {
-            return None;
-        }
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1) as f64;
-        let load = std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok());
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let kib = |k: &str| {
-            meminfo
-                .lines()
-                .find(|l| l.starts_with(k))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        };
-        let ram = match (kib("MemTotal:"), kib("MemAvailable:")) {
-            (Some(t), Some(a)) if t > 0.0 => Some(round1(1.0 - a / t)),
-            _ => None,
-        };
-        Some(json!({
-            "gpu_count": self.gpu.telemetry.0,
-            "vram_tier": self.gpu.telemetry.1,
-            "cpu_load_ratio": load.map(|l| round1(l / cores)),
-            "ram_used_ratio": ram,
-        }))
-    }
-
-    /// Log retention: at start-up and every hour, old workload logs and input images go.
-    pub(super) fn prune_old_files(&mut self, now: Instant) {
-        let days = self.s.log_retention_days.value;
-        if days == 0 || now < self.timers.due.prune {
-            return;
-        }
-        self.timers.due.prune = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
-        let keep: std::collections::BTreeSet<std::path::PathBuf> = self
-            .active
-            .values()
-            .flat_map(|a| [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()])
-            .collect();
-        let dirs = vec![self.io.layout.logs(), self.io.layout.inputs()];
-        let spawned = std::thread::Builder::new()
-            .name("prune".into())
-            .spawn(move || {
-                let n = prune(&dirs, &keep, days);
-                if n > 0 {
-                    log::info!("log retention: removed {n} file(s) older than {days} day(s)");
-                }
-            });
-        if let Err(e) = spawned {
-            log::warn!("log retention skipped: {e}");
-        }
-    }
-
-    /// Writes the metrics file (atomically) when one is configured.
-    pub(super) fn write_metrics(&mut self, now: Instant) {
-        let Some(path) = self.s.metrics_file.as_ref().map(|m| m.value.clone()) else {
-            return;
-        };
-        if now < self.timers.due.metrics {
-            return;
-        }
-        self.timers.due.metrics = crate::util::later(now, self.s.tuning.metrics_interval);
-        let m = &self.life.metrics;
-        let queued = self
-            .durable
-            .outbox
-            .len()
-            .saturating_add(self.ingress.queue.len()) as u64;
-        let mut t = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
-            let _ = writeln!(
-                t,
-                "# HELP cyberwave_node_{name} {help}\n# TYPE cyberwave_node_{name} {kind}"
-            );
-            for (labels, v) in rows {
-                let _ = writeln!(t, "cyberwave_node_{name}{labels} {v}");
+    *due = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
+    let keep: std::collections::BTreeSet<std::path::PathBuf> = active
+        .values()
+        .flat_map(|a| [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()])
+        .collect();
+    let dirs = vec![layout.logs(), layout.inputs()];
+    let spawned = std::thread::Builder::new()
+        .name("prune".into())
+        .spawn(move || {
+            let n = prune(&dirs, &keep, days);
+            if n > 0 {
+                log::info!("log retention: removed {n} file(s) older than {days} day(s)");
             }
-        };
-        let mut states: BTreeMap<&str, u64> = ["running", "cancelling", "finishing", "finalizing"]
+        });
+    if let Err(e) = spawned {
+        log::warn!("log retention skipped: {e}");
+    }
+}
+
+/// Writes the metrics file (atomically) when one is configured.
+// Each argument is one thing the file reports; a struct of them would only rename them.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_metrics(
+    s: &Settings,
+    due: &mut Instant,
+    now: Instant,
+    life: &Life,
+    queued: usize,
+    active: &Table,
+    starts: &Starts,
+    gpu: &Gpus,
+) {
+    let Some(path) = s.metrics_file.as_ref().map(|m| m.value.clone()) else {
+        return;
+    };
+    if now < *due {
+        return;
+    }
+    *due = crate::util::later(now, s.tuning.metrics_interval);
+    let m = &life.metrics;
+    let queued = queued as u64;
+    let mut t = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
+        let _ = writeln!(
+            t,
+            "# HELP cyberwave_node_{name} {help}\n# TYPE cyberwave_node_{name} {kind}"
+        );
+        for (labels, v) in rows {
+            let _ = writeln!(t, "cyberwave_node_{name}{labels} {v}");
+        }
+    };
+    let mut states: BTreeMap<&str, u64> = ["running", "cancelling", "finishing", "finalizing"]
+        .iter()
+        .map(|s| (*s, 0))
+        .collect();
+    for a in active.values() {
+        let n = states.entry(a.state()).or_default();
+        *n = n.saturating_add(1);
+    }
+    metric(
+        "workloads",
+        "gauge",
+        "Workloads by state.",
+        states
+            .into_iter()
+            .map(|(k, v)| (format!("{{state=\"{k}\"}}"), v))
+            .collect(),
+    );
+    metric(
+        "starts_total",
+        "counter",
+        "Workloads started.",
+        vec![(String::new(), m.starts)],
+    );
+    metric(
+        "rejections_total",
+        "counter",
+        "Starts refused, by reason.",
+        m.rejections
             .iter()
-            .map(|s| (*s, 0))
-            .collect();
-        for a in self.active.values() {
-            let n = states.entry(a.state()).or_default();
-            *n = n.saturating_add(1);
-        }
-        metric(
-            "workloads",
-            "gauge",
-            "Workloads by state.",
-            states
-                .into_iter()
-                .map(|(k, v)| (format!("{{state=\"{k}\"}}"), v))
-                .collect(),
-        );
-        metric(
-            "starts_total",
-            "counter",
-            "Workloads started.",
-            vec![(String::new(), m.starts)],
-        );
-        metric(
-            "rejections_total",
-            "counter",
-            "Starts refused, by reason.",
-            m.rejections
-                .iter()
-                .map(|(k, v)| (format!("{{reason=\"{k}\"}}"), *v))
-                .collect(),
-        );
-        metric(
-            "completions_total",
-            "counter",
-            "Workloads ended, by outcome.",
-            m.completions
-                .iter()
-                .map(|(k, v)| (format!("{{outcome=\"{k}\"}}"), *v))
-                .collect(),
-        );
-        metric(
-            "reconnects_total",
-            "counter",
-            "MQTT reconnections after the first connection.",
-            vec![(String::new(), m.reconnects)],
-        );
-        metric(
-            "heartbeat_failures_total",
-            "counter",
-            "Heartbeats not acknowledged.",
-            vec![(String::new(), m.heartbeat_failures)],
-        );
-        metric(
-            "outbox_depth",
-            "gauge",
-            "Completions and events waiting for acknowledgement.",
-            vec![(String::new(), queued)],
-        );
-        metric(
-            "log_bytes_streamed_total",
-            "counter",
-            "Workload log bytes acknowledged by the backend.",
-            vec![(String::new(), m.log_bytes)],
-        );
-        metric(
-            "draining",
-            "gauge",
-            "1 while the node refuses new workloads.",
-            vec![(String::new(), u64::from(self.life.drain.on))],
-        );
-        self.gpu.metrics(&self.gpu_holds(), &mut t);
-        if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
-            log::warn!("cannot write the metrics file {}: {e}", path.display());
-        }
+            .map(|(k, v)| (format!("{{reason=\"{k}\"}}"), *v))
+            .collect(),
+    );
+    metric(
+        "completions_total",
+        "counter",
+        "Workloads ended, by outcome.",
+        m.completions
+            .iter()
+            .map(|(k, v)| (format!("{{outcome=\"{k}\"}}"), *v))
+            .collect(),
+    );
+    metric(
+        "reconnects_total",
+        "counter",
+        "MQTT reconnections after the first connection.",
+        vec![(String::new(), m.reconnects)],
+    );
+    metric(
+        "heartbeat_failures_total",
+        "counter",
+        "Heartbeats not acknowledged.",
+        vec![(String::new(), m.heartbeat_failures)],
+    );
+    metric(
+        "outbox_depth",
+        "gauge",
+        "Completions and events waiting for acknowledgement.",
+        vec![(String::new(), queued)],
+    );
+    metric(
+        "log_bytes_streamed_total",
+        "counter",
+        "Workload log bytes acknowledged by the backend.",
+        vec![(String::new(), m.log_bytes)],
+    );
+    metric(
+        "draining",
+        "gauge",
+        "1 while the node refuses new workloads.",
+        vec![(String::new(), u64::from(life.drain.on))],
+    );
+    gpu.metrics(&super::gpus_out::holds_of(active, starts), &mut t);
+    if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
+        log::warn!("cannot write the metrics file {}: {e}", path.display());
     }
 }
 

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::Node;
+use super::table::Table;
 use crate::backend::WorkloadCheck;
 use crate::protocol::commands::{Kind, StartParams};
-use crate::workers::Job;
+use crate::workers::{Job, Workers};
 
 /// How long one lookup may take.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -34,15 +34,30 @@ pub fn defer_wait() -> Duration {
     super::admit::defer_limit(CHECK_TIMEOUT, STALE_GRACE)
 }
 
-impl Node {
+/// What a lookup's answer comes to ([`Heal::on_check`]).
+pub(super) enum Checked {
+    /// Nothing more to do: the workload is gone, or finished meanwhile (its own completion
+    /// owns it).
+    Moot,
+    /// Kept (active, or the answer was inconclusive).
+    Kept,
+    /// Stale: to be terminated without a completion (the text names it for the log).
+    Stale(String),
+}
+
+impl Heal {
     /// Starts a pass unless one is still under way. Returns whether lookups are pending.
-    pub(super) fn start_heal_pass(&mut self) -> bool {
-        if self.s.standalone || !self.heal.checking.is_empty() {
-            return !self.heal.checking.is_empty();
+    pub(super) fn start_pass(
+        &mut self,
+        standalone: bool,
+        active: &Table,
+        workers: &Workers,
+        uuid: &str,
+    ) -> bool {
+        if standalone || !self.checking.is_empty() {
+            return !self.checking.is_empty();
         }
-        let uuid = self.uuid().to_string();
-        let candidates: Vec<(String, String)> = self
-            .active
+        let candidates: Vec<(String, String)> = active
             .iter()
             .filter(|(_, a)| {
                 a.phase == crate::workload::lifecycle::Phase::Running && a.meta.cancel.is_none()
@@ -56,96 +71,63 @@ impl Node {
             })
             .collect();
         for (key, wl) in candidates {
-            self.heal.checking.insert(key.clone());
-            self.io.workers.submit(Job::CheckWorkload {
+            self.checking.insert(key.clone());
+            workers.submit(Job::CheckWorkload {
                 key,
                 wl,
-                my_uuid: uuid.clone(),
+                my_uuid: uuid.to_string(),
                 timeout: CHECK_TIMEOUT,
             });
         }
-        !self.heal.checking.is_empty()
+        !self.checking.is_empty()
     }
 
-    pub(super) fn on_workload_check(&mut self, key: &str, check: WorkloadCheck) {
-        self.heal.checking.remove(key);
-        let Some(a) = self.active.get(key) else {
-            return;
+    /// A lookup's answer for the workload `key`.
+    pub(super) fn on_check(&mut self, key: &str, check: WorkloadCheck, active: &Table) -> Checked {
+        self.checking.remove(key);
+        let Some(a) = active.get(key) else {
+            return Checked::Moot;
         };
         let what = format!("{} {}", a.meta.kind, a.meta.request_id_text());
         match check {
-            WorkloadCheck::Active => {}
-            WorkloadCheck::Inconclusive(why) => log::debug!(
-                "self-heal: {} kept ({})",
-                crate::logtext::shown(&what),
-                crate::logtext::shown(&why)
-            ),
+            WorkloadCheck::Active => Checked::Kept,
+            WorkloadCheck::Inconclusive(why) => {
+                log::debug!(
+                    "self-heal: {} kept ({})",
+                    crate::logtext::shown(&what),
+                    crate::logtext::shown(&why)
+                );
+                Checked::Kept
+            }
             WorkloadCheck::Stale(why) => {
                 if a.phase != crate::workload::lifecycle::Phase::Running || a.meta.cancel.is_some()
                 {
-                    return; // finished meanwhile: its own completion owns it
+                    return Checked::Moot; // finished meanwhile: its own completion owns it
                 }
                 log::warn!(
                     "self-heal: {} is stale ({}); terminating it without a completion",
                     crate::logtext::shown(&what),
                     crate::logtext::shown(&why)
                 );
-                if let Err(e) = self.terminate_stale(key) {
-                    log::error!(
-                        "self-heal: cannot terminate {}: {e}; it stays tracked",
-                        crate::logtext::shown(&what)
-                    );
-                }
+                Checked::Stale(what)
             }
         }
-        self.retry_deferred_starts();
     }
 
-    fn terminate_stale(&mut self, key: &str) -> Result<(), String> {
-        self.cancel_stale(key, STALE_GRACE)
-    }
-
-    /// Busy: wait (until `until`, see [`defer_wait`]) for a pass before rejecting. Returns true when the start was deferred.
-    pub(super) fn defer_start_for_heal(
+    /// Busy, and a pass is under way ([`Heal::start_pass`]): the start waits (until `until`,
+    /// see [`defer_wait`]) for it before it is rejected.
+    pub(super) fn defer(
         &mut self,
         kind: Kind,
         request_id: &Value,
         params: &StartParams,
         until: Instant,
-    ) -> bool {
-        if !self.start_heal_pass() {
-            return false;
-        }
+    ) {
         log::info!(
             "node busy: checking with the backend for stale workloads before answering {}",
             crate::logtext::shown(&crate::protocol::messages::request_id_text(request_id))
         );
-        self.heal
-            .deferred
+        self.deferred
             .push((kind, request_id.clone(), params.clone(), until));
-        true
-    }
-
-    /// Deferred starts go ahead once there is room, or are refused once their time is up.
-    pub(super) fn retry_deferred_starts(&mut self) {
-        if self.heal.deferred.is_empty() {
-            return;
-        }
-        let now = self.io.clock.now();
-        let capacity = self.s.max_concurrent_workloads.value as usize;
-        let pending = std::mem::take(&mut self.heal.deferred);
-        for (kind, rid, params, until) in pending {
-            let stale_left = self
-                .active
-                .values()
-                .any(|a| a.meta.cancel.as_ref().is_some_and(|c| c.stale));
-            let room = self.in_use() < capacity;
-            let undecided = !self.heal.checking.is_empty() || stale_left;
-            if super::admit::go_ahead(now, until, room, undecided) {
-                self.start_workload_now(kind, &rid, params);
-            } else {
-                self.heal.deferred.push((kind, rid, params, until));
-            }
-        }
     }
 }

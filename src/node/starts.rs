@@ -31,20 +31,14 @@
 //! answer once the spawn reports.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
-use super::admit::{self, Ask, Decision, Earlier, Facts, RejectReason};
-use super::table::Active;
-use super::workloads::start_output;
-use super::Node;
-use crate::logtext::shown;
-use crate::protocol::commands::{Kind, Seconds, StartParams};
+use crate::protocol::commands::Kind;
 use crate::protocol::messages::request_id_text;
-use crate::store;
 use crate::workload::spawner::{Outcome, Spawner};
-use crate::workload::{self, procinfo, StartRequest, WorkflowCtx};
+use crate::workload::{StartRequest, WorkflowCtx};
 
 /// A cancel that came while its workload was starting, carried out once it runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,6 +70,8 @@ pub struct Starting {
 /// carries out what it says.
 pub struct Starts {
     spawner: Option<Spawner>,
+    /// The spawner's reports; `never` once it is gone.
+    pub outcomes: crossbeam_channel::Receiver<Outcome>,
     /// Why there is no spawner (it never started, or it stopped).
     gone: Option<String>,
     in_flight: BTreeMap<String, Starting>,
@@ -92,13 +88,17 @@ pub const SPAWNER_GONE: &str =
     "the workload spawner thread stopped: this node cannot start workloads until it is restarted";
 
 impl Starts {
-    pub fn new(spawner: Result<Spawner, String>) -> Starts {
+    pub fn new(
+        spawner: Result<Spawner, String>,
+        outcomes: crossbeam_channel::Receiver<Outcome>,
+    ) -> Starts {
         let (spawner, gone) = match spawner {
             Ok(s) => (Some(s), None),
             Err(why) => (None, Some(why)),
         };
         Starts {
             spawner,
+            outcomes,
             gone,
             in_flight: BTreeMap::new(),
             interrupted: Vec::new(),
@@ -175,382 +175,11 @@ impl Starts {
         let s = self.in_flight.get_mut(safe_id)?;
         Some(s.cancel.get_or_insert(c).clone())
     }
-}
-
-/// The request id as the ledger keys it: the request's own, or one made up for a request
-/// without one.
-fn ledger_id(request_id: &Value) -> String {
-    let rid = request_id_text(request_id);
-    if rid.is_empty() {
-        format!(
-            "auto-{}-{}",
-            workload::unix_now() as u64,
-            crate::util::hex(&crate::util::random_bytes::<4>())
-        )
-    } else {
-        rid
-    }
-}
-
-impl Node {
-    // ---- start ------------------------------------------------------------------------------
-
-    pub(super) fn start_workload(&mut self, kind: Kind, request_id: &Value, params: StartParams) {
-        self.start_workload_inner(kind, request_id, params, true);
-    }
-
-    /// A start after the self-heal pass it waited for: no second wait.
-    pub(super) fn start_workload_now(
-        &mut self,
-        kind: Kind,
-        request_id: &Value,
-        params: StartParams,
-    ) {
-        self.start_workload_inner(kind, request_id, params, false);
-    }
-
-    fn start_workload_inner(
-        &mut self,
-        kind_t: Kind,
-        request_id: &Value,
-        start: StartParams,
-        may_wait: bool,
-    ) {
-        let kind = kind_t.as_str();
-        let rid = ledger_id(request_id);
-        let safe_id = store::safe_id(&rid);
-        let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
-        let ctx = super::ingress::context_of(kind, &start.params);
-        let ask = Ask {
-            kind: kind_t,
-            rid: &rid,
-            gpus: start.gpus,
-            max_runtime: start.max_runtime,
-            may_wait,
-        };
-        let decision = self.admission(&ask, &safe_id);
-        let (template, gpus, max_runtime_s) = match decision {
-            Decision::Replay(Earlier::Answered { ok, body }) => {
-                log::info!(
-                    "request {} was handled before; repeating its answer",
-                    shown(&rid)
-                );
-                return self.replay(request_id, ok, body);
-            }
-            Decision::Replay(Earlier::Running(out)) => return self.reply_ok(request_id, out),
-            // In flight: answered with the original answer once the spawn reports.
-            Decision::Replay(Earlier::InFlight) => {
-                log::info!(
-                    "request {} is being started; it gets the same answer",
-                    shown(&rid)
-                );
-                if let Some(st) = self.starts.get_mut(&safe_id) {
-                    st.waiters.push(request_id.clone());
-                }
-                return;
-            }
-            Decision::Reject(why) => {
-                return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx)
-            }
-            Decision::Defer { until, otherwise } => {
-                if !self.defer_start_for_heal(kind_t, request_id, &start, until) {
-                    self.reject_start(request_id, workload_uuid.as_deref(), &otherwise, ctx);
-                }
-                return;
-            }
-            Decision::Spawn {
-                template,
-                gpus,
-                max_runtime_s,
-            } => (template, gpus, max_runtime_s),
-        };
-        // The token a workload proves its workflow events with: never from guessable bytes.
-        let Some(token_bytes) = crate::util::secret_bytes::<16>() else {
-            let why = RejectReason::Failed {
-                kind: kind.into(),
-                why: "the kernel gave no random bytes for the workload's event token".into(),
-            };
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
-        };
-        let params = start.params;
-        let req = StartRequest {
-            kind: kind_t,
-            request_id: request_id.clone(),
-            safe_id: safe_id.clone(),
-            params,
-            template,
-            node_token: self.io.token.clone(),
-            max_runtime_s,
-            workflow: ctx.clone(),
-            socket: self.io.layout.state.join("control.sock"),
-            gpus,
-            results_dir: self.results_dir_for(&safe_id),
-            event_token: crate::util::hex(&token_bytes),
-            node_uuid: self.uuid().to_string(),
-        };
-        let starting = Starting {
-            kind: kind_t,
-            request_id: request_id.clone(),
-            workload_uuid: workload_uuid.clone(),
-            ctx: ctx.clone(),
-            gpus: req.gpus.clone(),
-            created_unix: workload::unix_now(),
-            cancel: None,
-            waiters: Vec::new(),
-            event_token: req.event_token.clone(),
-            held: Vec::new(),
-        };
-        // D53: taken; from here on this start is answered, if need be by the next node.
-        self.note_taken(&safe_id, &rid, &starting);
-        if let Err(e) = self.starts.begin(starting, req) {
-            super::interrupted::forget(&self.io.layout, &safe_id);
-            let why = RejectReason::Failed {
-                kind: kind.into(),
-                why: e,
-            };
-            self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
-            // The spawner is gone: what is still in flight will never be reported.
-            return self.on_spawner_gone();
-        }
-        log::debug!("{kind} {} handed to the spawner", shown(&rid));
-        if self.s.drain_after_one {
-            // One workload: no second start is taken while this one is in flight.
-            self.set_draining(true, "--drain-after-one");
-        }
-    }
-
-    /// Notes the start as taken (D53), so that a node killed before it is answered answers it
-    /// after its restart.
-    fn note_taken(&self, safe_id: &str, rid: &str, starting: &Starting) {
-        let taken = super::interrupted::Taken {
-            request_id: starting.request_id.clone(),
-            kind: starting.kind.as_str().to_string(),
-            workload_uuid: starting.workload_uuid.clone(),
-            taken_unix: starting.created_unix,
-        };
-        if let Err(e) = super::interrupted::note(&self.io.layout, safe_id, &taken) {
-            log::warn!(
-                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
-                shown(rid),
-                crate::logtext::shown(&super::interrupted::dir(&self.io.layout).display().to_string())
-            );
-        }
-    }
-
-    /// The admission decision for this start: the node's facts gathered, then [`admit::decide`].
-    fn admission(&mut self, ask: &Ask<'_>, safe_id: &str) -> Decision {
-        let running = self.active.get(safe_id).map(|a| start_output(&a.meta));
-        let in_flight = self.starts.get_mut(safe_id).is_some();
-        let facts = Facts {
-            running,
-            in_flight,
-            template: self.s.command_template(ask.kind.as_str()),
-            shutting_down: self.life.shutdown.is_some(),
-            draining: self.life.drain.on,
-            min_free_disk_mb: self.s.min_free_disk_mb.value,
-            state: &self.io.layout.state,
-            free_mb: &crate::store::free_mb,
-            spawner_gone: self.starts.gone(),
-            capacity: self.s.max_concurrent_workloads.value as usize,
-            used: self.in_use(),
-            uploading: self.uploading(),
-            manifest_limit: self
-                .s
-                .manifest
-                .as_ref()
-                .and_then(|m| m.max_runtime_seconds)
-                .and_then(Seconds::from_f64),
-        };
-        let held = super::gpus::holders(&self.gpu_holds());
-        let now = self.io.clock.now();
-        let wait = super::selfheal::defer_wait();
-        admit::decide(
-            ask,
-            &facts,
-            &self.durable.ledger,
-            &self.gpu,
-            &held,
-            now,
-            wait,
-        )
-    }
-
-    /// The spawner reported a start: from here on it is what a start was before (answer, status
-    /// `running`, tracking), or its refusal.
-    pub(super) fn on_spawn_outcome(&mut self, outcome: Outcome) {
-        match outcome {
-            Outcome::Spawned {
-                safe_id,
-                meta,
-                ledger,
-                launch,
-                total,
-            } => {
-                let mut st = self.starts.end(&safe_id);
-                // No other thread appends to the ledger while no start is in flight.
-                let quiet = self.starts.is_empty();
-                self.durable.ledger.remember(ledger, quiet);
-                let kind = meta.kind;
-                let rid = meta.request_id_text();
-                log::info!(
-                    "{kind} {} started: pid {} (supervisor forked {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
-                    shown(&rid),
-                    meta.pid(),
-                    launch.as_secs_f64() * 1e3,
-                    total.as_secs_f64() * 1e3,
-                    meta.stdout_log.display(),
-                    meta.stderr_log.display()
-                );
-                let out = start_output(&meta);
-                let request_id = st
-                    .as_ref()
-                    .map_or_else(|| meta.request_id.clone(), |s| s.request_id.clone());
-                self.reply_ok(&request_id, out.clone());
-                for w in st.iter().flat_map(|s| s.waiters.iter()) {
-                    self.reply_ok(w, out.clone());
-                }
-                if let Some(wl) = &meta.workload_uuid {
-                    let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
-                    self.workload_status(wl, body);
-                }
-                super::interrupted::forget(&self.io.layout, &safe_id);
-                self.with_ingress(|i, out| i.report_started(&meta, out));
-                self.life.metrics.starts = self.life.metrics.starts.saturating_add(1);
-                if self.s.drain_after_one {
-                    self.life.drain.one_started = true;
-                    self.set_draining(true, "--drain-after-one");
-                }
-                let shim = meta
-                    .started
-                    .as_ref()
-                    .map(|s| (s.shim_pid, s.shim_start_ticks));
-                let now = self.io.clock.now();
-                self.active
-                    .insert(safe_id.clone(), Active::new(*meta, true, now));
-                self.gpu_update_sampling();
-                // What the workload asked of the node before its start was reported.
-                for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
-                    let reply = self.on_emit(&req.body);
-                    let _ = req.reply.send(reply);
-                }
-                // The reaper may have reported the supervisor's end before this report (it then
-                // matched no workload and was dropped): taken up now; a duplicate later changes
-                // nothing (the lifecycle ignores a second end).
-                if let Some((pid, ticks)) = shim {
-                    if !procinfo::same_process_alive(pid, ticks) {
-                        log::debug!(
-                            "the supervisor of {} (pid {pid}) ended before its start was reported",
-                            shown(&rid)
-                        );
-                        self.on_reaped(pid);
-                    }
-                }
-                if let Some(c) = st.and_then(|s| s.cancel) {
-                    log::info!(
-                        "carrying out the cancel recorded while {} was starting",
-                        shown(&rid)
-                    );
-                    let cancelled = self.with_table(|t, out, now| {
-                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, out)
-                    });
-                    if let Err(e) = cancelled {
-                        log::warn!(
-                            "the cancel recorded for {} failed: {}",
-                            shown(&rid),
-                            shown(&e)
-                        );
-                    }
-                }
-            }
-            Outcome::SpawnFailed { safe_id, why } => {
-                let why = why.to_string();
-                let Some(st) = self.starts.end(&safe_id) else {
-                    log::error!("a start that was not in flight failed: {}", shown(&why));
-                    return;
-                };
-                self.fail_start(&safe_id, st, &why);
-                if self.s.drain_after_one && !self.life.drain.one_started && self.starts.is_empty()
-                {
-                    // The one workload did not start: the node takes the next start.
-                    self.set_draining(false, "--drain-after-one: the start failed");
-                }
-                self.retry_deferred_starts();
-            }
-        }
-    }
-
-    /// The spawner's channel closed: its threads are gone. Every start in flight fails, and
-    /// every later one is refused with [`SPAWNER_GONE`].
-    pub(super) fn on_spawner_gone(&mut self) {
-        log::error!("{SPAWNER_GONE}");
-        // What it reported before it went is still taken up.
-        while let Ok(o) = self.io.spawned.try_recv() {
-            self.on_spawn_outcome(o);
-        }
-        self.io.spawned = crossbeam_channel::never();
-        for (safe_id, st) in self.starts.stopped() {
-            self.fail_start(&safe_id, st, SPAWNER_GONE);
-        }
-    }
-
-    fn fail_start(&mut self, safe_id: &str, st: Starting, why: &str) {
-        let reason = RejectReason::Failed {
-            kind: st.kind.as_str().into(),
-            why: why.into(),
-        };
-        let why = reason.to_string();
-        log::error!("{why}");
-        for req in st.held {
-            let _ = req
-                .reply
-                .send(json!({"ok": false, "refused": true, "error": why}));
-        }
-        for w in &st.waiters {
-            self.reply_error(w, &why);
-        }
-        self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
-        super::interrupted::forget(&self.io.layout, safe_id);
-    }
-
-    /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid
-    /// timeout), so each is answered and its workload named before the node goes.
-    pub(super) fn finish_starts(&mut self) {
-        let until = crate::util::later(
-            Instant::now(),
-            workload::spawner::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
-        );
-        let before: Vec<String> = self.active.keys().cloned().collect();
-        while !self.starts.is_empty() {
-            let left = until.saturating_duration_since(Instant::now());
-            match self.io.spawned.recv_timeout(left) {
-                Ok(o) => self.on_spawn_outcome(o),
-                Err(_) => break,
-            }
-        }
-        for (id, a) in &self.active {
-            if !before.contains(id) {
-                log::info!(
-                    "left running: {} {} pid {} (logs {} and {})",
-                    a.meta.kind,
-                    shown(&a.meta.request_id_text()),
-                    a.meta.pid(),
-                    shown(&a.meta.stdout_log.display().to_string()),
-                    shown(&a.meta.stderr_log.display().to_string())
-                );
-            }
-        }
-        if !self.starts.is_empty() {
-            log::warn!(
-                "{} start(s) still in flight at exit; the next node start re-adopts what they started",
-                self.starts.len()
-            );
-        }
-    }
 
     /// A control-socket request that must wait for a start in flight (an `emit` of a workload
     /// whose start is not reported yet: its token is not known to the workload table yet) is
     /// kept and answered once the start is; anything else is given back.
-    pub(super) fn hold_for_start(
+    pub fn hold_for_start(
         &mut self,
         req: crate::control::Request,
     ) -> Option<crate::control::Request> {
@@ -560,7 +189,7 @@ impl Node {
             .and_then(Value::as_str)
             .filter(|t| !t.is_empty());
         let emit = req.body.get("op").and_then(Value::as_str) == Some("emit");
-        let owner = token.and_then(|t| self.starts.by_token(t));
+        let owner = token.and_then(|t| self.by_token(t));
         match owner {
             Some(st) if emit => {
                 st.held.push(req);
@@ -569,71 +198,13 @@ impl Node {
             _ => Some(req),
         }
     }
-
-    /// The starts in flight in a `status` reply: each in `active_workloads` with state
-    /// `starting`, and counted in `is_busy`.
-    pub(super) fn add_starting(&self, out: &mut Value, key: &str) {
-        let now = workload::unix_now();
-        if let Some(list) = out.get_mut(key).and_then(Value::as_array_mut) {
-            for st in self.starts.iter().map(|(_, s)| s) {
-                let mut w = json!({
-                    "pid": 0,
-                    "type": st.kind.as_str(),
-                    "request_id": st.request_id,
-                    "workload_uuid": st.workload_uuid,
-                    "running_for_seconds": (now - st.created_unix).max(0.0) as u64,
-                    "state": "starting",
-                });
-                if let Some(g) = &st.gpus {
-                    super::gpus::put(&mut w, "gpus", json!(g));
-                }
-                list.push(w);
-            }
-        }
-        if let Some(busy) = out.get_mut("is_busy") {
-            let used = self.in_use();
-            *busy = json!(used >= self.s.max_concurrent_workloads.value as usize);
-        }
-    }
-
-    /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
-    /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
-    pub(super) fn reject_start(
-        &mut self,
-        request_id: &Value,
-        workload_uuid: Option<&str>,
-        reason: &RejectReason,
-        ctx: Option<workload::WorkflowCtx>,
-    ) {
-        let why = reason.to_string();
-        let why = why.as_str();
-        let busy = reason.busy();
-        self.with_ingress(|i, out| i.report_rejected(ctx, why, out));
-        self.count_rejection(reason.metric());
-        log::warn!(
-            "refused start {}: {}",
-            shown(&request_id_text(request_id)),
-            shown(why)
-        );
-        self.reply_error(request_id, why);
-        if let Some(wl) = workload_uuid {
-            let mut body = Map::new();
-            body.insert("status".into(), json!("failed"));
-            body.insert("error".into(), json!(why));
-            body.insert("failure_detail".into(), json!(why));
-            if let Some(b) = busy {
-                body.insert("rejection_reason".into(), json!("host_busy"));
-                body.insert("busy_reason".into(), json!(b.reason()));
-                body.insert("rejecting_instance_uuid".into(), json!(self.uuid()));
-            }
-            self.workload_status(wl, Value::Object(body));
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store;
+    use serde_json::{json, Map};
 
     fn starting(rid: &str) -> Starting {
         Starting {
@@ -671,7 +242,7 @@ mod tests {
     #[test]
     fn a_start_in_flight_is_found_by_its_request_id_and_ends_once() {
         let (spawner, jobs) = Spawner::for_tests();
-        let mut s = Starts::new(Ok(spawner));
+        let mut s = Starts::new(Ok(spawner), crossbeam_channel::never());
         assert!(s.begin(starting("r1"), request("r1")).is_ok());
         assert!(s.begin(starting("r2"), request("r2")).is_ok());
         assert_eq!(jobs.len(), 2, "both handed to the spawner");
@@ -697,7 +268,7 @@ mod tests {
     #[test]
     fn a_cancel_while_starting_is_recorded_once_and_the_first_one_stays() {
         let (spawner, _jobs) = Spawner::for_tests();
-        let mut s = Starts::new(Ok(spawner));
+        let mut s = Starts::new(Ok(spawner), crossbeam_channel::never());
         s.begin(starting("r1"), request("r1")).unwrap();
         let id = store::safe_id("r1");
         let term = PendingCancel {
@@ -723,7 +294,7 @@ mod tests {
     #[test]
     fn a_gone_spawner_fails_what_is_in_flight_and_refuses_what_comes() {
         let (spawner, jobs) = Spawner::for_tests();
-        let mut s = Starts::new(Ok(spawner));
+        let mut s = Starts::new(Ok(spawner), crossbeam_channel::never());
         s.begin(starting("r1"), request("r1")).unwrap();
         s.begin(starting("r2"), request("r2")).unwrap();
         drop(jobs); // the spawner thread ends
@@ -737,7 +308,10 @@ mod tests {
         assert!(s.is_empty());
         assert!(s.begin(starting("r4"), request("r4")).is_err());
         // A spawner that never started refuses with its own reason.
-        let never = Starts::new(Err("cannot start the workload spawner thread: x".into()));
+        let never = Starts::new(
+            Err("cannot start the workload spawner thread: x".into()),
+            crossbeam_channel::never(),
+        );
         assert!(never.gone().unwrap().contains("cannot start"));
         let mut never = never;
         assert!(never

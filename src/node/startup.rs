@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver};
 
+use super::parts::SystemClock;
 use super::session::{self, Session};
-use super::{Node, SystemClock};
+use super::Node;
 use crate::backend::{self, Backend, TokenCheck};
 use crate::config::credentials::Identity;
 use crate::config::Settings;
@@ -57,6 +58,17 @@ fn workload_user_ready(
         u.groups.len()
     );
     Ok(u)
+}
+
+/// Runs the node until it shuts down; returns the exit code.
+pub fn run(settings: Settings) -> i32 {
+    match prepare(settings) {
+        Ok((node, signals)) => node.run(signals),
+        Err(e) => {
+            log::error!("{e}");
+            crate::error::Failure::exit(&e).code()
+        }
+    }
 }
 
 /// Start-up as a sequence of steps, each logging its line; the first that makes running
@@ -124,7 +136,6 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         topics,
         token,
         reaped,
-        spawned,
         tailer,
         chunks,
         workers,
@@ -138,19 +149,19 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let mut node = Node {
         io,
         session,
-        life: super::Life {
+        life: super::parts::Life {
             started,
             shutdown: None,
             exit: None,
-            drain: super::Drain::default(),
+            drain: super::parts::Drain::default(),
             metrics: Default::default(),
         },
         active: super::table::Table::new(super::table::UploadCfg::of(&s)),
-        durable: super::Durable {
+        durable: super::parts::Durable {
             ledger: Ledger::load(dir.join("ledger.jsonl")),
             outbox,
         },
-        starts: super::starts::Starts::new(spawner),
+        starts: super::starts::Starts::new(spawner, spawned),
         streams,
         heal: Default::default(),
         ingress: super::ingress::Ingress::new(
@@ -159,19 +170,24 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             s.topic_prefix.value.clone(),
         ),
         gpu,
-        timers: super::Timers {
-            due: super::Due {
+        timers: super::parts::Timers {
+            due: super::parts::Due {
                 watchdog: now,
                 rescan: now,
                 metrics: now,
                 prune: now,
             },
-            throttle: super::Throttles::default(),
+            throttle: super::parts::Throttles::default(),
         },
         s,
     };
     node.recover();
-    node.gpu_update_sampling(); // re-adopted workloads holding GPUs are sampled at once
+    super::gpus_out::update_sampling(
+        &node.gpu,
+        &node.active,
+        &node.starts,
+        node.io.gpu_monitor.as_ref(),
+    ); // re-adopted workloads holding GPUs are sampled at once
     if !node.durable.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",

@@ -6,10 +6,13 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use super::io::Wire;
+use super::io::{Io, Wire};
+use super::parts::{Clock, Op};
 use super::session::Session;
 use super::streams::{self, Cursor, Outbound, Source, Streams};
-use super::{Clock, Node, Op};
+use super::table::Table;
+use crate::config::Settings;
+use crate::logtext::Throttle;
 use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Event, Key, Request};
 
@@ -81,33 +84,47 @@ impl Outbound for StreamsOut<'_> {
     }
 }
 
-impl Node {
+/// The parts a streams call touches, borrowed apart from the node for the length of one call
+/// (built by `workloads::Work::logs`): the part itself, the broker session its
+/// chunks go through, the loop's I/O handles, the settings, the workloads it follows, the
+/// throttle of full-disk warnings and the counter of log bytes acknowledged.
+pub(super) struct Logs<'a> {
+    pub(super) streams: &'a mut Streams,
+    pub(super) session: &'a mut Session<Op>,
+    pub(super) io: &'a Io,
+    pub(super) s: &'a Settings,
+    pub(super) active: &'a Table,
+    pub(super) disk: &'a mut Throttle,
+    pub(super) log_bytes: &'a mut u64,
+}
+
+impl Logs<'_> {
     /// Runs `f` on the streams part with its [`Outbound`].
     fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut dyn Outbound) -> R) -> R {
         let topic = self.io.topics.logs(self.session.uuid());
         let mut out = StreamsOut {
-            session: &mut self.session,
-            wire: self.io.wire(&self.s),
+            session: self.session,
+            wire: self.io.wire(self.s),
             clock: self.io.clock.as_ref(),
             topic,
             timeout: self.s.tuning.request_timeout,
         };
-        f(&mut self.streams, &mut out)
+        f(self.streams, &mut out)
     }
 
     /// Tells the part the link state and the workloads: new ones are tracked from their
     /// persisted cursor, ended ones ship their rest, forgotten ones are dropped.
-    pub(super) fn sync_streams(&mut self) {
+    pub(super) fn sync(&mut self) {
         let now = self.io.clock.now();
         let connected = self.session.connected() && self.session.registered();
         let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
         self.streams
             .set_packet_limit(self.io.mqtt.max_packet_size().map(u64::from));
-        let active = &self.active;
+        let active = self.active;
         self.streams.retain(|id| active.contains_key(id));
         let mut ended = Vec::new();
-        for (id, a) in &self.active {
+        for (id, a) in active {
             if !self.streams.is_tracked(id) {
                 let dir = self.io.layout.dir(id);
                 let cursor: Cursor =
@@ -134,14 +151,14 @@ impl Node {
     }
 
     /// Reads whatever is due (and, for a workload that just ended, its rest at once).
-    pub(super) fn pump_streams(&mut self, _interval_due: bool) {
-        self.sync_streams();
+    pub(super) fn pump(mut self) {
+        self.sync();
         let now = self.io.clock.now();
         self.with_streams(|part, out| part.pump(now, out));
     }
 
     /// What the tailer thread did.
-    pub(super) fn on_tail(&mut self, ev: Event) {
+    pub(super) fn on_tail(mut self, ev: Event) {
         if let Event::Persisted {
             result: Err(e),
             path,
@@ -149,70 +166,34 @@ impl Node {
         } = &ev
         {
             // A full disk: once a minute, not once per chunk (D28).
-            if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
+            if let Some(held) = self.disk.ready(self.io.clock.now()) {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),
-                    super::workloads::held_note(held)
+                    crate::logtext::held_note(held)
                 );
             }
         }
-        self.sync_streams();
+        self.sync();
         let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_tail(ev, now, out));
-        self.life.metrics.log_bytes = self.life.metrics.log_bytes.saturating_add(n);
+        *self.log_bytes = self.log_bytes.saturating_add(n);
     }
 
     /// A log chunk's request ended: acknowledged (`ok`), refused or timed out.
-    pub(super) fn on_log_ack(&mut self, key: &Key, ok: bool) {
+    pub(super) fn on_ack(mut self, key: &Key, ok: bool) {
         let now = self.io.clock.now();
         let n = self.with_streams(|part, out| part.on_ack(key, ok, now, out));
-        self.life.metrics.log_bytes = self.life.metrics.log_bytes.saturating_add(n);
-    }
-
-    /// Forgets chunks in flight (after a lost connection): they are read and sent again.
-    pub(super) fn reset_streams(&mut self) {
-        let now = self.io.clock.now();
-        self.streams.reset(now);
-        self.session.forget(|op| matches!(op, Op::Log(_)));
-    }
-
-    /// The next moment the streams have something due (none while nothing waits).
-    pub(super) fn next_stream_due(&self) -> Option<Instant> {
-        self.streams.next_due()
-    }
-
-    /// True once every stream of a finished workload was shipped to its end, or the drain limit
-    /// passed.
-    pub(super) fn drained(&self, id: &str, now: Instant) -> bool {
-        let Some(a) = self.active.get(id) else {
-            return true;
-        };
-        let Phase::Draining { until, .. } = &a.phase else {
-            return false;
-        };
-        if now >= *until {
-            let left = self.streams.undrained(id);
-            if !left.is_empty() {
-                log::warn!(
-                    "{} {}: {} not fully shipped before its completion (backend unreachable?)",
-                    a.meta.kind,
-                    crate::logtext::shown(&a.meta.request_id_text()),
-                    left.join(" and ")
-                );
-            }
-            return true;
-        }
-        self.streams.drained(id)
+        *self.log_bytes = self.log_bytes.saturating_add(n);
     }
 
     /// Ships the install script's output (captured in `install_logs/`) once, after the first
     /// registration: the last 1 MiB of each stream at most, in 64 KiB chunks.
-    pub(super) fn ship_install_logs(&mut self) {
+    pub(super) fn ship_install(mut self) {
         if self.streams.install_shipped() || !self.session.registered() {
             return;
         }
-        self.sync_streams();
+        self.sync();
         let dir = self.s.config_dir.value.join("install_logs");
         let texts = streams::STREAM_NAMES.map(|name| {
             crate::workload::tail(
@@ -222,4 +203,34 @@ impl Node {
         });
         self.with_streams(|part, out| part.ship_install(texts, out));
     }
+}
+
+/// Forgets chunks in flight (after a lost connection): they are read and sent again.
+pub(super) fn reset(streams: &mut Streams, session: &mut Session<Op>, now: Instant) {
+    streams.reset(now);
+    session.forget(|op| matches!(op, Op::Log(_)));
+}
+
+/// True once every stream of a finished workload was shipped to its end, or the drain limit
+/// passed.
+pub(super) fn drained(streams: &Streams, active: &Table, id: &str, now: Instant) -> bool {
+    let Some(a) = active.get(id) else {
+        return true;
+    };
+    let Phase::Draining { until, .. } = &a.phase else {
+        return false;
+    };
+    if now >= *until {
+        let left = streams.undrained(id);
+        if !left.is_empty() {
+            log::warn!(
+                "{} {}: {} not fully shipped before its completion (backend unreachable?)",
+                a.meta.kind,
+                crate::logtext::shown(&a.meta.request_id_text()),
+                left.join(" and ")
+            );
+        }
+        return true;
+    }
+    streams.drained(id)
 }

@@ -1,21 +1,24 @@
 //! The workload table's [`Outbound`] on the loop's real pieces: signals through procinfo,
 //! requests over MQTT (recorded as pending), jobs for the workers, records in the state dir.
-//! What needs the whole node (shipping logs, building and queueing a completion) is done by the
-//! loop right after the table's call returns ([`Node::with_table`]).
+//! What needs more than the table (shipping logs, building and queueing a completion) is done
+//! right after the table's call returns (`workloads::Work::with_table`).
 
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::io::Io;
+use super::io::Wire;
+use super::parts::Op;
 use super::session::Session;
-use super::table::{Outbound, Request, Table};
-use super::{Node, Op, Wire};
+use super::table::{Outbound, Request};
+use crate::config::Settings;
 use crate::workers::Job;
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Layout, Meta};
 
 /// What the loop does once the table's call returned.
-enum Later {
+pub(super) enum Later {
     ShipLogs,
     Report {
         id: String,
@@ -25,7 +28,7 @@ enum Later {
     },
 }
 
-struct NodeOut<'a> {
+pub(super) struct NodeOut<'a> {
     connected: bool,
     /// Requests go through the broker session, which keeps them until their reply.
     session: &'a mut Session<Op>,
@@ -36,7 +39,30 @@ struct NodeOut<'a> {
     later: Vec<Later>,
 }
 
-impl NodeOut<'_> {
+impl<'a> NodeOut<'a> {
+    /// The table's [`Outbound`] for one call at `now`: requests through `session`.
+    pub(super) fn new(
+        session: &'a mut Session<Op>,
+        io: &'a Io,
+        s: &'a Settings,
+        now: Instant,
+    ) -> Self {
+        NodeOut {
+            connected: session.connected(),
+            session,
+            wire: io.wire(s),
+            layout: &io.layout,
+            timeout: s.tuning.request_timeout,
+            now,
+            later: Vec::new(),
+        }
+    }
+
+    /// What the table left for the loop, in the order it asked.
+    pub(super) fn into_later(self) -> Vec<Later> {
+        self.later
+    }
+
     fn send(&mut self, op: Op, topic: &str, body: &Value) -> Vec<u8> {
         self.session
             .request(op, topic, body, self.timeout, self.now, &mut self.wire)
@@ -115,45 +141,29 @@ impl Outbound for NodeOut<'_> {
     }
 
     fn retire(&mut self, id: &str) {
-        super::workloads::retire(self.layout, id);
+        retire(self.layout, id);
     }
 }
 
-impl Node {
-    /// Runs `f` on the workload table with the real [`Outbound`], then does what it left for
-    /// the loop (logs to ship, completions to queue).
-    pub(super) fn with_table<R>(
-        &mut self,
-        f: impl FnOnce(&mut Table, &mut dyn Outbound, Instant) -> R,
-    ) -> R {
-        let now = self.io.clock.now();
-        let mut out = NodeOut {
-            connected: self.session.connected(),
-            session: &mut self.session,
-            wire: self.io.wire(&self.s),
-            layout: &self.io.layout,
-            timeout: self.s.tuning.request_timeout,
-            now,
-            later: Vec::new(),
-        };
-        let r = f(&mut self.active, &mut out, now);
-        let later = out.later;
-        let mut shipped = false;
-        for l in later {
-            match l {
-                Later::ShipLogs if !shipped => {
-                    shipped = true;
-                    self.pump_streams(false);
-                }
-                Later::ShipLogs => {}
-                Later::Report {
-                    id,
-                    meta,
-                    exit,
-                    lost,
-                } => self.complete(&id, *meta, exit, lost),
-            }
+/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
+/// a half-deleted record that a restart would misread), then the deletion.
+fn retire(layout: &Layout, safe_id: &str) {
+    let dir = layout.dir(safe_id);
+    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
+    let target = match std::fs::rename(&dir, &trash) {
+        Ok(()) => trash,
+        Err(e) => {
+            log::warn!(
+                "cannot retire {}: {e}",
+                crate::logtext::shown(&dir.display().to_string())
+            );
+            return;
         }
-        r
+    };
+    if let Err(e) = std::fs::remove_dir_all(&target) {
+        log::warn!(
+            "cannot remove {}: {e}",
+            crate::logtext::shown(&target.display().to_string())
+        );
     }
 }

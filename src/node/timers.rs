@@ -1,78 +1,115 @@
-//! The loop's own clocks ([`Timers`]) and the periodic work they drive ([`Node::tick`]).
+//! The loop's periodic work ([`tick`], after every event and every wake-up) and when it is next
+//! due ([`next_wake`]): the loop sleeps exactly until then. An idle node wakes for its
+//! heartbeat and little else; while workloads run it wakes at least every [`BUSY_TICK`].
 
 use std::time::{Duration, Instant};
 
-use super::Node;
-use crate::util;
+use super::operate;
+use super::parts::{Due, EXIT_OK};
+use super::session_in;
+use super::shutdown;
+use super::starts_out::Start;
 
+/// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
+/// each of which has its own deadline in [`next_wake`].
+pub const BUSY_TICK: Duration = Duration::from_secs(1);
+/// The loop's longest sleep when nothing is tracked (a heartbeat is due sooner anyway).
+pub const IDLE_TICK: Duration = Duration::from_secs(60);
+/// Retrying outbox writes that a full disk refused (D28).
+const DISK_RETRY: Duration = Duration::from_secs(1);
 /// How often events that `emit` queued itself are looked for while workloads run (they are
 /// the ones that emit) or the queue is not empty; an idle node looks once a minute.
 const RESCAN_BUSY: Duration = Duration::from_secs(2);
 const RESCAN_IDLE: Duration = Duration::from_secs(60);
 
-/// The loop's own clocks: when its periodic work is next due, and how often an error that
-/// repeats may be logged.
-pub(super) struct Timers {
-    pub(super) due: Due,
-    pub(super) throttle: Throttles,
-}
-
-/// When the loop's periodic work is next due.
-pub(super) struct Due {
-    /// A standalone node's watchdog ping (no heartbeats feed it).
-    pub(super) watchdog: Instant,
-    /// Looking for events `emit` queued by itself.
-    pub(super) rescan: Instant,
-    pub(super) metrics: Instant,
-    pub(super) prune: Instant,
-}
-
-/// Errors logged at most once a minute.
-#[derive(Default)]
-pub(super) struct Throttles {
-    /// Full-disk errors (D28).
-    pub(super) disk: crate::logtext::Throttle,
-    /// Requests the broker refused in its PUBACK (D34).
-    pub(super) refusals: crate::logtext::Throttle,
-}
-
-impl Node {
-    /// The loop's periodic work: run after every event and every wake-up.
-    pub(super) fn tick(&mut self) {
-        let now = self.io.clock.now();
-        let publishing = self.publishing();
-        let happened = self
-            .session
-            .tick(publishing, now, &mut self.io.wire(&self.s));
-        self.carry_out(happened);
-        self.tick_workloads();
-        self.retry_deferred_starts();
-        if now >= self.timers.due.rescan {
-            // Events `emit` queued by itself while the node was unreachable.
-            self.ingress.queue.rescan();
-            let every = if self.active.is_empty() && self.ingress.queue.is_empty() {
-                RESCAN_IDLE
-            } else {
-                RESCAN_BUSY
-            };
-            self.timers.due.rescan = now.checked_add(every).unwrap_or(now);
-        }
-        self.with_ingress(|i, out| i.send(out));
-        self.check_drain_after_one(now);
-        self.write_metrics(now);
-        self.prune_old_files(now);
-        if self.s.standalone && self.session.connected() && now >= self.timers.due.watchdog {
-            // No heartbeats without a backend: a live broker connection feeds the watchdog.
-            crate::systemd::notify("WATCHDOG=1");
-            self.timers.due.watchdog = util::later(now, Duration::from_secs(10));
-        }
-        self.flush_outbox();
-        self.pump_streams(true);
-        self.finish_stopping_workloads();
-        if let Some(s) = &self.life.shutdown {
-            if now >= s.deadline {
-                self.life.exit = Some(s.exit_code);
-            }
+/// The loop's periodic work: run after every event and every wake-up.
+pub(super) fn tick(st: &mut Start<'_>, due: &mut Due) {
+    let now = st.work.now();
+    session_in::tick(st, now);
+    st.work.tick();
+    st.retry_deferred();
+    let w = &mut st.work;
+    if now >= due.rescan {
+        // Events `emit` queued by itself while the node was unreachable.
+        w.ingress.queue.rescan();
+        let every = if w.active.is_empty() && w.ingress.queue.is_empty() {
+            RESCAN_IDLE
+        } else {
+            RESCAN_BUSY
+        };
+        due.rescan = now.checked_add(every).unwrap_or(now);
+    }
+    w.with_ingress(|i, out| i.send(out));
+    if operate::drain_after_one_done(w.s, w.life, w.active, w.outbox, now) {
+        shutdown::begin(w, EXIT_OK, "--drain-after-one: the workload completed");
+    }
+    let queued = w.outbox.len().saturating_add(w.ingress.queue.len());
+    let (active, starts) = (&*w.active, &*w.starts);
+    operate::write_metrics(
+        w.s,
+        &mut due.metrics,
+        now,
+        w.life,
+        queued,
+        active,
+        starts,
+        w.gpu,
+    );
+    operate::prune_old_files(w.s, &mut due.prune, w.active, &w.io.layout, now);
+    if w.s.standalone && w.session.connected() && now >= due.watchdog {
+        // No heartbeats without a backend: a live broker connection feeds the watchdog.
+        crate::systemd::notify("WATCHDOG=1");
+        due.watchdog = crate::util::later(now, Duration::from_secs(10));
+    }
+    w.outgoing().flush();
+    w.logs().pump();
+    shutdown::finish_stopping_workloads(w.life, w.active, w.outbox, w.session, w.io, w.s);
+    if let Some(s) = &w.life.shutdown {
+        if now >= s.deadline {
+            w.life.exit = Some(s.exit_code);
         }
     }
+}
+
+/// The earliest moment something is due: every timer that [`tick`] acts on has its deadline
+/// here.
+pub(super) fn next_wake(st: &Start<'_>, due: &Due, now: Instant) -> Instant {
+    let w = &st.work;
+    let cap = if w.active.is_empty() {
+        IDLE_TICK
+    } else {
+        BUSY_TICK
+    };
+    let mut t = now.checked_add(cap).unwrap_or(now);
+    let mut at = |d: Instant| t = t.min(d);
+    let open = w.life.shutdown.is_none();
+    let connected = w.session.connected();
+    let deadlines = [
+        w.session.next_due(),
+        w.life.shutdown.as_ref().map(|s| s.deadline),
+        // Only while a stream has unsent bytes: growth of a file arrives as an event.
+        w.streams.next_due(),
+        w.active.next_due(),
+        connected.then(|| w.outbox.next_try()).flatten(),
+        connected.then(|| w.ingress.queue.head_next_try()).flatten(),
+        w.outbox
+            .has_pending_writes()
+            .then(|| now.checked_add(DISK_RETRY).unwrap_or(now)),
+        Some(due.rescan),
+        w.s.metrics_file.is_some().then_some(due.metrics),
+        (w.s.log_retention_days.value > 0).then_some(due.prune),
+        (w.s.standalone && connected).then_some(due.watchdog),
+    ];
+    deadlines.into_iter().flatten().for_each(&mut at);
+    for (.., until) in &st.heal.deferred {
+        at(*until);
+    }
+    if let Some(since) = w.life.drain.idle_since {
+        if w.s.drain_after_one && open && w.active.is_empty() {
+            at(since
+                .checked_add(operate::DRAIN_AFTER_ONE_WAIT)
+                .unwrap_or(since));
+        }
+    }
+    t
 }

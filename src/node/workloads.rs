@@ -1,203 +1,182 @@
-//! The node's side of workloads: starting (exactly once per request id, within capacity),
-//! the cancel command, building and queueing completions (exactly once, through the outbox),
-//! and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
+//! The node's side of workloads ([`Work`], the parts their events touch): building and queueing
+//! completions (exactly once, through the outbox), and re-adopting workloads after a restart. Where a workload is, its timers and its uploads
 //! belong to the workload table (`table.rs`), which this file drives through
-//! [`Node::with_table`].
+//! [`Work::with_table`].
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::interrupted::{self, Taken};
-use super::table::{Active, SALVAGED};
-use super::{Node, Op};
+use std::time::{Duration, Instant};
+
+use super::gpus::{self, Gpus};
+use super::gpus_out;
+use super::ingress::{self, Ingress};
+use super::interrupted::Taken;
+use super::io::{Io, Replies};
+use super::parts::{Life, Metrics, Op, Throttles};
+use super::session::Session;
+use super::starts::Starts;
+use super::streams::Streams;
+use super::streams_out;
+use super::table::{self, Table, SALVAGED};
+use super::table_out;
+use crate::config::Settings;
 use crate::logtext::shown;
+use crate::logtext::Throttle;
 use crate::outbox::Item;
+use crate::outbox::Outbox;
+use crate::protocol::replies::Reply;
 use crate::store;
 use crate::workers::Done;
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Layout, Meta};
 
-impl Node {
-    /// A non-terminal workload status (R7): sent once, its failure only logged.
-    pub(super) fn workload_status(&mut self, wl: &str, body: Value) {
-        if wl.is_empty() {
-            return;
+/// How a workload found at recovery ended: its exit record, and what was lost when it is a
+/// failure the node reports itself.
+pub(super) type Ending = (Option<Exit>, Option<&'static str>);
+
+/// [`Work::recover`]'s workloads: the notes of starts whose workload started move from
+/// `notes` to `started`, with the `ok` output of their start.
+/// Each one is handed to `adopt`, with its end when it is known to have ended.
+pub(super) fn recover_workloads(
+    layout: &Layout,
+    notes: &mut BTreeMap<String, Taken>,
+    started: &mut Vec<(String, Taken, Value)>,
+    adopt: &mut dyn FnMut(String, Meta, Option<Ending>),
+) {
+    let _ = store::ensure_dir_or_quarantine(&layout.workloads());
+    let Ok(entries) = std::fs::read_dir(layout.workloads()) else {
+        return;
+    };
+    let boot = procinfo::boot_id();
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        if !dir.is_dir() {
+            continue;
         }
-        let topic = self.io.topics.workload_status(wl);
-        self.request(
-            Op::WorkloadStatus,
-            &topic,
-            body,
-            self.s.tuning.request_timeout,
-        );
-    }
-
-    /// Self-heal: terminate a stale workload; it will be forgotten without a report.
-    pub(super) fn cancel_stale(&mut self, safe_id: &str, grace: Duration) -> Result<(), String> {
-        self.with_table(|t, out, now| t.cancel_stale(safe_id, grace, now, out))
-    }
-
-    // ---- exits and completion ---------------------------------------------------------------
-
-    pub(super) fn on_reaped(&mut self, pid: i32) {
-        self.with_table(|t, out, now| t.on_reaped(pid, now, out));
-    }
-
-    /// A workload known to have ended (found at recovery).
-    fn begin_ending(&mut self, safe_id: &str, exit: Option<Exit>, lost: Option<&'static str>) {
-        self.with_table(|t, out, now| t.end(safe_id, exit, lost, now, out));
-    }
-
-    /// Reports the end of a workload exactly once (through the outbox); the table no longer
-    /// tracks it, and its record goes once the completion is safe ([`Table::completion_queued`]).
-    ///
-    /// [`Table::completion_queued`]: super::table::Table::completion_queued
-    pub(super) fn complete(
-        &mut self,
-        safe_id: &str,
-        meta: Meta,
-        exit: Option<Exit>,
-        lost: Option<&str>,
-    ) {
-        let pid = meta.pid();
-        let rid = meta.request_id_text();
-        if meta.cancel.as_ref().is_some_and(|c| c.stale) {
-            log::info!(
-                "stale {} {} (pid {pid}) is gone; forgotten without a completion",
-                meta.kind,
-                crate::logtext::shown(&rid)
-            );
-            self.count_completion("stale");
-            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
-            self.retry_deferred_starts();
-            return;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".retired-") {
+            let _ = std::fs::remove_dir_all(&dir); // reported already; deletion was cut short
+            continue;
         }
-        let (body, label) = match &meta.cancel {
-            Some(c) if !c.timed_out => self.cancelled_body(&meta, c, exit.as_ref(), &rid),
-            _ => self.finished_body(&meta, exit.as_ref(), lost, &rid),
+        if name.ends_with(".corrupt") {
+            continue;
+        }
+        // Every file is validated; an invalid one is quarantined, and a workload whose
+        // record is bad is still tracked by what can be proven about it.
+        let (meta, salvaged) = match workload::recover_meta(layout, &dir, &name) {
+            workload::Recovered::Intact(m) => (m, false),
+            workload::Recovered::Salvaged(m) => (m, true),
         };
-        let mut body = body;
-        if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
-            super::gpus::put(&mut body, "gpu", g); // D38
-        }
-        self.gpu_update_sampling();
-        match self.send_completion(safe_id, &meta, body, label, &rid) {
-            // D28: kept in memory and sent all the same; the workload's record stays until the
-            // backend acknowledged it, so a restart still knows.
-            Some(seq) => {
-                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
-                self.flush_outbox();
+        let shown = store::clip(&name, 80);
+        let Some(st) = meta.started.clone() else {
+            if salvaged {
+                // Nothing proves which process it was: report it (once) and retire it.
+                report_unprovable(name, meta, adopt);
+            } else {
+                log::warn!("workload {shown} never started (the node stopped while starting it); forgetting it");
+                let _ = std::fs::remove_dir_all(&dir);
             }
-            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
-        }
-        self.retry_deferred_starts();
-    }
-
-    /// The status a cancelled workload ends with (training: `failed`, else `cancelled`), and
-    /// its outbox label.
-    fn cancelled_body(
-        &mut self,
-        meta: &Meta,
-        c: &crate::workload::record::Cancel,
-        exit: Option<&Exit>,
-        rid: &str,
-    ) -> (Value, String) {
-        let pid = meta.pid();
-        let status = if meta.kind == crate::protocol::commands::Kind::Training {
-            "failed"
-        } else {
-            "cancelled"
+            continue;
         };
-        let how = cancel_message(c, exit);
-        log::info!(
-            "{} {} (pid {pid}): {}",
-            meta.kind,
-            crate::logtext::shown(rid),
-            crate::logtext::shown(&how)
-        );
-        self.count_completion("cancelled");
-        self.with_ingress(|i, out| {
-            i.report_finished(meta, false, exit.map(Exit::code), Some(how.clone()), out)
-        });
-        let mut body = json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
-        if let Some(r) = &c.reason {
-            crate::util::set(&mut body, "reason", json!(r));
-        }
-        (body, format!("{status} status of {} {rid}", meta.kind))
-    }
-
-    /// The completion of a workload that ended by itself, timed out or was lost, and its
-    /// outbox label.
-    fn finished_body(
-        &mut self,
-        meta: &Meta,
-        exit: Option<&Exit>,
-        lost: Option<&str>,
-        rid: &str,
-    ) -> (Value, String) {
-        let pid = meta.pid();
-        let code = exit.map(Exit::code);
-        let timed_out = meta.cancel.as_ref().is_some_and(|c| c.timed_out);
-        let success = code == Some(0) && lost.is_none() && !timed_out;
-        let mut body = json!({"status": "completed", "success": success});
-        if let Some(c) = code {
-            crate::util::set(&mut body, "exit_code", json!(c));
-        }
-        if !success {
-            let fallback = match (exit.and_then(|e| e.signal), code) {
-                (Some(s), _) => format!(
-                    "{} was killed by {} (signal {s}).",
-                    meta.kind,
-                    procinfo::signal_name(s)
-                ),
-                (None, Some(c)) => format!("{} exited with code {c}.", meta.kind),
-                (None, None) => {
-                    format!("{} failed before reporting an exit code.", meta.kind)
+        if salvaged {
+            log::error!(
+                "workload {shown} has no valid record ({}); tracking it by its pid {} and reporting its end as a failure{}",
+                store::clip(meta.salvaged.as_deref().unwrap_or(""), 300),
+                st.pid,
+                if meta.workload_uuid.is_none() {
+                    " (its workload uuid is unknown: the backend cannot be told)"
+                } else {
+                    ""
                 }
-            };
-            let (mut error, stderr) = workload::failure_summary(meta, &fallback);
-            if let Some(l) = lost {
-                error = l.to_string();
-            }
-            if timed_out {
-                error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
-            }
-            crate::util::set(&mut body, "error", json!(error));
-            if let Some(s) = stderr {
-                crate::util::set(&mut body, "stderr", json!(s));
-            }
+            );
         }
-        self.with_ingress(|i, out| {
-            i.report_finished(
+        let exit: Option<Exit> = workload::load_exit(&dir);
+        // Outside text in a log line: escaped and cut (D31).
+        let rid = store::clip(&meta.request_id_text(), 120);
+        if let Some(taken) = notes.remove(&name) {
+            started.push((name.clone(), taken, start_output(&meta)));
+        }
+        // Its log streams resume from its cursor (node/streams_out.rs reads it).
+        if salvaged && (exit.is_some() || !alive(&st)) {
+            adopt(name, meta, Some((exit, Some(SALVAGED))));
+        } else if exit.is_some() {
+            log::info!("workload {rid} ended while the node was down; reporting it");
+            adopt(name, meta, Some((exit, None)));
+        } else if !st.boot_id.is_empty() && st.boot_id != boot {
+            log::warn!("workload {rid} was lost: the host rebooted");
+            adopt(
+                name,
                 meta,
-                success,
-                code,
-                body.get("error").and_then(Value::as_str).map(String::from),
-                out,
-            )
-        });
-        self.count_completion(if success {
-            "success"
-        } else if lost.is_some() {
-            "lost"
+                Some((None, Some("workload lost: host rebooted"))),
+            );
+        } else if alive(&st) {
+            log::info!("re-adopted running workload {rid} (pid {})", st.pid);
+            adopt(name, meta, None);
         } else {
-            "failure"
-        });
-        log::info!(
-            "{} {} (pid {pid}) finished: {}{}",
-            meta.kind,
-            crate::logtext::shown(rid),
-            if success { "success" } else { "failure" },
-            code.map(|c| format!(", exit code {c}")).unwrap_or_default()
-        );
-        (body, format!("completion of {} {rid}", meta.kind))
+            log::warn!("workload {rid} was lost while the node was down");
+            adopt(
+                name,
+                meta,
+                Some((
+                    None,
+                    Some("workload lost: node restarted and no exit status was recorded"),
+                )),
+            );
+        }
+    }
+}
+
+/// A workload whose record did not validate and that no pid identity ties to a process:
+/// its end is reported once (a failure, when its workload uuid is known; an ERROR line
+/// otherwise) and its directory retired.
+fn report_unprovable(
+    name: String,
+    meta: Meta,
+    adopt: &mut dyn FnMut(String, Meta, Option<Ending>),
+) {
+    let shown = store::clip(&name, 80);
+    let why = store::clip(meta.salvaged.as_deref().unwrap_or(""), 300);
+    match &meta.workload_uuid {
+        Some(wl) => log::error!(
+            "workload {shown} has no valid record ({why}) and no proof of its process; reporting workload {} as failed",
+            store::clip(wl, 80)
+        ),
+        None => log::error!(
+            "workload {shown} has no valid record ({why}), no proof of its process and no known workload uuid; it cannot be reported to the backend and is forgotten"
+        ),
+    }
+    adopt(name, meta, Some((None, Some(SALVAGED))));
+}
+
+/// The outbox and what sending from it touches, borrowed apart from the node for one call
+/// (built by [`Work::outgoing`]): the broker session its messages go through, the
+/// io handles, the settings and the throttle of full-disk errors.
+pub(super) struct Outgoing<'a> {
+    pub(super) outbox: &'a mut Outbox,
+    pub(super) session: &'a mut Session<Op>,
+    pub(super) io: &'a Io,
+    pub(super) s: &'a Settings,
+    pub(super) disk: &'a mut Throttle,
+}
+
+impl Outgoing<'_> {
+    fn request(
+        &mut self,
+        op: Op,
+        topic: &str,
+        body: Value,
+        timeout: std::time::Duration,
+    ) -> Vec<u8> {
+        let now = self.io.clock.now();
+        self.session
+            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
     }
 
     /// Sends a workload's end: through the outbox (once per workload), or published once by a
     /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
-    fn send_completion(
+    pub(super) fn send_completion(
         &mut self,
         safe_id: &str,
         meta: &Meta,
@@ -216,18 +195,18 @@ impl Node {
                     body,
                     self.s.tuning.request_timeout,
                 );
-            } else if !self.durable.outbox.has_key(&key) {
+            } else if !self.outbox.has_key(&key) {
                 let item = Item {
                     topic,
                     body,
                     label,
                     key: Some(key),
                 };
-                match self.durable.outbox.push(item) {
-                    Ok(_) => self.flush_outbox(),
+                match self.outbox.push(item) {
+                    Ok(_) => self.flush(),
                     Err((seq, e)) => {
-                        if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
-                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), held_note(held));
+                        if let Some(held) = self.disk.ready(self.io.clock.now()) {
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), crate::logtext::held_note(held));
                         }
                         return Some(seq);
                     }
@@ -237,14 +216,13 @@ impl Node {
         None
     }
 
-    // ---- the outbox -------------------------------------------------------------------------
-
-    pub(super) fn flush_outbox(&mut self) {
-        if self.durable.outbox.has_pending_writes() {
-            let left = self.durable.outbox.persist_pending();
+    /// Writes what the disk refused before, then sends what is due (while connected).
+    pub(super) fn flush(&mut self) {
+        if self.outbox.has_pending_writes() {
+            let left = self.outbox.persist_pending();
             if left > 0 {
-                if let Some(held) = self.timers.throttle.disk.ready(self.io.clock.now()) {
-                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", held_note(held));
+                if let Some(held) = self.disk.ready(self.io.clock.now()) {
+                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", crate::logtext::held_note(held));
                 }
             }
         }
@@ -252,10 +230,10 @@ impl Node {
             return;
         }
         let now = self.io.clock.now();
-        for (seq, item) in self.durable.outbox.due(now) {
+        for (seq, item) in self.outbox.due(now) {
             if !crate::protocol::topics::publishable(&item.topic) {
                 // Queued by an older version or planted: no broker would take it (D34).
-                if let Some((item, aside)) = self.durable.outbox.quarantine(seq) {
+                if let Some((item, aside)) = self.outbox.quarantine(seq) {
                     log::error!(
                         "the {} has an invalid topic; set aside in {} and not sent",
                         crate::logtext::shown(&item.label),
@@ -270,261 +248,156 @@ impl Node {
                 item.body.clone(),
                 self.s.tuning.request_timeout,
             );
-            self.durable.outbox.sent(seq, corr);
+            self.outbox.sent(seq, corr);
         }
     }
 
-    pub(super) fn on_outbox_reply(
+    /// The reply to outbox message `seq` (or its timeout); true when the backend acknowledged
+    /// it (the table then lets the workload's record go).
+    pub(super) fn on_reply(
         &mut self,
         seq: u64,
         body: Option<crate::protocol::replies::Reply>,
-    ) {
+    ) -> bool {
         match body {
             Some(b) if b.success => {
-                if let Some(item) = self.durable.outbox.acknowledged(seq) {
+                if let Some(item) = self.outbox.acknowledged(seq) {
                     log::info!(
                         "backend acknowledged the {}",
                         crate::logtext::shown(&item.label)
                     );
                 }
-                self.with_table(|t, out, _| t.acknowledged(seq, out));
+                true
             }
             Some(b) if b.code.is_some_and(|c| c < 500) => {
-                if let Some(item) = self.durable.outbox.acknowledged(seq) {
+                if let Some(item) = self.outbox.acknowledged(seq) {
                     log::error!(
                         "backend refused the {} ({}); not retried",
                         crate::logtext::shown(&item.label),
                         crate::logtext::shown(&b.message)
                     );
                 }
+                false
             }
             _ => {
                 log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.durable.outbox.retry_later(seq, self.io.clock.now());
+                self.outbox.retry_later(seq, self.io.clock.now());
+                false
             }
-        }
-    }
-
-    // ---- timers and answers for the table ----------------------------------------------------
-
-    pub(super) fn tick_workloads(&mut self) {
-        let now = self.io.clock.now();
-        // The streams' verdict, read before the table is borrowed.
-        let drained: Vec<String> = self
-            .active
-            .draining()
-            .into_iter()
-            .filter(|id| self.drained(id, now))
-            .collect();
-        self.with_table(|t, out, now| t.tick(now, &drained, out));
-    }
-
-    pub(super) fn on_signed_url_reply(&mut self, id: &str, body: Option<Value>) {
-        self.with_table(|t, out, now| t.on_signed_url_reply(id, body, now, out));
-    }
-
-    pub(super) fn on_upload_reply(&mut self, id: &str, ok: bool) {
-        self.with_table(|t, out, now| t.on_upload_reply(id, ok, now, out));
-    }
-
-    pub(super) fn on_worker_done(&mut self, done: Done) {
-        match done {
-            Done::CheckWorkload { key, check } => self.on_workload_check(&key, check),
-            done => self.with_table(|t, out, now| t.on_worker_done(done, now, out)),
-        }
-    }
-
-    /// Workloads uploading their results.
-    pub(super) fn uploading(&self) -> usize {
-        self.active.uploading()
-    }
-
-    /// D24: the workload's own results folder (see [`super::table::Table::results_dir_for`]).
-    pub(super) fn results_dir_for(&self, safe_id: &str) -> Option<std::path::PathBuf> {
-        self.active.results_dir_for(safe_id)
-    }
-
-    // ---- recovery ---------------------------------------------------------------------------
-
-    /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
-    /// answers of the starts the node before this one took and did not answer (D53).
-    pub(super) fn recover(&mut self) {
-        let mut notes: BTreeMap<String, Taken> =
-            interrupted::load_all(&self.io.layout).into_iter().collect();
-        let mut started = Vec::new();
-        self.recover_workloads(&mut notes, &mut started);
-        self.settle_interrupted(started, notes);
-    }
-
-    /// [`Node::recover`]'s workloads: the notes of starts whose workload started move from
-    /// `notes` to `started`, with the `ok` output of their start.
-    fn recover_workloads(
-        &mut self,
-        notes: &mut BTreeMap<String, Taken>,
-        started: &mut Vec<(String, Taken, Value)>,
-    ) {
-        let _ = store::ensure_dir_or_quarantine(&self.io.layout.workloads());
-        let Ok(entries) = std::fs::read_dir(self.io.layout.workloads()) else {
-            return;
-        };
-        let boot = procinfo::boot_id();
-        let now = self.io.clock.now();
-        for entry in entries.flatten() {
-            let dir = entry.path();
-            if !dir.is_dir() {
-                continue;
-            }
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(".retired-") {
-                let _ = std::fs::remove_dir_all(&dir); // reported already; deletion was cut short
-                continue;
-            }
-            if name.ends_with(".corrupt") {
-                continue;
-            }
-            // Every file is validated; an invalid one is quarantined, and a workload whose
-            // record is bad is still tracked by what can be proven about it.
-            let (meta, salvaged) = match workload::recover_meta(&self.io.layout, &dir, &name) {
-                workload::Recovered::Intact(m) => (m, false),
-                workload::Recovered::Salvaged(m) => (m, true),
-            };
-            let shown = store::clip(&name, 80);
-            let Some(st) = meta.started.clone() else {
-                if salvaged {
-                    // Nothing proves which process it was: report it (once) and retire it.
-                    self.report_unprovable(&name, meta, now);
-                } else {
-                    log::warn!("workload {shown} never started (the node stopped while starting it); forgetting it");
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-                continue;
-            };
-            if salvaged {
-                log::error!(
-                    "workload {shown} has no valid record ({}); tracking it by its pid {} and reporting its end as a failure{}",
-                    store::clip(meta.salvaged.as_deref().unwrap_or(""), 300),
-                    st.pid,
-                    if meta.workload_uuid.is_none() {
-                        " (its workload uuid is unknown: the backend cannot be told)"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            let exit: Option<Exit> = workload::load_exit(&dir);
-            // Outside text in a log line: escaped and cut (D31).
-            let rid = store::clip(&meta.request_id_text(), 120);
-            if let Some(taken) = notes.remove(&name) {
-                started.push((name.clone(), taken, start_output(&meta)));
-            }
-            // Its log streams resume from its cursor (node/streams_out.rs reads it).
-            self.active
-                .insert(name.clone(), Active::new(meta, false, now));
-            if salvaged && (exit.is_some() || !alive(&st)) {
-                self.begin_ending(&name, exit, Some(SALVAGED));
-            } else if exit.is_some() {
-                log::info!("workload {rid} ended while the node was down; reporting it");
-                self.begin_ending(&name, exit, None);
-            } else if !st.boot_id.is_empty() && st.boot_id != boot {
-                log::warn!("workload {rid} was lost: the host rebooted");
-                self.begin_ending(&name, None, Some("workload lost: host rebooted"));
-            } else if alive(&st) {
-                log::info!("re-adopted running workload {rid} (pid {})", st.pid);
-            } else {
-                log::warn!("workload {rid} was lost while the node was down");
-                self.begin_ending(
-                    &name,
-                    None,
-                    Some("workload lost: node restarted and no exit status was recorded"),
-                );
-            }
-        }
-    }
-
-    /// A workload whose record did not validate and that no pid identity ties to a process:
-    /// its end is reported once (a failure, when its workload uuid is known; an ERROR line
-    /// otherwise) and its directory retired.
-    fn report_unprovable(&mut self, name: &str, meta: Meta, now: Instant) {
-        let shown = store::clip(name, 80);
-        let why = store::clip(meta.salvaged.as_deref().unwrap_or(""), 300);
-        match &meta.workload_uuid {
-            Some(wl) => log::error!(
-                "workload {shown} has no valid record ({why}) and no proof of its process; reporting workload {} as failed",
-                store::clip(wl, 80)
-            ),
-            None => log::error!(
-                "workload {shown} has no valid record ({why}), no proof of its process and no known workload uuid; it cannot be reported to the backend and is forgotten"
-            ),
-        }
-        self.active
-            .insert(name.to_string(), Active::new(meta, false, now));
-        self.begin_ending(name, None, Some(SALVAGED));
-    }
-
-    pub(super) fn active_workloads_json(&self) -> Value {
-        let now = workload::unix_now();
-        Value::Array(
-            self.active
-                .values()
-                .map(|a| {
-                    super::with_gpus(
-                        json!({
-                            "pid": a.meta.pid(),
-                            "type": a.meta.kind,
-                            "request_id": a.meta.request_id,
-                            "workload_uuid": a.meta.workload_uuid,
-                            "running_for_seconds": (now - a.meta.created_unix).max(0.0) as u64,
-                            "state": a.state(),
-                        }),
-                        &a.meta,
-                    )
-                })
-                .collect(),
-        )
-    }
-
-    pub(super) fn log_running_workloads(&self) {
-        for a in self.active.values() {
-            log::info!(
-                "left running: {} {} pid {} (logs {} and {})",
-                a.meta.kind,
-                crate::logtext::shown(&a.meta.request_id_text()),
-                a.meta.pid(),
-                crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
-                crate::logtext::shown(&a.meta.stderr_log.display().to_string())
-            );
         }
     }
 }
 
-/// " (N more like it held back)" for a throttled log line.
-pub(super) fn held_note(held: u64) -> String {
-    if held == 0 {
-        String::new()
+/// The status a cancelled workload ends with (training: `failed`, else `cancelled`), and
+/// its outbox label.
+pub(super) fn cancelled_body(
+    meta: &Meta,
+    c: &crate::workload::record::Cancel,
+    exit: Option<&Exit>,
+    rid: &str,
+    metrics: &mut Metrics,
+    ingress: &mut Ingress,
+    out: &mut dyn ingress::Outbound,
+) -> (Value, String) {
+    let pid = meta.pid();
+    let status = if meta.kind == crate::protocol::commands::Kind::Training {
+        "failed"
     } else {
-        format!(" ({held} more like it in the last minute not logged)")
+        "cancelled"
+    };
+    let how = cancel_message(c, exit);
+    log::info!(
+        "{} {} (pid {pid}): {}",
+        meta.kind,
+        crate::logtext::shown(rid),
+        crate::logtext::shown(&how)
+    );
+    metrics.count_completion("cancelled");
+    ingress.report_finished(meta, false, exit.map(Exit::code), Some(how.clone()), out);
+    let mut body = json!({"status": status, "message": how, "signal": c.signal, "pid": pid});
+    if let Some(r) = &c.reason {
+        crate::util::set(&mut body, "reason", json!(r));
     }
+    (body, format!("{status} status of {} {rid}", meta.kind))
 }
 
-/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
-/// a half-deleted record that a restart would misread), then the deletion.
-pub(super) fn retire(layout: &Layout, safe_id: &str) {
-    let dir = layout.dir(safe_id);
-    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
-    let target = match std::fs::rename(&dir, &trash) {
-        Ok(()) => trash,
-        Err(e) => {
-            log::warn!(
-                "cannot retire {}: {e}",
-                crate::logtext::shown(&dir.display().to_string())
-            );
-            return;
+/// The completion of a workload that ended by itself, timed out or was lost, and its
+/// outbox label.
+pub(super) fn finished_body(
+    meta: &Meta,
+    exit: Option<&Exit>,
+    lost: Option<&str>,
+    rid: &str,
+    metrics: &mut Metrics,
+    ingress: &mut Ingress,
+    out: &mut dyn ingress::Outbound,
+) -> (Value, String) {
+    let pid = meta.pid();
+    let code = exit.map(Exit::code);
+    let timed_out = meta.cancel.as_ref().is_some_and(|c| c.timed_out);
+    let success = code == Some(0) && lost.is_none() && !timed_out;
+    let mut body = json!({"status": "completed", "success": success});
+    if let Some(c) = code {
+        crate::util::set(&mut body, "exit_code", json!(c));
+    }
+    if !success {
+        let fallback = match (exit.and_then(|e| e.signal), code) {
+            (Some(s), _) => format!(
+                "{} was killed by {} (signal {s}).",
+                meta.kind,
+                procinfo::signal_name(s)
+            ),
+            (None, Some(c)) => format!("{} exited with code {c}.", meta.kind),
+            (None, None) => {
+                format!("{} failed before reporting an exit code.", meta.kind)
+            }
+        };
+        let (mut error, stderr) = workload::failure_summary(meta, &fallback);
+        if let Some(l) = lost {
+            error = l.to_string();
         }
-    };
-    if let Err(e) = std::fs::remove_dir_all(&target) {
-        log::warn!(
-            "cannot remove {}: {e}",
-            crate::logtext::shown(&target.display().to_string())
+        if timed_out {
+            error = format!("timed out after {}s", meta.max_runtime_s.unwrap_or(0.0));
+        }
+        crate::util::set(&mut body, "error", json!(error));
+        if let Some(s) = stderr {
+            crate::util::set(&mut body, "stderr", json!(s));
+        }
+    }
+    ingress.report_finished(
+        meta,
+        success,
+        code,
+        body.get("error").and_then(Value::as_str).map(String::from),
+        out,
+    );
+    metrics.count_completion(if success {
+        "success"
+    } else if lost.is_some() {
+        "lost"
+    } else {
+        "failure"
+    });
+    log::info!(
+        "{} {} (pid {pid}) finished: {}{}",
+        meta.kind,
+        crate::logtext::shown(rid),
+        if success { "success" } else { "failure" },
+        code.map(|c| format!(", exit code {c}")).unwrap_or_default()
+    );
+    (body, format!("completion of {} {rid}", meta.kind))
+}
+
+/// At shutdown: the workloads left running, one line each.
+pub(super) fn log_running(active: &super::table::Table) {
+    for a in active.values() {
+        log::info!(
+            "left running: {} {} pid {} (logs {} and {})",
+            a.meta.kind,
+            crate::logtext::shown(&a.meta.request_id_text()),
+            a.meta.pid(),
+            crate::logtext::shown(&a.meta.stdout_log.display().to_string()),
+            crate::logtext::shown(&a.meta.stderr_log.display().to_string())
         );
     }
 }
@@ -553,6 +426,249 @@ fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
     match &c.reason {
         Some(r) => format!("{how} ({r})"),
         None => how,
+    }
+}
+
+/// The notes of the starts that the node before this one took and did not answer (D53):
+/// those whose workload started (with the `ok` output of their start), and the others.
+pub(super) type Recovered = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
+
+/// What a workload's events touch, borrowed apart from the node for one call (the loop builds
+/// it): the table and its [`table::Outbound`] (the session, io handles and settings), the
+/// streams (logs to ship), the outbox (completions), the ingress part (workflow reports), the
+/// GPUs (accounting) and the starts that hold some, the node's life (its counters) and the
+/// throttles of repeated errors.
+pub(super) struct Work<'a> {
+    pub(super) s: &'a Settings,
+    pub(super) io: &'a Io,
+    pub(super) session: &'a mut Session<Op>,
+    pub(super) life: &'a mut Life,
+    pub(super) active: &'a mut Table,
+    pub(super) outbox: &'a mut Outbox,
+    pub(super) starts: &'a mut Starts,
+    pub(super) streams: &'a mut Streams,
+    pub(super) ingress: &'a mut Ingress,
+    pub(super) gpu: &'a mut Gpus,
+    pub(super) throttle: &'a mut Throttles,
+}
+
+impl Work<'_> {
+    pub(super) fn now(&self) -> Instant {
+        self.io.clock.now()
+    }
+
+    /// Workloads that hold a slot: tracked ones and starts in flight.
+    pub(super) fn in_use(&self) -> usize {
+        self.active.len().saturating_add(self.starts.len())
+    }
+
+    /// Replies to the backend's commands.
+    pub(super) fn replies(&self) -> Replies<'_> {
+        Replies {
+            io: self.io,
+            session: self.session,
+        }
+    }
+
+    /// Sends one of the loop's requests through the session; returns its correlation.
+    pub(super) fn request(
+        &mut self,
+        op: Op,
+        topic: &str,
+        body: Value,
+        timeout: Duration,
+    ) -> Vec<u8> {
+        let now = self.now();
+        self.session
+            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
+    }
+
+    /// A non-terminal workload status (R7): sent once, its failure only logged.
+    pub(super) fn workload_status(&mut self, wl: &str, body: Value) {
+        if wl.is_empty() {
+            return;
+        }
+        let topic = self.io.topics.workload_status(wl);
+        let timeout = self.s.tuning.request_timeout;
+        self.request(Op::WorkloadStatus, &topic, body, timeout);
+    }
+
+    /// Runs `f` on the workload table with the real [`table::Outbound`], then does what it
+    /// left for the loop (logs to ship, completions to queue).
+    pub(super) fn with_table<R>(
+        &mut self,
+        f: impl FnOnce(&mut Table, &mut dyn table::Outbound, Instant) -> R,
+    ) -> R {
+        let now = self.now();
+        let mut out = table_out::NodeOut::new(self.session, self.io, self.s, now);
+        let r = f(self.active, &mut out, now);
+        let mut shipped = false;
+        for l in out.into_later() {
+            match l {
+                table_out::Later::ShipLogs if !shipped => {
+                    shipped = true;
+                    self.logs().pump();
+                }
+                table_out::Later::ShipLogs => {}
+                table_out::Later::Report {
+                    id,
+                    meta,
+                    exit,
+                    lost,
+                } => self.complete(&id, *meta, exit, lost),
+            }
+        }
+        r
+    }
+
+    pub(super) fn on_reaped(&mut self, pid: i32) {
+        self.with_table(|t, out, now| t.on_reaped(pid, now, out));
+    }
+
+    /// Reports the end of a workload exactly once (through the outbox); the table no longer
+    /// tracks it, and its record goes once the completion is safe
+    /// ([`Table::completion_queued`]). Deferred starts that it made room for go ahead at the
+    /// loop's next tick, in the same turn.
+    fn complete(&mut self, safe_id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&str>) {
+        let pid = meta.pid();
+        let rid = meta.request_id_text();
+        if meta.cancel.as_ref().is_some_and(|c| c.stale) {
+            log::info!(
+                "stale {} {} (pid {pid}) is gone; forgotten without a completion",
+                meta.kind,
+                shown(&rid)
+            );
+            self.life.metrics.count_completion("stale");
+            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
+            return;
+        }
+        let mut wire = ingress::Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: self.io,
+            disk_errors: &mut self.throttle.disk,
+        };
+        let (metrics, events) = (&mut self.life.metrics, &mut *self.ingress);
+        let (mut body, label) = match &meta.cancel {
+            Some(c) if !c.timed_out => {
+                cancelled_body(&meta, c, exit.as_ref(), &rid, metrics, events, &mut wire)
+            }
+            _ => finished_body(&meta, exit.as_ref(), lost, &rid, metrics, events, &mut wire),
+        };
+        if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
+            gpus::put(&mut body, "gpu", g); // D38
+        }
+        gpus_out::update_sampling(
+            self.gpu,
+            self.active,
+            self.starts,
+            self.io.gpu_monitor.as_ref(),
+        );
+        match self
+            .outgoing()
+            .send_completion(safe_id, &meta, body, label, &rid)
+        {
+            // D28: kept in memory and sent all the same; the workload's record stays until the
+            // backend acknowledged it, so a restart still knows.
+            Some(seq) => {
+                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
+                self.outgoing().flush();
+            }
+            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
+        }
+    }
+
+    /// The table's timers, with the streams' verdict on which ending workloads are drained.
+    pub(super) fn tick(&mut self) {
+        let now = self.now();
+        // The streams' verdict, read before the table is borrowed.
+        let drained: Vec<String> = self
+            .active
+            .draining()
+            .into_iter()
+            .filter(|id| streams_out::drained(self.streams, self.active, id, now))
+            .collect();
+        self.with_table(|t, out, now| t.tick(now, &drained, out));
+    }
+
+    /// A worker's result other than a self-heal lookup.
+    pub(super) fn on_worker_done(&mut self, done: Done) {
+        self.with_table(|t, out, now| t.on_worker_done(done, now, out));
+    }
+
+    /// The outbox and what sending from it touches.
+    pub(super) fn outgoing(&mut self) -> Outgoing<'_> {
+        Outgoing {
+            outbox: self.outbox,
+            session: self.session,
+            io: self.io,
+            s: self.s,
+            disk: &mut self.throttle.disk,
+        }
+    }
+
+    pub(super) fn on_outbox_reply(&mut self, seq: u64, body: Option<Reply>) {
+        if self.outgoing().on_reply(seq, body) {
+            self.with_table(|t, out, _| t.acknowledged(seq, out));
+        }
+    }
+
+    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
+    /// full-disk throttle).
+    pub(super) fn with_ingress<R>(
+        &mut self,
+        f: impl FnOnce(&mut Ingress, &mut dyn ingress::Outbound) -> R,
+    ) -> R {
+        let mut wire = ingress::Wire {
+            connected: self.session.connected(),
+            now: self.io.clock.now(),
+            io: self.io,
+            disk_errors: &mut self.throttle.disk,
+        };
+        f(self.ingress, &mut wire)
+    }
+
+    /// `emit` from a workload, through the control socket: its owner found by its token.
+    pub(super) fn on_emit(&mut self, body: &Value) -> Value {
+        let owner = ingress::owner_of(self.active, body);
+        self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
+    }
+
+    /// The streams part and what its calls touch.
+    pub(super) fn logs(&mut self) -> streams_out::Logs<'_> {
+        streams_out::Logs {
+            streams: self.streams,
+            session: self.session,
+            io: self.io,
+            s: self.s,
+            active: self.active,
+            disk: &mut self.throttle.disk,
+            log_bytes: &mut self.life.metrics.log_bytes,
+        }
+    }
+
+    /// Re-adopts every workload in the state dir (run once, before the loop); returns the
+    /// notes of the starts the node before this one took and did not answer (D53), those
+    /// whose workload started apart, to be settled on the ledger.
+    pub(super) fn recover(&mut self) -> Recovered {
+        let layout = self.io.layout.clone();
+        let mut notes: BTreeMap<String, Taken> =
+            super::interrupted::load_all(&layout).into_iter().collect();
+        let mut started = Vec::new();
+        let now = self.now();
+        recover_workloads(
+            &layout,
+            &mut notes,
+            &mut started,
+            &mut |name, meta, ending| {
+                self.active
+                    .insert(name.clone(), table::Active::new(meta, false, now));
+                if let Some((exit, lost)) = ending {
+                    self.with_table(|t, out, now| t.end(&name, exit, lost, now, out));
+                }
+            },
+        );
+        (started, notes)
     }
 }
 

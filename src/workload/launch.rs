@@ -15,6 +15,7 @@ use super::record::{unix_now, Layout, Meta};
 use super::request::StartRequest;
 use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
+use super::vspawn;
 use crate::config::Settings;
 use crate::store;
 
@@ -25,7 +26,8 @@ pub struct Launched {
     pub shim_pid: i32,
     /// The shim's start time (its identity, read right after the fork).
     pub shim_start_ticks: u64,
-    pub(super) child: std::process::Child,
+    /// The read end of the shim's stdout: its pid line (the reaper thread reaps the shim).
+    pub(super) stdout: Option<std::os::fd::OwnedFd>,
 }
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
@@ -200,10 +202,46 @@ fn fork_shim(
     };
     let shim_log =
         store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
+    let args = args.to_args();
+    // Without a copy of the node (issue 25 item 5); where the kernel refuses that clone (a
+    // seccomp filter, say), with a fork as before.
+    let cloned = shim_log
+        .try_clone()
+        .map_err(vspawn::Failure::Clone)
+        .and_then(|log| vspawn::spawn(exe, &args, env, dir, log));
+    let (shim_pid, stdout) = match cloned {
+        Ok(s) => (s.pid, Some(s.stdout)),
+        Err(vspawn::Failure::Child(source)) => {
+            return Err(SpawnError::Fork {
+                exe: exe.to_path_buf(),
+                source,
+            })
+        }
+        Err(vspawn::Failure::Clone(e)) => {
+            log::debug!("cannot start the supervisor without a fork ({e}): forking it");
+            spawn_with_fork(exe, &args, env, dir, shim_log)?
+        }
+    };
+    Ok(Launched {
+        meta,
+        shim_pid,
+        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        stdout,
+    })
+}
+
+/// The shim forked as before issue 25 item 5: the fallback of [`super::vspawn::spawn`].
+fn spawn_with_fork(
+    exe: &Path,
+    args: &[std::ffi::OsString],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+    shim_log: std::fs::File,
+) -> Result<(i32, Option<std::os::fd::OwnedFd>), SpawnError> {
     let mut cmd = Command::new(exe);
     crate::fds::no_inherited_fds(&mut cmd);
-    let child = cmd
-        .args(args.to_args())
+    let mut child = cmd
+        .args(args)
         .env_clear()
         .envs(env)
         .current_dir(dir)
@@ -216,10 +254,9 @@ fn fork_shim(
             source,
         })?;
     let shim_pid = i32::try_from(child.id()).unwrap_or(0);
-    Ok(Launched {
-        meta,
+    // Dropping the `Child` neither kills nor waits: the reaper thread reaps the shim.
+    Ok((
         shim_pid,
-        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
-        child,
-    })
+        child.stdout.take().map(std::os::fd::OwnedFd::from),
+    ))
 }

@@ -21,6 +21,7 @@ pub mod tail;
 #[cfg(test)]
 mod testkit;
 pub mod user;
+pub mod vspawn;
 
 pub use environment::NODE_ONLY_VARS;
 pub use error::SpawnError;

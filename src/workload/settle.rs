@@ -74,9 +74,9 @@ fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> 
         mut meta,
         shim_pid,
         shim_start_ticks,
-        child,
+        stdout,
     } = l;
-    drop(child); // the reaper thread waits for it
+    drop(stdout); // the reaper thread waits for the shim
     let pid: i32 = match line
         .strip_prefix("pid ")
         .and_then(|p| p.trim().parse().ok())
@@ -126,7 +126,7 @@ fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
     let begun = std::time::Instant::now();
     let fds: Vec<i32> = launched
         .iter()
-        .map(|l| l.child.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
+        .map(|l| l.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
         .collect();
     let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); launched.len()];
     let mut open: Vec<bool> = fds.iter().map(|fd| *fd >= 0).collect();
@@ -190,7 +190,9 @@ mod tests {
 
     fn fake_shim(layout: &Layout, id: &str, script: &str) -> Launched {
         std::fs::create_dir_all(layout.dir(id)).unwrap();
-        let child = Command::new("sh")
+        // Not waited for here, as the node leaves its shims to the reaper thread.
+        #[allow(clippy::zombie_processes)]
+        let mut child = Command::new("sh")
             .arg("-c")
             .arg(script)
             .stdout(Stdio::piped())
@@ -205,7 +207,7 @@ mod tests {
             meta,
             shim_pid,
             shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap(),
-            child,
+            stdout: child.stdout.take().map(std::os::fd::OwnedFd::from),
         }
     }
 

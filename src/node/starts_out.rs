@@ -88,7 +88,7 @@ impl Start<'_> {
         let rid = ledger_id(request_id);
         let safe_id = store::safe_id(&rid);
         let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
-        let ctx = super::ingress::context_of(kind, &start.params);
+        let ctx = start.workflow.clone();
         let ask = Ask {
             kind: kind_t,
             rid: &rid,

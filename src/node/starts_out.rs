@@ -229,7 +229,7 @@ impl Start<'_> {
             self.work.starts,
         ));
         let now = self.work.io.clock.now();
-        let wait = super::selfheal::defer_wait();
+        let wait = admit::defer_wait();
         admit::decide(ask, &facts, self.ledger, self.work.gpu, &held, now, wait)
     }
 
@@ -498,7 +498,7 @@ impl Start<'_> {
             selfheal::Checked::Stale(what) => Some(what),
         };
         if let Some(what) = what {
-            let grace = selfheal::STALE_GRACE;
+            let grace = admit::STALE_GRACE;
             if let Err(e) = self
                 .work
                 .with_table(|t, out, now| t.cancel_stale(key, grace, now, out))

@@ -19,11 +19,16 @@ use super::parts::{Busy, BUSY_PREFIX};
 use crate::ledger::Ledger;
 use crate::protocol::commands::{Kind, Seconds};
 
+/// How long one self-heal lookup may take (the pass a busy start waits for, `selfheal.rs`).
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+/// SIGTERM → SIGKILL for a stale workload that a self-heal pass stops.
+pub const STALE_GRACE: Duration = Duration::from_secs(5);
+
 /// How long a busy start waits for a self-heal pass before it is answered: the pass's check,
 /// the grace of what it stops, and a second.
-pub fn defer_limit(check: Duration, grace: Duration) -> Duration {
-    check
-        .saturating_add(grace)
+pub fn defer_wait() -> Duration {
+    CHECK_TIMEOUT
+        .saturating_add(STALE_GRACE)
         .saturating_add(Duration::from_secs(1))
 }
 
@@ -209,7 +214,7 @@ pub enum Decision {
 }
 
 /// The admission decision for one start, at `now` (a deferred start waits until a bound from
-/// it: `wait` is [`defer_limit`]).
+/// it: `wait` is [`defer_wait`]).
 pub fn decide(
     ask: &Ask<'_>,
     facts: &Facts<'_>,
@@ -397,6 +402,15 @@ mod tests {
     fn run(a: &Ask<'_>, f: &Facts<'_>, l: &Ledger, g: &Gpus, h: &Holders) -> Decision {
         let clock = FakeClock(Instant::now());
         decide(a, f, l, g, h, clock.at(0), WAIT)
+    }
+
+    #[test]
+    fn a_busy_start_waits_for_one_self_heal_pass_and_a_second() {
+        assert_eq!(
+            defer_wait(),
+            CHECK_TIMEOUT + STALE_GRACE + Duration::from_secs(1)
+        );
+        assert_eq!(defer_wait(), Duration::from_secs(11));
     }
 
     #[test]

@@ -14,34 +14,6 @@ use crate::mqtt::NotSent;
 use crate::outbox::{Item, Outbox};
 use crate::workload::{self, Meta, WorkflowCtx};
 
-/// The workflow context a start's params carry, if complete (D18).
-pub fn context_of(kind: &str, params: &Map<String, Value>) -> Option<WorkflowCtx> {
-    let s = |k: &str| {
-        params
-            .get(k)
-            .and_then(Value::as_str)
-            .filter(|v| !v.is_empty())
-            .map(String::from)
-    };
-    let workflow = s("workflow_uuid")?;
-    let execution = s("workflow_execution_uuid").or_else(|| s("execution_uuid"))?;
-    let node = s("workflow_node_uuid").or_else(|| s("node_uuid"))?;
-    Some(WorkflowCtx {
-        workflow,
-        execution,
-        node,
-        source_type: s("workflow_source_type").unwrap_or_else(|| {
-            if kind == "simulate" {
-                "sim".into()
-            } else {
-                "edge".into()
-            }
-        }),
-        activation_index: params.get("activation_index").and_then(Value::as_u64),
-        caller_uuid: s("caller_uuid"),
-    })
-}
-
 /// The ingress part: the durable queue of workflow events and the node's own reports into it.
 pub struct Ingress {
     /// Workflow execution events waiting for the broker's acknowledgement.

@@ -12,7 +12,6 @@ mod container;
 mod gpus;
 mod gpus_out;
 mod ingress;
-mod interrupted;
 mod io;
 pub mod operate;
 mod parts;
@@ -130,7 +129,7 @@ impl Node {
     fn recover(&mut self) {
         let (started, notes) = self.work().recover();
         let interrupted = &mut self.starts.interrupted;
-        interrupted::settle(&mut self.durable.ledger, interrupted, started, notes);
+        starts::settle_interrupted(&mut self.durable.ledger, interrupted, started, notes);
     }
 
     /// The node split into the parts a handler borrows: the start path's ([`Start`], which

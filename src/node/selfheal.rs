@@ -7,19 +7,15 @@
 //! an unfinished pass carries on, and the next one starts after it.
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::Value;
 
+use super::admit::CHECK_TIMEOUT;
 use super::table::Table;
 use crate::backend::WorkloadCheck;
 use crate::protocol::commands::{Kind, StartParams};
 use crate::workers::{Job, Workers};
-
-/// How long one lookup may take.
-pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
-/// SIGTERM → SIGKILL for a stale workload.
-pub const STALE_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
 pub struct Heal {
@@ -27,11 +23,6 @@ pub struct Heal {
     pub checking: BTreeSet<String>,
     /// Starts waiting for a pass (kind, request id, params, give up at).
     pub deferred: Vec<(Kind, Value, StartParams, Instant)>,
-}
-
-/// How long a busy start waits for a self-heal pass.
-pub fn defer_wait() -> Duration {
-    super::admit::defer_limit(CHECK_TIMEOUT, STALE_GRACE)
 }
 
 /// What a lookup's answer comes to ([`Heal::on_check`]).
@@ -115,7 +106,7 @@ impl Heal {
     }
 
     /// Busy, and a pass is under way ([`Heal::start_pass`]): the start waits (until `until`,
-    /// see [`defer_wait`]) for it before it is rejected.
+    /// see [`super::admit::defer_wait`]) for it before it is rejected.
     pub(super) fn defer(
         &mut self,
         kind: Kind,

@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 
 use super::admit::{self, Ask, Decision, Earlier, Facts, RejectReason};
 use super::selfheal::{self, Heal};
-use super::starts::{Starting, SPAWNER_GONE};
+use super::starts::{self, Answer, Starting, SPAWNER_GONE};
 use super::table::Active;
 use super::workloads::{start_output, Work};
 use crate::ledger::Ledger;
@@ -32,17 +32,17 @@ pub(super) struct Start<'a> {
 /// Notes the start as taken (D53), so that a node killed before it is answered answers it
 /// after its restart.
 fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, starting: &Starting) {
-    let taken = super::interrupted::Taken {
+    let taken = starts::Taken {
         request_id: starting.request_id.clone(),
         kind: starting.kind.as_str().to_string(),
         workload_uuid: starting.workload_uuid.clone(),
         taken_unix: starting.created_unix,
     };
-    if let Err(e) = super::interrupted::note(layout, safe_id, &taken) {
+    if let Err(e) = starts::note(layout, safe_id, &taken) {
         log::warn!(
             "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
             shown(rid),
-            crate::logtext::shown(&super::interrupted::dir(layout).display().to_string())
+            crate::logtext::shown(&starts::notes_dir(layout).display().to_string())
         );
     }
 }
@@ -88,7 +88,7 @@ impl Start<'_> {
         let rid = ledger_id(request_id);
         let safe_id = store::safe_id(&rid);
         let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
-        let ctx = super::ingress::context_of(kind, &start.params);
+        let ctx = start.workflow.clone();
         let ask = Ask {
             kind: kind_t,
             rid: &rid,
@@ -180,7 +180,7 @@ impl Start<'_> {
         // D53: taken; from here on this start is answered, if need be by the next node.
         note_taken(&self.work.io.layout, &safe_id, &rid, &starting);
         if let Err(e) = self.work.starts.begin(starting, req) {
-            super::interrupted::forget(&self.work.io.layout, &safe_id);
+            starts::forget(&self.work.io.layout, &safe_id);
             let why = RejectReason::Failed {
                 kind: kind.into(),
                 why: e,
@@ -229,7 +229,7 @@ impl Start<'_> {
             self.work.starts,
         ));
         let now = self.work.io.clock.now();
-        let wait = super::selfheal::defer_wait();
+        let wait = admit::defer_wait();
         admit::decide(ask, &facts, self.ledger, self.work.gpu, &held, now, wait)
     }
 
@@ -271,7 +271,7 @@ impl Start<'_> {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.work.workload_status(wl, body);
                 }
-                super::interrupted::forget(&self.work.io.layout, &safe_id);
+                starts::forget(&self.work.io.layout, &safe_id);
                 self.work
                     .with_ingress(|i, out| i.report_started(&meta, out));
                 self.work.life.metrics.starts = self.work.life.metrics.starts.saturating_add(1);
@@ -383,7 +383,7 @@ impl Start<'_> {
             self.work.replies().error(w, &why);
         }
         self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
-        super::interrupted::forget(&self.work.io.layout, safe_id);
+        starts::forget(&self.work.io.layout, safe_id);
     }
 
     /// At exit: the starts still in flight are waited for (each is bounded by the shim's pid
@@ -463,7 +463,7 @@ impl Start<'_> {
     pub(super) fn answer_interrupted(&mut self) {
         for (safe_id, taken, a) in std::mem::take(&mut self.work.starts.interrupted) {
             match a {
-                super::interrupted::Answer::Started(out) => {
+                Answer::Started(out) => {
                     self.work.replies().ok(&taken.request_id, out);
                     let pid = self
                         .work
@@ -476,7 +476,7 @@ impl Start<'_> {
                         self.work.workload_status(wl, body);
                     }
                 }
-                super::interrupted::Answer::NeverStarted(why) => {
+                Answer::NeverStarted(why) => {
                     let why = admit::RejectReason::Recorded(why);
                     self.reject_start(
                         &taken.request_id,
@@ -486,7 +486,7 @@ impl Start<'_> {
                     );
                 }
             }
-            super::interrupted::forget(&self.work.io.layout, &safe_id);
+            starts::forget(&self.work.io.layout, &safe_id);
         }
     }
 
@@ -498,7 +498,7 @@ impl Start<'_> {
             selfheal::Checked::Stale(what) => Some(what),
         };
         if let Some(what) = what {
-            let grace = selfheal::STALE_GRACE;
+            let grace = admit::STALE_GRACE;
             if let Err(e) = self
                 .work
                 .with_table(|t, out, now| t.cancel_stale(key, grace, now, out))

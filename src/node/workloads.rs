@@ -12,11 +12,10 @@ use std::time::{Duration, Instant};
 use super::gpus::{self, Gpus};
 use super::gpus_out;
 use super::ingress::{self, Ingress};
-use super::interrupted::Taken;
 use super::io::{Io, Replies};
 use super::parts::{Life, Metrics, Op, Throttles};
 use super::session::Session;
-use super::starts::Starts;
+use super::starts::{self, Starts, Taken};
 use super::streams::Streams;
 use super::streams_out;
 use super::table::{self, Table, SALVAGED};
@@ -652,8 +651,7 @@ impl Work<'_> {
     /// whose workload started apart, to be settled on the ledger.
     pub(super) fn recover(&mut self) -> Recovered {
         let layout = self.io.layout.clone();
-        let mut notes: BTreeMap<String, Taken> =
-            super::interrupted::load_all(&layout).into_iter().collect();
+        let mut notes: BTreeMap<String, Taken> = starts::load_notes(&layout).into_iter().collect();
         let mut started = Vec::new();
         let now = self.now();
         recover_workloads(

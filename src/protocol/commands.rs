@@ -7,6 +7,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// `request_id` may be at most this long (D20); a longer one is refused.
@@ -299,6 +300,53 @@ const ID_KEYS: &[&str] = &[
     "workflow_source_type",
 ];
 
+/// The workflow a start belongs to (D18): what the node's own events about its workload name.
+/// Persisted in the workload's record (`meta.json`, field `workflow`) in this shape.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WorkflowCtx {
+    pub workflow: String,
+    pub execution: String,
+    pub node: String,
+    pub source_type: String,
+    #[serde(default)]
+    pub activation_index: Option<u64>,
+    #[serde(default)]
+    pub caller_uuid: Option<String>,
+}
+
+impl WorkflowCtx {
+    /// The workflow context a start's params carry, if complete: `workflow_uuid`, the
+    /// execution (`workflow_execution_uuid`, else `execution_uuid`) and the node
+    /// (`workflow_node_uuid`, else `node_uuid`), each a non-empty string. `source_type` is
+    /// `workflow_source_type`, else `sim` for a simulation and `edge` for anything else.
+    fn of(kind: Kind, params: &Map<String, Value>) -> Option<WorkflowCtx> {
+        let s = |k: &str| {
+            params
+                .get(k)
+                .and_then(Value::as_str)
+                .filter(|v| !v.is_empty())
+                .map(String::from)
+        };
+        let workflow = s("workflow_uuid")?;
+        let execution = s("workflow_execution_uuid").or_else(|| s("execution_uuid"))?;
+        let node = s("workflow_node_uuid").or_else(|| s("node_uuid"))?;
+        Some(WorkflowCtx {
+            workflow,
+            execution,
+            node,
+            source_type: s("workflow_source_type").unwrap_or_else(|| {
+                if kind == Kind::Simulate {
+                    "sim".into()
+                } else {
+                    "edge".into()
+                }
+            }),
+            activation_index: params.get("activation_index").and_then(Value::as_u64),
+            caller_uuid: s("caller_uuid"),
+        })
+    }
+}
+
 /// The params of `inference`, `simulate` and `training`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StartParams {
@@ -309,14 +357,21 @@ pub struct StartParams {
     pub max_runtime: Option<Seconds>,
     /// `gpus`: how many GPUs the workload needs (D36); `None` when absent, null or `"auto"`.
     pub gpus: Option<u32>,
+    /// The workflow the start belongs to, when its params name one completely (D18).
+    pub workflow: Option<WorkflowCtx>,
 }
 
 /// The most GPUs one workload may ask for (no host has more).
 pub const MAX_GPUS: u64 = 1024;
 
 impl StartParams {
+    /// The params of a start of `kind` (its workflow's default source type depends on it).
     /// `path` prefixes field names in errors (`params.` or `params.command_params.`).
-    pub fn parse(params: Option<&Value>, path: &str) -> Result<StartParams, FieldError> {
+    pub fn parse(
+        kind: Kind,
+        params: Option<&Value>,
+        path: &str,
+    ) -> Result<StartParams, FieldError> {
         let map = object(params, path)?;
         let field = |k: &str| format!("{path}{k}");
         let workload_uuid = TopicId::workload_field(map, path)?;
@@ -355,6 +410,7 @@ impl StartParams {
             environment_uuid,
             max_runtime,
             gpus,
+            workflow: WorkflowCtx::of(kind, map),
         })
     }
 }
@@ -452,6 +508,8 @@ impl CancelParams {
 
 /// The params of `workload_received` (protocol §4.5): a start wrapped with its workload uuid,
 /// or a bare acknowledgement.
+// One value per command, moved once into its handler: boxing the start would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Received {
     Start(Kind, StartParams),
@@ -469,7 +527,8 @@ impl Received {
         let Some(kind) = kind else {
             return Ok(Received::Ack(uuid));
         };
-        let mut start = StartParams::parse(map.get("command_params"), "params.command_params.")?;
+        let mut start =
+            StartParams::parse(kind, map.get("command_params"), "params.command_params.")?;
         if let Some(u) = &uuid {
             start
                 .params
@@ -522,7 +581,7 @@ impl Command {
             workload_uuid: None,
         };
         if let Some(kind) = Kind::parse(name) {
-            return StartParams::parse(params, "params.")
+            return StartParams::parse(kind, params, "params.")
                 .map(|p| Command::Start(kind, p))
                 .map_err(|error| Refused {
                     workload_uuid: params
@@ -730,6 +789,169 @@ mod tests {
             refused_field(start(json!({"activation_index": -1}))),
             "params.activation_index"
         );
+    }
+
+    fn workflow_of(kind: &str, p: Value) -> Option<WorkflowCtx> {
+        match Command::parse(kind, Some(&p)) {
+            Ok(Command::Start(_, p)) => p.workflow,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_start_carries_its_workflow_context_when_its_params_name_it_completely() {
+        let full = json!({
+            "workflow_uuid": "wf", "workflow_execution_uuid": "ex", "workflow_node_uuid": "nd",
+            "workflow_source_type": "cloud", "activation_index": 3, "caller_uuid": "c"
+        });
+        assert_eq!(
+            workflow_of("training", full),
+            Some(WorkflowCtx {
+                workflow: "wf".into(),
+                execution: "ex".into(),
+                node: "nd".into(),
+                source_type: "cloud".into(),
+                activation_index: Some(3),
+                caller_uuid: Some("c".into()),
+            })
+        );
+        // The short names stand in for the long ones; the long ones win.
+        let short = json!({"workflow_uuid": "wf", "execution_uuid": "ex", "node_uuid": "nd"});
+        let ctx = workflow_of("inference", short).unwrap();
+        assert_eq!((ctx.execution.as_str(), ctx.node.as_str()), ("ex", "nd"));
+        let both = json!({"workflow_uuid": "wf", "execution_uuid": "ex-short",
+            "workflow_execution_uuid": "ex-long", "node_uuid": "nd-short",
+            "workflow_node_uuid": "nd-long"});
+        let ctx = workflow_of("inference", both).unwrap();
+        assert_eq!(
+            (ctx.execution.as_str(), ctx.node.as_str()),
+            ("ex-long", "nd-long")
+        );
+        // The default source type depends on the kind of the start.
+        let bare = json!({"workflow_uuid": "wf", "execution_uuid": "ex", "node_uuid": "nd"});
+        for (kind, want) in [
+            ("simulate", "sim"),
+            ("inference", "edge"),
+            ("training", "edge"),
+        ] {
+            let ctx = workflow_of(kind, bare.clone()).unwrap();
+            assert_eq!(ctx.source_type, want, "{kind}");
+            assert_eq!((ctx.activation_index, ctx.caller_uuid), (None, None));
+        }
+        // So does that of a start inside `workload_received`.
+        let Ok(Command::Received(Received::Start(_, p))) = Command::parse(
+            "workload_received",
+            Some(&json!({"workload_uuid": "wl", "command_type": "simulate",
+                "command_params": bare})),
+        ) else {
+            panic!()
+        };
+        assert_eq!(p.workflow.unwrap().source_type, "sim");
+        // Incomplete: no context.
+        for partial in [
+            json!({}),
+            json!({"execution_uuid": "ex", "node_uuid": "nd"}),
+            json!({"workflow_uuid": "wf", "node_uuid": "nd"}),
+            json!({"workflow_uuid": "wf", "execution_uuid": "ex"}),
+        ] {
+            assert_eq!(workflow_of("inference", partial.clone()), None, "{partial}");
+        }
+    }
+
+    #[test]
+    fn hostile_workflow_params_give_no_context_or_are_refused() {
+        let with = |k: &str, v: Value| {
+            let mut p = json!({"workflow_uuid": "wf", "execution_uuid": "ex", "node_uuid": "nd"});
+            p[k] = v;
+            p
+        };
+        // Empty strings and nulls count as absent: no context, or the default.
+        for k in ["workflow_uuid", "execution_uuid", "node_uuid"] {
+            assert_eq!(workflow_of("inference", with(k, json!(""))), None, "{k}");
+            assert_eq!(workflow_of("inference", with(k, Value::Null)), None, "{k}");
+        }
+        let empty_long = with("workflow_execution_uuid", json!(""));
+        assert_eq!(
+            workflow_of("inference", empty_long).unwrap().execution,
+            "ex"
+        );
+        let empty_type = with("workflow_source_type", json!(""));
+        assert_eq!(
+            workflow_of("simulate", empty_type).unwrap().source_type,
+            "sim"
+        );
+        let empty_caller = with("caller_uuid", json!(""));
+        assert_eq!(
+            workflow_of("inference", empty_caller).unwrap().caller_uuid,
+            None
+        );
+        // Ids of another type than a string are refused at the edge, naming the field.
+        for k in [
+            "workflow_uuid",
+            "execution_uuid",
+            "caller_uuid",
+            "workflow_source_type",
+        ] {
+            for bad in [json!(7), json!(true), json!(["wf"]), json!({"a": "wf"})] {
+                let r = start(with(k, bad.clone()));
+                assert_eq!(refused_field(r), format!("params.{k}"), "{k}: {bad}");
+            }
+        }
+        // Unicode is no topic-safe id: refused, never cut or mangled.
+        for k in ["workflow_uuid", "node_uuid", "workflow_source_type"] {
+            for bad in ["é", "wf\u{200b}", "\u{1F600}", "ω/ω"] {
+                let r = start(with(k, json!(bad)));
+                assert_eq!(refused_field(r), format!("params.{k}"), "{k}: {bad:?}");
+            }
+        }
+        // activation_index: any whole number from 0 that JSON carries; anything else is refused.
+        let max = with("activation_index", json!(u64::MAX));
+        assert_eq!(
+            workflow_of("inference", max).unwrap().activation_index,
+            Some(u64::MAX)
+        );
+        let none = with("activation_index", Value::Null);
+        assert_eq!(
+            workflow_of("inference", none).unwrap().activation_index,
+            None
+        );
+        for bad in [
+            json!(-1),
+            json!(1.5),
+            json!(1e300),
+            json!("3"),
+            json!([3]),
+            json!(true),
+        ] {
+            let r = start(with("activation_index", bad.clone()));
+            assert_eq!(refused_field(r), "params.activation_index", "{bad}");
+        }
+        // Keys the context does not read change nothing.
+        let extra = with("workflow", json!({"nested": "x"}));
+        assert!(workflow_of("inference", extra).is_some());
+    }
+
+    #[test]
+    fn the_workflow_context_keeps_its_persisted_shape() {
+        let ctx = WorkflowCtx {
+            workflow: "wf".into(),
+            execution: "ex".into(),
+            node: "nd".into(),
+            source_type: "edge".into(),
+            activation_index: None,
+            caller_uuid: None,
+        };
+        // What meta.json holds (field names and order, the nulls), byte for byte.
+        assert_eq!(
+            serde_json::to_string(&ctx).unwrap(),
+            r#"{"workflow":"wf","execution":"ex","node":"nd","source_type":"edge","activation_index":null,"caller_uuid":null}"#
+        );
+        // And records that omit the optional fields still read.
+        let old: WorkflowCtx = serde_json::from_str(
+            r#"{"workflow":"wf","execution":"ex","node":"nd","source_type":"edge"}"#,
+        )
+        .unwrap();
+        assert_eq!(old, ctx);
     }
 
     #[test]

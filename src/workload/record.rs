@@ -95,18 +95,9 @@ pub struct Cancel {
     pub reason: Option<String>,
 }
 
-/// The workflow a workload belongs to (from its start params), for node events (D18).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct WorkflowCtx {
-    pub workflow: String,
-    pub execution: String,
-    pub node: String,
-    pub source_type: String,
-    #[serde(default)]
-    pub activation_index: Option<u64>,
-    #[serde(default)]
-    pub caller_uuid: Option<String>,
-}
+/// The workflow a workload belongs to, parsed from its start params at the edge
+/// ([`crate::protocol::commands::StartParams`]) and persisted here as `workflow`.
+pub use crate::protocol::commands::WorkflowCtx;
 
 /// `workloads/<safe-id>/meta.json`: everything needed to report the workload after a restart.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

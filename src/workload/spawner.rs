@@ -138,9 +138,22 @@ fn spawn_loop(
 /// The fork server supervisors are forked from (issue 25 item 5), unless
 /// `CYBERWAVE_NO_FORKSERVER` is set or it cannot start: then every supervisor is exec'd.
 fn start_fork_server(exe: &Path) -> Option<ForkServer> {
-    if std::env::var_os(forkserver::OFF_VAR).is_some_and(|v| !v.is_empty() && v != "0") {
-        log::info!("{} is set: every supervisor is exec'd", forkserver::OFF_VAR);
-        return None;
+    if let Some(v) = std::env::var_os(forkserver::OFF_VAR) {
+        match v.to_str().and_then(crate::config::env::parse_bool) {
+            Some(false) => {}
+            Some(true) => {
+                log::info!("{}: every supervisor is exec'd", forkserver::OFF_VAR);
+                return None;
+            }
+            None => {
+                log::warn!(
+                    "{} is not a boolean ({}): every supervisor is exec'd",
+                    forkserver::OFF_VAR,
+                    crate::logtext::shown(&v.to_string_lossy())
+                );
+                return None;
+            }
+        }
     }
     match ForkServer::start(exe) {
         Ok(f) => {

@@ -144,7 +144,7 @@ fn g13_a_supervisor_forked_by_the_fork_server_holds_only_its_three_streams() {
 /// A same-uid workload kills the fork server: the next start is exec'd instead (`__shim` on its
 /// command line), answered and reported; the node says once why.
 #[test]
-fn a_workload_that_kills_the_fork_server_costs_the_next_start_nothing() {
+fn g13_a_workload_that_kills_the_fork_server_costs_the_next_start_nothing() {
     let (_b, cp, setup) = rig(MANIFEST);
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
@@ -183,7 +183,7 @@ fn a_workload_that_kills_the_fork_server_costs_the_next_start_nothing() {
 
 /// `CYBERWAVE_NO_FORKSERVER=1`: no fork server, every supervisor exec'd as before.
 #[test]
-fn without_the_fork_server_every_supervisor_is_execd() {
+fn g13_without_the_fork_server_every_supervisor_is_execd() {
     let (_b, cp, mut setup) = rig(MANIFEST);
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     setup.set("CYBERWAVE_NO_FORKSERVER", "1");

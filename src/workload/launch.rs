@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use super::environment;
 use super::error::SpawnError;
+use super::forkserver::{self, ForkServer};
 use super::inputs;
 use super::procinfo;
 use super::record::{unix_now, Layout, Meta};
@@ -44,6 +45,7 @@ pub fn launch(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
+    fork: &mut Option<ForkServer>,
     req: StartRequest,
 ) -> Result<Launched, SpawnError> {
     let dir = layout.dir(&req.safe_id);
@@ -55,7 +57,7 @@ pub fn launch(
         path: dir.clone(),
         source,
     })?;
-    let result = launch_in(s, layout, exe, &dir, req);
+    let result = launch_in(s, layout, exe, fork, &dir, req);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -66,6 +68,7 @@ fn launch_in(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
+    fork: &mut Option<ForkServer>,
     dir: &Path,
     mut req: StartRequest,
 ) -> Result<Launched, SpawnError> {
@@ -109,7 +112,7 @@ fn launch_in(
             node_uuid: &req.node_uuid,
         },
     );
-    fork_shim(s, exe, dir, meta, &env, user)
+    fork_shim(s, exe, fork, dir, meta, &env, user)
 }
 
 /// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
@@ -180,6 +183,7 @@ fn write_record(
 fn fork_shim(
     s: &Settings,
     exe: &Path,
+    fork: &mut Option<ForkServer>,
     dir: &Path,
     meta: Meta,
     env: &BTreeMap<String, String>,
@@ -203,8 +207,18 @@ fn fork_shim(
     let shim_log =
         store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
     let args = args.to_args();
-    // Without a copy of the node (issue 25 item 5); where the kernel refuses that clone (a
-    // seccomp filter, say), with a fork as before.
+    // Forked by the fork server, without an exec (issue 25 item 5); where it cannot, without a
+    // copy of the node; where the kernel refuses that clone (a seccomp filter, say), with a fork
+    // as before.
+    if let Some(started) = through_fork_server(fork, &args, env, dir, &shim_log) {
+        let (shim_pid, stdout) = started;
+        return Ok(Launched {
+            meta,
+            shim_pid,
+            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+            stdout: Some(stdout),
+        });
+    }
     let cloned = shim_log
         .try_clone()
         .map_err(vspawn::Failure::Clone)
@@ -228,6 +242,44 @@ fn fork_shim(
         shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
         stdout,
     })
+}
+
+/// The supervisor started by the fork server: its pid and the read end of its stdout. `None`:
+/// this start goes the exec way (the request cannot be sent that way, or the fork server is
+/// broken: then it is dropped, and every later start goes the exec way too).
+fn through_fork_server(
+    fork: &mut Option<ForkServer>,
+    args: &[std::ffi::OsString],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+    shim_log: &std::fs::File,
+) -> Option<(i32, std::os::fd::OwnedFd)> {
+    let server = fork.as_ref()?;
+    let streams = vspawn::pipe().and_then(|(r, w)| Ok((r, w, shim_log.try_clone()?)));
+    let (read, write, log) = match streams {
+        Ok(s) => s,
+        Err(e) => {
+            log::debug!("cannot prepare the supervisor's streams ({e}): it is exec'd");
+            return None;
+        }
+    };
+    match server.spawn(args, env, dir, &write, &log.into()) {
+        Ok(pid) => Some((pid, read)),
+        Err(forkserver::Error::Unsendable) => {
+            log::debug!(
+                "this start's request does not fit the fork server: its supervisor is exec'd"
+            );
+            None
+        }
+        Err(forkserver::Error::Broken(e)) => {
+            log::warn!(
+                "the fork server (pid {}) failed ({e}); every supervisor is exec'd from now on",
+                server.pid()
+            );
+            *fork = None;
+            None
+        }
+    }
 }
 
 /// The shim forked as before issue 25 item 5: the fallback of [`super::vspawn::spawn`].

@@ -5,6 +5,7 @@
 pub mod environment;
 pub mod error;
 pub mod exit;
+pub mod forkserver;
 pub mod inputs;
 pub mod launch;
 pub mod lifecycle;

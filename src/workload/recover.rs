@@ -144,24 +144,35 @@ fn wait_for_shim_record(dir: &Path, started: &Path) {
     }
 }
 
-/// The live shim process (pid, start ticks) supervising `dir`, found by its command line
-/// (`<exe> __shim <dir> …`) among this user's processes.
+/// The live shim process (pid, start ticks) supervising `dir`, found among this user's
+/// processes by its command line: `<exe> __shim <dir> …` when it was exec'd, or the fork
+/// server's (`<exe> __forkserver`) with `dir` as its working directory when it was forked by one.
 fn shim_of(dir: &Path) -> Option<(i32, u64)> {
-    use std::os::unix::ffi::OsStrExt;
-    let want = dir.as_os_str().as_bytes();
     std::fs::read_dir("/proc")
         .ok()?
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
         .find_map(|pid| {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-            let is_shim = args
-                .windows(2)
-                .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want));
             let ticks = procinfo::start_ticks(pid)?;
-            (is_shim && procinfo::same_process_alive(pid, ticks)).then_some((pid, ticks))
+            (supervises(pid, &cmd, dir) && procinfo::same_process_alive(pid, ticks))
+                .then_some((pid, ticks))
         })
+}
+
+/// Whether the process `pid` with command line `cmd` is a supervisor of `dir`.
+fn supervises(pid: i32, cmd: &[u8], dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let want = dir.as_os_str().as_bytes();
+    let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+    let exec_d = args
+        .windows(2)
+        .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want));
+    let forked = || {
+        args.get(1) == Some(&super::forkserver::MODE.as_bytes())
+            && std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd == dir)
+    };
+    exec_d || forked()
 }
 
 /// `params.json` as far as the node reads it back: a JSON object.
@@ -256,6 +267,36 @@ mod tests {
         assert!(m.salvaged.unwrap().contains("started.json"));
         assert_eq!(std::fs::read_dir(&q).unwrap().count(), 4);
         std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
+    /// A supervisor forked by the fork server has the fork server's command line
+    /// (`<exe> __forkserver`): it is known by its working directory, the workload's; the same
+    /// command line in another directory supervises nothing there.
+    #[test]
+    fn a_supervisor_forked_by_the_fork_server_is_found_by_its_directory() {
+        let layout = scratch("forkedshim");
+        let (dir, other) = (layout.dir("w1"), layout.dir("w2"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        // Stands in for it: `sh __forkserver` (a script of that name) run in `dir`.
+        std::fs::write(dir.join("__forkserver"), "sleep 5; true\n").unwrap();
+        let mut child = Command::new("sh")
+            .arg("__forkserver")
+            .current_dir(&dir)
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        let mut found = None;
+        while found.is_none() && std::time::Instant::now() < until {
+            found = shim_of(&dir).map(|(p, _)| p);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(found, Some(pid));
+        assert_eq!(shim_of(&other), None);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(shim_of(&dir), None);
     }
 
     /// A node killed between forking a shim and the shim's start record: recovery waits for

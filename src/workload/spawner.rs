@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::Value;
 
+use super::forkserver::{self, ForkServer};
 use super::reaper::Reaper;
 use super::{Launched, Layout, Meta, SpawnError, StartRequest};
 use crate::config::Settings;
@@ -102,10 +103,11 @@ fn spawn_loop(
     launched: &Sender<(Launched, Instant, Duration)>,
     out: &Sender<Outcome>,
 ) {
+    let mut fork = start_fork_server(&ctx.exe);
     for (req, received) in jobs {
         let safe_id = req.safe_id.clone();
         let run = std::panic::AssertUnwindSafe(|| {
-            super::launch(&ctx.settings, &ctx.layout, &ctx.exe, req)
+            super::launch(&ctx.settings, &ctx.layout, &ctx.exe, &mut fork, req)
         });
         let result = std::panic::catch_unwind(run).unwrap_or_else(|_| Err(SpawnError::Internal));
         match result {
@@ -129,6 +131,38 @@ fn spawn_loop(
                     return;
                 }
             }
+        }
+    }
+}
+
+/// The fork server supervisors are forked from (issue 25 item 5), unless
+/// `CYBERWAVE_NO_FORKSERVER` is set or it cannot start: then every supervisor is exec'd.
+fn start_fork_server(exe: &Path) -> Option<ForkServer> {
+    if let Some(v) = std::env::var_os(forkserver::OFF_VAR) {
+        match v.to_str().and_then(crate::config::env::parse_bool) {
+            Some(false) => {}
+            Some(true) => {
+                log::info!("{}: every supervisor is exec'd", forkserver::OFF_VAR);
+                return None;
+            }
+            None => {
+                log::warn!(
+                    "{} is not a boolean ({}): every supervisor is exec'd",
+                    forkserver::OFF_VAR,
+                    crate::logtext::shown(&v.to_string_lossy())
+                );
+                return None;
+            }
+        }
+    }
+    match ForkServer::start(exe) {
+        Ok(f) => {
+            log::debug!("fork server started (pid {})", f.pid());
+            Some(f)
+        }
+        Err(e) => {
+            log::warn!("cannot start the fork server ({e}); every supervisor is exec'd");
+            None
         }
     }
 }

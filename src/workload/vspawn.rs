@@ -90,7 +90,38 @@ pub fn spawn(
     dir: &Path,
     stderr: File,
 ) -> Result<Started, Failure> {
-    prepare_and_clone(exe, args, env, dir, stderr)?
+    let setup = Failure::Clone;
+    let stdin = std::fs::OpenOptions::new()
+        .read(true)
+        .open("/dev/null")
+        .map_err(setup)?;
+    let (read, write) = pipe().map_err(setup)?;
+    let streams = [OwnedFd::from(stdin), write, OwnedFd::from(stderr)];
+    let pid = spawn_with(exe, args, env, dir, streams)?;
+    Ok(Started { pid, stdout: read })
+}
+
+/// A new pipe, both ends close-on-exec: (read, write).
+pub fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut pipe = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two new descriptors into the array we own.
+    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created by pipe2 and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(pipe[0]), OwnedFd::from_raw_fd(pipe[1])) })
+}
+
+/// Starts `exe args…` in `dir` with exactly `env` and `streams` as its 0, 1 and 2 (nothing else
+/// crosses), by `clone(CLONE_VM | CLONE_VFORK)`; its pid.
+pub fn spawn_with(
+    exe: &Path,
+    args: &[OsString],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+    streams: [OwnedFd; 3],
+) -> Result<i32, Failure> {
+    prepare_and_clone(exe, args, env, dir, streams)?
 }
 
 fn prepare_and_clone(
@@ -98,8 +129,8 @@ fn prepare_and_clone(
     args: &[OsString],
     env: &BTreeMap<String, String>,
     dir: &Path,
-    stderr: File,
-) -> Result<Result<Started, Failure>, Failure> {
+    streams: [OwnedFd; 3],
+) -> Result<Result<i32, Failure>, Failure> {
     let setup = Failure::Clone;
     let exe_c = cstring(exe.as_os_str().as_bytes()).map_err(setup)?;
     let argv_c: Vec<CString> = std::iter::once(Ok(exe_c.clone()))
@@ -122,21 +153,11 @@ fn prepare_and_clone(
         .map(|c| c.as_ptr())
         .chain(std::iter::once(std::ptr::null()))
         .collect();
-
-    let stdin = std::fs::OpenOptions::new()
-        .read(true)
-        .open("/dev/null")
-        .and_then(|f| above_2(OwnedFd::from(f)))
-        .map_err(setup)?;
-    let mut pipe = [0 as libc::c_int; 2];
-    // SAFETY: pipe2 writes two new descriptors into the array we own.
-    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(setup(std::io::Error::last_os_error()));
-    }
-    // SAFETY: both descriptors were just created by pipe2 and are owned by nobody else.
-    let (read, write) = unsafe { (OwnedFd::from_raw_fd(pipe[0]), OwnedFd::from_raw_fd(pipe[1])) };
-    let write = above_2(write).map_err(setup)?;
-    let stderr = above_2(OwnedFd::from(stderr)).map_err(setup)?;
+    // Each above 2, so that no dup2 onto 0–2 in the child overwrites another of them.
+    let [stdin, stdout, stderr] = streams;
+    let stdin = above_2(stdin).map_err(setup)?;
+    let stdout = above_2(stdout).map_err(setup)?;
+    let stderr = above_2(stderr).map_err(setup)?;
 
     let mut all: libc::sigset_t = unsafe_zeroed_sigset();
     let mut mask: libc::sigset_t = unsafe_zeroed_sigset();
@@ -158,7 +179,7 @@ fn prepare_and_clone(
         argv: argv.as_ptr(),
         envp: envp.as_ptr(),
         dir: dir_c.as_ptr(),
-        streams: [stdin.as_raw_fd(), write.as_raw_fd(), stderr.as_raw_fd()],
+        streams: [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
         mask,
         err: AtomicI32::new(0),
     };
@@ -196,7 +217,7 @@ fn prepare_and_clone(
         }
         return Ok(Err(Failure::Child(std::io::Error::from_raw_os_error(err))));
     }
-    Ok(Ok(Started { pid, stdout: read }))
+    Ok(Ok(pid))
 }
 
 fn unsafe_zeroed_sigset() -> libc::sigset_t {

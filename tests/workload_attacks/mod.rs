@@ -5,5 +5,6 @@
 
 mod exit_path;
 mod fds;
+mod forkserver;
 mod logs;
 mod state_files;

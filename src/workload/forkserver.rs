@@ -1,0 +1,742 @@
+//! The fork server (issue 25 item 5): supervisors started by a fork of a small process, without
+//! an exec.
+//!
+//! Every start used to exec this binary as `__shim` (the supervisor): 0.5–0.7 ms of the static
+//! build's own start-up (relocating itself, its page faults) and ~2 ms of the dynamic one's
+//! (the loader binding OpenSSL), on the way to every workload. Now the spawner thread starts one
+//! process at the node's start-up, `<exe> __forkserver`: single-threaded, exec'd fresh (none of
+//! the node's memory, descriptors or environment), holding one end of a `SOCK_SEQPACKET`
+//! socketpair as its stdin. Per start the spawner sends it one message, the supervisor's
+//! arguments, environment and directory, with its stdout (the pid pipe) and stderr (`shim.log`)
+//! as `SCM_RIGHTS`; the fork server forks, and the child runs the supervisor's `main`
+//! ([`super::shim::run`]) directly. What the supervisor is and owes does not change: it outlives
+//! the node, holds the workload's pid, writes the exit record.
+//!
+//! - **The node's child, as before.** The fork is `clone(CLONE_PARENT | SIGCHLD)`: the
+//!   supervisor's parent is the node (the fork server's parent), so the node's reaper
+//!   (`waitpid(-1)`) reaps it exactly as it reaped an exec'd one, and a node in a container as
+//!   PID 1 (D58) is no exception (`CLONE_PARENT` is refused only to a namespace's init itself).
+//! - **What crosses, as before (D46.1).** In the child the fork server's socket (its stdin) is
+//!   replaced by `/dev/null`, stdout and stderr by the two received descriptors, and the
+//!   supervisor closes every descriptor above 2 first thing ([`crate::fds::close_inherited`]).
+//!   Its environment is exactly the one sent; its directory the one sent; its signal mask the
+//!   node's, as an exec'd supervisor's was (the fork server is started with it and blocks the
+//!   handled signals itself, as `__shim` does).
+//! - **The fork server is not dumpable** (a same-uid workload cannot ptrace it to start
+//!   processes or read the environments passing through); each supervisor is made dumpable again,
+//!   as an exec'd supervisor was, so that the node reads its `/proc` entries as before.
+//! - **Found after a restart.** A supervisor forked this way has the fork server's command line
+//!   (`<exe> __forkserver`), not `<exe> __shim <dir> …`: a restarted node that looks for the
+//!   supervisor of a start in flight (recover.rs) also takes a process whose command line is the
+//!   fork server's and whose working directory is the workload's directory.
+//! - **Always a way back.** A message too big for one packet ([`MAX_REQUEST`]) goes the exec way
+//!   for that start; a fork server that does not answer in [`REPLY_TIMEOUT`], is gone, or could
+//!   not fork is dropped (killed) and every later start goes the exec way
+//!   ([`super::vspawn`]). `CYBERWAVE_NO_FORKSERVER=1` turns it off.
+//! - **The fork's copy of the C library believes it is the fork server's thread.** A raw
+//!   `clone` does not refresh the thread id libc caches (only `fork()` does, and `fork()` has no
+//!   `CLONE_PARENT`). Nothing the supervisor runs reads it (Rust's locks, allocation and
+//!   `Command` do not); `raise`/`abort` would, and a supervisor never aborts (no panic path; an
+//!   unwinding one is caught below and ends the child with 101).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::vspawn;
+
+/// The mode's word on the fork server's command line (and on its supervisors').
+pub const MODE: &str = "__forkserver";
+/// The environment variable that turns the fork server off (every supervisor exec'd).
+pub const OFF_VAR: &str = "CYBERWAVE_NO_FORKSERVER";
+/// The largest request sent to the fork server; a bigger one (a huge command line) goes the exec
+/// way. Under the default unix socket send buffer (`net.core.wmem_default`, 208 KiB).
+pub const MAX_REQUEST: usize = 128 * 1024;
+/// How long the fork server has to answer a request (or to say it is ready).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+
+const MAGIC: &[u8] = b"cw-fork-1\0";
+const TAG_ARG: u8 = b'a';
+const TAG_ENV: u8 = b'e';
+const TAG_DIR: u8 = b'd';
+
+/// One start, as the fork server reads it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Request {
+    /// The supervisor's arguments, `__shim` first.
+    pub args: Vec<OsString>,
+    /// Its whole environment.
+    pub env: Vec<(OsString, OsString)>,
+    /// Its working directory (the workload's directory).
+    pub dir: PathBuf,
+}
+
+/// Why a request was not read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Malformed {
+    Magic,
+    Item,
+    Tag(u8),
+    Env,
+    Dir,
+    Args,
+}
+
+/// A request in its wire form: the magic, then one `tag bytes NUL` item per argument, variable
+/// (`KEY=value`) and the directory. `None` when a part holds a NUL or the whole is over
+/// [`MAX_REQUEST`].
+pub fn encode(args: &[OsString], env: &BTreeMap<String, String>, dir: &Path) -> Option<Vec<u8>> {
+    let mut out = MAGIC.to_vec();
+    let mut item = |tag: u8, parts: &[&[u8]]| -> Option<()> {
+        out.push(tag);
+        for p in parts {
+            if p.contains(&0) {
+                return None;
+            }
+            out.extend_from_slice(p);
+        }
+        out.push(0);
+        Some(())
+    };
+    for a in args {
+        item(TAG_ARG, &[a.as_bytes()])?;
+    }
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') {
+            return None;
+        }
+        item(TAG_ENV, &[k.as_bytes(), b"=", v.as_bytes()])?;
+    }
+    item(TAG_DIR, &[dir.as_os_str().as_bytes()])?;
+    (out.len() <= MAX_REQUEST).then_some(out)
+}
+
+/// Reads a request back ([`encode`]'s form); anything else is [`Malformed`].
+pub fn decode(bytes: &[u8]) -> Result<Request, Malformed> {
+    let body = bytes.strip_prefix(MAGIC).ok_or(Malformed::Magic)?;
+    let body = body.strip_suffix(&[0]).ok_or(Malformed::Item)?;
+    let mut req = Request {
+        args: Vec::new(),
+        env: Vec::new(),
+        dir: PathBuf::new(),
+    };
+    let mut dir = None;
+    for item in body.split(|b| *b == 0) {
+        let (&tag, rest) = item.split_first().ok_or(Malformed::Item)?;
+        match tag {
+            TAG_ARG => req.args.push(OsString::from_vec(rest.to_vec())),
+            TAG_ENV => {
+                let eq = rest.iter().position(|b| *b == b'=').ok_or(Malformed::Env)?;
+                let (k, v) = rest.split_at(eq);
+                let v = v.get(1..).unwrap_or_default();
+                if k.is_empty() {
+                    return Err(Malformed::Env);
+                }
+                req.env.push((
+                    OsString::from_vec(k.to_vec()),
+                    OsString::from_vec(v.to_vec()),
+                ));
+            }
+            TAG_DIR if dir.is_none() && !rest.is_empty() => {
+                dir = Some(PathBuf::from(OsString::from_vec(rest.to_vec())));
+            }
+            TAG_DIR => return Err(Malformed::Dir),
+            other => return Err(Malformed::Tag(other)),
+        }
+    }
+    req.dir = dir.ok_or(Malformed::Dir)?;
+    if req.args.first().map(|a| a.as_bytes()) != Some(b"__shim".as_slice()) {
+        return Err(Malformed::Args);
+    }
+    Ok(req)
+}
+
+/// The fork server's answer to one message.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub enum Reply {
+    /// Its first message: it runs and reads requests.
+    Ready,
+    /// The supervisor's pid.
+    Started(i32),
+    /// Nothing was started: the errno of the fork, or EINVAL for a request it could not read.
+    Failed(i32),
+}
+
+impl Reply {
+    fn to_bytes(self) -> [u8; 5] {
+        let (tag, n) = match self {
+            Reply::Ready => (b'r', 0),
+            Reply::Started(pid) => (b'p', pid),
+            Reply::Failed(errno) => (b'e', errno),
+        };
+        let n = n.to_le_bytes();
+        [tag, n[0], n[1], n[2], n[3]]
+    }
+
+    fn from_bytes(b: &[u8]) -> Option<Reply> {
+        let (&tag, n) = b.split_first()?;
+        let n = i32::from_le_bytes(<[u8; 4]>::try_from(n).ok()?);
+        match tag {
+            b'r' if n == 0 => Some(Reply::Ready),
+            b'p' if n > 0 => Some(Reply::Started(n)),
+            b'e' => Some(Reply::Failed(n)),
+            _ => None,
+        }
+    }
+}
+
+/// Why a start did not go through the fork server.
+#[derive(Debug)]
+pub enum Error {
+    /// This request cannot be sent (too big, a NUL): this start goes the exec way; the fork
+    /// server stays.
+    Unsendable,
+    /// The fork server is gone, silent or refused: drop it; this and every later start go the
+    /// exec way.
+    Broken(std::io::Error),
+}
+
+/// The node's side: the socket to the fork server and its pid.
+pub struct ForkServer {
+    sock: OwnedFd,
+    pid: i32,
+    /// Its start time (`/proc/<pid>/stat`), so that a recycled pid is never killed.
+    ticks: u64,
+}
+
+impl ForkServer {
+    /// Starts `<exe> __forkserver` (by [`vspawn::spawn_with`]: nothing of the node crosses but
+    /// its socket and two `/dev/null`s) and waits for it to say it is ready. An `exe` that does
+    /// not know the mode (an older binary put in its place) exits instead: an error here.
+    pub fn start(exe: &Path) -> std::io::Result<ForkServer> {
+        let (ours, theirs) = seqpacket_pair()?;
+        let null = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+                .map(OwnedFd::from)
+        };
+        let streams = [theirs, null()?, null()?];
+        let pid = vspawn::spawn_with(
+            exe,
+            &[MODE.into()],
+            &BTreeMap::new(),
+            Path::new("/"),
+            streams,
+        )
+        .map_err(|f| match f {
+            vspawn::Failure::Clone(e) | vspawn::Failure::Child(e) => e,
+        })?;
+        let ticks = super::procinfo::start_ticks(pid).unwrap_or(0);
+        let server = ForkServer {
+            sock: ours,
+            pid,
+            ticks,
+        };
+        set_timeout(&server.sock, REPLY_TIMEOUT)?;
+        match server.reply()? {
+            Reply::Ready => Ok(server),
+            other => Err(std::io::Error::other(format!(
+                "the fork server answered {other:?} instead of saying it is ready"
+            ))),
+        }
+    }
+
+    /// The fork server's pid.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Starts one supervisor: `args` (`__shim` first) in `dir` with exactly `env`, stdin
+    /// `/dev/null`, `stdout` and `stderr`; its pid.
+    pub fn spawn(
+        &self,
+        args: &[OsString],
+        env: &BTreeMap<String, String>,
+        dir: &Path,
+        stdout: &OwnedFd,
+        stderr: &OwnedFd,
+    ) -> Result<i32, Error> {
+        let msg = encode(args, env, dir).ok_or(Error::Unsendable)?;
+        send_with_fds(&self.sock, &msg, &[stdout.as_raw_fd(), stderr.as_raw_fd()])
+            .map_err(Error::Broken)?;
+        match self.reply().map_err(Error::Broken)? {
+            Reply::Started(pid) => Ok(pid),
+            Reply::Failed(errno) => Err(Error::Broken(std::io::Error::from_raw_os_error(errno))),
+            Reply::Ready => Err(Error::Broken(std::io::Error::other(
+                "the fork server answered out of turn",
+            ))),
+        }
+    }
+
+    fn reply(&self) -> std::io::Result<Reply> {
+        let mut buf = [0u8; 16];
+        let n = loop {
+            // SAFETY: recv into a local buffer of the given length.
+            let n =
+                unsafe { libc::recv(self.sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n >= 0 {
+                break n;
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        };
+        let n = usize::try_from(n).unwrap_or(0);
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the fork server is gone",
+            ));
+        }
+        Reply::from_bytes(buf.get(..n).unwrap_or_default())
+            .ok_or_else(|| std::io::Error::other("the fork server's answer is unreadable"))
+    }
+}
+
+impl Drop for ForkServer {
+    /// Closing the socket ends it (it reads end-of-file); killed too, should it be stuck (only
+    /// while its pid is still the same process). The reaper thread reaps it.
+    fn drop(&mut self) {
+        if self.ticks != 0 && super::procinfo::same_process_alive(self.pid, self.ticks) {
+            // SAFETY: kill with the pid of the fork server this node started, still alive.
+            unsafe {
+                libc::kill(self.pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: socketpair writes two new descriptors into the array we own.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn set_timeout(sock: &OwnedFd, d: Duration) -> std::io::Result<()> {
+    let tv = libc::timeval {
+        tv_sec: libc::time_t::try_from(d.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_usec: libc::suseconds_t::from(d.subsec_micros()),
+    };
+    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: setsockopt with a timeval we own and its exact size.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                std::ptr::from_ref(&tv).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Room for the control message of `n` descriptors.
+fn cmsg_space(n: usize) -> usize {
+    let bytes = u32::try_from(n.saturating_mul(std::mem::size_of::<RawFd>())).unwrap_or(0);
+    // SAFETY: CMSG_SPACE is arithmetic on its argument.
+    usize::try_from(unsafe { libc::CMSG_SPACE(bytes) }).unwrap_or(0)
+}
+
+fn send_with_fds(sock: &OwnedFd, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+    let mut control = vec![0u8; cmsg_space(fds.len())];
+    let mut iov = libc::iovec {
+        iov_base: msg.as_ptr().cast_mut().cast(),
+        iov_len: msg.len(),
+    };
+    // SAFETY: msghdr is a plain struct; all zeroes is a valid empty header, filled in below.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_iov = &mut iov;
+    hdr.msg_iovlen = 1;
+    hdr.msg_control = control.as_mut_ptr().cast();
+    hdr.msg_controllen = control.len() as _;
+    let fd_bytes = u32::try_from(std::mem::size_of_val(fds)).unwrap_or(0);
+    // SAFETY: the control buffer has room for one header and `fds` (cmsg_space); CMSG_FIRSTHDR
+    // and CMSG_DATA point inside it; sendmsg reads the header, the iovec and the buffer, all
+    // alive for the call.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&hdr);
+        if c.is_null() {
+            return Err(std::io::Error::other("no room for the descriptors"));
+        }
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
+        std::ptr::copy_nonoverlapping(
+            fds.as_ptr().cast::<u8>(),
+            libc::CMSG_DATA(c),
+            std::mem::size_of_val(fds),
+        );
+        loop {
+            let n = libc::sendmsg(sock.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL);
+            if n >= 0 {
+                return if usize::try_from(n).ok() == Some(msg.len()) {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::other("the request was cut short"))
+                };
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// One message and the descriptors that came with it (each owned, close-on-exec); `truncated`
+/// when the message or its descriptors did not fit.
+struct Received {
+    len: usize,
+    fds: Vec<OwnedFd>,
+    truncated: bool,
+}
+
+fn recv_with_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> std::io::Result<Received> {
+    let mut control = vec![0u8; cmsg_space(max_fds)];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: as in send_with_fds.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_iov = &mut iov;
+    hdr.msg_iovlen = 1;
+    hdr.msg_control = control.as_mut_ptr().cast();
+    hdr.msg_controllen = control.len() as _;
+    // SAFETY: recvmsg writes into the buffer and the control buffer it is given, within their
+    // lengths.
+    let n = unsafe { libc::recvmsg(sock, &mut hdr, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: CMSG_FIRSTHDR/NXTHDR walk the control buffer recvmsg filled, within
+    // msg_controllen; each SCM_RIGHTS payload is a run of descriptors now owned by this process.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&hdr);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let header = usize::try_from(data.offset_from(c.cast::<u8>())).unwrap_or(0);
+                // usize in glibc, u32 in musl.
+                #[allow(clippy::useless_conversion)]
+                let total = usize::try_from((*c).cmsg_len).unwrap_or(0);
+                let size = std::mem::size_of::<RawFd>();
+                let count = total.saturating_sub(header).checked_div(size).unwrap_or(0);
+                for i in 0..count {
+                    let fd =
+                        std::ptr::read_unaligned(data.add(i.saturating_mul(size)).cast::<RawFd>());
+                    if fd >= 0 {
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+            }
+            c = libc::CMSG_NXTHDR(&hdr, c);
+        }
+    }
+    let truncated = hdr.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0;
+    Ok(Received {
+        len: usize::try_from(n).unwrap_or(0),
+        fds,
+        truncated,
+    })
+}
+
+fn send_reply(sock: RawFd, reply: Reply) -> std::io::Result<()> {
+    let b = reply.to_bytes();
+    // SAFETY: send of a local buffer of the given length.
+    let n = unsafe { libc::send(sock, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `<exe> __forkserver`: the fork server's `main`. Its stdin is the socket to the node; it
+/// reads requests until the node closes it (the node is gone), then exits 0.
+pub fn serve() -> i32 {
+    const SOCK: RawFd = 0;
+    crate::signals::not_dumpable();
+    if send_reply(SOCK, Reply::Ready).is_err() {
+        return 1;
+    }
+    let mut buf = vec![0u8; MAX_REQUEST.saturating_add(1)];
+    loop {
+        let got = match recv_with_fds(SOCK, &mut buf, 2) {
+            Ok(g) => g,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return 1,
+        };
+        if got.len == 0 && got.fds.is_empty() {
+            return 0;
+        }
+        let req = buf.get(..got.len).map(decode);
+        let reply = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds), req) {
+            (false, Ok(fds), Some(Ok(req))) => fork_supervisor(req, fds),
+            _ => Reply::Failed(libc::EINVAL),
+        };
+        if send_reply(SOCK, reply).is_err() {
+            return 1;
+        }
+    }
+}
+
+/// Forks the supervisor of `req` as the node's child; in the parent the descriptors are closed
+/// (dropped) on return.
+fn fork_supervisor(req: Request, fds: [OwnedFd; 2]) -> Reply {
+    // SAFETY: a raw clone without CLONE_VM is a fork (the child has a copy of this
+    // single-threaded process and returns 0 here); CLONE_PARENT makes the node its parent, and
+    // SIGCHLD the signal the node gets at its end. No stack or thread pointer is passed (zeroes).
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if pid == 0 {
+        supervise(req, fds);
+    }
+    if pid < 0 {
+        let errno = std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL);
+        return Reply::Failed(errno);
+    }
+    i32::try_from(pid).map_or(Reply::Failed(libc::EINVAL), Reply::Started)
+}
+
+/// The child: becomes the supervisor (its streams, directory and environment) and runs it.
+fn supervise(req: Request, [stdout, stderr]: [OwnedFd; 2]) -> ! {
+    // fd 0 is the socket to the node and fd 1 `/dev/null`: stdin becomes that `/dev/null`, stdout
+    // and stderr the two received (numbered above 2: 0–2 were taken when they came).
+    // SAFETY: dup2 onto 0, 1 and 2 of descriptors this process holds.
+    let ok = unsafe {
+        libc::dup2(1, 0) == 0
+            && libc::dup2(stdout.as_raw_fd(), 1) == 1
+            && libc::dup2(stderr.as_raw_fd(), 2) == 2
+    };
+    drop(stdout);
+    drop(stderr);
+    if !ok {
+        // SAFETY: _exit never returns.
+        unsafe { libc::_exit(127) }
+    }
+    // SAFETY: prctl(PR_SET_DUMPABLE, 1) takes plain integers: dumpable again, as an exec'd
+    // supervisor was (its parent's /proc reads of it keep working).
+    unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0);
+    }
+    if let Err(e) = std::env::set_current_dir(&req.dir) {
+        let _ = writeln!(
+            std::io::stdout(),
+            "error: cannot enter {}: {e}",
+            req.dir.display()
+        );
+        std::process::exit(1);
+    }
+    // This process is single-threaded: the environment can be replaced.
+    for (k, _) in std::env::vars_os() {
+        std::env::remove_var(k);
+    }
+    for (k, v) in &req.env {
+        std::env::set_var(k, v);
+    }
+    let args: Option<Vec<String>> = req
+        .args
+        .into_iter()
+        .skip(1)
+        .map(|a| a.into_string().ok())
+        .collect();
+    let Some(args) = args else {
+        let _ = writeln!(
+            std::io::stdout(),
+            "error: the supervisor's arguments are not text"
+        );
+        std::process::exit(2);
+    };
+    let code = std::panic::catch_unwind(|| super::shim::run(&args)).unwrap_or(101);
+    std::process::exit(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn shim_args(extra: &[&str]) -> Vec<OsString> {
+        std::iter::once("__shim")
+            .chain(extra.iter().copied())
+            .map(OsString::from)
+            .collect()
+    }
+
+    #[test]
+    fn a_request_reads_back_as_it_was_sent() {
+        let args = shim_args(&[
+            "/s/w/a",
+            "/work",
+            "",
+            "bash",
+            "echo 'a b' \u{1F600} =x",
+            "10",
+        ]);
+        let e = env(&[("A", "1"), ("B", "x=y=z"), ("EMPTY", ""), ("U", "ünï")]);
+        let msg = encode(&args, &e, Path::new("/s/w/a")).unwrap();
+        let req = decode(&msg).unwrap();
+        assert_eq!(req.args, args);
+        assert_eq!(req.dir, PathBuf::from("/s/w/a"));
+        let back: Vec<(String, String)> = req
+            .env
+            .into_iter()
+            .map(|(k, v)| (k.into_string().unwrap(), v.into_string().unwrap()))
+            .collect();
+        assert_eq!(back, e.into_iter().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn what_cannot_be_sent_is_refused_before_it_is_sent() {
+        let dir = Path::new("/d");
+        let nul = vec![OsString::from("__shim"), OsString::from("a\0b")];
+        assert_eq!(encode(&nul, &env(&[]), dir), None);
+        assert_eq!(encode(&shim_args(&[]), &env(&[("K=", "v")]), dir), None);
+        assert_eq!(encode(&shim_args(&[]), &env(&[("", "v")]), dir), None);
+        assert_eq!(encode(&shim_args(&[]), &env(&[("K", "a\0")]), dir), None);
+        assert_eq!(encode(&shim_args(&[]), &env(&[]), Path::new("/a\0")), None);
+        let huge = "x".repeat(MAX_REQUEST);
+        assert_eq!(encode(&shim_args(&[&huge]), &env(&[]), dir), None);
+        let fits = "x".repeat(MAX_REQUEST - 200);
+        assert!(encode(&shim_args(&[&fits]), &env(&[]), dir).is_some());
+    }
+
+    #[test]
+    fn a_hostile_request_is_malformed_not_a_panic() {
+        let good = encode(&shim_args(&["x"]), &env(&[("A", "1")]), Path::new("/d")).unwrap();
+        assert!(decode(&good).is_ok());
+        let cases: Vec<(Vec<u8>, Malformed)> = vec![
+            (Vec::new(), Malformed::Magic),
+            (b"cw-fork-2\0ad\0".to_vec(), Malformed::Magic),
+            (MAGIC.to_vec(), Malformed::Item),
+            ([MAGIC, b"a__shim"].concat(), Malformed::Item),
+            ([MAGIC, b"a__shim\0\0d/d\0"].concat(), Malformed::Item),
+            (
+                [MAGIC, b"a__shim\0x1\0d/d\0"].concat(),
+                Malformed::Tag(b'x'),
+            ),
+            (
+                [MAGIC, b"a__shim\0eNOEQUALS\0d/d\0"].concat(),
+                Malformed::Env,
+            ),
+            ([MAGIC, b"a__shim\0e=v\0d/d\0"].concat(), Malformed::Env),
+            ([MAGIC, b"a__shim\0"].concat(), Malformed::Dir),
+            ([MAGIC, b"a__shim\0d\0"].concat(), Malformed::Dir),
+            ([MAGIC, b"a__shim\0d/a\0d/b\0"].concat(), Malformed::Dir),
+            ([MAGIC, b"d/d\0"].concat(), Malformed::Args),
+            ([MAGIC, b"ash\0d/d\0"].concat(), Malformed::Args),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(
+                decode(&bytes),
+                Err(want),
+                "{:?}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+        // Not text is carried as bytes (the supervisor refuses it itself).
+        let raw = [MAGIC, b"a__shim\0a\xff\xfe\0e\xffK=\x80\0d/\xc3\0"].concat();
+        let req = decode(&raw).unwrap();
+        assert_eq!(req.args[1].as_bytes(), b"\xff\xfe");
+        // Every prefix of a good request, and every single byte flipped: an answer, no panic.
+        for n in 0..good.len() {
+            let _ = decode(&good[..n]);
+            let mut flipped = good.clone();
+            flipped[n] ^= 0xff;
+            let _ = decode(&flipped);
+        }
+    }
+
+    #[test]
+    fn a_reply_reads_back_and_nothing_else_does() {
+        for r in [
+            Reply::Ready,
+            Reply::Started(1),
+            Reply::Started(i32::MAX),
+            Reply::Failed(libc::EAGAIN),
+        ] {
+            assert_eq!(Reply::from_bytes(&r.to_bytes()), Some(r));
+        }
+        for bad in [
+            &b""[..],
+            b"p",
+            b"p\0\0\0",
+            b"p\0\0\0\0\0",
+            b"p\0\0\0\0",
+            b"p\xff\xff\xff\xff",
+            b"r\x01\0\0\0",
+            b"z\0\0\0\0",
+        ] {
+            assert_eq!(Reply::from_bytes(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn descriptors_cross_the_socket_with_the_message() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let (r, w) = vspawn::pipe().unwrap();
+        send_with_fds(&a, b"hello", &[w.as_raw_fd()]).unwrap();
+        drop(w);
+        let mut buf = [0u8; 16];
+        let got = recv_with_fds(b.as_raw_fd(), &mut buf, 2).unwrap();
+        assert_eq!(&buf[..got.len], b"hello");
+        assert!(!got.truncated);
+        assert_eq!(got.fds.len(), 1);
+        // The received write end is the pipe's: what is written there comes out of `r`.
+        let mut f = std::fs::File::from(got.fds.into_iter().next().unwrap());
+        f.write_all(b"x").unwrap();
+        drop(f);
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut std::fs::File::from(r), &mut out).unwrap();
+        assert_eq!(out, "x");
+        // A message bigger than the buffer is marked truncated.
+        send_with_fds(&a, &[7u8; 64], &[]).unwrap();
+        let got = recv_with_fds(b.as_raw_fd(), &mut buf, 2).unwrap();
+        assert!(got.truncated);
+        // The peer gone: end of file.
+        drop(a);
+        let got = recv_with_fds(b.as_raw_fd(), &mut buf, 2).unwrap();
+        assert_eq!((got.len, got.fds.len()), (0, 0));
+    }
+}

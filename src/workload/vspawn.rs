@@ -14,6 +14,11 @@
 //! memory and `_exit`s. What the supervisor gets is what the `Command` of [`spawn_with_fork`]
 //! gave it: the three streams, the directory, exactly `env`, the node's blocked signals, and no
 //! other descriptor.
+//!
+//! The supervisor starts a plain word list the same way ([`spawn_workload`], [`Prepare::Workload`]):
+//! the child also makes itself a process group (`setpgid`, D25) and, instead of restoring the
+//! mask, sets every disposition to the default and then unblocks everything (D51), in that
+//! order, so that no handler of the supervisor's ever runs in the memory they share.
 
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString};

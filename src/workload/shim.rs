@@ -533,15 +533,13 @@ pub fn run(args: &[String]) -> i32 {
         // clears the group (D25).
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
-    let (child, started_at) = match spawn_workload(&a) {
+    let (pid, started_at) = match spawn_workload(&a) {
         Ok(started) => started,
         Err(code) => return code,
     };
-    let pid = child.id() as i32;
     let me = std::process::id() as i32;
     report_start(&a, pid, me, &started_at);
-    // Reaped here, not through `child` (which would wait for that pid alone).
-    drop(child);
+    // Reaped here (wait_workload), whatever else exits meanwhile.
     let status = wait_workload(pid);
     // D25: nothing of the workload outlives its report.
     clear_group(
@@ -561,7 +559,7 @@ pub fn run(args: &[String]) -> i32 {
 /// Starts the workload's command in its own process group, as its user, its output to its log
 /// files; returns it and its start time, or (after an `error:` line to the node) the shim's
 /// exit code.
-fn spawn_workload(a: &ShimArgs) -> Result<(std::process::Child, String), i32> {
+fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
     let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
@@ -603,6 +601,17 @@ fn spawn_workload(a: &ShimArgs) -> Result<(std::process::Child, String), i32> {
     // that is not certain, or the exec fails in any way, bash runs it as always, so that what it
     // does then (127, 126, a script without `#!`) is bash's own.
     let direct = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os()).and_then(|d| {
+        // Without a workload user, as `posix_spawn` starts a child (no copy of this process to
+        // make and tear down at the exec, issue 25 item 5); else (the uid drop runs between
+        // fork and exec) with std's fork.
+        if a.user.is_none() {
+            match spawn_direct(&d, &a.cwd, &out, &err) {
+                Ok(pid) => return Some(pid),
+                // The exec itself failed: bash's turn, as below.
+                Err(super::vspawn::Failure::Child(_)) => return None,
+                Err(super::vspawn::Failure::Clone(_)) => {}
+            }
+        }
         let mut cmd = base(d.program.as_os_str()).ok()?;
         cmd.arg0(&d.arg0).args(&d.args);
         for (k, v) in &d.set_env {
@@ -611,17 +620,20 @@ fn spawn_workload(a: &ShimArgs) -> Result<(std::process::Child, String), i32> {
         for k in &d.remove_env {
             cmd.env_remove(k);
         }
-        cmd.spawn().ok()
+        cmd.spawn().ok().and_then(|c| i32::try_from(c.id()).ok())
     });
     let spawned = match direct {
-        Some(child) => Ok(child),
+        Some(pid) => Ok(pid),
         None => base(std::ffi::OsStr::new(&a.shell)).and_then(|mut cmd| {
             cmd.arg("-c").arg(&a.command);
-            cmd.spawn()
+            // Reaped by wait_workload, not through the `Child` (which would wait for that pid
+            // alone); dropping it neither waits nor kills.
+            let child = cmd.spawn()?;
+            i32::try_from(child.id()).map_err(std::io::Error::other)
         }),
     };
     match spawned {
-        Ok(c) => Ok((c, started_at)),
+        Ok(pid) => Ok((pid, started_at)),
         Err(e) => {
             let _ = writeln!(
                 std::io::stdout(),
@@ -632,6 +644,40 @@ fn spawn_workload(a: &ShimArgs) -> Result<(std::process::Child, String), i32> {
             Err(1)
         }
     }
+}
+
+/// The plain word list `d` exec'd in `cwd` by `clone(CLONE_VM | CLONE_VFORK)`
+/// ([`super::vspawn::spawn_workload`]): stdin `/dev/null`, its logs, this process's environment
+/// as `d` changes it (what std's `Command` would give it), its own process group, every signal
+/// default and unblocked, no other descriptor.
+fn spawn_direct(
+    d: &Direct,
+    cwd: &Path,
+    out: &std::fs::File,
+    err: &std::fs::File,
+) -> Result<i32, super::vspawn::Failure> {
+    use super::vspawn::Failure;
+    use std::ffi::OsString;
+    let null = OpenOptions::new().read(true).open("/dev/null");
+    let streams = null
+        .and_then(|n| Ok([n.into(), out.try_clone()?.into(), err.try_clone()?.into()]))
+        .map_err(Failure::Clone)?;
+    let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
+        .filter(|(k, _)| {
+            !d.remove_env.iter().any(|r| k == r.as_str())
+                && !d.set_env.iter().any(|(s, _)| k == s.as_str())
+        })
+        .collect();
+    env.extend(d.set_env.iter().map(|(k, v)| (k.into(), v.clone())));
+    let args: Vec<OsString> = d.args.iter().map(OsString::from).collect();
+    super::vspawn::spawn_workload(
+        &d.program,
+        std::ffi::OsStr::new(&d.arg0),
+        &args,
+        env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())),
+        cwd,
+        streams,
+    )
 }
 
 /// Tells the node the workload's pid, records its start for a restarted node, and closes the

@@ -14,9 +14,14 @@
 //! memory and `_exit`s. What the supervisor gets is what the `Command` of [`spawn_with_fork`]
 //! gave it: the three streams, the directory, exactly `env`, the node's blocked signals, and no
 //! other descriptor.
+//!
+//! The supervisor starts a plain word list the same way ([`spawn_workload`], [`Prepare::Workload`]):
+//! the child also makes itself a process group (`setpgid`, D25) and, instead of restoring the
+//! mask, sets every disposition to the default and then unblocks everything (D51), in that
+//! order, so that no handler of the supervisor's ever runs in the memory they share.
 
 use std::collections::BTreeMap;
-use std::ffi::{CString, OsString};
+use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
@@ -37,10 +42,23 @@ struct ChildArgs {
     dir: *const libc::c_char,
     /// Descriptors (all above 2) for the child's 0, 1 and 2.
     streams: [RawFd; 3],
-    /// The calling thread's signal mask, restored in the child just before the exec.
+    /// The calling thread's signal mask, restored in the child just before the exec
+    /// ([`Prepare::KeepMask`]).
     mask: libc::sigset_t,
+    prepare: Prepare,
     /// 0, or the errno of the step that failed in the child.
     err: AtomicI32,
+}
+
+/// What the child sets up before its exec, beyond its streams, its directory and the descriptors
+/// it must not pass on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prepare {
+    /// The calling thread's signal mask, kept (the supervisor keeps the node's blocked signals).
+    KeepMask,
+    /// A workload (D25, D51): a process group of its own, every signal's disposition the
+    /// default and none blocked.
+    Workload,
 }
 
 /// The child's stack. `execve` and the few calls before it need little; glibc's `posix_spawn`
@@ -113,7 +131,7 @@ pub fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Starts `exe args…` in `dir` with exactly `env` and `streams` as its 0, 1 and 2 (nothing else
-/// crosses), by `clone(CLONE_VM | CLONE_VFORK)`; its pid.
+/// crosses), by `clone(CLONE_VM | CLONE_VFORK)`, keeping this thread's signal mask; its pid.
 pub fn spawn_with(
     exe: &Path,
     args: &[OsString],
@@ -121,25 +139,68 @@ pub fn spawn_with(
     dir: &Path,
     streams: [OwnedFd; 3],
 ) -> Result<i32, Failure> {
-    prepare_and_clone(exe, args, env, dir, streams)?
+    let env = env.iter().map(|(k, v)| (OsStr::new(k), OsStr::new(v)));
+    let command = Exec {
+        exe,
+        arg0: exe.as_os_str(),
+        args,
+        dir,
+        prepare: Prepare::KeepMask,
+    };
+    prepare_and_clone(&command, env, streams)?
 }
 
-fn prepare_and_clone(
+/// A workload started as `posix_spawn` would start it (no copy of the supervisor's memory to
+/// make and tear down again): `exe` with `arg0` and `args`, in `dir`, with exactly `env` and
+/// `streams`, in a process group of its own, every signal default and unblocked; its pid.
+pub fn spawn_workload<'a>(
     exe: &Path,
+    arg0: &OsStr,
     args: &[OsString],
-    env: &BTreeMap<String, String>,
+    env: impl Iterator<Item = (&'a OsStr, &'a OsStr)>,
     dir: &Path,
+    streams: [OwnedFd; 3],
+) -> Result<i32, Failure> {
+    let command = Exec {
+        exe,
+        arg0,
+        args,
+        dir,
+        prepare: Prepare::Workload,
+    };
+    prepare_and_clone(&command, env, streams)?
+}
+
+/// What is exec'd, where, and how the child prepares.
+struct Exec<'a> {
+    exe: &'a Path,
+    arg0: &'a OsStr,
+    args: &'a [OsString],
+    dir: &'a Path,
+    prepare: Prepare,
+}
+
+fn prepare_and_clone<'a>(
+    command: &Exec<'_>,
+    env: impl Iterator<Item = (&'a OsStr, &'a OsStr)>,
     streams: [OwnedFd; 3],
 ) -> Result<Result<i32, Failure>, Failure> {
     let setup = Failure::Clone;
+    let Exec {
+        exe,
+        arg0,
+        args,
+        dir,
+        prepare,
+    } = *command;
     let exe_c = cstring(exe.as_os_str().as_bytes()).map_err(setup)?;
-    let argv_c: Vec<CString> = std::iter::once(Ok(exe_c.clone()))
-        .chain(args.iter().map(|a| cstring(a.as_bytes())))
+    let argv_c: Vec<CString> = std::iter::once(arg0)
+        .chain(args.iter().map(OsString::as_os_str))
+        .map(|a| cstring(a.as_bytes()))
         .collect::<std::io::Result<_>>()
         .map_err(setup)?;
     let envp_c: Vec<CString> = env
-        .iter()
-        .map(|(k, v)| cstring(format!("{k}={v}").as_bytes()))
+        .map(|(k, v)| cstring(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
         .collect::<std::io::Result<_>>()
         .map_err(setup)?;
     let dir_c = cstring(dir.as_os_str().as_bytes()).map_err(setup)?;
@@ -181,6 +242,7 @@ fn prepare_and_clone(
         dir: dir_c.as_ptr(),
         streams: [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
         mask,
+        prepare,
         err: AtomicI32::new(0),
     };
     let mut stack = vec![0u8; CHILD_STACK];
@@ -250,12 +312,25 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
             return fail(a);
         }
     }
+    // D25: a workload leads a process group of its own.
+    // SAFETY: setpgid takes plain integers.
+    if a.prepare == Prepare::Workload && unsafe { libc::setpgid(0, 0) } != 0 {
+        return fail(a);
+    }
     // D46.1: no descriptor of the node but these three crosses the exec.
     crate::fds::cloexec_above_2();
-    // SAFETY: sigprocmask restoring the parent thread's mask (a valid set); execve with
-    // NUL-terminated strings and NULL-terminated arrays prepared before the clone.
+    match a.prepare {
+        // SAFETY: sigprocmask restoring the parent thread's mask (a valid set).
+        Prepare::KeepMask => unsafe {
+            libc::sigprocmask(libc::SIG_SETMASK, &a.mask, std::ptr::null_mut());
+        },
+        // D51: every disposition the default first (so no handler of the parent's can run in
+        // this shared memory), then nothing blocked.
+        Prepare::Workload => crate::signals::default_then_unblock(),
+    }
+    // SAFETY: execve with NUL-terminated strings and NULL-terminated arrays prepared before the
+    // clone.
     unsafe {
-        libc::sigprocmask(libc::SIG_SETMASK, &a.mask, std::ptr::null_mut());
         libc::execve(a.exe, a.argv, a.envp);
     }
     fail(a)
@@ -357,6 +432,110 @@ mod tests {
             libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
         }
         assert_eq!(ran.1, "SigBlk:\t0000000000000200\n");
+    }
+
+    /// A workload started by [`spawn_workload`] in a scratch directory: its stdout.
+    fn run_workload(tag: &str, exe: &str, arg0: &str, args: &[&str]) -> String {
+        let dir = scratch(tag);
+        std::fs::create_dir_all(&dir).unwrap();
+        let null = File::open("/dev/null").unwrap();
+        let (read, write) = pipe().unwrap();
+        let err = File::create(dir.join("stderr")).unwrap();
+        let env = [(OsStr::new("A"), OsStr::new("1"))];
+        let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+        let pid = spawn_workload(
+            Path::new(exe),
+            OsStr::new(arg0),
+            &args,
+            env.into_iter(),
+            &dir,
+            [null.into(), write, err.into()],
+        )
+        .expect("started");
+        let mut out = String::new();
+        File::from(read).read_to_string(&mut out).unwrap();
+        let mut status = 0;
+        // SAFETY: waitpid on the child just started, valid out pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        let _ = std::fs::remove_dir_all(&dir);
+        out
+    }
+
+    /// D25 / D51 / D46.1 for a workload started this way: it leads a process group of its own,
+    /// has no signal blocked or ignored (SIGUSR1 blocked and SIGURG ignored here), holds only
+    /// its three streams (a descriptor opened without close-on-exec does not cross), gets `arg0`
+    /// and exactly `env`. Each read by the exec'd program itself, of `/proc/self`.
+    #[test]
+    fn g13_a_workload_started_without_a_fork_leads_its_group_with_no_signal_blocked_or_ignored() {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: socketpair writes two descriptors into the array we own.
+        assert_eq!(
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, fds.as_mut_ptr()) },
+            0
+        );
+        // SAFETY: both descriptors were just created and are owned here.
+        let (_a, _b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let mut usr1: libc::sigset_t = unsafe_zeroed_sigset();
+        let mut before: libc::sigset_t = unsafe_zeroed_sigset();
+        // SAFETY: signal-set calls on local sets; this test thread's mask; SIGURG ignored for
+        // the moment of the start (no test uses it).
+        let old = unsafe {
+            libc::sigaddset(&mut usr1, libc::SIGUSR1);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &usr1, &mut before);
+            libc::signal(libc::SIGURG, libc::SIG_IGN)
+        };
+        let status = run_workload(
+            "wl-status",
+            "/bin/grep",
+            "grep",
+            &["-E", "^(Pid|NSpgid|SigBlk|SigIgn):", "/proc/self/status"],
+        );
+        let listing = run_workload("wl-fds", "/bin/ls", "ls", &["-l", "/proc/self/fd"]);
+        // SAFETY: restoring this test thread's mask and SIGURG's disposition.
+        unsafe {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
+            libc::signal(libc::SIGURG, old);
+        }
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+                .unwrap_or_else(|| panic!("{status}"))
+                .to_string()
+        };
+        assert_eq!(
+            field("Pid:"),
+            field("NSpgid:"),
+            "its own process group: {status}"
+        );
+        assert_eq!(field("SigBlk:"), "0000000000000000", "{status}");
+        // Signals 1–31 (what D51 resets; a real-time one the test's own parent ignored may stay,
+        // as it did with std's fork).
+        let ignored = u64::from_str_radix(&field("SigIgn:"), 16).unwrap();
+        assert_eq!(ignored & 0x7fff_ffff, 0, "{status}");
+        let numbers: Vec<&str> = listing
+            .lines()
+            .filter_map(|l| l.split_once(" -> ")?.0.split_whitespace().last())
+            .collect();
+        // ls's own directory descriptor (3) is the only one above 2.
+        assert_eq!(numbers, ["0", "1", "2", "3"], "{listing}");
+        assert!(!listing.contains("socket:"), "{listing}");
+        let shell = run_workload(
+            "wl-env",
+            "/bin/sh",
+            "custom0",
+            &["-c", "echo $0; env | sort"],
+        );
+        let lines: Vec<&str> = shell
+            .lines()
+            .filter(|l| {
+                !["PWD=", "SHLVL=", "_=", "OLDPWD="]
+                    .iter()
+                    .any(|p| l.starts_with(p))
+            })
+            .collect();
+        assert_eq!(lines, ["custom0", "A=1"], "{shell}");
     }
 
     #[test]

@@ -263,8 +263,13 @@ impl ForkServer {
         stderr: &OwnedFd,
     ) -> Result<i32, Error> {
         let msg = encode(args, env, dir).ok_or(Error::Unsendable)?;
-        send_with_fds(&self.sock, &msg, &[stdout.as_raw_fd(), stderr.as_raw_fd()])
-            .map_err(Error::Broken)?;
+        send_with_fds(&self.sock, &msg, &[stdout.as_raw_fd(), stderr.as_raw_fd()]).map_err(
+            |e| match e.raw_os_error() {
+                // Over this host's socket buffer (`net.core.wmem_*` set low): this one start.
+                Some(libc::EMSGSIZE) => Error::Unsendable,
+                _ => Error::Broken(e),
+            },
+        )?;
         match self.reply().map_err(Error::Broken)? {
             Reply::Started(pid) => Ok(pid),
             Reply::Failed(errno) => Err(Error::Broken(std::io::Error::from_raw_os_error(errno))),
@@ -710,6 +715,45 @@ mod tests {
         ] {
             assert_eq!(Reply::from_bytes(bad), None, "{bad:?}");
         }
+    }
+
+    /// A host with a small socket send buffer (`net.core.wmem_*` set low): a request over it
+    /// goes the exec way for that start alone; the fork server stays and takes the next one.
+    #[test]
+    fn a_request_over_the_socket_buffer_goes_the_exec_way_and_keeps_the_fork_server() {
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        let small: libc::c_int = 4096;
+        // SAFETY: setsockopt with an int we own and its exact size.
+        let rc = unsafe {
+            libc::setsockopt(
+                ours.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                std::ptr::from_ref(&small).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        let server = ForkServer {
+            sock: ours,
+            pid: 0,
+            ticks: 0,
+        };
+        let (_r, w) = vspawn::pipe().unwrap();
+        let big = "x".repeat(64 * 1024);
+        let r = server.spawn(&shim_args(&[&big]), &env(&[]), Path::new("/d"), &w, &w);
+        assert!(matches!(r, Err(Error::Unsendable)), "{r:?}");
+        // Stands in for the fork server: reads the next request and answers it.
+        let peer = std::thread::spawn(move || {
+            let mut buf = vec![0u8; MAX_REQUEST + 1];
+            let got = recv_with_fds(theirs.as_raw_fd(), &mut buf, 2).unwrap();
+            assert_eq!(got.fds.len(), 2);
+            assert!(decode(&buf[..got.len]).is_ok());
+            send_reply(theirs.as_raw_fd(), Reply::Started(4242)).unwrap();
+        });
+        let r = server.spawn(&shim_args(&["x"]), &env(&[]), Path::new("/d"), &w, &w);
+        assert_eq!(r.ok(), Some(4242));
+        peer.join().unwrap();
     }
 
     #[test]

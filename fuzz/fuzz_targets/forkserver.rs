@@ -5,10 +5,12 @@
 use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 
-use cyberwave_cloud_node::workload::forkserver::{decode, encode, MAX_REQUEST};
+use cyberwave_cloud_node::workload::forkserver::{decode, encode, well_formed, MAX_REQUEST};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    // The fork server's own check (no allocation) says what decode says.
+    assert_eq!(well_formed(data), decode(data).is_ok());
     let Ok(req) = decode(data) else {
         return;
     };

@@ -29,15 +29,26 @@
 //!   (`<exe> __forkserver`), not `<exe> __shim <dir> …`: a restarted node that looks for the
 //!   supervisor of a start in flight (recover.rs) also takes a process whose command line is the
 //!   fork server's and whose working directory is the workload's directory.
-//! - **Always a way back.** A message too big for one packet ([`MAX_REQUEST`]) goes the exec way
-//!   for that start; a fork server that does not answer in [`REPLY_TIMEOUT`], is gone, or could
-//!   not fork is dropped (killed) and every later start goes the exec way
-//!   ([`super::vspawn`]). `CYBERWAVE_NO_FORKSERVER=1` turns it off.
+//! - **Always a way back.** A message too big for one packet ([`MAX_REQUEST`], or the host's
+//!   socket buffer) or a fork the kernel refuses for the moment (EAGAIN, ENOMEM) goes the exec
+//!   way for that start; a fork server that is gone, silent or refused otherwise is dropped
+//!   (killed) and every later start goes the exec way ([`super::vspawn`]); it is not started
+//!   again before the node restarts. `CYBERWAVE_NO_FORKSERVER=1` turns it off.
 //! - **The fork's copy of the C library believes it is the fork server's thread.** A raw
 //!   `clone` does not refresh the thread id libc caches (only `fork()` does, and `fork()` has no
 //!   `CLONE_PARENT`). Nothing the supervisor runs reads it (Rust's locks, allocation and
-//!   `Command` do not); `raise`/`abort` would, and a supervisor never aborts (no panic path; an
-//!   unwinding one is caught below and ends the child with 101).
+//!   `Command` do not); `raise`/`abort` would (musl's `tkill`s that cached id, the fork server's):
+//!   a supervisor has no panic path (an unwinding one is caught below and ends the child with
+//!   101), and should one abort anyway (out of memory, a stack overflow), the fork server ignores
+//!   SIGABRT, so the abort ends the supervisor alone.
+//! - **Neither a lost request nor a start run twice.** The fork server holds a request only in
+//!   its receive buffer, wipes it before the next fork, and the supervisor decodes its own after
+//!   the fork: no supervisor holds another start's environment (its tokens). A fork server
+//!   silent after a request is continued (`SIGCONT`: a workload of the same uid may have stopped
+//!   it) and waited for up to [`ANSWER_LIMIT`]; if it still does not answer it is killed and, once
+//!   it is gone, the pid pipe says whether it forked the supervisor before it went (someone
+//!   holds or wrote to the pipe): then that supervisor is the start's, found by its directory;
+//!   else the start goes the exec way.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -56,8 +67,12 @@ pub const OFF_VAR: &str = "CYBERWAVE_NO_FORKSERVER";
 /// The largest request sent to the fork server; a bigger one (a huge command line) goes the exec
 /// way. Under the default unix socket send buffer (`net.core.wmem_default`, 208 KiB).
 pub const MAX_REQUEST: usize = 128 * 1024;
-/// How long the fork server has to answer a request (or to say it is ready).
-pub const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the fork server has to say it is ready, and each wait for an answer to a request;
+/// past each, a fork server still alive is continued (`SIGCONT`: a workload of the node's uid
+/// may have stopped it) and waited for again, up to [`ANSWER_LIMIT`].
+pub const REPLY_TIMEOUT: Duration = Duration::from_millis(500);
+/// The longest a request waits for its answer.
+pub const ANSWER_LIMIT: Duration = Duration::from_secs(3);
 
 const MAGIC: &[u8] = b"cw-fork-1\0";
 const TAG_ARG: u8 = b'a';
@@ -195,9 +210,13 @@ pub enum Error {
     /// This request cannot be sent (too big, a NUL): this start goes the exec way; the fork
     /// server stays.
     Unsendable,
-    /// The fork server is gone, silent or refused: drop it; this and every later start go the
-    /// exec way.
+    /// The fork server is gone or refused, before it could fork: drop it; this and every later
+    /// start go the exec way.
     Broken(std::io::Error),
+    /// The request went out and no answer came: it may or may not have forked this start's
+    /// supervisor. Drop it ([`ForkServer::stop`]) and find out before anything else is started
+    /// for it (launch.rs).
+    Unanswered(std::io::Error),
 }
 
 /// The node's side: the socket to the fork server and its pid.
@@ -270,12 +289,55 @@ impl ForkServer {
                 _ => Error::Broken(e),
             },
         )?;
-        match self.reply().map_err(Error::Broken)? {
+        match self.answer().map_err(Error::Unanswered)? {
             Reply::Started(pid) => Ok(pid),
+            // Out of processes or memory for the moment: this start goes the exec way (which
+            // then says why it cannot either); the fork server stays for the next one.
+            Reply::Failed(errno) if errno == libc::EAGAIN || errno == libc::ENOMEM => {
+                Err(Error::Unsendable)
+            }
             Reply::Failed(errno) => Err(Error::Broken(std::io::Error::from_raw_os_error(errno))),
-            Reply::Ready => Err(Error::Broken(std::io::Error::other(
+            Reply::Ready => Err(Error::Unanswered(std::io::Error::other(
                 "the fork server answered out of turn",
             ))),
+        }
+    }
+
+    /// The answer to the request just sent, waited for up to [`ANSWER_LIMIT`]; a fork server
+    /// silent past each [`REPLY_TIMEOUT`] is continued first (it may have been stopped).
+    fn answer(&self) -> std::io::Result<Reply> {
+        let until = crate::util::later(std::time::Instant::now(), ANSWER_LIMIT);
+        loop {
+            match self.reply() {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        && std::time::Instant::now() < until
+                        && super::procinfo::same_process_alive(self.pid, self.ticks) =>
+                {
+                    // SAFETY: SIGCONT to the fork server this node started, still alive.
+                    unsafe {
+                        libc::kill(self.pid, libc::SIGCONT);
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Ends the fork server and waits (up to a second) until it is gone, so that it holds no
+    /// descriptor any more: then the socket closes, and with it any request still in it.
+    pub fn stop(self) {
+        if self.ticks != 0 && super::procinfo::same_process_alive(self.pid, self.ticks) {
+            // SAFETY: kill with the pid of the fork server this node started, still alive.
+            unsafe {
+                libc::kill(self.pid, libc::SIGKILL);
+            }
+            let until = crate::util::later(std::time::Instant::now(), Duration::from_secs(1));
+            while super::procinfo::same_process_alive(self.pid, self.ticks)
+                && std::time::Instant::now() < until
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
     }
 
@@ -486,6 +548,13 @@ fn send_reply(sock: RawFd, reply: Reply) -> std::io::Result<()> {
 pub fn serve() -> i32 {
     const SOCK: RawFd = 0;
     crate::signals::not_dumpable();
+    // A supervisor forked from here that aborts would, through the C library's stale thread id
+    // (see the module's doc), signal this process: SIGABRT is ignored here (and set back to the
+    // default in each supervisor).
+    // SAFETY: signal() with SIG_IGN for a valid signal number.
+    unsafe {
+        libc::signal(libc::SIGABRT, libc::SIG_IGN);
+    }
     if send_reply(SOCK, Reply::Ready).is_err() {
         return 1;
     }
@@ -499,20 +568,59 @@ pub fn serve() -> i32 {
         if got.len == 0 && got.fds.is_empty() {
             return 0;
         }
-        let req = buf.get(..got.len).map(decode);
-        let reply = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds), req) {
-            (false, Ok(fds), Some(Ok(req))) => fork_supervisor(req, fds),
+        let msg = buf.get(..got.len).unwrap_or_default();
+        let reply = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds)) {
+            (false, Ok(fds)) if well_formed(msg) => fork_supervisor(msg, fds),
             _ => Reply::Failed(libc::EINVAL),
         };
+        // The request (its environment holds the workload's tokens) is only ever in `buf`, and
+        // is wiped before the next fork: a supervisor forked later, whose memory a workload of
+        // the same uid can read, holds no earlier start's secrets.
+        wipe(buf.get_mut(..got.len).unwrap_or_default());
         if send_reply(SOCK, reply).is_err() {
             return 1;
         }
     }
 }
 
-/// Forks the supervisor of `req` as the node's child; in the parent the descriptors are closed
-/// (dropped) on return.
-fn fork_supervisor(req: Request, fds: [OwnedFd; 2]) -> Reply {
+/// Zeroes `bytes` (not elided: the buffer is read again by the next `recvmsg`, and
+/// `black_box` keeps the stores).
+fn wipe(bytes: &mut [u8]) {
+    bytes.fill(0);
+    std::hint::black_box(&bytes);
+}
+
+/// Whether [`decode`] reads `bytes` (the same checks, without allocating: the fork server keeps
+/// no copy of a request; the supervisor decodes its own after the fork).
+pub fn well_formed(bytes: &[u8]) -> bool {
+    let Some(body) = bytes.strip_prefix(MAGIC).and_then(|b| b.strip_suffix(&[0])) else {
+        return false;
+    };
+    let (mut dirs, mut first) = (0usize, None);
+    for item in body.split(|b| *b == 0) {
+        match item.split_first() {
+            Some((&TAG_ARG, rest)) => {
+                first.get_or_insert(rest);
+            }
+            Some((&TAG_ENV, rest)) => {
+                if rest
+                    .iter()
+                    .position(|b| *b == b'=')
+                    .is_none_or(|eq| eq == 0)
+                {
+                    return false;
+                }
+            }
+            Some((&TAG_DIR, rest)) if !rest.is_empty() => dirs = dirs.saturating_add(1),
+            _ => return false,
+        }
+    }
+    dirs == 1 && first == Some(b"__shim".as_slice())
+}
+
+/// Forks the supervisor of the request `msg` as the node's child; in the parent the
+/// descriptors are closed (dropped) on return.
+fn fork_supervisor(msg: &[u8], fds: [OwnedFd; 2]) -> Reply {
     // SAFETY: a raw clone without CLONE_VM is a fork (the child has a copy of this
     // single-threaded process and returns 0 here); CLONE_PARENT makes the node its parent, and
     // SIGCHLD the signal the node gets at its end. No stack or thread pointer is passed (zeroes).
@@ -527,7 +635,7 @@ fn fork_supervisor(req: Request, fds: [OwnedFd; 2]) -> Reply {
         )
     };
     if pid == 0 {
-        supervise(req, fds);
+        supervise(msg, fds);
     }
     if pid < 0 {
         let errno = std::io::Error::last_os_error()
@@ -538,8 +646,9 @@ fn fork_supervisor(req: Request, fds: [OwnedFd; 2]) -> Reply {
     i32::try_from(pid).map_or(Reply::Failed(libc::EINVAL), Reply::Started)
 }
 
-/// The child: becomes the supervisor (its streams, directory and environment) and runs it.
-fn supervise(req: Request, [stdout, stderr]: [OwnedFd; 2]) -> ! {
+/// The child: becomes the supervisor (its streams, directory and environment) of the request
+/// `msg` and runs it.
+fn supervise(msg: &[u8], [stdout, stderr]: [OwnedFd; 2]) -> ! {
     // fd 0 is the socket to the node and fd 1 `/dev/null`: stdin becomes that `/dev/null`, stdout
     // and stderr the two received (numbered above 2: 0–2 were taken when they came).
     // SAFETY: dup2 onto 0, 1 and 2 of descriptors this process holds.
@@ -554,6 +663,18 @@ fn supervise(req: Request, [stdout, stderr]: [OwnedFd; 2]) -> ! {
         // SAFETY: _exit never returns.
         unsafe { libc::_exit(127) }
     }
+    // SAFETY: signal() with SIG_DFL for a valid signal number: the supervisor's SIGABRT as an
+    // exec'd one has it.
+    unsafe {
+        libc::signal(libc::SIGABRT, libc::SIG_DFL);
+    }
+    let Ok(req) = decode(msg) else {
+        let _ = writeln!(
+            std::io::stdout(),
+            "error: the fork server's request is unreadable"
+        );
+        std::process::exit(2);
+    };
     // SAFETY: prctl(PR_SET_DUMPABLE, 1) takes plain integers: dumpable again, as an exec'd
     // supervisor was (its parent's /proc reads of it keep working).
     unsafe {
@@ -673,6 +794,11 @@ mod tests {
             ([MAGIC, b"ash\0d/d\0"].concat(), Malformed::Args),
         ];
         for (bytes, want) in cases {
+            assert!(
+                !well_formed(&bytes),
+                "{:?}",
+                String::from_utf8_lossy(&bytes)
+            );
             assert_eq!(
                 decode(&bytes),
                 Err(want),
@@ -684,13 +810,16 @@ mod tests {
         let raw = [MAGIC, b"a__shim\0a\xff\xfe\0e\xffK=\x80\0d/\xc3\0"].concat();
         let req = decode(&raw).unwrap();
         assert_eq!(req.args[1].as_bytes(), b"\xff\xfe");
-        // Every prefix of a good request, and every single byte flipped: an answer, no panic.
+        // Every prefix of a good request, and every single byte flipped: an answer, no panic,
+        // and the fork server's own check (no allocation) agrees with it.
         for n in 0..good.len() {
-            let _ = decode(&good[..n]);
+            assert_eq!(well_formed(&good[..n]), decode(&good[..n]).is_ok());
             let mut flipped = good.clone();
             flipped[n] ^= 0xff;
-            let _ = decode(&flipped);
+            assert_eq!(well_formed(&flipped), decode(&flipped).is_ok(), "{n}");
         }
+        assert!(well_formed(&good));
+        assert!(well_formed(&raw));
     }
 
     #[test]

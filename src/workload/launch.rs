@@ -210,7 +210,7 @@ fn fork_shim(
     // Forked by the fork server, without an exec (issue 25 item 5); where it cannot, without a
     // copy of the node; where the kernel refuses that clone (a seccomp filter, say), with a fork
     // as before.
-    if let Some(started) = through_fork_server(fork, &args, env, dir, &shim_log) {
+    if let Some(started) = through_fork_server(fork, &args, env, dir, &shim_log)? {
         let (shim_pid, stdout) = started;
         return Ok(Launched {
             meta,
@@ -246,30 +246,35 @@ fn fork_shim(
 
 /// The supervisor started by the fork server: its pid and the read end of its stdout. `None`:
 /// this start goes the exec way (the request cannot be sent that way, or the fork server is
-/// broken: then it is dropped, and every later start goes the exec way too).
+/// broken and did not fork it: then it is dropped, and every later start goes the exec way too).
+/// An error: the fork server went silent after it may have forked it, and no supervisor of it
+/// could be found; nothing else is started for it.
 fn through_fork_server(
     fork: &mut Option<ForkServer>,
     args: &[std::ffi::OsString],
     env: &BTreeMap<String, String>,
     dir: &Path,
     shim_log: &std::fs::File,
-) -> Option<(i32, std::os::fd::OwnedFd)> {
-    let server = fork.as_ref()?;
+) -> Result<Option<(i32, std::os::fd::OwnedFd)>, SpawnError> {
+    let Some(server) = fork.as_ref() else {
+        return Ok(None);
+    };
     let streams = vspawn::pipe().and_then(|(r, w)| Ok((r, w, shim_log.try_clone()?)));
     let (read, write, log) = match streams {
         Ok(s) => s,
         Err(e) => {
             log::debug!("cannot prepare the supervisor's streams ({e}): it is exec'd");
-            return None;
+            return Ok(None);
         }
     };
-    match server.spawn(args, env, dir, &write, &log.into()) {
-        Ok(pid) => Some((pid, read)),
+    let log = std::os::fd::OwnedFd::from(log);
+    let why = match server.spawn(args, env, dir, &write, &log) {
+        Ok(pid) => return Ok(Some((pid, read))),
         Err(forkserver::Error::Unsendable) => {
             log::debug!(
                 "this start's request does not fit the fork server: its supervisor is exec'd"
             );
-            None
+            return Ok(None);
         }
         Err(forkserver::Error::Broken(e)) => {
             log::warn!(
@@ -277,9 +282,47 @@ fn through_fork_server(
                 server.pid()
             );
             *fork = None;
-            None
+            return Ok(None);
         }
+        Err(forkserver::Error::Unanswered(e)) => e,
+    };
+    log::warn!(
+        "the fork server (pid {}) did not answer ({why}); every supervisor is exec'd from now on",
+        server.pid()
+    );
+    if let Some(server) = fork.take() {
+        server.stop();
     }
+    drop((write, log));
+    // Whether it forked this start's supervisor before it went: with it gone and its socket
+    // closed, only that supervisor can hold (or have written to) the pipe's write end.
+    if !written_or_held(&read) {
+        return Ok(None);
+    }
+    match super::recover::supervisor_of(dir, std::time::Duration::from_secs(1)) {
+        Some(pid) => Ok(Some((pid, read))),
+        None => Err(SpawnError::Fork {
+            exe: std::path::PathBuf::from(forkserver::MODE),
+            source: std::io::Error::other(format!(
+                "the fork server went silent after it may have started the supervisor ({why}), \
+                 and none is found; nothing else is started for this request"
+            )),
+        }),
+    }
+}
+
+/// Whether anything was written to the pipe `read` or anyone still holds its write end.
+fn written_or_held(read: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: read.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll of one pollfd we own, without waiting.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    let hung_up_empty = n == 1 && p.revents & libc::POLLHUP != 0 && p.revents & libc::POLLIN == 0;
+    !hung_up_empty
 }
 
 /// The shim forked as before issue 25 item 5: the fallback of [`super::vspawn::spawn`].

@@ -144,6 +144,21 @@ fn wait_for_shim_record(dir: &Path, started: &Path) {
     }
 }
 
+/// The pid of a live supervisor of `dir`, looked for until `wait` is over (a supervisor just
+/// forked may not have entered its directory yet).
+pub(super) fn supervisor_of(dir: &Path, wait: Duration) -> Option<i32> {
+    let until = crate::util::later(std::time::Instant::now(), wait);
+    loop {
+        if let Some((pid, _)) = shim_of(dir) {
+            return Some(pid);
+        }
+        if std::time::Instant::now() >= until {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// The live shim process (pid, start ticks) supervising `dir`, found among this user's
 /// processes by its command line: `<exe> __shim <dir> …` when it was exec'd, or the fork
 /// server's (`<exe> __forkserver`) with `dir` as its working directory when it was forked by one.

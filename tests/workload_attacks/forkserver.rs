@@ -13,13 +13,13 @@ use crate::support::wait_for;
 /// Waits until the workload has written its supervisor's pid (its `$PPID`) to `t/<rid>.sup`.
 const MANIFEST: &str = "cyberwave:\n  training: |\n    echo $PPID > t/$CYBERWAVE_REQUEST_ID.sup\n    until [ -e t/$CYBERWAVE_REQUEST_ID.stop ]; do sleep 0.05; done\n";
 
-fn proc_text(pid: i32, what: &str) -> String {
+pub(super) fn proc_text(pid: i32, what: &str) -> String {
     std::fs::read(format!("/proc/{pid}/{what}"))
         .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
         .unwrap_or_default()
 }
 
-fn parent_of(pid: i32) -> i32 {
+pub(super) fn parent_of(pid: i32) -> i32 {
     let stat = proc_text(pid, "stat");
     let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
     after
@@ -58,7 +58,7 @@ fn fork_servers(node: &NodeProcess) -> Vec<i32> {
         .collect()
 }
 
-fn supervisor_of(dir: &Path, rid: &str) -> i32 {
+pub(super) fn supervisor_of(dir: &Path, rid: &str) -> i32 {
     wait_for(REPLY, || {
         std::fs::read_to_string(dir.join(format!("t/{rid}.sup")))
             .ok()?

@@ -6,6 +6,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use super::forkserver::{parent_of, proc_text, supervisor_of};
 use crate::support::node::NodeProcess;
 use crate::support::rig;
 use crate::support::scenario::Start;
@@ -15,22 +16,6 @@ use crate::support::wait_for;
 /// Writes its supervisor's pid (`$PPID`) to `t/<rid>.sup`, appends a line to `t/<rid>.runs`
 /// (one per run of the command), waits for `t/<rid>.stop`.
 const MANIFEST: &str = "cyberwave:\n  training: |\n    echo $PPID > t/$CYBERWAVE_REQUEST_ID.sup\n    echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs\n    until [ -e t/$CYBERWAVE_REQUEST_ID.stop ]; do sleep 0.05; done\n";
-
-fn proc_text(pid: i32, what: &str) -> String {
-    std::fs::read(format!("/proc/{pid}/{what}"))
-        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
-        .unwrap_or_default()
-}
-
-fn parent_of(pid: i32) -> i32 {
-    let stat = proc_text(pid, "stat");
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    after
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(0)
-}
 
 /// The node's children with the fork server's command line, and their working directories.
 fn forkserver_children(node: &NodeProcess) -> Vec<(i32, std::path::PathBuf)> {
@@ -50,17 +35,6 @@ fn fork_server(node: &NodeProcess) -> Option<i32> {
         .into_iter()
         .find(|(_, cwd)| cwd == Path::new("/"))
         .map(|(pid, _)| pid)
-}
-
-fn supervisor_of(dir: &Path, rid: &str) -> i32 {
-    wait_for(REPLY, || {
-        std::fs::read_to_string(dir.join(format!("t/{rid}.sup")))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    })
-    .unwrap_or_else(|| panic!("the workload {rid} did not write its supervisor's pid"))
 }
 
 /// Whether `needle` is anywhere in the readable memory of `pid` (as a same-uid process reads a

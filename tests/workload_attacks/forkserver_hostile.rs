@@ -392,12 +392,19 @@ fn g13_a_node_started_with_stdin_and_stdout_closed_still_forks_its_supervisors()
         let sup = supervisor_of(&setup.cwd, rid);
         let cmdline = proc_text(sup, "cmdline");
         assert!(cmdline.contains(" __forkserver"), "{rid}: {cmdline}");
-        let held: Vec<String> = std::fs::read_dir(format!("/proc/{sup}/fd"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(held.len(), 3, "{rid}: {held:?}");
+        // Three once it has settled: right after the reply it may still be writing its start
+        // record (a temporary file and its directory, two descriptors of its own for a moment).
+        let held = || -> Vec<String> {
+            std::fs::read_dir(format!("/proc/{sup}/fd"))
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let settled = wait_for(REPLY, || (held().len() == 3).then_some(()));
+        assert!(settled.is_some(), "{rid}: {:?}", held());
         std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
         assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
     }

@@ -95,6 +95,9 @@ fn g13_a_supervisor_forked_by_the_fork_server_holds_only_its_three_streams() {
     );
     let cwd = std::fs::read_link(format!("/proc/{sup}/cwd")).unwrap();
     assert!(cwd.ends_with("workloads/fs1"), "{}", cwd.display());
+    // Once it has settled (it may still be writing its start record: a temporary file and its
+    // directory for a moment).
+    let _ = wait_for(REPLY, || (fds(sup).len() == 3).then_some(()));
     let held = fds(sup);
     let numbers: Vec<i32> = held.iter().map(|(n, _)| *n).collect();
     assert_eq!(

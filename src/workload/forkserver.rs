@@ -32,8 +32,9 @@
 //! - **Always a way back.** A message too big for one packet ([`MAX_REQUEST`], or the host's
 //!   socket buffer) or a fork the kernel refuses for the moment (EAGAIN, ENOMEM) goes the exec
 //!   way for that start; a fork server that is gone, silent or refused otherwise is dropped
-//!   (killed) and every later start goes the exec way ([`super::vspawn`]); it is not started
-//!   again before the node restarts. `CYBERWAVE_NO_FORKSERVER=1` turns it off.
+//!   (killed) and later starts go the exec way ([`super::vspawn`]) until the spawner starts a
+//!   new one (`CYBERWAVE_NODE_FORKSERVER_RESTART_SECONDS` later, spawner.rs).
+//!   `CYBERWAVE_NO_FORKSERVER=1` turns it off.
 //! - **The fork's copy of the C library believes it is the fork server's thread.** A raw
 //!   `clone` does not refresh the thread id libc caches (only `fork()` does, and `fork()` has no
 //!   `CLONE_PARENT`). Nothing the supervisor runs reads it (Rust's locks, allocation and

@@ -278,7 +278,7 @@ fn through_fork_server(
         }
         Err(forkserver::Error::Broken(e)) => {
             log::warn!(
-                "the fork server (pid {}) failed ({e}); every supervisor is exec'd from now on",
+                "the fork server (pid {}) failed ({e}); supervisors are exec'd until a new one is started",
                 server.pid()
             );
             *fork = None;
@@ -287,7 +287,7 @@ fn through_fork_server(
         Err(forkserver::Error::Unanswered(e)) => e,
     };
     log::warn!(
-        "the fork server (pid {}) did not answer ({why}); every supervisor is exec'd from now on",
+        "the fork server (pid {}) did not answer ({why}); supervisors are exec'd until a new one is started",
         server.pid()
     );
     if let Some(server) = fork.take() {

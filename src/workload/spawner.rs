@@ -103,13 +103,29 @@ fn spawn_loop(
     launched: &Sender<(Launched, Instant, Duration)>,
     out: &Sender<Outcome>,
 ) {
-    let mut fork = start_fork_server(&ctx.exe);
+    let (mut fork, enabled) = start_fork_server(&ctx.exe);
+    let mut restart = Restart {
+        enabled,
+        after: ctx.settings.tuning.forkserver_restart,
+        due: None,
+    };
+    let again = |fork: &mut Option<ForkServer>, restart: &mut Restart| {
+        if restart.now(fork.is_some(), Instant::now()) {
+            *fork = ForkServer::start(&ctx.exe)
+                .inspect(|f| log::info!("fork server started again (pid {})", f.pid()))
+                .map_err(|e| log::warn!("cannot start the fork server again ({e})"))
+                .ok();
+        }
+    };
     for (req, received) in jobs {
+        again(&mut fork, &mut restart);
         let safe_id = req.safe_id.clone();
         let run = std::panic::AssertUnwindSafe(|| {
             super::launch(&ctx.settings, &ctx.layout, &ctx.exe, &mut fork, req)
         });
         let result = std::panic::catch_unwind(run).unwrap_or_else(|_| Err(SpawnError::Internal));
+        // A fork server dropped by this start: its wait counts from now.
+        again(&mut fork, &mut restart);
         match result {
             Ok(l) => {
                 ctx.reaper.spawned();
@@ -135,15 +151,47 @@ fn spawn_loop(
     }
 }
 
+/// When a fork server is started again after the last one was dropped (killed, silent,
+/// refused: launch.rs) or could not start: `after` past the first start that found none, before
+/// the next start; until then, and while a new one cannot start, supervisors are exec'd.
+struct Restart {
+    /// False when `CYBERWAVE_NO_FORKSERVER` turned it off.
+    enabled: bool,
+    after: Duration,
+    due: Option<Instant>,
+}
+
+impl Restart {
+    /// Before a start, `up`: whether a fork server is there. True: start one now.
+    fn now(&mut self, up: bool, now: Instant) -> bool {
+        if !self.enabled || up {
+            self.due = None;
+            return false;
+        }
+        match self.due {
+            None => {
+                self.due = Some(crate::util::later(now, self.after));
+                false
+            }
+            Some(due) if now >= due => {
+                self.due = None;
+                true
+            }
+            Some(_) => false,
+        }
+    }
+}
+
 /// The fork server supervisors are forked from (issue 25 item 5), unless
-/// `CYBERWAVE_NO_FORKSERVER` is set or it cannot start: then every supervisor is exec'd.
-fn start_fork_server(exe: &Path) -> Option<ForkServer> {
+/// `CYBERWAVE_NO_FORKSERVER` is set or it cannot start: then every supervisor is exec'd. The
+/// second value: whether the fork server is wanted at all (started again later if it is).
+fn start_fork_server(exe: &Path) -> (Option<ForkServer>, bool) {
     if let Some(v) = std::env::var_os(forkserver::OFF_VAR) {
         match v.to_str().and_then(crate::config::env::parse_bool) {
             Some(false) => {}
             Some(true) => {
                 log::info!("{}: every supervisor is exec'd", forkserver::OFF_VAR);
-                return None;
+                return (None, false);
             }
             None => {
                 log::warn!(
@@ -151,18 +199,20 @@ fn start_fork_server(exe: &Path) -> Option<ForkServer> {
                     forkserver::OFF_VAR,
                     crate::logtext::shown(&v.to_string_lossy())
                 );
-                return None;
+                return (None, false);
             }
         }
     }
     match ForkServer::start(exe) {
         Ok(f) => {
             log::debug!("fork server started (pid {})", f.pid());
-            Some(f)
+            (Some(f), true)
         }
         Err(e) => {
-            log::warn!("cannot start the fork server ({e}); every supervisor is exec'd");
-            None
+            log::warn!(
+                "cannot start the fork server ({e}); supervisors are exec'd until one starts"
+            );
+            (None, true)
         }
     }
 }
@@ -242,5 +292,44 @@ fn record(path: &Path, entries: &[ledger::Entry]) {
             entries.len(),
             crate::store::shown(path)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_fork_server_is_started_again_after_its_wait_and_only_then() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut r = Restart {
+            enabled: true,
+            after: Duration::from_millis(30_000),
+            due: None,
+        };
+        // Up: nothing to do.
+        assert!(!r.now(true, ms(0)));
+        // Gone at the start at 1 s: due 30 s later, not before.
+        assert!(!r.now(false, ms(1_000)));
+        assert!(!r.now(false, ms(30_999)));
+        assert!(r.now(false, ms(31_000)));
+        // That attempt failed: the next start schedules the next one, 30 s on.
+        assert!(!r.now(false, ms(31_500)));
+        assert!(!r.now(false, ms(61_499)));
+        assert!(r.now(false, ms(61_500)));
+        // It came up: a later loss waits its own 30 s.
+        assert!(!r.now(true, ms(62_000)));
+        assert!(!r.now(false, ms(70_000)));
+        assert!(!r.now(false, ms(99_999)));
+        assert!(r.now(false, ms(100_000)));
+        // Turned off: never.
+        let mut off = Restart {
+            enabled: false,
+            after: Duration::ZERO,
+            due: None,
+        };
+        assert!(!off.now(false, ms(0)));
+        assert!(!off.now(false, ms(1_000_000)));
     }
 }

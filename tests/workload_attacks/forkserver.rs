@@ -170,7 +170,7 @@ fn g13_a_workload_that_kills_the_fork_server_costs_the_next_start_nothing() {
     assert_eq!(parent_of(sup), node.pid());
     assert!(
         node.log()
-            .contains("every supervisor is exec'd from now on"),
+            .contains("supervisors are exec'd until a new one is started"),
         "{}",
         node.log()
     );
@@ -199,4 +199,48 @@ fn g13_without_the_fork_server_every_supervisor_is_execd() {
     assert!(fork_servers(&node).is_empty());
     std::fs::write(setup.cwd.join("t/fs4.stop"), "").unwrap();
     assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+}
+
+/// A fork server that is gone is started again once its wait
+/// (`CYBERWAVE_NODE_FORKSERVER_RESTART_SECONDS`, 30 s by default) is over: the start that found
+/// it gone is exec'd, a start after the wait is forked by a new fork server.
+#[test]
+fn g13_a_killed_fork_server_is_started_again_after_its_wait() {
+    let (_b, cp, mut setup) = rig(MANIFEST);
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    setup.set("CYBERWAVE_NODE_FORKSERVER_RESTART_SECONDS", "0.2");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = wait_for(REPLY, || fork_servers(&node).first().copied())
+        .unwrap_or_else(|| panic!("no fork server; log:\n{}", node.log()));
+    // SAFETY: kill of a process this test found as the node's fork server.
+    unsafe {
+        libc::kill(first, libc::SIGKILL);
+    }
+    assert!(wait_for(REPLY, || fork_servers(&node).is_empty().then_some(())).is_some());
+    let w = Start::training("fs5");
+    assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    let sup = supervisor_of(&setup.cwd, "fs5");
+    assert!(proc_text(sup, "cmdline").contains(" __shim "), "exec'd");
+    std::fs::write(setup.cwd.join("t/fs5.stop"), "").unwrap();
+    assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    let w2 = Start::training("fs6");
+    assert_eq!(w2.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    let sup2 = supervisor_of(&setup.cwd, "fs6");
+    assert!(
+        proc_text(sup2, "cmdline").contains(" __forkserver"),
+        "forked by a new fork server; log:\n{}",
+        node.log()
+    );
+    let again = fork_servers(&node);
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_ne!(again[0], first);
+    assert!(
+        node.log().contains("fork server started again"),
+        "{}",
+        node.log()
+    );
+    std::fs::write(setup.cwd.join("t/fs6.stop"), "").unwrap();
+    assert_eq!(w2.completion(&cp)["exit_code"], 0, "{}", node.log());
 }

@@ -429,18 +429,24 @@ fn cmsg_space(n: usize) -> usize {
     usize::try_from(unsafe { libc::CMSG_SPACE(bytes) }).unwrap_or(0)
 }
 
+/// A message header over one buffer (`iov`) and a control buffer; both must outlive its use.
+fn header(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: msghdr is a plain struct; all zeroes is a valid empty header, filled in below.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_iov = iov;
+    hdr.msg_iovlen = 1;
+    hdr.msg_control = control.as_mut_ptr().cast();
+    hdr.msg_controllen = control.len() as _;
+    hdr
+}
+
 fn send_with_fds(sock: &OwnedFd, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     let mut control = vec![0u8; cmsg_space(fds.len())];
     let mut iov = libc::iovec {
         iov_base: msg.as_ptr().cast_mut().cast(),
         iov_len: msg.len(),
     };
-    // SAFETY: msghdr is a plain struct; all zeroes is a valid empty header, filled in below.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    hdr.msg_control = control.as_mut_ptr().cast();
-    hdr.msg_controllen = control.len() as _;
+    let hdr = header(&mut iov, &mut control);
     let fd_bytes = u32::try_from(std::mem::size_of_val(fds)).unwrap_or(0);
     // SAFETY: the control buffer has room for one header and `fds` (cmsg_space); CMSG_FIRSTHDR
     // and CMSG_DATA point inside it; sendmsg reads the header, the iovec and the buffer, all
@@ -489,12 +495,7 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> std::io::Result
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: as in send_with_fds.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    hdr.msg_control = control.as_mut_ptr().cast();
-    hdr.msg_controllen = control.len() as _;
+    let mut hdr = header(&mut iov, &mut control);
     // SAFETY: recvmsg writes into the buffer and the control buffer it is given, within their
     // lengths.
     let n = unsafe { libc::recvmsg(sock, &mut hdr, libc::MSG_CMSG_CLOEXEC) };

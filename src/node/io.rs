@@ -88,6 +88,11 @@ impl Io {
             state: &self.layout.state,
         }
     }
+
+    /// The GPU part's [`super::gpus::Outbound`] on the monitor thread.
+    pub(super) fn gpu_wire(&self) -> GpuWire<'_> {
+        GpuWire(self.gpu_monitor.as_ref())
+    }
 }
 
 /// What the session does to the world, done with the node's MQTT client and state dir.
@@ -146,6 +151,23 @@ impl super::session::Outbound for Wire<'_> {
     }
     fn notify(&mut self, state: &str) {
         crate::systemd::notify(state);
+    }
+}
+
+/// The GPU part's [`super::gpus::Outbound`] on the monitor thread (none when it could not start).
+pub struct GpuWire<'a>(pub Option<&'a crate::gpu::Monitor>);
+
+impl super::gpus::Outbound for GpuWire<'_> {
+    fn set_holding(&self, holding: bool) {
+        if let Some(m) = self.0 {
+            m.set_holding(holding);
+        }
+    }
+    fn sample_every(&self) -> Duration {
+        self.0.map_or(crate::gpu::SAMPLE_EVERY, |m| m.timing.sample)
+    }
+    fn pgid_of(&self, pid: i32) -> Option<i32> {
+        crate::gpu::pgid_of(pid)
     }
 }
 

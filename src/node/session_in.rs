@@ -8,7 +8,6 @@ use serde_json::{json, Value};
 
 use super::commands;
 use super::gpus::{Gpus, Hold};
-use super::gpus_out;
 use super::parts::{refused_in, Life, Op, Shutdown, EXIT_CREDENTIALS};
 use super::session::{Happening, Session};
 use super::shutdown;
@@ -91,7 +90,7 @@ fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
                 // Self-heal runs beside the heartbeat, never in front of it.
                 st.heal
                     .start_pass(w.s.standalone, w.active, &w.io.workers, w.session.uuid());
-                let holds = gpus_out::holds_of(w.active, w.starts);
+                let holds = w.holds();
                 let body = heartbeat_body(w.s, w.life, w.in_use(), w.gpu, &holds);
                 let now = w.now();
                 w.session.send_heartbeat(&body, now, &mut w.io.wire(w.s));

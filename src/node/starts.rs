@@ -57,6 +57,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use super::gpus::Hold;
 use crate::ledger;
 use crate::logtext::shown;
 use crate::protocol::commands::Kind;
@@ -145,6 +146,16 @@ impl Starts {
 
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Starting)> {
         self.in_flight.iter()
+    }
+
+    /// The GPU holds of the starts in flight (no process group yet).
+    pub(super) fn holds(&self) -> impl Iterator<Item = Hold<'_>> + '_ {
+        self.in_flight.iter().map(|(id, st)| Hold {
+            id,
+            holder: st.request_id.clone(),
+            pid: None,
+            gpus: st.gpus.as_deref().unwrap_or_default(),
+        })
     }
 
     /// The start in flight for this request id (as the backend names it).

@@ -224,10 +224,7 @@ impl Start<'_> {
                 .and_then(|m| m.max_runtime_seconds)
                 .and_then(Seconds::from_f64),
         };
-        let held = super::gpus::holders(&super::gpus_out::holds_of(
-            self.work.active,
-            self.work.starts,
-        ));
+        let held = super::gpus::holders(&self.work.holds());
         let now = self.work.io.clock.now();
         let wait = admit::defer_wait();
         admit::decide(ask, &facts, self.ledger, self.work.gpu, &held, now, wait)
@@ -272,8 +269,11 @@ impl Start<'_> {
                     self.work.workload_status(wl, body);
                 }
                 starts::forget(&self.work.io.layout, &safe_id);
-                self.work
-                    .with_ingress(|i, out| i.report_started(&meta, out));
+                // Only a start with a workflow context has a workflow node event.
+                if meta.workflow.is_some() {
+                    self.work
+                        .with_ingress(|i, out| i.report_started(&meta, out));
+                }
                 self.work.life.metrics.starts = self.work.life.metrics.starts.saturating_add(1);
                 if self.work.s.drain_after_one {
                     self.work.life.drain.one_started = true;
@@ -290,12 +290,7 @@ impl Start<'_> {
                 self.work
                     .active
                     .insert(safe_id.clone(), Active::new(*meta, true, now));
-                super::gpus_out::update_sampling(
-                    self.work.gpu,
-                    self.work.active,
-                    self.work.starts,
-                    self.work.io.gpu_monitor.as_ref(),
-                );
+                self.work.update_sampling();
                 // What the workload asked of the node before its start was reported.
                 for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
                     let reply = self.work.on_emit(&req.body);
@@ -433,8 +428,10 @@ impl Start<'_> {
         let why = reason.to_string();
         let why = why.as_str();
         let busy = reason.busy();
-        self.work
-            .with_ingress(|i, out| i.report_rejected(ctx, why, out));
+        if ctx.is_some() {
+            self.work
+                .with_ingress(|i, out| i.report_rejected(ctx, why, out));
+        }
         self.work.life.metrics.count_rejection(reason.metric());
         log::warn!(
             "refused start {}: {}",

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::gpus::Hold;
 pub use super::uploads::UploadCfg;
 use super::uploads::{self, Uploads};
 use crate::logtext::shown;
@@ -240,6 +241,19 @@ impl Table {
     }
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Active)> + '_ {
         self.active.iter()
+    }
+    /// The GPU holds of the tracked workloads: each is held by its request id (its safe id
+    /// when it has none) and its process group.
+    pub(super) fn holds(&self) -> impl Iterator<Item = Hold<'_>> + '_ {
+        self.active.iter().map(|(id, a)| Hold {
+            id,
+            holder: match &a.meta.request_id {
+                Value::Null => serde_json::json!(id),
+                r => r.clone(),
+            },
+            pid: Some(a.meta.pid()),
+            gpus: a.meta.gpus.as_deref().unwrap_or_default(),
+        })
     }
     /// Starts tracking a workload (a replaced entry is returned).
     pub fn insert(&mut self, id: String, a: Active) -> Option<Active> {

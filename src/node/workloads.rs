@@ -10,7 +10,6 @@ use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 use super::gpus::{self, Gpus};
-use super::gpus_out;
 use super::ingress::{self, Ingress};
 use super::io::{Io, Replies};
 use super::parts::{Life, Metrics, Op, Throttles};
@@ -557,12 +556,7 @@ impl Work<'_> {
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             gpus::put(&mut body, "gpu", g); // D38
         }
-        gpus_out::update_sampling(
-            self.gpu,
-            self.active,
-            self.starts,
-            self.io.gpu_monitor.as_ref(),
-        );
+        self.update_sampling();
         match self
             .outgoing()
             .send_completion(safe_id, &meta, body, label, &rid)
@@ -614,6 +608,16 @@ impl Work<'_> {
 
     /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
     /// full-disk throttle).
+    /// The GPU holds of the tracked workloads and the starts in flight.
+    pub(super) fn holds(&self) -> Vec<gpus::Hold<'_>> {
+        self.active.holds().chain(self.starts.holds()).collect()
+    }
+
+    /// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
+    pub(super) fn update_sampling(&self) {
+        self.gpu.update_sampling(&self.holds(), &self.io.gpu_wire());
+    }
+
     pub(super) fn with_ingress<R>(
         &mut self,
         f: impl FnOnce(&mut Ingress, &mut dyn ingress::Outbound) -> R,

@@ -77,6 +77,16 @@ fn launch_in(
 ) -> Result<Launched, SpawnError> {
     let user = prepare_dirs(s, layout, dir)?;
     let user = user.as_ref();
+    // D24: its own results folder, created empty here, not on the node's loop.
+    if let Some(d) = &req.results_dir {
+        if let Err(e) = std::fs::create_dir_all(d) {
+            log::warn!(
+                "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
+                d.display()
+            );
+            req.results_dir = None;
+        }
+    }
     let token = req
         .params
         .remove("cyberwave_workload_token")

@@ -24,7 +24,8 @@ pub struct StartRequest {
     pub socket: PathBuf,
     /// Its GPUs (D36): `Some` sets the CUDA/NVIDIA variables (an empty list hides every GPU).
     pub gpus: Option<Vec<String>>,
-    /// This workload's own results folder (D24), when result uploads are on.
+    /// This workload's own results folder (D24), when result uploads are on (created by the
+    /// spawner; a folder it cannot create is not passed on).
     pub results_dir: Option<PathBuf>,
     /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
     pub event_token: String,

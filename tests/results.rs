@@ -248,6 +248,39 @@ fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
 /// `CYBERWAVE_NODE_UPLOAD_WORKERS`, default 2), so the second's files do not wait behind the
 /// first's. Proven by the fake sink seeing both PUTs at once, not by timing. On main at f918294
 /// one upload thread sent them one after the other.
+/// D24, hostile config: a results folder that cannot be created (a file where its parent
+/// should be). The spawner creates the folder now (issue 25 item 5, off the node's loop): the
+/// workload still starts, without `CYBERWAVE_RESULTS_DIR`, the node says why, and goes on.
+#[test]
+fn a_results_folder_that_cannot_be_created_leaves_the_workload_without_one() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    std::fs::write(setup.cwd.join("blocker"), "a file, not a folder").unwrap();
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: echo \"dir=${CYBERWAVE_RESULTS_DIR-unset}\" > seen.txt\n  results_folder: blocker/out\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let first = Start::training("nf");
+    first.ok(&cp, &node);
+    assert!(
+        cp.wait_status(first.wl(), "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    let seen = std::fs::read_to_string(setup.cwd.join("seen.txt")).unwrap_or_default();
+    assert_eq!(seen.trim(), "dir=unset", "{}", node.log());
+    assert!(
+        node.log().contains("cannot create the results folder"),
+        "{}",
+        node.log()
+    );
+    // The node goes on: the next start is answered too.
+    Start::training("nf2").ok(&cp, &node);
+}
+
 #[test]
 fn two_workloads_ending_together_upload_side_by_side() {
     let broker = Broker::start();

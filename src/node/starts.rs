@@ -8,9 +8,12 @@
 //! active workload, exactly as a start was before.
 //!
 //! Exactly once, and what a crash at each point leaves (the order of the writes):
-//! 1. loop: the start's note (`starts/<safe-id>.json`, [`note`]) is left, then the request is
-//!    in flight. A node killed from here on until the answer leaves the note: the next node
-//!    answers the start (D53), from its workload if it started, else with a retryable refusal.
+//! 1. loop: the request is in flight and handed to the spawner, then the start's note
+//!    (`starts/<safe-id>.json`, [`note`]) is left while the spawner writes the files of step 2
+//!    on the other core; the spawner starts no supervisor before the loop says the note is
+//!    written (`StartRequest::noted`), so no workload runs without its note. A node killed from
+//!    here on until the answer leaves the note: the next node answers the start (D53), from its
+//!    workload if it started, else with a retryable refusal.
 //! 2. spawner: the workload's directory (created exclusively: a second spawn of the same id
 //!    fails), params, and `meta.json` (phase `starting`) are written, unsynced; then the shim is
 //!    forked and execs the workload. A node killed now leaves the record for the next node:
@@ -35,7 +38,7 @@
 //! never waits for an answer that will not come: every start the node takes leaves a note,
 //! `<state dir>/starts/<safe-id>.json` ([`Taken`]: the request id, type and workload uuid, all a
 //! reply and a status need, since replies go to the node's fixed response topic and name the
-//! request by its id), written before the start is handed to the spawner and removed once it is
+//! request by its id), written before the start's supervisor is started and removed once it is
 //! answered ([`forget`]). A note that is still there at the next start-up is a start that was
 //! taken and not answered; once the node is registered again each gets its answer:
 //! - its workload started (it has its record with the supervisor's start record, or the ledger
@@ -439,6 +442,7 @@ mod tests {
             results_dir: None,
             event_token: format!("tok{rid}"),
             node_uuid: "node-uuid".into(),
+            noted: None,
         }
     }
 

@@ -31,14 +31,8 @@ pub(super) struct Start<'a> {
 
 /// Notes the start as taken (D53), so that a node killed before it is answered answers it
 /// after its restart.
-fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, starting: &Starting) {
-    let taken = starts::Taken {
-        request_id: starting.request_id.clone(),
-        kind: starting.kind.as_str().to_string(),
-        workload_uuid: starting.workload_uuid.clone(),
-        taken_unix: starting.created_unix,
-    };
-    if let Err(e) = starts::note(layout, safe_id, &taken) {
+fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, taken: &starts::Taken) {
+    if let Err(e) = starts::note(layout, safe_id, taken) {
         log::warn!(
             "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
             shown(rid),
@@ -150,6 +144,7 @@ impl Start<'_> {
             return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
         };
         let params = start.params;
+        let (noted, noted_rx) = crossbeam_channel::bounded(1);
         let req = StartRequest {
             kind: kind_t,
             request_id: request_id.clone(),
@@ -164,6 +159,7 @@ impl Start<'_> {
             results_dir: self.work.active.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
             node_uuid: self.work.session.uuid().to_string(),
+            noted: Some(noted_rx),
         };
         let starting = Starting {
             kind: kind_t,
@@ -177,10 +173,13 @@ impl Start<'_> {
             event_token: req.event_token.clone(),
             held: Vec::new(),
         };
-        // D53: taken; from here on this start is answered, if need be by the next node.
-        note_taken(&self.work.io.layout, &safe_id, &rid, &starting);
+        let taken = starts::Taken {
+            request_id: starting.request_id.clone(),
+            kind: starting.kind.as_str().to_string(),
+            workload_uuid: starting.workload_uuid.clone(),
+            taken_unix: starting.created_unix,
+        };
         if let Err(e) = self.work.starts.begin(starting, req) {
-            starts::forget(&self.work.io.layout, &safe_id);
             let why = RejectReason::Failed {
                 kind: kind.into(),
                 why: e,
@@ -189,6 +188,12 @@ impl Start<'_> {
             // The spawner is gone: what is still in flight will never be reported.
             return self.on_spawner_gone();
         }
+        // D53: taken; from here on this start is answered, if need be by the next node. The note
+        // is written while the spawner writes the workload's files on the other core, and the
+        // spawner starts no supervisor before it is (`noted`): a start's workload never runs
+        // without its note (issue 25 item 5).
+        note_taken(&self.work.io.layout, &safe_id, &rid, &taken);
+        let _ = noted.send(());
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
         if self.work.s.drain_after_one {
             // One workload: no second start is taken while this one is in flight.

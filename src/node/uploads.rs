@@ -254,23 +254,10 @@ impl Uploads {
         }
     }
 
-    /// D24: the workload's own results folder, `<results_folder>/<safe-id>/`, created empty
-    /// when result uploads are on (None otherwise, or when it cannot be created).
+    /// D24: the workload's own results folder, `<results_folder>/<safe-id>/`, when result
+    /// uploads are on. The spawner creates it (off the loop, [`crate::workload::launch`]).
     pub fn results_dir_for(&self, safe_id: &str) -> Option<PathBuf> {
-        if !self.cfg.enabled {
-            return None;
-        }
-        let dir = self.cfg.folder.join(safe_id);
-        match std::fs::create_dir_all(&dir) {
-            Ok(()) => Some(dir),
-            Err(e) => {
-                log::warn!(
-                    "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
-                    dir.display()
-                );
-                None
-            }
-        }
+        self.cfg.enabled.then(|| self.cfg.folder.join(safe_id))
     }
 
     /// The result files of workload `id`, started at `since` (D24): everything in its own

@@ -102,12 +102,11 @@ pub(super) fn write_params(
     let params_file = dir.join("params.json");
     let params_json = serde_json::to_vec(&Value::Object(params))?;
     // Not synced: the workload needs it complete, not durable (after a host crash the workload
-    // is reported lost anyway).
-    store::write_replace_unsynced(&params_file, &params_json, 0o600).map_err(|source| {
-        SpawnError::Write {
-            what: "the params file",
-            source,
-        }
+    // is reported lost anyway). Written in place: the directory is the start's own, just
+    // created, and the workload reads it only once it runs.
+    store::write_new(&params_file, &params_json, 0o600).map_err(|source| SpawnError::Write {
+        what: "the params file",
+        source,
     })?;
     user::give(user, &params_file)?;
     Ok(params_file)

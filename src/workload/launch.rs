@@ -53,10 +53,13 @@ pub fn launch(
         path: layout.workloads(),
         source,
     })?;
-    std::fs::create_dir(&dir).map_err(|source| SpawnError::CreateDir {
-        path: dir.clone(),
-        source,
-    })?;
+    // 0o700 from the start (a workload user's start opens it to 0o711 next).
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+        .create(&dir)
+        .map_err(|source| SpawnError::CreateDir {
+            path: dir.clone(),
+            source,
+        })?;
     let result = launch_in(s, layout, exe, fork, &dir, req);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
@@ -74,6 +77,16 @@ fn launch_in(
 ) -> Result<Launched, SpawnError> {
     let user = prepare_dirs(s, layout, dir)?;
     let user = user.as_ref();
+    // D24: its own results folder, created empty here, not on the node's loop.
+    if let Some(d) = &req.results_dir {
+        if let Err(e) = std::fs::create_dir_all(d) {
+            log::warn!(
+                "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
+                d.display()
+            );
+            req.results_dir = None;
+        }
+    }
     let token = req
         .params
         .remove("cyberwave_workload_token")
@@ -112,6 +125,11 @@ fn launch_in(
             node_uuid: &req.node_uuid,
         },
     );
+    // D53: the loop's note of the start first (it writes it meanwhile); a loop that dropped
+    // its end without a word is gone, and so is the node.
+    if let Some(noted) = &req.noted {
+        let _ = noted.recv();
+    }
     fork_shim(s, exe, fork, dir, meta, &env, user)
 }
 
@@ -127,8 +145,9 @@ fn prepare_dirs(
         None => None,
     };
     // With a workload user the record's dir is passed through (to its params file), not listed.
-    let mode = if user.is_some() { 0o711 } else { 0o700 };
-    let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
+    if user.is_some() {
+        let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711));
+    }
     store::ensure_private_dir(&layout.logs()).map_err(|source| SpawnError::CreateDir {
         path: layout.logs(),
         source,
@@ -354,4 +373,77 @@ fn spawn_with_fork(
         shim_pid,
         child.stdout.take().map(std::os::fd::OwnedFd::from),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// D53 with the note written beside the spawner's files (issue 25 item 5): the spawner
+    /// writes the workload's files meanwhile, but starts no supervisor (its `shim.log` is the
+    /// first thing of it) before the loop's word that the note is written.
+    #[test]
+    fn d53_no_supervisor_is_started_before_the_loop_noted_the_start() {
+        let root = std::env::temp_dir().join(format!("cw-launch-noted-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("cfg")).unwrap();
+        std::fs::create_dir_all(root.join("work")).unwrap();
+        let mut vars = BTreeMap::new();
+        vars.insert(
+            "CYBERWAVE_EDGE_CONFIG_DIR".to_string(),
+            root.join("cfg").display().to_string(),
+        );
+        let s = crate::config::resolve(
+            &crate::config::Flags::default(),
+            crate::config::env::EnvLayers::new(vars),
+            &root.join("work"),
+        )
+        .unwrap();
+        let layout = Layout {
+            state: root.join("state"),
+        };
+        let (noted, noted_rx) = crossbeam_channel::bounded(1);
+        let req = StartRequest {
+            kind: crate::protocol::commands::Kind::Inference,
+            request_id: serde_json::json!("r1"),
+            safe_id: "r1".into(),
+            params: serde_json::Map::new(),
+            template: "true".into(),
+            node_token: String::new(),
+            max_runtime_s: None,
+            workflow: None,
+            socket: root.join("control.sock"),
+            gpus: None,
+            results_dir: None,
+            event_token: "tok".into(),
+            node_uuid: "node".into(),
+            noted: Some(noted_rx),
+        };
+        let dir = layout.dir("r1");
+        let (s2, l2) = (s.clone(), layout.clone());
+        let launching = std::thread::spawn(move || {
+            // No such program: the supervisor's start fails, after its shim.log was created.
+            let exe = Path::new("/nonexistent/cyberwave-cloud-node");
+            launch(&s2, &l2, exe, &mut None, req).map(|_| ())
+        });
+        let written = dir.join("meta.json");
+        for _ in 0..200 {
+            if written.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(written.exists(), "the spawner writes the record meanwhile");
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            !dir.join("shim.log").exists() && !launching.is_finished(),
+            "a supervisor was started before the start was noted"
+        );
+        noted.send(()).unwrap();
+        let result = launching.join().unwrap();
+        assert!(matches!(result, Err(SpawnError::Fork { .. })), "{result:?}");
+        assert!(!dir.exists(), "a failed start leaves nothing");
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

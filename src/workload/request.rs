@@ -24,10 +24,15 @@ pub struct StartRequest {
     pub socket: PathBuf,
     /// Its GPUs (D36): `Some` sets the CUDA/NVIDIA variables (an empty list hides every GPU).
     pub gpus: Option<Vec<String>>,
-    /// This workload's own results folder (D24), when result uploads are on.
+    /// This workload's own results folder (D24), when result uploads are on (created by the
+    /// spawner; a folder it cannot create is not passed on).
     pub results_dir: Option<PathBuf>,
     /// Its secret for `emit` (chosen by the node, which must know it before the workload runs).
     pub event_token: String,
     /// The node's instance UUID (`CYBERWAVE_CLOUD_NODE_ID`, D45).
     pub node_uuid: String,
+    /// The loop's word that the start's D53 note is written (or that it gave up on it): the
+    /// supervisor is not started before. The loop writes the note while the spawner writes the
+    /// workload's files (issue 25 item 5), not before it hands the start over.
+    pub noted: Option<crossbeam_channel::Receiver<()>>,
 }

@@ -245,6 +245,18 @@ pub struct Taken {
     pub taken_unix: f64,
 }
 
+impl Taken {
+    /// The note of a start about to be put in flight.
+    pub fn of(s: &Starting) -> Taken {
+        Taken {
+            request_id: s.request_id.clone(),
+            kind: s.kind.as_str().to_string(),
+            workload_uuid: s.workload_uuid.clone(),
+            taken_unix: s.created_unix,
+        }
+    }
+}
+
 impl store::Validate for Taken {
     fn validate(&self) -> Result<(), store::Invalid> {
         store::check_request_id(&self.request_id)?;

@@ -173,12 +173,7 @@ impl Start<'_> {
             event_token: req.event_token.clone(),
             held: Vec::new(),
         };
-        let taken = starts::Taken {
-            request_id: starting.request_id.clone(),
-            kind: starting.kind.as_str().to_string(),
-            workload_uuid: starting.workload_uuid.clone(),
-            taken_unix: starting.created_unix,
-        };
+        let taken = starts::Taken::of(&starting);
         if let Err(e) = self.work.starts.begin(starting, req) {
             let why = RejectReason::Failed {
                 kind: kind.into(),

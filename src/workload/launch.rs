@@ -125,10 +125,10 @@ fn launch_in(
             node_uuid: &req.node_uuid,
         },
     );
-    // D53: the loop's note of the start first (it writes it meanwhile); a loop that dropped
-    // its end without a word is gone, and so is the node.
+    // D53: the loop's note of the start first (it writes it meanwhile). A loop that dropped
+    // its end without a word is gone (a panic): no note, so no workload either.
     if let Some(noted) = &req.noted {
-        let _ = noted.recv();
+        noted.recv().map_err(|_| SpawnError::Stopped)?;
     }
     fork_shim(s, exe, fork, dir, meta, &env, user)
 }
@@ -404,7 +404,7 @@ mod tests {
             state: root.join("state"),
         };
         let (noted, noted_rx) = crossbeam_channel::bounded(1);
-        let req = StartRequest {
+        let request = StartRequest {
             kind: crate::protocol::commands::Kind::Inference,
             request_id: serde_json::json!("r1"),
             safe_id: "r1".into(),
@@ -418,7 +418,11 @@ mod tests {
             results_dir: None,
             event_token: "tok".into(),
             node_uuid: "node".into(),
+            noted: None,
+        };
+        let req = StartRequest {
             noted: Some(noted_rx),
+            ..request.clone()
         };
         let dir = layout.dir("r1");
         let (s2, l2) = (s.clone(), layout.clone());
@@ -444,6 +448,20 @@ mod tests {
         let result = launching.join().unwrap();
         assert!(matches!(result, Err(SpawnError::Fork { .. })), "{result:?}");
         assert!(!dir.exists(), "a failed start leaves nothing");
+        // The loop dropped its end without a word: no supervisor, nothing left.
+        let (gone, gone_rx) = crossbeam_channel::bounded::<()>(1);
+        drop(gone);
+        let req = StartRequest {
+            noted: Some(gone_rx),
+            safe_id: "r2".into(),
+            ..request
+        };
+        let result = launch(&s, &layout, Path::new("/bin/true"), &mut None, req).map(|_| ());
+        assert!(matches!(result, Err(SpawnError::Stopped)), "{result:?}");
+        assert!(
+            !layout.dir("r2").exists(),
+            "an unnoted start leaves nothing"
+        );
         let _ = std::fs::remove_dir_all(&root);
     }
 }

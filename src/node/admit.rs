@@ -58,9 +58,9 @@ pub enum RejectReason {
         kind: String,
         why: String,
     },
-    /// An answer a node recorded before its restart (D53): only its text is kept; a host-busy
-    /// one is retryable as [`Busy::Restarted`].
-    Recorded(String),
+    /// A start a node restart interrupted before its workload ran (D53), refused with the text
+    /// recorded for it (the ledger keeps only the text): always retryable, [`Busy::Restarted`].
+    Interrupted(String),
 }
 
 impl RejectReason {
@@ -77,8 +77,7 @@ impl RejectReason {
             } else {
                 Busy::Capacity
             }),
-            // Only the text survives the ledger; the D13 prefix is what marks it busy.
-            RejectReason::Recorded(why) => why.starts_with(BUSY_PREFIX).then_some(Busy::Restarted),
+            RejectReason::Interrupted(_) => Some(Busy::Restarted),
         }
     }
 
@@ -141,7 +140,7 @@ impl fmt::Display for RejectReason {
                 )
             }
             RejectReason::Failed { kind, why } => write!(f, "Failed to start {kind}: {why}"),
-            RejectReason::Recorded(why) => f.write_str(why),
+            RejectReason::Interrupted(why) => f.write_str(why),
         }
     }
 }
@@ -622,10 +621,12 @@ mod tests {
     }
 
     #[test]
-    fn a_recorded_refusal_is_busy_only_with_the_prefix() {
-        let r = RejectReason::Recorded(format!("{BUSY_PREFIX} a restart"));
-        assert_eq!(r.busy(), Some(Busy::Restarted));
-        assert_eq!(r.metric(), "node_restarted");
-        assert_eq!(RejectReason::Recorded("nope".into()).busy(), None);
+    fn an_interrupted_start_is_refused_as_busy_whatever_its_recorded_text() {
+        for text in [format!("{BUSY_PREFIX} a restart"), "nope".into(), String::new()] {
+            let r = RejectReason::Interrupted(text.clone());
+            assert_eq!(r.busy(), Some(Busy::Restarted));
+            assert_eq!(r.metric(), "node_restarted");
+            assert_eq!(r.to_string(), text);
+        }
     }
 }

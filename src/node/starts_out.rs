@@ -474,7 +474,7 @@ impl Start<'_> {
                     }
                 }
                 Answer::NeverStarted(why) => {
-                    let why = admit::RejectReason::Recorded(why);
+                    let why = admit::RejectReason::Interrupted(why);
                     self.reject_start(
                         &taken.request_id,
                         taken.workload_uuid.as_deref(),

@@ -417,14 +417,16 @@ impl Table {
 
     /// The reaper saw supervisor `pid` exit.
     pub fn on_reaped(&mut self, pid: i32, now: Instant, out: &mut dyn Outbound) {
-        log::debug!("supervisor pid {pid} exited");
         match self.find(|a| a.child && a.meta.started.as_ref().is_some_and(|s| s.shim_pid == pid)) {
             Some(id) => {
+                log::debug!("supervisor pid {pid} of workload {} exited", shown(&id));
                 let exit = out.exit_record(&id);
                 self.on_exit(&id, exit, now, out);
             }
             None => {
-                // Not known (yet): kept a few seconds for a workload still being entered.
+                // Not known (yet): kept a few seconds for a workload still being entered. Any
+                // other child of the node (the fork server, a GPU tool) ends here too.
+                log::debug!("child pid {pid} exited (no tracked workload's supervisor)");
                 self.unclaimed_reaps
                     .retain(|(p, at)| *p != pid && now < crate::util::later(*at, UNCLAIMED_REAP));
                 self.unclaimed_reaps.push((pid, now));

@@ -252,7 +252,15 @@ impl ForkServer {
         .map_err(|f| match f {
             vspawn::Failure::Clone(e) | vspawn::Failure::Child(e) => e,
         })?;
-        let ticks = super::procinfo::start_ticks(pid).unwrap_or(0);
+        // Without its start time it could never be told from a process that took its pid, so
+        // it would never be killed: not used. Dropping `ours` closes its socket and it ends.
+        let ticks = super::procinfo::start_ticks(pid)
+            .filter(|t| *t != 0)
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "cannot read the start time of the fork server (pid {pid}) in /proc"
+                ))
+            })?;
         let server = ForkServer {
             sock: ours,
             pid,

@@ -7,8 +7,7 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -570,29 +569,45 @@ fn run_program(
     args: &[&str],
     timeout: Duration,
 ) -> Result<Output, RunError> {
-    let mut cmd = Command::new(program);
-    // No descriptor of the node (its broker socket) and no blocked signal in nvidia-smi (D46.1,
-    // D51): a hung one must die of the SIGKILL of its group, not hold the node's connection.
-    crate::fds::harden(&mut cmd);
-    let mut child = match cmd
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .env("LC_ALL", "C")
-        .process_group(0)
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(RunError::NotFound),
-        Err(e) => return Err(RunError::Failed(format!("cannot run nvidia-smi: {e}"))),
+    let Some(exe) = on_path(program, std::env::var_os("PATH").as_deref()) else {
+        return Err(RunError::NotFound);
     };
-    let pgid = i32::try_from(child.id()).unwrap_or(0);
-    let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
-        return Err(RunError::Failed("no output pipe".into()));
+    let failed = |what: &str, e: std::io::Error| {
+        RunError::Failed(format!("cannot run nvidia-smi: {what}{e}"))
     };
+    let null = std::fs::File::open("/dev/null").map_err(|e| failed("/dev/null: ", e))?;
+    let (out_r, out_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
+    let (err_r, err_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
+    // The node's environment with `LC_ALL=C`.
+    let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os()
+        .filter(|(k, _)| k != "LC_ALL")
+        .chain([("LC_ALL".into(), "C".into())])
+        .collect();
+    let args: Vec<std::ffi::OsString> = args.iter().map(std::ffi::OsString::from).collect();
+    // Not `std::process::Command`: when the exec fails, std waits for the child and panics
+    // if the node's reaper thread (`waitpid(-1)`) collected it first. Started as a workload
+    // is (D46.1, D51): a process group of its own, no descriptor of the node (its broker
+    // socket) and no blocked signal, so a hung one dies of the SIGKILL of its group.
+    let cwd = std::env::current_dir().unwrap_or_else(|_| std::path::PathBuf::from("/"));
+    let pid = crate::workload::vspawn::spawn_workload(
+        &exe,
+        program,
+        &args,
+        env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())),
+        if cwd.is_dir() { &cwd } else { Path::new("/") },
+        [std::os::fd::OwnedFd::from(null), out_w, err_w],
+    )
+    .map_err(|f| match f {
+        crate::workload::vspawn::Failure::Child(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            RunError::NotFound
+        }
+        crate::workload::vspawn::Failure::Clone(e) | crate::workload::vspawn::Failure::Child(e) => {
+            failed("", e)
+        }
+    })?;
+    let (mut out, mut err) = (std::fs::File::from(out_r), std::fs::File::from(err_r));
     let (bufs, result) = read_both(&mut out, &mut err, timeout);
-    let code = reap(&mut child, pgid, result.is_err());
+    let code = reap(pid, result.is_err());
     // No signal after this point: once the leader is reaped its id may be another's.
     let [so, se] = bufs;
     result.map(|()| Output {
@@ -602,11 +617,31 @@ fn run_program(
     })
 }
 
+/// Where `program` is: itself when it names a path, else the first executable file of that
+/// name in `PATH`'s folders (empty entries, the current folder, are skipped).
+fn on_path(
+    program: &std::ffi::OsStr,
+    path: Option<&std::ffi::OsStr>,
+) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let runnable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.as_encoded_bytes().contains(&b'/') {
+        let p = Path::new(program);
+        return runnable(p).then(|| p.to_path_buf());
+    }
+    std::env::split_paths(path?)
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(|d| d.join(program))
+        .find(|p| runnable(p))
+}
+
 /// Reads the child's two pipes until both end, `timeout` passes or the output grows past
 /// [`MAX_OUTPUT`]; what each printed so far comes back either way.
 fn read_both(
-    out: &mut std::process::ChildStdout,
-    err: &mut std::process::ChildStderr,
+    out: &mut std::fs::File,
+    err: &mut std::fs::File,
     timeout: Duration,
 ) -> ([Vec<u8>; 2], Result<(), RunError>) {
     let deadline = Instant::now().checked_add(timeout);
@@ -684,13 +719,13 @@ fn read_both(
 /// Kills the child's group when `failed` (a timeout or a read error), then reaps the leader
 /// unless the node's reaper does (then this returns at once); a leader that outlives its output
 /// is killed with its group. Its exit code, where it was seen.
-fn reap(child: &mut std::process::Child, pgid: i32, failed: bool) -> Option<i32> {
+fn reap(pid: i32, failed: bool) -> Option<i32> {
     let kill = || {
-        if pgid > 0 {
-            // SAFETY: the group is the child's own (process_group(0)), whose leader has not
-            // been waited for by us; signalling a group that is gone fails harmlessly.
+        if pid > 0 {
+            // SAFETY: the group is the child's own (it leads it), whose leader has not been
+            // waited for by us; signalling a group that is gone fails harmlessly.
             unsafe {
-                libc::killpg(pgid, libc::SIGKILL);
+                libc::killpg(pid, libc::SIGKILL);
             }
         }
     };
@@ -699,23 +734,27 @@ fn reap(child: &mut std::process::Child, pgid: i32, failed: bool) -> Option<i32>
     if failed {
         kill();
     }
-    // Reap it unless the node's reaper does (then this returns an error at once); a leader
-    // that outlives its output is killed with its group.
+    // Reap it unless the node's reaper does (then `waitpid` fails at once); a leader that
+    // outlives its output is killed with its group.
     let mut code = None;
     for round in 0..60 {
-        match child.try_wait() {
-            Ok(None) => {
-                if round == 50 {
-                    kill();
-                }
-                std::thread::sleep(Duration::from_millis(10));
+        let mut status = 0;
+        // SAFETY: waitpid on our own child with a valid out pointer.
+        let rc = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if rc == 0 {
+            if round == 50 {
+                kill();
             }
-            Ok(Some(status)) => {
-                code = status.code();
-                break;
-            }
-            Err(_) => break,
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
         }
+        if rc == pid && libc::WIFEXITED(status) {
+            code = Some(libc::WEXITSTATUS(status));
+        }
+        if rc < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        break;
     }
     code
 }
@@ -1303,7 +1342,7 @@ mod tests {
     #[test]
     fn an_assignment_is_read_back_from_a_running_process() {
         let run = |v: &str| {
-            let mut c = Command::new("sleep")
+            let mut c = std::process::Command::new("sleep")
                 .arg("5")
                 .env("CUDA_VISIBLE_DEVICES", v)
                 .spawn()

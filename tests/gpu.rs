@@ -642,6 +642,58 @@ fn a_cpu_only_node_runs_workloads_as_before() {
     );
 }
 
+/// A host without a usable `nvidia-smi` is looked at again at every inventory, and each look
+/// whose exec fails leaves a child that the node's reaper thread (blocked in `waitpid(-1)` while
+/// the fork server lives) often collects first. `std::process::Command` panics then ("wait()
+/// should either return Ok or panic"): the packaged build (`release-small`, `panic = "abort"`)
+/// aborted within a minute of its first start on every such host; other builds lost the GPU
+/// thread and spun the loop on its closed channel. Here one `nvidia-smi` names a missing interpreter (its exec
+/// fails) and the node looks twenty times a second.
+#[test]
+fn g8_a_host_whose_nvidia_smi_cannot_run_is_looked_at_again_and_again_and_the_node_lives() {
+    let mut rig = Rig::new(1, None);
+    let bin = TempDir::new("smi");
+    let smi = bin.path().join("nvidia-smi");
+    std::fs::write(&smi, "#!/nonexistent/cw-no-such-interpreter\n").expect("write");
+    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let path = format!("{}:/usr/bin:/bin", bin.path().display());
+    rig.setup.set("PATH", &path);
+    rig.setup
+        .set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.05");
+    let node = rig.node();
+    // The reaper waits in `waitpid(-1)` from the first start on (the fork server stays a child).
+    g(1).ok(&rig.cp, &node);
+    rig.stop(1);
+    g(1).completion(&rig.cp);
+    // Every look's child is reaped by one of the two; wait until the reaper has won a few.
+    let reaped = || {
+        let n = node
+            .log()
+            .matches("(no tracked workload's supervisor)")
+            .count();
+        (n >= 5).then_some(n)
+    };
+    let won = wait_for(DONE, reaped);
+    let log = node.log();
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(
+        won.is_some(),
+        "the reaper collected no failed look; log:\n{log}"
+    );
+    let threads: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", node.pid()))
+        .expect("the node is alive")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    assert!(
+        threads.iter().any(|t| t == "gpu"),
+        "the GPU thread died: {threads:?}\n{log}"
+    );
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert!(st["output"].get("gpus").is_none(), "{st}");
+}
+
 /// The node's status, each look under a fresh request id.
 fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
     rig.cp

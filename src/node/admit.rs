@@ -622,7 +622,11 @@ mod tests {
 
     #[test]
     fn an_interrupted_start_is_refused_as_busy_whatever_its_recorded_text() {
-        for text in [format!("{BUSY_PREFIX} a restart"), "nope".into(), String::new()] {
+        for text in [
+            format!("{BUSY_PREFIX} a restart"),
+            "nope".into(),
+            String::new(),
+        ] {
             let r = RejectReason::Interrupted(text.clone());
             assert_eq!(r.busy(), Some(Busy::Restarted));
             assert_eq!(r.metric(), "node_restarted");

@@ -73,6 +73,14 @@ pub struct Node {
 }
 
 impl Node {
+    /// A feeder thread ended while the loop runs (none does by design: a panic aborts a
+    /// release build): its closed channel would be ready at every `select!` and spin the loop.
+    /// Crash-only: the node exits, to be started again; its workloads keep running.
+    fn lost(&mut self, what: &str) {
+        log::error!("the {what} thread stopped; the node exits (its workloads keep running) so that it is started again");
+        self.life.exit = Some(EXIT_RUNTIME);
+    }
+
     fn run(mut self, signals: Receiver<Signal>) -> i32 {
         self.tick();
         loop {
@@ -82,19 +90,19 @@ impl Node {
             select! {
                 recv(self.io.events) -> ev => match ev {
                     Ok(ev) => session_in::on_mqtt(&mut self.start(), ev),
-                    Err(_) => { log::error!("the MQTT client stopped"); self.life.exit = Some(EXIT_RUNTIME); }
+                    Err(_) => self.lost("MQTT client"),
                 },
-                recv(signals) -> sig => if let Ok(sig) = sig { shutdown::on_signal(&mut self.work(), sig) },
-                recv(self.io.reaped) -> r => if let Ok(r) = r { self.work().on_reaped(r.pid) },
+                recv(signals) -> sig => match sig { Ok(sig) => shutdown::on_signal(&mut self.work(), sig), Err(_) => self.lost("signal") },
+                recv(self.io.reaped) -> r => match r { Ok(r) => self.work().on_reaped(r.pid), Err(_) => self.lost("reaper") },
                 recv(self.starts.outcomes) -> o => match o {
                     Ok(o) => self.start().on_spawn_outcome(o),
                     Err(_) => self.start().on_spawner_gone(),
                 },
-                recv(self.io.chunks) -> c => if let Ok(c) = c { self.work().logs().on_tail(c) },
-                recv(self.io.worker_done) -> d => if let Ok(d) = d { self.on_worker_done(d) },
-                recv(self.io.acked) -> a => if let Ok(a) = a { self.work().with_ingress(|i, out| i.on_ack(a, out)) },
-                recv(self.io.control) -> r => if let Ok(r) = r { commands::on_control(&mut self.work(), r) },
-                recv(self.io.gpu_rx) -> s => if let Ok(s) = s { gpus_out::on_snapshot(&mut self.gpu, &self.active, &self.starts, self.io.gpu_monitor.as_ref(), s) },
+                recv(self.io.chunks) -> c => match c { Ok(c) => self.work().logs().on_tail(c), Err(_) => self.lost("log tailer") },
+                recv(self.io.worker_done) -> d => match d { Ok(d) => self.on_worker_done(d), Err(_) => self.lost("HTTP and upload") },
+                recv(self.io.acked) -> a => match a { Ok(a) => self.work().with_ingress(|i, out| i.on_ack(a, out)), Err(_) => self.lost("acknowledgement") },
+                recv(self.io.control) -> r => match r { Ok(r) => commands::on_control(&mut self.work(), r), Err(_) => self.lost("control socket") },
+                recv(self.io.gpu_rx) -> s => match s { Ok(s) => gpus_out::on_snapshot(&mut self.gpu, &self.active, &self.starts, self.io.gpu_monitor.as_ref(), s), Err(_) => self.lost("GPU monitor") },
                 default(wait) => {}
             }
             self.tick();

@@ -120,7 +120,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         .map_err(runtime("cannot start the acknowledgement thread"))?;
     let control = control_socket(&dir, workload_user.as_ref())?;
     let (gpu, monitor, gpu_rx) = gpus(&s);
-    let (spawner, spawned, reaped) = spawner(&s, &layout, exe)?;
+    let (spawner, spawned, (reaper, reaped)) = spawner(&s, &layout, exe)?;
     let now = Instant::now();
     let session = Session::new(
         session::Config::from_settings(&s, topics.clone(), token.clone()),
@@ -135,6 +135,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         events,
         topics,
         token,
+        _reaper: reaper,
         reaped,
         tailer,
         chunks,
@@ -391,7 +392,7 @@ fn gpus(
 type SpawnerParts = (
     Result<crate::workload::spawner::Spawner, String>,
     Receiver<crate::workload::spawner::Outcome>,
-    Receiver<crate::workload::reaper::Reaped>,
+    (Reaper, Receiver<crate::workload::reaper::Reaped>),
 );
 
 /// The reaper, then the spawner thread starts run on (issue 15): without the spawner the node
@@ -414,7 +415,7 @@ fn spawner(s: &Settings, layout: &Layout, exe: PathBuf) -> Result<SpawnerParts, 
             layout: layout.clone(),
             exe,
             ledger: layout.state.join("ledger.jsonl"),
-            reaper,
+            reaper: reaper.clone(),
             body: super::workloads::start_output,
         },
         spawned_tx,
@@ -423,7 +424,7 @@ fn spawner(s: &Settings, layout: &Layout, exe: PathBuf) -> Result<SpawnerParts, 
         log::error!("cannot start the workload spawner thread: {e}; starts are refused");
         format!("cannot start the workload spawner thread: {e}")
     });
-    Ok((spawner, spawned, reaped))
+    Ok((spawner, spawned, (reaper, reaped)))
 }
 
 /// The MQTT client id, generated once and kept (decision D15) so restarts resume the session.

@@ -569,7 +569,9 @@ fn run_program(
     args: &[&str],
     timeout: Duration,
 ) -> Result<Output, RunError> {
-    let Some(exe) = on_path(program, std::env::var_os("PATH").as_deref()) else {
+    // Without PATH, execvp's own default.
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+    let Some(exe) = on_path(program, &path) else {
         return Err(RunError::NotFound);
     };
     let failed = |what: &str, e: std::io::Error| {
@@ -619,10 +621,7 @@ fn run_program(
 
 /// Where `program` is: itself when it names a path, else the first executable file of that
 /// name in `PATH`'s folders (empty entries, the current folder, are skipped).
-fn on_path(
-    program: &std::ffi::OsStr,
-    path: Option<&std::ffi::OsStr>,
-) -> Option<std::path::PathBuf> {
+fn on_path(program: &std::ffi::OsStr, path: &std::ffi::OsStr) -> Option<std::path::PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let runnable = |p: &Path| {
         std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
@@ -631,7 +630,7 @@ fn on_path(
         let p = Path::new(program);
         return runnable(p).then(|| p.to_path_buf());
     }
-    std::env::split_paths(path?)
+    std::env::split_paths(path)
         .filter(|d| !d.as_os_str().is_empty())
         .map(|d| d.join(program))
         .find(|p| runnable(p))
@@ -1623,6 +1622,51 @@ mod tests {
             assert_eq!(gpus.len(), 4, "{case}");
             assert!(gpus.iter().all(|g| g.health == Health::Unhealthy(e.clone())), "{case}");
         }
+    }
+
+    /// `nvidia-smi` is looked up in PATH before anything is started: only an executable file
+    /// counts (not a folder of that name, not a file without an execute bit), the first one
+    /// wins, and a name with a slash is taken as it is.
+    #[test]
+    fn nvidia_smi_is_found_only_as_an_executable_file_on_path() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = std::env::temp_dir().join(format!("cw-on-path-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (dir_named, plain, good) = (root.join("a"), root.join("b"), root.join("c"));
+        std::fs::create_dir_all(dir_named.join("nvidia-smi")).unwrap();
+        std::fs::create_dir_all(&plain).unwrap();
+        std::fs::write(plain.join("nvidia-smi"), "#!/bin/sh\n").unwrap();
+        std::fs::create_dir_all(&good).unwrap();
+        std::fs::write(good.join("nvidia-smi"), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(
+            good.join("nvidia-smi"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        let name = std::ffi::OsStr::new("nvidia-smi");
+        let path = |dirs: &[&Path]| std::env::join_paths(dirs).unwrap();
+        assert_eq!(
+            on_path(name, &path(&[&dir_named, &plain, &good])),
+            Some(good.join("nvidia-smi"))
+        );
+        assert_eq!(
+            on_path(name, &path(&[&good, &root])),
+            Some(good.join("nvidia-smi"))
+        );
+        assert_eq!(on_path(name, &path(&[&dir_named, &plain])), None);
+        let direct = good.join("nvidia-smi");
+        assert_eq!(
+            on_path(direct.as_os_str(), std::ffi::OsStr::new("")),
+            Some(direct)
+        );
+        assert_eq!(
+            on_path(
+                plain.join("nvidia-smi").as_os_str(),
+                std::ffi::OsStr::new("")
+            ),
+            None
+        );
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]

@@ -8,13 +8,36 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::support::{node_bin, rig, TempDir};
+use crate::support::{node_bin, rig};
 
 /// One wheel and one virtualenv for the whole test run (building and installing take seconds).
-fn venv() -> &'static (TempDir, PathBuf) {
-    static VENV: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
+/// The wheel's build folder: the static below is never dropped, so it lives under cargo's
+/// own scratch folder (`target/tmp`), one per test process, and those of test processes that
+/// have ended are removed here.
+fn build_dir() -> PathBuf {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    if let Ok(rd) = std::fs::read_dir(root) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let ended = name
+                .strip_prefix("pip-")
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+            if ended {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let dir = root.join(format!("pip-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the wheel's build folder");
+    dir
+}
+
+fn venv() -> &'static (PathBuf, PathBuf) {
+    static VENV: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     VENV.get_or_init(|| {
-        let dir = TempDir::new("pip");
+        let dir = build_dir();
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let wheels = dir.join("wheels");
         // The binary under test without its debug sections (a debug build is ~60 MB of them):

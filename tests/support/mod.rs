@@ -70,7 +70,14 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         if std::env::var_os("CW_KEEP_TEST_DIRS").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
+            // A process of the test that is still ending may write into it meanwhile (the
+            // removal then fails with ENOTEMPTY): tried again a few times.
+            for _ in 0..20 {
+                if std::fs::remove_dir_all(&self.0).is_ok() || !self.0.exists() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
         }
     }
 }

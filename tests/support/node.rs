@@ -396,14 +396,20 @@ impl Drop for NodeProcess {
                 } else {
                     String::new()
                 };
-                let pid = serde_json::from_str::<Value>(&started)
-                    .ok()
-                    .and_then(|v| v["pid"].as_i64())
-                    .unwrap_or(0);
-                if pid > 1 {
+                let v = serde_json::from_str::<Value>(&started).unwrap_or_default();
+                let pid_of = |k: &str| v[k].as_i64().filter(|p| *p > 1).map(|p| p as i32);
+                // The supervisor first: one left alive writes its exit record into the
+                // state dir while the test's TempDir is being removed, and the removal fails.
+                if let Some(shim) = pid_of("shim_pid") {
+                    // SAFETY: the test's own workload's supervisor.
+                    unsafe {
+                        libc::kill(shim, libc::SIGKILL);
+                    }
+                }
+                if let Some(pid) = pid_of("pid") {
                     // SAFETY: the test's own workload group.
                     unsafe {
-                        libc::kill(-(pid as i32), libc::SIGKILL);
+                        libc::kill(-pid, libc::SIGKILL);
                     }
                 }
             }

@@ -396,11 +396,11 @@ mod tests {
     /// Thread counts are per process: these tests run one at a time.
     static SERIAL: Mutex<()> = Mutex::new(());
 
-    fn socket(tag: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("cw-control-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join("control.sock")
+    /// The socket's path in a scratch folder (removed with the returned guard).
+    fn socket(tag: &str) -> (crate::scratch::Scratch, std::path::PathBuf) {
+        let dir = crate::scratch::Scratch::new(&format!("control-{tag}"));
+        let sock = dir.join("control.sock");
+        (dir, sock)
     }
 
     /// A node that answers every request with `{"ok": true, "echo": <request>}`.
@@ -468,7 +468,7 @@ mod tests {
     #[test]
     fn idle_connections_cannot_exhaust_threads_or_lock_out_a_request() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let path = socket("idle");
+        let (_dir, path) = socket("idle");
         let (tx, rx) = unbounded();
         let limits = Limits {
             max_connections: 4,
@@ -499,7 +499,7 @@ mod tests {
     #[test]
     fn when_every_slot_is_answering_a_new_connection_is_told_busy() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let path = socket("busy");
+        let (_dir, path) = socket("busy");
         let (tx, rx) = unbounded();
         let limits = Limits {
             max_connections: 2,
@@ -545,7 +545,7 @@ mod tests {
     #[test]
     fn a_trickling_client_gets_the_whole_read_timeout_not_more() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let path = socket("slow");
+        let (_dir, path) = socket("slow");
         let (tx, rx) = unbounded();
         let limits = Limits {
             max_connections: 4,
@@ -579,7 +579,7 @@ mod tests {
     #[test]
     fn oversized_garbage_and_odd_requests_get_a_clear_error() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let path = socket("odd");
+        let (_dir, path) = socket("odd");
         let (tx, rx) = unbounded();
         let limits = Limits {
             max_connections: 4,

@@ -32,6 +32,8 @@ pub mod ops;
 pub mod out;
 pub mod outbox;
 pub mod protocol;
+#[cfg(test)]
+pub mod scratch;
 pub mod signals;
 pub mod statedir;
 pub mod store;

@@ -441,6 +441,9 @@ mod tests {
         };
         let d = run(&ask("r2"), &starting, &l, &Gpus::default(), &Holders::new());
         assert_eq!(d, Decision::Replay(Earlier::InFlight));
+        let _ = std::fs::remove_file(
+            std::env::temp_dir().join(format!("cw-admit-replay-{}", std::process::id())),
+        );
     }
 
     #[test]

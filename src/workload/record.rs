@@ -422,6 +422,7 @@ mod tests {
             let meta = parse_meta(&dir).unwrap();
             assert_eq!(meta.workload_uuid.as_deref(), want, "{uuid:?}");
         }
+        let _ = std::fs::remove_dir_all(&layout.state);
     }
 
     #[test]

@@ -312,6 +312,7 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(shim_of(&dir), None);
+        let _ = std::fs::remove_dir_all(&layout.state);
     }
 
     /// A node killed between forking a shim and the shim's start record: recovery waits for

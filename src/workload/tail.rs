@@ -724,11 +724,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
     }
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("cw-tail-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn scratch(name: &str) -> crate::scratch::Scratch {
+        crate::scratch::Scratch::new(&format!("tail-{name}"))
     }
 
     fn next(rx: &Receiver<Event>) -> Event {

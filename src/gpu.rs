@@ -569,8 +569,8 @@ fn run_program(
     args: &[&str],
     timeout: Duration,
 ) -> Result<Output, RunError> {
-    // Without PATH, execvp's own default.
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+    // Without PATH, musl's execvp default (glibc's is a part of it).
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/bin:/usr/bin".into());
     let Some(exe) = on_path(program, &path) else {
         return Err(RunError::NotFound);
     };
@@ -591,23 +591,33 @@ fn run_program(
     // is (D46.1, D51): a process group of its own, no descriptor of the node (its broker
     // socket) and no blocked signal, so a hung one dies of the SIGKILL of its group.
     let cwd = std::env::current_dir().unwrap_or_else(|_| std::path::PathBuf::from("/"));
-    let pid = crate::workload::vspawn::spawn_workload(
+    let cwd = if cwd.is_dir() {
+        cwd
+    } else {
+        std::path::PathBuf::from("/")
+    };
+    let spawned = crate::workload::vspawn::spawn_workload(
         &exe,
         program,
         &args,
         env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())),
-        if cwd.is_dir() { &cwd } else { Path::new("/") },
+        &cwd,
         [std::os::fd::OwnedFd::from(null), out_w, err_w],
-    )
-    .map_err(|f| match f {
-        crate::workload::vspawn::Failure::Child(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            RunError::NotFound
+    );
+    use crate::workload::vspawn::Failure;
+    let (pid, mut out, mut err) = match spawned {
+        Ok(pid) => (pid, std::fs::File::from(out_r), std::fs::File::from(err_r)),
+        Err(Failure::Child(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(RunError::NotFound)
         }
-        crate::workload::vspawn::Failure::Clone(e) | crate::workload::vspawn::Failure::Child(e) => {
-            failed("", e)
+        Err(Failure::Child(e)) => return Err(failed("", e)),
+        // The kernel refused the clone (a seccomp filter, say): forked as before. Only an
+        // exec that fails after the lookup above found the file can meet std's wait then.
+        Err(Failure::Clone(e)) => {
+            log::debug!("cannot start nvidia-smi without a fork ({e}): forking it");
+            forked(&exe, program, &args, &cwd).map_err(|e| failed("", e))?
         }
-    })?;
-    let (mut out, mut err) = (std::fs::File::from(out_r), std::fs::File::from(err_r));
+    };
     let (bufs, result) = read_both(&mut out, &mut err, timeout);
     let code = reap(pid, result.is_err());
     // No signal after this point: once the leader is reaped its id may be another's.
@@ -619,12 +629,49 @@ fn run_program(
     })
 }
 
-/// Where `program` is: itself when it names a path, else the first executable file of that
-/// name in `PATH`'s folders (empty entries, the current folder, are skipped).
+/// `program` started by `std::process::Command` (a fork), as before vspawn: the fallback where
+/// the kernel refuses vspawn's clone. Its pid and the read ends of its stdout and stderr.
+fn forked(
+    exe: &Path,
+    program: &std::ffi::OsStr,
+    args: &[std::ffi::OsString],
+    cwd: &Path,
+) -> std::io::Result<(i32, std::fs::File, std::fs::File)> {
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(exe);
+    crate::fds::harden(&mut cmd);
+    let mut child = cmd
+        .arg0(program)
+        .args(args)
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env("LC_ALL", "C")
+        .process_group(0)
+        .spawn()?;
+    let pid = i32::try_from(child.id()).unwrap_or(0);
+    let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
+        return Err(std::io::Error::other("no output pipe"));
+    };
+    // Dropping the `Child` neither kills nor waits: [`reap`] does, by pid.
+    let file = |fd: std::os::fd::OwnedFd| std::fs::File::from(fd);
+    Ok((pid, file(out.into()), file(err.into())))
+}
+
+/// Where `program` is: itself when it names a path, else the first file of that name in
+/// `PATH`'s folders that this process may execute, as `execvp` looks (empty entries, the
+/// current folder, are skipped).
 fn on_path(program: &std::ffi::OsStr, path: &std::ffi::OsStr) -> Option<std::path::PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
     let runnable = |p: &Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+            return false;
+        };
+        // SAFETY: faccessat on a NUL-terminated path we own; no other pointer.
+        let may =
+            unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), libc::X_OK, libc::AT_EACCESS) };
+        may == 0 && std::fs::metadata(p).is_ok_and(|m| m.is_file())
     };
     if program.as_encoded_bytes().contains(&b'/') {
         let p = Path::new(program);
@@ -721,15 +768,16 @@ fn read_both(
 fn reap(pid: i32, failed: bool) -> Option<i32> {
     let kill = || {
         if pid > 0 {
-            // SAFETY: the group is the child's own (it leads it), whose leader has not been
-            // waited for by us; signalling a group that is gone fails harmlessly.
+            // SAFETY: the group is the child's own (it leads it), and its leader has not been
+            // waited for by us. Should the reaper have collected the leader, Linux still does
+            // not give its number to a new process while it is a live process's group id;
+            // signalling a group that is gone fails harmlessly.
             unsafe {
                 libc::killpg(pid, libc::SIGKILL);
             }
         }
     };
-    // The leader is alive or a zombie here (the reaper collects only what has exited, and a
-    // timed-out leader has not), so the group id is still its own.
+    // The group id is still this look's: see the SAFETY comment above.
     if failed {
         kill();
     }

@@ -65,7 +65,7 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due) {
     w.logs().pump();
     shutdown::finish_stopping_workloads(w.life, w.active, w.outbox, w.session, w.io, w.s);
     if let Some(s) = &w.life.shutdown {
-        if now >= s.deadline {
+        if now >= s.deadline && w.life.exit.is_none() {
             w.life.exit = Some(s.exit_code);
         }
     }

@@ -580,9 +580,13 @@ fn run_program(
     let null = std::fs::File::open("/dev/null").map_err(|e| failed("/dev/null: ", e))?;
     let (out_r, out_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
     let (err_r, err_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
-    // The node's environment with `LC_ALL=C`.
+    // The node's environment with `LC_ALL=C`, less its secrets (D47: nvidia-smi has no use
+    // for the API key or the broker's password).
+    let secret = |k: &std::ffi::OsStr| {
+        k == "LC_ALL" || crate::workload::NODE_ONLY_VARS.iter().any(|s| k == *s)
+    };
     let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os()
-        .filter(|(k, _)| k != "LC_ALL")
+        .filter(|(k, _)| !secret(k))
         .chain([("LC_ALL".into(), "C".into())])
         .collect();
     let args: Vec<std::ffi::OsString> = args.iter().map(std::ffi::OsString::from).collect();
@@ -641,6 +645,9 @@ fn forked(
     use std::process::{Command, Stdio};
     let mut cmd = Command::new(exe);
     crate::fds::harden(&mut cmd);
+    for k in crate::workload::NODE_ONLY_VARS {
+        cmd.env_remove(k);
+    }
     let mut child = cmd
         .arg0(program)
         .args(args)

@@ -694,6 +694,43 @@ fn g8_a_host_whose_nvidia_smi_cannot_run_is_looked_at_again_and_again_and_the_no
     assert!(st["output"].get("gpus").is_none(), "{st}");
 }
 
+/// D47: the `nvidia-smi` the node runs gets the node's environment (its `PATH`, library
+/// paths) with `LC_ALL=C`, but not the node's API key or broker password.
+#[test]
+fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
+    let mut rig = Rig::new(1, None);
+    let bin = TempDir::new("smi-env");
+    let smi = bin.path().join("nvidia-smi");
+    let seen = bin.path().join("seen.env");
+    std::fs::write(
+        &smi,
+        format!(
+            "#!/bin/sh\nenv > {}.tmp && mv {0}.tmp {0}\nexit 9\n",
+            seen.display()
+        ),
+    )
+    .expect("write");
+    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let path = format!("{}:/usr/bin:/bin", bin.path().display());
+    rig.setup.set("PATH", &path);
+    rig.setup
+        .set("CYBERWAVE_MQTT_PASSWORD", "cw-test-broker-password-42");
+    let node = rig.node();
+    let env = wait_for(DONE, || std::fs::read_to_string(&seen).ok())
+        .unwrap_or_else(|| panic!("nvidia-smi never ran; log:\n{}", node.log()));
+    assert!(env.lines().any(|l| l == "LC_ALL=C"), "{env}");
+    assert!(env.lines().any(|l| l == format!("PATH={path}")), "{env}");
+    for secret in rig.setup.secrets() {
+        assert!(
+            !env.contains(&secret),
+            "nvidia-smi saw a secret of the node:\n{env}"
+        );
+    }
+    assert!(!env.contains("CYBERWAVE_API_KEY="), "{env}");
+    assert!(!env.contains("cw-test-broker-password-42"), "{env}");
+}
+
 /// The node's status, each look under a fresh request id.
 fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
     rig.cp

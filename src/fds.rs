@@ -91,18 +91,6 @@ pub fn close_inherited() {
     }
 }
 
-/// Only the descriptors: for the supervisor, which keeps the node's blocked signals through its
-/// exec (its `main` blocks them again first thing; a SIGTERM in between must not end it).
-pub fn no_inherited_fds(cmd: &mut Command) -> &mut Command {
-    // SAFETY: the closure only makes async-signal-safe calls (fcntl, close_range, getrlimit).
-    unsafe {
-        cmd.pre_exec(|| {
-            cloexec_above_2();
-            Ok(())
-        })
-    }
-}
-
 /// Resets what a child must not inherit from the node, between fork and exec: the descriptors
 /// above 2 (close-on-exec) and the blocked signals (D51).
 pub fn harden(cmd: &mut Command) -> &mut Command {

@@ -614,13 +614,8 @@ fn run_program(
         Err(Failure::Child(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(RunError::NotFound)
         }
-        Err(Failure::Child(e)) => return Err(failed("", e)),
-        // The kernel refused the clone (a seccomp filter, say): forked as before. Only an
-        // exec that fails after the lookup above found the file can meet std's wait then.
-        Err(Failure::Clone(e)) => {
-            log::debug!("cannot start nvidia-smi without a fork ({e}): forking it");
-            forked(&exe, program, &args, &cwd).map_err(|e| failed("", e))?
-        }
+        // (A kernel that refuses the clone gets a fork: inside vspawn.)
+        Err(Failure::Child(e) | Failure::Clone(e)) => return Err(failed("", e)),
     };
     let (bufs, result) = read_both(&mut out, &mut err, timeout);
     let code = reap(pid, result.is_err());
@@ -631,40 +626,6 @@ fn run_program(
         stderr: String::from_utf8_lossy(&se).into_owned(),
         code,
     })
-}
-
-/// `program` started by `std::process::Command` (a fork), as before vspawn: the fallback where
-/// the kernel refuses vspawn's clone. Its pid and the read ends of its stdout and stderr.
-fn forked(
-    exe: &Path,
-    program: &std::ffi::OsStr,
-    args: &[std::ffi::OsString],
-    cwd: &Path,
-) -> std::io::Result<(i32, std::fs::File, std::fs::File)> {
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
-    let mut cmd = Command::new(exe);
-    crate::fds::harden(&mut cmd);
-    for k in crate::workload::NODE_ONLY_VARS {
-        cmd.env_remove(k);
-    }
-    let mut child = cmd
-        .arg0(program)
-        .args(args)
-        .current_dir(cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .env("LC_ALL", "C")
-        .process_group(0)
-        .spawn()?;
-    let pid = i32::try_from(child.id()).unwrap_or(0);
-    let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
-        return Err(std::io::Error::other("no output pipe"));
-    };
-    // Dropping the `Child` neither kills nor waits: [`reap`] does, by pid.
-    let file = |fd: std::os::fd::OwnedFd| std::fs::File::from(fd);
-    Ok((pid, file(out.into()), file(err.into())))
 }
 
 /// Where `program` is: itself when it names a path, else the first file of that name in

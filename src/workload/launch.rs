@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
@@ -227,8 +226,8 @@ fn fork_shim(
         store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
     let args = args.to_args();
     // Forked by the fork server, without an exec (issue 25 item 5); where it cannot, without a
-    // copy of the node; where the kernel refuses that clone (a seccomp filter, say), with a fork
-    // as before.
+    // copy of the node (vspawn; where the kernel refuses that clone, a seccomp filter say, it
+    // forks).
     if let Some(started) = through_fork_server(fork, &args, env, dir, &shim_log)? {
         let (shim_pid, stdout) = started;
         return Ok(Launched {
@@ -244,15 +243,12 @@ fn fork_shim(
         .and_then(|log| vspawn::spawn(exe, &args, env, dir, log));
     let (shim_pid, stdout) = match cloned {
         Ok(s) => (s.pid, Some(s.stdout)),
-        Err(vspawn::Failure::Child(source)) => {
+        // (A kernel that refuses the clone gets a fork: inside vspawn.)
+        Err(vspawn::Failure::Child(source) | vspawn::Failure::Clone(source)) => {
             return Err(SpawnError::Fork {
                 exe: exe.to_path_buf(),
                 source,
             })
-        }
-        Err(vspawn::Failure::Clone(e)) => {
-            log::debug!("cannot start the supervisor without a fork ({e}): forking it");
-            spawn_with_fork(exe, &args, env, dir, shim_log)?
         }
     };
     Ok(Launched {
@@ -342,37 +338,6 @@ fn written_or_held(read: &std::os::fd::OwnedFd) -> bool {
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     let hung_up_empty = n == 1 && p.revents & libc::POLLHUP != 0 && p.revents & libc::POLLIN == 0;
     !hung_up_empty
-}
-
-/// The shim forked as before issue 25 item 5: the fallback of [`super::vspawn::spawn`].
-fn spawn_with_fork(
-    exe: &Path,
-    args: &[std::ffi::OsString],
-    env: &BTreeMap<String, String>,
-    dir: &Path,
-    shim_log: std::fs::File,
-) -> Result<(i32, Option<std::os::fd::OwnedFd>), SpawnError> {
-    let mut cmd = Command::new(exe);
-    crate::fds::no_inherited_fds(&mut cmd);
-    let mut child = cmd
-        .args(args)
-        .env_clear()
-        .envs(env)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(shim_log)
-        .spawn()
-        .map_err(|source| SpawnError::Fork {
-            exe: exe.to_path_buf(),
-            source,
-        })?;
-    let shim_pid = i32::try_from(child.id()).unwrap_or(0);
-    // Dropping the `Child` neither kills nor waits: the reaper thread reaps the shim.
-    Ok((
-        shim_pid,
-        child.stdout.take().map(std::os::fd::OwnedFd::from),
-    ))
 }
 
 #[cfg(test)]

@@ -11,9 +11,12 @@
 //! this is the same start done by hand: the child runs on a stack of its own in the node's
 //! memory while the calling thread waits, makes only async-signal-safe calls (`dup2`, `chdir`,
 //! `close_range`, `sigprocmask`, `execve`) and either execs or leaves its `errno` in shared
-//! memory and `_exit`s. What the supervisor gets is what the `Command` of [`spawn_with_fork`]
+//! memory and `_exit`s. What the supervisor gets is what the `Command` that forked it before
 //! gave it: the three streams, the directory, exactly `env`, the node's blocked signals, and no
-//! other descriptor.
+//! other descriptor. Where the kernel refuses the clone (a seccomp filter, say), the same child
+//! is forked ([`fork_child`]), its errno coming back through a pipe; never by `Command`, whose
+//! `spawn` waits for a child whose exec failed and panics when the node's reaper thread
+//! (`waitpid(-1)`) collected it first.
 //!
 //! The supervisor starts a plain word list the same way ([`spawn_workload`], [`Prepare::Workload`]):
 //! the child also makes itself a process group (`setpgid`, D25) and, instead of restoring the
@@ -48,6 +51,9 @@ struct ChildArgs {
     prepare: Prepare,
     /// 0, or the errno of the step that failed in the child.
     err: AtomicI32,
+    /// In a forked child (see [`fork_child`]), where its `err` is its own copy: the write end
+    /// of a close-on-exec pipe for that errno; -1 after a clone.
+    err_pipe: RawFd,
 }
 
 /// What the child sets up before its exec, beyond its streams, its directory and the descriptors
@@ -229,7 +235,7 @@ fn prepare_and_clone<'a>(
     // The child runs in this memory: no signal handler may run in it before the exec. Every
     // signal is blocked in this thread around the clone (the child inherits that) and the
     // thread's own mask is restored in the child right before the exec (the supervisor keeps the
-    // node's blocked signals, as it always did: see fds::no_inherited_fds).
+    // node's blocked signals, as it always did).
     // SAFETY: pthread_sigmask with valid set pointers.
     let rc = unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut mask) };
     if rc != 0 {
@@ -244,30 +250,39 @@ fn prepare_and_clone<'a>(
         mask,
         prepare,
         err: AtomicI32::new(0),
+        err_pipe: -1,
     };
     let mut stack = vec![0u8; CHILD_STACK];
     // The stack grows down: its top, aligned to 16 bytes as the ABI wants.
     let end = stack.as_mut_ptr().wrapping_add(CHILD_STACK);
     let top = end.wrapping_sub(end as usize & 15);
-    // SAFETY: `child` only reads `args` (alive until clone returns: CLONE_VFORK suspends this
-    // thread until the child execs or exits) and makes async-signal-safe calls on its own stack
-    // `top` (inside `stack`, alive as long). SIGCHLD makes it an ordinary child for the reaper.
-    let pid = unsafe {
-        libc::clone(
-            child,
-            top.cast(),
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            std::ptr::from_ref(&args).cast_mut().cast(),
-        )
+    let pid = if forced_fork() {
+        -1
+    } else {
+        // SAFETY: `child` only reads `args` (alive until clone returns: CLONE_VFORK suspends
+        // this thread until the child execs or exits) and makes async-signal-safe calls on its
+        // own stack `top` (inside `stack`, alive as long). SIGCHLD makes it an ordinary child
+        // for the reaper.
+        unsafe {
+            libc::clone(
+                child,
+                top.cast(),
+                libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+                std::ptr::from_ref(&args).cast_mut().cast(),
+            )
+        }
     };
-    let clone_err = std::io::Error::last_os_error();
+    // The kernel refused the clone (a seccomp filter, say): the same child, by a fork. Not by
+    // `std::process::Command`, whose `spawn` waits for a child whose exec failed and panics
+    // when the node's reaper thread collected it first.
+    let forked = (pid < 0).then(|| fork_child(&args));
     // SAFETY: restoring this thread's own mask, saved above.
     unsafe {
         libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut());
     }
     drop(stack);
-    if pid < 0 {
-        return Err(setup(clone_err));
+    if let Some(forked) = forked {
+        return Ok(forked);
     }
     let err = args.err.load(Ordering::SeqCst);
     if err != 0 {
@@ -280,6 +295,81 @@ fn prepare_and_clone<'a>(
         return Ok(Err(Failure::Child(std::io::Error::from_raw_os_error(err))));
     }
     Ok(Ok(pid))
+}
+
+/// The fallback of the clone: `fork`, the child running [`child`] with `a`'s arguments (all
+/// prepared before, so it allocates nothing), its errno coming back through a close-on-exec
+/// pipe (end of file: the exec happened). Called with every signal blocked in this thread.
+fn fork_child(a: &ChildArgs) -> Result<i32, Failure> {
+    let (read, write) = pipe().map_err(Failure::Clone)?;
+    // Above 2, so that the child's dup2 onto 0–2 cannot overwrite it.
+    let write = above_2(write).map_err(Failure::Clone)?;
+    let forked = ChildArgs {
+        exe: a.exe,
+        argv: a.argv,
+        envp: a.envp,
+        dir: a.dir,
+        streams: a.streams,
+        mask: a.mask,
+        prepare: a.prepare,
+        err: AtomicI32::new(0),
+        err_pipe: write.as_raw_fd(),
+    };
+    // SAFETY: fork; the child only runs `child` (async-signal-safe calls on memory prepared
+    // before the fork) and then execs or `_exit`s.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        child(std::ptr::from_ref(&forked).cast_mut().cast());
+        // SAFETY: _exit is async-signal-safe and never returns (`child` does not return).
+        unsafe { libc::_exit(127) }
+    }
+    if pid < 0 {
+        return Err(Failure::Clone(std::io::Error::last_os_error()));
+    }
+    drop(write);
+    let mut errno = [0u8; 4];
+    let mut got = 0usize;
+    while got < errno.len() {
+        let rest = errno.get_mut(got..).unwrap_or_default();
+        // SAFETY: read into the rest of a local buffer of the given length.
+        let n = unsafe { libc::read(read.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len()) };
+        match usize::try_from(n) {
+            Ok(0) => break,
+            Ok(n) => got = got.saturating_add(n),
+            Err(_) if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {
+            }
+            Err(_) => break,
+        }
+    }
+    if got == 0 {
+        return Ok(pid);
+    }
+    // It has exited (or is about to): reaped here unless the reaper thread is first.
+    let mut status = 0;
+    // SAFETY: waitpid on our own child with a valid out pointer.
+    unsafe {
+        libc::waitpid(pid, &mut status, 0);
+    }
+    let e = i32::from_ne_bytes(errno);
+    Err(Failure::Child(std::io::Error::from_raw_os_error(
+        if e == 0 { libc::EINVAL } else { e },
+    )))
+}
+
+#[cfg(not(test))]
+fn forced_fork() -> bool {
+    false
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests take the fork path on this thread (`tests::forked`).
+    static FORCE_FORK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+fn forced_fork() -> bool {
+    FORCE_FORK.with(std::cell::Cell::get)
 }
 
 fn unsafe_zeroed_sigset() -> libc::sigset_t {
@@ -298,6 +388,13 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
             .filter(|e| *e != 0)
             .unwrap_or(libc::EINVAL);
         a.err.store(errno, Ordering::SeqCst);
+        if a.err_pipe >= 0 {
+            let bytes = errno.to_ne_bytes();
+            // SAFETY: write of a local 4-byte buffer to the pipe of `fork_child`.
+            unsafe {
+                libc::write(a.err_pipe, bytes.as_ptr().cast(), bytes.len());
+            }
+        }
         // SAFETY: _exit is async-signal-safe and never returns.
         unsafe { libc::_exit(127) }
     };
@@ -366,8 +463,26 @@ mod tests {
         (libc::WEXITSTATUS(status), out, stderr)
     }
 
+    /// `f` with the clone refused on this thread: the fork path.
+    fn forked<T>(f: impl FnOnce() -> T) -> T {
+        super::FORCE_FORK.with(|c| c.set(true));
+        let r = f();
+        super::FORCE_FORK.with(|c| c.set(false));
+        r
+    }
+
     #[test]
     fn g13_the_supervisor_started_without_a_fork_holds_only_its_three_streams() {
+        supervisor_holds_only_its_three_streams("streams");
+    }
+
+    /// Where the kernel refuses the clone: the same child, forked.
+    #[test]
+    fn g13_the_supervisor_forked_where_the_clone_is_refused_holds_only_its_three_streams() {
+        forked(|| supervisor_holds_only_its_three_streams("streams-forked"));
+    }
+
+    fn supervisor_holds_only_its_three_streams(tag: &str) {
         // A descriptor opened as Paho opens its socket: without close-on-exec.
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: socketpair writes two descriptors into the array we own.
@@ -378,7 +493,7 @@ mod tests {
         // SAFETY: both descriptors were just created and are owned here.
         let (_a, _b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let (code, out, err) = run(
-            "streams",
+            tag,
             "/bin/sh",
             &[
                 "-c",
@@ -389,7 +504,7 @@ mod tests {
         );
         assert_eq!(code, 7);
         let lines: Vec<&str> = out.lines().collect();
-        let name = scratch("streams")
+        let name = scratch(tag)
             .file_name()
             .unwrap()
             .to_str()
@@ -467,6 +582,16 @@ mod tests {
     /// and exactly `env`. Each read by the exec'd program itself, of `/proc/self`.
     #[test]
     fn g13_a_workload_started_without_a_fork_leads_its_group_with_no_signal_blocked_or_ignored() {
+        workload_leads_its_group_with_no_signal_blocked_or_ignored("wl");
+    }
+
+    /// Where the kernel refuses the clone: the same child, forked.
+    #[test]
+    fn g13_a_workload_forked_where_the_clone_is_refused_leads_its_group_with_nothing_blocked() {
+        forked(|| workload_leads_its_group_with_no_signal_blocked_or_ignored("wl-forked"));
+    }
+
+    fn workload_leads_its_group_with_no_signal_blocked_or_ignored(tag: &str) {
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: socketpair writes two descriptors into the array we own.
         assert_eq!(
@@ -485,12 +610,17 @@ mod tests {
             libc::signal(libc::SIGURG, libc::SIG_IGN)
         };
         let status = run_workload(
-            "wl-status",
+            &format!("{tag}-status"),
             "/bin/grep",
             "grep",
             &["-E", "^(Pid|NSpgid|SigBlk|SigIgn):", "/proc/self/status"],
         );
-        let listing = run_workload("wl-fds", "/bin/ls", "ls", &["-l", "/proc/self/fd"]);
+        let listing = run_workload(
+            &format!("{tag}-fds"),
+            "/bin/ls",
+            "ls",
+            &["-l", "/proc/self/fd"],
+        );
         // SAFETY: restoring this test thread's mask and SIGURG's disposition.
         unsafe {
             libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
@@ -522,7 +652,7 @@ mod tests {
         assert_eq!(numbers, ["0", "1", "2", "3"], "{listing}");
         assert!(!listing.contains("socket:"), "{listing}");
         let shell = run_workload(
-            "wl-env",
+            &format!("{tag}-env"),
             "/bin/sh",
             "custom0",
             &["-c", "echo $0; env | sort"],
@@ -540,8 +670,20 @@ mod tests {
 
     #[test]
     fn a_failed_exec_is_an_error_and_leaves_nothing() {
+        failed_exec_is_an_error("err");
+    }
+
+    /// Forked, the child's errno comes back through its pipe; the child is reaped (or left
+    /// to the reaper) without a panic whoever collects it.
+    #[test]
+    fn a_failed_exec_of_a_forked_child_is_the_same_error() {
+        forked(|| failed_exec_is_an_error("err-forked"));
+    }
+
+    fn failed_exec_is_an_error(tag: &str) {
         let dir = std::env::temp_dir();
-        let err = File::create(dir.join(format!("cw-vspawn-err-{}", std::process::id()))).unwrap();
+        let file = dir.join(format!("cw-vspawn-{tag}-{}", std::process::id()));
+        let err = File::create(&file).unwrap();
         let r = spawn(
             Path::new("/nonexistent/cw-no-such-binary"),
             &[],
@@ -553,6 +695,6 @@ mod tests {
             Err(Failure::Child(e)) => assert_eq!(e.kind(), std::io::ErrorKind::NotFound),
             other => panic!("{:?}", other.map(|s| s.pid)),
         }
-        let _ = std::fs::remove_file(dir.join(format!("cw-vspawn-err-{}", std::process::id())));
+        let _ = std::fs::remove_file(&file);
     }
 }

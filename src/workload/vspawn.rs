@@ -98,15 +98,16 @@ fn above_2(fd: OwnedFd) -> std::io::Result<OwnedFd> {
 /// Why nothing was started.
 #[derive(Debug)]
 pub enum Failure {
-    /// Before the clone, or the clone itself (a seccomp filter may refuse it): the caller can
-    /// still start it with a fork.
+    /// Before the child existed: its preparation, or both the clone and the fork it falls
+    /// back to (out of processes or memory).
     Clone(std::io::Error),
     /// The child's own steps (`chdir`, the exec): a fork would fail the same way. Reaped here.
     Child(std::io::Error),
 }
 
 /// Starts `exe args…` in `dir` with exactly `env`, stdin `/dev/null`, stdout a new pipe (its
-/// read end returned) and stderr `stderr`, by `clone(CLONE_VM | CLONE_VFORK)`.
+/// read end returned) and stderr `stderr`, by `clone(CLONE_VM | CLONE_VFORK)` (or a fork where
+/// the kernel refuses that clone).
 pub fn spawn(
     exe: &Path,
     args: &[OsString],
@@ -137,7 +138,8 @@ pub fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Starts `exe args…` in `dir` with exactly `env` and `streams` as its 0, 1 and 2 (nothing else
-/// crosses), by `clone(CLONE_VM | CLONE_VFORK)`, keeping this thread's signal mask; its pid.
+/// crosses), by `clone(CLONE_VM | CLONE_VFORK)` (or a fork where the kernel refuses that
+/// clone), keeping this thread's signal mask; its pid.
 pub fn spawn_with(
     exe: &Path,
     args: &[OsString],
@@ -275,13 +277,20 @@ fn prepare_and_clone<'a>(
     // The kernel refused the clone (a seccomp filter, say): the same child, by a fork. Not by
     // `std::process::Command`, whose `spawn` waits for a child whose exec failed and panics
     // when the node's reaper thread collected it first.
-    let forked = (pid < 0).then(|| fork_child(&args));
+    let refused = (pid < 0).then(std::io::Error::last_os_error);
+    let forked = refused.is_some().then(|| fork_child(&args));
     // SAFETY: restoring this thread's own mask, saved above.
     unsafe {
         libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut());
     }
     drop(stack);
     if let Some(forked) = forked {
+        if let Some(e) = refused.filter(|_| !forced_fork()) {
+            log::debug!(
+                "the kernel refused the clone of {} ({e}): forked instead",
+                exe.display()
+            );
+        }
         return Ok(forked);
     }
     let err = args.err.load(Ordering::SeqCst);
@@ -351,9 +360,12 @@ fn fork_child(a: &ChildArgs) -> Result<i32, Failure> {
         libc::waitpid(pid, &mut status, 0);
     }
     let e = i32::from_ne_bytes(errno);
-    Err(Failure::Child(std::io::Error::from_raw_os_error(
-        if e == 0 { libc::EINVAL } else { e },
-    )))
+    let e = if got < errno.len() || e == 0 {
+        libc::EINVAL
+    } else {
+        e
+    };
+    Err(Failure::Child(std::io::Error::from_raw_os_error(e)))
 }
 
 #[cfg(not(test))]
@@ -377,10 +389,12 @@ fn unsafe_zeroed_sigset() -> libc::sigset_t {
     unsafe { std::mem::zeroed() }
 }
 
-/// The child, between the clone and the exec: async-signal-safe calls only, no allocation, no
-/// panic (it shares the node's memory and runs on the stack `spawn` gave it).
+/// The child, between the clone (or fork) and the exec: async-signal-safe calls only, no
+/// allocation, no panic (after the clone it shares the node's memory and runs on the stack
+/// `prepare_and_clone` gave it; after a fork, on its own copy of the forking thread's stack).
 extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
-    // SAFETY: `arg` is the `ChildArgs` of `spawn`, alive while this runs (CLONE_VFORK).
+    // SAFETY: `arg` is a `ChildArgs` alive while this runs: the parent's (CLONE_VFORK suspends
+    // it until the exec or exit), or the child's own copy of `fork_child`'s.
     let a = unsafe { &*arg.cast::<ChildArgs>() };
     let fail = |a: &ChildArgs| -> libc::c_int {
         let errno = std::io::Error::last_os_error()

@@ -489,27 +489,40 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
     };
     let pump = |stream: Box<dyn std::io::Read + Send>, name: &'static str| {
         let path = log_dir.join(format!("install.{name}.log"));
-        std::thread::spawn(move || {
-            let mut file = store::create_state_file(&path, 0o600).ok();
-            let mut tail: Vec<String> = Vec::new();
-            for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
-                let line = String::from_utf8_lossy(&line).into_owned();
-                if let Some(f) = file.as_mut() {
-                    let _ = writeln!(f, "{line}");
-                }
-                log::info!("[install {name}] {line}");
-                if !line.trim().is_empty() {
-                    tail.push(line);
-                    if tail.len() > 5 {
-                        tail.remove(0);
+        // Not `std::thread::spawn`, which panics when no thread can be made (a pids limit
+        // reached): then the stream is closed, and the script's writes to it fail.
+        let spawned = std::thread::Builder::new()
+            .name(format!("install-{name}"))
+            .spawn(move || {
+                let mut file = store::create_state_file(&path, 0o600).ok();
+                let mut tail: Vec<String> = Vec::new();
+                for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
+                    let line = String::from_utf8_lossy(&line).into_owned();
+                    if let Some(f) = file.as_mut() {
+                        let _ = writeln!(f, "{line}");
+                    }
+                    log::info!("[install {name}] {line}");
+                    if !line.trim().is_empty() {
+                        tail.push(line);
+                        if tail.len() > 5 {
+                            tail.remove(0);
+                        }
                     }
                 }
-            }
-            tail
-        })
+                tail
+            });
+        spawned
+            .map_err(|e| log::warn!("cannot read the install script's {name}: {e}"))
+            .ok()
     };
-    let out = child.stdout.take().map(|o| pump(Box::new(o), "stdout"));
-    let err = child.stderr.take().map(|e| pump(Box::new(e), "stderr"));
+    let out = child
+        .stdout
+        .take()
+        .and_then(|o| pump(Box::new(o), "stdout"));
+    let err = child
+        .stderr
+        .take()
+        .and_then(|e| pump(Box::new(e), "stderr"));
     let status = child.wait();
     if let Some(h) = out {
         let _ = h.join();

@@ -287,7 +287,7 @@ fn through_fork_server(
         Ok(pid) => return Ok(Some((pid, read))),
         Err(forkserver::Error::Unsendable) => {
             log::debug!(
-                "this start's request does not fit the fork server: its supervisor is exec'd"
+                "the fork server cannot take this start (too big a request, or out of processes or memory for the moment): its supervisor is exec'd"
             );
             return Ok(None);
         }

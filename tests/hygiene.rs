@@ -305,3 +305,67 @@ fn g8_a_result_file_name_cannot_forge_a_node_log_line() {
     );
     assert_clean(&log);
 }
+
+/// Started with its standard streams closed (`nohup`-style launchers, a `daemonize` that
+/// closes them, `>&- 2>&-`): descriptors 0–2 would go to the first files and sockets the node
+/// opens, and its log and its workloads' mirrored output would be written into them (the
+/// state-dir lock, a record, the broker connection). Rust's runtime puts `/dev/null` there
+/// before `main` (the node passed this as it was): a guard, should a build or a runtime ever
+/// not.
+#[test]
+fn a_node_started_with_its_standard_streams_closed_writes_its_output_nowhere_it_should_not() {
+    let (_broker, cp, mut setup) = crate::support::rig(
+        "cyberwave:\n  inference: |\n    for i in $(seq 50); do echo out-line-$i; echo err-line-$i >&2; done\n",
+    );
+    setup.under = vec![
+        "sh".into(),
+        "-c".into(),
+        "exec \"$0\" \"$@\" <&- >&- 2>&-".into(),
+    ];
+    let node = setup.spawn();
+    let uuid = crate::support::wait_for(crate::support::timeouts::READY, || {
+        let u = node.uuid();
+        (!u.is_empty()).then_some(u)
+    })
+    .expect("the node registered");
+    let st = crate::support::wait_for(crate::support::timeouts::READY, || {
+        // Short: the first may go out before the node subscribed (no log line to wait for).
+        cp.status(&uuid, "st-closed", std::time::Duration::from_millis(300))
+    })
+    .expect("status answered");
+    assert_eq!(st["status"], "ok", "{st}");
+    // Descriptors 0–2 of the node are /dev/null.
+    for fd in 0..3 {
+        let target = std::fs::read_link(format!("/proc/{}/fd/{fd}", node.pid()))
+            .unwrap_or_else(|e| panic!("fd {fd} of the node: {e}"));
+        assert_eq!(target, std::path::Path::new("/dev/null"), "fd {fd}");
+    }
+    cp.command(
+        &uuid,
+        serde_json::json!({"command": "inference", "request_id": "cl1", "params": {"workload_uuid": "wl-cl1"}}),
+    );
+    cp.wait_status("wl-cl1", "completed", crate::support::timeouts::DONE)
+        .expect("the workload completed");
+    // Nothing of the log or of the mirrored output went into a state file.
+    let mut stack = vec![setup.config_dir()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let text = String::from_utf8_lossy(&std::fs::read(&p).unwrap_or_default()).into_owned();
+            let is_log = p.to_string_lossy().contains("workload_logs");
+            assert!(
+                is_log
+                    || !(text.contains("[workload ")
+                        || text.contains(" INFO ")
+                        || text.contains(" DEBUG ")),
+                "{} holds the node's output:\n{}",
+                p.display(),
+                text.chars().take(400).collect::<String>()
+            );
+        }
+    }
+}

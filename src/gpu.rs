@@ -1003,6 +1003,9 @@ pub fn start(timing: Timing) -> std::io::Result<(Monitor, Receiver<Snapshot>)> {
 }
 
 fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
+    // Tests only: the thread ends once this file exists (the loop must then exit, not spin).
+    let stop =
+        std::env::var_os("CYBERWAVE_TEST_GPU_MONITOR_STOP_FILE").map(std::path::PathBuf::from);
     let mut migs = Vec::new();
     let mut seen: BTreeMap<String, Gpu> = BTreeMap::new();
     let mut holding = false;
@@ -1014,7 +1017,7 @@ fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
             next_list = now.checked_add(timing.inventory).unwrap_or(now);
         }
         let snap = query(&timing, &mut migs, list, &mut seen);
-        if tx.send(snap).is_err() {
+        if tx.send(snap).is_err() || stop.as_deref().is_some_and(Path::exists) {
             return;
         }
         let every = if holding {

@@ -694,6 +694,44 @@ fn g8_a_host_whose_nvidia_smi_cannot_run_is_looked_at_again_and_again_and_the_no
     assert!(st["output"].get("gpus").is_none(), "{st}");
 }
 
+/// A thread of the node that ends (here the GPU monitor, by a test knob) must not leave the
+/// loop spinning on its closed channel, as it did before: the node says which thread stopped
+/// and exits 1 to be started again (crash-only), and its workload keeps running.
+#[test]
+fn g8_a_thread_of_the_node_that_ends_makes_it_exit_1_and_its_workload_keeps_running() {
+    let mut rig = Rig::new(1, None);
+    let stop = rig.setup.cwd.join("stop-gpu-monitor");
+    rig.setup.set(
+        "CYBERWAVE_TEST_GPU_MONITOR_STOP_FILE",
+        &stop.display().to_string(),
+    );
+    rig.setup
+        .set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.05");
+    let mut node = rig.node();
+    g(1).ok(&rig.cp, &node);
+    let started = rig.setup.config_dir().join("workloads/g1/started.json");
+    let pid = wait_for(REPLY, || {
+        let v: Value = serde_json::from_slice(&std::fs::read(&started).ok()?).ok()?;
+        v["pid"].as_i64().map(|p| p as i32)
+    })
+    .expect("the workload's start record");
+    std::fs::write(&stop, "").expect("write the stop file");
+    let exit = node.wait_exit(DONE);
+    assert_eq!(exit, Some(Some(1)), "log:\n{}", node.log());
+    assert!(
+        node.log().contains("the GPU monitor thread stopped"),
+        "{}",
+        node.log()
+    );
+    // SAFETY: signal 0 only asks whether the test's own workload still exists.
+    assert_eq!(
+        unsafe { libc::kill(pid, 0) },
+        0,
+        "the workload died with the node"
+    );
+    rig.stop(1);
+}
+
 /// D47: the `nvidia-smi` the node runs gets the node's environment (its `PATH`, library
 /// paths) with `LC_ALL=C`, but not the node's API key or broker password.
 #[test]

@@ -582,11 +582,11 @@ fn run_program(
     let (err_r, err_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
     // The node's environment with `LC_ALL=C`, less its secrets (D47: nvidia-smi has no use
     // for the API key or the broker's password).
-    let secret = |k: &std::ffi::OsStr| {
+    let dropped = |k: &std::ffi::OsStr| {
         k == "LC_ALL" || crate::workload::NODE_ONLY_VARS.iter().any(|s| k == *s)
     };
     let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os()
-        .filter(|(k, _)| !secret(k))
+        .filter(|(k, _)| !dropped(k))
         .chain([("LC_ALL".into(), "C".into())])
         .collect();
     let args: Vec<std::ffi::OsString> = args.iter().map(std::ffi::OsString::from).collect();

@@ -642,6 +642,19 @@ fn a_cpu_only_node_runs_workloads_as_before() {
     );
 }
 
+/// An `nvidia-smi` that is the script `text`, first on the node's PATH: its folder (removed
+/// when dropped) and that PATH.
+fn script_smi(setup: &mut NodeSetup, text: &str) -> (TempDir, String) {
+    let bin = TempDir::new("smi-script");
+    let smi = bin.path().join("nvidia-smi");
+    std::fs::write(&smi, text).expect("write");
+    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let path = format!("{}:/usr/bin:/bin", bin.path().display());
+    setup.set("PATH", &path);
+    (bin, path)
+}
+
 /// A host without a usable `nvidia-smi` is looked at again at every inventory, and each look
 /// whose exec fails leaves a child that the node's reaper thread (blocked in `waitpid(-1)` while
 /// the fork server lives) often collects first. `std::process::Command` panics then ("wait()
@@ -652,13 +665,7 @@ fn a_cpu_only_node_runs_workloads_as_before() {
 #[test]
 fn g8_a_host_whose_nvidia_smi_cannot_run_is_looked_at_again_and_again_and_the_node_lives() {
     let mut rig = Rig::new(1, None);
-    let bin = TempDir::new("smi");
-    let smi = bin.path().join("nvidia-smi");
-    std::fs::write(&smi, "#!/nonexistent/cw-no-such-interpreter\n").expect("write");
-    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
-    let path = format!("{}:/usr/bin:/bin", bin.path().display());
-    rig.setup.set("PATH", &path);
+    let _bin = script_smi(&mut rig.setup, "#!/nonexistent/cw-no-such-interpreter\n");
     rig.setup
         .set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.05");
     let node = rig.node();
@@ -737,21 +744,13 @@ fn g8_a_thread_of_the_node_that_ends_makes_it_exit_1_and_its_workload_keeps_runn
 #[test]
 fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
     let mut rig = Rig::new(1, None);
-    let bin = TempDir::new("smi-env");
-    let smi = bin.path().join("nvidia-smi");
-    let seen = bin.path().join("seen.env");
-    std::fs::write(
-        &smi,
-        format!(
-            "#!/bin/sh\nenv > {}.tmp && mv {0}.tmp {0}\nexit 9\n",
-            seen.display()
-        ),
-    )
-    .expect("write");
-    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
-    let path = format!("{}:/usr/bin:/bin", bin.path().display());
-    rig.setup.set("PATH", &path);
+    let out = TempDir::new("smi-env");
+    let seen = out.path().join("seen.env");
+    let script = format!(
+        "#!/bin/sh\nenv > {}.tmp && mv {0}.tmp {0}\nexit 9\n",
+        seen.display()
+    );
+    let (_bin, path) = script_smi(&mut rig.setup, &script);
     rig.setup
         .set("CYBERWAVE_MQTT_PASSWORD", "cw-test-broker-password-42");
     let node = rig.node();

@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane};
 
@@ -113,14 +114,7 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
     // Room for the workload's supervisor, its shell or python, and a few children.
     let base = cg.current();
     cg.set_max(base + 16);
-    cp.command(
-        &node.uuid(),
-        json!({"command": "inference", "request_id": "b1", "params": {"workload_uuid": "wl-b1"}}),
-    );
-    let reply = cp
-        .wait_reply("b1", REPLY)
-        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
-    assert_eq!(reply["status"], "ok", "{reply}");
+    Start::new("inference", "b1").ok(&cp, &node);
     let made = wait_for(DONE, || {
         std::fs::read_to_string(setup.cwd.join("full")).ok()
     })
@@ -134,33 +128,14 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
         .status(&node.uuid(), "st-full", REPLY)
         .unwrap_or_else(|| panic!("no status while the cgroup is full; log:\n{}", node.log()));
     assert_eq!(st["status"], "ok", "{st}");
-    cp.command(
-        &node.uuid(),
-        json!({"command": "simulate", "request_id": "b2", "params": {"workload_uuid": "wl-b2"}}),
-    );
-    let refused = cp.wait_reply("b2", REPLY).unwrap_or_else(|| {
-        panic!(
-            "no answer to a start in a full cgroup; log:\n{}",
-            node.log()
-        )
-    });
+    let refused = Start::new("simulate", "b2").reply(&cp, &node);
     assert_eq!(refused["status"], "error", "{refused}");
-    assert!(
-        refused["error"]
-            .as_str()
-            .unwrap_or("")
-            .contains("Failed to start simulate"),
-        "{refused}"
-    );
+    let why = refused["error"].as_str().unwrap_or("");
+    assert!(why.contains("Failed to start simulate"), "{refused}");
     // The workload that did it is cancelled and reported; then starts work again.
-    cp.command(
-        &node.uuid(),
-        json!({"command": "cancel", "request_id": "c1", "params": {"workload_request_id": "b1"}}),
-    );
-    let cancelled = cp
-        .wait_reply("c1", REPLY)
-        .unwrap_or_else(|| panic!("no answer to the cancel; log:\n{}", node.log()));
-    assert_eq!(cancelled["status"], "ok", "{cancelled}");
+    Start::new("cancel", "c1")
+        .params(json!({"workload_request_id": "b1"}))
+        .ok(&cp, &node);
     cp.wait_status("wl-b1", "cancelled", DONE)
         .unwrap_or_else(|| {
             panic!(
@@ -168,19 +143,7 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
                 node.log()
             )
         });
-    cp.command(
-        &node.uuid(),
-        json!({"command": "simulate", "request_id": "b3", "params": {"workload_uuid": "wl-b3"}}),
-    );
-    let again = wait_for(DONE, || {
-        let r = cp.wait_reply("b3", REPLY)?;
-        (r["status"] == "ok").then_some(r)
-    });
-    assert!(
-        again.is_some(),
-        "no start once the cgroup had room; log:\n{}",
-        node.log()
-    );
+    Start::new("simulate", "b3").ok(&cp, &node);
     assert!(
         !node.log().contains("panicked"),
         "the node panicked; log:\n{}",

@@ -12,6 +12,10 @@
 //! ([`super::shim::run`]) directly. What the supervisor is and owes does not change: it outlives
 //! the node, holds the workload's pid, writes the exit record.
 //!
+//! - **Forked before the start comes.** The fork server keeps one child forked ahead, the
+//!   standby, which takes the next request itself and becomes its supervisor: no fork on a
+//!   start's path (see [`serve`]). The fork server forks the next one after [`REFILL_PAUSE`],
+//!   and forks for each request itself while it has none.
 //! - **The node's child, as before.** The fork is `clone(CLONE_PARENT | SIGCHLD)`: the
 //!   supervisor's parent is the node (the fork server's parent), so the node's reaper
 //!   (`waitpid(-1)`) reaps it exactly as it reaped an exec'd one, and a node in a container as
@@ -69,8 +73,9 @@ pub const OFF_VAR: &str = "CYBERWAVE_NO_FORKSERVER";
 /// way. Under the default unix socket send buffer (`net.core.wmem_default`, 208 KiB).
 pub const MAX_REQUEST: usize = 128 * 1024;
 /// How long the fork server has to say it is ready, and each wait for an answer to a request;
-/// past each, a fork server still alive is continued (`SIGCONT`: a workload of the node's uid
-/// may have stopped it) and waited for again, up to [`ANSWER_LIMIT`].
+/// past each, a fork server still alive is continued with its standby (`SIGCONT` to their
+/// process group: a workload of the node's uid may have stopped them) and waited for again, up
+/// to [`ANSWER_LIMIT`].
 pub const REPLY_TIMEOUT: Duration = Duration::from_millis(500);
 /// The longest a request waits for its answer.
 pub const ANSWER_LIMIT: Duration = Duration::from_secs(3);
@@ -323,10 +328,8 @@ impl ForkServer {
                         && std::time::Instant::now() < until
                         && super::procinfo::same_process_alive(self.pid, self.ticks) =>
                 {
-                    // SAFETY: SIGCONT to the fork server this node started, still alive.
-                    unsafe {
-                        libc::kill(self.pid, libc::SIGCONT);
-                    }
+                    // The reader may be its standby: the whole group is continued.
+                    signal_group(self.pid, libc::SIGCONT);
                 }
                 other => return other,
             }
@@ -337,15 +340,26 @@ impl ForkServer {
     /// descriptor any more: then the socket closes, and with it any request still in it.
     pub fn stop(self) {
         if self.ticks != 0 && super::procinfo::same_process_alive(self.pid, self.ticks) {
-            // SAFETY: kill with the pid of the fork server this node started, still alive.
-            unsafe {
-                libc::kill(self.pid, libc::SIGKILL);
-            }
+            // Its standby too, which may hold the request (stopped before it answered).
+            signal_group(self.pid, libc::SIGKILL);
             let until = crate::util::later(std::time::Instant::now(), Duration::from_secs(1));
             while super::procinfo::same_process_alive(self.pid, self.ticks)
                 && std::time::Instant::now() < until
             {
                 std::thread::sleep(Duration::from_millis(1));
+            }
+            // And until nothing holds its end of the socket any more (the standby, killed with
+            // it, may end a moment later).
+            let mut p = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: 0,
+                revents: 0,
+            };
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let ms = libc::c_int::try_from(left.as_millis()).unwrap_or(0);
+            // SAFETY: poll of one pollfd we own.
+            unsafe {
+                libc::poll(&mut p, 1, ms);
             }
         }
     }
@@ -385,6 +399,22 @@ impl Drop for ForkServer {
             unsafe {
                 libc::kill(self.pid, libc::SIGKILL);
             }
+        }
+    }
+}
+
+/// Sends `sig` to the process group of the fork server `pid` (its standby and any supervisor
+/// not yet in a session of its own); to `pid` alone where that group is not there (an older
+/// fork server that made none). Only while `pid` is known to be the fork server this node
+/// started, alive (its own child: the pid, and the group, are not recycled before it is reaped).
+fn signal_group(pid: i32, sig: libc::c_int) {
+    // SAFETY: kill with the group (then the pid) of the fork server this node started.
+    unsafe {
+        if pid
+            .checked_neg()
+            .is_none_or(|group| libc::kill(group, sig) != 0)
+        {
+            libc::kill(pid, sig);
         }
     }
 }
@@ -553,43 +583,244 @@ fn send_reply(sock: RawFd, reply: Reply) -> std::io::Result<()> {
     Ok(())
 }
 
+/// How long the fork server waits after its standby took a request before it forks the next
+/// one: the fork (~0.15 ms of a core) then does not compete with the start just made, whose
+/// workload is starting on this host's cores. A request that comes meanwhile is forked for as
+/// before.
+pub const REFILL_PAUSE: Duration = Duration::from_millis(20);
+/// How long the fork server waits before it tries again to fork a standby the kernel refused
+/// (out of processes or memory); it reads requests itself meanwhile.
+pub const REFILL_RETRY: Duration = Duration::from_secs(1);
+
 /// `<exe> __forkserver`: the fork server's `main`. Its stdin is the socket to the node; it
-/// reads requests until the node closes it (the node is gone), then exits 0.
+/// serves requests until the node closes it (the node is gone), then exits 0.
+///
+/// **The standby.** A fork on a start's path costs ~0.15 ms, so the fork is made before the
+/// start comes: the fork server keeps one child forked ahead, the *standby*, which waits for the
+/// next request on the same socket, takes it, answers with its own pid and becomes that start's
+/// supervisor ([`stand_by`]). Then (after [`REFILL_PAUSE`]) the fork server forks the next one.
+/// Exactly one process reads the socket at a time: the standby while there is one, else the
+/// fork server, which then forks for each request as before ([`fork_supervisor`]). The standby
+/// is forked from a fork server that holds no request (each is wiped), so it holds nothing but
+/// its own. It is in the fork server's process group, which the node continues when an answer
+/// is late and kills with the fork server ([`ForkServer::stop`]); and it never takes a request
+/// once the fork server is gone (a pipe tells it), since the node may have given up on that
+/// request by then.
 pub fn serve() -> i32 {
     const SOCK: RawFd = 0;
     crate::signals::not_dumpable();
     // A supervisor forked from here that aborts would, through the C library's stale thread id
     // (see the module's doc), signal this process: SIGABRT is ignored here (and set back to the
     // default in each supervisor).
-    // SAFETY: signal() with SIG_IGN for a valid signal number.
+    // SAFETY: signal() with SIG_IGN for a valid signal number; setpgid takes plain integers (a
+    // group of its own, shared with its standby: the node signals both at once).
     unsafe {
         libc::signal(libc::SIGABRT, libc::SIG_IGN);
+        libc::setpgid(0, 0);
     }
+    // The standby's way to know this process is gone: it holds the read end, this process the
+    // write end alone (the standby closes its copy).
+    let Ok((alive_read, alive_write)) = vspawn::pipe() else {
+        return 1;
+    };
     if send_reply(SOCK, Reply::Ready).is_err() {
         return 1;
     }
     let mut buf = vec![0u8; MAX_REQUEST.saturating_add(1)];
+    // The read end of the pipe the standby holds the write end of: it hangs up when the standby
+    // took a request, or ended.
+    let mut standby: Option<OwnedFd> = None;
+    let mut refill_at = Some(std::time::Instant::now());
     loop {
-        let got = match recv_with_fds(SOCK, &mut buf, 2) {
-            Ok(g) => g,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return 1,
-        };
-        if got.len == 0 && got.fds.is_empty() {
-            return 0;
+        let now = std::time::Instant::now();
+        if standby.is_none() && refill_at.is_some_and(|at| at <= now) {
+            standby = fork_standby(alive_read.as_raw_fd(), alive_write.as_raw_fd());
+            refill_at = match standby {
+                Some(_) => None,
+                None => Some(crate::util::later(now, REFILL_RETRY)),
+            };
         }
-        let msg = buf.get(..got.len).unwrap_or_default();
-        let reply = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds)) {
-            (false, Ok(fds)) if well_formed(msg) => fork_supervisor(msg, fds),
-            _ => Reply::Failed(libc::EINVAL),
+        let wait = match (&standby, refill_at) {
+            (None, Some(at)) => {
+                let ms = at
+                    .saturating_duration_since(now)
+                    .as_millis()
+                    .saturating_add(1);
+                libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX)
+            }
+            _ => -1,
         };
-        // The request (its environment holds the workload's tokens) is only ever in `buf`, and
-        // is wiped before the next fork: a supervisor forked later, whose memory a workload of
-        // the same uid can read, holds no earlier start's secrets.
-        wipe(buf.get_mut(..got.len).unwrap_or_default());
-        if send_reply(SOCK, reply).is_err() {
+        // The socket is read here only while there is no standby; its hang-up is seen either way.
+        let mut fds = [
+            libc::pollfd {
+                fd: SOCK,
+                events: if standby.is_none() { libc::POLLIN } else { 0 },
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: standby.as_ref().map_or(-1, AsRawFd::as_raw_fd),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll of two pollfds we own (a negative fd is skipped).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, wait) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
             return 1;
         }
+        let [sock, taken] = fds;
+        if taken.revents != 0 {
+            // Taken (or gone): the next one after the pause.
+            standby = None;
+            refill_at = Some(crate::util::later(std::time::Instant::now(), REFILL_PAUSE));
+        }
+        if standby.is_none() && sock.revents & libc::POLLIN != 0 {
+            if serve_one(SOCK, &mut buf).is_none() {
+                return 0;
+            }
+        } else if sock.revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+            // The node is gone (a standby reads the end of file and ends too).
+            return 0;
+        }
+    }
+}
+
+/// Reads one request from `sock` and forks its supervisor; `None` when the node is gone or
+/// the socket failed.
+fn serve_one(sock: RawFd, buf: &mut [u8]) -> Option<()> {
+    let got = loop {
+        match recv_with_fds(sock, buf, 2) {
+            Ok(g) => break g,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return None,
+        }
+    };
+    if got.len == 0 && got.fds.is_empty() {
+        return None;
+    }
+    let msg = buf.get(..got.len).unwrap_or_default();
+    let reply = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds)) {
+        (false, Ok(fds)) if well_formed(msg) => fork_supervisor(msg, fds),
+        _ => Reply::Failed(libc::EINVAL),
+    };
+    // The request (its environment holds the workload's tokens) is only ever in `buf`, and
+    // is wiped before the next fork: a supervisor forked later, whose memory a workload of
+    // the same uid can read, holds no earlier start's secrets.
+    wipe(buf.get_mut(..got.len).unwrap_or_default());
+    send_reply(sock, reply).ok()
+}
+
+/// Forks the standby (see [`serve`]); the read end of the pipe it hangs up when it took a
+/// request or ended. `None` when the kernel refused the fork (or the pipe).
+fn fork_standby(alive_read: RawFd, alive_write: RawFd) -> Option<OwnedFd> {
+    let (taken_read, taken_write) = vspawn::pipe().ok()?;
+    // SAFETY: as in fork_supervisor: a raw clone without CLONE_VM is a fork of this
+    // single-threaded process, the node its parent.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if pid == 0 {
+        // SAFETY: close of this child's copies of descriptors it must not hold: the write end
+        // of the fork server's pipe (else it would never hang up) and the read end of its own.
+        unsafe {
+            libc::close(alive_write);
+            libc::close(taken_read.as_raw_fd());
+        }
+        stand_by(alive_read, taken_write.as_raw_fd());
+    }
+    drop(taken_write);
+    (pid > 0).then_some(taken_read)
+}
+
+/// The standby (a child of [`fork_standby`]): waits for one request on the socket (fd 0) and
+/// becomes its supervisor; ends, without taking one, once the fork server is gone (`alive`
+/// hangs up) or the node is (end of file).
+fn stand_by(alive: RawFd, taken: RawFd) -> ! {
+    const SOCK: RawFd = 0;
+    let gone = |code: i32| -> ! {
+        // SAFETY: _exit never returns.
+        unsafe { libc::_exit(code) }
+    };
+    let alive_gone = |wait: libc::c_int| -> Option<bool> {
+        let mut fds = [
+            libc::pollfd {
+                fd: alive,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if wait == 0 { -1 } else { SOCK },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll of two pollfds we own (a negative fd is skipped).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, wait) };
+        if n < 0 {
+            return (std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+                .then_some(true);
+        }
+        let [a, s] = fds;
+        if a.revents != 0 {
+            return Some(true);
+        }
+        (s.revents != 0).then_some(false)
+    };
+    loop {
+        match alive_gone(-1) {
+            Some(true) => gone(0),
+            Some(false) => break,
+            None => continue,
+        }
+    }
+    let mut buf = vec![0u8; MAX_REQUEST.saturating_add(1)];
+    let got = loop {
+        match recv_with_fds(SOCK, &mut buf, 2) {
+            Ok(g) => break g,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => gone(1),
+        }
+    };
+    if got.len == 0 && got.fds.is_empty() {
+        gone(0);
+    }
+    // The fork server gone meanwhile: the node may have given up on this request (it kills a
+    // fork server whose answer does not come), so it is never started here.
+    if alive_gone(0) == Some(true) {
+        wipe(buf.get_mut(..got.len).unwrap_or_default());
+        gone(0);
+    }
+    let msg = buf.get(..got.len).unwrap_or_default();
+    let fds = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds)) {
+        (false, Ok(fds)) if well_formed(msg) => Some(fds),
+        _ => None,
+    };
+    // SAFETY: getpid takes nothing (the raw syscall: a raw clone leaves no cached pid to trust).
+    let me = unsafe { libc::syscall(libc::SYS_getpid) };
+    let reply = match (&fds, i32::try_from(me)) {
+        (Some(_), Ok(pid)) => Reply::Started(pid),
+        _ => Reply::Failed(libc::EINVAL),
+    };
+    let sent = send_reply(SOCK, reply);
+    // SAFETY: close of this process's two pipe ends: the fork server sees the hang-up and forks
+    // the next standby; nothing of its own crosses into the supervisor.
+    unsafe {
+        libc::close(taken);
+        libc::close(alive);
+    }
+    match fds {
+        Some(fds) if sent.is_ok() => supervise(msg, fds),
+        _ => gone(1),
     }
 }
 

@@ -19,14 +19,46 @@ pub(super) fn proc_text(pid: i32, what: &str) -> String {
         .unwrap_or_default()
 }
 
-pub(super) fn parent_of(pid: i32) -> i32 {
+/// Field `n` after the command of `/proc/<pid>/stat` (0: the state, 1: the parent, 2: the
+/// process group).
+fn stat_field(pid: i32, n: usize) -> i32 {
     let stat = proc_text(pid, "stat");
     let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
     after
         .split_whitespace()
-        .nth(1)
+        .nth(n)
         .and_then(|p| p.parse().ok())
         .unwrap_or(0)
+}
+
+pub(super) fn parent_of(pid: i32) -> i32 {
+    stat_field(pid, 1)
+}
+
+pub(super) fn group_of(pid: i32) -> i32 {
+    stat_field(pid, 2)
+}
+
+/// The node's children with the fork server's command line in `/`: the fork server (which
+/// leads its process group) and its standby (in that group).
+pub(super) fn in_root(node: &NodeProcess) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            parent_of(*pid) == node.pid()
+                && proc_text(*pid, "cmdline").contains(" __forkserver")
+                && std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|c| c == Path::new("/"))
+        })
+        .collect()
+}
+
+/// The standby of the fork server `server`: forked ahead, waiting for the next start.
+pub(super) fn standby_of(node: &NodeProcess, server: i32) -> Option<i32> {
+    in_root(node)
+        .into_iter()
+        .find(|p| *p != server && group_of(*p) == server)
 }
 
 /// Descriptor number → what it points at.
@@ -44,17 +76,12 @@ fn fds(pid: i32) -> Vec<(i32, String)> {
     v
 }
 
-/// The node's children whose command line is the fork server's and whose directory is `/`.
-fn fork_servers(node: &NodeProcess) -> Vec<i32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            parent_of(*pid) == node.pid()
-                && proc_text(*pid, "cmdline").contains(" __forkserver")
-                && std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|c| c == Path::new("/"))
-        })
+/// The node's fork servers: its children with the fork server's command line in `/` that lead
+/// their process group (a standby is in its fork server's).
+pub(super) fn fork_servers(node: &NodeProcess) -> Vec<i32> {
+    in_root(node)
+        .into_iter()
+        .filter(|p| group_of(*p) == *p)
         .collect()
 }
 
@@ -122,23 +149,41 @@ fn g13_a_supervisor_forked_by_the_fork_server_holds_only_its_three_streams() {
     let servers = fork_servers(&node);
     assert_eq!(servers.len(), 1, "one fork server: {servers:?}");
     let server = servers[0];
-    let held = fds(server);
-    let numbers: Vec<i32> = held.iter().map(|(n, _)| *n).collect();
-    assert_eq!(
-        numbers,
-        [0, 1, 2],
-        "the fork server holds only its streams: {held:?}"
-    );
-    assert!(held[0].1.starts_with("socket:"), "{held:?}");
-    assert_eq!(
-        (held[1].1.as_str(), held[2].1.as_str()),
-        ("/dev/null", "/dev/null")
-    );
-    assert_eq!(
-        proc_text(server, "environ"),
-        "",
-        "the fork server has no environment"
-    );
+    // The fork server and its standby (forked again after the start above took the first):
+    // their socket, two `/dev/null`s and the pipes between them (the standby's way to know the
+    // fork server is gone: both its ends in the fork server, which hands the read end on to
+    // each standby; the fork server's way to know the standby took a request); nothing of the
+    // node, no environment.
+    let standby = wait_for(REPLY, || standby_of(&node, server))
+        .unwrap_or_else(|| panic!("no standby; log:\n{}", node.log()));
+    for (who, pid, pipes) in [("fork server", server, 3), ("standby", standby, 2)] {
+        let held = fds(pid);
+        let numbers: Vec<i32> = held.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            numbers.get(..3),
+            Some([0, 1, 2].as_slice()),
+            "the {who} holds its streams: {held:?}"
+        );
+        assert_eq!(
+            held.len(),
+            3 + pipes,
+            "and {pipes} pipes, nothing else: {held:?}"
+        );
+        assert!(held[0].1.starts_with("socket:"), "{held:?}");
+        assert_eq!(
+            (held[1].1.as_str(), held[2].1.as_str()),
+            ("/dev/null", "/dev/null")
+        );
+        assert!(
+            held[3..].iter().all(|(_, to)| to.starts_with("pipe:")),
+            "{held:?}"
+        );
+        assert_eq!(
+            proc_text(pid, "environ"),
+            "",
+            "the {who} has no environment"
+        );
+    }
 
     std::fs::write(setup.cwd.join("t/fs1.stop"), "").unwrap();
     assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
@@ -161,7 +206,12 @@ fn g13_a_workload_that_kills_the_fork_server_costs_the_next_start_nothing() {
     unsafe {
         libc::kill(servers[0], libc::SIGKILL);
     }
-    assert!(wait_for(REPLY, || fork_servers(&node).is_empty().then_some(())).is_some());
+    // Its standby ends with it (it never takes a request once the fork server is gone).
+    assert!(
+        wait_for(REPLY, || in_root(&node).is_empty().then_some(())).is_some(),
+        "left: {:?}",
+        in_root(&node)
+    );
     let w = Start::training("fs2");
     assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
     let sup = supervisor_of(&setup.cwd, "fs2");

@@ -88,6 +88,57 @@ fn write_replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<
     result
 }
 
+/// Removes folders on a thread of its own, so that the loop never waits behind a recursive
+/// delete: a reported workload's directory, once renamed out of the way (the rename is what
+/// counts; a deletion cut short by an exit is finished by the next start-up, which removes every
+/// `.retired-*` folder). On a slow disk a workload's folder takes milliseconds to remove, and a
+/// start right after a completion (a queue of jobs) waited for it. Where the thread cannot be
+/// made, or is gone, the caller removes the folder itself.
+pub struct Sweeper {
+    tx: Option<crossbeam_channel::Sender<PathBuf>>,
+}
+
+impl Sweeper {
+    pub fn start() -> Sweeper {
+        let (tx, rx) = crossbeam_channel::unbounded::<PathBuf>();
+        let thread = std::thread::Builder::new()
+            .name("sweeper".into())
+            .spawn(move || {
+                for dir in rx {
+                    remove_logged(&dir);
+                }
+            });
+        match thread {
+            Ok(_) => Sweeper { tx: Some(tx) },
+            Err(e) => {
+                log::warn!(
+                    "cannot start the sweeper thread ({e}): folders are removed on the loop"
+                );
+                Sweeper { tx: None }
+            }
+        }
+    }
+
+    /// Removes `dir` and everything in it, on the sweeper's thread.
+    pub fn sweep(&self, dir: PathBuf) {
+        let left = match &self.tx {
+            Some(tx) => tx.send(dir).err().map(|e| e.into_inner()),
+            None => Some(dir),
+        };
+        if let Some(dir) = left {
+            remove_logged(&dir);
+        }
+    }
+}
+
+fn remove_logged(dir: &Path) {
+    if let Err(e) = fs::remove_dir_all(dir) {
+        if e.kind() != io::ErrorKind::NotFound {
+            log::warn!("cannot remove {}: {e}", shown(dir));
+        }
+    }
+}
+
 /// A slow disk, simulated for the start benchmark and the tests: with
 /// `CYBERWAVE_TEST_SLOW_FSYNC_MS` set, every sync of the node's state first sleeps that long. It is
 /// honoured by every build (a test of a release build must be able to prove the slow disk is on),

@@ -80,6 +80,8 @@ pub struct Io {
     pub gpu_rx: Receiver<crate::gpu::Snapshot>,
     /// The GPU monitor thread (none when it could not start).
     pub gpu_monitor: Option<crate::gpu::Monitor>,
+    /// Removes retired workload directories off the loop.
+    pub sweeper: crate::store::Sweeper,
 }
 
 impl Io {

@@ -146,6 +146,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         control,
         gpu_rx,
         gpu_monitor: monitor,
+        sweeper: crate::store::Sweeper::start(),
     };
     let mut node = Node {
         io,

@@ -34,6 +34,7 @@ pub(super) struct NodeOut<'a> {
     session: &'a mut Session<Op>,
     wire: Wire<'a>,
     layout: &'a Layout,
+    sweeper: &'a crate::store::Sweeper,
     timeout: Duration,
     now: Instant,
     later: Vec<Later>,
@@ -52,6 +53,7 @@ impl<'a> NodeOut<'a> {
             session,
             wire: io.wire(s),
             layout: &io.layout,
+            sweeper: &io.sweeper,
             timeout: s.tuning.request_timeout,
             now,
             later: Vec::new(),
@@ -141,13 +143,13 @@ impl Outbound for NodeOut<'_> {
     }
 
     fn retire(&mut self, id: &str) {
-        retire(self.layout, id);
+        retire(self.layout, self.sweeper, id);
     }
 }
 
 /// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
-/// a half-deleted record that a restart would misread), then the deletion.
-fn retire(layout: &Layout, safe_id: &str) {
+/// a half-deleted record that a restart would misread), then the deletion, off the loop.
+fn retire(layout: &Layout, sweeper: &crate::store::Sweeper, safe_id: &str) {
     let dir = layout.dir(safe_id);
     let trash = layout.workloads().join(format!(".retired-{safe_id}"));
     let target = match std::fs::rename(&dir, &trash) {
@@ -160,10 +162,5 @@ fn retire(layout: &Layout, safe_id: &str) {
             return;
         }
     };
-    if let Err(e) = std::fs::remove_dir_all(&target) {
-        log::warn!(
-            "cannot remove {}: {e}",
-            crate::logtext::shown(&target.display().to_string())
-        );
-    }
+    sweeper.sweep(target);
 }

@@ -141,10 +141,13 @@ fn sequential_starts(
         let (k, kind) = (c / kinds.len(), kinds[c % kinds.len()].0);
         let (_, setup, node) = &nodes[k];
         let rid = format!("{tag}{i}");
+        // Read before the clock starts (it reads the node's identity file), as the original's
+        // pool reads its uuid once.
+        let uuid = node.uuid();
         let wall = SystemTime::now();
         let t = Instant::now();
         cp.command(
-            &node.uuid(),
+            &uuid,
             json!({"command": kind, "request_id": rid, "params": {"workload_uuid": format!("w{rid}")}}),
         );
         if cp.wait_reply(&rid, Duration::from_secs(20)).is_none() {

@@ -176,6 +176,11 @@ pub fn decode(bytes: &[u8]) -> Result<Request, Malformed> {
     Ok(req)
 }
 
+/// The descriptors that come with a request: the supervisor's stdout (the pid pipe), its stderr
+/// (`shim.log`) and its gate (the read end of a pipe the spawner writes [`super::shim::GATE_GO`]
+/// to once the start's files are written: the supervisor's stdin until then).
+type Streams = [OwnedFd; 3];
+
 /// The fork server's answer to one message.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 pub enum Reply {
@@ -285,24 +290,23 @@ impl ForkServer {
         self.pid
     }
 
-    /// Starts one supervisor: `args` (`__shim` first) in `dir` with exactly `env`, stdin
-    /// `/dev/null`, `stdout` and `stderr`; its pid.
+    /// Starts one supervisor: `args` (`__shim` first) in `dir` with exactly `env`, `stdout` and
+    /// `stderr`, and `gate` as its stdin until the spawner opens it (it starts the workload only
+    /// then); its pid.
     pub fn spawn(
         &self,
         args: &[OsString],
         env: &BTreeMap<String, String>,
         dir: &Path,
-        stdout: &OwnedFd,
-        stderr: &OwnedFd,
+        [stdout, stderr, gate]: [&OwnedFd; 3],
     ) -> Result<i32, Error> {
         let msg = encode(args, env, dir).ok_or(Error::Unsendable)?;
-        send_with_fds(&self.sock, &msg, &[stdout.as_raw_fd(), stderr.as_raw_fd()]).map_err(
-            |e| match e.raw_os_error() {
-                // Over this host's socket buffer (`net.core.wmem_*` set low): this one start.
-                Some(libc::EMSGSIZE) => Error::Unsendable,
-                _ => Error::Broken(e),
-            },
-        )?;
+        let fds = [stdout.as_raw_fd(), stderr.as_raw_fd(), gate.as_raw_fd()];
+        send_with_fds(&self.sock, &msg, &fds).map_err(|e| match e.raw_os_error() {
+            // Over this host's socket buffer (`net.core.wmem_*` set low): this one start.
+            Some(libc::EMSGSIZE) => Error::Unsendable,
+            _ => Error::Broken(e),
+        })?;
         match self.answer().map_err(Error::Unanswered)? {
             Reply::Started(pid) => Ok(pid),
             // Out of processes or memory for the moment: this start goes the exec way (which
@@ -417,6 +421,31 @@ fn signal_group(pid: i32, sig: libc::c_int) {
             libc::kill(pid, sig);
         }
     }
+}
+
+#[cfg(test)]
+impl ForkServer {
+    /// A fork server whose other end is the returned socket (a test's stand-in).
+    pub(super) fn for_tests() -> (OwnedFd, ForkServer) {
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        let server = ForkServer {
+            sock: ours,
+            pid: 0,
+            ticks: 0,
+        };
+        (theirs, server)
+    }
+}
+
+/// A test's stand-in for the fork server: reads one request from `peer`, answers `pid`, and
+/// returns the gate that came with it.
+#[cfg(test)]
+pub(super) fn answer_for_tests(peer: &OwnedFd, pid: i32) -> OwnedFd {
+    let mut buf = vec![0u8; MAX_REQUEST + 1];
+    let got = recv_with_fds(peer.as_raw_fd(), &mut buf, 3).unwrap();
+    assert!(well_formed(&buf[..got.len]));
+    send_reply(peer.as_raw_fd(), Reply::Started(pid)).unwrap();
+    got.fds.into_iter().nth(2).unwrap()
 }
 
 fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
@@ -692,7 +721,7 @@ pub fn serve() -> i32 {
 /// the socket failed.
 fn serve_one(sock: RawFd, buf: &mut [u8]) -> Option<()> {
     let got = loop {
-        match recv_with_fds(sock, buf, 2) {
+        match recv_with_fds(sock, buf, 3) {
             Ok(g) => break g,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => return None,
@@ -702,7 +731,7 @@ fn serve_one(sock: RawFd, buf: &mut [u8]) -> Option<()> {
         return None;
     }
     let msg = buf.get(..got.len).unwrap_or_default();
-    let reply = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds)) {
+    let reply = match (got.truncated, Streams::try_from(got.fds)) {
         (false, Ok(fds)) if well_formed(msg) => fork_supervisor(msg, fds),
         _ => Reply::Failed(libc::EINVAL),
     };
@@ -785,7 +814,7 @@ fn stand_by(alive: RawFd, taken: RawFd) -> ! {
     }
     let mut buf = vec![0u8; MAX_REQUEST.saturating_add(1)];
     let got = loop {
-        match recv_with_fds(SOCK, &mut buf, 2) {
+        match recv_with_fds(SOCK, &mut buf, 3) {
             Ok(g) => break g,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => gone(1),
@@ -801,7 +830,7 @@ fn stand_by(alive: RawFd, taken: RawFd) -> ! {
         gone(0);
     }
     let msg = buf.get(..got.len).unwrap_or_default();
-    let fds = match (got.truncated, <[OwnedFd; 2]>::try_from(got.fds)) {
+    let fds = match (got.truncated, Streams::try_from(got.fds)) {
         (false, Ok(fds)) if well_formed(msg) => Some(fds),
         _ => None,
     };
@@ -861,7 +890,7 @@ pub fn well_formed(bytes: &[u8]) -> bool {
 
 /// Forks the supervisor of the request `msg` as the node's child; in the parent the
 /// descriptors are closed (dropped) on return.
-fn fork_supervisor(msg: &[u8], fds: [OwnedFd; 2]) -> Reply {
+fn fork_supervisor(msg: &[u8], fds: Streams) -> Reply {
     // SAFETY: a raw clone without CLONE_VM is a fork (the child has a copy of this
     // single-threaded process and returns 0 here); CLONE_PARENT makes the node its parent, and
     // SIGCHLD the signal the node gets at its end. No stack or thread pointer is passed (zeroes).
@@ -889,17 +918,19 @@ fn fork_supervisor(msg: &[u8], fds: [OwnedFd; 2]) -> Reply {
 
 /// The child: becomes the supervisor (its streams, directory and environment) of the request
 /// `msg` and runs it.
-fn supervise(msg: &[u8], [stdout, stderr]: [OwnedFd; 2]) -> ! {
-    // fd 0 is the socket to the node and fd 1 `/dev/null`: stdin becomes that `/dev/null`, stdout
-    // and stderr the two received (numbered above 2: 0–2 were taken when they came).
+fn supervise(msg: &[u8], [stdout, stderr, gate]: Streams) -> ! {
+    // fd 0 is the socket to the node: stdin becomes the gate (the supervisor replaces it with
+    // `/dev/null` once it opened), stdout and stderr the two received (all three numbered above
+    // 2: 0–2 were taken when they came).
     // SAFETY: dup2 onto 0, 1 and 2 of descriptors this process holds.
     let ok = unsafe {
-        libc::dup2(1, 0) == 0
+        libc::dup2(gate.as_raw_fd(), 0) == 0
             && libc::dup2(stdout.as_raw_fd(), 1) == 1
             && libc::dup2(stderr.as_raw_fd(), 2) == 2
     };
     drop(stdout);
     drop(stderr);
+    drop(gate);
     if !ok {
         // SAFETY: _exit never returns.
         unsafe { libc::_exit(127) }
@@ -949,7 +980,7 @@ fn supervise(msg: &[u8], [stdout, stderr]: [OwnedFd; 2]) -> ! {
         );
         std::process::exit(2);
     };
-    let code = std::panic::catch_unwind(|| super::shim::run(&args)).unwrap_or(101);
+    let code = std::panic::catch_unwind(|| super::shim::run_gated(&args, true)).unwrap_or(101);
     std::process::exit(code)
 }
 
@@ -1111,17 +1142,22 @@ mod tests {
         };
         let (_r, w) = vspawn::pipe().unwrap();
         let big = "x".repeat(64 * 1024);
-        let r = server.spawn(&shim_args(&[&big]), &env(&[]), Path::new("/d"), &w, &w);
+        let r = server.spawn(
+            &shim_args(&[&big]),
+            &env(&[]),
+            Path::new("/d"),
+            [&w, &w, &w],
+        );
         assert!(matches!(r, Err(Error::Unsendable)), "{r:?}");
         // Stands in for the fork server: reads the next request and answers it.
         let peer = std::thread::spawn(move || {
             let mut buf = vec![0u8; MAX_REQUEST + 1];
-            let got = recv_with_fds(theirs.as_raw_fd(), &mut buf, 2).unwrap();
-            assert_eq!(got.fds.len(), 2);
+            let got = recv_with_fds(theirs.as_raw_fd(), &mut buf, 3).unwrap();
+            assert_eq!(got.fds.len(), 3);
             assert!(decode(&buf[..got.len]).is_ok());
             send_reply(theirs.as_raw_fd(), Reply::Started(4242)).unwrap();
         });
-        let r = server.spawn(&shim_args(&["x"]), &env(&[]), Path::new("/d"), &w, &w);
+        let r = server.spawn(&shim_args(&["x"]), &env(&[]), Path::new("/d"), [&w, &w, &w]);
         assert_eq!(r.ok(), Some(4242));
         peer.join().unwrap();
     }

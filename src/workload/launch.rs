@@ -103,12 +103,10 @@ fn launch_in(
     }
     let stem = format!("{}_{}", req.kind.as_str(), req.safe_id);
     inputs::inline_image(layout, &stem, &req.safe_id, &mut req.params, user)?;
-    let params_file = inputs::write_params(dir, std::mem::take(&mut req.params), user)?;
+    let params_file = dir.join("params.json");
+    let params = std::mem::take(&mut req.params);
     let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
-    let meta = write_record(layout, &req, workload_uuid, command, &stem)?;
-    if let Some(d) = &req.results_dir {
-        user::give(user, d)?;
-    }
+    let meta = record(layout, &req, workload_uuid, command, &stem);
     // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
     let env = environment::of(
         s,
@@ -124,12 +122,48 @@ fn launch_in(
             node_uuid: &req.node_uuid,
         },
     );
+    let args = shim_args(s, dir, &meta, user);
+    let shim_log =
+        store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
+    // Forked by the fork server, without an exec (issue 25 item 5), before the files below are
+    // written: the supervisor makes itself ready meanwhile, and starts the workload only once
+    // its gate is opened, after them (dropping the gate calls it off).
+    let early = through_fork_server(fork, &args, &env, dir, &shim_log)?;
+    inputs::write_params(dir, params, user)?;
+    write_record(layout, &meta)?;
+    if let Some(d) = &req.results_dir {
+        user::give(user, d)?;
+    }
     // D53: the loop's note of the start first (it writes it meanwhile). A loop that dropped
     // its end without a word is gone (a panic): no note, so no workload either.
     if let Some(noted) = &req.noted {
         noted.recv().map_err(|_| SpawnError::Stopped)?;
     }
-    fork_shim(s, exe, fork, dir, meta, &env, user)
+    let Some(early) = early else {
+        return exec_shim(exe, dir, meta, &args, &env, shim_log);
+    };
+    let Forked {
+        shim_pid,
+        stdout,
+        gate,
+    } = early;
+    open_gate(gate).map_err(|source| SpawnError::Fork {
+        exe: std::path::PathBuf::from(forkserver::MODE),
+        source,
+    })?;
+    Ok(Launched {
+        meta,
+        shim_pid,
+        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        stdout: Some(stdout),
+    })
+}
+
+/// Tells a forked supervisor to start its workload ([`super::shim::GATE_GO`]) and closes its
+/// gate.
+fn open_gate(gate: std::os::fd::OwnedFd) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::File::from(gate).write_all(&[super::shim::GATE_GO])
 }
 
 /// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
@@ -160,17 +194,15 @@ fn prepare_dirs(
     Ok(user)
 }
 
-/// The workload's record (no pid yet), written atomically (a reader never sees
-/// half of it) but not synced here: [`super::make_durable`] syncs it while the shim starts the
-/// workload.
-fn write_record(
+/// The workload's record (no pid yet).
+fn record(
     layout: &Layout,
     req: &StartRequest,
     workload_uuid: Option<String>,
     command: String,
     stem: &str,
-) -> Result<Meta, SpawnError> {
-    let meta = Meta {
+) -> Meta {
+    Meta {
         safe_id: req.safe_id.clone(),
         kind: req.kind.into(),
         request_id: req.request_id.clone(),
@@ -186,33 +218,34 @@ fn write_record(
         event_token: req.event_token.clone(),
         gpus: req.gpus.clone(),
         salvaged: None,
-    };
-    let json = serde_json::to_vec_pretty(&meta)?;
+    }
+}
+
+/// Writes the workload's record atomically (a reader never sees half of it) but does not sync
+/// it here: [`super::make_durable`] syncs it while the shim starts the workload.
+fn write_record(layout: &Layout, meta: &Meta) -> Result<(), SpawnError> {
+    let json = serde_json::to_vec_pretty(meta)?;
     store::write_replace_unsynced(&layout.meta(&meta.safe_id), &json, 0o600).map_err(|source| {
         SpawnError::Write {
             what: "the workload record",
             source,
         }
-    })?;
-    Ok(meta)
+    })
 }
 
-/// Forks the shim that runs the workload's command in `env`.
-fn fork_shim(
+/// The supervisor's arguments for the workload of `meta`.
+fn shim_args(
     s: &Settings,
-    exe: &Path,
-    fork: &mut Option<ForkServer>,
     dir: &Path,
-    meta: Meta,
-    env: &BTreeMap<String, String>,
+    meta: &Meta,
     user: Option<&WorkloadUser>,
-) -> Result<Launched, SpawnError> {
+) -> Vec<std::ffi::OsString> {
     let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
         "bash"
     } else {
         "sh"
     };
-    let args = ShimArgs {
+    ShimArgs {
         dir: dir.to_path_buf(),
         cwd: s.working_dir.clone(),
         stdout: meta.stdout_log.clone(),
@@ -221,29 +254,23 @@ fn fork_shim(
         command: meta.command.clone(),
         cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
         user: user.map(WorkloadUser::ids),
-    };
-    let shim_log =
-        store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
-    let args = args.to_args();
-    // Forked by the fork server, without an exec (issue 25 item 5); where it cannot, without a
-    // copy of the node (vspawn; where the kernel refuses that clone, a seccomp filter say, it
-    // forks).
-    if let Some(started) = through_fork_server(fork, &args, env, dir, &shim_log)? {
-        let (shim_pid, stdout) = started;
-        return Ok(Launched {
-            meta,
-            shim_pid,
-            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
-            stdout: Some(stdout),
-        });
     }
-    let cloned = shim_log
-        .try_clone()
-        .map_err(vspawn::Failure::Clone)
-        .and_then(|log| vspawn::spawn(exe, &args, env, dir, log));
-    let (shim_pid, stdout) = match cloned {
+    .to_args()
+}
+
+/// The supervisor exec'd (where the fork server cannot take the start), after the start's files
+/// are written: by vspawn, without a copy of the node (where the kernel refuses that clone, a
+/// seccomp filter say, it forks).
+fn exec_shim(
+    exe: &Path,
+    dir: &Path,
+    meta: Meta,
+    args: &[std::ffi::OsString],
+    env: &BTreeMap<String, String>,
+    shim_log: std::fs::File,
+) -> Result<Launched, SpawnError> {
+    let (shim_pid, stdout) = match vspawn::spawn(exe, args, env, dir, shim_log) {
         Ok(s) => (s.pid, Some(s.stdout)),
-        // (A kernel that refuses the clone gets a fork: inside vspawn.)
         Err(vspawn::Failure::Child(source) | vspawn::Failure::Clone(source)) => {
             return Err(SpawnError::Fork {
                 exe: exe.to_path_buf(),
@@ -259,23 +286,35 @@ fn fork_shim(
     })
 }
 
-/// The supervisor started by the fork server: its pid and the read end of its stdout. `None`:
-/// this start goes the exec way (the request cannot be sent that way, or the fork server is
-/// broken and did not fork it: then it is dropped, and every later start goes the exec way too).
-/// An error: the fork server went silent after it may have forked it, and no supervisor of it
-/// could be found; nothing else is started for it.
+/// A supervisor forked by the fork server, waiting at its gate.
+struct Forked {
+    shim_pid: i32,
+    /// The read end of its stdout (its pid line).
+    stdout: std::os::fd::OwnedFd,
+    /// The write end of its gate.
+    gate: std::os::fd::OwnedFd,
+}
+
+/// The supervisor started by the fork server, at its gate. `None`: this start goes the exec way
+/// (the request cannot be sent that way, or the fork server is broken and did not fork it: then
+/// it is dropped, and every later start goes the exec way too). An error: the fork server went
+/// silent after it may have forked it, and no supervisor of it could be found; nothing else is
+/// started for it.
 fn through_fork_server(
     fork: &mut Option<ForkServer>,
     args: &[std::ffi::OsString],
     env: &BTreeMap<String, String>,
     dir: &Path,
     shim_log: &std::fs::File,
-) -> Result<Option<(i32, std::os::fd::OwnedFd)>, SpawnError> {
+) -> Result<Option<Forked>, SpawnError> {
     let Some(server) = fork.as_ref() else {
         return Ok(None);
     };
-    let streams = vspawn::pipe().and_then(|(r, w)| Ok((r, w, shim_log.try_clone()?)));
-    let (read, write, log) = match streams {
+    let streams = vspawn::pipe().and_then(|(r, w)| {
+        let (gate_r, gate_w) = vspawn::pipe()?;
+        Ok((r, w, shim_log.try_clone()?, gate_r, gate_w))
+    });
+    let (read, write, log, gate_read, gate) = match streams {
         Ok(s) => s,
         Err(e) => {
             log::debug!("cannot prepare the supervisor's streams ({e}): it is exec'd");
@@ -283,8 +322,15 @@ fn through_fork_server(
         }
     };
     let log = std::os::fd::OwnedFd::from(log);
-    let why = match server.spawn(args, env, dir, &write, &log) {
-        Ok(pid) => return Ok(Some((pid, read))),
+    let forked = |shim_pid, stdout, gate| {
+        Ok(Some(Forked {
+            shim_pid,
+            stdout,
+            gate,
+        }))
+    };
+    let why = match server.spawn(args, env, dir, [&write, &log, &gate_read]) {
+        Ok(pid) => return forked(pid, read, gate),
         Err(forkserver::Error::Unsendable) => {
             log::debug!(
                 "the fork server cannot take this start (too big a request, or out of processes or memory for the moment): its supervisor is exec'd"
@@ -308,14 +354,14 @@ fn through_fork_server(
     if let Some(server) = fork.take() {
         server.stop();
     }
-    drop((write, log));
+    drop((write, log, gate_read));
     // Whether it forked this start's supervisor before it went: with it gone and its socket
     // closed, only that supervisor can hold (or have written to) the pipe's write end.
     if !written_or_held(&read) {
         return Ok(None);
     }
     match super::recover::supervisor_of(dir, std::time::Duration::from_secs(1)) {
-        Some(pid) => Ok(Some((pid, read))),
+        Some(pid) => forked(pid, read, gate),
         None => Err(SpawnError::Fork {
             exe: std::path::PathBuf::from(forkserver::MODE),
             source: std::io::Error::other(format!(
@@ -405,8 +451,9 @@ mod tests {
         }
         assert!(written.exists(), "the spawner writes the record meanwhile");
         std::thread::sleep(Duration::from_millis(200));
+        // The exec of the (missing) supervisor would have failed at once.
         assert!(
-            !dir.join("shim.log").exists() && !launching.is_finished(),
+            !launching.is_finished(),
             "a supervisor was started before the start was noted"
         );
         noted.send(()).unwrap();
@@ -427,6 +474,94 @@ mod tests {
             !layout.dir("r2").exists(),
             "an unnoted start leaves nothing"
         );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// The fork server's way (issue 25 item 5): the supervisor is forked before the start's
+    /// files are written and waits at its gate; the spawner opens the gate only once the params,
+    /// the record and the loop's note (D53) are there, and a start called off meanwhile closes
+    /// it without a word. A peer stands in for the fork server.
+    #[test]
+    fn d53_a_forked_supervisor_starts_its_workload_only_once_the_start_is_written_and_noted() {
+        let root = std::env::temp_dir().join(format!("cw-launch-gate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("cfg")).unwrap();
+        std::fs::create_dir_all(root.join("work")).unwrap();
+        let mut vars = BTreeMap::new();
+        vars.insert(
+            "CYBERWAVE_EDGE_CONFIG_DIR".to_string(),
+            root.join("cfg").display().to_string(),
+        );
+        let s = crate::config::resolve(
+            &crate::config::Flags::default(),
+            crate::config::env::EnvLayers::new(vars),
+            &root.join("work"),
+        )
+        .unwrap();
+        let layout = Layout {
+            state: root.join("state"),
+        };
+        let request = |id: &str, noted| StartRequest {
+            kind: crate::protocol::commands::Kind::Inference,
+            request_id: serde_json::json!(id),
+            safe_id: id.into(),
+            params: serde_json::Map::new(),
+            template: "true {body}".into(),
+            node_token: String::new(),
+            max_runtime_s: None,
+            workflow: None,
+            socket: root.join("control.sock"),
+            gpus: None,
+            results_dir: None,
+            event_token: "tok".into(),
+            node_uuid: "node".into(),
+            noted: Some(noted),
+        };
+        for (id, word) in [("g1", true), ("g2", false)] {
+            let (peer, fork) = forkserver::ForkServer::for_tests();
+            let (noted, noted_rx) = crossbeam_channel::bounded(1);
+            let (s2, l2, req) = (s.clone(), layout.clone(), request(id, noted_rx));
+            let launching = std::thread::spawn(move || {
+                let mut fork = Some(fork);
+                launch(&s2, &l2, Path::new("/nonexistent"), &mut fork, req).map(|l| l.shim_pid)
+            });
+            let dir = layout.dir(id);
+            let gate = forkserver::answer_for_tests(&peer, 4242);
+            let readable = |fd: &std::os::fd::OwnedFd| {
+                use std::os::fd::AsRawFd;
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: poll of one pollfd we own.
+                unsafe { libc::poll(&mut p, 1, 200) == 1 }
+            };
+            assert!(
+                !readable(&gate),
+                "{id}: the gate opened before the start was noted"
+            );
+            assert!(dir.join("meta.json").exists() && dir.join("params.json").exists());
+            if word {
+                noted.send(()).unwrap();
+            } else {
+                drop(noted);
+            }
+            let result = launching.join().unwrap();
+            let mut got = Vec::new();
+            std::io::Read::read_to_end(&mut std::fs::File::from(gate), &mut got).unwrap();
+            if word {
+                assert_eq!(result.ok(), Some(4242), "{id}");
+                assert_eq!(got, [crate::workload::shim::GATE_GO], "{id}: opened once");
+            } else {
+                assert!(
+                    matches!(result, Err(SpawnError::Stopped)),
+                    "{id}: {result:?}"
+                );
+                assert!(got.is_empty(), "{id}: called off without a word: {got:?}");
+                assert!(!dir.exists(), "{id}: a start called off leaves nothing");
+            }
+        }
         let _ = std::fs::remove_dir_all(&root);
     }
 }

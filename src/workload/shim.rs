@@ -506,16 +506,50 @@ pub fn direct_exec(
     })
 }
 
-fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
-    OpenOptions::new()
-        .create(true)
+/// Opens a log file to append to; whether this call created it.
+fn open_log(path: &Path) -> std::io::Result<(std::fs::File, bool)> {
+    let new = OpenOptions::new()
+        .create_new(true)
         .append(true)
         .mode(0o600)
-        .open(path)
+        .open(path);
+    match new {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|f| (f, false)),
+        Err(e) => Err(e),
+    }
+}
+
+/// The byte the spawner writes to a forked supervisor's gate (its stdin until then) once the
+/// start's params, record and note are written (launch.rs): the supervisor makes itself ready
+/// meanwhile (its session, its log files, the checks of its command) and starts the workload
+/// only then.
+pub const GATE_GO: u8 = b'g';
+
+/// Waits for the spawner's word on the gate `fd`: false when it closed the gate without it (the
+/// start was called off: a file of it could not be written, or the node is gone).
+pub(super) fn gate_opens(fd: std::os::fd::RawFd) -> bool {
+    let mut b = [0u8; 1];
+    loop {
+        // SAFETY: read of one byte into a local buffer.
+        let n = unsafe { libc::read(fd, b.as_mut_ptr().cast(), 1) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        return n == 1 && b[0] == GATE_GO;
+    }
 }
 
 /// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
 pub fn run(args: &[String]) -> i32 {
+    run_gated(args, false)
+}
+
+/// The shim's `main`; `gated`: its stdin is the gate ([`GATE_GO`]), forked by the fork server.
+pub fn run_gated(args: &[String], gated: bool) -> i32 {
     let Some(a) = ShimArgs::parse(args) else {
         let _ = writeln!(
             std::io::stdout(),
@@ -533,7 +567,7 @@ pub fn run(args: &[String]) -> i32 {
         // clears the group (D25).
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
-    let (pid, started_at) = match spawn_workload(&a) {
+    let (pid, started_at) = match spawn_workload(&a, gated) {
         Ok(started) => started,
         Err(code) => return code,
     };
@@ -559,8 +593,8 @@ pub fn run(args: &[String]) -> i32 {
 /// Starts the workload's command in its own process group, as its user, its output to its log
 /// files; returns it and its start time, or (after an `error:` line to the node) the shim's
 /// exit code.
-fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
-    let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
+fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
+    let ((out, out_new), (err, err_new)) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
             let _ = writeln!(std::io::stdout(), "error: cannot open the log files: {e}");
@@ -596,11 +630,32 @@ fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
         crate::fds::harden(&mut cmd);
         Ok(cmd)
     };
-    let started_at = util::rfc3339(SystemTime::now());
     // A plain word list is exec'd as bash would exec it, without bash (issue 25 item 5); where
     // that is not certain, or the exec fails in any way, bash runs it as always, so that what it
     // does then (127, 126, a script without `#!`) is bash's own.
-    let direct = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os()).and_then(|d| {
+    let plan = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os());
+    if gated {
+        if !gate_opens(0) {
+            // Called off before anything ran: the log files this supervisor made go with it.
+            for (path, new) in [(&a.stdout, out_new), (&a.stderr, err_new)] {
+                if new {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+            let _ = writeln!(std::io::stdout(), "error: the start was called off");
+            return Err(3);
+        }
+        // The gate's end is closed: stdin is `/dev/null` again (D46.1).
+        if let Ok(null) = OpenOptions::new().read(true).open("/dev/null") {
+            use std::os::fd::AsRawFd;
+            // SAFETY: dup2 onto fd 0 with a valid open descriptor.
+            unsafe {
+                libc::dup2(null.as_raw_fd(), 0);
+            }
+        }
+    }
+    let started_at = util::rfc3339(SystemTime::now());
+    let direct = plan.and_then(|d| {
         // Without a workload user, as `posix_spawn` starts a child (no copy of this process to
         // make and tear down at the exec, issue 25 item 5); else (the uid drop runs between
         // fork and exec) with std's fork.

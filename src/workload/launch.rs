@@ -128,7 +128,7 @@ fn launch_in(
     // Forked by the fork server, without an exec (issue 25 item 5), before the files below are
     // written: the supervisor makes itself ready meanwhile, and starts the workload only once
     // its gate is opened, after them (dropping the gate calls it off).
-    let early = through_fork_server(fork, &args, &env, dir, &shim_log)?;
+    let early = through_fork_server(fork, &args, &env, dir, &shim_log);
     inputs::write_params(dir, params, user)?;
     write_record(layout, &meta)?;
     if let Some(d) = &req.results_dir {
@@ -296,20 +296,17 @@ struct Forked {
 }
 
 /// The supervisor started by the fork server, at its gate. `None`: this start goes the exec way
-/// (the request cannot be sent that way, or the fork server is broken and did not fork it: then
-/// it is dropped, and every later start goes the exec way too). An error: the fork server went
-/// silent after it may have forked it, and no supervisor of it could be found; nothing else is
-/// started for it.
+/// (the request cannot be sent that way, or the fork server is broken or silent and made no
+/// supervisor of it that can be found: then it is dropped, and every later start goes the exec
+/// way too, until a new one is started).
 fn through_fork_server(
     fork: &mut Option<ForkServer>,
     args: &[std::ffi::OsString],
     env: &BTreeMap<String, String>,
     dir: &Path,
     shim_log: &std::fs::File,
-) -> Result<Option<Forked>, SpawnError> {
-    let Some(server) = fork.as_ref() else {
-        return Ok(None);
-    };
+) -> Option<Forked> {
+    let server = fork.as_ref()?;
     let streams = vspawn::pipe().and_then(|(r, w)| {
         let (gate_r, gate_w) = vspawn::pipe()?;
         Ok((r, w, shim_log.try_clone()?, gate_r, gate_w))
@@ -318,16 +315,16 @@ fn through_fork_server(
         Ok(s) => s,
         Err(e) => {
             log::debug!("cannot prepare the supervisor's streams ({e}): it is exec'd");
-            return Ok(None);
+            return None;
         }
     };
     let log = std::os::fd::OwnedFd::from(log);
     let forked = |shim_pid, stdout, gate| {
-        Ok(Some(Forked {
+        Some(Forked {
             shim_pid,
             stdout,
             gate,
-        }))
+        })
     };
     let why = match server.spawn(args, env, dir, [&write, &log, &gate_read]) {
         Ok(pid) => return forked(pid, read, gate),
@@ -335,7 +332,7 @@ fn through_fork_server(
             log::debug!(
                 "the fork server cannot take this start (too big a request, or out of processes or memory for the moment): its supervisor is exec'd"
             );
-            return Ok(None);
+            return None;
         }
         Err(forkserver::Error::Broken(e)) => {
             log::warn!(
@@ -343,7 +340,7 @@ fn through_fork_server(
                 server.pid()
             );
             *fork = None;
-            return Ok(None);
+            return None;
         }
         Err(forkserver::Error::Unanswered(e)) => e,
     };
@@ -355,21 +352,18 @@ fn through_fork_server(
         server.stop();
     }
     drop((write, log, gate_read));
-    // Whether it forked this start's supervisor before it went: with it gone and its socket
-    // closed, only that supervisor can hold (or have written to) the pipe's write end.
-    if !written_or_held(&read) {
-        return Ok(None);
+    // Whether it (or its standby) made this start's supervisor before it went: with it gone and
+    // its socket closed, only that supervisor, or the request still queued at a standby a
+    // workload stopped, can hold (or have written to) the pipe's write end. A supervisor found
+    // by its directory is the start's. One not found within a second never starts the workload
+    // (it was stopped before it entered the directory, or never took the request): its gate
+    // closes here without a word, so this start goes the exec way.
+    if written_or_held(&read) {
+        if let Some(pid) = super::recover::supervisor_of(dir, std::time::Duration::from_secs(1)) {
+            return forked(pid, read, gate);
+        }
     }
-    match super::recover::supervisor_of(dir, std::time::Duration::from_secs(1)) {
-        Some(pid) => forked(pid, read, gate),
-        None => Err(SpawnError::Fork {
-            exe: std::path::PathBuf::from(forkserver::MODE),
-            source: std::io::Error::other(format!(
-                "the fork server went silent after it may have started the supervisor ({why}), \
-                 and none is found; nothing else is started for this request"
-            )),
-        }),
-    }
+    None
 }
 
 /// Whether anything was written to the pipe `read` or anyone still holds its write end.

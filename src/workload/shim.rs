@@ -506,21 +506,12 @@ pub fn direct_exec(
     })
 }
 
-/// Opens a log file to append to; whether this call created it.
-fn open_log(path: &Path) -> std::io::Result<(std::fs::File, bool)> {
-    let new = OpenOptions::new()
-        .create_new(true)
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    OpenOptions::new()
+        .create(true)
         .append(true)
         .mode(0o600)
-        .open(path);
-    match new {
-        Ok(f) => Ok((f, true)),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => OpenOptions::new()
-            .append(true)
-            .open(path)
-            .map(|f| (f, false)),
-        Err(e) => Err(e),
-    }
+        .open(path)
 }
 
 /// The byte the spawner writes to a forked supervisor's gate (its stdin until then) once the
@@ -594,7 +585,7 @@ pub fn run_gated(args: &[String], gated: bool) -> i32 {
 /// files; returns it and its start time, or (after an `error:` line to the node) the shim's
 /// exit code.
 fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
-    let ((out, out_new), (err, err_new)) = match (open_log(&a.stdout), open_log(&a.stderr)) {
+    let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
             let _ = writeln!(std::io::stdout(), "error: cannot open the log files: {e}");
@@ -636,12 +627,8 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     let plan = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os());
     if gated {
         if !gate_opens(0) {
-            // Called off before anything ran: the log files this supervisor made go with it.
-            for (path, new) in [(&a.stdout, out_new), (&a.stderr, err_new)] {
-                if new {
-                    let _ = std::fs::remove_file(path);
-                }
-            }
+            // Called off before anything ran. Its log files stay (empty, and removed with the
+            // old logs): a supervisor exec'd for the same start may be writing them by now.
             let _ = writeln!(std::io::stdout(), "error: the start was called off");
             return Err(3);
         }

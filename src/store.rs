@@ -772,6 +772,31 @@ pub const CLIENT_ID_CONFLICT: &str = "client_id_conflict";
 mod tests {
 
     #[test]
+    fn a_swept_folder_goes_off_the_callers_thread_or_on_it_when_there_is_no_sweeper() {
+        let root = crate::scratch::Scratch::new("sweep");
+        let tree = |name: &str| {
+            let d = root.join(name);
+            fs::create_dir_all(d.join("a/b")).unwrap();
+            fs::write(d.join("a/b/f"), b"x").unwrap();
+            fs::write(d.join("g"), b"y").unwrap();
+            d
+        };
+        let d = tree(".retired-one");
+        let sweeper = Sweeper::start();
+        sweeper.sweep(d.clone());
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while d.exists() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!d.exists(), "swept by the sweeper's thread");
+        // One already gone is no error; without a thread the caller removes it at once.
+        sweeper.sweep(d.clone());
+        let d = tree(".retired-two");
+        Sweeper { tx: None }.sweep(d.clone());
+        assert!(!d.exists(), "removed by the caller");
+    }
+
+    #[test]
     fn a_new_file_is_written_with_its_exact_mode_and_never_over_a_file_or_through_a_link() {
         let root = std::env::temp_dir().join(format!("cw-new-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);

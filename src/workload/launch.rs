@@ -144,26 +144,33 @@ fn launch_in(
     };
     let Forked {
         shim_pid,
+        shim_start_ticks,
         stdout,
         gate,
     } = early;
-    open_gate(gate).map_err(|source| SpawnError::Fork {
-        exe: std::path::PathBuf::from(forkserver::MODE),
-        source,
-    })?;
+    open_gate(&gate);
     Ok(Launched {
         meta,
         shim_pid,
-        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
+        shim_start_ticks,
         stdout: Some(stdout),
     })
 }
 
-/// Tells a forked supervisor to start its workload ([`super::shim::GATE_GO`]) and closes its
-/// gate.
-fn open_gate(gate: std::os::fd::OwnedFd) -> std::io::Result<()> {
-    use std::io::Write;
-    std::fs::File::from(gate).write_all(&[super::shim::GATE_GO])
+/// Tells a forked supervisor to start its workload ([`super::shim::GATE_GO`]); the gate closes
+/// when it is dropped. A supervisor that ended before (it could not open its log files, say) no
+/// longer reads it: what it said on its stdout is what settle.rs reports.
+fn open_gate(gate: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let go = [super::shim::GATE_GO];
+    // SAFETY: send of a one-byte local buffer on a socket we own; no SIGPIPE.
+    let sent = unsafe { libc::send(gate.as_raw_fd(), go.as_ptr().cast(), 1, libc::MSG_NOSIGNAL) };
+    if sent != 1 {
+        log::debug!(
+            "the supervisor did not take its gate's word ({}): it ended before",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
@@ -289,6 +296,7 @@ fn exec_shim(
 /// A supervisor forked by the fork server, waiting at its gate.
 struct Forked {
     shim_pid: i32,
+    shim_start_ticks: u64,
     /// The read end of its stdout (its pid line).
     stdout: std::os::fd::OwnedFd,
     /// The write end of its gate.
@@ -308,7 +316,9 @@ fn through_fork_server(
 ) -> Option<Forked> {
     let server = fork.as_ref()?;
     let streams = vspawn::pipe().and_then(|(r, w)| {
-        let (gate_r, gate_w) = vspawn::pipe()?;
+        // A socket, not a pipe: a same-uid process could open a pipe's end again through the
+        // dumpable supervisor's /proc/<pid>/fd/0 and open the gate itself.
+        let (gate_r, gate_w) = vspawn::socket_pair()?;
         Ok((r, w, shim_log.try_clone()?, gate_r, gate_w))
     });
     let (read, write, log, gate_read, gate) = match streams {
@@ -319,9 +329,12 @@ fn through_fork_server(
         }
     };
     let log = std::os::fd::OwnedFd::from(log);
+    // Its identity, read at once (a supervisor that ends at its gate could leave its pid to
+    // another process before the gate is opened).
     let forked = |shim_pid, stdout, gate| {
         Some(Forked {
             shim_pid,
+            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
             stdout,
             gate,
         })
@@ -521,6 +534,11 @@ mod tests {
             });
             let dir = layout.dir(id);
             let gate = forkserver::answer_for_tests(&peer, 4242);
+            // A socket, whose /proc/<pid>/fd entry a same-uid process cannot open again.
+            let kind = std::fs::File::from(gate.try_clone().unwrap())
+                .metadata()
+                .map(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+            assert_eq!(kind.ok(), Some(true), "{id}: the gate is a socket");
             let readable = |fd: &std::os::fd::OwnedFd| {
                 use std::os::fd::AsRawFd;
                 let mut p = libc::pollfd {

@@ -126,6 +126,27 @@ pub fn spawn(
     Ok(Started { pid, stdout: read })
 }
 
+/// A new connected pair of unix stream sockets, both close-on-exec. Unlike a pipe's, a socket's
+/// `/proc/<pid>/fd/N` cannot be opened again (ENXIO), so a process of the same uid cannot get a
+/// second end of it from a dumpable holder (a supervisor's gate, launch.rs).
+pub fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: socketpair writes two new descriptors into the array we own.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created by socketpair and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
 /// A new pipe, both ends close-on-exec: (read, write).
 pub fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut pipe = [0 as libc::c_int; 2];

@@ -671,8 +671,10 @@ fn g13_a_fork_server_held_after_its_fork_past_the_timeout_does_not_make_a_start_
 /// standby could still have taken the request later. Continued afterwards, the standby never
 /// starts it: the fork server is gone, and so is the node's end of the socket.
 ///
-/// Was a DEFECT (found by a hostile review of the standby at e6cd2ab); held since a supervisor
-/// starts its workload only once its gate is opened.
+/// Was a DEFECT (found by a hostile review of the standby at e6cd2ab); held since the node execs
+/// such a start instead of refusing it, which the gate makes safe (a late forked supervisor of
+/// it cannot start its workload: its gate is closed; shown by
+/// [`g13_a_supervisor_starts_its_workload_only_through_its_gate_and_no_one_else_can_open_it`]).
 #[test]
 fn g13_a_stopped_standby_and_a_killed_fork_server_cost_the_next_start_nothing_but_time() {
     let (_b, cp, setup) = rig(MANIFEST);
@@ -709,4 +711,112 @@ fn g13_a_stopped_standby_and_a_killed_fork_server_cost_the_next_start_nothing_bu
     assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
     let runs = std::fs::read_to_string(setup.cwd.join("t/sbk.runs")).unwrap();
     assert_eq!(runs.lines().count(), 1, "run once: {runs}");
+}
+
+/// The supervisor's side of its gate (issue 25 item 5), the real binary's fork server driven
+/// through the node's own library: a supervisor whose gate closes without a word ends (exit 3,
+/// "called off") and never runs its workload; one that gets the word runs it once; and while a
+/// supervisor waits at its gate, a process of the same uid cannot open the gate through the
+/// supervisor's `/proc/<pid>/fd/0` (it is a socket: ENXIO).
+///
+/// Was a DEFECT (found by a hostile review of the gate at 5ff099d): the gate was a pipe, whose
+/// end a same-uid workload could open again through /proc and so start another start's workload
+/// before its note and record, or hold it open past a call-off. Held since the gate is a socket.
+#[test]
+fn g13_a_supervisor_starts_its_workload_only_through_its_gate_and_no_one_else_can_open_it() {
+    use cyberwave_cloud_node::workload::{forkserver::ForkServer, shim::ShimArgs, vspawn};
+    use std::io::{BufRead, Write};
+    let home = crate::support::TempDir::new("gate");
+    let root = home.path().to_path_buf();
+    let server = ForkServer::start(&crate::support::node_bin()).expect("a fork server");
+    let mut env = std::collections::BTreeMap::new();
+    env.insert(
+        "PATH".to_string(),
+        "/usr/local/bin:/usr/bin:/bin".to_string(),
+    );
+    for (case, word) in [("off", false), ("go", true)] {
+        let dir = root.join(case);
+        std::fs::create_dir_all(&dir).unwrap();
+        let args = ShimArgs {
+            dir: dir.clone(),
+            cwd: dir.clone(),
+            stdout: dir.join("out.log"),
+            stderr: dir.join("err.log"),
+            shell: "bash".into(),
+            command: "echo ran >> runs; echo $$ >> pids".into(),
+            cleanup_grace_ms: 100,
+            user: None,
+        }
+        .to_args();
+        let (pid_read, pid_write) = vspawn::pipe().unwrap();
+        let (gate_read, gate) = vspawn::socket_pair().unwrap();
+        let log = std::os::fd::OwnedFd::from(std::fs::File::create(dir.join("shim.log")).unwrap());
+        let sup = server
+            .spawn(&args, &env, &dir, [&pid_write, &log, &gate_read])
+            .unwrap_or_else(|e| panic!("{case}: not forked: {e:?}"));
+        drop((pid_write, gate_read, log));
+        // Waiting at its gate (in its directory, its log files open).
+        let waiting = wait_for(REPLY, || {
+            (std::fs::read_link(format!("/proc/{sup}/cwd")).ok()? == dir
+                && dir.join("err.log").exists())
+            .then_some(())
+        });
+        assert!(
+            waiting.is_some(),
+            "{case}: the supervisor did not get to its gate"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        let stolen = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/{sup}/fd/0"));
+        assert!(
+            stolen.is_err(),
+            "{case}: a process of the same uid opened the supervisor's gate"
+        );
+        assert!(
+            !dir.join("runs").exists(),
+            "{case}: ran before its gate opened"
+        );
+        if word {
+            let mut g = std::fs::File::from(gate);
+            g.write_all(b"g").unwrap();
+        } else {
+            drop(gate);
+        }
+        let mut line = String::new();
+        std::io::BufReader::new(std::fs::File::from(pid_read))
+            .read_line(&mut line)
+            .unwrap();
+        // The fork server's child is this process's (CLONE_PARENT): its exit is ours to see.
+        let mut st = 0;
+        // SAFETY: waitpid of the supervisor, this process's child, with a status we own.
+        let reaped = unsafe { libc::waitpid(sup, &mut st, 0) };
+        assert_eq!(reaped, sup, "{case}");
+        let runs = std::fs::read_to_string(dir.join("runs")).unwrap_or_default();
+        if word {
+            assert!(line.starts_with("pid "), "{case}: {line:?}");
+            assert_eq!(runs.lines().count(), 1, "{case}: ran once: {runs:?}");
+            assert_eq!(libc::WEXITSTATUS(st), 0, "{case}");
+        } else {
+            assert_eq!(line.trim(), "error: the start was called off", "{case}");
+            assert!(runs.is_empty(), "{case}: called off, yet it ran: {runs:?}");
+            assert_eq!(libc::WEXITSTATUS(st), 3, "{case}");
+        }
+    }
+    // The fork server and its standby are this process's children too: reaped here, by pid.
+    let fs = server.pid();
+    let standby: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| super::forkserver::group_of(*p) == fs && *p != fs)
+        .collect();
+    drop(server);
+    for pid in std::iter::once(fs).chain(standby) {
+        let mut st = 0;
+        // SAFETY: waitpid of a child of this process, with a status we own.
+        unsafe {
+            libc::waitpid(pid, &mut st, 0);
+        }
+    }
 }

@@ -177,7 +177,7 @@ pub fn decode(bytes: &[u8]) -> Result<Request, Malformed> {
 }
 
 /// The descriptors that come with a request: the supervisor's stdout (the pid pipe), its stderr
-/// (`shim.log`) and its gate (the read end of a pipe the spawner writes [`super::shim::GATE_GO`]
+/// (`shim.log`) and its gate (one end of a unix socket pair the spawner writes [`super::shim::GATE_GO`]
 /// to once the start's files are written: the supervisor's stdin until then).
 type Streams = [OwnedFd; 3];
 

@@ -177,8 +177,9 @@ pub fn decode(bytes: &[u8]) -> Result<Request, Malformed> {
 }
 
 /// The descriptors that come with a request: the supervisor's stdout (the pid pipe), its stderr
-/// (`shim.log`) and its gate (one end of a unix socket pair the spawner writes [`super::shim::GATE_GO`]
-/// to once the start's files are written: the supervisor's stdin until then).
+/// (`shim.log`) and its gate (one end of a unix socket pair the spawner writes
+/// [`super::shim::GATE_GO`] to once the start's files are written: the supervisor's stdin until
+/// then).
 type Streams = [OwnedFd; 3];
 
 /// The fork server's answer to one message.

@@ -534,6 +534,25 @@ pub(super) fn gate_opens(fd: std::os::fd::RawFd) -> bool {
     }
 }
 
+/// Waits at the gate (stdin) for the spawner's word, then makes stdin `/dev/null` again (D46.1);
+/// the shim's exit code (after an `error:` line to the node) when the start was called off.
+fn pass_gate() -> Result<(), i32> {
+    if !gate_opens(0) {
+        // Called off before anything ran. Its log files stay (empty, and removed with the old
+        // logs): a supervisor exec'd for the same start may be writing them by now.
+        let _ = writeln!(std::io::stdout(), "error: the start was called off");
+        return Err(3);
+    }
+    if let Ok(null) = OpenOptions::new().read(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: dup2 onto fd 0 with a valid open descriptor.
+        unsafe {
+            libc::dup2(null.as_raw_fd(), 0);
+        }
+    }
+    Ok(())
+}
+
 /// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
 pub fn run(args: &[String]) -> i32 {
     run_gated(args, false)
@@ -626,20 +645,7 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     // does then (127, 126, a script without `#!`) is bash's own.
     let plan = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os());
     if gated {
-        if !gate_opens(0) {
-            // Called off before anything ran. Its log files stay (empty, and removed with the
-            // old logs): a supervisor exec'd for the same start may be writing them by now.
-            let _ = writeln!(std::io::stdout(), "error: the start was called off");
-            return Err(3);
-        }
-        // The gate's end is closed: stdin is `/dev/null` again (D46.1).
-        if let Ok(null) = OpenOptions::new().read(true).open("/dev/null") {
-            use std::os::fd::AsRawFd;
-            // SAFETY: dup2 onto fd 0 with a valid open descriptor.
-            unsafe {
-                libc::dup2(null.as_raw_fd(), 0);
-            }
-        }
+        pass_gate()?;
     }
     let started_at = util::rfc3339(SystemTime::now());
     let direct = plan.and_then(|d| {

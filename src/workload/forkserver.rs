@@ -450,21 +450,7 @@ pub(super) fn answer_for_tests(peer: &OwnedFd, pid: i32) -> OwnedFd {
 }
 
 fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as libc::c_int; 2];
-    // SAFETY: socketpair writes two new descriptors into the array we own.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: both descriptors were just created and are owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    vspawn::unix_pair(libc::SOCK_SEQPACKET)
 }
 
 fn set_timeout(sock: &OwnedFd, d: Duration) -> std::io::Result<()> {
@@ -747,18 +733,7 @@ fn serve_one(sock: RawFd, buf: &mut [u8]) -> Option<()> {
 /// request or ended. `None` when the kernel refused the fork (or the pipe).
 fn fork_standby(alive_read: RawFd, alive_write: RawFd) -> Option<OwnedFd> {
     let (taken_read, taken_write) = vspawn::pipe().ok()?;
-    // SAFETY: as in fork_supervisor: a raw clone without CLONE_VM is a fork of this
-    // single-threaded process, the node its parent.
-    let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone,
-            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
-            0usize,
-            0usize,
-            0usize,
-            0usize,
-        )
-    };
+    let pid = fork_for_the_node();
     if pid == 0 {
         // SAFETY: close of this child's copies of descriptors it must not hold: the write end
         // of the fork server's pipe (else it would never hang up) and the read end of its own.
@@ -889,13 +864,13 @@ pub fn well_formed(bytes: &[u8]) -> bool {
     dirs == 1 && first == Some(b"__shim".as_slice())
 }
 
-/// Forks the supervisor of the request `msg` as the node's child; in the parent the
-/// descriptors are closed (dropped) on return.
-fn fork_supervisor(msg: &[u8], fds: Streams) -> Reply {
+/// Forks this process as the node's child (`clone(CLONE_PARENT | SIGCHLD)`): 0 in the child,
+/// its pid in this process, negative (errno set) when the kernel refused.
+fn fork_for_the_node() -> libc::c_long {
     // SAFETY: a raw clone without CLONE_VM is a fork (the child has a copy of this
     // single-threaded process and returns 0 here); CLONE_PARENT makes the node its parent, and
     // SIGCHLD the signal the node gets at its end. No stack or thread pointer is passed (zeroes).
-    let pid = unsafe {
+    unsafe {
         libc::syscall(
             libc::SYS_clone,
             (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
@@ -904,7 +879,13 @@ fn fork_supervisor(msg: &[u8], fds: Streams) -> Reply {
             0usize,
             0usize,
         )
-    };
+    }
+}
+
+/// Forks the supervisor of the request `msg` as the node's child; in the parent the
+/// descriptors are closed (dropped) on return.
+fn fork_supervisor(msg: &[u8], fds: Streams) -> Reply {
+    let pid = fork_for_the_node();
     if pid == 0 {
         supervise(msg, fds);
     }

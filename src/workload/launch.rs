@@ -398,13 +398,10 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// D53 with the note written beside the spawner's files (issue 25 item 5): the spawner
-    /// writes the workload's files meanwhile, but starts no supervisor (its `shim.log` is the
-    /// first thing of it) before the loop's word that the note is written.
-    #[test]
-    fn d53_no_supervisor_is_started_before_the_loop_noted_the_start() {
-        let root = std::env::temp_dir().join(format!("cw-launch-noted-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
+    /// Settings of a node whose config, working and state folders are under `root` (made
+    /// empty), and its state dir's layout.
+    fn settings_in(root: &Path) -> (Settings, Layout) {
+        let _ = std::fs::remove_dir_all(root);
         std::fs::create_dir_all(root.join("cfg")).unwrap();
         std::fs::create_dir_all(root.join("work")).unwrap();
         let mut vars = BTreeMap::new();
@@ -421,6 +418,16 @@ mod tests {
         let layout = Layout {
             state: root.join("state"),
         };
+        (s, layout)
+    }
+
+    /// D53 with the note written beside the spawner's files (issue 25 item 5): the spawner
+    /// writes the workload's files meanwhile, but starts no supervisor (its `shim.log` is the
+    /// first thing of it) before the loop's word that the note is written.
+    #[test]
+    fn d53_no_supervisor_is_started_before_the_loop_noted_the_start() {
+        let root = std::env::temp_dir().join(format!("cw-launch-noted-{}", std::process::id()));
+        let (s, layout) = settings_in(&root);
         let (noted, noted_rx) = crossbeam_channel::bounded(1);
         let request = StartRequest {
             kind: crate::protocol::commands::Kind::Inference,
@@ -491,23 +498,7 @@ mod tests {
     #[test]
     fn d53_a_forked_supervisor_starts_its_workload_only_once_the_start_is_written_and_noted() {
         let root = std::env::temp_dir().join(format!("cw-launch-gate-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(root.join("cfg")).unwrap();
-        std::fs::create_dir_all(root.join("work")).unwrap();
-        let mut vars = BTreeMap::new();
-        vars.insert(
-            "CYBERWAVE_EDGE_CONFIG_DIR".to_string(),
-            root.join("cfg").display().to_string(),
-        );
-        let s = crate::config::resolve(
-            &crate::config::Flags::default(),
-            crate::config::env::EnvLayers::new(vars),
-            &root.join("work"),
-        )
-        .unwrap();
-        let layout = Layout {
-            state: root.join("state"),
-        };
+        let (s, layout) = settings_in(&root);
         let request = |id: &str, noted| StartRequest {
             kind: crate::protocol::commands::Kind::Inference,
             request_id: serde_json::json!(id),

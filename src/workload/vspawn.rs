@@ -130,12 +130,17 @@ pub fn spawn(
 /// `/proc/<pid>/fd/N` cannot be opened again (ENXIO), so a process of the same uid cannot get a
 /// second end of it from a dumpable holder (a supervisor's gate, launch.rs).
 pub fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    unix_pair(libc::SOCK_STREAM)
+}
+
+/// A new connected pair of unix sockets of `kind`, both close-on-exec.
+pub fn unix_pair(kind: libc::c_int) -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: socketpair writes two new descriptors into the array we own.
     let rc = unsafe {
         libc::socketpair(
             libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            kind | libc::SOCK_CLOEXEC,
             0,
             fds.as_mut_ptr(),
         )

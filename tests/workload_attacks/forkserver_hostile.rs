@@ -33,6 +33,15 @@ fn fork_server(node: &NodeProcess) -> Option<i32> {
     fork_servers(node).first().copied()
 }
 
+/// The node's fork server and its standby, once both are there.
+fn fork_server_and_standby(node: &NodeProcess) -> (i32, i32) {
+    let server = wait_for(REPLY, || fork_server(node))
+        .unwrap_or_else(|| panic!("no fork server; log:\n{}", node.log()));
+    let standby = wait_for(REPLY, || standby_of(node, server))
+        .unwrap_or_else(|| panic!("no standby; log:\n{}", node.log()));
+    (server, standby)
+}
+
 /// Sends `sig` to the process group of the fork server `server` (it and its standby), as a
 /// same-uid workload can.
 fn signal_group(server: i32, sig: libc::c_int) {
@@ -122,10 +131,7 @@ fn g13_a_stopped_fork_server_delays_the_next_start_by_its_reply_timeout_once() {
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let server = wait_for(REPLY, || fork_server(&node))
-        .unwrap_or_else(|| panic!("no fork server; log:\n{}", node.log()));
-    let standby = wait_for(REPLY, || standby_of(&node, server))
-        .unwrap_or_else(|| panic!("no standby; log:\n{}", node.log()));
+    let (server, standby) = fork_server_and_standby(&node);
     // SAFETY: kill of the process this test found as the node's fork server.
     unsafe {
         libc::kill(server, libc::SIGSTOP);
@@ -591,10 +597,7 @@ fn g13_a_fork_server_held_after_its_fork_past_the_timeout_does_not_make_a_start_
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let fs = wait_for(REPLY, || fork_server(&node))
-        .unwrap_or_else(|| panic!("no fork server; log:\n{}", node.log()));
-    let sb = wait_for(REPLY, || standby_of(&node, fs))
-        .unwrap_or_else(|| panic!("no standby; log:\n{}", node.log()));
+    let (_, sb) = fork_server_and_standby(&node);
     let null = std::ptr::null_mut::<libc::c_void>();
     // SAFETY: ptrace requests on the standby with valid pointers (a register block we own);
     // waitpid with a valid status pointer. This thread is the tracer throughout.
@@ -681,10 +684,7 @@ fn g13_a_stopped_standby_and_a_killed_fork_server_cost_the_next_start_nothing_bu
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let server = wait_for(REPLY, || fork_server(&node))
-        .unwrap_or_else(|| panic!("no fork server; log:\n{}", node.log()));
-    let standby = wait_for(REPLY, || standby_of(&node, server))
-        .unwrap_or_else(|| panic!("no standby; log:\n{}", node.log()));
+    let (server, standby) = fork_server_and_standby(&node);
     // SAFETY: kill of the processes this test found as the node's standby and fork server.
     unsafe {
         libc::kill(standby, libc::SIGSTOP);

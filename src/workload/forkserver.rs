@@ -439,14 +439,14 @@ impl ForkServer {
 }
 
 /// A test's stand-in for the fork server: reads one request from `peer`, answers `pid`, and
-/// returns the gate that came with it.
+/// returns the descriptors that came with it (the supervisor's stdout, stderr and gate).
 #[cfg(test)]
-pub(super) fn answer_for_tests(peer: &OwnedFd, pid: i32) -> OwnedFd {
+pub(super) fn answer_for_tests(peer: &OwnedFd, pid: i32) -> Streams {
     let mut buf = vec![0u8; MAX_REQUEST + 1];
     let got = recv_with_fds(peer.as_raw_fd(), &mut buf, 3).unwrap();
     assert!(well_formed(&buf[..got.len]));
     send_reply(peer.as_raw_fd(), Reply::Started(pid)).unwrap();
-    got.fds.into_iter().nth(2).unwrap()
+    Streams::try_from(got.fds).unwrap()
 }
 
 fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {

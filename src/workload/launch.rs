@@ -315,9 +315,9 @@ fn through_fork_server(
     shim_log: &std::fs::File,
 ) -> Option<Forked> {
     let server = fork.as_ref()?;
-    let streams = vspawn::pipe().and_then(|(r, w)| {
-        // A socket, not a pipe: a same-uid process could open a pipe's end again through the
-        // dumpable supervisor's /proc/<pid>/fd/0 and open the gate itself.
+    // Sockets, not pipes: a same-uid process could open a pipe's end again through the dumpable
+    // supervisor's /proc/<pid>/fd/N, and open the gate itself or tell a pid of its choosing.
+    let streams = vspawn::socket_pair().and_then(|(r, w)| {
         let (gate_r, gate_w) = vspawn::socket_pair()?;
         Ok((r, w, shim_log.try_clone()?, gate_r, gate_w))
     });
@@ -382,15 +382,18 @@ fn through_fork_server(
 /// Whether anything was written to the pipe `read` or anyone still holds its write end.
 fn written_or_held(read: &std::os::fd::OwnedFd) -> bool {
     use std::os::fd::AsRawFd;
-    let mut p = libc::pollfd {
-        fd: read.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
+    let mut b = [0u8; 1];
+    // SAFETY: a peek of one byte into a local buffer, without waiting, on a socket we own: 0 is
+    // the end of file (nothing written, and no other end is left), EAGAIN an end still held.
+    let n = unsafe {
+        libc::recv(
+            read.as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
     };
-    // SAFETY: poll of one pollfd we own, without waiting.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    let hung_up_empty = n == 1 && p.revents & libc::POLLHUP != 0 && p.revents & libc::POLLIN == 0;
-    !hung_up_empty
+    n != 0
 }
 
 #[cfg(test)]
@@ -524,12 +527,15 @@ mod tests {
                 launch(&s2, &l2, Path::new("/nonexistent"), &mut fork, req).map(|l| l.shim_pid)
             });
             let dir = layout.dir(id);
-            let gate = forkserver::answer_for_tests(&peer, 4242);
-            // A socket, whose /proc/<pid>/fd entry a same-uid process cannot open again.
-            let kind = std::fs::File::from(gate.try_clone().unwrap())
-                .metadata()
-                .map(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
-            assert_eq!(kind.ok(), Some(true), "{id}: the gate is a socket");
+            let [pid_line, _, gate] = forkserver::answer_for_tests(&peer, 4242);
+            // Sockets, whose /proc/<pid>/fd entries a same-uid process cannot open again.
+            for (what, fd) in [("the pid channel", &pid_line), ("the gate", &gate)] {
+                let kind = std::fs::File::from(fd.try_clone().unwrap())
+                    .metadata()
+                    .map(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+                assert_eq!(kind.ok(), Some(true), "{id}: {what} is a socket");
+            }
+            drop(pid_line);
             let readable = |fd: &std::os::fd::OwnedFd| {
                 use std::os::fd::AsRawFd;
                 let mut p = libc::pollfd {

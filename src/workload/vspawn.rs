@@ -105,8 +105,8 @@ pub enum Failure {
     Child(std::io::Error),
 }
 
-/// Starts `exe args…` in `dir` with exactly `env`, stdin `/dev/null`, stdout a new pipe (its
-/// read end returned) and stderr `stderr`, by `clone(CLONE_VM | CLONE_VFORK)` (or a fork where
+/// Starts `exe args…` in `dir` with exactly `env`, stdin `/dev/null`, stdout a new socket (the
+/// other end returned) and stderr `stderr`, by `clone(CLONE_VM | CLONE_VFORK)` (or a fork where
 /// the kernel refuses that clone).
 pub fn spawn(
     exe: &Path,
@@ -120,7 +120,9 @@ pub fn spawn(
         .read(true)
         .open("/dev/null")
         .map_err(setup)?;
-    let (read, write) = pipe().map_err(setup)?;
+    // A socket, not a pipe: a same-uid process could open a pipe's end again through the
+    // supervisor's /proc/<pid>/fd/1 and tell the node a pid of its choosing.
+    let (read, write) = socket_pair().map_err(setup)?;
     let streams = [OwnedFd::from(stdin), write, OwnedFd::from(stderr)];
     let pid = spawn_with(exe, args, env, dir, streams)?;
     Ok(Started { pid, stdout: read })

@@ -716,8 +716,8 @@ fn g13_a_stopped_standby_and_a_killed_fork_server_cost_the_next_start_nothing_bu
 /// The supervisor's side of its gate (issue 25 item 5), the real binary's fork server driven
 /// through the node's own library: a supervisor whose gate closes without a word ends (exit 3,
 /// "called off") and never runs its workload; one that gets the word runs it once; and while a
-/// supervisor waits at its gate, a process of the same uid cannot open the gate through the
-/// supervisor's `/proc/<pid>/fd/0` (it is a socket: ENXIO).
+/// supervisor waits at its gate, a process of the same uid cannot open the gate or the pid
+/// channel through the supervisor's `/proc/<pid>/fd/0` and `1` (sockets: ENXIO).
 ///
 /// Was a DEFECT (found by a hostile review of the gate at 5ff099d): the gate was a pipe, whose
 /// end a same-uid workload could open again through /proc and so start another start's workload
@@ -748,7 +748,7 @@ fn g13_a_supervisor_starts_its_workload_only_through_its_gate_and_no_one_else_ca
             user: None,
         }
         .to_args();
-        let (pid_read, pid_write) = vspawn::pipe().unwrap();
+        let (pid_read, pid_write) = vspawn::socket_pair().unwrap();
         let (gate_read, gate) = vspawn::socket_pair().unwrap();
         let log = std::os::fd::OwnedFd::from(std::fs::File::create(dir.join("shim.log")).unwrap());
         let sup = server
@@ -766,13 +766,15 @@ fn g13_a_supervisor_starts_its_workload_only_through_its_gate_and_no_one_else_ca
             "{case}: the supervisor did not get to its gate"
         );
         std::thread::sleep(Duration::from_millis(100));
-        let stolen = std::fs::OpenOptions::new()
-            .write(true)
-            .open(format!("/proc/{sup}/fd/0"));
-        assert!(
-            stolen.is_err(),
-            "{case}: a process of the same uid opened the supervisor's gate"
-        );
+        for (fd, what) in [(0, "gate"), (1, "pid channel")] {
+            let stolen = std::fs::OpenOptions::new()
+                .write(true)
+                .open(format!("/proc/{sup}/fd/{fd}"));
+            assert!(
+                stolen.is_err(),
+                "{case}: a process of the same uid opened the supervisor's {what}"
+            );
+        }
         assert!(
             !dir.join("runs").exists(),
             "{case}: ran before its gate opened"

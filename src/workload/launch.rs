@@ -13,22 +13,12 @@ use super::inputs;
 use super::procinfo;
 use super::record::{unix_now, Layout, Meta};
 use super::request::StartRequest;
+use super::settle::Launched;
 use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
 use super::vspawn;
 use crate::config::Settings;
 use crate::store;
-
-/// A shim that was forked and has not reported the workload's pid yet.
-pub struct Launched {
-    /// The record as written (not yet synced), no pid.
-    pub meta: Meta,
-    pub shim_pid: i32,
-    /// The shim's start time (its identity, read right after the fork).
-    pub shim_start_ticks: u64,
-    /// The read end of the shim's stdout: its pid line (the reaper thread reaps the shim).
-    pub(super) stdout: Option<std::os::fd::OwnedFd>,
-}
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
 /// and record (`meta.json`, without a pid, written atomically but not yet synced), then the

@@ -28,12 +28,13 @@ pub use environment::NODE_ONLY_VARS;
 pub use error::SpawnError;
 pub use exit::load_exit;
 pub use inputs::{base64_decode, module_function, module_of, shell_quote};
-pub use launch::{launch, Launched};
+pub use launch::launch;
 pub use record::{
     load_json, load_meta, parse_meta_bytes, read_json, save_meta, unix_now, Cancel, Layout, Meta,
     MetaKind, WorkflowCtx, KINDS, UNKNOWN_KIND,
 };
 pub use recover::{recover_meta, Recovered};
 pub use request::StartRequest;
+pub use settle::Launched;
 pub use settle::{make_durable, settle};
 pub use summary::{failure_summary, tail};

@@ -5,11 +5,24 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use super::error::SpawnError;
-use super::launch::Launched;
 use super::procinfo;
 use super::record::{Layout, Meta};
 use super::shim::Started;
 use crate::store;
+
+/// How long a shim has to report the workload's pid.
+pub const PID_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A shim that was forked and has not reported the workload's pid yet.
+pub struct Launched {
+    /// The record as written (not yet synced), no pid.
+    pub meta: Meta,
+    pub shim_pid: i32,
+    /// The shim's start time (its identity, read right after the fork).
+    pub shim_start_ticks: u64,
+    /// Our end of the shim's stdout (a socket): its pid line (the reaper thread reaps the shim).
+    pub(super) stdout: Option<std::os::fd::OwnedFd>,
+}
 
 /// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
 /// workloads folder once, which holds their new directories), several at once: concurrent

@@ -25,12 +25,11 @@ use serde_json::Value;
 
 use super::forkserver::{self, ForkServer};
 use super::reaper::Reaper;
+use super::settle::PID_TIMEOUT;
 use super::{Launched, Layout, Meta, SpawnError, StartRequest};
 use crate::config::Settings;
 use crate::ledger;
 
-/// How long a shim has to report the workload's pid.
-pub const PID_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most launched starts synced and settled together.
 const MAX_BATCH: usize = 64;
 

@@ -454,9 +454,11 @@ fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
 }
 
 fn set_timeout(sock: &OwnedFd, d: Duration) -> std::io::Result<()> {
+    // The field types, not their aliases (deprecated in the musl build): timeouts here are
+    // under a second or a few, far inside either width.
     let tv = libc::timeval {
-        tv_sec: libc::time_t::try_from(d.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_usec: libc::suseconds_t::from(d.subsec_micros()),
+        tv_sec: d.as_secs().try_into().unwrap_or(1),
+        tv_usec: d.subsec_micros().into(),
     };
     for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
         // SAFETY: setsockopt with a timeval we own and its exact size.

@@ -7,7 +7,7 @@
 //! process at the node's start-up, `<exe> __forkserver`: single-threaded, exec'd fresh (none of
 //! the node's memory, descriptors or environment), holding one end of a `SOCK_SEQPACKET`
 //! socketpair as its stdin. Per start the spawner sends it one message, the supervisor's
-//! arguments, environment and directory, with its stdout (the pid pipe) and stderr (`shim.log`)
+//! arguments, environment and directory, with its stdout (the pid channel, a socket) and stderr (`shim.log`)
 //! as `SCM_RIGHTS`; the fork server forks, and the child runs the supervisor's `main`
 //! ([`super::shim::run`]) directly. What the supervisor is and owes does not change: it outlives
 //! the node, holds the workload's pid, writes the exit record.
@@ -51,8 +51,8 @@
 //!   the fork: no supervisor holds another start's environment (its tokens). A fork server
 //!   silent after a request is continued (`SIGCONT`: a workload of the same uid may have stopped
 //!   it) and waited for up to [`ANSWER_LIMIT`]; if it still does not answer it is killed and, once
-//!   it is gone, the pid pipe says whether it forked the supervisor before it went (someone
-//!   holds or wrote to the pipe): then that supervisor is the start's, found by its directory;
+//!   it is gone, the pid channel says whether it forked the supervisor before it went (someone
+//!   holds or wrote to its other end): then that supervisor is the start's, found by its directory;
 //!   else the start goes the exec way.
 
 use std::collections::BTreeMap;
@@ -176,7 +176,7 @@ pub fn decode(bytes: &[u8]) -> Result<Request, Malformed> {
     Ok(req)
 }
 
-/// The descriptors that come with a request: the supervisor's stdout (the pid pipe), its stderr
+/// The descriptors that come with a request: the supervisor's stdout (the pid channel), its stderr
 /// (`shim.log`) and its gate (one end of a unix socket pair the spawner writes
 /// [`super::shim::GATE_GO`] to once the start's files are written: the supervisor's stdin until
 /// then).

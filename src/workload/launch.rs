@@ -306,7 +306,9 @@ fn through_fork_server(
 ) -> Option<Forked> {
     let server = fork.as_ref()?;
     // Sockets, not pipes: a same-uid process could open a pipe's end again through the dumpable
-    // supervisor's /proc/<pid>/fd/N, and open the gate itself or tell a pid of its choosing.
+    // supervisor's /proc/<pid>/fd/N, and open the gate itself or tell a pid of its choosing. (One
+    // allowed to ptrace the supervisor, where Yama's ptrace_scope is 0 or absent, can take any
+    // descriptor with pidfd_getfd; a `workload_user` of its own keeps workloads from that.)
     let streams = vspawn::socket_pair().and_then(|(r, w)| {
         let (gate_r, gate_w) = vspawn::socket_pair()?;
         Ok((r, w, shim_log.try_clone()?, gate_r, gate_w))
@@ -357,7 +359,7 @@ fn through_fork_server(
     drop((write, log, gate_read));
     // Whether it (or its standby) made this start's supervisor before it went: with it gone and
     // its socket closed, only that supervisor, or the request still queued at a standby a
-    // workload stopped, can hold (or have written to) the pipe's write end. A supervisor found
+    // workload stopped, can hold (or have written to) the pid channel's other end. A supervisor found
     // by its directory is the start's. One not found within a second never starts the workload
     // (it was stopped before it entered the directory, or never took the request): its gate
     // closes here without a word, so this start goes the exec way.
@@ -369,7 +371,8 @@ fn through_fork_server(
     None
 }
 
-/// Whether anything was written to the pipe `read` or anyone still holds its write end.
+/// Whether anything was written to the pid channel `read` (a socket) or anyone still holds its
+/// other end.
 fn written_or_held(read: &std::os::fd::OwnedFd) -> bool {
     use std::os::fd::AsRawFd;
     let mut b = [0u8; 1];

@@ -134,7 +134,7 @@ fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> 
     Ok(meta)
 }
 
-/// Reads the first line from each shim's pipe, all at once, waiting at most `timeout` in all.
+/// Reads the first line from each shim's pid channel (a socket), all at once, waiting at most `timeout` in all.
 fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
     let begun = std::time::Instant::now();
     let fds: Vec<i32> = launched

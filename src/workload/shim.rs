@@ -6,7 +6,7 @@
 //!    The shim is *not* in that group: a cancel that SIGKILLs the group cannot kill the shim,
 //!    so the exit record is always written.
 //! 3. Tells the node the workload's pid on its stdout, records pid and start times in
-//!    `started.json` (what a restarted node re-adopts it by), and closes that pipe.
+//!    `started.json` (what a restarted node re-adopts it by), and closes that channel.
 //! 4. Waits for the workload, reaping every orphan it adopts (it is their subreaper) as soon as
 //!    that one ends, then writes `exit.json` atomically and exits. On a full disk it leaves the
 //!    status in `exit.status` instead and exits at once (D54: see [`EXIT_LINK`]).
@@ -553,7 +553,7 @@ fn pass_gate() -> Result<(), i32> {
     Ok(())
 }
 
-/// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
+/// The shim's `main`. Its stdout is a socket to the node: one line, `pid N` or `error: …`.
 pub fn run(args: &[String]) -> i32 {
     run_gated(args, false)
 }
@@ -729,7 +729,7 @@ fn spawn_direct(
 }
 
 /// Tells the node the workload's pid, records its start for a restarted node, and closes the
-/// pipe to the node.
+/// channel to the node.
 fn report_start(a: &ShimArgs, pid: i32, me: i32, started_at: &str) {
     {
         // The pid first: the node is waiting for it (it reads the start times from /proc itself).
@@ -749,7 +749,7 @@ fn report_start(a: &ShimArgs, pid: i32, me: i32, started_at: &str) {
     if let Ok(json) = serde_json::to_vec(&started) {
         let _ = store::write_atomic(&a.dir.join("started.json"), &json, 0o600);
     }
-    // Close the pipe to the node: from here on the shim owes the node nothing.
+    // Close the channel to the node: from here on the shim owes the node nothing.
     if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {
         use std::os::fd::AsRawFd;
         // SAFETY: dup2 onto fd 1 with a valid open descriptor.

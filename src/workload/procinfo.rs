@@ -8,9 +8,19 @@ pub fn boot_id() -> String {
         .unwrap_or_default()
 }
 
+/// A /proc file's text in one read where it fits in 1 KiB (`/proc/<pid>/stat` does): /proc
+/// files say they are empty, so `fs::read_to_string` would grow its buffer from 32 bytes, a read
+/// each time (issue 25 item 5: this is on a start's path).
+fn read_proc(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::with_capacity(1024);
+    std::fs::File::open(path)?.read_to_string(&mut text)?;
+    Ok(text)
+}
+
 /// (state char, start time in clock ticks since boot) from /proc/<pid>/stat.
 fn stat(pid: i32) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let text = read_proc(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     let rest = text.rsplit_once(')')?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -59,7 +69,7 @@ pub fn group_members(pgid: i32, sid: i32) -> usize {
                 .to_str()
                 .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
         })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter_map(|e| read_proc(e.path().join("stat")).ok())
         .filter(|text| {
             let zombie = text
                 .get(text.rfind(')').unwrap_or(0)..)
@@ -80,7 +90,7 @@ pub fn leftovers(me: i32) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
         .filter(|pid| *pid != me && *pid > 1)
         .filter(|pid| {
-            let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            let Ok(text) = read_proc(format!("/proc/{pid}/stat")) else {
                 return false;
             };
             let Some(rest) = text
@@ -144,6 +154,21 @@ pub fn signal_name(sig: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_proc_file_over_its_first_read_is_read_whole() {
+        // /proc/self/status is over 1 KiB; its last line is the context switches.
+        let text = read_proc("/proc/self/status").unwrap();
+        assert!(text.len() > 1024, "{}", text.len());
+        assert!(text.starts_with("Name:"), "{text}");
+        assert!(text
+            .trim_end()
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("nonvoluntary_ctxt_switches"));
+        assert!(read_proc("/proc/no-such-file").is_err());
+    }
 
     #[test]
     fn knows_itself() {

@@ -299,15 +299,35 @@ impl ForkServer {
         args: &[OsString],
         env: &BTreeMap<String, String>,
         dir: &Path,
-        [stdout, stderr, gate]: [&OwnedFd; 3],
+        fds: [&OwnedFd; 3],
     ) -> Result<i32, Error> {
+        self.request(args, env, dir, fds)?;
+        self.started()
+    }
+
+    /// The first half of [`Self::spawn`]: sends the request and returns at once, so that the
+    /// caller can write the start's files while the supervisor is made (issue 25 item 5). Once
+    /// it returned `Ok`, [`Self::started`] must be called before the next request, whatever
+    /// else fails meanwhile: each request has one answer, read in turn.
+    pub fn request(
+        &self,
+        args: &[OsString],
+        env: &BTreeMap<String, String>,
+        dir: &Path,
+        [stdout, stderr, gate]: [&OwnedFd; 3],
+    ) -> Result<(), Error> {
         let msg = encode(args, env, dir).ok_or(Error::Unsendable)?;
         let fds = [stdout.as_raw_fd(), stderr.as_raw_fd(), gate.as_raw_fd()];
         send_with_fds(&self.sock, &msg, &fds).map_err(|e| match e.raw_os_error() {
             // Over this host's socket buffer (`net.core.wmem_*` set low): this one start.
             Some(libc::EMSGSIZE) => Error::Unsendable,
             _ => Error::Broken(e),
-        })?;
+        })
+    }
+
+    /// The second half of [`Self::spawn`]: the supervisor's pid, once the fork server (or its
+    /// standby) answered the request sent last.
+    pub fn started(&self) -> Result<i32, Error> {
         match self.answer().map_err(Error::Unanswered)? {
             Reply::Started(pid) => Ok(pid),
             // Out of processes or memory for the moment: this start goes the exec way (which
@@ -438,13 +458,15 @@ impl ForkServer {
     }
 }
 
-/// A test's stand-in for the fork server: reads one request from `peer`, answers `pid`, and
-/// returns the descriptors that came with it (the supervisor's stdout, stderr and gate).
+/// A test's stand-in for the fork server: reads one request from `peer`, calls `before`, answers
+/// `pid`, and returns the descriptors that came with it (the supervisor's stdout, stderr and
+/// gate).
 #[cfg(test)]
-pub(super) fn answer_for_tests(peer: &OwnedFd, pid: i32) -> Streams {
+pub(super) fn answer_for_tests(peer: &OwnedFd, pid: i32, before: impl FnOnce()) -> Streams {
     let mut buf = vec![0u8; MAX_REQUEST + 1];
     let got = recv_with_fds(peer.as_raw_fd(), &mut buf, 3).unwrap();
     assert!(well_formed(&buf[..got.len]));
+    before();
     send_reply(peer.as_raw_fd(), Reply::Started(pid)).unwrap();
     Streams::try_from(got.fds).unwrap()
 }

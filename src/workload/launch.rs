@@ -115,15 +115,20 @@ fn launch_in(
     let args = shim_args(s, dir, &meta, user);
     let shim_log =
         store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
-    // Forked by the fork server, without an exec (issue 25 item 5), before the files below are
-    // written: the supervisor makes itself ready meanwhile, and starts the workload only once
-    // its gate is opened, after them (dropping the gate calls it off).
-    let early = through_fork_server(fork, &args, &env, dir, &shim_log);
-    inputs::write_params(dir, params, user)?;
-    write_record(layout, &meta)?;
-    if let Some(d) = &req.results_dir {
-        user::give(user, d)?;
-    }
+    // Forked by the fork server, without an exec (issue 25 item 5), asked for before the files
+    // below are written and its answer read after them: the supervisor is made and makes itself
+    // ready meanwhile, and starts the workload only once its gate is opened, after them
+    // (dropping the gate calls it off). The answer is read whatever the writes did: each
+    // request has one, in turn.
+    let asked = ask_fork_server(fork, &args, &env, dir, &shim_log);
+    let written = inputs::write_params(dir, params, user)
+        .and_then(|_| write_record(layout, &meta))
+        .and_then(|()| match &req.results_dir {
+            Some(d) => user::give(user, d),
+            None => Ok(()),
+        });
+    let early = asked.and_then(|a| answered(fork, a, dir));
+    written?;
     // D53: the loop's note of the start first (it writes it meanwhile). A loop that dropped
     // its end without a word is gone (a panic): no note, so no workload either.
     if let Some(noted) = &req.noted {
@@ -293,17 +298,28 @@ struct Forked {
     gate: std::os::fd::OwnedFd,
 }
 
-/// The supervisor started by the fork server, at its gate. `None`: this start goes the exec way
-/// (the request cannot be sent that way, or the fork server is broken or silent and made no
-/// supervisor of it that can be found: then it is dropped, and every later start goes the exec
-/// way too, until a new one is started).
-fn through_fork_server(
+/// A supervisor asked of the fork server, its answer not read yet.
+struct Asked {
+    /// The read end of its stdout (its pid line).
+    read: std::os::fd::OwnedFd,
+    /// The write end of its gate.
+    gate: std::os::fd::OwnedFd,
+    /// This side's copies of what was sent with the request (its stdout, its stderr, its
+    /// gate's read end): closed once it answered, so that only the supervisor holds them.
+    sent: [std::os::fd::OwnedFd; 3],
+}
+
+/// Asks the fork server for this start's supervisor (it starts the workload only once its
+/// gate is opened). `None`: this start goes the exec way (the request cannot be sent that way,
+/// or the fork server is broken: then it is dropped, and every later start goes the exec way
+/// too, until a new one is started).
+fn ask_fork_server(
     fork: &mut Option<ForkServer>,
     args: &[std::ffi::OsString],
     env: &BTreeMap<String, String>,
     dir: &Path,
     shim_log: &std::fs::File,
-) -> Option<Forked> {
+) -> Option<Asked> {
     let server = fork.as_ref()?;
     // Sockets, not pipes: a same-uid process could open a pipe's end again through the dumpable
     // supervisor's /proc/<pid>/fd/N, and open the gate itself or tell a pid of its choosing. (One
@@ -321,6 +337,49 @@ fn through_fork_server(
         }
     };
     let log = std::os::fd::OwnedFd::from(log);
+    match server.request(args, env, dir, [&write, &log, &gate_read]) {
+        Ok(()) => Some(Asked {
+            read,
+            gate,
+            sent: [write, log, gate_read],
+        }),
+        Err(e) => {
+            not_forked(fork, e);
+            None
+        }
+    }
+}
+
+/// What a fork server's refusal `e` means for this start (the exec way) and the next ones.
+fn not_forked(fork: &mut Option<ForkServer>, e: forkserver::Error) {
+    let pid = fork.as_ref().map_or(0, ForkServer::pid);
+    match e {
+        forkserver::Error::Unsendable => log::debug!(
+            "the fork server cannot take this start (too big a request, or out of processes or memory for the moment): its supervisor is exec'd"
+        ),
+        forkserver::Error::Broken(e) => {
+            log::warn!(
+                "the fork server (pid {pid}) failed ({e}); supervisors are exec'd until a new one is started"
+            );
+            *fork = None;
+        }
+        forkserver::Error::Unanswered(e) => {
+            log::warn!(
+                "the fork server (pid {pid}) did not answer ({e}); supervisors are exec'd until a new one is started"
+            );
+            if let Some(server) = fork.take() {
+                server.stop();
+            }
+        }
+    }
+}
+
+/// The supervisor `asked` for, at its gate, once the fork server answered. `None`: this start
+/// goes the exec way (the fork server refused it, or is broken or silent and made no supervisor
+/// of it that can be found: then it is dropped, and every later start goes the exec way too,
+/// until a new one is started).
+fn answered(fork: &mut Option<ForkServer>, asked: Asked, dir: &Path) -> Option<Forked> {
+    let Asked { read, gate, sent } = asked;
     // Its identity, read at once (a supervisor that ends at its gate could leave its pid to
     // another process before the gate is opened).
     let forked = |shim_pid, stdout, gate| {
@@ -331,32 +390,16 @@ fn through_fork_server(
             gate,
         })
     };
-    let why = match server.spawn(args, env, dir, [&write, &log, &gate_read]) {
+    let e = match fork.as_ref()?.started() {
         Ok(pid) => return forked(pid, read, gate),
-        Err(forkserver::Error::Unsendable) => {
-            log::debug!(
-                "the fork server cannot take this start (too big a request, or out of processes or memory for the moment): its supervisor is exec'd"
-            );
-            return None;
-        }
-        Err(forkserver::Error::Broken(e)) => {
-            log::warn!(
-                "the fork server (pid {}) failed ({e}); supervisors are exec'd until a new one is started",
-                server.pid()
-            );
-            *fork = None;
-            return None;
-        }
-        Err(forkserver::Error::Unanswered(e)) => e,
+        Err(e) => e,
     };
-    log::warn!(
-        "the fork server (pid {}) did not answer ({why}); supervisors are exec'd until a new one is started",
-        server.pid()
-    );
-    if let Some(server) = fork.take() {
-        server.stop();
+    let silent = matches!(e, forkserver::Error::Unanswered(_));
+    not_forked(fork, e);
+    if !silent {
+        return None;
     }
-    drop((write, log, gate_read));
+    drop(sent);
     // Whether it (or its standby) made this start's supervisor before it went: with it gone and
     // its socket closed, only that supervisor, or the request still queued at a standby a
     // workload stopped, can hold (or have written to) the pid channel's other end. A supervisor found
@@ -520,7 +563,19 @@ mod tests {
                 launch(&s2, &l2, Path::new("/nonexistent"), &mut fork, req).map(|l| l.shim_pid)
             });
             let dir = layout.dir(id);
-            let [pid_line, _, gate] = forkserver::answer_for_tests(&peer, 4242);
+            // The start's files are written while its supervisor is asked for, not after the
+            // answer (issue 25 item 5).
+            let written = || dir.join("meta.json").exists() && dir.join("params.json").exists();
+            let [pid_line, _, gate] = forkserver::answer_for_tests(&peer, 4242, || {
+                let until = std::time::Instant::now() + Duration::from_secs(5);
+                while !written() && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                assert!(
+                    written(),
+                    "{id}: the files wait for the supervisor's answer"
+                );
+            });
             // Sockets, whose /proc/<pid>/fd entries a same-uid process cannot open again.
             for (what, fd) in [("the pid channel", &pid_line), ("the gate", &gate)] {
                 let kind = std::fs::File::from(fd.try_clone().unwrap())

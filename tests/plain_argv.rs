@@ -166,3 +166,35 @@ fn g13_a_plain_argv_workload_holds_no_descriptor_of_the_node() {
     );
     assert!(!listing.contains("socket:"), "{listing}");
 }
+
+/// The supervisor looks bash up in the workloads' PATH before the start (not by one failed exec
+/// per entry after it); where what it found cannot be exec'd, the exec by name decides, as it
+/// always did: here the first `bash` names a missing interpreter, so the next one runs.
+#[test]
+fn a_bash_in_path_that_cannot_be_run_leaves_the_next_one_to_run_the_command() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    let notes = noting_bash(&mut setup);
+    let broken = setup.home.join("brokenbin");
+    std::fs::create_dir_all(&broken).unwrap();
+    let bash = broken.join("bash");
+    std::fs::write(&bash, "#!/nonexistent/interpreter\n").unwrap();
+    std::fs::set_permissions(&bash, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = setup.env.get("PATH").cloned().unwrap_or_default();
+    setup.set("PATH", &format!("{}:{path}", broken.display()));
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: touch t/shell.ran; true\n",
+    );
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    run(&cp, &node.uuid(), "training", "shell2");
+    assert!(setup.cwd.join("t/shell.ran").exists(), "{}", node.log());
+    let noted = std::fs::read_to_string(&notes).unwrap_or_default();
+    assert!(
+        noted.contains("-c touch t/shell.ran; true"),
+        "the next bash in PATH ran it: {noted:?}"
+    );
+}

@@ -408,6 +408,29 @@ fn runs_as_is(path: &Path) -> bool {
     read.is_ok() && (head.starts_with(b"#!") || head == *b"\x7fELF")
 }
 
+/// The first regular file with an execute bit named `name` in the directories of `path` (a
+/// `PATH` value), as bash and execvp search it; `None` when there is none, or when an entry is
+/// not absolute (an empty or relative one would be searched from the working directory).
+fn in_path(name: &str, path: &str) -> Option<PathBuf> {
+    let dirs: Vec<&str> = path.split(':').collect();
+    if dirs.iter().any(|d| !d.starts_with('/')) {
+        return None;
+    }
+    let joined = |d: &str| {
+        if d.ends_with('/') {
+            format!("{d}{name}")
+        } else {
+            format!("{d}/{name}")
+        }
+    };
+    let found = dirs.iter().map(|d| joined(d)).find(|p| {
+        std::fs::metadata(p).is_ok_and(|m| {
+            m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
+        })
+    })?;
+    Some(PathBuf::from(found))
+}
+
 /// The direct exec of `command` that does what `bash -c command` does when bash is `shell`
 /// (bash 5.2 runs a lone simple command by exec'ing it in place of itself, with `PWD`, `SHLVL`,
 /// `_` and `OLDPWD` as below), or `None` where that is not certain: then bash runs it. `env`
@@ -434,28 +457,9 @@ pub fn direct_exec(
     let program = if first.contains('/') {
         PathBuf::from(first)
     } else {
-        // Only absolute entries: an empty or relative one would be searched from `cwd`.
-        let path = get("PATH")?.to_str()?;
-        let dirs: Vec<&str> = path.split(':').collect();
-        if dirs.iter().any(|d| !d.starts_with('/')) {
-            return None;
-        }
-        let joined = |d: &str| {
-            if d.ends_with('/') {
-                format!("{d}{first}")
-            } else {
-                format!("{d}/{first}")
-            }
-        };
         // bash takes the first executable one; where that is not one the kernel runs as it is,
         // bash decides.
-        let found = dirs.iter().map(|d| joined(d)).find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| {
-                m.is_file()
-                    && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
-            })
-        })?;
-        PathBuf::from(found)
+        in_path(first, get("PATH")?.to_str()?)?
     };
     if !runs_as_is(&cwd.join(&program)) {
         return None;
@@ -644,6 +648,16 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     // that is not certain, or the exec fails in any way, bash runs it as always, so that what it
     // does then (127, 126, a script without `#!`) is bash's own.
     let plan = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os());
+    // The shell's path, searched here rather than by the exec after the gate (one failed exec
+    // per `PATH` entry before it, issue 25 item 5); an exec of it that fails in any way is
+    // tried again by name, as always.
+    let shell_path = if a.shell.contains('/') {
+        None
+    } else {
+        std::env::var("PATH")
+            .ok()
+            .and_then(|p| in_path(&a.shell, &p))
+    };
     if gated {
         pass_gate()?;
     }
@@ -672,13 +686,22 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     });
     let spawned = match direct {
         Some(pid) => Ok(pid),
-        None => base(std::ffi::OsStr::new(&a.shell)).and_then(|mut cmd| {
-            cmd.arg("-c").arg(&a.command);
-            // Reaped by wait_workload, not through the `Child` (which would wait for that pid
-            // alone); dropping it neither waits nor kills.
-            let child = cmd.spawn()?;
-            i32::try_from(child.id()).map_err(std::io::Error::other)
-        }),
+        None => {
+            let through = |program: &std::ffi::OsStr| {
+                base(program).and_then(|mut cmd| {
+                    cmd.arg0(&a.shell).arg("-c").arg(&a.command);
+                    // Reaped by wait_workload, not through the `Child` (which would wait for
+                    // that pid alone); dropping it neither waits nor kills.
+                    let child = cmd.spawn()?;
+                    i32::try_from(child.id()).map_err(std::io::Error::other)
+                })
+            };
+            let by_name = std::ffi::OsStr::new(&a.shell);
+            match &shell_path {
+                Some(p) => through(p.as_os_str()).or_else(|_| through(by_name)),
+                None => through(by_name),
+            }
+        }
     };
     match spawned {
         Ok(pid) => Ok((pid, started_at)),

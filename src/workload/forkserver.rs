@@ -237,6 +237,8 @@ pub struct ForkServer {
     pid: i32,
     /// Its start time (`/proc/<pid>/stat`), so that a recycled pid is never killed.
     ticks: u64,
+    /// A request was sent and its answer not read yet ([`Self::request`]).
+    pending: std::cell::Cell<bool>,
 }
 
 impl ForkServer {
@@ -276,6 +278,7 @@ impl ForkServer {
             sock: ours,
             pid,
             ticks,
+            pending: std::cell::Cell::new(false),
         };
         set_timeout(&server.sock, REPLY_TIMEOUT)?;
         match server.reply()? {
@@ -307,8 +310,10 @@ impl ForkServer {
 
     /// The first half of [`Self::spawn`]: sends the request and returns at once, so that the
     /// caller can write the start's files while the supervisor is made (issue 25 item 5). Once
-    /// it returned `Ok`, [`Self::started`] must be called before the next request, whatever
-    /// else fails meanwhile: each request has one answer, read in turn.
+    /// it returned `Ok`, [`Self::started`] is to be called before the next request, whatever
+    /// else fails meanwhile: each request has one answer, read in turn. A request while an
+    /// answer is still unread (its caller panicked in between) is refused as `Broken`: the next
+    /// answer would be the earlier request's.
     pub fn request(
         &self,
         args: &[OsString],
@@ -316,18 +321,26 @@ impl ForkServer {
         dir: &Path,
         [stdout, stderr, gate]: [&OwnedFd; 3],
     ) -> Result<(), Error> {
+        if self.pending.get() {
+            return Err(Error::Broken(std::io::Error::other(
+                "the answer to an earlier request was never read",
+            )));
+        }
         let msg = encode(args, env, dir).ok_or(Error::Unsendable)?;
         let fds = [stdout.as_raw_fd(), stderr.as_raw_fd(), gate.as_raw_fd()];
         send_with_fds(&self.sock, &msg, &fds).map_err(|e| match e.raw_os_error() {
             // Over this host's socket buffer (`net.core.wmem_*` set low): this one start.
             Some(libc::EMSGSIZE) => Error::Unsendable,
             _ => Error::Broken(e),
-        })
+        })?;
+        self.pending.set(true);
+        Ok(())
     }
 
     /// The second half of [`Self::spawn`]: the supervisor's pid, once the fork server (or its
     /// standby) answered the request sent last.
     pub fn started(&self) -> Result<i32, Error> {
+        self.pending.set(false);
         match self.answer().map_err(Error::Unanswered)? {
             Reply::Started(pid) => Ok(pid),
             // Out of processes or memory for the moment: this start goes the exec way (which
@@ -453,6 +466,7 @@ impl ForkServer {
             sock: ours,
             pid: 0,
             ticks: 0,
+            pending: std::cell::Cell::new(false),
         };
         (theirs, server)
     }
@@ -1145,6 +1159,7 @@ mod tests {
             sock: ours,
             pid: 0,
             ticks: 0,
+            pending: std::cell::Cell::new(false),
         };
         let (_r, w) = vspawn::pipe().unwrap();
         let big = "x".repeat(64 * 1024);
@@ -1166,6 +1181,24 @@ mod tests {
         let r = server.spawn(&shim_args(&["x"]), &env(&[]), Path::new("/d"), [&w, &w, &w]);
         assert_eq!(r.ok(), Some(4242));
         peer.join().unwrap();
+    }
+
+    #[test]
+    fn a_request_whose_answer_was_never_read_refuses_the_next_one() {
+        let (peer, server) = ForkServer::for_tests();
+        let (_r, w) = vspawn::pipe().unwrap();
+        let ask = || server.request(&shim_args(&["x"]), &env(&[]), Path::new("/d"), [&w, &w, &w]);
+        assert!(ask().is_ok());
+        // Its caller went (a panic) before it read the answer: the next answer is not the
+        // next request's.
+        assert!(matches!(ask(), Err(Error::Broken(_))), "refused");
+        let mut buf = vec![0u8; MAX_REQUEST + 1];
+        let got = recv_with_fds(peer.as_raw_fd(), &mut buf, 3).unwrap();
+        assert!(decode(&buf[..got.len]).is_ok());
+        send_reply(peer.as_raw_fd(), Reply::Started(7)).unwrap();
+        assert_eq!(server.started().ok(), Some(7));
+        // Answered in turn: the next one goes.
+        assert!(ask().is_ok());
     }
 
     #[test]

@@ -650,8 +650,9 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     let plan = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os());
     // The shell's path, searched here rather than by the exec after the gate (one failed exec
     // per `PATH` entry before it, issue 25 item 5); an exec of it that fails in any way is
-    // tried again by name, as always.
-    let shell_path = if a.shell.contains('/') {
+    // tried again by name, as always. Not for a workload user: its exec searches with its own
+    // rights, which may see an entry this process cannot.
+    let shell_path = if a.shell.contains('/') || a.user.is_some() {
         None
     } else {
         std::env::var("PATH")

@@ -659,16 +659,21 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
             .ok()
             .and_then(|p| in_path(&a.shell, &p))
     };
+    // Without a workload user, started as `posix_spawn` starts a child (no copy of this process
+    // to make and tear down at the exec, issue 25 item 5), and made ready here, before the gate:
+    // once it opens, only the clone is left. Else (the uid drop runs between fork and exec)
+    // with std's fork.
+    let ready = match &plan {
+        Some(d) if a.user.is_none() => Some(prepare_direct(d, &a.cwd, &out, &err)),
+        _ => None,
+    };
     if gated {
         pass_gate()?;
     }
     let started_at = util::rfc3339(SystemTime::now());
     let direct = plan.and_then(|d| {
-        // Without a workload user, as `posix_spawn` starts a child (no copy of this process to
-        // make and tear down at the exec, issue 25 item 5); else (the uid drop runs between
-        // fork and exec) with std's fork.
-        if a.user.is_none() {
-            match spawn_direct(&d, &a.cwd, &out, &err) {
+        if let Some(ready) = ready {
+            match ready.and_then(super::vspawn::Prepared::start_workload) {
                 Ok(pid) => return Some(pid),
                 // The exec itself failed: bash's turn, as below.
                 Err(super::vspawn::Failure::Child(_)) => return None,
@@ -718,16 +723,16 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     }
 }
 
-/// The plain word list `d` exec'd in `cwd` by `clone(CLONE_VM | CLONE_VFORK)`
-/// ([`super::vspawn::spawn_workload`]): stdin `/dev/null`, its logs, this process's environment
+/// The plain word list `d`, made ready to be exec'd in `cwd` by `clone(CLONE_VM | CLONE_VFORK)`
+/// ([`super::vspawn::prepare_workload`]): stdin `/dev/null`, its logs, this process's environment
 /// as `d` changes it (what std's `Command` would give it), its own process group, every signal
 /// default and unblocked, no other descriptor.
-fn spawn_direct(
+fn prepare_direct(
     d: &Direct,
     cwd: &Path,
     out: &std::fs::File,
     err: &std::fs::File,
-) -> Result<i32, super::vspawn::Failure> {
+) -> Result<super::vspawn::Prepared, super::vspawn::Failure> {
     use super::vspawn::Failure;
     use std::ffi::OsString;
     let null = OpenOptions::new().read(true).open("/dev/null");
@@ -742,7 +747,7 @@ fn spawn_direct(
         .collect();
     env.extend(d.set_env.iter().map(|(k, v)| (k.into(), v.clone())));
     let args: Vec<OsString> = d.args.iter().map(OsString::from).collect();
-    super::vspawn::spawn_workload(
+    super::vspawn::prepare_workload(
         &d.program,
         std::ffi::OsStr::new(&d.arg0),
         &args,

@@ -221,6 +221,52 @@ fn prepare_and_clone<'a>(
     env: impl Iterator<Item = (&'a OsStr, &'a OsStr)>,
     streams: [OwnedFd; 3],
 ) -> Result<Result<i32, Failure>, Failure> {
+    prepare(command, env, streams)?.start()
+}
+
+/// Everything a clone and its exec need, made beforehand: the child itself allocates nothing,
+/// and a supervisor makes it before its gate, so that once the gate opens only the clone is left
+/// (issue 25 item 5). The pointer arrays point into the `CString`s held beside them, whose
+/// buffers stay where they are when this value moves.
+pub struct Prepared {
+    exe: std::path::PathBuf,
+    exe_c: CString,
+    _argv_c: Vec<CString>,
+    _envp_c: Vec<CString>,
+    dir_c: CString,
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    /// Above 2 each, so that no dup2 onto 0–2 in the child overwrites another of them.
+    streams: [OwnedFd; 3],
+    prepare: Prepare,
+    stack: Vec<u8>,
+}
+
+/// [`spawn_workload`] in two steps: what it needs, made now; [`Prepared::start_workload`]
+/// starts it.
+pub fn prepare_workload<'a>(
+    exe: &Path,
+    arg0: &OsStr,
+    args: &[OsString],
+    env: impl Iterator<Item = (&'a OsStr, &'a OsStr)>,
+    dir: &Path,
+    streams: [OwnedFd; 3],
+) -> Result<Prepared, Failure> {
+    let command = Exec {
+        exe,
+        arg0,
+        args,
+        dir,
+        prepare: Prepare::Workload,
+    };
+    prepare(&command, env, streams)
+}
+
+fn prepare<'a>(
+    command: &Exec<'_>,
+    env: impl Iterator<Item = (&'a OsStr, &'a OsStr)>,
+    streams: [OwnedFd; 3],
+) -> Result<Prepared, Failure> {
     let setup = Failure::Clone;
     let Exec {
         exe,
@@ -250,88 +296,111 @@ fn prepare_and_clone<'a>(
         .map(|c| c.as_ptr())
         .chain(std::iter::once(std::ptr::null()))
         .collect();
-    // Each above 2, so that no dup2 onto 0–2 in the child overwrites another of them.
     let [stdin, stdout, stderr] = streams;
-    let stdin = above_2(stdin).map_err(setup)?;
-    let stdout = above_2(stdout).map_err(setup)?;
-    let stderr = above_2(stderr).map_err(setup)?;
-
-    let mut all: libc::sigset_t = unsafe_zeroed_sigset();
-    let mut mask: libc::sigset_t = unsafe_zeroed_sigset();
-    // SAFETY: sigfillset on a local set we own.
-    unsafe {
-        libc::sigfillset(&mut all);
-    }
-    // The child runs in this memory: no signal handler may run in it before the exec. Every
-    // signal is blocked in this thread around the clone (the child inherits that) and the
-    // thread's own mask is restored in the child right before the exec (the supervisor keeps the
-    // node's blocked signals, as it always did).
-    // SAFETY: pthread_sigmask with valid set pointers.
-    let rc = unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut mask) };
-    if rc != 0 {
-        return Err(setup(std::io::Error::from_raw_os_error(rc)));
-    }
-    let args = ChildArgs {
-        exe: exe_c.as_ptr(),
-        argv: argv.as_ptr(),
-        envp: envp.as_ptr(),
-        dir: dir_c.as_ptr(),
-        streams: [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
-        mask,
+    let streams = [
+        above_2(stdin).map_err(setup)?,
+        above_2(stdout).map_err(setup)?,
+        above_2(stderr).map_err(setup)?,
+    ];
+    Ok(Prepared {
+        exe: exe.to_path_buf(),
+        exe_c,
+        _argv_c: argv_c,
+        _envp_c: envp_c,
+        dir_c,
+        argv,
+        envp,
+        streams,
         prepare,
-        err: AtomicI32::new(0),
-        err_pipe: -1,
-    };
-    let mut stack = vec![0u8; CHILD_STACK];
-    // The stack grows down: its top, aligned to 16 bytes as the ABI wants.
-    let end = stack.as_mut_ptr().wrapping_add(CHILD_STACK);
-    let top = end.wrapping_sub(end as usize & 15);
-    let pid = if forced_fork() {
-        -1
-    } else {
-        // SAFETY: `child` only reads `args` (alive until clone returns: CLONE_VFORK suspends
-        // this thread until the child execs or exits) and makes async-signal-safe calls on its
-        // own stack `top` (inside `stack`, alive as long). SIGCHLD makes it an ordinary child
-        // for the reaper.
+        stack: vec![0u8; CHILD_STACK],
+    })
+}
+
+impl Prepared {
+    /// Starts what was prepared as [`spawn_workload`] would; its pid.
+    pub fn start_workload(self) -> Result<i32, Failure> {
+        self.start()?
+    }
+
+    fn start(mut self) -> Result<Result<i32, Failure>, Failure> {
+        let setup = Failure::Clone;
+        let exe = self.exe.as_path();
+        let [stdin, stdout, stderr] = &self.streams;
+        let mut all: libc::sigset_t = unsafe_zeroed_sigset();
+        let mut mask: libc::sigset_t = unsafe_zeroed_sigset();
+        // SAFETY: sigfillset on a local set we own.
         unsafe {
-            libc::clone(
-                child,
-                top.cast(),
-                libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-                std::ptr::from_ref(&args).cast_mut().cast(),
-            )
+            libc::sigfillset(&mut all);
         }
-    };
-    // The kernel refused the clone (a seccomp filter, say): the same child, by a fork. Not by
-    // `std::process::Command`, whose `spawn` waits for a child whose exec failed and panics
-    // when the node's reaper thread collected it first.
-    let refused = (pid < 0).then(std::io::Error::last_os_error);
-    let forked = refused.is_some().then(|| fork_child(&args));
-    // SAFETY: restoring this thread's own mask, saved above.
-    unsafe {
-        libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut());
-    }
-    drop(stack);
-    if let Some(forked) = forked {
-        if let Some(e) = refused.filter(|_| !forced_fork()) {
-            log::debug!(
-                "the kernel refused the clone of {} ({e}): forked instead",
-                exe.display()
-            );
+        // The child runs in this memory: no signal handler may run in it before the exec. Every
+        // signal is blocked in this thread around the clone (the child inherits that) and the
+        // thread's own mask is restored in the child right before the exec (the supervisor keeps the
+        // node's blocked signals, as it always did).
+        // SAFETY: pthread_sigmask with valid set pointers.
+        let rc = unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut mask) };
+        if rc != 0 {
+            return Err(setup(std::io::Error::from_raw_os_error(rc)));
         }
-        return Ok(forked);
-    }
-    let err = args.err.load(Ordering::SeqCst);
-    if err != 0 {
-        // It has exited already (CLONE_VFORK): reaped here unless the reaper thread was first.
-        let mut status = 0;
-        // SAFETY: waitpid on our own child with a valid out pointer.
+        let args = ChildArgs {
+            exe: self.exe_c.as_ptr(),
+            argv: self.argv.as_ptr(),
+            envp: self.envp.as_ptr(),
+            dir: self.dir_c.as_ptr(),
+            streams: [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
+            mask,
+            prepare: self.prepare,
+            err: AtomicI32::new(0),
+            err_pipe: -1,
+        };
+        // The stack grows down: its top, aligned to 16 bytes as the ABI wants.
+        let end = self.stack.as_mut_ptr().wrapping_add(CHILD_STACK);
+        let top = end.wrapping_sub(end as usize & 15);
+        let pid = if forced_fork() {
+            -1
+        } else {
+            // SAFETY: `child` only reads `args` (alive until clone returns: CLONE_VFORK suspends
+            // this thread until the child execs or exits) and makes async-signal-safe calls on its
+            // own stack `top` (inside `stack`, alive as long). SIGCHLD makes it an ordinary child
+            // for the reaper.
+            unsafe {
+                libc::clone(
+                    child,
+                    top.cast(),
+                    libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+                    std::ptr::from_ref(&args).cast_mut().cast(),
+                )
+            }
+        };
+        // The kernel refused the clone (a seccomp filter, say): the same child, by a fork. Not by
+        // `std::process::Command`, whose `spawn` waits for a child whose exec failed and panics
+        // when the node's reaper thread collected it first.
+        let refused = (pid < 0).then(std::io::Error::last_os_error);
+        let forked = refused.is_some().then(|| fork_child(&args));
+        // SAFETY: restoring this thread's own mask, saved above.
         unsafe {
-            libc::waitpid(pid, &mut status, 0);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut());
         }
-        return Ok(Err(Failure::Child(std::io::Error::from_raw_os_error(err))));
+        if let Some(forked) = forked {
+            if let Some(e) = refused.filter(|_| !forced_fork()) {
+                log::debug!(
+                    "the kernel refused the clone of {} ({e}): forked instead",
+                    exe.display()
+                );
+            }
+            return Ok(forked);
+        }
+        let err = args.err.load(Ordering::SeqCst);
+        if err != 0 {
+            // It has exited already (CLONE_VFORK): reaped here unless the reaper thread was first.
+            let mut status = 0;
+            // SAFETY: waitpid on our own child with a valid out pointer.
+            unsafe {
+                libc::waitpid(pid, &mut status, 0);
+            }
+            return Ok(Err(Failure::Child(std::io::Error::from_raw_os_error(err))));
+        }
+        Ok(Ok(pid))
     }
-    Ok(Ok(pid))
 }
 
 /// The fallback of the clone: `fork`, the child running [`child`] with `a`'s arguments (all

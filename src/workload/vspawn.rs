@@ -226,7 +226,8 @@ fn prepare_and_clone<'a>(
 
 /// Everything a clone and its exec need, made beforehand: the child itself allocates nothing,
 /// and a supervisor makes it before its gate, so that once the gate opens only the clone is left
-/// (issue 25 item 5). The pointer arrays point into the `CString`s held beside them, whose
+/// (and the child's first touches of its stack; issue 25 item 5). Dropped unstarted (a start
+/// called off), it starts nothing and closes its descriptors. The pointer arrays point into the `CString`s held beside them, whose
 /// buffers stay where they are when this value moves.
 pub struct Prepared {
     exe: std::path::PathBuf,
@@ -334,8 +335,8 @@ impl Prepared {
         }
         // The child runs in this memory: no signal handler may run in it before the exec. Every
         // signal is blocked in this thread around the clone (the child inherits that) and the
-        // thread's own mask is restored in the child right before the exec (the supervisor keeps the
-        // node's blocked signals, as it always did).
+        // thread's own mask is restored in the child right before the exec (the supervisor keeps
+        // the node's blocked signals, as it always did).
         // SAFETY: pthread_sigmask with valid set pointers.
         let rc = unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut mask) };
         if rc != 0 {
@@ -487,8 +488,8 @@ fn unsafe_zeroed_sigset() -> libc::sigset_t {
 }
 
 /// The child, between the clone (or fork) and the exec: async-signal-safe calls only, no
-/// allocation, no panic (after the clone it shares the node's memory and runs on the stack
-/// `prepare_and_clone` gave it; after a fork, on its own copy of the forking thread's stack).
+/// allocation, no panic (after the clone it shares the node's memory and runs on the stack of
+/// its [`Prepared`]; after a fork, on its own copy of the forking thread's stack).
 extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is a `ChildArgs` alive while this runs: the parent's (CLONE_VFORK suspends
     // it until the exec or exit), or the child's own copy of `fork_child`'s.
@@ -658,6 +659,35 @@ mod tests {
             libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
         }
         assert_eq!(ran.1, "SigBlk:\t0000000000000200\n");
+    }
+
+    /// A start called off between its preparation and its clone: nothing runs, and the
+    /// descriptors it held are closed (the stdout pipe reads its end at once).
+    #[test]
+    fn a_prepared_start_dropped_unstarted_runs_nothing_and_holds_nothing() {
+        let dir = scratch("unstarted");
+        std::fs::create_dir_all(&dir).unwrap();
+        let marker = dir.join("ran");
+        let null = File::open("/dev/null").unwrap();
+        let (read, write) = pipe().unwrap();
+        let err = File::create(dir.join("stderr")).unwrap();
+        let args = [OsString::from(marker.as_os_str())];
+        let ready = prepare_workload(
+            Path::new("/usr/bin/touch"),
+            OsStr::new("touch"),
+            &args,
+            std::iter::empty(),
+            &dir,
+            [null.into(), write, err.into()],
+        )
+        .expect("prepared");
+        drop(ready);
+        let mut out = String::new();
+        File::from(read).read_to_string(&mut out).unwrap();
+        assert_eq!(out, "");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!marker.exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A workload started by [`spawn_workload`] in a scratch directory: its stdout.

@@ -368,9 +368,10 @@ fn g13_as_pid_1_of_its_namespace_the_node_still_forks_its_supervisors() {
 }
 
 /// D25 / D51 / D46.1 for a plain word list started by the supervisor without a fork
-/// (`clone(CLONE_VM | CLONE_VFORK)`, shim.rs `prepare_direct`, prepared before the gate), from a real supervisor (which
-/// blocks the node's handled signals): the workload leads its own process group, has no signal
-/// blocked and none of 1–31 ignored, and holds only its three streams. Passes.
+/// (`clone(CLONE_VM | CLONE_VFORK)`, shim.rs `prepare_direct`, made ready before the gate), from
+/// a real supervisor (which blocks the node's handled signals): the workload leads its own
+/// process group, has no signal blocked and none of 1–31 ignored, and holds only its three
+/// streams. Passes.
 #[test]
 fn g13_a_plain_word_list_started_without_a_fork_gets_a_clean_start() {
     let (_b, cp, setup) =

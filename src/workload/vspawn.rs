@@ -197,14 +197,7 @@ pub fn spawn_workload<'a>(
     dir: &Path,
     streams: [OwnedFd; 3],
 ) -> Result<i32, Failure> {
-    let command = Exec {
-        exe,
-        arg0,
-        args,
-        dir,
-        prepare: Prepare::Workload,
-    };
-    prepare_and_clone(&command, env, streams)?
+    prepare_workload(exe, arg0, args, env, dir, streams)?.start_workload()
 }
 
 /// What is exec'd, where, and how the child prepares.

@@ -1048,7 +1048,10 @@ fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
 
 /// The process group of `pid` (from `/proc/PID/stat`), to match GPU processes to workloads.
 pub fn pgid_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Bytes, not text: a process may name itself with bytes that are not UTF-8, and must not
+    // drop out of the match for that.
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let stat = String::from_utf8_lossy(&stat);
     // After the last ')' (the command name may hold anything): state, ppid, pgrp.
     let (_, rest) = stat.rsplit_once(')')?;
     rest.split_whitespace().nth(2)?.parse().ok()
@@ -1205,6 +1208,28 @@ pub fn doctor_lines(timing: &Timing) -> Vec<(&'static str, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A GPU process that names itself in bytes that are not UTF-8 is still matched to its
+    /// workload by its process group.
+    #[test]
+    fn the_group_of_a_process_named_in_bytes_that_are_not_utf8_is_read() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let named = std::thread::spawn(move || {
+            // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated buffer of at most 16 bytes.
+            unsafe {
+                libc::prctl(libc::PR_SET_NAME, c"\xff\xfe)x".as_ptr(), 0, 0, 0);
+            }
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        // SAFETY: getpgrp has no preconditions.
+        assert_eq!(pgid_of(tid), Some(unsafe { libc::getpgrp() }));
+        done_tx.send(()).unwrap();
+        named.join().unwrap();
+    }
 
     const FOUR: &str = "0, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60, NVIDIA A100-SXM4-80GB, 00000000:07:00.0, 81920, 1234, 87, 312.45, 61, 0, No, No, No\n\
 1, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e61, NVIDIA A100-SXM4-80GB, 00000000:0F:00.0, 81920, 0, 0, 61.20, 34, 0, No, No, No\n\

@@ -29,9 +29,11 @@ fn ran(setup: &NodeSetup) -> usize {
 
 /// Exists and is not a zombie.
 fn alive(pid: i32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    // Bytes: a process may name itself in bytes that are not UTF-8.
+    let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
         return false;
     };
+    let stat = String::from_utf8_lossy(&stat);
     let state = stat
         .rsplit_once(')')
         .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
@@ -100,6 +102,20 @@ fn g9_d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
         "esc",
         "escaped.pid",
         "started by the workload with setsid",
+    );
+}
+
+/// D25, hidden from /proc readers: a child that leaves the session (`setsid`) and names itself
+/// with bytes that are not UTF-8 (`prctl(PR_SET_NAME)`), so that its `/proc/<pid>/stat` is not
+/// text. The supervisor's search for what is left must still find it.
+#[test]
+fn g9_d25_a_child_that_setsids_and_names_itself_in_bytes_that_are_not_utf8_does_not_outlive_the_report(
+) {
+    assert_left_behind_is_ended(
+        "cyberwave:\n  training: |\n    setsid python3 -c 'import ctypes, os, time; ctypes.CDLL(None).prctl(15, b\"\\xff\\xfe)x\", 0, 0, 0); open(\"named.pid\", \"w\").write(str(os.getpid())); time.sleep(300)' </dev/null >/dev/null 2>&1 &\n    while [ ! -s named.pid ]; do sleep 0.05; done\n",
+        "named",
+        "named.pid",
+        "started by the workload with setsid, named in bytes that are not UTF-8",
     );
 }
 

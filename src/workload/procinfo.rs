@@ -10,12 +10,14 @@ pub fn boot_id() -> String {
 
 /// A /proc file's text in one read where it fits in 1 KiB (`/proc/<pid>/stat` does): /proc
 /// files say they are empty, so `fs::read_to_string` would grow its buffer from 32 bytes, a read
-/// each time (issue 25 item 5: this is on a start's path).
+/// each time (issue 25 item 5: this is on a start's path). Bytes that are not UTF-8 (a process
+/// may name itself anything, `prctl(PR_SET_NAME)`) are replaced, not an error: a workload that
+/// names itself so must not drop out of the scans that find it (D25, D26).
 fn read_proc(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {
     use std::io::Read;
-    let mut text = String::with_capacity(1024);
-    std::fs::File::open(path)?.read_to_string(&mut text)?;
-    Ok(text)
+    let mut bytes = Vec::with_capacity(1024);
+    std::fs::File::open(path)?.read_to_end(&mut bytes)?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// (state char, start time in clock ticks since boot) from /proc/<pid>/stat.
@@ -154,6 +156,28 @@ pub fn signal_name(sig: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_named_in_bytes_that_are_not_utf8_is_still_read() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let named = std::thread::spawn(move || {
+            // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated buffer of at most 16 bytes.
+            unsafe {
+                libc::prctl(libc::PR_SET_NAME, c"\xff\xfe)x".as_ptr(), 0, 0, 0);
+            }
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        let path = format!("/proc/{tid}/stat");
+        assert!(std::fs::read_to_string(&path).is_err(), "not text");
+        assert!(start_ticks(tid).is_some_and(|t| t > 0));
+        assert!(same_process_alive(tid, start_ticks(tid).unwrap()));
+        done_tx.send(()).unwrap();
+        named.join().unwrap();
+    }
 
     #[test]
     fn a_proc_file_over_its_first_read_is_read_whole() {

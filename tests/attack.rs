@@ -38,7 +38,14 @@ fn alive(pid: i32) -> bool {
         .rsplit_once(')')
         .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
         .unwrap_or_default();
-    state != "Z" && state != "X"
+    // A zombie whose other threads still run (its main thread ended by the raw `exit`) runs.
+    let threads =
+        || std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |rd| rd.take(2).count());
+    match state.as_str() {
+        "X" => false,
+        "Z" => threads() > 1,
+        _ => true,
+    }
 }
 
 /// The FNV-1a 32 hash `store::safe_id` appends to an id it changed.
@@ -119,10 +126,53 @@ fn g9_d25_a_child_that_setsids_and_names_itself_in_bytes_that_are_not_utf8_does_
     );
 }
 
+/// D25, hidden as a zombie: a child whose main thread ends by the raw `exit` system call while
+/// another thread of it runs on. Its `/proc/<pid>/stat` says `Z`, so it passed for gone; the
+/// kernel tells its parent nothing until that thread ends.
+#[test]
+fn g9_d25_a_child_that_looks_like_a_zombie_while_a_thread_of_it_runs_does_not_outlive_the_report() {
+    assert_left_behind_is_ended(
+        "cyberwave:\n  training: |\n    python3 -c 'import ctypes, os, threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); open(\"zombie.pid\", \"w\").write(str(os.getpid())); ctypes.CDLL(None).syscall({\"x86_64\": 60, \"aarch64\": 93}[os.uname().machine], 0)' </dev/null >/dev/null 2>&1 &\n    while [ ! -s zombie.pid ]; do sleep 0.05; done\n    sleep 0.2\n",
+        "zombie",
+        "zombie.pid",
+        "a child of the workload whose main thread ended while another runs",
+    );
+}
+
+/// D25, one step behind the kill: a background job in a group of its own that ignores SIGTERM
+/// has a child that left the session (`setsid`), so the first look finds only the job; the
+/// child is re-parented to the supervisor only when the job dies of the SIGKILL. Each look after
+/// that kills what it finds.
+#[test]
+fn g9_d25_a_child_that_turns_up_only_when_its_parent_is_killed_does_not_outlive_the_report() {
+    let manifest = "cyberwave:\n  training: |\n    set -m\n    ( trap '' TERM; setsid sh -c 'echo $$ > hidden.pid; exec sleep 300' </dev/null >/dev/null 2>&1 & while :; do sleep 0.05; done ) </dev/null >/dev/null 2>&1 &\n    while [ ! -s hidden.pid ]; do sleep 0.05; done\n";
+    assert_left_behind_is_ended_with(
+        manifest,
+        "hidden",
+        "hidden.pid",
+        "re-parented to the supervisor only once its parent was killed",
+        &[("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "0.3")],
+    );
+}
+
 /// Runs a training workload that leaves a process behind (its pid in `pid_file`), waits for
 /// its completion, and asserts that process is gone (killing it if not, so nothing leaks).
 fn assert_left_behind_is_ended(manifest: &str, rid: &str, pid_file: &str, what: &str) {
-    let (_b, cp, setup) = rig(manifest);
+    assert_left_behind_is_ended_with(manifest, rid, pid_file, what, &[]);
+}
+
+/// [`assert_left_behind_is_ended`] with these node settings.
+fn assert_left_behind_is_ended_with(
+    manifest: &str,
+    rid: &str,
+    pid_file: &str,
+    what: &str,
+    settings: &[(&str, &str)],
+) {
+    let (_b, cp, mut setup) = rig(manifest);
+    for (k, v) in settings {
+        setup.set(k, v);
+    }
     let node = setup.spawn();
     node.wait_ready(READY);
     let wl = format!("wl-{rid}");

@@ -38,7 +38,31 @@ pub fn start_ticks(pid: i32) -> Option<u64> {
 /// The process `pid` exists, is not a zombie, and started at `start` (same process, not a
 /// recycled pid).
 pub fn same_process_alive(pid: i32, start: u64) -> bool {
-    matches!(stat(pid), Some((state, s)) if s == start && state != 'Z' && state != 'X')
+    matches!(stat(pid), Some((state, s)) if s == start && live(pid, state))
+}
+
+/// Whether process `pid`, in `state` (its /proc stat state), still runs code: anything but a
+/// dead one or a zombie, and a zombie whose other threads still run. A process whose main
+/// thread ends by the raw `exit` system call shows as `Z` while its other threads go on (the
+/// kernel reports it to its parent only once they end): it must not pass for gone.
+fn live(pid: i32, state: char) -> bool {
+    match state {
+        'X' => false,
+        'Z' => {
+            std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|rd| rd.take(2).count() > 1)
+        }
+        _ => true,
+    }
+}
+
+/// The state char that follows the command name in a /proc stat text.
+fn state_of(stat: &str) -> Option<char> {
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .next()?
+        .chars()
+        .next()
 }
 
 /// (process group, session) of `pid`, from the fields after the command name in
@@ -66,24 +90,22 @@ pub fn group_members(pgid: i32, sid: i32) -> usize {
         return 0;
     };
     rd.flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter_map(|pid| {
+            read_proc(format!("/proc/{pid}/stat"))
+                .ok()
+                .map(|t| (pid, t))
         })
-        .filter_map(|e| read_proc(e.path().join("stat")).ok())
-        .filter(|text| {
-            let zombie = text
-                .get(text.rfind(')').unwrap_or(0)..)
-                .and_then(|r| r.split_whitespace().nth(1))
-                .is_some_and(|st| st == "Z" || st == "X");
-            !zombie && group_and_session(text) == Some((pgid, sid))
+        .filter(|(pid, text)| {
+            group_and_session(text) == Some((pgid, sid))
+                && state_of(text).is_some_and(|st| live(*pid, st))
         })
         .count()
 }
 
-/// Live processes (not zombies) other than `me` that are in session `me` or are children of
-/// `me`: what a supervisor (session leader and subreaper) must clear when its workload ends.
+/// Live processes (not zombies, unless threads of theirs still run) other than `me` that are in
+/// session `me` or are children of `me`: what a supervisor (session leader and subreaper) must
+/// clear when its workload ends.
 pub fn leftovers(me: i32) -> Vec<i32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -105,8 +127,8 @@ pub fn leftovers(me: i32) -> Vec<i32> {
             let (Some(state), Some(ppid), Some(session)) = (f.first(), f.get(1), f.get(3)) else {
                 return false;
             };
-            let live = *state != "Z" && *state != "X";
-            live && (ppid.parse() == Ok(me) || session.parse() == Ok(me))
+            let ours = ppid.parse() == Ok(me) || session.parse() == Ok(me);
+            ours && state.chars().next().is_some_and(|st| live(*pid, st))
         })
         .collect()
 }

@@ -191,8 +191,9 @@ impl ShimArgs {
 /// Terminates what is left of the workload (D25): its process group `pgid`, every other
 /// process in this shim's session `sid` (a job the workload put in a group of its own), and
 /// every child of this shim (an orphan re-parented to it, the subreaper, even one that left the
-/// session with `setsid`). SIGTERM, up to `grace` for them to go, then SIGKILL; re-parented
-/// orphans are reaped as it waits. Returns once nothing is left (or 5 s after SIGKILL).
+/// session with `setsid`). SIGTERM, up to `grace` for them to go, then SIGKILL, again at each
+/// look for what is left; re-parented orphans are reaped as it waits. Returns once nothing is
+/// left (or 5 s after SIGKILL).
 fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
     use std::time::{Duration, Instant};
     let reap = || {
@@ -205,8 +206,7 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
         pids.dedup();
         pids
     };
-    let signal_all = |sig: i32| {
-        let _ = procinfo::signal_group(pgid, sig);
+    let signal_left = |sig: i32| {
         for pid in left() {
             // SAFETY: kill on a pid found a moment ago in this shim's session or among its
             // children (a child's pid cannot be reused before this shim reaps it).
@@ -215,7 +215,14 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
             }
         }
     };
-    let wait_empty = |limit: Duration| {
+    let signal_all = |sig: i32| {
+        let _ = procinfo::signal_group(pgid, sig);
+        signal_left(sig);
+    };
+    // `again`: what turns up meanwhile gets that signal too (a process that appears only once
+    // another is killed, re-parented here from outside the session, say); by its pid, found in
+    // the session or among the children, not by the group, whose id may be free by then.
+    let wait_empty = |limit: Duration, again: Option<i32>| {
         let until = Instant::now().checked_add(limit);
         loop {
             reap();
@@ -224,6 +231,9 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
+            if let Some(sig) = again {
+                signal_left(sig);
+            }
         }
     };
     if left().is_empty() {
@@ -231,10 +241,10 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
         return;
     }
     signal_all(libc::SIGTERM);
-    wait_empty(grace);
+    wait_empty(grace, None);
     if !left().is_empty() {
         signal_all(libc::SIGKILL);
-        wait_empty(Duration::from_secs(5));
+        wait_empty(Duration::from_secs(5), Some(libc::SIGKILL));
     }
 }
 

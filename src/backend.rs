@@ -418,16 +418,16 @@ fn checked_url(url: &str) -> Result<(), BackendError> {
 
 /// Opens a workload's result file for upload: only a regular file, never through a link, and
 /// never blocking (the workload may have swapped it for a FIFO after the folder was listed).
-fn open_result(path: &std::path::Path) -> Result<(std::fs::File, u64), BackendError> {
-    crate::store::open_state_file(path)
-        .map_err(|e| BackendError::File(format!("cannot open {}: {e}", path.display())))
+fn open_result(path: &crate::store::Beneath) -> Result<(std::fs::File, u64), BackendError> {
+    path.open()
+        .map_err(|e| BackendError::File(format!("cannot open {}: {e}", path.path().display())))
 }
 
 /// E12: streams a file to a signed URL.
 pub fn put_file(
     agent: &ureq::Agent,
     url: &str,
-    path: &std::path::Path,
+    path: &crate::store::Beneath,
 ) -> Result<(), BackendError> {
     checked_url(url)?;
     let (file, size) = open_result(path)?;
@@ -485,7 +485,7 @@ impl Backend {
         &self,
         agent: &ureq::Agent,
         url: &str,
-        path: &std::path::Path,
+        path: &crate::store::Beneath,
         filename: &str,
     ) -> Result<(), BackendError> {
         let (file, size) = open_result(path)?;
@@ -588,7 +588,11 @@ mod tests {
             "",
             "http://exa mple.com/x",
         ] {
-            match put_file(&transfer_agent(), url, &file) {
+            match put_file(
+                &transfer_agent(),
+                url,
+                &crate::store::Beneath::new(file.parent().unwrap(), file.file_name().unwrap()),
+            ) {
                 Err(e @ BackendError::Unusable(_)) => {
                     assert!(
                         !e.retriable() && e.to_string().contains("upload URL"),
@@ -614,7 +618,10 @@ mod tests {
         let link = dir.join("link.bin");
         std::os::unix::fs::symlink("/etc/passwd", &link).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
-        let (f, l) = (fifo.clone(), link.clone());
+        let (f, l) = (
+            crate::store::Beneath::new(&dir, "result.bin"),
+            crate::store::Beneath::new(&dir, "link.bin"),
+        );
         std::thread::spawn(move || {
             // Nothing listens there: only the open is tried.
             let _ = tx.send((

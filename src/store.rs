@@ -416,6 +416,190 @@ pub fn open_state_file(path: &Path) -> Result<(fs::File, u64), ReadError> {
     Ok((f, md.len()))
 }
 
+/// How deep [`Beneath`] and the walks over a results folder go: a tree deeper than this is not
+/// followed (a workload could make one deep enough to exhaust the stack or the descriptors).
+pub const MAX_DEPTH: usize = 64;
+
+/// A file named by a folder and its path below it, opened and removed without following a
+/// symlink anywhere below that folder: each folder on the way is opened from the one above it
+/// with `O_NOFOLLOW` (D24: a workload may swap any of its result folders for a link to the
+/// node's state or `/etc` once they were listed, and the node, root with a `workload_user`,
+/// would then upload and delete what the link points at).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Beneath {
+    root: PathBuf,
+    rel: PathBuf,
+}
+
+impl Beneath {
+    pub fn new(root: impl Into<PathBuf>, rel: impl Into<PathBuf>) -> Beneath {
+        Beneath {
+            root: root.into(),
+            rel: rel.into(),
+        }
+    }
+
+    /// The whole path (for messages and metadata; never opened as such).
+    pub fn path(&self) -> PathBuf {
+        self.root.join(&self.rel)
+    }
+
+    /// The folder that holds the file, reached from `root` without a symlink, and the file's
+    /// name in it.
+    fn parent(&self) -> io::Result<(std::os::fd::OwnedFd, &std::ffi::OsStr)> {
+        use std::path::Component;
+        let not_below =
+            || io::Error::new(io::ErrorKind::InvalidInput, "not a path below the folder");
+        let mut parts = self.rel.components();
+        let Some(Component::Normal(leaf)) = parts.next_back() else {
+            return Err(not_below());
+        };
+        let mut dir = open_dir_at(None, self.root.as_os_str())?;
+        for (depth, part) in parts.enumerate() {
+            let Component::Normal(name) = part else {
+                return Err(not_below());
+            };
+            if depth >= MAX_DEPTH {
+                return Err(not_below());
+            }
+            dir = open_dir_at(Some(&dir), name)?;
+        }
+        Ok((dir, leaf))
+    }
+
+    /// Opens the file for reading as [`open_state_file`] does (a regular file only, never
+    /// through a link, never blocking), with no link followed below `root` either.
+    pub fn open(&self) -> Result<(fs::File, u64), ReadError> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        use std::os::unix::ffi::OsStrExt;
+        let io_err = |e: io::Error| match e.raw_os_error() {
+            Some(libc::ENOENT) => ReadError::Missing,
+            // A folder on the way swapped for a link or a file.
+            Some(libc::ELOOP | libc::ENOTDIR) => ReadError::NotRegular("behind a symlink"),
+            _ => ReadError::Io(e),
+        };
+        let (dir, leaf) = self.parent().map_err(io_err)?;
+        let name = std::ffi::CString::new(leaf.as_bytes())
+            .map_err(|_| ReadError::NotRegular("not a plain file"))?;
+        // A look first, so that nothing but a regular file is ever opened (opening a device can
+        // have effects); the `fstat` below decides, as it may be swapped in between.
+        // SAFETY: fstatat on a directory descriptor we own, a NUL-terminated name and a zeroed
+        // stat buffer of the right type; it does not follow a final symlink.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let rc = unsafe {
+            libc::fstatat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc != 0 {
+            return Err(io_err(io::Error::last_os_error()));
+        }
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(ReadError::NotRegular(
+                if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+                    "a symlink"
+                } else {
+                    "not a plain file"
+                },
+            ));
+        }
+        // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
+        let fd = unsafe {
+            libc::openat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::O_RDONLY
+                    | libc::O_NOFOLLOW
+                    | libc::O_NONBLOCK
+                    | libc::O_NOCTTY
+                    | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                // Swapped for a symlink (ELOOP) or a socket (ENXIO) since the look above.
+                Some(libc::ELOOP) => ReadError::NotRegular("a symlink"),
+                Some(libc::ENXIO) => ReadError::NotRegular("a socket or device"),
+                _ => io_err(e),
+            });
+        }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let f = unsafe { fs::File::from_raw_fd(fd) };
+        let md = f.metadata().map_err(ReadError::Io)?;
+        if !md.file_type().is_file() {
+            return Err(ReadError::NotRegular(kind_of(md.file_type())));
+        }
+        Ok((f, md.len()))
+    }
+
+    /// Removes the file (never what a link on the way points at).
+    pub fn remove(&self) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let (dir, leaf) = self.parent()?;
+        let name = std::ffi::CString::new(leaf.as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+        // SAFETY: unlinkat relative to a directory descriptor we own, a NUL-terminated name.
+        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
+/// Opens the folder `name` (relative to `at`, or to the working directory) without following a
+/// symlink in its place.
+pub fn open_dir_at(
+    at: Option<&std::os::fd::OwnedFd>,
+    name: &std::ffi::OsStr,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(name.as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+    let at = at.map_or(libc::AT_FDCWD, AsRawFd::as_raw_fd);
+    // SAFETY: openat with a valid directory descriptor (or AT_FDCWD) and a NUL-terminated name.
+    let fd = unsafe {
+        libc::openat(
+            at,
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// The entries of the folder open as `dir` (through `/proc/self/fd`, which names that very
+/// folder, whatever was moved or linked in its path since).
+pub fn entries(dir: &std::os::fd::OwnedFd) -> io::Result<fs::ReadDir> {
+    use std::os::fd::AsRawFd;
+    fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+}
+
+/// Removes the empty folder `name` in the folder open as `dir` (a link in its place is not
+/// followed; a folder that still holds anything stays).
+pub fn remove_dir_at(dir: &std::os::fd::OwnedFd, name: &std::ffi::OsStr) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(name.as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+    // SAFETY: unlinkat relative to a directory descriptor we own, a NUL-terminated name.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Reads a whole state file of at most `cap` bytes, opened by [`open_state_file`] (only a
 /// regular file is read; a larger one is refused and never read into memory).
 pub fn read_state_file(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {

@@ -3,7 +3,6 @@
 //! for short REST calls (self-heal lookups, upload fallbacks), so neither waits behind the other
 //! and the event loop waits behind neither. Results come back as [`Done`] messages.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Sender};
@@ -18,7 +17,7 @@ pub enum Job {
         /// Which of the workload's result files.
         file: usize,
         url: String,
-        path: PathBuf,
+        path: crate::store::Beneath,
         /// `Some(form file name)`: a multipart POST (decision D40) instead of a PUT.
         multipart: Option<String>,
     },

@@ -1293,7 +1293,11 @@ mod tests {
                 Job::Put { file, path, .. } if *file == i => Some(path.clone()),
                 _ => None,
             });
-            assert_eq!(put, Some(root.join("w").join(name)), "PUT expected");
+            assert_eq!(
+                put.map(|p| p.path()),
+                Some(root.join("w").join(name)),
+                "PUT expected"
+            );
         }
         for i in [1, 0] {
             let ok = Done::Put {

@@ -16,7 +16,10 @@
 //! the table then moves the workload on. It never sees the table.
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+
+use crate::store::{self, Beneath};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -128,7 +131,7 @@ enum State {
 struct File {
     /// Its name relative to the folder.
     name: String,
-    path: PathBuf,
+    path: Beneath,
     state: State,
     /// Failed attempts so far.
     attempt: u32,
@@ -169,33 +172,48 @@ impl Upload {
 }
 
 /// Every regular file below `root` (sorted), never following a symlink: a workload must not be
-/// able to upload a file outside its results folder.
-pub fn collect(root: &Path) -> Vec<(String, PathBuf)> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) {
-        let Ok(rd) = std::fs::read_dir(dir) else {
+/// able to upload a file outside its results folder. Each folder is opened from the one above
+/// it ([`store::open_dir_at`]), so one swapped for a link while it is walked is not entered
+/// either; a tree deeper than [`store::MAX_DEPTH`] is not followed.
+pub fn collect(root: &Path) -> Vec<(String, Beneath)> {
+    fn walk(
+        root: &Path,
+        dir: &OwnedFd,
+        rel: &Path,
+        depth: usize,
+        out: &mut Vec<(String, Beneath)>,
+    ) {
+        let Ok(rd) = store::entries(dir) else {
             return;
         };
         for e in rd.flatten() {
-            let p = e.path();
-            let Ok(md) = std::fs::symlink_metadata(&p) else {
+            let name = e.file_name();
+            let rel = rel.join(&name);
+            let Ok(t) = e.file_type() else {
                 continue;
             };
-            if md.file_type().is_symlink() {
-                log::warn!("result upload: skipping symlink {} (only regular files inside the results folder are uploaded)", crate::logtext::shown(&p.display().to_string()));
-            } else if md.is_dir() {
-                walk(root, &p, out);
-            } else if md.is_file() {
-                if let Ok(rel) = p.strip_prefix(root) {
-                    out.push((rel.to_string_lossy().into_owned(), p));
+            if t.is_symlink() {
+                log::warn!("result upload: skipping symlink {} (only regular files inside the results folder are uploaded)", crate::logtext::shown(&root.join(&rel).display().to_string()));
+            } else if t.is_dir() {
+                if depth >= store::MAX_DEPTH {
+                    log::warn!(
+                        "result upload: not entering {} (more than {} folders deep)",
+                        crate::logtext::shown(&root.join(&rel).display().to_string()),
+                        store::MAX_DEPTH
+                    );
+                } else if let Ok(sub) = store::open_dir_at(Some(dir), &name) {
+                    walk(root, &sub, &rel, depth.saturating_add(1), out);
                 }
+            } else if t.is_file() {
+                out.push((rel.to_string_lossy().into_owned(), Beneath::new(root, rel)));
             }
         }
     }
     let mut out = Vec::new();
-    if std::fs::symlink_metadata(root).is_ok_and(|m| m.is_dir()) {
-        walk(root, root, &mut out);
+    if let Ok(dir) = store::open_dir_at(None, root.as_os_str()) {
+        walk(root, &dir, Path::new(""), 0, &mut out);
     }
-    out.sort();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
     out
 }
 
@@ -204,12 +222,12 @@ pub const DEFAULT_MAX_RESULT_BYTES: u64 = 10 * 1024 * 1024 * 1024;
 
 /// Keeps files in order while their sizes add up to at most `max` bytes; the names of the files
 /// that did not fit are returned beside them.
-fn within_budget(files: Vec<(String, PathBuf)>, max: u64) -> (Vec<(String, PathBuf)>, Vec<String>) {
+fn within_budget(files: Vec<(String, Beneath)>, max: u64) -> (Vec<(String, Beneath)>, Vec<String>) {
     let mut total = 0u64;
     let mut kept = Vec::new();
     let mut skipped = Vec::new();
     for (name, path) in files {
-        let size = std::fs::symlink_metadata(&path).map_or(0, |m| m.len());
+        let size = std::fs::symlink_metadata(path.path()).map_or(0, |m| m.len());
         match total.checked_add(size).filter(|t| *t <= max) {
             Some(t) => {
                 total = t;
@@ -222,19 +240,31 @@ fn within_budget(files: Vec<(String, PathBuf)>, max: u64) -> (Vec<(String, PathB
 }
 
 /// Removes `dir` and the empty folders below it; anything still holding a file stays. A
-/// symlink is never followed (a workload may plant one in place of its folder).
+/// symlink is never followed (a workload may plant one in place of its folder, or of any folder
+/// below it): each folder is opened from the one above it, and removed by name in it.
 fn remove_empty_dirs(dir: &Path) {
-    if !std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
-        return;
-    }
-    if let Ok(rd) = std::fs::read_dir(dir) {
+    fn below(dir: &OwnedFd, depth: usize) {
+        let Ok(rd) = store::entries(dir) else {
+            return;
+        };
         for e in rd.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                remove_empty_dirs(&e.path());
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
             }
+            let name = e.file_name();
+            if depth < store::MAX_DEPTH {
+                if let Ok(sub) = store::open_dir_at(Some(dir), &name) {
+                    below(&sub, depth.saturating_add(1));
+                }
+            }
+            let _ = store::remove_dir_at(dir, &name);
         }
     }
-    let _ = std::fs::remove_dir(dir);
+    if let Ok(fd) = store::open_dir_at(None, dir.as_os_str()) {
+        below(&fd, 0);
+        // A link put in its place since is not followed by rmdir.
+        let _ = std::fs::remove_dir(dir);
+    }
 }
 
 /// The result uploads of the workloads in their `Uploading` phase, by safe id.
@@ -265,7 +295,7 @@ impl Uploads {
     /// (outside the folders of `others`, the other workloads tracked). With capacity > 1 files
     /// straight in `results_folder` belong to nobody: never uploaded or deleted, and the node
     /// says so once.
-    fn result_files(&mut self, id: &str, since: f64, others: &[String]) -> Vec<(String, PathBuf)> {
+    fn result_files(&mut self, id: &str, since: f64, others: &[String]) -> Vec<(String, Beneath)> {
         let root = self.cfg.folder.clone();
         let mut files = collect(&root.join(id));
         let others: Vec<PathBuf> = others
@@ -286,12 +316,13 @@ impl Uploads {
                 secs >= since
             })
         };
-        let loose: Vec<(String, PathBuf)> = collect(&root)
+        let loose: Vec<(String, Beneath)> = collect(&root)
             .into_iter()
-            .filter(|(_, p)| {
+            .filter(|(_, b)| {
+                let p = b.path();
                 !p.starts_with(root.join(id))
                     && !others.iter().any(|o| p.starts_with(o))
-                    && written_since(p)
+                    && written_since(&p)
             })
             .collect();
         if self.cfg.capacity <= 1 {
@@ -646,7 +677,7 @@ impl Uploads {
         let sent = u.count(|s| matches!(s, State::Sent(_)));
         if notified {
             for f in u.files.iter().filter(|f| matches!(f.state, State::Sent(_))) {
-                let _ = std::fs::remove_file(&f.path);
+                let _ = f.path.remove();
             }
         }
         log::info!(
@@ -699,4 +730,86 @@ fn notice(u: &Upload) -> Value {
         "signed_urls": sent.iter().map(|(_, a)| a.url.clone()).collect::<Vec<_>>(),
         "attachment_uuids": sent.iter().map(|(_, a)| a.uuid.clone()).collect::<Vec<_>>(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The results folder `out/w/sub/result.bin`, and beside it a folder `secret` holding what a
+    /// workload must never have uploaded or deleted (standing for the node's state dir, `/etc`).
+    fn tree(tag: &str) -> (crate::scratch::Scratch, PathBuf, PathBuf) {
+        let s = crate::scratch::Scratch::new(tag);
+        let root = s.path().join("out").join("w");
+        std::fs::create_dir_all(root.join("sub")).unwrap();
+        std::fs::write(root.join("sub").join("result.bin"), b"result").unwrap();
+        let secret = s.path().join("secret");
+        std::fs::create_dir_all(secret.join("empty")).unwrap();
+        std::fs::write(secret.join("result.bin"), b"the node's secret").unwrap();
+        (s, root, secret)
+    }
+
+    /// D24: a workload that swaps a folder of its results for a link once they were listed (the
+    /// link pointing at the node's state) makes the node neither upload nor delete what the
+    /// link points at.
+    #[test]
+    fn d24_a_results_folder_swapped_for_a_link_after_the_listing_reaches_nothing_behind_it() {
+        let (_s, root, secret) = tree("swap");
+        let files = collect(&root);
+        assert_eq!(files.len(), 1, "{files:?}");
+        assert_eq!(files[0].0, "sub/result.bin");
+        // The swap.
+        std::fs::rename(root.join("sub"), root.join("moved")).unwrap();
+        std::os::unix::fs::symlink(&secret, root.join("sub")).unwrap();
+        let opened = files[0].1.open();
+        assert!(
+            matches!(opened, Err(store::ReadError::NotRegular(_))),
+            "opened through the link: {opened:?}"
+        );
+        assert!(files[0].1.remove().is_err(), "removed through the link");
+        assert_eq!(
+            std::fs::read(secret.join("result.bin")).unwrap(),
+            b"the node's secret"
+        );
+        // Listed again, the link is not followed either; the empty-folder clean-up leaves the
+        // link's target alone.
+        assert!(collect(&root).iter().all(|(n, _)| n.starts_with("moved/")));
+        std::fs::remove_file(root.join("moved").join("result.bin")).unwrap();
+        remove_empty_dirs(&root);
+        assert!(
+            secret.join("empty").is_dir(),
+            "an empty folder behind the link was removed"
+        );
+        assert!(secret.join("result.bin").exists());
+    }
+
+    /// The results folder itself swapped for a link: nothing is listed, opened or removed.
+    #[test]
+    fn d24_a_results_folder_that_is_itself_a_link_is_not_followed() {
+        let (s, root, secret) = tree("swaproot");
+        let files = collect(&root);
+        std::fs::rename(&root, s.path().join("gone")).unwrap();
+        std::os::unix::fs::symlink(&secret, &root).unwrap();
+        assert!(collect(&root).is_empty());
+        assert!(files[0].1.open().is_err());
+        remove_empty_dirs(&root);
+        assert!(secret.join("empty").is_dir());
+    }
+
+    /// A tree deeper than [`store::MAX_DEPTH`] is walked down to that depth only (a deeper one
+    /// would cost a descriptor and a stack frame a level).
+    #[test]
+    fn a_results_tree_deeper_than_the_limit_is_not_followed_below_it() {
+        let s = crate::scratch::Scratch::new("deep");
+        let mut dir = s.path().to_path_buf();
+        for _ in 0..store::MAX_DEPTH + 3 {
+            dir = dir.join("d");
+        }
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("deepest.bin"), b"x").unwrap();
+        std::fs::write(s.path().join("d").join("top.bin"), b"x").unwrap();
+        let names: Vec<String> = collect(s.path()).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["d/top.bin"]);
+        remove_empty_dirs(s.path());
+    }
 }

@@ -102,6 +102,8 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
                 .to_string();
             Err(if reply.get("refused") == Some(&json!(true)) {
                 EmitError::Refused(why)
+            } else if reply.get("busy") == Some(&json!(true)) {
+                EmitError::Failed(why)
             } else {
                 EmitError::Invalid(why)
             })
@@ -110,6 +112,13 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
             // The node is down: check the token against the workload records and queue directly.
             let state = socket.parent().map(PathBuf::from).unwrap_or_else(state_dir);
             authorised(&state, &token, &event.workflow)?;
+            let queued = std::fs::read_dir(state.join("ingress"))
+                .map_or(0, |rd| rd.take(crate::ingress::MAX_QUEUED_EVENTS).count());
+            if queued >= crate::ingress::MAX_QUEUED_EVENTS {
+                return Err(EmitError::Failed(format!(
+                    "{queued} workflow events wait to be sent already: this one is not queued; try again later"
+                )));
+            }
             let item = Item {
                 topic: event.topic.clone(),
                 body: event.body.clone(),

@@ -22,6 +22,9 @@ pub struct Ingress {
     reporting: bool,
     /// `topic_prefix`.
     prefix: String,
+    /// How many events may wait in `queue` before a workload's `emit` is refused
+    /// ([`ingress::MAX_QUEUED_EVENTS`]).
+    max_queued: usize,
 }
 
 /// What the ingress part needs of the world.
@@ -42,6 +45,7 @@ impl Ingress {
             queue,
             reporting,
             prefix,
+            max_queued: ingress::MAX_QUEUED_EVENTS,
         }
     }
 
@@ -140,6 +144,11 @@ impl Ingress {
             if ctx.workflow != ev.workflow {
                 return json!({"ok": false, "refused": true, "error": format!("this workload may only report workflow {}", ctx.workflow)});
             }
+        }
+        // A workload emitting in a loop (or while the broker is away) must not fill the memory
+        // and the disk: past the limit nothing more is queued until events are sent.
+        if self.queue.len() >= self.max_queued {
+            return json!({"ok": false, "busy": true, "error": format!("{} workflow events wait to be sent already (the broker is slow or away): this one is not queued; try again later", self.queue.len())});
         }
         let execution = ev.execution.clone();
         let label = format!(
@@ -314,6 +323,37 @@ mod tests {
             activation_index: None,
             caller_uuid: None,
         }
+    }
+
+    /// A workload that emits in a loop while the broker is away fills the queue up to its limit
+    /// and no further: each `emit` past it is refused as busy, with nothing queued.
+    #[test]
+    fn emits_past_the_queue_limit_are_refused_as_busy_and_queue_nothing() {
+        let scratch = crate::scratch::Scratch::new("ingress-cap");
+        let mut part = Ingress::new(
+            Outbox::load(scratch.path().join("q")).unwrap(),
+            true,
+            String::new(),
+        );
+        part.max_queued = 3;
+        let layout = crate::workload::Layout {
+            state: scratch.path().to_path_buf(),
+        };
+        let owner: Meta =
+            serde_json::from_value(crate::workload::testkit::good_meta(&layout)).unwrap();
+        let mut out = Fake {
+            connected: false,
+            now: Instant::now(),
+            published: Vec::new(),
+        };
+        let body = json!({"fields": {"kind": "started", "workflow": ctx().workflow}});
+        for _ in 0..3 {
+            assert_eq!(part.emit(&body, Some(&owner), &mut out)["ok"], true);
+        }
+        let refused = part.emit(&body, Some(&owner), &mut out);
+        assert_eq!(refused["ok"], false, "{refused}");
+        assert_eq!(refused["busy"], true, "{refused}");
+        assert_eq!(part.queue.len(), 3);
     }
 
     #[test]

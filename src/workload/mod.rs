@@ -20,7 +20,7 @@ pub mod spawner;
 pub mod summary;
 pub mod tail;
 #[cfg(test)]
-mod testkit;
+pub(crate) mod testkit;
 pub mod user;
 pub mod vspawn;
 

@@ -167,11 +167,33 @@ fn shim_of(dir: &Path) -> Option<(i32, u64)> {
         .ok()?
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|pid| ours(*pid))
         .find_map(|pid| {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
             let ticks = procinfo::start_ticks(pid)?;
             (supervises(pid, &cmd, dir) && procinfo::same_process_alive(pid, ticks))
                 .then_some((pid, ticks))
+        })
+}
+
+/// The process `pid` runs as this process's user, as every supervisor does (it drops to a
+/// `workload_user` only in the workload it starts): a workload's own process that calls itself
+/// `… __shim <dir>` is not taken for one.
+fn ours(pid: i32) -> bool {
+    // The `Uid:` line of its status (real, effective, saved, filesystem), not the owner of its
+    // /proc entries, which is root for a process that made itself not dumpable.
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() }.to_string();
+    let Ok(status) = std::fs::read(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let status = String::from_utf8_lossy(&status);
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .is_some_and(|ids| {
+            let ids: Vec<&str> = ids.split_whitespace().collect();
+            ids.len() == 4 && ids.iter().all(|id| *id == me)
         })
 }
 
@@ -215,6 +237,36 @@ impl store::Validate for Params {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_of_this_user_is_ours_and_one_of_another_is_not() {
+        assert!(ours(std::process::id() as i32));
+        assert!(!ours(i32::MAX), "no such process");
+        // A process of another user: only root can start one here.
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            use std::os::unix::process::CommandExt;
+            let mut other = std::process::Command::new("sleep")
+                .arg("5")
+                .uid(65534)
+                .gid(65534)
+                .spawn()
+                .unwrap();
+            let pid = other.id() as i32;
+            // Its uid is dropped before the exec; wait for the exec to be sure.
+            for _ in 0..200 {
+                if std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.starts_with(b"sleep"))
+                {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            assert!(!ours(pid), "another user's process");
+            let _ = other.kill();
+            let _ = other.wait();
+        }
+    }
     use crate::workload::testkit::{good_meta, scratch};
     use std::process::Command;
 

@@ -425,10 +425,38 @@ pub const MAX_DEPTH: usize = 64;
 /// with `O_NOFOLLOW` (D24: a workload may swap any of its result folders for a link to the
 /// node's state or `/etc` once they were listed, and the node, root with a `workload_user`,
 /// would then upload and delete what the link points at).
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// A file found by a listing also carries what the listing saw ([`Listed`]): it is opened and
+/// removed only while it is still that file, so a folder renamed away and back (a real folder,
+/// not a link) cannot put another file in its place between the listing and the upload.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Beneath {
     root: PathBuf,
     rel: PathBuf,
+    listed: Option<Listed>,
+}
+
+/// What a listing saw of a file, through the folder it was listed in: which file it is (device
+/// and inode), its status-change time (seconds since the epoch) and its size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Listed {
+    pub dev: u64,
+    pub ino: u64,
+    pub ctime: f64,
+    pub size: u64,
+}
+
+impl Listed {
+    pub fn of(md: &fs::Metadata) -> Listed {
+        use std::os::unix::fs::MetadataExt;
+        let nanos = f64::from(u32::try_from(md.ctime_nsec()).unwrap_or(0));
+        Listed {
+            dev: md.dev(),
+            ino: md.ino(),
+            ctime: md.ctime() as f64 + nanos / 1e9,
+            size: md.len(),
+        }
+    }
 }
 
 impl Beneath {
@@ -436,7 +464,24 @@ impl Beneath {
         Beneath {
             root: root.into(),
             rel: rel.into(),
+            listed: None,
         }
+    }
+
+    /// The same, known as the file a listing saw.
+    pub fn listed_as(mut self, listed: Listed) -> Beneath {
+        self.listed = Some(listed);
+        self
+    }
+
+    /// What the listing saw of it, when it was found by one.
+    pub fn listed(&self) -> Option<&Listed> {
+        self.listed.as_ref()
+    }
+
+    /// Whether `(dev, ino)` is the file the listing saw (any file, when it was not listed).
+    fn is_listed(&self, dev: u64, ino: u64) -> bool {
+        self.listed.is_none_or(|l| l.dev == dev && l.ino == ino)
     }
 
     /// The whole path (for messages and metadata; never opened as such).
@@ -506,6 +551,9 @@ impl Beneath {
                 },
             ));
         }
+        if !self.is_listed(st.st_dev, st.st_ino) {
+            return Err(ReadError::NotRegular("another file than the one listed"));
+        }
         // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
         let fd = unsafe {
             libc::openat(
@@ -533,16 +581,40 @@ impl Beneath {
         if !md.file_type().is_file() {
             return Err(ReadError::NotRegular(kind_of(md.file_type())));
         }
+        if !self.is_listed(
+            std::os::unix::fs::MetadataExt::dev(&md),
+            std::os::unix::fs::MetadataExt::ino(&md),
+        ) {
+            return Err(ReadError::NotRegular("another file than the one listed"));
+        }
         Ok((f, md.len()))
     }
 
-    /// Removes the file (never what a link on the way points at).
+    /// Removes the file (never what a link on the way points at, nor another file than the
+    /// one listed).
     pub fn remove(&self) -> io::Result<()> {
         use std::os::fd::AsRawFd;
         use std::os::unix::ffi::OsStrExt;
         let (dir, leaf) = self.parent()?;
         let name = std::ffi::CString::new(leaf.as_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+        // SAFETY: fstatat on a directory descriptor we own, a NUL-terminated name and a zeroed
+        // stat buffer of the right type; it does not follow a final symlink.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let rc = unsafe {
+            libc::fstatat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if !self.is_listed(st.st_dev, st.st_ino) {
+            return Err(io::Error::other("another file than the one listed"));
+        }
         // SAFETY: unlinkat relative to a directory descriptor we own, a NUL-terminated name.
         if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } == 0 {
             Ok(())

@@ -205,7 +205,11 @@ pub fn collect(root: &Path) -> Vec<(String, Beneath)> {
                     walk(root, &sub, &rel, depth.saturating_add(1), out);
                 }
             } else if t.is_file() {
-                out.push((rel.to_string_lossy().into_owned(), Beneath::new(root, rel)));
+                // Its metadata through the folder it is listed in, never through a path.
+                if let Ok(md) = e.metadata() {
+                    let file = Beneath::new(root, &rel).listed_as(store::Listed::of(&md));
+                    out.push((rel.to_string_lossy().into_owned(), file));
+                }
             }
         }
     }
@@ -227,7 +231,7 @@ fn within_budget(files: Vec<(String, Beneath)>, max: u64) -> (Vec<(String, Benea
     let mut kept = Vec::new();
     let mut skipped = Vec::new();
     for (name, path) in files {
-        let size = std::fs::symlink_metadata(path.path()).map_or(0, |m| m.len());
+        let size = path.listed().map_or(0, |l| l.size);
         match total.checked_add(size).filter(|t| *t <= max) {
             Some(t) => {
                 total = t;
@@ -308,21 +312,14 @@ impl Uploads {
         // uploaded or deleted as its result.
         // The status-change time: a file moved (`mv`) or copied in keeping its times still
         // counts as written by the workload.
-        let written_since = |p: &Path| {
-            use std::os::unix::fs::MetadataExt;
-            std::fs::symlink_metadata(p).is_ok_and(|m| {
-                let secs =
-                    m.ctime() as f64 + f64::from(u32::try_from(m.ctime_nsec()).unwrap_or(0)) / 1e9;
-                secs >= since
-            })
-        };
+        let written_since = |b: &Beneath| b.listed().is_some_and(|l| l.ctime >= since);
         let loose: Vec<(String, Beneath)> = collect(&root)
             .into_iter()
             .filter(|(_, b)| {
                 let p = b.path();
                 !p.starts_with(root.join(id))
                     && !others.iter().any(|o| p.starts_with(o))
-                    && written_since(&p)
+                    && written_since(b)
             })
             .collect();
         if self.cfg.capacity <= 1 {
@@ -781,6 +778,29 @@ mod tests {
             "an empty folder behind the link was removed"
         );
         assert!(secret.join("result.bin").exists());
+    }
+
+    /// A real folder renamed away and another put in its place between the listing and the
+    /// upload (no link anywhere): the file there is not the one listed, so it is neither
+    /// uploaded nor deleted.
+    #[test]
+    fn d24_a_file_put_in_place_of_the_listed_one_is_neither_uploaded_nor_deleted() {
+        let (_s, root, _secret) = tree("replace");
+        let files = collect(&root);
+        std::fs::rename(root.join("sub"), root.join("kept")).unwrap();
+        std::fs::create_dir_all(root.join("sub")).unwrap();
+        std::fs::write(root.join("sub").join("result.bin"), b"another").unwrap();
+        assert!(
+            matches!(files[0].1.open(), Err(store::ReadError::NotRegular(_))),
+            "another file opened"
+        );
+        assert!(files[0].1.remove().is_err());
+        assert!(root.join("sub").join("result.bin").exists());
+        // Renamed back, it is the listed file again.
+        std::fs::remove_dir_all(root.join("sub")).unwrap();
+        std::fs::rename(root.join("kept"), root.join("sub")).unwrap();
+        assert!(files[0].1.open().is_ok());
+        assert!(files[0].1.remove().is_ok());
     }
 
     /// The results folder itself swapped for a link: nothing is listed, opened or removed.

@@ -112,8 +112,19 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
             // The node is down: check the token against the workload records and queue directly.
             let state = socket.parent().map(PathBuf::from).unwrap_or_else(state_dir);
             authorised(&state, &token, &event.workflow)?;
-            let queued = std::fs::read_dir(state.join("ingress"))
-                .map_or(0, |rd| rd.take(crate::ingress::MAX_QUEUED_EVENTS).count());
+            // The queue's entries only (`<seq>.json`), not its temporary or set-aside files.
+            let entry = |e: &std::fs::DirEntry| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".json"))
+                    .is_some_and(|seq| !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_digit()))
+            };
+            let queued = std::fs::read_dir(state.join("ingress")).map_or(0, |rd| {
+                rd.flatten()
+                    .filter(entry)
+                    .take(crate::ingress::MAX_QUEUED_EVENTS)
+                    .count()
+            });
             if queued >= crate::ingress::MAX_QUEUED_EVENTS {
                 return Err(EmitError::Failed(format!(
                     "{queued} workflow events wait to be sent already: this one is not queued; try again later"

@@ -125,15 +125,15 @@ fn need_id(what: &'static str, v: Option<&str>) -> Result<String, IngressError> 
     }
 }
 
-/// Builds and validates an event from named fields (the `emit` flags or a socket request).
-/// `fields` keys: kind (started|node|finished), workflow, execution, node, status, trigger,
-/// input, output, error_message, execution_time_ms, metadata, started_at, finished_at,
-/// activation_index, caller_uuid, source_type.
 /// How many workflow events may wait in the node's queue (`<state dir>/ingress/`) to be sent:
 /// past it a workload's `emit` is refused (exit 1, nothing queued) until some are sent, so that
 /// a workload emitting in a loop fills neither the node's memory nor its disk.
 pub const MAX_QUEUED_EVENTS: usize = 4096;
 
+/// Builds and validates an event from named fields (the `emit` flags or a socket request).
+/// `fields` keys: kind (started|node|finished), workflow, execution, node, status, trigger,
+/// input, output, error_message, execution_time_ms, metadata, started_at, finished_at,
+/// activation_index, caller_uuid, source_type.
 pub fn build(fields: &Map<String, Value>) -> Result<Event, IngressError> {
     let s = |k: &str| fields.get(k).and_then(Value::as_str);
     let kind = s("kind").unwrap_or("");

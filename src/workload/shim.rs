@@ -216,7 +216,13 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
         }
     };
     let signal_all = |sig: i32| {
-        let _ = procinfo::signal_group(pgid, sig);
+        // The group as a whole only while a member of it is still in this session: the
+        // workload's leader was reaped already, so once the group is empty its id may be
+        // another's (D26). Members are in the session, so `signal_left` reaches them anyway;
+        // the group signal also catches what they fork meanwhile.
+        if procinfo::group_members(pgid, sid) > 0 {
+            let _ = procinfo::signal_group(pgid, sig);
+        }
         signal_left(sig);
     };
     // `again`: what turns up meanwhile gets that signal too (a process that appears only once

@@ -44,8 +44,10 @@ pub const MAX_CHUNK: u64 = 512 * 1024;
 /// What a log request needs besides its body (topic, properties, the body's other fields),
 /// kept free below the broker's Maximum Packet Size.
 pub const PACKET_OVERHEAD: u64 = 4096;
-/// Longest piece of one line the console gets under one tag.
-pub const MIRROR_PIECE: usize = 64 * 1024;
+/// Longest piece of one line the console gets under one tag: under what log collectors keep as
+/// one record (journald's `LineMax` is 48 KiB, Docker's log drivers split at 16 KiB), so that
+/// no collector splits a piece and leaves its rest without the tag.
+pub const MIRROR_PIECE: usize = 16 * 1024;
 /// Install-log chunks (shipped once, after registration).
 pub const INSTALL_CHUNK: usize = 64 * 1024;
 /// The install script's output shipped, per stream: its last MiB.

@@ -1213,22 +1213,9 @@ mod tests {
     /// workload by its process group.
     #[test]
     fn the_group_of_a_process_named_in_bytes_that_are_not_utf8_is_read() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let named = std::thread::spawn(move || {
-            // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated buffer of at most 16 bytes.
-            unsafe {
-                libc::prctl(libc::PR_SET_NAME, c"\xff\xfe)x".as_ptr(), 0, 0, 0);
-            }
-            // SAFETY: gettid has no preconditions.
-            tx.send(unsafe { libc::gettid() }).unwrap();
-            let _ = done_rx.recv();
-        });
-        let tid = rx.recv().unwrap();
+        let named = crate::scratch::NamedThread::new(c"\xff\xfe)x");
         // SAFETY: getpgrp has no preconditions.
-        assert_eq!(pgid_of(tid), Some(unsafe { libc::getpgrp() }));
-        done_tx.send(()).unwrap();
-        named.join().unwrap();
+        assert_eq!(pgid_of(named.tid), Some(unsafe { libc::getpgrp() }));
     }
 
     const FOUR: &str = "0, GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e60, NVIDIA A100-SXM4-80GB, 00000000:07:00.0, 81920, 1234, 87, 312.45, 61, 0, No, No, No\n\

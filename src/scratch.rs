@@ -39,3 +39,41 @@ impl Drop for Scratch {
         }
     }
 }
+
+/// A thread of this process that named itself `name` (`prctl(PR_SET_NAME)`, at most 15 bytes,
+/// any bytes) and waits until this is dropped: its `/proc/<tid>/stat` holds that name.
+pub struct NamedThread {
+    pub tid: i32,
+    done: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NamedThread {
+    pub fn new(name: &'static std::ffi::CStr) -> NamedThread {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated name (the kernel keeps 15 bytes).
+            unsafe {
+                libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0);
+            }
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = wait.recv();
+        });
+        NamedThread {
+            tid: rx.recv().unwrap(),
+            done: Some(done),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for NamedThread {
+    fn drop(&mut self) {
+        drop(self.done.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

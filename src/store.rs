@@ -528,20 +528,7 @@ impl Beneath {
             .map_err(|_| ReadError::NotRegular("not a plain file"))?;
         // A look first, so that nothing but a regular file is ever opened (opening a device can
         // have effects); the `fstat` below decides, as it may be swapped in between.
-        // SAFETY: fstatat on a directory descriptor we own, a NUL-terminated name and a zeroed
-        // stat buffer of the right type; it does not follow a final symlink.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        let rc = unsafe {
-            libc::fstatat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                &mut st,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        if rc != 0 {
-            return Err(io_err(io::Error::last_os_error()));
-        }
+        let st = stat_at(&dir, &name).map_err(io_err)?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(ReadError::NotRegular(
                 if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
@@ -598,20 +585,7 @@ impl Beneath {
         let (dir, leaf) = self.parent()?;
         let name = std::ffi::CString::new(leaf.as_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
-        // SAFETY: fstatat on a directory descriptor we own, a NUL-terminated name and a zeroed
-        // stat buffer of the right type; it does not follow a final symlink.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        let rc = unsafe {
-            libc::fstatat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                &mut st,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let st = stat_at(&dir, &name)?;
         if !self.is_listed(st.st_dev, st.st_ino) {
             return Err(io::Error::other("another file than the one listed"));
         }
@@ -621,6 +595,29 @@ impl Beneath {
         } else {
             Err(io::Error::last_os_error())
         }
+    }
+}
+
+/// What `name` in the folder open as `dir` is (`fstatat` with `AT_SYMLINK_NOFOLLOW`: a link in
+/// its place is described, not followed).
+fn stat_at(dir: &std::os::fd::OwnedFd, name: &std::ffi::CStr) -> io::Result<libc::stat> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `stat` is a C struct of integers, for which all zeroes is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatat on a directory descriptor we own, a NUL-terminated name and a stat buffer
+    // of the right type.
+    let rc = unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if rc == 0 {
+        Ok(st)
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

@@ -181,24 +181,14 @@ mod tests {
 
     #[test]
     fn a_process_named_in_bytes_that_are_not_utf8_is_still_read() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let named = std::thread::spawn(move || {
-            // SAFETY: prctl(PR_SET_NAME) with a NUL-terminated buffer of at most 16 bytes.
-            unsafe {
-                libc::prctl(libc::PR_SET_NAME, c"\xff\xfe)x".as_ptr(), 0, 0, 0);
-            }
-            // SAFETY: gettid has no preconditions.
-            tx.send(unsafe { libc::gettid() }).unwrap();
-            let _ = done_rx.recv();
-        });
-        let tid = rx.recv().unwrap();
-        let path = format!("/proc/{tid}/stat");
-        assert!(std::fs::read_to_string(&path).is_err(), "not text");
+        let named = crate::scratch::NamedThread::new(c"\xff\xfe)x");
+        let tid = named.tid;
+        assert!(
+            std::fs::read_to_string(format!("/proc/{tid}/stat")).is_err(),
+            "not text"
+        );
         assert!(start_ticks(tid).is_some_and(|t| t > 0));
         assert!(same_process_alive(tid, start_ticks(tid).unwrap()));
-        done_tx.send(()).unwrap();
-        named.join().unwrap();
     }
 
     #[test]

@@ -167,12 +167,14 @@ fn shim_of(dir: &Path) -> Option<(i32, u64)> {
         .ok()?
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
-        .filter(|pid| ours(*pid))
         .find_map(|pid| {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            // The command line first: the user is read only for the few that match.
+            if !supervises(pid, &cmd, dir) || !ours(pid) {
+                return None;
+            }
             let ticks = procinfo::start_ticks(pid)?;
-            (supervises(pid, &cmd, dir) && procinfo::same_process_alive(pid, ticks))
-                .then_some((pid, ticks))
+            procinfo::same_process_alive(pid, ticks).then_some((pid, ticks))
         })
 }
 

@@ -667,8 +667,9 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     // The shell's path, searched here rather than by the exec after the gate (one failed exec
     // per `PATH` entry before it, issue 25 item 5); an exec of it that fails in any way is
     // tried again by name, as always. Not for a workload user: its exec searches with its own
-    // rights, which may see an entry this process cannot.
-    let shell_path = if a.shell.contains('/') || a.user.is_some() {
+    // rights, which may see an entry this process cannot. Not for a plain word list either,
+    // which runs without the shell (should its exec fail, the shell is found by name).
+    let shell_path = if a.shell.contains('/') || a.user.is_some() || plan.is_some() {
         None
     } else {
         std::env::var("PATH")

@@ -177,7 +177,7 @@ fn print_workloads(st: &Value) {
             s(field(&w, "type")),
             s(field(&w, "state")),
             field(&w, "running_for_seconds"),
-            crate::protocol::messages::request_id_text(field(&w, "request_id"))
+            crate::protocol::commands::request_id_text(field(&w, "request_id"))
         );
         crate::outln!(
             "    logs: {}  {}",
@@ -206,7 +206,7 @@ fn print_gpus(st: &Value) {
         for g in gpus {
             let holder = match field(g, "held_by") {
                 Value::Null => "free".to_string(),
-                r => format!("held by {}", crate::protocol::messages::request_id_text(r)),
+                r => format!("held by {}", crate::protocol::commands::request_id_text(r)),
             };
             let reason = field(g, "reason")
                 .as_str()

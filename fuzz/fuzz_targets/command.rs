@@ -5,7 +5,7 @@
 use cyberwave_cloud_node::protocol::commands::{
     CancelTarget, Command, Received, StartParams, TopicId, MAX_REQUEST_ID_BYTES, MAX_SECONDS,
 };
-use cyberwave_cloud_node::protocol::messages::{parse_command, reply, Incoming};
+use cyberwave_cloud_node::protocol::commands::{parse_command, reply, Incoming};
 use cyberwave_cloud_node::protocol::topics::publishable;
 use libfuzzer_sys::fuzz_target;
 

@@ -11,8 +11,8 @@ use super::table::{Table, DEFAULT_GRACE};
 use super::workloads::Work;
 use crate::ledger::Ledger;
 use crate::logtext::shown;
+use crate::protocol::commands::request_id_text;
 use crate::protocol::commands::{CancelParams, CancelTarget, RequestId, Seconds};
-use crate::protocol::messages::request_id_text;
 
 /// What a cancel comes to before the workload table is asked.
 pub(super) enum Step {

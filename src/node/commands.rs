@@ -16,8 +16,9 @@ use super::table::Table;
 use super::workloads::Work;
 use crate::config::Settings;
 use crate::outbox::Outbox;
-use crate::protocol::commands::{Command, Received, RequestId, StartParams};
-use crate::protocol::messages::{self, Incoming};
+use crate::protocol::commands::{
+    self as protocol, Command, Incoming, Received, RequestId, StartParams,
+};
 use crate::util;
 
 /// A command as the dispatch gets it.
@@ -36,7 +37,7 @@ pub(super) enum Accepted {
 /// Reads and checks a command: a start is refused by its own guard, as a retryable "host busy"
 /// (D21); anything else is refused while the node shuts down.
 pub(super) fn accept(payload: &[u8], shutting_down: bool) -> Accepted {
-    let (request_id, command) = match messages::parse_command(payload) {
+    let (request_id, command) = match protocol::parse_command(payload) {
         Incoming::Echo => return Accepted::Nothing,
         Incoming::Invalid {
             request_id: Some(rid),
@@ -45,7 +46,7 @@ pub(super) fn accept(payload: &[u8], shutting_down: bool) -> Accepted {
         } => {
             log::warn!(
                 "refused a command (request {}): {}",
-                crate::logtext::shown(&messages::request_id_text(&rid)),
+                crate::logtext::shown(&protocol::request_id_text(&rid)),
                 crate::logtext::shown(&reason)
             );
             let failed = workload_uuid.map(|wl| {

@@ -23,7 +23,7 @@ use crate::store::CLIENT_ID_CONFLICT;
 use crate::workload::Layout;
 
 use crate::mqtt::{Mqtt, MqttEvent};
-use crate::protocol::messages;
+use crate::protocol::commands;
 use crate::protocol::topics::Topics;
 use crate::workers::{Done, Workers};
 use crate::workload::reaper::Reaped;
@@ -202,7 +202,7 @@ impl Replies<'_> {
 
     fn publish(&self, ok: bool, request_id: &Value, body: Value) {
         let (slug, uuid) = (self.session.slug(), self.session.uuid());
-        let payload = messages::reply(ok, request_id, slug, uuid, body);
+        let payload = commands::reply(ok, request_id, slug, uuid, body);
         let topic = self.io.topics.reply(uuid);
         // D12: QoS 1 so a reply survives a short outage (Paho buffers it).
         self.io

@@ -116,7 +116,7 @@ impl Heal {
     ) {
         log::info!(
             "node busy: checking with the backend for stale workloads before answering {}",
-            crate::logtext::shown(&crate::protocol::messages::request_id_text(request_id))
+            crate::logtext::shown(&crate::protocol::commands::request_id_text(request_id))
         );
         self.deferred
             .push((kind, request_id.clone(), params.clone(), until));

@@ -1,4 +1,3 @@
 pub mod commands;
-pub mod messages;
 pub mod replies;
 pub mod topics;

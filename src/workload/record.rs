@@ -139,7 +139,7 @@ impl Meta {
     }
 
     pub fn request_id_text(&self) -> String {
-        crate::protocol::messages::request_id_text(&self.request_id)
+        crate::protocol::commands::request_id_text(&self.request_id)
     }
 }
 

@@ -220,7 +220,7 @@ struct Workload {
 
 impl Workload {
     fn request_text(&self) -> String {
-        crate::protocol::messages::request_id_text(&self.src.request_id)
+        crate::protocol::commands::request_id_text(&self.src.request_id)
     }
 
     fn cursor(&self) -> Cursor {
@@ -325,7 +325,7 @@ impl Streams {
             .clone()
             .filter(|w| !w.is_empty())
             .unwrap_or_else(|| {
-                let r = crate::protocol::messages::request_id_text(&src.request_id);
+                let r = crate::protocol::commands::request_id_text(&src.request_id);
                 if r.is_empty() {
                     src.kind.clone()
                 } else {
@@ -761,7 +761,7 @@ struct Said<'a> {
 
 impl Said<'_> {
     fn who(&self) -> String {
-        let rid = crate::protocol::messages::request_id_text(self.request_id);
+        let rid = crate::protocol::commands::request_id_text(self.request_id);
         format!(
             "{} {}: its {} log",
             self.kind,

@@ -3,7 +3,9 @@
 //! loop waits on the network: requests are published and their replies (or deadlines) come
 //! back as events. The loop sleeps until the next real deadline ([`timers::next_wake`]). Each
 //! event goes to its handler with the parts it touches, borrowed apart from the node: a
-//! workload's ([`Work`]) or the start path's ([`Start`]).
+//! workload's ([`Work`]) or the start path's ([`Start`]). A broker event goes through the
+//! session, and what the session reports is dispatched here too ([`carry_out`]): a command to
+//! `commands.rs`, the rest to `session_in.rs`, `shutdown.rs` and the parts.
 
 mod admit;
 mod cancel;
@@ -35,10 +37,11 @@ use std::time::Duration;
 use crossbeam_channel::{select, Receiver};
 
 use crate::config::Settings;
+use crate::mqtt::MqttEvent;
 use crate::signals::Signal;
 use crate::workers::Done;
-use parts::{Durable, Life, Op, Timers, EXIT_RUNTIME};
-use session::Session;
+use parts::{Durable, Life, Op, Timers, EXIT_CREDENTIALS, EXIT_RUNTIME};
+use session::{Happening, Session};
 use starts_out::Start;
 use workloads::Work;
 
@@ -90,7 +93,7 @@ impl Node {
             let wait = timers::next_wake(&st, due, now).saturating_duration_since(now);
             select! {
                 recv(self.io.events) -> ev => match ev {
-                    Ok(ev) => session_in::on_mqtt(&mut self.start(), ev),
+                    Ok(ev) => self.on_mqtt(ev),
                     Err(_) => self.lost("MQTT client"),
                 },
                 recv(signals) -> sig => match sig { Ok(sig) => shutdown::on_signal(&mut self.work(), sig), Err(_) => self.lost("signal") },
@@ -120,10 +123,26 @@ impl Node {
         }
     }
 
-    /// The loop's periodic work ([`timers::tick`]).
+    /// The loop's periodic work: the session's (reconnects, heartbeats, deadlines) and what it
+    /// reports, then the rest ([`timers::tick`]).
     fn tick(&mut self) {
         let (mut st, due) = self.parts();
+        let w = &mut st.work;
+        let publishing = session_in::publishing(w.session, w.outbox, &w.ingress.queue);
+        let happened = w.session.tick(publishing, w.now(), &mut w.io.wire(w.s));
+        carry_out(&mut st, happened);
         timers::tick(&mut st, due);
+    }
+
+    /// A broker event, through the session.
+    fn on_mqtt(&mut self, ev: MqttEvent) {
+        let mut st = self.start();
+        let w = &mut st.work;
+        let publishing = session_in::publishing(w.session, w.outbox, &w.ingress.queue);
+        let happened = w
+            .session
+            .on_mqtt(ev, publishing, w.now(), &mut w.io.wire(w.s));
+        carry_out(&mut st, happened);
     }
 
     fn on_worker_done(&mut self, done: Done) {
@@ -181,5 +200,38 @@ impl Node {
 
     fn work(&mut self) -> Work<'_> {
         self.parts().0.work
+    }
+}
+
+/// What the session reports, each to the part it concerns.
+fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
+    for h in happened {
+        let w = &mut st.work;
+        match h {
+            Happening::Command(payload) => commands::on_command(st, &payload),
+            Happening::Connected { reconnect } => session_in::on_connected(w, reconnect),
+            Happening::Lost => session_in::on_lost(w),
+            Happening::Registered => {
+                w.logs().ship_install();
+                st.answer_interrupted();
+            }
+            Happening::RegisteredAfterFailedStart(err) => shutdown::report_failed_start(w, err),
+            Happening::Outcome {
+                tag,
+                reply,
+                correlation,
+            } => session_in::on_outcome(w, tag, reply, &correlation),
+            Happening::Refused {
+                tag,
+                why,
+                permanent,
+            } => session_in::on_refused(w, tag, &why, permanent),
+            Happening::HeartbeatDue => session_in::on_heartbeat_due(w, st.heal),
+            Happening::HeartbeatFailed => {
+                let m = &mut w.life.metrics;
+                m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);
+            }
+            Happening::TokenRejected => shutdown::begin(w, EXIT_CREDENTIALS, "token rejected"),
+        }
     }
 }

@@ -1,113 +1,65 @@
-//! The loop's side of the broker session ([`super::session`]): what the session reports
-//! ([`Happening`]), acted on (a connection made or lost, the registration, a command, a request's
-//! reply or timeout, a refusal, D34, a heartbeat due), and the heartbeat's body (R3).
+//! The loop's side of the broker session ([`super::session`]): what the loop does when the
+//! session reports ([`Happening`], dispatched in `mod.rs`) a connection made or lost, a
+//! request's reply or timeout, a refusal (D34) or a heartbeat due, and the heartbeat's body
+//! (R3). A command goes from the dispatch straight to `commands.rs`.
 
 use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::commands;
 use super::gpus::{Gpus, Hold};
-use super::parts::{refused_in, Life, Op, Shutdown, EXIT_CREDENTIALS};
-use super::session::{Happening, Session};
-use super::shutdown;
-use super::starts_out::Start;
+use super::parts::{refused_in, Life, Op, Shutdown};
+use super::selfheal::Heal;
+use super::session::Session;
 use super::streams::Streams;
 use super::workloads::Work;
 use crate::config::Settings;
 use crate::logtext::Throttle;
-use crate::mqtt::{Mqtt, MqttEvent};
+use crate::mqtt::Mqtt;
 use crate::outbox::Outbox;
 use crate::protocol::replies::Reply;
 use crate::util;
 use crate::workload::tail::Key;
 
-/// A broker event, through the session.
-pub(super) fn on_mqtt(st: &mut Start<'_>, ev: MqttEvent) {
-    let w = &mut st.work;
+/// The connection is made: what waited for it goes (the outbox, the workflow events).
+pub(super) fn on_connected(w: &mut Work<'_>, reconnect: bool) {
+    if reconnect {
+        w.life.metrics.reconnects = w.life.metrics.reconnects.saturating_add(1);
+    }
+    w.outgoing().flush();
+    w.with_ingress(|i, out| i.send(out));
+}
+
+/// The connection is lost ([`connection_lost`]).
+pub(super) fn on_lost(w: &mut Work<'_>) {
     let now = w.now();
-    let publishing = publishing(w.session, w.outbox, &w.ingress.queue);
-    let happened = w.session.on_mqtt(ev, publishing, now, &mut w.io.wire(w.s));
-    carry_out(st, happened);
+    let queue = &mut w.ingress.queue;
+    connection_lost(w.session, w.outbox, queue, w.streams, now);
 }
 
-/// The session's periodic work (reconnects, heartbeats, deadlines), then what it reports.
-pub(super) fn tick(st: &mut Start<'_>, now: Instant) {
-    let w = &mut st.work;
-    let publishing = publishing(w.session, w.outbox, &w.ingress.queue);
-    let happened = w.session.tick(publishing, now, &mut w.io.wire(w.s));
-    carry_out(st, happened);
-}
-
-/// Acts on what the session reports.
-fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
-    for h in happened {
-        match h {
-            Happening::Connected { reconnect } => {
-                let w = &mut st.work;
-                if reconnect {
-                    w.life.metrics.reconnects = w.life.metrics.reconnects.saturating_add(1);
-                }
-                w.outgoing().flush();
-                w.with_ingress(|i, out| i.send(out));
-            }
-            Happening::Lost => {
-                let w = &mut st.work;
-                let now = w.now();
-                let queue = &mut w.ingress.queue;
-                connection_lost(w.session, w.outbox, queue, w.streams, now);
-            }
-            Happening::Registered => {
-                st.work.logs().ship_install();
-                st.answer_interrupted();
-            }
-            Happening::RegisteredAfterFailedStart(err) => {
-                shutdown::report_failed_start(&mut st.work, err)
-            }
-            Happening::Command(payload) => commands::on_command(st, &payload),
-            Happening::Outcome {
-                tag,
-                reply,
-                correlation,
-            } => on_outcome(&mut st.work, tag, reply, &correlation),
-            Happening::Refused {
-                tag,
-                why,
-                permanent,
-            } => {
-                let w = &mut st.work;
-                let now = w.now();
-                let throttle = &mut w.throttle.refusals;
-                let (outbox, mqtt) = (&mut *w.outbox, &w.io.mqtt);
-                match refused(tag, &why, permanent, outbox, mqtt, throttle, now) {
-                    AfterRefusal::Nothing => {}
-                    AfterRefusal::SkipLog(key) => w.logs().on_ack(&key, true),
-                    AfterRefusal::Fail(op) => on_outcome(w, op, None, &[]),
-                }
-            }
-            Happening::HeartbeatDue => {
-                let w = &mut st.work;
-                // Self-heal runs beside the heartbeat, never in front of it.
-                st.heal
-                    .start_pass(w.s.standalone, w.active, &w.io.workers, w.session.uuid());
-                let holds = w.holds();
-                let body = heartbeat_body(w.s, w.life, w.in_use(), w.gpu, &holds);
-                let now = w.now();
-                w.session.send_heartbeat(&body, now, &mut w.io.wire(w.s));
-            }
-            Happening::HeartbeatFailed => {
-                let m = &mut st.work.life.metrics;
-                m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);
-            }
-            Happening::TokenRejected => {
-                shutdown::begin(&mut st.work, EXIT_CREDENTIALS, "token rejected")
-            }
-        }
+/// The broker refused one of the loop's requests, or it can never be sent ([`refused`]).
+pub(super) fn on_refused(w: &mut Work<'_>, tag: Op, why: &str, permanent: bool) {
+    let now = w.now();
+    let throttle = &mut w.throttle.refusals;
+    let (outbox, mqtt) = (&mut *w.outbox, &w.io.mqtt);
+    match refused(tag, why, permanent, outbox, mqtt, throttle, now) {
+        AfterRefusal::Nothing => {}
+        AfterRefusal::SkipLog(key) => w.logs().on_ack(&key, true),
+        AfterRefusal::Fail(op) => on_outcome(w, op, None, &[]),
     }
 }
 
+/// A heartbeat is due: the self-heal pass beside it, never in front of it, then the heartbeat.
+pub(super) fn on_heartbeat_due(w: &mut Work<'_>, heal: &mut Heal) {
+    heal.start_pass(w.s.standalone, w.active, &w.io.workers, w.session.uuid());
+    let holds = w.holds();
+    let body = heartbeat_body(w.s, w.life, w.in_use(), w.gpu, &holds);
+    let now = w.now();
+    w.session.send_heartbeat(&body, now, &mut w.io.wire(w.s));
+}
+
 /// A request's reply (`Some`) or its timeout (`None`).
-fn on_outcome(w: &mut Work<'_>, op: Op, body: Option<Reply>, corr: &[u8]) {
+pub(super) fn on_outcome(w: &mut Work<'_>, op: Op, body: Option<Reply>, corr: &[u8]) {
     match op {
         Op::Outbox(seq) => w.on_outbox_reply(seq, body),
         Op::Log(key) => w

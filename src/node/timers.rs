@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use super::operate;
 use super::parts::{Due, EXIT_OK};
-use super::session_in;
 use super::shutdown;
 use super::starts_out::Start;
 
@@ -25,7 +24,6 @@ const RESCAN_IDLE: Duration = Duration::from_secs(60);
 /// The loop's periodic work: run after every event and every wake-up.
 pub(super) fn tick(st: &mut Start<'_>, due: &mut Due) {
     let now = st.work.now();
-    session_in::tick(st, now);
     st.work.tick();
     st.retry_deferred();
     let w = &mut st.work;

@@ -606,8 +606,6 @@ impl Work<'_> {
         }
     }
 
-    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
-    /// full-disk throttle).
     /// The GPU holds of the tracked workloads and the starts in flight.
     pub(super) fn holds(&self) -> Vec<gpus::Hold<'_>> {
         self.active.holds().chain(self.starts.holds()).collect()
@@ -618,6 +616,8 @@ impl Work<'_> {
         self.gpu.update_sampling(&self.holds(), &self.io.gpu_wire());
     }
 
+    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
+    /// full-disk throttle).
     pub(super) fn with_ingress<R>(
         &mut self,
         f: impl FnOnce(&mut Ingress, &mut dyn ingress::Outbound) -> R,

@@ -128,10 +128,12 @@ impl Node {
     fn tick(&mut self) {
         let (mut st, due) = self.parts();
         let w = &mut st.work;
+        // One moment for the whole turn's periodic work, the session's included.
+        let now = w.now();
         let publishing = session_in::publishing(w.session, w.outbox, &w.ingress.queue);
-        let happened = w.session.tick(publishing, w.now(), &mut w.io.wire(w.s));
+        let happened = w.session.tick(publishing, now, &mut w.io.wire(w.s));
         carry_out(&mut st, happened);
-        timers::tick(&mut st, due);
+        timers::tick(&mut st, due, now);
     }
 
     /// A broker event, through the session.

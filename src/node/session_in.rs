@@ -1,5 +1,5 @@
 //! The loop's side of the broker session ([`super::session`]): what the loop does when the
-//! session reports ([`Happening`], dispatched in `mod.rs`) a connection made or lost, a
+//! session reports ([`super::session::Happening`], dispatched in `mod.rs`) a connection made or lost, a
 //! request's reply or timeout, a refusal (D34) or a heartbeat due, and the heartbeat's body
 //! (R3). A command goes from the dispatch straight to `commands.rs`.
 

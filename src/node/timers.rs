@@ -1,5 +1,5 @@
-//! The loop's periodic work ([`tick`], after every event and every wake-up) and when it is next
-//! due ([`next_wake`]): the loop sleeps exactly until then. An idle node wakes for its
+//! The loop's periodic work besides the session's ([`tick`], after every event and every
+//! wake-up) and when it is next due ([`next_wake`]): the loop sleeps exactly until then. An idle node wakes for its
 //! heartbeat and little else; while workloads run it wakes at least every [`BUSY_TICK`].
 
 use std::time::{Duration, Instant};
@@ -21,9 +21,9 @@ const DISK_RETRY: Duration = Duration::from_secs(1);
 const RESCAN_BUSY: Duration = Duration::from_secs(2);
 const RESCAN_IDLE: Duration = Duration::from_secs(60);
 
-/// The loop's periodic work: run after every event and every wake-up.
-pub(super) fn tick(st: &mut Start<'_>, due: &mut Due) {
-    let now = st.work.now();
+/// The loop's periodic work after the session's (`Node::tick`, which takes `now` for both):
+/// run after every event and every wake-up.
+pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
     st.work.tick();
     st.retry_deferred();
     let w = &mut st.work;

@@ -646,7 +646,7 @@ fn object<'a>(params: Option<&'a Value>, path: &str) -> Result<&'a Map<String, V
 /// Commands larger than this are refused (an error reply when a request id can be read).
 pub const MAX_COMMAND_BYTES: usize = 4 * 1024 * 1024;
 
-/// A command message after the envelope rules of protocol §4.1, typed (see `commands`).
+/// A command message after the envelope rules of protocol §4.1, typed ([`Command`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Incoming {
     /// A well-formed command with valid params.

@@ -126,11 +126,14 @@ for pkg in "${all[@]}"; do
   install -D -m 0600 packaging/cloud-node.env "$root/etc/cyberwave/cloud-node.env"
   doc="$root/usr/share/doc/$pkg"
   install -D -m 0644 README.md "$doc/README.md"
+  # The README links these two reference pages as docs/…: they go beside it, links intact.
+  install -D -m 0644 docs/workloads.md "$doc/docs/workloads.md"
+  install -D -m 0644 docs/gpus.md "$doc/docs/gpus.md"
   copyright > "$doc/copyright"
   ./packaging/changelog.sh "$pkg" "$version" | gzip -9n > "$doc/changelog.gz"
   licence paho-mqtt-sys paho.mqtt.c/epl-v20 > "$doc/EPL-2.0.txt" || echo "see https://www.eclipse.org/legal/epl-2.0/" > "$doc/EPL-2.0.txt"
   licence openssl-src openssl/LICENSE.txt > "$doc/OpenSSL-LICENSE.txt" || cp /usr/share/doc/libssl3/copyright "$doc/OpenSSL-LICENSE.txt" 2>/dev/null || true
-  chmod 0644 "$doc"/*
+  find "$doc" -type f -exec chmod 0644 {} +
   # The man page and the completions come from the binary, so they match its --help.
   install -d -m 0755 "$root/usr/share/man/man1" "$root/usr/share/bash-completion/completions" \
     "$root/usr/share/zsh/vendor-completions" "$root/usr/share/fish/vendor_completions.d" \

@@ -98,7 +98,7 @@ fn g1_d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
     );
 }
 
-/// README "Nothing is left behind" / D25: a workload that starts a child in a session of its own
+/// docs/workloads.md, "Nothing is left behind" (under Supervision) / D25: a workload that starts a child in a session of its own
 /// (`setsid`, as daemonising tools do) leaves that child running after the node reported the
 /// workload as completed. The supervisor is a subreaper and sees the child re-parented to it,
 /// yet clears only the process group.

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
 use crate::support::scenario::uploaded;
-use crate::support::timeouts::{DONE, READY, REPLY};
+use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
 fn command(cp: &ControlPlane, node: &NodeProcess, body: Value) -> Value {
@@ -269,12 +269,7 @@ fn g12_d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
     std::fs::create_dir_all(dir.join("lock")).unwrap();
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let mut node = setup.spawn();
-    assert_eq!(
-        node.wait_exit(Duration::from_secs(10)),
-        Some(Some(2)),
-        "{}",
-        node.log()
-    );
+    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
     assert!(
         node.log().contains("not a regular lock file"),
         "{}",

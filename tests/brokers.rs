@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use crate::support::mqtt5::{Script, ScriptedBroker};
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{wait_for, NodeProcess};
-
-const SOON: Duration = Duration::from_secs(10);
 
 fn setup_on(broker: &ScriptedBroker) -> NodeSetup {
     let mut s = NodeSetup::bare();
@@ -37,7 +36,7 @@ fn start_command(kind: &str) -> Option<(String, Vec<u8>)> {
 fn a_scripted_broker_serves_a_standalone_node() {
     let broker = ScriptedBroker::start(Script::default());
     let node = node_on(&broker);
-    node.wait_ready(SOON);
+    node.wait_ready(READY);
     assert!(!broker.connects().is_empty());
 }
 
@@ -62,8 +61,8 @@ fn g14_no_reconnect_asks_for_a_clean_session_while_qos1_messages_are_in_flight()
     )
     .unwrap();
     let node = setup.spawn();
-    node.wait_ready(SOON);
-    let sent = wait_for(SOON, || {
+    node.wait_ready(READY);
+    let sent = wait_for(REPLY, || {
         broker.publishes().iter().any(|p| p.2 == 1).then_some(())
     });
     assert!(sent.is_some(), "{}", node.log());
@@ -146,7 +145,7 @@ fn g14_d50_refused_command_subscriptions_are_an_error_and_never_node_ready() {
         });
         let node = node_on(&broker);
         let shown = format!("{code:#04x}");
-        assert!(node.wait_log(&shown, SOON), "{}", node.log());
+        assert!(node.wait_log(&shown, REPLY), "{}", node.log());
         std::thread::sleep(Duration::from_millis(500));
         let log = node.log();
         let line = log
@@ -208,7 +207,7 @@ fn g14_connect_errors_say_what_the_broker_said() {
         let mut setup = setup_on(&broker);
         setup.set("CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS", "2");
         let node = setup.spawn();
-        assert!(node.wait_log(want, SOON), "want {want:?}:\n{}", node.log());
+        assert!(node.wait_log(want, REPLY), "want {want:?}:\n{}", node.log());
         let log = node.log();
         assert!(!log.contains("is it an MQTT listener"), "{log}");
         assert!(!log.contains("node ready"), "{log}");
@@ -220,7 +219,7 @@ fn g14_connect_errors_say_what_the_broker_said() {
     setup.set("CYBERWAVE_MQTT_PORT", &port.to_string());
     setup.arg("--standalone");
     let node = setup.spawn();
-    assert!(node.wait_log("connection refused", SOON), "{}", node.log());
+    assert!(node.wait_log("connection refused", REPLY), "{}", node.log());
 }
 
 /// The node's stdout mirrors workload output: nothing of Paho's goes there.
@@ -231,10 +230,10 @@ fn g14_nothing_of_paho_reaches_the_nodes_stdout() {
         ..Script::default()
     });
     let mut node = node_on(&broker);
-    node.wait_ready(SOON);
+    node.wait_ready(READY);
     // C's stdout reaches a pipe when it is flushed: at the latest at exit.
     node.sigterm();
-    assert_eq!(node.wait_exit(SOON), Some(Some(0)), "{}", node.log());
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
     let out = node.stdout();
     assert!(
         !out.contains("checking") && !out.contains("tcp://") && !out.contains("Connection lost"),
@@ -263,8 +262,8 @@ fn g14_connack_maximum_qos_and_receive_maximum_are_honoured() {
         ..Script::default()
     });
     let node = setup_with_install(&broker).spawn();
-    node.wait_ready(SOON);
-    let sent = wait_for(SOON, || (broker.publishes().len() >= 2).then_some(()));
+    node.wait_ready(READY);
+    let sent = wait_for(REPLY, || (broker.publishes().len() >= 2).then_some(()));
     assert!(sent.is_some(), "{}", node.log());
     let qos: Vec<u8> = broker.publishes().iter().map(|p| p.2).collect();
     assert!(qos.iter().all(|q| *q == 0), "{qos:?}");
@@ -277,8 +276,8 @@ fn g14_connack_maximum_qos_and_receive_maximum_are_honoured() {
         ..Script::default()
     });
     let node = setup_with_install(&broker).spawn();
-    node.wait_ready(SOON);
-    let sent = wait_for(SOON, || (!broker.publishes().is_empty()).then_some(()));
+    node.wait_ready(READY);
+    let sent = wait_for(REPLY, || (!broker.publishes().is_empty()).then_some(()));
     assert!(sent.is_some(), "{}", node.log());
     std::thread::sleep(Duration::from_millis(1000));
     let qos1 = broker.publishes().iter().filter(|p| p.2 == 1).count();
@@ -297,7 +296,7 @@ fn g14_a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
     setup.set("CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS", "0.5");
     setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     let node = setup.spawn();
-    assert!(node.wait_log("finished: success", SOON), "{}", node.log());
+    assert!(node.wait_log("finished: success", REPLY), "{}", node.log());
     std::thread::sleep(Duration::from_millis(1500));
     let log = node.log();
     assert!(
@@ -324,13 +323,13 @@ fn g14_a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
         ..Script::default()
     });
     let node = node_on(&broker);
-    let replied = wait_for(SOON, || {
+    let replied = wait_for(REPLY, || {
         (broker.publishes_containing("sb-resend") >= 1).then_some(())
     });
     assert!(replied.is_some(), "{}", node.log());
     broker.set(|s| s.withhold_puback = false);
     broker.kick();
-    let again = wait_for(SOON, || {
+    let again = wait_for(REPLY, || {
         (broker.publishes_containing("sb-resend") >= 2).then_some(())
     });
     assert!(
@@ -354,13 +353,13 @@ fn g14_a_standalone_completion_in_flight_when_the_connection_drops_is_sent_again
     let setup = setup_on(&broker);
     setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     let node = setup.spawn();
-    let done = wait_for(SOON, || {
+    let done = wait_for(REPLY, || {
         (broker.publishes_containing("completed") >= 1).then_some(())
     });
     assert!(done.is_some(), "{}", node.log());
     broker.set(|s| s.withhold_puback = false);
     broker.kick();
-    let again = wait_for(SOON, || {
+    let again = wait_for(REPLY, || {
         (broker.publishes_containing("completed") >= 2).then_some(())
     });
     assert!(
@@ -379,9 +378,8 @@ mod rumqttd {
 
     use crate::support::node::{NodeSetup, TOKEN};
     use crate::support::rumqttd::Rumqttd;
+    use crate::support::timeouts::{EXIT, RECONNECT};
     use crate::support::ControlPlane;
-
-    const LONG: Duration = Duration::from_secs(30);
 
     fn node_setup(broker: &Rumqttd, cp: &ControlPlane) -> NodeSetup {
         let mut s = NodeSetup::bare();
@@ -405,9 +403,13 @@ mod rumqttd {
             "cyberwave:\n  training: |\n    for i in $(seq 40); do head -c 65536 /dev/zero | tr '\\0' z; echo; done\n    echo flood-done\n",
         );
         let mut node = setup.spawn();
-        node.wait_ready(LONG);
+        node.wait_ready(RECONNECT);
         let uuid = node.uuid();
-        assert!(cp.status(&uuid, "rq-1", LONG).is_some(), "{}", node.log());
+        assert!(
+            cp.status(&uuid, "rq-1", RECONNECT).is_some(),
+            "{}",
+            node.log()
+        );
         cp.command(
             &uuid,
             json!({"command": "training", "request_id": "rq-2", "params": {"workload_uuid": "wl-rq"}}),
@@ -432,12 +434,12 @@ mod rumqttd {
         // the node resubscribed is lost with the broker's session: ask until one is answered.
         broker.restart();
         let mut n = 0;
-        let answered = crate::support::wait_for(LONG, || {
+        let answered = crate::support::wait_for(RECONNECT, || {
             n += 1;
             cp.status(&uuid, &format!("rq-3-{n}"), Duration::from_secs(2))
         });
         assert!(answered.is_some(), "{}", node.log());
         node.sigterm();
-        assert!(node.wait_exit(Duration::from_secs(10)).is_some());
+        assert!(node.wait_exit(EXIT).is_some());
     }
 }

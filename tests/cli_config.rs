@@ -3,6 +3,7 @@
 use serde_json::Value;
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{EXIT, READY};
 use crate::support::{Broker, ControlPlane};
 use std::time::Duration;
 
@@ -169,7 +170,7 @@ fn a_topic_prefix_with_a_wildcard_stops_start_with_exit_2_naming_the_variable() 
         s.set("CYBERWAVE_MQTT_PORT", "1");
         s.set(var, value);
         let mut node = s.spawn();
-        let code = node.wait_exit(Duration::from_secs(10));
+        let code = node.wait_exit(EXIT);
         let log = node.log();
         node.kill9();
         assert_eq!(code, Some(Some(2)), "{var}={value:?}: {log}");
@@ -254,7 +255,7 @@ fn without_home_start_uses_the_passwd_home_and_a_uid_without_an_entry_exits_2() 
     if let Some(nobody) = passwd_home(65534) {
         s.uid = Some(65534);
         let mut node = s.spawn();
-        let code = node.wait_exit(Duration::from_secs(10));
+        let code = node.wait_exit(EXIT);
         let log = node.log();
         node.kill9();
         assert!(matches!(code, Some(Some(c)) if c != 0), "{code:?} {log}");
@@ -268,7 +269,7 @@ fn without_home_start_uses_the_passwd_home_and_a_uid_without_an_entry_exits_2() 
         "uid 4242 is in use on this host"
     );
     let mut node = s.spawn();
-    let code = node.wait_exit(Duration::from_secs(10));
+    let code = node.wait_exit(EXIT);
     let log = node.log();
     node.kill9();
     assert_eq!(code, Some(Some(2)), "{log}");
@@ -393,19 +394,14 @@ fn node_starts_connects_and_exits_0_on_sigterm() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let mut node = NodeSetup::new(&broker, &cp).spawn();
-    node.wait_ready(Duration::from_secs(10));
+    node.wait_ready(READY);
     assert!(
         node.log().contains("connected to MQTT broker"),
         "{}",
         node.log()
     );
     node.sigterm();
-    assert_eq!(
-        node.wait_exit(Duration::from_secs(10)),
-        Some(Some(0)),
-        "{}",
-        node.log()
-    );
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
 }
 
 #[test]

@@ -6,9 +6,8 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::RECONNECT;
 use crate::support::{wait_for, Broker, ControlPlane};
-
-const LONG: Duration = Duration::from_secs(30);
 
 /// The port of the broker the node's log last reported connecting to.
 fn connected_port(log: &str) -> Option<u16> {
@@ -36,7 +35,7 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
         "cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    echo finished\n    exit 3\n",
     );
     let node = setup.spawn();
-    node.wait_ready(LONG);
+    node.wait_ready(RECONNECT);
     let uuid = node.uuid();
     let client_id = std::fs::read_to_string(setup.home.join(".cyberwave/node_id")).ok();
     assert!(
@@ -49,7 +48,7 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
     // The bridges carry a command only once they are subscribed on the hub, which a loaded
     // machine may not have done yet when the node is ready: the same start is sent again (its
     // request id makes it one start) until it is answered.
-    let r = wait_for(LONG, || {
+    let r = wait_for(RECONNECT, || {
         cp.command(
             &uuid,
             json!({"command": "inference", "request_id": "ep-1", "params": {"workload_uuid": "wl-ep"}}),
@@ -69,7 +68,7 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
         a.port
     };
     assert!(
-        wait_for(LONG, || (connected_port(&node.log()) == Some(other))
+        wait_for(RECONNECT, || (connected_port(&node.log()) == Some(other))
             .then_some(()))
         .is_some(),
         "the node did not move to 127.0.0.1:{other}; log:\n{}",
@@ -103,7 +102,7 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
     // The workload started on the first endpoint completes through the second.
     std::fs::write(setup.cwd.join("go"), "").expect("go");
     let all = cp
-        .wait_status("wl-ep", "completed", LONG)
+        .wait_status("wl-ep", "completed", RECONNECT)
         .unwrap_or_else(|| panic!("no completion: {:?}\n{}", cp.statuses("wl-ep"), node.log()));
     let done: Vec<_> = all.iter().filter(|s| s["status"] == "completed").collect();
     assert_eq!(done.len(), 1, "{all:?}");
@@ -123,7 +122,7 @@ fn a_bad_endpoint_list_is_refused_at_start_with_a_clear_error() {
         let mut setup = NodeSetup::new(&hub, &cp);
         setup.set("CYBERWAVE_MQTT_HOST", list);
         let mut node = setup.spawn();
-        let code = node.wait_exit(LONG).expect("the node exits");
+        let code = node.wait_exit(RECONNECT).expect("the node exits");
         assert_ne!(code, Some(0), "{list}");
         let log = format!("{}{}", node.stdout(), node.log());
         assert!(
@@ -134,7 +133,7 @@ fn a_bad_endpoint_list_is_refused_at_start_with_a_clear_error() {
     let mut setup = NodeSetup::new(&hub, &cp);
     setup.set("CYBERWAVE_MQTT_HOST", &vec!["h"; 1000].join(","));
     let mut node = setup.spawn();
-    node.wait_exit(LONG).expect("the node exits");
+    node.wait_exit(RECONNECT).expect("the node exits");
     let log = node.log();
     assert!(log.contains("1000") && log.contains("at most"), "{log}");
     assert!(log.len() < 10_000, "the error does not echo the whole list");

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::support::node::NodeSetup;
 use crate::support::node_bin;
+use crate::support::timeouts::EXIT;
 
 /// A process's command line, its arguments split.
 fn cmdline(pid: i32) -> Vec<String> {
@@ -101,18 +102,9 @@ fn started_as_compute_restart_starts_it_the_node_waits_for_the_stopping_one_inst
     // An explicit `start` beside them still refuses at once (guarantee 12).
     s.args = vec!["start".into()];
     let mut third = s.spawn();
-    assert_eq!(
-        third.wait_exit(Duration::from_secs(10)),
-        Some(Some(1)),
-        "{}",
-        third.log()
-    );
+    assert_eq!(third.wait_exit(EXIT), Some(Some(1)), "{}", third.log());
     old.sigterm();
-    assert!(
-        old.wait_exit(Duration::from_secs(10)).is_some(),
-        "{}",
-        old.log()
-    );
+    assert!(old.wait_exit(EXIT).is_some(), "{}", old.log());
     assert!(
         new.wait_log("starting: state dir", Duration::from_secs(10)),
         "{}",

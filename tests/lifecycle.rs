@@ -106,7 +106,9 @@ fn g9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
     assert!(cp.wait_status("wl-rp", "finalizing", DONE).is_some());
     // A stranger gets the workload's pid, as its own session and group leader.
     let mut stranger = None;
-    for _ in 0..50 {
+    // Another process may take the pid between the write and the fork; on a busy machine that
+    // takes more than one try, never hundreds.
+    for _ in 0..500 {
         let _ = std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string());
         let child = std::process::Command::new("setsid")
             .args(["sleep", "30"])
@@ -120,10 +122,9 @@ fn g9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
         let _ = child.kill();
         let _ = child.wait();
     }
-    let Some(mut stranger) = stranger else {
-        eprintln!("skipped: could not recycle pid {pid} (the machine is busy)");
-        return;
-    };
+    // No silent pass: a run that could not recycle the pid proved nothing.
+    let mut stranger =
+        stranger.unwrap_or_else(|| panic!("could not recycle pid {pid} in 500 tries"));
     // Cancel by that pid while the exited workload is still tracked; and its max runtime
     // (1 s) passes meanwhile.
     let c = command(
@@ -350,10 +351,8 @@ fn g3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
         .arg(&dir)
         .status()
         .is_ok_and(|s| s.success());
-    if !mounted {
-        eprintln!("skipped: cannot mount a tmpfs here");
-        return;
-    }
+    // No silent pass: root that cannot mount (a container without CAP_SYS_ADMIN) proved nothing.
+    assert!(mounted, "cannot mount a tmpfs on {} here", dir.display());
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {

@@ -6,11 +6,11 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use serde_json::Value;
 
 use crate::support::node::NodeSetup;
+use crate::support::timeouts::{EXIT, READY};
 
 /// Where the node deliberately differs from the platform, with the reason (README: "Where the
 /// node differs"). `(file, mode)`: mode is "strict", "lenient" or "both".
@@ -246,14 +246,14 @@ fn start_runs_the_python_originals_example_manifest() {
     )
     .expect("chmod install.sh");
     let mut node = setup.spawn();
-    node.wait_ready(Duration::from_secs(15));
+    node.wait_ready(READY);
     let log = node.log();
     assert!(
         log.contains("provider: unknown field"),
         "the unknown keys are warnings in the log:\n{log}"
     );
     node.sigterm();
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
 }
 
 #[test]

@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
-use std::time::Duration;
 
+use crate::support::timeouts::{EXIT, READY};
 use crate::support::{node_bin, rig};
 
 /// One wheel and one virtualenv for the whole test run (building and installing take seconds).
@@ -162,11 +162,11 @@ fn the_python_api_runs_the_node_and_forwards_sigterm() {
     setup.args = vec![script.display().to_string()];
     setup.unset("CYBERWAVE_NODE_BIN");
     let mut node = setup.spawn();
-    node.wait_ready(Duration::from_secs(15));
+    node.wait_ready(READY);
     let cfg = setup.run(&["config", "--json"]);
     assert_eq!(cfg.code, Some(0), "{cfg:?}");
     node.sigterm();
-    let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+    let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(0), "{}", node.log());
     assert!(
         node.stdout().contains("run returned 0"),

@@ -10,7 +10,7 @@ use crate::support::{Broker, ControlPlane};
 
 use crate::results::pattern;
 use crate::support::scenario::Start;
-use crate::support::timeouts::{DONE, READY, REPLY};
+use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
 
 #[test]
 fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
@@ -148,7 +148,7 @@ fn a_start_during_shutdown_is_a_retryable_host_busy_refusal() {
         .as_str()
         .unwrap_or_default()
         .contains("shutting down"));
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
 }
 
 #[test]
@@ -245,7 +245,7 @@ fn the_login_workspace_goes_with_the_login_token_only() {
         .iter()
         .any(|(url, _)| url.contains("workspace_uuid=ws-login")));
     node.sigterm();
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
     // Another token (from the environment) is not sent with the login's workspace.
     setup.set("CYBERWAVE_API_KEY", "cw_another_token_entirely");
     let hits_before = cp.http_hits().len();

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::support::node::{NodeSetup, TOKEN};
-use crate::support::timeouts::{READY, REPLY};
+use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{backend_with, wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
 
 #[test]
@@ -35,7 +35,7 @@ fn first_start_registers_and_second_start_reuses_the_identity() {
     let ident = node.identity().unwrap_or_default();
     assert!(ident["registered_at"].is_string(), "{ident}");
     node.sigterm();
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
 
     let mut again = setup.spawn();
     again.wait_ready(READY);
@@ -45,7 +45,7 @@ fn first_start_registers_and_second_start_reuses_the_identity() {
     assert_eq!(registers[1].id, uuid, "same instance re-registered");
     assert_eq!(again.uuid(), uuid);
     again.sigterm();
-    assert_eq!(again.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(again.wait_exit(EXIT), Some(Some(0)));
 }
 
 #[test]
@@ -270,12 +270,7 @@ fn token_rejected_at_start_exits_3_without_retrying() {
     });
     let mut node = NodeSetup::new(&broker, &cp).spawn();
     let started = Instant::now();
-    assert_eq!(
-        node.wait_exit(Duration::from_secs(10)),
-        Some(Some(3)),
-        "{}",
-        node.log()
-    );
+    assert_eq!(node.wait_exit(EXIT), Some(Some(3)), "{}", node.log());
     assert!(started.elapsed() < Duration::from_secs(5));
     let hits = cp.http_hits();
     assert_eq!(hits.len(), 1, "no retry: {hits:?}");
@@ -333,7 +328,7 @@ fn sigterm_sends_terminate_and_refuses_commands_meanwhile() {
             .contains("shutting down"),
         "{reply}"
     );
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
     assert_eq!(cp.requests("terminate").len(), 1, "R5 sent once");
 }
 
@@ -772,7 +767,7 @@ fn g11_systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping
         }
     }
     assert!(stopping, "STOPPING=1 on shutdown");
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
 }
 
 #[test]

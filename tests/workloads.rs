@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, TOKEN};
 use crate::support::scenario::{completion, Start};
-use crate::support::timeouts::{DONE, READY, REPLY};
+use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
 
 struct Rig {
@@ -700,7 +700,7 @@ fn g2_sigterm_leaves_workloads_running_and_names_them() {
         .reply(&rig.cp, &node);
     let pid = r["output"]["pid"].as_i64().unwrap_or(0);
     node.sigterm();
-    assert_eq!(node.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
     assert!(
         node.log()
             .contains(&format!("left running: training keep pid {pid}")),

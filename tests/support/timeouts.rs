@@ -13,3 +13,6 @@ pub const REPLY: Duration = Duration::from_secs(10);
 pub const DONE: Duration = Duration::from_secs(60);
 /// SIGTERM (or a one-shot command) → the process exited.
 pub const EXIT: Duration = Duration::from_secs(10);
+/// Through a broker's restart or a move to another of its endpoints (the reconnect back-off
+/// included), or from a broker slower to start than mosquitto.
+pub const RECONNECT: Duration = Duration::from_secs(30);

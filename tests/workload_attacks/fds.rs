@@ -1,12 +1,10 @@
 //! Workload attacks on what the node holds: its descriptors (D46.1), its environment and memory
 //! (D46.2). The log check of every test (support::secrets) covers D47.
 
-use std::time::Duration;
-
 use serde_json::json;
 
 use crate::support::rig;
-use crate::support::timeouts::{DONE, READY, REPLY};
+use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
 const NOBODY: u32 = 65534;
@@ -181,7 +179,7 @@ fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() 
     let (_b, _cp, setup) =
         rig("cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n");
     let mut node = setup.spawn();
-    let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+    let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
     assert!(node.log().contains("workload_user"), "{}", node.log());
 }
@@ -200,7 +198,7 @@ fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_sta
     setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
     chown_nobody(setup.home.path());
     let mut node = setup.spawn();
-    let code = node.wait_exit(Duration::from_secs(10)).expect("exits");
+    let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
     assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
 }

@@ -13,9 +13,6 @@ use crate::support::node::{NodeSetup, Output};
 use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{node_bin, rig, wait_for, NodeProcess};
 
-/// A CLI command that reads the state dir answers well within this.
-const CLI: Duration = Duration::from_secs(10);
-
 /// No process has this pid (pid_max is at most 2^22).
 const DEAD_PID: i64 = 2_147_483_000;
 
@@ -130,9 +127,9 @@ fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
     mkfifo(&fifo);
     let guard = Unplant(state.clone());
 
-    let offline = run_bounded(&setup, &["status", "--json"], CLI);
+    let offline = run_bounded(&setup, &["status", "--json"], EXIT);
     assert!(offline.is_some(), "{rel}: `status` hangs on a FIFO");
-    let logs = run_bounded(&setup, &["logs", "r-wa"], CLI);
+    let logs = run_bounded(&setup, &["logs", "r-wa"], EXIT);
     assert!(logs.is_some(), "{rel}: `logs` hangs on a FIFO");
     assert!(is_fifo(&fifo), "{rel}: the CLI moves nothing");
 
@@ -153,7 +150,7 @@ fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
         node.log()
     );
     assert!(!is_fifo(&fifo), "{rel}: moved away");
-    let online = run_bounded(&setup, &["status", "--json"], CLI)
+    let online = run_bounded(&setup, &["status", "--json"], EXIT)
         .unwrap_or_else(|| panic!("{rel}: `status` hangs while the node runs"));
     assert_eq!(online.code, Some(0), "{rel}: {online:?}");
     node.sigterm();
@@ -261,11 +258,11 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
         mkfifo(&dirs[0].join(f));
     }
     assert!(
-        run_bounded(&setup, &["status"], CLI).is_some(),
+        run_bounded(&setup, &["status"], EXIT).is_some(),
         "`status` hangs on a FIFO"
     );
     assert!(
-        run_bounded(&setup, &["logs", "r-fifo"], CLI).is_some(),
+        run_bounded(&setup, &["logs", "r-fifo"], EXIT).is_some(),
         "`logs` hangs on a FIFO"
     );
     let mut again = setup.spawn();
@@ -280,7 +277,7 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
         "{}",
         again.log()
     );
-    let online = run_bounded(&setup, &["status", "--json"], CLI).expect("`status` hangs");
+    let online = run_bounded(&setup, &["status", "--json"], EXIT).expect("`status` hangs");
     assert_eq!(online.code, Some(0), "{online:?}");
     again.sigterm();
     assert!(again.wait_exit(EXIT).is_some(), "{}", again.log());

@@ -52,7 +52,7 @@ pub fn key(rid: &str) -> String {
 }
 
 /// One ledger line parsed and validated (also the entry point for fuzzing).
-pub fn parse_line(line: &[u8]) -> Result<Entry, store::ReadError> {
+pub fn parse_line(line: &[u8]) -> Result<Entry, store::StoreError> {
     store::parse_record::<Entry>(line)
 }
 
@@ -93,9 +93,9 @@ struct Scan {
 /// Reads the ledger line by line, never holding more than one line (at most
 /// [`MAX_LINE_BYTES`]) and the newest [`MAX_ENTRIES`] entries in memory. Only a regular file
 /// is read (D48: a FIFO in its place never blocks the node).
-fn scan(path: &Path, cutoff: f64) -> Result<Scan, store::ReadError> {
+fn scan(path: &Path, cutoff: f64) -> Result<Scan, store::StoreError> {
     let (file, _) = store::open_state_file(path)?;
-    scan_lines(BufReader::new(file), cutoff).map_err(store::ReadError::Io)
+    scan_lines(BufReader::new(file), cutoff).map_err(store::StoreError::Io)
 }
 
 fn scan_lines(mut reader: BufReader<std::fs::File>, cutoff: f64) -> std::io::Result<Scan> {
@@ -171,7 +171,7 @@ impl Ledger {
         let cutoff = now() - MAX_AGE_SECS;
         let scan = match scan(&path, cutoff) {
             Ok(s) => s,
-            Err(store::ReadError::Missing) => Scan {
+            Err(store::StoreError::Missing) => Scan {
                 list: VecDeque::new(),
                 valid: 0,
                 rekeyed: 0,

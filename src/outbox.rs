@@ -69,7 +69,7 @@ impl Item {
 }
 
 /// Reads and validates one entry file.
-fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::ReadError> {
+fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::StoreError> {
     parse_entry(&crate::store::read_state_file(
         path,
         crate::store::MAX_ENTRY_BYTES,
@@ -78,7 +78,7 @@ fn read_entry(path: &std::path::Path) -> Result<Item, crate::store::ReadError> {
 
 /// The bytes of one outbox / ingress entry parsed and validated (also the entry point for
 /// fuzzing).
-pub fn parse_entry(bytes: &[u8]) -> Result<Item, crate::store::ReadError> {
+pub fn parse_entry(bytes: &[u8]) -> Result<Item, crate::store::StoreError> {
     let mut item: Item = crate::store::parse_record(bytes)?;
     item.tidy_label();
     Ok(item)
@@ -207,7 +207,7 @@ impl Outbox {
                     self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 }
                 // Removed meanwhile (acknowledged, or picked up by someone else).
-                Err(crate::store::ReadError::Missing) => {}
+                Err(crate::store::StoreError::Missing) => {}
                 Err(e) => {
                     let why = format!("not a valid queue entry: {e}");
                     if crate::store::quarantine(&path, &why).is_err() {

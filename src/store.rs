@@ -321,7 +321,7 @@ impl std::fmt::Display for Invalid {
 
 /// Why a persisted file could not be used.
 #[derive(Debug)]
-pub enum ReadError {
+pub enum StoreError {
     /// There is no such file (nothing to quarantine).
     Missing,
     /// The file exists but could not be read (permissions, I/O): left where it is.
@@ -334,32 +334,32 @@ pub enum ReadError {
     Invalid(String),
 }
 
-impl ReadError {
+impl StoreError {
     /// Whether the file itself is bad (and should be quarantined), not merely absent or
     /// unreadable for now.
     pub fn is_bad_content(&self) -> bool {
         matches!(
             self,
-            ReadError::TooBig { .. } | ReadError::Invalid(_) | ReadError::NotRegular(_)
+            StoreError::TooBig { .. } | StoreError::Invalid(_) | StoreError::NotRegular(_)
         )
     }
 }
 
-impl std::fmt::Display for ReadError {
+impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ReadError::Missing => write!(f, "missing"),
-            ReadError::Io(e) => write!(f, "cannot be read: {e}"),
-            ReadError::TooBig { size, cap } => {
+            StoreError::Missing => write!(f, "missing"),
+            StoreError::Io(e) => write!(f, "cannot be read: {e}"),
+            StoreError::TooBig { size, cap } => {
                 write!(f, "{size} bytes, more than the {cap} bytes allowed")
             }
-            ReadError::Invalid(why) => write!(f, "{why}"),
-            ReadError::NotRegular(what) => write!(f, "not a regular file ({what})"),
+            StoreError::Invalid(why) => write!(f, "{why}"),
+            StoreError::NotRegular(what) => write!(f, "not a regular file ({what})"),
         }
     }
 }
 
-/// What a path holds when it is not a regular file (for [`ReadError::NotRegular`]).
+/// What a path holds when it is not a regular file (for [`StoreError::NotRegular`]).
 fn kind_of(t: fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     if t.is_symlink() {
@@ -381,16 +381,16 @@ fn kind_of(t: fs::FileType) -> &'static str {
 /// FIFO, socket or device in its place is refused, most without even being opened), and
 /// checks with `fstat` on the open descriptor that it is a regular file. Returns the file and
 /// its size. Every reader of a state file goes through here (or [`read_state_file`]).
-pub fn open_state_file(path: &Path) -> Result<(fs::File, u64), ReadError> {
+pub fn open_state_file(path: &Path) -> Result<(fs::File, u64), StoreError> {
     // A look first, so that nothing but a regular file is ever opened (opening a device can
     // have effects); the `fstat` below decides, as the path may be swapped in between.
     match fs::symlink_metadata(path) {
         Ok(m) if !m.file_type().is_file() => {
-            return Err(ReadError::NotRegular(kind_of(m.file_type())))
+            return Err(StoreError::NotRegular(kind_of(m.file_type())))
         }
         Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
-        Err(e) => return Err(ReadError::Io(e)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::Missing),
+        Err(e) => return Err(StoreError::Io(e)),
     }
     let f = match OpenOptions::new()
         .read(true)
@@ -399,19 +399,19 @@ pub fn open_state_file(path: &Path) -> Result<(fs::File, u64), ReadError> {
         .open(path)
     {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::Missing),
         // Swapped for a symlink (ELOOP) or a socket (ENXIO) since the look above.
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(ReadError::NotRegular("a symlink"))
+            return Err(StoreError::NotRegular("a symlink"))
         }
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
-            return Err(ReadError::NotRegular("a socket or device"))
+            return Err(StoreError::NotRegular("a socket or device"))
         }
-        Err(e) => return Err(ReadError::Io(e)),
+        Err(e) => return Err(StoreError::Io(e)),
     };
-    let md = f.metadata().map_err(ReadError::Io)?;
+    let md = f.metadata().map_err(StoreError::Io)?;
     if !md.file_type().is_file() {
-        return Err(ReadError::NotRegular(kind_of(md.file_type())));
+        return Err(StoreError::NotRegular(kind_of(md.file_type())));
     }
     Ok((f, md.len()))
 }
@@ -514,23 +514,23 @@ impl Beneath {
 
     /// Opens the file for reading as [`open_state_file`] does (a regular file only, never
     /// through a link, never blocking), with no link followed below `root` either.
-    pub fn open(&self) -> Result<(fs::File, u64), ReadError> {
+    pub fn open(&self) -> Result<(fs::File, u64), StoreError> {
         use std::os::fd::{AsRawFd, FromRawFd};
         use std::os::unix::ffi::OsStrExt;
         let io_err = |e: io::Error| match e.raw_os_error() {
-            Some(libc::ENOENT) => ReadError::Missing,
+            Some(libc::ENOENT) => StoreError::Missing,
             // A folder on the way swapped for a link or a file.
-            Some(libc::ELOOP | libc::ENOTDIR) => ReadError::NotRegular("behind a symlink"),
-            _ => ReadError::Io(e),
+            Some(libc::ELOOP | libc::ENOTDIR) => StoreError::NotRegular("behind a symlink"),
+            _ => StoreError::Io(e),
         };
         let (dir, leaf) = self.parent().map_err(io_err)?;
         let name = std::ffi::CString::new(leaf.as_bytes())
-            .map_err(|_| ReadError::NotRegular("not a plain file"))?;
+            .map_err(|_| StoreError::NotRegular("not a plain file"))?;
         // A look first, so that nothing but a regular file is ever opened (opening a device can
         // have effects); the `fstat` below decides, as it may be swapped in between.
         let st = stat_at(&dir, &name).map_err(io_err)?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-            return Err(ReadError::NotRegular(
+            return Err(StoreError::NotRegular(
                 if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
                     "a symlink"
                 } else {
@@ -539,7 +539,7 @@ impl Beneath {
             ));
         }
         if !self.is_listed(st.st_dev, st.st_ino) {
-            return Err(ReadError::NotRegular("another file than the one listed"));
+            return Err(StoreError::NotRegular("another file than the one listed"));
         }
         // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
         let fd = unsafe {
@@ -557,22 +557,22 @@ impl Beneath {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
                 // Swapped for a symlink (ELOOP) or a socket (ENXIO) since the look above.
-                Some(libc::ELOOP) => ReadError::NotRegular("a symlink"),
-                Some(libc::ENXIO) => ReadError::NotRegular("a socket or device"),
+                Some(libc::ELOOP) => StoreError::NotRegular("a symlink"),
+                Some(libc::ENXIO) => StoreError::NotRegular("a socket or device"),
                 _ => io_err(e),
             });
         }
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let f = unsafe { fs::File::from_raw_fd(fd) };
-        let md = f.metadata().map_err(ReadError::Io)?;
+        let md = f.metadata().map_err(StoreError::Io)?;
         if !md.file_type().is_file() {
-            return Err(ReadError::NotRegular(kind_of(md.file_type())));
+            return Err(StoreError::NotRegular(kind_of(md.file_type())));
         }
         if !self.is_listed(
             std::os::unix::fs::MetadataExt::dev(&md),
             std::os::unix::fs::MetadataExt::ino(&md),
         ) {
-            return Err(ReadError::NotRegular("another file than the one listed"));
+            return Err(StoreError::NotRegular("another file than the one listed"));
         }
         Ok((f, md.len()))
     }
@@ -671,20 +671,20 @@ pub fn remove_dir_at(dir: &std::os::fd::OwnedFd, name: &std::ffi::OsStr) -> io::
 
 /// Reads a whole state file of at most `cap` bytes, opened by [`open_state_file`] (only a
 /// regular file is read; a larger one is refused and never read into memory).
-pub fn read_state_file(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
+pub fn read_state_file(path: &Path, cap: u64) -> Result<Vec<u8>, StoreError> {
     use std::io::Read;
     let (f, size) = open_state_file(path)?;
     if size > cap {
-        return Err(ReadError::TooBig { size, cap });
+        return Err(StoreError::TooBig { size, cap });
     }
     let mut buf = Vec::new();
     // The file may grow between the size check and the read: never read past the cap.
     f.take(cap.saturating_add(1))
         .read_to_end(&mut buf)
-        .map_err(ReadError::Io)?;
+        .map_err(StoreError::Io)?;
     let len = u64::try_from(buf.len()).unwrap_or(u64::MAX);
     if len > cap {
-        return Err(ReadError::TooBig { size: len, cap });
+        return Err(StoreError::TooBig { size: len, cap });
     }
     Ok(buf)
 }
@@ -748,19 +748,19 @@ pub fn open_state_append(path: &Path, mode: u32) -> io::Result<fs::File> {
 }
 
 /// Parses a persisted record (at most `cap` bytes) and validates it.
-pub fn parse_record<T>(bytes: &[u8]) -> Result<T, ReadError>
+pub fn parse_record<T>(bytes: &[u8]) -> Result<T, StoreError>
 where
     T: serde::de::DeserializeOwned + Validate,
 {
-    let value: T = serde_json::from_slice(bytes).map_err(|e| ReadError::Invalid(e.to_string()))?;
+    let value: T = serde_json::from_slice(bytes).map_err(|e| StoreError::Invalid(e.to_string()))?;
     value
         .validate()
-        .map_err(|e| ReadError::Invalid(e.to_string()))?;
+        .map_err(|e| StoreError::Invalid(e.to_string()))?;
     Ok(value)
 }
 
 /// Reads, parses and validates a persisted record of at most `cap` bytes.
-pub fn read_record<T>(path: &Path, cap: u64) -> Result<T, ReadError>
+pub fn read_record<T>(path: &Path, cap: u64) -> Result<T, StoreError>
 where
     T: serde::de::DeserializeOwned + Validate,
 {
@@ -775,7 +775,7 @@ where
 {
     match read_record(path, cap) {
         Ok(v) => Some(v),
-        Err(ReadError::Missing) => None,
+        Err(StoreError::Missing) => None,
         Err(e) if e.is_bad_content() => {
             let _ = quarantine(path, &format!("not a valid {what}: {e}"));
             None
@@ -1214,12 +1214,12 @@ mod tests {
         }
         fs::write(&p, format!("{{\"n\":1{}}}", " ".repeat(200))).unwrap();
         let e = read_record::<Rec>(&p, 100).unwrap_err();
-        assert!(matches!(e, ReadError::TooBig { cap: 100, .. }), "{e}");
+        assert!(matches!(e, StoreError::TooBig { cap: 100, .. }), "{e}");
         fs::write(&p, "{\"n\":2.5}").unwrap();
         assert_eq!(read_record::<Rec>(&p, 100).unwrap().n, 2.5);
         assert!(matches!(
             read_record::<Rec>(&dir.join("absent"), 100),
-            Err(ReadError::Missing)
+            Err(StoreError::Missing)
         ));
         let e = read_record::<Rec>(&dir, 100).unwrap_err();
         assert!(e.is_bad_content(), "a directory is not a record: {e}");
@@ -1274,7 +1274,7 @@ mod tests {
             );
             let p = path.clone();
             let e = bounded(kind, move || read_record::<Rec>(&p, 100)).unwrap_err();
-            assert!(matches!(e, ReadError::NotRegular(_)), "{kind}: {e}");
+            assert!(matches!(e, StoreError::NotRegular(_)), "{kind}: {e}");
             // Quarantined like a corrupt file, without blocking.
             let p = path.clone();
             let got = bounded(kind, move || load_record::<Rec>(&p, 100, "record"));
@@ -1286,7 +1286,7 @@ mod tests {
         let e = read_state_file(Path::new("/dev/null"), 100).unwrap_err();
         assert_eq!(e.to_string(), "not a regular file (a device)");
         let e = read_state_file(Path::new("/dev/zero"), 100).unwrap_err();
-        assert!(matches!(e, ReadError::NotRegular(_)), "{e}");
+        assert!(matches!(e, StoreError::NotRegular(_)), "{e}");
         assert_eq!(fs::read_dir(dir.join(QUARANTINE_DIR)).unwrap().count(), 5);
         fs::remove_dir_all(&dir).unwrap();
     }
@@ -1300,7 +1300,7 @@ mod tests {
         assert!(
             matches!(
                 e,
-                ReadError::TooBig {
+                StoreError::TooBig {
                     size: 101,
                     cap: 100
                 }
@@ -1312,12 +1312,12 @@ mod tests {
         assert_eq!(read_state_file(&p, 100).unwrap().len(), 100);
         assert!(matches!(
             read_state_file(&dir.join("absent"), 100),
-            Err(ReadError::Missing)
+            Err(StoreError::Missing)
         ));
         // A file in place of a directory on the way is not missing: it is an I/O error.
         assert!(matches!(
             read_state_file(&p.join("x"), 100),
-            Err(ReadError::Io(_))
+            Err(StoreError::Io(_))
         ));
         fs::remove_dir_all(&dir).unwrap();
     }

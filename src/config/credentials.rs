@@ -116,7 +116,7 @@ impl store::Validate for Identity {
 
 /// The identity file exists and cannot be read (permissions, I/O).
 #[derive(Debug)]
-pub struct IdentityError(pub PathBuf, pub store::ReadError);
+pub struct IdentityError(pub PathBuf, pub store::StoreError);
 
 impl std::fmt::Display for IdentityError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,7 +134,7 @@ impl Identity {
     pub fn load(path: &Path) -> Result<Option<Identity>, IdentityError> {
         match store::read_record::<Identity>(path, store::MAX_RECORD_BYTES) {
             Ok(i) => Ok(Some(i).filter(|i| !i.uuid.trim().is_empty())),
-            Err(store::ReadError::Missing) => Ok(None),
+            Err(store::StoreError::Missing) => Ok(None),
             Err(e) if e.is_bad_content() => {
                 let _ = store::quarantine(
                     path,
@@ -178,7 +178,7 @@ pub fn load_node_id(path: &Path) -> Option<String> {
                 "not a valid MQTT client id (cloud_node_ and at most {MAX_NODE_ID} letters, digits or _); a new one is made"
             ),
         },
-        Err(store::ReadError::Missing) => return None,
+        Err(store::StoreError::Missing) => return None,
         Err(e) if e.is_bad_content() => format!("not a valid MQTT client id ({e}); a new one is made"),
         Err(e) => {
             log::error!("{} {e}; a new client id is made", store::shown(path));

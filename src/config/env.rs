@@ -12,7 +12,7 @@ use super::Source;
 #[derive(Debug)]
 pub enum DotenvError {
     /// It exists but cannot be read (or is no regular file, or too big, or not UTF-8).
-    Unreadable(PathBuf, crate::store::ReadError),
+    Unreadable(PathBuf, crate::store::StoreError),
     /// A line that is not python-dotenv.
     Syntax(PathBuf, SyntaxError),
 }
@@ -89,7 +89,7 @@ impl EnvLayers {
         let read =
             crate::store::read_state_file(path, crate::store::MAX_ENTRY_BYTES).and_then(|b| {
                 String::from_utf8(b).map_err(|_| {
-                    crate::store::ReadError::Invalid("stream did not contain valid UTF-8".into())
+                    crate::store::StoreError::Invalid("stream did not contain valid UTF-8".into())
                 })
             });
         match read {
@@ -99,7 +99,7 @@ impl EnvLayers {
                 self.files.push((path.to_path_buf(), vars));
                 Ok(())
             }
-            Err(crate::store::ReadError::Missing) => Ok(()),
+            Err(crate::store::StoreError::Missing) => Ok(()),
             Err(e) => Err(DotenvError::Unreadable(path.to_path_buf(), e)),
         }
     }

@@ -760,7 +760,7 @@ mod tests {
         std::os::unix::fs::symlink(&secret, root.join("sub")).unwrap();
         let opened = files[0].1.open();
         assert!(
-            matches!(opened, Err(store::ReadError::NotRegular(_))),
+            matches!(opened, Err(store::StoreError::NotRegular(_))),
             "opened through the link: {opened:?}"
         );
         assert!(files[0].1.remove().is_err(), "removed through the link");
@@ -791,7 +791,7 @@ mod tests {
         std::fs::create_dir_all(root.join("sub")).unwrap();
         std::fs::write(root.join("sub").join("result.bin"), b"another").unwrap();
         assert!(
-            matches!(files[0].1.open(), Err(store::ReadError::NotRegular(_))),
+            matches!(files[0].1.open(), Err(store::StoreError::NotRegular(_))),
             "another file opened"
         );
         assert!(files[0].1.remove().is_err());

@@ -209,14 +209,14 @@ pub fn load_json<T: serde::de::DeserializeOwned + store::Validate>(
 }
 
 /// `meta.json` parsed and validated; the log paths are re-rooted in the state dir's log folder.
-pub(super) fn parse_meta(dir: &Path) -> Result<Meta, store::ReadError> {
+pub(super) fn parse_meta(dir: &Path) -> Result<Meta, store::StoreError> {
     let bytes = store::read_state_file(&dir.join("meta.json"), store::MAX_RECORD_BYTES)?;
     parse_meta_bytes(&bytes, &logs_dir_of(dir))
 }
 
 /// The bytes of a `meta.json` parsed and validated (also the entry point for fuzzing); the log
 /// paths are re-rooted in `logs`.
-pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::ReadError> {
+pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::StoreError> {
     let mut meta: Meta = store::parse_record(bytes)?;
     for p in [&mut meta.stdout_log, &mut meta.stderr_log] {
         let name = p
@@ -224,7 +224,7 @@ pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::ReadEr
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         if !log_name_ok(&name) {
-            return Err(store::ReadError::Invalid(format!(
+            return Err(store::StoreError::Invalid(format!(
                 "a log path must end in a plain file name, got {}",
                 store::shown(p)
             )));
@@ -455,7 +455,7 @@ mod tests {
         std::fs::write(&meta_path, big.to_string()).unwrap();
         assert!(matches!(
             parse_meta(&dir),
-            Err(store::ReadError::TooBig { .. })
+            Err(store::StoreError::TooBig { .. })
         ));
 
         // The good one loads, and its log paths are re-rooted in the log folder.

@@ -41,7 +41,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
                 wait_for_shim_record(dir, &path);
                 match store::read_record::<Started>(&path, store::MAX_RECORD_BYTES) {
                     Ok(st) => meta.started = Some(st),
-                    Err(store::ReadError::Missing) => {}
+                    Err(store::StoreError::Missing) => {}
                     // The shim wrote it, so the workload did start: it cannot be tracked
                     // without it, but it is reported, not forgotten.
                     Err(e) => {
@@ -62,7 +62,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
                 Recovered::Intact(meta)
             };
         }
-        Err(store::ReadError::Missing) => "meta.json is missing".to_string(),
+        Err(store::StoreError::Missing) => "meta.json is missing".to_string(),
         Err(e) => {
             let why = format!("meta.json is not a valid workload record: {e}");
             let _ = store::quarantine(&meta_path, &why);

@@ -40,7 +40,7 @@ use crate::config::Settings;
 use crate::mqtt::MqttEvent;
 use crate::signals::Signal;
 use crate::workers::Done;
-use parts::{Durable, Life, Op, Timers, EXIT_CREDENTIALS, EXIT_RUNTIME};
+use parts::{Durable, Exit, Life, Op, Timers};
 use session::{Happening, Session};
 use starts_out::Start;
 use workloads::Work;
@@ -82,7 +82,7 @@ impl Node {
     /// Crash-only: the node exits, to be started again; its workloads keep running.
     fn lost(&mut self, what: &str) {
         log::error!("the {what} thread stopped; the node exits (its workloads keep running) so that it is started again");
-        self.life.exit = Some(EXIT_RUNTIME);
+        self.life.exit = Some(Exit::Runtime);
     }
 
     fn run(mut self, signals: Receiver<Signal>) -> i32 {
@@ -110,7 +110,8 @@ impl Node {
                 default(wait) => {}
             }
             self.tick();
-            if let Some(code) = self.life.exit {
+            if let Some(exit) = self.life.exit {
+                let code = exit.code();
                 self.start().finish_starts();
                 self.io.mqtt.disconnect(Duration::from_millis(500));
                 log::info!("cyberwave-cloud-node stopped (exit code {code})");
@@ -233,7 +234,7 @@ fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
                 let m = &mut w.life.metrics;
                 m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);
             }
-            Happening::TokenRejected => shutdown::begin(w, EXIT_CREDENTIALS, "token rejected"),
+            Happening::TokenRejected => shutdown::begin(w, Exit::Credentials, "token rejected"),
         }
     }
 }

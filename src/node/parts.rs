@@ -9,17 +9,15 @@ use crate::ledger::Ledger;
 use crate::outbox::Outbox;
 use crate::workload::tail::Key;
 
-// Exit codes are chosen in `error.rs` alone.
-pub(super) const EXIT_OK: i32 = crate::error::Exit::Ok.code();
-pub(super) const EXIT_RUNTIME: i32 = crate::error::Exit::Runtime.code();
-pub(super) const EXIT_CREDENTIALS: i32 = crate::error::Exit::Credentials.code();
+// The exit the node ends with is an [`Exit`]: its code is chosen in `error.rs` alone.
+pub(super) use crate::error::Exit;
 
 /// The node's life: since when it runs, the shutdown under way, the exit code once decided,
 /// and what it counted along the way (the metrics file's counters).
 pub(super) struct Life {
     pub(super) started: Instant,
     pub(super) shutdown: Option<Shutdown>,
-    pub(super) exit: Option<i32>,
+    pub(super) exit: Option<Exit>,
     /// Draining (no new workloads) and `--drain-after-one`.
     pub(super) drain: Drain,
     pub(super) metrics: Metrics,
@@ -63,7 +61,7 @@ pub(super) enum Op {
 /// The shutdown under way: until when, with which exit code, and what it waits for.
 pub(super) struct Shutdown {
     pub deadline: Instant,
-    pub exit_code: i32,
+    pub exit: Exit,
     /// Correlation of the R5 (or R6) request whose reply ends the shutdown early.
     pub waiting_for: Option<Vec<u8>>,
     /// D58: a container's init waits for its stopped workloads' completions to be acknowledged

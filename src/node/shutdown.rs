@@ -8,8 +8,8 @@ use serde_json::json;
 
 use super::container;
 use super::io::Io;
+use super::parts::{Exit, Op};
 use super::parts::{Life, Shutdown};
-use super::parts::{Op, EXIT_OK, EXIT_RUNTIME};
 use super::session::Session;
 use super::table::Table;
 use super::workloads::Work;
@@ -25,7 +25,7 @@ pub(super) fn goodbye(
     io: &Io,
     s: &Settings,
     now: Instant,
-    exit_code: i32,
+    exit: Exit,
     limit: Option<Instant>,
 ) -> Shutdown {
     let waiting_for = if !session.registered()
@@ -54,7 +54,7 @@ pub(super) fn goodbye(
     };
     Shutdown {
         deadline,
-        exit_code,
+        exit,
         waiting_for,
         stopping_workloads: false,
     }
@@ -76,10 +76,10 @@ pub(super) fn finish_stopping_workloads(
     if !sd.stopping_workloads || !active.is_empty() || !outbox.is_empty() {
         return;
     }
-    let (limit, exit_code) = (sd.deadline, sd.exit_code);
+    let (limit, exit) = (sd.deadline, sd.exit);
     log::info!("every workload of the container is reported; exiting");
     let now = io.clock.now();
-    life.shutdown = Some(goodbye(session, io, s, now, exit_code, Some(limit)));
+    life.shutdown = Some(goodbye(session, io, s, now, exit, Some(limit)));
 }
 
 pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
@@ -87,10 +87,10 @@ pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
         Signal::Term | Signal::Int => {
             if w.life.shutdown.is_some() {
                 log::warn!("second {sig:?}: exiting now");
-                w.life.exit = Some(EXIT_OK);
+                w.life.exit = Some(Exit::Ok);
                 return;
             }
-            begin(w, EXIT_OK, &format!("{sig:?} received"));
+            begin(w, Exit::Ok, &format!("{sig:?} received"));
         }
         Signal::Hup => {
             log::info!("SIGHUP ignored (restart the service to reload the configuration)")
@@ -102,7 +102,7 @@ pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
 
 /// Begins the shutdown (once): the goodbye (R5), or as a container's main process its
 /// workloads stopped and reported first (D58).
-pub(super) fn begin(w: &mut Work<'_>, exit_code: i32, why: &str) {
+pub(super) fn begin(w: &mut Work<'_>, exit: Exit, why: &str) {
     if w.life.shutdown.is_some() {
         return;
     }
@@ -121,7 +121,7 @@ pub(super) fn begin(w: &mut Work<'_>, exit_code: i32, why: &str) {
         w.session.close();
         w.life.shutdown = Some(Shutdown {
             deadline: util::later(now, container::deadline_after(grace)),
-            exit_code,
+            exit,
             waiting_for: None,
             stopping_workloads: true,
         });
@@ -130,7 +130,7 @@ pub(super) fn begin(w: &mut Work<'_>, exit_code: i32, why: &str) {
     log::info!("shutting down ({why}); running workloads are left running");
     super::workloads::log_running(w.active);
     w.session.close();
-    w.life.shutdown = Some(goodbye(w.session, w.io, w.s, now, exit_code, None));
+    w.life.shutdown = Some(goodbye(w.session, w.io, w.s, now, exit, None));
 }
 
 /// Registered after start-up failed: tell the backend (R6), then exit.
@@ -138,7 +138,7 @@ pub(super) fn report_failed_start(w: &mut Work<'_>, err: String) {
     let uuid = w.session.uuid().to_string();
     log::error!("reporting the start-up failure to the backend, then exiting");
     if w.s.standalone {
-        return begin(w, EXIT_RUNTIME, "start-up failed");
+        return begin(w, Exit::Runtime, "start-up failed");
     }
     let topic = w.io.topics.fail(&uuid);
     let corr = w.request(
@@ -147,7 +147,7 @@ pub(super) fn report_failed_start(w: &mut Work<'_>, err: String) {
         json!({"instance_uuid": uuid, "error": err}),
         w.s.tuning.heartbeat_timeout,
     );
-    begin(w, EXIT_RUNTIME, "start-up failed");
+    begin(w, Exit::Runtime, "start-up failed");
     if let Some(s) = &mut w.life.shutdown {
         s.waiting_for = Some(corr);
     }

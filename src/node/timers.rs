@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::operate;
-use super::parts::{Due, EXIT_OK};
+use super::parts::{Due, Exit};
 use super::shutdown;
 use super::starts_out::Start;
 
@@ -39,7 +39,7 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
     }
     w.with_ingress(|i, out| i.send(out));
     if operate::drain_after_one_done(w.s, w.life, w.active, w.outbox, now) {
-        shutdown::begin(w, EXIT_OK, "--drain-after-one: the workload completed");
+        shutdown::begin(w, Exit::Ok, "--drain-after-one: the workload completed");
     }
     let queued = w.outbox.len().saturating_add(w.ingress.queue.len());
     let (active, starts) = (&*w.active, &*w.starts);
@@ -64,7 +64,7 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
     shutdown::finish_stopping_workloads(w.life, w.active, w.outbox, w.session, w.io, w.s);
     if let Some(s) = &w.life.shutdown {
         if now >= s.deadline && w.life.exit.is_none() {
-            w.life.exit = Some(s.exit_code);
+            w.life.exit = Some(s.exit);
         }
     }
 }

@@ -276,3 +276,36 @@ fn g11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays
     );
     assert!(!node.log().contains("connection lost"), "{}", node.log());
 }
+
+/// R7–R10, D20: `"workload_uuid": "None"` is what a Python sender writes for none. A start that
+/// carries it names no workload: from its `running` status to its end, nothing the node
+/// publishes goes to a `…/None/…` topic, and the workload's environment names no workload.
+#[test]
+fn g5_a_start_whose_workload_uuid_is_the_text_none_names_no_workload() {
+    let (_broker, cp, setup) =
+        rig("cyberwave:\n  training: echo \"wl=[${CYBERWAVE_WORKLOAD_UUID-unset}]\"\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let w =
+        crate::support::scenario::Start::training("nn").params(json!({"workload_uuid": "None"}));
+    assert_eq!(w.reply(&cp, &node)["status"], "ok");
+    assert!(
+        node.wait_log(") finished: success", crate::support::timeouts::DONE),
+        "{}",
+        node.log()
+    );
+    still_serving(&cp, &node, "after-nn");
+    let none: Vec<String> = cp
+        .all_requests()
+        .into_iter()
+        .map(|r| r.topic)
+        .filter(|t| t.contains("/None/"))
+        .collect();
+    assert!(none.is_empty(), "published to {none:?}");
+    // The console tag is the request id then, as for a start without a workload uuid.
+    assert!(
+        node.wait_stdout("[workload nn stdout] wl=[unset]", REPLY),
+        "{}",
+        node.stdout()
+    );
+}

@@ -56,9 +56,8 @@ impl Heal {
             .filter_map(|(k, a)| {
                 a.meta
                     .workload_uuid
-                    .clone()
-                    .filter(|w| !w.is_empty())
-                    .map(|w| (k.clone(), w))
+                    .as_deref()
+                    .map(|w| (k.clone(), w.to_string()))
             })
             .collect();
         for (key, wl) in candidates {

@@ -64,7 +64,7 @@ use super::gpus::Hold;
 use crate::ledger;
 use crate::logtext::shown;
 use crate::protocol::commands::request_id_text;
-use crate::protocol::commands::Kind;
+use crate::protocol::commands::{Kind, TopicId};
 use crate::store;
 use crate::workload::spawner::{Outcome, Spawner};
 use crate::workload::{Layout, StartRequest, WorkflowCtx};
@@ -81,7 +81,7 @@ pub struct PendingCancel {
 pub struct Starting {
     pub kind: Kind,
     pub request_id: Value,
-    pub workload_uuid: Option<String>,
+    pub workload_uuid: Option<TopicId>,
     pub ctx: Option<WorkflowCtx>,
     pub gpus: Option<Vec<String>>,
     pub created_unix: f64,
@@ -240,8 +240,11 @@ impl Starts {
 pub struct Taken {
     pub request_id: Value,
     pub kind: String,
-    #[serde(default)]
-    pub workload_uuid: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "crate::protocol::commands::persisted_workload_id"
+    )]
+    pub workload_uuid: Option<TopicId>,
     pub taken_unix: f64,
 }
 
@@ -265,9 +268,6 @@ impl store::Validate for Taken {
                 field: "kind",
                 allowed: &crate::workload::KINDS,
             });
-        }
-        if let Some(u) = &self.workload_uuid {
-            store::check_id("workload_uuid", u)?;
         }
         store::check_unix("taken_unix", self.taken_unix)
     }
@@ -350,13 +350,11 @@ pub fn load_notes(layout: &Layout) -> Vec<(String, Taken)> {
         .filter_map(|e| {
             let name = e.file_name().to_str()?.to_string();
             let id = safe_id_of(&name)?;
-            let mut taken = store::load_record::<Taken>(
+            let taken = store::load_record::<Taken>(
                 &e.path(),
                 store::MAX_ENTRY_BYTES,
                 "note of a start in flight",
             )?;
-            // A note an older version wrote may hold `""` or `"None"`: no workload either way.
-            taken.workload_uuid = crate::protocol::commands::workload_id(taken.workload_uuid);
             Some((id.to_string(), taken))
         })
         .collect();
@@ -428,7 +426,7 @@ mod tests {
         Starting {
             kind: Kind::Inference,
             request_id: json!(rid),
-            workload_uuid: Some(format!("wl-{rid}")),
+            workload_uuid: TopicId::new("workload_uuid", &format!("wl-{rid}")).ok(),
             ctx: None,
             gpus: Some(vec![format!("GPU-{rid}")]),
             created_unix: 1.7e9,
@@ -445,6 +443,7 @@ mod tests {
             request_id: json!(rid),
             safe_id: store::safe_id(rid),
             params: Map::new(),
+            workload_uuid: None,
             template: "true".into(),
             node_token: String::new(),
             max_runtime_s: None,
@@ -550,7 +549,7 @@ mod tests {
         Taken {
             request_id: json!(rid),
             kind: "inference".into(),
-            workload_uuid: Some(format!("wl-{rid}")),
+            workload_uuid: TopicId::new("workload_uuid", &format!("wl-{rid}")).ok(),
             taken_unix: at,
         }
     }

@@ -81,7 +81,7 @@ impl Start<'_> {
         let kind = kind_t.as_str();
         let rid = ledger_id(request_id);
         let safe_id = store::safe_id(&rid);
-        let workload_uuid = start.workload_uuid.as_ref().map(|u| u.as_str().to_string());
+        let workload_uuid = start.workload_uuid.clone();
         let ctx = start.workflow.clone();
         let ask = Ask {
             kind: kind_t,
@@ -150,6 +150,7 @@ impl Start<'_> {
             request_id: request_id.clone(),
             safe_id: safe_id.clone(),
             params,
+            workload_uuid: workload_uuid.clone(),
             template,
             node_token: self.work.io.token.clone(),
             max_runtime_s,

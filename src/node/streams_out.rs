@@ -133,7 +133,7 @@ impl Logs<'_> {
                 let src = Source {
                     kind: a.meta.kind.to_string(),
                     request_id: a.meta.request_id.clone(),
-                    workload_uuid: a.meta.workload_uuid.clone(),
+                    workload_uuid: a.meta.workload_uuid.as_deref().map(String::from),
                     logs: [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()],
                     cursor_path: dir.join("cursor.json"),
                 };

@@ -802,7 +802,11 @@ mod tests {
             safe_id: id.into(),
             kind: crate::protocol::commands::Kind::Training.into(),
             request_id: Value::String(id.into()),
-            workload_uuid: Some(format!("wl-{id}")),
+            workload_uuid: crate::protocol::commands::TopicId::new(
+                "workload_uuid",
+                &format!("wl-{id}"),
+            )
+            .ok(),
             created_unix: workload::unix_now(),
             command: "true".into(),
             stdout_log: PathBuf::from("/nonexistent/out.log"),

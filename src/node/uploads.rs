@@ -387,7 +387,7 @@ impl Uploads {
         self.active.insert(
             id.to_string(),
             Upload {
-                wl,
+                wl: wl.to_string(),
                 files,
                 notifying: false,
             },

@@ -192,6 +192,34 @@ impl TopicId {
     }
 }
 
+/// Read as the text it is (it validated itself when it was made).
+impl std::ops::Deref for TopicId {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Written as the string it is.
+impl Serialize for TopicId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+/// A workload id read back from a file the node wrote (a workload's record, the note of a
+/// start): absent, `null`, `""` or `"None"` (an older version's) mean none ([`workload_id`]);
+/// anything else must be a [`TopicId`], or the file does not parse (and is quarantined).
+pub fn persisted_workload_id<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<TopicId>, D::Error> {
+    let s: Option<String> = Option::deserialize(d)?;
+    workload_id(s)
+        .map(|s| TopicId::new("workload_uuid", &s))
+        .transpose()
+        .map_err(serde::de::Error::custom)
+}
+
 impl fmt::Display for TopicId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

@@ -86,7 +86,7 @@ fn workload_vars(env: &mut BTreeMap<String, String>, meta: &Meta, c: &Context) {
         meta.event_token.clone(),
     );
     if let Some(wl) = &meta.workload_uuid {
-        env.insert("CYBERWAVE_WORKLOAD_UUID".into(), wl.clone());
+        env.insert("CYBERWAVE_WORKLOAD_UUID".into(), wl.to_string());
     }
 }
 

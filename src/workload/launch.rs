@@ -4,8 +4,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde_json::Value;
-
 use super::environment;
 use super::error::SpawnError;
 use super::forkserver::{self, ForkServer};
@@ -18,6 +16,7 @@ use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
 use super::vspawn;
 use crate::config::Settings;
+use crate::protocol::commands::TopicId;
 use crate::store;
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
@@ -80,11 +79,8 @@ fn launch_in(
         .params
         .remove("cyberwave_workload_token")
         .and_then(|v| v.as_str().map(String::from));
-    let workload_uuid = req
-        .params
-        .get("workload_uuid")
-        .and_then(Value::as_str)
-        .map(String::from);
+    // As the edge typed it, never read again from the raw params (where `"None"` is text).
+    let workload_uuid = req.workload_uuid.clone();
     // Module dispatch: a missing file is refused before anything is written; the platform's
     // own keys are not the function's arguments.
     let module = inputs::module_file(s, &req.template, req.kind.as_str())?;
@@ -200,7 +196,7 @@ fn prepare_dirs(
 fn record(
     layout: &Layout,
     req: &StartRequest,
-    workload_uuid: Option<String>,
+    workload_uuid: Option<TopicId>,
     command: String,
     stem: &str,
 ) -> Meta {
@@ -473,6 +469,7 @@ mod tests {
             request_id: serde_json::json!("r1"),
             safe_id: "r1".into(),
             params: serde_json::Map::new(),
+            workload_uuid: None,
             template: "true".into(),
             node_token: String::new(),
             max_runtime_s: None,
@@ -543,6 +540,7 @@ mod tests {
             request_id: serde_json::json!(id),
             safe_id: id.into(),
             params: serde_json::Map::new(),
+            workload_uuid: None,
             template: "true {body}".into(),
             node_token: String::new(),
             max_runtime_s: None,

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::shim::Started;
-use crate::protocol::commands::Kind;
+use crate::protocol::commands::{Kind, TopicId};
 use crate::store;
 
 pub const KINDS: [&str; 3] = ["inference", "simulate", "training"];
@@ -105,8 +105,11 @@ pub struct Meta {
     pub safe_id: String,
     pub kind: MetaKind,
     pub request_id: Value,
-    #[serde(default)]
-    pub workload_uuid: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "crate::protocol::commands::persisted_workload_id"
+    )]
+    pub workload_uuid: Option<TopicId>,
     pub created_unix: f64,
     pub command: String,
     pub stdout_log: PathBuf,
@@ -233,7 +236,6 @@ pub fn parse_meta_bytes(bytes: &[u8], logs: &Path) -> Result<Meta, store::StoreE
         // outside its own log folder.
         *p = logs.join(name);
     }
-    meta.workload_uuid = crate::protocol::commands::workload_id(meta.workload_uuid.take());
     Ok(meta)
 }
 
@@ -301,9 +303,7 @@ impl store::Validate for Meta {
             return Err(kind_error());
         }
         store::check_request_id(&self.request_id)?;
-        if let Some(u) = self.workload_uuid.as_deref().filter(|u| !u.is_empty()) {
-            store::check_id("workload_uuid", u)?;
-        }
+        // `workload_uuid` is a `TopicId`: it validated itself as it was read.
         store::check_unix("created_unix", self.created_unix)?;
         if let Some(m) = self.max_runtime_s {
             store::check_seconds("max_runtime_s", m, false)?;

@@ -12,7 +12,7 @@ use super::record::{
 };
 use super::shim::Started;
 use super::{procinfo, settle};
-use crate::protocol::commands::Kind;
+use crate::protocol::commands::{Kind, TopicId};
 use crate::store;
 
 /// How a workload's directory was read back at recovery.
@@ -221,12 +221,10 @@ struct Params(Map<String, Value>);
 
 impl Params {
     /// The workload uuid, if it is there and valid (D20).
-    fn workload_uuid(&self) -> Option<String> {
-        self.0
-            .get("workload_uuid")
-            .and_then(Value::as_str)
-            .filter(|u| store::check_id("workload_uuid", u).is_ok())
-            .map(String::from)
+    fn workload_uuid(&self) -> Option<TopicId> {
+        let raw = self.0.get("workload_uuid").and_then(Value::as_str);
+        crate::protocol::commands::workload_id(raw.map(String::from))
+            .and_then(|u| TopicId::new("workload_uuid", &u).ok())
     }
 }
 
@@ -387,6 +385,17 @@ mod tests {
             .arg(&dir)
             .spawn()
             .unwrap();
+        // Until `sh` has exec'd, the child is a copy of this test binary, which no search takes
+        // for a supervisor: on a loaded machine recovery would look too early and not wait.
+        let cmdline = format!("/proc/{}/cmdline", shim.id());
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while !std::fs::read(&cmdline).is_ok_and(|c| c.windows(6).any(|w| w == b"__shim")) {
+            assert!(
+                std::time::Instant::now() < until,
+                "the stand-in shim never ran"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let record = good_meta(&layout)["started"].to_string();
         let writer = {
             let path = dir.join("started.json");

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde_json::{Map, Value};
 
 use super::record::WorkflowCtx;
-use crate::protocol::commands::Kind;
+use crate::protocol::commands::{Kind, TopicId};
 
 /// What a start needs beyond the settings (owned: it travels to the spawner thread).
 #[derive(Debug, Clone)]
@@ -15,6 +15,8 @@ pub struct StartRequest {
     pub request_id: Value,
     pub safe_id: String,
     pub params: Map<String, Value>,
+    /// The workload's uuid as the edge typed it (`"None"`, `""` and `null` are none; D20).
+    pub workload_uuid: Option<TopicId>,
     pub template: String,
     /// The node's own API token (empty in standalone mode).
     pub node_token: String,

@@ -5,8 +5,8 @@
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
-use crate::support::timeouts::{READY, REPLY};
-use crate::support::{rig, NodeProcess};
+use crate::support::timeouts::{DONE, READY, REPLY};
+use crate::support::{rig, wait_for, NodeProcess};
 
 /// A manifest whose workloads leave a mark in `ran/` when they run at all.
 const MARKING: &str =
@@ -277,35 +277,44 @@ fn g11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays
     assert!(!node.log().contains("connection lost"), "{}", node.log());
 }
 
-/// R7–R10, D20: `"workload_uuid": "None"` is what a Python sender writes for none. A start that
-/// carries it names no workload: from its `running` status to its end, nothing the node
-/// publishes goes to a `…/None/…` topic, and the workload's environment names no workload.
+/// R7–R10, D20: `"workload_uuid": "None"` is what a Python sender writes for none, and `""`
+/// says none too. A start that carries either names no workload: from its `running` status to
+/// its end, nothing the node publishes goes to a `…/None/…` or `…//…` workload topic, and the
+/// workload's environment names no workload.
 #[test]
 fn g5_a_start_whose_workload_uuid_is_the_text_none_names_no_workload() {
     let (_broker, cp, setup) =
         rig("cyberwave:\n  training: echo \"wl=[${CYBERWAVE_WORKLOAD_UUID-unset}]\"\n");
     let node = setup.spawn();
     node.wait_ready(READY);
-    let w =
-        crate::support::scenario::Start::training("nn").params(json!({"workload_uuid": "None"}));
-    assert_eq!(w.reply(&cp, &node)["status"], "ok");
-    assert!(
-        node.wait_log(") finished: success", crate::support::timeouts::DONE),
-        "{}",
-        node.log()
-    );
-    still_serving(&cp, &node, "after-nn");
-    let none: Vec<String> = cp
+    for (rid, none) in [("nn", "None"), ("ne", "")] {
+        let w =
+            crate::support::scenario::Start::training(rid).params(json!({"workload_uuid": none}));
+        assert_eq!(w.reply(&cp, &node)["status"], "ok");
+        // The console tag is the request id then, as for a start without a workload uuid.
+        assert!(
+            node.wait_stdout(&format!("[workload {rid} stdout] wl=[unset]"), DONE),
+            "{}",
+            node.stdout()
+        );
+        let done = format!("training {rid} (pid");
+        assert!(
+            wait_for(DONE, || node
+                .log()
+                .lines()
+                .any(|l| l.contains(&done) && l.contains("finished: success"))
+                .then_some(()))
+            .is_some(),
+            "{}",
+            node.log()
+        );
+    }
+    still_serving(&cp, &node, "after-none");
+    let topics: Vec<String> = cp
         .all_requests()
         .into_iter()
         .map(|r| r.topic)
-        .filter(|t| t.contains("/None/"))
+        .filter(|t| t.contains("cloud-workload/None/") || t.contains("cloud-workload//"))
         .collect();
-    assert!(none.is_empty(), "published to {none:?}");
-    // The console tag is the request id then, as for a start without a workload uuid.
-    assert!(
-        node.wait_stdout("[workload nn stdout] wl=[unset]", REPLY),
-        "{}",
-        node.stdout()
-    );
+    assert!(topics.is_empty(), "published to {topics:?}");
 }

@@ -581,6 +581,31 @@ mod tests {
         );
     }
 
+    /// A note that says no workload in the ways an older version or a Python sender may (absent,
+    /// `null`, `""`, `"None"`) is read back as one without a workload, never as `…/None/…`.
+    #[test]
+    fn d20_a_note_whose_workload_uuid_says_none_has_no_workload() {
+        let layout = scratch("notes-none");
+        note(&layout, "a", &taken("a", 1.0e9)).unwrap();
+        let d = notes_dir(&layout);
+        for (i, none) in [json!(null), json!(""), json!("None")]
+            .into_iter()
+            .enumerate()
+        {
+            let mut v = serde_json::to_value(taken("a", 1.0e9)).unwrap();
+            v["workload_uuid"] = none.clone();
+            std::fs::write(d.join("a.json"), v.to_string()).unwrap();
+            let all = load_notes(&layout);
+            assert_eq!(all.len(), 1, "{i}: {none}");
+            assert_eq!(all[0].1.workload_uuid, None, "{none}");
+        }
+        let mut v = serde_json::to_value(taken("a", 1.0e9)).unwrap();
+        v.as_object_mut().unwrap().remove("workload_uuid");
+        std::fs::write(d.join("a.json"), v.to_string()).unwrap();
+        assert_eq!(load_notes(&layout)[0].1.workload_uuid, None, "absent");
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
     #[test]
     fn notes_are_left_read_back_and_forgotten_and_bad_ones_set_aside() {
         let layout = scratch("notes");
@@ -605,11 +630,16 @@ mod tests {
         // SAFETY: mkfifo with a valid C string.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
         std::fs::write(d.join(".b.json.tmp-1234"), "{}").unwrap();
+        // A workload uuid that could not be a topic's (D20): refused as it is read.
+        let mut hostile = serde_json::to_value(taken("f", 1.0)).unwrap();
+        hostile["workload_uuid"] = json!("wl/#");
+        std::fs::write(d.join("f.json"), hostile.to_string()).unwrap();
         let all = load_notes(&layout);
         let ids: Vec<&str> = all.iter().map(|(id, _)| id.as_str()).collect();
         assert_eq!(ids, ["b"]);
         assert!(!d.join("c.json").exists(), "quarantined");
         assert!(!d.join("e.json").exists(), "quarantined");
+        assert!(!d.join("f.json").exists(), "quarantined");
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 }

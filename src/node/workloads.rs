@@ -182,7 +182,7 @@ impl Outgoing<'_> {
         label: String,
         rid: &str,
     ) -> Option<u64> {
-        if let Some(wl) = meta.workload_uuid.as_deref().filter(|w| !w.is_empty()) {
+        if let Some(wl) = meta.workload_uuid.as_deref() {
             let topic = self.io.topics.workload_status(wl);
             let key = format!("end:{safe_id}");
             if self.s.standalone {

@@ -17,7 +17,7 @@ use super::workloads::Work;
 use crate::config::Settings;
 use crate::outbox::Outbox;
 use crate::protocol::commands::{
-    self as protocol, Command, Incoming, Received, RequestId, StartParams,
+    self as protocol, Command, Incoming, Received, RequestId, StartParams, TopicId,
 };
 use crate::util;
 
@@ -29,7 +29,7 @@ pub(super) enum Accepted {
     Refused {
         rid: Value,
         reason: String,
-        failed: Option<(String, Value)>,
+        failed: Option<(TopicId, Value)>,
     },
     Run(RequestId, Command),
 }
@@ -51,7 +51,7 @@ pub(super) fn accept(payload: &[u8], shutting_down: bool) -> Accepted {
             );
             let failed = workload_uuid.map(|wl| {
                 let body = json!({"status": "failed", "error": reason, "failure_detail": reason});
-                (wl.as_str().to_string(), body)
+                (wl, body)
             });
             return Accepted::Refused {
                 rid,

@@ -15,7 +15,7 @@ use super::workloads::{start_output, Work};
 use crate::ledger::Ledger;
 use crate::logtext::shown;
 use crate::protocol::commands::request_id_text;
-use crate::protocol::commands::{Kind, Seconds, StartParams};
+use crate::protocol::commands::{Kind, Seconds, StartParams, TopicId};
 use crate::store;
 use crate::workload::spawner::Outcome;
 use crate::workload::{self, procinfo, StartRequest};
@@ -114,7 +114,7 @@ impl Start<'_> {
                 return;
             }
             Decision::Reject(why) => {
-                return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx)
+                return self.reject_start(request_id, workload_uuid.as_ref(), &why, ctx)
             }
             Decision::Defer { until, otherwise } => {
                 let (active, workers) = (&*self.work.active, &self.work.io.workers);
@@ -125,7 +125,7 @@ impl Start<'_> {
                 {
                     self.heal.defer(kind_t, request_id, &start, until);
                 } else {
-                    self.reject_start(request_id, workload_uuid.as_deref(), &otherwise, ctx);
+                    self.reject_start(request_id, workload_uuid.as_ref(), &otherwise, ctx);
                 }
                 return;
             }
@@ -141,7 +141,7 @@ impl Start<'_> {
                 kind: kind.into(),
                 why: "the kernel gave no random bytes for the workload's event token".into(),
             };
-            return self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
+            return self.reject_start(request_id, workload_uuid.as_ref(), &why, ctx);
         };
         let params = start.params;
         let (noted, noted_rx) = crossbeam_channel::bounded(1);
@@ -180,7 +180,7 @@ impl Start<'_> {
                 kind: kind.into(),
                 why: e,
             };
-            self.reject_start(request_id, workload_uuid.as_deref(), &why, ctx);
+            self.reject_start(request_id, workload_uuid.as_ref(), &why, ctx);
             // The spawner is gone: what is still in flight will never be reported.
             return self.on_spawner_gone();
         }
@@ -378,7 +378,7 @@ impl Start<'_> {
         for w in &st.waiters {
             self.work.replies().error(w, &why);
         }
-        self.reject_start(&st.request_id, st.workload_uuid.as_deref(), &reason, st.ctx);
+        self.reject_start(&st.request_id, st.workload_uuid.as_ref(), &reason, st.ctx);
         starts::forget(&self.work.io.layout, safe_id);
     }
 
@@ -422,7 +422,7 @@ impl Start<'_> {
     pub(super) fn reject_start(
         &mut self,
         request_id: &Value,
-        workload_uuid: Option<&str>,
+        workload_uuid: Option<&TopicId>,
         reason: &RejectReason,
         ctx: Option<workload::WorkflowCtx>,
     ) {
@@ -476,12 +476,7 @@ impl Start<'_> {
                 }
                 Answer::NeverStarted(why) => {
                     let why = admit::RejectReason::Interrupted(why);
-                    self.reject_start(
-                        &taken.request_id,
-                        taken.workload_uuid.as_deref(),
-                        &why,
-                        None,
-                    );
+                    self.reject_start(&taken.request_id, taken.workload_uuid.as_ref(), &why, None);
                 }
             }
             starts::forget(&self.work.io.layout, &safe_id);

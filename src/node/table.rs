@@ -20,7 +20,7 @@ use super::gpus::Hold;
 pub use super::uploads::UploadCfg;
 use super::uploads::{self, Uploads};
 use crate::logtext::shown;
-use crate::protocol::commands::Seconds;
+use crate::protocol::commands::{Seconds, TopicId};
 use crate::workers::{Done, Job};
 use crate::workload::lifecycle::{self, Action, Event, Phase};
 use crate::workload::shim::Exit;
@@ -44,11 +44,15 @@ pub enum Request {
     /// R9: a signed URL for one result file of workload `id`.
     SignedUrl {
         id: String,
-        wl: String,
+        wl: TopicId,
         filename: String,
     },
     /// R10: the backend is told which result files were uploaded.
-    UploadResults { id: String, wl: String, body: Value },
+    UploadResults {
+        id: String,
+        wl: TopicId,
+        body: Value,
+    },
 }
 
 /// Everything the table does to the outside world. The loop's adapter carries these out on the
@@ -70,7 +74,7 @@ pub trait Outbound {
     /// Writes the workload's record.
     fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()>;
     /// A non-terminal workload status (R7), fire and forget.
-    fn workload_status(&mut self, wl: &str, body: Value);
+    fn workload_status(&mut self, wl: &TopicId, body: Value);
     /// Sends a request to the backend; its correlation comes back.
     fn request(&mut self, req: Request) -> Vec<u8>;
     /// An HTTP job for the worker threads.
@@ -91,20 +95,20 @@ impl uploads::Out for Via<'_> {
     fn connected(&self) -> bool {
         self.0.connected()
     }
-    fn workload_status(&mut self, wl: &str, body: Value) {
+    fn workload_status(&mut self, wl: &TopicId, body: Value) {
         self.0.workload_status(wl, body);
     }
-    fn ask_signed_url(&mut self, id: &str, wl: &str, filename: &str) {
+    fn ask_signed_url(&mut self, id: &str, wl: &TopicId, filename: &str) {
         let _ = self.0.request(Request::SignedUrl {
             id: id.to_string(),
-            wl: wl.to_string(),
+            wl: wl.clone(),
             filename: filename.to_string(),
         });
     }
-    fn tell_uploaded(&mut self, id: &str, wl: &str, body: Value) {
+    fn tell_uploaded(&mut self, id: &str, wl: &TopicId, body: Value) {
         let _ = self.0.request(Request::UploadResults {
             id: id.to_string(),
-            wl: wl.to_string(),
+            wl: wl.clone(),
             body,
         });
     }
@@ -752,7 +756,7 @@ pub(crate) mod fake {
             self.saved.push(meta.safe_id.clone());
             Ok(())
         }
-        fn workload_status(&mut self, wl: &str, body: Value) {
+        fn workload_status(&mut self, wl: &TopicId, body: Value) {
             self.statuses.push((wl.to_string(), body));
         }
         fn request(&mut self, req: Request) -> Vec<u8> {

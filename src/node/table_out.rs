@@ -3,6 +3,7 @@
 //! What needs more than the table (shipping logs, building and queueing a completion) is done
 //! right after the table's call returns (`workloads::Work::with_table`).
 
+use crate::protocol::commands::TopicId;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -100,10 +101,7 @@ impl Outbound for NodeOut<'_> {
         workload::save_meta(self.layout, meta)
     }
 
-    fn workload_status(&mut self, wl: &str, body: Value) {
-        if wl.is_empty() {
-            return;
-        }
+    fn workload_status(&mut self, wl: &TopicId, body: Value) {
         let topic = self.wire.io.topics.workload_status(wl);
         self.send(Op::WorkloadStatus, &topic, &body);
     }

@@ -15,6 +15,7 @@
 //! table's `Outbound` carries it out), and tells the table when a workload's uploads are over;
 //! the table then moves the workload on. It never sees the table.
 
+use crate::protocol::commands::TopicId;
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -36,13 +37,13 @@ pub trait Out {
     /// The broker connection is up (requests go over MQTT, else over REST on the workers).
     fn connected(&self) -> bool;
     /// A non-terminal workload status (R7), fire and forget.
-    fn workload_status(&mut self, wl: &str, body: Value);
+    fn workload_status(&mut self, wl: &TopicId, body: Value);
     /// R9 over MQTT: a signed URL for `filename`, one result file of workload `id`; the
     /// answer comes back through [`Uploads::on_signed_url_reply`].
-    fn ask_signed_url(&mut self, id: &str, wl: &str, filename: &str);
+    fn ask_signed_url(&mut self, id: &str, wl: &TopicId, filename: &str);
     /// R10 over MQTT: the backend is told which result files were uploaded; the answer comes
     /// back through [`Uploads::on_upload_reply`].
-    fn tell_uploaded(&mut self, id: &str, wl: &str, body: Value);
+    fn tell_uploaded(&mut self, id: &str, wl: &TopicId, body: Value);
     /// An HTTP job for the worker threads.
     fn submit(&mut self, job: Job);
 }
@@ -141,7 +142,7 @@ struct File {
 /// The uploads of one workload.
 struct Upload {
     /// Its workload uuid (the backend's name for it).
-    wl: String,
+    wl: TopicId,
     files: Vec<File>,
     /// R10/E9 is under way.
     notifying: bool,
@@ -387,7 +388,7 @@ impl Uploads {
         self.active.insert(
             id.to_string(),
             Upload {
-                wl: wl.to_string(),
+                wl,
                 files,
                 notifying: false,
             },
@@ -470,7 +471,7 @@ impl Uploads {
                 } else {
                     out.submit(Job::SignedUrl {
                         key: id.to_string(),
-                        wl: u.wl.clone(),
+                        wl: u.wl.to_string(),
                         filename,
                     });
                 }
@@ -491,7 +492,7 @@ impl Uploads {
             } else {
                 out.submit(Job::UploadResults {
                     key: id.to_string(),
-                    wl: u.wl.clone(),
+                    wl: u.wl.to_string(),
                     body,
                 });
             }
@@ -521,7 +522,7 @@ impl Uploads {
                 if let Some(f) = u.files.get(i) {
                     out.submit(Job::SignedUrl {
                         key: id.to_string(),
-                        wl: u.wl.clone(),
+                        wl: u.wl.to_string(),
                         filename: f.name.clone(),
                     });
                 }
@@ -567,7 +568,7 @@ impl Uploads {
         };
         out.submit(Job::UploadResults {
             key: id.to_string(),
-            wl: u.wl.clone(),
+            wl: u.wl.to_string(),
             body: notice(u),
         });
         false

@@ -24,6 +24,7 @@ use crate::logtext::shown;
 use crate::logtext::Throttle;
 use crate::outbox::Item;
 use crate::outbox::Outbox;
+use crate::protocol::commands::TopicId;
 use crate::protocol::replies::Reply;
 use crate::store;
 use crate::workers::Done;
@@ -182,7 +183,7 @@ impl Outgoing<'_> {
         label: String,
         rid: &str,
     ) -> Option<u64> {
-        if let Some(wl) = meta.workload_uuid.as_deref() {
+        if let Some(wl) = &meta.workload_uuid {
             let topic = self.io.topics.workload_status(wl);
             let key = format!("end:{safe_id}");
             if self.s.standalone {
@@ -482,10 +483,7 @@ impl Work<'_> {
     }
 
     /// A non-terminal workload status (R7): sent once, its failure only logged.
-    pub(super) fn workload_status(&mut self, wl: &str, body: Value) {
-        if wl.is_empty() {
-            return;
-        }
+    pub(super) fn workload_status(&mut self, wl: &TopicId, body: Value) {
         let topic = self.io.topics.workload_status(wl);
         let timeout = self.s.tuning.request_timeout;
         self.request(Op::WorkloadStatus, &topic, body, timeout);

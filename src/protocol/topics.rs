@@ -2,6 +2,8 @@
 //! `production` = none) is glued on without a separator, for wire compatibility: `local` gives
 //! `localcyberwave/…` (protocol §2.3).
 
+use super::commands::TopicId;
+
 /// Whether `topic` may be published to (MQTT 3.1.1/5 §4.7): not empty, at most 65 535 bytes,
 /// no wildcard and no NUL. A broker drops the connection of a client that publishes anything
 /// else, so the node checks before it sends (D34).
@@ -87,8 +89,8 @@ impl Topics {
     pub fn reply(&self, uuid: &str) -> String {
         self.node(uuid, "response")
     }
-    /// R9.
-    pub fn signed_url(&self, workload_uuid: &str) -> String {
+    /// R9. A workload topic takes only a [`TopicId`] (D20): a raw string cannot reach one.
+    pub fn signed_url(&self, workload_uuid: &TopicId) -> String {
         format!(
             "{}cyberwave/cloud-workload/{workload_uuid}/request-signed-url",
             self.prefix
@@ -96,7 +98,7 @@ impl Topics {
     }
 
     /// R10.
-    pub fn upload_results(&self, workload_uuid: &str) -> String {
+    pub fn upload_results(&self, workload_uuid: &TopicId) -> String {
         format!(
             "{}cyberwave/cloud-workload/{workload_uuid}/upload-results",
             self.prefix
@@ -104,7 +106,7 @@ impl Topics {
     }
 
     /// R7/R8.
-    pub fn workload_status(&self, workload_uuid: &str) -> String {
+    pub fn workload_status(&self, workload_uuid: &TopicId) -> String {
         format!(
             "{}cyberwave/cloud-workload/{workload_uuid}/update-status",
             self.prefix
@@ -122,7 +124,7 @@ mod tests {
         assert_eq!(t.command("u"), "localcyberwave/cloud-node/u/command");
         assert_eq!(t.inbox(), "localcyberwave/response/cloud_node_1");
         assert_eq!(
-            t.workload_status("w"),
+            t.workload_status(&TopicId::new("t", "w").unwrap()),
             "localcyberwave/cloud-workload/w/update-status"
         );
         let t = Topics::new("", "c");

@@ -252,7 +252,10 @@ impl Backend {
     /// E7: `GET /api/v1/cloud-node-workloads/{wl}`.
     pub fn check_workload(&self, wl: &str, my_uuid: &str, timeout: Duration) -> WorkloadCheck {
         match self
-            .get(&format!("/api/v1/cloud-node-workloads/{wl}"), timeout)
+            .get(
+                &format!("/api/v1/cloud-node-workloads/{}", path_segment(wl)),
+                timeout,
+            )
             .call()
         {
             Ok(mut resp) => match resp.status().as_u16() {
@@ -280,7 +283,10 @@ impl Backend {
     pub fn signed_url(&self, wl: &str, filename: &str) -> Result<Attachment, BackendError> {
         let resp = self
             .post(
-                &format!("/api/v1/cloud-node-workloads/{wl}/attachments"),
+                &format!(
+                    "/api/v1/cloud-node-workloads/{}/attachments",
+                    path_segment(wl)
+                ),
                 Duration::from_secs(30),
             )
             .send_json(serde_json::json!({"filename": filename}));
@@ -301,7 +307,10 @@ impl Backend {
     pub fn upload_results(&self, wl: &str, body: &serde_json::Value) -> Result<(), BackendError> {
         match self
             .post(
-                &format!("/api/v1/cloud-node-workloads/{wl}/upload-results"),
+                &format!(
+                    "/api/v1/cloud-node-workloads/{}/upload-results",
+                    path_segment(wl)
+                ),
                 Duration::from_secs(30),
             )
             .send_json(body)
@@ -442,6 +451,23 @@ pub fn put_file(
     transfer_verdict(answer, &[200, 204])
 }
 
+/// A workload id as one segment of a REST path (RFC 3986 §3.3): every byte but the unreserved
+/// ones percent-encoded, and a segment of only dots (`.`, `..`) too, so that an id the backend
+/// (or anyone who may publish commands) chose can neither leave the workload's path (`..`,
+/// `?`, `%2F`) nor reach another endpoint with the node's token. A platform uuid is unchanged.
+pub fn path_segment(id: &str) -> String {
+    let dots = !id.is_empty() && id.bytes().all(|b| b == b'.');
+    let mut out = String::with_capacity(id.len());
+    for b in id.bytes() {
+        if !dots && (b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// The `filename` of a form-data part as browsers write it (WHATWG HTML, multipart/form-data
 /// encoding): the final path component, with `"`, CR and LF percent-encoded so the header
 /// cannot be broken out of. Other text, unicode included, goes as UTF-8.
@@ -574,6 +600,38 @@ fn same_origin(a: &str, b: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// D20 ids may hold `.`, `?`, `%`, `\` and quotes: in a REST path each stays one segment of
+    /// the workload's own path, whatever it is (a platform uuid is unchanged).
+    #[test]
+    fn d20_a_workload_id_stays_one_segment_of_its_rest_path() {
+        let uuid = "3f2b8c1e-9a4d-4e6f-b1c2-7d8e9f0a1b2c";
+        assert_eq!(path_segment(uuid), uuid);
+        for (id, want) in [
+            ("..", "%2E%2E"),
+            (".", "%2E"),
+            ("a..b", "a..b"),
+            ("x?y=1", "x%3Fy%3D1"),
+            ("a%2Fb", "a%252Fb"),
+            ("a\\b", "a%5Cb"),
+            ("\"q\"", "%22q%22"),
+            ("w;x&y", "w%3Bx%26y"),
+        ] {
+            assert_eq!(path_segment(id), want, "{id:?}");
+        }
+        for id in ["..", "x?y", "a%2Fb", "%2E%2E", "...", "a@b:c"] {
+            let path = format!(
+                "/api/v1/cloud-node-workloads/{}/attachments",
+                path_segment(id)
+            );
+            let uri: ureq::http::Uri = path.parse().unwrap();
+            let segs: Vec<&str> = uri.path().split('/').collect();
+            assert_eq!(segs.len(), 6, "{id:?} -> {path}");
+            assert_eq!(segs[5], "attachments", "{id:?}");
+            assert!(uri.query().is_none(), "{id:?}");
+            assert!(!segs[4].chars().all(|c| c == '.'), "{id:?}: a dot segment");
+        }
+    }
 
     #[test]
     fn g13_an_upload_url_that_cannot_be_parsed_fails_at_once_and_for_good() {

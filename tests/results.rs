@@ -188,6 +188,39 @@ fn self_heal_runs_before_heartbeats_and_404_means_stale() {
     );
 }
 
+/// D20 allows `.`, `?` and `=` in a workload id: a workload named `..` or `x?y=1` is still asked
+/// about on its own REST path (`…/cloud-node-workloads/%2E%2E`), never on another endpoint, nor
+/// with a query of its choosing, with the node's token.
+#[test]
+fn g5_a_workload_id_of_dots_or_a_query_stays_on_its_own_rest_path() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
+    setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "2");
+    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    for (rid, wl) in [("dots", ".."), ("query", "x?y=1")] {
+        let r = Start::training(rid).workload(wl).reply(&cp, &node);
+        assert_eq!(r["status"], "ok", "{r}");
+    }
+    let asked = wait_for(Duration::from_secs(8), || {
+        let hits: Vec<String> = cp.http_hits().into_iter().map(|(url, _)| url).collect();
+        let both = [
+            "/api/v1/cloud-node-workloads/%2E%2E",
+            "/api/v1/cloud-node-workloads/x%3Fy%3D1",
+        ]
+        .iter()
+        .all(|want| hits.iter().any(|u| u == want));
+        both.then_some(())
+    });
+    assert!(asked.is_some(), "{:?}\n{}", cp.http_hits(), node.log());
+    for (url, _) in cp.http_hits() {
+        assert!(!url.contains("/..") && !url.contains('?'), "{url}");
+    }
+}
+
 #[test]
 fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
     let broker = Broker::start();

@@ -270,20 +270,30 @@ mod tests {
     use crate::workload::testkit::{good_meta, scratch};
     use std::process::Command;
 
+    /// Workload `w1`, a training: a record with a runtime out of range (to be salvaged), its
+    /// start record, these params and its log; returns its directory.
+    fn bad_record_of_a_training(
+        layout: &crate::workload::Layout,
+        params: &str,
+    ) -> std::path::PathBuf {
+        let dir = layout.dir("w1");
+        let mut bad = good_meta(layout);
+        bad["max_runtime_s"] = serde_json::json!(1e19);
+        std::fs::write(dir.join("meta.json"), bad.to_string()).unwrap();
+        std::fs::write(dir.join("started.json"), bad["started"].to_string()).unwrap();
+        std::fs::write(dir.join("params.json"), params).unwrap();
+        std::fs::write(layout.logs().join("training_w1.stdout.log"), "").unwrap();
+        dir
+    }
+
     /// A salvaged record takes its workload uuid from the params only when it is one: the text
     /// `"None"`, `""` or an id that could not be a topic's gives none (R7–R10, D20).
     #[test]
     fn d20_a_salvaged_record_takes_no_workload_uuid_that_is_none_or_hostile() {
         for raw in ["None", "", "wl/#", "a b"] {
             let layout = scratch("salvage-none");
-            let dir = layout.dir("w1");
-            let mut bad = good_meta(&layout);
-            bad["max_runtime_s"] = serde_json::json!(1e19);
-            std::fs::write(dir.join("meta.json"), bad.to_string()).unwrap();
-            std::fs::write(dir.join("started.json"), bad["started"].to_string()).unwrap();
-            let params = serde_json::json!({ "workload_uuid": raw });
-            std::fs::write(dir.join("params.json"), params.to_string()).unwrap();
-            std::fs::write(layout.logs().join("training_w1.stdout.log"), "").unwrap();
+            let params = serde_json::json!({ "workload_uuid": raw }).to_string();
+            let dir = bad_record_of_a_training(&layout, &params);
             let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
                 panic!("must be salvaged");
             };
@@ -295,13 +305,7 @@ mod tests {
     #[test]
     fn a_workload_with_a_bad_record_is_salvaged_from_what_can_be_proven() {
         let layout = scratch("salvage");
-        let dir = layout.dir("w1");
-        let mut bad = good_meta(&layout);
-        bad["max_runtime_s"] = serde_json::json!(1e19);
-        std::fs::write(dir.join("meta.json"), bad.to_string()).unwrap();
-        std::fs::write(dir.join("started.json"), bad["started"].to_string()).unwrap();
-        std::fs::write(dir.join("params.json"), r#"{"workload_uuid":"wl-9","x":1}"#).unwrap();
-        std::fs::write(layout.logs().join("training_w1.stdout.log"), "").unwrap();
+        let dir = bad_record_of_a_training(&layout, r#"{"workload_uuid":"wl-9","x":1}"#);
         let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
             panic!("must be salvaged");
         };

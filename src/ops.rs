@@ -305,6 +305,25 @@ fn find_log(state: &Path, id: &str, stderr: bool) -> Option<(PathBuf, Option<Str
         .map(|p| (p, None))
 }
 
+/// Drops from the front of `text` all but its last `n` lines (a last line without its newline
+/// counts; a final newline ends the last line, it does not start another; `0` keeps all, as
+/// `-n 0` always did). Applied after each chunk as it is read, it keeps what applying it once
+/// to the whole would keep.
+fn keep_last_lines(text: &mut Vec<u8>, n: usize) {
+    if n == 0 {
+        return; // `-n 0` has always shown the whole log
+    }
+    let body = text.strip_suffix(b"\n").unwrap_or(text);
+    let cut = body
+        .iter()
+        .enumerate()
+        .rev()
+        .filter(|(_, b)| **b == b'\n')
+        .nth(n.saturating_sub(1))
+        .map_or(0, |(i, _)| i.saturating_add(1));
+    text.drain(..cut);
+}
+
 pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Result<(), CliError> {
     let state = state_dir()?;
     let Some((path, tracked)) = find_log(&state, id, stderr) else {
@@ -316,9 +335,11 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Resul
     // Not through a link the workload may have planted (it would print another file).
     crate::workload::tail::open_log(&path, false)
         .map_err(|e| CliError::Runtime(format!("cannot open {}: {e}", path.display())))?;
-    // Read as the node streams it (D52): holes and NUL runs skipped, not read into memory.
+    // Read as the node streams it (D52): holes and NUL runs skipped, not read into memory. A
+    // chunk at a time, so a log of any size costs at most a chunk (with `-n`, a chunk and the
+    // lines kept).
     let key = crate::workload::tail::Key::default();
-    let mut text = Vec::new();
+    let mut kept = Vec::new();
     let mut pos = 0u64;
     loop {
         let c = crate::workload::tail::read(key.clone(), &path, pos, 1 << 20, &[]);
@@ -326,30 +347,15 @@ pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Resul
             break;
         }
         pos = c.at().saturating_add(c.data.len() as u64);
-        text.extend_from_slice(&c.data);
-    }
-    let start = match lines {
-        Some(n) => {
-            let body = text.strip_suffix(b"\n").unwrap_or(&text);
-            let mut cut = 0;
-            for (i, _) in body
-                .iter()
-                .enumerate()
-                .rev()
-                .filter(|(_, b)| **b == b'\n')
-                .take(n)
-            {
-                cut = i.saturating_add(1);
+        match lines {
+            Some(n) if n > 0 => {
+                kept.extend_from_slice(&c.data);
+                keep_last_lines(&mut kept, n);
             }
-            if body.iter().filter(|b| **b == b'\n').count() < n {
-                0
-            } else {
-                cut
-            }
+            _ => crate::out::stdout_bytes(&c.data),
         }
-        None => 0,
-    };
-    crate::out::stdout_bytes(text.get(start..).unwrap_or_default());
+    }
+    crate::out::stdout_bytes(&kept);
     if !follow {
         return Ok(());
     }
@@ -644,4 +650,74 @@ fn check_systemd_unit(_: &Settings) -> Vec<Finding> {
 fn check_gpus(_: &Settings) -> Vec<Finding> {
     let timing = crate::gpu::Timing::from_env(&EnvLayers::from_process());
     crate::gpu::doctor_lines(&timing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_last_lines;
+
+    /// The last `n` lines by their plain definition: split into lines, keep the last `n`.
+    fn last_lines(text: &[u8], n: usize) -> Vec<u8> {
+        if n == 0 {
+            return text.to_vec();
+        }
+        let body = text.strip_suffix(b"\n").unwrap_or(text);
+        let starts: Vec<usize> = std::iter::once(0)
+            .chain(
+                body.iter()
+                    .enumerate()
+                    .filter(|(_, b)| **b == b'\n')
+                    .map(|(i, _)| i + 1),
+            )
+            .collect();
+        let from = if starts.len() > n {
+            starts[starts.len() - n]
+        } else {
+            0
+        };
+        text[from..].to_vec()
+    }
+
+    /// `logs -n N` reads a log a chunk at a time and keeps only the lines it may print: for any
+    /// text, cut anywhere, what it prints is the last N lines of the whole.
+    #[test]
+    fn logs_n_keeps_the_last_lines_whatever_the_chunks() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..2000 {
+            let len = next(60) as usize;
+            let text: Vec<u8> = (0..len)
+                .map(|_| {
+                    if next(4) == 0 {
+                        b'\n'
+                    } else {
+                        b'a' + next(3) as u8
+                    }
+                })
+                .collect();
+            let n = next(6) as usize;
+            let mut kept = Vec::new();
+            let mut at = 0;
+            while at < text.len() {
+                let step = (1 + next(9) as usize).min(text.len() - at);
+                kept.extend_from_slice(&text[at..at + step]);
+                keep_last_lines(&mut kept, n);
+                at += step;
+            }
+            assert_eq!(
+                kept,
+                last_lines(&text, n),
+                "{:?} n={n}",
+                String::from_utf8_lossy(&text)
+            );
+        }
+        let mut one = b"a\nb\nc\n".to_vec();
+        keep_last_lines(&mut one, 2);
+        assert_eq!(one, b"b\nc\n");
+    }
 }

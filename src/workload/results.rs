@@ -73,8 +73,14 @@ impl Walk<'_> {
             files: Vec::new(),
             complete: true,
         };
-        let Ok(mut dir) = store::open_root(folder) else {
-            return out;
+        // A folder that is not there holds nothing; one that cannot be opened (a link in its
+        // place another user could have put there) is not known to hold nothing.
+        let mut dir = match store::open_root(folder) {
+            Ok(d) => d,
+            Err(e) => {
+                out.complete = e.kind() == std::io::ErrorKind::NotFound;
+                return out;
+            }
         };
         for part in start.components() {
             let std::path::Component::Normal(name) = part else {

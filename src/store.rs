@@ -490,9 +490,10 @@ impl Beneath {
         self
     }
 
-    /// Whether a file of owner `uid` with `nlink` links may be opened or removed as this one.
-    fn owner_ok(&self, uid: u32, nlink: u64) -> bool {
-        self.owner.is_none_or(|o| o == uid && nlink == 1)
+    /// Whether a file of owner `uid` (with a single link or not) may be opened or removed as
+    /// this one.
+    fn owner_ok(&self, uid: u32, single_link: bool) -> bool {
+        self.owner.is_none_or(|o| o == uid && single_link)
     }
 
     /// The same, known as the file a listing saw.
@@ -573,7 +574,7 @@ impl Beneath {
         if !self.is_listed(st.st_dev, st.st_ino) {
             return Err(StoreError::NotRegular("another file than the one listed"));
         }
-        if !self.owner_ok(st.st_uid, u64::from(st.st_nlink)) {
+        if !self.owner_ok(st.st_uid, st.st_nlink == 1) {
             return Err(StoreError::NotRegular(NOT_ITS_OWN));
         }
         // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
@@ -611,7 +612,7 @@ impl Beneath {
         }
         if !self.owner_ok(
             std::os::unix::fs::MetadataExt::uid(&md),
-            std::os::unix::fs::MetadataExt::nlink(&md),
+            std::os::unix::fs::MetadataExt::nlink(&md) == 1,
         ) {
             return Err(StoreError::NotRegular(NOT_ITS_OWN));
         }
@@ -630,7 +631,7 @@ impl Beneath {
         if !self.is_listed(st.st_dev, st.st_ino) {
             return Err(io::Error::other("another file than the one listed"));
         }
-        if !self.owner_ok(st.st_uid, u64::from(st.st_nlink)) {
+        if !self.owner_ok(st.st_uid, st.st_nlink == 1) {
             return Err(io::Error::other(NOT_ITS_OWN));
         }
         // SAFETY: unlinkat relative to a directory descriptor we own, a NUL-terminated name.
@@ -675,9 +676,14 @@ const NOT_ITS_OWN: &str = "not the workload user's own file with a single link";
 /// above) is not followed. The folders above `path` are the operator's and are trusted.
 pub fn open_root(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
     use std::os::unix::fs::MetadataExt;
-    match open_dir_at(None, path.as_os_str()) {
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {}
+    // A link in its place: ELOOP, or ENOTDIR with O_DIRECTORY.
+    let refused = match open_dir_at(None, path.as_os_str()) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => e,
         other => return other,
+    };
+    let link = fs::symlink_metadata(path)?;
+    if !link.file_type().is_symlink() {
+        return Err(refused);
     }
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
@@ -686,14 +692,11 @@ pub fn open_root(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let link = fs::symlink_metadata(path)?;
     let above = fs::metadata(parent)?;
-    if !(link.file_type().is_symlink()
-        && trusted(link.uid())
-        && trusted(above.uid())
-        && above.mode() & 0o022 == 0)
-    {
-        return Err(io::Error::from_raw_os_error(libc::ELOOP));
+    if !(trusted(link.uid()) && trusted(above.uid()) && above.mode() & 0o022 == 0) {
+        return Err(io::Error::other(
+            "a symlink that a user other than root and the node's could have put there",
+        ));
     }
     // Nobody else can swap the link: follow it, to a folder.
     let dir = OpenOptions::new()

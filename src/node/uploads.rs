@@ -436,7 +436,14 @@ impl Uploads {
                 self.cfg.checked.is_some(),
             ) {
                 Verdict::Nobody => continue,
-                Verdict::To(w) => (Some(w), Vec::new()),
+                Verdict::To(w) => {
+                    log::info!(
+                        "{} in the results folder is {}'s result",
+                        crate::logtext::shown(name),
+                        crate::logtext::shown(&w)
+                    );
+                    (Some(w), Vec::new())
+                }
                 Verdict::Unattributed(c) => {
                     log::warn!(
                         "{} was written straight into the results folder {} while {} ran: it is none of theirs for sure, so it stays on disk, not uploaded, and each of their completions names it in unattributed_results (a workload writes its results into $CYBERWAVE_RESULTS_DIR, or names them after its workload uuid or request id)",

@@ -489,4 +489,61 @@ mod tests {
             to("a")
         );
     }
+
+    /// D65: the results folder of a workload is made new: anything there under its name (a
+    /// link, a folder, a file) is refused and left as it was; the folder made is empty.
+    #[test]
+    fn d65_a_results_folder_is_made_new_and_nothing_there_is_used() {
+        use std::os::unix::fs::PermissionsExt;
+        let s = crate::scratch::Scratch::new("makedir");
+        let folder = s.path().join("out");
+        let outside = s.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(make_dir(&folder, "w", None).unwrap(), folder.join("w"));
+        assert!(folder.join("w").is_dir());
+        std::os::unix::fs::symlink(&outside, folder.join("link")).unwrap();
+        std::fs::create_dir(folder.join("there")).unwrap();
+        std::fs::write(folder.join("file"), "x").unwrap();
+        for name in ["w", "link", "there", "file"] {
+            let e = make_dir(&folder, name, None).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists, "{name}");
+        }
+        let mode = std::fs::metadata(&outside).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755);
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    }
+
+    /// D65: `results_folder` itself as a link: followed only where nobody but root or the
+    /// node's user can have put it (owned by one of them, in a folder only they can write);
+    /// a link in a folder others can write is not, and a walk of it finds nothing (and does
+    /// not claim to have seen everything).
+    #[test]
+    fn d65_a_results_folder_link_is_followed_only_where_no_other_user_can_have_made_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let s = crate::scratch::Scratch::new("openroot");
+        let real = s.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::fs::write(real.join("a.bin"), "a").unwrap();
+        let safe = s.path().join("safe");
+        std::fs::create_dir(&safe).unwrap();
+        std::fs::set_permissions(&safe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::symlink(&real, safe.join("out")).unwrap();
+        let open = Walk {
+            skip_top: &|_| false,
+            limit: 10,
+            warn: false,
+        };
+        let walked = open.run(&safe.join("out"), Path::new(""));
+        assert_eq!(walked.files.len(), 1);
+        // The same link in a folder every user can write.
+        std::fs::set_permissions(&safe, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let walked = open.run(&safe.join("out"), Path::new(""));
+        assert!(walked.files.is_empty() && !walked.complete);
+        assert!(make_dir(&safe.join("out"), "w", None).is_err());
+        assert!(!real.join("w").exists());
+        // A folder that is not there yet holds nothing, for sure.
+        let walked = open.run(&s.path().join("missing"), Path::new(""));
+        assert!(walked.files.is_empty() && walked.complete);
+    }
 }

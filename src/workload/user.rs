@@ -454,4 +454,56 @@ mod tests {
             assert_eq!(parse_arg(bad), None, "{bad:?}");
         }
     }
+
+    /// D65: a pool as a list or a range; anything else is refused, and so is a pool too large.
+    #[test]
+    fn d65_a_pool_is_a_list_or_a_range_of_users() {
+        assert_eq!(pool_names("w").unwrap(), ["w"]);
+        assert_eq!(pool_names(" a , b ").unwrap(), ["a", "b"]);
+        assert_eq!(
+            pool_names("cwwork[0-3]").unwrap(),
+            ["cwwork0", "cwwork1", "cwwork2", "cwwork3"]
+        );
+        assert_eq!(
+            pool_names("w[08-10]x,z").unwrap(),
+            ["w08x", "w09x", "w10x", "z"]
+        );
+        for bad in [
+            "a,,b",
+            "a,",
+            "w[1-",
+            "w[3-1]",
+            "w[a-b]",
+            "w[1]",
+            "w[0-1][0-1]",
+            "w[0-9999999]",
+            "w[0-2000]",
+        ] {
+            assert!(pool_names(bad).is_err(), "{bad:?}");
+        }
+        // One uid named twice.
+        assert!(lookup_pool("root,0").is_err());
+        assert_eq!(lookup_pool("root").unwrap().len(), 1);
+    }
+
+    /// D65: a hand-over never goes through a link in the path's place.
+    #[test]
+    fn d65_a_hand_over_does_not_follow_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let s = crate::scratch::Scratch::new("handover");
+        let target = s.path().join("target");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let link = s.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let me = lookup(&unsafe { libc::geteuid() }.to_string()).unwrap();
+        assert!(hand_over(&link, &me).is_err());
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755);
+        let file = s.path().join("params.json");
+        std::fs::write(&file, "{}").unwrap();
+        hand_over(&file, &me).unwrap();
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o400);
+    }
 }

@@ -398,7 +398,7 @@ fn hardware_telemetry_is_opt_in_and_coarse() {
 /// uid (and how to name a pool); `doctor` fails a pool smaller than the slots.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_status_and_doctor_say_when_workloads_share_a_uid() {
+fn g13_d65_status_and_doctor_say_when_workloads_share_a_uid() {
     crate::support::assert_root("to run workloads as nobody");
     let (_b, _cp, setup) = rig(
         "cloud_node:\n  workload_user: nobody\n  max_concurrent_workloads: 2\ncyberwave:\n  training: sleep 1\n",

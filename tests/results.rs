@@ -408,7 +408,7 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
 /// with its own completion, though another workload ran beside it and ended first, once the
 /// archive was there. On main, with more than one slot, the archive was never uploaded.
 #[test]
-fn d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its_completion() {
+fn g10_d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its_completion() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);
@@ -463,7 +463,7 @@ fn d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its_com
 /// node restarted meanwhile) what the workload writes is still uploaded. On main it was neither
 /// uploaded nor cleaned up, without a word.
 #[test]
-fn d61_a_loose_result_is_uploaded_after_the_clock_stepped_back() {
+fn g10_d61_a_loose_result_is_uploaded_after_the_clock_stepped_back() {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
     let setup = NodeSetup::new(&broker, &cp);

@@ -154,7 +154,7 @@ fn run(cp: &ControlPlane, node: &crate::support::NodeProcess, rid: &str) -> serd
 /// `mkdirat` from a descriptor: a name that exists is refused, never followed.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
+fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
     let users = Users::new("ln", 1);
     let outside = Outside::new("ln");
     let (_b, cp, setup) = node_as(
@@ -195,7 +195,7 @@ fn d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
 /// `mkdirat` is on the folder's own descriptor.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside() {
+fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside() {
     let users = Users::new("race", 1);
     let outside = Outside::new("race");
     let racer = format!(
@@ -251,7 +251,7 @@ fn d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside() {
 /// not followed.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
+fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
     let users = Users::new("sw", 1);
     let outside = Outside::new("sw");
     let (_b, cp, setup) = node_as(
@@ -292,7 +292,7 @@ fn d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
 /// On main the node chowned it to the workload user and uploaded and deleted what it held.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
+fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
     let users = Users::new("ex", 1);
     let (_b, cp, setup) = node_as(users.name(0), 1, "out", "true");
     let out = setup.cwd.join("out");
@@ -334,7 +334,7 @@ fn d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
 /// the workload user's own.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_nor_deleted() {
+fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_nor_deleted() {
     let users = Users::new("mv", 1);
     let (_b, cp, setup) = node_as(users.name(0), 1, "out", "mv drop/secret.txt out/secret.txt");
     let out = setup.cwd.join("out");
@@ -372,7 +372,7 @@ fn d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_nor_
 /// file and deleted the link. Now a result must have a single link.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
+fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
     let users = Users::new("hl", 1);
     let secret_dir = TempDir::new("hl-secret");
     let secret = secret_dir.join("secret.txt");
@@ -419,7 +419,7 @@ fn d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
 /// (the node refused `a,b` as one unknown user), and workloads of one user could do all this.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_workloads_of_a_pool_cannot_reach_each_other() {
+fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
     let users = Users::new("pool", 2);
     let shared = TempDir::new("pool-shared");
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -479,7 +479,7 @@ fn d65_workloads_of_a_pool_cannot_reach_each_other() {
 /// start gets the other one.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
+fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
     let users = Users::new("keep", 2);
     let shared = TempDir::new("keep-shared");
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -514,7 +514,7 @@ fn d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
 /// (exit 2), saying why.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
+fn g13_d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
     let users = Users::new("small", 2);
     let (_b, _cp, setup) = node_as(&users.pool(), 3, "out", "true");
     let mut node = setup.spawn();
@@ -532,7 +532,7 @@ fn d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
 /// the token readable by the workload user and every local user.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_user() {
+fn g13_d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_user() {
     crate::support::assert_root("to run workloads as nobody");
     for name in [".env", "credentials.json"] {
         let (_b, _cp, setup) =

@@ -154,6 +154,13 @@ fn print_node(st: &Value, state: &Path) {
                 "no"
             }
         );
+        if let Some(users) = field(st, "workload_users").as_array() {
+            let names: Vec<String> = users.iter().map(text).collect();
+            crate::outln!("users:      workloads run as {}", names.join(", "));
+        }
+        if let Some(note) = field(st, "workload_user_shared").as_str() {
+            crate::outln!("WARNING:    {note}");
+        }
     }
     crate::outln!(
         "outbox:     {} completion(s), {} workflow event(s) waiting for acknowledgement",
@@ -390,6 +397,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("bash", check_bash),
     ("state dir", check_state_dir),
     ("results folder", check_results_folder),
+    ("workload user", check_workload_user),
     ("free disk", check_free_disk),
     ("systemd unit", check_systemd_unit),
     ("GPUs", check_gpus),
@@ -624,6 +632,56 @@ fn check_results_folder(settings: &Settings) -> Vec<Finding> {
             results.display()
         )),
     }
+}
+
+/// D46.3 and D65: who workloads run as, whether several share a uid, and whether the node's
+/// secrets in the state dir would be readable by them.
+fn check_workload_user(settings: &Settings) -> Vec<Finding> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(spec) = settings
+        .manifest
+        .as_ref()
+        .and_then(|m| m.workload_user.as_deref())
+    else {
+        return pass("none: workloads run as the node's user");
+    };
+    let pool = match crate::workload::user::lookup_pool(spec) {
+        Ok(p) => p,
+        Err(e) => return fail(e.to_string()),
+    };
+    let slots = settings.max_concurrent_workloads.value;
+    let n = u32::try_from(pool.len()).unwrap_or(u32::MAX);
+    let mut out = Vec::new();
+    for name in [".env", "credentials.json"] {
+        let path = settings.config_dir.value.join(name);
+        let mode = std::fs::metadata(&path).map_or(0, |m| m.permissions().mode());
+        if mode & 0o044 != 0 {
+            out.push((
+                "FAIL",
+                format!(
+                    "{} is readable by group or others: run `chmod 600 {}`",
+                    path.display(),
+                    path.display()
+                ),
+            ));
+        }
+    }
+    match pool.as_slice() {
+        [u] if slots > 1 => out.push((
+            "WARN",
+            crate::workload::user::shared_uid_note(&u.name, u.uid, slots),
+        )),
+        [u] => out.push(("PASS", format!("{} (uid {})", u.name, u.uid))),
+        _ if n < slots => out.push((
+            "FAIL",
+            format!("a pool of {n} users for {slots} slots: the node refuses to start"),
+        )),
+        _ => out.push((
+            "PASS",
+            format!("a pool of {n} users, one per running workload"),
+        )),
+    }
+    out
 }
 
 fn check_free_disk(settings: &Settings) -> Vec<Finding> {

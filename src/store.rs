@@ -434,26 +434,41 @@ pub struct Beneath {
     root: PathBuf,
     rel: PathBuf,
     listed: Option<Listed>,
+    /// D65: opened and removed only while owned by this uid with a single link (a workload
+    /// user's result: never a file of the node's or the operator's it renamed or linked in).
+    owner: Option<u32>,
 }
 
-/// What a listing saw of a file, through the folder it was listed in: which file it is (device
-/// and inode), its status-change time (seconds since the epoch) and its size.
+/// What a listing saw of a file, through the folder it was listed in: which file it is (device,
+/// inode and birth time: its identity, which neither a rename nor a clock step changes), its
+/// owner, its number of links and its size.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Listed {
     pub dev: u64,
     pub ino: u64,
-    pub ctime: f64,
+    /// Its birth time in nanoseconds since the epoch, 0 where the file system keeps none: an
+    /// inode number freed and given to a new file does not make the new file the old one.
+    pub born: u64,
+    pub uid: u32,
+    pub nlink: u64,
     pub size: u64,
 }
 
 impl Listed {
     pub fn of(md: &fs::Metadata) -> Listed {
         use std::os::unix::fs::MetadataExt;
-        let nanos = f64::from(u32::try_from(md.ctime_nsec()).unwrap_or(0));
+        let born = md
+            .created()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .and_then(|d| u64::try_from(d.as_nanos()).ok())
+            .unwrap_or(0);
         Listed {
             dev: md.dev(),
             ino: md.ino(),
-            ctime: md.ctime() as f64 + nanos / 1e9,
+            born,
+            uid: md.uid(),
+            nlink: md.nlink(),
             size: md.len(),
         }
     }
@@ -465,7 +480,20 @@ impl Beneath {
             root: root.into(),
             rel: rel.into(),
             listed: None,
+            owner: None,
         }
+    }
+
+    /// The same, opened and removed only while owned by `uid` with a single link.
+    pub fn owned_by(mut self, uid: Option<u32>) -> Beneath {
+        self.owner = uid;
+        self
+    }
+
+    /// Whether a file of owner `uid` (with a single link or not) may be opened or removed as
+    /// this one.
+    fn owner_ok(&self, uid: u32, single_link: bool) -> bool {
+        self.owner.is_none_or(|o| o == uid && single_link)
     }
 
     /// The same, known as the file a listing saw.
@@ -477,6 +505,11 @@ impl Beneath {
     /// What the listing saw of it, when it was found by one.
     pub fn listed(&self) -> Option<&Listed> {
         self.listed.as_ref()
+    }
+
+    /// The root it is below and its path from there.
+    pub fn rel(&self) -> &Path {
+        &self.rel
     }
 
     /// Whether `(dev, ino)` is the file the listing saw (any file, when it was not listed).
@@ -499,7 +532,7 @@ impl Beneath {
         let Some(Component::Normal(leaf)) = parts.next_back() else {
             return Err(not_below());
         };
-        let mut dir = open_dir_at(None, self.root.as_os_str())?;
+        let mut dir = open_root(&self.root)?;
         for (depth, part) in parts.enumerate() {
             let Component::Normal(name) = part else {
                 return Err(not_below());
@@ -541,6 +574,9 @@ impl Beneath {
         if !self.is_listed(st.st_dev, st.st_ino) {
             return Err(StoreError::NotRegular("another file than the one listed"));
         }
+        if !self.owner_ok(st.st_uid, st.st_nlink == 1) {
+            return Err(StoreError::NotRegular(NOT_ITS_OWN));
+        }
         // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
         let fd = unsafe {
             libc::openat(
@@ -574,6 +610,12 @@ impl Beneath {
         ) {
             return Err(StoreError::NotRegular("another file than the one listed"));
         }
+        if !self.owner_ok(
+            std::os::unix::fs::MetadataExt::uid(&md),
+            std::os::unix::fs::MetadataExt::nlink(&md) == 1,
+        ) {
+            return Err(StoreError::NotRegular(NOT_ITS_OWN));
+        }
         Ok((f, md.len()))
     }
 
@@ -588,6 +630,9 @@ impl Beneath {
         let st = stat_at(&dir, &name)?;
         if !self.is_listed(st.st_dev, st.st_ino) {
             return Err(io::Error::other("another file than the one listed"));
+        }
+        if !self.owner_ok(st.st_uid, st.st_nlink == 1) {
+            return Err(io::Error::other(NOT_ITS_OWN));
         }
         // SAFETY: unlinkat relative to a directory descriptor we own, a NUL-terminated name.
         if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } == 0 {
@@ -619,6 +664,46 @@ fn stat_at(dir: &std::os::fd::OwnedFd, name: &std::ffi::CStr) -> io::Result<libc
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// Why a file is not opened or removed as a workload's result (D65).
+const NOT_ITS_OWN: &str = "not the workload user's own file with a single link";
+
+/// Opens the folder at `path` as the root of a walk (a results folder): a symlink in its place
+/// is followed only where nobody but root or the node's user can have put it there, that is
+/// where it is owned by one of them in a folder only they can write (an operator's link to
+/// another disk); a link another user could have planted (a workload that can write the folder
+/// above) is not followed. The folders above `path` are the operator's and are trusted.
+pub fn open_root(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::unix::fs::MetadataExt;
+    // A link in its place: ELOOP, or ENOTDIR with O_DIRECTORY.
+    let refused = match open_dir_at(None, path.as_os_str()) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => e,
+        other => return other,
+    };
+    let link = fs::symlink_metadata(path)?;
+    if !link.file_type().is_symlink() {
+        return Err(refused);
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let trusted = |uid: u32| uid == 0 || uid == me;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let above = fs::metadata(parent)?;
+    if !(trusted(link.uid()) && trusted(above.uid()) && above.mode() & 0o022 == 0) {
+        return Err(io::Error::other(
+            "a symlink that a user other than root and the node's could have put there",
+        ));
+    }
+    // Nobody else can swap the link: follow it, to a folder.
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(path)?;
+    Ok(std::os::fd::OwnedFd::from(dir))
 }
 
 /// Opens the folder `name` (relative to `at`, or to the working directory) without following a

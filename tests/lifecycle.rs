@@ -413,7 +413,7 @@ fn g3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
 #[test]
 fn g10_concurrent_workloads_upload_only_their_own_results() {
     let (_b, cp, setup, node) = node_with(
-        "cyberwave:\n  training: |\n    id=$CYBERWAVE_REQUEST_ID\n    echo \"result of $id\" > \"$CYBERWAVE_RESULTS_DIR/$id.txt\"\n    mkdir -p out && echo loose > \"out/loose-$id.txt\"\n    while [ ! -f \"release-$id\" ]; do sleep 0.05; done\n  results_folder: out\ncloud_node:\n  max_concurrent_workloads: 2\n",
+        "cyberwave:\n  training: |\n    id=$CYBERWAVE_REQUEST_ID\n    while [ ! -f go ]; do sleep 0.02; done\n    echo \"result of $id\" > \"$CYBERWAVE_RESULTS_DIR/$id.txt\"\n    mkdir -p out && echo loose > \"out/loose-$id.txt\"\n    while [ ! -f \"release-$id\" ]; do sleep 0.05; done\n  results_folder: out\ncloud_node:\n  max_concurrent_workloads: 2\n",
         &[],
     );
     for id in ["ra", "rb"] {
@@ -424,10 +424,15 @@ fn g10_concurrent_workloads_upload_only_their_own_results() {
         );
         assert_eq!(r["status"], "ok", "{r}");
     }
+    // Both run before either writes: a loose file is new to both.
+    std::fs::write(setup.cwd.join("go"), "").unwrap();
     let own_b = setup.cwd.join("out/rb/rb.txt");
+    let out = |f: &str| setup.cwd.join("out").join(f);
     assert!(
         crate::support::wait_for(REPLY, || (own_b.exists()
-            && setup.cwd.join("out/ra/ra.txt").exists())
+            && out("ra/ra.txt").exists()
+            && out("loose-ra.txt").exists()
+            && out("loose-rb.txt").exists())
         .then_some(()))
         .is_some(),
         "each workload writes into its own CYBERWAVE_RESULTS_DIR"
@@ -441,17 +446,25 @@ fn g10_concurrent_workloads_upload_only_their_own_results() {
         "A uploads its own file only"
     );
     assert!(own_b.exists(), "B's result is untouched while B runs");
+    // D61: a loose file either could have written (no name of its own in it: `ra` is too
+    // short to tell) is neither's: it stays, and each completion names it.
     assert!(
         setup.cwd.join("out/loose-ra.txt").exists(),
-        "loose files belong to nobody with capacity 2"
+        "a loose file either could have written stays on disk"
     );
+    let left = |done: &serde_json::Value| -> Vec<String> {
+        serde_json::from_value(done["unattributed_results"].clone()).unwrap_or_default()
+    };
+    assert_eq!(left(&done), ["loose-ra.txt", "loose-rb.txt"], "{done}");
     assert!(
-        node.wait_log("belong to no workload", REPLY),
+        node.wait_log("unattributed_results", REPLY),
         "{}",
         node.log()
     );
     std::fs::write(setup.cwd.join("release-rb"), "").unwrap();
-    completion(&cp, "wl-rb");
+    let done_b = completion(&cp, "wl-rb");
+    assert_eq!(left(&done_b), ["loose-ra.txt", "loose-rb.txt"], "{done_b}");
+    assert!(setup.cwd.join("out/loose-rb.txt").exists());
     assert_eq!(uploaded(&cp, "wl-rb"), vec!["rb.txt"]);
     assert!(
         cp.uploads().values().any(|v| v == b"result of rb\n"),

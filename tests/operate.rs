@@ -393,3 +393,53 @@ fn hardware_telemetry_is_opt_in_and_coarse() {
         "coarse: {ram}"
     );
 }
+
+/// D65: one workload user for several slots: `status` and `doctor` say that workloads share a
+/// uid (and how to name a pool); `doctor` fails a pool smaller than the slots.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g13_d65_status_and_doctor_say_when_workloads_share_a_uid() {
+    crate::support::assert_root("to run workloads as nobody");
+    let (_b, _cp, setup) = rig(
+        "cloud_node:\n  workload_user: nobody\n  max_concurrent_workloads: 2\ncyberwave:\n  training: sleep 1\n",
+    );
+    let doctor = setup.run(&["doctor"]);
+    let line = doctor
+        .stdout
+        .lines()
+        .find(|l| l.contains("workload user"))
+        .unwrap_or_default();
+    assert!(
+        line.starts_with("WARN") && line.contains("share workload_user nobody"),
+        "{doctor:?}"
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    assert!(
+        node.log().contains("share workload_user nobody"),
+        "{}",
+        node.log()
+    );
+    let st = status_json(&setup);
+    assert_eq!(st["workload_users"], json!(["nobody"]));
+    let human = setup.run(&["status"]);
+    assert!(
+        human
+            .stdout
+            .contains("share workload_user nobody (uid 65534)"),
+        "{human:?}"
+    );
+    // A pool smaller than the slots: the node would refuse to start.
+    setup.write(
+        "cyberwave.yml",
+        "cloud_node:\n  workload_user: nobody,root\n  max_concurrent_workloads: 3\ncyberwave:\n  training: sleep 1\n",
+    );
+    let doctor = setup.run(&["doctor"]);
+    assert!(
+        doctor
+            .stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL") && l.contains("a pool of 2 users for 3 slots")),
+        "{doctor:?}"
+    );
+}

@@ -401,3 +401,92 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
     assert!(r10[0] < completed, "the completion comes after R10");
     assert!(node.wait_log("attempt 2 of 3", REPLY), "{}", node.log());
 }
+
+/// D61, the platform's trainer: with two slots, a training that writes
+/// `<its training uuid>.tar.gz` straight into `results_folder` (as the SmolVLA trainer writes
+/// `./runs/artifacts/<training uuid>.tar.gz`, not into `$CYBERWAVE_RESULTS_DIR`) has it uploaded
+/// with its own completion, though another workload ran beside it and ended first, once the
+/// archive was there. On main, with more than one slot, the archive was never uploaded.
+#[test]
+fn g10_d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its_completion() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        concat!(
+            "cloud_node:\n  max_concurrent_workloads: 2\n",
+            "cyberwave:\n  results_folder: runs/artifacts\n  training: |\n",
+            "    while [ ! -f go ]; do sleep 0.02; done\n",
+            "    if [ \"$CYBERWAVE_REQUEST_ID\" = trainer ]; then\n",
+            "      uuid=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"training_uuid\"])' {body})\n",
+            "      head -c 3000 /dev/urandom > \"runs/artifacts/$uuid.tar.gz\"\n",
+            "      while [ ! -f release ]; do sleep 0.02; done\n",
+            "    else\n",
+            "      until ls runs/artifacts/*.tar.gz > /dev/null 2>&1; do sleep 0.02; done\n",
+            "    fi\n",
+        ),
+    );
+    let uuid = "7d0c6c1e-3c47-4b8f-9d59-2c7d0f6f4a11";
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let trainer = Start::training("trainer").with(json!({"training_uuid": uuid}));
+    trainer.ok(&cp, &node);
+    let other = Start::training("other");
+    other.ok(&cp, &node);
+    std::fs::write(setup.cwd.join("go"), "").unwrap();
+    let done = other.completion(&cp);
+    assert_eq!(done["success"], true, "{done}");
+    assert!(done.get("unattributed_results").is_none(), "{done}");
+    assert!(other.uploaded(&cp).is_empty(), "{}", node.log());
+    let archive = setup.cwd.join(format!("runs/artifacts/{uuid}.tar.gz"));
+    let bytes = std::fs::read(&archive).unwrap();
+    std::fs::write(setup.cwd.join("release"), "").unwrap();
+    let done = trainer.completion(&cp);
+    assert_eq!(done["success"], true, "{done}");
+    assert!(done.get("unattributed_results").is_none(), "{done}");
+    assert_eq!(
+        trainer.uploaded(&cp),
+        [format!("{uuid}.tar.gz")],
+        "{}",
+        node.log()
+    );
+    assert!(
+        cp.uploads().values().any(|v| *v == bytes),
+        "the archive's bytes arrived"
+    );
+    assert!(!archive.exists(), "uploaded, then removed");
+}
+
+/// D61: a workload's loose result is known as new by its identity, not by comparing times with
+/// the wall clock: after the clock stepped back (here: the start was recorded an hour ahead, the
+/// node restarted meanwhile) what the workload writes is still uploaded. On main it was neither
+/// uploaded nor cleaned up, without a word.
+#[test]
+fn g10_d61_a_loose_result_is_uploaded_after_the_clock_stepped_back() {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  results_folder: out\n  training: |\n    while [ ! -f go ]; do sleep 0.02; done\n    echo model > out/model.bin\n",
+    );
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let w = Start::training("clk");
+    w.ok(&cp, &node);
+    node.kill9();
+    let meta_path = setup.config_dir().join("workloads/clk/meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    let ahead = meta["created_unix"].as_f64().unwrap() + 3600.0;
+    meta["created_unix"] = json!(ahead);
+    std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    std::fs::write(setup.cwd.join("go"), "").unwrap();
+    let done = w.completion(&cp);
+    assert_eq!(done["success"], true, "{done}");
+    assert_eq!(w.uploaded(&cp), ["model.bin"], "{}", node.log());
+    assert!(!setup.cwd.join("out/model.bin").exists());
+}

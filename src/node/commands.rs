@@ -226,8 +226,26 @@ impl View<'_> {
         {
             gpus::put(&mut out, "gpus", g);
         }
+        self.add_users(&mut out);
         self.add_starting(&mut out, "workloads");
         out
+    }
+
+    /// D65: who the workloads run as, and a warning when several share one uid.
+    fn add_users(&self, out: &mut Value) {
+        let users = &self.io.users;
+        if users.is_empty() {
+            return;
+        }
+        let names: Vec<&str> = users.iter().map(|u| u.name.as_str()).collect();
+        util::set(out, "workload_users", json!(names));
+        let slots = self.s.max_concurrent_workloads.value;
+        if let [u] = users.as_slice() {
+            if slots > 1 {
+                let note = crate::workload::user::shared_uid_note(&u.name, u.uid, slots);
+                util::set(out, "workload_user_shared", json!(note));
+            }
+        }
     }
 }
 

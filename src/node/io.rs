@@ -82,6 +82,9 @@ pub struct Io {
     pub gpu_monitor: Option<crate::gpu::Monitor>,
     /// Removes retired workload directories off the loop.
     pub sweeper: crate::store::Sweeper,
+    /// The users workloads run as (`workload_user`, D46.3; several: a pool, D65); empty: the
+    /// node's own.
+    pub users: Vec<crate::workload::user::WorkloadUser>,
 }
 
 impl Io {

@@ -93,6 +93,8 @@ pub struct Starting {
     /// `emit` requests of the workload (it runs before its start is reported): answered once
     /// the start is.
     pub held: Vec<crate::control::Request>,
+    /// The uid it is to run as (D65: held while it starts).
+    pub uid: Option<u32>,
 }
 
 /// The starts in flight, and the spawner they go to. Pure bookkeeping (unit-tested); the node
@@ -434,6 +436,7 @@ mod tests {
             waiters: Vec::new(),
             event_token: format!("tok{rid}"),
             held: Vec::new(),
+            uid: None,
         }
     }
 
@@ -454,6 +457,7 @@ mod tests {
             event_token: format!("tok{rid}"),
             node_uuid: "node-uuid".into(),
             noted: None,
+            user: None,
         }
     }
 

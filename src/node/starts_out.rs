@@ -143,6 +143,16 @@ impl Start<'_> {
             };
             return self.reject_start(request_id, workload_uuid.as_ref(), &why, ctx);
         };
+        let user = match self.work.free_user() {
+            Ok(u) => u,
+            Err(why) => {
+                let why = RejectReason::Failed {
+                    kind: kind.into(),
+                    why,
+                };
+                return self.reject_start(request_id, workload_uuid.as_ref(), &why, ctx);
+            }
+        };
         let params = start.params;
         let (noted, noted_rx) = crossbeam_channel::bounded(1);
         let req = StartRequest {
@@ -161,6 +171,7 @@ impl Start<'_> {
             event_token: crate::util::hex(&token_bytes),
             node_uuid: self.work.session.uuid().to_string(),
             noted: Some(noted_rx),
+            user,
         };
         let starting = Starting {
             kind: kind_t,
@@ -173,6 +184,7 @@ impl Start<'_> {
             waiters: Vec::new(),
             event_token: req.event_token.clone(),
             held: Vec::new(),
+            uid: req.user.as_ref().map(|u| u.uid),
         };
         let taken = starts::Taken::of(&starting);
         if let Err(e) = self.work.starts.begin(starting, req) {

@@ -33,31 +33,83 @@ use crate::{store, util};
 pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
 
 /// D46.3: the workload user exists and the node may become it (else exit 2); the state dir is
-/// then passed through by it (0711), never listed, its files all the node's own (0600).
+/// then passed through by it (0711), never listed, its files all the node's own (0600). D65: a
+/// pool of users, each its own, at least as many as the slots; the node's secrets in the state
+/// dir readable by nobody else.
 fn workload_user_ready(
     spec: &str,
     dir: &Path,
-) -> Result<crate::workload::user::WorkloadUser, StartupError> {
+    slots: u32,
+) -> Result<Vec<crate::workload::user::WorkloadUser>, StartupError> {
     use crate::workload::user;
-    let u = user::lookup(spec)
-        .and_then(|u| user::check_privilege(&u).map(|()| u))
-        .map_err(|e| {
-            StartupError::Config(format!("{e} (cloud_node.workload_user in the manifest)"))
-        })?;
+    let config =
+        |e: String| StartupError::Config(format!("{e} (cloud_node.workload_user in the manifest)"));
+    let pool = user::lookup_pool(spec)
+        .and_then(|pool| {
+            pool.iter()
+                .try_for_each(user::check_privilege)
+                .map(|()| pool)
+        })
+        .map_err(|e| config(e.to_string()))?;
+    let n = u32::try_from(pool.len()).unwrap_or(u32::MAX);
+    if n >= 2 && n < slots {
+        return Err(config(format!(
+            "workload_user names a pool of {n} users, fewer than max_concurrent_workloads ({slots}): each running workload needs a user of its own; name at least {slots} users, or lower max_concurrent_workloads"
+        )));
+    }
+    secrets_closed(dir)?;
     user::traversable(dir).map_err(|e| {
         StartupError::Runtime(format!(
             "cannot open {} to the workload user: {e}",
             dir.display()
         ))
     })?;
-    log::info!(
-        "workloads run as {} (uid {}, gid {}, {} group(s)); the state dir is closed to them",
-        u.name,
-        u.uid,
-        u.gid,
-        u.groups.len()
-    );
-    Ok(u)
+    match pool.as_slice() {
+        [u] => {
+            log::info!(
+                "workloads run as {} (uid {}, gid {}, {} group(s)); the state dir is closed to them",
+                u.name,
+                u.uid,
+                u.gid,
+                u.groups.len()
+            );
+            if slots > 1 {
+                log::warn!("{}", crate::workload::user::shared_uid_note(&u.name, u.uid, slots));
+            }
+        }
+        _ => log::info!(
+            "workloads run as a pool of {} users ({}), each running workload as one no other holds; the state dir is closed to them",
+            pool.len(),
+            pool.iter()
+                .map(|u| format!("{} uid {}", u.name, u.uid))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+    Ok(pool)
+}
+
+/// D65: with a workload user the state dir is opened to others (0711): a file in it that holds
+/// the node's token (`.env`, `credentials.json`) must not be readable by group or others (exit 2
+/// naming the file and the `chmod` to run).
+fn secrets_closed(dir: &Path) -> Result<(), StartupError> {
+    use std::os::unix::fs::PermissionsExt;
+    for name in [".env", "credentials.json"] {
+        let path = dir.join(name);
+        let Ok(md) = std::fs::metadata(&path) else {
+            continue;
+        };
+        let mode = md.permissions().mode() & 0o7777;
+        if mode & 0o044 != 0 {
+            return Err(StartupError::Config(format!(
+                "{} holds the node's token and is readable by group or others (mode {mode:04o}), and workload_user opens the state dir {} to other users: run `chmod 600 {}`",
+                path.display(),
+                dir.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Runs the node until it shuts down; returns the exit code.
@@ -76,7 +128,7 @@ pub fn run(settings: Settings) -> i32 {
 pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let started = Instant::now();
     let dir = s.config_dir.value.clone();
-    let workload_user = claim_state_dir(&s)?;
+    let users = claim_state_dir(&s)?;
     let (sig_tx, sig_rx) = unbounded();
     signals::spawn(sig_tx).map_err(runtime("cannot start the signal thread"))?;
     let token = api_token(&s)?;
@@ -118,9 +170,15 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     )))?;
     let (acks_tx, acked) = super::io::start_ack_thread()
         .map_err(runtime("cannot start the acknowledgement thread"))?;
-    let control = control_socket(&dir, workload_user.as_ref())?;
+    let control = control_socket(&dir, &users)?;
     let (gpu, monitor, gpu_rx) = gpus(&s);
     let (spawner, spawned, (reaper, reaped)) = spawner(&s, &layout, exe)?;
+    let upload_cfg = super::table::UploadCfg {
+        // D65: with a workload user a result must be its uid's own (the first user's for a
+        // record that names none).
+        checked: (!users.is_empty()).then(|| users.first().map(|u| u.uid)),
+        ..super::table::UploadCfg::of(&s)
+    };
     let now = Instant::now();
     let session = Session::new(
         session::Config::from_settings(&s, topics.clone(), token.clone()),
@@ -147,6 +205,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         gpu_rx,
         gpu_monitor: monitor,
         sweeper: crate::store::Sweeper::start(),
+        users,
     };
     let mut node = Node {
         io,
@@ -158,7 +217,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             drain: super::parts::Drain::default(),
             metrics: Default::default(),
         },
-        active: super::table::Table::new(super::table::UploadCfg::of(&s)),
+        active: super::table::Table::new(upload_cfg),
         durable: super::parts::Durable {
             ledger: Ledger::load(dir.join("ledger.jsonl")),
             outbox,
@@ -208,9 +267,7 @@ fn runtime<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> S
 /// D30: the state dir is ours and private, and no other node runs on it; checked before
 /// anything is written there. The lock lives as long as the process (the node is never
 /// dropped). Then the workload user, if the manifest names one (D46.3).
-fn claim_state_dir(
-    s: &Settings,
-) -> Result<Option<crate::workload::user::WorkloadUser>, StartupError> {
+fn claim_state_dir(s: &Settings) -> Result<Vec<crate::workload::user::WorkloadUser>, StartupError> {
     let dir = &s.config_dir.value;
     let lock = crate::statedir::check_or_create(dir)
         .and_then(|()| crate::statedir::lock_waiting(dir, s.tuning.lock_wait))?;
@@ -225,9 +282,9 @@ fn claim_state_dir(
             .map(|m| m.path.display().to_string())
             .unwrap_or_else(|| "(none: environment only)".into())
     );
-    let workload_user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
-        Some(spec) => Some(workload_user_ready(spec, dir)?),
-        None => None,
+    let users = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
+        Some(spec) => workload_user_ready(spec, dir, s.max_concurrent_workloads.value)?,
+        None => Vec::new(),
     };
     if let Some(d) = crate::store::slow_disk_delay() {
         log::warn!(
@@ -235,7 +292,7 @@ fn claim_state_dir(
             d.as_millis()
         );
     }
-    Ok(workload_user)
+    Ok(users)
 }
 
 /// The API token (none needed standalone).
@@ -327,7 +384,7 @@ fn standalone_identity(s: &Settings) -> Option<Identity> {
 /// The control socket (`emit`, `drain`, `status` from the CLI and the workloads).
 fn control_socket(
     dir: &Path,
-    workload_user: Option<&crate::workload::user::WorkloadUser>,
+    users: &[crate::workload::user::WorkloadUser],
 ) -> Result<Receiver<crate::control::Request>, StartupError> {
     let (control_tx, control) = unbounded();
     // A directory in the socket's place cannot be replaced (a stale socket or file can): the
@@ -343,11 +400,25 @@ fn control_socket(
         "cannot open the control socket {}",
         sock.display()
     )))?;
-    if let Some(u) = workload_user {
-        // Workflow events from workloads still reach the node (D46.3 keeps `emit` working).
-        if let Err(e) = crate::control::share_for_emit(&sock, u.gid) {
+    if !users.is_empty() {
+        // Workflow events from workloads still reach the node (D46.3 keeps `emit` working):
+        // the socket is opened to a group every workload user is in; a pool without one
+        // (D65) gets it opened to all, which still lets only `emit` through, and only with a
+        // running workload's event token.
+        let common = users.first().and_then(|first| {
+            std::iter::once(first.gid)
+                .chain(first.groups.iter().copied())
+                .find(|g| users.iter().all(|u| u.gid == *g || u.groups.contains(g)))
+        });
+        let shared = match common {
+            Some(gid) => crate::control::share_for_emit(&sock, gid),
+            None => {
+                std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666))
+            }
+        };
+        if let Err(e) = shared {
             log::warn!(
-                "cannot open the control socket to the workload user's group: {e}; its workloads cannot report workflow events"
+                "cannot open the control socket to the workload users: {e}; their workloads cannot report workflow events"
             );
         }
     }

@@ -81,9 +81,17 @@ pub trait Outbound {
     fn submit(&mut self, job: Job);
     /// Ship what is left of the workloads' output now.
     fn ship_logs(&mut self);
-    /// Report the end of workload `id` (it is no longer in the table); the loop answers with
+    /// Report the end of workload `id` (it is no longer in the table), naming the loose result
+    /// files it could have written that were left on disk (D61); the loop answers with
     /// [`Table::completion_queued`].
-    fn report(&mut self, id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&'static str>);
+    fn report(
+        &mut self,
+        id: &str,
+        meta: Meta,
+        exit: Option<Exit>,
+        lost: Option<&'static str>,
+        unattributed: Vec<String>,
+    );
     /// Remove the reported workload's record from disk.
     fn retire(&mut self, id: &str);
 }
@@ -521,23 +529,36 @@ impl Table {
                         Some(Phase::Uploading { exit }) => exit.clone(),
                         _ => None,
                     };
-                    let others: Vec<String> = self.active.keys().cloned().collect();
+                    let tracked = self.tracked();
                     let begun = self.active.get(id).is_some_and(|a| {
                         let via = &mut Via(&mut *out);
                         self.uploads
-                            .begin(id, &a.meta, exit.as_ref(), &others, now, via)
+                            .begin(id, &a.meta, exit.as_ref(), &tracked, now, via)
                     });
                     if !begun {
                         self.advance(id, Event::UploadsDone, now, out);
                     }
                 }
                 Action::Report { exit, lost } => {
+                    let tracked = self.tracked();
+                    let unattributed = self.uploads.unattributed(id, &tracked);
                     if let Some(a) = self.active.remove(id) {
-                        out.report(id, a.meta, exit, lost);
+                        out.report(id, a.meta, exit, lost, unattributed);
                     }
                 }
             }
         }
+    }
+
+    /// The tracked workloads, as the uploads see them.
+    fn tracked(&self) -> Vec<super::uploads::Tracked> {
+        self.active
+            .iter()
+            .map(|(id, a)| super::uploads::Tracked {
+                id: id.clone(),
+                uid: a.meta.uid,
+            })
+            .collect()
     }
 
     // ---- the completion's record (D28) --------------------------------------------------------
@@ -732,6 +753,7 @@ pub(crate) mod fake {
         pub jobs: Vec<Job>,
         pub shipped: u32,
         pub reports: Vec<(String, Option<Exit>, Option<&'static str>)>,
+        pub unattributed: Vec<(String, Vec<String>)>,
         pub retired: Vec<String>,
     }
 
@@ -769,8 +791,16 @@ pub(crate) mod fake {
         fn ship_logs(&mut self) {
             self.shipped += 1;
         }
-        fn report(&mut self, id: &str, _: Meta, exit: Option<Exit>, lost: Option<&'static str>) {
+        fn report(
+            &mut self,
+            id: &str,
+            _: Meta,
+            exit: Option<Exit>,
+            lost: Option<&'static str>,
+            unattributed: Vec<String>,
+        ) {
             self.reports.push((id.to_string(), exit, lost));
+            self.unattributed.push((id.to_string(), unattributed));
         }
         fn retire(&mut self, id: &str) {
             self.retired.push(id.to_string());
@@ -794,10 +824,12 @@ mod tests {
     fn cfg(folder: PathBuf) -> UploadCfg {
         UploadCfg {
             enabled: true,
+            records: folder.with_extension("records"),
+            ledger: folder.with_extension("ledger.json"),
             folder,
-            capacity: 1,
             max_bytes: 1 << 30,
             workers: 2,
+            checked: None,
         }
     }
 
@@ -828,6 +860,7 @@ mod tests {
             workflow: None,
             event_token: String::new(),
             gpus: None,
+            uid: None,
             salvaged: None,
         }
     }
@@ -1225,10 +1258,7 @@ mod tests {
         let root = results("pool", &["a", "b", "c", "d"]);
         std::fs::create_dir_all(root.join("v")).unwrap_or_else(|e| panic!("{e}"));
         std::fs::write(root.join("v/x"), b"x").unwrap_or_else(|e| panic!("{e}"));
-        let mut t = Table::new(UploadCfg {
-            capacity: 2,
-            ..cfg(root.clone())
-        });
+        let mut t = Table::new(cfg(root.clone()));
         t.insert("w".into(), Active::new(meta("w", 100, None), true, t0));
         t.insert("v".into(), Active::new(meta("v", 200, None), true, t0));
         let mut f = Fake {

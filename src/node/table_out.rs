@@ -26,6 +26,8 @@ pub(super) enum Later {
         meta: Box<Meta>,
         exit: Option<Exit>,
         lost: Option<&'static str>,
+        /// D61: loose result files it could have written, left on disk.
+        unattributed: Vec<String>,
     },
 }
 
@@ -131,12 +133,20 @@ impl Outbound for NodeOut<'_> {
         self.later.push(Later::ShipLogs);
     }
 
-    fn report(&mut self, id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&'static str>) {
+    fn report(
+        &mut self,
+        id: &str,
+        meta: Meta,
+        exit: Option<Exit>,
+        lost: Option<&'static str>,
+        unattributed: Vec<String>,
+    ) {
         self.later.push(Later::Report {
             id: id.to_string(),
             meta: Box::new(meta),
             exit,
             lost,
+            unattributed,
         });
     }
 

@@ -16,11 +16,12 @@
 //! the table then moves the workload on. It never sees the table.
 
 use crate::protocol::commands::TopicId;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use crate::store::{self, Beneath};
+use crate::workload::results::{self, Claim, Identity, Verdict, Walk};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -54,10 +55,17 @@ pub struct UploadCfg {
     /// `upload_results`, and a backend to upload to (not standalone).
     pub enabled: bool,
     pub folder: PathBuf,
-    pub capacity: u32,
     pub max_bytes: u64,
     /// The upload pool's size: the most transfers at once ([`crate::workers::uploaders`]).
     pub workers: usize,
+    /// The workloads' directories in the state dir (their [`Claim`]s).
+    pub records: PathBuf,
+    /// D61: the loose files decided, in the state dir.
+    pub ledger: PathBuf,
+    /// D65: workloads run as a `workload_user`, so a result file must be owned by the
+    /// workload's uid with one link; the uid assumed for a record that names none (one written
+    /// before records kept it).
+    pub checked: Option<Option<u32>>,
 }
 
 impl UploadCfg {
@@ -65,7 +73,6 @@ impl UploadCfg {
         UploadCfg {
             enabled: s.upload_results.value && !s.standalone,
             folder: s.results_folder.value.clone(),
-            capacity: s.max_concurrent_workloads.value,
             max_bytes: s
                 .manifest
                 .as_ref()
@@ -74,8 +81,20 @@ impl UploadCfg {
             workers: crate::workers::uploaders(
                 s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref(),
             ),
+            records: s.config_dir.value.join("workloads"),
+            ledger: s.config_dir.value.join(LEDGER_FILE),
+            checked: None,
         }
     }
+}
+
+/// The loose files decided (D61), in the state dir.
+pub const LEDGER_FILE: &str = "loose_results.json";
+
+/// A tracked workload, as the uploads see it: its safe id and the uid it runs as.
+pub struct Tracked {
+    pub id: String,
+    pub uid: Option<u32>,
 }
 
 /// Why one attempt at a file failed; [`Failure::retriable`] decides whether it is tried again.
@@ -172,56 +191,6 @@ impl Upload {
     }
 }
 
-/// Every regular file below `root` (sorted), never following a symlink: a workload must not be
-/// able to upload a file outside its results folder. Each folder is opened from the one above
-/// it ([`store::open_dir_at`]), so one swapped for a link while it is walked is not entered
-/// either; a tree deeper than [`store::MAX_DEPTH`] is not followed.
-pub fn collect(root: &Path) -> Vec<(String, Beneath)> {
-    fn walk(
-        root: &Path,
-        dir: &OwnedFd,
-        rel: &Path,
-        depth: usize,
-        out: &mut Vec<(String, Beneath)>,
-    ) {
-        let Ok(rd) = store::entries(dir) else {
-            return;
-        };
-        for e in rd.flatten() {
-            let name = e.file_name();
-            let rel = rel.join(&name);
-            let Ok(t) = e.file_type() else {
-                continue;
-            };
-            if t.is_symlink() {
-                log::warn!("result upload: skipping symlink {} (only regular files inside the results folder are uploaded)", crate::logtext::shown(&root.join(&rel).display().to_string()));
-            } else if t.is_dir() {
-                if depth >= store::MAX_DEPTH {
-                    log::warn!(
-                        "result upload: not entering {} (more than {} folders deep)",
-                        crate::logtext::shown(&root.join(&rel).display().to_string()),
-                        store::MAX_DEPTH
-                    );
-                } else if let Ok(sub) = store::open_dir_at(Some(dir), &name) {
-                    walk(root, &sub, &rel, depth.saturating_add(1), out);
-                }
-            } else if t.is_file() {
-                // Its metadata through the folder it is listed in, never through a path.
-                if let Ok(md) = e.metadata() {
-                    let file = Beneath::new(root, &rel).listed_as(store::Listed::of(&md));
-                    out.push((rel.to_string_lossy().into_owned(), file));
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    if let Ok(dir) = store::open_dir_at(None, root.as_os_str()) {
-        walk(root, &dir, Path::new(""), 0, &mut out);
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
 /// At most this many bytes of results per workload unless `max_result_bytes` says otherwise (D24).
 pub const DEFAULT_MAX_RESULT_BYTES: u64 = 10 * 1024 * 1024 * 1024;
 
@@ -244,10 +213,11 @@ fn within_budget(files: Vec<(String, Beneath)>, max: u64) -> (Vec<(String, Benea
     (kept, skipped)
 }
 
-/// Removes `dir` and the empty folders below it; anything still holding a file stays. A
-/// symlink is never followed (a workload may plant one in place of its folder, or of any folder
-/// below it): each folder is opened from the one above it, and removed by name in it.
-fn remove_empty_dirs(dir: &Path) {
+/// Removes the folder `id` of `folder` and the empty folders below it; anything still holding
+/// a file stays. A symlink is never followed (a workload may plant one in place of its folder,
+/// or of any folder below it): each folder is opened from the one above it, and removed by name
+/// in it.
+fn remove_empty_dirs(folder: &Path, id: &str) {
     fn below(dir: &OwnedFd, depth: usize) {
         let Ok(rd) = store::entries(dir) else {
             return;
@@ -265,27 +235,104 @@ fn remove_empty_dirs(dir: &Path) {
             let _ = store::remove_dir_at(dir, &name);
         }
     }
-    if let Ok(fd) = store::open_dir_at(None, dir.as_os_str()) {
+    let Ok(top) = store::open_root(folder) else {
+        return;
+    };
+    let id = std::ffi::OsStr::new(id);
+    if let Ok(fd) = store::open_dir_at(Some(&top), id) {
         below(&fd, 0);
         // A link put in its place since is not followed by rmdir.
-        let _ = std::fs::remove_dir(dir);
+        let _ = store::remove_dir_at(&top, id);
+    }
+}
+
+/// D61: a loose file decided, and to whom.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Decided {
+    id: Identity,
+    /// Its path below `results_folder` when it was decided.
+    name: String,
+    /// The workload it is the result of.
+    #[serde(default)]
+    to: Option<String>,
+    /// Left on disk: the workloads that could have written it.
+    #[serde(default)]
+    candidates: Vec<String>,
+}
+
+/// The ledger's file.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct LedgerFile {
+    files: Vec<Decided>,
+}
+
+impl store::Validate for LedgerFile {
+    fn validate(&self) -> Result<(), store::Invalid> {
+        Ok(())
+    }
+}
+
+/// The loose files decided so far, by identity: a file is decided once, when it is first seen
+/// with a candidate, and never again while it is there (a workload that ends later does not
+/// take a file that others could have written). Kept in the state dir across restarts.
+#[derive(Default)]
+struct Ledger {
+    entries: BTreeMap<Identity, Decided>,
+}
+
+impl Ledger {
+    fn load(path: &Path) -> Ledger {
+        const CAP: u64 = 16 * 1024 * 1024;
+        let file: LedgerFile = store::read_record(path, CAP).unwrap_or_default();
+        Ledger {
+            entries: file.files.into_iter().map(|d| (d.id, d)).collect(),
+        }
+    }
+
+    fn save(&self, path: &Path) {
+        let file = LedgerFile {
+            files: self.entries.values().cloned().collect(),
+        };
+        let written = serde_json::to_vec(&file)
+            .map_err(std::io::Error::other)
+            .and_then(|json| store::write_atomic(path, &json, 0o600));
+        if let Err(e) = written {
+            log::warn!(
+                "cannot record the loose results decided in {}: {e}",
+                path.display()
+            );
+        }
     }
 }
 
 /// The result uploads of the workloads in their `Uploading` phase, by safe id.
 pub struct Uploads {
     cfg: UploadCfg,
-    /// The warning about files straight in `results_folder` with capacity > 1 was given (D24).
-    loose_results_warned: bool,
     active: BTreeMap<String, Upload>,
+    /// D61: the loose files decided.
+    ledger: Ledger,
+    /// Workloads whose end the results folder was looked at for: no longer candidates.
+    ended: BTreeSet<String>,
+    /// The workloads' [`Claim`]s read so far (`None`: a record without one).
+    claims: BTreeMap<String, Option<Claim>>,
+    /// Per workload, the loose files it could have written that were left on disk.
+    unattributed: BTreeMap<String, Vec<String>>,
 }
 
 impl Uploads {
     pub fn new(cfg: UploadCfg) -> Uploads {
+        let ledger = if cfg.enabled {
+            Ledger::load(&cfg.ledger)
+        } else {
+            Ledger::default()
+        };
         Uploads {
             cfg,
-            loose_results_warned: false,
             active: BTreeMap::new(),
+            ledger,
+            ended: BTreeSet::new(),
+            claims: BTreeMap::new(),
+            unattributed: BTreeMap::new(),
         }
     }
 
@@ -295,44 +342,184 @@ impl Uploads {
         self.cfg.enabled.then(|| self.cfg.folder.join(safe_id))
     }
 
-    /// The result files of workload `id`, started at `since` (D24): everything in its own
-    /// folder, and with capacity 1 also what was written straight into `results_folder`
-    /// (outside the folders of `others`, the other workloads tracked). With capacity > 1 files
-    /// straight in `results_folder` belong to nobody: never uploaded or deleted, and the node
-    /// says so once.
-    fn result_files(&mut self, id: &str, since: f64, others: &[String]) -> Vec<(String, Beneath)> {
-        let root = self.cfg.folder.clone();
-        let mut files = collect(&root.join(id));
-        let others: Vec<PathBuf> = others
+    /// D61: looks at `results_folder` as workload `id`'s run is over (once), deciding the loose
+    /// files first seen now among the `tracked` workloads still running (and `id`); `id` is
+    /// then no longer a candidate. The loose files that are `id`'s results, and those it could
+    /// have written that stay on disk (kept for its completion).
+    fn observe(&mut self, id: &str, tracked: &[Tracked]) -> Vec<(String, Beneath)> {
+        if !self.cfg.enabled || self.ended.contains(id) {
+            return Vec::new();
+        }
+        let records = self.cfg.records.clone();
+        let ours: BTreeSet<&str> = tracked.iter().map(|t| t.id.as_str()).collect();
+        // The workloads' own folders: every workload's the node knows of (in flight included).
+        let skip = |name: &std::ffi::OsStr| {
+            name.to_str().is_some_and(|n| ours.contains(n)) || records.join(name).is_dir()
+        };
+        let walked = Walk {
+            skip_top: &skip,
+            limit: results::MAX_FILES,
+            warn: true,
+        }
+        .run(&self.cfg.folder, Path::new(""));
+        for t in tracked {
+            self.claims
+                .entry(t.id.clone())
+                .or_insert_with(|| Claim::load(&records.join(&t.id)));
+        }
+        let changed = self.decide(&walked.files, tracked);
+        let present: BTreeSet<Identity> = walked
+            .files
             .iter()
-            .filter(|k| k.as_str() != id)
-            .map(|k| root.join(k))
+            .filter_map(|(_, b)| b.listed().map(Identity::of))
             .collect();
-        // Only what the workload wrote: a file older than its start (the operator's own files
-        // in a results folder that holds them, what an earlier workload left) is never
-        // uploaded or deleted as its result.
-        // The status-change time: a file moved (`mv`) or copied in keeping its times still
-        // counts as written by the workload.
-        let written_since = |b: &Beneath| b.listed().is_some_and(|l| l.ctime >= since);
-        let loose: Vec<(String, Beneath)> = collect(&root)
-            .into_iter()
-            .filter(|(_, b)| {
-                let p = b.path();
-                !p.starts_with(root.join(id))
-                    && !others.iter().any(|o| p.starts_with(o))
-                    && written_since(b)
+        let before = self.ledger.entries.len();
+        if walked.complete {
+            self.ledger.entries.retain(|k, _| present.contains(k));
+        }
+        if changed || before != self.ledger.entries.len() {
+            self.ledger.save(&self.cfg.ledger);
+        }
+        self.ended.insert(id.to_string());
+        let mine = |b: &Beneath, want: &dyn Fn(&Decided) -> bool| {
+            b.listed()
+                .and_then(|l| self.ledger.entries.get(&Identity::of(l)))
+                .is_some_and(want)
+        };
+        let left: Vec<String> = walked
+            .files
+            .iter()
+            .filter(|(_, b)| mine(b, &|d| d.candidates.iter().any(|c| c == id)))
+            .map(|(n, _)| n.clone())
+            .collect();
+        let files = walked
+            .files
+            .iter()
+            .filter(|(_, b)| mine(b, &|d| d.to.as_deref() == Some(id)))
+            .cloned()
+            .collect();
+        if !left.is_empty() {
+            self.unattributed.insert(id.to_string(), left);
+        }
+        files
+    }
+
+    /// Decides each of `files` not decided yet among the workloads still running ([`results::attribute`]);
+    /// whether any was.
+    fn decide(&mut self, files: &[(String, Beneath)], tracked: &[Tracked]) -> bool {
+        let fallback = self.cfg.checked.flatten();
+        let running: Vec<results::Runner> = tracked
+            .iter()
+            .filter(|t| !self.ended.contains(&t.id))
+            .filter_map(|t| {
+                let claim = self.claims.get(&t.id)?.as_ref()?;
+                Some(results::Runner {
+                    id: &t.id,
+                    uid: t.uid.or(fallback),
+                    claim,
+                })
             })
             .collect();
-        if self.cfg.capacity <= 1 {
-            files.extend(loose);
-        } else if !loose.is_empty() && !self.loose_results_warned {
-            self.loose_results_warned = true;
-            log::warn!(
-                "{} file(s) sit straight in the results folder {}: with max_concurrent_workloads > 1 they belong to no workload and are not uploaded; a workload writes its results into $CYBERWAVE_RESULTS_DIR",
-                loose.len(),
-                root.display()
+        let mut changed = false;
+        for (name, b) in files {
+            let Some(l) = b.listed() else {
+                continue;
+            };
+            let key = Identity::of(l);
+            if self.ledger.entries.contains_key(&key) {
+                continue;
+            }
+            let loose = results::Loose { name, listed: l };
+            let (to, candidates) = match results::attribute(
+                &loose,
+                &running,
+                self.cfg.checked.is_some(),
+            ) {
+                Verdict::Nobody => continue,
+                Verdict::To(w) => {
+                    log::info!(
+                        "{} in the results folder is {}'s result",
+                        crate::logtext::shown(name),
+                        crate::logtext::shown(&w)
+                    );
+                    (Some(w), Vec::new())
+                }
+                Verdict::Unattributed(c) => {
+                    log::warn!(
+                        "{} was written straight into the results folder {} while {} ran: it is none of theirs for sure, so it stays on disk, not uploaded, and each of their completions names it in unattributed_results (a workload writes its results into $CYBERWAVE_RESULTS_DIR, or names them after its workload uuid or request id)",
+                        crate::logtext::shown(name),
+                        self.cfg.folder.display(),
+                        crate::logtext::shown(&c.join(", "))
+                    );
+                    (None, c)
+                }
+            };
+            changed = true;
+            self.ledger.entries.insert(
+                key,
+                Decided {
+                    id: key,
+                    name: name.clone(),
+                    to,
+                    candidates,
+                },
             );
         }
+        changed
+    }
+
+    /// The loose files workload `id` could have written that were left on disk (D61: its
+    /// completion names them); looked for first if its end was not looked at yet.
+    pub fn unattributed(&mut self, id: &str, tracked: &[Tracked]) -> Vec<String> {
+        self.observe(id, tracked);
+        self.unattributed.remove(id).unwrap_or_default()
+    }
+
+    /// The result files of workload `id` (D24, D61, D65), running as `uid`: what is in its own
+    /// folder, and the loose files that are its own ([`Uploads::observe`]); with a workload
+    /// user, only files its uid owns with one link.
+    fn result_files(
+        &mut self,
+        id: &str,
+        uid: Option<u32>,
+        tracked: &[Tracked],
+    ) -> Vec<(String, Beneath)> {
+        let loose = self.observe(id, tracked);
+        let owner = self
+            .cfg
+            .checked
+            .map(|fallback| uid.or(fallback).unwrap_or(u32::MAX));
+        // A record without a claim was started before it was kept: its folder is its own.
+        let made = self
+            .claims
+            .get(id)
+            .and_then(Option::as_ref)
+            .is_none_or(|c| c.made);
+        let mut files = Vec::new();
+        if made {
+            files = Walk {
+                skip_top: &|_| false,
+                limit: usize::MAX,
+                warn: true,
+            }
+            .run(&self.cfg.folder, Path::new(id))
+            .files;
+        }
+        files.retain(|(name, b)| {
+            let ok = owner.is_none_or(|o| b.listed().is_some_and(|l| l.uid == o && l.nlink == 1));
+            if !ok {
+                log::warn!(
+                    "result file {} skipped: it is not the workload user's own file with a single link",
+                    crate::logtext::shown(name)
+                );
+            }
+            ok
+        });
+        files.extend(loose);
+        let files = files
+            .into_iter()
+            .map(|(n, b)| (n, b.owned_by(owner)))
+            .collect();
         let max = self.cfg.max_bytes;
         let (kept, skipped) = within_budget(files, max);
         for name in skipped {
@@ -344,26 +531,28 @@ impl Uploads {
         kept
     }
 
-    /// Starts the uploads of workload `id` (its record `meta`, its exit `exit`), `others`
-    /// being the other workloads tracked; false when there is nothing to upload.
+    /// Starts the uploads of workload `id` (its record `meta`, its exit `exit`), `tracked`
+    /// being the workloads tracked (itself included); false when there is nothing to upload.
     pub fn begin(
         &mut self,
         id: &str,
         meta: &Meta,
         exit: Option<&Exit>,
-        others: &[String],
+        tracked: &[Tracked],
         now: Instant,
         out: &mut dyn Out,
     ) -> bool {
+        // D61: the folder is looked at as every workload ends, whatever its end: what was
+        // written while it ran is decided before it is no longer a candidate.
+        let files = self.result_files(id, meta.uid, tracked);
         let Some(wl) = meta.workload_uuid.clone() else {
             return false;
         };
         if !self.cfg.enabled || meta.cancel.is_some() || exit.map(Exit::code) != Some(0) {
             return false;
         }
-        let files = self.result_files(id, meta.created_unix, others);
         if files.is_empty() {
-            remove_empty_dirs(&self.cfg.folder.join(id));
+            remove_empty_dirs(&self.cfg.folder, id);
             return false;
         }
         log::info!(
@@ -682,7 +871,7 @@ impl Uploads {
             "result upload finished: {sent} of {} file(s) uploaded",
             u.files.len()
         );
-        remove_empty_dirs(&self.cfg.folder.join(id));
+        remove_empty_dirs(&self.cfg.folder, id);
         true
     }
 
@@ -710,6 +899,9 @@ impl Uploads {
     /// Drops what is left of the uploads of workloads no longer tracked.
     pub fn retain(&mut self, tracked: impl Fn(&str) -> bool) {
         self.active.retain(|id, _| tracked(id));
+        self.ended.retain(|id| tracked(id));
+        self.claims.retain(|id, _| tracked(id));
+        self.unattributed.retain(|id, _| tracked(id));
     }
 }
 
@@ -733,6 +925,18 @@ fn notice(u: &Upload) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every regular file of the folder `root` of its parent (the results folder), as the
+    /// uploads list a workload's own folder.
+    fn collect(root: &Path) -> Vec<(String, Beneath)> {
+        Walk {
+            skip_top: &|_| false,
+            limit: usize::MAX,
+            warn: true,
+        }
+        .run(root.parent().unwrap(), Path::new(root.file_name().unwrap()))
+        .files
+    }
 
     /// The results folder `out/w/sub/result.bin`, and beside it a folder `secret` holding what a
     /// workload must never have uploaded or deleted (standing for the node's state dir, `/etc`).
@@ -773,7 +977,7 @@ mod tests {
         // link's target alone.
         assert!(collect(&root).iter().all(|(n, _)| n.starts_with("moved/")));
         std::fs::remove_file(root.join("moved").join("result.bin")).unwrap();
-        remove_empty_dirs(&root);
+        remove_empty_dirs(root.parent().unwrap(), "w");
         assert!(
             secret.join("empty").is_dir(),
             "an empty folder behind the link was removed"
@@ -813,7 +1017,7 @@ mod tests {
         std::os::unix::fs::symlink(&secret, &root).unwrap();
         assert!(collect(&root).is_empty());
         assert!(files[0].1.open().is_err());
-        remove_empty_dirs(&root);
+        remove_empty_dirs(root.parent().unwrap(), "w");
         assert!(secret.join("empty").is_dir());
     }
 
@@ -829,8 +1033,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("deepest.bin"), b"x").unwrap();
         std::fs::write(s.path().join("d").join("top.bin"), b"x").unwrap();
-        let names: Vec<String> = collect(s.path()).into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names, ["d/top.bin"]);
-        remove_empty_dirs(s.path());
+        let names: Vec<String> = collect(&s.path().join("d"))
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(names, ["top.bin"]);
+        remove_empty_dirs(s.path(), "d");
     }
 }

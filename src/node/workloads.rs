@@ -461,6 +461,32 @@ impl Work<'_> {
         self.active.len().saturating_add(self.starts.len())
     }
 
+    /// The user a new workload runs as (D46.3): none without `workload_user`; its one user;
+    /// or with a pool, the first one no tracked workload and no start in flight holds (D65).
+    pub(super) fn free_user(&self) -> Result<Option<crate::workload::user::WorkloadUser>, String> {
+        let users = &self.io.users;
+        if users.len() <= 1 {
+            return Ok(users.first().cloned());
+        }
+        let held: std::collections::BTreeSet<u32> = self
+            .active
+            .values()
+            .filter_map(|a| a.meta.uid)
+            .chain(self.starts.iter().filter_map(|(_, s)| s.uid))
+            .collect();
+        users
+            .iter()
+            .find(|u| !held.contains(&u.uid))
+            .cloned()
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "every user of the workload_user pool ({}) is held by a running workload",
+                    users.len()
+                )
+            })
+    }
+
     /// Replies to the backend's commands.
     pub(super) fn replies(&self) -> Replies<'_> {
         Replies {
@@ -511,7 +537,8 @@ impl Work<'_> {
                     meta,
                     exit,
                     lost,
-                } => self.complete(&id, *meta, exit, lost),
+                    unattributed,
+                } => self.complete(&id, *meta, exit, lost, &unattributed),
             }
         }
         r
@@ -525,7 +552,14 @@ impl Work<'_> {
     /// tracks it, and its record goes once the completion is safe
     /// ([`Table::completion_queued`]). Deferred starts that it made room for go ahead at the
     /// loop's next tick, in the same turn.
-    fn complete(&mut self, safe_id: &str, meta: Meta, exit: Option<Exit>, lost: Option<&str>) {
+    fn complete(
+        &mut self,
+        safe_id: &str,
+        meta: Meta,
+        exit: Option<Exit>,
+        lost: Option<&str>,
+        unattributed: &[String],
+    ) {
         let pid = meta.pid();
         let rid = meta.request_id_text();
         if meta.cancel.as_ref().is_some_and(|c| c.stale) {
@@ -553,6 +587,10 @@ impl Work<'_> {
         };
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             gpus::put(&mut body, "gpu", g); // D38
+        }
+        if !unattributed.is_empty() {
+            // D61: result files it could have written, left on disk (a new optional field).
+            crate::util::set(&mut body, "unattributed_results", json!(unattributed));
         }
         self.update_sampling();
         match self

@@ -11,6 +11,7 @@ use super::inputs;
 use super::procinfo;
 use super::record::{unix_now, Layout, Meta};
 use super::request::StartRequest;
+use super::results;
 use super::settle::Launched;
 use super::shim::ShimArgs;
 use super::user::{self, WorkloadUser};
@@ -63,18 +64,10 @@ fn launch_in(
     dir: &Path,
     mut req: StartRequest,
 ) -> Result<Launched, SpawnError> {
-    let user = prepare_dirs(s, layout, dir)?;
+    let user = req.user.clone();
     let user = user.as_ref();
-    // D24: its own results folder, created empty here, not on the node's loop.
-    if let Some(d) = &req.results_dir {
-        if let Err(e) = std::fs::create_dir_all(d) {
-            log::warn!(
-                "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
-                d.display()
-            );
-            req.results_dir = None;
-        }
-    }
+    prepare_dirs(layout, dir, user)?;
+    req.results_dir = prepare_results(&req, dir, user)?;
     let token = req
         .params
         .remove("cyberwave_workload_token")
@@ -117,12 +110,7 @@ fn launch_in(
     // (dropping the gate calls it off). The answer is read whatever the writes did: each
     // request has one, in turn.
     let asked = ask_fork_server(fork, &args, &env, dir, &shim_log);
-    let written = inputs::write_params(dir, params, user)
-        .and_then(|_| write_record(layout, &meta))
-        .and_then(|()| match &req.results_dir {
-            Some(d) => user::give(user, d),
-            None => Ok(()),
-        });
+    let written = inputs::write_params(dir, params, user).and_then(|_| write_record(layout, &meta));
     let early = asked.and_then(|a| answered(fork, a, dir));
     written?;
     // D53: the loop's note of the start first (it writes it meanwhile). A loop that dropped
@@ -164,17 +152,13 @@ fn open_gate(gate: &std::os::fd::OwnedFd) {
     }
 }
 
-/// The workload user (D46.3: looked up at each start; the node checked it at its own start, exit
-/// 2 if wrong), and the folders the start writes to, open to that user as far as it needs.
+/// The folders the start writes to, open to the workload user (D46.3, chosen by the node's
+/// loop among its pool, D65) as far as it needs.
 fn prepare_dirs(
-    s: &Settings,
     layout: &Layout,
     dir: &Path,
-) -> Result<Option<WorkloadUser>, SpawnError> {
-    let user = match s.manifest.as_ref().and_then(|m| m.workload_user.as_deref()) {
-        Some(spec) => Some(user::lookup(spec)?),
-        None => None,
-    };
+    user: Option<&WorkloadUser>,
+) -> Result<(), SpawnError> {
     // With a workload user the record's dir is passed through (to its params file), not listed.
     if user.is_some() {
         let _ = std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711));
@@ -189,7 +173,59 @@ fn prepare_dirs(
             source,
         })?;
     }
-    Ok(user)
+    Ok(())
+}
+
+/// D24: the workload's own results folder, made new and empty here (not on the node's loop,
+/// never through a link, D65), and D61: its record of what `results_folder` held before it
+/// runs and of the names its loose results may bear, written before it runs. A folder that
+/// cannot be made is not passed on (the workload gets no `CYBERWAVE_RESULTS_DIR`).
+fn prepare_results(
+    req: &StartRequest,
+    dir: &Path,
+    user: Option<&WorkloadUser>,
+) -> Result<Option<std::path::PathBuf>, SpawnError> {
+    let Some((own, folder)) = req
+        .results_dir
+        .as_ref()
+        .and_then(|d| Some((d, d.parent()?)))
+    else {
+        return Ok(None);
+    };
+    let (before, complete) = results::snapshot(folder);
+    if !complete {
+        log::warn!(
+            "the results folder {} holds more than {} files: no file written straight into it is taken for {}'s result (its own folder is)",
+            folder.display(),
+            results::MAX_FILES,
+            crate::logtext::shown(&req.safe_id)
+        );
+    }
+    let made = match results::make_dir(folder, &req.safe_id, user) {
+        Ok(_) => true,
+        Err(e) => {
+            log::warn!(
+                "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
+                own.display()
+            );
+            false
+        }
+    };
+    let claim = results::Claim {
+        made,
+        names: results::names_of(
+            req.workload_uuid.as_ref().map(TopicId::as_str),
+            &crate::protocol::commands::request_id_text(&req.request_id),
+            &req.params,
+        ),
+        complete,
+        before: before.into_iter().collect(),
+    };
+    claim.save(dir).map_err(|source| SpawnError::Write {
+        what: "the record of the results folder",
+        source,
+    })?;
+    Ok(made.then(|| own.clone()))
 }
 
 /// The workload's record (no pid yet).
@@ -215,6 +251,7 @@ fn record(
         workflow: req.workflow.clone(),
         event_token: req.event_token.clone(),
         gpus: req.gpus.clone(),
+        uid: req.user.as_ref().map(|u| u.uid),
         salvaged: None,
     }
 }
@@ -480,6 +517,7 @@ mod tests {
             event_token: "tok".into(),
             node_uuid: "node".into(),
             noted: None,
+            user: None,
         };
         let req = StartRequest {
             noted: Some(noted_rx),
@@ -551,6 +589,7 @@ mod tests {
             event_token: "tok".into(),
             node_uuid: "node".into(),
             noted: Some(noted),
+            user: None,
         };
         for (id, word) in [("g1", true), ("g2", false)] {
             let (peer, fork) = forkserver::ForkServer::for_tests();

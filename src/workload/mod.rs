@@ -14,6 +14,7 @@ pub mod reaper;
 pub mod record;
 pub mod recover;
 pub mod request;
+pub mod results;
 pub mod settle;
 pub mod shim;
 pub mod spawner;

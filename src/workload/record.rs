@@ -129,6 +129,10 @@ pub struct Meta {
     /// records written before GPUs were scheduled.
     #[serde(default)]
     pub gpus: Option<Vec<String>>,
+    /// The uid it runs as, with `workload_user` (D46.3; with a pool, its own among the running
+    /// workloads, D65): kept across a restart, and the owner its result files must have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
     /// Set when this record was rebuilt at recovery because the original did not validate
     /// (what was wrong): the workload is tracked by what could be proven, and its end is
     /// reported as a failure.

@@ -92,6 +92,15 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         .as_ref()
         .filter(|s| procinfo::same_process_alive(s.pid, s.start_ticks))
         .and_then(|s| crate::gpu::assigned_in_environ(s.pid));
+    // Its uid, when it runs as another user than the node's (D65: kept from the pool).
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let uid = started
+        .as_ref()
+        .filter(|s| procinfo::same_process_alive(s.pid, s.start_ticks))
+        .and_then(|s| std::fs::metadata(format!("/proc/{}", s.pid)).ok())
+        .map(|md| std::os::unix::fs::MetadataExt::uid(&md))
+        .filter(|uid| *uid != me);
     let meta = Meta {
         safe_id: name.to_string(),
         kind,
@@ -107,6 +116,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
         workflow: None,
         event_token: String::new(),
         salvaged: Some(why),
+        uid,
         gpus,
     };
     // Saved only when it names a process to track: a record without one is reported and

@@ -37,4 +37,6 @@ pub struct StartRequest {
     /// supervisor is not started before. The loop writes the note while the spawner writes the
     /// workload's files (issue 25 item 5), not before it hands the start over.
     pub noted: Option<crossbeam_channel::Receiver<()>>,
+    /// The user it runs as (D46.3): with a pool, one no other running workload holds (D65).
+    pub user: Option<super::user::WorkloadUser>,
 }

@@ -67,6 +67,7 @@ mod tests {
             workflow: None,
             event_token: String::new(),
             gpus: None,
+            uid: None,
             salvaged: None,
         };
         assert_eq!(failure_summary(&meta, "fallback").0, "fallback");

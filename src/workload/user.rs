@@ -34,6 +34,8 @@ pub enum UserError {
         source: std::io::Error,
     },
     NotFound(String),
+    /// A pool that cannot be read (D65).
+    BadPool(String),
     /// The node may not become the user (name, uid, the node's effective uid).
     NoPrivilege {
         name: String,
@@ -54,6 +56,7 @@ impl std::fmt::Display for UserError {
                 f,
                 "workload_user {spec:?} is not a user of this host (no passwd entry)"
             ),
+            UserError::BadPool(why) => write!(f, "workload_user {why}"),
             UserError::NoPrivilege { name, uid, euid } => write!(
                 f,
                 "workload_user {name} (uid {uid}) needs the node to run as root or with CAP_SETUID, CAP_SETGID, CAP_KILL, CAP_CHOWN and CAP_DAC_OVERRIDE; it runs as uid {euid} without them"
@@ -63,6 +66,67 @@ impl std::fmt::Display for UserError {
 }
 
 impl std::error::Error for UserError {}
+
+/// The most users a pool may name.
+pub const MAX_POOL: usize = 1024;
+
+/// D65: the users a `workload_user` setting names: one user (a name or uid), or a pool, as a
+/// list (`cwwork0,cwwork1`) whose items may hold one range of numbers in brackets (`cwwork[0-3]`
+/// is cwwork0 … cwwork3; `w[00-11]` keeps the width: w00 … w11).
+pub fn pool_names(spec: &str) -> Result<Vec<String>, UserError> {
+    let bad = |why: &str| UserError::BadPool(format!("{spec:?}: {why}"));
+    let mut names = Vec::new();
+    for item in spec.split(',').map(str::trim) {
+        if item.is_empty() {
+            return Err(bad("an empty name in the list"));
+        }
+        let Some((head, rest)) = item.split_once('[') else {
+            names.push(item.to_string());
+            continue;
+        };
+        let (range, tail) = rest
+            .split_once(']')
+            .ok_or_else(|| bad("a [ without its ]"))?;
+        let (lo, hi) = range
+            .split_once('-')
+            .ok_or_else(|| bad("a range is [first-last]"))?;
+        let digits =
+            |t: &str| !t.is_empty() && t.len() <= 6 && t.bytes().all(|b| b.is_ascii_digit());
+        if !digits(lo) || !digits(hi) || tail.contains(['[', ']']) {
+            return Err(bad("a range is [first-last], of at most 6 digits each"));
+        }
+        let (a, b): (usize, usize) = (lo.parse().unwrap_or(0), hi.parse().unwrap_or(0));
+        if a > b {
+            return Err(bad("a range's first number is above its last"));
+        }
+        let width = if lo.starts_with('0') { lo.len() } else { 0 };
+        if b.saturating_sub(a).saturating_add(names.len()) >= MAX_POOL {
+            return Err(bad(&format!("more than {MAX_POOL} users")));
+        }
+        names.extend((a..=b).map(|n| format!("{head}{n:0width$}{tail}")));
+    }
+    if names.len() > MAX_POOL {
+        return Err(bad(&format!("more than {MAX_POOL} users")));
+    }
+    Ok(names)
+}
+
+/// D65: every user of the pool `spec` names ([`pool_names`]), looked up; one named twice (by
+/// two names of one uid, say) is refused.
+pub fn lookup_pool(spec: &str) -> Result<Vec<WorkloadUser>, UserError> {
+    let mut pool: Vec<WorkloadUser> = Vec::new();
+    for name in pool_names(spec)? {
+        let u = lookup(&name)?;
+        if pool.iter().any(|p| p.uid == u.uid) {
+            return Err(UserError::BadPool(format!(
+                "{spec:?}: uid {} is named twice (as {})",
+                u.uid, u.name
+            )));
+        }
+        pool.push(u);
+    }
+    Ok(pool)
+}
 
 /// The passwd entry for a name or a numeric uid.
 pub fn lookup(spec: &str) -> Result<WorkloadUser, UserError> {
@@ -183,15 +247,36 @@ fn has_setid_caps() -> bool {
 }
 
 /// Gives `path` to the workload user: a file read-only (0400), a directory to write in (0700).
+/// Done on a descriptor of `path` itself, opened without following a link in its place.
 pub fn hand_over(path: &std::path::Path, u: &WorkloadUser) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::os::unix::fs::lchown(path, Some(u.uid), Some(u.gid))?;
-    let mode = if std::fs::symlink_metadata(path)?.is_dir() {
-        0o700
-    } else {
-        0o400
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    let dir = f.metadata()?.is_dir();
+    hand_over_fd(&std::os::fd::OwnedFd::from(f), u, dir)
+}
+
+/// Gives the file or directory open as `fd` to the workload user (`fchown`, `fchmod`: whatever
+/// its path has become meanwhile, nothing else changes): a file read-only (0400), a directory
+/// to write in (0700).
+pub fn hand_over_fd(fd: &std::os::fd::OwnedFd, u: &WorkloadUser, dir: bool) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mode = if dir { 0o700 } else { 0o400 };
+    // SAFETY: fchown and fchmod on a descriptor we own, plain integers.
+    let rc = unsafe {
+        if libc::fchown(fd.as_raw_fd(), u.uid, u.gid) != 0 {
+            -1
+        } else {
+            libc::fchmod(fd.as_raw_fd(), mode)
+        }
     };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// Hands `path` to the workload user, when there is one.
@@ -210,6 +295,14 @@ pub fn give(user: Option<&WorkloadUser>, path: &std::path::Path) -> Result<(), s
 pub fn traversable(dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+}
+
+/// D65: what `status`, `doctor` and the start-up log say of one workload user for several slots.
+pub fn shared_uid_note(name: &str, uid: u32, slots: u32) -> String {
+    format!(
+        "up to {slots} workloads at once share workload_user {name} (uid {uid}): each can read the others' environment (their tokens), params and results, and change their files; name a pool of users (workload_user: {name}[0-{}]) to keep them apart",
+        slots.saturating_sub(1)
+    )
 }
 
 /// The supervisor's argument for the user: `uid:gid:g1,g2,…`.
@@ -360,5 +453,57 @@ mod tests {
         ] {
             assert_eq!(parse_arg(bad), None, "{bad:?}");
         }
+    }
+
+    /// D65: a pool as a list or a range; anything else is refused, and so is a pool too large.
+    #[test]
+    fn d65_a_pool_is_a_list_or_a_range_of_users() {
+        assert_eq!(pool_names("w").unwrap(), ["w"]);
+        assert_eq!(pool_names(" a , b ").unwrap(), ["a", "b"]);
+        assert_eq!(
+            pool_names("cwwork[0-3]").unwrap(),
+            ["cwwork0", "cwwork1", "cwwork2", "cwwork3"]
+        );
+        assert_eq!(
+            pool_names("w[08-10]x,z").unwrap(),
+            ["w08x", "w09x", "w10x", "z"]
+        );
+        for bad in [
+            "a,,b",
+            "a,",
+            "w[1-",
+            "w[3-1]",
+            "w[a-b]",
+            "w[1]",
+            "w[0-1][0-1]",
+            "w[0-9999999]",
+            "w[0-2000]",
+        ] {
+            assert!(pool_names(bad).is_err(), "{bad:?}");
+        }
+        // One uid named twice.
+        assert!(lookup_pool("root,0").is_err());
+        assert_eq!(lookup_pool("root").unwrap().len(), 1);
+    }
+
+    /// D65: a hand-over never goes through a link in the path's place.
+    #[test]
+    fn d65_a_hand_over_does_not_follow_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let s = crate::scratch::Scratch::new("handover");
+        let target = s.path().join("target");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let link = s.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let me = lookup(&unsafe { libc::geteuid() }.to_string()).unwrap();
+        assert!(hand_over(&link, &me).is_err());
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755);
+        let file = s.path().join("params.json");
+        std::fs::write(&file, "{}").unwrap();
+        hand_over(&file, &me).unwrap();
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o400);
     }
 }

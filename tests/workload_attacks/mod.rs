@@ -10,4 +10,5 @@ mod forkserver;
 mod forkserver_hostile;
 mod logs;
 mod pids;
+mod results_links;
 mod state_files;

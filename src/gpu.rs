@@ -1002,6 +1002,9 @@ pub struct Known {
     /// The memory of each MIG device's GPU instance, by the device's UUID (`nvidia-smi -q`,
     /// asked once per new MIG layout: it changes only with the layout, and so do the UUIDs).
     pub mig_mib: BTreeMap<String, u64>,
+    /// The MIG devices `-q` last answered for: it is not asked again until they change (a
+    /// driver whose `-q` names no MIG memory is not asked at every inventory).
+    pub mig_asked: Vec<String>,
 }
 
 /// One call of `nvidia-smi ARGS`: [`run`] with the monitor's time limit (tests answer with a
@@ -1051,14 +1054,22 @@ fn ask_gpus(smi: &mut Smi<'_>) -> Result<Output, RunError> {
 /// Learns the memory of MIG devices not sized yet from `nvidia-smi -q` (their GPU by its bus
 /// id, the device by its index); forgets devices no longer listed.
 fn learn_mig_memory(smi: &mut Smi<'_>, gpus: &[Gpu], known: &mut Known) {
-    let Known { migs, mig_mib, .. } = known;
+    let Known {
+        migs,
+        mig_mib,
+        mig_asked,
+        ..
+    } = known;
     mig_mib.retain(|u, _| migs.iter().any(|m| m.uuid == *u));
-    if migs.iter().all(|m| mig_mib.contains_key(&m.uuid)) {
+    let layout: Vec<String> = migs.iter().map(|m| m.uuid.clone()).collect();
+    if migs.iter().all(|m| mig_mib.contains_key(&m.uuid)) || *mig_asked == layout {
         return;
     }
+    // A call that did not run (timed out) is tried again at the next inventory.
     let Ok(o) = smi(&["-q"]) else {
         return;
     };
+    *mig_asked = layout;
     let sizes = parse_mig_memory(&o.stdout);
     for m in migs.iter() {
         let bus = gpus
@@ -1565,6 +1576,62 @@ mod tests {
         assert_eq!(m.get(&key("0:07:00.0", 0)), Some(&4864));
         assert_eq!(m.get(&key("0:07:00.0", 5)), Some(&9728));
         assert_eq!(m.len(), 2, "{m:?}");
+    }
+
+    /// `-q` is asked for the sizes of a MIG layout once: again only when the layout changes
+    /// (or when the call did not run), never at every inventory.
+    #[test]
+    fn mig_sizes_are_asked_once_per_layout() {
+        let query = "0, GPU-a, X, 00000000:07:00.0, 40960, 1, [N/A], 50.0, 30, 0, No, No, No\n";
+        let list = std::cell::RefCell::new(
+            "GPU 0: X (UUID: GPU-a)\n  MIG 3g.20gb Device 0: (UUID: MIG-a)\n".to_string(),
+        );
+        let asked = std::cell::Cell::new(0);
+        // What -q does: 0 time out, 1 answer with the sizes, 2 answer without them.
+        let q = std::cell::Cell::new(0u8);
+        let mut smi = |args: &[&str]| {
+            let stdout = match args.first().copied().unwrap_or("") {
+                "-L" => list.borrow().clone(),
+                "-q" => {
+                    asked.set(asked.get() + 1);
+                    match q.get() {
+                        0 => return Err(RunError::TimedOut),
+                        2 => return Ok(Output::default()),
+                        _ => {}
+                    }
+                    "GPU 00000000:07:00.0\n    MIG Device\n        Index : 0\n        Shared FB Memory Usage\n            Total : 19968 MiB\n".into()
+                }
+                a if a.starts_with("--query-gpu") => query.into(),
+                _ => String::new(),
+            };
+            Ok(Output {
+                stdout,
+                ..Output::default()
+            })
+        };
+        let mut known = Known::default();
+        let mut mib = |smi: &mut Smi<'_>, known: &mut Known| match query_with(
+            smi,
+            Duration::from_secs(1),
+            known,
+            true,
+        ) {
+            Snapshot::Gpus { gpus, .. } => gpus[0].memory_total_mib,
+            Snapshot::Absent => panic!("absent"),
+        };
+        // A call that timed out is tried again; one that answered is not.
+        assert_eq!(mib(&mut smi, &mut known), None);
+        q.set(1);
+        assert_eq!(mib(&mut smi, &mut known), Some(19968));
+        assert_eq!(mib(&mut smi, &mut known), Some(19968));
+        assert_eq!(asked.get(), 2);
+        // A new layout whose -q names no MIG memory: asked once, then not again.
+        *list.borrow_mut() =
+            "GPU 0: X (UUID: GPU-a)\n  MIG 3g.20gb Device 0: (UUID: MIG-b)\n".into();
+        q.set(2);
+        assert_eq!(mib(&mut smi, &mut known), None);
+        assert_eq!(mib(&mut smi, &mut known), None);
+        assert_eq!(asked.get(), 3);
     }
 
     #[test]

@@ -308,10 +308,7 @@ const MIG_MIB: [(&str, u64); 6] = [
 ];
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn guarantee_15_every_real_capture_reads_as_its_driver_said() {
     std::thread::scope(|scope| {
         for cap in captures() {
@@ -392,10 +389,7 @@ fn one_capture(cap: &Path, phase: &str) {
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn guarantee_15_every_listing_of_a_multi_gpu_or_mig_host_reads_as_listed() {
     let tmp = crate::scratch::Scratch::new("gpu-lists");
     for list in lists() {
@@ -432,10 +426,7 @@ const HEALTH_FIELDS: [&str; 4] = [
 ];
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn guarantee_15_no_data_values_are_not_faults_and_error_values_are() {
     // The health of GPU 0 with these fields set to these values.
     let health = |cap: &Path, set: &[(&str, &str)]| {
@@ -501,10 +492,7 @@ fn guarantee_15_no_data_values_are_not_faults_and_error_values_are() {
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn guarantee_15_a_driver_failing_as_a_whole_reads_the_same_at_every_look() {
     let cap = capture("h200-mig");
     for (fail, words) in [
@@ -537,10 +525,7 @@ fn guarantee_15_a_driver_failing_as_a_whole_reads_the_same_at_every_look() {
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_in_the_drivers_words() {
     let tmp = crate::scratch::Scratch::new("gpu-lost");
     let four = tmp.join("rtx2080ti-x4.capture");
@@ -595,10 +580,7 @@ fn guarantee_15_a_gpu_that_falls_off_the_bus_stays_counted_in_the_drivers_words(
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn guarantee_15_a_slice_is_never_billed_the_board_and_a_board_is_counted_once() {
     let s = Standin::new(&capture("h200-mig"), "load");
     let (u, _, _) = look(&s, &mut Known::default());

@@ -724,10 +724,7 @@ mod on_real_hosts {
     }
 
     #[test]
-    #[cfg_attr(
-        no_gpu_captures,
-        ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-    )]
+    #[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
     fn guarantee_15_every_real_host_is_assigned_as_the_readme_says() {
         std::thread::scope(|scope| {
             for cap in real::captures() {
@@ -749,10 +746,7 @@ mod on_real_hosts {
     }
 
     #[test]
-    #[cfg_attr(
-        no_gpu_captures,
-        ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-    )]
+    #[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
     fn a_failing_query_is_refused_in_the_documented_words_and_shown_in_status() {
         let cap = real::capture("h200-mig");
         let mut g = node_on(&Standin::new(&cap, "load").with("NVSMI_FAIL", "no-devices"));

@@ -196,10 +196,7 @@ fn status_until(rig: &Rig, node: &NodeProcess, what: &str, ok: impl Fn(&Value) -
 const BOARD: &str = "GPU-00000000-0000-0000-0000-000000000000";
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_answers() {
     let why = "nvidia-smi failed: No devices were found";
     let smi = RealSmi::new(&capture("h200-mig"), "load");
@@ -301,10 +298,7 @@ fn step(
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_health_follows_the_driver_switched_on_and_off_while_the_node_runs() {
     let smi = RealSmi::new(&capture("h200__590"), "load");
     let mut rig = Rig::new(2, None);
@@ -409,10 +403,7 @@ fn g15_health_follows_the_driver_switched_on_and_off_while_the_node_runs() {
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_auto_never_means_zero_on_a_gpu_host() {
     // The driver down (an NVML version mismatch): a start without `gpus` is refused.
     let smi = RealSmi::new(&capture("l40s"), "idle");
@@ -451,10 +442,7 @@ fn g15_auto_never_means_zero_on_a_gpu_host() {
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words() {
     let words = "Unable to determine the device handle for GPU 0000:0B:00.0: Unknown Error";
     let host = TempDir::new("lost-host");
@@ -519,10 +507,7 @@ fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
     let smi = RealSmi::new(&capture("h200-mig"), "load");
     let mut rig = Rig::new(5, None);
@@ -614,10 +599,7 @@ fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
 }
 
 #[test]
-#[cfg_attr(
-    no_gpu_captures,
-    ignore = "needs ../shared/fixtures/gpu/real (set CW_SHARED_DIR)"
-)]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_doctor_reads_every_real_capture_and_every_failure() {
     let mut setup = NodeSetup::bare();
     let mut caps: Vec<PathBuf> = std::fs::read_dir(real().join("captures"))

@@ -777,18 +777,17 @@ fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
         .unwrap_or_else(|| panic!("no status; log:\n{}", node.log()))
 }
 
-/// Runs scripts/gpu-check against the fake nvidia-smi (answering `fixture`) with `env`.
-fn gpu_check(smi: &FakeSmi, out: &Path, env: &[(&str, &str)]) -> (i32, String) {
+/// Runs scripts/gpu-check with the `nvidia-smi` of `bin` first on PATH, and `env`.
+fn gpu_check(bin: &Path, out: &Path, env: &[(&str, &str)]) -> (i32, String) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-check");
     let path = format!(
         "{}:{}",
-        smi.dir.join("bin").display(),
+        bin.display(),
         std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
     );
     let mut cmd = std::process::Command::new(script);
     cmd.arg(crate::support::node_bin())
         .env("PATH", path)
-        .env("FAKE_NVIDIA_SMI_DIR", smi.dir.path())
         .env("OUT", out)
         .env("LOAD_SECONDS", "4")
         .env("GPU_CHECK_SAMPLE_SECONDS", "0.3")
@@ -813,7 +812,13 @@ fn g15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_what_it_ski
     let smi = FakeSmi::new("four-a100.csv");
     let out = TempDir::new("gpu-check-out");
     let t0 = std::time::Instant::now();
-    let (rc, text) = gpu_check(&smi, out.path(), &[("GPU_CHECK_NO_CUDA", "1")]);
+    let fake = smi.dir.path().display().to_string();
+    let bin = smi.dir.join("bin");
+    let (rc, text) = gpu_check(
+        &bin,
+        out.path(),
+        &[("GPU_CHECK_NO_CUDA", "1"), ("FAKE_NVIDIA_SMI_DIR", &fake)],
+    );
     assert!(
         t0.elapsed() < Duration::from_secs(100),
         "{:?}",
@@ -871,17 +876,30 @@ fn g15_the_device_check_runs_in_ci_against_the_fake_and_never_passes_what_it_ski
     ] {
         assert!(out.join(f).exists(), "{f} not in $OUT");
     }
+    // A capture of the host, named as the shared captures are (the fake knows no --version).
+    let capture = std::fs::read_to_string(out.join("capture").join(format!(
+        "linux-{}__nvidia-a100-sxm4-80gb__unknown.txt",
+        std::env::consts::ARCH
+    )))
+    .expect("the capture");
+    for section in [
+        "# capabilities :: list (-L)",
+        "# idle :: query-gpu (csv, what the exporter parses)",
+        "# load :: dmon (per-device monitor, incl. PCIe rx/tx)",
+    ] {
+        assert!(capture.contains(section), "{section}:\n{capture}");
+    }
 
     // The same host without libcuda.so.1 and without the CI flag: it cannot run, and says why.
     let out2 = TempDir::new("gpu-check-out2");
-    let (rc, text) = gpu_check(&smi, out2.path(), &[]);
+    let (rc, text) = gpu_check(&bin, out2.path(), &[("FAKE_NVIDIA_SMI_DIR", &fake)]);
     assert_eq!(rc, 2, "{text}");
     assert!(
         text.contains("VERDICT: CANNOT RUN (libcuda.so.1 cannot be loaded"),
         "{text}"
     );
     // A host without nvidia-smi.
-    let (rc, text) = gpu_check(&smi, out2.path(), &[("PATH", "/usr/bin:/bin")]);
+    let (rc, text) = gpu_check(&bin, out2.path(), &[("PATH", "/usr/bin:/bin")]);
     assert_eq!(rc, 2, "{text}");
     assert!(
         text.contains("VERDICT: CANNOT RUN (nvidia-smi missing)"),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use super::{g, holders, look, Rig};
+use super::{g, gpu_check, holders, look, Rig};
 use crate::support::node::NodeSetup;
 use crate::support::timeouts::{DONE, REPLY};
 use crate::support::{wait_for, NodeProcess, TempDir};
@@ -648,4 +648,52 @@ fn g15_doctor_reads_every_real_capture_and_every_failure() {
         let out = setup.run(&["doctor"]);
         assert!(out.stdout.contains(words), "{settings:?}: {}", out.stdout);
     }
+}
+
+#[test]
+#[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
+fn g15_the_device_check_captures_a_host_as_the_shared_captures_are_laid_out() {
+    // scripts/gpu-check on a "host" whose nvidia-smi is the stand-in of the H200 in MIG mode:
+    // what it captures, replayed by the same stand-in, answers as the original does.
+    let original = capture("h200-mig");
+    let smi = RealSmi::new(&original, "load");
+    let out = TempDir::new("gpu-check-real");
+    let bin = smi.dir.join("bin");
+    let (_, text) = gpu_check(&bin, out.path(), &[("GPU_CHECK_NO_CUDA", "1")]);
+    for check in ["inventory", "health-ecc", "health-hang", "health-recovery"] {
+        assert!(text.contains(&format!("PASS  {check}")), "{check}: {text}");
+    }
+    let mine = out.join("capture/linux-x86_64__nvidia-h200-mig__590.48.01.txt");
+    assert!(mine.is_file(), "{text}");
+    let answer = |cap: &Path, phase: &str, args: &[&str]| {
+        let o = std::process::Command::new(real().join("nvidia-smi"))
+            .args(args)
+            .env("NVSMI_CAPTURE", cap)
+            .env("NVSMI_PHASE", phase)
+            .output()
+            .expect("stand-in");
+        // (The capture masks the board's PDI, which the original left as it was.)
+        let text = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("GPU PDI"))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>();
+        (o.status.code(), text)
+    };
+    let node = "--query-gpu=index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.failure,remapped_rows.pending";
+    let apps = "--query-compute-apps=pid,used_memory";
+    for phase in ["idle", "load"] {
+        for args in [
+            &["-L"][..],
+            &["-q"][..],
+            &[node, "--format=csv,noheader,nounits"][..],
+            &[apps, "--format=csv,noheader,nounits"][..],
+        ] {
+            let want = answer(&original, "load", args);
+            assert_eq!(want.0, Some(0), "{args:?}");
+            assert_eq!(answer(&mine, phase, args), want, "{phase} {args:?}");
+        }
+    }
+    let head = std::fs::read_to_string(&mine).expect("capture");
+    assert!(head.contains("\nmasked:         yes\n"), "{head}");
 }

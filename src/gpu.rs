@@ -1610,7 +1610,7 @@ mod tests {
             })
         };
         let mut known = Known::default();
-        let mut mib = |smi: &mut Smi<'_>, known: &mut Known| match query_with(
+        let mib = |smi: &mut Smi<'_>, known: &mut Known| match query_with(
             smi,
             Duration::from_secs(1),
             known,

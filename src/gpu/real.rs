@@ -130,8 +130,9 @@ fn sections(text: &str) -> Vec<(String, Vec<String>, Vec<String>)> {
 /// A capture of the host a `-L` listing shows, for the stand-in: the listing verbatim; one
 /// query row per GPU, its index, UUID and name from the listing and the rest of a real board's
 /// row (`base`'s, an H100 for data-centre boards, a GeForce for the others); bus ids
-/// `00000000:07:00.0`, `…:0B:…`, `…:0F:…` and on (the GPU that fell off the bus in
-/// open-gpu-kernel-modules#387 is the second, at `0B`). No `-q` (MIG sizes stay unknown).
+/// `00000000:07:00.0`, `…:0B:…`, `…:0F:…` and on (so the GPU that fell off the bus on the host
+/// of `lists/open-gpu-kernel-modules-387-L.txt`, at `0B`, is the second). No `-q` (MIG sizes
+/// stay unknown).
 pub fn capture_of_list(list: &Path, to: &Path) {
     let listing = std::fs::read_to_string(list).unwrap_or_else(|e| panic!("{e}"));
     let base = if listing.contains("A100") {

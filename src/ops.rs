@@ -210,6 +210,9 @@ fn print_gpus(st: &Value) {
     let s = text;
     if let Some(gpus) = field(st, "gpus").as_array() {
         crate::outln!("gpus:       {}", gpus.len());
+        if let Some(e) = field(st, "gpus_error").as_str() {
+            crate::outln!("  the GPU query fails: {}", crate::logtext::shown(e));
+        }
         for g in gpus {
             let holder = match field(g, "held_by") {
                 Value::Null => "free".to_string(),

@@ -387,6 +387,7 @@ mod tests {
             },
             parent: None,
             members: Vec::new(),
+            shared: false,
         }
     }
 

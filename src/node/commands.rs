@@ -6,7 +6,7 @@
 use serde_json::{json, Value};
 
 use super::cancel;
-use super::gpus::{self, Gpus};
+use super::gpus::Gpus;
 use super::io::Io;
 use super::parts::{Life, Op};
 use super::session::Session;
@@ -134,12 +134,10 @@ impl View<'_> {
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
         });
-        if let Some(g) = self
-            .gpu
-            .status(&super::gpus_out::holds_of(self.active, self.starts))
-        {
-            gpus::put(&mut out, "gpus", g);
-        }
+        self.gpu.add_status(
+            &super::gpus_out::holds_of(self.active, self.starts),
+            &mut out,
+        );
         self.add_starting(&mut out, "active_workloads");
         out
     }
@@ -220,12 +218,10 @@ impl View<'_> {
             "outbox": self.outbox.len(),
             "ingress_queue": self.events.len(),
         });
-        if let Some(g) = self
-            .gpu
-            .status(&super::gpus_out::holds_of(self.active, self.starts))
-        {
-            gpus::put(&mut out, "gpus", g);
-        }
+        self.gpu.add_status(
+            &super::gpus_out::holds_of(self.active, self.starts),
+            &mut out,
+        );
         self.add_users(&mut out);
         self.add_starting(&mut out, "workloads");
         out

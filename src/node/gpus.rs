@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::parts::{Busy, BUSY_PREFIX};
-use crate::gpu::{Gpu, Snapshot, Usage};
+use crate::gpu::{Gpu, Health, Snapshot, Usage};
 
 /// What the node knows about its GPUs.
 #[derive(Default)]
@@ -60,7 +60,8 @@ impl Gpus {
         }
         match (g.present, &g.error) {
             (false, _) => log::info!("no nvidia-smi: a CPU-only node"),
-            (true, Some(e)) => log::warn!("GPU inventory failed: {e}"),
+            // Logged by `apply`.
+            (true, Some(_)) => {}
             (true, None) => log::info!(
                 "GPUs: {} ({} healthy){}",
                 g.units.len(),
@@ -74,37 +75,44 @@ impl Gpus {
         g
     }
 
-    /// Takes a snapshot in; logs each health change.
+    /// Takes a snapshot in; logs each change: a GPU's health or its reason (one unhealthy
+    /// reason giving way to another is a change too), the query failing or answering again.
+    /// Nothing is logged again while it stays the same.
     fn apply(&mut self, s: Snapshot) {
         let Snapshot::Gpus { gpus, error, .. } = s else {
             self.present = false;
             self.units.clear();
+            self.error = None;
             return;
         };
-        let before: BTreeMap<String, bool> = self
-            .units
-            .iter()
-            .map(|u| (u.uuid.clone(), u.health.is_healthy()))
-            .collect();
-        for u in &gpus {
-            let was = before.get(&u.uuid).copied();
-            match (was, u.health.is_healthy()) {
-                (Some(true) | None, false) if self.present || was.is_none() => log::warn!(
-                    "GPU {} {} is {}: {}; it gets no new workload",
-                    u.index,
-                    u.uuid,
-                    u.health.label(),
-                    u.health.reason().unwrap_or("")
-                ),
-                (Some(false), true) => {
-                    log::info!("GPU {} {} is healthy again", u.index, u.uuid)
-                }
-                _ => {}
+        if error != self.error {
+            match (&error, &self.error) {
+                (Some(e), _) => log::warn!("GPU query failed: {e}"),
+                (None, Some(_)) => log::info!("GPU query answers again"),
+                (None, None) => {}
             }
         }
-        if error != self.error {
-            if let Some(e) = &error {
-                log::warn!("GPU query failed: {e}");
+        let before: BTreeMap<String, &Health> = self
+            .units
+            .iter()
+            .map(|u| (unit_key(u), &u.health))
+            .collect();
+        for u in &gpus {
+            let was = before.get(&unit_key(u)).copied();
+            if was == Some(&u.health) || (was.is_none() && u.health.is_healthy()) {
+                continue;
+            }
+            let name = if u.uuid.is_empty() {
+                format!("at {}", u.bus_id)
+            } else {
+                format!("{} {}", u.index, u.uuid)
+            };
+            match u.health.reason() {
+                None => log::info!("GPU {name} is healthy again"),
+                Some(r) => log::warn!(
+                    "GPU {name} is {}: {r}; it gets no new workload",
+                    u.health.label()
+                ),
             }
         }
         self.present = true;
@@ -152,17 +160,18 @@ impl Gpus {
             .collect();
         let total = pool.len();
         let healthy = pool.iter().filter(|u| u.health.is_healthy()).count();
+        let unhealthy = || GpuRefusal::Unhealthy {
+            need,
+            healthy,
+            total,
+            // The query fails: this node's GPUs are not known, not absent.
+            why: self.error.clone(),
+        };
         if need > total {
-            return Err(if let Some(e) = &self.error {
-                // The query fails: this node's GPUs are not known, not absent.
-                GpuRefusal::QueryFailed {
-                    need,
-                    error: e.clone(),
-                }
+            return Err(if self.error.is_some() || explicit.is_none() {
+                unhealthy()
             } else if mig_host && need > 1 {
                 GpuRefusal::Unsatisfiable { need, total }
-            } else if explicit.is_none() {
-                GpuRefusal::NoneUsable { need }
             } else {
                 GpuRefusal::TooFew { need, total }
             });
@@ -183,12 +192,18 @@ impl Gpus {
                 healthy,
             }
         } else {
-            GpuRefusal::Unhealthy {
-                need,
-                healthy,
-                total,
-            }
+            unhealthy()
         })
+    }
+}
+
+/// What a unit is known by from one snapshot to the next: its UUID, or for a GPU known only
+/// from an error line its bus id.
+fn unit_key(u: &Gpu) -> String {
+    if u.uuid.is_empty() {
+        format!("bus {}", u.bus_id)
+    } else {
+        u.uuid.clone()
     }
 }
 
@@ -201,12 +216,8 @@ pub type Holders = BTreeMap<String, Value>;
 pub enum GpuRefusal {
     /// GPUs asked for on a CPU-only node: never here.
     NoGpus(u32),
-    /// The inventory query fails: the GPUs are not known.
-    QueryFailed { need: usize, error: String },
     /// More than one asked for on a MIG host with too few whole GPUs (D56).
     Unsatisfiable { need: usize, total: usize },
-    /// `auto` with no usable GPU.
-    NoneUsable { need: usize },
     /// More asked for than the node has: never here.
     TooFew { need: usize, total: usize },
     /// Enough healthy GPUs, not enough free: running workloads hold them.
@@ -215,11 +226,13 @@ pub enum GpuRefusal {
         free: usize,
         healthy: usize,
     },
-    /// Not enough healthy GPUs (D37).
+    /// Not enough healthy GPUs (D37), or `auto` with none usable; `why`: the query fails as a
+    /// whole (D55), so the GPUs are not known.
     Unhealthy {
         need: usize,
         healthy: usize,
         total: usize,
+        why: Option<String>,
     },
 }
 
@@ -227,9 +240,7 @@ impl GpuRefusal {
     pub fn busy(&self) -> Option<Busy> {
         match self {
             GpuRefusal::NoGpus(_) | GpuRefusal::TooFew { .. } => None,
-            GpuRefusal::QueryFailed { .. }
-            | GpuRefusal::NoneUsable { .. }
-            | GpuRefusal::Unhealthy { .. } => Some(Busy::GpusUnhealthy),
+            GpuRefusal::Unhealthy { .. } => Some(Busy::GpusUnhealthy),
             GpuRefusal::Unsatisfiable { .. } => Some(Busy::GpusUnsatisfiable),
             GpuRefusal::InUse { .. } => Some(Busy::GpusBusy),
         }
@@ -243,17 +254,10 @@ impl std::fmt::Display for GpuRefusal {
                 f,
                 "this workload needs {n} GPU(s) and this node has none (no nvidia-smi)"
             ),
-            GpuRefusal::QueryFailed { need, error } => write!(
-                f,
-                "{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable ({error})"
-            ),
             GpuRefusal::Unsatisfiable { need, total } => write!(
                 f,
                 "{BUSY_PREFIX} unsatisfiable GPUs: {need} needed, and a workload gets at most one MIG device; this node has {total} whole GPU(s)"
             ),
-            GpuRefusal::NoneUsable { need } => {
-                write!(f, "{BUSY_PREFIX} unhealthy GPUs: {need} needed, none usable")
-            }
             GpuRefusal::TooFew { need, total } => write!(
                 f,
                 "this workload needs {need} GPU(s) and this node has {total}"
@@ -270,10 +274,17 @@ impl std::fmt::Display for GpuRefusal {
                 need,
                 healthy,
                 total,
-            } => write!(
-                f,
-                "{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"
-            ),
+                why,
+            } => {
+                write!(
+                    f,
+                    "{BUSY_PREFIX} unhealthy GPUs: {need} needed, {healthy} of {total} GPU(s) healthy"
+                )?;
+                match why {
+                    Some(w) => write!(f, " ({w})"),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }
@@ -391,6 +402,18 @@ impl Gpus {
         out.set_holding(holding);
     }
 
+    /// Adds the GPUs to a `status` answer (nothing on a CPU-only node): `gpus`, and while the
+    /// query fails as a whole `gpus_error`, why (`gpus` then holds the GPUs seen before, all
+    /// unhealthy, or none when the very first query failed).
+    pub fn add_status(&self, holds: &[Hold<'_>], out: &mut Value) {
+        if let Some(g) = self.status(holds) {
+            put(out, "gpus", g);
+            if let Some(e) = &self.error {
+                put(out, "gpus_error", json!(e));
+            }
+        }
+    }
+
     /// `status`: each GPU with its health and holder (absent on a CPU-only node).
     pub fn status(&self, holds: &[Hold<'_>]) -> Option<Value> {
         if !self.present {
@@ -412,7 +435,7 @@ impl Gpus {
                         "held_by": holder_of(u, &holders),
                     });
                     if let Some(p) = &u.parent {
-                        put(&mut v, "shared", json!(true));
+                        put(&mut v, "shared", json!(u.shared));
                         put(&mut v, "parent_uuid", json!(p));
                         put(&mut v, "mig_devices", json!(u.members));
                     }
@@ -446,7 +469,12 @@ impl Gpus {
             return None;
         }
         let seconds = (crate::workload::unix_now() - meta.created_unix).max(0.0);
-        let shared = usage.shared || meta.gpus.iter().flatten().any(|u| u.starts_with("MIG-"));
+        let shared = usage.shared
+            || meta
+                .gpus
+                .iter()
+                .flatten()
+                .any(|m| self.units.iter().any(|u| u.shared && u.is(m)));
         let util = usage.util_avg();
         let mut out = json!({
             "count": count,
@@ -523,7 +551,8 @@ impl Gpus {
                             continue;
                         }
                         let index = u.index.split(':').next().unwrap_or(&u.index);
-                        (index, p.as_str(), ",shared=\"true\"")
+                        let shared = if u.shared { ",shared=\"true\"" } else { "" };
+                        (index, p.as_str(), shared)
                     }
                     _ => (u.index.as_str(), u.uuid.as_str(), ""),
                 };
@@ -541,7 +570,6 @@ impl Gpus {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::Health;
     use std::cell::RefCell;
     use std::time::Instant;
 
@@ -576,6 +604,7 @@ mod tests {
             health: Health::Healthy,
             parent: None,
             members: Vec::new(),
+            shared: false,
         }
     }
 
@@ -630,5 +659,141 @@ mod tests {
         g.on_snapshot(snapshot(&["GPU-a", "GPU-b"], t0), &[], &fake);
         assert!(g.usage.is_empty());
         assert_eq!(fake.holding.borrow().last(), Some(&false));
+    }
+}
+
+/// Assignment on every real capture and listing (tests/fixtures: `src/gpu/real.rs`), as the
+/// README says: `gpus` absent (auto), 1, 2, 0.
+#[cfg(test)]
+mod on_real_hosts {
+    use super::*;
+    use crate::gpu::real::{self, Standin};
+    use crate::gpu::{query_with, Known};
+
+    fn node_on(s: &Standin) -> Gpus {
+        let mut smi = |a: &[&str]| s.call(a);
+        let snap = query_with(
+            &mut smi,
+            Duration::from_secs(10),
+            &mut Known::default(),
+            true,
+        );
+        let mut g = Gpus::default();
+        g.apply(snap);
+        g
+    }
+
+    /// What the README promises for each count on this host.
+    fn check(case: &str, g: &Gpus) {
+        let held = Holders::new();
+        let ids = |us: &[&Gpu]| Ok(Some(us.iter().map(|u| u.uuid.clone()).collect::<Vec<_>>()));
+        let all: Vec<&Gpu> = g.units.iter().collect();
+        let whole: Vec<&Gpu> = g.units.iter().filter(|u| u.parent.is_none()).collect();
+        let mig_host = whole.len() < all.len();
+        assert!(!all.is_empty(), "{case}");
+        // Auto, one slot: every healthy GPU; on a MIG host one MIG device.
+        let auto = if mig_host { &all[..1] } else { &all[..] };
+        assert_eq!(g.assign(None, 1, &held), ids(auto), "{case}: auto");
+        // Auto, four slots: ⌊healthy ÷ 4⌋, never 0.
+        let quarter = if mig_host { 1 } else { (all.len() / 4).max(1) };
+        assert_eq!(
+            g.assign(None, 4, &held),
+            ids(&all[..quarter]),
+            "{case}: auto/4"
+        );
+        assert_eq!(g.assign(Some(1), 4, &held), ids(&all[..1]), "{case}: 1");
+        let two = g.assign(Some(2), 4, &held);
+        if whole.len() >= 2 {
+            assert_eq!(two, ids(&whole[..2]), "{case}: 2 whole GPUs");
+        } else if mig_host {
+            let r = two.expect_err("unsatisfiable");
+            assert_eq!(r.busy(), Some(Busy::GpusUnsatisfiable), "{case}: {r}");
+        } else {
+            let r = two.expect_err("too few");
+            assert_eq!(r.busy(), None, "{case}: never here: {r}");
+            assert_eq!(
+                r.to_string(),
+                "this workload needs 2 GPU(s) and this node has 1"
+            );
+        }
+        assert_eq!(
+            g.assign(Some(0), 4, &held),
+            Ok(Some(Vec::new())),
+            "{case}: 0"
+        );
+    }
+
+    #[test]
+    #[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
+    fn guarantee_15_every_real_host_is_assigned_as_the_readme_says() {
+        std::thread::scope(|scope| {
+            for cap in real::captures() {
+                scope.spawn(move || {
+                    let case = cap.display().to_string();
+                    check(&case, &node_on(&Standin::new(&cap, "idle")));
+                });
+            }
+        });
+        let tmp = crate::scratch::Scratch::new("gpu-assign-lists");
+        for list in real::lists() {
+            let cap = tmp.join("host.capture");
+            real::capture_of_list(&list, &cap);
+            check(
+                &list.display().to_string(),
+                &node_on(&Standin::new(&cap, "idle")),
+            );
+        }
+    }
+
+    #[test]
+    #[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
+    fn a_failing_query_is_refused_in_the_documented_words_and_shown_in_status() {
+        let cap = real::capture("h200-mig");
+        let mut g = node_on(&Standin::new(&cap, "load").with("NVSMI_FAIL", "no-devices"));
+        let why = "nvidia-smi failed: No devices were found";
+        // The very first query failed: no GPU known, the reason in status and in the refusal.
+        assert!(g.units.is_empty());
+        let mut st = json!({});
+        g.add_status(&[], &mut st);
+        assert_eq!(st, json!({"gpus": [], "gpus_error": why}));
+        let r = g.assign(None, 1, &Holders::new()).expect_err("refused");
+        assert_eq!(r.busy(), Some(Busy::GpusUnhealthy));
+        assert_eq!(
+            r.to_string(),
+            format!("Controller host is busy with unhealthy GPUs: 1 needed, 0 of 0 GPU(s) healthy ({why})")
+        );
+        // GPUs known, then the driver fails: the same form, with the count it had.
+        let mut known = Known::default();
+        let ok = Standin::new(&cap, "load");
+        let bad = Standin::new(&cap, "load").with("NVSMI_FAIL", "nvml-mismatch");
+        for s in [&ok, &bad] {
+            let mut smi = |a: &[&str]| s.call(a);
+            g.apply(query_with(
+                &mut smi,
+                Duration::from_secs(10),
+                &mut known,
+                true,
+            ));
+        }
+        let r = g.assign(Some(1), 1, &Holders::new()).expect_err("refused");
+        assert!(
+            r.to_string().starts_with(
+                "Controller host is busy with unhealthy GPUs: 1 needed, 0 of 4 GPU(s) healthy (nvidia-smi failed: Failed to initialize NVML"
+            ),
+            "{r}"
+        );
+        // Answering again: no error in status.
+        let mut smi = |a: &[&str]| ok.call(a);
+        g.apply(query_with(
+            &mut smi,
+            Duration::from_secs(10),
+            &mut known,
+            true,
+        ));
+        let mut st = json!({});
+        g.add_status(&[], &mut st);
+        assert!(st.get("gpus_error").is_none(), "{st}");
+        assert_eq!(st["gpus"][0]["memory_total_mib"], 71424, "{st}");
+        assert_eq!(st["gpus"][0]["shared"], true, "{st}");
     }
 }

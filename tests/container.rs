@@ -12,7 +12,7 @@ use crate::support::timeouts::{READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
-const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
+pub(crate) const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
 
 fn gone(pid: i64) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -163,7 +163,7 @@ const MINI_INIT: &str = "#!/bin/sh\n\"$@\" &\nchild=$!\ntrap 'kill -TERM $child 
 
 /// The node in a new PID namespace (as in a container), behind `front` (its argv before the
 /// node's) when there is one, else as PID 1 itself.
-fn in_a_pid_namespace(setup: &mut NodeSetup, front: &[String]) {
+pub(crate) fn in_a_pid_namespace(setup: &mut NodeSetup, front: &[String]) {
     crate::support::assert_root("to make a PID namespace");
     setup.under = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
         .map(String::from)
@@ -181,7 +181,7 @@ fn mini_init(setup: &NodeSetup) -> Vec<String> {
 
 /// SIGTERM to PID 1 of the node's namespace from outside it (as `docker stop` and `podman kill
 /// -s TERM` send it), `times` times: the second once the node has begun its stop.
-pub fn stop_the_container(node: &NodeProcess, times: usize) {
+fn stop_the_container(node: &NodeProcess, times: usize) {
     let pid1 = pid_under_unshare(node);
     for n in 0..times {
         if n > 0 {
@@ -197,7 +197,7 @@ pub fn stop_the_container(node: &NodeProcess, times: usize) {
 /// The container's stop with its workloads running (one that ends on SIGTERM, one that ignores
 /// it) and a grace of `grace` seconds: the node exits 0 within `within` once the backend heard
 /// of both.
-pub fn assert_a_stop_reports_both(
+pub(crate) fn assert_a_stop_reports_both(
     cp: &ControlPlane,
     node: &mut NodeProcess,
     times: usize,

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
 use crate::support::scenario::Start;
-use crate::support::timeouts::{READY, REPLY};
+use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
@@ -289,9 +289,9 @@ fn d70_a_stop_that_cannot_report_its_workloads_exits_1() {
 
 /// The shipped image (packaging/build-image.sh), unpacked by packaging/check.sh into the root
 /// filesystem named by `CYBERWAVE_TEST_IMAGE_ROOTFS` (with a static busybox added as the
-/// workloads' shell: the image itself has none). The node runs from it as PID 1 of a new PID and
-/// mount namespace chrooted there, takes a workload, and on SIGTERM stops and reports it; no
-/// zombie is left.
+/// workloads' shell: the image itself has none). The node runs from it as the image's user
+/// (nobody) and PID 1 of a new PID and mount namespace chrooted there, takes a workload, and on
+/// SIGTERM stops and reports it; no zombie is left.
 #[test]
 #[ignore = "needs an unpacked image: packaging/check.sh runs it with CYBERWAVE_TEST_IMAGE_ROOTFS"]
 fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
@@ -319,6 +319,9 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
         "--wd=/work".into(),
         "--mount-proc".into(),
         "--kill-child".into(),
+        // The image's user (its config's `user`), who owns the state dir.
+        "--setuid=65534".into(),
+        "--setgid=65534".into(),
     ];
     setup.bin = Some("/usr/bin/cyberwave-cloud-node".into());
     let mut node = setup.spawn();
@@ -357,6 +360,76 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
     let st = last_status(&cp, "wl-img");
     assert_eq!(st["status"], "failed", "{st}");
     assert_eq!(st["reason"], "the node's container is stopping", "{st}");
+}
+
+/// A container run with `--user` on a state volume root owns: the node exits 2 naming the state
+/// dir and its user, not a `.env` it does not have (it said "cannot read …/.env: Permission
+/// denied"); a state dir its user owns but cannot write is named as that, not as a lock file.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn a_state_dir_the_nodes_user_cannot_write_is_named_as_that() {
+    use std::os::unix::fs::PermissionsExt;
+    crate::support::assert_root("to start the node as another uid");
+    let mut s = NodeSetup::bare();
+    s.set("CYBERWAVE_API_KEY", "cw_state_dir_test_token_aaaa");
+    s.arg("--standalone");
+    let state = s.home.join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    s.set("CYBERWAVE_EDGE_CONFIG_DIR", &state.display().to_string());
+    s.uid = Some(65534);
+    let run = |s: &NodeSetup| {
+        let mut node = s.spawn();
+        let code = node.wait_exit(EXIT).expect("exits");
+        (code, node.log())
+    };
+    let (code, log) = run(&s);
+    assert_eq!(code, Some(2), "{log}");
+    let named = format!(
+        "the state dir {} cannot be read or written by this user (uid 65534) (owned by uid 0",
+        state.display()
+    );
+    assert!(log.contains(&named), "{log}");
+    assert!(!log.contains(".env"), "{log}");
+    // Its own, but read-only to it.
+    std::os::unix::fs::chown(&state, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o500)).unwrap();
+    let (code, log) = run(&s);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(&format!(
+            "the state dir {} is not writable by this node's user",
+            state.display()
+        )),
+        "{log}"
+    );
+}
+
+/// The examples' Dockerfiles name their base images in full (`docker.io/…`): podman refuses a
+/// short name unless a search registry is configured.
+#[test]
+fn the_example_dockerfiles_name_their_base_images_in_full() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for d in [
+        "examples/docker/Dockerfile",
+        "examples/compose/node/Dockerfile",
+        "examples/compose/sim/Dockerfile",
+    ] {
+        let text = std::fs::read_to_string(root.join(d)).unwrap();
+        let bases: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("FROM "))
+            .filter_map(|rest| rest.split_whitespace().next())
+            .collect();
+        assert!(!bases.is_empty(), "{d}: no FROM");
+        for base in bases {
+            let registry = base.split_once('/').map(|(r, _)| r).unwrap_or_default();
+            assert!(
+                registry.contains('.') || registry.contains(':') || registry == "localhost",
+                "{d}: FROM {base} is a short name"
+            );
+        }
+    }
 }
 
 /// The container examples' manifests are valid for the node (and the platform's validator).

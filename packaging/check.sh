@@ -82,6 +82,7 @@ PY
 if command -v podman >/dev/null 2>&1 && podman info >/dev/null 2>&1; then
   loaded=$(podman load -q -i target/image/cyberwave-cloud-node-oci.tar) || fail "podman load"
   grep -q "cyberwave-cloud-node:$version" <<<"$loaded" || fail "podman load named it: $loaded"
+  podman rmi "docker.io/library/cyberwave-cloud-node:$version" >/dev/null || true
 fi
 [ -e "$rootfs/bin/sh" ] && fail "the image holds a shell"
 [ "$(stat -c %u:%a "$rootfs/var/lib/cyberwave-cloud-node")" = 65534:700 ] || fail "the state dir is not nobody's, 0700"

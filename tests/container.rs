@@ -1,6 +1,8 @@
-//! The node as its container's main process (D58): PID 1 of a new PID namespace, or told so with
-//! `CYBERWAVE_NODE_INIT=1`. Its workloads die with the container, so on SIGTERM it stops them
-//! itself and gets every completion out before it exits; it reaps the orphans it inherits.
+//! The node as its container's main process (D58, D70): PID 1 of a new PID namespace, the child of
+//! an init or wrapper that is, or told so with `CYBERWAVE_NODE_INIT=1`. Its workloads die with the
+//! container, so on SIGTERM it stops them itself (a second SIGTERM: SIGKILL at once) and gets
+//! every completion out before it exits; as PID 1 it reaps the orphans it inherits. Also the
+//! image: its user, and a state dir that user cannot write.
 
 use std::time::{Duration, Instant};
 

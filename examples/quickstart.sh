@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the node locally against a local mosquitto, sends it a command and prints the reply.
-# Needs only Rust; installs mosquitto, cmake & co. when missing (Debian/Ubuntu).
+# Needs only Rust; installs what building and running need when missing (Debian/Ubuntu:
+# `scripts/deps.sh run`: cmake, a C toolchain, pkg-config, libssl-dev, mosquitto and its clients).
 #
 #   ./examples/quickstart.sh
 #
@@ -8,7 +9,7 @@
 # temporary folder, which is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/deps.sh
+./scripts/deps.sh run
 echo "== building the node"
 cargo build --quiet
 BIN=target/debug/cyberwave-cloud-node

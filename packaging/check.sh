@@ -60,8 +60,32 @@ args = c["process"]["args"]
 assert args == ["/usr/bin/cyberwave-cloud-node", "start"], args
 assert "CYBERWAVE_EDGE_CONFIG_DIR=/var/lib/cyberwave-cloud-node" in c["process"]["env"], c["process"]["env"]
 assert c["process"]["cwd"] == "/work", c["process"]["cwd"]
+assert (c["process"]["user"]["uid"], c["process"]["user"]["gid"]) == (65534, 65534), c["process"]["user"]
 PY
+# The name `podman load` and `docker load` give it, read back from the archive: podman and
+# containerd read the index's io.containerd.image.name, docker's classic store manifest.json.
+python3 - target/image/cyberwave-cloud-node-oci.tar "$version" <<'PY' || fail "image name in the archive"
+import json, sys, tarfile
+tar, version = tarfile.open(sys.argv[1]), sys.argv[2]
+index = json.load(tar.extractfile("./index.json"))
+[entry] = index["manifests"]
+name = entry["annotations"]["io.containerd.image.name"]
+assert name == f"docker.io/library/cyberwave-cloud-node:{version}", name
+assert entry["annotations"]["org.opencontainers.image.ref.name"] == version, entry
+[archive] = json.load(tar.extractfile("./manifest.json"))
+tags = archive["RepoTags"]
+assert tags == [f"cyberwave-cloud-node:{version}", "cyberwave-cloud-node:latest"], tags
+names = set(tar.getnames())
+for blob in [archive["Config"], *archive["Layers"]]:
+    assert "./" + blob in names, blob
+PY
+if command -v podman >/dev/null 2>&1 && podman info >/dev/null 2>&1; then
+  loaded=$(podman load -q -i target/image/cyberwave-cloud-node-oci.tar) || fail "podman load"
+  grep -q "cyberwave-cloud-node:$version" <<<"$loaded" || fail "podman load named it: $loaded"
+  podman rmi "docker.io/library/cyberwave-cloud-node:$version" >/dev/null || true
+fi
 [ -e "$rootfs/bin/sh" ] && fail "the image holds a shell"
+[ "$(stat -c %u:%a "$rootfs/var/lib/cyberwave-cloud-node")" = 65534:700 ] || fail "the state dir is not nobody's, 0700"
 [ -s "$rootfs/etc/ssl/certs/ca-certificates.crt" ] || fail "the image lacks the CA bundle"
 cmp -s "$rootfs/usr/bin/cyberwave-cloud-node" target/static/cyberwave-cloud-node || fail "the image's binary is not the static one"
 if [ ! -x /bin/busybox ] || ! file -b /bin/busybox | grep -q 'statically linked'; then

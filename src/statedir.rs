@@ -30,6 +30,11 @@ pub enum StateDirError {
         path: PathBuf,
         mode: u32,
     },
+    /// Its owner (the node's user) may not write into it.
+    NotWritable {
+        path: PathBuf,
+        mode: u32,
+    },
     /// Not a directory (or the lock file is not a regular file).
     NotADir(PathBuf),
     /// Another node holds the lock.
@@ -75,6 +80,12 @@ impl fmt::Display for StateDirError {
             StateDirError::Loose { path, mode } => write!(
                 f,
                 "the state dir {} is writable by group or others (mode {mode:03o}); fix it with `chmod 700 {}`",
+                path.display(),
+                path.display()
+            ),
+            StateDirError::NotWritable { path, mode } => write!(
+                f,
+                "the state dir {} is not writable by this node's user (mode {mode:03o}); fix it with `chmod 700 {}`",
                 path.display(),
                 path.display()
             ),
@@ -138,6 +149,13 @@ fn check(path: &Path, m: &fs::Metadata) -> Result<(), StateDirError> {
     let mode = m.mode() & 0o7777;
     if mode & 0o022 != 0 {
         return Err(StateDirError::Loose {
+            path: path.to_path_buf(),
+            mode,
+        });
+    }
+    // Root writes into it whatever its mode says.
+    if me != 0 && mode & 0o300 != 0o300 {
+        return Err(StateDirError::NotWritable {
             path: path.to_path_buf(),
             mode,
         });

@@ -1,17 +1,20 @@
-//! The node as its container's main process (D58): PID 1 of a new PID namespace, or told so with
-//! `CYBERWAVE_NODE_INIT=1`. Its workloads die with the container, so on SIGTERM it stops them
-//! itself and gets every completion out before it exits; it reaps the orphans it inherits.
+//! The node as its container's main process (D58, D70): PID 1 of a new PID namespace, the child of
+//! an init or wrapper that is, or told so with `CYBERWAVE_NODE_INIT=1`. Its workloads die with the
+//! container, so on SIGTERM it stops them itself (a second SIGTERM: SIGKILL at once) and gets
+//! every completion out before it exits; as PID 1 it reaps the orphans it inherits. Also the
+//! image: its user, and a state dir that user cannot write.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::support::node::NodeSetup;
 use crate::support::scenario::Start;
-use crate::support::timeouts::{READY, REPLY};
+use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
-const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
+pub(crate) const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
 
 fn gone(pid: i64) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -155,11 +158,142 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
     assert_stopped_and_reported(&cp, &node, &[]);
 }
 
+/// A minimal init of the container's own, the shape of `docker run --init` and of an entrypoint
+/// script that runs the node without `exec`: PID 1 of the namespace, it runs its command as a
+/// child, passes SIGTERM and SIGINT on to it and exits with its code.
+const MINI_INIT: &str = "#!/bin/sh\n\"$@\" &\nchild=$!\ntrap 'kill -TERM $child 2>/dev/null' TERM\ntrap 'kill -INT $child 2>/dev/null' INT\nwhile :; do\n  wait $child\n  code=$?\n  kill -0 $child 2>/dev/null || exit $code\ndone\n";
+
+/// The node in a new PID namespace (as in a container), behind `front` (its argv before the
+/// node's) when there is one, else as PID 1 itself.
+pub(crate) fn in_a_pid_namespace(setup: &mut NodeSetup, front: &[String]) {
+    crate::support::assert_root("to make a PID namespace");
+    setup.under = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        .map(String::from)
+        .to_vec();
+    setup.under.extend_from_slice(front);
+}
+
+/// The minimal init, written beside the node's home: its argv.
+fn mini_init(setup: &NodeSetup) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let init = setup.home.write("mini-init", MINI_INIT);
+    std::fs::set_permissions(&init, std::fs::Permissions::from_mode(0o755)).unwrap();
+    vec![init.display().to_string()]
+}
+
+/// SIGTERM to PID 1 of the node's namespace from outside it (as `docker stop` and `podman kill
+/// -s TERM` send it), `times` times: the second once the node has begun its stop.
+fn stop_the_container(node: &NodeProcess, times: usize) {
+    let pid1 = pid_under_unshare(node);
+    for n in 0..times {
+        if n > 0 {
+            assert!(node.wait_log("shutting down", REPLY), "{}", node.log());
+        }
+        // SAFETY: the test's own process.
+        unsafe {
+            libc::kill(pid1, libc::SIGTERM);
+        }
+    }
+}
+
+/// The container's stop with its workloads running (one that ends on SIGTERM, one that ignores
+/// it) and a grace of `grace` seconds: the node exits 0 within `within` once the backend heard
+/// of both.
+pub(crate) fn assert_a_stop_reports_both(
+    cp: &ControlPlane,
+    node: &mut NodeProcess,
+    times: usize,
+    within: Duration,
+) {
+    Start::new("inference", "inf").pid(cp, node);
+    Start::new("training", "train").pid(cp, node);
+    // The training workload's trap is set once it loops.
+    std::thread::sleep(Duration::from_millis(300));
+    stop_the_container(node, times);
+    let code = node.wait_exit(within).expect("the node exits");
+    assert_eq!(code, Some(0), "{}", node.log());
+    assert_stopped_and_reported(cp, node, &[]);
+}
+
+/// D70: `docker run --init`, a tini or a shell entrypoint in front of the node: the kernel ends
+/// the node's workloads with that PID 1, which exits when the node does; so the node stops and
+/// reports them on SIGTERM as it does as PID 1 itself.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn d70_behind_an_init_the_node_stops_and_reports_every_workload_on_sigterm() {
+    let (_b, cp, mut setup) = rig(MANIFEST);
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
+    let init = mini_init(&setup);
+    in_a_pid_namespace(&mut setup, &init);
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert_a_stop_reports_both(&cp, &mut node, 1, Duration::from_secs(6));
+    assert!(
+        node.log()
+            .contains("is PID 1 of its PID namespace, a shell entrypoint in front of it"),
+        "the start-up log says why: {}",
+        node.log()
+    );
+}
+
+/// D70: two quick SIGTERMs (`podman kill -s TERM` twice, an impatient operator): the second
+/// sends SIGKILL at once to what is left, and the node still reports every workload before it
+/// exits. The grace is long: only the second SIGTERM can end the stop this soon.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn d70_behind_an_init_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
+    let (_b, cp, mut setup) = rig(MANIFEST);
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "60");
+    let init = mini_init(&setup);
+    in_a_pid_namespace(&mut setup, &init);
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert_a_stop_reports_both(&cp, &mut node, 2, Duration::from_secs(20));
+    assert!(node.log().contains("SIGKILL now"), "{}", node.log());
+}
+
+/// D70: the same as PID 1 itself: a second SIGTERM no longer exits at once, leaving every
+/// workload unreported.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn d70_as_pid_1_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
+    let (_b, cp, mut setup) = rig(MANIFEST);
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "60");
+    in_a_pid_namespace(&mut setup, &[]);
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    assert_a_stop_reports_both(&cp, &mut node, 2, Duration::from_secs(20));
+}
+
+/// D70: a completion the backend never acknowledges before the grace ends: the node exits 1 and
+/// says which workloads it could not report. (Told by CYBERWAVE_NODE_INIT=1; the workload ends on
+/// SIGTERM, so nothing of it outlives the test.)
+#[test]
+fn d70_a_stop_that_cannot_report_its_workloads_exits_1() {
+    let (_b, cp, mut setup) = rig(MANIFEST);
+    setup.set("CYBERWAVE_NODE_INIT", "1");
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "2");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    Start::new("inference", "inf").pid(&cp, &node);
+    cp.set_behaviour(|b| b.mute = true);
+    node.sigterm();
+    let code = node
+        .wait_exit(Duration::from_secs(6))
+        .expect("the node exits");
+    assert_eq!(code, Some(1), "{}", node.log());
+    assert!(
+        node.log().contains("not every workload was reported"),
+        "{}",
+        node.log()
+    );
+}
+
 /// The shipped image (packaging/build-image.sh), unpacked by packaging/check.sh into the root
 /// filesystem named by `CYBERWAVE_TEST_IMAGE_ROOTFS` (with a static busybox added as the
-/// workloads' shell: the image itself has none). The node runs from it as PID 1 of a new PID and
-/// mount namespace chrooted there, takes a workload, and on SIGTERM stops and reports it; no
-/// zombie is left.
+/// workloads' shell: the image itself has none). The node runs from it as the image's user
+/// (nobody) and PID 1 of a new PID and mount namespace chrooted there, takes a workload, and on
+/// SIGTERM stops and reports it; no zombie is left.
 #[test]
 #[ignore = "needs an unpacked image: packaging/check.sh runs it with CYBERWAVE_TEST_IMAGE_ROOTFS"]
 fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
@@ -187,6 +321,9 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
         "--wd=/work".into(),
         "--mount-proc".into(),
         "--kill-child".into(),
+        // The image's user (its config's `user`), who owns the state dir.
+        "--setuid=65534".into(),
+        "--setgid=65534".into(),
     ];
     setup.bin = Some("/usr/bin/cyberwave-cloud-node".into());
     let mut node = setup.spawn();
@@ -225,6 +362,76 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
     let st = last_status(&cp, "wl-img");
     assert_eq!(st["status"], "failed", "{st}");
     assert_eq!(st["reason"], "the node's container is stopping", "{st}");
+}
+
+/// A container run with `--user` on a state volume root owns: the node exits 2 naming the state
+/// dir and its user, not a `.env` it does not have (it said "cannot read …/.env: Permission
+/// denied"); a state dir its user owns but cannot write is named as that, not as a lock file.
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn a_state_dir_the_nodes_user_cannot_write_is_named_as_that() {
+    use std::os::unix::fs::PermissionsExt;
+    crate::support::assert_root("to start the node as another uid");
+    let mut s = NodeSetup::bare();
+    s.set("CYBERWAVE_API_KEY", "cw_state_dir_test_token_aaaa");
+    s.arg("--standalone");
+    let state = s.home.join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    s.set("CYBERWAVE_EDGE_CONFIG_DIR", &state.display().to_string());
+    s.uid = Some(65534);
+    let run = |s: &NodeSetup| {
+        let mut node = s.spawn();
+        let code = node.wait_exit(EXIT).expect("exits");
+        (code, node.log())
+    };
+    let (code, log) = run(&s);
+    assert_eq!(code, Some(2), "{log}");
+    let named = format!(
+        "the state dir {} cannot be read or written by this user (uid 65534) (owned by uid 0",
+        state.display()
+    );
+    assert!(log.contains(&named), "{log}");
+    assert!(!log.contains(".env"), "{log}");
+    // Its own, but read-only to it.
+    std::os::unix::fs::chown(&state, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o500)).unwrap();
+    let (code, log) = run(&s);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(&format!(
+            "the state dir {} is not writable by this node's user",
+            state.display()
+        )),
+        "{log}"
+    );
+}
+
+/// The examples' Dockerfiles name their base images in full (`docker.io/…`): podman refuses a
+/// short name unless a search registry is configured.
+#[test]
+fn the_example_dockerfiles_name_their_base_images_in_full() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for d in [
+        "examples/docker/Dockerfile",
+        "examples/compose/node/Dockerfile",
+        "examples/compose/sim/Dockerfile",
+    ] {
+        let text = std::fs::read_to_string(root.join(d)).unwrap();
+        let bases: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("FROM "))
+            .filter_map(|rest| rest.split_whitespace().next())
+            .collect();
+        assert!(!bases.is_empty(), "{d}: no FROM");
+        for base in bases {
+            let registry = base.split_once('/').map(|(r, _)| r).unwrap_or_default();
+            assert!(
+                registry.contains('.') || registry.contains(':') || registry == "localhost",
+                "{d}: FROM {base} is a short name"
+            );
+        }
+    }
 }
 
 /// The container examples' manifests are valid for the node (and the platform's validator).

@@ -1,4 +1,4 @@
-//! `pip install cyberwave-cloud-node` (issue 24 item 6): the wheel packaging/build-wheel.py
+//! `pip install cyberwave-cloud-node`: the wheel packaging/build-wheel.py
 //! builds, installed into a scratch virtualenv, puts the binary on PATH and keeps the documented
 //! Python API (`CloudNode`, `CloudNodeConfig`), whose `run()` runs the binary, forwards SIGTERM
 //! and returns its exit code.
@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::support::timeouts::{EXIT, READY};
 use crate::support::{node_bin, rig};
@@ -84,7 +85,12 @@ fn venv() -> &'static (PathBuf, PathBuf) {
         unsafe {
             libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX);
         }
-        if !env.join("bin/pip").exists() {
+        // A virtualenv copied from another checkout's target dir still installs into that one
+        // (its scripts name their own interpreter): it is made anew here.
+        let ours = std::fs::read_to_string(env.join("bin/pip")).is_ok_and(|t| {
+            t.lines().next() == Some(&format!("#!{}", env.join("bin/python3").display()))
+        });
+        if !ours {
             let _ = std::fs::remove_dir_all(&env);
             let made = Command::new("python3")
                 .args(["-m", "venv"])
@@ -178,4 +184,110 @@ fn the_python_api_runs_the_node_and_forwards_sigterm() {
         "{}",
         node.log()
     );
+}
+
+/// The README's Python examples (its "With pip" part), as written there.
+fn readme_python_examples() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let part = readme
+        .split_once("**With pip**")
+        .and_then(|(_, rest)| rest.split_once("\n## "))
+        .map(|(part, _)| part.to_string())
+        .expect("the README's With pip part");
+    part.split("```python\n")
+        .skip(1)
+        .filter_map(|b| b.split_once("```").map(|(code, _)| code.to_string()))
+        .collect()
+}
+
+/// D70: the README's Python examples end with the node's exit code: a configuration error (no
+/// API token) is exit 2, not a script that succeeded; a node stopped with SIGTERM is 0; and the
+/// standalone example runs without a backend or token.
+#[test]
+fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
+    let examples = readme_python_examples();
+    assert_eq!(examples.len(), 2, "{examples:?}");
+    for code in &examples {
+        assert!(code.contains("sys.exit("), "{code}");
+    }
+    let (_, env) = venv();
+    let (_b, _cp, mut setup) = rig("cyberwave:\n  inference: exec sleep 60\n");
+    let main = setup.write("readme_example.py", &examples[0]);
+    let standalone = setup.write("readme_standalone.py", &examples[1]);
+    setup.bin = Some(env.join("bin/python"));
+    setup.unset("CYBERWAVE_NODE_BIN");
+    // As written, against the backend: runs until SIGTERM, then 0.
+    setup.args = vec![main.display().to_string()];
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    node.sigterm();
+    assert_eq!(
+        node.wait_exit(EXIT).expect("exits"),
+        Some(0),
+        "{}",
+        node.log()
+    );
+    // Without an API token: the node's exit 2 is the script's.
+    setup.unset("CYBERWAVE_API_KEY");
+    let mut node = setup.spawn();
+    assert_eq!(
+        node.wait_exit(EXIT).expect("exits"),
+        Some(2),
+        "{}",
+        node.log()
+    );
+    assert!(node.log().contains("API token"), "{}", node.log());
+    // Standalone: no backend, no token.
+    setup.args = vec![standalone.display().to_string()];
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    node.sigterm();
+    assert_eq!(
+        node.wait_exit(EXIT).expect("exits"),
+        Some(0),
+        "{}",
+        node.log()
+    );
+}
+
+/// D70: the Python API as a container's command (PID 1 of a new PID namespace): `run()` becomes
+/// the node, which as PID 1 stops and reports its workloads on SIGTERM, once or twice (the
+/// second sends SIGKILL at once); the grace is long, so only that can end the stop this soon.
+fn the_python_api_as_pid_1(times: usize) {
+    let (_, env) = venv();
+    let (_b, cp, mut setup) = rig(crate::container::MANIFEST);
+    setup.set(
+        "CYBERWAVE_NODE_STOP_GRACE_SECONDS",
+        if times == 1 { "3" } else { "60" },
+    );
+    let script = setup.write(
+        "run_node.py",
+        "import sys\nfrom cyberwave_cloud_node import CloudNode\nsys.exit(CloudNode.from_config_file(slug='py-pid1').run())\n",
+    );
+    crate::container::in_a_pid_namespace(&mut setup, &[]);
+    setup.bin = Some(env.join("bin/python"));
+    setup.args = vec![script.display().to_string()];
+    setup.unset("CYBERWAVE_NODE_BIN");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    crate::container::assert_a_stop_reports_both(&cp, &mut node, times, Duration::from_secs(20));
+    assert!(
+        node.log()
+            .contains("(the node is PID 1 of its PID namespace)"),
+        "run() became the node: {}",
+        node.log()
+    );
+}
+
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn d70_the_python_api_as_a_containers_pid_1_stops_and_reports_its_workloads() {
+    the_python_api_as_pid_1(1);
+}
+
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn d70_the_python_api_as_a_containers_pid_1_survives_a_second_sigterm_and_reports() {
+    the_python_api_as_pid_1(2);
 }

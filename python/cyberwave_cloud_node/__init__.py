@@ -3,15 +3,17 @@
 The node itself is one static binary, `cyberwave-cloud-node`, which this package puts on PATH.
 This module keeps the documented Python API of the original node (``CloudNode``,
 ``CloudNodeConfig``) as a thin layer over that binary: ``run()`` starts it with the equivalent
-settings, forwards SIGINT and SIGTERM to it and returns its exit code. Nothing of the node runs
-in Python.
+settings, forwards SIGINT and SIGTERM to it and returns its exit code (as a container's PID 1 it
+becomes the node instead: see ``run``). Nothing of the node runs in Python.
 
+    import sys
     from cyberwave_cloud_node import CloudNode, CloudNodeConfig
 
-    CloudNode.from_config_file(slug="my-gpu-node").run()      # ./cyberwave.yml
-    CloudNode.from_env().run()                                # CYBERWAVE_* variables
-    CloudNode(config=CloudNodeConfig(inference="python infer.py --params {body}"),
-              slug="my-gpu-node").run()
+    node = CloudNode.from_config_file(slug="my-gpu-node")     # ./cyberwave.yml
+    # node = CloudNode.from_env()                             # CYBERWAVE_* variables
+    # node = CloudNode(config=CloudNodeConfig(inference="python infer.py --params {body}"),
+    #                  slug="my-gpu-node")
+    sys.exit(node.run())                                      # the node's exit code
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NoReturn, Optional, Sequence
 
 __all__ = ["CloudNode", "CloudNodeConfig", "binary", "__version__"]
 
@@ -174,8 +176,18 @@ class CloudNode:
 
     def run(self, *args: str) -> int:
         """Runs the node in the foreground; SIGINT and SIGTERM are passed on to it (the node then
-        shuts down gracefully). Returns its exit code (128 + N when a signal N ended it)."""
-        proc = subprocess.Popen(self.command() + list(args), env=self.environment())
+        shuts down gracefully). Returns its exit code (128 + N when a signal N ended it): pass it
+        on, ``sys.exit(node.run())``, so that a configuration error (2) or a rejected token (3)
+        is the script's exit code too.
+
+        As PID 1 (a container's command) this process becomes the node (``exec``) and ``run()``
+        never returns: the node as PID 1 stops and reports its workloads on ``docker stop``
+        (which would otherwise end with this process) and reaps orphans."""
+        cmd = self.command() + list(args)
+        env = self.environment()
+        if os.getpid() == 1:
+            _become(cmd, env)
+        proc = subprocess.Popen(cmd, env=env)
 
         def forward(signum, _frame):
             if proc.poll() is None:
@@ -199,6 +211,19 @@ class CloudNode:
                 signal.signal(sig, handler)
         self.returncode = 128 - code if code < 0 else code
         return self.returncode
+
+
+def _become(cmd: List[str], env: Dict[str, str]) -> NoReturn:
+    """Replaces this process with the node (never returns): the signals Python ignores for itself
+    are given back their defaults first, as ``subprocess`` does for a child."""
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        try:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        except (AttributeError, ValueError):  # not this platform's, or not the main thread
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)
 
 
 def main() -> int:

@@ -120,6 +120,10 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let working_dir = working_dir(flags, cwd);
     let mut errors = Vec::new();
     let mut env = process;
+    // Every file in it is out of reach: that is the problem to name, not its `.env` or identity.
+    if let Some(why) = unsearchable(&config_dir.value) {
+        return Err(ConfigError(vec![why]));
+    }
     for path in [working_dir.join(".env"), config_dir.value.join(".env")] {
         if let Err(e) = env.add_dotenv(&path) {
             errors.push(e.to_string());
@@ -193,6 +197,34 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         tuning,
         env: r.env,
     })
+}
+
+/// Why this user cannot reach into the state dir (a container's volume owned by root, run with
+/// `--user`), when it cannot; `None` when it can, or when the dir does not exist yet.
+fn unsearchable(dir: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    // Opening `<dir>/.` needs the search permission of the dir itself.
+    let err = std::fs::metadata(dir.join(".")).err()?;
+    if err.kind() != std::io::ErrorKind::PermissionDenied {
+        return None;
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let owner = std::fs::metadata(dir).map_or_else(
+        |_| String::new(),
+        |m| {
+            format!(
+                " (owned by uid {}, mode {:03o})",
+                m.uid(),
+                m.mode() & 0o7777
+            )
+        },
+    );
+    Some(format!(
+        "the state dir {} cannot be read or written by this user (uid {me}){owner}: run the node as its owner, `chown -R {me} {}`, or give it a dir of its own (CYBERWAVE_EDGE_CONFIG_DIR; in a container, a state volume this user owns)",
+        dir.display(),
+        dir.display()
+    ))
 }
 
 /// The manifest's directory (relative paths in it are relative to it), else the current one.

@@ -1,6 +1,7 @@
 //! The node's smaller values: its life (uptime, draining, shutdown, exit, counters), its
 //! durable queues, what a request awaiting its reply was for, the shutdown under way, the
-//! counters, the clock, and the busy refusals. A leaf: it imports nothing else of the node.
+//! counters, the clock, and the busy refusals. A leaf: of the node it imports only the container
+//! mode (itself a leaf).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -21,6 +22,8 @@ pub(super) struct Life {
     /// Draining (no new workloads) and `--drain-after-one`.
     pub(super) drain: Drain,
     pub(super) metrics: Metrics,
+    /// Container mode (D58, D70): why the node is its container's main process, if it is.
+    pub(super) container: Option<super::container::Mode>,
 }
 
 /// The node's durable queues: both live on disk and survive a restart.
@@ -67,6 +70,8 @@ pub(super) struct Shutdown {
     /// D58: a container's init waits for its stopped workloads' completions to be acknowledged
     /// before it says goodbye (R5), at most until `deadline`.
     pub stopping_workloads: bool,
+    /// D70: a second SIGTERM sent SIGKILL to what was left of them (no grace for late ones).
+    pub killed: bool,
 }
 
 /// Counters for the metrics file.

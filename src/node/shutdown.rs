@@ -1,20 +1,20 @@
 //! Signals and shutdown: SIGTERM/SIGINT begin it (a second one exits at once), the goodbye to
 //! the backend (R5) or the start-up failure (R6) ends it once answered or at its deadline; as
-//! a container's main process the node first stops and reports its workloads (D58).
+//! a container's main process the node first stops and reports its workloads (D58), and a
+//! second SIGTERM there only hastens their SIGKILL (D70).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use super::container;
 use super::io::Io;
+use super::parts::Shutdown;
 use super::parts::{Exit, Op};
-use super::parts::{Life, Shutdown};
 use super::session::Session;
-use super::table::Table;
 use super::workloads::Work;
 use crate::config::Settings;
-use crate::outbox::Outbox;
+use crate::logtext::shown;
 use crate::signals::Signal;
 use crate::util;
 
@@ -57,41 +57,88 @@ pub(super) fn goodbye(
         exit,
         waiting_for,
         stopping_workloads: false,
+        killed: false,
     }
 }
 
 /// D58: once every stopped workload's completion is out (acknowledged, or published when
-/// standalone), the goodbye (R5) goes out as in any shutdown, within the same deadline.
-pub(super) fn finish_stopping_workloads(
-    life: &mut Life,
-    active: &Table,
-    outbox: &Outbox,
-    session: &mut Session<Op>,
-    io: &Io,
-    s: &Settings,
-) {
-    let Some(sd) = &life.shutdown else {
+/// standalone), the goodbye (R5) goes out as in any shutdown, within the same deadline. A
+/// workload whose start was in flight when the stop began is stopped as soon as it is tracked.
+pub(super) fn finish_stopping_workloads(w: &mut Work<'_>) {
+    let Some(sd) = &w.life.shutdown else {
         return;
     };
-    if !sd.stopping_workloads || !active.is_empty() || !outbox.is_empty() {
+    if !sd.stopping_workloads {
         return;
     }
+    let late = w.active.uncancelled();
+    if late > 0 {
+        stop_all(w, late_kill(w));
+    }
+    if !w.active.is_empty() || !w.outbox.is_empty() || !w.starts.is_empty() {
+        return;
+    }
+    let Some(sd) = &w.life.shutdown else {
+        return;
+    };
     let (limit, exit) = (sd.deadline, sd.exit);
     log::info!("every workload of the container is reported; exiting");
-    let now = io.clock.now();
-    life.shutdown = Some(goodbye(session, io, s, now, exit, Some(limit)));
+    let now = w.io.clock.now();
+    w.life.shutdown = Some(goodbye(w.session, w.io, w.s, now, exit, Some(limit)));
+}
+
+/// D70: the stop's deadline passed before every stopped workload was reported: the node exits
+/// 1 and names what the backend did not hear of (a restarted node reports them as lost).
+pub(super) fn stop_overdue(w: &Work<'_>) -> Option<Exit> {
+    let sd = w.life.shutdown.as_ref()?;
+    if !sd.stopping_workloads {
+        return Some(sd.exit);
+    }
+    let unreported: Vec<String> = w.active.keys().map(|id| shown(id).to_string()).collect();
+    log::error!(
+        "the container's stop grace is over and not every workload was reported: {} still tracked ({}), {} completion(s) not yet acknowledged; exiting 1",
+        unreported.len(),
+        unreported.join(", "),
+        w.outbox.len()
+    );
+    Some(Exit::Runtime)
+}
+
+/// SIGKILL after what is left of the grace for a workload stopped late (or at once after a
+/// second SIGTERM).
+fn late_kill(w: &Work<'_>) -> Duration {
+    let sd = w.life.shutdown.as_ref();
+    if sd.is_some_and(|s| s.killed) {
+        return Duration::ZERO;
+    }
+    let left = sd.map_or(Duration::ZERO, |s| {
+        s.deadline.saturating_duration_since(w.now())
+    });
+    container::kill_after(left)
+}
+
+/// SIGTERM to every running workload not yet stopped, SIGKILL after `kill`; returns how many.
+fn stop_all(w: &mut Work<'_>, kill: Duration) -> usize {
+    w.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out))
 }
 
 pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
     match sig {
-        Signal::Term | Signal::Int => {
-            if w.life.shutdown.is_some() {
+        Signal::Term | Signal::Int => match &mut w.life.shutdown {
+            None => begin(w, Exit::Ok, &format!("{sig:?} received")),
+            Some(sd) if sd.stopping_workloads => {
+                // D70: the container's workloads would die unreported if the node left now.
+                sd.killed = true;
+                let n = w.with_table(|t, out, now| t.kill_all_now(container::REASON, now, out));
+                log::warn!(
+                    "second {sig:?}: SIGKILL now to the {n} workload(s) still running; the node exits once each one is reported"
+                );
+            }
+            Some(_) => {
                 log::warn!("second {sig:?}: exiting now");
                 w.life.exit = Some(Exit::Ok);
-                return;
             }
-            begin(w, Exit::Ok, &format!("{sig:?} received"));
-        }
+        },
         Signal::Hup => {
             log::info!("SIGHUP ignored (restart the service to reload the configuration)")
         }
@@ -108,11 +155,11 @@ pub(super) fn begin(w: &mut Work<'_>, exit: Exit, why: &str) {
     }
     crate::systemd::notify("STOPPING=1");
     let now = w.now();
-    if container::is_init(&w.s.env) {
+    if w.life.container.is_some() {
         // D58: its workloads die with the container; stop them and report them first.
         let grace = container::stop_grace(&w.s.env);
         let kill = container::kill_after(grace);
-        let n = w.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out));
+        let n = stop_all(w, kill);
         log::info!(
             "shutting down ({why}); as its container's main process the node stops its {n} running workload(s) (SIGTERM, SIGKILL after {:.1}s) and reports them before it exits, within {:.1}s",
             kill.as_secs_f64(),
@@ -124,6 +171,7 @@ pub(super) fn begin(w: &mut Work<'_>, exit: Exit, why: &str) {
             exit,
             waiting_for: None,
             stopping_workloads: true,
+            killed: false,
         });
         return;
     }

@@ -172,7 +172,8 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         .map_err(runtime("cannot start the acknowledgement thread"))?;
     let control = control_socket(&dir, &users)?;
     let (gpu, monitor, gpu_rx) = gpus(&s);
-    let (spawner, spawned, (reaper, reaped)) = spawner(&s, &layout, exe)?;
+    let container = super::container::detect(&s.env);
+    let (spawner, spawned, (reaper, reaped)) = spawner(&s, &layout, exe, container.as_ref())?;
     let upload_cfg = super::table::UploadCfg {
         // D65: with a workload user a result must be its uid's own (the first user's for a
         // record that names none).
@@ -216,6 +217,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             exit: None,
             drain: super::parts::Drain::default(),
             metrics: Default::default(),
+            container,
         },
         active: super::table::Table::new(upload_cfg),
         durable: super::parts::Durable {
@@ -469,17 +471,31 @@ type SpawnerParts = (
 
 /// The reaper, then the spawner thread starts run on (issue 15): without the spawner the node
 /// still runs, reports and cancels its workloads, and refuses starts with a clear error.
-fn spawner(s: &Settings, layout: &Layout, exe: PathBuf) -> Result<SpawnerParts, StartupError> {
+fn spawner(
+    s: &Settings,
+    layout: &Layout,
+    exe: PathBuf,
+    container: Option<&super::container::Mode>,
+) -> Result<SpawnerParts, StartupError> {
     let (reaped_tx, reaped) = unbounded();
-    let init = super::container::is_init(&s.env);
-    if init {
-        log::info!(
-            "the node is its container's main process (PID 1 or CYBERWAVE_NODE_INIT): it reaps orphans, and its workloads cannot outlive it here; on SIGTERM it stops them and reports each one within {:.0}s (CYBERWAVE_NODE_STOP_GRACE_SECONDS)",
+    match container {
+        Some(mode) => log::info!(
+            "the node is its container's main process ({}): {}its workloads cannot outlive it here; on SIGTERM it stops them (a second SIGTERM: SIGKILL at once) and reports each one within {:.0}s (CYBERWAVE_NODE_STOP_GRACE_SECONDS)",
+            mode.describe(),
+            if mode.reaps_orphans() { "it reaps orphans, and " } else { "" },
             super::container::stop_grace(&s.env).as_secs_f64()
-        );
+        ),
+        None => {
+            if let Some(pid1) = super::container::unknown_front(&s.env) {
+                log::info!(
+                    "the node runs in a PID namespace of its own, as the child of its PID 1 {pid1:?}, which is not an init it knows: if the container ends when the node does, set CYBERWAVE_NODE_INIT=1 so that it stops and reports its workloads first"
+                );
+            }
+        }
     }
+    let reaps = container.is_some_and(super::container::Mode::reaps_orphans);
     let reaper =
-        Reaper::start(reaped_tx, init).map_err(runtime("cannot start the reaper thread"))?;
+        Reaper::start(reaped_tx, reaps).map_err(runtime("cannot start the reaper thread"))?;
     let (spawned_tx, spawned) = unbounded();
     let spawner = crate::workload::spawner::Spawner::start(
         crate::workload::spawner::Context {

@@ -405,6 +405,45 @@ impl Table {
         n
     }
 
+    /// How many running workloads no cancel has reached yet.
+    pub fn uncancelled(&self) -> usize {
+        self.active
+            .values()
+            .filter(|a| !a.finished() && a.meta.cancel.is_none())
+            .count()
+    }
+
+    /// D70: a second SIGTERM to a container's main process while it stops its workloads: SIGKILL
+    /// now to what is left of each one, `reason` in each completion (the grace it names is the
+    /// time the workload had). Returns how many still ran.
+    pub fn kill_all_now(&mut self, reason: &str, now: Instant, out: &mut dyn Outbound) -> usize {
+        let ids: Vec<String> = self
+            .active
+            .iter()
+            .filter(|(_, a)| !a.finished())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in &ids {
+            if let Some(c) = self.active.get_mut(id).and_then(|a| a.meta.cancel.as_mut()) {
+                let had = (workload::unix_now() - c.requested_unix).max(0.0);
+                c.grace_s = (had * 10.0).round() / 10.0;
+            }
+            let sig = (libc::SIGKILL, "SIGKILL");
+            if let Err(e) = self.cancel(id, sig.0, sig.1, Duration::ZERO, false, now, out) {
+                log::warn!("cannot kill workload {}: {e}", shown(id));
+            }
+            if let Some(a) = self.active.get_mut(id) {
+                if let Some(c) = a.meta.cancel.as_mut() {
+                    c.reason = Some(reason.to_string());
+                }
+                if let Err(e) = out.save_meta(&a.meta) {
+                    log::warn!("workload {}: cannot record the kill: {e}", shown(id));
+                }
+            }
+        }
+        ids.len()
+    }
+
     /// Self-heal: terminate a stale workload; it will be forgotten without a report.
     pub fn cancel_stale(
         &mut self,

@@ -61,11 +61,10 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
     }
     w.outgoing().flush();
     w.logs().pump();
-    shutdown::finish_stopping_workloads(w.life, w.active, w.outbox, w.session, w.io, w.s);
-    if let Some(s) = &w.life.shutdown {
-        if now >= s.deadline && w.life.exit.is_none() {
-            w.life.exit = Some(s.exit);
-        }
+    shutdown::finish_stopping_workloads(w);
+    let overdue = w.life.shutdown.as_ref().is_some_and(|s| now >= s.deadline);
+    if overdue && w.life.exit.is_none() {
+        w.life.exit = shutdown::stop_overdue(w);
     }
 }
 

@@ -58,6 +58,9 @@ struct Commands {
     training: Option<Sourced<String>>,
 }
 
+/// A broker username and password, each when there is one.
+type Login = (Option<Sourced<String>>, Option<Sourced<String>>);
+
 /// The broker and how to log in to it.
 struct Broker {
     mqtt_host: Sourced<String>,
@@ -68,7 +71,7 @@ struct Broker {
     mqtt_password: Option<Sourced<String>>,
     /// The login as the operator wrote it: the username before the SDK's placeholder is
     /// derived, the password before it falls back to the API token.
-    operator_login: (Option<Sourced<String>>, Option<Sourced<String>>),
+    operator_login: Login,
 }
 
 /// Where results go.
@@ -506,7 +509,7 @@ impl Resolver<'_> {
             .map(|p| sourced(p, self.file_of("mqtt_tls_ca_certs")))
             .or_else(|| self.env_str("CYBERWAVE_MQTT_TLS_CA_CERTS").map(trimmed))
             .map(|s| sourced(self.working_dir.join(s.value), s.source));
-        let (mqtt_username, mqtt_password, operator_login) = self.mqtt_login(api_token);
+        let ((mqtt_username, mqtt_password), operator_login) = self.mqtt_login(api_token);
         Broker {
             mqtt_host,
             mqtt_port,
@@ -590,15 +593,7 @@ impl Resolver<'_> {
     }
 
     /// The broker's username and password, and both as the operator wrote them.
-    #[allow(clippy::type_complexity)]
-    fn mqtt_login(
-        &self,
-        api_token: Option<&Sourced<String>>,
-    ) -> (
-        Option<Sourced<String>>,
-        Option<Sourced<String>>,
-        (Option<Sourced<String>>, Option<Sourced<String>>),
-    ) {
+    fn mqtt_login(&self, api_token: Option<&Sourced<String>>) -> (Login, Login) {
         let mqtt_username = self
             .m
             .mqtt_username
@@ -641,7 +636,7 @@ impl Resolver<'_> {
             }
         });
         let mqtt_password = broker_password.or_else(|| api_token.cloned());
-        (mqtt_username, mqtt_password, operator_login)
+        ((mqtt_username, mqtt_password), operator_login)
     }
 
     /// D62: the connection variables a workload gets, each only when the operator set it (a

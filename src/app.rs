@@ -137,6 +137,9 @@ pub fn run(args: &[String]) -> i32 {
                 for w in &settings.manifest_warnings {
                     log::warn!("{w}");
                 }
+                for w in &settings.template_warnings {
+                    log::warn!("{w}");
+                }
                 crate::node::startup::run(settings)
             }
         }
@@ -229,7 +232,7 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> Result<(), CliError
                         ),
                         None => "shell mode".into(),
                     };
-                    crate::outln!("  {kind}: [{mode}] {}", c.lines().next().unwrap_or(""));
+                    show_template(kind, &mode, c);
                 }
             }
             crate::outln!(
@@ -248,6 +251,20 @@ fn validate(flags: &config::Flags, cwd: &std::path::Path) -> Result<(), CliError
             );
             Err(CliError::Found)
         }
+    }
+}
+
+/// A template as `validate` shows it: a one-line one beside its mode, every line of a longer
+/// one below it (D63), control characters escaped.
+fn show_template(kind: &str, mode: &str, template: &str) {
+    let shown = |line: &str| crate::logtext::Escaped(line).to_string();
+    if template.lines().nth(1).is_none() {
+        crate::outln!("  {kind}: [{mode}] {}", shown(template.trim_end()));
+        return;
+    }
+    crate::outln!("  {kind}: [{mode}]");
+    for line in template.lines() {
+        crate::outln!("    {}", shown(line));
     }
 }
 
@@ -272,6 +289,9 @@ fn print_config(settings: &config::Settings, json: bool) {
             crate::outln!("{k:<26} {v:<40} ({s})");
         }
         for w in &settings.manifest_warnings {
+            crate::outln!("{w}");
+        }
+        for w in &settings.template_warnings {
             crate::outln!("{w}");
         }
     }

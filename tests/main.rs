@@ -39,4 +39,5 @@ mod starts;
 mod statedir;
 mod wire;
 mod workload_attacks;
+mod workload_env;
 mod workloads;

@@ -938,6 +938,16 @@ fn platform_field(cx: &mut Ctx, m: &mut Manifest, key: &str, kind: Kind, line: u
         }
         (None, None) => {}
     }
+    // D63: a `{body}` in quotes gets the params file's path as text.
+    if matches!(key, "inference" | "simulate" | "training") {
+        for w in v
+            .as_str()
+            .map(super::template::warnings)
+            .unwrap_or_default()
+        {
+            cx.warn(line, key, w);
+        }
+    }
 }
 
 /// Why the platform (pydantic) refuses `v` as a field of this kind, if it does.
@@ -1501,5 +1511,15 @@ mod tests {
         assert_eq!(front_matter(""), None);
         assert_eq!(edit_distance("", "abc"), 3);
         assert_eq!(edit_distance("éa", "a"), 1);
+    }
+
+    #[test]
+    fn d63_a_quoted_body_is_a_warning_on_the_templates_key() {
+        let c = strict("cyberwave-cloud-node:\n  profile_slug: p\n  inference: |\n    curl -sf -X POST http://localhost:8080/act \\\n      -d '{body}'\n  training: python t.py {body}\n  simulate: \"sim.py\"\n");
+        assert!(c.valid(), "{:?}", c.problems);
+        assert_eq!(fields(&c), vec![("inference", Some(3), true)]);
+        let p = c.problems[0].to_string();
+        assert!(p.contains("single quotes (line 2 of the template)"), "{p}");
+        assert!(c.manifest.is_some());
     }
 }

@@ -10,6 +10,7 @@ pub mod credentials;
 pub mod env;
 pub mod manifest;
 mod resolve;
+pub mod template;
 pub mod yaml11;
 
 pub use resolve::resolve;
@@ -154,6 +155,8 @@ pub struct Settings {
     pub manifest_warnings: Vec<Problem>,
     /// How many of those the platform's validator would refuse (`start` runs anyway; D22).
     pub manifest_platform_refusals: usize,
+    /// D63 warnings about the command templates set in the environment (`CYBERWAVE_*_CMD`).
+    pub template_warnings: Vec<String>,
     pub api_token: Option<Sourced<String>>,
     pub base_url: Sourced<String>,
     pub workspace_slug: Option<Sourced<String>>,
@@ -172,6 +175,9 @@ pub struct Settings {
     pub mqtt_ca_certs: Option<Sourced<PathBuf>>,
     pub mqtt_username: Option<Sourced<String>>,
     pub mqtt_password: Option<Sourced<String>>,
+    /// D62: the connection variables a workload gets (name → value): only those the operator
+    /// set, as the node uses them; the broker password is replaced by a per-workload token.
+    pub workload_connection: std::collections::BTreeMap<String, String>,
     pub upload_results: Sourced<bool>,
     pub results_folder: Sourced<PathBuf>,
     pub environment_uuid: Option<Sourced<String>>,
@@ -1148,6 +1154,146 @@ mod tests {
                 ("CYBERWAVE_MQTT_PASSWORD", "cw_workload")
             ]),
             Some(token_username("cw_workload"))
+        );
+    }
+
+    fn conn(s: &Settings) -> Vec<(&str, &str)> {
+        s.workload_connection
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn d62_the_nodes_defaults_and_derivations_are_not_passed_on() {
+        let d = Dir::new("d62-none");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_ENVIRONMENT", "development")],
+            )
+            .unwrap();
+        // The node itself uses the defaults …
+        assert_eq!(s.base_url.value, DEFAULT_BASE_URL);
+        assert!(s.mqtt_use_tls.value);
+        // … and the workload works out its own from CYBERWAVE_ENVIRONMENT.
+        assert_eq!(conn(&s), vec![("CYBERWAVE_ENVIRONMENT", "development")]);
+        // A blank value counts as unset, here too.
+        let s = d
+            .resolve(&Flags::default(), &[("CYBERWAVE_BASE_URL", " ")])
+            .unwrap();
+        assert!(conn(&s).is_empty(), "{:?}", conn(&s));
+    }
+
+    #[test]
+    fn d62_what_the_operator_set_is_passed_on_as_the_node_uses_it() {
+        let d = Dir::new("d62-set");
+        d.write(
+            "work/cyberwave.yml",
+            "cyberwave:\n  mqtt_host: site-broker.lan\n  mqtt_password: from-manifest\n",
+        );
+        d.write("work/.env", "CYBERWAVE_MQTT_USERNAME=site-user\n");
+        let flags = Flags {
+            mqtt_port: Some(1884),
+            ..Flags::default()
+        };
+        let s = d
+            .resolve(
+                &flags,
+                &[
+                    ("CYBERWAVE_BASE_URL", "https://api.site.lan/"),
+                    ("CYBERWAVE_MQTT_HOST", "ignored-the-manifest-wins"),
+                    ("CYBERWAVE_MQTT_PASSWORD", "ignored-too"),
+                    ("CYBERWAVE_API_KEY", "cw_node_token"),
+                ],
+            )
+            .unwrap();
+        assert_eq!(
+            conn(&s),
+            vec![
+                ("CYBERWAVE_BASE_URL", "https://api.site.lan"),
+                ("CYBERWAVE_MQTT_HOST", "site-broker.lan"),
+                ("CYBERWAVE_MQTT_PASSWORD", "from-manifest"),
+                ("CYBERWAVE_MQTT_PORT", "1884"),
+                ("CYBERWAVE_MQTT_USERNAME", "site-user"),
+            ]
+        );
+    }
+
+    #[test]
+    fn d62_the_placeholder_username_is_passed_on_as_written_and_no_token_as_a_password() {
+        let d = Dir::new("d62-placeholder");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[
+                    ("CYBERWAVE_MQTT_USERNAME", MQTT_USERNAME_PLACEHOLDER),
+                    ("CYBERWAVE_API_KEY", "cw_node_token"),
+                ],
+            )
+            .unwrap();
+        // The node connects as `cwh_…` with its token; the workload's SDK derives its own.
+        assert!(s.mqtt_username.clone().unwrap().value.starts_with("cwh_"));
+        assert_eq!(s.mqtt_password.clone().unwrap().value, "cw_node_token");
+        assert_eq!(
+            conn(&s),
+            vec![("CYBERWAVE_MQTT_USERNAME", MQTT_USERNAME_PLACEHOLDER)]
+        );
+    }
+
+    #[test]
+    fn d62_what_cyberwave_login_stored_is_passed_on() {
+        let d = Dir::new("d62-creds");
+        d.write(
+            "cfg/credentials.json",
+            r#"{"token": "cw_t", "envs": {"CYBERWAVE_ENVIRONMENT": "dev", "CYBERWAVE_BASE_URL": "https://api-dev.cyberwave.com", "CYBERWAVE_MQTT_HOST": "dev.mqtt.cyberwave.com"}}"#,
+        );
+        let s = d.resolve(&Flags::default(), &[]).unwrap();
+        assert_eq!(
+            conn(&s),
+            vec![
+                ("CYBERWAVE_BASE_URL", "https://api-dev.cyberwave.com"),
+                ("CYBERWAVE_ENVIRONMENT", "dev"),
+                ("CYBERWAVE_MQTT_HOST", "dev.mqtt.cyberwave.com"),
+            ]
+        );
+        // The environment wins over the file, as it does for the node.
+        let s = d
+            .resolve(&Flags::default(), &[("CYBERWAVE_ENVIRONMENT", "staging")])
+            .unwrap();
+        assert_eq!(
+            s.workload_connection
+                .get("CYBERWAVE_ENVIRONMENT")
+                .map(String::as_str),
+            Some("staging")
+        );
+    }
+
+    #[test]
+    fn d63_a_template_from_the_environment_is_checked_too() {
+        let d = Dir::new("d63-env");
+        d.write("work/cyberwave.yml", "cyberwave:\n  training: t '{body}'\n");
+        let s = d
+            .resolve(
+                &Flags::default(),
+                &[("CYBERWAVE_INFERENCE_CMD", "curl -d \"{body}\" http://h")],
+            )
+            .unwrap();
+        assert_eq!(s.template_warnings.len(), 1, "{:?}", s.template_warnings);
+        let w = &s.template_warnings[0];
+        assert!(
+            w.starts_with(
+                "env CYBERWAVE_INFERENCE_CMD: warning: inference: `{body}` inside double quotes"
+            ),
+            "{w}"
+        );
+        // The manifest's own is one of the manifest's warnings.
+        assert!(
+            s.manifest_warnings
+                .iter()
+                .any(|p| p.field == "training" && p.message.contains("single quotes")),
+            "{:?}",
+            s.manifest_warnings
         );
     }
 

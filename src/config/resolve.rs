@@ -2,6 +2,7 @@
 //! (flags, the merged environment, the manifest, `credentials.json`) and collects the problems;
 //! each group is one method, run in the order the problems are reported in.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -57,6 +58,9 @@ struct Commands {
     training: Option<Sourced<String>>,
 }
 
+/// A broker username and password, each when there is one.
+type Login = (Option<Sourced<String>>, Option<Sourced<String>>);
+
 /// The broker and how to log in to it.
 struct Broker {
     mqtt_host: Sourced<String>,
@@ -65,6 +69,9 @@ struct Broker {
     mqtt_ca_certs: Option<Sourced<PathBuf>>,
     mqtt_username: Option<Sourced<String>>,
     mqtt_password: Option<Sourced<String>>,
+    /// The login as the operator wrote it: the username before the SDK's placeholder is
+    /// derived, the password before it falls back to the API token.
+    operator_login: Login,
 }
 
 /// Where results go.
@@ -142,6 +149,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
     let platform = r.platform();
     let instance = r.instance(&config_dir.value.join("instance_identity.json"));
     let commands = r.commands();
+    let template_warnings = template_warnings(&commands);
     let heartbeat_interval = secs(r.number(
         r.m.heartbeat_interval,
         "heartbeat_interval",
@@ -151,6 +159,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         30.0,
     ));
     let broker = r.broker(platform.api_token.as_ref());
+    let workload_connection = r.workload_connection(&platform, &broker);
     let results = r.results();
     let limits = r.limits();
     let tuning = r.tuning();
@@ -163,6 +172,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         manifest: found.manifest,
         manifest_warnings: found.warnings,
         manifest_platform_refusals: found.platform_refusals,
+        template_warnings,
         api_token: platform.api_token,
         base_url: platform.base_url,
         workspace_slug: platform.workspace_slug,
@@ -181,6 +191,7 @@ pub fn resolve(flags: &Flags, process: EnvLayers, cwd: &Path) -> Result<Settings
         mqtt_ca_certs: broker.mqtt_ca_certs,
         mqtt_username: broker.mqtt_username,
         mqtt_password: broker.mqtt_password,
+        workload_connection,
         upload_results: results.upload_results,
         results_folder: results.results_folder,
         environment_uuid: instance.environment_uuid,
@@ -225,6 +236,28 @@ fn unsearchable(dir: &Path) -> Option<String> {
         dir.display(),
         dir.display()
     ))
+}
+
+/// D63 for the templates the environment sets (`CYBERWAVE_*_CMD`): the manifest's own are
+/// checked with the manifest. One line each, for the start-up log and `config`.
+fn template_warnings(c: &Commands) -> Vec<String> {
+    let mut out = Vec::new();
+    for (kind, t) in [
+        ("inference", &c.inference),
+        ("simulate", &c.simulate),
+        ("training", &c.training),
+    ] {
+        let Some(t) = t
+            .as_ref()
+            .filter(|t| matches!(t.source, Source::Env(_) | Source::DotEnv(..)))
+        else {
+            continue;
+        };
+        for w in super::template::warnings(&t.value) {
+            out.push(format!("{}: warning: {kind}: {w}", t.source));
+        }
+    }
+    out
 }
 
 /// The manifest's directory (relative paths in it are relative to it), else the current one.
@@ -508,7 +541,7 @@ impl Resolver<'_> {
             .map(|p| sourced(p, self.file_of("mqtt_tls_ca_certs")))
             .or_else(|| self.env_str("CYBERWAVE_MQTT_TLS_CA_CERTS").map(trimmed))
             .map(|s| sourced(self.working_dir.join(s.value), s.source));
-        let (mqtt_username, mqtt_password) = self.mqtt_login(api_token);
+        let ((mqtt_username, mqtt_password), operator_login) = self.mqtt_login(api_token);
         Broker {
             mqtt_host,
             mqtt_port,
@@ -516,6 +549,7 @@ impl Resolver<'_> {
             mqtt_ca_certs,
             mqtt_username,
             mqtt_password,
+            operator_login,
         }
     }
 
@@ -590,11 +624,8 @@ impl Resolver<'_> {
         }
     }
 
-    /// The broker's username and password.
-    fn mqtt_login(
-        &self,
-        api_token: Option<&Sourced<String>>,
-    ) -> (Option<Sourced<String>>, Option<Sourced<String>>) {
+    /// The broker's username and password, and both as the operator wrote them.
+    fn mqtt_login(&self, api_token: Option<&Sourced<String>>) -> (Login, Login) {
         let mqtt_username = self
             .m
             .mqtt_username
@@ -619,6 +650,7 @@ impl Resolver<'_> {
         // placeholder username becomes `cwh_` + hex SHA-256 of the token, which the broker
         // checks at CONNECT. Opt-in: only the placeholder triggers it; any other username is
         // used as it is.
+        let operator_login = (mqtt_username.clone(), broker_password.clone());
         let mqtt_username = mqtt_username.map(|u| {
             match credentials::derived_mqtt_username(
                 &u.value,
@@ -636,7 +668,62 @@ impl Resolver<'_> {
             }
         });
         let mqtt_password = broker_password.or_else(|| api_token.cloned());
-        (mqtt_username, mqtt_password)
+        ((mqtt_username, mqtt_password), operator_login)
+    }
+
+    /// D62: the connection variables a workload gets, each only when the operator set it (a
+    /// flag, the manifest, the environment or a `.env`, or `credentials.json`, which `cyberwave
+    /// login` wrote for the operator), with the value the node uses. The node's built-in
+    /// defaults and what it derives (TLS from the port) are left out: the workload's SDK or
+    /// code works them out itself, and a workload that derives its API from
+    /// `CYBERWAVE_ENVIRONMENT` (as the platform's repositories do) is not overruled by the
+    /// production URL. The broker login is the operator's own, unchanged (a site broker's login
+    /// must keep working); the per-workload token replaces the password at start.
+    fn workload_connection(&self, p: &Platform, b: &Broker) -> BTreeMap<String, String> {
+        let mut vars = BTreeMap::new();
+        let mut put = |name: &str, value: String, source: &Source| {
+            if !matches!(source, Source::Default | Source::Derived(_)) {
+                vars.insert(name.to_string(), value);
+            }
+        };
+        put(
+            "CYBERWAVE_BASE_URL",
+            p.base_url.value.clone(),
+            &p.base_url.source,
+        );
+        put(
+            "CYBERWAVE_MQTT_HOST",
+            b.mqtt_host.value.clone(),
+            &b.mqtt_host.source,
+        );
+        let port = &b.mqtt_port;
+        put("CYBERWAVE_MQTT_PORT", port.value.to_string(), &port.source);
+        let tls = &b.mqtt_use_tls;
+        put("CYBERWAVE_MQTT_USE_TLS", tls.value.to_string(), &tls.source);
+        let (user, password) = &b.operator_login;
+        for (name, v) in [
+            ("CYBERWAVE_MQTT_USERNAME", user),
+            ("CYBERWAVE_MQTT_PASSWORD", password),
+        ] {
+            if let Some(v) = v {
+                put(name, v.value.clone(), &v.source);
+            }
+        }
+        let environment = self.env_str("CYBERWAVE_ENVIRONMENT").or_else(|| {
+            self.creds
+                .env_value("CYBERWAVE_ENVIRONMENT")
+                .map(|v| (v, self.cred_src()))
+        });
+        if let Some((v, source)) = environment {
+            put("CYBERWAVE_ENVIRONMENT", v, &source);
+        }
+        // D45: the broker's CA, under the node's name and the SDK's.
+        if let Some(ca) = b.mqtt_ca_certs.as_ref().filter(|_| tls.value) {
+            for name in ["CYBERWAVE_MQTT_TLS_CA_CERTS", "CYBERWAVE_MQTT_TLS_CA_CERT"] {
+                put(name, ca.value.display().to_string(), &ca.source);
+            }
+        }
+        vars
     }
 
     fn results(&mut self) -> Results {

@@ -1,5 +1,6 @@
 //! A workload's environment: the node's own environment files without the node's secrets, and
-//! what the workload needs to reach its node, the platform and its GPUs.
+//! what the workload needs to reach its node, the platform and its GPUs. The README's table
+//! ("The workload's environment") says what a workload gets in each case; keep it true.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,10 +18,25 @@ pub const NODE_ONLY_VARS: &[&str] = &[
     "CYBERWAVE_CLOUD_NODE_INSTANCE_UUID",
 ];
 
+/// The connection variables a workload gets only as the operator set them (D62,
+/// `Settings::workload_connection`): never the node's defaults, never what the node derived.
+pub const CONNECTION_VARS: &[&str] = &[
+    "CYBERWAVE_BASE_URL",
+    "CYBERWAVE_ENVIRONMENT",
+    "CYBERWAVE_MQTT_HOST",
+    "CYBERWAVE_MQTT_PORT",
+    "CYBERWAVE_MQTT_USE_TLS",
+    "CYBERWAVE_MQTT_USERNAME",
+    "CYBERWAVE_MQTT_PASSWORD",
+    "CYBERWAVE_MQTT_TLS_CA_CERTS",
+];
+
 /// What a workload's environment names beyond the settings and its record.
 pub(super) struct Context<'a> {
-    /// Its API key and broker password: its own token, else the node's (none when empty).
-    pub credential: String,
+    /// The per-workload token the backend minted (`cyberwave_workload_token`), if any.
+    pub workload_token: Option<String>,
+    /// The node's own API token (empty when it has none, as a standalone node may).
+    pub node_token: &'a str,
     pub params_file: &'a Path,
     pub results_dir: Option<&'a Path>,
     pub user: Option<&'a WorkloadUser>,
@@ -32,24 +48,41 @@ pub(super) struct Context<'a> {
     pub node_uuid: &'a str,
 }
 
-/// The environment a workload runs in (D2/D3 and the per-workload token of ecosystem §5).
+/// The environment a workload runs in (D2/D3, D45, D62).
 pub(super) fn of(s: &Settings, meta: &Meta, c: &Context) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = s.env.merged();
-    for k in NODE_ONLY_VARS {
+    for k in NODE_ONLY_VARS.iter().chain(CONNECTION_VARS) {
         env.remove(*k);
     }
     // The simulated slow disk (`store::slow_disk_pause`) is the node's own, not its workloads'.
     env.remove("CYBERWAVE_TEST_SLOW_FSYNC_MS");
-    if !c.credential.is_empty() {
-        env.insert("CYBERWAVE_API_KEY".into(), c.credential.clone());
-        env.insert("CYBERWAVE_MQTT_PASSWORD".into(), c.credential.clone());
-    }
+    env.extend(s.workload_connection.clone());
+    credentials(&mut env, c);
     workload_vars(&mut env, meta, c);
-    platform_vars(&mut env, s, c.node_uuid);
+    // D45: edge-core labels the containers a workload starts with this node and workload
+    // (`container_spec.workload_labels`).
+    env.insert("CYBERWAVE_CLOUD_NODE_ID".into(), c.node_uuid.to_string());
     if let Some(gpus) = &meta.gpus {
         gpu_vars(&mut env, gpus);
     }
     env
+}
+
+/// D62: a minted per-workload token is the workload's API key and broker password (as the
+/// original node passes it); without one the API key is the node's token and the broker
+/// password stays the operator's own, if any (the SDK falls back to the API key).
+fn credentials(env: &mut BTreeMap<String, String>, c: &Context) {
+    let minted = c.workload_token.as_deref().filter(|t| !t.trim().is_empty());
+    match minted {
+        Some(token) => {
+            env.insert("CYBERWAVE_API_KEY".into(), token.to_string());
+            env.insert("CYBERWAVE_MQTT_PASSWORD".into(), token.to_string());
+        }
+        None if !c.node_token.is_empty() => {
+            env.insert("CYBERWAVE_API_KEY".into(), c.node_token.to_string());
+        }
+        None => {}
+    }
 }
 
 /// What the workload reads about itself and its node.
@@ -90,30 +123,6 @@ fn workload_vars(env: &mut BTreeMap<String, String>, meta: &Meta, c: &Context) {
     }
 }
 
-/// Where the platform and its broker are.
-fn platform_vars(env: &mut BTreeMap<String, String>, s: &Settings, node_uuid: &str) {
-    env.insert("CYBERWAVE_BASE_URL".into(), s.base_url.value.clone());
-    env.insert("CYBERWAVE_MQTT_HOST".into(), s.mqtt_host.value.clone());
-    env.insert("CYBERWAVE_MQTT_PORT".into(), s.mqtt_port.value.to_string());
-    env.insert(
-        "CYBERWAVE_MQTT_USE_TLS".into(),
-        s.mqtt_use_tls.value.to_string(),
-    );
-    env.insert(
-        "CYBERWAVE_MQTT_TOPIC_PREFIX".into(),
-        s.topic_prefix.value.clone(),
-    );
-    // D45: what the platform SDK and edge-core read. Edge-core labels the containers a
-    // workload starts with this node and workload (`container_spec.workload_labels`); the SDK
-    // takes the broker's CA under its own name.
-    env.insert("CYBERWAVE_CLOUD_NODE_ID".into(), node_uuid.to_string());
-    if let Some(ca) = s.mqtt_ca_certs.as_ref().filter(|_| s.mqtt_use_tls.value) {
-        for name in ["CYBERWAVE_MQTT_TLS_CA_CERTS", "CYBERWAVE_MQTT_TLS_CA_CERT"] {
-            env.insert(name.into(), ca.value.display().to_string());
-        }
-    }
-}
-
 /// D36: exactly its GPUs, by UUID; none at all when it needs none.
 fn gpu_vars(env: &mut BTreeMap<String, String>, gpus: &[String]) {
     let list = gpus.join(",");
@@ -121,4 +130,136 @@ fn gpu_vars(env: &mut BTreeMap<String, String>, gpus: &[String]) {
     env.insert("CUDA_VISIBLE_DEVICES".into(), list.clone());
     let nvidia = if list.is_empty() { "none".into() } else { list };
     env.insert("NVIDIA_VISIBLE_DEVICES".into(), nvidia);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::env::EnvLayers;
+    use crate::workload::testkit::{good_meta, scratch};
+
+    /// The environment of a workload of a node started with `vars` (and a config dir of its
+    /// own), with `token` minted or not, as `user` or not.
+    fn env_of(
+        tag: &str,
+        vars: &[(&str, &str)],
+        token: Option<&str>,
+        user: Option<&WorkloadUser>,
+    ) -> BTreeMap<String, String> {
+        let layout = scratch(tag);
+        let mut process: BTreeMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        process.insert(
+            "CYBERWAVE_EDGE_CONFIG_DIR".into(),
+            layout.state.display().to_string(),
+        );
+        let s = crate::config::resolve(
+            &crate::config::Flags::default(),
+            EnvLayers::new(process),
+            &layout.state,
+        )
+        .unwrap();
+        let meta: Meta = serde_json::from_value(good_meta(&layout)).unwrap();
+        let node_token = s
+            .api_token
+            .as_ref()
+            .map(|t| t.value.clone())
+            .unwrap_or_default();
+        let env = of(
+            &s,
+            &meta,
+            &Context {
+                workload_token: token.map(String::from),
+                node_token: &node_token,
+                params_file: Path::new("/state/workloads/w1/params.json"),
+                results_dir: None,
+                user,
+                inputs: PathBuf::from("/state/inputs"),
+                socket: Path::new("/state/control.sock"),
+                exe: Path::new("/usr/bin/cyberwave-cloud-node"),
+                node_uuid: "node-uuid",
+            },
+        );
+        let _ = std::fs::remove_dir_all(&layout.state);
+        env
+    }
+
+    fn get<'a>(env: &'a BTreeMap<String, String>, k: &str) -> Option<&'a str> {
+        env.get(k).map(String::as_str)
+    }
+
+    #[test]
+    fn d62_no_url_is_made_up_for_a_workload_that_derives_its_own() {
+        let env = env_of(
+            "d62-dev",
+            &[
+                ("CYBERWAVE_ENVIRONMENT", "development"),
+                ("CYBERWAVE_API_KEY", "cw_node"),
+                ("HOME", "/home/node"),
+            ],
+            None,
+            None,
+        );
+        assert_eq!(get(&env, "CYBERWAVE_ENVIRONMENT"), Some("development"));
+        for absent in [
+            "CYBERWAVE_BASE_URL",
+            "CYBERWAVE_MQTT_HOST",
+            "CYBERWAVE_MQTT_PORT",
+            "CYBERWAVE_MQTT_USE_TLS",
+            "CYBERWAVE_MQTT_TOPIC_PREFIX",
+            "CYBERWAVE_MQTT_USERNAME",
+            "CYBERWAVE_MQTT_PASSWORD",
+        ] {
+            assert_eq!(get(&env, absent), None, "{absent}: {env:?}");
+        }
+        assert_eq!(get(&env, "CYBERWAVE_API_KEY"), Some("cw_node"));
+        assert_eq!(get(&env, "HOME"), Some("/home/node"));
+        assert_eq!(get(&env, "CYBERWAVE_CLOUD_NODE_ID"), Some("node-uuid"));
+    }
+
+    #[test]
+    fn d62_the_operators_broker_login_passes_and_a_minted_token_replaces_the_password() {
+        let vars = [
+            ("CYBERWAVE_MQTT_USERNAME", "site-user"),
+            ("CYBERWAVE_MQTT_PASSWORD", "site-pass"),
+            ("CYBERWAVE_API_KEY", "cw_node"),
+        ];
+        let env = env_of("d62-login", &vars, None, None);
+        assert_eq!(get(&env, "CYBERWAVE_MQTT_USERNAME"), Some("site-user"));
+        assert_eq!(get(&env, "CYBERWAVE_MQTT_PASSWORD"), Some("site-pass"));
+        assert_eq!(get(&env, "CYBERWAVE_API_KEY"), Some("cw_node"));
+        let env = env_of("d62-minted", &vars, Some("cw_workload"), None);
+        assert_eq!(get(&env, "CYBERWAVE_MQTT_USERNAME"), Some("site-user"));
+        assert_eq!(get(&env, "CYBERWAVE_MQTT_PASSWORD"), Some("cw_workload"));
+        assert_eq!(get(&env, "CYBERWAVE_API_KEY"), Some("cw_workload"));
+        // An empty token is no token.
+        let env = env_of("d62-empty", &vars, Some(" "), None);
+        assert_eq!(get(&env, "CYBERWAVE_API_KEY"), Some("cw_node"));
+        assert_eq!(get(&env, "CYBERWAVE_MQTT_PASSWORD"), Some("site-pass"));
+        // Without a node token (standalone) nor a minted one: no API key at all.
+        let env = env_of("d62-nokey", &[], None, None);
+        assert_eq!(get(&env, "CYBERWAVE_API_KEY"), None);
+        assert_eq!(get(&env, "CYBERWAVE_MQTT_PASSWORD"), None);
+    }
+
+    #[test]
+    fn d62_a_workload_user_gets_its_own_home_user_and_logname() {
+        let user = WorkloadUser {
+            name: "cwwork0".into(),
+            uid: 1500,
+            gid: 1500,
+            groups: vec![1500],
+            home: PathBuf::from("/home/cwwork0"),
+        };
+        let vars = [("HOME", "/root"), ("USER", "root"), ("LOGNAME", "root")];
+        let env = env_of("d62-user", &vars, None, Some(&user));
+        assert_eq!(get(&env, "HOME"), Some("/home/cwwork0"));
+        assert_eq!(get(&env, "USER"), Some("cwwork0"));
+        assert_eq!(get(&env, "LOGNAME"), Some("cwwork0"));
+        let env = env_of("d62-nouser", &vars, None, None);
+        assert_eq!(get(&env, "HOME"), Some("/root"));
+        assert_eq!(get(&env, "USER"), Some("root"));
+    }
 }

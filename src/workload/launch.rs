@@ -91,7 +91,8 @@ fn launch_in(
         s,
         &meta,
         &environment::Context {
-            credential: token.unwrap_or_else(|| req.node_token.clone()),
+            workload_token: token,
+            node_token: &req.node_token,
             params_file: &params_file,
             results_dir: req.results_dir.as_deref(),
             user,

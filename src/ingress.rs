@@ -130,6 +130,10 @@ fn need_id(what: &'static str, v: Option<&str>) -> Result<String, IngressError> 
 /// a workload emitting in a loop fills neither the node's memory nor its disk.
 pub const MAX_QUEUED_EVENTS: usize = 4096;
 
+/// How many bytes of workflow events may wait in the queue by default
+/// (`CYBERWAVE_NODE_INGRESS_QUEUE_BYTES`); one workload may fill a quarter of it (D67).
+pub const MAX_QUEUE_BYTES: u64 = 16 * 1024 * 1024;
+
 /// Builds and validates an event from named fields (the `emit` flags or a socket request).
 /// `fields` keys: kind (started|node|finished), workflow, execution, node, status, trigger,
 /// input, output, error_message, execution_time_ms, metadata, started_at, finished_at,

@@ -11,3 +11,4 @@ mod forkserver_hostile;
 mod logs;
 mod pids;
 mod state_files;
+mod terminal;

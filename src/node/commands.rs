@@ -113,7 +113,7 @@ pub(super) struct View<'a> {
     pub(super) gpu: &'a Gpus,
     pub(super) outbox: &'a Outbox,
     /// The ingress queue.
-    pub(super) events: &'a Outbox,
+    pub(super) events: &'a crate::ingress_queue::EventQueue,
 }
 
 impl View<'_> {
@@ -219,6 +219,7 @@ impl View<'_> {
             }), &a.meta)).collect::<Vec<_>>(),
             "outbox": self.outbox.len(),
             "ingress_queue": self.events.len(),
+            "ingress_queue_bytes": self.events.bytes(),
         });
         if let Some(g) = self
             .gpu

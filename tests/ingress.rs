@@ -365,7 +365,7 @@ fn queued_bytes(setup: &NodeSetup) -> u64 {
 /// queued; another workload still has its own share. Once the broker is back, every queued
 /// event arrives, in order within its execution.
 #[test]
-fn d67_a_workload_emitting_while_the_broker_is_away_fills_its_share_and_no_more() {
+fn g13_d67_a_workload_emitting_while_the_broker_is_away_fills_its_share_and_no_more() {
     let (mut broker, cp, setup) = rig(
         "cyberwave:\n  max_concurrent_workloads: 2\n  training: |\n    while [ ! -f go ]; do sleep 0.05; done\n    pad=$(head -c 120000 /dev/zero | tr '\\0' x)\n    i=0\n    while [ $i -lt 60 ]; do\n      i=$((i+1))\n      \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-big --execution ex-$((i % 2)) --node n$i --status running --metadata-json \"{\\\"pad\\\": \\\"$pad\\\"}\" 2>err.txt\n      rc=$?\n      if [ $rc -ne 0 ]; then echo \"at=$i rc=$rc\" > refused.txt; break; fi\n    done\n    echo done > big.txt\n  inference: |\n    while [ ! -f go2 ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-small --execution ex --node n1 --status running; echo \"small=$?\" > small.txt\n",
     );
@@ -425,7 +425,7 @@ fn d67_a_workload_emitting_while_the_broker_is_away_fills_its_share_and_no_more(
 /// aside in turn, and another workload's event is delivered meanwhile instead of waiting
 /// behind them all (strictly in order, it waited five refusals per event ahead of it).
 #[test]
-fn d67_a_workflow_the_broker_refuses_never_holds_back_another_workloads_events() {
+fn g13_d67_a_workflow_the_broker_refuses_never_holds_back_another_workloads_events() {
     let broker = crate::support::Broker::start_with_acl(
         "pattern deny cyberwave/workflow/wf-denied/#\npattern readwrite #\n",
     );

@@ -615,7 +615,7 @@ fn g5_d64_a_command_refused_before_its_params_are_read_gets_its_reply_and_a_fail
 /// through the broker and the node's client and runs; one over it is refused with its reply
 /// and a `failed` status.
 #[test]
-fn d64_a_start_of_31_mib_runs_and_one_of_33_mib_gets_its_reply_and_a_failed_status() {
+fn g5_d64_a_start_of_31_mib_runs_and_one_of_33_mib_gets_its_reply_and_a_failed_status() {
     let (_broker, cp, setup) = crate::support::rig("cyberwave:\n  inference: 'true'\n");
     let node = setup.spawn();
     node.wait_ready(READY);

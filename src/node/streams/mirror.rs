@@ -87,6 +87,21 @@ impl Budget {
     }
 }
 
+/// The budget at one moment, as [`text::tag_lines`] asks it.
+struct Within<'a> {
+    budget: &'a mut Budget,
+    now: Instant,
+}
+
+impl text::Gate for Within<'_> {
+    fn admit(&mut self, cost: u64, used: u64) -> bool {
+        self.budget.admit(self.now, cost, used)
+    }
+    fn charge(&mut self, extra: u64) {
+        self.budget.spent = self.budget.spent.saturating_add(extra);
+    }
+}
+
 /// The note line for `held` bytes.
 pub fn note(prefix: &[u8], held: u64) -> Vec<u8> {
     let mut line = prefix.to_vec();
@@ -121,14 +136,17 @@ pub fn mirror(
         data
     };
     let mut text = Vec::with_capacity(data.len().saturating_add(data.len() / 2).saturating_add(64));
-    let mut admit = |cost: u64, used: u64| budget.admit(now, cost, used);
+    let mut gate = Within {
+        budget: &mut *budget,
+        now,
+    };
     if partial.is_empty() {
         // The usual case (a chunk ends at a line end): no copy into `partial`.
-        let used = text::tag_lines(prefix, data, last, MIRROR_PIECE, &mut text, &mut admit);
+        let used = text::tag_lines(prefix, data, last, MIRROR_PIECE, &mut text, &mut gate);
         partial.extend_from_slice(data.get(used..).unwrap_or_default());
     } else {
         partial.extend_from_slice(data);
-        let used = text::tag_lines(prefix, partial, last, MIRROR_PIECE, &mut text, &mut admit);
+        let used = text::tag_lines(prefix, partial, last, MIRROR_PIECE, &mut text, &mut gate);
         partial.drain(..used.min(partial.len()));
     }
     if let Some(held) = budget.take_note(now, last) {
@@ -190,6 +208,35 @@ mod tests {
         fn mirror(&mut self, _: usize, text: &[u8]) {
             self.0.extend_from_slice(text);
         }
+    }
+
+    /// What escaping adds counts too: a flood of bytes that print as `\xNN` (four times their
+    /// size) is held to the budget as printed.
+    #[test]
+    fn d69_escaped_bytes_count_as_printed() {
+        let t0 = Instant::now();
+        let mut console = Console::default();
+        let mut budget = Budget::new(10_000);
+        let mut line = vec![0xffu8; 999];
+        line.push(b'\n');
+        let flood = line.repeat(100);
+        let mut partial = Vec::new();
+        mirror(
+            b"> ",
+            0,
+            &flood,
+            false,
+            &mut partial,
+            &mut budget,
+            t0,
+            &mut console,
+        );
+        assert!(
+            console.0.len() <= 10_000 + 4 * 1000,
+            "{} bytes printed",
+            console.0.len()
+        );
+        assert!(console.0.len() >= 4 * 1000);
     }
 
     /// D69: a flood of empty lines (a byte each, a tag each on the console) prints at most the

@@ -137,15 +137,15 @@ pub fn install_chunk_end(text: &str, from: usize, chunk: usize) -> usize {
 /// its own, so that no text reaches the console without a tag); the empty line a redraw leaves
 /// (`\r` at the start of a line) is dropped. A line over `piece` bytes is cut (on a character
 /// boundary) into tagged pieces. Without `last`, an unfinished line (or a `\r` that may yet be
-/// followed by `\n`) is left unused. `admit(bytes to print, bytes of buf)` says whether a line
-/// is printed (the mirror's budget): it is asked before the line is escaped, with its raw size.
+/// followed by `\n`) is left unused. `gate` says whether a line is printed (the mirror's
+/// budget).
 pub fn tag_lines(
     prefix: &[u8],
     buf: &[u8],
     last: bool,
     piece: usize,
     out: &mut Vec<u8>,
-    admit: &mut dyn FnMut(u64, u64) -> bool,
+    gate: &mut dyn Gate,
 ) -> usize {
     let mut start = 0;
     loop {
@@ -178,13 +178,34 @@ pub fn tag_lines(
         let cost = (prefix.len() as u64)
             .saturating_add(len as u64)
             .saturating_add(1);
-        if !admit(cost, used as u64) {
+        if !gate.admit(cost, used as u64) {
             continue;
         }
+        let before = out.len();
         out.extend_from_slice(prefix);
         crate::logtext::push_terminal(out, rest.get(..len).unwrap_or_default());
         out.push(b'\n');
+        gate.charge((out.len().saturating_sub(before) as u64).saturating_sub(cost));
     }
+}
+
+/// What decides whether a line is printed (the mirror's budget).
+pub trait Gate {
+    /// Before the line is escaped: `cost`, the bytes it prints if nothing needs escaping (tag
+    /// and line end included); `used`, the bytes of the output it stands for.
+    fn admit(&mut self, cost: u64, used: u64) -> bool;
+    /// After: what escaping added to a line that was admitted.
+    fn charge(&mut self, extra: u64);
+}
+
+/// Every line printed.
+pub struct Open;
+
+impl Gate for Open {
+    fn admit(&mut self, _: u64, _: u64) -> bool {
+        true
+    }
+    fn charge(&mut self, _: u64) {}
 }
 
 /// The longest prefix of `bytes`, at most `max` long, that does not end inside a UTF-8
@@ -323,7 +344,7 @@ mod tests {
     }
 
     fn tag(buf: &[u8], last: bool, piece: usize, out: &mut Vec<u8>) -> usize {
-        tag_lines(b"[T] ", buf, last, piece, out, &mut |_, _| true)
+        tag_lines(b"[T] ", buf, last, piece, out, &mut Open)
     }
 
     fn tagged(buf: &[u8], last: bool, piece: usize) -> (String, usize) {
@@ -386,23 +407,31 @@ mod tests {
     }
 
     #[test]
-    fn a_line_is_admitted_or_not_as_a_whole_with_its_size() {
-        let mut asked = Vec::new();
+    fn a_line_is_admitted_or_not_as_a_whole_and_charged_what_it_printed() {
+        struct Rec(Vec<(u64, u64)>, Vec<u64>);
+        impl Gate for Rec {
+            fn admit(&mut self, cost: u64, used: u64) -> bool {
+                self.0.push((cost, used));
+                cost != 8
+            }
+            fn charge(&mut self, extra: u64) {
+                self.1.push(extra);
+            }
+        }
+        let mut gate = Rec(Vec::new(), Vec::new());
         let mut out = Vec::new();
         let used = tag_lines(
             b"[T] ",
-            b"one\ntwo\r\nthree\n",
+            b"one\ntwo\r\nthr\x1be\n",
             false,
             100,
             &mut out,
-            &mut |cost, used| {
-                asked.push((cost, used));
-                cost != 8
-            },
+            &mut gate,
         );
         assert_eq!(used, 15);
-        assert_eq!(asked, vec![(8, 4), (8, 5), (10, 6)]);
-        assert_eq!(String::from_utf8(out).unwrap(), "[T] three\n");
+        assert_eq!(gate.0, vec![(8, 4), (8, 5), (10, 6)]);
+        assert_eq!(gate.1, vec![3], "\\x1b is 3 bytes more than ESC");
+        assert_eq!(String::from_utf8(out).unwrap(), "[T] thr\\x1be\n");
     }
 
     #[test]
@@ -452,7 +481,7 @@ mod tests {
         for seed in 0..200u64 {
             let buf = noise(seed, 300);
             let mut out = Vec::new();
-            let used = tag_lines(b"> ", &buf, true, 1000, &mut out, &mut |_, _| true);
+            let used = tag_lines(b"> ", &buf, true, 1000, &mut out, &mut Open);
             assert_eq!(used, buf.len());
             let mut model = Vec::new();
             let text = buf.as_slice();

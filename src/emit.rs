@@ -102,7 +102,9 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
                 .to_string();
             Err(if reply.get("refused") == Some(&json!(true)) {
                 EmitError::Refused(why)
-            } else if reply.get("busy") == Some(&json!(true)) {
+            } else if reply.get("busy") == Some(&json!(true))
+                || reply.get("not_queued") == Some(&json!(true))
+            {
                 EmitError::Failed(why)
             } else {
                 EmitError::Invalid(why)

@@ -194,7 +194,8 @@ impl Ingress {
 
     /// `emit` from a workload, through the control socket: `owner` is the running workload
     /// whose event token the request carries, if any. An event that does not fit the queue's
-    /// bounds (D67) is refused with `busy` and the bound it hit; nothing is queued.
+    /// bounds (D67) is refused at once (`not_queued`, `full`) naming the bound it hit; nothing
+    /// is queued.
     pub fn emit(&mut self, body: &Value, owner: Option<&Meta>, out: &mut dyn Outbound) -> Value {
         let Some(fields) = body.get("fields").and_then(Value::as_object) else {
             return json!({"ok": false, "error": "emit needs fields"});
@@ -226,10 +227,11 @@ impl Ingress {
         };
         let size = EventQueue::size_of(&item);
         if let Err(full) = self.queue.room(&owner.safe_id, size) {
-            return json!({"ok": false, "busy": true, "full": true, "error": format!("{full}: this event ({size} bytes) is not queued; send it again once the queue drains")});
+            // Not `busy` (which a caller retries at once for half a minute): the workload decides.
+            return json!({"ok": false, "not_queued": true, "full": true, "error": format!("{full}: this event ({size} bytes) is not queued; send it again once the queue drains")});
         }
         if let Err(e) = self.queue.push(item, false) {
-            return json!({"ok": false, "busy": true, "error": format!("the event cannot be written to the node's queue ({e}): it is not queued; send it again later")});
+            return json!({"ok": false, "not_queued": true, "error": format!("the event cannot be written to the node's queue ({e}): it is not queued; send it again later")});
         }
         self.send(out);
         json!({"ok": true, "execution_uuid": execution})
@@ -450,8 +452,12 @@ mod tests {
         loop {
             let r = part.emit(&body(2000), Some(&a), &mut out);
             if r["ok"] != true {
-                assert_eq!(r["busy"], true, "{r}");
+                assert_eq!(r["not_queued"], true, "{r}");
                 assert_eq!(r["full"], true, "{r}");
+                assert!(
+                    r.get("busy").is_none(),
+                    "a caller would retry it for half a minute"
+                );
                 let why = r["error"].as_str().unwrap();
                 assert!(
                     why.contains("its share of the node's queue is 10000"),

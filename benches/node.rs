@@ -22,6 +22,8 @@ use support::{Broker, ControlPlane};
 
 #[path = "node/brokers.rs"]
 mod brokers;
+#[path = "node/emit.rs"]
+mod emit;
 #[path = "node/fleet.rs"]
 mod fleet;
 #[path = "node/original.rs"]
@@ -126,6 +128,7 @@ fn main() {
     match words.first().map(String::as_str) {
         Some("idle") => return idle(Duration::from_secs(number(1, 60))),
         Some("brokers") => return brokers::run(number(1, 5) as usize),
+        Some("emit") => return emit::run(),
         Some("fleet") => return fleet::run(number(1, 100) as usize),
         Some("start") => return start::run(number(1, 100) as usize),
         Some("upload") => {

@@ -283,7 +283,7 @@ fn print_config(settings: &config::Settings, json: bool) {
             .into_iter()
             .map(|(k, v, s)| (k.to_string(), serde_json::json!({"value": v, "source": s})))
             .collect();
-        crate::outln!("{}", serde_json::Value::Object(obj));
+        crate::outln!("{}", crate::out::json(&serde_json::Value::Object(obj)));
     } else {
         for (k, v, s) in rows {
             crate::outln!("{k:<26} {v:<40} ({s})");

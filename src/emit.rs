@@ -102,7 +102,9 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
                 .to_string();
             Err(if reply.get("refused") == Some(&json!(true)) {
                 EmitError::Refused(why)
-            } else if reply.get("busy") == Some(&json!(true)) {
+            } else if reply.get("busy") == Some(&json!(true))
+                || reply.get("not_queued") == Some(&json!(true))
+            {
                 EmitError::Failed(why)
             } else {
                 EmitError::Invalid(why)
@@ -111,25 +113,7 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
         Err(CallError::NotRunning) => {
             // The node is down: check the token against the workload records and queue directly.
             let state = socket.parent().map(PathBuf::from).unwrap_or_else(state_dir);
-            authorised(&state, &token, &event.workflow)?;
-            // The queue's entries only (`<seq>.json`), not its temporary or set-aside files.
-            let entry = |e: &std::fs::DirEntry| {
-                e.file_name()
-                    .to_str()
-                    .and_then(|n| n.strip_suffix(".json"))
-                    .is_some_and(|seq| !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_digit()))
-            };
-            let queued = std::fs::read_dir(state.join("ingress")).map_or(0, |rd| {
-                rd.flatten()
-                    .filter(entry)
-                    .take(crate::ingress::MAX_QUEUED_EVENTS)
-                    .count()
-            });
-            if queued >= crate::ingress::MAX_QUEUED_EVENTS {
-                return Err(EmitError::Failed(format!(
-                    "{queued} workflow events wait to be sent already: this one is not queued; try again later"
-                )));
-            }
+            let owner = authorised(&state, &token, &event.workflow)?;
             let item = Item {
                 topic: event.topic.clone(),
                 body: event.body.clone(),
@@ -138,7 +122,16 @@ pub fn run(kind: &str, flags: &BTreeMap<String, String>) -> Result<(), EmitError
                     event.workflow
                 ),
                 key: None,
+                owner: Some(owner),
             };
+            // The node cannot share the queue out while it is down: all such events together
+            // get one workload's share (D67).
+            let size = crate::ingress_queue::EventQueue::size_of(&item);
+            if let Err(full) = crate::ingress_queue::room_while_down(&state.join("ingress"), size) {
+                return Err(EmitError::Failed(format!(
+                    "{full}: this event ({size} bytes) is not queued; send it again once the queue drains"
+                )));
+            }
             match outbox::write_item(&state.join("ingress"), &item) {
                 Ok(_) => print_ok(&event.execution),
                 Err(e) => Err(EmitError::Failed(format!(
@@ -160,8 +153,9 @@ fn state_dir() -> PathBuf {
         .unwrap_or_else(|_| PathBuf::from(".cyberwave"))
 }
 
-/// Whether `token` is a workload's own event token, for `workflow`; `Err` is a refusal.
-fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<(), EmitError> {
+/// The workload whose own event token `token` is, when it may report `workflow` (its safe id);
+/// `Err` is a refusal.
+fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<String, EmitError> {
     let rd = std::fs::read_dir(state.join("workloads"))
         .map_err(|e| EmitError::Refused(format!("cannot check the event token: {e}")))?;
     for e in rd.flatten() {
@@ -174,7 +168,7 @@ fn authorised(state: &std::path::Path, token: &str, workflow: &str) -> Result<()
                     "this workload may only report workflow {}",
                     ctx.workflow
                 ))),
-                _ => Ok(()),
+                _ => Ok(meta.safe_id),
             };
         }
     }

@@ -125,10 +125,9 @@ fn need_id(what: &'static str, v: Option<&str>) -> Result<String, IngressError> 
     }
 }
 
-/// How many workflow events may wait in the node's queue (`<state dir>/ingress/`) to be sent:
-/// past it a workload's `emit` is refused (exit 1, nothing queued) until some are sent, so that
-/// a workload emitting in a loop fills neither the node's memory nor its disk.
-pub const MAX_QUEUED_EVENTS: usize = 4096;
+/// How many bytes of workflow events may wait in the queue by default
+/// (`CYBERWAVE_NODE_INGRESS_QUEUE_BYTES`); one workload may fill a quarter of it (D67).
+pub const MAX_QUEUE_BYTES: u64 = 16 * 1024 * 1024;
 
 /// Builds and validates an event from named fields (the `emit` flags or a socket request).
 /// `fields` keys: kind (started|node|finished), workflow, execution, node, status, trigger,

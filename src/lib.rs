@@ -23,6 +23,7 @@ pub mod error;
 pub mod fds;
 pub mod gpu;
 pub mod ingress;
+pub mod ingress_queue;
 pub mod ledger;
 pub mod logtext;
 pub mod manpage;

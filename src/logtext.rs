@@ -3,7 +3,11 @@
 //! one forges a log line, an ANSI/OSC escape rewrites the operator's terminal, and a NUL makes
 //! the log "binary" to grep. [`shown`] writes such text escaped and cut; [`Escaped`] is the
 //! logger's backstop for whole lines (every control character escaped, nothing cut).
+//!
+//! What a workload prints, and outside text in the CLI's output, reach the operator's terminal
+//! through [`push_terminal`] (D69): control characters and bytes that are not UTF-8 as `\xNN`.
 
+use std::borrow::Cow;
 use std::fmt::{self, Display, Write};
 
 /// How many characters of one outside value a log line shows before `…`.
@@ -100,6 +104,74 @@ fn escape_char(f: &mut impl Write, c: char) -> fmt::Result {
     }
 }
 
+/// True for a character the operator's terminal must never get raw (D69): C0 controls but TAB
+/// (so ESC, and every escape sequence with it), DEL, C1 controls, and the format characters
+/// that reorder or hide text.
+pub fn terminal_unsafe(c: char) -> bool {
+    c != '\t' && needs_escape(c)
+}
+
+/// Appends `bytes` as the operator's terminal may show them (D69): valid UTF-8 as it is, but
+/// control characters other than TAB (a newline too), DEL and C1 as `\xNN` (their code), the
+/// format characters of [`needs_escape`] as `\u{XXXX}`, and every byte that is not UTF-8 as
+/// `\xNN`. The output is valid UTF-8 without a control character but TAB.
+pub fn push_terminal(out: &mut Vec<u8>, bytes: &[u8]) {
+    for chunk in bytes.utf8_chunks() {
+        let mut rest = chunk.valid();
+        // A byte at or above 0x7f starts a character worth a look (DEL, C1, a format one).
+        while let Some(i) = rest
+            .bytes()
+            .position(|b| (b < 0x20 && b != b'\t') || b >= 0x7f)
+        {
+            out.extend_from_slice(rest.get(..i).unwrap_or_default().as_bytes());
+            let mut chars = rest.get(i..).unwrap_or_default().chars();
+            if let Some(c) = chars.next() {
+                if !terminal_unsafe(c) {
+                    let mut b = [0u8; 4];
+                    out.extend_from_slice(c.encode_utf8(&mut b).as_bytes());
+                } else if let Ok(byte) = u8::try_from(u32::from(c)) {
+                    push_hex(out, byte);
+                } else {
+                    out.extend_from_slice(format!("\\u{{{:04x}}}", u32::from(c)).as_bytes());
+                }
+            }
+            rest = chars.as_str();
+        }
+        out.extend_from_slice(rest.as_bytes());
+        for b in chunk.invalid() {
+            push_hex(out, *b);
+        }
+    }
+}
+
+fn push_hex(out: &mut Vec<u8>, b: u8) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.extend_from_slice(b"\\x");
+    out.push(HEX.get(usize::from(b >> 4)).copied().unwrap_or(b'0'));
+    out.push(HEX.get(usize::from(b & 0xf)).copied().unwrap_or(b'0'));
+}
+
+/// One field of outside text in the CLI's output (a request id, a path, a state): as
+/// [`push_terminal`] writes it, so a newline in it is `\x0a` and cannot forge a line.
+pub fn terminal(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(terminal_unsafe) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = Vec::with_capacity(text.len().saturating_add(16));
+    push_terminal(&mut out, text.as_bytes());
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// The CLI's backstop for whole outputs: every line of `text` as [`terminal`] writes it, the
+/// newlines between them kept.
+pub fn terminal_lines(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(|c| c != '\n' && terminal_unsafe(c)) {
+        return Cow::Borrowed(text);
+    }
+    let lines: Vec<Cow<'_, str>> = text.split('\n').map(terminal).collect();
+    Cow::Owned(lines.join("\n"))
+}
+
 /// " (N more like it held back)" for a throttled log line.
 pub fn held_note(held: u64) -> String {
     if held == 0 {
@@ -149,6 +221,58 @@ mod tests {
         }
         assert_eq!(t.ready(t0 + Throttle::PERIOD), Some(3));
         assert_eq!(t.ready(t0 + Throttle::PERIOD), None);
+    }
+
+    fn term(bytes: &[u8]) -> String {
+        let mut out = Vec::new();
+        push_terminal(&mut out, bytes);
+        String::from_utf8(out).expect("always UTF-8")
+    }
+
+    /// D69, hostile input first: escape sequences of every kind, terminal queries, C1 controls,
+    /// DEL, bytes that are not UTF-8 (alone, cut, overlong, surrogates) all become `\xNN`.
+    #[test]
+    fn d69_terminal_text_escapes_controls_and_invalid_utf8() {
+        for (input, want) in [
+            (&b"\x1b]0;owned\x07"[..], "\\x1b]0;owned\\x07"),
+            (b"\x1b[2J\x1b[H", "\\x1b[2J\\x1b[H"),
+            (
+                b"\x1b[6n\x1b[c\x1bP+q544e\x1b\\",
+                "\\x1b[6n\\x1b[c\\x1bP+q544e\\x1b\\",
+            ),
+            (b"a\rb\nc\x00d\x7fe", "a\\x0db\\x0ac\\x00d\\x7fe"),
+            ("\u{9b}31m\u{85}\u{80}".as_bytes(), "\\x9b31m\\x85\\x80"),
+            (b"\xff\xfe", "\\xff\\xfe"),
+            (b"cut \xe2\x82", "cut \\xe2\\x82"),
+            (b"overlong \xc0\xaf", "overlong \\xc0\\xaf"),
+            (b"surrogate \xed\xa0\x80", "surrogate \\xed\\xa0\\x80"),
+            (b"\xc2", "\\xc2"),
+            (
+                "bidi \u{202e}x\u{2028}".as_bytes(),
+                "bidi \\u{202e}x\\u{2028}",
+            ),
+            (b"tab\tkept", "tab\tkept"),
+            ("plain é ✓ 日本 😀 █▌".as_bytes(), "plain é ✓ 日本 😀 █▌"),
+            (b"", ""),
+        ] {
+            assert_eq!(term(input), want, "{}", String::from_utf8_lossy(input));
+        }
+        // Whatever the bytes, nothing raw is left.
+        let every: Vec<u8> = (0..=255u8).collect();
+        let out = term(&every);
+        assert!(!out.chars().any(terminal_unsafe), "{out}");
+        assert!(!out.contains('\u{fffd}'));
+    }
+
+    #[test]
+    fn d69_cli_fields_and_whole_outputs() {
+        assert_eq!(
+            terminal("req\n2026 FORGED\x1b]2;t\x07"),
+            "req\\x0a2026 FORGED\\x1b]2;t\\x07"
+        );
+        assert!(matches!(terminal("plain"), Cow::Borrowed(_)));
+        assert_eq!(terminal_lines("a\x1b[2J\nb\tc\n"), "a\\x1b[2J\nb\tc\n");
+        assert!(matches!(terminal_lines("line\nline\n"), Cow::Borrowed(_)));
     }
 
     #[test]

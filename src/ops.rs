@@ -94,7 +94,7 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
         None => st = json!({ "state_dir": state }),
     }
     if json_out {
-        crate::outln!("{st}");
+        crate::outln!("{}", crate::out::json(&st));
         return Ok(());
     }
     print_node(&st, &state);
@@ -103,9 +103,16 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-/// A string field, else "-".
+/// A string field, escaped for the terminal (D69: it may come from outside), else "-".
 fn text(v: &Value) -> String {
-    v.as_str().map(String::from).unwrap_or_else(|| "-".into())
+    v.as_str()
+        .map(|s| crate::logtext::terminal(s).into_owned())
+        .unwrap_or_else(|| "-".into())
+}
+
+/// A request id as `status` shows it: its text, escaped for the terminal (D69).
+fn request_text(v: &Value) -> String {
+    crate::logtext::terminal(&crate::protocol::commands::request_id_text(v)).into_owned()
 }
 
 /// `status`: the node, its instance, heartbeat, admission and outbox.
@@ -128,7 +135,10 @@ fn print_node(st: &Value, state: &Path) {
             }
         );
     } else {
-        crate::outln!("node:       not running (state from {})", state.display());
+        crate::outln!(
+            "node:       not running (state from {})",
+            crate::logtext::terminal(&state.display().to_string())
+        );
     }
     crate::outln!(
         "instance:   {} (slug {}){}",
@@ -136,7 +146,7 @@ fn print_node(st: &Value, state: &Path) {
         s(field(st, "slug")),
         field(st, "environment_uuid")
             .as_str()
-            .map(|e| format!(", reserved for environment {e}"))
+            .map(|e| format!(", reserved for environment {}", crate::logtext::terminal(e)))
             .unwrap_or_default()
     );
     if field(st, "running") == true {
@@ -184,7 +194,7 @@ fn print_workloads(st: &Value) {
             s(field(&w, "type")),
             s(field(&w, "state")),
             field(&w, "running_for_seconds"),
-            crate::protocol::commands::request_id_text(field(&w, "request_id"))
+            request_text(field(&w, "request_id"))
         );
         crate::outln!(
             "    logs: {}  {}",
@@ -216,7 +226,7 @@ fn print_gpus(st: &Value) {
         for g in gpus {
             let holder = match field(g, "held_by") {
                 Value::Null => "free".to_string(),
-                r => format!("held by {}", crate::protocol::commands::request_id_text(r)),
+                r => format!("held by {}", request_text(r)),
             };
             let reason = field(g, "reason")
                 .as_str()
@@ -315,69 +325,157 @@ fn find_log(state: &Path, id: &str, stderr: bool) -> Option<(PathBuf, Option<Str
         .map(|p| (p, None))
 }
 
-/// Drops from the front of `text` all but its last `n` lines (a last line without its newline
-/// counts; a final newline ends the last line, it does not start another; `0` keeps all, as
-/// `-n 0` always did). Applied after each chunk as it is read, it keeps what applying it once
-/// to the whole would keep.
-fn keep_last_lines(text: &mut Vec<u8>, n: usize) {
-    if n == 0 {
-        return; // `-n 0` has always shown the whole log
+/// The longest line `logs` prints: the rest of a longer one is cut, with a note (D69).
+pub const MAX_LINE: usize = 1 << 20;
+
+/// What `logs` prints of a workload's log (D69): its lines escaped for the terminal. A line
+/// ends at `\n`, `\r\n` or a lone `\r` (a progress bar's redraw is one line); the empty line
+/// a redraw leaves is dropped, and a line over [`MAX_LINE`] bytes is cut. Fed a chunk at a
+/// time, it holds at most one line.
+#[derive(Debug, Default)]
+struct View {
+    /// The line so far (at most [`MAX_LINE`] bytes).
+    line: Vec<u8>,
+    /// Bytes of the line past [`MAX_LINE`], not kept.
+    cut: u64,
+    /// The last byte fed was a `\r` that ended a line: a `\n` right after it belongs to it.
+    cr: bool,
+    /// … and that line was empty: printed only when the `\n` comes (an empty `\r\n` line).
+    empty_cr: bool,
+}
+
+impl View {
+    fn feed(&mut self, mut data: &[u8], out: &mut Vec<u8>) {
+        while !data.is_empty() {
+            if std::mem::take(&mut self.cr) {
+                let empty = std::mem::take(&mut self.empty_cr);
+                if let Some(rest) = data.strip_prefix(b"\n") {
+                    if empty {
+                        self.end_line(out);
+                    }
+                    data = rest;
+                    continue;
+                }
+            }
+            let Some(p) = memchr::memchr2(b'\n', b'\r', data) else {
+                self.push(data);
+                return;
+            };
+            self.push(data.get(..p).unwrap_or_default());
+            let eol = data.get(p).copied();
+            data = data.get(p.saturating_add(1)..).unwrap_or_default();
+            if eol == Some(b'\r') {
+                self.cr = true;
+                if self.line.is_empty() && self.cut == 0 {
+                    self.empty_cr = true;
+                    continue;
+                }
+            }
+            self.end_line(out);
+        }
     }
-    let body = text.strip_suffix(b"\n").unwrap_or(text);
-    let cut = body
-        .iter()
-        .enumerate()
-        .rev()
-        .filter(|(_, b)| **b == b'\n')
-        .nth(n.saturating_sub(1))
-        .map_or(0, |(i, _)| i.saturating_add(1));
-    text.drain(..cut);
+
+    /// The log ended (or was read to its end): a last line without its line end.
+    fn finish(&mut self, out: &mut Vec<u8>) {
+        if !self.line.is_empty() || self.cut > 0 {
+            self.end_line(out);
+        }
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        let room = MAX_LINE.saturating_sub(self.line.len());
+        let take = if bytes.len() > room {
+            crate::node::streams::text::utf8_cut(bytes, room).min(room)
+        } else {
+            bytes.len()
+        };
+        self.line
+            .extend_from_slice(bytes.get(..take).unwrap_or_default());
+        self.cut = self
+            .cut
+            .saturating_add(bytes.len().saturating_sub(take) as u64);
+    }
+
+    fn end_line(&mut self, out: &mut Vec<u8>) {
+        crate::logtext::push_terminal(out, &self.line);
+        if self.cut > 0 {
+            out.extend_from_slice(
+                format!(" … ({} more bytes of this line in the log file)", self.cut).as_bytes(),
+            );
+        }
+        out.push(b'\n');
+        self.line.clear();
+        self.cut = 0;
+    }
+}
+
+/// Where the last `n` lines of the file (`len` bytes) start: found from its end, a block at a
+/// time, so neither time nor memory depends on what comes before them. A line ends at `\n`;
+/// the file's final `\n` ends its last line, it does not start another.
+fn last_lines_start(f: &std::fs::File, len: u64, n: usize) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    const BLOCK: u64 = 64 * 1024;
+    let mut buf = vec![0u8; BLOCK as usize];
+    let mut end = len;
+    let mut seen = 0usize;
+    while end > 0 {
+        let from = end.saturating_sub(BLOCK);
+        let block = buf
+            .get_mut(..usize::try_from(end.saturating_sub(from)).unwrap_or(0))
+            .unwrap_or_default();
+        f.read_exact_at(block, from)?;
+        for i in memchr::memrchr_iter(b'\n', block) {
+            let at = from.saturating_add(i as u64);
+            if at.saturating_add(1) == len {
+                continue;
+            }
+            seen = seen.saturating_add(1);
+            if seen == n {
+                return Ok(at.saturating_add(1));
+            }
+        }
+        end = from;
+    }
+    Ok(0)
 }
 
 pub fn logs(id: &str, follow: bool, stderr: bool, lines: Option<usize>) -> Result<(), CliError> {
     let state = state_dir()?;
     let Some((path, tracked)) = find_log(&state, id, stderr) else {
         return Err(CliError::Runtime(format!(
-            "no workload with request id or pid {id:?} in {}",
+            "no workload with request id or pid {} in {}",
+            crate::logtext::terminal(&format!("{id:?}")),
             state.display()
         )));
     };
     // Not through a link the workload may have planted (it would print another file).
-    crate::workload::tail::open_log(&path, false)
+    let f = crate::workload::tail::open_log(&path, false)
         .map_err(|e| CliError::Runtime(format!("cannot open {}: {e}", path.display())))?;
-    // Read as the node streams it (D52): holes and NUL runs skipped, not read into memory. A
-    // chunk at a time, so a log of any size costs at most a chunk (with `-n`, a chunk and the
-    // lines kept).
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut pos = match lines {
+        Some(n) if n > 0 => last_lines_start(&f, len, n)
+            .map_err(|e| CliError::Runtime(format!("cannot read {}: {e}", path.display())))?,
+        _ => 0, // `-n 0` has always shown the whole log
+    };
+    drop(f);
+    // Read as the node streams it (D52): holes and NUL runs skipped, not read into memory; a
+    // chunk at a time, so a log of any size costs at most a chunk and a line.
     let key = crate::workload::tail::Key::default();
-    let mut kept = Vec::new();
-    let mut pos = 0u64;
-    loop {
-        let c = crate::workload::tail::read(key.clone(), &path, pos, 1 << 20, &[]);
-        if c.data.is_empty() && c.skipped == 0 {
-            break;
-        }
-        pos = c.at().saturating_add(c.data.len() as u64);
-        match lines {
-            Some(n) if n > 0 => {
-                kept.extend_from_slice(&c.data);
-                keep_last_lines(&mut kept, n);
-            }
-            _ => crate::out::stdout_bytes(&c.data),
-        }
-    }
-    crate::out::stdout_bytes(&kept);
-    if !follow {
-        return Ok(());
-    }
+    let mut view = View::default();
+    let mut out = Vec::new();
     let dir = tracked.map(|t| state.join("workloads").join(t));
     loop {
-        let ended = dir.as_ref().is_none_or(|d| !d.exists());
+        let ended = !follow || dir.as_ref().is_none_or(|d| !d.exists());
         // A log truncated below `pos` is followed from its start.
         let c = crate::workload::tail::read(key.clone(), &path, pos, 1 << 20, &[]);
         pos = c.at().saturating_add(c.data.len() as u64);
-        crate::out::stdout_bytes(&c.data);
+        view.feed(&c.data, &mut out);
+        crate::out::stdout_bytes(&out);
+        out.clear();
         if c.data.is_empty() && c.skipped == 0 {
             if ended {
+                view.finish(&mut out);
+                crate::out::stdout_bytes(&out);
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(200));
@@ -715,13 +813,10 @@ fn check_gpus(_: &Settings) -> Vec<Finding> {
 
 #[cfg(test)]
 mod tests {
-    use super::keep_last_lines;
+    use super::{last_lines_start, View, MAX_LINE};
 
     /// The last `n` lines by their plain definition: split into lines, keep the last `n`.
-    fn last_lines(text: &[u8], n: usize) -> Vec<u8> {
-        if n == 0 {
-            return text.to_vec();
-        }
+    fn last_lines(text: &[u8], n: usize) -> usize {
         let body = text.strip_suffix(b"\n").unwrap_or(text);
         let starts: Vec<usize> = std::iter::once(0)
             .chain(
@@ -731,18 +826,19 @@ mod tests {
                     .map(|(i, _)| i + 1),
             )
             .collect();
-        let from = if starts.len() > n {
+        if starts.len() > n {
             starts[starts.len() - n]
         } else {
             0
-        };
-        text[from..].to_vec()
+        }
     }
 
-    /// `logs -n N` reads a log a chunk at a time and keeps only the lines it may print: for any
-    /// text, cut anywhere, what it prints is the last N lines of the whole.
+    /// `logs -n N` finds where the last N lines start from the end of the file: for any text
+    /// (blocks of 64 KiB cut it anywhere), the start of the last N lines of the whole.
     #[test]
-    fn logs_n_keeps_the_last_lines_whatever_the_chunks() {
+    fn d69_logs_n_finds_the_last_lines_from_the_end() {
+        let scratch = crate::scratch::Scratch::new("logs-n");
+        let path = scratch.path().join("log");
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = move |m: u64| {
             seed ^= seed << 13;
@@ -750,35 +846,76 @@ mod tests {
             seed ^= seed << 17;
             seed % m
         };
-        for _ in 0..2000 {
-            let len = next(60) as usize;
+        for round in 0..300 {
+            // Mostly short texts; some over a block, so that lines span blocks.
+            let len = if round % 10 == 0 {
+                70_000 + next(100_000)
+            } else {
+                next(60)
+            } as usize;
             let text: Vec<u8> = (0..len)
                 .map(|_| {
-                    if next(4) == 0 {
+                    if next(if round % 10 == 0 { 9000 } else { 4 }) == 0 {
                         b'\n'
                     } else {
-                        b'a' + next(3) as u8
+                        b'a'
                     }
                 })
                 .collect();
-            let n = next(6) as usize;
-            let mut kept = Vec::new();
-            let mut at = 0;
-            while at < text.len() {
-                let step = (1 + next(9) as usize).min(text.len() - at);
-                kept.extend_from_slice(&text[at..at + step]);
-                keep_last_lines(&mut kept, n);
-                at += step;
+            std::fs::write(&path, &text).unwrap();
+            let f = std::fs::File::open(&path).unwrap();
+            for n in [1, 2, 3, 7, 100] {
+                assert_eq!(
+                    last_lines_start(&f, text.len() as u64, n).unwrap() as usize,
+                    last_lines(&text, n),
+                    "round {round}, n={n}"
+                );
             }
-            assert_eq!(
-                kept,
-                last_lines(&text, n),
-                "{:?} n={n}",
-                String::from_utf8_lossy(&text)
-            );
         }
-        let mut one = b"a\nb\nc\n".to_vec();
-        keep_last_lines(&mut one, 2);
-        assert_eq!(one, b"b\nc\n");
+    }
+
+    fn view(chunks: &[&[u8]]) -> String {
+        let mut v = View::default();
+        let mut out = Vec::new();
+        for c in chunks {
+            v.feed(c, &mut out);
+        }
+        v.finish(&mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    /// D69: `logs` shows a log as the mirror does: escaped, a redraw one line, the empty lines
+    /// of redraws dropped, however the reads cut it.
+    #[test]
+    fn d69_logs_shows_lines_escaped_whatever_the_chunks() {
+        let text: &[u8] = b"a\x1b[2J\r\n\r10%\r20%\r\r\nb\xff\n\nlast";
+        let want = "a\\x1b[2J\n10%\n20%\n\nb\\xff\n\nlast\n";
+        assert_eq!(view(&[text]), want);
+        for cut in 0..text.len() {
+            assert_eq!(view(&[&text[..cut], &text[cut..]]), want, "cut at {cut}");
+        }
+        let bytewise: Vec<&[u8]> = text.chunks(1).collect();
+        assert_eq!(view(&bytewise), want);
+        assert_eq!(view(&[b""]), "");
+        assert_eq!(view(&[b"\r"]), "");
+    }
+
+    #[test]
+    fn d69_a_line_over_a_mib_is_cut_with_a_note() {
+        let long = vec![b'x'; MAX_LINE + 10];
+        let out = view(&[&long[..MAX_LINE - 5], &long[MAX_LINE - 5..], b"\nnext\n"]);
+        let (first, rest) = out.split_once('\n').unwrap();
+        assert!(first.starts_with(&"x".repeat(MAX_LINE)));
+        assert!(
+            first.ends_with(" … (10 more bytes of this line in the log file)"),
+            "{}",
+            &first[MAX_LINE..]
+        );
+        assert_eq!(rest, "next\n");
+        // Cut on a character boundary: no half character shown as bytes.
+        let mut wide = vec![b'x'; MAX_LINE - 1];
+        wide.extend_from_slice("é".as_bytes());
+        let out = view(&[&wide]);
+        assert!(out.ends_with("x … (2 more bytes of this line in the log file)\n"));
     }
 }

@@ -22,6 +22,10 @@ pub struct Item {
     /// crash between "queued" and "workload retired" is a no-op.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// The workload that queued it (a workflow event from `emit`): its share of the ingress
+    /// queue (D67).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Longest topic an entry may carry (relative to the prefix).
@@ -55,6 +59,9 @@ impl crate::store::Validate for Item {
         }
         if let Some(k) = &self.key {
             crate::store::check_text("key", k, 256)?;
+        }
+        if let Some(o) = &self.owner {
+            crate::store::check_text("owner", o, 256)?;
         }
         Ok(())
     }
@@ -428,6 +435,7 @@ mod tests {
                 body: json!({}),
                 label: "bad".into(),
                 key: None,
+                owner: None,
             })
             .unwrap();
         for round in 1..=MAX_REFUSALS {
@@ -454,6 +462,7 @@ mod tests {
                 body: json!({}),
                 label: "ok".into(),
                 key: None,
+                owner: None,
             })
             .unwrap();
         for _ in 0..10 {
@@ -473,6 +482,7 @@ mod tests {
             body: json!({}),
             label: t.into(),
             key: None,
+            owner: None,
         };
         let denied = o.push(item("t/denied")).unwrap();
         let other = o.push(item("t/other")).unwrap();
@@ -510,6 +520,7 @@ mod tests {
             body: json!({"n": n}),
             label: "x".into(),
             key: None,
+            owner: None,
         };
         let a = o.push(item(1)).unwrap();
         let b = o.push(item(2)).unwrap();
@@ -622,6 +633,7 @@ x"}"#
             body: json!({}),
             label: "x".into(),
             key: None,
+            owner: None,
         });
         assert!(next.unwrap() > 20);
         let (_, aside) = o.quarantine(20).unwrap();

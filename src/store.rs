@@ -992,6 +992,159 @@ pub fn move_to_quarantine(path: &Path) -> io::Result<PathBuf> {
     })
 }
 
+/// The quarantine keeps at most this many bytes: past it the oldest entries go (D67).
+pub const MAX_QUARANTINE_BYTES: u64 = 64 * 1024 * 1024;
+/// … and nothing older than this.
+pub const MAX_QUARANTINE_AGE: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+/// Files of one quarantined folder counted at most (its size is then taken as it stands).
+const MAX_COUNTED_FILES: usize = 10_000;
+
+/// What [`prune_quarantine`] deleted.
+#[derive(Debug, Default, PartialEq)]
+pub struct Pruned {
+    /// Entries older than [`MAX_QUARANTINE_AGE`].
+    pub old: Vec<String>,
+    /// The oldest entries, deleted to bring the quarantine under its bound.
+    pub over: Vec<String>,
+    /// The bytes they held, all together.
+    pub bytes: u64,
+    /// What the quarantine held before.
+    pub held: u64,
+}
+
+/// The bytes of a quarantined file or folder (a folder walked without following links, at
+/// most [`MAX_COUNTED_FILES`] files).
+fn quarantined_bytes(path: &Path) -> u64 {
+    let Ok(m) = fs::symlink_metadata(path) else {
+        return 0;
+    };
+    if !m.is_dir() {
+        return m.len();
+    }
+    let (mut total, mut seen) = (0u64, 0usize);
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            seen = seen.saturating_add(1);
+            if seen > MAX_COUNTED_FILES {
+                return total;
+            }
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                _ => total = total.saturating_add(e.metadata().map_or(0, |m| m.len())),
+            }
+        }
+    }
+    total
+}
+
+/// Holds `<state>/quarantine/` to its bounds (D67): entries set aside more than `max_age`
+/// before `now` are deleted, then the oldest until it holds at most `max_bytes` (the newest
+/// entry always stays, for a person to look at). When an entry was set aside is when it was
+/// moved there (its inode change time).
+pub fn prune_quarantine(
+    state: &Path,
+    max_bytes: u64,
+    max_age: std::time::Duration,
+    now: std::time::SystemTime,
+) -> Pruned {
+    use std::os::unix::fs::MetadataExt;
+    let qdir = state.join(QUARANTINE_DIR);
+    let now_s = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let max_age_s = i64::try_from(max_age.as_secs()).unwrap_or(i64::MAX);
+    let mut entries: Vec<(i64, String, u64)> = fs::read_dir(&qdir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let m = fs::symlink_metadata(e.path()).ok()?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            Some((m.ctime(), name, quarantined_bytes(&e.path())))
+        })
+        .collect();
+    entries.sort();
+    let mut pruned = Pruned {
+        held: entries.iter().map(|e| e.2).fold(0u64, u64::saturating_add),
+        ..Pruned::default()
+    };
+    let mut held = pruned.held;
+    let mut left = entries.len();
+    for (at, name, bytes) in entries {
+        let old = now_s.saturating_sub(at) > max_age_s;
+        if !old && (held <= max_bytes || left <= 1) {
+            break;
+        }
+        let path = qdir.join(&name);
+        let gone = if fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        if gone.is_err() {
+            continue;
+        }
+        held = held.saturating_sub(bytes);
+        left = left.saturating_sub(1);
+        pruned.bytes = pruned.bytes.saturating_add(bytes);
+        if old {
+            pruned.old.push(name);
+        } else {
+            pruned.over.push(name);
+        }
+    }
+    pruned
+}
+
+/// [`prune_quarantine`] with its bounds on a thread of its own, and one log line for what it
+/// deleted.
+pub fn prune_quarantine_in_background(state: PathBuf) {
+    let spawned = std::thread::Builder::new()
+        .name("quarantine".into())
+        .spawn(move || {
+            let p = prune_quarantine(
+                &state,
+                MAX_QUARANTINE_BYTES,
+                MAX_QUARANTINE_AGE,
+                std::time::SystemTime::now(),
+            );
+            log_pruned(&p, &state.join(QUARANTINE_DIR));
+        });
+    if let Err(e) = spawned {
+        log::warn!("the quarantine was not pruned: {e}");
+    }
+}
+
+fn log_pruned(p: &Pruned, qdir: &Path) {
+    let names = |v: &[String]| {
+        let mut s: Vec<String> = v.iter().take(5).map(|n| clip(n, 80)).collect();
+        if v.len() > 5 {
+            s.push(format!("and {} more", v.len().saturating_sub(5)));
+        }
+        s.join(", ")
+    };
+    if !p.old.is_empty() {
+        log::info!(
+            "{}: deleted {} entries set aside more than {} days ago: {}",
+            shown(qdir),
+            p.old.len(),
+            MAX_QUARANTINE_AGE.as_secs() / 86_400,
+            names(&p.old)
+        );
+    }
+    if !p.over.is_empty() {
+        log::warn!(
+            "{} held {} bytes, over its {} bytes: deleted its {} oldest entries: {}",
+            shown(qdir),
+            p.held,
+            MAX_QUARANTINE_BYTES,
+            p.over.len(),
+            names(&p.over)
+        );
+    }
+}
+
 // ---- value checks shared by the persisted records (the ranges of D20) ---------------------
 
 /// Longest number of seconds a record may hold (30 days, D20).
@@ -1434,6 +1587,55 @@ mod tests {
         assert!(create_state_file(&log, 0o600).is_err());
         assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// D67: the quarantine keeps at most its bytes (the oldest go, the newest stays) and
+    /// nothing older than its age.
+    #[test]
+    fn d67_the_quarantine_is_capped_in_bytes_and_age() {
+        let scratch = crate::scratch::Scratch::new("quarantine-cap");
+        let state = scratch.path();
+        let q = state.join(QUARANTINE_DIR);
+        // Made in this order: set aside in this order (a tie in the second goes by name).
+        fs::create_dir_all(&q).unwrap();
+        fs::write(q.join("a"), vec![0u8; 400]).unwrap();
+        fs::write(q.join("b"), vec![0u8; 400]).unwrap();
+        fs::create_dir_all(q.join("c-dir/sub")).unwrap();
+        fs::write(q.join("c-dir/sub/f"), vec![0u8; 300]).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", q.join("d-link")).unwrap();
+        let now = std::time::SystemTime::now();
+        let day = std::time::Duration::from_secs(86_400);
+        // Under both bounds: nothing goes.
+        assert_eq!(
+            prune_quarantine(state, 10_000, day, now),
+            Pruned {
+                held: 1100 + fs::symlink_metadata(q.join("d-link")).unwrap().len(),
+                ..Pruned::default()
+            }
+        );
+        // Over the bytes: the oldest go (same second: by name), until it fits.
+        let p = prune_quarantine(state, 600, day, now);
+        assert_eq!(p.over, vec!["a".to_string(), "b".to_string()]);
+        assert!(q.join("c-dir/sub/f").exists() && !q.join("b").exists());
+        // The newest entry stays even when it alone is over.
+        let p = prune_quarantine(state, 1, day, now);
+        assert_eq!(p.over, vec!["c-dir".to_string()]);
+        assert!(
+            fs::symlink_metadata(q.join("d-link")).is_ok(),
+            "the newest stays"
+        );
+        assert!(
+            Path::new("/etc/passwd").exists(),
+            "a link is removed, not followed"
+        );
+        // Older than the age: deleted, whatever the size.
+        let p = prune_quarantine(state, 1 << 30, day, now + 2 * day);
+        assert_eq!(p.old, vec!["d-link".to_string()]);
+        assert_eq!(fs::read_dir(&q).unwrap().count(), 0);
+        assert_eq!(
+            prune_quarantine(&state.join("absent"), 1, day, now),
+            Pruned::default()
+        );
     }
 
     #[test]

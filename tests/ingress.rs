@@ -347,3 +347,112 @@ fn emit_while_the_node_is_down_queues_the_event_for_its_return() {
         "the forged event was never queued"
     );
 }
+
+/// The bytes of the node's ingress queue (its entry files).
+fn queued_bytes(setup: &NodeSetup) -> u64 {
+    std::fs::read_dir(setup.config_dir().join("ingress"))
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+                .map(|e| e.metadata().map_or(0, |m| m.len()))
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// D67: with the broker away, a workload emitting large events fills its share of the queue
+/// (a quarter of 16 MiB) and is then refused with exit 1 and a message saying so, nothing
+/// queued; another workload still has its own share. Once the broker is back, every queued
+/// event arrives, in order within its execution.
+#[test]
+fn g13_d67_a_workload_emitting_while_the_broker_is_away_fills_its_share_and_no_more() {
+    let (mut broker, cp, setup) = rig(
+        "cyberwave:\n  max_concurrent_workloads: 2\n  training: |\n    while [ ! -f go ]; do sleep 0.05; done\n    pad=$(head -c 120000 /dev/zero | tr '\\0' x)\n    i=0\n    while [ $i -lt 60 ]; do\n      i=$((i+1))\n      \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-big --execution ex-$((i % 2)) --node n$i --status running --metadata-json \"{\\\"pad\\\": \\\"$pad\\\"}\" 2>err.txt\n      rc=$?\n      if [ $rc -ne 0 ]; then echo \"at=$i rc=$rc\" > refused.txt; break; fi\n    done\n    echo done > big.txt\n  inference: |\n    while [ ! -f go2 ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-small --execution ex --node n1 --status running; echo \"small=$?\" > small.txt\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    Start::new("training", "big").ok(&cp, &node);
+    Start::new("inference", "small").ok(&cp, &node);
+    broker.stop();
+    std::fs::write(setup.cwd.join("go"), "").expect("go");
+    let refused = wait_for(DONE, || {
+        std::fs::read_to_string(setup.cwd.join("big.txt")).ok()?;
+        Some(std::fs::read_to_string(setup.cwd.join("refused.txt")).unwrap_or_default())
+    })
+    .expect("the workload ended its loop");
+    assert!(refused.contains("rc=1"), "never refused: {refused:?}");
+    let at: usize = refused
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("at="))
+        .and_then(|n| n.parse().ok())
+        .expect("where it was refused");
+    let err = std::fs::read_to_string(setup.cwd.join("err.txt")).unwrap_or_default();
+    assert!(
+        err.contains("its share of the node's queue is 4194304") && err.contains("not queued"),
+        "{err}"
+    );
+    let queued = queued_bytes(&setup);
+    assert!(queued <= 4 << 20, "{queued} bytes queued");
+    assert!(
+        queued >= 3 << 20,
+        "{queued} bytes queued: the share was not used"
+    );
+    // Another workload has its own share.
+    std::fs::write(setup.cwd.join("go2"), "").expect("go2");
+    let small = wait_for(DONE, || {
+        std::fs::read_to_string(setup.cwd.join("small.txt")).ok()
+    })
+    .expect("the second workload emitted");
+    assert_eq!(small.trim(), "small=0");
+    broker.restart();
+    cp.wait_subscribed();
+    let ev = wait_events(&cp, "wf-big/", at - 1);
+    assert_eq!(ev.len(), at - 1, "nothing refused was queued");
+    for ex in ["ex-0", "ex-1"] {
+        let order: Vec<u32> = ev
+            .iter()
+            .filter_map(|r| r.id.strip_prefix(&format!("wf-big/execution/{ex}/node/n")))
+            .map(|n| n.parse().expect("a node number"))
+            .collect();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(order, sorted, "{ex} out of order");
+    }
+    assert_eq!(wait_events(&cp, "wf-small/", 1).len(), 1);
+}
+
+/// D67: the broker refuses one workflow's events (an ACL deny): each is retried and set
+/// aside in turn, and another workload's event is delivered meanwhile instead of waiting
+/// behind them all (strictly in order, it waited five refusals per event ahead of it).
+#[test]
+fn g13_d67_a_workflow_the_broker_refuses_never_holds_back_another_workloads_events() {
+    let broker = crate::support::Broker::start_with_acl(
+        "pattern deny cyberwave/workflow/wf-denied/#\npattern readwrite #\n",
+    );
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  max_concurrent_workloads: 2\n  training: |\n    for i in $(seq 1 20); do \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-denied --execution ex --node n$i --status running; done\n    echo done > denied.txt\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-ok --execution ex --node n1 --status success\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    Start::new("training", "denied").ok(&cp, &node);
+    assert!(wait_for(DONE, || std::fs::read_to_string(
+        setup.cwd.join("denied.txt")
+    )
+    .ok())
+    .is_some());
+    Start::new("inference", "ok").ok(&cp, &node);
+    std::fs::write(setup.cwd.join("go"), "").expect("go");
+    let ev = wait_events(&cp, "wf-ok/", 1);
+    assert_eq!(ev[0].id, "wf-ok/execution/ex/node/n1");
+    let set_aside = std::fs::read_dir(setup.config_dir().join("quarantine"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert!(
+        set_aside < 20,
+        "the event waited until all {set_aside} refused ones were set aside"
+    );
+    assert!(events(&cp, "wf-denied/").is_empty());
+}

@@ -540,6 +540,115 @@ fn g5_bad_commands_get_clear_errors_and_the_node_keeps_serving() {
     assert!(node.log().contains("not valid JSON"), "{}", node.log());
 }
 
+/// D64: a command refused before its params are read (nested deeper than serde_json goes, cut
+/// short, over `CYBERWAVE_NODE_MAX_COMMAND_BYTES`) still gets its error reply, and a `failed`
+/// status when it is a start that names its workload: the backend never waits for its own
+/// timeout. What cannot be read soundly gets nothing.
+#[test]
+fn g5_d64_a_command_refused_before_its_params_are_read_gets_its_reply_and_a_failed_status() {
+    let (_broker, cp, mut setup) = crate::support::rig("cyberwave:\n  inference: 'true'\n");
+    setup.set("CYBERWAVE_NODE_MAX_COMMAND_BYTES", "1048576");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let uuid = node.uuid();
+    let deep = format!(
+        r#"{{"command":"inference","request_id":"deep","params":{{"workload_uuid":"wl-deep","x":{}{}}}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    cp.command_raw(&uuid, deep.into_bytes());
+    cp.command_raw(
+        &uuid,
+        br#"{"request_id":"cut","command":"training","params":{"workload_uuid":"wl-cut","x":[1,"#
+            .to_vec(),
+    );
+    let big = format!(
+        r#"{{"request_id":"big","command":"simulate","params":{{"workload_uuid":"wl-big","image_bytes_base64":"{}"}}}}"#,
+        "A".repeat(2 << 20)
+    );
+    cp.command_raw(&uuid, big.into_bytes());
+    // A cancel names a workload to act on, not one that failed: a reply, no status.
+    let cancel = format!(
+        r#"{{"command":"cancel","request_id":"deep-cancel","params":{{"workload_uuid":"wl-other","x":{}{}}}}}"#,
+        "{\"a\":".repeat(200),
+        "}".repeat(200)
+    );
+    cp.command_raw(&uuid, cancel.into_bytes());
+    // Read twice: which one is meant? No reply.
+    cp.command_raw(
+        &uuid,
+        br#"{"request_id":"twice","request_id":"twice","command":"inference","params":{"workload_uuid":"wl-twice","#
+            .to_vec(),
+    );
+    for (rid, wl, needle) in [
+        ("deep", Some("wl-deep"), "recursion limit"),
+        ("cut", Some("wl-cut"), "not valid JSON"),
+        ("big", Some("wl-big"), "the limit is 1048576"),
+        ("deep-cancel", None, "recursion limit"),
+    ] {
+        let r = cp
+            .wait_reply(rid, REPLY)
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()));
+        assert_eq!(r["status"], "error", "{r}");
+        assert!(
+            r["error"].as_str().unwrap_or_default().contains(needle),
+            "{r}"
+        );
+        if let Some(wl) = wl {
+            let st = cp
+                .wait_status(wl, "failed", REPLY)
+                .unwrap_or_else(|| panic!("no failed status for {wl}; log:\n{}", node.log()));
+            let last = st.last().cloned().unwrap_or_default();
+            assert!(
+                last["error"].as_str().unwrap_or_default().contains(needle),
+                "{last}"
+            );
+        }
+    }
+    assert!(cp.statuses("wl-other").is_empty(), "a cancel fails nothing");
+    assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
+    assert!(cp.replies_for("twice").is_empty());
+    assert!(cp.statuses("wl-twice").is_empty());
+}
+
+/// D64: a preview sends its image inline; a command of up to 32 MiB (the default limit) goes
+/// through the broker and the node's client and runs; one over it is refused with its reply
+/// and a `failed` status.
+#[test]
+fn g5_d64_a_start_of_31_mib_runs_and_one_of_33_mib_gets_its_reply_and_a_failed_status() {
+    let (_broker, cp, setup) = crate::support::rig("cyberwave:\n  inference: 'true'\n");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let uuid = node.uuid();
+    let start = |rid: &str, wl: &str, mib: usize| {
+        format!(
+            r#"{{"request_id":"{rid}","command":"inference","params":{{"workload_uuid":"{wl}","image_bytes_base64":"{}"}}}}"#,
+            "QUFB".repeat(mib << 18)
+        )
+        .into_bytes()
+    };
+    cp.command_raw(&uuid, start("inline", "wl-inline", 31));
+    let r = cp
+        .wait_reply("inline", DONE_BIG)
+        .expect("a reply to the 31 MiB start");
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(cp.wait_status("wl-inline", "completed", DONE_BIG).is_some());
+    cp.command_raw(&uuid, start("over", "wl-over", 33));
+    let r = cp
+        .wait_reply("over", DONE_BIG)
+        .expect("a reply to the 33 MiB start");
+    assert_eq!(r["status"], "error", "{r}");
+    assert!(
+        r["error"].as_str().unwrap_or_default().contains("limit"),
+        "{r}"
+    );
+    assert!(cp.wait_status("wl-over", "failed", REPLY).is_some());
+    assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
+}
+
+/// Long enough for tens of MiB through the broker and a debug build's JSON parser.
+const DONE_BIG: Duration = Duration::from_secs(60);
+
 #[test]
 fn standalone_needs_no_backend() {
     let broker = Broker::start();

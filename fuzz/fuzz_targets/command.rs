@@ -1,11 +1,16 @@
 //! The MQTT command parser: every payload the backend (or anyone on the broker) can send. What
 //! it accepts must be typed values that hold their own invariants (D8, D20); what it refuses
-//! must still make a well-formed error reply.
+//! must still make a well-formed error reply. The shallow scan of a command refused before its
+//! params are read (D64) runs on every input too, on its own and through a size limit so small
+//! that most inputs are over it.
 #![no_main]
 use cyberwave_cloud_node::protocol::commands::{
     CancelTarget, Command, Received, StartParams, TopicId, MAX_REQUEST_ID_BYTES, MAX_SECONDS,
 };
-use cyberwave_cloud_node::protocol::commands::{parse_command, reply, Incoming};
+use cyberwave_cloud_node::protocol::commands::{
+    parse_command, parse_command_within, reply, Incoming,
+};
+use cyberwave_cloud_node::protocol::shallow;
 use cyberwave_cloud_node::protocol::topics::publishable;
 use libfuzzer_sys::fuzz_target;
 
@@ -29,7 +34,33 @@ fn start(p: &StartParams) {
     }
 }
 
+/// What a shallow scan reads is a request id of the protocol's kind and a topic-safe workload.
+fn shallow_sound(data: &[u8]) {
+    let head = shallow::scan(data);
+    match &head.request_id {
+        None | Some(serde_json::Value::Number(_)) => {}
+        Some(serde_json::Value::String(s)) => assert!(s.len() <= MAX_REQUEST_ID_BYTES),
+        Some(other) => panic!("a request id of another type: {other}"),
+    }
+    if let Some(w) = &head.workload_uuid {
+        topic_safe(w);
+    }
+    if let Incoming::Invalid {
+        request_id: Some(rid),
+        reason,
+        workload_uuid,
+    } = parse_command_within(data, 16)
+    {
+        if let Some(w) = &workload_uuid {
+            topic_safe(w);
+        }
+        let r = reply(false, &rid, "s", "u", serde_json::Value::String(reason));
+        assert!(serde_json::from_slice::<serde_json::Value>(&r).is_ok());
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
+    shallow_sound(data);
     match parse_command(data) {
         Incoming::Command {
             request_id,

@@ -120,6 +120,15 @@ pub struct Tuning {
     pub connect_timeout: Duration,
     /// How long after the fork server is dropped (killed, silent, refused) a new one is started.
     pub forkserver_restart: Duration,
+    /// `CYBERWAVE_NODE_MAX_COMMAND_BYTES`: a larger command is refused before its params are
+    /// read (D64).
+    pub max_command_bytes: usize,
+    /// `CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`: what the console mirror prints per workload
+    /// stream and second (D69).
+    pub mirror_bytes_per_second: u64,
+    /// `CYBERWAVE_NODE_INGRESS_QUEUE_BYTES`: the workflow events waiting to be sent, in bytes;
+    /// one workload may fill a quarter of it (D67).
+    pub ingress_queue_bytes: u64,
 }
 
 impl Default for Tuning {
@@ -139,6 +148,9 @@ impl Default for Tuning {
             metrics_interval: Duration::from_secs(5),
             lock_wait: Duration::ZERO,
             connect_timeout: Duration::from_secs(30),
+            max_command_bytes: crate::protocol::commands::MAX_COMMAND_BYTES,
+            mirror_bytes_per_second: crate::node::streams::MIRROR_BYTES_PER_SECOND,
+            ingress_queue_bytes: crate::ingress::MAX_QUEUE_BYTES,
         }
     }
 }

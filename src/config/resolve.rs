@@ -92,6 +92,7 @@ struct Limits {
 }
 
 const POSITIVE_SECONDS: &str = "a number of seconds greater than 0";
+const WHOLE_BYTES: &str = "a whole number of bytes, at least 1";
 
 fn pos_secs(s: &str) -> Option<f64> {
     s.parse::<f64>().ok().filter(|f| f.is_finite() && *f > 0.0)
@@ -902,6 +903,26 @@ impl Resolver<'_> {
             if let Some(s) = self.parse_env(name, POSITIVE_SECONDS, &pos_secs) {
                 *slot = crate::util::secs_f64(s.value);
             }
+        }
+        let bytes: [(&str, &mut u64); 2] = [
+            (
+                "CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND",
+                &mut tuning.mirror_bytes_per_second,
+            ),
+            (
+                "CYBERWAVE_NODE_INGRESS_QUEUE_BYTES",
+                &mut tuning.ingress_queue_bytes,
+            ),
+        ];
+        for (name, slot) in bytes {
+            if let Some(n) = self.parse_env(name, WHOLE_BYTES, &whole1_u64) {
+                *slot = n.value as u64;
+            }
+        }
+        if let Some(n) =
+            self.parse_env("CYBERWAVE_NODE_MAX_COMMAND_BYTES", WHOLE_BYTES, &whole1_u64)
+        {
+            tuning.max_command_bytes = usize::try_from(n.value as u64).unwrap_or(usize::MAX);
         }
         tuning
     }

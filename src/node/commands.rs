@@ -34,10 +34,10 @@ pub(super) enum Accepted {
     Run(RequestId, Command),
 }
 
-/// Reads and checks a command: a start is refused by its own guard, as a retryable "host busy"
-/// (D21); anything else is refused while the node shuts down.
-pub(super) fn accept(payload: &[u8], shutting_down: bool) -> Accepted {
-    let (request_id, command) = match protocol::parse_command(payload) {
+/// Reads and checks a command (at most `max` bytes, D64): a start is refused by its own guard,
+/// as a retryable "host busy" (D21); anything else is refused while the node shuts down.
+pub(super) fn accept(payload: &[u8], max: usize, shutting_down: bool) -> Accepted {
+    let (request_id, command) = match protocol::parse_command_within(payload, max) {
         Incoming::Echo => return Accepted::Nothing,
         Incoming::Invalid {
             request_id: Some(rid),
@@ -113,7 +113,7 @@ pub(super) struct View<'a> {
     pub(super) gpu: &'a Gpus,
     pub(super) outbox: &'a Outbox,
     /// The ingress queue.
-    pub(super) events: &'a Outbox,
+    pub(super) events: &'a crate::ingress_queue::EventQueue,
 }
 
 impl View<'_> {
@@ -217,6 +217,7 @@ impl View<'_> {
             }), &a.meta)).collect::<Vec<_>>(),
             "outbox": self.outbox.len(),
             "ingress_queue": self.events.len(),
+            "ingress_queue_bytes": self.events.bytes(),
         });
         self.gpu.add_status(
             &super::gpus_out::holds_of(self.active, self.starts),
@@ -264,7 +265,8 @@ impl<'a> View<'a> {
 
 /// A command from the backend: read and checked, then answered or carried out.
 pub(super) fn on_command(st: &mut Start<'_>, payload: &[u8]) {
-    let (request_id, command) = match accept(payload, st.work.life.shutdown.is_some()) {
+    let max = st.work.s.tuning.max_command_bytes;
+    let (request_id, command) = match accept(payload, max, st.work.life.shutdown.is_some()) {
         Accepted::Nothing => return,
         Accepted::Refused {
             rid,

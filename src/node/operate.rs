@@ -143,7 +143,8 @@ pub(super) fn hardware(s: &Settings, gpu: &Gpus) -> Option<Value> {
     }))
 }
 
-/// Log retention: at start-up and every hour, old workload logs and input images go.
+/// At start-up and every hour: the quarantine is held to its bounds (D67), and with log
+/// retention, old workload logs and input images go.
 pub(super) fn prune_old_files(
     s: &Settings,
     due: &mut Instant,
@@ -151,11 +152,15 @@ pub(super) fn prune_old_files(
     layout: &Layout,
     now: Instant,
 ) {
-    let days = s.log_retention_days.value;
-    if days == 0 || now < *due {
+    if now < *due {
         return;
     }
     *due = now.checked_add(Duration::from_secs(3600)).unwrap_or(now);
+    crate::store::prune_quarantine_in_background(layout.state.clone());
+    let days = s.log_retention_days.value;
+    if days == 0 {
+        return;
+    }
     let keep: std::collections::BTreeSet<std::path::PathBuf> = active
         .values()
         .flat_map(|a| [a.meta.stdout_log.clone(), a.meta.stderr_log.clone()])

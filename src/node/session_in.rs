@@ -8,12 +8,14 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use super::gpus::{Gpus, Hold};
+use super::ingress::Ingress;
 use super::parts::{refused_in, Life, Op, Shutdown};
 use super::selfheal::Heal;
 use super::session::Session;
 use super::streams::Streams;
 use super::workloads::Work;
 use crate::config::Settings;
+use crate::ingress_queue::EventQueue;
 use crate::logtext::Throttle;
 use crate::mqtt::Mqtt;
 use crate::outbox::Outbox;
@@ -33,8 +35,7 @@ pub(super) fn on_connected(w: &mut Work<'_>, reconnect: bool) {
 /// The connection is lost ([`connection_lost`]).
 pub(super) fn on_lost(w: &mut Work<'_>) {
     let now = w.now();
-    let queue = &mut w.ingress.queue;
-    connection_lost(w.session, w.outbox, queue, w.streams, now);
+    connection_lost(w.session, w.outbox, w.ingress, w.streams, now);
 }
 
 /// The broker refused one of the loop's requests, or it can never be sent ([`refused`]).
@@ -84,7 +85,7 @@ pub(super) fn on_outcome(w: &mut Work<'_>, op: Op, body: Option<Reply>, corr: &[
 
 /// Whether messages of the loop are in flight: a loss may then be the broker refusing one of
 /// them (D34), not another client taking the session (D33).
-pub(super) fn publishing(session: &Session<Op>, outbox: &Outbox, events: &Outbox) -> bool {
+pub(super) fn publishing(session: &Session<Op>, outbox: &Outbox, events: &EventQueue) -> bool {
     outbox.in_flight_count() > 0 || events.in_flight_count() > 0 || session.loop_requests_pending()
 }
 
@@ -93,19 +94,20 @@ pub(super) fn publishing(session: &Session<Op>, outbox: &Outbox, events: &Outbox
 pub(super) fn connection_lost(
     session: &mut Session<Op>,
     outbox: &mut Outbox,
-    events: &mut Outbox,
+    events: &mut Ingress,
     streams: &mut Streams,
     now: Instant,
 ) {
     // Outbox messages in flight are sent again after the reconnect.
     session.forget(|op| matches!(op, Op::Outbox(_)));
     let refused = outbox.reset_in_flight();
-    let refused_events = events.reset_in_flight();
-    for (item, aside) in refused.into_iter().chain(refused_events) {
+    let refused = refused.into_iter().map(|(item, aside)| (item.label, aside));
+    let refused_events = events.connection_lost(now);
+    for (label, aside) in refused.chain(refused_events) {
         log::error!(
             "the broker dropped the connection each of the last {} times the {} was sent; it is set aside in {} and not sent again",
             crate::outbox::MAX_REFUSALS,
-            crate::logtext::shown(&item.label),
+            crate::logtext::shown(&label),
             aside.display()
         );
     }

@@ -164,10 +164,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         crate::workers::uploaders(s.env.value("CYBERWAVE_NODE_UPLOAD_WORKERS").as_deref());
     let workers = Workers::start(backend, done_tx, uploaders)
         .map_err(runtime("cannot start the HTTP worker threads"))?;
-    let ingress = Outbox::load(dir.join("ingress")).map_err(runtime(format!(
-        "cannot open the ingress queue in {}",
-        dir.join("ingress").display()
-    )))?;
+    let ingress =
+        crate::ingress_queue::EventQueue::load(dir.join("ingress"), s.tuning.ingress_queue_bytes)
+            .map_err(runtime(format!(
+            "cannot open the ingress queue in {}",
+            dir.join("ingress").display()
+        )))?;
     let (acks_tx, acked) = super::io::start_ack_thread()
         .map_err(runtime("cannot start the acknowledgement thread"))?;
     let control = control_socket(&dir, &users)?;

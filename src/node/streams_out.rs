@@ -22,6 +22,7 @@ pub(super) fn settings(s: &crate::config::Settings) -> streams::Settings {
         interval: s.log_stream_interval.value,
         max_log_bytes: s.max_log_bytes.value,
         standalone: s.standalone,
+        mirror_per_second: s.tuning.mirror_bytes_per_second,
     }
 }
 

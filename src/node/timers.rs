@@ -88,13 +88,13 @@ pub(super) fn next_wake(st: &Start<'_>, due: &Due, now: Instant) -> Instant {
         w.streams.next_due(),
         w.active.next_due(),
         connected.then(|| w.outbox.next_try()).flatten(),
-        connected.then(|| w.ingress.queue.head_next_try()).flatten(),
+        connected.then(|| w.ingress.queue.next_try()).flatten(),
         w.outbox
             .has_pending_writes()
             .then(|| now.checked_add(DISK_RETRY).unwrap_or(now)),
         Some(due.rescan),
         w.s.metrics_file.is_some().then_some(due.metrics),
-        (w.s.log_retention_days.value > 0).then_some(due.prune),
+        Some(due.prune),
         (w.s.standalone && connected).then_some(due.watchdog),
     ];
     deadlines.into_iter().flatten().for_each(&mut at);

@@ -200,6 +200,7 @@ impl Outgoing<'_> {
                     body,
                     label,
                     key: Some(key),
+                    owner: None,
                 };
                 match self.outbox.push(item) {
                     Ok(_) => self.flush(),

@@ -671,8 +671,9 @@ fn object<'a>(params: Option<&'a Value>, path: &str) -> Result<&'a Map<String, V
 
 // The command message's envelope (protocol §4.1) and the reply envelope (§2.7, D1).
 
-/// Commands larger than this are refused (an error reply when a request id can be read).
-pub const MAX_COMMAND_BYTES: usize = 4 * 1024 * 1024;
+/// Commands larger than this are refused, by default (`CYBERWAVE_NODE_MAX_COMMAND_BYTES`): a
+/// preview sends its image inline, base64 in the params (D64).
+pub const MAX_COMMAND_BYTES: usize = 32 * 1024 * 1024;
 
 /// A command message after the envelope rules of protocol §4.1, typed ([`Command`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -694,16 +695,28 @@ pub enum Incoming {
     },
 }
 
+/// [`parse_command_within`] the default size limit.
 pub fn parse_command(payload: &[u8]) -> Incoming {
+    parse_command_within(payload, MAX_COMMAND_BYTES)
+}
+
+/// A command message typed, or refused. One over `max` bytes, or that is not JSON (nested
+/// deeper than serde_json goes, cut short, …), is refused before its params are read; what a
+/// shallow scan reads of it ([`super::shallow`]) still gives its error reply and, for a start
+/// that names its workload, a `failed` status (D64).
+pub fn parse_command_within(payload: &[u8], max: usize) -> Incoming {
+    if payload.len() > max {
+        return unread(
+            payload,
+            format!(
+                "command payload is {} bytes; the limit is {max} (CYBERWAVE_NODE_MAX_COMMAND_BYTES)",
+                payload.len()
+            ),
+        );
+    }
     let value: Value = match serde_json::from_slice(payload) {
         Ok(v) => v,
-        Err(e) => {
-            return Incoming::Invalid {
-                request_id: None,
-                reason: format!("command is not valid JSON: {e}"),
-                workload_uuid: None,
-            }
-        }
+        Err(e) => return unread(payload, format!("command is not valid JSON: {e}")),
     };
     let Value::Object(obj) = value else {
         return Incoming::Invalid {
@@ -721,12 +734,6 @@ pub fn parse_command(payload: &[u8]) -> Incoming {
         reason,
         workload_uuid: None,
     };
-    if payload.len() > MAX_COMMAND_BYTES {
-        return invalid(format!(
-            "command payload is {} bytes; the limit is {MAX_COMMAND_BYTES}",
-            payload.len()
-        ));
-    }
     let request_id = match RequestId::parse(obj.get("request_id")) {
         Ok(r) => r,
         // A request id that is not a string or number cannot be echoed meaningfully.
@@ -756,6 +763,19 @@ pub fn parse_command(payload: &[u8]) -> Incoming {
             reason: r.error.to_string(),
             workload_uuid: r.workload_uuid,
         },
+    }
+}
+
+/// A command refused before its params were read: what the shallow scan finds of it.
+fn unread(payload: &[u8], reason: String) -> Incoming {
+    let head = super::shallow::scan(payload);
+    if head.echo {
+        return Incoming::Echo;
+    }
+    Incoming::Invalid {
+        request_id: head.request_id,
+        reason,
+        workload_uuid: head.workload_uuid,
     }
 }
 
@@ -1242,6 +1262,47 @@ mod tests {
             } => {
                 assert_eq!(request_id, Some(json!("big")));
                 assert!(reason.contains("limit"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// D64: refused before its params are read, a start still names its request and workload.
+    #[test]
+    fn d64_a_command_refused_unread_keeps_its_request_id_and_workload() {
+        let start = br#"{"command":"training","request_id":"r","params":{"workload_uuid":"wl-1"}}"#;
+        match parse_command_within(start, 20) {
+            Incoming::Invalid {
+                request_id,
+                reason,
+                workload_uuid,
+            } => {
+                assert_eq!(request_id, Some(json!("r")));
+                assert!(reason.contains("the limit is 20"), "{reason}");
+                assert_eq!(
+                    workload_uuid.map(|w| w.as_str().to_string()),
+                    Some("wl-1".into())
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(parse_command(start), Incoming::Command { .. }));
+        assert_eq!(
+            parse_command_within(br#"{"status":"ok","request_id":"r","x":1}"#, 5),
+            Incoming::Echo
+        );
+        let deep = format!(
+            r#"{{"request_id":"d","command":"inference","params":{{"workload_uuid":"w","x":{}}}}}"#,
+            "[".repeat(129) + &"]".repeat(129)
+        );
+        match parse_command(deep.as_bytes()) {
+            Incoming::Invalid {
+                request_id,
+                workload_uuid,
+                ..
+            } => {
+                assert_eq!(request_id, Some(json!("d")));
+                assert!(workload_uuid.is_some());
             }
             other => panic!("{other:?}"),
         }

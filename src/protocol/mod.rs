@@ -1,3 +1,4 @@
 pub mod commands;
 pub mod replies;
+pub mod shallow;
 pub mod topics;

@@ -12,3 +12,4 @@ mod logs;
 mod pids;
 mod results_links;
 mod state_files;
+mod terminal;

@@ -26,6 +26,7 @@
 //! truncation continues at the next one and says `truncated`. The console gets one warning per
 //! stream for the first truncation and the first hole (later ones are logged at debug level).
 
+pub mod mirror;
 pub mod pace;
 pub mod text;
 
@@ -52,6 +53,10 @@ pub const MIRROR_PIECE: usize = 16 * 1024;
 pub const INSTALL_CHUNK: usize = 64 * 1024;
 /// The install script's output shipped, per stream: its last MiB.
 pub const INSTALL_TAIL: u64 = 1024 * 1024;
+
+/// What the console mirror prints per workload stream and second by default
+/// (`CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`, D69).
+pub const MIRROR_BYTES_PER_SECOND: u64 = 1024 * 1024;
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
 /// How many [`Mark`]s a stream keeps (the ends of its last chunks read): a truncation is found
@@ -160,6 +165,8 @@ pub struct Settings {
     pub max_log_bytes: u64,
     /// No backend acknowledges logs: a published chunk counts as delivered.
     pub standalone: bool,
+    /// `CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`: the console mirror's budget per stream (D69).
+    pub mirror_per_second: u64,
 }
 
 /// What the part needs to know of a workload.
@@ -190,6 +197,8 @@ struct Stream {
     mirrored: u64,
     /// The mirrored text after the last line end, held until its line ends.
     partial: Vec<u8>,
+    /// What the console may still get this second (D69).
+    budget: mirror::Budget,
     /// The workload ended and every byte of this stream was acknowledged.
     drained: bool,
     /// Bytes cut from the front of the file by the `max_log_bytes` cap: file offset + base =
@@ -253,6 +262,7 @@ pub struct Streams {
     install_shipped: bool,
     /// The broker's Maximum Packet Size (its CONNACK), when it set one.
     packet_limit: Option<u64>,
+    mirror_per_second: u64,
 }
 
 impl Default for Streams {
@@ -261,6 +271,7 @@ impl Default for Streams {
             interval: Duration::from_secs(3),
             max_log_bytes: 1 << 30,
             standalone: false,
+            mirror_per_second: MIRROR_BYTES_PER_SECOND,
         })
     }
 }
@@ -276,6 +287,7 @@ impl Streams {
             uuid: String::new(),
             install_shipped: false,
             packet_limit: None,
+            mirror_per_second: s.mirror_per_second,
         }
     }
 
@@ -341,6 +353,7 @@ impl Streams {
         ]) {
             s.acked = at;
             s.mirrored = at;
+            s.budget = mirror::Budget::new(self.mirror_per_second);
             s.base = base;
             s.marks.extend(mark.as_ref().and_then(SavedMark::mark));
             s.pace.unsent(now);
@@ -398,6 +411,9 @@ impl Streams {
     pub fn next_due(&self) -> Option<Instant> {
         let mut due: Option<Instant> = None;
         for w in self.workloads.values() {
+            for d in w.streams.iter().filter_map(|s| s.budget.note_due()) {
+                due = Some(due.map_or(d, |t| t.min(d)));
+            }
             if w.ending {
                 continue; // driven by events: reads, acknowledgements, persists
             }
@@ -418,6 +434,10 @@ impl Streams {
         let cap = self.read_cap();
         for (id, w) in &mut self.workloads {
             for (i, s) in w.streams.iter_mut().enumerate() {
+                if let Some(held) = s.budget.take_note(now, false) {
+                    let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
+                    out.mirror(i, &mirror::note(prefix, held));
+                }
                 if s.reading || s.inflight.is_some() || s.persisting {
                     continue;
                 }
@@ -573,7 +593,7 @@ impl Streams {
         }
         if chunk.skipped > 0 && skipped(s, &chunk, mirroring, &what) {
             // The line the console holds ends where the hole starts.
-            end_partial_line(s, w.prefix.get(i), i, out);
+            end_partial_line(s, w.prefix.get(i), i, now, out);
         }
         // From here on the chunk is the bytes at `offset`.
         let offset = chunk.at();
@@ -606,7 +626,8 @@ impl Streams {
             let fresh = data.get(from.min(data.len())..).unwrap_or_default();
             let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
             // Text a hole ends is a whole line for the console too.
-            mirror(prefix, i, fresh, chunk.gap_follows, &mut s.partial, out);
+            let (last, partial) = (chunk.gap_follows, &mut s.partial);
+            mirror::mirror(prefix, i, fresh, last, partial, &mut s.budget, now, out);
             s.mirrored = end;
         }
         // (A chunk cut to fit the broker leaves whole lines behind.)
@@ -618,7 +639,7 @@ impl Streams {
                 // forever). Nothing to ship needs no connection.
                 s.drained = true;
                 s.pace.caught_up();
-                end_partial_line(s, w.prefix.get(i), i, out);
+                end_partial_line(s, w.prefix.get(i), i, now, out);
                 return 0;
             }
             if all_sent_or_partial {
@@ -860,10 +881,25 @@ fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, out: &mut dyn Outbou
 }
 
 /// Mirrors the partial line the console holds as a whole line: no more of it will come.
-fn end_partial_line(s: &mut Stream, prefix: Option<&Vec<u8>>, i: usize, out: &mut dyn Outbound) {
+fn end_partial_line(
+    s: &mut Stream,
+    prefix: Option<&Vec<u8>>,
+    i: usize,
+    now: Instant,
+    out: &mut dyn Outbound,
+) {
     let rest = std::mem::take(&mut s.partial);
     let prefix = prefix.map(Vec::as_slice).unwrap_or_default();
-    mirror(prefix, i, &rest, true, &mut Vec::new(), out);
+    mirror::mirror(
+        prefix,
+        i,
+        &rest,
+        true,
+        &mut Vec::new(),
+        &mut s.budget,
+        now,
+        out,
+    );
 }
 
 /// Where a chunk ends. Text that a hole or NUL run ends (`gap_follows`) goes as it is: no line
@@ -970,43 +1006,6 @@ fn chunk_body(
     }
     b.push(b'}');
     b
-}
-
-/// Writes the workload's output as tagged lines, `[workload <tag> <stream>] <line>`, to the
-/// node's stdout (workload stdout) or stderr (workload stderr). A line ends at `\n`, at `\r\n`
-/// or at a lone `\r` (a progress bar's redraw: each gets its own tag, so no text can appear on
-/// the console without one); a line longer than [`MIRROR_PIECE`] is written in pieces of at most
-/// that size, each tagged. What follows the last line end waits in `partial` (at most
-/// [`MIRROR_PIECE`] bytes) unless `last` is set.
-fn mirror(
-    prefix: &[u8],
-    stream: usize,
-    data: &[u8],
-    last: bool,
-    partial: &mut Vec<u8>,
-    out: &mut dyn Outbound,
-) {
-    // No NUL byte reaches the console (D52): a short run inside text is dropped from it.
-    let kept: Vec<u8>;
-    let data = if data.contains(&0) {
-        kept = data.iter().copied().filter(|b| *b != 0).collect();
-        kept.as_slice()
-    } else {
-        data
-    };
-    let mut text = Vec::with_capacity(data.len().saturating_add(data.len() / 2).saturating_add(64));
-    if partial.is_empty() {
-        // The usual case (a chunk ends at a line end): no copy into `partial`.
-        let used = text::tag_lines(prefix, data, last, MIRROR_PIECE, &mut text);
-        partial.extend_from_slice(data.get(used..).unwrap_or_default());
-    } else {
-        partial.extend_from_slice(data);
-        let used = text::tag_lines(prefix, partial, last, MIRROR_PIECE, &mut text);
-        partial.drain(..used.min(partial.len()));
-    }
-    if !text.is_empty() {
-        out.mirror(stream, &text);
-    }
 }
 
 #[cfg(test)]

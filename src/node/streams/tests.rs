@@ -68,6 +68,7 @@ fn settings(interval_ms: u64) -> Settings {
         interval: Duration::from_millis(interval_ms),
         max_log_bytes: 1 << 30,
         standalone: false,
+        mirror_per_second: MIRROR_BYTES_PER_SECOND,
     }
 }
 

@@ -1,6 +1,6 @@
 //! The text work of log streaming, written for speed (issue 15 item 3: every byte of a flood
-//! passes here twice): the chunk's JSON body, `log_content`, console tagging, and cutting on
-//! character boundaries. Valid UTF-8 (the usual case) is checked once per chunk and then only
+//! passes here twice): the chunk's JSON body, `log_content`, console tagging (escaped for the
+//! terminal, D69), and cutting on character boundaries. Valid UTF-8 (the usual case) is checked once per chunk and then only
 //! copied; lines and characters that need escaping are found a word (8 bytes) at a time.
 
 use std::borrow::Cow;
@@ -131,16 +131,22 @@ pub fn install_chunk_end(text: &str, from: usize, chunk: usize) -> usize {
     }
 }
 
-/// Appends the lines of `buf` to `out`, each as `prefix`, the line (invalid UTF-8 replaced) and
-/// its line end (`\n`, or `\r\n` for a `\r`); returns how many bytes of `buf` were used. A line
-/// over `piece` bytes is cut (on a character boundary) into tagged pieces ending in `\n`. Without
-/// `last`, an unfinished line (or a `\r` that may yet be followed by `\n`) is left unused.
-pub fn tag_lines(prefix: &[u8], buf: &[u8], last: bool, piece: usize, out: &mut Vec<u8>) -> usize {
-    // Lines wholly within the valid prefix are copied as they are.
-    let valid = match std::str::from_utf8(buf) {
-        Ok(_) => buf.len(),
-        Err(e) => e.valid_up_to(),
-    };
+/// Appends the lines of `buf` to `out`, each as `prefix`, the line escaped for the terminal
+/// ([`crate::logtext::push_terminal`], D69) and `\n`; returns how many bytes of `buf` were used.
+/// A line ends at `\n`, at `\r\n`, or at a lone `\r` (a progress bar's redraw: one line of
+/// its own, so that no text reaches the console without a tag); the empty line a redraw leaves
+/// (`\r` at the start of a line) is dropped. A line over `piece` bytes is cut (on a character
+/// boundary) into tagged pieces. Without `last`, an unfinished line (or a `\r` that may yet be
+/// followed by `\n`) is left unused. `gate` says whether a line is printed (the mirror's
+/// budget).
+pub fn tag_lines(
+    prefix: &[u8],
+    buf: &[u8],
+    last: bool,
+    piece: usize,
+    out: &mut Vec<u8>,
+    gate: &mut dyn Gate,
+) -> usize {
     let mut start = 0;
     loop {
         let rest = buf.get(start..).unwrap_or_default();
@@ -152,29 +158,54 @@ pub fn tag_lines(prefix: &[u8], buf: &[u8], last: bool, piece: usize, out: &mut 
                 .unwrap_or(rest),
         );
         let line_len = term.unwrap_or(rest.len());
-        let (len, used, end): (usize, usize, &[u8]) = if line_len > piece {
+        let (len, used, redraw) = if line_len > piece {
             let cut = utf8_cut(rest, piece);
-            (cut, cut, b"\n")
+            (cut, cut, false)
         } else {
             match term.map(|p| (p, rest.get(p), rest.get(p.saturating_add(1)))) {
-                Some((p, Some(b'\n'), _)) => (p, p.saturating_add(1), b"\n"),
-                Some((p, _, Some(b'\n'))) => (p, p.saturating_add(2), b"\r\n"),
-                Some((p, _, Some(_))) => (p, p.saturating_add(1), b"\r\n"),
-                Some((p, _, None)) if last => (p, p.saturating_add(1), b"\r\n"),
-                None if last => (rest.len(), rest.len(), b"\n"),
+                Some((p, Some(b'\n'), _)) => (p, p.saturating_add(1), false),
+                Some((p, _, Some(b'\n'))) => (p, p.saturating_add(2), false),
+                Some((p, _, Some(_))) => (p, p.saturating_add(1), true),
+                Some((p, _, None)) if last => (p, p.saturating_add(1), true),
+                None if last => (rest.len(), rest.len(), false),
                 _ => return start, // wait for the rest of the line
             }
         };
-        let line = rest.get(..len).unwrap_or_default();
-        out.extend_from_slice(prefix);
-        if start.saturating_add(len) <= valid {
-            out.extend_from_slice(line);
-        } else {
-            out.extend_from_slice(String::from_utf8_lossy(line).as_bytes());
-        }
-        out.extend_from_slice(end);
         start = start.saturating_add(used).min(buf.len());
+        if redraw && len == 0 {
+            continue;
+        }
+        let cost = (prefix.len() as u64)
+            .saturating_add(len as u64)
+            .saturating_add(1);
+        if !gate.admit(cost, used as u64) {
+            continue;
+        }
+        let before = out.len();
+        out.extend_from_slice(prefix);
+        crate::logtext::push_terminal(out, rest.get(..len).unwrap_or_default());
+        out.push(b'\n');
+        gate.charge((out.len().saturating_sub(before) as u64).saturating_sub(cost));
     }
+}
+
+/// What decides whether a line is printed (the mirror's budget).
+pub trait Gate {
+    /// Before the line is escaped: `cost`, the bytes it prints if nothing needs escaping (tag
+    /// and line end included); `used`, the bytes of the output it stands for.
+    fn admit(&mut self, cost: u64, used: u64) -> bool;
+    /// After: what escaping added to a line that was admitted.
+    fn charge(&mut self, extra: u64);
+}
+
+/// Every line printed.
+pub struct Open;
+
+impl Gate for Open {
+    fn admit(&mut self, _: u64, _: u64) -> bool {
+        true
+    }
+    fn charge(&mut self, _: u64) {}
 }
 
 /// The longest prefix of `bytes`, at most `max` long, that does not end inside a UTF-8
@@ -312,9 +343,13 @@ mod tests {
         assert_eq!(install_chunk_end(&wide, end, CHUNK), wide.len());
     }
 
+    fn tag(buf: &[u8], last: bool, piece: usize, out: &mut Vec<u8>) -> usize {
+        tag_lines(b"[T] ", buf, last, piece, out, &mut Open)
+    }
+
     fn tagged(buf: &[u8], last: bool, piece: usize) -> (String, usize) {
         let mut out = Vec::new();
-        let used = tag_lines(b"[T] ", buf, last, piece, &mut out);
+        let used = tag(buf, last, piece, &mut out);
         (String::from_utf8(out).unwrap(), used)
     }
 
@@ -326,23 +361,77 @@ mod tests {
         );
         assert_eq!(tagged(b"c", true, 100), ("[T] c\n".into(), 1));
         assert_eq!(tagged(b"", true, 100), (String::new(), 0));
-        // Invalid bytes are replaced, in the line that has them only.
+    }
+
+    /// D69: what a workload prints reaches the console escaped, one tagged line per line.
+    #[test]
+    fn d69_escape_sequences_queries_and_invalid_utf8_reach_the_console_escaped() {
         assert_eq!(
-            tagged(b"ok\nb\xffd\nok\n", false, 100),
-            ("[T] ok\n[T] b\u{FFFD}d\n[T] ok\n".into(), 10)
+            tagged(
+                b"\x1b]0;pwned\x07\x1b[2J\x1b[6n\xff\xc3(\x00ok\n",
+                false,
+                100
+            )
+            .0,
+            "[T] \\x1b]0;pwned\\x07\\x1b[2J\\x1b[6n\\xff\\xc3(\\x00ok\n"
+        );
+        assert_eq!(
+            tagged("\u{9b}1;1H\u{85}é\tx\n".as_bytes(), false, 100).0,
+            "[T] \\x9b1;1H\\x85é\tx\n"
+        );
+        // A backspace or a DEL cannot rub out the tag either.
+        assert_eq!(
+            tagged(b"\x08\x08\x08\x7fX\n", false, 100).0,
+            "[T] \\x08\\x08\\x08\\x7fX\n"
         );
     }
 
+    /// D69: a `\r`-ended redraw is one line; the empty line a redraw leaves is dropped.
     #[test]
-    fn a_carriage_return_cannot_hide_the_tag() {
-        // A lone \r (a progress bar) ends a line of its own; \r\n is one line end.
+    fn d69_a_redraw_is_one_line_and_its_empty_lines_are_dropped() {
         assert_eq!(
             tagged(b"10%\r20%\rforged\r\nx\n", false, 100),
-            ("[T] 10%\r\n[T] 20%\r\n[T] forged\r\n[T] x\n".into(), 18)
+            ("[T] 10%\n[T] 20%\n[T] forged\n[T] x\n".into(), 18)
         );
+        // tqdm without a terminal: every redraw starts with \r.
+        assert_eq!(
+            tagged(b"\r 1%|#\r 2%|##\r\r\r\r100%|###\n", false, 100).0,
+            "[T]  1%|#\n[T]  2%|##\n[T] 100%|###\n"
+        );
+        // An empty line ended by \n (or \r\n) is output, not a redraw: kept.
+        assert_eq!(tagged(b"\n\r\n", false, 100).0, "[T] \n[T] \n");
         // A \r at the end of what was read may yet be followed by \n: it waits.
         assert_eq!(tagged(b"a\r", false, 100), (String::new(), 0));
-        assert_eq!(tagged(b"a\r", true, 100), ("[T] a\r\n".into(), 2));
+        assert_eq!(tagged(b"a\r", true, 100), ("[T] a\n".into(), 2));
+        assert_eq!(tagged(b"\r", true, 100), (String::new(), 1));
+    }
+
+    #[test]
+    fn a_line_is_admitted_or_not_as_a_whole_and_charged_what_it_printed() {
+        struct Rec(Vec<(u64, u64)>, Vec<u64>);
+        impl Gate for Rec {
+            fn admit(&mut self, cost: u64, used: u64) -> bool {
+                self.0.push((cost, used));
+                cost != 8
+            }
+            fn charge(&mut self, extra: u64) {
+                self.1.push(extra);
+            }
+        }
+        let mut gate = Rec(Vec::new(), Vec::new());
+        let mut out = Vec::new();
+        let used = tag_lines(
+            b"[T] ",
+            b"one\ntwo\r\nthr\x1be\n",
+            false,
+            100,
+            &mut out,
+            &mut gate,
+        );
+        assert_eq!(used, 15);
+        assert_eq!(gate.0, vec![(8, 4), (8, 5), (10, 6)]);
+        assert_eq!(gate.1, vec![3], "\\x1b is 3 bytes more than ESC");
+        assert_eq!(String::from_utf8(out).unwrap(), "[T] thr\\x1be\n");
     }
 
     #[test]
@@ -351,7 +440,7 @@ mod tests {
         let mut out = Vec::new();
         for part in [&b"hel"[..], b"lo wo", b"rld\nnext"] {
             partial.extend_from_slice(part);
-            let used = tag_lines(b"[T] ", &partial, false, 100, &mut out);
+            let used = tag(&partial, false, 100, &mut out);
             partial.drain(..used);
         }
         assert_eq!(String::from_utf8(out).unwrap(), "[T] hello world\n");
@@ -370,11 +459,11 @@ mod tests {
         let big = vec![b'x'; 10 * CHUNK + 5];
         for c in big.chunks(CHUNK) {
             partial.extend_from_slice(c);
-            let used = tag_lines(b"[T] ", &partial, false, CHUNK, &mut out);
+            let used = tag(&partial, false, CHUNK, &mut out);
             partial.drain(..used);
             assert!(partial.len() <= CHUNK, "what waits stays bounded");
         }
-        let used = tag_lines(b"[T] ", &partial, true, CHUNK, &mut out);
+        let used = tag(&partial, true, CHUNK, &mut out);
         assert_eq!(used, partial.len());
         let text = String::from_utf8(out).unwrap();
         assert_eq!(text.lines().count(), 11);
@@ -387,13 +476,14 @@ mod tests {
 
     #[test]
     fn tagging_awkward_text_matches_the_line_by_line_definition() {
-        // The fast path (valid text copied) and the slow one (lossy) agree with a plain model.
+        // Line by line: split at \n, \r\n or a lone \r, drop the empty lines of redraws,
+        // escape each line for the terminal.
         for seed in 0..200u64 {
             let buf = noise(seed, 300);
             let mut out = Vec::new();
-            let used = tag_lines(b"> ", &buf, true, 1000, &mut out);
+            let used = tag_lines(b"> ", &buf, true, 1000, &mut out, &mut Open);
             assert_eq!(used, buf.len());
-            let mut model = String::new();
+            let mut model = Vec::new();
             let text = buf.as_slice();
             let mut i = 0;
             while i < text.len() {
@@ -401,23 +491,25 @@ mod tests {
                     .iter()
                     .position(|b| *b == b'\n' || *b == b'\r')
                     .map_or(text.len(), |p| i + p);
-                model.push_str("> ");
-                model.push_str(&String::from_utf8_lossy(&text[i..p]));
-                if p == text.len() {
-                    model.push('\n');
-                    i = p;
-                } else if text[p] == b'\n' {
-                    model.push('\n');
-                    i = p + 1;
-                } else if text.get(p + 1) == Some(&b'\n') {
-                    model.push_str("\r\n");
-                    i = p + 2;
-                } else {
-                    model.push_str("\r\n");
-                    i = p + 1;
+                let redraw = p < text.len() && text[p] == b'\r' && text.get(p + 1) != Some(&b'\n');
+                if !(redraw && p == i) {
+                    model.extend_from_slice(b"> ");
+                    crate::logtext::push_terminal(&mut model, &text[i..p]);
+                    model.push(b'\n');
                 }
+                i = if p == text.len() {
+                    p
+                } else if text[p] == b'\r' && text.get(p + 1) == Some(&b'\n') {
+                    p + 2
+                } else {
+                    p + 1
+                };
             }
-            assert_eq!(String::from_utf8(out).unwrap(), model, "seed {seed}");
+            let out = String::from_utf8(out).unwrap();
+            assert_eq!(out, String::from_utf8(model).unwrap(), "seed {seed}");
+            assert!(!out
+                .chars()
+                .any(|c| c.is_control() && c != '\n' && c != '\t'));
         }
     }
 

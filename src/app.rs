@@ -297,6 +297,18 @@ fn print_config(settings: &config::Settings, json: bool) {
     }
 }
 
+/// Whether a log line of this target may be printed at this level: the MQTT library's only at
+/// error, the HTTP client's only up to info, the node's own at any level.
+fn library_line_shown(target: &str, level: log::Level) -> bool {
+    if target.starts_with("paho_mqtt") {
+        level <= log::Level::Error
+    } else if target.starts_with("ureq") {
+        level <= log::Level::Info
+    } else {
+        true
+    }
+}
+
 fn init_logging(verbosity: u8) {
     let level = match verbosity {
         0 => "info",
@@ -310,10 +322,16 @@ fn init_logging(verbosity: u8) {
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
         // (Its warnings repeat what the node says itself, e.g. "Connection lost. Client: 0x…".)
         .filter_module("paho_mqtt", log::LevelFilter::Error)
+        // The HTTP client likewise stays at info: at trace it dumps every request's bytes, the
+        // `Authorization` header with the token included, as hex rows of 16 characters (its own
+        // documentation says "NOT REDACTED"), and at debug its request lines show a signed
+        // upload URL whole as soon as any trace directive names its module.
+        .filter_module("ureq", log::LevelFilter::Info)
+        .filter_module("ureq_proto", log::LevelFilter::Info)
         .format(|buf, record| {
-            // The same for a directive naming a submodule (`paho_mqtt::async_client=trace`):
-            // an empty record prints nothing.
-            if record.target().starts_with("paho_mqtt") && record.level() > log::Level::Error {
+            // The same for a directive naming a submodule (`paho_mqtt::async_client=trace`,
+            // `ureq_proto::util=trace`): an empty record prints nothing.
+            if !library_line_shown(record.target(), record.level()) {
                 return Ok(());
             }
             writeln!(

@@ -372,3 +372,49 @@ fn a_node_started_with_its_standard_streams_closed_writes_its_output_nowhere_it_
         }
     }
 }
+
+/// What the HTTP client logs at trace: every request's bytes as hex rows of 16 characters, the
+/// `Authorization: Token …` header included, split across rows so that no row holds the whole
+/// token (the secret scan of every test looks for it whole). With `RUST_LOG=trace`, as every
+/// test node runs, a result upload talks to the backend over HTTP and no such row is printed.
+#[test]
+fn g7_the_http_clients_wire_dump_never_reaches_the_log_at_trace() {
+    use crate::support::node::NodeSetup;
+    use crate::support::scenario::Start;
+    use crate::support::{Broker, ControlPlane};
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write(
+        "cyberwave.yml",
+        "cyberwave:\n  training: echo model > \"$CYBERWAVE_RESULTS_DIR/model.bin\"\n  results_folder: out\n",
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let w = Start::training("dump");
+    w.ok(&cp, &node);
+    assert!(
+        cp.wait_status("wl-dump", "completed", DONE).is_some(),
+        "{}",
+        node.log()
+    );
+    assert_eq!(cp.uploads().len(), 1, "the result went up over HTTP");
+    let log = node.log();
+    let row = |msg: &str| {
+        // `6765 7420 2f61 …  get /a…`: eight groups of four hex digits (or `--`) then the text.
+        let mut words = msg.split(' ');
+        (0..8).all(|_| {
+            words.next().is_some_and(|w| {
+                w.len() == 4 && w.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
+            })
+        })
+    };
+    for line in log.lines() {
+        let msg = line.splitn(3, ' ').nth(2).unwrap_or("").trim_start();
+        assert!(!row(msg), "a wire dump row in the node's log: {line:?}");
+        assert!(
+            !msg.to_ascii_lowercase().contains("authorization"),
+            "an Authorization header in the node's log: {line:?}"
+        );
+    }
+}

@@ -10,7 +10,6 @@ use serde_json::{json, Map, Value};
 use super::admit::{self, Ask, Decision, Earlier, Facts, RejectReason};
 use super::selfheal::{self, Heal};
 use super::starts::{self, Answer, Starting, SPAWNER_GONE};
-use super::table::Active;
 use super::workloads::{start_output, Work};
 use crate::ledger::Ledger;
 use crate::logtext::shown;
@@ -18,7 +17,7 @@ use crate::protocol::commands::request_id_text;
 use crate::protocol::commands::{Kind, Seconds, StartParams, TopicId};
 use crate::store;
 use crate::workload::spawner::Outcome;
-use crate::workload::{self, procinfo, StartRequest};
+use crate::workload::{self, StartRequest};
 
 /// What the start path touches, borrowed apart from the node for one call (the loop builds
 /// it): a workload's parts ([`Work`]), the ledger of handled request ids and the self-heal
@@ -283,31 +282,12 @@ impl Start<'_> {
                         .drain
                         .set(true, "--drain-after-one", self.work.in_use());
                 }
-                let shim = meta
-                    .started
-                    .as_ref()
-                    .map(|s| (s.shim_pid, s.shim_start_ticks));
-                let now = self.work.io.clock.now();
-                self.work
-                    .active
-                    .insert(safe_id.clone(), Active::new(*meta, true, now));
+                self.work.track(&safe_id, *meta, true);
                 self.work.update_sampling();
                 // What the workload asked of the node before its start was reported.
                 for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
                     let reply = self.work.on_emit(&req.body);
                     let _ = req.reply.send(reply);
-                }
-                // The reaper may have reported the supervisor's end before this report (it then
-                // matched no workload and was dropped): taken up now; a duplicate later changes
-                // nothing (the lifecycle ignores a second end).
-                if let Some((pid, ticks)) = shim {
-                    if !procinfo::same_process_alive(pid, ticks) {
-                        log::debug!(
-                            "the supervisor of {} (pid {pid}) ended before its start was reported",
-                            shown(&rid)
-                        );
-                        self.work.on_reaped(pid);
-                    }
                 }
                 if let Some(c) = st.and_then(|s| s.cancel) {
                     log::info!(

@@ -24,7 +24,6 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::Value;
 
 use super::forkserver::{self, ForkServer};
-use super::reaper::Reaper;
 use super::settle::PID_TIMEOUT;
 use super::{Launched, Layout, Meta, SpawnError, StartRequest};
 use crate::config::Settings;
@@ -55,8 +54,6 @@ pub struct Context {
     pub layout: Layout,
     pub exe: PathBuf,
     pub ledger: PathBuf,
-    /// The reaper, woken after each fork (it sleeps while the node has no children).
-    pub reaper: Reaper,
     /// The reply (and ledger) body of a started workload.
     pub body: fn(&Meta) -> Value,
 }
@@ -127,7 +124,6 @@ fn spawn_loop(
         again(&mut fork, &mut restart);
         match result {
             Ok(l) => {
-                ctx.reaper.spawned();
                 let took = received.elapsed();
                 if let Err(e) = launched.send((l, received, took)) {
                     // The settler is gone: stop this shim's start, and this thread with it.

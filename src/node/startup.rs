@@ -363,7 +363,7 @@ fn gpus(
     Option<crate::gpu::Monitor>,
     Receiver<crate::gpu::Snapshot>,
 ) {
-    // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
+    // Learned once at start-up: GPU count and VRAM tier.
     let telemetry = if s.hardware_telemetry {
         super::operate::gpu_inventory()
     } else {
@@ -479,7 +479,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     crate::fds::harden(&mut cmd);
-    let mut child = match cmd.spawn() {
+    let mut child = match crate::workload::reaper::spawn(&mut cmd) {
         Ok(c) => c,
         Err(e) => {
             let msg = format!("cannot run the install script with {shell}: {e}");
@@ -524,6 +524,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
         .take()
         .and_then(|e| pump(Box::new(e), "stderr"));
     let status = child.wait();
+    crate::workload::reaper::waited(child.id());
     if let Some(h) = out {
         let _ = h.join();
     }

@@ -70,19 +70,6 @@ pub fn unblock_all() -> std::io::Result<()> {
     Ok(())
 }
 
-/// For a child between `clone(CLONE_VM | CLONE_VFORK)` and its exec (async-signal-safe, no
-/// allocation): every disposition the default first, then an empty mask, so that no handler of
-/// the parent's runs in the memory the child shares with it (D51 as [`unblock_all`]).
-pub fn default_then_unblock() {
-    default_dispositions(1..=31);
-    // SAFETY: sigprocmask with an empty set we own; async-signal-safe.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
-    }
-}
-
 /// Sets the disposition of each signal in `range` to the default (async-signal-safe). Caught
 /// signals are reset by exec anyway; this undoes ignored ones. SIGKILL, SIGSTOP and numbers the
 /// C library reserves answer EINVAL, which is harmless.

@@ -28,18 +28,6 @@ pub(super) struct Start<'a> {
     pub(super) heal: &'a mut Heal,
 }
 
-/// Notes the start as taken (D53), so that a node killed before it is answered answers it
-/// after its restart.
-fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, taken: &starts::Taken) {
-    if let Err(e) = starts::note(layout, safe_id, taken) {
-        log::warn!(
-            "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
-            shown(rid),
-            crate::logtext::shown(&starts::notes_dir(layout).display().to_string())
-        );
-    }
-}
-
 /// The request id as the ledger keys it: the request's own, or one made up for a request
 /// without one.
 fn ledger_id(request_id: &Value) -> String {
@@ -143,7 +131,6 @@ impl Start<'_> {
             return self.reject_start(request_id, workload_uuid.as_ref(), &why, ctx);
         };
         let params = start.params;
-        let (noted, noted_rx) = crossbeam_channel::bounded(1);
         let req = StartRequest {
             kind: kind_t,
             request_id: request_id.clone(),
@@ -159,7 +146,6 @@ impl Start<'_> {
             results_dir: self.work.active.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
             node_uuid: self.work.session.uuid().to_string(),
-            noted: Some(noted_rx),
         };
         let starting = Starting {
             kind: kind_t,
@@ -173,8 +159,8 @@ impl Start<'_> {
             event_token: req.event_token.clone(),
             held: Vec::new(),
         };
-        let taken = starts::Taken::of(&starting);
-        if let Err(e) = self.work.starts.begin(starting, req) {
+        // D53: noted as taken, then handed to the spawner.
+        if let Err(e) = self.work.starts.begin(&self.work.io.layout, starting, req) {
             let why = RejectReason::Failed {
                 kind: kind.into(),
                 why: e,
@@ -183,12 +169,6 @@ impl Start<'_> {
             // The spawner is gone: what is still in flight will never be reported.
             return self.on_spawner_gone();
         }
-        // D53: taken; from here on this start is answered, if need be by the next node. The note
-        // is written while the spawner writes the workload's files on the other core, and the
-        // spawner starts no supervisor before it is (`noted`): a start's workload never runs
-        // without its note (issue 25 item 5).
-        note_taken(&self.work.io.layout, &safe_id, &rid, &taken);
-        let _ = noted.send(());
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
         if self.work.s.drain_after_one {
             // One workload: no second start is taken while this one is in flight.
@@ -248,7 +228,7 @@ impl Start<'_> {
                 let kind = meta.kind;
                 let rid = meta.request_id_text();
                 log::info!(
-                    "{kind} {} started: pid {} (supervisor forked {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
+                    "{kind} {} started: pid {} (supervisor started {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
                     shown(&rid),
                     meta.pid(),
                     launch.as_secs_f64() * 1e3,

@@ -13,15 +13,15 @@ use crate::store;
 /// How long a shim has to report the workload's pid.
 pub const PID_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A shim that was forked and has not reported the workload's pid yet.
+/// A shim that was started and has not reported the workload's pid yet.
 pub struct Launched {
     /// The record as written (not yet synced), no pid.
     pub meta: Meta,
-    pub shim_pid: i32,
-    /// The shim's start time (its identity, read right after the fork).
+    /// The shim, its stdout our end of its pid line. Not waited for here once it reported: the
+    /// reaper thread reaps it when it ends.
+    pub child: std::process::Child,
+    /// The shim's start time (its identity, read right after the start).
     pub shim_start_ticks: u64,
-    /// Our end of the shim's stdout (a socket): its pid line (the reaper thread reaps the shim).
-    pub(super) stdout: Option<std::os::fd::OwnedFd>,
 }
 
 /// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
@@ -76,7 +76,7 @@ pub fn settle(
         .zip(lines)
         .map(|(l, line)| {
             let id = l.meta.safe_id.clone();
-            let shim = l.shim_pid;
+            let shim = i32::try_from(l.child.id()).unwrap_or(0);
             (id, shim, finish(layout, l, &line))
         })
         .collect()
@@ -85,11 +85,11 @@ pub fn settle(
 fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> {
     let Launched {
         mut meta,
-        shim_pid,
+        mut child,
         shim_start_ticks,
-        stdout,
     } = l;
-    drop(stdout); // the reaper thread waits for the shim
+    drop(child.stdout.take());
+    let shim_pid = i32::try_from(child.id()).unwrap_or(0);
     let pid: i32 = match line
         .strip_prefix("pid ")
         .and_then(|p| p.trim().parse().ok())
@@ -102,14 +102,11 @@ fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> 
                 .trim()
                 .to_string();
             // A shim that said nothing in time is stopped before its directory goes, so it
-            // cannot start an untracked workload later (only while it is provably the shim:
-            // the node's own unreaped child, with the start time it had at the fork).
-            if shim_pid > 1 && procinfo::same_process_alive(shim_pid, shim_start_ticks) {
-                // SAFETY: kill on a pid just proven to be this node's live child.
-                unsafe {
-                    libc::kill(shim_pid, libc::SIGKILL);
-                }
-            }
+            // cannot start an untracked workload later (it is the node's unreaped child, so its
+            // pid is still its own).
+            let _ = child.kill();
+            let _ = child.wait();
+            super::reaper::waited(child.id());
             let _ = std::fs::remove_dir_all(layout.dir(&meta.safe_id));
             return Err(if why.is_empty() {
                 SpawnError::NoPid
@@ -139,7 +136,7 @@ fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
     let begun = std::time::Instant::now();
     let fds: Vec<i32> = launched
         .iter()
-        .map(|l| l.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
+        .map(|l| l.child.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
         .collect();
     let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); launched.len()];
     let mut open: Vec<bool> = fds.iter().map(|fd| *fd >= 0).collect();
@@ -203,9 +200,7 @@ mod tests {
 
     fn fake_shim(layout: &Layout, id: &str, script: &str) -> Launched {
         std::fs::create_dir_all(layout.dir(id)).unwrap();
-        // Not waited for here, as the node leaves its shims to the reaper thread.
-        #[allow(clippy::zombie_processes)]
-        let mut child = Command::new("sh")
+        let child = Command::new("sh")
             .arg("-c")
             .arg(script)
             .stdout(Stdio::piped())
@@ -218,13 +213,12 @@ mod tests {
         meta.started = None;
         Launched {
             meta,
-            shim_pid,
+            child,
             shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap(),
-            stdout: child.stdout.take().map(std::os::fd::OwnedFd::from),
         }
     }
 
-    /// The settler reads every shim's pid line at once: a slow shim does not hold up the
+    /// The spawner reads every shim's pid line at once: a slow shim does not hold up the
     /// others, one that reports an error is refused with it, and one that says nothing in time
     /// is killed (it must not start an untracked workload later) and its directory removed.
     #[test]
@@ -236,7 +230,7 @@ mod tests {
             fake_shim(&layout, "mute", "exec sleep 30"),
             fake_shim(&layout, "fast", "echo pid 4343"),
         ];
-        let mute = (launched[2].shim_pid, launched[2].shim_start_ticks);
+        let mute = (launched[2].child.id() as i32, launched[2].shim_start_ticks);
         let out = settle(&layout, launched, Duration::from_secs(2));
         make_durable(&layout, &["slow", "fast"]);
         let ids: Vec<&str> = out.iter().map(|(id, _, _)| id.as_str()).collect();

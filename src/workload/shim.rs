@@ -282,52 +282,8 @@ fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
-/// The byte the spawner writes to a forked supervisor's gate (its stdin until then) once the
-/// start's params, record and note are written (launch.rs): the supervisor makes itself ready
-/// meanwhile (its session, its log files, the checks of its command) and starts the workload
-/// only then.
-pub const GATE_GO: u8 = b'g';
-
-/// Waits for the spawner's word on the gate `fd`: false when it closed the gate without it (the
-/// start was called off: a file of it could not be written, or the node is gone).
-pub(super) fn gate_opens(fd: std::os::fd::RawFd) -> bool {
-    let mut b = [0u8; 1];
-    loop {
-        // SAFETY: read of one byte into a local buffer.
-        let n = unsafe { libc::read(fd, b.as_mut_ptr().cast(), 1) };
-        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
-        }
-        return n == 1 && b[0] == GATE_GO;
-    }
-}
-
-/// Waits at the gate (stdin) for the spawner's word, then makes stdin `/dev/null` again (D46.1);
-/// the shim's exit code (after an `error:` line to the node) when the start was called off.
-fn pass_gate() -> Result<(), i32> {
-    if !gate_opens(0) {
-        // Called off before anything ran. Its log files stay (empty, and removed with the old
-        // logs): a supervisor exec'd for the same start may be writing them by now.
-        let _ = writeln!(std::io::stdout(), "error: the start was called off");
-        return Err(3);
-    }
-    if let Ok(null) = OpenOptions::new().read(true).open("/dev/null") {
-        use std::os::fd::AsRawFd;
-        // SAFETY: dup2 onto fd 0 with a valid open descriptor.
-        unsafe {
-            libc::dup2(null.as_raw_fd(), 0);
-        }
-    }
-    Ok(())
-}
-
-/// The shim's `main`. Its stdout is a socket to the node: one line, `pid N` or `error: …`.
+/// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
 pub fn run(args: &[String]) -> i32 {
-    run_gated(args, false)
-}
-
-/// The shim's `main`; `gated`: its stdin is the gate ([`GATE_GO`]), forked by the fork server.
-pub fn run_gated(args: &[String], gated: bool) -> i32 {
     let Some(a) = ShimArgs::parse(args) else {
         let _ = writeln!(
             std::io::stdout(),
@@ -345,7 +301,7 @@ pub fn run_gated(args: &[String], gated: bool) -> i32 {
         // clears the group (D25).
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
-    let (pid, started_at) = match spawn_workload(&a, gated) {
+    let (pid, started_at) = match spawn_workload(&a) {
         Ok(started) => started,
         Err(code) => return code,
     };
@@ -371,7 +327,7 @@ pub fn run_gated(args: &[String], gated: bool) -> i32 {
 /// Starts the workload's command (`bash -c COMMAND`: bash execs a lone simple command itself)
 /// in its own process group, as its user, its output to its log files; returns it and its
 /// start time, or (after an `error:` line to the node) the shim's exit code.
-fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
+fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
     let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
@@ -399,9 +355,6 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
     // D46.1, D51: no descriptor but its three streams, no signal blocked or ignored (the shim
     // blocks the node's; std passes a mask on).
     crate::fds::harden(&mut cmd);
-    if gated {
-        pass_gate()?;
-    }
     let started_at = util::rfc3339(SystemTime::now());
     // Reaped by wait_workload, not through the `Child` (which would wait for that pid alone);
     // dropping it neither waits nor kills.

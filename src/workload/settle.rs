@@ -25,9 +25,10 @@ pub struct Launched {
 }
 
 /// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
-/// workloads folder once, which holds their new directories), several at once: concurrent
-/// syncs share the disk's flushes (one journal commit can serve them all). Errors are logged: the
-/// record is there for a node restart either way, only a host crash could lose it.
+/// workloads folder once, which holds their new directories), one after the other on the
+/// spawner thread: the first sync's journal commit (ext4, xfs) carries the whole batch, so the
+/// others find little left to write. Errors are logged: the record is there for a node restart
+/// either way, only a host crash could lose it.
 pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
     let mut paths: Vec<PathBuf> = safe_ids
         .iter()
@@ -36,7 +37,7 @@ pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
     if !safe_ids.is_empty() {
         paths.push(layout.workloads());
     }
-    let sync = |path: &PathBuf| {
+    for path in &paths {
         store::slow_disk_pause();
         // Never blocks on a FIFO planted in place of a record (D48).
         use std::os::unix::fs::OpenOptionsExt;
@@ -47,19 +48,7 @@ pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
         if let Err(e) = opened.and_then(|f| f.sync_all()) {
             log::warn!("cannot sync {}: {e}", store::shown(path));
         }
-    };
-    const WORKERS: usize = 8;
-    let per = paths.len().div_ceil(WORKERS).max(1);
-    std::thread::scope(|scope| {
-        for chunk in paths.chunks(per) {
-            let spawned = std::thread::Builder::new()
-                .name("sync".into())
-                .spawn_scoped(scope, move || chunk.iter().for_each(sync));
-            if spawned.is_err() {
-                chunk.iter().for_each(sync);
-            }
-        }
-    });
+    }
 }
 
 /// Step 2 of a start (on the spawner thread): waits for each shim's pid line, all at once, at

@@ -1,5 +1,6 @@
 //! Step 2 of a start: each shim's pid line read, all at once, and the records made durable.
 
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
@@ -59,7 +60,8 @@ pub fn settle(
     launched: Vec<Launched>,
     timeout: Duration,
 ) -> Vec<(String, i32, Result<Meta, SpawnError>)> {
-    let lines = read_lines_timeout(&launched, timeout);
+    let mut launched = launched;
+    let lines = read_lines_timeout(&mut launched, timeout);
     launched
         .into_iter()
         .zip(lines)
@@ -120,8 +122,9 @@ fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> 
     Ok(meta)
 }
 
-/// Reads the first line from each shim's pid channel (a socket), all at once, waiting at most `timeout` in all.
-fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
+/// Reads the first line from each shim's pid channel (a pipe), all at once, waiting at most
+/// `timeout` in all.
+fn read_lines_timeout(launched: &mut [Launched], timeout: Duration) -> Vec<String> {
     let begun = std::time::Instant::now();
     let fds: Vec<i32> = launched
         .iter()
@@ -154,15 +157,15 @@ fn read_lines_timeout(launched: &[Launched], timeout: Duration) -> Vec<String> {
         if rc <= 0 {
             break;
         }
-        for ((p, buf), o) in pfds.iter().zip(bufs.iter_mut()).zip(open.iter_mut()) {
+        let ready = pfds.iter().zip(launched.iter_mut());
+        for ((p, l), (buf, o)) in ready.zip(bufs.iter_mut().zip(open.iter_mut())) {
             if !*o || p.revents == 0 {
                 continue;
             }
-            // SAFETY: read into a local buffer of its own length from an fd poll reported.
-            let got = unsafe { libc::read(p.fd, chunk.as_mut_ptr().cast(), chunk.len()) };
-            match usize::try_from(got) {
-                Ok(0) | Err(_) => *o = false,
-                Ok(k) => buf.extend_from_slice(chunk.get(..k).unwrap_or_default()),
+            let got = l.child.stdout.as_mut().map(|s| s.read(&mut chunk));
+            match got {
+                Some(Ok(0) | Err(_)) | None => *o = false,
+                Some(Ok(k)) => buf.extend_from_slice(chunk.get(..k).unwrap_or_default()),
             }
             if memchr::memchr(b'\n', buf).is_some() {
                 *o = false;

@@ -210,8 +210,9 @@ fn shim_args(
 
 /// Starts the supervisor (`<exe> __shim …`) in the workload's directory with the workload's
 /// environment alone: stdin `/dev/null`, stdout a pipe for its pid line, stderr `shim.log`, no
-/// other descriptor of the node (D46.1). It keeps the node's blocked signals (it blocks them
-/// itself first thing: a SIGTERM meant for the node never ends it) and makes its own session.
+/// other descriptor of the node (D46.1: [`crate::fds::before_spawn`]). It keeps the node's
+/// blocked signals (it blocks them itself first thing: a SIGTERM meant for the node never ends
+/// it) and makes its own session.
 fn start_shim(
     exe: &Path,
     dir: &Path,
@@ -228,7 +229,7 @@ fn start_shim(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(shim_log);
-    crate::fds::no_inherited_fds(&mut cmd);
+    crate::fds::before_spawn();
     let child = super::reaper::spawn(&mut cmd).map_err(|source| SpawnError::Fork {
         exe: exe.to_path_buf(),
         source,

@@ -347,7 +347,7 @@ impl Start<'_> {
     pub(super) fn finish_starts(&mut self) {
         let until = crate::util::later(
             Instant::now(),
-            workload::settle::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
+            workload::spawner::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
         );
         let before: Vec<String> = self.work.active.keys().cloned().collect();
         while !self.work.starts.is_empty() {

@@ -1,5 +1,5 @@
 //! Starting a workload under the shim, step 1 of 2: its directory, params, record and the shim
-//! started ([`super::settle`] is step 2).
+//! started ([`super::spawner`] does step 2).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,8 +11,8 @@ use super::inputs;
 use super::procinfo;
 use super::record::{unix_now, Layout, Meta};
 use super::request::StartRequest;
-use super::settle::Launched;
 use super::shim::ShimArgs;
+use super::spawner::Launched;
 use super::user::{self, WorkloadUser};
 use crate::config::Settings;
 use crate::protocol::commands::TopicId;
@@ -20,14 +20,16 @@ use crate::store;
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
 /// and record (`meta.json`, without a pid, written atomically but not yet synced), then the
-/// shim started. [`settle`] then reads the pid, and [`make_durable`] syncs the record once the
-/// workload runs (a sync forces a journal commit, which would hold up the files the shim and
-/// the workload create as they start). On `Err` nothing was started and the directory is gone.
+/// shim started. [`super::settle`] then reads the pid, and [`super::make_durable`] syncs the
+/// record once the workload runs (a sync forces a journal commit, which would hold up the files
+/// the shim and the workload create as they start). On `Err` nothing was started and the
+/// directory is gone.
 ///
 /// Crash safety of the order: a node killed at any point leaves what it wrote in the page cache
 /// (a record written is read back by the next node, synced or not); only a host crash loses
 /// unsynced files, and it ends the workload too. The start is answered (and recorded in the
-/// ledger) only after [`make_durable`], so an answered start always has its durable record.
+/// ledger) only after [`super::make_durable`], so an answered start always has its durable
+/// record.
 pub fn launch(
     s: &Settings,
     layout: &Layout,

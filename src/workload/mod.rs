@@ -13,7 +13,6 @@ pub mod reaper;
 pub mod record;
 pub mod recover;
 pub mod request;
-pub mod settle;
 pub mod shim;
 pub mod spawner;
 pub mod summary;
@@ -33,5 +32,5 @@ pub use record::{
 };
 pub use recover::{recover_meta, Recovered};
 pub use request::StartRequest;
-pub use settle::{make_durable, settle, Launched};
+pub use spawner::{make_durable, settle, Launched};
 pub use summary::{failure_summary, tail};

@@ -11,7 +11,7 @@ use super::record::{
     load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, MetaKind,
 };
 use super::shim::Started;
-use super::{procinfo, settle};
+use super::{procinfo, spawner};
 use crate::protocol::commands::{Kind, TopicId};
 use crate::store;
 
@@ -123,7 +123,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
 }
 
 /// While a shim started for `dir` is alive and `started` does not exist yet, waits for it (at
-/// most the pid timeout, `settle::PID_TIMEOUT`).
+/// most the pid timeout, `spawner::PID_TIMEOUT`).
 fn wait_for_shim_record(dir: &Path, started: &Path) {
     if started.exists() {
         return;
@@ -135,7 +135,7 @@ fn wait_for_shim_record(dir: &Path, started: &Path) {
         "the supervisor of {} (pid {pid}) is still starting its workload; waiting for its start record",
         store::shown(dir)
     );
-    let until = crate::util::later(std::time::Instant::now(), settle::PID_TIMEOUT);
+    let until = crate::util::later(std::time::Instant::now(), spawner::PID_TIMEOUT);
     while !started.exists()
         && procinfo::same_process_alive(pid, ticks)
         && std::time::Instant::now() < until

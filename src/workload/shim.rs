@@ -11,8 +11,9 @@
 //!    that one ends, then writes `exit.json` atomically and exits. On a full disk it leaves the
 //!    status in `exit.status` instead and exits at once (D54: see [`EXIT_LINK`]).
 //!
-//! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
-//! SIGTERM/SIGINT/SIGHUP; the workload starts with an empty mask, reset between fork and exec.
+//! The signals the node handles are caught by a handler that does nothing (blocked until it is
+//! set): the shim shrugs off SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2; the workload starts with
+//! an empty mask and default dispositions (exec resets a caught signal).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -294,6 +295,12 @@ pub fn run(args: &[String]) -> i32 {
     // D46.1: nothing the node held open (its broker socket, its lock) reaches the workload,
     // whatever the node's libraries forgot to mark close-on-exec.
     crate::fds::close_inherited();
+    // D51: the node's signals caught and ignored here, nothing blocked or ignored for the
+    // workload, without a hook between fork and exec.
+    if let Err(e) = crate::signals::shrug_off_handled() {
+        let _ = writeln!(std::io::stdout(), "error: cannot set up signals: {e}");
+        return 1;
+    }
     // SAFETY: setsid has no memory-safety preconditions.
     unsafe {
         libc::setsid();
@@ -344,6 +351,9 @@ fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
         .stderr(err)
         // D25: its own process group, which a cancel signals as a whole.
         .process_group(0);
+    // D46.1, D51: the shim holds no descriptor but its own (close-on-exec) and blocks or
+    // ignores no signal (`shrug_off_handled`), so std starts the workload with `posix_spawn`
+    // and it gets only its three streams, no signal blocked or ignored.
     if let Some(ids) = a.user.clone() {
         // SAFETY: setgroups, setresgid and setresuid are async-signal-safe; nothing is
         // allocated (the ids were parsed before the fork).
@@ -351,10 +361,8 @@ fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
             // D46.3: the workload's own uid and groups; an exec that cannot drop them fails.
             cmd.pre_exec(move || super::user::drop_to(&ids));
         }
+        crate::fds::harden(&mut cmd);
     }
-    // D46.1, D51: no descriptor but its three streams, no signal blocked or ignored (the shim
-    // blocks the node's; std passes a mask on).
-    crate::fds::harden(&mut cmd);
     let started_at = util::rfc3339(SystemTime::now());
     // Reaped by wait_workload, not through the `Child` (which would wait for that pid alone);
     // dropping it neither waits nor kills.

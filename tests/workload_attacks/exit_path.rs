@@ -1,7 +1,7 @@
 //! Workload attacks: see `mod.rs`. The way out of a workload: its supervisor reaps what it
 //! adopts (no zombies pile up while it runs), a workload that fills the state dir's disk still
 //! gets its completion out (D54), and starts in flight when the node is SIGKILLed are all
-//! answered after its restart (D53).
+//! answered after its restart (D53), and its supervisor outlives the signals sent to it.
 
 use std::time::Duration;
 
@@ -357,4 +357,57 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(runs(&setup, "n1"), 0, "n1 never ran");
     assert_eq!(runs(&setup, "r1"), 1, "r1 ran exactly once");
+}
+
+/// The supervisor outlives what a workload of its uid or a stopping node sends it: SIGTERM,
+/// SIGINT, SIGHUP, SIGUSR1, SIGUSR2 are caught and ignored, and SIGPIPE (its pipe to a node
+/// that is gone) is ignored. The workload's completion then goes out with its own exit code.
+#[test]
+fn g13_a_supervisor_outlives_the_signals_a_workload_or_a_stopping_node_sends_it() {
+    let (_broker, cp, setup) = rig(concat!(
+        "cyberwave:\n  inference: |\n",
+        "    echo $PPID > t/sup\n",
+        "    until [ -e t/stop ]; do sleep 0.05; done\n",
+        "    exit 6\n",
+    ));
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    cp.command(
+        &node.uuid(),
+        json!({"command": "inference", "request_id": "sig", "params": {"workload_uuid": "wl-sig"}}),
+    );
+    assert_eq!(cp.wait_reply("sig", REPLY).expect("reply")["status"], "ok");
+    let sup: i32 = wait_for(REPLY, || {
+        std::fs::read_to_string(setup.cwd.join("t/sup"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .expect("the workload wrote its supervisor's pid");
+    for sig in [
+        libc::SIGTERM,
+        libc::SIGINT,
+        libc::SIGHUP,
+        libc::SIGUSR1,
+        libc::SIGUSR2,
+        libc::SIGPIPE,
+    ] {
+        // SAFETY: kill of the supervisor this test's workload named.
+        assert_eq!(unsafe { libc::kill(sup, sig) }, 0, "signal {sig}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let state = std::fs::read_to_string(format!("/proc/{sup}/stat")).unwrap_or_default();
+    assert!(
+        !state.is_empty() && !state.contains(") Z "),
+        "the supervisor died: {state:?}; log:\n{}",
+        node.log()
+    );
+    std::fs::write(setup.cwd.join("t/stop"), "").unwrap();
+    let done = wait_for(Duration::from_secs(15), || {
+        Some(completions(&cp, "wl-sig")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+    assert_eq!(done[0]["exit_code"], 6, "{done:?}");
 }

@@ -69,6 +69,31 @@ fn machine() -> String {
 }
 
 /// (peak RSS KiB, current RSS KiB, CPU seconds) of a process.
+/// Every process below `pid` (its children, theirs, …), from `/proc/<pid>/task/*/children`.
+fn descendants(pid: i32) -> Vec<i32> {
+    let children = |p: i32| -> Vec<i32> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            return Vec::new();
+        };
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|s| {
+                s.split_whitespace()
+                    .filter_map(|c| c.parse().ok())
+                    .collect::<Vec<i32>>()
+            })
+            .collect()
+    };
+    let mut all = children(pid);
+    let mut i = 0;
+    while let Some(p) = all.get(i).copied() {
+        all.extend(children(p));
+        i += 1;
+    }
+    all
+}
+
 fn proc_stats(pid: i32) -> (u64, u64, f64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let kib = |key: &str| {
@@ -457,6 +482,9 @@ fn idle(window: Duration) {
     let after = threads(node.pid());
     let (peak, rss, cpu1) = proc_stats(node.pid());
     let beats = cp.requests("heartbeat").len().saturating_sub(beats0);
+    // The node's own helper processes, if any (its children while no workload runs).
+    let helpers = descendants(node.pid());
+    let helpers_rss: u64 = helpers.iter().map(|p| proc_stats(*p).1).sum();
     let per_min = 60.0 / window.as_secs_f64().max(1e-3);
     let sched = |t: &BTreeMap<i32, (String, f64, u64)>| t.values().map(|v| v.1).sum::<f64>();
     println!(
@@ -467,6 +495,11 @@ fn idle(window: Duration) {
         rss,
         peak,
         beats
+    );
+    println!(
+        "idle node with its {} helper process(es): RSS {} KiB",
+        helpers.len(),
+        rss + helpers_rss
     );
     println!(
         "{:<8} {:<16} {:>14} {:>16}",

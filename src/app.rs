@@ -23,13 +23,6 @@ fn hidden_mode(args: &[String]) -> Option<i32> {
             args.get(1..).unwrap_or_default(),
         ));
     }
-    // The fork server supervisors are forked from (started by the node itself: forkserver.rs).
-    if args.first().map(String::as_str) == Some(crate::workload::forkserver::MODE)
-        && args.len() == 1
-    {
-        crate::signals::block_in_this_thread();
-        return Some(crate::workload::forkserver::serve());
-    }
     // The packaged unit, for packaging/build-deb.sh: the system unit for /usr/bin.
     if args.first().map(String::as_str) == Some("__print-unit") {
         return Some(match crate::systemd::paths(false) {

@@ -7,7 +7,8 @@
 //! node out). So:
 //! - every `Command` the node runs goes through [`harden`]: between fork and exec, every
 //!   descriptor above 2 is marked close-on-exec (std's own exec-error pipe already is, so std still
-//!   learns of a failed exec), and the child starts with an empty signal mask;
+//!   learns of a failed exec), and the child starts with an empty signal mask; before the
+//!   supervisor is started, the node marks its own descriptors so ([`before_spawn`]);
 //! - the supervisor, first thing, closes every descriptor above 2 it inherited
 //!   ([`close_inherited`]), so the workload it starts cannot get one even through it.
 
@@ -89,6 +90,17 @@ pub fn close_inherited() {
             }
         }
     }
+}
+
+/// For the supervisor, right before it is started: every descriptor of the node above 2 is
+/// marked close-on-exec in the node itself (the node never hands one on through an exec), so
+/// the supervisor can be started without a hook between fork and exec, which lets std use
+/// `posix_spawn` (no copy of the node's page tables). One that a library opens meanwhile
+/// without close-on-exec is closed by the supervisor first thing ([`close_inherited`]). The
+/// supervisor keeps the node's blocked signals: it blocks them itself first thing, so a signal
+/// meant for the node never ends it in between, and resets them for its workload ([`harden`]).
+pub fn before_spawn() {
+    cloexec_above_2();
 }
 
 /// Resets what a child must not inherit from the node, between fork and exec: the descriptors

@@ -629,8 +629,8 @@ pub enum RunError {
     Failed(String),
 }
 
-/// What one `nvidia-smi` call printed, and its exit code when it could be had (the node's
-/// reaper may collect it first).
+/// What one `nvidia-smi` call printed, and its exit code (none when a signal ended it, or it
+/// outlived the SIGKILL of its group).
 #[derive(Debug, Clone, Default)]
 pub struct Output {
     pub stdout: String,
@@ -666,52 +666,50 @@ fn run_program(
     let Some(exe) = on_path(program, &path) else {
         return Err(RunError::NotFound);
     };
-    let failed = |what: &str, e: std::io::Error| {
-        RunError::Failed(format!("cannot run nvidia-smi: {what}{e}"))
-    };
-    let null = std::fs::File::open("/dev/null").map_err(|e| failed("/dev/null: ", e))?;
-    let (out_r, out_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
-    let (err_r, err_w) = crate::workload::vspawn::pipe().map_err(|e| failed("", e))?;
+    let failed = |e: std::io::Error| RunError::Failed(format!("cannot run nvidia-smi: {e}"));
     // The node's environment with `LC_ALL=C`, less its secrets (D47: nvidia-smi has no use
     // for the API key or the broker's password).
     let dropped = |k: &std::ffi::OsStr| {
         k == "LC_ALL" || crate::workload::NODE_ONLY_VARS.iter().any(|s| k == *s)
     };
-    let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os()
-        .filter(|(k, _)| !dropped(k))
-        .chain([("LC_ALL".into(), "C".into())])
-        .collect();
-    let args: Vec<std::ffi::OsString> = args.iter().map(std::ffi::OsString::from).collect();
-    // Not `std::process::Command`: when the exec fails, std waits for the child and panics
-    // if the node's reaper thread (`waitpid(-1)`) collected it first. Started as a workload
-    // is (D46.1, D51): a process group of its own, no descriptor of the node (its broker
-    // socket) and no blocked signal, so a hung one dies of the SIGKILL of its group.
-    let cwd = std::env::current_dir().unwrap_or_else(|_| std::path::PathBuf::from("/"));
-    let cwd = if cwd.is_dir() {
-        cwd
-    } else {
-        std::path::PathBuf::from("/")
+    let env = std::env::vars_os().filter(|(k, _)| !dropped(k));
+    let cwd = std::env::current_dir()
+        .ok()
+        .filter(|d| d.is_dir())
+        .unwrap_or_else(|| std::path::PathBuf::from("/"));
+    // Started as a workload is (D46.1, D51): a process group of its own, no descriptor of the
+    // node (its broker socket) and no blocked signal, so a hung one dies of the SIGKILL of its
+    // group.
+    let mut cmd = std::process::Command::new(&exe);
+    std::os::unix::process::CommandExt::arg0(&mut cmd, program);
+    cmd.args(args)
+        .env_clear()
+        .envs(env)
+        .env("LC_ALL", "C")
+        .current_dir(cwd)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    crate::fds::harden(&mut cmd);
+    let mut child = match crate::workload::reaper::spawn(&mut cmd) {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(RunError::NotFound),
+        Err(e) => return Err(failed(e)),
     };
-    let spawned = crate::workload::vspawn::spawn_workload(
-        &exe,
-        program,
-        &args,
-        env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())),
-        &cwd,
-        [std::os::fd::OwnedFd::from(null), out_w, err_w],
-    );
-    use crate::workload::vspawn::Failure;
-    let (pid, mut out, mut err) = match spawned {
-        Ok(pid) => (pid, std::fs::File::from(out_r), std::fs::File::from(err_r)),
-        Err(Failure::Child(e)) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(RunError::NotFound)
-        }
-        // (A kernel that refuses the clone gets a fork: inside vspawn.)
-        Err(Failure::Child(e) | Failure::Clone(e)) => return Err(failed("", e)),
+    let (bufs, result) = match (child.stdout.take(), child.stderr.take()) {
+        (Some(mut out), Some(mut err)) => read_both(&mut out, &mut err, timeout),
+        _ => (
+            [Vec::new(), Vec::new()],
+            Err(RunError::Failed("no pipes".into())),
+        ),
     };
-    let (bufs, result) = read_both(&mut out, &mut err, timeout);
-    let code = reap(pid, result.is_err());
-    // No signal after this point: once the leader is reaped its id may be another's.
+    let ended = reap(&mut child, result.is_err());
+    let code = ended.and_then(|s| s.code());
+    if ended.is_some() {
+        crate::workload::reaper::waited(child.id());
+    }
+    stuck(ended.is_none().then_some(child));
     let [so, se] = bufs;
     result.map(|()| Output {
         stdout: String::from_utf8_lossy(&so).into_owned(),
@@ -746,8 +744,8 @@ fn on_path(program: &std::ffi::OsStr, path: &std::ffi::OsStr) -> Option<std::pat
 /// Reads the child's two pipes until both end, `timeout` passes or the output grows past
 /// [`MAX_OUTPUT`]; what each printed so far comes back either way.
 fn read_both(
-    out: &mut std::fs::File,
-    err: &mut std::fs::File,
+    out: &mut std::process::ChildStdout,
+    err: &mut std::process::ChildStderr,
     timeout: Duration,
 ) -> ([Vec<u8>; 2], Result<(), RunError>) {
     let deadline = Instant::now().checked_add(timeout);
@@ -822,48 +820,59 @@ fn read_both(
     (bufs, result)
 }
 
-/// Kills the child's group when `failed` (a timeout or a read error), then reaps the leader
-/// unless the node's reaper does (then this returns at once); a leader that outlives its output
-/// is killed with its group. Its exit code, where it was seen.
-fn reap(pid: i32, failed: bool) -> Option<i32> {
+/// Kills the child's group when `failed` (a timeout or a read error), then waits for the
+/// leader; a leader that outlives its output is killed with its group. How it ended, unless it
+/// outlived even that.
+fn reap(child: &mut std::process::Child, failed: bool) -> Option<std::process::ExitStatus> {
+    let pid = i32::try_from(child.id()).unwrap_or(0);
     let kill = || {
-        if pid > 0 {
-            // SAFETY: the group is the child's own (it leads it), and its leader has not been
-            // waited for by us. Should the reaper have collected the leader, Linux still does
-            // not give its number to a new process while it is a live process's group id;
-            // signalling a group that is gone fails harmlessly.
+        if pid > 1 {
+            // SAFETY: the group is the child's own (it leads it) and the leader is not waited
+            // for yet, so its number is no one else's.
             unsafe {
                 libc::killpg(pid, libc::SIGKILL);
             }
         }
     };
-    // The group id is still this look's: see the SAFETY comment above.
     if failed {
         kill();
     }
-    // Reap it unless the node's reaper does (then `waitpid` fails at once); a leader that
-    // outlives its output is killed with its group.
-    let mut code = None;
+    let mut status = None;
     for round in 0..60 {
-        let mut status = 0;
-        // SAFETY: waitpid on our own child with a valid out pointer.
-        let rc = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if rc == 0 {
-            if round == 50 {
-                kill();
+        match child.try_wait() {
+            Ok(Some(s)) => {
+                status = Some(s);
+                break;
             }
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
+            Ok(None) => {
+                if round == 50 {
+                    kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(_) => break,
         }
-        if rc == pid && libc::WIFEXITED(status) {
-            code = Some(libc::WEXITSTATUS(status));
-        }
-        if rc < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
-        }
-        break;
     }
-    code
+    status
+}
+
+/// Runs that outlived the SIGKILL of their group (stuck in the kernel, a hung driver), waited
+/// for at each later run rather than by blocking the GPU thread.
+static STUCK: std::sync::Mutex<Vec<std::process::Child>> = std::sync::Mutex::new(Vec::new());
+
+/// Waits for the stuck runs that have ended since; keeps `child` among them when given.
+fn stuck(child: Option<std::process::Child>) {
+    let mut left = STUCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    left.extend(child);
+    left.retain_mut(|c| {
+        let running = matches!(c.try_wait(), Ok(None));
+        if !running {
+            crate::workload::reaper::waited(c.id());
+        }
+        running
+    });
 }
 
 /// The monitor's settings.

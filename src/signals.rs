@@ -58,6 +58,13 @@ pub fn not_dumpable() {
 /// the node's own parent had ignored (`nohup`, a background job of a script) is not ignored by
 /// the node's children either (D51).
 pub fn unblock_all() -> std::io::Result<()> {
+    empty_mask()?;
+    default_dispositions(1..=31);
+    Ok(())
+}
+
+/// No signal blocked in the calling thread (async-signal-safe).
+fn empty_mask() -> std::io::Result<()> {
     // SAFETY: sigprocmask with an empty set we own; async-signal-safe.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -66,21 +73,42 @@ pub fn unblock_all() -> std::io::Result<()> {
             return Err(std::io::Error::last_os_error());
         }
     }
-    default_dispositions(1..=31);
     Ok(())
 }
 
-/// For a child between `clone(CLONE_VM | CLONE_VFORK)` and its exec (async-signal-safe, no
-/// allocation): every disposition the default first, then an empty mask, so that no handler of
-/// the parent's runs in the memory the child shares with it (D51 as [`unblock_all`]).
-pub fn default_then_unblock() {
+/// Does nothing: the supervisor's handler of the signals the node handles.
+extern "C" fn shrug(_: libc::c_int) {}
+
+/// For the supervisor, which outlives a stopping node: every signal back to its default
+/// disposition (D51: none of what its parent ignored), then the signals the node handles caught
+/// by a handler that does nothing (a SIGTERM meant for the node never ends the supervisor), and
+/// SIGPIPE ignored again, as std has it (a node gone before it read the pid line must not end
+/// its supervisor), then an empty mask. Exec resets a caught signal to its default, and std
+/// resets SIGPIPE, so a child it starts gets an empty mask and default dispositions with no
+/// hook between fork and exec: std starts it with `posix_spawn`. Call first thing, while the
+/// handled signals are still blocked.
+pub fn shrug_off_handled() -> std::io::Result<()> {
     default_dispositions(1..=31);
-    // SAFETY: sigprocmask with an empty set we own; async-signal-safe.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+    let shrug_at = shrug as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    let actions = HANDLED
+        .iter()
+        .map(|s| (*s, shrug_at))
+        .chain([(libc::SIGPIPE, libc::SIG_IGN)]);
+    for (sig, handler) in actions {
+        // SAFETY: a zeroed sigaction with SIG_IGN or a handler that touches nothing, an empty
+        // mask and SA_RESTART (interrupted calls go on) is valid; the struct is ours.
+        let rc = unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = handler;
+            act.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut act.sa_mask);
+            libc::sigaction(sig, &act, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
     }
+    empty_mask()
 }
 
 /// Sets the disposition of each signal in `range` to the default (async-signal-safe). Caught

@@ -448,3 +448,58 @@ fn the_container_examples_manifests_validate() {
         assert_eq!(out.code, Some(0), "{m}: {out:?}");
     }
 }
+
+/// D58, D71: as PID 1 of its namespace the node still starts each supervisor with `Command` and
+/// waits for it by its pid, while it reaps the orphans nobody waits for: a supervisor is PID 1's
+/// child, runs its workload once, and the completion goes out with the workload's exit code (a
+/// sweep that took the supervisor's status first would lose it).
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once() {
+    crate::support::assert_root("to make a PID namespace");
+    let (_b, cp, mut setup) = rig(concat!(
+        "cyberwave:\n  training: |\n",
+        "    echo $PPID > t/$CYBERWAVE_REQUEST_ID.sup\n",
+        "    echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs\n",
+        "    until [ -e t/$CYBERWAVE_REQUEST_ID.stop ]; do sleep 0.05; done\n",
+        "    exit 4\n",
+    ));
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    setup.under = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        .map(String::from)
+        .to_vec();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let inner = pid_under_unshare(&node);
+    for rid in ["pid1", "pid2"] {
+        let w = Start::training(rid);
+        assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+        let sup = wait_for(REPLY, || {
+            std::fs::read_dir("/proc")
+                .unwrap()
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                .find(|pid| {
+                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                    let stat =
+                        std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                    let parent = stat
+                        .rsplit_once(')')
+                        .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok());
+                    parent == Some(inner)
+                        && String::from_utf8_lossy(&cmd).contains("__shim")
+                        && std::fs::read_link(format!("/proc/{pid}/cwd"))
+                            .is_ok_and(|c| c.ends_with(rid))
+                })
+        });
+        assert!(
+            sup.is_some(),
+            "no supervisor of PID 1; log:\n{}",
+            node.log()
+        );
+        std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
+        assert_eq!(w.completion(&cp)["exit_code"], 4, "{}", node.log());
+        let runs = std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap();
+        assert_eq!(runs.lines().count(), 1, "{rid}");
+    }
+}

@@ -112,9 +112,10 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
     }
 }
 
-/// The reaper can report a supervisor's end before the loop learned of its start (here the
-/// workload exits at once while the node still syncs its record on a slow disk): the end is
-/// not lost, and the completion goes out once with the real exit code.
+/// A supervisor can end before the loop learned of its start (here the workload exits at once
+/// while the spawner still syncs its record on a slow disk): the reaper thread is told of it
+/// only once the loop tracks it, so the end is not lost, and the completion goes out once with
+/// the real exit code.
 #[test]
 fn g3_a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() {
     let (_broker, cp, setup) = rig(300, "cyberwave:\n  inference: exit 3\n");
@@ -131,11 +132,6 @@ fn g3_a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once
     let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
     assert_eq!(done.len(), 1, "{all:?}");
     assert_eq!(done[0]["exit_code"], 3, "{all:?}");
-    assert!(
-        node.log().contains("ended before its start was reported"),
-        "the race was exercised; log:\n{}",
-        node.log()
-    );
     std::thread::sleep(Duration::from_millis(500));
     let again: Vec<Value> = cp
         .statuses("wl-quick")

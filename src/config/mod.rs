@@ -118,8 +118,6 @@ pub struct Tuning {
     /// How long one connect attempt waits for the broker's CONNACK (a clustered broker may
     /// take well over 10 s to take a session over from another node).
     pub connect_timeout: Duration,
-    /// How long after the fork server is dropped (killed, silent, refused) a new one is started.
-    pub forkserver_restart: Duration,
     /// `CYBERWAVE_NODE_MAX_COMMAND_BYTES`: a larger command is refused before its params are
     /// read (D64).
     pub max_command_bytes: usize,
@@ -144,7 +142,6 @@ impl Default for Tuning {
             shutdown_flush: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             cleanup_grace: Duration::from_secs(10),
-            forkserver_restart: Duration::from_secs(30),
             metrics_interval: Duration::from_secs(5),
             lock_wait: Duration::ZERO,
             connect_timeout: Duration::from_secs(30),

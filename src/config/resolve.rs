@@ -844,7 +844,7 @@ impl Resolver<'_> {
     /// The timings tests shorten (env `CYBERWAVE_NODE_*_SECONDS`).
     fn tuning(&mut self) -> Tuning {
         let mut tuning = Tuning::default();
-        let knobs: [(&str, &mut Duration); 14] = [
+        let knobs: [(&str, &mut Duration); 13] = [
             (
                 "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
                 &mut tuning.reconnect_base,
@@ -894,10 +894,6 @@ impl Resolver<'_> {
                 &mut tuning.metrics_interval,
             ),
             ("CYBERWAVE_NODE_LOCK_WAIT_SECONDS", &mut tuning.lock_wait),
-            (
-                "CYBERWAVE_NODE_FORKSERVER_RESTART_SECONDS",
-                &mut tuning.forkserver_restart,
-            ),
         ];
         for (name, slot) in knobs {
             if let Some(s) = self.parse_env(name, POSITIVE_SECONDS, &pos_secs) {

@@ -66,9 +66,9 @@ pub struct Io {
     pub topics: Topics,
     /// The node token every request carries.
     pub token: String,
-    /// Held so that the reaper thread lives as long as the node, spawner or not (it ends
-    /// once no handle can wake it).
-    pub _reaper: crate::workload::reaper::Reaper,
+    /// The reaper thread, told of each supervisor the table tracks (it ends once no handle
+    /// is left).
+    pub reaper: crate::workload::reaper::Reaper,
     pub reaped: Receiver<Reaped>,
     pub tailer: Tailer,
     pub chunks: Receiver<TailEvent>,

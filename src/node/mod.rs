@@ -97,7 +97,7 @@ impl Node {
                     Err(_) => self.lost("MQTT client"),
                 },
                 recv(signals) -> sig => match sig { Ok(sig) => shutdown::on_signal(&mut self.work(), sig), Err(_) => self.lost("signal") },
-                recv(self.io.reaped) -> r => match r { Ok(r) => self.work().on_reaped(r.pid), Err(_) => self.lost("reaper") },
+                recv(self.io.reaped) -> r => match r { Ok(r) => self.work().on_reaped(&r.id), Err(_) => self.lost("reaper") },
                 recv(self.starts.outcomes) -> o => match o {
                     Ok(o) => self.start().on_spawn_outcome(o),
                     Err(_) => self.start().on_spawner_gone(),

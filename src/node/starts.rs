@@ -1,6 +1,6 @@
 //! The starts in flight: this node's, and those a node killed before it left (D53).
 //!
-//! The start path, off the loop (issue 15, item 2). The loop checks a start (exactly once per
+//! The start path, off the loop. The loop checks a start (exactly once per
 //! request id, reservation, capacity, GPUs), puts it in flight ([`Starts`]: it counts towards
 //! capacity, holds its GPUs, shows in `status` as `starting`, and can be cancelled) and hands it
 //! to the spawner thread ([`crate::workload::spawner`]), then returns at once. The spawner
@@ -8,21 +8,19 @@
 //! active workload, exactly as a start was before.
 //!
 //! Exactly once, and what a crash at each point leaves (the order of the writes):
-//! 1. loop: the request is in flight and handed to the spawner, then the start's note
-//!    (`starts/<safe-id>.json`, [`note`]) is left while the spawner writes the files of step 2
-//!    on the other core; the spawner starts no supervisor before the loop says the note is
-//!    written (`StartRequest::noted`), so no workload runs without its note. A node killed from
-//!    here on until the answer leaves the note: the next node answers the start (D53), from its
-//!    workload if it started, else with a retryable refusal.
+//! 1. loop: the start's note (`starts/<safe-id>.json`, [`note`]) is left, then the request is
+//!    in flight and handed to the spawner ([`Starts::begin`]), so no workload runs without its
+//!    note. A node killed from here on until the answer leaves the note: the next node answers
+//!    the start (D53), from its workload if it started, else with a retryable refusal.
 //! 2. spawner: the workload's directory (created exclusively: a second spawn of the same id
 //!    fails), params, and `meta.json` (phase `starting`) are written, unsynced; then the shim is
-//!    forked and execs the workload. A node killed now leaves the record for the next node:
+//!    started and starts the workload. A node killed now leaves the record for the next node:
 //!    the shim's `started.json` completes it and the workload is re-adopted, and a redelivery of
 //!    the request is answered from that workload, never started again. If the shim had not yet
 //!    written `started.json`, recovery waits for it while the shim is provably alive
 //!    ([`crate::workload::recover_meta`]); no shim, no workload: the record is dropped.
-//! 3. settler: the record is synced, the pid line read, the ledger entry appended and synced.
-//! 4. loop: the reply, `running` status, tracking. Every answered start thus has a durable
+//! 3. spawner: the pid line read, the record synced, the ledger entry appended and synced.
+//! 4. loop: the reply, `running` status, tracking (the reaper thread told of the shim). Every answered start thus has a durable
 //!    record and ledger entry (a host crash cannot make an answered start run twice); a host
 //!    crash before that loses, at worst, an unanswered start whose workload died with the host.
 //!
@@ -171,14 +169,29 @@ impl Starts {
             .map(|(k, _)| k.clone())
     }
 
-    /// Puts a start in flight and hands it to the spawner; `Err` (with the reason) when there
-    /// is no spawner any more: then nothing is in flight for it.
-    pub fn begin(&mut self, starting: Starting, req: StartRequest) -> Result<(), String> {
+    /// Puts a start in flight: its note is left first (D53: from here on it is answered, if
+    /// need be by the next node), then it is handed to the spawner, so no workload ever runs
+    /// without its note. `Err` (with the reason) when there is no spawner any more: then nothing
+    /// is in flight for it and no note is left.
+    pub fn begin(
+        &mut self,
+        layout: &Layout,
+        starting: Starting,
+        req: StartRequest,
+    ) -> Result<(), String> {
         let safe_id = req.safe_id.clone();
         let Some(spawner) = &self.spawner else {
             return Err(self.gone.clone().unwrap_or_else(|| SPAWNER_GONE.into()));
         };
+        if let Err(e) = note(layout, &safe_id, &Taken::of(&starting)) {
+            log::warn!(
+                "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
+                shown(&request_id_text(&starting.request_id)),
+                store::shown(&notes_dir(layout))
+            );
+        }
         if !spawner.submit(req) {
+            forget(layout, &safe_id);
             // What is in flight stays until the loop fails it ([`Starts::stopped`]).
             self.spawner = None;
             self.gone = Some(SPAWNER_GONE.into());
@@ -456,18 +469,22 @@ mod tests {
             results_dir: None,
             event_token: format!("tok{rid}"),
             node_uuid: "node-uuid".into(),
-            noted: None,
             user: None,
         }
     }
 
     #[test]
     fn a_start_in_flight_is_found_by_its_request_id_and_ends_once() {
+        let layout = scratch("flight");
         let (spawner, jobs) = Spawner::for_tests();
         let mut s = Starts::new(Ok(spawner), crossbeam_channel::never());
-        assert!(s.begin(starting("r1"), request("r1")).is_ok());
-        assert!(s.begin(starting("r2"), request("r2")).is_ok());
+        assert!(s.begin(&layout, starting("r1"), request("r1")).is_ok());
+        assert!(s.begin(&layout, starting("r2"), request("r2")).is_ok());
         assert_eq!(jobs.len(), 2, "both handed to the spawner");
+        // D53: each noted as it was handed over.
+        let mut noted: Vec<String> = load_notes(&layout).into_iter().map(|(id, _)| id).collect();
+        noted.sort();
+        assert_eq!(noted, [store::safe_id("r1"), store::safe_id("r2")]);
         assert_eq!(s.len(), 2);
         assert_eq!(s.find_request("r2"), Some(store::safe_id("r2")));
         assert_eq!(s.find_request("r3"), None);
@@ -485,13 +502,15 @@ mod tests {
         );
         assert_eq!(s.len(), 1);
         assert_eq!(s.gone(), None);
+        std::fs::remove_dir_all(&layout.state).unwrap();
     }
 
     #[test]
     fn a_cancel_while_starting_is_recorded_once_and_the_first_one_stays() {
+        let layout = scratch("cancel");
         let (spawner, _jobs) = Spawner::for_tests();
         let mut s = Starts::new(Ok(spawner), crossbeam_channel::never());
-        s.begin(starting("r1"), request("r1")).unwrap();
+        s.begin(&layout, starting("r1"), request("r1")).unwrap();
         let id = store::safe_id("r1");
         let term = PendingCancel {
             signal: libc::SIGTERM,
@@ -511,24 +530,28 @@ mod tests {
             Some(term),
             "carried to the report"
         );
+        std::fs::remove_dir_all(&layout.state).unwrap();
     }
 
     #[test]
     fn a_gone_spawner_fails_what_is_in_flight_and_refuses_what_comes() {
+        let layout = scratch("gone");
         let (spawner, jobs) = Spawner::for_tests();
         let mut s = Starts::new(Ok(spawner), crossbeam_channel::never());
-        s.begin(starting("r1"), request("r1")).unwrap();
-        s.begin(starting("r2"), request("r2")).unwrap();
+        s.begin(&layout, starting("r1"), request("r1")).unwrap();
+        s.begin(&layout, starting("r2"), request("r2")).unwrap();
         drop(jobs); // the spawner thread ends
-        let e = s.begin(starting("r3"), request("r3")).unwrap_err();
+        let e = s.begin(&layout, starting("r3"), request("r3")).unwrap_err();
         assert_eq!(e, SPAWNER_GONE);
         assert_eq!(s.gone(), Some(SPAWNER_GONE));
         assert_eq!(s.len(), 2, "the refused one is not in flight");
+        let noted: Vec<String> = load_notes(&layout).into_iter().map(|(id, _)| id).collect();
+        assert_eq!(noted.len(), 2, "nor noted: {noted:?}");
         // The loop notices the closed channel: both in flight are returned to be failed.
         let failed: Vec<String> = s.stopped().into_iter().map(|(k, _)| k).collect();
         assert_eq!(failed, vec![store::safe_id("r1"), store::safe_id("r2")]);
         assert!(s.is_empty());
-        assert!(s.begin(starting("r4"), request("r4")).is_err());
+        assert!(s.begin(&layout, starting("r4"), request("r4")).is_err());
         // A spawner that never started refuses with its own reason.
         let never = Starts::new(
             Err("cannot start the workload spawner thread: x".into()),
@@ -537,9 +560,10 @@ mod tests {
         assert!(never.gone().unwrap().contains("cannot start"));
         let mut never = never;
         assert!(never
-            .begin(starting("r5"), request("r5"))
+            .begin(&layout, starting("r5"), request("r5"))
             .unwrap_err()
             .contains("cannot start"));
+        std::fs::remove_dir_all(&layout.state).unwrap();
     }
 
     fn scratch(tag: &str) -> Layout {

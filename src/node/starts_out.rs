@@ -10,7 +10,6 @@ use serde_json::{json, Map, Value};
 use super::admit::{self, Ask, Decision, Earlier, Facts, RejectReason};
 use super::selfheal::{self, Heal};
 use super::starts::{self, Answer, Starting, SPAWNER_GONE};
-use super::table::Active;
 use super::workloads::{start_output, Work};
 use crate::ledger::Ledger;
 use crate::logtext::shown;
@@ -18,7 +17,7 @@ use crate::protocol::commands::request_id_text;
 use crate::protocol::commands::{Kind, Seconds, StartParams, TopicId};
 use crate::store;
 use crate::workload::spawner::Outcome;
-use crate::workload::{self, procinfo, StartRequest};
+use crate::workload::{self, StartRequest};
 
 /// What the start path touches, borrowed apart from the node for one call (the loop builds
 /// it): a workload's parts ([`Work`]), the ledger of handled request ids and the self-heal
@@ -27,18 +26,6 @@ pub(super) struct Start<'a> {
     pub(super) work: Work<'a>,
     pub(super) ledger: &'a mut Ledger,
     pub(super) heal: &'a mut Heal,
-}
-
-/// Notes the start as taken (D53), so that a node killed before it is answered answers it
-/// after its restart.
-fn note_taken(layout: &crate::workload::Layout, safe_id: &str, rid: &str, taken: &starts::Taken) {
-    if let Err(e) = starts::note(layout, safe_id, taken) {
-        log::warn!(
-            "cannot note the start of {} in {} ({e}); a node killed before it is answered cannot answer it after its restart",
-            shown(rid),
-            crate::logtext::shown(&starts::notes_dir(layout).display().to_string())
-        );
-    }
 }
 
 /// The request id as the ledger keys it: the request's own, or one made up for a request
@@ -154,7 +141,6 @@ impl Start<'_> {
             }
         };
         let params = start.params;
-        let (noted, noted_rx) = crossbeam_channel::bounded(1);
         let req = StartRequest {
             kind: kind_t,
             request_id: request_id.clone(),
@@ -170,7 +156,6 @@ impl Start<'_> {
             results_dir: self.work.active.results_dir_for(&safe_id),
             event_token: crate::util::hex(&token_bytes),
             node_uuid: self.work.session.uuid().to_string(),
-            noted: Some(noted_rx),
             user,
         };
         let starting = Starting {
@@ -186,8 +171,8 @@ impl Start<'_> {
             held: Vec::new(),
             uid: req.user.as_ref().map(|u| u.uid),
         };
-        let taken = starts::Taken::of(&starting);
-        if let Err(e) = self.work.starts.begin(starting, req) {
+        // D53: noted as taken, then handed to the spawner.
+        if let Err(e) = self.work.starts.begin(&self.work.io.layout, starting, req) {
             let why = RejectReason::Failed {
                 kind: kind.into(),
                 why: e,
@@ -196,12 +181,6 @@ impl Start<'_> {
             // The spawner is gone: what is still in flight will never be reported.
             return self.on_spawner_gone();
         }
-        // D53: taken; from here on this start is answered, if need be by the next node. The note
-        // is written while the spawner writes the workload's files on the other core, and the
-        // spawner starts no supervisor before it is (`noted`): a start's workload never runs
-        // without its note (issue 25 item 5).
-        note_taken(&self.work.io.layout, &safe_id, &rid, &taken);
-        let _ = noted.send(());
         log::debug!("{kind} {} handed to the spawner", shown(&rid));
         if self.work.s.drain_after_one {
             // One workload: no second start is taken while this one is in flight.
@@ -261,7 +240,7 @@ impl Start<'_> {
                 let kind = meta.kind;
                 let rid = meta.request_id_text();
                 log::info!(
-                    "{kind} {} started: pid {} (supervisor forked {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
+                    "{kind} {} started: pid {} (supervisor started {:.1} ms after the request reached the spawner, answered after {:.1} ms); logs {} and {}",
                     shown(&rid),
                     meta.pid(),
                     launch.as_secs_f64() * 1e3,
@@ -295,31 +274,12 @@ impl Start<'_> {
                         .drain
                         .set(true, "--drain-after-one", self.work.in_use());
                 }
-                let shim = meta
-                    .started
-                    .as_ref()
-                    .map(|s| (s.shim_pid, s.shim_start_ticks));
-                let now = self.work.io.clock.now();
-                self.work
-                    .active
-                    .insert(safe_id.clone(), Active::new(*meta, true, now));
+                self.work.track(&safe_id, *meta, true);
                 self.work.update_sampling();
                 // What the workload asked of the node before its start was reported.
                 for req in st.iter_mut().flat_map(|s| s.held.drain(..)) {
                     let reply = self.work.on_emit(&req.body);
                     let _ = req.reply.send(reply);
-                }
-                // The reaper may have reported the supervisor's end before this report (it then
-                // matched no workload and was dropped): taken up now; a duplicate later changes
-                // nothing (the lifecycle ignores a second end).
-                if let Some((pid, ticks)) = shim {
-                    if !procinfo::same_process_alive(pid, ticks) {
-                        log::debug!(
-                            "the supervisor of {} (pid {pid}) ended before its start was reported",
-                            shown(&rid)
-                        );
-                        self.work.on_reaped(pid);
-                    }
                 }
                 if let Some(c) = st.and_then(|s| s.cancel) {
                     log::info!(
@@ -399,7 +359,7 @@ impl Start<'_> {
     pub(super) fn finish_starts(&mut self) {
         let until = crate::util::later(
             Instant::now(),
-            workload::settle::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
+            workload::spawner::PID_TIMEOUT.saturating_add(Duration::from_secs(5)),
         );
         let before: Vec<String> = self.work.active.keys().cloned().collect();
         while !self.work.starts.is_empty() {

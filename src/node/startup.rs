@@ -196,7 +196,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         events,
         topics,
         token,
-        _reaper: reaper,
+        reaper,
         reaped,
         tailer,
         chunks,
@@ -438,7 +438,7 @@ fn gpus(
     Option<crate::gpu::Monitor>,
     Receiver<crate::gpu::Snapshot>,
 ) {
-    // Learned before the reaper starts (it would reap nvidia-smi): GPU count and VRAM tier.
+    // Learned once at start-up: GPU count and VRAM tier.
     let telemetry = if s.hardware_telemetry {
         super::operate::gpu_inventory()
     } else {
@@ -505,7 +505,6 @@ fn spawner(
             layout: layout.clone(),
             exe,
             ledger: layout.state.join("ledger.jsonl"),
-            reaper: reaper.clone(),
             body: super::workloads::start_output,
         },
         spawned_tx,
@@ -569,7 +568,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     crate::fds::harden(&mut cmd);
-    let mut child = match cmd.spawn() {
+    let mut child = match crate::workload::reaper::spawn(&mut cmd) {
         Ok(c) => c,
         Err(e) => {
             let msg = format!("cannot run the install script with {shell}: {e}");
@@ -614,6 +613,7 @@ fn run_install_script(s: &Settings, script: &str) -> Option<String> {
         .take()
         .and_then(|e| pump(Box::new(e), "stderr"));
     let status = child.wait();
+    crate::workload::reaper::waited(child.id());
     if let Some(h) = out {
         let _ = h.join();
     }

@@ -1,6 +1,6 @@
 //! The workload table (issue 12 item 8): every workload the node tracks, its phase in the
-//! lifecycle machine ([`lifecycle::step`]), its runtime limit, the checks of adopted workloads
-//! and the progress of its result uploads. The table owns that state; it reaches the outside
+//! lifecycle machine ([`lifecycle::step`]), its runtime limit, the checks of a workload whose
+//! supervisor was killed and the progress of its result uploads. The table owns that state; it reaches the outside
 //! only through [`Outbound`] (signals, requests, worker jobs, records on disk, reports), and
 //! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
 //! a recording fake and a fake clock (the tests below).
@@ -28,10 +28,8 @@ use crate::workload::{self, Cancel, Meta};
 
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
-/// How often adopted workloads (not the node's children) are checked.
-const ADOPTED_CHECK: Duration = Duration::from_millis(250);
-/// How long the exit of a supervisor the table does not know yet is kept for it.
-const UNCLAIMED_REAP: Duration = Duration::from_secs(5);
+/// How often the group of a workload whose supervisor was killed is checked (D27).
+const LINGER_CHECK: Duration = Duration::from_millis(250);
 
 /// The error of a completion for a workload whose record did not validate at recovery.
 pub const SALVAGED: &str =
@@ -69,8 +67,6 @@ pub trait Outbound {
     fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()>;
     /// The supervisor's exit record of workload `id`, if it wrote one.
     fn exit_record(&self, id: &str) -> Option<Exit>;
-    /// The supervisor of an adopted workload is still the process it was.
-    fn supervisor_alive(&self, meta: &Meta) -> bool;
     /// Writes the workload's record.
     fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()>;
     /// A non-terminal workload status (R7), fire and forget.
@@ -128,8 +124,6 @@ impl uploads::Out for Via<'_> {
 /// A workload the node tracks.
 pub struct Active {
     pub meta: Meta,
-    /// The shim is the node's child: the reaper reports its exit.
-    pub child: bool,
     /// Where it is: the one source of truth, changed only through [`Table::advance`].
     pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
@@ -137,7 +131,7 @@ pub struct Active {
 }
 
 impl Active {
-    pub fn new(meta: Meta, child: bool, now: Instant) -> Active {
+    pub fn new(meta: Meta, now: Instant) -> Active {
         let elapsed = (workload::unix_now() - meta.created_unix).max(0.0);
         // A limit read back from disk is bounded again here: no value can overflow the clock.
         let runtime_deadline = meta
@@ -158,7 +152,6 @@ impl Active {
         };
         Active {
             meta,
-            child,
             phase,
             runtime_deadline,
             next_check: now,
@@ -179,13 +172,11 @@ impl Active {
     /// it, so a deadline that has passed never keeps the loop spinning.
     fn deadlines(&self) -> impl Iterator<Item = Instant> + '_ {
         let lingering = matches!(self.phase, Phase::Lingering { .. });
-        let adopted =
-            !self.child && matches!(self.phase, Phase::Running | Phase::Cancelling { .. });
         [
             self.runtime_deadline
                 .filter(|_| self.meta.cancel.is_none() && !self.finished()),
             self.phase.deadline(),
-            (lingering || adopted).then_some(self.next_check),
+            lingering.then_some(self.next_check),
         ]
         .into_iter()
         .flatten()
@@ -198,8 +189,6 @@ pub struct Table {
     /// Workloads whose completion could not be written to disk: their record is removed once
     /// the backend acknowledged it (outbox sequence → safe id, D28).
     retire_on_ack: HashMap<u64, String>,
-    /// Supervisors reaped before the table knew their workload (pid, when).
-    unclaimed_reaps: Vec<(i32, Instant)>,
     /// The result uploads of the workloads in their `Uploading` phase.
     uploads: Uploads,
 }
@@ -217,7 +206,6 @@ impl Table {
         Table {
             active: BTreeMap::new(),
             retire_on_ack: HashMap::new(),
-            unclaimed_reaps: Vec::new(),
             uploads: Uploads::new(cfg),
         }
     }
@@ -466,23 +454,15 @@ impl Table {
 
     // ---- exits ------------------------------------------------------------------------------
 
-    /// The reaper saw supervisor `pid` exit.
-    pub fn on_reaped(&mut self, pid: i32, now: Instant, out: &mut dyn Outbound) {
-        match self.find(|a| a.child && a.meta.started.as_ref().is_some_and(|s| s.shim_pid == pid)) {
-            Some(id) => {
-                log::debug!("supervisor pid {pid} of workload {} exited", shown(&id));
-                let exit = out.exit_record(&id);
-                self.on_exit(&id, exit, now, out);
-            }
-            None => {
-                // Not known (yet): kept a few seconds for a workload still being entered. Any
-                // other child of the node (the fork server, a GPU tool) ends here too.
-                log::debug!("child pid {pid} exited (no tracked workload's supervisor)");
-                self.unclaimed_reaps
-                    .retain(|(p, at)| *p != pid && now < crate::util::later(*at, UNCLAIMED_REAP));
-                self.unclaimed_reaps.push((pid, now));
-            }
+    /// The supervisor of workload `id` ended (the reaper reports each one the loop handed it,
+    /// fresh or re-adopted, once it is in the table).
+    pub fn on_reaped(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+        if !self.active.contains_key(id) {
+            return log::debug!("the supervisor of {} ended; not tracked", shown(id));
         }
+        log::debug!("the supervisor of workload {} exited", shown(id));
+        let exit = out.exit_record(id);
+        self.on_exit(id, exit, now, out);
     }
 
     /// The workload's supervisor ended (`exit` is its record, if it wrote one).
@@ -670,31 +650,18 @@ impl Table {
     // ---- timers -----------------------------------------------------------------------------
 
     /// Everything due at `now`: max runtime, escalation and drain deadlines, logs that finished
-    /// draining (`drained`: the loop's verdict, by safe id), upload retries, lingering groups and
-    /// adopted workloads.
+    /// draining (`drained`: the loop's verdict, by safe id), upload retries and lingering groups.
     pub fn tick(&mut self, now: Instant, drained: &[String], out: &mut dyn Outbound) {
         let active = &self.active;
         self.uploads.retain(|id| active.contains_key(id));
         // Upload retries that fell due.
         let over = self.uploads.pump_all(now, &mut Via(&mut *out));
         self.uploads_over(over, now, out);
-        self.unclaimed_reaps
-            .retain(|(_, at)| now < crate::util::later(*at, UNCLAIMED_REAP));
         let ids: Vec<String> = self.active.keys().cloned().collect();
         for id in ids {
             let Some(a) = self.active.get(&id) else {
                 continue;
             };
-            // A supervisor reaped before its workload was known.
-            let shim = a.meta.started.as_ref().map_or(0, |s| s.shim_pid);
-            if a.child && shim > 0 && !a.finished() {
-                if let Some(i) = self.unclaimed_reaps.iter().position(|(p, _)| *p == shim) {
-                    self.unclaimed_reaps.remove(i);
-                    let exit = out.exit_record(&id);
-                    self.on_exit(&id, exit, now, out);
-                    continue;
-                }
-            }
             // Max runtime.
             if a.runtime_deadline.is_some_and(|d| now >= d)
                 && a.meta.cancel.is_none()
@@ -719,52 +686,20 @@ impl Table {
                 continue;
             };
             match &a.phase {
-                Phase::Draining { .. } => {
-                    if drained.contains(&id) {
-                        self.advance(&id, Event::LogsDrained, now, out);
+                Phase::Draining { .. } if drained.contains(&id) => {
+                    self.advance(&id, Event::LogsDrained, now, out);
+                }
+                Phase::Lingering { .. } if now >= a.next_check => {
+                    let gone = out.provable_group(&a.meta).is_none();
+                    if let Some(a) = self.active.get_mut(&id) {
+                        a.next_check = crate::util::later(now, LINGER_CHECK);
                     }
-                    continue;
-                }
-                Phase::Uploading { .. } => continue,
-                Phase::Lingering { .. } => {
-                    if now >= a.next_check {
-                        let gone = out.provable_group(&a.meta).is_none();
-                        if let Some(a) = self.active.get_mut(&id) {
-                            a.next_check = crate::util::later(now, ADOPTED_CHECK);
-                        }
-                        if gone {
-                            self.advance(&id, Event::GroupEmpty, now, out);
-                        }
+                    if gone {
+                        self.advance(&id, Event::GroupEmpty, now, out);
                     }
-                    continue;
                 }
-                Phase::Done => continue,
-                Phase::Running | Phase::Cancelling { .. } => {}
+                _ => {}
             }
-            // Adopted workloads: their exit record tells the end.
-            if !a.child && now >= a.next_check {
-                if let Some(a) = self.active.get_mut(&id) {
-                    a.next_check = crate::util::later(now, ADOPTED_CHECK);
-                }
-                self.check_adopted(&id, now, out);
-            }
-        }
-    }
-
-    fn check_adopted(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
-        let Some(a) = self.active.get(id) else {
-            return;
-        };
-        if let Some(exit) = out.exit_record(id) {
-            return self.on_exit(id, Some(exit), now, out);
-        }
-        if a.meta.started.is_none() {
-            return;
-        }
-        if !out.supervisor_alive(&a.meta) {
-            // One more look: the shim may have written the record as it ended.
-            let exit = out.exit_record(id);
-            self.on_exit(id, exit, now, out);
         }
     }
 }
@@ -783,8 +718,6 @@ pub(crate) mod fake {
         /// Safe ids whose group is provably theirs (group = pid).
         pub provable: BTreeSet<String>,
         pub exits: BTreeMap<String, Exit>,
-        /// Safe ids whose (adopted) supervisor still lives.
-        pub supervisors: BTreeSet<String>,
         pub signals: Vec<(i32, i32)>,
         pub saved: Vec<String>,
         pub statuses: Vec<(String, Value)>,
@@ -809,9 +742,6 @@ pub(crate) mod fake {
         }
         fn exit_record(&self, id: &str) -> Option<Exit> {
             self.exits.get(id).cloned()
-        }
-        fn supervisor_alive(&self, meta: &Meta) -> bool {
-            self.supervisors.contains(&meta.safe_id)
         }
         fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
             self.saved.push(meta.safe_id.clone());
@@ -917,10 +847,7 @@ mod tests {
     /// provably its own, and no results folder.
     fn one(t0: Instant, max_runtime_s: Option<f64>) -> (Table, Fake) {
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
-        t.insert(
-            "w".into(),
-            Active::new(meta("w", 100, max_runtime_s), true, t0),
-        );
+        t.insert("w".into(), Active::new(meta("w", 100, max_runtime_s), t0));
         let mut f = Fake::default();
         f.provable.insert("w".into());
         f.connected = true;
@@ -1013,7 +940,7 @@ mod tests {
         f.exits.insert("w".into(), exit(0));
         // The supervisor ends with the group gone; the pid could be anyone's now.
         f.provable.clear();
-        t.on_reaped(99, at(t0, 5), &mut f);
+        t.on_reaped("w", at(t0, 5), &mut f);
         assert_eq!(f.shipped, 1, "its logs are shipped");
         f.provable.insert("w".into()); // even a group that looks like it is not signalled
         let msg = cancel(&mut t, &mut f, TERM, 1000, at(t0, 10));
@@ -1055,7 +982,7 @@ mod tests {
     fn a_killed_supervisor_lingers_counted_then_is_reported_lost_when_its_group_empties() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        t.on_reaped(99, at(t0, 1), &mut f); // no exit record, group alive
+        t.on_reaped("w", at(t0, 1), &mut f); // no exit record, group alive
         assert!(matches!(
             t.get("w").map(|a| &a.phase),
             Some(Phase::Lingering { .. })
@@ -1077,65 +1004,37 @@ mod tests {
         assert_eq!(f.signals.len(), 1, "no SIGKILL to an empty group");
     }
 
+    /// Fresh or re-adopted, a running workload has no timer of its own (the reaper thread says
+    /// when its supervisor ends); one that ended without a record and left nothing is lost, and
+    /// an end reported for a workload the table does not track changes nothing.
     #[test]
-    fn a_supervisor_reaped_before_its_workload_is_known_ends_it_once_it_is() {
+    fn a_supervisor_that_ended_without_a_record_is_lost_and_nothing_is_polled() {
         let t0 = Instant::now();
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
         let mut f = Fake::default();
-        f.exits.insert("w".into(), exit(3));
-        t.on_reaped(99, t0, &mut f);
-        assert!(f.reports.is_empty() && f.shipped == 0);
-        t.insert("w".into(), Active::new(meta("w", 100, None), true, t0));
-        t.tick(at(t0, 1), &[], &mut f);
-        assert!(matches!(
-            t.get("w").map(|a| &a.phase),
-            Some(Phase::Draining { .. })
-        ));
-        t.tick(at(t0, 2), &["w".to_string()], &mut f);
-        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(3)), None)]);
-        // An exit nobody claims is forgotten after a while: a later workload that happens to
-        // get the same supervisor pid is not ended by it.
-        t.on_reaped(41, at(t0, 10), &mut f);
-        t.tick(at(t0, 10 + 5000), &[], &mut f);
-        t.insert(
-            "x".into(),
-            Active::new(meta("x", 42, None), true, at(t0, 5010)),
-        );
-        t.tick(at(t0, 5011), &[], &mut f);
-        assert_eq!(t.get("x").map(|a| &a.phase), Some(&Phase::Running));
-    }
-
-    #[test]
-    fn an_adopted_workload_is_checked_every_250_ms_and_ends_with_its_record() {
-        let t0 = Instant::now();
-        let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
-        let mut f = Fake::default();
-        t.insert("w".into(), Active::new(meta("w", 100, None), false, t0));
-        f.supervisors.insert("w".into());
-        assert_eq!(t.next_due(), Some(t0));
-        t.tick(t0, &[], &mut f);
-        assert_eq!(t.next_due(), Some(at(t0, 250)));
-        f.supervisors.clear(); // it ended and wrote no record: lost
-        t.tick(at(t0, 249), &[], &mut f);
+        t.insert("w".into(), Active::new(meta("w", 100, None), t0));
+        assert_eq!(t.next_due(), None, "nothing to poll while it runs");
+        t.on_reaped("x", t0, &mut f);
         assert_eq!(t.get("w").map(|a| &a.phase), Some(&Phase::Running));
-        t.tick(at(t0, 250), &[], &mut f);
+        t.on_reaped("w", at(t0, 1), &mut f);
         assert!(matches!(
             t.get("w").map(|a| &a.phase),
             Some(Phase::Draining { lost: Some(_), .. })
         ));
+        assert!(f.reports.is_empty() && f.signals.is_empty());
     }
 
     #[test]
     fn every_tracked_workload_counts_against_capacity_until_it_is_reported() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        t.insert("v".into(), Active::new(meta("v", 200, None), true, t0));
+        t.insert("v".into(), Active::new(meta("v", 200, None), t0));
         f.provable.insert("v".into());
         cancel(&mut t, &mut f, TERM, 1000, t0);
         assert_eq!(t.len(), 2, "running and cancelling count");
         f.exits.insert("w".into(), exit(0));
         f.provable.remove("w");
-        t.on_reaped(99, at(t0, 1), &mut f);
+        t.on_reaped("w", at(t0, 1), &mut f);
         assert!(t.get("w").is_some_and(Active::finished));
         assert_eq!(
             t.len(),
@@ -1184,13 +1083,13 @@ mod tests {
     /// Workload `w` exited 0 with its logs shipped: its uploads begin at `now`.
     fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, Fake) {
         let mut t = Table::new(cfg(root.to_path_buf()));
-        t.insert("w".into(), Active::new(meta("w", 100, None), true, now));
+        t.insert("w".into(), Active::new(meta("w", 100, None), now));
         let mut f = Fake {
             connected,
             ..Fake::default()
         };
         f.exits.insert("w".into(), exit(0));
-        t.on_reaped(99, now, &mut f);
+        t.on_reaped("w", now, &mut f);
         t.tick(now, &["w".to_string()], &mut f);
         (t, f)
     }
@@ -1298,15 +1197,15 @@ mod tests {
         std::fs::create_dir_all(root.join("v")).unwrap_or_else(|e| panic!("{e}"));
         std::fs::write(root.join("v/x"), b"x").unwrap_or_else(|e| panic!("{e}"));
         let mut t = Table::new(cfg(root.clone()));
-        t.insert("w".into(), Active::new(meta("w", 100, None), true, t0));
-        t.insert("v".into(), Active::new(meta("v", 200, None), true, t0));
+        t.insert("w".into(), Active::new(meta("w", 100, None), t0));
+        t.insert("v".into(), Active::new(meta("v", 200, None), t0));
         let mut f = Fake {
             connected: true,
             ..Fake::default()
         };
         f.exits.insert("w".into(), exit(0));
         f.exits.insert("v".into(), exit(0));
-        t.on_reaped(99, t0, &mut f);
+        t.on_reaped("w", t0, &mut f);
         t.tick(t0, &["w".to_string()], &mut f);
         let puts = |f: &Fake, id: &str| {
             f.jobs
@@ -1321,7 +1220,7 @@ mod tests {
         assert_eq!(puts(&f, "w"), 2, "two workers: two transfers, c waits");
         assert_eq!(f.requests.len(), 3, "one URL in hand beyond the transfers");
         // v ends while w holds both workers: it still sends its file at once.
-        t.on_reaped(199, t0, &mut f);
+        t.on_reaped("v", t0, &mut f);
         t.tick(t0, &["v".to_string()], &mut f);
         assert_eq!(last_signed_url_request(&f).as_deref(), Some("x"));
         t.on_signed_url_reply("v", Some(signed("x")), t0, &mut f);
@@ -1420,10 +1319,10 @@ mod tests {
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
         let mut m = meta("w", 100, None);
         m.salvaged = Some("bad json".into());
-        t.insert("w".into(), Active::new(m, true, t0));
+        t.insert("w".into(), Active::new(m, t0));
         let mut f = Fake::default();
         f.exits.insert("w".into(), exit(0));
-        t.on_reaped(99, t0, &mut f);
+        t.on_reaped("w", t0, &mut f);
         t.tick(at(t0, 1), &["w".to_string()], &mut f);
         assert_eq!(
             f.reports,
@@ -1432,7 +1331,7 @@ mod tests {
         // At recovery the same: `end` with no reason still reports it lost.
         let mut m = meta("v", 200, None);
         m.salvaged = Some("bad json".into());
-        t.insert("v".into(), Active::new(m, false, t0));
+        t.insert("v".into(), Active::new(m, t0));
         t.end("v", None, None, at(t0, 2), &mut f);
         t.tick(at(t0, 3), &["v".to_string()], &mut f);
         assert_eq!(

@@ -93,12 +93,6 @@ impl Outbound for NodeOut<'_> {
         workload::load_exit(&self.layout.dir(id))
     }
 
-    fn supervisor_alive(&self, meta: &Meta) -> bool {
-        meta.started.as_ref().is_some_and(|st| {
-            st.shim_pid > 0 && procinfo::same_process_alive(st.shim_pid, st.shim_start_ticks)
-        })
-    }
-
     fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
         workload::save_meta(self.layout, meta)
     }

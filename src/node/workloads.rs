@@ -545,8 +545,23 @@ impl Work<'_> {
         r
     }
 
-    pub(super) fn on_reaped(&mut self, pid: i32) {
-        self.with_table(|t, out, now| t.on_reaped(pid, now, out));
+    pub(super) fn on_reaped(&mut self, id: &str) {
+        self.with_table(|t, out, now| t.on_reaped(id, now, out));
+    }
+
+    /// Tracks a workload: in the table, its supervisor watched by the reaper thread (`child`:
+    /// this node started it), so its end is reported only once the table knows it.
+    pub(super) fn track(&mut self, id: &str, meta: Meta, child: bool) {
+        let supervisor = meta
+            .started
+            .as_ref()
+            .map(|s| (s.shim_pid, s.shim_start_ticks));
+        let now = self.now();
+        self.active
+            .insert(id.to_string(), table::Active::new(meta, now));
+        if let Some((pid, ticks)) = supervisor {
+            self.io.reaper.watch(id, pid, ticks, child);
+        }
     }
 
     /// Reports the end of a workload exactly once (through the outbox); the table no longer
@@ -699,12 +714,13 @@ impl Work<'_> {
             &layout,
             &mut notes,
             &mut started,
-            &mut |name, meta, ending| {
-                self.active
-                    .insert(name.clone(), table::Active::new(meta, false, now));
-                if let Some((exit, lost)) = ending {
+            &mut |name, meta, ending| match ending {
+                Some((exit, lost)) => {
+                    self.active
+                        .insert(name.clone(), table::Active::new(meta, now));
                     self.with_table(|t, out, now| t.end(&name, exit, lost, now, out));
                 }
+                None => self.track(&name, meta, false),
             },
         );
         (started, notes)

@@ -32,7 +32,7 @@ pub enum SpawnError {
     Encode(serde_json::Error),
     /// The supervisor's own log could not be created.
     ShimLog(io::Error),
-    /// The supervisor could not be forked.
+    /// The supervisor could not be started.
     Fork { exe: PathBuf, source: io::Error },
     /// The supervisor reported why it could not start the workload.
     Shim(String),
@@ -40,8 +40,6 @@ pub enum SpawnError {
     NoPid,
     /// The start panicked (caught by the spawner).
     Internal,
-    /// The spawner's settler is gone.
-    Stopped,
 }
 
 impl fmt::Display for SpawnError {
@@ -76,7 +74,6 @@ impl fmt::Display for SpawnError {
             SpawnError::Shim(why) => f.write_str(why),
             SpawnError::NoPid => f.write_str("the workload supervisor did not report a pid"),
             SpawnError::Internal => f.write_str("internal error while starting the workload"),
-            SpawnError::Stopped => f.write_str("the workload spawner stopped"),
         }
     }
 }

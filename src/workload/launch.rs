@@ -1,40 +1,40 @@
 //! Starting a workload under the shim, step 1 of 2: its directory, params, record and the shim
-//! forked ([`super::settle`] is step 2).
+//! started ([`super::spawner`] does step 2).
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::process::{Command, Stdio};
 
 use super::environment;
 use super::error::SpawnError;
-use super::forkserver::{self, ForkServer};
 use super::inputs;
 use super::procinfo;
 use super::record::{unix_now, Layout, Meta};
 use super::request::StartRequest;
 use super::results;
-use super::settle::Launched;
 use super::shim::ShimArgs;
+use super::spawner::Launched;
 use super::user::{self, WorkloadUser};
-use super::vspawn;
 use crate::config::Settings;
 use crate::protocol::commands::TopicId;
 use crate::store;
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
 /// and record (`meta.json`, without a pid, written atomically but not yet synced), then the
-/// shim forked. [`settle`] then reads the pid, and [`make_durable`] syncs the record once the
-/// workload runs (a sync forces a journal commit, which would hold up the files the shim and
-/// the workload create as they start). On `Err` nothing was forked and the directory is gone.
+/// shim started. [`super::settle`] then reads the pid, and [`super::make_durable`] syncs the
+/// record once the workload runs (a sync forces a journal commit, which would hold up the files
+/// the shim and the workload create as they start). On `Err` nothing was started and the
+/// directory is gone.
 ///
 /// Crash safety of the order: a node killed at any point leaves what it wrote in the page cache
 /// (a record written is read back by the next node, synced or not); only a host crash loses
 /// unsynced files, and it ends the workload too. The start is answered (and recorded in the
-/// ledger) only after [`make_durable`], so an answered start always has its durable record.
+/// ledger) only after [`super::make_durable`], so an answered start always has its durable
+/// record.
 pub fn launch(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
-    fork: &mut Option<ForkServer>,
     req: StartRequest,
 ) -> Result<Launched, SpawnError> {
     let dir = layout.dir(&req.safe_id);
@@ -49,7 +49,7 @@ pub fn launch(
             path: dir.clone(),
             source,
         })?;
-    let result = launch_in(s, layout, exe, fork, &dir, req);
+    let result = launch_in(s, layout, exe, &dir, req);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -60,7 +60,6 @@ fn launch_in(
     s: &Settings,
     layout: &Layout,
     exe: &Path,
-    fork: &mut Option<ForkServer>,
     dir: &Path,
     mut req: StartRequest,
 ) -> Result<Launched, SpawnError> {
@@ -102,55 +101,12 @@ fn launch_in(
             node_uuid: &req.node_uuid,
         },
     );
+    inputs::write_params(dir, params, user)?;
+    write_record(layout, &meta)?;
     let args = shim_args(s, dir, &meta, user);
     let shim_log =
         store::create_state_file(&dir.join("shim.log"), 0o600).map_err(SpawnError::ShimLog)?;
-    // Forked by the fork server, without an exec (issue 25 item 5), asked for before the files
-    // below are written and its answer read after them: the supervisor is made and makes itself
-    // ready meanwhile, and starts the workload only once its gate is opened, after them
-    // (dropping the gate calls it off). The answer is read whatever the writes did: each
-    // request has one, in turn.
-    let asked = ask_fork_server(fork, &args, &env, dir, &shim_log);
-    let written = inputs::write_params(dir, params, user).and_then(|_| write_record(layout, &meta));
-    let early = asked.and_then(|a| answered(fork, a, dir));
-    written?;
-    // D53: the loop's note of the start first (it writes it meanwhile). A loop that dropped
-    // its end without a word is gone (a panic): no note, so no workload either.
-    if let Some(noted) = &req.noted {
-        noted.recv().map_err(|_| SpawnError::Stopped)?;
-    }
-    let Some(early) = early else {
-        return exec_shim(exe, dir, meta, &args, &env, shim_log);
-    };
-    let Forked {
-        shim_pid,
-        shim_start_ticks,
-        stdout,
-        gate,
-    } = early;
-    open_gate(&gate);
-    Ok(Launched {
-        meta,
-        shim_pid,
-        shim_start_ticks,
-        stdout: Some(stdout),
-    })
-}
-
-/// Tells a forked supervisor to start its workload ([`super::shim::GATE_GO`]); the gate closes
-/// when it is dropped. A supervisor that ended before (it could not open its log files, say) no
-/// longer reads it: what it said on its stdout is what settle.rs reports.
-fn open_gate(gate: &std::os::fd::OwnedFd) {
-    use std::os::fd::AsRawFd;
-    let go = [super::shim::GATE_GO];
-    // SAFETY: send of a one-byte local buffer on a socket we own; no SIGPIPE.
-    let sent = unsafe { libc::send(gate.as_raw_fd(), go.as_ptr().cast(), 1, libc::MSG_NOSIGNAL) };
-    if sent != 1 {
-        log::debug!(
-            "the supervisor did not take its gate's word ({}): it ended before",
-            std::io::Error::last_os_error()
-        );
-    }
+    start_shim(exe, dir, meta, &args, &env, shim_log)
 }
 
 /// The folders the start writes to, open to the workload user (D46.3, chosen by the node's
@@ -294,10 +250,12 @@ fn shim_args(
     .to_args()
 }
 
-/// The supervisor exec'd (where the fork server cannot take the start), after the start's files
-/// are written: by vspawn, without a copy of the node (where the kernel refuses that clone, a
-/// seccomp filter say, it forks).
-fn exec_shim(
+/// Starts the supervisor (`<exe> __shim …`) in the workload's directory with the workload's
+/// environment alone: stdin `/dev/null`, stdout a pipe for its pid line, stderr `shim.log`, no
+/// other descriptor of the node (D46.1: [`crate::fds::before_spawn`]). It keeps the node's
+/// blocked signals (it blocks them itself first thing: a SIGTERM meant for the node never ends
+/// it) and makes its own session.
+fn start_shim(
     exe: &Path,
     dir: &Path,
     meta: Meta,
@@ -305,171 +263,33 @@ fn exec_shim(
     env: &BTreeMap<String, String>,
     shim_log: std::fs::File,
 ) -> Result<Launched, SpawnError> {
-    let (shim_pid, stdout) = match vspawn::spawn(exe, args, env, dir, shim_log) {
-        Ok(s) => (s.pid, Some(s.stdout)),
-        Err(vspawn::Failure::Child(source) | vspawn::Failure::Clone(source)) => {
-            return Err(SpawnError::Fork {
-                exe: exe.to_path_buf(),
-                source,
-            })
-        }
-    };
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .env_clear()
+        .envs(env)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(shim_log);
+    crate::fds::before_spawn();
+    let child = super::reaper::spawn(&mut cmd).map_err(|source| SpawnError::Fork {
+        exe: exe.to_path_buf(),
+        source,
+    })?;
+    let shim_start_ticks = i32::try_from(child.id())
+        .ok()
+        .and_then(procinfo::start_ticks)
+        .unwrap_or(0);
     Ok(Launched {
         meta,
-        shim_pid,
-        shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
-        stdout,
+        child,
+        shim_start_ticks,
     })
-}
-
-/// A supervisor forked by the fork server, waiting at its gate.
-struct Forked {
-    shim_pid: i32,
-    shim_start_ticks: u64,
-    /// The read end of its stdout (its pid line).
-    stdout: std::os::fd::OwnedFd,
-    /// The write end of its gate.
-    gate: std::os::fd::OwnedFd,
-}
-
-/// A supervisor asked of the fork server, its answer not read yet.
-struct Asked {
-    /// The read end of its stdout (its pid line).
-    read: std::os::fd::OwnedFd,
-    /// The write end of its gate.
-    gate: std::os::fd::OwnedFd,
-    /// This side's copies of what was sent with the request (its stdout, its stderr, its
-    /// gate's read end): closed once it answered, so that only the supervisor holds them.
-    sent: [std::os::fd::OwnedFd; 3],
-}
-
-/// Asks the fork server for this start's supervisor (it starts the workload only once its
-/// gate is opened). `None`: this start goes the exec way (the request cannot be sent that way,
-/// or the fork server is broken: then it is dropped, and every later start goes the exec way
-/// too, until a new one is started).
-fn ask_fork_server(
-    fork: &mut Option<ForkServer>,
-    args: &[std::ffi::OsString],
-    env: &BTreeMap<String, String>,
-    dir: &Path,
-    shim_log: &std::fs::File,
-) -> Option<Asked> {
-    let server = fork.as_ref()?;
-    // Sockets, not pipes: a same-uid process could open a pipe's end again through the dumpable
-    // supervisor's /proc/<pid>/fd/N, and open the gate itself or tell a pid of its choosing. (One
-    // allowed to ptrace the supervisor, where Yama's ptrace_scope is 0 or absent, can take any
-    // descriptor with pidfd_getfd; a `workload_user` of its own keeps workloads from that.)
-    let streams = vspawn::socket_pair().and_then(|(r, w)| {
-        let (gate_r, gate_w) = vspawn::socket_pair()?;
-        Ok((r, w, shim_log.try_clone()?, gate_r, gate_w))
-    });
-    let (read, write, log, gate_read, gate) = match streams {
-        Ok(s) => s,
-        Err(e) => {
-            log::debug!("cannot prepare the supervisor's streams ({e}): it is exec'd");
-            return None;
-        }
-    };
-    let log = std::os::fd::OwnedFd::from(log);
-    match server.request(args, env, dir, [&write, &log, &gate_read]) {
-        Ok(()) => Some(Asked {
-            read,
-            gate,
-            sent: [write, log, gate_read],
-        }),
-        Err(e) => {
-            not_forked(fork, e);
-            None
-        }
-    }
-}
-
-/// What a fork server's refusal `e` means for this start (the exec way) and the next ones.
-fn not_forked(fork: &mut Option<ForkServer>, e: forkserver::Error) {
-    let pid = fork.as_ref().map_or(0, ForkServer::pid);
-    match e {
-        forkserver::Error::Unsendable => log::debug!(
-            "the fork server cannot take this start (too big a request, or out of processes or memory for the moment): its supervisor is exec'd"
-        ),
-        forkserver::Error::Broken(e) => {
-            log::warn!(
-                "the fork server (pid {pid}) failed ({e}); supervisors are exec'd until a new one is started"
-            );
-            *fork = None;
-        }
-        forkserver::Error::Unanswered(e) => {
-            log::warn!(
-                "the fork server (pid {pid}) did not answer ({e}); supervisors are exec'd until a new one is started"
-            );
-            if let Some(server) = fork.take() {
-                server.stop();
-            }
-        }
-    }
-}
-
-/// The supervisor `asked` for, at its gate, once the fork server answered. `None`: this start
-/// goes the exec way (the fork server refused it, or is broken or silent and made no supervisor
-/// of it that can be found: then it is dropped, and every later start goes the exec way too,
-/// until a new one is started).
-fn answered(fork: &mut Option<ForkServer>, asked: Asked, dir: &Path) -> Option<Forked> {
-    let Asked { read, gate, sent } = asked;
-    // Its identity, read at once (a supervisor that ends at its gate could leave its pid to
-    // another process before the gate is opened).
-    let forked = |shim_pid, stdout, gate| {
-        Some(Forked {
-            shim_pid,
-            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap_or(0),
-            stdout,
-            gate,
-        })
-    };
-    let e = match fork.as_ref()?.started() {
-        Ok(pid) => return forked(pid, read, gate),
-        Err(e) => e,
-    };
-    let silent = matches!(e, forkserver::Error::Unanswered(_));
-    not_forked(fork, e);
-    if !silent {
-        return None;
-    }
-    drop(sent);
-    // Whether it (or its standby) made this start's supervisor before it went: with it gone and
-    // its socket closed, only that supervisor, or the request still queued at a standby a
-    // workload stopped, can hold (or have written to) the pid channel's other end. A supervisor found
-    // by its directory is the start's. One not found within a second never starts the workload
-    // (it was stopped before it entered the directory, or never took the request): its gate
-    // closes here without a word, so this start goes the exec way.
-    if written_or_held(&read) {
-        if let Some(pid) = super::recover::supervisor_of(dir, std::time::Duration::from_secs(1)) {
-            return forked(pid, read, gate);
-        }
-    }
-    None
-}
-
-/// Whether anything was written to the pid channel `read` (a socket) or anyone still holds its
-/// other end.
-fn written_or_held(read: &std::os::fd::OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut b = [0u8; 1];
-    // SAFETY: a peek of one byte into a local buffer, without waiting, on a socket we own: 0 is
-    // the end of file (nothing written, and no other end is left), EAGAIN an end still held.
-    let n = unsafe {
-        libc::recv(
-            read.as_raw_fd(),
-            b.as_mut_ptr().cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    n != 0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     /// Settings of a node whose config, working and state folders are under `root` (made
     /// empty), and its state dir's layout.
@@ -494,14 +314,12 @@ mod tests {
         (s, layout)
     }
 
-    /// D53 with the note written beside the spawner's files (issue 25 item 5): the spawner
-    /// writes the workload's files meanwhile, but starts no supervisor (its `shim.log` is the
-    /// first thing of it) before the loop's word that the note is written.
+    /// A supervisor that cannot be started (no such program) fails the start, after its files
+    /// were written, and leaves nothing of it.
     #[test]
-    fn d53_no_supervisor_is_started_before_the_loop_noted_the_start() {
-        let root = std::env::temp_dir().join(format!("cw-launch-noted-{}", std::process::id()));
+    fn a_supervisor_that_cannot_start_leaves_nothing() {
+        let root = std::env::temp_dir().join(format!("cw-launch-fail-{}", std::process::id()));
         let (s, layout) = settings_in(&root);
-        let (noted, noted_rx) = crossbeam_channel::bounded(1);
         let request = StartRequest {
             kind: crate::protocol::commands::Kind::Inference,
             request_id: serde_json::json!("r1"),
@@ -517,146 +335,12 @@ mod tests {
             results_dir: None,
             event_token: "tok".into(),
             node_uuid: "node".into(),
-            noted: None,
             user: None,
         };
-        let req = StartRequest {
-            noted: Some(noted_rx),
-            ..request.clone()
-        };
-        let dir = layout.dir("r1");
-        let (s2, l2) = (s.clone(), layout.clone());
-        let launching = std::thread::spawn(move || {
-            // No such program: the supervisor's start fails, after its shim.log was created.
-            let exe = Path::new("/nonexistent/cyberwave-cloud-node");
-            launch(&s2, &l2, exe, &mut None, req).map(|_| ())
-        });
-        let written = dir.join("meta.json");
-        for _ in 0..200 {
-            if written.exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(written.exists(), "the spawner writes the record meanwhile");
-        std::thread::sleep(Duration::from_millis(200));
-        // The exec of the (missing) supervisor would have failed at once.
-        assert!(
-            !launching.is_finished(),
-            "a supervisor was started before the start was noted"
-        );
-        noted.send(()).unwrap();
-        let result = launching.join().unwrap();
+        let exe = Path::new("/nonexistent/cyberwave-cloud-node");
+        let result = launch(&s, &layout, exe, request).map(|_| ());
         assert!(matches!(result, Err(SpawnError::Fork { .. })), "{result:?}");
-        assert!(!dir.exists(), "a failed start leaves nothing");
-        // The loop dropped its end without a word: no supervisor, nothing left.
-        let (gone, gone_rx) = crossbeam_channel::bounded::<()>(1);
-        drop(gone);
-        let req = StartRequest {
-            noted: Some(gone_rx),
-            safe_id: "r2".into(),
-            ..request
-        };
-        let result = launch(&s, &layout, Path::new("/bin/true"), &mut None, req).map(|_| ());
-        assert!(matches!(result, Err(SpawnError::Stopped)), "{result:?}");
-        assert!(
-            !layout.dir("r2").exists(),
-            "an unnoted start leaves nothing"
-        );
-        let _ = std::fs::remove_dir_all(&root);
-    }
-
-    /// The fork server's way (issue 25 item 5): the supervisor is forked before the start's
-    /// files are written and waits at its gate; the spawner opens the gate only once the params,
-    /// the record and the loop's note (D53) are there, and a start called off meanwhile closes
-    /// it without a word. A peer stands in for the fork server.
-    #[test]
-    fn d53_a_forked_supervisor_starts_its_workload_only_once_the_start_is_written_and_noted() {
-        let root = std::env::temp_dir().join(format!("cw-launch-gate-{}", std::process::id()));
-        let (s, layout) = settings_in(&root);
-        let request = |id: &str, noted| StartRequest {
-            kind: crate::protocol::commands::Kind::Inference,
-            request_id: serde_json::json!(id),
-            safe_id: id.into(),
-            params: serde_json::Map::new(),
-            workload_uuid: None,
-            template: "true {body}".into(),
-            node_token: String::new(),
-            max_runtime_s: None,
-            workflow: None,
-            socket: root.join("control.sock"),
-            gpus: None,
-            results_dir: None,
-            event_token: "tok".into(),
-            node_uuid: "node".into(),
-            noted: Some(noted),
-            user: None,
-        };
-        for (id, word) in [("g1", true), ("g2", false)] {
-            let (peer, fork) = forkserver::ForkServer::for_tests();
-            let (noted, noted_rx) = crossbeam_channel::bounded(1);
-            let (s2, l2, req) = (s.clone(), layout.clone(), request(id, noted_rx));
-            let launching = std::thread::spawn(move || {
-                let mut fork = Some(fork);
-                launch(&s2, &l2, Path::new("/nonexistent"), &mut fork, req).map(|l| l.shim_pid)
-            });
-            let dir = layout.dir(id);
-            // The start's files are written while its supervisor is asked for, not after the
-            // answer (issue 25 item 5).
-            let written = || dir.join("meta.json").exists() && dir.join("params.json").exists();
-            let [pid_line, _, gate] = forkserver::answer_for_tests(&peer, 4242, || {
-                let until = std::time::Instant::now() + Duration::from_secs(5);
-                while !written() && std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                assert!(
-                    written(),
-                    "{id}: the files wait for the supervisor's answer"
-                );
-            });
-            // Sockets, whose /proc/<pid>/fd entries a same-uid process cannot open again.
-            for (what, fd) in [("the pid channel", &pid_line), ("the gate", &gate)] {
-                let kind = std::fs::File::from(fd.try_clone().unwrap())
-                    .metadata()
-                    .map(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
-                assert_eq!(kind.ok(), Some(true), "{id}: {what} is a socket");
-            }
-            drop(pid_line);
-            let readable = |fd: &std::os::fd::OwnedFd| {
-                use std::os::fd::AsRawFd;
-                let mut p = libc::pollfd {
-                    fd: fd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: poll of one pollfd we own.
-                unsafe { libc::poll(&mut p, 1, 200) == 1 }
-            };
-            assert!(
-                !readable(&gate),
-                "{id}: the gate opened before the start was noted"
-            );
-            assert!(dir.join("meta.json").exists() && dir.join("params.json").exists());
-            if word {
-                noted.send(()).unwrap();
-            } else {
-                drop(noted);
-            }
-            let result = launching.join().unwrap();
-            let mut got = Vec::new();
-            std::io::Read::read_to_end(&mut std::fs::File::from(gate), &mut got).unwrap();
-            if word {
-                assert_eq!(result.ok(), Some(4242), "{id}");
-                assert_eq!(got, [crate::workload::shim::GATE_GO], "{id}: opened once");
-            } else {
-                assert!(
-                    matches!(result, Err(SpawnError::Stopped)),
-                    "{id}: {result:?}"
-                );
-                assert!(got.is_empty(), "{id}: called off without a word: {got:?}");
-                assert!(!dir.exists(), "{id}: a start called off leaves nothing");
-            }
-        }
+        assert!(!layout.dir("r1").exists(), "a failed start leaves nothing");
         let _ = std::fs::remove_dir_all(&root);
     }
 }

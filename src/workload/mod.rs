@@ -5,7 +5,6 @@
 pub mod environment;
 pub mod error;
 pub mod exit;
-pub mod forkserver;
 pub mod inputs;
 pub mod launch;
 pub mod lifecycle;
@@ -15,7 +14,6 @@ pub mod record;
 pub mod recover;
 pub mod request;
 pub mod results;
-pub mod settle;
 pub mod shim;
 pub mod spawner;
 pub mod summary;
@@ -23,7 +21,6 @@ pub mod tail;
 #[cfg(test)]
 pub(crate) mod testkit;
 pub mod user;
-pub mod vspawn;
 
 pub use environment::NODE_ONLY_VARS;
 pub use error::SpawnError;
@@ -36,6 +33,5 @@ pub use record::{
 };
 pub use recover::{recover_meta, Recovered};
 pub use request::StartRequest;
-pub use settle::Launched;
-pub use settle::{make_durable, settle};
+pub use spawner::{make_durable, settle, Launched};
 pub use summary::{failure_summary, tail};

@@ -11,7 +11,7 @@ use super::record::{
     load_json, log_name_ok, parse_meta, save_meta, unix_now, Layout, Meta, MetaKind,
 };
 use super::shim::Started;
-use super::{procinfo, settle};
+use super::{procinfo, spawner};
 use crate::protocol::commands::{Kind, TopicId};
 use crate::store;
 
@@ -133,7 +133,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
 }
 
 /// While a shim started for `dir` is alive and `started` does not exist yet, waits for it (at
-/// most the pid timeout, `settle::PID_TIMEOUT`).
+/// most the pid timeout, `spawner::PID_TIMEOUT`).
 fn wait_for_shim_record(dir: &Path, started: &Path) {
     if started.exists() {
         return;
@@ -145,7 +145,7 @@ fn wait_for_shim_record(dir: &Path, started: &Path) {
         "the supervisor of {} (pid {pid}) is still starting its workload; waiting for its start record",
         store::shown(dir)
     );
-    let until = crate::util::later(std::time::Instant::now(), settle::PID_TIMEOUT);
+    let until = crate::util::later(std::time::Instant::now(), spawner::PID_TIMEOUT);
     while !started.exists()
         && procinfo::same_process_alive(pid, ticks)
         && std::time::Instant::now() < until
@@ -154,24 +154,8 @@ fn wait_for_shim_record(dir: &Path, started: &Path) {
     }
 }
 
-/// The pid of a live supervisor of `dir`, looked for until `wait` is over (a supervisor just
-/// forked may not have entered its directory yet).
-pub(super) fn supervisor_of(dir: &Path, wait: Duration) -> Option<i32> {
-    let until = crate::util::later(std::time::Instant::now(), wait);
-    loop {
-        if let Some((pid, _)) = shim_of(dir) {
-            return Some(pid);
-        }
-        if std::time::Instant::now() >= until {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// The live shim process (pid, start ticks) supervising `dir`, found among this user's
-/// processes by its command line: `<exe> __shim <dir> …` when it was exec'd, or the fork
-/// server's (`<exe> __forkserver`) with `dir` as its working directory when it was forked by one.
+/// processes by its command line: `<exe> __shim <dir> …`.
 fn shim_of(dir: &Path) -> Option<(i32, u64)> {
     std::fs::read_dir("/proc")
         .ok()?
@@ -180,7 +164,7 @@ fn shim_of(dir: &Path) -> Option<(i32, u64)> {
         .find_map(|pid| {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
             // The command line first: the user is read only for the few that match.
-            if !supervises(pid, &cmd, dir) || !ours(pid) {
+            if !supervises(&cmd, dir) || !ours(pid) {
                 return None;
             }
             let ticks = procinfo::start_ticks(pid)?;
@@ -209,19 +193,13 @@ fn ours(pid: i32) -> bool {
         })
 }
 
-/// Whether the process `pid` with command line `cmd` is a supervisor of `dir`.
-fn supervises(pid: i32, cmd: &[u8], dir: &Path) -> bool {
+/// Whether the process with command line `cmd` is a supervisor of `dir`.
+fn supervises(cmd: &[u8], dir: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt;
     let want = dir.as_os_str().as_bytes();
     let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-    let exec_d = args
-        .windows(2)
-        .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want));
-    let forked = || {
-        args.get(1) == Some(&super::forkserver::MODE.as_bytes())
-            && std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd == dir)
-    };
-    exec_d || forked()
+    args.windows(2)
+        .any(|w| w.first() == Some(&b"__shim".as_slice()) && w.get(1) == Some(&want))
 }
 
 /// `params.json` as far as the node reads it back: a JSON object.
@@ -370,37 +348,6 @@ mod tests {
         assert!(m.salvaged.unwrap().contains("started.json"));
         assert_eq!(std::fs::read_dir(&q).unwrap().count(), 4);
         std::fs::remove_dir_all(&layout.state).unwrap();
-    }
-
-    /// A supervisor forked by the fork server has the fork server's command line
-    /// (`<exe> __forkserver`): it is known by its working directory, the workload's; the same
-    /// command line in another directory supervises nothing there.
-    #[test]
-    fn a_supervisor_forked_by_the_fork_server_is_found_by_its_directory() {
-        let layout = scratch("forkedshim");
-        let (dir, other) = (layout.dir("w1"), layout.dir("w2"));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::create_dir_all(&other).unwrap();
-        // Stands in for it: `sh __forkserver` (a script of that name) run in `dir`.
-        std::fs::write(dir.join("__forkserver"), "sleep 5; true\n").unwrap();
-        let mut child = Command::new("sh")
-            .arg("__forkserver")
-            .current_dir(&dir)
-            .spawn()
-            .unwrap();
-        let pid = i32::try_from(child.id()).unwrap();
-        let until = std::time::Instant::now() + Duration::from_secs(5);
-        let mut found = None;
-        while found.is_none() && std::time::Instant::now() < until {
-            found = shim_of(&dir).map(|(p, _)| p);
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert_eq!(found, Some(pid));
-        assert_eq!(shim_of(&other), None);
-        child.kill().unwrap();
-        child.wait().unwrap();
-        assert_eq!(shim_of(&dir), None);
-        let _ = std::fs::remove_dir_all(&layout.state);
     }
 
     /// A node killed between forking a shim and the shim's start record: recovery waits for

@@ -33,10 +33,6 @@ pub struct StartRequest {
     pub event_token: String,
     /// The node's instance UUID (`CYBERWAVE_CLOUD_NODE_ID`, D45).
     pub node_uuid: String,
-    /// The loop's word that the start's D53 note is written (or that it gave up on it): the
-    /// supervisor is not started before. The loop writes the note while the spawner writes the
-    /// workload's files (issue 25 item 5), not before it hands the start over.
-    pub noted: Option<crossbeam_channel::Receiver<()>>,
     /// The user it runs as (D46.3): with a pool, one no other running workload holds (D65).
     pub user: Option<super::user::WorkloadUser>,
 }

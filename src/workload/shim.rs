@@ -11,8 +11,9 @@
 //!    that one ends, then writes `exit.json` atomically and exits. On a full disk it leaves the
 //!    status in `exit.status` instead and exits at once (D54: see [`EXIT_LINK`]).
 //!
-//! The signals the node handles stay blocked here (inherited from `main`): the shim ignores
-//! SIGTERM/SIGINT/SIGHUP; the workload starts with an empty mask, reset between fork and exec.
+//! The signals the node handles are caught by a handler that does nothing (blocked until it is
+//! set): the shim shrugs off SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2; the workload starts with
+//! an empty mask and default dispositions (exec resets a caught signal).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -274,258 +275,6 @@ fn wait_workload(pid: i32) -> Option<std::process::ExitStatus> {
     }
 }
 
-/// The names bash runs itself in command position (bash 5.2: `compgen -b`, `compgen -k`): such a
-/// first word always goes to bash.
-const BASH_OWN: &[&str] = &[
-    ".",
-    ":",
-    "[",
-    "alias",
-    "bg",
-    "bind",
-    "break",
-    "builtin",
-    "caller",
-    "cd",
-    "command",
-    "compgen",
-    "complete",
-    "compopt",
-    "continue",
-    "declare",
-    "dirs",
-    "disown",
-    "echo",
-    "enable",
-    "eval",
-    "exec",
-    "exit",
-    "export",
-    "false",
-    "fc",
-    "fg",
-    "getopts",
-    "hash",
-    "help",
-    "history",
-    "jobs",
-    "kill",
-    "let",
-    "local",
-    "logout",
-    "mapfile",
-    "popd",
-    "printf",
-    "pushd",
-    "pwd",
-    "read",
-    "readarray",
-    "readonly",
-    "return",
-    "set",
-    "shift",
-    "shopt",
-    "source",
-    "suspend",
-    "test",
-    "times",
-    "trap",
-    "true",
-    "type",
-    "typeset",
-    "ulimit",
-    "umask",
-    "unalias",
-    "unset",
-    "wait",
-    "if",
-    "then",
-    "else",
-    "elif",
-    "fi",
-    "case",
-    "esac",
-    "for",
-    "select",
-    "while",
-    "until",
-    "do",
-    "done",
-    "in",
-    "function",
-    "time",
-    "coproc",
-];
-
-/// The words of `command` when bash would run it as exactly one simple command with nothing to
-/// expand, interpret or look up in itself: only the characters of a bare [`super::shell_quote`]
-/// word (letters, digits, `_@%+=:,./-`) between blanks, blank lines around it allowed. Anything
-/// else (quotes, `$`, `\`, globs, redirections, `;|&`, `` ` ``, `~`, braces, parentheses, `#`, a
-/// newline inside, non-ASCII) is `None`: bash's. A leading `exec` (module dispatch writes one)
-/// is bash's exec of the rest: `(true, rest)`. The command word is none of bash's builtins or
-/// keywords, no assignment (`=`), no option (`-`) and no job (`%`).
-pub fn plain_words(command: &str) -> Option<(bool, Vec<&str>)> {
-    let text = command.trim_matches(|c| c == ' ' || c == '\t' || c == '\n');
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_@%+=:,./- \t".contains(c);
-    if text.is_empty() || !text.chars().all(plain) {
-        return None;
-    }
-    let mut words: Vec<&str> = text.split([' ', '\t']).filter(|w| !w.is_empty()).collect();
-    let via_exec = words.first() == Some(&"exec");
-    if via_exec {
-        words.remove(0);
-    }
-    let first = words.first()?;
-    if first.contains('=')
-        || first.starts_with('-')
-        || first.starts_with('%')
-        || BASH_OWN.contains(first)
-    {
-        return None;
-    }
-    Some((via_exec, words))
-}
-
-/// How to exec a workload's argv directly, with the environment bash would have given it.
-#[derive(Debug, PartialEq)]
-pub struct Direct {
-    /// What bash would pass to execve: the word itself when it holds a `/`, else the first
-    /// `PATH` entry holding it joined as bash joins them.
-    pub program: PathBuf,
-    pub arg0: String,
-    pub args: Vec<String>,
-    pub set_env: Vec<(String, std::ffi::OsString)>,
-    pub remove_env: Vec<String>,
-}
-
-/// Variables that change what bash does before it runs a command (a startup file, options,
-/// imported functions, an exec filter, POSIX mode): with any of them set, bash runs it.
-fn changes_bash(name: &[u8]) -> bool {
-    name.starts_with(b"BASH")
-        || matches!(
-            name,
-            b"ENV" | b"SHELLOPTS" | b"EXECIGNORE" | b"POSIXLY_CORRECT"
-        )
-}
-
-/// A regular file with an execute bit that the kernel runs as it is (`#!` or ELF); anything
-/// else (a script without `#!`, which bash runs itself) is left to bash.
-fn runs_as_is(path: &Path) -> bool {
-    use std::io::Read;
-    use std::os::unix::fs::PermissionsExt;
-    let Ok(meta) = std::fs::metadata(path) else {
-        return false;
-    };
-    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-        return false;
-    }
-    let mut head = [0u8; 4];
-    let read = std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head));
-    read.is_ok() && (head.starts_with(b"#!") || head == *b"\x7fELF")
-}
-
-/// The first regular file with an execute bit named `name` in the directories of `path` (a
-/// `PATH` value), as bash and execvp search it; `None` when there is none, or when an entry is
-/// not absolute (an empty or relative one would be searched from the working directory).
-fn in_path(name: &str, path: &str) -> Option<PathBuf> {
-    let dirs: Vec<&str> = path.split(':').collect();
-    if dirs.iter().any(|d| !d.starts_with('/')) {
-        return None;
-    }
-    let joined = |d: &str| {
-        if d.ends_with('/') {
-            format!("{d}{name}")
-        } else {
-            format!("{d}/{name}")
-        }
-    };
-    let found = dirs.iter().map(|d| joined(d)).find(|p| {
-        std::fs::metadata(p).is_ok_and(|m| {
-            m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
-        })
-    })?;
-    Some(PathBuf::from(found))
-}
-
-/// The direct exec of `command` that does what `bash -c command` does when bash is `shell`
-/// (bash 5.2 runs a lone simple command by exec'ing it in place of itself, with `PWD`, `SHLVL`,
-/// `_` and `OLDPWD` as below), or `None` where that is not certain: then bash runs it. `env`
-/// is the environment bash would start with, `cwd` the directory it would start in.
-pub fn direct_exec(
-    shell: &str,
-    command: &str,
-    cwd: &Path,
-    env: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
-) -> Option<Direct> {
-    use std::ffi::OsString;
-    use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::MetadataExt;
-    if shell != "bash" {
-        return None;
-    }
-    let (via_exec, words) = plain_words(command)?;
-    let env: Vec<(OsString, OsString)> = env.collect();
-    if env.iter().any(|(k, _)| changes_bash(k.as_bytes())) {
-        return None;
-    }
-    let get = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v);
-    let (first, rest) = words.split_first()?;
-    let program = if first.contains('/') {
-        PathBuf::from(first)
-    } else {
-        // bash takes the first executable one; where that is not one the kernel runs as it is,
-        // bash decides.
-        in_path(first, get("PATH")?.to_str()?)?
-    };
-    if !runs_as_is(&cwd.join(&program)) {
-        return None;
-    }
-    let mut set_env = Vec::new();
-    let mut remove_env = Vec::new();
-    // PWD: kept when it names the directory bash starts in, else that directory's real path.
-    let here = std::fs::metadata(cwd).ok()?;
-    let kept = get("PWD").filter(|p| {
-        p.as_bytes().starts_with(b"/")
-            && std::fs::metadata(p).is_ok_and(|m| m.dev() == here.dev() && m.ino() == here.ino())
-    });
-    if kept.is_none() {
-        set_env.push((
-            "PWD".into(),
-            std::fs::canonicalize(cwd).ok()?.into_os_string(),
-        ));
-    }
-    // SHLVL: bash adds one and takes it back for the exec; unset it becomes 0. Anything but a
-    // small number (bash warns past 999) is bash's.
-    let level = match get("SHLVL") {
-        None => 0,
-        Some(v) => {
-            let v = v.to_str()?;
-            if v.is_empty() || v.len() > 9 || !v.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            v.parse::<u32>().ok().filter(|n| *n <= 998)?
-        }
-    };
-    set_env.push(("SHLVL".into(), level.to_string().into()));
-    // OLDPWD: bash drops one that is not a directory.
-    if let Some(old) = get("OLDPWD") {
-        if !cwd.join(old).is_dir() || old.is_empty() {
-            remove_env.push("OLDPWD".into());
-        }
-    }
-    // `_`: the path bash ran, except through `exec`, which leaves it as it was.
-    if !via_exec {
-        set_env.push(("_".into(), program.clone().into_os_string()));
-    }
-    Some(Direct {
-        program,
-        arg0: (*first).to_string(),
-        args: rest.iter().map(|w| (*w).to_string()).collect(),
-        set_env,
-        remove_env,
-    })
-}
-
 fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
     OpenOptions::new()
         .create(true)
@@ -534,52 +283,8 @@ fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
-/// The byte the spawner writes to a forked supervisor's gate (its stdin until then) once the
-/// start's params, record and note are written (launch.rs): the supervisor makes itself ready
-/// meanwhile (its session, its log files, the checks of its command) and starts the workload
-/// only then.
-pub const GATE_GO: u8 = b'g';
-
-/// Waits for the spawner's word on the gate `fd`: false when it closed the gate without it (the
-/// start was called off: a file of it could not be written, or the node is gone).
-pub(super) fn gate_opens(fd: std::os::fd::RawFd) -> bool {
-    let mut b = [0u8; 1];
-    loop {
-        // SAFETY: read of one byte into a local buffer.
-        let n = unsafe { libc::read(fd, b.as_mut_ptr().cast(), 1) };
-        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
-        }
-        return n == 1 && b[0] == GATE_GO;
-    }
-}
-
-/// Waits at the gate (stdin) for the spawner's word, then makes stdin `/dev/null` again (D46.1);
-/// the shim's exit code (after an `error:` line to the node) when the start was called off.
-fn pass_gate() -> Result<(), i32> {
-    if !gate_opens(0) {
-        // Called off before anything ran. Its log files stay (empty, and removed with the old
-        // logs): a supervisor exec'd for the same start may be writing them by now.
-        let _ = writeln!(std::io::stdout(), "error: the start was called off");
-        return Err(3);
-    }
-    if let Ok(null) = OpenOptions::new().read(true).open("/dev/null") {
-        use std::os::fd::AsRawFd;
-        // SAFETY: dup2 onto fd 0 with a valid open descriptor.
-        unsafe {
-            libc::dup2(null.as_raw_fd(), 0);
-        }
-    }
-    Ok(())
-}
-
-/// The shim's `main`. Its stdout is a socket to the node: one line, `pid N` or `error: …`.
+/// The shim's `main`. Its stdout is a pipe to the node: one line, `pid N` or `error: …`.
 pub fn run(args: &[String]) -> i32 {
-    run_gated(args, false)
-}
-
-/// The shim's `main`; `gated`: its stdin is the gate ([`GATE_GO`]), forked by the fork server.
-pub fn run_gated(args: &[String], gated: bool) -> i32 {
     let Some(a) = ShimArgs::parse(args) else {
         let _ = writeln!(
             std::io::stdout(),
@@ -590,6 +295,12 @@ pub fn run_gated(args: &[String], gated: bool) -> i32 {
     // D46.1: nothing the node held open (its broker socket, its lock) reaches the workload,
     // whatever the node's libraries forgot to mark close-on-exec.
     crate::fds::close_inherited();
+    // D51: the node's signals caught and ignored here, nothing blocked or ignored for the
+    // workload, without a hook between fork and exec.
+    if let Err(e) = crate::signals::shrug_off_handled() {
+        let _ = writeln!(std::io::stdout(), "error: cannot set up signals: {e}");
+        return 1;
+    }
     // SAFETY: setsid has no memory-safety preconditions.
     unsafe {
         libc::setsid();
@@ -597,7 +308,7 @@ pub fn run_gated(args: &[String], gated: bool) -> i32 {
         // clears the group (D25).
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
-    let (pid, started_at) = match spawn_workload(&a, gated) {
+    let (pid, started_at) = match spawn_workload(&a) {
         Ok(started) => started,
         Err(code) => return code,
     };
@@ -620,10 +331,10 @@ pub fn run_gated(args: &[String], gated: bool) -> i32 {
     record_exit(&a, &exit)
 }
 
-/// Starts the workload's command in its own process group, as its user, its output to its log
-/// files; returns it and its start time, or (after an `error:` line to the node) the shim's
-/// exit code.
-fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
+/// Starts the workload's command (`bash -c COMMAND`: bash execs a lone simple command itself)
+/// in its own process group, as its user, its output to its log files; returns it and its
+/// start time, or (after an `error:` line to the node) the shim's exit code.
+fn spawn_workload(a: &ShimArgs) -> Result<(i32, String), i32> {
     let (out, err) = match (open_log(&a.stdout), open_log(&a.stderr)) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
@@ -631,103 +342,36 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
             return Err(1);
         }
     };
-    // D46.1 / D25 / D46.3 for whichever way the workload is started: its own process group,
-    // its uid, an empty signal mask and its three streams alone.
-    let base = |program: &std::ffi::OsStr| -> std::io::Result<Command> {
-        let mut cmd = Command::new(program);
-        cmd.current_dir(&a.cwd)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(err.try_clone()?);
-        let user = a.user.clone();
-        // SAFETY: setpgid, setgroups, setresgid and setresuid are async-signal-safe; nothing is
+    let mut cmd = Command::new(&a.shell);
+    cmd.arg("-c")
+        .arg(&a.command)
+        .current_dir(&a.cwd)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        // D25: its own process group, which a cancel signals as a whole.
+        .process_group(0);
+    // D46.1, D51: the shim holds no descriptor but its own (close-on-exec) and blocks or
+    // ignores no signal (`shrug_off_handled`), so std starts the workload with `posix_spawn`
+    // and it gets only its three streams, no signal blocked or ignored.
+    if let Some(ids) = a.user.clone() {
+        // SAFETY: setgroups, setresgid and setresuid are async-signal-safe; nothing is
         // allocated (the ids were parsed before the fork).
         unsafe {
-            cmd.pre_exec(move || {
-                if libc::setpgid(0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // D46.3: the workload's own uid and groups; an exec that cannot drop them fails.
-                match &user {
-                    Some(ids) => super::user::drop_to(ids),
-                    None => Ok(()),
-                }
-            });
+            // D46.3: the workload's own uid and groups; an exec that cannot drop them fails.
+            cmd.pre_exec(move || super::user::drop_to(&ids));
         }
-        // The shim blocks the node's signals; the workload must start with none blocked, or a
-        // SIGTERM cancel would never reach it (std does not reset the mask); and with no
-        // descriptor but its three streams.
         crate::fds::harden(&mut cmd);
-        Ok(cmd)
-    };
-    // A plain word list is exec'd as bash would exec it, without bash (issue 25 item 5); where
-    // that is not certain, or the exec fails in any way, bash runs it as always, so that what it
-    // does then (127, 126, a script without `#!`) is bash's own.
-    let plan = direct_exec(&a.shell, &a.command, &a.cwd, std::env::vars_os());
-    // The shell's path, searched here rather than by the exec after the gate (one failed exec
-    // per `PATH` entry before it, issue 25 item 5); an exec of it that fails in any way is
-    // tried again by name, as always. Not for a workload user: its exec searches with its own
-    // rights, which may see an entry this process cannot. Not for a plain word list either,
-    // which runs without the shell (should its exec fail, the shell is found by name).
-    let shell_path = if a.shell.contains('/') || a.user.is_some() || plan.is_some() {
-        None
-    } else {
-        std::env::var("PATH")
-            .ok()
-            .and_then(|p| in_path(&a.shell, &p))
-    };
-    // Without a workload user, started as `posix_spawn` starts a child (no copy of this process
-    // to make and tear down at the exec, issue 25 item 5), and made ready here, before the gate:
-    // once it opens, only the clone is left. Else (the uid drop runs between fork and exec)
-    // with std's fork.
-    let ready = match &plan {
-        Some(d) if a.user.is_none() => Some(prepare_direct(d, &a.cwd, &out, &err)),
-        _ => None,
-    };
-    if gated {
-        pass_gate()?;
     }
     let started_at = util::rfc3339(SystemTime::now());
-    let direct = plan.and_then(|d| {
-        if let Some(ready) = ready {
-            match ready.and_then(super::vspawn::Prepared::start_workload) {
-                Ok(pid) => return Some(pid),
-                // The exec itself failed: bash's turn, as below.
-                Err(super::vspawn::Failure::Child(_)) => return None,
-                Err(super::vspawn::Failure::Clone(_)) => {}
-            }
+    // Reaped by wait_workload, not through the `Child` (which would wait for that pid alone);
+    // dropping it neither waits nor kills.
+    match cmd.spawn().map(|c| i32::try_from(c.id())) {
+        Ok(Ok(pid)) => Ok((pid, started_at)),
+        Ok(Err(e)) => {
+            let _ = writeln!(std::io::stdout(), "error: {e}");
+            Err(1)
         }
-        let mut cmd = base(d.program.as_os_str()).ok()?;
-        cmd.arg0(&d.arg0).args(&d.args);
-        for (k, v) in &d.set_env {
-            cmd.env(k, v);
-        }
-        for k in &d.remove_env {
-            cmd.env_remove(k);
-        }
-        cmd.spawn().ok().and_then(|c| i32::try_from(c.id()).ok())
-    });
-    let spawned = match direct {
-        Some(pid) => Ok(pid),
-        None => {
-            let through = |program: &std::ffi::OsStr| {
-                base(program).and_then(|mut cmd| {
-                    cmd.arg0(&a.shell).arg("-c").arg(&a.command);
-                    // Reaped by wait_workload, not through the `Child` (which would wait for
-                    // that pid alone); dropping it neither waits nor kills.
-                    let child = cmd.spawn()?;
-                    i32::try_from(child.id()).map_err(std::io::Error::other)
-                })
-            };
-            let by_name = std::ffi::OsStr::new(&a.shell);
-            match &shell_path {
-                Some(p) => through(p.as_os_str()).or_else(|_| through(by_name)),
-                None => through(by_name),
-            }
-        }
-    };
-    match spawned {
-        Ok(pid) => Ok((pid, started_at)),
         Err(e) => {
             let _ = writeln!(
                 std::io::stdout(),
@@ -738,40 +382,6 @@ fn spawn_workload(a: &ShimArgs, gated: bool) -> Result<(i32, String), i32> {
             Err(1)
         }
     }
-}
-
-/// The plain word list `d`, made ready to be exec'd in `cwd` by `clone(CLONE_VM | CLONE_VFORK)`
-/// ([`super::vspawn::prepare_workload`]): stdin `/dev/null`, its logs, this process's environment
-/// as `d` changes it (what std's `Command` would give it), its own process group, every signal
-/// default and unblocked, no other descriptor.
-fn prepare_direct(
-    d: &Direct,
-    cwd: &Path,
-    out: &std::fs::File,
-    err: &std::fs::File,
-) -> Result<super::vspawn::Prepared, super::vspawn::Failure> {
-    use super::vspawn::Failure;
-    use std::ffi::OsString;
-    let null = OpenOptions::new().read(true).open("/dev/null");
-    let streams = null
-        .and_then(|n| Ok([n.into(), out.try_clone()?.into(), err.try_clone()?.into()]))
-        .map_err(Failure::Clone)?;
-    let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
-        .filter(|(k, _)| {
-            !d.remove_env.iter().any(|r| k == r.as_str())
-                && !d.set_env.iter().any(|(s, _)| k == s.as_str())
-        })
-        .collect();
-    env.extend(d.set_env.iter().map(|(k, v)| (k.into(), v.clone())));
-    let args: Vec<OsString> = d.args.iter().map(OsString::from).collect();
-    super::vspawn::prepare_workload(
-        &d.program,
-        std::ffi::OsStr::new(&d.arg0),
-        &args,
-        env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())),
-        cwd,
-        streams,
-    )
 }
 
 /// Tells the node the workload's pid, records its start for a restarted node, and closes the
@@ -842,240 +452,5 @@ fn record_exit(a: &ShimArgs, exit: &Exit) -> i32 {
             Err(_) if write_exit_link(&a.dir, exit).is_ok() => return EXIT_IN_LINK,
             Err(_) => {}
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::ffi::OsString;
-
-    #[test]
-    fn only_a_plain_word_list_is_plain() {
-        assert_eq!(
-            plain_words("python3 infer.py --params /a/b_c.json"),
-            Some((
-                false,
-                vec!["python3", "infer.py", "--params", "/a/b_c.json"]
-            ))
-        );
-        assert_eq!(
-            plain_words("\n  ./run -x=1\t a,b@c%d+e:f \n"),
-            Some((false, vec!["./run", "-x=1", "a,b@c%d+e:f"]))
-        );
-        assert_eq!(
-            plain_words("exec python3 /r.py /m.py infer /p.json m.py"),
-            Some((
-                true,
-                vec!["python3", "/r.py", "/m.py", "infer", "/p.json", "m.py"]
-            ))
-        );
-        for shell in [
-            "echo $HOME",
-            "a 'b'",
-            "a \"b\"",
-            "a\\ b",
-            "ls *.py",
-            "ls a?",
-            "ls [ab]",
-            "a > f",
-            "a < f",
-            "a; b",
-            "a | b",
-            "a & b",
-            "a && b",
-            "`a`",
-            "a ~/x",
-            "a {b,c}",
-            "(a)",
-            "a #c",
-            "a\nb",
-            "A=1 python3",
-            "echo hi",
-            "exec",
-            "exec -a x y",
-            "cd /",
-            "true",
-            "[ -e x ]",
-            "time a",
-            "if",
-            ". x",
-            ": x",
-            "-x",
-            "%1",
-            "a !b",
-            "a ^b",
-            "caf\u{e9}",
-            "",
-            "  \n",
-        ] {
-            assert_eq!(plain_words(shell), None, "{shell:?}");
-        }
-    }
-
-    fn scratch(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("cw-shim-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    fn base_env(bin: &Path) -> Vec<(OsString, OsString)> {
-        vec![(
-            "PATH".into(),
-            format!("{}:/usr/bin:/bin", bin.display()).into(),
-        )]
-    }
-
-    /// The environment `command` sees, run by bash (`direct: false`) or exec'd as [`direct_exec`]
-    /// says.
-    fn seen(cwd: &Path, env: &[(OsString, OsString)], command: &str, direct: bool) -> Vec<String> {
-        let mut cmd = if direct {
-            let d = direct_exec("bash", command, cwd, env.iter().cloned())
-                .unwrap_or_else(|| panic!("{command:?} is direct"));
-            let mut cmd = Command::new(&d.program);
-            cmd.arg0(&d.arg0)
-                .args(&d.args)
-                .env_clear()
-                .envs(env.iter().cloned());
-            for (k, v) in &d.set_env {
-                cmd.env(k, v);
-            }
-            for k in &d.remove_env {
-                cmd.env_remove(k);
-            }
-            cmd
-        } else {
-            let mut cmd = Command::new("/bin/bash");
-            cmd.arg("-c")
-                .arg(command)
-                .env_clear()
-                .envs(env.iter().cloned());
-            cmd
-        };
-        let out = cmd.current_dir(cwd).output().unwrap();
-        assert!(out.status.success(), "{command:?}: {out:?}");
-        let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(String::from)
-            .collect();
-        lines.sort();
-        lines
-    }
-
-    #[test]
-    fn a_direct_exec_sees_the_environment_bash_gives_it() {
-        if !Path::new("/bin/bash").exists() || !Path::new("/usr/bin/env").exists() {
-            return;
-        }
-        let dir = scratch("env");
-        let bin = dir.join("bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        let script = bin.join("show-env");
-        std::fs::write(&script, "#!/bin/sh\nexec /usr/bin/env \"$@\"\n").unwrap();
-        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-        let link = dir.join("link");
-        std::os::unix::fs::symlink(&bin, &link).unwrap();
-        let base = base_env(&bin);
-        let with = |extra: &[(&str, &str)]| {
-            let mut env = base.clone();
-            env.extend(
-                extra
-                    .iter()
-                    .map(|(k, v)| (OsString::from(k), OsString::from(v))),
-            );
-            env
-        };
-        let envs = [
-            with(&[]),
-            with(&[
-                ("PWD", "/"),
-                ("SHLVL", "3"),
-                ("OLDPWD", "/nonexistent"),
-                ("_", "/x"),
-            ]),
-            with(&[
-                ("PWD", &link.display().to_string()),
-                ("SHLVL", "007"),
-                ("OLDPWD", "/"),
-            ]),
-            with(&[("PWD", "relative"), ("OLDPWD", ""), ("A-B", "1")]),
-        ];
-        for env in &envs {
-            for command in ["show-env", "/usr/bin/env", "exec show-env", " env X=1\n"] {
-                assert_eq!(
-                    seen(&bin, env, command, true),
-                    seen(&bin, env, command, false),
-                    "{command:?} in {env:?}"
-                );
-            }
-        }
-        // `./bin/show-env` is relative to the directory bash starts in.
-        for env in &envs {
-            assert_eq!(
-                seen(&dir, env, "./bin/show-env", true),
-                seen(&dir, env, "./bin/show-env", false)
-            );
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn what_bash_would_decide_is_left_to_bash() {
-        let dir = scratch("left");
-        let no_hash = dir.join("no-hash");
-        std::fs::write(&no_hash, "echo hi\n").unwrap();
-        std::fs::set_permissions(
-            &no_hash,
-            std::os::unix::fs::PermissionsExt::from_mode(0o755),
-        )
-        .unwrap();
-        let not_exec = dir.join("not-exec");
-        std::fs::write(&not_exec, "#!/bin/sh\n").unwrap();
-        let env = |extra: &[(&str, &str)]| {
-            let mut env = base_env(&dir);
-            env.extend(
-                extra
-                    .iter()
-                    .map(|(k, v)| (OsString::from(k), OsString::from(v))),
-            );
-            env
-        };
-        let direct = |command: &str, extra: &[(&str, &str)]| {
-            direct_exec("bash", command, &dir, env(extra).into_iter())
-        };
-        assert!(direct("env", &[]).is_some());
-        assert!(direct("env", &[("SHLVL", "998")]).is_some());
-        // A script without `#!`, a file that is not executable, one that is not there.
-        assert_eq!(direct("no-hash", &[]), None);
-        assert_eq!(direct("./not-exec", &[]), None);
-        assert_eq!(direct("not-there-at-all", &[]), None);
-        // What changes bash's own start, a shell level it would warn about, a PATH searched
-        // from the working directory, no PATH at all, another shell.
-        for extra in [
-            ("BASH_ENV", "/x"),
-            ("BASH_FUNC_env%%", "() { :; }"),
-            ("SHELLOPTS", "xtrace"),
-            ("ENV", "/x"),
-            ("EXECIGNORE", "*"),
-            ("SHLVL", "999"),
-            ("SHLVL", "x"),
-            ("SHLVL", ""),
-        ] {
-            assert_eq!(direct("env", &[extra]), None, "{extra:?}");
-        }
-        let path = |p: &str| vec![(OsString::from("PATH"), OsString::from(p))];
-        assert_eq!(
-            direct_exec("bash", "env", &dir, path("/usr/bin:").into_iter()),
-            None
-        );
-        assert_eq!(
-            direct_exec("bash", "env", &dir, path(".:/usr/bin").into_iter()),
-            None
-        );
-        assert_eq!(direct_exec("bash", "env", &dir, std::iter::empty()), None);
-        assert_eq!(direct_exec("sh", "env", &dir, env(&[]).into_iter()), None);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,36 +1,37 @@
-//! The spawner: starts workloads off the node's loop (DESIGN §1) and reports each start back as
-//! one [`Outcome`] on a channel the loop selects on. The loop never waits on a fork, a child's pid
+//! The spawner: starts workloads off the node's loop and reports each start back as one
+//! [`Outcome`] on a channel the loop selects on. The loop never waits on a fork, a child's pid
 //! line or an fsync.
 //!
-//! Two threads, a pipeline, so a slow disk never delays the next fork:
-//! - `spawner`: per request, the directory, params and record (unsynced) and the shim forked
-//!   ([`super::launch`]); the workload is exec'd by the shim right away;
-//! - `settler`: takes every launched start waiting (a batch), reads their pid lines (all at once,
-//!   [`super::settle`]), syncs the records of those that started ([`super::make_durable`]),
-//!   appends their ledger entries (one fsync for the batch), then reports them in order.
+//! One thread takes every start waiting (a batch, so many starts at once share their syncs),
+//! and for each one writes its directory, params and record (unsynced) and starts its supervisor
+//! ([`super::launch`]), which starts the workload right away; then it reads their pid lines (all
+//! at once, [`settle`]), syncs the records of those that started ([`make_durable`]), appends their ledger entries (one fsync for the batch) and
+//! reports them in order.
 //!
 //! So a start is answered only once its record and its ledger entry are durable (guarantee 1
 //! across a host crash), while the workload itself runs before either sync completed.
 //!
 //! A panic while handling one request is caught and reported as that request's failure (in builds
 //! that unwind; the shipped static binary aborts instead, which the node recovers from as from a
-//! kill -9: see `panic` in Cargo.toml). If a thread ends anyway, the other one ends too and the channel disconnects: the loop notices, fails
-//! the starts in flight and refuses new ones with a clear error.
+//! kill -9: see `panic` in Cargo.toml). If the thread ends anyway, the channel disconnects: the
+//! loop notices, fails the starts in flight and refuses new ones with a clear error.
 
+use std::io::Read;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::Value;
 
-use super::forkserver::{self, ForkServer};
-use super::reaper::Reaper;
-use super::settle::PID_TIMEOUT;
-use super::{Launched, Layout, Meta, SpawnError, StartRequest};
+use super::procinfo;
+use super::record::{Layout, Meta};
+use super::shim::Started;
+use super::{SpawnError, StartRequest};
 use crate::config::Settings;
-use crate::ledger;
+use crate::{ledger, store};
 
-/// The most launched starts synced and settled together.
+/// The most starts launched and settled together.
 const MAX_BATCH: usize = 64;
 
 /// How a start ended, as the loop learns it.
@@ -41,7 +42,7 @@ pub enum Outcome {
         safe_id: String,
         meta: Box<Meta>,
         ledger: ledger::Entry,
-        /// Request received by the spawner → shim forked, and → reported (for the log).
+        /// Request received by the spawner → supervisor started, and → reported (for the log).
         launch: Duration,
         total: Duration,
     },
@@ -55,8 +56,6 @@ pub struct Context {
     pub layout: Layout,
     pub exe: PathBuf,
     pub ledger: PathBuf,
-    /// The reaper, woken after each fork (it sleeps while the node has no children).
-    pub reaper: Reaper,
     /// The reply (and ledger) body of a started workload.
     pub body: fn(&Meta) -> Value,
 }
@@ -69,16 +68,9 @@ pub struct Spawner {
 impl Spawner {
     pub fn start(ctx: Context, out: Sender<Outcome>) -> std::io::Result<Spawner> {
         let (jobs, jobs_rx) = unbounded::<(StartRequest, Instant)>();
-        let (launched_tx, launched_rx) = unbounded::<(Launched, Instant, Duration)>();
-        let ctx = std::sync::Arc::new(ctx);
-        let settle_ctx = ctx.clone();
-        let settle_out = out.clone();
-        std::thread::Builder::new()
-            .name("settler".into())
-            .spawn(move || settle_loop(&settle_ctx, &launched_rx, &settle_out))?;
         std::thread::Builder::new()
             .name("spawner".into())
-            .spawn(move || spawn_loop(&ctx, &jobs_rx, &launched_tx, &out))?;
+            .spawn(move || spawn_loop(&ctx, &jobs_rx, &out))?;
         Ok(Spawner { jobs })
     }
 
@@ -96,144 +88,37 @@ impl Spawner {
     }
 }
 
-fn spawn_loop(
-    ctx: &Context,
-    jobs: &Receiver<(StartRequest, Instant)>,
-    launched: &Sender<(Launched, Instant, Duration)>,
-    out: &Sender<Outcome>,
-) {
-    let (mut fork, enabled) = start_fork_server(&ctx.exe);
-    let mut restart = Restart {
-        enabled,
-        after: ctx.settings.tuning.forkserver_restart,
-        due: None,
-    };
-    let again = |fork: &mut Option<ForkServer>, restart: &mut Restart| {
-        if restart.now(fork.is_some(), Instant::now()) {
-            *fork = ForkServer::start(&ctx.exe)
-                .inspect(|f| log::info!("fork server started again (pid {})", f.pid()))
-                .map_err(|e| log::warn!("cannot start the fork server again ({e})"))
-                .ok();
-        }
-    };
-    for (req, received) in jobs {
-        again(&mut fork, &mut restart);
-        let safe_id = req.safe_id.clone();
-        let run = std::panic::AssertUnwindSafe(|| {
-            super::launch(&ctx.settings, &ctx.layout, &ctx.exe, &mut fork, req)
-        });
-        let result = std::panic::catch_unwind(run).unwrap_or_else(|_| Err(SpawnError::Internal));
-        // A fork server dropped by this start: its wait counts from now.
-        again(&mut fork, &mut restart);
-        match result {
-            Ok(l) => {
-                ctx.reaper.spawned();
-                let took = received.elapsed();
-                if let Err(e) = launched.send((l, received, took)) {
-                    // The settler is gone: stop this shim's start, and this thread with it.
-                    let (l, ..) = e.into_inner();
-                    let id = l.meta.safe_id.clone();
-                    let _ = super::settle(&ctx.layout, vec![l], Duration::ZERO);
-                    let _ = out.send(Outcome::SpawnFailed {
-                        safe_id: id,
-                        why: SpawnError::Stopped,
-                    });
-                    return;
-                }
-            }
-            Err(why) => {
-                if out.send(Outcome::SpawnFailed { safe_id, why }).is_err() {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// When a fork server is started again after the last one was dropped (killed, silent,
-/// refused: launch.rs) or could not start: `after` past the first start that found none, before
-/// the next start; until then, and while a new one cannot start, supervisors are exec'd.
-struct Restart {
-    /// False when `CYBERWAVE_NO_FORKSERVER` turned it off.
-    enabled: bool,
-    after: Duration,
-    due: Option<Instant>,
-}
-
-impl Restart {
-    /// Before a start, `up`: whether a fork server is there. True: start one now.
-    fn now(&mut self, up: bool, now: Instant) -> bool {
-        if !self.enabled || up {
-            self.due = None;
-            return false;
-        }
-        match self.due {
-            None => {
-                self.due = Some(crate::util::later(now, self.after));
-                false
-            }
-            Some(due) if now >= due => {
-                self.due = None;
-                true
-            }
-            Some(_) => false,
-        }
-    }
-}
-
-/// The fork server supervisors are forked from (issue 25 item 5), unless
-/// `CYBERWAVE_NO_FORKSERVER` is set or it cannot start: then every supervisor is exec'd. The
-/// second value: whether the fork server is wanted at all (started again later if it is).
-fn start_fork_server(exe: &Path) -> (Option<ForkServer>, bool) {
-    if let Some(v) = std::env::var_os(forkserver::OFF_VAR) {
-        match v.to_str().and_then(crate::config::env::parse_bool) {
-            Some(false) => {}
-            Some(true) => {
-                log::info!("{}: every supervisor is exec'd", forkserver::OFF_VAR);
-                return (None, false);
-            }
-            None => {
-                log::warn!(
-                    "{} is not a boolean ({}): every supervisor is exec'd",
-                    forkserver::OFF_VAR,
-                    crate::logtext::shown(&v.to_string_lossy())
-                );
-                return (None, false);
-            }
-        }
-    }
-    match ForkServer::start(exe) {
-        Ok(f) => {
-            log::debug!("fork server started (pid {})", f.pid());
-            (Some(f), true)
-        }
-        Err(e) => {
-            log::warn!(
-                "cannot start the fork server ({e}); supervisors are exec'd until one starts"
-            );
-            (None, true)
-        }
-    }
-}
-
-fn settle_loop(
-    ctx: &Context,
-    launched: &Receiver<(Launched, Instant, Duration)>,
-    out: &Sender<Outcome>,
-) {
-    while let Ok(first) = launched.recv() {
+fn spawn_loop(ctx: &Context, jobs: &Receiver<(StartRequest, Instant)>, out: &Sender<Outcome>) {
+    while let Ok(first) = jobs.recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
-            match launched.try_recv() {
-                Ok(l) => batch.push(l),
+            match jobs.try_recv() {
+                Ok(j) => batch.push(j),
                 Err(_) => break,
             }
         }
-        let run = std::panic::AssertUnwindSafe(|| settle_batch(ctx, batch));
-        let outcomes = match std::panic::catch_unwind(run) {
-            Ok(o) => o,
+        let mut launched = Vec::new();
+        for (req, received) in batch {
+            let safe_id = req.safe_id.clone();
+            let run = std::panic::AssertUnwindSafe(|| {
+                super::launch(&ctx.settings, &ctx.layout, &ctx.exe, req)
+            });
+            match std::panic::catch_unwind(run).unwrap_or(Err(SpawnError::Internal)) {
+                Ok(l) => launched.push((l, received, received.elapsed())),
+                Err(why) => {
+                    if out.send(Outcome::SpawnFailed { safe_id, why }).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        if launched.is_empty() {
+            continue;
+        }
+        let run = std::panic::AssertUnwindSafe(|| settle_batch(ctx, launched));
+        let Ok(outcomes) = std::panic::catch_unwind(run) else {
             // What was in the batch is lost to the loop: it fails them when it notices.
-            Err(_) => return,
+            return;
         };
         for o in outcomes {
             if out.send(o).is_err() {
@@ -248,14 +133,14 @@ fn settle_batch(ctx: &Context, batch: Vec<(Launched, Instant, Duration)>) -> Vec
         .into_iter()
         .map(|(l, received, took)| (l, (received, took)))
         .unzip();
-    let settled = super::settle(&ctx.layout, launched, PID_TIMEOUT);
+    let settled = settle(&ctx.layout, launched, PID_TIMEOUT);
     // Synced once the workloads run, and before anything is answered.
     let started: Vec<&str> = settled
         .iter()
         .filter(|(_, _, r)| r.is_ok())
         .map(|(id, _, _)| id.as_str())
         .collect();
-    super::make_durable(&ctx.layout, &started);
+    make_durable(&ctx.layout, &started);
     let entries: Vec<ledger::Entry> = settled
         .iter()
         .filter_map(|(_, _, r)| r.as_ref().ok())
@@ -294,41 +179,239 @@ fn record(path: &Path, entries: &[ledger::Entry]) {
     }
 }
 
+/// How long a shim has to report the workload's pid.
+pub const PID_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A shim that was started and has not reported the workload's pid yet.
+pub struct Launched {
+    /// The record as written (not yet synced), no pid.
+    pub meta: Meta,
+    /// The shim, its stdout our end of its pid line. Not waited for here once it reported: the
+    /// reaper thread reaps it when it ends.
+    pub child: std::process::Child,
+    /// The shim's start time (its identity, read right after the start).
+    pub shim_start_ticks: u64,
+}
+
+/// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
+/// workloads folder once, which holds their new directories), one after the other on the
+/// spawner thread: the first sync's journal commit (ext4, xfs) carries the whole batch, so the
+/// others find little left to write. Errors are logged: the record is there for a node restart
+/// either way, only a host crash could lose it.
+pub fn make_durable(layout: &Layout, safe_ids: &[&str]) {
+    let mut paths: Vec<PathBuf> = safe_ids
+        .iter()
+        .flat_map(|id| [layout.meta(id), layout.dir(id)])
+        .collect();
+    if !safe_ids.is_empty() {
+        paths.push(layout.workloads());
+    }
+    for path in &paths {
+        store::slow_disk_pause();
+        // Never blocks on a FIFO planted in place of a record (D48).
+        use std::os::unix::fs::OpenOptionsExt;
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path);
+        if let Err(e) = opened.and_then(|f| f.sync_all()) {
+            log::warn!("cannot sync {}: {e}", store::shown(path));
+        }
+    }
+}
+
+/// Step 2 of a start (on the spawner thread): waits for each shim's pid line, all at once, at
+/// most `timeout`. Each gets its record with `started` filled in, or the reason it could not
+/// start (then its shim, if still provably ours, is killed and its directory is gone).
+pub fn settle(
+    layout: &Layout,
+    launched: Vec<Launched>,
+    timeout: Duration,
+) -> Vec<(String, i32, Result<Meta, SpawnError>)> {
+    let mut launched = launched;
+    let lines = read_lines_timeout(&mut launched, timeout);
+    launched
+        .into_iter()
+        .zip(lines)
+        .map(|(l, line)| {
+            let id = l.meta.safe_id.clone();
+            let shim = i32::try_from(l.child.id()).unwrap_or(0);
+            (id, shim, finish(layout, l, &line))
+        })
+        .collect()
+}
+
+fn finish(layout: &Layout, l: Launched, line: &str) -> Result<Meta, SpawnError> {
+    let Launched {
+        mut meta,
+        mut child,
+        shim_start_ticks,
+    } = l;
+    drop(child.stdout.take());
+    let shim_pid = i32::try_from(child.id()).unwrap_or(0);
+    let pid: i32 = match line
+        .strip_prefix("pid ")
+        .and_then(|p| p.trim().parse().ok())
+    {
+        Some(p) => p,
+        None => {
+            let why = line
+                .strip_prefix("error: ")
+                .unwrap_or(line)
+                .trim()
+                .to_string();
+            // A shim that said nothing in time is stopped before its directory goes, so it
+            // cannot start an untracked workload later (it is the node's unreaped child, so its
+            // pid is still its own).
+            let _ = child.kill();
+            let _ = child.wait();
+            super::reaper::waited(child.id());
+            let _ = std::fs::remove_dir_all(layout.dir(&meta.safe_id));
+            return Err(if why.is_empty() {
+                SpawnError::NoPid
+            } else {
+                SpawnError::Shim(why)
+            });
+        }
+    };
+    // The shim reports the pid first and records started.json right after (for recovery); the
+    // node reads the same facts from /proc itself rather than wait for that file.
+    let started = Started {
+        pid,
+        start_ticks: procinfo::start_ticks(pid).unwrap_or(0),
+        shim_pid,
+        shim_start_ticks,
+        boot_id: procinfo::boot_id(),
+        started_at: crate::util::rfc3339(SystemTime::now()),
+    };
+    // meta.json on disk stays without the pid: the shim's started.json completes it at
+    // recovery, so a second synced write is not needed here.
+    meta.started = Some(started);
+    Ok(meta)
+}
+
+/// Reads the first line from each shim's pid channel (a pipe), all at once, waiting at most
+/// `timeout` in all.
+fn read_lines_timeout(launched: &mut [Launched], timeout: Duration) -> Vec<String> {
+    let begun = std::time::Instant::now();
+    let fds: Vec<i32> = launched
+        .iter()
+        .map(|l| l.child.stdout.as_ref().map_or(-1, AsRawFd::as_raw_fd))
+        .collect();
+    let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); launched.len()];
+    let mut open: Vec<bool> = fds.iter().map(|fd| *fd >= 0).collect();
+    let mut chunk = [0u8; 256];
+    while open.iter().any(|o| *o) {
+        let left = timeout.saturating_sub(begun.elapsed());
+        if left.is_zero() {
+            break;
+        }
+        let mut pfds: Vec<libc::pollfd> = fds
+            .iter()
+            .zip(&open)
+            .map(|(fd, o)| libc::pollfd {
+                fd: if *o { *fd } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(0);
+        // SAFETY: `pfds` is a valid array of `n` pollfds (negative fds are ignored by poll).
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
+        if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        if rc <= 0 {
+            break;
+        }
+        let ready = pfds.iter().zip(launched.iter_mut());
+        for ((p, l), (buf, o)) in ready.zip(bufs.iter_mut().zip(open.iter_mut())) {
+            if !*o || p.revents == 0 {
+                continue;
+            }
+            let got = l.child.stdout.as_mut().map(|s| s.read(&mut chunk));
+            match got {
+                Some(Ok(0) | Err(_)) | None => *o = false,
+                Some(Ok(k)) => buf.extend_from_slice(chunk.get(..k).unwrap_or_default()),
+            }
+            if memchr::memchr(b'\n', buf).is_some() {
+                *o = false;
+            }
+        }
+    }
+    bufs.iter()
+        .map(|b| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workload::record::parse_meta_bytes;
+    use crate::workload::testkit::{good_meta, scratch};
+    use std::process::{Command, Stdio};
 
+    fn fake_shim(layout: &Layout, id: &str, script: &str) -> Launched {
+        std::fs::create_dir_all(layout.dir(id)).unwrap();
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let shim_pid = child.id() as i32;
+        let mut meta =
+            parse_meta_bytes(good_meta(layout).to_string().as_bytes(), &layout.logs()).unwrap();
+        meta.safe_id = id.into();
+        meta.started = None;
+        Launched {
+            meta,
+            child,
+            shim_start_ticks: procinfo::start_ticks(shim_pid).unwrap(),
+        }
+    }
+
+    /// The spawner reads every shim's pid line at once: a slow shim does not hold up the
+    /// others, one that reports an error is refused with it, and one that says nothing in time
+    /// is killed (it must not start an untracked workload later) and its directory removed.
     #[test]
-    fn a_dropped_fork_server_is_started_again_after_its_wait_and_only_then() {
-        let t0 = Instant::now();
-        let ms = |n: u64| t0 + Duration::from_millis(n);
-        let mut r = Restart {
-            enabled: true,
-            after: Duration::from_millis(30_000),
-            due: None,
-        };
-        // Up: nothing to do.
-        assert!(!r.now(true, ms(0)));
-        // Gone at the start at 1 s: due 30 s later, not before.
-        assert!(!r.now(false, ms(1_000)));
-        assert!(!r.now(false, ms(30_999)));
-        assert!(r.now(false, ms(31_000)));
-        // That attempt failed: the next start schedules the next one, 30 s on.
-        assert!(!r.now(false, ms(31_500)));
-        assert!(!r.now(false, ms(61_499)));
-        assert!(r.now(false, ms(61_500)));
-        // It came up: a later loss waits its own 30 s.
-        assert!(!r.now(true, ms(62_000)));
-        assert!(!r.now(false, ms(70_000)));
-        assert!(!r.now(false, ms(99_999)));
-        assert!(r.now(false, ms(100_000)));
-        // Turned off: never.
-        let mut off = Restart {
-            enabled: false,
-            after: Duration::ZERO,
-            due: None,
-        };
-        assert!(!off.now(false, ms(0)));
-        assert!(!off.now(false, ms(1_000_000)));
+    fn pid_lines_are_read_all_at_once_and_a_silent_shim_is_stopped() {
+        let layout = scratch("settle");
+        let launched = vec![
+            fake_shim(&layout, "slow", "sleep 0.3; echo pid 4242; sleep 1"),
+            fake_shim(&layout, "err", "echo 'error: cannot open the log files'"),
+            fake_shim(&layout, "mute", "exec sleep 30"),
+            fake_shim(&layout, "fast", "echo pid 4343"),
+        ];
+        let mute = (launched[2].child.id() as i32, launched[2].shim_start_ticks);
+        let out = settle(&layout, launched, Duration::from_secs(2));
+        make_durable(&layout, &["slow", "fast"]);
+        let ids: Vec<&str> = out.iter().map(|(id, _, _)| id.as_str()).collect();
+        assert_eq!(ids, ["slow", "err", "mute", "fast"], "in order");
+        let pid = |i: usize| out[i].2.as_ref().map(|m| m.pid()).ok();
+        assert_eq!(pid(0), Some(4242));
+        assert_eq!(pid(3), Some(4343));
+        assert_eq!(
+            out[1].2.as_ref().unwrap_err().to_string(),
+            "cannot open the log files"
+        );
+        assert_eq!(
+            out[2].2.as_ref().unwrap_err().to_string(),
+            "the workload supervisor did not report a pid"
+        );
+        assert!(
+            !procinfo::same_process_alive(mute.0, mute.1),
+            "the silent shim was killed"
+        );
+        assert!(!layout.dir("mute").exists() && !layout.dir("err").exists());
+        assert!(layout.dir("slow").exists() && layout.dir("fast").exists());
+        std::fs::remove_dir_all(&layout.state).unwrap();
     }
 }

@@ -1,9 +1,10 @@
 //! Workload attacks on what the node holds: its descriptors (D46.1), its environment and memory
-//! (D46.2). The log check of every test (support::secrets) covers D47.
+//! (D46.2), through the workload or its supervisor. The log check of every test (support::secrets) covers D47.
 
 use serde_json::json;
 
 use crate::support::rig;
+use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
@@ -201,4 +202,187 @@ fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_sta
     let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
     assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
+}
+
+/// Writes its supervisor's pid (`$PPID`) to `t/<rid>.sup`, appends a line to `t/<rid>.runs`
+/// (one per run of the command), waits for `t/<rid>.stop`.
+const WAITING: &str = "cyberwave:\n  training: |\n    echo $PPID > t/$CYBERWAVE_REQUEST_ID.sup\n    echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs\n    until [ -e t/$CYBERWAVE_REQUEST_ID.stop ]; do sleep 0.05; done\n";
+
+/// `/proc/<pid>/<what>` as text, NULs as spaces.
+fn proc_text(pid: i32, what: &str) -> String {
+    std::fs::read(format!("/proc/{pid}/{what}"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// The parent of `pid`, from `/proc/<pid>/stat`.
+fn parent_of(pid: i32) -> i32 {
+    let stat = proc_text(pid, "stat");
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    after
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Descriptor number → what it points at.
+fn fds_of(pid: i32) -> Vec<(i32, String)> {
+    let mut v: Vec<(i32, String)> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let n = e.file_name().to_str()?.parse().ok()?;
+                    let to = std::fs::read_link(e.path()).ok()?;
+                    Some((n, to.display().to_string()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The supervisor of the waiting workload `rid`, as the workload wrote it.
+fn supervisor_of(cwd: &std::path::Path, rid: &str) -> i32 {
+    crate::support::wait_for(REPLY, || {
+        std::fs::read_to_string(cwd.join(format!("t/{rid}.sup")))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .unwrap_or_else(|| panic!("the workload {rid} did not write its supervisor's pid"))
+}
+
+/// Whether `needle` is anywhere in the readable memory of `pid` (as a same-uid process reads a
+/// dumpable process's memory: /proc/<pid>/maps and /proc/<pid>/mem).
+fn memory_contains(pid: i32, needle: &[u8]) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    for line in maps.lines() {
+        let mut words = line.split_whitespace();
+        let (Some(range), Some(perms)) = (words.next(), words.next()) else {
+            continue;
+        };
+        if !perms.starts_with('r') || line.contains("[vvar]") || line.contains("[vsyscall]") {
+            continue;
+        }
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (a, b) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
+        let mut buf = vec![0u8; usize::try_from(b - a).unwrap()];
+        if mem.seek(SeekFrom::Start(a)).is_err() || mem.read_exact(&mut buf).is_err() {
+            continue;
+        }
+        if buf.windows(needle.len()).any(|w| w == needle) {
+            return true;
+        }
+    }
+    false
+}
+
+/// D46.1 for the supervisor (`<exe> __shim`, the node's child): it runs in the workload's
+/// directory with exactly the environment its workload starts with (nothing more of the
+/// node's), and holds exactly its three streams: stdin `/dev/null`, stdout the pipe of its pid
+/// line and then `/dev/null`, stderr `shim.log`.
+#[test]
+fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment() {
+    let (_b, cp, setup) = rig(WAITING);
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let w = Start::training("fs1");
+    assert_eq!(w.reply(&cp, &node)["status"], "ok");
+    let sup = supervisor_of(&setup.cwd, "fs1");
+    assert_eq!(parent_of(sup), node.pid(), "the node's child");
+    let cmdline = proc_text(sup, "cmdline");
+    assert!(cmdline.contains(" __shim "), "{cmdline}");
+    let cwd = std::fs::read_link(format!("/proc/{sup}/cwd")).unwrap();
+    assert!(cwd.ends_with("workloads/fs1"), "{}", cwd.display());
+    // Once it has settled (it may still be writing its start record: a temporary file and its
+    // directory for a moment).
+    let _ = crate::support::wait_for(REPLY, || (fds_of(sup).len() == 3).then_some(()));
+    let held = fds_of(sup);
+    let numbers: Vec<i32> = held.iter().map(|(n, _)| *n).collect();
+    assert_eq!(numbers, [0, 1, 2], "only its streams: {held:?}");
+    assert_eq!(held[0].1, "/dev/null", "{held:?}");
+    assert_eq!(held[1].1, "/dev/null", "its pid told: {held:?}");
+    assert!(held[2].1.ends_with("workloads/fs1/shim.log"), "{held:?}");
+    // Its environment is exactly the one its workload started with, nothing of the node's.
+    let entries = |pid: i32| -> std::collections::BTreeSet<Vec<u8>> {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .unwrap_or_default()
+            .split(|b| *b == 0)
+            .filter(|e| !e.is_empty())
+            .map(<[u8]>::to_vec)
+            .collect()
+    };
+    let workload: i32 = std::fs::read_to_string(setup.cwd.join("t/fs1.runs"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(proc_text(sup, "environ").contains("CYBERWAVE_REQUEST_ID=fs1"));
+    assert_eq!(
+        entries(sup),
+        entries(workload),
+        "the workload's environment"
+    );
+    std::fs::write(setup.cwd.join("t/fs1.stop"), "").unwrap();
+    assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+}
+
+/// D46.2 / each workload its own token: start A carries a token of its own; start B, after it,
+/// none. B's workload (same uid) can read its own supervisor's memory: it holds nothing of A's
+/// token (every supervisor is exec'd from a fresh image).
+#[test]
+fn g13_a_supervisor_does_not_hold_an_earlier_start_token() {
+    let (_b, cp, setup) = rig(WAITING);
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let token = "LEAKED-TOKEN-OF-A-".repeat(400);
+    let a = Start::training("exa").with(json!({ "cyberwave_workload_token": token }));
+    assert_eq!(a.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    let _ = supervisor_of(&setup.cwd, "exa");
+    std::fs::write(setup.cwd.join("t/exa.stop"), "").unwrap();
+    assert_eq!(a.completion(&cp)["exit_code"], 0, "{}", node.log());
+    let b = Start::training("exb");
+    assert_eq!(b.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    let sup_b = supervisor_of(&setup.cwd, "exb");
+    let leaked = memory_contains(sup_b, b"LEAKED-TOKEN-OF-A-LEAKED-TOKEN-OF-A-");
+    std::fs::write(setup.cwd.join("t/exb.stop"), "").unwrap();
+    assert_eq!(b.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert!(!leaked, "a supervisor holds an earlier start's token");
+}
+
+/// The node started with its stdin and stdout closed (a careless init script, `>&-`): the
+/// descriptors it opens first may take 0 and 1. Starts still run once and complete, and each
+/// supervisor holds exactly its three streams.
+#[test]
+fn g13_a_node_started_with_stdin_and_stdout_closed_still_starts_its_workloads() {
+    let (_b, cp, mut setup) = rig(WAITING);
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    setup.under = ["sh", "-c", "exec \"$@\" 0<&- 1>&-", "sh"]
+        .map(String::from)
+        .to_vec();
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    for rid in ["cl1", "cl2", "cl3"] {
+        let w = Start::training(rid);
+        assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+        let sup = supervisor_of(&setup.cwd, rid);
+        let settled = crate::support::wait_for(REPLY, || (fds_of(sup).len() == 3).then_some(()));
+        assert!(settled.is_some(), "{rid}: {:?}", fds_of(sup));
+        std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
+        assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+        let runs = std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap();
+        assert_eq!(runs.lines().count(), 1, "{rid}");
+    }
 }

@@ -6,8 +6,6 @@
 
 mod exit_path;
 mod fds;
-mod forkserver;
-mod forkserver_hostile;
 mod logs;
 mod pids;
 mod results_links;

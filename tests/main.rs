@@ -17,6 +17,7 @@ mod cli_config;
 mod cli_pipes;
 mod cli_signals;
 mod container;
+mod decisions;
 mod edge;
 mod endpoints;
 mod gpu;

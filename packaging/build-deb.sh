@@ -126,9 +126,10 @@ for pkg in "${all[@]}"; do
   install -D -m 0600 packaging/cloud-node.env "$root/etc/cyberwave/cloud-node.env"
   doc="$root/usr/share/doc/$pkg"
   install -D -m 0644 README.md "$doc/README.md"
-  # The README links these two reference pages as docs/…: they go beside it, links intact.
-  install -D -m 0644 docs/workloads.md "$doc/docs/workloads.md"
-  install -D -m 0644 docs/gpus.md "$doc/docs/gpus.md"
+  # The README links these reference pages as docs/…: they go beside it, links intact.
+  for page in workloads gpus protocol decisions; do
+    install -D -m 0644 "docs/$page.md" "$doc/docs/$page.md"
+  done
   copyright > "$doc/copyright"
   ./packaging/changelog.sh "$pkg" "$version" | gzip -9n > "$doc/changelog.gz"
   licence paho-mqtt-sys paho.mqtt.c/epl-v20 > "$doc/EPL-2.0.txt" || echo "see https://www.eclipse.org/legal/epl-2.0/" > "$doc/EPL-2.0.txt"

@@ -40,6 +40,7 @@ pub(super) type Ending = (Option<Exit>, Option<&'static str>);
 /// Each one is handed to `adopt`, with its end when it is known to have ended.
 pub(super) fn recover_workloads(
     layout: &Layout,
+    params_cap: u64,
     notes: &mut BTreeMap<String, Taken>,
     started: &mut Vec<(String, Taken, Value)>,
     adopt: &mut dyn FnMut(String, Meta, Option<Ending>),
@@ -64,7 +65,7 @@ pub(super) fn recover_workloads(
         }
         // Every file is validated; an invalid one is quarantined, and a workload whose
         // record is bad is still tracked by what can be proven about it.
-        let (meta, salvaged) = match workload::recover_meta(layout, &dir, &name) {
+        let (meta, salvaged) = match workload::recover_meta(layout, &dir, &name, params_cap) {
             workload::Recovered::Intact(m) => (m, false),
             workload::Recovered::Salvaged(m) => (m, true),
         };
@@ -710,8 +711,10 @@ impl Work<'_> {
         let mut notes: BTreeMap<String, Taken> = starts::load_notes(&layout).into_iter().collect();
         let mut started = Vec::new();
         let now = self.now();
+        let params_cap = u64::try_from(self.s.tuning.max_command_bytes).unwrap_or(u64::MAX);
         recover_workloads(
             &layout,
+            params_cap,
             &mut notes,
             &mut started,
             &mut |name, meta, ending| match ending {

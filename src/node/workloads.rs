@@ -539,8 +539,8 @@ impl Work<'_> {
                     meta,
                     exit,
                     lost,
-                    unattributed,
-                } => self.complete(&id, *meta, exit, lost, &unattributed),
+                    left,
+                } => self.complete(&id, *meta, exit, lost, &left),
             }
         }
         r
@@ -575,7 +575,7 @@ impl Work<'_> {
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&str>,
-        unattributed: &[String],
+        left: &table::Left,
     ) {
         let pid = meta.pid();
         let rid = meta.request_id_text();
@@ -605,9 +605,13 @@ impl Work<'_> {
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             gpus::put(&mut body, "gpu", g); // D38
         }
-        if !unattributed.is_empty() {
+        if !left.unattributed.is_empty() {
             // D61: result files it could have written, left on disk (a new optional field).
-            crate::util::set(&mut body, "unattributed_results", json!(unattributed));
+            crate::util::set(&mut body, "unattributed_results", json!(left.unattributed));
+        }
+        if !left.not_uploaded.is_empty() {
+            // D68: its result files left on disk, not uploaded (a new optional field).
+            crate::util::set(&mut body, "results_not_uploaded", json!(left.not_uploaded));
         }
         self.update_sampling();
         match self
@@ -726,7 +730,35 @@ impl Work<'_> {
                 None => self.track(&name, meta, false),
             },
         );
+        for (safe_id, taken, _) in &started {
+            self.carry_out_noted_cancel(safe_id, taken);
+        }
         (started, notes)
+    }
+
+    /// A cancel answered while the start was in flight, before the node's restart: carried out
+    /// now that its workload is re-adopted (one that ended meanwhile is reported as it ended).
+    fn carry_out_noted_cancel(&mut self, safe_id: &str, taken: &Taken) {
+        let Some(c) = taken.cancel.as_ref().and_then(starts::NotedCancel::pending) else {
+            return;
+        };
+        if !self.active.get(safe_id).is_some_and(|a| !a.finished()) {
+            return;
+        }
+        log::info!(
+            "carrying out the cancel of {} recorded while it was starting, before the node's restart",
+            shown(&crate::protocol::commands::request_id_text(&taken.request_id))
+        );
+        let r = self.with_table(|t, out, now| {
+            t.cancel(safe_id, c.signal, c.name, c.grace, false, now, out)
+        });
+        if let Err(e) = r {
+            log::warn!(
+                "the cancel recorded for {} failed: {}",
+                shown(safe_id),
+                shown(&e)
+            );
+        }
     }
 }
 

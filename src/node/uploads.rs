@@ -632,7 +632,7 @@ impl Uploads {
 
     /// D68: the uploads of `id` passed their deadline, and are abandoned now.
     fn expired(&mut self, id: &str, now: Instant) -> bool {
-        if !self.active.get(id).is_some_and(|u| now >= u.deadline) {
+        if self.active.get(id).is_none_or(|u| now < u.deadline) {
             return false;
         }
         self.abandon(

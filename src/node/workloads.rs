@@ -742,7 +742,7 @@ impl Work<'_> {
         let Some(c) = taken.cancel.as_ref().and_then(starts::NotedCancel::pending) else {
             return;
         };
-        if !self.active.get(safe_id).is_some_and(|a| !a.finished()) {
+        if self.active.get(safe_id).is_none_or(table::Active::finished) {
             return;
         }
         log::info!(

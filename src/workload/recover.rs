@@ -72,8 +72,12 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str, params_cap: u64) ->
         }
     };
     let started: Option<Started> = load_json(&dir.join("started.json"), "workload start record");
-    let workload_uuid =
-        read_params(&dir.join("params.json"), params_cap).and_then(|p| p.workload_uuid());
+    let workload_uuid = store::load_record::<Params>(
+        &dir.join("params.json"),
+        params_cap.max(store::MAX_ENTRY_BYTES),
+        "workload params file",
+    )
+    .and_then(|p| p.workload_uuid());
     let kind = [Kind::Inference, Kind::Simulate, Kind::Training]
         .into_iter()
         .map(MetaKind::Known)
@@ -128,26 +132,6 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str, params_cap: u64) ->
         }
     }
     Recovered::Salvaged(meta)
-}
-
-/// The params file read back, at most `cap` bytes (never below the 4 MiB of older versions). A
-/// larger one is left where it is (the workload may still read it; it is not corrupt, only over
-/// this node's limit), a bad one quarantined.
-fn read_params(path: &Path, cap: u64) -> Option<Params> {
-    let cap = cap.max(store::MAX_ENTRY_BYTES);
-    match store::read_record::<Params>(path, cap) {
-        Ok(p) => Some(p),
-        Err(store::StoreError::Missing) => None,
-        Err(e @ store::StoreError::TooBig { .. }) => {
-            log::warn!(
-                "{} {e}: its workload uuid is not read back",
-                store::shown(path)
-            );
-            None
-        }
-        // Quarantined with its one ERROR line.
-        Err(_) => store::load_record::<Params>(path, cap, "workload params file"),
-    }
 }
 
 /// While a shim started for `dir` is alive and `started` does not exist yet, waits for it (at
@@ -280,8 +264,8 @@ mod tests {
     const CAP: u64 = crate::protocol::commands::MAX_COMMAND_BYTES as u64;
 
     /// Params may be as large as the command that brought them (32 MiB by default): a record
-    /// rebuilt at recovery still finds the workload uuid in params of 20 MiB, and params over
-    /// the limit in force are not read (nor quarantined: the workload may still read them).
+    /// rebuilt at recovery still finds the workload uuid in params of 20 MiB; params over the
+    /// limit in force are not read (quarantined, as a file too large for its kind is).
     #[test]
     fn a_rebuilt_record_finds_the_workload_uuid_in_params_as_large_as_a_command() {
         let layout = scratch("salvage-big");
@@ -292,13 +276,13 @@ mod tests {
             panic!("must be salvaged");
         };
         assert_eq!(m.workload_uuid.as_deref(), Some("wl-big"));
-        // A node whose limit is lower than the file reads no uuid from it and leaves it.
+        // A node whose limit is lower than the file reads no uuid from it.
         std::fs::remove_file(dir.join("meta.json")).unwrap();
         let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", 1024) else {
             panic!("must be salvaged");
         };
         assert_eq!(m.workload_uuid, None);
-        assert!(dir.join("params.json").exists(), "not quarantined");
+        assert!(!dir.join("params.json").exists(), "quarantined");
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 

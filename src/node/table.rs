@@ -1,6 +1,6 @@
 //! The workload table (issue 12 item 8): every workload the node tracks, its phase in the
 //! lifecycle machine ([`lifecycle::step`]), its runtime limit, the checks of a workload whose
-//! supervisor was killed and the progress of its result uploads. The table owns that state; it reaches the outside
+//! supervisor was killed (D27) or stopped (D66) and the progress of its result uploads. The table owns that state; it reaches the outside
 //! only through [`Outbound`] (signals, requests, worker jobs, records on disk, reports), and
 //! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
 //! a recording fake and a fake clock (the tests below).
@@ -747,9 +747,7 @@ impl Table {
             }
         }
     }
-}
 
-impl Table {
     /// D66: a workload can stop its own supervisor (same uid) and then end: nothing reaps it
     /// then, and the supervisor's end, which reports it, never comes. A stopped supervisor whose
     /// workload has nothing left but zombies gets SIGCONT, then reaps and reports it as usual;

@@ -162,6 +162,59 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
     );
 }
 
+/// D66 across a restart: the node is SIGKILLed, then the workload stops its supervisor and
+/// exits. The restarted node re-adopts the workload (its supervisor lives, stopped), continues
+/// the supervisor and reports the workload once, with its exit code.
+#[test]
+fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_reported_after_the_restart(
+) {
+    let (_broker, cp, setup) = rig(concat!(
+        "cyberwave:\n  inference: |\n",
+        "    echo $PPID > t/sup\n",
+        "    until [ -e t/go ]; do sleep 0.05; done\n",
+        "    kill -STOP $PPID\n",
+        "    exit 4\n",
+    ));
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    Start::new("inference", "stop2").ok(&cp, &node);
+    let sup: i32 = wait_for(REPLY, || {
+        std::fs::read_to_string(setup.cwd.join("t/sup"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .expect("the workload wrote its supervisor's pid");
+    node.kill9();
+    std::fs::write(setup.cwd.join("t/go"), "").unwrap();
+    let stopped = wait_for(REPLY, || {
+        let stat = std::fs::read_to_string(format!("/proc/{sup}/stat")).ok()?;
+        stat.rsplit_once(')')?
+            .1
+            .trim_start()
+            .starts_with('T')
+            .then_some(())
+    });
+    assert!(
+        stopped.is_some(),
+        "the workload did not stop its supervisor"
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let done = wait_for(Duration::from_secs(15), || {
+        Some(completions(&cp, "wl-stop2")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| panic!("no completion after the restart; log:\n{}", node.log()));
+    assert_eq!(done[0]["exit_code"], 4, "{done:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        completions(&cp, "wl-stop2").len(),
+        1,
+        "exactly one completion"
+    );
+}
+
 /// A training that writes three result files into its own results folder.
 const THREE_RESULTS: &str = "cyberwave:\n  training: for f in a b c; do head -c 20000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/$f.bin\"; done\n  results_folder: out\n";
 

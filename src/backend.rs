@@ -432,11 +432,13 @@ fn open_result(path: &crate::store::Beneath) -> Result<(std::fs::File, u64), Bac
         .map_err(|e| BackendError::File(format!("cannot open {}: {e}", path.path().display())))
 }
 
-/// E12: streams a file to a signed URL.
+/// E12: streams a file to a signed URL, giving up after `limit` at the latest (what is left of
+/// the workload's upload deadline, D68).
 pub fn put_file(
     agent: &ureq::Agent,
     url: &str,
     path: &crate::store::Beneath,
+    limit: Duration,
 ) -> Result<(), BackendError> {
     checked_url(url)?;
     let (file, size) = open_result(path)?;
@@ -444,7 +446,7 @@ pub fn put_file(
     let answer = agent
         .put(url)
         .config()
-        .timeout_global(Some(transfer_timeout(size)))
+        .timeout_global(Some(transfer_timeout(size).min(limit)))
         .build()
         .header("Content-Type", "application/octet-stream")
         .send(file);
@@ -513,6 +515,7 @@ impl Backend {
         url: &str,
         path: &crate::store::Beneath,
         filename: &str,
+        limit: Duration,
     ) -> Result<(), BackendError> {
         let (file, size) = open_result(path)?;
         // A random boundary: a file that happens to contain it would end the part early.
@@ -538,7 +541,7 @@ impl Backend {
         let mut req = agent
             .post(&url)
             .config()
-            .timeout_global(Some(transfer_timeout(size)))
+            .timeout_global(Some(transfer_timeout(size).min(limit)))
             .build();
         // The SDK scopes every API call, this one included; a workspace_uuid already on the URL
         // is the backend's own choice and wins.
@@ -650,6 +653,7 @@ mod tests {
                 &transfer_agent(),
                 url,
                 &crate::store::Beneath::new(file.parent().unwrap(), file.file_name().unwrap()),
+                Duration::from_secs(5),
             ) {
                 Err(e @ BackendError::Unusable(_)) => {
                     assert!(
@@ -683,8 +687,18 @@ mod tests {
         std::thread::spawn(move || {
             // Nothing listens there: only the open is tried.
             let _ = tx.send((
-                put_file(&transfer_agent(), "http://127.0.0.1:9/x", &f),
-                put_file(&transfer_agent(), "http://127.0.0.1:9/x", &l),
+                put_file(
+                    &transfer_agent(),
+                    "http://127.0.0.1:9/x",
+                    &f,
+                    Duration::from_secs(5),
+                ),
+                put_file(
+                    &transfer_agent(),
+                    "http://127.0.0.1:9/x",
+                    &l,
+                    Duration::from_secs(5),
+                ),
             ));
         });
         let (a, b) = rx

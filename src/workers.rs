@@ -20,6 +20,8 @@ pub enum Job {
         path: crate::store::Beneath,
         /// `Some(form file name)`: a multipart POST (decision D40) instead of a PUT.
         multipart: Option<String>,
+        /// The workload's upload deadline (D68): the transfer is given up on by then.
+        until: std::time::Instant,
     },
     SignedUrl {
         key: String,
@@ -128,14 +130,21 @@ fn run(b: &Backend, agent: &ureq::Agent, job: Job) -> Done {
             url,
             path,
             multipart,
-        } => Done::Put {
-            key,
-            file,
-            result: match multipart {
-                None => backend::put_file(agent, &url, &path),
-                Some(name) => b.post_multipart(agent, &url, &path, &name),
-            },
-        },
+            until,
+        } => {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let result = if left.is_zero() {
+                Err(BackendError::Transport(
+                    "the workload's upload deadline passed before this transfer began".into(),
+                ))
+            } else {
+                match multipart {
+                    None => backend::put_file(agent, &url, &path, left),
+                    Some(name) => b.post_multipart(agent, &url, &path, &name, left),
+                }
+            };
+            Done::Put { key, file, result }
+        }
         Job::SignedUrl { key, wl, filename } => Done::SignedUrl {
             key,
             result: b.signed_url(&wl, &filename),

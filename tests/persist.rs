@@ -115,7 +115,8 @@ fn corrupt(style: Style, kind: Kind, state: &Path) -> Vec<u8> {
             Kind::Cursor => br#"{"stdout": 18446744073709551615, "stderr": 0}"#.to_vec(),
         },
         Style::Enormous => {
-            // Over the cap for its kind: 64 KiB for records, 4 MiB for entries and lines.
+            // Over the cap for its kind: 64 KiB for records, 4 MiB for entries and lines (and
+            // params, whose cap is the command size limit, set to 4 MiB by `run`).
             let big = match kind {
                 Kind::Ledger | Kind::Outbox | Kind::Ingress | Kind::Params => 5 << 20,
                 _ => 100 << 10,
@@ -158,7 +159,13 @@ fn write(path: &Path, bytes: &[u8]) {
 fn run(style: Style) {
     let broker = Broker::start();
     let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
+    let mut setup = NodeSetup::new(&broker, &cp);
+    // A params file is read back up to the command size limit in force: 4 MiB here, so the
+    // enormous one (5 MiB) is over it.
+    setup.set(
+        "CYBERWAVE_NODE_MAX_COMMAND_BYTES",
+        &(4u64 << 20).to_string(),
+    );
     setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     let state = setup.config_dir();
     for kind in KINDS {

@@ -127,6 +127,9 @@ pub struct Tuning {
     /// `CYBERWAVE_NODE_INGRESS_QUEUE_BYTES`: the workflow events waiting to be sent, in bytes;
     /// one workload may fill a quarter of it (D67).
     pub ingress_queue_bytes: u64,
+    /// `CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS`: one workload's result uploads as a whole (D68);
+    /// `None`: 30 minutes and a second per MiB of its results.
+    pub upload_deadline: Option<Duration>,
 }
 
 impl Default for Tuning {
@@ -148,6 +151,7 @@ impl Default for Tuning {
             max_command_bytes: crate::protocol::commands::MAX_COMMAND_BYTES,
             mirror_bytes_per_second: crate::node::streams::MIRROR_BYTES_PER_SECOND,
             ingress_queue_bytes: crate::ingress::MAX_QUEUE_BYTES,
+            upload_deadline: None,
         }
     }
 }

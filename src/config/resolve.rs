@@ -900,6 +900,13 @@ impl Resolver<'_> {
                 *slot = crate::util::secs_f64(s.value);
             }
         }
+        if let Some(s) = self.parse_env(
+            "CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS",
+            POSITIVE_SECONDS,
+            &pos_secs,
+        ) {
+            tuning.upload_deadline = Some(crate::util::secs_f64(s.value));
+        }
         let bytes: [(&str, &mut u64); 2] = [
             (
                 "CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND",

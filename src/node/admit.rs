@@ -46,6 +46,12 @@ pub enum RejectReason {
         min_mb: u64,
         state: String,
     },
+    /// The disk the start writes its files to filled up while it wrote them (ENOSPC, of bytes
+    /// or inodes, or EDQUOT): nothing of it is left, and it may be retried.
+    DiskFull {
+        state: String,
+        why: String,
+    },
     Gpus(GpuRefusal),
     Capacity {
         kind: Kind,
@@ -70,7 +76,7 @@ impl RejectReason {
             RejectReason::NotConfigured(_) | RejectReason::Failed { .. } => None,
             RejectReason::ShuttingDown => Some(Busy::ShuttingDown),
             RejectReason::Draining => Some(Busy::Draining),
-            RejectReason::DiskLow { .. } => Some(Busy::DiskLow),
+            RejectReason::DiskLow { .. } | RejectReason::DiskFull { .. } => Some(Busy::DiskLow),
             RejectReason::Gpus(g) => g.busy(),
             RejectReason::Capacity { uploading, .. } => Some(if *uploading > 0 {
                 Busy::Uploading
@@ -117,6 +123,10 @@ impl fmt::Display for RejectReason {
             } => write!(
                 f,
                 "{BUSY_PREFIX} low disk space: not enough free disk: {free_mb} MiB free for {state}, min_free_disk_mb is {min_mb}"
+            ),
+            RejectReason::DiskFull { state, why } => write!(
+                f,
+                "{BUSY_PREFIX} low disk space: the disk of {state} is full (no space or no inodes left): {why}"
             ),
             RejectReason::Gpus(g) => g.fmt(f),
             RejectReason::Capacity {

@@ -1,6 +1,11 @@
 //! `cancel`: one ledger replay (a cancel seen before gets its original answer), then a start
 //! in flight gets its cancel recorded (carried out once its process runs, `starts.rs`), and
 //! anything else goes to the workload table.
+//!
+//! A cancel answered while its workload started (its stored answer says `starting`) is no plain
+//! replay: that answer only promised the cancel. Asked again, it is decided again, so a
+//! workload that runs (re-adopted after a restart, say) is cancelled, not told about; it gets
+//! its original answer only when nothing it names is left to act on.
 
 use std::time::Duration;
 
@@ -9,10 +14,11 @@ use serde_json::{json, Value};
 use super::starts::{PendingCancel, Starts};
 use super::table::{Table, DEFAULT_GRACE};
 use super::workloads::Work;
-use crate::ledger::Ledger;
+use crate::ledger::{Entry, Ledger};
 use crate::logtext::shown;
 use crate::protocol::commands::request_id_text;
 use crate::protocol::commands::{CancelParams, CancelTarget, RequestId, Seconds};
+use crate::workload::Layout;
 
 /// What a cancel comes to before the workload table is asked.
 pub(super) enum Step {
@@ -36,32 +42,44 @@ pub(super) fn decide(
     ledger: &mut Ledger,
     starts: &mut Starts,
     active: &Table,
+    layout: &Layout,
     request_id: &RequestId,
     params: &CancelParams,
 ) -> Step {
     let rid = request_id.text();
-    // Exactly once: a cancel seen before gets its original answer and nothing else.
-    if let Some(e) = (!rid.is_empty()).then(|| ledger.get(&rid)).flatten() {
+    // Exactly once: a cancel seen before gets its original answer and nothing else, unless
+    // that answer was only a promise (recorded while its workload started).
+    let stored = (!rid.is_empty())
+        .then(|| ledger.get(&rid))
+        .flatten()
+        .cloned();
+    if let Some(e) = &stored {
+        if !promised(e) {
+            log::info!(
+                "cancel {} was handled before; repeating its answer",
+                shown(&rid)
+            );
+            return Step::Answer(e.ok, e.body.clone());
+        }
         log::info!(
-            "cancel {} was handled before; repeating its answer",
+            "cancel {} was recorded while its workload started; carrying it out if it runs",
             shown(&rid)
         );
-        return Step::Answer(e.ok, e.body.clone());
     }
     let target = match &params.target {
         CancelTarget::Request(r) => starts.find_request(r),
         CancelTarget::Pid(_) => None,
     };
     let Some(safe_id) = target else {
-        return command(ledger, active, params);
+        return command(ledger, active, params, stored.as_ref());
     };
     let asked = PendingCancel {
         signal: params.signal.number(),
         name: params.signal.name(),
         grace: params.grace.map_or(DEFAULT_GRACE, Seconds::duration),
     };
-    let Some(kept) = starts.cancel(&safe_id, asked.clone()) else {
-        return command(ledger, active, params);
+    let Some(kept) = starts.cancel(layout, &safe_id, asked.clone()) else {
+        return command(ledger, active, params, stored.as_ref());
     };
     let Some(st) = starts.get_mut(&safe_id) else {
         return Step::Nothing;
@@ -95,8 +113,14 @@ pub(super) fn decide(
     Step::Answer(true, out)
 }
 
-/// A cancel of a tracked workload (or of one that finished already, D29).
-fn command(ledger: &Ledger, active: &Table, params: &CancelParams) -> Step {
+/// Whether a cancel's stored answer only promised it: recorded while its workload started.
+fn promised(e: &Entry) -> bool {
+    e.ok && e.body.get("state").and_then(Value::as_str) == Some("starting")
+}
+
+/// A cancel of a tracked workload (or of one that finished already, D29). `stored`: the
+/// answer this cancel had (a promise), repeated when there is nothing to act on.
+fn command(ledger: &Ledger, active: &Table, params: &CancelParams, stored: Option<&Entry>) -> Step {
     let sig = params.signal.number();
     let sig_name = params.signal.name();
     let grace = params.grace.map_or(DEFAULT_GRACE, Seconds::duration);
@@ -117,6 +141,9 @@ fn command(ledger: &Ledger, active: &Table, params: &CancelParams) -> Step {
                 );
             }
         }
+        if let Some(e) = stored {
+            return Step::Answer(e.ok, e.body.clone());
+        }
         let msg = match &params.target {
             CancelTarget::Pid(p) => format!("No active workload found with PID {}", p.get()),
             CancelTarget::Request(r) => {
@@ -133,26 +160,33 @@ fn command(ledger: &Ledger, active: &Table, params: &CancelParams) -> Step {
     }
 }
 
+/// What a cancel's answer says of its workload, read before the table acts (a finalizing
+/// workload whose uploads it abandons is reported, and no longer tracked, once it returns).
+pub(super) fn named(active: &Table, safe_id: &str) -> Option<(i32, Value, Value)> {
+    active
+        .get(safe_id)
+        .map(|a| (a.meta.pid(), json!(a.meta.kind), a.meta.request_id.clone()))
+}
+
 /// The reply to a cancel the table carried out (`Ok`: its message) or refused.
 pub(super) fn answer(
     ledger: &mut Ledger,
-    active: &Table,
+    named: Option<(i32, Value, Value)>,
     request_id: &RequestId,
-    safe_id: &str,
     sig_name: &str,
     result: Result<String, String>,
 ) -> (bool, Value) {
     let rid = request_id.text();
     match result {
         Ok(message) => {
-            let Some(a) = active.get(safe_id) else {
+            let Some((pid, kind, workload_rid)) = named else {
                 return (true, json!({"message": message}));
             };
             let out = json!({
                 "message": message,
-                "pid": a.meta.pid(),
-                "workload_type": a.meta.kind,
-                "workload_request_id": a.meta.request_id,
+                "pid": pid,
+                "workload_type": kind,
+                "workload_request_id": workload_rid,
                 "signal": sig_name,
             });
             if !rid.is_empty() {
@@ -172,7 +206,8 @@ pub(super) fn cancel(
     request_id: &RequestId,
     params: CancelParams,
 ) {
-    let (ok, body) = match decide(ledger, w.starts, w.active, request_id, &params) {
+    let layout = &w.io.layout;
+    let (ok, body) = match decide(ledger, w.starts, w.active, layout, request_id, &params) {
         Step::Nothing => return,
         Step::Answer(ok, body) => (ok, body),
         Step::Table {
@@ -181,11 +216,68 @@ pub(super) fn cancel(
             sig_name,
             grace,
         } => {
+            let named = named(w.active, &safe_id);
             let r = w.with_table(|t, out, now| {
                 t.cancel(&safe_id, sig, sig_name, grace, false, now, out)
             });
-            answer(ledger, w.active, request_id, &safe_id, sig_name, r)
+            answer(ledger, named, request_id, sig_name, r)
         }
     };
     w.replies().replay(request_id.value(), ok, body);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::table::{Active, UploadCfg};
+    use crate::workload::testkit::{good_meta, scratch};
+
+    fn ask(rid: &str, params: Value) -> (RequestId, CancelParams) {
+        (
+            RequestId::parse(Some(&json!(rid))).unwrap(),
+            CancelParams::parse(Some(&params)).unwrap(),
+        )
+    }
+
+    /// A cancel answered "recorded" while its workload started (then lost with a killed node)
+    /// acts when it is asked again and the workload runs; with nothing to act on it gets its
+    /// answer again; any other answer is repeated without looking further.
+    #[test]
+    fn a_cancel_answered_while_its_workload_started_is_decided_again_when_asked_again() {
+        let layout = scratch("cancel-promise");
+        let mut ledger = Ledger::load(layout.state.join("requests.jsonl"));
+        let mut starts = Starts::new(Err("no spawner".into()), crossbeam_channel::never());
+        let mut table = Table::new(UploadCfg {
+            enabled: false,
+            folder: layout.state.join("results"),
+            max_bytes: 1,
+            workers: 1,
+            records: layout.workloads(),
+            ledger: layout.state.join("loose.json"),
+            checked: None,
+            deadline: None,
+        });
+        let (c1, params) = ask("c1", json!({"workload_request_id": "r1"}));
+        let promise = json!({"message": "Workload is starting; …", "pid": 0, "state": "starting"});
+        ledger.record("c1", true, promise.clone());
+        let step = decide(&mut ledger, &mut starts, &table, &layout, &c1, &params);
+        assert!(
+            matches!(&step, Step::Answer(true, b) if *b == promise),
+            "nothing to act on: the promise again"
+        );
+        let meta = serde_json::from_value(good_meta(&layout)).unwrap();
+        table.insert("w1".into(), Active::new(meta, std::time::Instant::now()));
+        let step = decide(&mut ledger, &mut starts, &table, &layout, &c1, &params);
+        assert!(
+            matches!(&step, Step::Table { safe_id, sig, .. } if safe_id == "w1" && *sig == libc::SIGTERM),
+            "the running workload is cancelled"
+        );
+        // An answer that was no promise is repeated, whatever runs now.
+        let (c2, params) = ask("c2", json!({"workload_request_id": "r1"}));
+        let done = json!({"message": "Workload cancelled with SIGTERM", "pid": 5});
+        ledger.record("c2", true, done.clone());
+        let step = decide(&mut ledger, &mut starts, &table, &layout, &c2, &params);
+        assert!(matches!(&step, Step::Answer(true, b) if *b == done));
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
 }

@@ -24,9 +24,12 @@
 //!    record and ledger entry (a host crash cannot make an answered start run twice); a host
 //!    crash before that loses, at worst, an unanswered start whose workload died with the host.
 //!
-//! Cancel while starting: the cancel is answered at once and recorded; it is carried out (the
-//! signal, the grace, the escalation) as soon as the spawn reports the workload's process. If
-//! the spawn fails there is nothing to signal and the start's failure is reported as usual.
+//! Cancel while starting: the cancel is written into the start's note ([`Starts::cancel`]),
+//! then answered at once and recorded; it is carried out (the signal, the grace, the
+//! escalation) as soon as the spawn reports the workload's process, and the note goes only once
+//! the workload's record says it is being cancelled. A node killed in between leaves the cancel
+//! in the note: the next node carries it out as it re-adopts the workload. If the spawn fails
+//! there is nothing to signal and the start's failure is reported as usual.
 //!
 //! Many starts in flight: no bound of their own; the capacity (`max_concurrent_workloads`, which
 //! counts them) is the bound. A redelivery of a start in flight is answered with the original
@@ -219,11 +222,27 @@ impl Starts {
         self.in_flight.values_mut().find(|s| s.event_token == token)
     }
 
-    /// Records a cancel for a start in flight; the first one stays (a second one changes
-    /// nothing, as for a running workload). `None`: no such start.
-    pub fn cancel(&mut self, safe_id: &str, c: PendingCancel) -> Option<PendingCancel> {
+    /// Records a cancel for a start in flight, in its note first (before it is answered: a node
+    /// killed before the workload runs leaves it for the next node); the first one stays (a
+    /// second one changes nothing, as for a running workload). `None`: no such start.
+    pub fn cancel(
+        &mut self,
+        layout: &Layout,
+        safe_id: &str,
+        c: PendingCancel,
+    ) -> Option<PendingCancel> {
         let s = self.in_flight.get_mut(safe_id)?;
-        Some(s.cancel.get_or_insert(c).clone())
+        if s.cancel.is_none() {
+            s.cancel = Some(c);
+            if let Err(e) = note(layout, safe_id, &Taken::of(s)) {
+                log::warn!(
+                    "cannot note the cancel of the start {} in {} ({e}); a node killed before its workload runs cannot carry it out after its restart",
+                    shown(&request_id_text(&s.request_id)),
+                    store::shown(&notes_dir(layout))
+                );
+            }
+        }
+        s.cancel.clone()
     }
 
     /// A control-socket request that must wait for a start in flight (an `emit` of a workload
@@ -261,16 +280,56 @@ pub struct Taken {
     )]
     pub workload_uuid: Option<TopicId>,
     pub taken_unix: f64,
+    /// A cancel answered while the start was in flight: carried out when the next node
+    /// re-adopts its workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel: Option<NotedCancel>,
+}
+
+/// A cancel as a note keeps it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NotedCancel {
+    /// `SIGTERM`, `SIGINT` or `SIGKILL`.
+    pub signal: String,
+    pub grace_s: f64,
+}
+
+/// The signals a cancel may send, by name.
+const CANCEL_SIGNALS: [&str; 3] = ["SIGTERM", "SIGINT", "SIGKILL"];
+
+impl NotedCancel {
+    fn of(c: &PendingCancel) -> NotedCancel {
+        NotedCancel {
+            signal: c.name.to_string(),
+            grace_s: c.grace.as_secs_f64(),
+        }
+    }
+
+    /// The cancel to carry out (`None` for a signal no cancel sends: never read from a valid note).
+    pub fn pending(&self) -> Option<PendingCancel> {
+        let (signal, name) = match self.signal.as_str() {
+            "SIGTERM" => (libc::SIGTERM, "SIGTERM"),
+            "SIGINT" => (libc::SIGINT, "SIGINT"),
+            "SIGKILL" => (libc::SIGKILL, "SIGKILL"),
+            _ => return None,
+        };
+        Some(PendingCancel {
+            signal,
+            name,
+            grace: crate::util::secs_f64(self.grace_s),
+        })
+    }
 }
 
 impl Taken {
-    /// The note of a start about to be put in flight.
+    /// The note of a start in flight (with the cancel recorded for it, if any).
     pub fn of(s: &Starting) -> Taken {
         Taken {
             request_id: s.request_id.clone(),
             kind: s.kind.as_str().to_string(),
             workload_uuid: s.workload_uuid.clone(),
             taken_unix: s.created_unix,
+            cancel: s.cancel.as_ref().map(NotedCancel::of),
         }
     }
 }
@@ -283,6 +342,15 @@ impl store::Validate for Taken {
                 field: "kind",
                 allowed: &crate::workload::KINDS,
             });
+        }
+        if let Some(c) = &self.cancel {
+            if !CANCEL_SIGNALS.contains(&c.signal.as_str()) {
+                return Err(store::Invalid::OneOf {
+                    field: "cancel.signal",
+                    allowed: &CANCEL_SIGNALS,
+                });
+            }
+            store::check_seconds("cancel.grace_s", c.grace_s, true)?;
         }
         store::check_unix("taken_unix", self.taken_unix)
     }
@@ -522,9 +590,29 @@ mod tests {
             name: "SIGKILL",
             grace: Duration::ZERO,
         };
-        assert_eq!(s.cancel(&id, term.clone()), Some(term.clone()));
-        assert_eq!(s.cancel(&id, kill), Some(term.clone()), "the first stays");
-        assert_eq!(s.cancel("other", term.clone()), None);
+        assert_eq!(load_notes(&layout)[0].1.cancel, None);
+        assert_eq!(s.cancel(&layout, &id, term.clone()), Some(term.clone()));
+        // In the note before it is answered: a node killed now leaves it for the next one.
+        let noted = load_notes(&layout).remove(0).1.cancel;
+        assert_eq!(
+            noted.as_ref().and_then(NotedCancel::pending),
+            Some(term.clone()),
+            "{noted:?}"
+        );
+        assert_eq!(
+            s.cancel(&layout, &id, kill),
+            Some(term.clone()),
+            "the first stays"
+        );
+        assert_eq!(
+            load_notes(&layout)[0]
+                .1
+                .cancel
+                .as_ref()
+                .map(|c| c.signal.as_str()),
+            Some("SIGTERM")
+        );
+        assert_eq!(s.cancel(&layout, "other", term.clone()), None);
         assert_eq!(
             s.end(&id).unwrap().cancel,
             Some(term),
@@ -579,6 +667,7 @@ mod tests {
             kind: "inference".into(),
             workload_uuid: TopicId::new("workload_uuid", &format!("wl-{rid}")).ok(),
             taken_unix: at,
+            cancel: None,
         }
     }
 
@@ -662,12 +751,22 @@ mod tests {
         let mut hostile = serde_json::to_value(taken("f", 1.0)).unwrap();
         hostile["workload_uuid"] = json!("wl/#");
         std::fs::write(d.join("f.json"), hostile.to_string()).unwrap();
+        // A cancel with a signal no cancel sends, or a grace out of range.
+        for (name, cancel) in [
+            ("g", json!({"signal": "SIGSTOP", "grace_s": 1.0})),
+            ("h", json!({"signal": "SIGTERM", "grace_s": -1.0})),
+        ] {
+            let mut v = serde_json::to_value(taken(name, 1.0)).unwrap();
+            v["cancel"] = cancel;
+            std::fs::write(d.join(format!("{name}.json")), v.to_string()).unwrap();
+        }
         let all = load_notes(&layout);
         let ids: Vec<&str> = all.iter().map(|(id, _)| id.as_str()).collect();
         assert_eq!(ids, ["b"]);
         assert!(!d.join("c.json").exists(), "quarantined");
         assert!(!d.join("e.json").exists(), "quarantined");
         assert!(!d.join("f.json").exists(), "quarantined");
+        assert!(!d.join("g.json").exists() && !d.join("h.json").exists());
         std::fs::remove_dir_all(&layout.state).unwrap();
     }
 }

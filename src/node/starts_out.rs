@@ -260,7 +260,6 @@ impl Start<'_> {
                     let body = json!({"status": "running", "message": format!("{kind} started in background"), "pid": meta.pid()});
                     self.work.workload_status(wl, body);
                 }
-                starts::forget(&self.work.io.layout, &safe_id);
                 // Only a start with a workflow context has a workflow node event.
                 if meta.workflow.is_some() {
                     self.work
@@ -297,14 +296,29 @@ impl Start<'_> {
                         );
                     }
                 }
+                // Last: until the workload's record says it is being cancelled, the note keeps
+                // the cancel answered while it started.
+                starts::forget(&self.work.io.layout, &safe_id);
             }
             Outcome::SpawnFailed { safe_id, why } => {
+                let full = why.disk_full();
                 let why = why.to_string();
                 let Some(st) = self.work.starts.end(&safe_id) else {
                     log::error!("a start that was not in flight failed: {}", shown(&why));
                     return;
                 };
-                self.fail_start(&safe_id, st, &why);
+                let reason = if full {
+                    RejectReason::DiskFull {
+                        state: self.work.io.layout.state.display().to_string(),
+                        why,
+                    }
+                } else {
+                    RejectReason::Failed {
+                        kind: st.kind.as_str().into(),
+                        why,
+                    }
+                };
+                self.fail_start(&safe_id, st, reason);
                 if self.work.s.drain_after_one
                     && !self.work.life.drain.one_started
                     && self.work.starts.is_empty()
@@ -331,15 +345,17 @@ impl Start<'_> {
         }
         self.work.starts.outcomes = crossbeam_channel::never();
         for (safe_id, st) in self.work.starts.stopped() {
-            self.fail_start(&safe_id, st, SPAWNER_GONE);
+            let reason = RejectReason::Failed {
+                kind: st.kind.as_str().into(),
+                why: SPAWNER_GONE.into(),
+            };
+            self.fail_start(&safe_id, st, reason);
         }
     }
 
-    fn fail_start(&mut self, safe_id: &str, st: Starting, why: &str) {
-        let reason = RejectReason::Failed {
-            kind: st.kind.as_str().into(),
-            why: why.into(),
-        };
+    /// A start in flight that did not start: refused for `reason` (a full disk keeps the
+    /// host-busy contract: it may be retried).
+    fn fail_start(&mut self, safe_id: &str, st: Starting, reason: RejectReason) {
         let why = reason.to_string();
         log::error!("{why}");
         for req in st.held {

@@ -1,6 +1,6 @@
 //! The workload table (issue 12 item 8): every workload the node tracks, its phase in the
 //! lifecycle machine ([`lifecycle::step`]), its runtime limit, the checks of a workload whose
-//! supervisor was killed and the progress of its result uploads. The table owns that state; it reaches the outside
+//! supervisor was killed (D27) or stopped (D66) and the progress of its result uploads. The table owns that state; it reaches the outside
 //! only through [`Outbound`] (signals, requests, worker jobs, records on disk, reports), and
 //! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
 //! a recording fake and a fake clock (the tests below).
@@ -30,6 +30,13 @@ use crate::workload::{self, Cancel, Meta};
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 /// How often the group of a workload whose supervisor was killed is checked (D27).
 const LINGER_CHECK: Duration = Duration::from_millis(250);
+/// How often a running workload's supervisor is looked at for a stop (D66): at the loop's
+/// busy tick, which wakes it at least this often while a workload is tracked.
+const SUPERVISOR_CHECK: Duration = Duration::from_secs(1);
+
+/// The report of a workload that ended while its supervisor stayed stopped (D66).
+pub const SUPERVISOR_STOPPED: &str =
+    "workload ended while its supervisor was stopped (SIGSTOP) and kept stopped; exit status unknown";
 
 /// The error of a completion for a workload whose record did not validate at recovery.
 pub const SALVAGED: &str =
@@ -67,6 +74,10 @@ pub trait Outbound {
     fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()>;
     /// The supervisor's exit record of workload `id`, if it wrote one.
     fn exit_record(&self, id: &str) -> Option<Exit>;
+    /// The workload's supervisor is provably still the one it was, and stopped (state T, D66).
+    fn supervisor_stopped(&self, meta: &Meta) -> bool;
+    /// SIGCONT to the workload's supervisor, if it is provably still the one it was (D66).
+    fn continue_supervisor(&mut self, meta: &Meta) -> std::io::Result<()>;
     /// Writes the workload's record.
     fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()>;
     /// A non-terminal workload status (R7), fire and forget.
@@ -77,19 +88,27 @@ pub trait Outbound {
     fn submit(&mut self, job: Job);
     /// Ship what is left of the workloads' output now.
     fn ship_logs(&mut self);
-    /// Report the end of workload `id` (it is no longer in the table), naming the loose result
-    /// files it could have written that were left on disk (D61); the loop answers with
-    /// [`Table::completion_queued`].
+    /// Report the end of workload `id` (it is no longer in the table), naming the result files
+    /// it left on disk (`left`); the loop answers with [`Table::completion_queued`].
     fn report(
         &mut self,
         id: &str,
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&'static str>,
-        unattributed: Vec<String>,
+        left: Left,
     );
     /// Remove the reported workload's record from disk.
     fn retire(&mut self, id: &str);
+}
+
+/// The result files a workload's end left on disk, each list named by its completion.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Left {
+    /// D61: loose files it could have written, none of its own for sure.
+    pub unattributed: Vec<String>,
+    /// D68: its own result files, not uploaded (given up on, past the deadline, cancelled).
+    pub not_uploaded: Vec<String>,
 }
 
 /// The uploads' way out: the table's [`Outbound`].
@@ -128,6 +147,11 @@ pub struct Active {
     pub phase: Phase,
     pub runtime_deadline: Option<Instant>,
     pub next_check: Instant,
+    /// When its supervisor is next looked at for a stop (D66).
+    supervisor_check: Instant,
+    /// Its stopped supervisor was sent SIGCONT (D66): found stopped again with nothing of its
+    /// workload left, the workload counts as ended.
+    continued: bool,
 }
 
 impl Active {
@@ -155,6 +179,8 @@ impl Active {
             phase,
             runtime_deadline,
             next_check: now,
+            supervisor_check: now,
+            continued: false,
         }
     }
 
@@ -305,6 +331,19 @@ impl Table {
         let pid = a.meta.pid();
         if a.finished() {
             // D29: its real outcome is what the backend gets; nothing is signalled (D26).
+            let uploading = matches!(a.phase, Phase::Uploading { .. });
+            if uploading
+                && self
+                    .uploads
+                    .abandon(id, "the workload was cancelled while finalizing")
+            {
+                // D68: what is not uploaded stays on disk, and the completion goes out now.
+                let left = self.uploads.left(id);
+                self.advance(id, Event::UploadsDone, now, out);
+                return Ok(format!(
+                    "Workload already finished; its result uploads were abandoned: {left} file(s) stay on disk, named in its completion's results_not_uploaded"
+                ));
+            }
             return Ok("Workload already finished; its completion reports how it ended".into());
         }
         if let Some(c) = &a.meta.cancel {
@@ -560,9 +599,12 @@ impl Table {
                 }
                 Action::Report { exit, lost } => {
                     let tracked = self.tracked();
-                    let unattributed = self.uploads.unattributed(id, &tracked);
+                    let left = Left {
+                        unattributed: self.uploads.unattributed(id, &tracked),
+                        not_uploaded: self.uploads.not_uploaded(id),
+                    };
                     if let Some(a) = self.active.remove(id) {
-                        out.report(id, a.meta, exit, lost, unattributed);
+                        out.report(id, a.meta, exit, lost, left);
                     }
                 }
             }
@@ -698,9 +740,57 @@ impl Table {
                         self.advance(&id, Event::GroupEmpty, now, out);
                     }
                 }
+                Phase::Running | Phase::Cancelling { .. } if now >= a.supervisor_check => {
+                    self.check_supervisor(&id, now, out);
+                }
                 _ => {}
             }
         }
+    }
+
+    /// D66: a workload can stop its own supervisor (same uid) and then end: nothing reaps it
+    /// then, and the supervisor's end, which reports it, never comes. A stopped supervisor whose
+    /// workload has nothing left but zombies gets SIGCONT, then reaps and reports it as usual;
+    /// found stopped again with nothing left, the workload counts as ended (reported once). A
+    /// workload that still runs keeps its supervisor as it is: it is running.
+    fn check_supervisor(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+        let Some(a) = self.active.get_mut(id) else {
+            return;
+        };
+        a.supervisor_check = crate::util::later(now, SUPERVISOR_CHECK);
+        if !out.supervisor_stopped(&a.meta) || out.provable_group(&a.meta).is_some() {
+            return;
+        }
+        let (kind, rid, shim) = (
+            a.meta.kind,
+            a.meta.request_id_text(),
+            a.meta.started.as_ref().map_or(0, |s| s.shim_pid),
+        );
+        let rid = shown(&rid);
+        if !a.continued {
+            a.continued = true;
+            log::warn!(
+                "the supervisor of {kind} {rid} (pid {shim}) is stopped and nothing of its workload runs any more; SIGCONT to it, so that it reaps and reports the workload"
+            );
+            if let Err(e) = out.continue_supervisor(&a.meta) {
+                log::warn!("cannot continue the supervisor of {rid} (pid {shim}): {e}");
+            }
+            return;
+        }
+        log::error!(
+            "the supervisor of {kind} {rid} (pid {shim}) is stopped again and nothing of its workload runs any more; reporting its end"
+        );
+        let event = match out.exit_record(id) {
+            Some(exit) => Event::SupervisorEnded {
+                exit: Some(exit),
+                group_alive: false,
+            },
+            None => Event::Lost {
+                exit: None,
+                reason: SUPERVISOR_STOPPED,
+            },
+        };
+        self.advance(id, event, now, out);
     }
 }
 
@@ -726,7 +816,12 @@ pub(crate) mod fake {
         pub shipped: u32,
         pub reports: Vec<(String, Option<Exit>, Option<&'static str>)>,
         pub unattributed: Vec<(String, Vec<String>)>,
+        pub not_uploaded: Vec<(String, Vec<String>)>,
         pub retired: Vec<String>,
+        /// Safe ids whose supervisor is stopped.
+        pub stopped: BTreeSet<String>,
+        /// Safe ids whose supervisor got SIGCONT.
+        pub continued: Vec<String>,
     }
 
     impl Outbound for Fake {
@@ -742,6 +837,13 @@ pub(crate) mod fake {
         }
         fn exit_record(&self, id: &str) -> Option<Exit> {
             self.exits.get(id).cloned()
+        }
+        fn supervisor_stopped(&self, meta: &Meta) -> bool {
+            self.stopped.contains(&meta.safe_id)
+        }
+        fn continue_supervisor(&mut self, meta: &Meta) -> std::io::Result<()> {
+            self.continued.push(meta.safe_id.clone());
+            Ok(())
         }
         fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
             self.saved.push(meta.safe_id.clone());
@@ -766,10 +868,11 @@ pub(crate) mod fake {
             _: Meta,
             exit: Option<Exit>,
             lost: Option<&'static str>,
-            unattributed: Vec<String>,
+            left: Left,
         ) {
             self.reports.push((id.to_string(), exit, lost));
-            self.unattributed.push((id.to_string(), unattributed));
+            self.unattributed.push((id.to_string(), left.unattributed));
+            self.not_uploaded.push((id.to_string(), left.not_uploaded));
         }
         fn retire(&mut self, id: &str) {
             self.retired.push(id.to_string());
@@ -799,6 +902,7 @@ mod tests {
             max_bytes: 1 << 30,
             workers: 2,
             checked: None,
+            deadline: None,
         }
     }
 
@@ -1176,6 +1280,11 @@ mod tests {
         t.on_upload_reply("w", true, now, &mut f);
         assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
         assert!(root.join("w/a.txt").exists(), "a file not uploaded stays");
+        assert_eq!(
+            f.not_uploaded,
+            vec![("w".to_string(), vec!["a.txt".to_string()])],
+            "and its completion names it"
+        );
         assert!(
             !root.join("w/b.txt").exists(),
             "an uploaded file is deleted"
@@ -1338,5 +1447,156 @@ mod tests {
             f.reports.get(1),
             Some(&("v".to_string(), None, Some(SALVAGED)))
         );
+    }
+
+    /// D68: a workload's uploads have one deadline as a whole. Past it (an endpoint that never
+    /// answers), the files not uploaded stay on disk, the completion names them and goes out,
+    /// and a late answer changes nothing; each transfer is bounded by the same deadline.
+    #[test]
+    fn d68_uploads_past_their_deadline_are_abandoned_and_the_completion_names_what_is_left() {
+        let t0 = Instant::now();
+        let root = results("deadline", &["a.txt", "b.txt", "c.txt"]);
+        let mut c = cfg(root.clone());
+        c.deadline = Some(Duration::from_secs(10));
+        let mut t = Table::new(c);
+        t.insert("w".into(), Active::new(meta("w", 100, None), t0));
+        let mut f = Fake {
+            connected: true,
+            ..Fake::default()
+        };
+        f.exits.insert("w".into(), exit(0));
+        t.on_reaped("w", t0, &mut f);
+        t.tick(t0, &["w".to_string()], &mut f);
+        assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
+        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f);
+        let Some(Job::Put { until, .. }) = f.jobs.last() else {
+            panic!("a transfer: {:?}", f.jobs);
+        };
+        assert_eq!(
+            *until,
+            at(t0, 10_000),
+            "the transfer is bounded by the deadline"
+        );
+        // The endpoint hangs: no answer comes.
+        assert_eq!(t.next_due(), Some(at(t0, 10_000)), "the loop wakes for it");
+        t.tick(at(t0, 9_999), &[], &mut f);
+        assert!(f.reports.is_empty(), "not before the deadline");
+        t.tick(at(t0, 10_000), &[], &mut f);
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            f.not_uploaded,
+            vec![("w".to_string(), names(&["a.txt", "b.txt", "c.txt"]))]
+        );
+        for name in ["a.txt", "b.txt", "c.txt"] {
+            assert!(root.join("w").join(name).exists(), "{name} stays on disk");
+        }
+        assert!(t.is_empty(), "its slot is free");
+        assert_eq!(t.next_due(), None);
+        // The transfer's late answer, a late URL: nothing more.
+        let late = Done::Put {
+            key: "w".into(),
+            file: 0,
+            result: Ok(()),
+        };
+        t.on_worker_done(late, at(t0, 20_000), &mut f);
+        t.on_signed_url_reply("w", Some(signed("b.txt")), at(t0, 20_000), &mut f);
+        assert_eq!(f.reports.len(), 1, "reported once");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn d68_the_default_upload_deadline_is_half_an_hour_and_a_second_per_mib() {
+        use super::uploads::deadline_for;
+        let s = Duration::from_secs;
+        assert_eq!(deadline_for(None, 0), s(1800));
+        assert_eq!(deadline_for(None, 1), s(1801));
+        assert_eq!(deadline_for(None, 5 * 1024 * 1024), s(1805));
+        assert_eq!(deadline_for(None, u64::MAX), s(1800 + (u64::MAX >> 20) + 1));
+        assert_eq!(
+            deadline_for(Some(s(3)), 1 << 40),
+            s(3),
+            "the operator's, whole"
+        );
+    }
+
+    /// D68: a cancel of a finalizing workload abandons its uploads at once: answered so, the
+    /// completion goes out now, naming the files left on disk; nothing is signalled.
+    #[test]
+    fn d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
+        let t0 = Instant::now();
+        let root = results("cancel-up", &["a.txt", "b.txt"]);
+        let (mut t, mut f) = exited_ok(&root, true, t0);
+        assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
+        f.provable.insert("w".into()); // even a group that looks alive is not signalled
+        let msg = cancel(&mut t, &mut f, TERM, 1000, at(t0, 5));
+        assert!(
+            msg.contains("result uploads were abandoned: 2 file(s)"),
+            "{msg}"
+        );
+        assert!(f.signals.is_empty());
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        assert_eq!(
+            f.not_uploaded,
+            vec![(
+                "w".to_string(),
+                vec!["a.txt".to_string(), "b.txt".to_string()]
+            )]
+        );
+        assert!(root.join("w/a.txt").exists() && root.join("w/b.txt").exists());
+        assert!(t.is_empty());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// D66: a workload that stops its own supervisor and ends leaves it unable to reap and
+    /// report it. The supervisor gets SIGCONT (once), and found stopped again with nothing of
+    /// the workload left, the workload counts as ended: reported once. A supervisor stopped
+    /// while its workload still runs is left as it is.
+    #[test]
+    fn d66_a_stopped_supervisor_whose_workload_ended_is_continued_then_the_workload_counts_as_ended(
+    ) {
+        let t0 = Instant::now();
+        let (mut t, mut f) = one(t0, None);
+        f.stopped.insert("w".into());
+        t.tick(t0, &[], &mut f);
+        assert!(f.continued.is_empty(), "its workload still runs");
+        f.provable.clear(); // only zombies left
+        t.tick(at(t0, 500), &[], &mut f);
+        assert!(f.continued.is_empty(), "looked at once a second");
+        t.tick(at(t0, 1000), &[], &mut f);
+        assert_eq!(
+            f.continued,
+            vec!["w".to_string()],
+            "SIGCONT to the supervisor"
+        );
+        assert!(f.signals.is_empty(), "nothing to the workload's group");
+        assert_eq!(t.get("w").map(Active::state), Some("running"));
+        // Stopped again (a leftover of the workload stops it): counts as ended.
+        t.tick(at(t0, 2000), &[], &mut f);
+        assert_eq!(f.continued.len(), 1, "continued once");
+        assert!(matches!(
+            t.get("w").map(|a| &a.phase),
+            Some(Phase::Draining {
+                lost: Some(SUPERVISOR_STOPPED),
+                ..
+            })
+        ));
+        t.tick(at(t0, 2001), &["w".to_string()], &mut f);
+        assert_eq!(
+            f.reports,
+            vec![("w".to_string(), None, Some(SUPERVISOR_STOPPED))]
+        );
+        // Its supervisor's end, when it comes, reports nothing more.
+        t.on_reaped("w", at(t0, 3000), &mut f);
+        assert_eq!(f.reports.len(), 1);
+        // One that wrote its exit record before it was stopped again is reported with it.
+        let (mut t, mut f) = one(t0, None);
+        f.stopped.insert("w".into());
+        f.provable.clear();
+        t.tick(t0, &[], &mut f);
+        f.exits.insert("w".into(), exit(0));
+        t.tick(at(t0, 1000), &[], &mut f);
+        t.tick(at(t0, 1001), &["w".to_string()], &mut f);
+        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
     }
 }

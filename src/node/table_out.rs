@@ -12,7 +12,7 @@ use super::io::Io;
 use super::io::Wire;
 use super::parts::Op;
 use super::session::Session;
-use super::table::{Outbound, Request};
+use super::table::{Left, Outbound, Request};
 use crate::config::Settings;
 use crate::workers::Job;
 use crate::workload::shim::Exit;
@@ -26,8 +26,8 @@ pub(super) enum Later {
         meta: Box<Meta>,
         exit: Option<Exit>,
         lost: Option<&'static str>,
-        /// D61: loose result files it could have written, left on disk.
-        unattributed: Vec<String>,
+        /// Result files it left on disk (D61, D68).
+        left: Left,
     },
 }
 
@@ -93,6 +93,19 @@ impl Outbound for NodeOut<'_> {
         workload::load_exit(&self.layout.dir(id))
     }
 
+    fn supervisor_stopped(&self, meta: &Meta) -> bool {
+        meta.started
+            .as_ref()
+            .is_some_and(|st| procinfo::stopped(st.shim_pid, st.shim_start_ticks))
+    }
+
+    fn continue_supervisor(&mut self, meta: &Meta) -> std::io::Result<()> {
+        let Some(st) = meta.started.as_ref() else {
+            return Ok(());
+        };
+        procinfo::signal_process(st.shim_pid, st.shim_start_ticks, libc::SIGCONT)
+    }
+
     fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
         workload::save_meta(self.layout, meta)
     }
@@ -133,14 +146,14 @@ impl Outbound for NodeOut<'_> {
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&'static str>,
-        unattributed: Vec<String>,
+        left: Left,
     ) {
         self.later.push(Later::Report {
             id: id.to_string(),
             meta: Box::new(meta),
             exit,
             lost,
-            unattributed,
+            left,
         });
     }
 

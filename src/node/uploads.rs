@@ -10,6 +10,13 @@
 //! transfers of one workload never queue another's behind them; a file waiting for its retry
 //! holds no worker and no other file.
 //!
+//! A workload's uploads have one deadline as a whole (D68, [`deadline_for`]: 30 min and a second
+//! per MiB of its results, or `CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS`), which also bounds each
+//! transfer: past it, or at a `cancel` of the finalizing workload ([`Uploads::abandon`]), the
+//! files not uploaded stay on disk and the completion names them in `results_not_uploaded`
+//! (as it names the files given up on after their attempts), then goes out. A hung endpoint
+//! never keeps a workload finalizing, and its slot taken, for longer.
+//!
 //! [`Uploads`] is a value of its own that the table owns: the uploads of every workload in its
 //! `Uploading` phase, keyed by safe id. It reaches the outside only through [`Out`] (the
 //! table's `Outbound` carries it out), and tells the table when a workload's uploads are over;
@@ -66,7 +73,22 @@ pub struct UploadCfg {
     /// workload's uid with one link; the uid assumed for a record that names none (one written
     /// before records kept it).
     pub checked: Option<Option<u32>>,
+    /// `CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS`: one workload's uploads as a whole (D68); `None`:
+    /// the default, [`deadline_for`].
+    pub deadline: Option<Duration>,
 }
+
+/// The deadline of a workload's uploads as a whole (D68): `setting` when the operator set one,
+/// else 30 minutes and a second per MiB (begun) of its `bytes` of results.
+pub fn deadline_for(setting: Option<Duration>, bytes: u64) -> Duration {
+    setting.unwrap_or_else(|| {
+        let mib = bytes.div_ceil(1024 * 1024);
+        DEFAULT_DEADLINE.saturating_add(Duration::from_secs(mib))
+    })
+}
+
+/// The fixed part of the default upload deadline.
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(30 * 60);
 
 impl UploadCfg {
     pub fn of(s: &crate::config::Settings) -> UploadCfg {
@@ -84,6 +106,7 @@ impl UploadCfg {
             records: s.config_dir.value.join("workloads"),
             ledger: s.config_dir.value.join(LEDGER_FILE),
             checked: None,
+            deadline: s.tuning.upload_deadline,
         }
     }
 }
@@ -165,6 +188,8 @@ struct Upload {
     files: Vec<File>,
     /// R10/E9 is under way.
     notifying: bool,
+    /// D68: past this, what is not uploaded stays on disk and the completion goes out.
+    deadline: Instant,
 }
 
 impl Upload {
@@ -317,6 +342,8 @@ pub struct Uploads {
     claims: BTreeMap<String, Option<Claim>>,
     /// Per workload, the loose files it could have written that were left on disk.
     unattributed: BTreeMap<String, Vec<String>>,
+    /// Per workload whose uploads are over, its result files left on disk, not uploaded (D68).
+    not_uploaded: BTreeMap<String, Vec<String>>,
 }
 
 impl Uploads {
@@ -333,6 +360,7 @@ impl Uploads {
             ended: BTreeSet::new(),
             claims: BTreeMap::new(),
             unattributed: BTreeMap::new(),
+            not_uploaded: BTreeMap::new(),
         }
     }
 
@@ -563,6 +591,11 @@ impl Uploads {
             self.cfg.folder.display()
         );
         let count = files.len();
+        let bytes = files
+            .iter()
+            .filter_map(|(_, b)| b.listed().map(|l| l.size))
+            .fold(0u64, u64::saturating_add);
+        let deadline = crate::util::later(now, deadline_for(self.cfg.deadline, bytes));
         out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
         let files = files
             .into_iter()
@@ -580,6 +613,7 @@ impl Uploads {
                 wl,
                 files,
                 notifying: false,
+                deadline,
             },
         );
         // Files to upload: the first step never ends the uploads.
@@ -592,8 +626,47 @@ impl Uploads {
     pub fn pump_all(&mut self, now: Instant, out: &mut dyn Out) -> Vec<String> {
         let ids: Vec<String> = self.active.keys().cloned().collect();
         ids.into_iter()
-            .filter(|id| self.pump(id, now, out))
+            .filter(|id| self.expired(id, now) || self.pump(id, now, out))
             .collect()
+    }
+
+    /// D68: the uploads of `id` passed their deadline, and are abandoned now.
+    fn expired(&mut self, id: &str, now: Instant) -> bool {
+        if self.active.get(id).is_none_or(|u| now < u.deadline) {
+            return false;
+        }
+        self.abandon(
+            id,
+            "its uploads passed their deadline (CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS)",
+        )
+    }
+
+    /// D68: the uploads of `id` stop now (`why`: their deadline passed, the workload was
+    /// cancelled): the files not uploaded stay on disk, named by its completion, and a transfer
+    /// still under way is no longer waited for (its answer is ignored). True when `id` was
+    /// uploading (the table then sends the completion).
+    pub fn abandon(&mut self, id: &str, why: &str) -> bool {
+        let Some(u) = self.active.get(id) else {
+            return false;
+        };
+        // A file sent but not yet told to the backend is not attached to the workload either.
+        log::error!(
+            "result upload of {} abandoned: {why}; its {} file(s) stay on disk in {}, named in the completion's results_not_uploaded",
+            crate::logtext::shown(id),
+            u.files.len(),
+            self.cfg.folder.display()
+        );
+        self.finish(id, false)
+    }
+
+    /// How many result files of `id` its uploads left on disk (once they are over).
+    pub fn left(&self, id: &str) -> usize {
+        self.not_uploaded.get(id).map_or(0, Vec::len)
+    }
+
+    /// The result files of `id` its uploads left on disk, not uploaded (once they are over).
+    pub fn not_uploaded(&mut self, id: &str) -> Vec<String> {
+        self.not_uploaded.remove(id).unwrap_or_default()
     }
 
     /// After an event of workload `id`: it moves on first, then the others (a worker may
@@ -641,6 +714,7 @@ impl Uploads {
                 url: found.url.clone(),
                 path: f.path.clone(),
                 multipart,
+                until: u.deadline,
             });
             f.state = State::Sending(found);
             sending_all = sending_all.saturating_add(1);
@@ -867,6 +941,16 @@ impl Uploads {
                 let _ = f.path.remove();
             }
         }
+        // What stays on disk: every file but those sent and told to the backend.
+        let left: Vec<String> = u
+            .files
+            .iter()
+            .filter(|f| !notified || !matches!(f.state, State::Sent(_)))
+            .map(|f| f.name.clone())
+            .collect();
+        if !left.is_empty() {
+            self.not_uploaded.insert(id.to_string(), left);
+        }
         log::info!(
             "result upload finished: {sent} of {} file(s) uploaded",
             u.files.len()
@@ -884,7 +968,8 @@ impl Uploads {
     /// URL now (else it waits for an answer, which wakes the loop anyway).
     pub fn next_due(&self) -> Option<Instant> {
         let workers = self.cfg.workers;
-        self.active
+        let retries = self
+            .active
             .values()
             .filter(|u| u.may_ask(workers))
             .flat_map(|u| {
@@ -892,7 +977,9 @@ impl Uploads {
                     .iter()
                     .filter(|f| matches!(f.state, State::Waiting))
                     .filter_map(|f| f.retry_at)
-            })
+            });
+        retries
+            .chain(self.active.values().map(|u| u.deadline))
             .min()
     }
 
@@ -902,6 +989,7 @@ impl Uploads {
         self.ended.retain(|id| tracked(id));
         self.claims.retain(|id, _| tracked(id));
         self.unattributed.retain(|id, _| tracked(id));
+        self.not_uploaded.retain(|id, _| tracked(id));
     }
 }
 

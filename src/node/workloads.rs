@@ -40,6 +40,7 @@ pub(super) type Ending = (Option<Exit>, Option<&'static str>);
 /// Each one is handed to `adopt`, with its end when it is known to have ended.
 pub(super) fn recover_workloads(
     layout: &Layout,
+    params_cap: u64,
     notes: &mut BTreeMap<String, Taken>,
     started: &mut Vec<(String, Taken, Value)>,
     adopt: &mut dyn FnMut(String, Meta, Option<Ending>),
@@ -64,7 +65,7 @@ pub(super) fn recover_workloads(
         }
         // Every file is validated; an invalid one is quarantined, and a workload whose
         // record is bad is still tracked by what can be proven about it.
-        let (meta, salvaged) = match workload::recover_meta(layout, &dir, &name) {
+        let (meta, salvaged) = match workload::recover_meta(layout, &dir, &name, params_cap) {
             workload::Recovered::Intact(m) => (m, false),
             workload::Recovered::Salvaged(m) => (m, true),
         };
@@ -538,8 +539,8 @@ impl Work<'_> {
                     meta,
                     exit,
                     lost,
-                    unattributed,
-                } => self.complete(&id, *meta, exit, lost, &unattributed),
+                    left,
+                } => self.complete(&id, *meta, exit, lost, &left),
             }
         }
         r
@@ -574,7 +575,7 @@ impl Work<'_> {
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&str>,
-        unattributed: &[String],
+        left: &table::Left,
     ) {
         let pid = meta.pid();
         let rid = meta.request_id_text();
@@ -604,9 +605,13 @@ impl Work<'_> {
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             gpus::put(&mut body, "gpu", g); // D38
         }
-        if !unattributed.is_empty() {
+        if !left.unattributed.is_empty() {
             // D61: result files it could have written, left on disk (a new optional field).
-            crate::util::set(&mut body, "unattributed_results", json!(unattributed));
+            crate::util::set(&mut body, "unattributed_results", json!(left.unattributed));
+        }
+        if !left.not_uploaded.is_empty() {
+            // D68: its result files left on disk, not uploaded (a new optional field).
+            crate::util::set(&mut body, "results_not_uploaded", json!(left.not_uploaded));
         }
         self.update_sampling();
         match self
@@ -710,8 +715,10 @@ impl Work<'_> {
         let mut notes: BTreeMap<String, Taken> = starts::load_notes(&layout).into_iter().collect();
         let mut started = Vec::new();
         let now = self.now();
+        let params_cap = u64::try_from(self.s.tuning.max_command_bytes).unwrap_or(u64::MAX);
         recover_workloads(
             &layout,
+            params_cap,
             &mut notes,
             &mut started,
             &mut |name, meta, ending| match ending {
@@ -723,7 +730,35 @@ impl Work<'_> {
                 None => self.track(&name, meta, false),
             },
         );
+        for (safe_id, taken, _) in &started {
+            self.carry_out_noted_cancel(safe_id, taken);
+        }
         (started, notes)
+    }
+
+    /// A cancel answered while the start was in flight, before the node's restart: carried out
+    /// now that its workload is re-adopted (one that ended meanwhile is reported as it ended).
+    fn carry_out_noted_cancel(&mut self, safe_id: &str, taken: &Taken) {
+        let Some(c) = taken.cancel.as_ref().and_then(starts::NotedCancel::pending) else {
+            return;
+        };
+        if self.active.get(safe_id).is_none_or(table::Active::finished) {
+            return;
+        }
+        log::info!(
+            "carrying out the cancel of {} recorded while it was starting, before the node's restart",
+            shown(&crate::protocol::commands::request_id_text(&taken.request_id))
+        );
+        let r = self.with_table(|t, out, now| {
+            t.cancel(safe_id, c.signal, c.name, c.grace, false, now, out)
+        });
+        if let Err(e) = r {
+            log::warn!(
+                "the cancel recorded for {} failed: {}",
+                shown(safe_id),
+                shown(&e)
+            );
+        }
     }
 }
 

@@ -78,6 +78,31 @@ impl fmt::Display for SpawnError {
     }
 }
 
+impl SpawnError {
+    /// The start failed because the disk it writes to is full, of bytes or of inodes (ENOSPC),
+    /// or the user's quota is (EDQUOT): a "not now" refusal, not a permanent failure. The
+    /// supervisor reports its own errors as text, an I/O error's ending in `(os error N)`.
+    pub fn disk_full(&self) -> bool {
+        let full = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT));
+        match self {
+            SpawnError::CreateDir { source, .. }
+            | SpawnError::OpenToUser { source, .. }
+            | SpawnError::HandOver { source, .. }
+            | SpawnError::Write { source, .. }
+            | SpawnError::Fork { source, .. } => full(source),
+            SpawnError::ShimLog(e) => full(e),
+            SpawnError::Shim(why) => [libc::ENOSPC, libc::EDQUOT]
+                .iter()
+                .any(|n| why.contains(&format!("(os error {n})"))),
+            SpawnError::User(_)
+            | SpawnError::Encode(_)
+            | SpawnError::ModuleNotFound { .. }
+            | SpawnError::NoPid
+            | SpawnError::Internal => false,
+        }
+    }
+}
+
 impl std::error::Error for SpawnError {}
 
 impl From<UserError> for SpawnError {

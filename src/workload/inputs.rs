@@ -62,35 +62,51 @@ pub(super) fn drop_platform_params(params: &mut Map<String, Value>) {
 }
 
 /// An inline `image_bytes_base64` saved to the inputs folder and replaced by the file's name in
-/// `image` (one that does not decode is passed on unchanged, with a warning).
+/// `image` (one that does not decode is passed on unchanged, with a warning); the file saved.
+/// A full disk fails the start (a retryable refusal), whose failure removes the file.
 pub(super) fn inline_image(
     layout: &Layout,
     stem: &str,
     safe_id: &str,
     params: &mut Map<String, Value>,
     user: Option<&WorkloadUser>,
-) -> Result<(), SpawnError> {
+) -> Result<Option<PathBuf>, SpawnError> {
     let Some(b64) = params
         .get("image_bytes_base64")
         .and_then(Value::as_str)
         .filter(|b| !b.is_empty())
     else {
-        return Ok(());
+        return Ok(None);
     };
     match save_image(layout, stem, b64) {
         Ok(name) => {
+            let file = layout.inputs().join(&name);
             if user.is_some() {
                 let _ = user::traversable(&layout.inputs());
-                user::give(user, &layout.inputs().join(&name))?;
+                if let Err(e) = user::give(user, &file) {
+                    let _ = std::fs::remove_file(&file);
+                    return Err(e);
+                }
             }
             params.remove("image_bytes_base64");
             params.insert("image".into(), Value::String(name));
+            Ok(Some(file))
         }
-        Err(e) => log::warn!(
-            "workload {safe_id}: image_bytes_base64 not decoded ({e}); params passed on unchanged"
-        ),
+        Err(ImageError::Io(source))
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
+        {
+            Err(SpawnError::Write {
+                what: "the inline image",
+                source,
+            })
+        }
+        Err(e) => {
+            log::warn!(
+                "workload {safe_id}: image_bytes_base64 not decoded ({e}); params passed on unchanged"
+            );
+            Ok(None)
+        }
     }
-    Ok(())
 }
 
 /// Writes the params file into the workload's directory; returns its path.

@@ -49,11 +49,28 @@ pub fn launch(
             path: dir.clone(),
             source,
         })?;
-    let result = launch_in(s, layout, exe, &dir, req);
+    // What the start made outside its directory, removed if it fails (a full disk: nothing
+    // half-written is left behind).
+    let mut made = Made::default();
+    let result = launch_in(s, layout, exe, &dir, req, &mut made);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
+        if let Some(image) = &made.image {
+            let _ = std::fs::remove_file(image);
+        }
+        if let Some(results) = &made.results {
+            // Its own folder, new and empty: never a link (rmdir does not follow one).
+            let _ = std::fs::remove_dir(results);
+        }
     }
     result
+}
+
+/// What a start made outside its directory.
+#[derive(Default)]
+struct Made {
+    image: Option<std::path::PathBuf>,
+    results: Option<std::path::PathBuf>,
 }
 
 fn launch_in(
@@ -62,11 +79,12 @@ fn launch_in(
     exe: &Path,
     dir: &Path,
     mut req: StartRequest,
+    made: &mut Made,
 ) -> Result<Launched, SpawnError> {
     let user = req.user.clone();
     let user = user.as_ref();
     prepare_dirs(layout, dir, user)?;
-    req.results_dir = prepare_results(&req, dir, user)?;
+    req.results_dir = prepare_results(&req, dir, user, made)?;
     let token = req
         .params
         .remove("cyberwave_workload_token")
@@ -80,7 +98,7 @@ fn launch_in(
         inputs::drop_platform_params(&mut req.params);
     }
     let stem = format!("{}_{}", req.kind.as_str(), req.safe_id);
-    inputs::inline_image(layout, &stem, &req.safe_id, &mut req.params, user)?;
+    made.image = inputs::inline_image(layout, &stem, &req.safe_id, &mut req.params, user)?;
     let params_file = dir.join("params.json");
     let params = std::mem::take(&mut req.params);
     let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
@@ -141,6 +159,7 @@ fn prepare_results(
     req: &StartRequest,
     dir: &Path,
     user: Option<&WorkloadUser>,
+    made: &mut Made,
 ) -> Result<Option<std::path::PathBuf>, SpawnError> {
     let Some((own, folder)) = req
         .results_dir
@@ -158,8 +177,11 @@ fn prepare_results(
             crate::logtext::shown(&req.safe_id)
         );
     }
-    let made = match results::make_dir(folder, &req.safe_id, user) {
-        Ok(_) => true,
+    let made_dir = match results::make_dir(folder, &req.safe_id, user) {
+        Ok(_) => {
+            made.results = Some(own.clone());
+            true
+        }
         Err(e) => {
             log::warn!(
                 "cannot create the results folder {}: {e}; the workload gets no CYBERWAVE_RESULTS_DIR",
@@ -169,7 +191,7 @@ fn prepare_results(
         }
     };
     let claim = results::Claim {
-        made,
+        made: made_dir,
         names: results::names_of(
             req.workload_uuid.as_ref().map(TopicId::as_str),
             &crate::protocol::commands::request_id_text(&req.request_id),
@@ -182,7 +204,7 @@ fn prepare_results(
         what: "the record of the results folder",
         source,
     })?;
-    Ok(made.then(|| own.clone()))
+    Ok(made_dir.then(|| own.clone()))
 }
 
 /// The workload's record (no pid yet).

@@ -55,6 +55,52 @@ fn live(pid: i32, state: char) -> bool {
     }
 }
 
+/// The process `pid`, started at `start`, is stopped by a signal (state `T`; not a ptrace
+/// stop, which SIGCONT does not end).
+pub fn stopped(pid: i32, start: u64) -> bool {
+    matches!(stat(pid), Some(('T', s)) if s == start)
+}
+
+/// Sends `sig` to process `pid` if it is still the one that started at `start`: checked
+/// through a pidfd, so the signal cannot reach a process that got the pid after the check.
+pub fn signal_process(pid: i32, start: u64, sig: i32) -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    if pid <= 1 {
+        return Err(std::io::Error::other("refusing to signal pid ≤ 1"));
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor that nothing else
+    // owns (or -1), which the OwnedFd then closes.
+    let fd = unsafe {
+        let rc = libc::syscall(libc::SYS_pidfd_open, pid, 0);
+        i32::try_from(rc)
+            .ok()
+            .filter(|fd| *fd >= 0)
+            .map(|fd| OwnedFd::from_raw_fd(fd))
+    };
+    let Some(fd) = fd else {
+        return Err(std::io::Error::last_os_error());
+    };
+    // The pidfd names one process from now on: is it the one that started at `start`?
+    if start_ticks(pid) != Some(start) {
+        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    // SAFETY: pidfd_send_signal on a pidfd we own, no siginfo, no flags.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            sig,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// The state char that follows the command name in a /proc stat text.
 fn state_of(stat: &str) -> Option<char> {
     stat.rsplit_once(')')?

@@ -29,7 +29,9 @@ pub enum Recovered {
 /// Reads a workload's directory for recovery: every file validated, an invalid one
 /// quarantined (one ERROR line each), a bad `meta.json` replaced by a rebuilt record that is
 /// saved so the next start reads it as it is (recovery never repeats the same work or loops).
-pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
+/// `params_cap`: the largest `params.json` read back (the command size limit in force: params
+/// are as large as the command that brought them, `CYBERWAVE_NODE_MAX_COMMAND_BYTES`).
+pub fn recover_meta(layout: &Layout, dir: &Path, name: &str, params_cap: u64) -> Recovered {
     let meta_path = dir.join("meta.json");
     let why = match parse_meta(dir) {
         Ok(mut meta) => {
@@ -72,7 +74,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str) -> Recovered {
     let started: Option<Started> = load_json(&dir.join("started.json"), "workload start record");
     let workload_uuid = store::load_record::<Params>(
         &dir.join("params.json"),
-        store::MAX_ENTRY_BYTES,
+        params_cap.max(store::MAX_ENTRY_BYTES),
         "workload params file",
     )
     .and_then(|p| p.workload_uuid());
@@ -258,6 +260,32 @@ mod tests {
     use crate::workload::testkit::{good_meta, scratch};
     use std::process::Command;
 
+    /// The default command size limit.
+    const CAP: u64 = crate::protocol::commands::MAX_COMMAND_BYTES as u64;
+
+    /// Params may be as large as the command that brought them (32 MiB by default): a record
+    /// rebuilt at recovery still finds the workload uuid in params of 20 MiB; params over the
+    /// limit in force are not read (quarantined, as a file too large for its kind is).
+    #[test]
+    fn a_rebuilt_record_finds_the_workload_uuid_in_params_as_large_as_a_command() {
+        let layout = scratch("salvage-big");
+        let big = "x".repeat(20 * 1024 * 1024);
+        let params = serde_json::json!({ "image_bytes_base64": big, "workload_uuid": "wl-big" });
+        let dir = bad_record_of_a_training(&layout, &params.to_string());
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", CAP) else {
+            panic!("must be salvaged");
+        };
+        assert_eq!(m.workload_uuid.as_deref(), Some("wl-big"));
+        // A node whose limit is lower than the file reads no uuid from it.
+        std::fs::remove_file(dir.join("meta.json")).unwrap();
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", 1024) else {
+            panic!("must be salvaged");
+        };
+        assert_eq!(m.workload_uuid, None);
+        assert!(!dir.join("params.json").exists(), "quarantined");
+        std::fs::remove_dir_all(&layout.state).unwrap();
+    }
+
     /// Workload `w1`, a training: a record with a runtime out of range (to be salvaged), its
     /// start record, these params and its log; returns its directory.
     fn bad_record_of_a_training(
@@ -282,7 +310,7 @@ mod tests {
             let layout = scratch("salvage-none");
             let params = serde_json::json!({ "workload_uuid": raw }).to_string();
             let dir = bad_record_of_a_training(&layout, &params);
-            let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+            let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", CAP) else {
                 panic!("must be salvaged");
             };
             assert_eq!(m.workload_uuid, None, "{raw:?}");
@@ -294,7 +322,7 @@ mod tests {
     fn a_workload_with_a_bad_record_is_salvaged_from_what_can_be_proven() {
         let layout = scratch("salvage");
         let dir = bad_record_of_a_training(&layout, r#"{"workload_uuid":"wl-9","x":1}"#);
-        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", CAP) else {
             panic!("must be salvaged");
         };
         assert_eq!(m.workload_uuid.as_deref(), Some("wl-9"));
@@ -309,7 +337,7 @@ mod tests {
             "meta.json quarantined"
         );
         // The rebuilt record is saved: the next recovery reads it without quarantining again.
-        let Recovered::Salvaged(again) = recover_meta(&layout, &dir, "w1") else {
+        let Recovered::Salvaged(again) = recover_meta(&layout, &dir, "w1", CAP) else {
             panic!("still a salvaged record");
         };
         assert_eq!(again.workload_uuid.as_deref(), Some("wl-9"));
@@ -320,7 +348,7 @@ mod tests {
         std::fs::write(dir.join("started.json"), r#"{"pid":-4}"#).unwrap();
         std::fs::write(dir.join("params.json"), "\u{0}\u{0}").unwrap();
         std::fs::remove_file(layout.logs().join("training_w1.stdout.log")).unwrap();
-        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", CAP) else {
             panic!("salvaged");
         };
         assert!(m.started.is_none() && m.workload_uuid.is_none());
@@ -340,7 +368,7 @@ mod tests {
         no_start.as_object_mut().unwrap().remove("started");
         std::fs::write(dir.join("meta.json"), no_start.to_string()).unwrap();
         std::fs::write(dir.join("started.json"), r#"{"pid":0}"#).unwrap();
-        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1") else {
+        let Recovered::Salvaged(m) = recover_meta(&layout, &dir, "w1", CAP) else {
             panic!("a bad started.json makes it salvaged");
         };
         assert!(m.started.is_none());
@@ -390,7 +418,7 @@ mod tests {
                 std::fs::rename(&tmp, path).unwrap();
             })
         };
-        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1", CAP) else {
             panic!("intact");
         };
         writer.join().unwrap();
@@ -399,7 +427,7 @@ mod tests {
         shim.wait().unwrap();
         // No shim: nothing to wait for (a record without a pid is forgotten by the node).
         std::fs::remove_file(dir.join("started.json")).unwrap();
-        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1") else {
+        let Recovered::Intact(m) = recover_meta(&layout, &dir, "w1", CAP) else {
             panic!("intact");
         };
         assert!(m.started.is_none());

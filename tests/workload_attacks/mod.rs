@@ -8,6 +8,7 @@ mod exit_path;
 mod fds;
 mod logs;
 mod pids;
+mod reports;
 mod results_links;
 mod state_files;
 mod terminal;

@@ -1,0 +1,433 @@
+//! Workload attacks: see `mod.rs`. Nothing a workload does may wedge or silence the node's
+//! report of it, and nothing the node answered is lost on a crash: a cancel answered while its
+//! workload starts survives a SIGKILL of the node, a workload that stops its own supervisor and
+//! exits is still reported (D66), a hung upload endpoint holds a workload no longer than its
+//! upload deadline and a cancel ends its uploads at once (D68), and a start that meets a full
+//! state disk (of bytes or of inodes) is a retryable `disk_low` refusal that leaves nothing.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::node::NodeSetup;
+use crate::support::scenario::Start;
+use crate::support::timeouts::{DONE, READY, REPLY};
+use crate::support::{wait_for, Broker, ControlPlane};
+
+fn rig(manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
+    let broker = Broker::start();
+    let cp = ControlPlane::start(broker.port, "");
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", manifest);
+    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
+    (broker, cp, setup)
+}
+
+fn runs(setup: &NodeSetup, rid: &str) -> String {
+    std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap_or_default()
+}
+
+fn completions(cp: &ControlPlane, wl: &str) -> Vec<Value> {
+    cp.statuses(wl)
+        .into_iter()
+        .filter(|b| b["status"] == "completed")
+        .collect()
+}
+
+fn cancel(cp: &ControlPlane, uuid: &str, rid: &str, target: &str) {
+    cp.command(
+        uuid,
+        json!({"command": "cancel", "request_id": rid, "params": {"workload_request_id": target}}),
+    );
+}
+
+/// A cancel that comes while its workload starts (on a slow disk: the workload runs, its start
+/// is not answered yet) is answered "recorded"; the node is SIGKILLed before the start is
+/// answered. After the restart the re-adopted workload gets the cancel and is reported
+/// cancelled, and the same cancel sent again is not answered with the promise again.
+#[test]
+fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkill_of_the_node() {
+    let (_broker, cp, mut setup) = rig(
+        "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; trap 'echo term >> t/$CYBERWAVE_REQUEST_ID.runs; exit 143' TERM; sleep 10 & wait\n",
+    );
+    setup.set("CYBERWAVE_TEST_SLOW_FSYNC_MS", "3000");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let uuid = node.uuid();
+    Start::new("inference", "pc").send(&cp, &node);
+    wait_for(Duration::from_secs(10), || {
+        (runs(&setup, "pc").lines().count() == 1).then_some(())
+    })
+    .unwrap_or_else(|| panic!("the workload did not run; log:\n{}", node.log()));
+    cancel(&cp, &uuid, "pc-x", "pc");
+    let answer = cp
+        .wait_reply("pc-x", Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("cancel not answered; log:\n{}", node.log()));
+    assert_eq!(answer["status"], "ok", "{answer}");
+    assert_eq!(answer["output"]["state"], "starting", "{answer}");
+    assert!(
+        cp.replies_for("pc").is_empty(),
+        "the start was answered before the kill: the test needs it in flight"
+    );
+    node.kill9();
+    setup.unset("CYBERWAVE_TEST_SLOW_FSYNC_MS");
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let all = cp
+        .wait_status("wl-pc", "cancelled", Duration::from_secs(20))
+        .unwrap_or_else(|| {
+            panic!(
+                "the cancel answered before the kill was lost: {:?}; log:\n{}",
+                cp.statuses("wl-pc"),
+                node.log()
+            )
+        });
+    assert_eq!(
+        all.iter().filter(|b| b["status"] == "cancelled").count(),
+        1,
+        "{all:?}"
+    );
+    assert!(
+        all.iter().all(|b| b["status"] != "completed"),
+        "reported once: {all:?}"
+    );
+    let lines = runs(&setup, "pc");
+    assert!(
+        lines.lines().count() == 2 && lines.ends_with("term\n"),
+        "ran once and got SIGTERM: {lines:?}"
+    );
+    // Sent again (a QoS 1 redelivery after the restart): not the promise of the first answer.
+    cancel(&cp, &uuid, "pc-x", "pc");
+    let again = wait_for(REPLY, || cp.replies_for("pc-x").get(1).cloned()).unwrap_or_else(|| {
+        panic!(
+            "the cancel sent again is not answered; log:\n{}",
+            node.log()
+        )
+    });
+    assert_eq!(again["status"], "ok", "{again}");
+    assert_ne!(again["output"]["state"], "starting", "{again}");
+}
+
+/// D66: a workload of the node's own uid stops its supervisor (SIGSTOP) and exits. Nothing reaps
+/// it while its supervisor is stopped; the node notices, continues the supervisor, and the
+/// workload is reported once, with its exit code, and its slot freed.
+#[test]
+fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
+    let (_broker, cp, setup) = rig(concat!(
+        "cyberwave:\n  inference: |\n",
+        "    echo $PPID > t/sup\n",
+        "    sleep 1\n",
+        "    kill -STOP $PPID\n",
+        "    exit 3\n",
+    ));
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    Start::new("inference", "stop").ok(&cp, &node);
+    let sup: i32 = wait_for(REPLY, || {
+        std::fs::read_to_string(setup.cwd.join("t/sup"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .expect("the workload wrote its supervisor's pid");
+    let done = wait_for(Duration::from_secs(15), || {
+        Some(completions(&cp, "wl-stop")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| {
+        let state = std::fs::read_to_string(format!("/proc/{sup}/stat")).unwrap_or_default();
+        panic!(
+            "no completion for a workload whose supervisor it stopped (supervisor: {state:?}); log:\n{}",
+            node.log()
+        )
+    });
+    assert_eq!(done[0]["exit_code"], 3, "{done:?}");
+    assert_eq!(done[0]["success"], false, "{done:?}");
+    let gone = wait_for(REPLY, || {
+        (!Path::new(&format!("/proc/{sup}")).exists()).then_some(())
+    });
+    assert!(gone.is_some(), "the supervisor was left stopped");
+    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(
+        st["output"]["active_workloads"],
+        json!([]),
+        "its slot is free: {st}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        completions(&cp, "wl-stop").len(),
+        1,
+        "exactly one completion"
+    );
+}
+
+/// D66 across a restart: the node is SIGKILLed, then the workload stops its supervisor and
+/// exits. The restarted node re-adopts the workload (its supervisor lives, stopped), continues
+/// the supervisor and reports the workload once, with its exit code.
+#[test]
+fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_reported_after_the_restart(
+) {
+    let (_broker, cp, setup) = rig(concat!(
+        "cyberwave:\n  inference: |\n",
+        "    echo $PPID > t/sup\n",
+        "    until [ -e t/go ]; do sleep 0.05; done\n",
+        "    kill -STOP $PPID\n",
+        "    exit 4\n",
+    ));
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    Start::new("inference", "stop2").ok(&cp, &node);
+    let sup: i32 = wait_for(REPLY, || {
+        std::fs::read_to_string(setup.cwd.join("t/sup"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .expect("the workload wrote its supervisor's pid");
+    node.kill9();
+    std::fs::write(setup.cwd.join("t/go"), "").unwrap();
+    let stopped = wait_for(REPLY, || {
+        let stat = std::fs::read_to_string(format!("/proc/{sup}/stat")).ok()?;
+        stat.rsplit_once(')')?
+            .1
+            .trim_start()
+            .starts_with('T')
+            .then_some(())
+    });
+    assert!(
+        stopped.is_some(),
+        "the workload did not stop its supervisor"
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let done = wait_for(Duration::from_secs(15), || {
+        Some(completions(&cp, "wl-stop2")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| panic!("no completion after the restart; log:\n{}", node.log()));
+    assert_eq!(done[0]["exit_code"], 4, "{done:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        completions(&cp, "wl-stop2").len(),
+        1,
+        "exactly one completion"
+    );
+}
+
+/// A training that writes three result files into its own results folder.
+const THREE_RESULTS: &str = "cyberwave:\n  training: for f in a b c; do head -c 20000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/$f.bin\"; done\n  results_folder: out\n";
+
+/// An upload endpoint that takes the bytes and never answers (for ten minutes).
+fn hung_backend() -> (Broker, ControlPlane) {
+    crate::support::backend_with(|b| b.put_delay = Duration::from_secs(600))
+}
+
+fn results_left(setup: &NodeSetup, rid: &str) -> Vec<String> {
+    let dir = setup.cwd.join("out").join(rid);
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// D68: an upload endpoint that never answers holds a finalizing workload no longer than its
+/// upload deadline (`CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS`, here 3 s): then the completion
+/// goes out, naming the files left on disk in `results_not_uploaded`, and the slot is free.
+#[test]
+fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_deadline() {
+    let (broker, cp) = hung_backend();
+    let mut setup = NodeSetup::new(&broker, &cp);
+    setup.set("CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS", "3");
+    setup.write("cyberwave.yml", THREE_RESULTS);
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    Start::training("hung").ok(&cp, &node);
+    cp.wait_status("wl-hung", "finalizing", DONE)
+        .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
+    let done = wait_for(Duration::from_secs(20), || {
+        Some(completions(&cp, "wl-hung")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "a hung upload endpoint holds the workload finalizing; log:\n{}",
+            node.log()
+        )
+    });
+    assert_eq!(done[0]["exit_code"], 0, "{done:?}");
+    assert_eq!(
+        done[0]["results_not_uploaded"],
+        json!(["a.bin", "b.bin", "c.bin"]),
+        "{done:?}"
+    );
+    assert_eq!(results_left(&setup, "hung"), ["a.bin", "b.bin", "c.bin"]);
+    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
+    assert!(node.log().contains("abandoned"), "{}", node.log());
+}
+
+/// D68: `cancel` of a finalizing workload (its upload endpoint hangs, the default deadline of
+/// half an hour) abandons its uploads at once and says so; the completion goes out now, with
+/// the workload's own exit code and the files left on disk named.
+#[test]
+fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
+    let (broker, cp) = hung_backend();
+    let setup = NodeSetup::new(&broker, &cp);
+    setup.write("cyberwave.yml", THREE_RESULTS);
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    Start::training("fin").ok(&cp, &node);
+    cp.wait_status("wl-fin", "finalizing", DONE)
+        .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
+    cancel(&cp, &node.uuid(), "fin-x", "fin");
+    let answer = cp.wait_reply("fin-x", REPLY).expect("cancel answered");
+    assert_eq!(answer["status"], "ok", "{answer}");
+    let message = answer["output"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("result uploads were abandoned"),
+        "{answer}"
+    );
+    let done = wait_for(Duration::from_secs(5), || {
+        Some(completions(&cp, "wl-fin")).filter(|d| !d.is_empty())
+    })
+    .unwrap_or_else(|| panic!("no completion after the cancel; log:\n{}", node.log()));
+    assert_eq!(done[0]["success"], true, "it exited 0: {done:?}");
+    assert_eq!(
+        done[0]["results_not_uploaded"],
+        json!(["a.bin", "b.bin", "c.bin"]),
+        "{done:?}"
+    );
+    assert_eq!(results_left(&setup, "fin"), ["a.bin", "b.bin", "c.bin"]);
+    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
+}
+
+/// A tmpfs mounted on the node's state dir with `options` (unmounted when dropped: declare it
+/// after the `NodeSetup`, before the node). Mounting needs root.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(setup: &NodeSetup, options: &str) -> Tmpfs {
+        crate::support::assert_root("a full state dir is a small tmpfs, and mounting one");
+        let dir = setup.config_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .arg(&dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "cannot mount a tmpfs ({options}) on {} as root: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .output();
+    }
+}
+
+/// Fills the state dir's disk: one file of bytes until no byte fits, or (`inodes`) empty files
+/// until no file fits. Returns the folder holding them.
+fn fill(setup: &NodeSetup, inodes: bool) -> PathBuf {
+    use std::io::Write;
+    let dir = setup.config_dir().join("filler");
+    std::fs::create_dir_all(&dir).unwrap();
+    if inodes {
+        for i in 0.. {
+            if std::fs::File::create(dir.join(i.to_string())).is_err() {
+                break;
+            }
+        }
+    } else {
+        let mut f = std::fs::File::create(dir.join("bytes")).unwrap();
+        let block = vec![b'x'; 64 * 1024];
+        while f.write_all(&block).is_ok() {}
+        while f.write_all(b"x").is_ok() {}
+    }
+    dir
+}
+
+/// A start that meets a full state disk while it writes its files: the retryable `disk_low`
+/// refusal (host busy), not a permanent failure; nothing of it is left (no record, no note, no
+/// inline image); once space returns the same request starts.
+fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
+    let (_broker, cp, mut setup) =
+        rig("cyberwave:\n  inference: echo ran >> t/$CYBERWAVE_REQUEST_ID.runs\n");
+    // The admission's own check of free space is off: the start itself meets the full disk.
+    setup.set("CYBERWAVE_MIN_FREE_DISK_MB", "0");
+    let _disk = Tmpfs::mount(
+        &setup,
+        if inodes {
+            "size=64m,nr_inodes=200,mode=0700"
+        } else {
+            "size=4m,mode=0700"
+        },
+    );
+    let node = setup.spawn();
+    node.wait_ready(READY);
+    let filler = fill(&setup, inodes);
+    // An inline image, as a preview sends it: what the start writes first.
+    let image = json!({"image_bytes_base64": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="});
+    let start = Start::new("inference", "full").with(image);
+    let reply = start.reply(&cp, &node);
+    assert_eq!(reply["status"], "error", "{reply}");
+    let text = reply["error"].as_str().unwrap_or_default();
+    assert!(
+        text.starts_with("Controller host is busy with low disk space"),
+        "a retryable refusal that says why: {text}"
+    );
+    let failed = cp
+        .wait_status("wl-full", "failed", REPLY)
+        .unwrap_or_else(|| panic!("no failed status; log:\n{}", node.log()));
+    let failed: Vec<&Value> = failed.iter().filter(|s| s["status"] == "failed").collect();
+    assert_eq!(failed[0]["rejection_reason"], "host_busy", "{failed:?}");
+    assert_eq!(failed[0]["busy_reason"], "disk_low", "{failed:?}");
+    let state = setup.config_dir();
+    let left = |sub: &str| -> Vec<String> {
+        std::fs::read_dir(state.join(sub))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(left("workloads"), Vec::<String>::new(), "no record left");
+    assert_eq!(left("starts"), Vec::<String>::new(), "no note left");
+    assert_eq!(left("inputs"), Vec::<String>::new(), "no image left");
+    assert_eq!(runs(&setup, "full"), "", "nothing ran");
+    // Space returns: the same request, retried, starts.
+    std::fs::remove_dir_all(&filler).unwrap();
+    start.send(&cp, &node);
+    let again = wait_for(REPLY, || cp.replies_for("full").get(1).cloned())
+        .unwrap_or_else(|| panic!("the retried start is not answered; log:\n{}", node.log()));
+    assert_eq!(again["status"], "ok", "{again}; log:\n{}", node.log());
+    wait_for(REPLY, || (runs(&setup, "full") == "ran\n").then_some(()))
+        .unwrap_or_else(|| panic!("the retried start did not run; log:\n{}", node.log()));
+}
+
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g13_a_start_that_meets_a_full_state_disk_is_refused_retryably_and_leaves_nothing() {
+    a_start_on_a_full_disk_is_refused_retryably(false);
+}
+
+#[test]
+#[cfg_attr(not_root, ignore = "needs root")]
+fn g13_a_start_that_meets_a_state_disk_out_of_inodes_is_refused_retryably_and_leaves_nothing() {
+    a_start_on_a_full_disk_is_refused_retryably(true);
+}

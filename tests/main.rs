@@ -35,6 +35,7 @@ mod pip;
 mod plain_argv;
 mod platform;
 mod results;
+mod services;
 mod starts;
 mod statedir;
 mod wire;

@@ -224,6 +224,15 @@ impl Settings {
         self.config_dir.value.join("node_id")
     }
 
+    /// D59: what a workload puts in a session of its own outlives it (`cloud_node.services`,
+    /// `keep` unless the manifest says `stop`).
+    pub fn keep_services(&self) -> bool {
+        self.manifest
+            .as_ref()
+            .and_then(|m| m.keep_services)
+            .unwrap_or(true)
+    }
+
     pub fn command_template(&self, kind: &str) -> Option<&str> {
         match kind {
             "inference" => self.inference.as_ref(),

@@ -1555,6 +1555,22 @@ mod tests {
     }
 
     #[test]
+    fn the_gpus_of_each_process_are_read_from_the_apps_list() {
+        let a = parse_app_gpus(concat!(
+            "4242, 1000, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77\n",
+            "4242, 24, GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78\n",
+            "4242, 24, GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78\n",
+            "77, [N/A], MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f\n",
+            "78, 5\n",
+            "79, 5, GPU-a;rm -rf\n",
+            "-3, 9, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77\n",
+        ));
+        assert_eq!(a.get(&4242).map(Vec::len), Some(2));
+        assert_eq!(a.get(&77).map(Vec::len), Some(1), "memory not reported: still its GPU");
+        assert_eq!(a.len(), 2);
+    }
+
+    #[test]
     fn a_record_written_before_gpus_were_scheduled_reads_as_no_assignment() {
         let old = r#"{"safe_id":"a","kind":"training","request_id":"r","created_unix":1.0,
             "command":"x","stdout_log":"/o","stderr_log":"/e"}"#;

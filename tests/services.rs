@@ -268,6 +268,31 @@ fn d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it() {
     assert!(gone.is_some(), "no longer listed");
 }
 
+/// D59 with D58: as a container's main process the node stops its services when it stops,
+/// as it stops its workloads (they would die with the container anyway), and says so.
+#[test]
+fn d59_a_containers_node_stops_its_services_when_it_stops_and_says_so() {
+    let (_b, cp, mut setup) = preview_rig("0", "");
+    setup.set("CYBERWAVE_NODE_INIT", "1");
+    setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let w = preview("pv-c", json!({}));
+    w.ok(&cp, &node);
+    assert_eq!(w.completion(&cp)["success"], true, "{}", node.log());
+    let server = read_pid(&setup.cwd.join("server.pid"));
+    let _strays = Strays(vec![server]);
+    assert!(alive(server));
+    node.sigterm();
+    assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
+    assert!(!alive(server), "stopped with the container's node");
+    let log = node.log();
+    assert!(
+        log.lines().any(|l| l.contains(&format!("service pid {server} (")) && l.contains("container is stopping")),
+        "{log}"
+    );
+}
+
 /// D59: `cloud_node.services: stop` restores the strict rule: the server the preview started
 /// is cleared when the preview ends, and the log names it (pid and command line) and the
 /// workload it came from. On the node before it was cleared without a word.
@@ -407,4 +432,48 @@ fn d60_the_install_script_runs_as_the_workload_user_with_its_home() {
             assert_eq!(got.trim(), home);
         }
     }
+}
+
+/// D59: `services.json` is read back as outside input. An entry naming a process that is not
+/// the one recorded (another start time, another boot) is never tracked, and a cancel with its
+/// pid signals nothing; an entry naming init, or a file that is not JSON, is quarantined with
+/// an ERROR naming it.
+#[test]
+fn d59_a_services_record_naming_another_process_is_never_tracked_nor_signalled() {
+    let (_b, cp, setup) = rig("cyberwave:\n  training: echo x\n");
+    let state = setup.config_dir();
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let mut bystander = std::process::Command::new("sleep").arg("300").spawn().unwrap();
+    let pid = bystander.id() as i32;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let ticks: u64 = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(19).unwrap().parse().unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let entry = |pid: i32, ticks: u64, boot: &str| {
+        json!({"process": {"pid": pid, "start_ticks": ticks, "scope": "session", "scope_id": pid,
+                           "sid": pid, "leader_start": ticks, "uid": 0, "cmdline": "sleep 300"},
+               "started_by": "install", "since": "2026-12-01T00:00:00Z", "since_unix": 1.0,
+               "boot_id": boot.trim()})
+    };
+    let path = state.join("services.json");
+    let cases = [
+        (json!({"services": [entry(pid, ticks + 7, &boot)]}), "ended while the node was down"),
+        (json!({"services": [entry(pid, ticks, "another-boot")]}), "ended while the node was down"),
+        (json!({"services": [entry(1, 1, &boot)]}), "quarantined"),
+        (json!("not a record"), "quarantined"),
+    ];
+    for (i, (record, said)) in cases.iter().enumerate() {
+        std::fs::write(&path, serde_json::to_vec(record).unwrap()).unwrap();
+        let node = setup.spawn();
+        node.wait_ready(READY);
+        assert!(node.log().contains(said), "case {i}: {}", node.log());
+        let rid = format!("cx-{i}");
+        cp.command(&node.uuid(), json!({"command": "cancel", "request_id": rid, "params": {"pid": pid}}));
+        let reply = cp.wait_reply(&rid, REPLY).expect("a reply");
+        assert_eq!(reply["status"], "error", "case {i}: {reply}");
+        assert!(service_pids(&status(&cp, &node, &format!("st-{i}"))).is_empty());
+        assert!(bystander.try_wait().unwrap().is_none(), "case {i}: the bystander was signalled");
+    }
+    let _ = bystander.kill();
+    let _ = bystander.wait();
 }

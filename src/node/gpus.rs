@@ -636,6 +636,36 @@ mod tests {
     }
 
     #[test]
+    fn a_start_gets_a_gpu_no_service_uses_first_and_is_never_refused_for_one() {
+        let mut g = Gpus::default();
+        g.on_snapshot(
+            snapshot(&["GPU-a", "GPU-b", "GPU-c"], Instant::now()),
+            &[],
+            &Fake::default(),
+        );
+        g.avoid = ["GPU-a".to_string(), "GPU-b".to_string()].into();
+        let none = holders(&[]);
+        assert_eq!(g.assign(Some(1), 3, &none), Ok(Some(vec!["GPU-c".into()])));
+        assert_eq!(
+            g.assign(Some(2), 3, &none),
+            Ok(Some(vec!["GPU-c".into(), "GPU-a".into()])),
+            "then those a service uses, in their order"
+        );
+        let c = vec!["GPU-c".to_string()];
+        let held = [Hold {
+            id: "w",
+            holder: json!("r"),
+            pid: None,
+            gpus: &c,
+        }];
+        assert_eq!(
+            g.assign(Some(1), 3, &holders(&held)),
+            Ok(Some(vec!["GPU-a".into()])),
+            "a service's GPU rather than a refusal"
+        );
+    }
+
+    #[test]
     fn a_tracked_workload_holding_gpus_is_sampled_and_accounted_a_start_only_holds() {
         let mut g = Gpus::default();
         let fake = Fake::default();

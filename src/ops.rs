@@ -76,9 +76,61 @@ fn offline_status(state: &Path) -> Value {
                 "stderr_log": m.stderr_log,
             })
         }).collect::<Vec<_>>(),
+        "services": saved_services(state),
         "outbox": count_files(&state.join("outbox")),
         "ingress_queue": count_files(&state.join("ingress")),
     })
+}
+
+/// The services the state dir lists (D59), each with whether it still runs: what `status`
+/// shows when no node answers, and what `doctor` shows. Read only (a bad file is the node's to
+/// quarantine).
+fn saved_services(state: &Path) -> Vec<Value> {
+    use workload::services::{self, Tracked, SERVICES_FILE};
+    let tracked: Tracked =
+        crate::store::read_record(&state.join(SERVICES_FILE), 1 << 20).unwrap_or_default();
+    let boot = procinfo::boot_id();
+    tracked
+        .services
+        .iter()
+        .map(|s| {
+            let alive = s.boot_id == boot && services::alive(&s.process);
+            json!({
+                "pid": s.process.pid,
+                "command": s.process.cmdline,
+                "started_by": s.started_by,
+                "request_id": s.request_id,
+                "workload_uuid": s.workload_uuid,
+                "uid": s.process.uid,
+                "since": s.since,
+                "state": if alive { "running" } else { "ended" },
+            })
+        })
+        .collect()
+}
+
+/// `status`: what workloads and the install script left running (D59).
+fn print_services(st: &Value) {
+    let s = text;
+    let list = field(st, "services").as_array().cloned().unwrap_or_default();
+    crate::outln!("services:   {}", list.len());
+    for v in list {
+        let by = match field(&v, "request_id").as_str() {
+            Some(r) => format!("{} {}", s(field(&v, "started_by")), crate::logtext::terminal(r)),
+            None => s(field(&v, "started_by")),
+        };
+        crate::outln!(
+            "  pid {:<8} {:<8} since {}  started by {by}",
+            field(&v, "pid"),
+            s(field(&v, "state")),
+            s(field(&v, "since")),
+        );
+        crate::outln!("    {}", s(field(&v, "command")));
+        if let Some(g) = field(&v, "gpus").as_array().filter(|g| !g.is_empty()) {
+            let ids: Vec<String> = g.iter().map(s).collect();
+            crate::outln!("    gpus: {}", ids.join(", "));
+        }
+    }
 }
 
 pub fn status(json_out: bool) -> Result<(), CliError> {
@@ -99,6 +151,7 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     }
     print_node(&st, &state);
     print_workloads(&st);
+    print_services(&st);
     print_gpus(&st);
     Ok(())
 }
@@ -502,6 +555,8 @@ const CHECKS: &[(&str, Check)] = &[
     ("free disk", check_free_disk),
     ("systemd unit", check_systemd_unit),
     ("GPUs", check_gpus),
+    ("services", check_services),
+    ("HOME", check_home),
 ];
 
 fn pass(detail: impl Into<String>) -> Vec<Finding> {
@@ -793,6 +848,58 @@ fn check_free_disk(settings: &Settings) -> Vec<Finding> {
         )),
         Some(free) => pass(format!("{free} MiB free (minimum {min})")),
         None => warn("cannot measure"),
+    }
+}
+
+/// D59: what workloads and the install script left running, as the state dir lists it.
+fn check_services(settings: &Settings) -> Vec<Finding> {
+    let list = saved_services(&settings.config_dir.value);
+    if list.is_empty() {
+        return pass("none: no workload or install script left a server running");
+    }
+    list.iter()
+        .map(|v| {
+            let by = match field(v, "request_id").as_str() {
+                Some(r) => format!("{} {}", text(field(v, "started_by")), crate::logtext::terminal(r)),
+                None => text(field(v, "started_by")),
+            };
+            (
+                "PASS",
+                format!(
+                    "pid {} ({}) {}, started by {by} at {}; `cancel` with its pid stops it",
+                    field(v, "pid"),
+                    text(field(v, "command")),
+                    text(field(v, "state")),
+                    text(field(v, "since"))
+                ),
+            )
+        })
+        .collect()
+}
+
+/// Where the install script and the workloads keep what they put under `$HOME` (a venv, a
+/// model cache): a HOME inside the state dir (the packaged service's user has its home there)
+/// goes with it when the package is purged.
+fn check_home(settings: &Settings) -> Vec<Finding> {
+    let state = &settings.config_dir.value;
+    let users = settings.manifest.as_ref().and_then(|m| m.workload_user.as_deref());
+    let install_as_node = settings
+        .manifest
+        .as_ref()
+        .and_then(|m| m.install_as_node)
+        .unwrap_or(false);
+    let Some(home) = settings.env.value("HOME").filter(|h| !h.is_empty()) else {
+        return pass("not set: workloads get none");
+    };
+    let inside = std::path::Path::new(&home).starts_with(state);
+    match (inside, users.is_some() && !install_as_node) {
+        (true, false) => warn(format!(
+            "HOME is {home}, inside the state dir: a venv or model cache an install script or a workload keeps under $HOME is deleted with it (`apt-get purge`); set HOME (and HF_HOME) to a folder of its own in the environment file, or use workload_user (README: Running the platform's compute repositories)"
+        )),
+        (true, true) => pass(format!(
+            "the node's HOME {home} is in the state dir; the install script and workloads use the workload user's"
+        )),
+        (false, _) => pass(format!("{home}, outside the state dir")),
     }
 }
 

@@ -381,6 +381,22 @@ impl Settings {
             self.manifest_row("max_result_bytes", |m| {
                 m.max_result_bytes.map(|n| n.to_string())
             }),
+            match self.manifest_row("services", |m| {
+                m.keep_services
+                    .map(|keep| if keep { "keep" } else { "stop" }.to_string())
+            }) {
+                (name, _, src) if src == "-" => (name, "keep".to_string(), "default".to_string()),
+                row => row,
+            },
+            match self.manifest_row("install_user", |m| {
+                m.install_as_node
+                    .map(|node| if node { "node" } else { "workload_user" }.to_string())
+            }) {
+                (name, _, src) if src == "-" => {
+                    (name, "workload_user".to_string(), "default".to_string())
+                }
+                row => row,
+            },
         ]
     }
 }

@@ -342,6 +342,8 @@ fn record_left(a: &ShimArgs, me: i32, cleared: (Vec<services::Cleared>, u64)) {
         more_cleared: cleared.1,
     };
     if left.is_empty() {
+        // Nothing to say: and no record planted beforehand speaks for this shim.
+        let _ = std::fs::remove_file(a.dir.join(services::LEFT_FILE));
         return;
     }
     let written = serde_json::to_vec(&left)

@@ -153,7 +153,7 @@ fn service_pids(status: &Value) -> Vec<i64> {
 /// it was kept. On the node before, the first preview's end killed the server: every preview
 /// paid the model load again.
 #[test]
-fn d59_a_warm_model_server_outlives_its_preview_and_serves_the_next_one() {
+fn g2_d59_a_warm_model_server_outlives_its_preview_and_serves_the_next_one() {
     let (_b, cp, setup) = preview_rig("0.5", "");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -197,7 +197,7 @@ fn d59_a_warm_model_server_outlives_its_preview_and_serves_the_next_one() {
 /// first preview's end does not kill the server the second is still waiting on. On the node
 /// before, the clean-up of the first killed the server under the second's request.
 #[test]
-fn d59_two_previews_at_once_share_one_server_and_neither_kills_it() {
+fn g2_d59_two_previews_at_once_share_one_server_and_neither_kills_it() {
     let (_b, cp, setup) = preview_rig("0.5", "");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -220,7 +220,7 @@ fn d59_two_previews_at_once_share_one_server_and_neither_kills_it() {
 /// so, the log says when it ended, and `status` no longer lists it. On the node before there
 /// were no services, and a cancel with the server's pid found no workload.
 #[test]
-fn d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it() {
+fn g2_d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it() {
     let (_b, cp, setup) = preview_rig("0", "");
     let mut node = setup.spawn();
     node.wait_ready(READY);
@@ -271,7 +271,7 @@ fn d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it() {
 /// D59 with D58: as a container's main process the node stops its services when it stops,
 /// as it stops its workloads (they would die with the container anyway), and says so.
 #[test]
-fn d59_a_containers_node_stops_its_services_when_it_stops_and_says_so() {
+fn g9_d59_a_containers_node_stops_its_services_when_it_stops_and_says_so() {
     let (_b, cp, mut setup) = preview_rig("0", "");
     setup.set("CYBERWAVE_NODE_INIT", "1");
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
@@ -297,7 +297,7 @@ fn d59_a_containers_node_stops_its_services_when_it_stops_and_says_so() {
 /// is cleared when the preview ends, and the log names it (pid and command line) and the
 /// workload it came from. On the node before it was cleared without a word.
 #[test]
-fn d59_services_stop_clears_the_server_and_says_what_and_from_which_workload() {
+fn g9_d59_services_stop_clears_the_server_and_says_what_and_from_which_workload() {
     let (_b, cp, setup) = preview_rig("0", "  services: stop\n");
     let node = setup.spawn();
     node.wait_ready(READY);
@@ -327,7 +327,7 @@ fn d59_services_stop_clears_the_server_and_says_what_and_from_which_workload() {
 /// a plain background job of the workload (`sleep 700 &`, no session of its own) is cleared,
 /// and logged with its pid and command line.
 #[test]
-fn d59_a_double_forked_daemon_is_a_service_and_a_plain_background_job_is_cleared_and_logged() {
+fn g9_d59_a_double_forked_daemon_is_a_service_and_a_plain_background_job_is_cleared_and_logged() {
     let (_b, cp, mut setup) = rig(concat!(
         "cyberwave:\n  training: |\n",
         "    setsid sh -c 'sleep 601 & echo $! > daemon.pid' < /dev/null > /dev/null 2>&1\n",
@@ -359,7 +359,7 @@ const SLOW_INSTALL: &str =
 /// `sleep` it waits on included) and the node exits 0 within the cleanup grace. On the node
 /// before both were ignored until the install ended (minutes).
 #[test]
-fn d60_sigterm_or_sigint_during_a_long_install_stops_it_within_the_grace() {
+fn g9_d60_sigterm_or_sigint_during_a_long_install_stops_it_within_the_grace() {
     for sig in [libc::SIGTERM, libc::SIGINT] {
         let (_b, _cp, mut setup) = rig("cyberwave:\n  install_script: ./install.sh\n  training: echo x\n");
         let script = setup.write("install.sh", SLOW_INSTALL);
@@ -385,7 +385,7 @@ fn d60_sigterm_or_sigint_during_a_long_install_stops_it_within_the_grace() {
 /// still holds the output (pid and command line), and that process is a service started by
 /// `install`. On the node before start-up waited for the end of the output for ever.
 #[test]
-fn d60_an_install_that_leaves_a_job_holding_its_output_does_not_hang_start_up() {
+fn g13_d60_an_install_that_leaves_a_job_holding_its_output_does_not_hang_start_up() {
     let (_b, cp, setup) = rig(
         "cyberwave:\n  install_script: sleep 1000 & echo $! > job.pid; echo started\n  training: echo x\n",
     );
@@ -410,7 +410,7 @@ fn d60_an_install_that_leaves_a_job_holding_its_output_does_not_hang_start_up() 
 /// it builds the venv the workloads then find); `install_user: node` keeps the node's user.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
-fn d60_the_install_script_runs_as_the_workload_user_with_its_home() {
+fn g13_d60_the_install_script_runs_as_the_workload_user_with_its_home() {
     crate::support::assert_root("to run the install script as nobody");
     for (extra, uid, home) in [
         ("", "65534", "/nonexistent"),
@@ -439,7 +439,7 @@ fn d60_the_install_script_runs_as_the_workload_user_with_its_home() {
 /// pid signals nothing; an entry naming init, or a file that is not JSON, is quarantined with
 /// an ERROR naming it.
 #[test]
-fn d59_a_services_record_naming_another_process_is_never_tracked_nor_signalled() {
+fn g9_d59_a_services_record_naming_another_process_is_never_tracked_nor_signalled() {
     let (_b, cp, setup) = rig("cyberwave:\n  training: echo x\n");
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();

@@ -879,27 +879,32 @@ fn check_services(settings: &Settings) -> Vec<Finding> {
 
 /// Where the install script and the workloads keep what they put under `$HOME` (a venv, a
 /// model cache): a HOME inside the state dir (the packaged service's user has its home there)
-/// goes with it when the package is purged.
+/// goes with it when the package is purged. Told by the HOME `doctor` runs with, and by what
+/// such a HOME left in the state dir (`.venv`, `.cache`, `.local`).
 fn check_home(settings: &Settings) -> Vec<Finding> {
     let state = &settings.config_dir.value;
-    let users = settings.manifest.as_ref().and_then(|m| m.workload_user.as_deref());
-    let install_as_node = settings
-        .manifest
-        .as_ref()
-        .and_then(|m| m.install_as_node)
-        .unwrap_or(false);
-    let Some(home) = settings.env.value("HOME").filter(|h| !h.is_empty()) else {
-        return pass("not set: workloads get none");
-    };
-    let inside = std::path::Path::new(&home).starts_with(state);
-    match (inside, users.is_some() && !install_as_node) {
-        (true, false) => warn(format!(
-            "HOME is {home}, inside the state dir: a venv or model cache an install script or a workload keeps under $HOME is deleted with it (`apt-get purge`); set HOME (and HF_HOME) to a folder of its own in the environment file, or use workload_user (README: Running the platform's compute repositories)"
+    let home = settings.env.value("HOME").filter(|h| !h.is_empty());
+    let inside = home
+        .as_deref()
+        .is_some_and(|h| std::path::Path::new(h).starts_with(state));
+    let left: Vec<&str> = [".venv", ".cache", ".local"]
+        .into_iter()
+        .filter(|n| state.join(n).is_dir())
+        .collect();
+    let fix = "set HOME (and HF_HOME) to a folder of its own in the service's environment, or use workload_user (README: Running the platform's compute repositories)";
+    if !left.is_empty() {
+        return warn(format!(
+            "the state dir {} holds {}: what an install script or a workload kept under a HOME there; `apt-get purge` deletes it with the state dir; {fix}",
+            state.display(),
+            left.join(", ")
+        ));
+    }
+    match home {
+        Some(h) if inside => warn(format!(
+            "HOME is {h}, inside the state dir: a venv or model cache kept under $HOME is deleted with it (`apt-get purge`); {fix}"
         )),
-        (true, true) => pass(format!(
-            "the node's HOME {home} is in the state dir; the install script and workloads use the workload user's"
-        )),
-        (false, _) => pass(format!("{home}, outside the state dir")),
+        Some(h) => pass(format!("{h}, outside the state dir")),
+        None => pass("not set"),
     }
 }
 

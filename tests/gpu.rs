@@ -949,7 +949,7 @@ fn g15_doctor_names_a_uuid_listed_twice_and_an_unknown_nvml_error() {
 #[test]
 fn g10_d59_a_new_workload_gets_a_gpu_no_service_uses_and_is_never_refused_for_one() {
     let smi = FakeSmi::new("four-a100.csv");
-    let mut rig = Rig::new(2, Some(&smi));
+    let rig = Rig::new(2, Some(&smi));
     rig.setup.write(
         "cyberwave.yml",
         concat!(

@@ -10,80 +10,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeProcess, NodeSetup};
+use crate::support::preview::{PREVIEW, SERVER};
 use crate::support::scenario::Start;
 use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{free_port, rig, wait_for};
-
-/// A model server: counts its starts in `server.starts`, "loads its model" for `LOAD` seconds,
-/// then answers `/health` and `/predict` (which waits the request's `delay`) on `PORT`.
-const SERVER: &str = r#"import http.server, json, os, socketserver, sys, time
-port, load = int(sys.argv[1]), float(sys.argv[2])
-with open("server.starts", "a") as f:
-    f.write(f"{os.getpid()}\n")
-time.sleep(load)
-class H(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *a):
-        pass
-    def send(self, obj):
-        b = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(b)))
-        self.end_headers()
-        self.wfile.write(b)
-    def do_GET(self):
-        self.send({"service_id": "stand-in", "ready": True, "pid": os.getpid()})
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        time.sleep(float(req.get("delay", 0)))
-        self.send({"pid": os.getpid(), "action": [0.1, 0.2], "tag": req.get("tag")})
-class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-S(("127.0.0.1", port), H).serve_forever()
-"#;
-
-/// The preview entry point, as the platform's SmolVLA repository has it: if nothing answers
-/// `/health`, start the server (once: a lock and a pid file, so concurrent previews start one)
-/// detached with `start_new_session=True`, its output to a log file; poll `/health`; post the
-/// params; print the answer; exit.
-const PREVIEW: &str = r#"import fcntl, json, os, subprocess, sys, time, urllib.request
-params = json.load(open(sys.argv[1]))
-port, load = int(sys.argv[2]), sys.argv[3]
-base = f"http://127.0.0.1:{port}"
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-def health():
-    try:
-        with opener.open(base + "/health", timeout=2) as r:
-            return json.loads(r.read())
-    except Exception:
-        return None
-def claimed():
-    try:
-        os.kill(int(open("server.pid").read()), 0)
-        return True
-    except Exception:
-        return False
-if health() is None:
-    with open("server.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if health() is None and not claimed():
-            log = open("server.log", "a")
-            p = subprocess.Popen([sys.executable, "server.py", str(port), load],
-                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True)
-            with open("server.pid", "w") as f:
-                f.write(str(p.pid))
-deadline = time.time() + 60
-while health() is None:
-    if time.time() > deadline:
-        sys.exit("the server never answered")
-    time.sleep(0.02)
-req = urllib.request.Request(base + "/predict", data=json.dumps(params).encode(),
-                             headers={"Content-Type": "application/json"}, method="POST")
-with opener.open(req, timeout=60) as r:
-    print(json.dumps(json.loads(r.read())))
-"#;
 
 /// A node whose `inference` is the preview entry point against a server on a free port that
 /// loads for `load` seconds; `extra` is more of the `cloud_node:` section.
@@ -476,4 +406,43 @@ fn g9_d59_a_services_record_naming_another_process_is_never_tracked_nor_signalle
     }
     let _ = bystander.kill();
     let _ = bystander.wait();
+}
+
+/// D59: `status` (the CLI, while the node runs and from the state dir once it is down) and
+/// `doctor` show the services; `doctor` warns when the state dir holds what an install or a
+/// workload kept under a HOME there (the packaged service's HOME), which `apt-get purge` deletes.
+#[test]
+fn d59_status_and_doctor_show_the_services_and_doctor_warns_of_a_home_in_the_state_dir() {
+    let (_b, cp, setup) = preview_rig("0", "");
+    let mut node = setup.spawn();
+    node.wait_ready(READY);
+    let w = preview("pv-d", json!({}));
+    w.ok(&cp, &node);
+    assert_eq!(w.completion(&cp)["success"], true, "{}", node.log());
+    let server = read_pid(&setup.cwd.join("server.pid"));
+    let _strays = Strays(vec![server]);
+    let human = setup.run(&["status"]);
+    assert!(human.stdout.contains("services:   1"), "{human:?}");
+    assert!(human.stdout.contains(&format!("pid {server} ")), "{human:?}");
+    node.sigterm();
+    assert!(node.wait_exit(EXIT).is_some());
+    let down = setup.run(&["status", "--json"]);
+    let st: Value = serde_json::from_str(&down.stdout).unwrap();
+    assert_eq!(st["running"], false);
+    assert_eq!(st["services"][0]["pid"], server, "{st}");
+    assert_eq!(st["services"][0]["state"], "running");
+    std::fs::create_dir_all(setup.config_dir().join(".venv")).unwrap();
+    let doctor = setup.run(&["doctor"]);
+    let line = |what: &str| {
+        doctor
+            .stdout
+            .lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no {what} line: {}", doctor.stdout))
+            .to_string()
+    };
+    let svc = line(&format!("pid {server} ("));
+    assert!(svc.starts_with("PASS") && svc.contains("server.py"), "{svc}");
+    let home = line(".venv");
+    assert!(home.starts_with("WARN") && home.contains("apt-get purge"), "{home}");
 }

@@ -1566,7 +1566,11 @@ mod tests {
             "-3, 9, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77\n",
         ));
         assert_eq!(a.get(&4242).map(Vec::len), Some(2));
-        assert_eq!(a.get(&77).map(Vec::len), Some(1), "memory not reported: still its GPU");
+        assert_eq!(
+            a.get(&77).map(Vec::len),
+            Some(1),
+            "memory not reported: still its GPU"
+        );
         assert_eq!(a.len(), 2);
     }
 

@@ -112,11 +112,18 @@ fn saved_services(state: &Path) -> Vec<Value> {
 /// `status`: what workloads and the install script left running (D59).
 fn print_services(st: &Value) {
     let s = text;
-    let list = field(st, "services").as_array().cloned().unwrap_or_default();
+    let list = field(st, "services")
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     crate::outln!("services:   {}", list.len());
     for v in list {
         let by = match field(&v, "request_id").as_str() {
-            Some(r) => format!("{} {}", s(field(&v, "started_by")), crate::logtext::terminal(r)),
+            Some(r) => format!(
+                "{} {}",
+                s(field(&v, "started_by")),
+                crate::logtext::terminal(r)
+            ),
             None => s(field(&v, "started_by")),
         };
         crate::outln!(
@@ -860,7 +867,11 @@ fn check_services(settings: &Settings) -> Vec<Finding> {
     list.iter()
         .map(|v| {
             let by = match field(v, "request_id").as_str() {
-                Some(r) => format!("{} {}", text(field(v, "started_by")), crate::logtext::terminal(r)),
+                Some(r) => format!(
+                    "{} {}",
+                    text(field(v, "started_by")),
+                    crate::logtext::terminal(r)
+                ),
                 None => text(field(v, "started_by")),
             };
             (

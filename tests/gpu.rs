@@ -983,7 +983,11 @@ fn g10_d59_a_new_workload_gets_a_gpu_no_service_uses_and_is_never_refused_for_on
         (st["output"]["services"][0]["gpus"] == json!([gpu0])).then_some(st)
     });
     let _kill = scopeguard(svc);
-    assert!(listed.is_some(), "the service's GPU in status; log:\n{}", node.log());
+    assert!(
+        listed.is_some(),
+        "the service's GPU in status; log:\n{}",
+        node.log()
+    );
     let second = g(2).with(json!({"gpus": 1}));
     second.ok(&rig.cp, &node);
     second.completion(&rig.cp);
@@ -993,7 +997,11 @@ fn g10_d59_a_new_workload_gets_a_gpu_no_service_uses_and_is_never_refused_for_on
     all.ok(&rig.cp, &node);
     assert_eq!(all.completion(&rig.cp)["success"], true);
     let got = std::fs::read_to_string(rig.setup.cwd.join("gpus-3")).unwrap();
-    assert_eq!(got.trim().split(',').count(), 4, "not refused for the service's GPU");
+    assert_eq!(
+        got.trim().split(',').count(),
+        4,
+        "not refused for the service's GPU"
+    );
 }
 
 /// Kills `pid` on drop.

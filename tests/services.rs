@@ -17,7 +17,14 @@ use crate::support::{free_port, rig, wait_for};
 
 /// A node whose `inference` is the preview entry point against a server on a free port that
 /// loads for `load` seconds; `extra` is more of the `cloud_node:` section.
-fn preview_rig(load: &str, extra: &str) -> (crate::support::Broker, crate::support::ControlPlane, NodeSetup) {
+fn preview_rig(
+    load: &str,
+    extra: &str,
+) -> (
+    crate::support::Broker,
+    crate::support::ControlPlane,
+    NodeSetup,
+) {
     let port = free_port();
     let (b, cp, mut setup) = rig(&format!(
         "cyberwave:\n  inference: python3 preview.py {{body}} {port} {load}\n  heartbeat_interval: 0.5\ncloud_node:\n  max_concurrent_workloads: 2\n{extra}"
@@ -60,7 +67,9 @@ fn read_pid(path: &Path) -> i32 {
 }
 
 fn preview(rid: &str, extra: Value) -> Start {
-    Start::new("inference", rid).with(json!({"mlmodel_uuid": "m-1", "tag": rid})).with(extra)
+    Start::new("inference", rid)
+        .with(json!({"mlmodel_uuid": "m-1", "tag": rid}))
+        .with(extra)
 }
 
 fn status(cp: &crate::support::ControlPlane, node: &NodeProcess, rid: &str) -> Value {
@@ -92,19 +101,32 @@ fn g2_d59_a_warm_model_server_outlives_its_preview_and_serves_the_next_one() {
     assert_eq!(first.completion(&cp)["success"], true, "{}", node.log());
     let server = read_pid(&setup.cwd.join("server.pid"));
     let _strays = Strays(vec![server]);
-    assert!(alive(server), "the server outlives the preview that started it");
+    assert!(
+        alive(server),
+        "the server outlives the preview that started it"
+    );
     let second = preview("pv-2", json!({}));
     second.ok(&cp, &node);
     assert_eq!(second.completion(&cp)["success"], true, "{}", node.log());
     let starts = std::fs::read_to_string(setup.cwd.join("server.starts")).unwrap();
-    assert_eq!(starts.lines().collect::<Vec<_>>(), vec![server.to_string()], "started once");
+    assert_eq!(
+        starts.lines().collect::<Vec<_>>(),
+        vec![server.to_string()],
+        "started once"
+    );
     let st = status(&cp, &node, "st-1");
     assert_eq!(service_pids(&st), vec![i64::from(server)], "{st}");
     let svc = &st["services"][0];
     assert_eq!(svc["started_by"], "inference");
     assert_eq!(svc["request_id"], "pv-1");
     assert_eq!(svc["workload_uuid"], "wl-pv-1");
-    assert!(svc["command"].as_str().unwrap_or_default().contains("server.py"), "{svc}");
+    assert!(
+        svc["command"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("server.py"),
+        "{svc}"
+    );
     assert_eq!(st["is_busy"], false, "a service holds no slot");
     let beat = wait_for(REPLY, || {
         cp.requests("heartbeat")
@@ -161,13 +183,23 @@ fn g2_d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it()
     let _strays = Strays(vec![server]);
     node.sigterm();
     assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
-    assert!(node.log().contains(&format!("left running: service pid {server} (")), "{}", node.log());
+    assert!(
+        node.log()
+            .contains(&format!("left running: service pid {server} (")),
+        "{}",
+        node.log()
+    );
     assert!(alive(server), "a node stop leaves services running");
     // (Its wrapper is kept: dropping it would kill what the test left, services included.)
     let _stopped = node;
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert!(node.log().contains(&format!("tracking service pid {server} (")), "{}", node.log());
+    assert!(
+        node.log()
+            .contains(&format!("tracking service pid {server} (")),
+        "{}",
+        node.log()
+    );
     let st = status(&cp, &node, "st-r");
     assert_eq!(service_pids(&st), vec![i64::from(server)], "{st}");
     cp.command(
@@ -177,10 +209,16 @@ fn g2_d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it()
     let reply = cp.wait_reply("cx-1", REPLY).expect("a reply to the cancel");
     assert_eq!(reply["status"], "ok", "{reply}");
     assert!(
-        reply["output"]["message"].as_str().unwrap_or_default().contains("Service pid"),
+        reply["output"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Service pid"),
         "{reply}"
     );
-    assert!(wait_for(REPLY, || (!alive(server)).then_some(())).is_some(), "stopped");
+    assert!(
+        wait_for(REPLY, || (!alive(server)).then_some(())).is_some(),
+        "stopped"
+    );
     let ended = wait_for(REPLY, || {
         node.log()
             .lines()
@@ -218,7 +256,9 @@ fn g9_d59_a_containers_node_stops_its_services_when_it_stops_and_says_so() {
     assert!(!alive(server), "stopped with the container's node");
     let log = node.log();
     assert!(
-        log.lines().any(|l| l.contains(&format!("service pid {server} (")) && l.contains("container is stopping")),
+        log.lines()
+            .any(|l| l.contains(&format!("service pid {server} ("))
+                && l.contains("container is stopping")),
         "{log}"
     );
 }
@@ -278,12 +318,15 @@ fn g9_d59_a_double_forked_daemon_is_a_service_and_a_plain_background_job_is_clea
     let st = status(&cp, &node, "st-d");
     assert_eq!(service_pids(&st), vec![i64::from(daemon)], "{st}");
     assert_eq!(st["services"][0]["command"], "sleep 601");
-    assert!(node.wait_log(&format!("cleared pid {job} (sleep 702)"), REPLY), "{}", node.log());
+    assert!(
+        node.wait_log(&format!("cleared pid {job} (sleep 702)"), REPLY),
+        "{}",
+        node.log()
+    );
 }
 
 /// An install script that takes minutes (as both of the platform's do).
-const SLOW_INSTALL: &str =
-    "#!/bin/sh\nsleep 300 &\necho $! > sleep.pid\necho installing\nwait\n";
+const SLOW_INSTALL: &str = "#!/bin/sh\nsleep 300 &\necho $! > sleep.pid\necho installing\nwait\n";
 
 /// D60: SIGTERM and SIGINT while the install script runs stop it at once (its group, the
 /// `sleep` it waits on included) and the node exits 0 within the cleanup grace. On the node
@@ -291,12 +334,18 @@ const SLOW_INSTALL: &str =
 #[test]
 fn g9_d60_sigterm_or_sigint_during_a_long_install_stops_it_within_the_grace() {
     for sig in [libc::SIGTERM, libc::SIGINT] {
-        let (_b, _cp, mut setup) = rig("cyberwave:\n  install_script: ./install.sh\n  training: echo x\n");
+        let (_b, _cp, mut setup) =
+            rig("cyberwave:\n  install_script: ./install.sh\n  training: echo x\n");
         let script = setup.write("install.sh", SLOW_INSTALL);
-        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         setup.set("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1");
         let mut node = setup.spawn();
-        assert!(node.wait_log("[install stdout] installing", READY), "{}", node.log());
+        assert!(
+            node.wait_log("[install stdout] installing", READY),
+            "{}",
+            node.log()
+        );
         let sleeper = read_pid(&setup.cwd.join("sleep.pid"));
         let _strays = Strays(vec![sleeper]);
         let at = Instant::now();
@@ -304,9 +353,20 @@ fn g9_d60_sigterm_or_sigint_during_a_long_install_stops_it_within_the_grace() {
         let code = node.wait_exit(EXIT);
         let took = at.elapsed();
         assert_eq!(code, Some(Some(0)), "signal {sig}: {}", node.log());
-        assert!(took < Duration::from_secs(5), "signal {sig}: {took:?}; {}", node.log());
-        assert!(!alive(sleeper), "the install's own processes are stopped too");
-        assert!(node.log().contains("stopping the install script"), "{}", node.log());
+        assert!(
+            took < Duration::from_secs(5),
+            "signal {sig}: {took:?}; {}",
+            node.log()
+        );
+        assert!(
+            !alive(sleeper),
+            "the install's own processes are stopped too"
+        );
+        assert!(
+            node.log().contains("stopping the install script"),
+            "{}",
+            node.log()
+        );
     }
 }
 
@@ -351,10 +411,16 @@ fn g13_d60_the_install_script_runs_as_the_workload_user_with_its_home() {
         ));
         let out = setup.cwd.join("out");
         std::fs::create_dir_all(&out).unwrap();
-        std::fs::set_permissions(&out, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(&out, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .unwrap();
         let node = setup.spawn();
         node.wait_ready(READY);
-        assert_eq!(std::fs::read_to_string(out.join("uid")).unwrap().trim(), uid, "{}", node.log());
+        assert_eq!(
+            std::fs::read_to_string(out.join("uid")).unwrap().trim(),
+            uid,
+            "{}",
+            node.log()
+        );
         let got = std::fs::read_to_string(out.join("home")).unwrap();
         if home.is_empty() {
             assert_eq!(got.trim(), setup.home.path().display().to_string());
@@ -374,10 +440,21 @@ fn g9_d59_a_services_record_naming_another_process_is_never_tracked_nor_signalle
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();
     std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-    let mut bystander = std::process::Command::new("sleep").arg("300").spawn().unwrap();
+    let mut bystander = std::process::Command::new("sleep")
+        .arg("300")
+        .spawn()
+        .unwrap();
     let pid = bystander.id() as i32;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let ticks: u64 = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(19).unwrap().parse().unwrap();
+    let ticks: u64 = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .nth(19)
+        .unwrap()
+        .parse()
+        .unwrap();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
     let entry = |pid: i32, ticks: u64, boot: &str| {
         json!({"process": {"pid": pid, "start_ticks": ticks, "scope": "session", "scope_id": pid,
@@ -387,8 +464,14 @@ fn g9_d59_a_services_record_naming_another_process_is_never_tracked_nor_signalle
     };
     let path = state.join("services.json");
     let cases = [
-        (json!({"services": [entry(pid, ticks + 7, &boot)]}), "ended while the node was down"),
-        (json!({"services": [entry(pid, ticks, "another-boot")]}), "ended while the node was down"),
+        (
+            json!({"services": [entry(pid, ticks + 7, &boot)]}),
+            "ended while the node was down",
+        ),
+        (
+            json!({"services": [entry(pid, ticks, "another-boot")]}),
+            "ended while the node was down",
+        ),
         (json!({"services": [entry(1, 1, &boot)]}), "quarantined"),
         (json!("not a record"), "quarantined"),
     ];
@@ -398,11 +481,17 @@ fn g9_d59_a_services_record_naming_another_process_is_never_tracked_nor_signalle
         node.wait_ready(READY);
         assert!(node.log().contains(said), "case {i}: {}", node.log());
         let rid = format!("cx-{i}");
-        cp.command(&node.uuid(), json!({"command": "cancel", "request_id": rid, "params": {"pid": pid}}));
+        cp.command(
+            &node.uuid(),
+            json!({"command": "cancel", "request_id": rid, "params": {"pid": pid}}),
+        );
         let reply = cp.wait_reply(&rid, REPLY).expect("a reply");
         assert_eq!(reply["status"], "error", "case {i}: {reply}");
         assert!(service_pids(&status(&cp, &node, &format!("st-{i}"))).is_empty());
-        assert!(bystander.try_wait().unwrap().is_none(), "case {i}: the bystander was signalled");
+        assert!(
+            bystander.try_wait().unwrap().is_none(),
+            "case {i}: the bystander was signalled"
+        );
     }
     let _ = bystander.kill();
     let _ = bystander.wait();
@@ -423,7 +512,10 @@ fn d59_status_and_doctor_show_the_services_and_doctor_warns_of_a_home_in_the_sta
     let _strays = Strays(vec![server]);
     let human = setup.run(&["status"]);
     assert!(human.stdout.contains("services:   1"), "{human:?}");
-    assert!(human.stdout.contains(&format!("pid {server} ")), "{human:?}");
+    assert!(
+        human.stdout.contains(&format!("pid {server} ")),
+        "{human:?}"
+    );
     node.sigterm();
     assert!(node.wait_exit(EXIT).is_some());
     let down = setup.run(&["status", "--json"]);
@@ -442,7 +534,13 @@ fn d59_status_and_doctor_show_the_services_and_doctor_warns_of_a_home_in_the_sta
             .to_string()
     };
     let svc = line(&format!("pid {server} ("));
-    assert!(svc.starts_with("PASS") && svc.contains("server.py"), "{svc}");
+    assert!(
+        svc.starts_with("PASS") && svc.contains("server.py"),
+        "{svc}"
+    );
     let home = line(".venv");
-    assert!(home.starts_with("WARN") && home.contains("apt-get purge"), "{home}");
+    assert!(
+        home.starts_with("WARN") && home.contains("apt-get purge"),
+        "{home}"
+    );
 }

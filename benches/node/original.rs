@@ -410,10 +410,24 @@ pub fn previews(broker: &Broker, cp: &ControlPlane, rounds: usize, load: f64, pr
     super::preview::write_scripts(&node.setup.cwd);
     let (mut cold, mut warm) = (Vec::new(), Vec::new());
     for i in 0..rounds {
-        cold.extend(super::preview::one(cp, &node.uuid, &format!("ocold{i}"), predict));
-        warm.extend(super::preview::one(cp, &node.uuid, &format!("owarm{i}"), predict));
+        cold.extend(super::preview::one(
+            cp,
+            &node.uuid,
+            &format!("ocold{i}"),
+            predict,
+        ));
+        warm.extend(super::preview::one(
+            cp,
+            &node.uuid,
+            &format!("owarm{i}"),
+            predict,
+        ));
         super::preview::stop_server(&node.setup.cwd);
     }
     report("first preview, cold (Python original)", cold, "-");
-    report("second preview, warm (Python original)", warm, "its 5 s exit poll");
+    report(
+        "second preview, warm (Python original)",
+        warm,
+        "its 5 s exit poll",
+    );
 }

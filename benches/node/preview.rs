@@ -42,6 +42,21 @@ pub fn template(port: u16, load: f64) -> String {
     format!("python3 preview.py {{body}} {port} {load}")
 }
 
+/// The same, between two stamps of the wall clock (`t/<request id>.start` and `.end`): the
+/// node's own share of a preview is the time outside them (command → start, end → completed).
+fn stamped(port: u16, load: f64) -> String {
+    format!(
+        "|\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.start\n    {}\n    rc=$?\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.end\n    exit $rc",
+        template(port, load)
+    )
+}
+
+fn stamp(cwd: &Path, rid: &str, which: &str) -> Option<f64> {
+    std::fs::read_to_string(cwd.join(format!("t/{rid}.{which}")))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
 /// Writes the stand-ins into a working dir.
 pub fn write_scripts(cwd: &Path) {
     std::fs::write(cwd.join("preview.py"), PREVIEW).expect("preview.py");
@@ -69,9 +84,33 @@ pub fn stop_server(cwd: &Path) {
     let _ = std::fs::remove_file(cwd.join("server.pid"));
 }
 
+/// The server a preview started still runs.
+fn server_alive(cwd: &Path) -> bool {
+    std::fs::read_to_string(cwd.join("server.pid"))
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .is_some_and(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| {
+                st.rsplit_once(')')
+                    .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+            })
+        })
+}
+
 /// One preview on the node `uuid`: command → its `completed` status.
 pub fn one(cp: &ControlPlane, uuid: &str, rid: &str, predict: Duration) -> Option<Duration> {
+    timed(cp, uuid, rid, predict).map(|(d, _, _)| d)
+}
+
+/// [`one`], with the wall clock when the command was sent and when `completed` arrived.
+fn timed(
+    cp: &ControlPlane,
+    uuid: &str,
+    rid: &str,
+    predict: Duration,
+) -> Option<(Duration, f64, f64)> {
     let wl = format!("w{rid}");
+    let sent = super::epoch(std::time::SystemTime::now());
     let t = Instant::now();
     cp.command(
         uuid,
@@ -81,10 +120,33 @@ pub fn one(cp: &ControlPlane, uuid: &str, rid: &str, predict: Duration) -> Optio
     cp.wait_status(&wl, "completed", Duration::from_secs(120))?;
     cp.all_requests()
         .iter()
-        .find(|r| {
-            r.op == "workload:update-status" && r.id == wl && r.body["status"] == "completed"
+        .find(|r| r.op == "workload:update-status" && r.id == wl && r.body["status"] == "completed")
+        .map(|r| {
+            (
+                r.at.saturating_duration_since(t),
+                sent,
+                super::epoch(r.wall),
+            )
         })
-        .map(|r| r.at.saturating_duration_since(t))
+}
+
+/// The floor: the preview client run by this benchmark itself (a bare fork+exec) against the
+/// warm server, spawn → exit: what the stand-in costs without any node.
+fn floor(cwd: &Path, port: u16, load: f64, predict: Duration) -> Option<Duration> {
+    let params = cwd.join("floor.params.json");
+    let body = json!({"mlmodel_uuid": "m-1", "delay": predict.as_secs_f64()});
+    std::fs::write(&params, body.to_string()).ok()?;
+    let t = Instant::now();
+    let out = std::process::Command::new("python3")
+        .arg("preview.py")
+        .arg(&params)
+        .arg(port.to_string())
+        .arg(load.to_string())
+        .current_dir(cwd)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    out.status.success().then(|| t.elapsed())
 }
 
 pub fn run(rounds: usize) {
@@ -107,25 +169,72 @@ pub fn run(rounds: usize) {
         let mut setup = NodeSetup::new(&broker, &cp);
         setup.write(
             "cyberwave.yml",
-            &format!("cyberwave:\n  inference: {}\n  upload_results: false\n", template(port, load)),
+            &format!(
+                "cyberwave:\n  inference: {}\n  upload_results: false\n",
+                stamped(port, load)
+            ),
         );
         setup.set("RUST_LOG", "info");
         write_scripts(&setup.cwd);
+        std::fs::create_dir_all(setup.cwd.join("t")).expect("t");
         let node = setup.spawn();
         node.wait_ready(Duration::from_secs(20));
-        let (mut cold, mut warm) = (Vec::new(), Vec::new());
+        let mut rows = Rows::default();
         for i in 0..rounds {
             let tag = label.trim().to_lowercase();
-            cold.extend(one(&cp, &node.uuid(), &format!("cold{tag}{i}"), predict));
-            warm.extend(one(&cp, &node.uuid(), &format!("warm{tag}{i}"), predict));
+            rows.cold
+                .extend(one(&cp, &node.uuid(), &format!("cold{tag}{i}"), predict));
+            let rid = format!("warm{tag}{i}");
+            if let Some((d, sent, done)) = timed(&cp, &node.uuid(), &rid, predict) {
+                rows.warm.push(d);
+                let cwd = &setup.cwd;
+                if let (Some(a), Some(b)) = (stamp(cwd, &rid, "start"), stamp(cwd, &rid, "end")) {
+                    let share = (a - sent).max(0.0) + (done - b).max(0.0);
+                    rows.own.push(Duration::from_secs_f64(share));
+                }
+            }
+            // The stand-in alone, against the same warm server (none when the node killed it).
+            if server_alive(&setup.cwd) {
+                rows.bare.extend(floor(&setup.cwd, port, load, predict));
+            }
             stop_server(&setup.cwd);
         }
-        report(&format!("first preview, cold (node{label})"), cold, "no slower than the original");
-        report(
-            &format!("second preview, warm (node{label})"),
-            warm,
-            &format!("≤ 50 ms + {:.0} ms predict", predict.as_secs_f64() * 1e3),
-        );
+        rows.report(label, predict);
     }
     super::original::previews(&broker, &cp, rounds, load, predict);
+}
+
+/// One build's samples.
+#[derive(Default)]
+struct Rows {
+    cold: Vec<Duration>,
+    warm: Vec<Duration>,
+    bare: Vec<Duration>,
+    own: Vec<Duration>,
+}
+
+impl Rows {
+    fn report(self, label: &str, predict: Duration) {
+        let ms = predict.as_secs_f64() * 1e3;
+        report(
+            &format!("first preview, cold (node{label})"),
+            self.cold,
+            "no slower than the original",
+        );
+        report(
+            &format!("second preview, warm (node{label})"),
+            self.warm,
+            "the stand-in + ≤ 50 ms",
+        );
+        report(
+            &format!("  the stand-in alone, warm (floor{label})"),
+            self.bare,
+            &format!("python start-up + {ms:.0} ms predict"),
+        );
+        report(
+            &format!("  the node's own share{label}"),
+            self.own,
+            "≤ 50 ms (command → started + exited → completed)",
+        );
+    }
 }

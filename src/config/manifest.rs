@@ -1386,18 +1386,36 @@ mod tests {
 
     #[test]
     fn services_and_install_user_take_their_words_only() {
-        let c = strict("cyberwave:\n  inference: x\ncloud_node:\n  services: stop\n  install_user: node\n");
+        let c = strict(
+            "cyberwave:\n  inference: x\ncloud_node:\n  services: stop\n  install_user: node\n",
+        );
         assert!(c.valid(), "{:?}", c.problems);
         let m = c.manifest.unwrap();
-        assert_eq!((m.keep_services, m.install_as_node), (Some(false), Some(true)));
-        let m = strict("cloud_node:\n  services: keep\n  install_user: workload_user\ncyberwave:\n")
-            .manifest
-            .unwrap();
-        assert_eq!((m.keep_services, m.install_as_node), (Some(true), Some(false)));
-        for bad in ["services: kill", "services: yes", "install_user: root", "services: [keep]"] {
+        assert_eq!(
+            (m.keep_services, m.install_as_node),
+            (Some(false), Some(true))
+        );
+        let m =
+            strict("cloud_node:\n  services: keep\n  install_user: workload_user\ncyberwave:\n")
+                .manifest
+                .unwrap();
+        assert_eq!(
+            (m.keep_services, m.install_as_node),
+            (Some(true), Some(false))
+        );
+        for bad in [
+            "services: kill",
+            "services: yes",
+            "install_user: root",
+            "services: [keep]",
+        ] {
             let c = strict(&format!("cloud_node:\n  {bad}\ncyberwave:\n"));
             assert!(!c.valid(), "{bad}");
-            let said = c.problems.iter().map(|p| p.message.clone()).collect::<String>();
+            let said = c
+                .problems
+                .iter()
+                .map(|p| p.message.clone())
+                .collect::<String>();
             assert!(said.contains(" or "), "{bad}: {said}");
         }
     }

@@ -166,7 +166,13 @@ impl Node {
             self.gpu.avoid = self.services.gpus();
         }
         let (active, starts) = (&self.active, &self.starts);
-        gpus_out::on_snapshot(&mut self.gpu, active, starts, self.io.gpu_monitor.as_ref(), s);
+        gpus_out::on_snapshot(
+            &mut self.gpu,
+            active,
+            starts,
+            self.io.gpu_monitor.as_ref(),
+            s,
+        );
     }
 
     /// Re-adopts every workload in the state dir (run once, before the loop), and settles the

@@ -117,7 +117,11 @@ impl Services {
                 stopping: None,
             };
             if entry.rec.boot_id == boot && svc::alive(&entry.rec.process) {
-                log::info!("tracking {} (running since {})", entry.describe(), entry.rec.since);
+                log::info!(
+                    "tracking {} (running since {})",
+                    entry.describe(),
+                    entry.rec.since
+                );
                 me.list.push(entry);
             } else {
                 log::info!("{} ended while the node was down", entry.describe());
@@ -222,8 +226,11 @@ impl Services {
     /// `uid`, the workload's), and the record goes.
     pub(super) fn adopt_left(&mut self, dir: &Path, origin: &Origin, uid: u32, now: Instant) {
         let path = dir.join(svc::LEFT_FILE);
-        let left: Option<Left> =
-            store::load_record(&path, store::MAX_RECORD_BYTES, "record of what a workload left");
+        let left: Option<Left> = store::load_record(
+            &path,
+            store::MAX_RECORD_BYTES,
+            "record of what a workload left",
+        );
         let Some(left) = left else {
             return;
         };
@@ -484,8 +491,18 @@ mod tests {
         let mut s = Services::load(&dir, t0);
         assert_eq!(s.len(), 0);
         let wrong_uid = f.uid.wrapping_add(1);
-        s.adopt(vec![f.clone()], &Origin::install(), Some(wrong_uid), &[], t0);
-        assert_eq!(s.len(), 0, "another uid than its workload's is not taken on");
+        s.adopt(
+            vec![f.clone()],
+            &Origin::install(),
+            Some(wrong_uid),
+            &[],
+            t0,
+        );
+        assert_eq!(
+            s.len(),
+            0,
+            "another uid than its workload's is not taken on"
+        );
         s.adopt(vec![f.clone()], &Origin::install(), None, &[pid], t0);
         s.adopt(vec![f], &Origin::install(), None, &[pid], t0);
         assert_eq!(s.len(), 1, "once");
@@ -494,7 +511,14 @@ mod tests {
         let mut s = Services::load(&dir, t0);
         assert_eq!(s.len(), 1);
         s.list[0].children = vec![pid];
-        assert!(s.cancel(pid + 1, (libc::SIGTERM, "SIGTERM"), Duration::from_secs(5), t0).is_none());
+        assert!(s
+            .cancel(
+                pid + 1,
+                (libc::SIGTERM, "SIGTERM"),
+                Duration::from_secs(5),
+                t0
+            )
+            .is_none());
         let out = s
             .cancel(pid, (libc::SIGTERM, "SIGTERM"), Duration::from_secs(5), t0)
             .unwrap();

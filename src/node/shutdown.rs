@@ -76,8 +76,7 @@ pub(super) fn finish_stopping_workloads(w: &mut Work<'_>) {
         stop_all(w, late_kill(w));
     }
     let services_stopping = w.services.len() > 0;
-    if !w.active.is_empty() || !w.outbox.is_empty() || !w.starts.is_empty() || services_stopping
-    {
+    if !w.active.is_empty() || !w.outbox.is_empty() || !w.starts.is_empty() || services_stopping {
         return;
     }
     let Some(sd) = &w.life.shutdown else {

@@ -369,7 +369,9 @@ impl store::Validate for Left {
     fn validate(&self) -> Result<(), Invalid> {
         check_count("services", self.services.len(), MAX_LISTED)?;
         check_count("cleared", self.cleared.len(), MAX_LISTED)?;
-        self.services.iter().try_for_each(store::Validate::validate)?;
+        self.services
+            .iter()
+            .try_for_each(store::Validate::validate)?;
         for c in &self.cleared {
             store::check_pid("cleared.pid", c.pid)?;
             store::check_text("cleared.cmdline", &c.cmdline, 4 * CMDLINE_CHARS)?;
@@ -397,9 +399,7 @@ impl store::Validate for Service {
 impl store::Validate for Tracked {
     fn validate(&self) -> Result<(), Invalid> {
         check_count("services", self.services.len(), MAX_TRACKED)?;
-        self.services
-            .iter()
-            .try_for_each(store::Validate::validate)
+        self.services.iter().try_for_each(store::Validate::validate)
     }
 }
 
@@ -446,11 +446,18 @@ mod tests {
     #[test]
     fn a_session_without_its_leader_is_one_service_named_by_its_oldest_member() {
         // A double fork then setsid: the session's leader (pid 50) is gone; 52 started before 53.
-        let members = [p(53, 1, 50, 50, 9), p(52, 1, 50, 50, 8), p(60, 1, 60, 60, 7)];
+        let members = [
+            p(53, 1, 50, 50, 9),
+            p(52, 1, 50, 50, 8),
+            p(60, 1, 60, 60, 7),
+        ];
         let found = group(&members, 100);
         assert_eq!(found.len(), 2);
         let s50 = found.iter().find(|f| f.scope_id == 50).unwrap();
-        assert_eq!((s50.pid, s50.leader_start, s50.scope), (52, None, Scope::Session));
+        assert_eq!(
+            (s50.pid, s50.leader_start, s50.scope),
+            (52, None, Scope::Session)
+        );
         let s60 = found.iter().find(|f| f.scope_id == 60).unwrap();
         assert_eq!((s60.pid, s60.leader_start), (60, Some(7)));
         // A job left in the home session is known by its group.
@@ -496,10 +503,22 @@ mod tests {
         };
         assert!(good.validate().is_ok());
         for bad in [
-            Found { pid: 0, ..good.clone() },
-            Found { pid: 1, ..good.clone() },
-            Found { scope_id: -5, ..good.clone() },
-            Found { sid: 77, ..good.clone() },
+            Found {
+                pid: 0,
+                ..good.clone()
+            },
+            Found {
+                pid: 1,
+                ..good.clone()
+            },
+            Found {
+                scope_id: -5,
+                ..good.clone()
+            },
+            Found {
+                sid: 77,
+                ..good.clone()
+            },
             Found {
                 cmdline: "a\nb".into(),
                 ..good.clone()
@@ -555,11 +574,17 @@ mod tests {
         // Never itself, never init, never a process whose start time is another.
         assert!(!signal_proven(me, procinfo::start_ticks(me).unwrap(), 0));
         assert!(!signal_proven(1, 0, 0));
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
         let pid = i32::try_from(child.id()).unwrap();
         let start = procinfo::start_ticks(pid).unwrap();
         assert!(!signal_proven(pid, start + 1, libc::SIGKILL));
-        assert!(child.try_wait().unwrap().is_none(), "a wrong start time is another process");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "a wrong start time is another process"
+        );
         assert!(signal_proven(pid, start, libc::SIGKILL));
         assert!(child.wait().unwrap().code().is_none());
     }

@@ -424,7 +424,12 @@ impl Drop for NodeProcess {
             .and_then(|t| serde_json::from_str::<Value>(&t).ok())
             .unwrap_or_default();
         for s in services["services"].as_array().into_iter().flatten() {
-            let pid = |k: &str| s["process"][k].as_i64().filter(|p| *p > 1).map(|p| p as i32);
+            let pid = |k: &str| {
+                s["process"][k]
+                    .as_i64()
+                    .filter(|p| *p > 1)
+                    .map(|p| p as i32)
+            };
             for (key, group) in [("pid", false), ("scope_id", true)] {
                 if let Some(p) = pid(key) {
                     // SAFETY: what the test's own workloads left running.

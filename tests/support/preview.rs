@@ -74,4 +74,3 @@ req = urllib.request.Request(base + "/predict", data=json.dumps(params).encode()
 with opener.open(req, timeout=60) as r:
     print(json.dumps(json.loads(r.read())))
 "#;
-

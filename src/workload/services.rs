@@ -164,11 +164,10 @@ pub fn group(members: &[Proc], home_sid: i32) -> Vec<Found> {
         .collect()
 }
 
-/// The services below a supervisor `me` (its own session): each session among its
-/// descendants other than its own.
-pub fn below_supervisor(me: i32) -> Vec<Found> {
-    let procs = scan();
-    let own: Vec<Proc> = descendants(&procs, me)
+/// The services below a supervisor `me` (its own session) among `procs`: each session among
+/// its descendants other than its own.
+pub fn below_supervisor(procs: &[Proc], me: i32) -> Vec<Found> {
+    let own: Vec<Proc> = descendants(procs, me)
         .into_iter()
         .filter(|p| p.sid != me)
         .collect();

@@ -214,13 +214,13 @@ fn parse_grace(arg: &str) -> Option<(u64, bool)> {
 /// service, and stays. SIGTERM, up to `grace` for them to go, then SIGKILL, again at each look
 /// for what is left; re-parented orphans are reaped as it waits. Returns once nothing is left
 /// (or 5 s after SIGKILL), with what it cleared (the first [`services::MAX_LISTED`], and how
-/// many more) for the node's log.
+/// many more) for the node's log, and its last look at the processes.
 fn clear_group(
     pgid: i32,
     me: i32,
     grace: std::time::Duration,
     keep_services: bool,
-) -> (Vec<services::Cleared>, u64) {
+) -> ((Vec<services::Cleared>, u64), Vec<services::Proc>) {
     use std::cell::RefCell;
     use std::time::{Duration, Instant};
     let seen: RefCell<std::collections::BTreeMap<i32, services::Cleared>> = RefCell::default();
@@ -229,12 +229,18 @@ fn clear_group(
         // SAFETY: non-blocking wait for any child; a null status pointer is allowed.
         while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
     };
+    // The last look at /proc, kept: where the services are found once nothing else is left.
+    let last: RefCell<Vec<services::Proc>> = RefCell::default();
     let left = || -> Vec<services::Proc> {
-        services::scan()
-            .into_iter()
+        let procs = services::scan();
+        let out = procs
+            .iter()
             .filter(|p| p.pid != me && p.pid > 1)
             .filter(|p| p.sid == me || (!keep_services && p.ppid == me))
-            .collect()
+            .copied()
+            .collect();
+        *last.borrow_mut() = procs;
+        out
     };
     // Named once each (pid and command line, read before the signal), for the node's log.
     let note = |p: &services::Proc| {
@@ -315,15 +321,20 @@ fn clear_group(
     }
     reap();
     let more = u64::try_from(more.into_inner().len()).unwrap_or(u64::MAX);
-    (seen.into_inner().into_values().collect(), more)
+    let cleared = (seen.into_inner().into_values().collect(), more);
+    (cleared, last.into_inner())
 }
 
 /// D59: leaves what the workload left (the services kept, the processes cleared) in
 /// `left.json` for the node, which logs it and tracks the services; nothing when it left
 /// nothing. A record that cannot be written is only noted in `shim.log`.
-fn record_left(a: &ShimArgs, me: i32, cleared: (Vec<services::Cleared>, u64)) {
+fn record_left(
+    a: &ShimArgs,
+    me: i32,
+    (cleared, procs): ((Vec<services::Cleared>, u64), Vec<services::Proc>),
+) {
     let mut found = if a.keep_services {
-        services::below_supervisor(me)
+        services::below_supervisor(&procs, me)
     } else {
         Vec::new()
     };

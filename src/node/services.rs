@@ -19,7 +19,7 @@ use crate::workload::procinfo;
 use crate::workload::services::{self as svc, Found, Left, Service, Tracked};
 
 /// How often the services are looked at while there are any.
-const LOOK_EVERY: Duration = Duration::from_secs(2);
+const LOOK_EVERY: Duration = Duration::from_secs(5);
 /// How often while one is being stopped (its end, and its SIGKILL, are due soon).
 const LOOK_STOPPING: Duration = Duration::from_millis(100);
 /// Largest `services.json` read back.

@@ -427,7 +427,10 @@ fn one_capture(cap: &Path, phase: &str) {
             continue;
         };
         let got = app_gpus.get(&pid).cloned().unwrap_or_default();
-        assert!(got.iter().any(|g| g == uuid), "{case}: {pid} on {uuid}: {app_gpus:?}");
+        assert!(
+            got.iter().any(|g| g == uuid),
+            "{case}: {pid} on {uuid}: {app_gpus:?}"
+        );
         assert!(known.contains(&uuid), "{case}: {uuid} is none of {known:?}");
     }
     if case.starts_with("windows") {

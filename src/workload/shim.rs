@@ -223,8 +223,7 @@ fn clear_group(
 ) -> ((Vec<services::Cleared>, u64), Vec<services::Proc>) {
     use std::cell::RefCell;
     use std::time::{Duration, Instant};
-    let seen: RefCell<std::collections::BTreeMap<i32, services::Cleared>> = RefCell::default();
-    let more: RefCell<std::collections::BTreeSet<i32>> = RefCell::default();
+    let named = Named::default();
     let reap = || {
         // SAFETY: non-blocking wait for any child; a null status pointer is allowed.
         while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
@@ -242,34 +241,7 @@ fn clear_group(
         *last.borrow_mut() = procs;
         out
     };
-    // Named once each (pid and command line, read before the signal), for the node's log.
-    let note = |p: &services::Proc| {
-        let mut seen = seen.borrow_mut();
-        if seen.contains_key(&p.pid) || more.borrow().contains(&p.pid) {
-            return;
-        }
-        let cleared = services::Cleared {
-            pid: p.pid,
-            cmdline: services::cmdline(p.pid),
-            own_session: p.sid != me,
-        };
-        let _ = writeln!(
-            std::io::stderr(),
-            "clearing pid {} ({}){}",
-            cleared.pid,
-            cleared.cmdline,
-            if cleared.own_session {
-                ", a service (services: stop)"
-            } else {
-                ""
-            }
-        );
-        if seen.len() < services::MAX_LISTED {
-            seen.insert(p.pid, cleared);
-        } else {
-            more.borrow_mut().insert(p.pid);
-        }
-    };
+    let note = |p: &services::Proc| named.note(p, me);
     let signal_these = |procs: Vec<services::Proc>, sig: i32| {
         for p in procs {
             note(&p);
@@ -320,9 +292,50 @@ fn clear_group(
         }
     }
     reap();
-    let more = u64::try_from(more.into_inner().len()).unwrap_or(u64::MAX);
-    let cleared = (seen.into_inner().into_values().collect(), more);
-    (cleared, last.into_inner())
+    (named.into_cleared(), last.into_inner())
+}
+
+/// What a supervisor cleared, each named once (pid and command line, read before the signal)
+/// for the node's log: the first [`services::MAX_LISTED`], then only counted.
+#[derive(Default)]
+struct Named {
+    listed: std::cell::RefCell<std::collections::BTreeMap<i32, services::Cleared>>,
+    more: std::cell::RefCell<std::collections::BTreeSet<i32>>,
+}
+
+impl Named {
+    fn note(&self, p: &services::Proc, me: i32) {
+        let mut listed = self.listed.borrow_mut();
+        if listed.contains_key(&p.pid) || self.more.borrow().contains(&p.pid) {
+            return;
+        }
+        let cleared = services::Cleared {
+            pid: p.pid,
+            cmdline: services::cmdline(p.pid),
+            own_session: p.sid != me,
+        };
+        let _ = writeln!(
+            std::io::stderr(),
+            "clearing pid {} ({}){}",
+            cleared.pid,
+            cleared.cmdline,
+            if cleared.own_session {
+                ", a service (services: stop)"
+            } else {
+                ""
+            }
+        );
+        if listed.len() < services::MAX_LISTED {
+            listed.insert(p.pid, cleared);
+        } else {
+            self.more.borrow_mut().insert(p.pid);
+        }
+    }
+
+    fn into_cleared(self) -> (Vec<services::Cleared>, u64) {
+        let more = u64::try_from(self.more.into_inner().len()).unwrap_or(u64::MAX);
+        (self.listed.into_inner().into_values().collect(), more)
+    }
 }
 
 /// D59: leaves what the workload left (the services kept, the processes cleared) in

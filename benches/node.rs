@@ -28,6 +28,8 @@ mod emit;
 mod fleet;
 #[path = "node/original.rs"]
 mod original;
+#[path = "node/preview.rs"]
+mod preview;
 #[path = "node/start.rs"]
 mod start;
 #[path = "node/upload.rs"]
@@ -156,6 +158,7 @@ fn main() {
         Some("emit") => return emit::run(),
         Some("fleet") => return fleet::run(number(1, 100) as usize),
         Some("start") => return start::run(number(1, 100) as usize),
+        Some("preview") => return preview::run(number(1, 5) as usize),
         Some("upload") => {
             let sizes: Vec<u64> = words
                 .get(1)

@@ -128,14 +128,18 @@ pub enum StartupError {
     Credentials(String),
     /// The host did not let the node start: state dir, threads, sockets, … (exit 1).
     Runtime(String),
+    /// A stop (SIGTERM, SIGINT) came during start-up, e.g. while the install script ran, and
+    /// was carried out (exit 0, as for any stop).
+    Stopped(String),
 }
 
 impl fmt::Display for StartupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            StartupError::Config(m) | StartupError::Credentials(m) | StartupError::Runtime(m) => {
-                f.write_str(m)
-            }
+            StartupError::Config(m)
+            | StartupError::Credentials(m)
+            | StartupError::Runtime(m)
+            | StartupError::Stopped(m) => f.write_str(m),
         }
     }
 }
@@ -146,6 +150,7 @@ impl Failure for StartupError {
             StartupError::Config(_) => Exit::Usage,
             StartupError::Credentials(_) => Exit::Credentials,
             StartupError::Runtime(_) => Exit::Runtime,
+            StartupError::Stopped(_) => Exit::Ok,
         }
     }
 }

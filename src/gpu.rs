@@ -21,7 +21,7 @@ const FIELD_COUNT: usize = 13;
 /// field is unknown: the same fields without `remapped_rows.*`, read as `[N/A]`.
 pub const LEGACY_FIELDS: &str = "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,power.draw,temperature.gpu,ecc.errors.uncorrected.volatile.total,retired_pages.pending";
 /// Per-process GPU memory, matched against each workload's process group.
-pub const APPS_FIELDS: &str = "pid,used_memory";
+pub const APPS_FIELDS: &str = "pid,used_memory,gpu_uuid";
 /// The most output read from one query: a host has at most a few dozen GPUs.
 const MAX_OUTPUT: usize = 1 << 20;
 
@@ -133,6 +133,9 @@ pub enum Snapshot {
         gpus: Vec<Gpu>,
         /// Per-process GPU memory: pid → MiB.
         apps: BTreeMap<i32, u64>,
+        /// The GPUs each process has a compute context on: pid → GPU UUIDs (D59: which GPUs
+        /// the services use).
+        app_gpus: BTreeMap<i32, Vec<String>>,
         /// Why the query failed as a whole (timeout, the driver's words), when it did.
         error: Option<String>,
         at: Instant,
@@ -470,6 +473,28 @@ pub fn parse_apps(text: &str) -> BTreeMap<i32, u64> {
         if pid > 0 {
             let e = out.entry(pid).or_default();
             *e = e.saturating_add(mem);
+        }
+    }
+    out
+}
+
+/// The GPUs of each process in the compute-apps list (`pid, used_memory, gpu_uuid` lines; a
+/// line without a valid UUID is skipped).
+pub fn parse_app_gpus(text: &str) -> BTreeMap<i32, Vec<String>> {
+    let mut out: BTreeMap<i32, Vec<String>> = BTreeMap::new();
+    for line in text.lines() {
+        let cols: Vec<&str> = line.split(',').map(str::trim).collect();
+        let (Some(pid), Some(uuid)) = (cols.first(), cols.get(2)) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<i32>() else {
+            continue;
+        };
+        if pid > 0 && valid_uuid(uuid) {
+            let e = out.entry(pid).or_default();
+            if !e.iter().any(|u| u == uuid) {
+                e.push((*uuid).to_string());
+            }
         }
     }
     out
@@ -1102,6 +1127,7 @@ pub fn query_with(smi: &mut Smi<'_>, timeout: Duration, known: &mut Known, list:
         Snapshot::Gpus {
             gpus,
             apps: BTreeMap::new(),
+            app_gpus: BTreeMap::new(),
             error: Some(why),
             at,
         }
@@ -1132,17 +1158,19 @@ pub fn query_with(smi: &mut Smi<'_>, timeout: Duration, known: &mut Known, list:
         }
         learn_mig_memory(smi, &gpus, known);
     }
-    let apps = smi(&[
+    let apps_text = smi(&[
         &format!("--query-compute-apps={APPS_FIELDS}"),
         "--format=csv,noheader,nounits",
     ])
-    .map(|o| parse_apps(&o.stdout))
+    .map(|o| o.stdout)
     .unwrap_or_default();
+    let (apps, app_gpus) = (parse_apps(&apps_text), parse_app_gpus(&apps_text));
     let mut gpus = units(gpus, &known.migs);
     size_mig_units(&mut gpus, &known.mig_mib);
     Snapshot::Gpus {
         gpus,
         apps,
+        app_gpus,
         error: None,
         at,
     }
@@ -1524,6 +1552,26 @@ mod tests {
         let a = parse_apps("4242, 1000\n4242, 24\n77, [N/A]\nx, 5\n-3, 9\n");
         assert_eq!(a.get(&4242), Some(&1024));
         assert_eq!(a.len(), 1);
+    }
+
+    #[test]
+    fn the_gpus_of_each_process_are_read_from_the_apps_list() {
+        let a = parse_app_gpus(concat!(
+            "4242, 1000, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77\n",
+            "4242, 24, GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78\n",
+            "4242, 24, GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78\n",
+            "77, [N/A], MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f\n",
+            "78, 5\n",
+            "79, 5, GPU-a;rm -rf\n",
+            "-3, 9, GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77\n",
+        ));
+        assert_eq!(a.get(&4242).map(Vec::len), Some(2));
+        assert_eq!(
+            a.get(&77).map(Vec::len),
+            Some(1),
+            "memory not reported: still its GPU"
+        );
+        assert_eq!(a.len(), 2);
     }
 
     #[test]

@@ -76,9 +76,68 @@ fn offline_status(state: &Path) -> Value {
                 "stderr_log": m.stderr_log,
             })
         }).collect::<Vec<_>>(),
+        "services": saved_services(state),
         "outbox": count_files(&state.join("outbox")),
         "ingress_queue": count_files(&state.join("ingress")),
     })
+}
+
+/// The services the state dir lists (D59), each with whether it still runs: what `status`
+/// shows when no node answers, and what `doctor` shows. Read only (a bad file is the node's to
+/// quarantine).
+fn saved_services(state: &Path) -> Vec<Value> {
+    use workload::services::{self, Tracked, SERVICES_FILE};
+    let tracked: Tracked =
+        crate::store::read_record(&state.join(SERVICES_FILE), 1 << 20).unwrap_or_default();
+    let boot = procinfo::boot_id();
+    tracked
+        .services
+        .iter()
+        .map(|s| {
+            let alive = s.boot_id == boot && services::alive(&s.process);
+            json!({
+                "pid": s.process.pid,
+                "command": s.process.cmdline,
+                "started_by": s.started_by,
+                "request_id": s.request_id,
+                "workload_uuid": s.workload_uuid,
+                "uid": s.process.uid,
+                "since": s.since,
+                "state": if alive { "running" } else { "ended" },
+            })
+        })
+        .collect()
+}
+
+/// `status`: what workloads and the install script left running (D59).
+fn print_services(st: &Value) {
+    let s = text;
+    let list = field(st, "services")
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    crate::outln!("services:   {}", list.len());
+    for v in list {
+        let by = match field(&v, "request_id").as_str() {
+            Some(r) => format!(
+                "{} {}",
+                s(field(&v, "started_by")),
+                crate::logtext::terminal(r)
+            ),
+            None => s(field(&v, "started_by")),
+        };
+        crate::outln!(
+            "  pid {:<8} {:<8} since {}  started by {by}",
+            field(&v, "pid"),
+            s(field(&v, "state")),
+            s(field(&v, "since")),
+        );
+        crate::outln!("    {}", s(field(&v, "command")));
+        if let Some(g) = field(&v, "gpus").as_array().filter(|g| !g.is_empty()) {
+            let ids: Vec<String> = g.iter().map(s).collect();
+            crate::outln!("    gpus: {}", ids.join(", "));
+        }
+    }
 }
 
 pub fn status(json_out: bool) -> Result<(), CliError> {
@@ -99,6 +158,7 @@ pub fn status(json_out: bool) -> Result<(), CliError> {
     }
     print_node(&st, &state);
     print_workloads(&st);
+    print_services(&st);
     print_gpus(&st);
     Ok(())
 }
@@ -502,6 +562,8 @@ const CHECKS: &[(&str, Check)] = &[
     ("free disk", check_free_disk),
     ("systemd unit", check_systemd_unit),
     ("GPUs", check_gpus),
+    ("services", check_services),
+    ("HOME", check_home),
 ];
 
 fn pass(detail: impl Into<String>) -> Vec<Finding> {
@@ -793,6 +855,67 @@ fn check_free_disk(settings: &Settings) -> Vec<Finding> {
         )),
         Some(free) => pass(format!("{free} MiB free (minimum {min})")),
         None => warn("cannot measure"),
+    }
+}
+
+/// D59: what workloads and the install script left running, as the state dir lists it.
+fn check_services(settings: &Settings) -> Vec<Finding> {
+    let list = saved_services(&settings.config_dir.value);
+    if list.is_empty() {
+        return pass("none: no workload or install script left a server running");
+    }
+    list.iter()
+        .map(|v| {
+            let by = match field(v, "request_id").as_str() {
+                Some(r) => format!(
+                    "{} {}",
+                    text(field(v, "started_by")),
+                    crate::logtext::terminal(r)
+                ),
+                None => text(field(v, "started_by")),
+            };
+            (
+                "PASS",
+                format!(
+                    "pid {} ({}) {}, started by {by} at {}; `cancel` with its pid stops it",
+                    field(v, "pid"),
+                    text(field(v, "command")),
+                    text(field(v, "state")),
+                    text(field(v, "since"))
+                ),
+            )
+        })
+        .collect()
+}
+
+/// Where the install script and the workloads keep what they put under `$HOME` (a venv, a
+/// model cache): a HOME inside the state dir (the packaged service's user has its home there)
+/// goes with it when the package is purged. Told by the HOME `doctor` runs with, and by what
+/// such a HOME left in the state dir (`.venv`, `.cache`, `.local`).
+fn check_home(settings: &Settings) -> Vec<Finding> {
+    let state = &settings.config_dir.value;
+    let home = settings.env.value("HOME").filter(|h| !h.is_empty());
+    let inside = home
+        .as_deref()
+        .is_some_and(|h| std::path::Path::new(h).starts_with(state));
+    let left: Vec<&str> = [".venv", ".cache", ".local"]
+        .into_iter()
+        .filter(|n| state.join(n).is_dir())
+        .collect();
+    let fix = "set HOME (and HF_HOME) to a folder of its own in the service's environment, or use workload_user (README: Running the platform's compute repositories)";
+    if !left.is_empty() {
+        return warn(format!(
+            "the state dir {} holds {}: what an install script or a workload kept under a HOME there; `apt-get purge` deletes it with the state dir; {fix}",
+            state.display(),
+            left.join(", ")
+        ));
+    }
+    match home {
+        Some(h) if inside => warn(format!(
+            "HOME is {h}, inside the state dir: a venv or model cache kept under $HOME is deleted with it (`apt-get purge`); {fix}"
+        )),
+        Some(h) => pass(format!("{h}, outside the state dir")),
+        None => pass("not set"),
     }
 }
 

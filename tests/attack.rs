@@ -98,28 +98,30 @@ fn g1_d7_a_request_id_equal_to_another_ids_safe_id_gets_its_own_workload() {
     );
 }
 
-/// docs/workloads.md, "Nothing is left behind" (under Supervision) / D25: a workload that starts a child in a session of its own
-/// (`setsid`, as daemonising tools do) leaves that child running after the node reported the
-/// workload as completed. The supervisor is a subreaper and sees the child re-parented to it,
-/// yet clears only the process group.
+/// docs/workloads.md, "Nothing is left behind" (under Supervision) / D25 with
+/// `cloud_node.services: stop` (D59: the strict rule): a workload that starts a child in a
+/// session of its own (`setsid`, as daemonising tools do) leaves that child running after the
+/// node reported the workload as completed. The supervisor is a subreaper and sees the child
+/// re-parented to it, yet cleared only the process group. (With `services: keep`, the default,
+/// such a child is a service and outlives the workload: tests/services.rs.)
 #[test]
 fn g9_d25_a_child_that_setsids_out_of_the_group_does_not_outlive_the_report() {
     assert_left_behind_is_ended(
-        "cyberwave:\n  training: |\n    setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &\n    while [ ! -s escaped.pid ]; do sleep 0.05; done\n",
+        "cloud_node:\n  services: stop\ncyberwave:\n  training: |\n    setsid sh -c 'echo $$ > escaped.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &\n    while [ ! -s escaped.pid ]; do sleep 0.05; done\n",
         "esc",
         "escaped.pid",
         "started by the workload with setsid",
     );
 }
 
-/// D25, hidden from /proc readers: a child that leaves the session (`setsid`) and names itself
-/// with bytes that are not UTF-8 (`prctl(PR_SET_NAME)`), so that its `/proc/<pid>/stat` is not
-/// text. The supervisor's search for what is left must still find it.
+/// D25 (with `services: stop`), hidden from /proc readers: a child that leaves the session
+/// (`setsid`) and names itself with bytes that are not UTF-8 (`prctl(PR_SET_NAME)`), so that its
+/// `/proc/<pid>/stat` is not text. The supervisor's search for what is left must still find it.
 #[test]
 fn g9_d25_a_child_that_setsids_and_names_itself_in_bytes_that_are_not_utf8_does_not_outlive_the_report(
 ) {
     assert_left_behind_is_ended(
-        "cyberwave:\n  training: |\n    setsid python3 -c 'import ctypes, os, time; ctypes.CDLL(None).prctl(15, b\"\\xff\\xfe)x\", 0, 0, 0); open(\"named.pid\", \"w\").write(str(os.getpid())); time.sleep(300)' </dev/null >/dev/null 2>&1 &\n    while [ ! -s named.pid ]; do sleep 0.05; done\n",
+        "cloud_node:\n  services: stop\ncyberwave:\n  training: |\n    setsid python3 -c 'import ctypes, os, time; ctypes.CDLL(None).prctl(15, b\"\\xff\\xfe)x\", 0, 0, 0); open(\"named.pid\", \"w\").write(str(os.getpid())); time.sleep(300)' </dev/null >/dev/null 2>&1 &\n    while [ ! -s named.pid ]; do sleep 0.05; done\n",
         "named",
         "named.pid",
         "started by the workload with setsid, named in bytes that are not UTF-8",
@@ -139,13 +141,13 @@ fn g9_d25_a_child_that_looks_like_a_zombie_while_a_thread_of_it_runs_does_not_ou
     );
 }
 
-/// D25, one step behind the kill: a background job in a group of its own that ignores SIGTERM
-/// has a child that left the session (`setsid`), so the first look finds only the job; the
-/// child is re-parented to the supervisor only when the job dies of the SIGKILL. Each look after
-/// that kills what it finds.
+/// D25 (with `services: stop`), one step behind the kill: a background job in a group of its
+/// own that ignores SIGTERM has a child that left the session (`setsid`), so the first look finds
+/// only the job; the child is re-parented to the supervisor only when the job dies of the
+/// SIGKILL. Each look after that kills what it finds.
 #[test]
 fn g9_d25_a_child_that_turns_up_only_when_its_parent_is_killed_does_not_outlive_the_report() {
-    let manifest = "cyberwave:\n  training: |\n    set -m\n    ( trap '' TERM; setsid sh -c 'echo $$ > hidden.pid; exec sleep 300' </dev/null >/dev/null 2>&1 & while :; do sleep 0.05; done ) </dev/null >/dev/null 2>&1 &\n    while [ ! -s hidden.pid ]; do sleep 0.05; done\n";
+    let manifest = "cloud_node:\n  services: stop\ncyberwave:\n  training: |\n    set -m\n    ( trap '' TERM; setsid sh -c 'echo $$ > hidden.pid; exec sleep 300' </dev/null >/dev/null 2>&1 & while :; do sleep 0.05; done ) </dev/null >/dev/null 2>&1 &\n    while [ ! -s hidden.pid ]; do sleep 0.05; done\n";
     assert_left_behind_is_ended_with(
         manifest,
         "hidden",
@@ -202,6 +204,12 @@ fn assert_left_behind_is_ended_with(
     assert!(
         !still,
         "pid {pid}, {what}, outlived the workload's completion"
+    );
+    // D59: nothing is cleared silently: the log names it, with its command line.
+    assert!(
+        node.wait_log(&format!("cleared pid {pid} ("), REPLY),
+        "pid {pid}, {what}, cleared without a word: {}",
+        node.log()
     );
 }
 

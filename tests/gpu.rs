@@ -941,3 +941,79 @@ fn g15_doctor_names_a_uuid_listed_twice_and_an_unknown_nvml_error() {
     );
     assert!(out.stdout.contains("FAIL"), "{}", out.stdout);
 }
+
+/// D59: a GPU a service uses (a model server a workload left running, seen in `nvidia-smi`'s
+/// compute-apps list) is the last one a new workload gets, and never a reason to refuse one;
+/// `status` lists the service with its GPU. On the node before the next workload got the
+/// first GPU, the one the server holds.
+#[test]
+fn g10_d59_a_new_workload_gets_a_gpu_no_service_uses_and_is_never_refused_for_one() {
+    let smi = FakeSmi::new("four-a100.csv");
+    let rig = Rig::new(2, Some(&smi));
+    rig.setup.write(
+        "cyberwave.yml",
+        concat!(
+            "cyberwave:\n  training: |\n",
+            "    n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"n\"])' {body})\n",
+            "    if [ \"$n\" = 1 ]; then setsid sleep 600 < /dev/null > /dev/null 2>&1 & echo $! > svc.pid; fi\n",
+            "    echo \"$CUDA_VISIBLE_DEVICES\" > gpus-$n\n",
+            "cloud_node:\n  max_concurrent_workloads: 2\n",
+        ),
+    );
+    let node = rig.node();
+    let first = g(1).with(json!({"gpus": 1}));
+    first.ok(&rig.cp, &node);
+    first.completion(&rig.cp);
+    let svc: i32 = wait_for(REPLY, || {
+        std::fs::read_to_string(rig.setup.cwd.join("svc.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+    })
+    .expect("the service's pid");
+    let gpu0 = std::fs::read_to_string(rig.setup.cwd.join("gpus-1"))
+        .unwrap()
+        .trim()
+        .to_string();
+    assert!(gpu0.starts_with("GPU-"), "{gpu0}");
+    std::fs::write(smi.dir.join("apps.csv"), format!("{svc}, 500, {gpu0}\n")).unwrap();
+    let mut asked = 0;
+    let listed = wait_for(REPLY, || {
+        asked += 1;
+        let st = rig.cp.status(&node.uuid(), &format!("st-{asked}"), REPLY)?;
+        (st["output"]["services"][0]["gpus"] == json!([gpu0])).then_some(st)
+    });
+    let _kill = scopeguard(svc);
+    assert!(
+        listed.is_some(),
+        "the service's GPU in status; log:\n{}",
+        node.log()
+    );
+    let second = g(2).with(json!({"gpus": 1}));
+    second.ok(&rig.cp, &node);
+    second.completion(&rig.cp);
+    let got = std::fs::read_to_string(rig.setup.cwd.join("gpus-2")).unwrap();
+    assert_ne!(got.trim(), gpu0, "another GPU than the service's");
+    let all = g(3).with(json!({"gpus": 4}));
+    all.ok(&rig.cp, &node);
+    assert_eq!(all.completion(&rig.cp)["success"], true);
+    let got = std::fs::read_to_string(rig.setup.cwd.join("gpus-3")).unwrap();
+    assert_eq!(
+        got.trim().split(',').count(),
+        4,
+        "not refused for the service's GPU"
+    );
+}
+
+/// Kills `pid` on drop.
+fn scopeguard(pid: i32) -> impl Drop {
+    struct Kill(i32);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            // SAFETY: a process the test's workload started.
+            unsafe {
+                libc::kill(self.0, libc::SIGKILL);
+            }
+        }
+    }
+    Kill(pid)
+}

@@ -36,6 +36,7 @@ mod pip;
 mod plain_argv;
 mod platform;
 mod results;
+mod services;
 mod starts;
 mod statedir;
 mod wire;

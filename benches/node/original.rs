@@ -389,3 +389,45 @@ fn upload_run(
         rss_mib: peak_kib as f64 / 1024.0,
     })
 }
+
+/// The preview benchmark's rounds under the original (`super::preview`): one fresh original,
+/// a cold then a warm preview per round, each command → `completed` status.
+pub fn previews(broker: &Broker, cp: &ControlPlane, rounds: usize, load: f64, predict: Duration) {
+    let Some(argv) = launcher() else {
+        say_if_not_run();
+        return;
+    };
+    let port = super::support::free_port();
+    let manifest = format!(
+        "  inference: {}\n  upload_results: false\n",
+        super::preview::template(port, load)
+    );
+    let (nodes, _) = start_ready(&argv, broker, cp, &manifest, 1, &[]);
+    let Some(node) = nodes.first() else {
+        return;
+    };
+    println!("Python original: {} ({})", version(&argv), argv.join(" "));
+    super::preview::write_scripts(&node.setup.cwd);
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for i in 0..rounds {
+        cold.extend(super::preview::one(
+            cp,
+            &node.uuid,
+            &format!("ocold{i}"),
+            predict,
+        ));
+        warm.extend(super::preview::one(
+            cp,
+            &node.uuid,
+            &format!("owarm{i}"),
+            predict,
+        ));
+        super::preview::stop_server(&node.setup.cwd);
+    }
+    report("first preview, cold (Python original)", cold, "-");
+    report(
+        "second preview, warm (Python original)",
+        warm,
+        "its 5 s exit poll",
+    );
+}

@@ -80,6 +80,12 @@ pub struct Manifest {
     pub max_result_bytes: Option<u64>,
     /// D46.3: the user (name or uid) workloads run as.
     pub workload_user: Option<String>,
+    /// D59: `services: stop` (`Some(false)`) clears what a workload puts in a session of its
+    /// own when it ends; `keep` (the default) leaves it running, tracked as a service.
+    pub keep_services: Option<bool>,
+    /// D60: `install_user: node` runs the install script as the node's user even with a
+    /// `workload_user` (`Some(true)`); `workload_user` (the default) runs it as that user.
+    pub install_as_node: Option<bool>,
     /// For each key the node took from the file, the section it came from (`cyberwave`,
     /// `cyberwave-cloud-node`, `cloud_node` or `root`); `config` shows it.
     pub sections: Vec<(String, String)>,
@@ -185,6 +191,8 @@ enum NodeKind {
     Seconds,
     OnOff,
     Text,
+    /// One of these words.
+    Choice(&'static [&'static str]),
 }
 
 const NODE_FIELDS: &[(&str, NodeKind)] = &[
@@ -201,6 +209,8 @@ const NODE_FIELDS: &[(&str, NodeKind)] = &[
     ("max_result_bytes", NodeKind::Whole(1, u64::MAX)),
     ("environment_uuid", NodeKind::Text),
     ("workload_user", NodeKind::Text),
+    ("services", NodeKind::Choice(&["keep", "stop"])),
+    ("install_user", NodeKind::Choice(&["node", "workload_user"])),
 ];
 
 pub const WRAPPER_NEW: &str = "cyberwave";
@@ -1112,6 +1122,7 @@ fn node_field(cx: &mut Ctx, m: &mut Manifest, key: &str, line: usize, v: &Node) 
             }
             None => Err(format!("expected on or off, got {got}")),
         },
+        NodeKind::Choice(words) => node_choice(m, key, words, v),
         NodeKind::Text => match usable_text(v) {
             Some(s) => {
                 let s = Some(s).filter(|s| !s.trim().is_empty());
@@ -1126,6 +1137,25 @@ fn node_field(cx: &mut Ctx, m: &mut Manifest, key: &str, line: usize, v: &Node) 
     };
     if let Err(why) = ok {
         cx.fatal(line, key, why);
+    }
+}
+
+/// A node setting that is one of `words` (`services`, `install_user`).
+fn node_choice(m: &mut Manifest, key: &str, words: &[&str], v: &Node) -> Result<(), String> {
+    let word = usable_text(v).map(|s| s.trim().to_string());
+    match word.as_deref() {
+        Some(w) if words.contains(&w) => {
+            match key {
+                "services" => m.keep_services = Some(w == "keep"),
+                _ => m.install_as_node = Some(w == "node"),
+            }
+            Ok(())
+        }
+        _ => Err(format!(
+            "expected {}, got {}",
+            words.join(" or "),
+            v.describe()
+        )),
     }
 }
 
@@ -1352,6 +1382,42 @@ mod tests {
         );
         let c = parse_manifest_text(text, true);
         assert!(c.valid(), "{:?}", c.problems);
+    }
+
+    #[test]
+    fn services_and_install_user_take_their_words_only() {
+        let c = strict(
+            "cyberwave:\n  inference: x\ncloud_node:\n  services: stop\n  install_user: node\n",
+        );
+        assert!(c.valid(), "{:?}", c.problems);
+        let m = c.manifest.unwrap();
+        assert_eq!(
+            (m.keep_services, m.install_as_node),
+            (Some(false), Some(true))
+        );
+        let m =
+            strict("cloud_node:\n  services: keep\n  install_user: workload_user\ncyberwave:\n")
+                .manifest
+                .unwrap();
+        assert_eq!(
+            (m.keep_services, m.install_as_node),
+            (Some(true), Some(false))
+        );
+        for bad in [
+            "services: kill",
+            "services: yes",
+            "install_user: root",
+            "services: [keep]",
+        ] {
+            let c = strict(&format!("cloud_node:\n  {bad}\ncyberwave:\n"));
+            assert!(!c.valid(), "{bad}");
+            let said = c
+                .problems
+                .iter()
+                .map(|p| p.message.clone())
+                .collect::<String>();
+            assert!(said.contains(" or "), "{bad}: {said}");
+        }
     }
 
     #[test]

@@ -228,6 +228,15 @@ impl Settings {
         self.config_dir.value.join("node_id")
     }
 
+    /// D59: what a workload puts in a session of its own outlives it (`cloud_node.services`,
+    /// `keep` unless the manifest says `stop`).
+    pub fn keep_services(&self) -> bool {
+        self.manifest
+            .as_ref()
+            .and_then(|m| m.keep_services)
+            .unwrap_or(true)
+    }
+
     pub fn command_template(&self, kind: &str) -> Option<&str> {
         match kind {
             "inference" => self.inference.as_ref(),
@@ -376,6 +385,22 @@ impl Settings {
             self.manifest_row("max_result_bytes", |m| {
                 m.max_result_bytes.map(|n| n.to_string())
             }),
+            match self.manifest_row("services", |m| {
+                m.keep_services
+                    .map(|keep| if keep { "keep" } else { "stop" }.to_string())
+            }) {
+                (name, _, src) if src == "-" => (name, "keep".to_string(), "default".to_string()),
+                row => row,
+            },
+            match self.manifest_row("install_user", |m| {
+                m.install_as_node
+                    .map(|node| if node { "node" } else { "workload_user" }.to_string())
+            }) {
+                (name, _, src) if src == "-" => {
+                    (name, "workload_user".to_string(), "default".to_string())
+                }
+                row => row,
+            },
         ]
     }
 }

@@ -269,11 +269,30 @@ use super::{judge, query_with, Gpu, Health, Known, Snapshot, Usage};
 /// One look through the stand-in, as the monitor takes it at an inventory: the units, the
 /// per-process memory, the error.
 fn look(s: &Standin, known: &mut Known) -> (Vec<Gpu>, BTreeMap<i32, u64>, Option<String>) {
+    let (gpus, apps, _, error) = look_apps(s, known);
+    (gpus, apps, error)
+}
+
+/// [`look`], with the GPUs of each process (D59: what a service uses).
+#[allow(clippy::type_complexity)]
+fn look_apps(
+    s: &Standin,
+    known: &mut Known,
+) -> (
+    Vec<Gpu>,
+    BTreeMap<i32, u64>,
+    BTreeMap<i32, Vec<String>>,
+    Option<String>,
+) {
     let mut smi = |a: &[&str]| s.call(a);
     match query_with(&mut smi, Duration::from_secs(10), known, true) {
         Snapshot::Gpus {
-            gpus, apps, error, ..
-        } => (gpus, apps, error),
+            gpus,
+            apps,
+            app_gpus,
+            error,
+            ..
+        } => (gpus, apps, app_gpus, error),
         Snapshot::Absent => panic!("the stand-in was not found"),
     }
 }
@@ -328,7 +347,7 @@ fn one_capture(cap: &Path, phase: &str) {
     let listing = s.list();
     let q = s.call(&["-q"]).map(|o| o.stdout).unwrap_or_default();
     let want = units_listed(&listing, &gpu_instances_in(&q));
-    let (gpus, apps, error) = look(&s, &mut Known::default());
+    let (gpus, apps, app_gpus, error) = look_apps(&s, &mut Known::default());
     assert_eq!(error, None, "{case}");
     // The inventory is `-L`'s: MIG devices as units, compute instances of one GPU instance
     // (by `-q`'s GPU instance id) as one.
@@ -384,6 +403,36 @@ fn one_capture(cap: &Path, phase: &str) {
         })
         .count();
     assert_eq!(apps.len(), with_memory, "{case}: {apps:?}");
+    // D59: each listed process's GPU, as the driver names it: the board, or one of its units.
+    let known: Vec<&str> = gpus
+        .iter()
+        .flat_map(|u| {
+            std::iter::once(u.uuid.as_str())
+                .chain(u.parent.as_deref())
+                .chain(u.members.iter().map(String::as_str))
+        })
+        .collect();
+    let named = s
+        .call(&[
+            "--query-compute-apps=pid,gpu_uuid",
+            "--format=csv,noheader,nounits",
+        ])
+        .map(|o| o.stdout)
+        .unwrap_or_default();
+    for line in named.lines() {
+        let (Some(pid), Some(uuid)) = (line.split(", ").next(), line.split(", ").nth(1)) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<i32>() else {
+            continue;
+        };
+        let got = app_gpus.get(&pid).cloned().unwrap_or_default();
+        assert!(
+            got.iter().any(|g| g == uuid),
+            "{case}: {pid} on {uuid}: {app_gpus:?}"
+        );
+        assert!(known.contains(&uuid), "{case}: {uuid} is none of {known:?}");
+    }
     if case.starts_with("windows") {
         assert!(apps.is_empty() && listed.lines().count() > 0, "{case}");
     }

@@ -209,6 +209,10 @@ pub(super) fn cancel(
     let layout = &w.io.layout;
     let (ok, body) = match decide(ledger, w.starts, w.active, layout, request_id, &params) {
         Step::Nothing => return,
+        Step::Answer(false, body) => match service(ledger, w, request_id, &params) {
+            Some(out) => (true, out),
+            None => (false, body),
+        },
         Step::Answer(ok, body) => (ok, body),
         Step::Table {
             safe_id,
@@ -224,6 +228,32 @@ pub(super) fn cancel(
         }
     };
     w.replies().replay(request_id.value(), ok, body);
+}
+
+/// D59: a cancel whose pid is no workload's but a service's stops that service (its session:
+/// the signal asked for, SIGKILL after the grace); `None` when no service has that pid, or
+/// when the ledger answered this cancel already.
+fn service(
+    ledger: &mut Ledger,
+    w: &mut Work<'_>,
+    request_id: &RequestId,
+    params: &CancelParams,
+) -> Option<Value> {
+    let CancelTarget::Pid(pid) = &params.target else {
+        return None;
+    };
+    let rid = request_id.text();
+    if !rid.is_empty() && ledger.get(&rid).is_some() {
+        return None;
+    }
+    let grace = params.grace.map_or(DEFAULT_GRACE, Seconds::duration);
+    let sig = (params.signal.number(), params.signal.name());
+    let now = w.now();
+    let out = w.services.cancel(pid.get(), sig, grace, now)?;
+    if !rid.is_empty() {
+        ledger.record(&rid, true, out.clone());
+    }
+    Some(out)
 }
 
 #[cfg(test)]

@@ -114,6 +114,8 @@ pub(super) struct View<'a> {
     pub(super) outbox: &'a Outbox,
     /// The ingress queue.
     pub(super) events: &'a crate::ingress_queue::EventQueue,
+    /// What workloads and the install script left running (D59).
+    pub(super) services: &'a super::services::Services,
 }
 
 impl View<'_> {
@@ -133,6 +135,7 @@ impl View<'_> {
             "draining": self.life.drain.on,
             "environment_uuid": self.s.environment_uuid.as_ref().map(|e| e.value.clone()),
             "node_version": crate::cli::VERSION,
+            "services": self.services.status(),
         });
         self.gpu.add_status(
             &super::gpus_out::holds_of(self.active, self.starts),
@@ -215,6 +218,7 @@ impl View<'_> {
                 "stdout_log": a.meta.stdout_log,
                 "stderr_log": a.meta.stderr_log,
             }), &a.meta)).collect::<Vec<_>>(),
+            "services": self.services.status(),
             "outbox": self.outbox.len(),
             "ingress_queue": self.events.len(),
             "ingress_queue_bytes": self.events.bytes(),
@@ -259,6 +263,7 @@ impl<'a> View<'a> {
             gpu: w.gpu,
             outbox: w.outbox,
             events: &w.ingress.queue,
+            services: w.services,
         }
     }
 }

@@ -26,6 +26,8 @@ pub struct Gpus {
     pub usage: HashMap<String, Usage>,
     /// GPU count and VRAM tier (hardware telemetry), learned at start-up.
     pub telemetry: (usize, Option<&'static str>),
+    /// GPUs a service uses (D59): a start gets others first, and is never refused for them.
+    pub avoid: std::collections::BTreeSet<String>,
 }
 
 impl Gpus {
@@ -176,9 +178,14 @@ impl Gpus {
                 GpuRefusal::TooFew { need, total }
             });
         }
-        let free: Vec<String> = pool
+        // D59: GPUs no service uses first (a stable sort keeps the inventory's order).
+        let mut candidates: Vec<&&Gpu> = pool
             .iter()
             .filter(|u| u.health.is_healthy() && !is_held(u, held))
+            .collect();
+        candidates.sort_by_key(|u| self.used_by_service(u));
+        let free: Vec<String> = candidates
+            .into_iter()
             .map(|u| u.uuid.clone())
             .take(need)
             .collect();
@@ -194,6 +201,15 @@ impl Gpus {
         } else {
             unhealthy()
         })
+    }
+}
+
+impl Gpus {
+    /// A service has a compute context on this unit, or on its physical GPU.
+    fn used_by_service(&self, u: &Gpu) -> bool {
+        self.avoid.contains(&u.uuid)
+            || u.members.iter().any(|m| self.avoid.contains(m))
+            || u.parent.as_ref().is_some_and(|p| self.avoid.contains(p))
     }
 }
 
@@ -361,6 +377,7 @@ impl Gpus {
             apps,
             error: None,
             at,
+            ..
         } = &s
         {
             let cap = out
@@ -612,9 +629,40 @@ mod tests {
         Snapshot::Gpus {
             gpus: units.iter().map(|u| unit(u)).collect(),
             apps: BTreeMap::from([(7, 300)]),
+            app_gpus: BTreeMap::new(),
             error: None,
             at,
         }
+    }
+
+    #[test]
+    fn a_start_gets_a_gpu_no_service_uses_first_and_is_never_refused_for_one() {
+        let mut g = Gpus::default();
+        g.on_snapshot(
+            snapshot(&["GPU-a", "GPU-b", "GPU-c"], Instant::now()),
+            &[],
+            &Fake::default(),
+        );
+        g.avoid = ["GPU-a".to_string(), "GPU-b".to_string()].into();
+        let none = holders(&[]);
+        assert_eq!(g.assign(Some(1), 3, &none), Ok(Some(vec!["GPU-c".into()])));
+        assert_eq!(
+            g.assign(Some(2), 3, &none),
+            Ok(Some(vec!["GPU-c".into(), "GPU-a".into()])),
+            "then those a service uses, in their order"
+        );
+        let c = vec!["GPU-c".to_string()];
+        let held = [Hold {
+            id: "w",
+            holder: json!("r"),
+            pid: None,
+            gpus: &c,
+        }];
+        assert_eq!(
+            g.assign(Some(1), 3, &holders(&held)),
+            Ok(Some(vec!["GPU-a".into()])),
+            "a service's GPU rather than a refusal"
+        );
     }
 
     #[test]

@@ -14,10 +14,12 @@ mod container;
 mod gpus;
 mod gpus_out;
 mod ingress;
+mod install;
 mod io;
 pub mod operate;
 mod parts;
 mod selfheal;
+mod services;
 mod session;
 mod session_in;
 mod shutdown;
@@ -71,6 +73,8 @@ pub struct Node {
     ingress: ingress::Ingress,
     /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
     gpu: gpus::Gpus,
+    /// What workloads and the install script left running in a session of their own (D59).
+    services: services::Services,
     /// When the loop's own periodic work is next due, and when errors may next be logged.
     timers: Timers,
 }
@@ -106,7 +110,7 @@ impl Node {
                 recv(self.io.worker_done) -> d => match d { Ok(d) => self.on_worker_done(d), Err(_) => self.lost("HTTP and upload") },
                 recv(self.io.acked) -> a => match a { Ok(a) => self.work().with_ingress(|i, out| i.on_ack(a, out)), Err(_) => self.lost("acknowledgement") },
                 recv(self.io.control) -> r => match r { Ok(r) => commands::on_control(&mut self.work(), r), Err(_) => self.lost("control socket") },
-                recv(self.io.gpu_rx) -> s => match s { Ok(s) => gpus_out::on_snapshot(&mut self.gpu, &self.active, &self.starts, self.io.gpu_monitor.as_ref(), s), Err(_) => self.lost("GPU monitor") },
+                recv(self.io.gpu_rx) -> s => match s { Ok(s) => self.on_gpu_snapshot(s), Err(_) => self.lost("GPU monitor") },
                 default(wait) => {}
             }
             self.tick();
@@ -155,6 +159,22 @@ impl Node {
         }
     }
 
+    /// A GPU snapshot: which GPUs the services use (D59), then the workloads' accounting.
+    fn on_gpu_snapshot(&mut self, s: crate::gpu::Snapshot) {
+        if let crate::gpu::Snapshot::Gpus { app_gpus, .. } = &s {
+            self.services.on_apps(app_gpus);
+            self.gpu.avoid = self.services.gpus();
+        }
+        let (active, starts) = (&self.active, &self.starts);
+        gpus_out::on_snapshot(
+            &mut self.gpu,
+            active,
+            starts,
+            self.io.gpu_monitor.as_ref(),
+            s,
+        );
+    }
+
     /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
     /// answers of the starts the node before this one took and did not answer (D53).
     fn recover(&mut self) {
@@ -178,6 +198,7 @@ impl Node {
             heal,
             ingress,
             gpu,
+            services,
             timers,
         } = self;
         let work = Work {
@@ -191,6 +212,7 @@ impl Node {
             streams,
             ingress,
             gpu,
+            services,
             throttle: &mut timers.throttle,
         };
         let ledger = &mut durable.ledger;

@@ -54,7 +54,9 @@ pub(super) fn on_refused(w: &mut Work<'_>, tag: Op, why: &str, permanent: bool) 
 pub(super) fn on_heartbeat_due(w: &mut Work<'_>, heal: &mut Heal) {
     heal.start_pass(w.s.standalone, w.active, &w.io.workers, w.session.uuid());
     let holds = w.holds();
-    let body = heartbeat_body(w.s, w.life, w.in_use(), w.gpu, &holds);
+    let mut body = heartbeat_body(w.s, w.life, w.in_use(), w.gpu, &holds);
+    // D59: the services workloads left running, beside (not among) the active workloads.
+    util::set(&mut body, "services", json!(w.services.len()));
     let now = w.now();
     w.session.send_heartbeat(&body, now, &mut w.io.wire(w.s));
 }

@@ -75,7 +75,8 @@ pub(super) fn finish_stopping_workloads(w: &mut Work<'_>) {
     if late > 0 {
         stop_all(w, late_kill(w));
     }
-    if !w.active.is_empty() || !w.outbox.is_empty() || !w.starts.is_empty() {
+    let services_stopping = w.services.len() > 0;
+    if !w.active.is_empty() || !w.outbox.is_empty() || !w.starts.is_empty() || services_stopping {
         return;
     }
     let Some(sd) = &w.life.shutdown else {
@@ -130,6 +131,8 @@ pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
                 // D70: the container's workloads would die unreported if the node left now.
                 sd.killed = true;
                 let n = w.with_table(|t, out, now| t.kill_all_now(container::REASON, now, out));
+                let now = w.now();
+                w.services.kill_now(now);
                 log::warn!(
                     "second {sig:?}: SIGKILL now to the {n} workload(s) still running; the node exits once each one is reported"
                 );
@@ -160,6 +163,10 @@ pub(super) fn begin(w: &mut Work<'_>, exit: Exit, why: &str) {
         let grace = container::stop_grace(&w.s.env);
         let kill = container::kill_after(grace);
         let n = stop_all(w, kill);
+        // D59: its services die with the container too; stopped and logged like workloads.
+        let now = w.now();
+        w.services
+            .stop_all("the node's container is stopping", kill, now);
         log::info!(
             "shutting down ({why}); as its container's main process the node stops its {n} running workload(s) (SIGTERM, SIGKILL after {:.1}s) and reports them before it exits, within {:.1}s",
             kill.as_secs_f64(),
@@ -175,8 +182,9 @@ pub(super) fn begin(w: &mut Work<'_>, exit: Exit, why: &str) {
         });
         return;
     }
-    log::info!("shutting down ({why}); running workloads are left running");
+    log::info!("shutting down ({why}); running workloads and services are left running");
     super::workloads::log_running(w.active);
+    w.services.log_running();
     w.session.close();
     w.life.shutdown = Some(goodbye(w.session, w.io, w.s, now, exit, None));
 }

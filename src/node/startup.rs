@@ -2,10 +2,8 @@
 //! MQTT client. Each step logs one line; a step that makes running pointless returns the exit
 //! code instead of a node.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Receiver};
@@ -116,6 +114,11 @@ fn secrets_closed(dir: &Path) -> Result<(), StartupError> {
 pub fn run(settings: Settings) -> i32 {
     match prepare(settings) {
         Ok((node, signals)) => node.run(signals),
+        Err(e @ StartupError::Stopped(_)) => {
+            log::info!("{e}");
+            log::info!("cyberwave-cloud-node stopped (exit code 0)");
+            crate::error::Failure::exit(&e).code()
+        }
         Err(e) => {
             log::error!("{e}");
             crate::error::Failure::exit(&e).code()
@@ -132,11 +135,12 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     let (sig_tx, sig_rx) = unbounded();
     signals::spawn(sig_tx).map_err(runtime("cannot start the signal thread"))?;
     let token = api_token(&s)?;
-    // 1. Install script.
-    let startup_failure = s
-        .install
-        .as_ref()
-        .and_then(|script| run_install_script(&s, &script.value));
+    // 1. Install script (D60).
+    let installed = match s.install.as_ref() {
+        Some(script) => super::install::run(&s, &script.value, &users, &sig_rx)?,
+        None => super::install::Installed::default(),
+    };
+    let startup_failure = installed.failure.clone();
     // 2. Token check (REST E1).
     check_token(&s, &token)?;
     // 3. MQTT client.
@@ -235,6 +239,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
             s.topic_prefix.value.clone(),
         ),
         gpu,
+        services: super::services::Services::load(&dir, now),
         timers: super::parts::Timers {
             due: super::parts::Due {
                 watchdog: now,
@@ -246,6 +251,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         },
         s,
     };
+    node.services.adopt(
+        installed.services,
+        &super::services::Origin::install(),
+        None,
+        &installed.children,
+        now,
+    );
     node.recover();
     super::gpus_out::update_sampling(
         &node.gpu,
@@ -524,130 +536,4 @@ fn client_id(path: &Path) -> std::io::Result<String> {
     let id = format!("cloud_node_{}", util::hex(&util::random_bytes::<4>()));
     store::write_atomic(path, id.as_bytes(), 0o600)?;
     Ok(id)
-}
-
-/// Runs the install script with bash (sh when there is no bash) in the working dir; its output
-/// goes to the node's log and to `<state dir>/install_logs/`. Returns the failure, if any.
-fn run_install_script(s: &Settings, script: &str) -> Option<String> {
-    let first = script.split_whitespace().next().unwrap_or("");
-    if first.starts_with("./") || first.starts_with('/') || first.starts_with("../") {
-        let p = s.working_dir.join(first);
-        if !p.is_file() {
-            let msg = format!(
-                "install script {first} not found (looked for {})",
-                p.display()
-            );
-            log::error!("{msg}");
-            return Some(msg);
-        }
-    }
-    log::info!("running the install script in {}", s.working_dir.display());
-    let log_dir = s.config_dir.value.join("install_logs");
-    if let Err(e) = store::ensure_private_dir(&log_dir) {
-        log::warn!(
-            "cannot create {}: {e}; install output goes to the node's log only",
-            log_dir.display()
-        );
-    }
-    let shell = if Path::new("/bin/bash").exists() || Path::new("/usr/bin/bash").exists() {
-        "bash"
-    } else {
-        "sh"
-    };
-    let mut env = s.env.merged();
-    for k in NODE_SECRETS {
-        env.remove(*k);
-    }
-    let mut cmd = Command::new(shell);
-    cmd.arg("-c")
-        .arg(script)
-        .current_dir(&s.working_dir)
-        .env_clear()
-        .envs(&env)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    crate::fds::harden(&mut cmd);
-    let mut child = match crate::workload::reaper::spawn(&mut cmd) {
-        Ok(c) => c,
-        Err(e) => {
-            let msg = format!("cannot run the install script with {shell}: {e}");
-            log::error!("{msg}");
-            return Some(msg);
-        }
-    };
-    let pump = |stream: Box<dyn std::io::Read + Send>, name: &'static str| {
-        let path = log_dir.join(format!("install.{name}.log"));
-        // Not `std::thread::spawn`, which panics when no thread can be made (a pids limit
-        // reached): then the stream is closed, and the script's writes to it fail.
-        let spawned = std::thread::Builder::new()
-            .name(format!("install-{name}"))
-            .spawn(move || {
-                let mut file = store::create_state_file(&path, 0o600).ok();
-                let mut tail: Vec<String> = Vec::new();
-                for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
-                    let line = String::from_utf8_lossy(&line).into_owned();
-                    if let Some(f) = file.as_mut() {
-                        let _ = writeln!(f, "{line}");
-                    }
-                    log::info!("[install {name}] {line}");
-                    if !line.trim().is_empty() {
-                        tail.push(line);
-                        if tail.len() > 5 {
-                            tail.remove(0);
-                        }
-                    }
-                }
-                tail
-            });
-        spawned
-            .map_err(|e| log::warn!("cannot read the install script's {name}: {e}"))
-            .ok()
-    };
-    let out = child
-        .stdout
-        .take()
-        .and_then(|o| pump(Box::new(o), "stdout"));
-    let err = child
-        .stderr
-        .take()
-        .and_then(|e| pump(Box::new(e), "stderr"));
-    let status = child.wait();
-    crate::workload::reaper::waited(child.id());
-    if let Some(h) = out {
-        let _ = h.join();
-    }
-    let stderr_tail = err.and_then(|h| h.join().ok()).unwrap_or_default();
-    match status {
-        Ok(st) if st.success() => {
-            log::info!("install script completed");
-            None
-        }
-        Ok(st) => {
-            let code = st
-                .code()
-                .map(|c| format!("exit code {c}"))
-                .unwrap_or_else(|| format!("{st}"));
-            let mut msg = format!("install script failed with {code}");
-            if !stderr_tail.is_empty() {
-                let tail = stderr_tail.join("\n");
-                let tail: String = tail
-                    .chars()
-                    .rev()
-                    .take(1000)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect();
-                msg.push_str(&format!(": {tail}"));
-            }
-            log::error!("{msg}");
-            Some(msg)
-        }
-        Err(e) => {
-            let msg = format!("install script: cannot wait for it: {e}");
-            log::error!("{msg}");
-            Some(msg)
-        }
-    }
 }

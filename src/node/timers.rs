@@ -59,6 +59,7 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
         crate::systemd::notify("WATCHDOG=1");
         due.watchdog = crate::util::later(now, Duration::from_secs(10));
     }
+    w.services.tick(now);
     w.outgoing().flush();
     w.logs().pump();
     shutdown::finish_stopping_workloads(w);
@@ -87,6 +88,7 @@ pub(super) fn next_wake(st: &Start<'_>, due: &Due, now: Instant) -> Instant {
         // Only while a stream has unsent bytes: growth of a file arrives as an event.
         w.streams.next_due(),
         w.active.next_due(),
+        w.services.next_due(),
         connected.then(|| w.outbox.next_try()).flatten(),
         connected.then(|| w.ingress.queue.next_try()).flatten(),
         w.outbox

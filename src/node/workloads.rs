@@ -450,6 +450,8 @@ pub(super) struct Work<'a> {
     pub(super) streams: &'a mut Streams,
     pub(super) ingress: &'a mut Ingress,
     pub(super) gpu: &'a mut Gpus,
+    /// The services workloads left (D59): a completion takes on those its supervisor kept.
+    pub(super) services: &'a mut super::services::Services,
     pub(super) throttle: &'a mut Throttles,
 }
 
@@ -579,6 +581,7 @@ impl Work<'_> {
     ) {
         let pid = meta.pid();
         let rid = meta.request_id_text();
+        self.services_left(safe_id, &meta);
         if meta.cancel.as_ref().is_some_and(|c| c.stale) {
             log::info!(
                 "stale {} {} (pid {pid}) is gone; forgotten without a completion",
@@ -626,6 +629,21 @@ impl Work<'_> {
             }
             None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
         }
+    }
+
+    /// D59: what the workload's supervisor kept running (services, taken on) and cleared
+    /// (logged), from its record.
+    fn services_left(&mut self, safe_id: &str, meta: &Meta) {
+        let origin = super::services::Origin {
+            started_by: meta.kind.to_string(),
+            request_id: Some(store::clip(&meta.request_id_text(), 200)),
+            workload_uuid: meta.workload_uuid.as_ref().map(|w| w.as_str().to_string()),
+        };
+        // SAFETY: geteuid has no preconditions.
+        let uid = meta.uid.unwrap_or_else(|| unsafe { libc::geteuid() });
+        let now = self.now();
+        let dir = self.io.layout.dir(safe_id);
+        self.services.adopt_left(&dir, &origin, uid, now);
     }
 
     /// The table's timers, with the streams' verdict on which ending workloads are drained.

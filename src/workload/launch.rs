@@ -267,6 +267,7 @@ fn shim_args(
         shell: shell.to_string(),
         command: meta.command.clone(),
         cleanup_grace_ms: u64::try_from(s.tuning.cleanup_grace.as_millis()).unwrap_or(u64::MAX),
+        keep_services: s.keep_services(),
         user: user.map(WorkloadUser::ids),
     }
     .to_args()

@@ -14,6 +14,7 @@ pub mod record;
 pub mod recover;
 pub mod request;
 pub mod results;
+pub mod services;
 pub mod shim;
 pub mod spawner;
 pub mod summary;

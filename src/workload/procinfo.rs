@@ -13,7 +13,7 @@ pub fn boot_id() -> String {
 /// each time (issue 25 item 5: this is on a start's path). Bytes that are not UTF-8 (a process
 /// may name itself anything, `prctl(PR_SET_NAME)`) are replaced, not an error: a workload that
 /// names itself so must not drop out of the scans that find it (D25, D26).
-fn read_proc(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {
+pub(crate) fn read_proc(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {
     use std::io::Read;
     let mut bytes = Vec::with_capacity(1024);
     std::fs::File::open(path)?.read_to_end(&mut bytes)?;
@@ -45,7 +45,7 @@ pub fn same_process_alive(pid: i32, start: u64) -> bool {
 /// dead one or a zombie, and a zombie whose other threads still run. A process whose main
 /// thread ends by the raw `exit` system call shows as `Z` while its other threads go on (the
 /// kernel reports it to its parent only once they end): it must not pass for gone.
-fn live(pid: i32, state: char) -> bool {
+pub(crate) fn live(pid: i32, state: char) -> bool {
     match state {
         'X' => false,
         'Z' => {

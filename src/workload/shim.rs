@@ -25,7 +25,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
-use super::procinfo;
+use super::{procinfo, services};
 use crate::{store, util};
 
 /// Written by the shim once the workload runs.
@@ -138,6 +138,9 @@ pub struct ShimArgs {
     /// How long what is left of the group after the workload's exit gets between SIGTERM and
     /// SIGKILL (D25).
     pub cleanup_grace_ms: u64,
+    /// D59: what the workload put in a session of its own is left running (`services: keep`,
+    /// the default); false clears it too. Passed as `MS:stop` in the grace argument.
+    pub keep_services: bool,
     /// D46.3: the ids the workload runs as (None: the supervisor's own).
     pub user: Option<super::user::Ids>,
 }
@@ -155,7 +158,12 @@ impl ShimArgs {
             self.stderr.clone().into(),
             self.shell.clone().into(),
             self.command.clone().into(),
-            self.cleanup_grace_ms.to_string().into(),
+            if self.keep_services {
+                self.cleanup_grace_ms.to_string()
+            } else {
+                format!("{}:stop", self.cleanup_grace_ms)
+            }
+            .into(),
         ];
         if let Some(ids) = &self.user {
             let groups: Vec<String> = ids.groups.iter().map(u32::to_string).collect();
@@ -169,9 +177,9 @@ impl ShimArgs {
             [rest @ .., user] if args.len() == 8 => (rest, Some(super::user::parse_arg(user)?)),
             _ => (args, None),
         };
-        let (fixed, grace) = match args {
-            [fixed @ .., grace] if args.len() == 7 => (fixed, grace.parse().ok()?),
-            fixed => (fixed, DEFAULT_CLEANUP_GRACE_MS),
+        let (fixed, (grace, keep_services)) = match args {
+            [fixed @ .., grace] if args.len() == 7 => (fixed, parse_grace(grace)?),
+            fixed => (fixed, (DEFAULT_CLEANUP_GRACE_MS, true)),
         };
         match fixed {
             [dir, cwd, out, err, shell, command] => Some(ShimArgs {
@@ -182,6 +190,7 @@ impl ShimArgs {
                 shell: shell.clone(),
                 command: command.clone(),
                 cleanup_grace_ms: grace,
+                keep_services,
                 user,
             }),
             _ => None,
@@ -189,42 +198,73 @@ impl ShimArgs {
     }
 }
 
+/// The grace argument: `MS` (services kept) or `MS:stop`.
+fn parse_grace(arg: &str) -> Option<(u64, bool)> {
+    match arg.split_once(':') {
+        Some((ms, "stop")) => Some((ms.parse().ok()?, false)),
+        Some(_) => None,
+        None => Some((arg.parse().ok()?, true)),
+    }
+}
+
 /// Terminates what is left of the workload (D25): its process group `pgid`, every other
-/// process in this shim's session `sid` (a job the workload put in a group of its own), and
-/// every child of this shim (an orphan re-parented to it, the subreaper, even one that left the
-/// session with `setsid`). SIGTERM, up to `grace` for them to go, then SIGKILL, again at each
-/// look for what is left; re-parented orphans are reaped as it waits. Returns once nothing is
-/// left (or 5 s after SIGKILL).
-fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
+/// process in this shim's session `me` (a job the workload put in a group of its own), and,
+/// unless `keep_services`, every child of this shim in another session too. With
+/// `services: keep` (D59) an orphan re-parented here that left the session (`setsid`) is a
+/// service, and stays. SIGTERM, up to `grace` for them to go, then SIGKILL, again at each look
+/// for what is left; re-parented orphans are reaped as it waits. Returns once nothing is left
+/// (or 5 s after SIGKILL), with what it cleared (the first [`services::MAX_LISTED`], and how
+/// many more) for the node's log, and its last look at the processes.
+fn clear_group(
+    pgid: i32,
+    me: i32,
+    grace: std::time::Duration,
+    keep_services: bool,
+) -> ((Vec<services::Cleared>, u64), Vec<services::Proc>) {
+    use std::cell::RefCell;
     use std::time::{Duration, Instant};
+    let named = Named::default();
     let reap = || {
         // SAFETY: non-blocking wait for any child; a null status pointer is allowed.
         while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
     };
-    let left = || {
-        let mut pids = procinfo::leftovers(sid);
-        pids.sort_unstable();
-        pids.dedup();
-        pids
+    // The last look at /proc, kept: where the services are found once nothing else is left.
+    let last: RefCell<Vec<services::Proc>> = RefCell::default();
+    let left = || -> Vec<services::Proc> {
+        let procs = services::scan();
+        let out = procs
+            .iter()
+            .filter(|p| p.pid != me && p.pid > 1)
+            .filter(|p| p.sid == me || (!keep_services && p.ppid == me))
+            .copied()
+            .collect();
+        *last.borrow_mut() = procs;
+        out
     };
-    let signal_left = |sig: i32| {
-        for pid in left() {
+    let note = |p: &services::Proc| named.note(p, me);
+    let signal_these = |procs: Vec<services::Proc>, sig: i32| {
+        for p in procs {
+            note(&p);
             // SAFETY: kill on a pid found a moment ago in this shim's session or among its
             // children (a child's pid cannot be reused before this shim reaps it).
             unsafe {
-                libc::kill(pid, sig);
+                libc::kill(p.pid, sig);
             }
         }
     };
+    let signal_left = |sig: i32| signal_these(left(), sig);
     let signal_all = |sig: i32| {
+        // Named before the group signal ends them.
+        let procs = left();
+        procs.iter().for_each(note);
         // The group as a whole only while a member of it is still in this session: the
         // workload's leader was reaped already, so once the group is empty its id may be
-        // another's (D26). Members are in the session, so `signal_left` reaches them anyway;
+        // another's (D26). Members are in the session, so `signal_these` reaches them anyway;
         // the group signal also catches what they fork meanwhile.
-        if procinfo::group_members(pgid, sid) > 0 {
+        if procinfo::group_members(pgid, me) > 0 {
             let _ = procinfo::signal_group(pgid, sig);
         }
-        signal_left(sig);
+        signal_these(procs, sig);
     };
     // `again`: what turns up meanwhile gets that signal too (a process that appears only once
     // another is killed, re-parented here from outside the session, say); by its pid, found in
@@ -243,15 +283,102 @@ fn clear_group(pgid: i32, sid: i32, grace: std::time::Duration) {
             }
         }
     };
-    if left().is_empty() {
-        reap();
+    if !left().is_empty() {
+        signal_all(libc::SIGTERM);
+        wait_empty(grace, None);
+        if !left().is_empty() {
+            signal_all(libc::SIGKILL);
+            wait_empty(Duration::from_secs(5), Some(libc::SIGKILL));
+        }
+    }
+    reap();
+    (named.into_cleared(), last.into_inner())
+}
+
+/// What a supervisor cleared, each named once (pid and command line, read before the signal)
+/// for the node's log: the first [`services::MAX_LISTED`], then only counted.
+#[derive(Default)]
+struct Named {
+    listed: std::cell::RefCell<std::collections::BTreeMap<i32, services::Cleared>>,
+    more: std::cell::RefCell<std::collections::BTreeSet<i32>>,
+}
+
+impl Named {
+    fn note(&self, p: &services::Proc, me: i32) {
+        let mut listed = self.listed.borrow_mut();
+        if listed.contains_key(&p.pid) || self.more.borrow().contains(&p.pid) {
+            return;
+        }
+        let cleared = services::Cleared {
+            pid: p.pid,
+            cmdline: services::cmdline(p.pid),
+            own_session: p.sid != me,
+        };
+        let _ = writeln!(
+            std::io::stderr(),
+            "clearing pid {} ({}){}",
+            cleared.pid,
+            cleared.cmdline,
+            if cleared.own_session {
+                ", a service (services: stop)"
+            } else {
+                ""
+            }
+        );
+        if listed.len() < services::MAX_LISTED {
+            listed.insert(p.pid, cleared);
+        } else {
+            self.more.borrow_mut().insert(p.pid);
+        }
+    }
+
+    fn into_cleared(self) -> (Vec<services::Cleared>, u64) {
+        let more = u64::try_from(self.more.into_inner().len()).unwrap_or(u64::MAX);
+        (self.listed.into_inner().into_values().collect(), more)
+    }
+}
+
+/// D59: leaves what the workload left (the services kept, the processes cleared) in
+/// `left.json` for the node, which logs it and tracks the services; nothing when it left
+/// nothing. A record that cannot be written is only noted in `shim.log`.
+fn record_left(
+    a: &ShimArgs,
+    me: i32,
+    (cleared, procs): ((Vec<services::Cleared>, u64), Vec<services::Proc>),
+) {
+    let mut found = if a.keep_services {
+        services::below_supervisor(&procs, me)
+    } else {
+        Vec::new()
+    };
+    for f in &found {
+        let _ = writeln!(
+            std::io::stderr(),
+            "keeping pid {} ({}): a service, in a session of its own",
+            f.pid,
+            f.cmdline
+        );
+    }
+    found.truncate(services::MAX_LISTED);
+    let left = services::Left {
+        services: found,
+        cleared: cleared.0,
+        more_cleared: cleared.1,
+    };
+    if left.is_empty() {
+        // Nothing to say: and no record planted beforehand speaks for this shim.
+        let _ = std::fs::remove_file(a.dir.join(services::LEFT_FILE));
         return;
     }
-    signal_all(libc::SIGTERM);
-    wait_empty(grace, None);
-    if !left().is_empty() {
-        signal_all(libc::SIGKILL);
-        wait_empty(Duration::from_secs(5), Some(libc::SIGKILL));
+    let written = serde_json::to_vec(&left)
+        .map_err(std::io::Error::other)
+        .and_then(|json| store::write_atomic(&a.dir.join(services::LEFT_FILE), &json, 0o600));
+    if let Err(e) = written {
+        let _ = writeln!(
+            std::io::stderr(),
+            "cannot write {}: {e}",
+            services::LEFT_FILE
+        );
     }
 }
 
@@ -316,12 +443,14 @@ pub fn run(args: &[String]) -> i32 {
     report_start(&a, pid, me, &started_at);
     // Reaped here (wait_workload), whatever else exits meanwhile.
     let status = wait_workload(pid);
-    // D25: nothing of the workload outlives its report.
-    clear_group(
+    // D25: nothing of the workload outlives its report but its services (D59).
+    let cleared = clear_group(
         pid,
         me,
         std::time::Duration::from_millis(a.cleanup_grace_ms),
+        a.keep_services,
     );
+    record_left(&a, me, cleared);
     let exit = Exit {
         exit_code: status.and_then(|s| s.code()),
         signal: status.and_then(|s| s.signal()),
@@ -452,5 +581,59 @@ fn record_exit(a: &ShimArgs, exit: &Exit) -> i32 {
             Err(_) if write_exit_link(&a.dir, exit).is_ok() => return EXIT_IN_LINK,
             Err(_) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(keep_services: bool, user: bool) -> ShimArgs {
+        ShimArgs {
+            dir: "/d".into(),
+            cwd: "/c".into(),
+            stdout: "/o".into(),
+            stderr: "/e".into(),
+            shell: "bash".into(),
+            command: "python3 preview.py".into(),
+            cleanup_grace_ms: 1500,
+            keep_services,
+            user: user.then(|| super::super::user::Ids {
+                uid: 7,
+                gid: 8,
+                groups: vec![8, 9],
+            }),
+        }
+    }
+
+    fn round_trip(a: &ShimArgs) -> ShimArgs {
+        let text: Vec<String> = a
+            .to_args()
+            .iter()
+            .skip(1)
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect();
+        ShimArgs::parse(&text).unwrap()
+    }
+
+    #[test]
+    fn whether_services_are_kept_travels_with_the_grace() {
+        for (keep, user) in [(true, false), (false, false), (true, true), (false, true)] {
+            let back = round_trip(&args(keep, user));
+            assert_eq!(back.keep_services, keep);
+            assert_eq!(back.cleanup_grace_ms, 1500);
+            assert_eq!(back.user.is_some(), user);
+        }
+        assert_eq!(parse_grace("10"), Some((10, true)));
+        assert_eq!(parse_grace("10:stop"), Some((10, false)));
+        assert_eq!(parse_grace("10:keep"), None);
+        assert_eq!(parse_grace(":stop"), None);
+        // Without the argument (an older node's shim): 10 s, services kept.
+        let six: Vec<String> = ["/d", "/c", "/o", "/e", "bash", "true"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let a = ShimArgs::parse(&six).unwrap();
+        assert_eq!((a.cleanup_grace_ms, a.keep_services), (10_000, true));
     }
 }

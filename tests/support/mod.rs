@@ -7,6 +7,7 @@ pub mod broker;
 pub mod control_plane;
 pub mod mqtt5;
 pub mod node;
+pub mod preview;
 pub mod rumqttd;
 pub mod scenario;
 pub mod secrets;

@@ -414,6 +414,31 @@ impl Drop for NodeProcess {
                 }
             }
         }
+        // Services (what workloads left in a session of their own) neither.
+        let path = self.home.join(".cyberwave/services.json");
+        // Never blocks on a FIFO a test planted there.
+        let services = std::fs::symlink_metadata(&path)
+            .ok()
+            .filter(std::fs::Metadata::is_file)
+            .and_then(|_| std::fs::read_to_string(&path).ok())
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .unwrap_or_default();
+        for s in services["services"].as_array().into_iter().flatten() {
+            let pid = |k: &str| {
+                s["process"][k]
+                    .as_i64()
+                    .filter(|p| *p > 1)
+                    .map(|p| p as i32)
+            };
+            for (key, group) in [("pid", false), ("scope_id", true)] {
+                if let Some(p) = pid(key) {
+                    // SAFETY: what the test's own workloads left running.
+                    unsafe {
+                        libc::kill(if group { -p } else { p }, libc::SIGKILL);
+                    }
+                }
+            }
+        }
         if !std::thread::panicking() {
             self.assert_no_secret_reached_the_log();
         }

@@ -224,6 +224,16 @@ fn g13_d48_a_fifo_for_the_params_of_a_salvaged_workload_never_wedges_the_node() 
     });
 }
 
+#[test]
+fn g13_d48_a_fifo_for_the_services_record_never_wedges_the_node() {
+    a_fifo_at("services.json", |_| {});
+}
+
+#[test]
+fn g13_d48_a_fifo_for_what_a_workload_left_running_never_wedges_the_node() {
+    a_fifo_at("workloads/wa/left.json", |s| record(s, "wa"));
+}
+
 /// The real thing: a running workload, the node killed with SIGKILL, its start record and log
 /// cursor replaced by FIFOs (what the workload itself could do), the node started again.
 #[test]

@@ -9,36 +9,14 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::support::timeouts::{EXIT, READY};
-use crate::support::{node_bin, rig};
+use crate::support::{node_bin, rig, TempDir};
 
 /// One wheel and one virtualenv for the whole test run (building and installing take seconds).
-/// The wheel's build folder: the static below is never dropped, so it lives under cargo's
-/// own scratch folder (`target/tmp`), one per test process, and those of test processes that
-/// have ended are removed here.
-fn build_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    if let Ok(rd) = std::fs::read_dir(root) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let ended = name
-                .strip_prefix("pip-")
-                .and_then(|pid| pid.parse::<u32>().ok())
-                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
-            if ended {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    let dir = root.join(format!("pip-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create the wheel's build folder");
-    dir
-}
-
-fn venv() -> &'static (PathBuf, PathBuf) {
-    static VENV: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+/// The wheel is built in a scratch folder that goes once it is installed.
+fn venv() -> &'static PathBuf {
+    static VENV: OnceLock<PathBuf> = OnceLock::new();
     VENV.get_or_init(|| {
-        let dir = build_dir();
+        let dir = TempDir::new("wheel");
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let wheels = dir.join("wheels");
         // The binary under test without its debug sections (a debug build is ~60 MB of them):
@@ -112,13 +90,13 @@ fn venv() -> &'static (PathBuf, PathBuf) {
             .unwrap();
         assert!(pip.status.success(), "pip install: {pip:?}");
         drop(lock);
-        (dir, env)
+        env
     })
 }
 
 #[test]
 fn pip_install_puts_the_binary_on_path_and_python_m_runs_it() {
-    let (_, env) = venv();
+    let env = venv();
     let v = Command::new(env.join("bin/cyberwave-cloud-node"))
         .arg("--version")
         .output()
@@ -158,7 +136,7 @@ fn pip_install_puts_the_binary_on_path_and_python_m_runs_it() {
 /// its exit code.
 #[test]
 fn the_python_api_runs_the_node_and_forwards_sigterm() {
-    let (_, env) = venv();
+    let env = venv();
     let (_b, _cp, mut setup) = rig("");
     let script = setup.write(
         "run_node.py",
@@ -211,7 +189,7 @@ fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
     for code in &examples {
         assert!(code.contains("sys.exit("), "{code}");
     }
-    let (_, env) = venv();
+    let env = venv();
     let (_b, _cp, mut setup) = rig("cyberwave:\n  inference: exec sleep 60\n");
     let main = setup.write("readme_example.py", &examples[0]);
     let standalone = setup.write("readme_standalone.py", &examples[1]);
@@ -255,7 +233,7 @@ fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
 /// the node, which as PID 1 stops and reports its workloads on SIGTERM, once or twice (the
 /// second sends SIGKILL at once); the grace is long, so only that can end the stop this soon.
 fn the_python_api_as_pid_1(times: usize) {
-    let (_, env) = venv();
+    let env = venv();
     let (_b, cp, mut setup) = rig(crate::container::MANIFEST);
     setup.set(
         "CYBERWAVE_NODE_STOP_GRACE_SECONDS",

@@ -355,6 +355,18 @@ impl ControlPlane {
         wait_for(timeout, || self.replies_for(request_id).into_iter().next())
     }
 
+    /// Sends a command to `node` and returns its reply (panics, with the node's log, when none
+    /// comes). The request id is the body's, a string or whatever JSON it is.
+    pub fn ask(&self, node: &super::NodeProcess, body: Value) -> Value {
+        let rid = match &body["request_id"] {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        self.command(&node.uuid(), body);
+        self.wait_reply(&rid, super::timeouts::REPLY)
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
+    }
+
     /// Sends `status` to `id` and waits for the reply.
     pub fn status(&self, id: &str, request_id: &str, timeout: Duration) -> Option<Value> {
         self.command(id, json!({"command": "status", "request_id": request_id}));

@@ -14,7 +14,9 @@ use super::{node_bin, secrets, wait_for, Broker, ControlPlane, TempDir};
 
 pub const TOKEN: &str = "cw_test_token_0123456789abcdef";
 
-/// Environment and arguments for a node; `spawn` starts it.
+/// Environment and arguments for a node; `spawn` starts it. A clone is another node on the same
+/// home and state dir.
+#[derive(Clone)]
 pub struct NodeSetup {
     pub home: Arc<TempDir>,
     pub env: BTreeMap<String, String>,
@@ -103,6 +105,27 @@ impl NodeSetup {
     /// Writes a file relative to the node's working dir.
     pub fn write(&self, rel: &str, text: &str) -> PathBuf {
         self.home.write(&format!("work/{rel}"), text)
+    }
+
+    /// Writes a file of the node's state dir before the node starts (what an earlier run, or a
+    /// workload, left there), the state dir private as the node makes it.
+    pub fn plant(&self, rel: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
+        let dir = self.config_dir();
+        let path = dir.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap_or(&dir)).expect("a folder of the state dir");
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .expect("the state dir private");
+        std::fs::write(&path, bytes).expect("a file of the state dir");
+        path
+    }
+
+    /// A standalone node (no backend) on the broker at this loopback port.
+    pub fn standalone(port: u16) -> NodeSetup {
+        let mut s = Self::bare();
+        s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+        s.set("CYBERWAVE_MQTT_PORT", &port.to_string());
+        s.arg("--standalone");
+        s
     }
 
     pub fn spawn(&self) -> NodeProcess {

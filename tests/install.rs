@@ -1,11 +1,14 @@
 //! Installed and run the ways users do (issue 24): started as the platform's CLI starts it
 //! (D43), under the unit `cyberwave compute install` writes (D42, D44).
+//! Installed and run the ways users do (issue 24): started as the platform's CLI starts it
+//! (D43), under the unit `cyberwave compute install` writes (D42, D44).
+//! The command line, `validate`, `config` and configuration errors, end to end.
 
 use std::time::Duration;
 
 use crate::support::node::NodeSetup;
-use crate::support::node_bin;
 use crate::support::timeouts::EXIT;
+use crate::support::{node_bin, Rig, Scenario};
 
 /// A process's command line, its arguments split.
 fn cmdline(pid: i32) -> Vec<String> {
@@ -120,7 +123,8 @@ pub const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=netw
 #[test]
 fn doctor_warns_that_the_cli_unit_masks_the_packaged_one_and_says_how_to_go_back() {
     // D44. The unit dirs of a test host: /etc's beside the package's /lib.
-    let (_broker, _cp, mut setup) = crate::support::rig("cyberwave:\n  training: sleep 1\n");
+    let mut rig = Scenario::new("cyberwave:\n  training: sleep 1\n").rig();
+    let Rig { setup, .. } = &mut rig;
     let units = crate::support::TempDir::new("units");
     let packaged = std::process::Command::new(node_bin())
         .arg("__print-unit")
@@ -282,7 +286,8 @@ type Env = std::collections::BTreeMap<String, String>;
 fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_without_home() {
     crate::support::assert_root("for a private PID namespace");
     let Some(venv) = cli_venv() else { return };
-    let (_broker, cp, setup) = crate::support::rig("cyberwave:\n  training: sleep 1\n");
+    let rig = Scenario::new("cyberwave:\n  training: sleep 1\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let manifest = setup.cwd.join("cyberwave.yml");
     // The CLI finds the node on PATH (it prefers /usr/bin/cyberwave-cloud-node, absent here).
     let bin = crate::support::TempDir::new("bin");
@@ -536,4 +541,52 @@ fn unit_runs_without_home(ns: &Namespace, env: &Env, base_url: &str, unit: &str)
         root_home.join(".cyberwave/instance_identity.json").exists(),
         "{log}"
     );
+}
+
+#[test]
+fn g7_install_service_user_writes_the_unit_and_a_private_env_file() {
+    let mut s = NodeSetup::bare();
+    let xdg = s.home.join("xdg");
+    s.set("XDG_CONFIG_HOME", &xdg.display().to_string());
+    s.set("CYBERWAVE_API_KEY", "cw_never_in_the_unit_1234");
+    let out = s.run(&["install-service", "--user"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let unit = std::fs::read_to_string(xdg.join("systemd/user/cyberwave-cloud-node.service"))
+        .expect("unit written");
+    assert!(unit.contains("\nKillMode=process\n"), "{unit}");
+    assert!(unit.contains("\nType=notify\n"));
+    assert!(
+        unit.contains(&format!(
+            "EnvironmentFile=-{}",
+            xdg.join("cyberwave/cloud-node.env").display()
+        )),
+        "{unit}"
+    );
+    assert!(unit.contains("WantedBy=default.target"));
+    assert!(
+        !unit.contains("User=cyberwave"),
+        "a user unit runs as its user"
+    );
+    assert!(
+        !unit.contains("cw_never_in_the_unit_1234"),
+        "the API key is never in the unit"
+    );
+    let env = xdg.join("cyberwave/cloud-node.env");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&env).expect("env file").permissions(),
+    ) & 0o777;
+    assert_eq!(mode, 0o600);
+    assert!(out.stdout.contains("loginctl enable-linger"), "{out:?}");
+    // Installing again keeps the operator's env file; uninstall removes only the unit.
+    std::fs::write(&env, "CYBERWAVE_API_KEY=cw_mine\n").expect("edit");
+    assert_eq!(s.run(&["install-service", "--user"]).code, Some(0));
+    assert_eq!(
+        std::fs::read_to_string(&env).unwrap_or_default(),
+        "CYBERWAVE_API_KEY=cw_mine\n"
+    );
+    assert_eq!(s.run(&["uninstall-service", "--user"]).code, Some(0));
+    assert!(!xdg
+        .join("systemd/user/cyberwave-cloud-node.service")
+        .exists());
+    assert!(env.exists());
 }

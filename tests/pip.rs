@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::support::timeouts::{EXIT, READY};
-use crate::support::{node_bin, rig, TempDir};
+use crate::support::{node_bin, Rig, Scenario, TempDir};
 
 /// One wheel and one virtualenv for the whole test run (building and installing take seconds).
 /// The wheel is built in a scratch folder that goes once it is installed.
@@ -137,7 +137,8 @@ fn pip_install_puts_the_binary_on_path_and_python_m_runs_it() {
 #[test]
 fn the_python_api_runs_the_node_and_forwards_sigterm() {
     let env = venv();
-    let (_b, _cp, mut setup) = rig("");
+    let mut rig = Scenario::new("").rig();
+    let Rig { setup, .. } = &mut rig;
     let script = setup.write(
         "run_node.py",
         "import sys\nfrom cyberwave_cloud_node import CloudNode, CloudNodeConfig\nconfig = CloudNodeConfig(training='echo from-python {body}', heartbeat_interval=30)\ncode = CloudNode(config=config, slug='py-node', args=['--standalone']).run()\nprint('run returned', code, flush=True)\nsys.exit(code)\n",
@@ -190,7 +191,8 @@ fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
         assert!(code.contains("sys.exit("), "{code}");
     }
     let env = venv();
-    let (_b, _cp, mut setup) = rig("cyberwave:\n  inference: exec sleep 60\n");
+    let mut rig = Scenario::new("cyberwave:\n  inference: exec sleep 60\n").rig();
+    let Rig { setup, .. } = &mut rig;
     let main = setup.write("readme_example.py", &examples[0]);
     let standalone = setup.write("readme_standalone.py", &examples[1]);
     setup.bin = Some(env.join("bin/python"));
@@ -234,7 +236,8 @@ fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
 /// second sends SIGKILL at once); the grace is long, so only that can end the stop this soon.
 fn the_python_api_as_pid_1(times: usize) {
     let env = venv();
-    let (_b, cp, mut setup) = rig(crate::container::MANIFEST);
+    let mut rig = Scenario::new(crate::containers::MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set(
         "CYBERWAVE_NODE_STOP_GRACE_SECONDS",
         if times == 1 { "3" } else { "60" },
@@ -243,13 +246,13 @@ fn the_python_api_as_pid_1(times: usize) {
         "run_node.py",
         "import sys\nfrom cyberwave_cloud_node import CloudNode\nsys.exit(CloudNode.from_config_file(slug='py-pid1').run())\n",
     );
-    crate::container::in_a_pid_namespace(&mut setup, &[]);
+    crate::containers::in_a_pid_namespace(setup, &[]);
     setup.bin = Some(env.join("bin/python"));
     setup.args = vec![script.display().to_string()];
     setup.unset("CYBERWAVE_NODE_BIN");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    crate::container::assert_a_stop_reports_both(&cp, &mut node, times, Duration::from_secs(20));
+    crate::containers::assert_a_stop_reports_both(cp, &mut node, times, Duration::from_secs(20));
     assert!(
         node.log()
             .contains("(the node is PID 1 of its PID namespace)"),

@@ -252,6 +252,14 @@ impl ControlPlane {
             .collect()
     }
 
+    /// The `completed` status updates of workload `wl` so far.
+    pub fn completions(&self, wl: &str) -> Vec<Value> {
+        self.statuses(wl)
+            .into_iter()
+            .filter(|b| b["status"] == "completed")
+            .collect()
+    }
+
     /// Waits until workload `wl` has a status update with `status` = `want`; returns them all.
     pub fn wait_status(&self, wl: &str, want: &str, timeout: Duration) -> Option<Vec<Value>> {
         wait_for(timeout, || {
@@ -353,6 +361,17 @@ impl ControlPlane {
 
     pub fn wait_reply(&self, request_id: &str, timeout: Duration) -> Option<Value> {
         wait_for(timeout, || self.replies_for(request_id).into_iter().next())
+    }
+
+    /// Asks `id` for `status` again and again (request ids `<tag>-1`, `<tag>-2`, …) until one
+    /// is answered or `timeout` passes: after a broker restart a command published before the
+    /// node (or this fake backend) subscribed again is lost with the broker's sessions.
+    pub fn status_eventually(&self, id: &str, tag: &str, timeout: Duration) -> Option<Value> {
+        let mut n = 0;
+        wait_for(timeout, || {
+            n += 1;
+            self.status(id, &format!("{tag}-{n}"), Duration::from_secs(2))
+        })
     }
 
     /// Sends a command to `node` and returns its reply (panics, with the node's log, when none

@@ -5,6 +5,7 @@
 
 pub mod broker;
 pub mod control_plane;
+pub mod disk;
 pub mod mqtt5;
 pub mod node;
 pub mod procs;
@@ -12,6 +13,7 @@ pub mod rumqttd;
 pub mod scenario;
 pub mod secrets;
 pub mod timeouts;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

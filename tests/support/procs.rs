@@ -87,3 +87,12 @@ pub fn all() -> Vec<i32> {
         })
         .unwrap_or_default()
 }
+
+/// A number of `/proc/<pid>/status` (`Threads:`, or `VmHWM:` in kB); 0 when it cannot be read.
+pub fn status_number(pid: impl Into<i64>, key: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{}/status", pid.into())).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}

@@ -85,6 +85,12 @@ impl Scenario {
         self
     }
 
+    /// Every sync of the node's state sleeps `ms` first: a slow disk, on which starts stay in
+    /// flight long enough to act on them (the node's start-up WARN proves the knob is on).
+    pub fn slow_disk(self, ms: u64) -> Scenario {
+        self.env("CYBERWAVE_TEST_SLOW_FSYNC_MS", &ms.to_string())
+    }
+
     /// A file in the node's working dir (a script the manifest runs).
     pub fn file(mut self, rel: &str, text: &str) -> Scenario {
         self.files.push((rel.to_string(), text.to_string()));
@@ -161,6 +167,12 @@ impl Rig {
         self.setup.config_dir().join(rel)
     }
 
+    /// The stdout log of workload `rid` of this kind, as it is now.
+    pub fn stdout_of(&self, kind: &str, rid: &str) -> String {
+        std::fs::read_to_string(self.state(&format!("workload_logs/{kind}_{rid}.stdout.log")))
+            .unwrap_or_default()
+    }
+
     /// Writes a file of the node's working dir (making its folders).
     pub fn write(&self, rel: &str, text: &str) -> PathBuf {
         self.setup.write(rel, text)
@@ -171,6 +183,25 @@ impl Rig {
         std::fs::write(self.work(rel), "").expect("touch a file of the working dir");
     }
 
+    /// How many times workload `rid` ran: the lines its command appended to `t/<rid>.runs`.
+    pub fn runs(&self, rid: &str) -> usize {
+        std::fs::read_to_string(self.work(&format!("t/{rid}.runs")))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+
+    /// The record the supervisor of workload `safe_id` wrote as it started it (`started.json`).
+    pub fn started(&self, safe_id: &str) -> Option<Value> {
+        let text = std::fs::read(self.state(&format!("workloads/{safe_id}/started.json"))).ok()?;
+        serde_json::from_slice(&text).ok()
+    }
+
+    /// Waits for the pid of workload `safe_id`'s supervisor (`started.json`).
+    pub fn supervisor_of(&self, safe_id: &str) -> i64 {
+        wait_for(REPLY, || self.started(safe_id)?["shim_pid"].as_i64())
+            .unwrap_or_else(|| panic!("no started.json for {safe_id}"))
+    }
+
     /// Waits for the pid a workload wrote into this file of the working dir.
     pub fn pid_in(&self, rel: &str) -> i32 {
         let path = self.work(rel);
@@ -178,6 +209,22 @@ impl Rig {
             std::fs::read_to_string(&path).ok()?.trim().parse().ok()
         })
         .unwrap_or_else(|| panic!("no pid in {}", path.display()))
+    }
+
+    /// One request line on the node's control socket, its one reply line back.
+    pub fn control(&self, line: &[u8]) -> Value {
+        use std::io::{BufRead, Write};
+        let sock = self.state("control.sock");
+        let mut s = std::os::unix::net::UnixStream::connect(&sock)
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", sock.display()));
+        s.set_read_timeout(Some(REPLY)).expect("timeout");
+        s.write_all(line).expect("write request");
+        s.write_all(b"\n").expect("write newline");
+        let mut reply = String::new();
+        std::io::BufReader::new(s)
+            .read_line(&mut reply)
+            .expect("read the reply");
+        serde_json::from_str(&reply).unwrap_or_else(|e| panic!("reply {reply:?}: {e}"))
     }
 
     /// Another node on the same broker and backend, with a home (and state dir) of its own.

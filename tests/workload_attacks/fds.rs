@@ -3,9 +3,9 @@
 
 use serde_json::json;
 
-use crate::support::rig;
 use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
+use crate::support::{Rig, Scenario};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
 const NOBODY: u32 = 65534;
@@ -15,7 +15,8 @@ const NOBODY: u32 = 65534;
 /// main at f918294 the workload held the live broker connection and could publish as the node.
 #[test]
 fn g13_a_workload_holds_no_descriptor_of_the_node() {
-    let (_b, cp, setup) = rig("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n");
+    let rig = Scenario::new("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let node = setup.spawn();
     node.wait_ready(READY);
     cp.command(
@@ -50,13 +51,14 @@ fn g13_a_workload_holds_no_descriptor_of_the_node() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
     crate::support::assert_root(&format!("to run the node as uid {NOBODY}"));
-    let (_b, cp, mut setup) = rig(concat!(
+    let mut rig = Scenario::new(concat!(
         "cyberwave:\n  training: |\n",
         "    node=$(awk '{print $4}' /proc/$PPID/stat)\n",
         "    echo \"$node\" > node.pid\n",
         "    if cat /proc/$node/environ > environ.txt 2>/dev/null; then echo read > environ.rc; else echo refused > environ.rc; fi\n",
         "    if ls /proc/$node/fd > nodefds.txt 2>/dev/null; then echo read > fd.rc; else echo refused > fd.rc; fi\n",
-    ));
+    )).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.uid = Some(NOBODY);
     // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
     // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
@@ -109,7 +111,8 @@ fn chown_nobody(path: &std::path::Path) {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     crate::support::assert_root(&format!("to run workloads as uid {NOBODY}"));
-    let (_b, cp, setup) = rig("");
+    let rig = Scenario::new("").rig();
+    let Rig { cp, setup, .. } = &rig;
     let state = setup.config_dir().display().to_string();
     setup.write(
         "cyberwave.yml",
@@ -177,8 +180,11 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
 /// setting, before anything runs (one the node lacks the privilege to become: the next test).
 #[test]
 fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() {
-    let (_b, _cp, setup) =
-        rig("cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n");
+    let rig = Scenario::new(
+        "cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n",
+    )
+    .rig();
+    let Rig { setup, .. } = &rig;
     let mut node = setup.spawn();
     let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
@@ -191,8 +197,9 @@ fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() 
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_start_with_exit_2() {
     crate::support::assert_root(&format!("to run the node as uid {NOBODY}"));
-    let (_b, _cp, mut setup) =
-        rig("cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n");
+    let mut rig =
+        Scenario::new("cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n").rig();
+    let Rig { setup, .. } = &mut rig;
     setup.uid = Some(NOBODY);
     // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
     // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
@@ -293,12 +300,13 @@ fn memory_contains(pid: i32, needle: &[u8]) -> bool {
 /// line and then `/dev/null`, stderr `shim.log`.
 #[test]
 fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment() {
-    let (_b, cp, setup) = rig(WAITING);
+    let rig = Scenario::new(WAITING).rig();
+    let Rig { cp, setup, .. } = &rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
     let w = Start::training("fs1");
-    assert_eq!(w.reply(&cp, &node)["status"], "ok");
+    assert_eq!(w.reply(cp, &node)["status"], "ok");
     let sup = supervisor_of(&setup.cwd, "fs1");
     assert_eq!(parent_of(sup), node.pid(), "the node's child");
     let cmdline = proc_text(sup, "cmdline");
@@ -335,7 +343,7 @@ fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment()
         "the workload's environment"
     );
     std::fs::write(setup.cwd.join("t/fs1.stop"), "").unwrap();
-    assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert_eq!(w.completion(cp)["exit_code"], 0, "{}", node.log());
 }
 
 /// D46.2 / each workload its own token: start A carries a token of its own; start B, after it,
@@ -343,22 +351,23 @@ fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment()
 /// token (every supervisor is exec'd from a fresh image).
 #[test]
 fn g13_a_supervisor_does_not_hold_an_earlier_start_token() {
-    let (_b, cp, setup) = rig(WAITING);
+    let rig = Scenario::new(WAITING).rig();
+    let Rig { cp, setup, .. } = &rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
     let token = "LEAKED-TOKEN-OF-A-".repeat(400);
     let a = Start::training("exa").with(json!({ "cyberwave_workload_token": token }));
-    assert_eq!(a.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    assert_eq!(a.reply(cp, &node)["status"], "ok", "{}", node.log());
     let _ = supervisor_of(&setup.cwd, "exa");
     std::fs::write(setup.cwd.join("t/exa.stop"), "").unwrap();
-    assert_eq!(a.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert_eq!(a.completion(cp)["exit_code"], 0, "{}", node.log());
     let b = Start::training("exb");
-    assert_eq!(b.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    assert_eq!(b.reply(cp, &node)["status"], "ok", "{}", node.log());
     let sup_b = supervisor_of(&setup.cwd, "exb");
     let leaked = memory_contains(sup_b, b"LEAKED-TOKEN-OF-A-LEAKED-TOKEN-OF-A-");
     std::fs::write(setup.cwd.join("t/exb.stop"), "").unwrap();
-    assert_eq!(b.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert_eq!(b.completion(cp)["exit_code"], 0, "{}", node.log());
     assert!(!leaked, "a supervisor holds an earlier start's token");
 }
 
@@ -367,7 +376,8 @@ fn g13_a_supervisor_does_not_hold_an_earlier_start_token() {
 /// supervisor holds exactly its three streams.
 #[test]
 fn g13_a_node_started_with_stdin_and_stdout_closed_still_starts_its_workloads() {
-    let (_b, cp, mut setup) = rig(WAITING);
+    let mut rig = Scenario::new(WAITING).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     setup.under = ["sh", "-c", "exec \"$@\" 0<&- 1>&-", "sh"]
         .map(String::from)
@@ -376,12 +386,12 @@ fn g13_a_node_started_with_stdin_and_stdout_closed_still_starts_its_workloads() 
     node.wait_ready(READY);
     for rid in ["cl1", "cl2", "cl3"] {
         let w = Start::training(rid);
-        assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+        assert_eq!(w.reply(cp, &node)["status"], "ok", "{}", node.log());
         let sup = supervisor_of(&setup.cwd, rid);
         let settled = crate::support::wait_for(REPLY, || (fds_of(sup).len() == 3).then_some(()));
         assert!(settled.is_some(), "{rid}: {:?}", fds_of(sup));
         std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
-        assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+        assert_eq!(w.completion(cp)["exit_code"], 0, "{}", node.log());
         let runs = std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap();
         assert_eq!(runs.lines().count(), 1, "{rid}");
     }

@@ -1,4 +1,4 @@
-//! D61 and D65: what a workload under `workload_user` can make the node (root) do through the
+//! D24, D61 and D65: what a workload under `workload_user` can make the node (root) do through the
 //! folders it can write — `results_folder`, or the folder above it — by a link, a rename, a race
 //! or a hard link, and what workloads under one user could do to each other. Each test is the
 //! attack as a workload would run it, and checks that nothing outside `results_folder` changed
@@ -10,10 +10,9 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::node::NodeSetup;
-use crate::support::scenario::{completion, uploaded, Start};
+use crate::support::scenario::{completion, uploaded};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{rig, wait_for, Broker, ControlPlane, TempDir};
+use crate::support::{wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start, TempDir};
 
 /// Throwaway users for one test (`useradd` as root, each with a home of its own), removed with
 /// their homes when the test ends.
@@ -91,19 +90,14 @@ fn chown(path: &Path, uid: u32) {
 
 /// A node whose workloads run as `users` (a name or a pool) with `slots` slots and this
 /// training script, its results in `results` (relative to its working dir).
-fn node_as(
-    users: &str,
-    slots: u32,
-    results: &str,
-    script: &str,
-) -> (Broker, ControlPlane, NodeSetup) {
+fn node_as(users: &str, slots: u32, results: &str, script: &str) -> Rig {
     let indented: String = script.lines().map(|l| format!("    {l}\n")).collect();
-    let (b, cp, mut setup) = rig(&format!(
+    Scenario::new(&format!(
         "cloud_node:\n  workload_user: {users}\n  max_concurrent_workloads: {slots}\ncyberwave:\n  training: |\n{indented}  results_folder: {results}\n"
-    ));
+    ))
     // Only directories every user may search on PATH.
-    setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
-    (b, cp, setup)
+    .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+    .rig()
 }
 
 /// A folder of root's outside the results folder, holding a file: what an attack must not reach.
@@ -142,7 +136,7 @@ impl Outside {
 }
 
 /// Starts `rid` and waits for its completion.
-fn run(cp: &ControlPlane, node: &crate::support::NodeProcess, rid: &str) -> serde_json::Value {
+fn run(cp: &ControlPlane, node: &NodeProcess, rid: &str) -> serde_json::Value {
     let w = Start::training(rid);
     w.ok(cp, node);
     w.completion(cp)
@@ -157,7 +151,7 @@ fn run(cp: &ControlPlane, node: &crate::support::NodeProcess, rid: &str) -> serd
 fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
     let users = Users::new("ln", 1);
     let outside = Outside::new("ln");
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         1,
         "out",
@@ -166,13 +160,14 @@ fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
             outside.path.display()
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     std::fs::create_dir(&out).unwrap();
     chown(&out, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "plant");
-    let done = run(&cp, &node, "victim");
+    run(cp, &node, "plant");
+    let done = run(cp, &node, "victim");
     assert_eq!(done["success"], true, "{done}");
     outside.assert_untouched(&node.log());
     assert!(
@@ -216,12 +211,13 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
         ),
         outside.path.display()
     );
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         2,
         "out",
         "if [ \"$CYBERWAVE_REQUEST_ID\" = racer ]; then python3 racer.py; fi",
     );
+    let Rig { cp, setup, .. } = &rig;
     setup.write("racer.py", &racer);
     let out = setup.cwd.join("out");
     std::fs::create_dir(&out).unwrap();
@@ -229,7 +225,7 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
     chown(&setup.cwd, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("racer").ok(&cp, &node);
+    Start::training("racer").ok(cp, &node);
     assert!(
         wait_for(REPLY, || setup.cwd.join("racing").exists().then_some(())).is_some(),
         "{}",
@@ -237,11 +233,11 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
     );
     for i in 0..30 {
         let w = Start::training(&format!("v{i}"));
-        w.ok(&cp, &node);
-        w.completion(&cp);
+        w.ok(cp, &node);
+        w.completion(cp);
     }
     std::fs::write(setup.cwd.join("stop"), "").unwrap();
-    completion(&cp, "wl-racer");
+    completion(cp, "wl-racer");
     outside.assert_untouched(&node.log());
 }
 
@@ -254,7 +250,7 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
 fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
     let users = Users::new("sw", 1);
     let outside = Outside::new("sw");
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         1,
         "shared/results",
@@ -266,23 +262,24 @@ fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
             outside.path.display()
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let shared = setup.cwd.join("shared");
     std::fs::create_dir(&shared).unwrap();
     chown(&shared, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "plant");
+    run(cp, &node, "plant");
     assert!(std::fs::symlink_metadata(shared.join("results"))
         .unwrap()
         .file_type()
         .is_symlink());
     // Looked at while the victim runs (once it ends, an empty folder of its is removed again).
-    Start::training("victim").ok(&cp, &node);
+    Start::training("victim").ok(cp, &node);
     let running = shared.join("running");
     assert!(wait_for(REPLY, || running.exists().then_some(())).is_some());
     outside.assert_untouched(&node.log());
     std::fs::write(setup.cwd.join("go"), "").unwrap();
-    let done = completion(&cp, "wl-victim");
+    let done = completion(cp, "wl-victim");
     assert_eq!(done["success"], true, "{done}");
     outside.assert_untouched(&node.log());
 }
@@ -294,7 +291,8 @@ fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
     let users = Users::new("ex", 1);
-    let (_b, cp, setup) = node_as(users.name(0), 1, "out", "true");
+    let rig = node_as(users.name(0), 1, "out", "true");
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     let keep = out.join("keep");
     std::fs::create_dir_all(&keep).unwrap();
@@ -308,7 +306,7 @@ fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
     .unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let done = run(&cp, &node, "keep");
+    let done = run(cp, &node, "keep");
     assert_eq!(done["success"], true, "{done}");
     let md = std::fs::metadata(&keep).unwrap();
     assert_eq!(
@@ -322,7 +320,7 @@ fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
         "the operator's model"
     );
     assert!(
-        uploaded(&cp, "wl-keep").is_empty(),
+        uploaded(cp, "wl-keep").is_empty(),
         "{:?}",
         cp.uploads().keys()
     );
@@ -336,7 +334,8 @@ fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_nor_deleted() {
     let users = Users::new("mv", 1);
-    let (_b, cp, setup) = node_as(users.name(0), 1, "out", "mv drop/secret.txt out/secret.txt");
+    let rig = node_as(users.name(0), 1, "out", "mv drop/secret.txt out/secret.txt");
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     let drop = setup.cwd.join("drop");
     for d in [&out, &drop] {
@@ -351,7 +350,7 @@ fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_
     .unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let done = run(&cp, &node, "mv");
+    let done = run(cp, &node, "mv");
     assert_eq!(done["success"], true, "{done}");
     assert!(
         cp.uploads().values().all(|v| v != b"operator secret"),
@@ -378,7 +377,7 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
     let secret = secret_dir.join("secret.txt");
     std::fs::write(&secret, "operator secret").unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         1,
         "out",
@@ -387,12 +386,13 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
             secret.display()
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     std::fs::create_dir(&out).unwrap();
     chown(&out, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("hl").ok(&cp, &node);
+    Start::training("hl").ok(cp, &node);
     let asked = wait_for(REPLY, || {
         (out.join(".want-link").exists() || out.join("leak.txt").exists()).then_some(())
     });
@@ -402,7 +402,7 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
         std::fs::hard_link(&secret, out.join("leak.txt")).unwrap();
         std::fs::write(setup.cwd.join("linked"), "").unwrap();
     }
-    let done = completion(&cp, "wl-hl");
+    let done = completion(cp, "wl-hl");
     assert_eq!(done["success"], true, "{done}");
     assert!(
         cp.uploads().values().all(|v| v != b"operator secret"),
@@ -424,7 +424,7 @@ fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
     let shared = TempDir::new("pool-shared");
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let s = shared.path().display().to_string();
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         &users.pool(),
         2,
         "out",
@@ -452,14 +452,15 @@ fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
             s = s
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let node = setup.spawn();
     node.wait_ready(READY);
     Start::training("victim")
         .with(json!({"cyberwave_workload_token": "victim-secret-token-0123", "note": "victim-param-secret"}))
-        .ok(&cp, &node);
-    Start::training("attacker").ok(&cp, &node);
+        .ok(cp, &node);
+    Start::training("attacker").ok(cp, &node);
     for wl in ["wl-victim", "wl-attacker"] {
-        let done = completion(&cp, wl);
+        let done = completion(cp, wl);
         assert_eq!(done["success"], true, "{wl}: {done}\n{}", node.log());
     }
     let read = |f: &str| std::fs::read_to_string(shared.join(f)).unwrap_or_default();
@@ -484,7 +485,7 @@ fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
     let shared = TempDir::new("keep-shared");
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let s = shared.path().display().to_string();
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         &users.pool(),
         2,
         "out",
@@ -492,22 +493,31 @@ fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
             "id -u > {s}/$CYBERWAVE_REQUEST_ID.uid\nwhile [ ! -f {s}/go ]; do sleep 0.02; done"
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("first").ok(&cp, &node);
+    Start::training("first").ok(cp, &node);
+    // `id -u > file` makes the file before it writes: wait for its line.
+    let written = |p: &Path| {
+        wait_for(REPLY, || {
+            let text = std::fs::read_to_string(p).ok()?;
+            text.ends_with('\n').then_some(())
+        })
+        .is_some()
+    };
     let first = shared.join("first.uid");
-    assert!(wait_for(REPLY, || first.exists().then_some(())).is_some());
+    assert!(written(&first));
     node.kill9();
     let node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("second").ok(&cp, &node);
+    Start::training("second").ok(cp, &node);
     let second = shared.join("second.uid");
-    assert!(wait_for(REPLY, || second.exists().then_some(())).is_some());
+    assert!(written(&second));
     std::fs::write(shared.join("go"), "").unwrap();
     let uid = |p: &Path| std::fs::read_to_string(p).unwrap().trim().to_string();
     assert_eq!(uid(&first), users.uid(0).to_string());
     assert_eq!(uid(&second), users.uid(1).to_string(), "{}", node.log());
-    completion(&cp, "wl-second");
+    completion(cp, "wl-second");
 }
 
 /// D65: a pool of two or more users smaller than `max_concurrent_workloads` is refused at start
@@ -516,7 +526,8 @@ fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
     let users = Users::new("small", 2);
-    let (_b, _cp, setup) = node_as(&users.pool(), 3, "out", "true");
+    let rig = node_as(&users.pool(), 3, "out", "true");
+    let Rig { setup, .. } = &rig;
     let mut node = setup.spawn();
     assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
     assert!(
@@ -535,8 +546,10 @@ fn g13_d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
 fn g13_d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_user() {
     crate::support::assert_root("to run workloads as nobody");
     for name in [".env", "credentials.json"] {
-        let (_b, _cp, setup) =
-            rig("cloud_node:\n  workload_user: nobody\ncyberwave:\n  training: true\n");
+        let rig =
+            Scenario::new("cloud_node:\n  workload_user: nobody\ncyberwave:\n  training: true\n")
+                .rig();
+        let Rig { setup, .. } = &rig;
         let state = setup.config_dir();
         std::fs::create_dir_all(&state).unwrap();
         std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
@@ -558,4 +571,26 @@ fn g13_d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_use
         let want = format!("chmod 600 {}", file.display());
         assert!(node.log().contains(&want), "{name}: {}", node.log());
     }
+}
+
+/// D24, nothing outside is written because of a request: a workload that replaces its own
+/// results folder with a symlink to another folder (`rmdir $CYBERWAVE_RESULTS_DIR; ln -s …`) is
+/// not uploaded, and the node's cleanup of empty folders does not follow the link to delete the
+/// empty folders below its target, outside the results folder.
+#[test]
+fn g5_d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: rmdir \"$CYBERWAVE_RESULTS_DIR\" && ln -s \"$PWD/keep\" \"$CYBERWAVE_RESULTS_DIR\"\n  results_folder: out\n",
+    )
+    .dir("keep/empty/deeper")
+    .node();
+    let keep = rig.work("keep/empty/deeper");
+    let w = Start::training("ln");
+    w.ok(&rig.cp, &node);
+    w.completion(&rig.cp);
+    assert!(
+        keep.exists(),
+        "the node deleted {} (outside the results folder) through a symlink the workload planted",
+        keep.display()
+    );
 }

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{node_bin, rig, wait_for, NodeProcess};
+use crate::support::{node_bin, wait_for, NodeProcess, Rig, Scenario};
 
 /// No process has this pid (pid_max is at most 2^22).
 const DEAD_PID: i64 = 2_147_483_000;
@@ -119,7 +119,8 @@ fn record(state: &Path, id: &str) {
 /// it (naming it in the log), answers a `status` command and the `status` CLI, and exits on
 /// SIGTERM.
 fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
-    let (_broker, cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();
     prepare(&state);
@@ -127,9 +128,9 @@ fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
     mkfifo(&fifo);
     let guard = Unplant(state.clone());
 
-    let offline = run_bounded(&setup, &["status", "--json"], EXIT);
+    let offline = run_bounded(setup, &["status", "--json"], EXIT);
     assert!(offline.is_some(), "{rel}: `status` hangs on a FIFO");
-    let logs = run_bounded(&setup, &["logs", "r-wa"], EXIT);
+    let logs = run_bounded(setup, &["logs", "r-wa"], EXIT);
     assert!(logs.is_some(), "{rel}: `logs` hangs on a FIFO");
     assert!(is_fifo(&fifo), "{rel}: the CLI moves nothing");
 
@@ -150,7 +151,7 @@ fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
         node.log()
     );
     assert!(!is_fifo(&fifo), "{rel}: moved away");
-    let online = run_bounded(&setup, &["status", "--json"], EXIT)
+    let online = run_bounded(setup, &["status", "--json"], EXIT)
         .unwrap_or_else(|| panic!("{rel}: `status` hangs while the node runs"));
     assert_eq!(online.code, Some(0), "{rel}: {online:?}");
     node.sigterm();
@@ -228,7 +229,8 @@ fn g13_d48_a_fifo_for_the_params_of_a_salvaged_workload_never_wedges_the_node() 
 /// cursor replaced by FIFOs (what the workload itself could do), the node started again.
 #[test]
 fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_node() {
-    let (_broker, cp, setup) = rig("cyberwave:\n  inference: sleep 30\n");
+    let rig = Scenario::new("cyberwave:\n  inference: sleep 30\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let state = setup.config_dir();
     let _guard = Unplant(state.clone());
     let mut node = setup.spawn();
@@ -258,11 +260,11 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
         mkfifo(&dirs[0].join(f));
     }
     assert!(
-        run_bounded(&setup, &["status"], EXIT).is_some(),
+        run_bounded(setup, &["status"], EXIT).is_some(),
         "`status` hangs on a FIFO"
     );
     assert!(
-        run_bounded(&setup, &["logs", "r-fifo"], EXIT).is_some(),
+        run_bounded(setup, &["logs", "r-fifo"], EXIT).is_some(),
         "`logs` hangs on a FIFO"
     );
     let mut again = setup.spawn();
@@ -277,7 +279,7 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
         "{}",
         again.log()
     );
-    let online = run_bounded(&setup, &["status", "--json"], EXIT).expect("`status` hangs");
+    let online = run_bounded(setup, &["status", "--json"], EXIT).expect("`status` hangs");
     assert_eq!(online.code, Some(0), "{online:?}");
     again.sigterm();
     assert!(again.wait_exit(EXIT).is_some(), "{}", again.log());
@@ -290,13 +292,14 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
 /// Files of the state dir that are not records: the login, an env file, the doctor's marker.
 #[test]
 fn g13_d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_or_doctor() {
-    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let Rig { setup, .. } = &rig;
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();
     let _guard = Unplant(state.clone());
     mkfifo(&state.join("credentials.json"));
     mkfifo(&state.join("client_id_conflict"));
-    let doctor = run_bounded(&setup, &["doctor"], Duration::from_secs(20));
+    let doctor = run_bounded(setup, &["doctor"], Duration::from_secs(20));
     assert!(doctor.is_some(), "`doctor` hangs on a FIFO");
     // A FIFO login is no login: the API key from the environment is used.
     let node = setup.spawn();
@@ -322,7 +325,8 @@ fn g13_d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_
 /// under systemd) naming the path.
 #[test]
 fn g13_a_directory_in_place_of_the_control_socket_is_exit_2_naming_it() {
-    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let Rig { setup, .. } = &rig;
     let sock = setup.config_dir().join("control.sock");
     std::fs::create_dir_all(sock.join("inner")).unwrap();
     let mut node = setup.spawn();

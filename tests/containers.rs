@@ -3,15 +3,19 @@
 //! container, so on SIGTERM it stops them itself (a second SIGTERM: SIGKILL at once) and gets
 //! every completion out before it exits; as PID 1 it reaps the orphans it inherits. Also the
 //! image: its user, and a state dir that user cannot write.
+//! The node as its container's main process (D58, D70): PID 1 of a new PID namespace, the child of
+//! an init or wrapper that is, or told so with `CYBERWAVE_NODE_INIT=1`. Its workloads die with the
+//! container, so on SIGTERM it stops them itself (a second SIGTERM: SIGKILL at once) and gets
+//! every completion out before it exits; as PID 1 it reaps the orphans it inherits. Also the
+//! image: its user, and a state dir that user cannot write.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
-use crate::support::scenario::Start;
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
+use crate::support::{wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
 pub(crate) const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
@@ -65,7 +69,8 @@ fn assert_stopped_and_reported(cp: &ControlPlane, node: &NodeProcess, pids: &[i6
 
 #[test]
 fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_INIT", "1");
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
     let mut node = setup.spawn();
@@ -76,8 +81,8 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
         node.log()
     );
     let pids = [
-        Start::new("inference", "inf").pid(&cp, &node),
-        Start::new("training", "train").pid(&cp, &node),
+        Start::new("inference", "inf").pid(cp, &node),
+        Start::new("training", "train").pid(cp, &node),
     ];
     // The training workload's trap is set once it loops.
     std::thread::sleep(Duration::from_millis(300));
@@ -92,7 +97,7 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
         took < Duration::from_secs(3),
         "exited {took:?} after SIGTERM: past the 3 s grace"
     );
-    assert_stopped_and_reported(&cp, &node, &pids);
+    assert_stopped_and_reported(cp, &node, &pids);
     assert!(node
         .log()
         .contains("every workload of the container is reported"));
@@ -105,7 +110,8 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads() {
     crate::support::assert_root("to make a PID namespace");
-    let (_b, cp, mut setup) = rig("");
+    let mut rig = Scenario::new("").rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.write(
         "cyberwave.yml",
         &format!("{MANIFEST}  install: for i in 1 2 3 4 5; do (sleep 0.2; exit 0) & done\n"),
@@ -124,8 +130,8 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
     let inner = pid_under_unshare(&node);
     // Pids inside the namespace: nothing of it outlives its PID 1 anyway; what matters is that
     // the backend heard of every workload.
-    Start::new("inference", "inf").pid(&cp, &node);
-    Start::new("training", "train").pid(&cp, &node);
+    Start::new("inference", "inf").pid(cp, &node);
+    Start::new("training", "train").pid(cp, &node);
     // The install script's five orphans ended 0.2 s after start; none is left a zombie.
     let zombies = || {
         std::fs::read_dir("/proc")
@@ -155,7 +161,7 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
         .wait_exit(Duration::from_secs(6))
         .expect("the node exits");
     assert_eq!(code, Some(0), "{}", node.log());
-    assert_stopped_and_reported(&cp, &node, &[]);
+    assert_stopped_and_reported(cp, &node, &[]);
 }
 
 /// A minimal init of the container's own, the shape of `docker run --init` and of an entrypoint
@@ -221,13 +227,14 @@ pub(crate) fn assert_a_stop_reports_both(
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_behind_an_init_the_node_stops_and_reports_every_workload_on_sigterm() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
-    let init = mini_init(&setup);
-    in_a_pid_namespace(&mut setup, &init);
+    let init = mini_init(setup);
+    in_a_pid_namespace(setup, &init);
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_a_stop_reports_both(&cp, &mut node, 1, Duration::from_secs(6));
+    assert_a_stop_reports_both(cp, &mut node, 1, Duration::from_secs(6));
     assert!(
         node.log()
             .contains("is PID 1 of its PID namespace, a shell entrypoint in front of it"),
@@ -242,13 +249,14 @@ fn d70_behind_an_init_the_node_stops_and_reports_every_workload_on_sigterm() {
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_behind_an_init_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "60");
-    let init = mini_init(&setup);
-    in_a_pid_namespace(&mut setup, &init);
+    let init = mini_init(setup);
+    in_a_pid_namespace(setup, &init);
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_a_stop_reports_both(&cp, &mut node, 2, Duration::from_secs(20));
+    assert_a_stop_reports_both(cp, &mut node, 2, Duration::from_secs(20));
     assert!(node.log().contains("SIGKILL now"), "{}", node.log());
 }
 
@@ -257,12 +265,13 @@ fn d70_behind_an_init_a_second_sigterm_kills_at_once_and_every_workload_is_still
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_as_pid_1_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "60");
-    in_a_pid_namespace(&mut setup, &[]);
+    in_a_pid_namespace(setup, &[]);
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_a_stop_reports_both(&cp, &mut node, 2, Duration::from_secs(20));
+    assert_a_stop_reports_both(cp, &mut node, 2, Duration::from_secs(20));
 }
 
 /// D70: a completion the backend never acknowledges before the grace ends: the node exits 1 and
@@ -270,12 +279,13 @@ fn d70_as_pid_1_a_second_sigterm_kills_at_once_and_every_workload_is_still_repor
 /// SIGTERM, so nothing of it outlives the test.)
 #[test]
 fn d70_a_stop_that_cannot_report_its_workloads_exits_1() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_INIT", "1");
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "2");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    Start::new("inference", "inf").pid(&cp, &node);
+    Start::new("inference", "inf").pid(cp, &node);
     cp.set_behaviour(|b| b.mute = true);
     node.sigterm();
     let code = node
@@ -302,7 +312,8 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
             .expect("CYBERWAVE_TEST_IMAGE_ROOTFS: the unpacked image's root filesystem"),
     );
     assert!(rootfs.join("usr/bin/cyberwave-cloud-node").is_file());
-    let (_b, cp, mut setup) = rig("");
+    let mut rig = Scenario::new("").rig();
+    let Rig { cp, setup, .. } = &mut rig;
     std::fs::write(
         rootfs.join("work/cyberwave.yml"),
         "cyberwave:\n  training: |\n    echo from-the-image\n    exec sleep 60\n",
@@ -359,7 +370,7 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
         .wait_exit(Duration::from_secs(6))
         .expect("the node exits");
     assert_eq!(code, Some(0), "{}", node.log());
-    let st = last_status(&cp, "wl-img");
+    let st = last_status(cp, "wl-img");
     assert_eq!(st["status"], "failed", "{st}");
     assert_eq!(st["reason"], "the node's container is stopping", "{st}");
 }
@@ -457,13 +468,15 @@ fn the_container_examples_manifests_validate() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once() {
     crate::support::assert_root("to make a PID namespace");
-    let (_b, cp, mut setup) = rig(concat!(
+    let mut rig = Scenario::new(concat!(
         "cyberwave:\n  training: |\n",
         "    echo $PPID > t/$CYBERWAVE_REQUEST_ID.sup\n",
         "    echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs\n",
         "    until [ -e t/$CYBERWAVE_REQUEST_ID.stop ]; do sleep 0.05; done\n",
         "    exit 4\n",
-    ));
+    ))
+    .rig();
+    let Rig { cp, setup, .. } = &mut rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     setup.under = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
         .map(String::from)
@@ -473,7 +486,7 @@ fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once(
     let inner = pid_under_unshare(&node);
     for rid in ["pid1", "pid2"] {
         let w = Start::training(rid);
-        assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+        assert_eq!(w.reply(cp, &node)["status"], "ok", "{}", node.log());
         let sup = wait_for(REPLY, || {
             std::fs::read_dir("/proc")
                 .unwrap()
@@ -498,7 +511,7 @@ fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once(
             node.log()
         );
         std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
-        assert_eq!(w.completion(&cp)["exit_code"], 4, "{}", node.log());
+        assert_eq!(w.completion(cp)["exit_code"], 4, "{}", node.log());
         let runs = std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap();
         assert_eq!(runs.lines().count(), 1, "{rid}");
     }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::support::scenario::completion;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, REPLY};
 use crate::support::{procs, wait_for, NodeProcess, Rig, Scenario, Start};
 
@@ -124,10 +125,7 @@ fn g9_cancel_escalates_to_the_whole_group_and_refuses_foreign_pids() {
     let f = rig.cp.wait_reply("foreign", REPLY).expect("reply");
     assert_eq!(f["status"], "error");
     assert!(
-        f["error"]
-            .as_str()
-            .unwrap_or_default()
-            .starts_with("No active workload found with PID"),
+        error_of(&f).starts_with("No active workload found with PID"),
         "{f}"
     );
     assert!(procs::exists(bystander.id()));
@@ -187,12 +185,11 @@ fn g9_a_second_cancel_keeps_the_first_deadline() {
         "cyberwave:\n  simulate: |\n    trap '' TERM\n    (trap '' TERM; sleep 60) &\n    sleep 60\n",
     )
     .node();
-    let cp = &rig.cp;
-    Start::new("simulate", "st").ok(cp, &node);
+    Start::new("simulate", "st").ok(&rig.cp, &node);
     let t0 = Instant::now();
-    let first = cp.ask(&node, json!({"command": "cancel", "request_id": "st-c1", "params": {"workload_request_id": "st", "grace_seconds": 2}}));
+    let first = rig.cp.ask(&node, json!({"command": "cancel", "request_id": "st-c1", "params": {"workload_request_id": "st", "grace_seconds": 2}}));
     assert_eq!(first["status"], "ok", "{first}");
-    let second = cp.ask(&node, json!({"command": "cancel", "request_id": "st-c2", "params": {"workload_request_id": "st", "grace_seconds": 60, "signal": "SIGINT"}}));
+    let second = rig.cp.ask(&node, json!({"command": "cancel", "request_id": "st-c2", "params": {"workload_request_id": "st", "grace_seconds": 60, "signal": "SIGINT"}}));
     assert_eq!(second["status"], "ok", "{second}");
     let msg = second["output"]["message"].as_str().unwrap_or_default();
     assert!(
@@ -200,7 +197,8 @@ fn g9_a_second_cancel_keeps_the_first_deadline() {
         "{second}"
     );
     // SIGKILL at the first deadline (2 s), not 60 s after the second cancel.
-    let all = cp
+    let all = rig
+        .cp
         .wait_status("wl-st", "cancelled", DONE)
         .unwrap_or_else(|| panic!("no cancelled status; log:\n{}", node.log()));
     let done = all
@@ -223,10 +221,9 @@ fn g9_cancel_of_a_workload_that_already_succeeded_answers_already_finished() {
         Duration::from_secs(3),
         "mkdir -p out && echo result > out/r.txt",
     );
-    let cp = &rig.cp;
-    Start::training("ok1").ok(cp, &node);
-    assert!(cp.wait_status("wl-ok1", "finalizing", DONE).is_some());
-    let c = cp.ask(
+    Start::training("ok1").ok(&rig.cp, &node);
+    assert!(rig.cp.wait_status("wl-ok1", "finalizing", DONE).is_some());
+    let c = rig.cp.ask(
         &node,
         json!({"command": "cancel", "request_id": "c1", "params": {"workload_request_id": "ok1"}}),
     );
@@ -238,7 +235,7 @@ fn g9_cancel_of_a_workload_that_already_succeeded_answers_already_finished() {
             .contains("already finished"),
         "{c}"
     );
-    let done = completion(cp, "wl-ok1");
+    let done = completion(&rig.cp, "wl-ok1");
     assert_eq!(
         done["success"], true,
         "its real outcome is reported: {done}"
@@ -253,20 +250,15 @@ fn g9_cancel_of_a_workload_that_already_succeeded_answers_already_finished() {
 #[test]
 fn g9_d29_a_cancel_just_after_the_completion_was_acknowledged_answers_already_finished() {
     let (rig, node) = Scenario::new("cyberwave:\n  training: echo hi\n").node();
-    let cp = &rig.cp;
-    Start::training("fin").ok(cp, &node);
-    assert!(
-        cp.wait_status("wl-fin", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    Start::training("fin").ok(&rig.cp, &node);
+    completion(&rig.cp, "wl-fin");
     // The completion was acknowledged: the node forgot the workload.
     let record = rig.state("workloads/fin");
     assert!(
         wait_for(REPLY, || (!record.exists()).then_some(())).is_some(),
         "record kept"
     );
-    let c = cp.ask(&node, json!({"command": "cancel", "request_id": "fin-c", "params": {"workload_request_id": "fin"}}));
+    let c = rig.cp.ask(&node, json!({"command": "cancel", "request_id": "fin-c", "params": {"workload_request_id": "fin"}}));
     assert_eq!(c["status"], "ok", "{c}");
     assert!(c.to_string().contains("already finished"), "{c}");
 }
@@ -281,22 +273,23 @@ fn g9_a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workl
     .slow_disk(500)
     .dir("t")
     .node();
-    let cp = &rig.cp;
-    Start::new("inference", "early").send(cp, &node);
-    cp.command(
+    Start::new("inference", "early").send(&rig.cp, &node);
+    rig.cp.command(
         &node.uuid(),
         json!({"command": "cancel", "request_id": "cx", "params": {"workload_request_id": "early"}}),
     );
-    let answer = cp
+    let answer = rig
+        .cp
         .wait_reply("cx", Duration::from_secs(5))
         .unwrap_or_else(|| panic!("cancel not answered; log:\n{}", node.log()));
     assert_eq!(answer["status"], "ok", "{answer}");
     assert_eq!(answer["output"]["state"], "starting", "{answer}");
     assert!(
-        cp.replies_for("early").is_empty(),
+        rig.cp.replies_for("early").is_empty(),
         "answered while the start was still in flight"
     );
-    let all = cp
+    let all = rig
+        .cp
         .wait_status("wl-early", "cancelled", Duration::from_secs(30))
         .unwrap_or_else(|| panic!("not cancelled; log:\n{}", node.log()));
     assert_eq!(
@@ -304,7 +297,7 @@ fn g9_a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workl
         1,
         "{all:?}"
     );
-    let start = cp.replies_for("early");
+    let start = rig.cp.replies_for("early");
     assert_eq!(start.len(), 1, "{start:?}");
     assert_eq!(start[0]["status"], "ok", "{start:?}");
     let lines = std::fs::read_to_string(rig.work("t/early.runs")).unwrap();
@@ -331,11 +324,10 @@ fn g9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
         Duration::from_secs(4),
         "mkdir -p out && echo result > out/r.txt",
     );
-    let cp = &rig.cp;
-    let r = cp.ask(&node, json!({"command": "training", "request_id": "rp", "params": {"workload_uuid": "wl-rp", "max_runtime_seconds": 1}}));
+    let r = rig.cp.ask(&node, json!({"command": "training", "request_id": "rp", "params": {"workload_uuid": "wl-rp", "max_runtime_seconds": 1}}));
     let pid = r["output"]["pid"].as_u64().unwrap_or(0) as u32;
     assert!(pid > 1, "{r}");
-    assert!(cp.wait_status("wl-rp", "finalizing", DONE).is_some());
+    assert!(rig.cp.wait_status("wl-rp", "finalizing", DONE).is_some());
     // A stranger gets the workload's pid, as its own session and group leader.
     let mut stranger = None;
     // Another process may take the pid between the write and the fork; on a busy machine that
@@ -359,14 +351,14 @@ fn g9_a_recycled_pid_of_an_exited_workload_is_never_signalled() {
         stranger.unwrap_or_else(|| panic!("could not recycle pid {pid} in 500 tries"));
     // Cancel by that pid while the exited workload is still tracked; and its max runtime
     // (1 s) passes meanwhile.
-    let c = cp.ask(&node, json!({"command": "cancel", "request_id": "rp-c", "params": {"pid": pid, "signal": "SIGKILL"}}));
+    let c = rig.cp.ask(&node, json!({"command": "cancel", "request_id": "rp-c", "params": {"pid": pid, "signal": "SIGKILL"}}));
     assert_eq!(c["status"], "ok", "{c}");
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
         procs::alive(pid),
         "the stranger holding a recycled pid was signalled"
     );
-    let done = completion(cp, "wl-rp");
+    let done = completion(&rig.cp, "wl-rp");
     assert_eq!(done["success"], true, "{done}");
     assert!(
         procs::alive(pid),

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::scenario::completion;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
@@ -19,7 +20,7 @@ const MARKING: &str =
 fn refused(cp: &ControlPlane, node: &NodeProcess, body: Value) -> String {
     let r = cp.ask(node, body);
     assert_eq!(r["status"], "error", "{r}");
-    r["error"].as_str().unwrap_or_default().to_string()
+    error_of(&r).to_string()
 }
 
 /// How many workloads of [`MARKING`] ran.
@@ -50,73 +51,70 @@ fn assert_running(node: &mut NodeProcess, what: &str) {
 #[test]
 fn g5_bad_commands_get_clear_errors_and_the_node_keeps_serving() {
     let (rig, node) = Scenario::default().node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
-    cp.command_raw(&uuid, b"{not json".to_vec());
-    cp.command(&uuid, json!({"request_id": "no-command"}));
-    cp.command(&uuid, json!({"command": "reboot", "request_id": "unknown"}));
-    cp.command(
+    rig.cp.command_raw(&uuid, b"{not json".to_vec());
+    rig.cp.command(&uuid, json!({"request_id": "no-command"}));
+    rig.cp
+        .command(&uuid, json!({"command": "reboot", "request_id": "unknown"}));
+    rig.cp.command(
         &uuid,
         json!({"command": "training", "request_id": "bad-params", "params": [1, 2]}),
     );
-    cp.command(&uuid, json!({"status": "ok", "request_id": "echo"}));
+    rig.cp
+        .command(&uuid, json!({"status": "ok", "request_id": "echo"}));
     for (rid, needle) in [
         ("no-command", "no 'command' field"),
         ("unknown", "Unknown command: reboot"),
         ("bad-params", "params must be a JSON object"),
     ] {
-        let r = cp
+        let r = rig
+            .cp
             .wait_reply(rid, REPLY)
             .unwrap_or_else(|| panic!("no reply to {rid}"));
         assert_eq!(r["status"], "error", "{r}");
-        assert!(
-            r["error"].as_str().unwrap_or_default().contains(needle),
-            "{r}"
-        );
+        assert!(error_of(&r).contains(needle), "{r}");
     }
-    assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
-    assert!(cp.replies_for("echo").is_empty(), "echoes are ignored");
-    assert!(node.log().contains("not valid JSON"), "{}", node.log());
+    assert!(rig.cp.status(&uuid, "still-alive", REPLY).is_some());
+    assert!(rig.cp.replies_for("echo").is_empty(), "echoes are ignored");
+    node.assert_logged("not valid JSON");
 }
 
 #[test]
 fn g5_params_that_are_not_an_object_spawn_nothing() {
     let (rig, node) = Scenario::new(MARKING).node();
-    let cp = &rig.cp;
     for (i, bad) in [json!(null), json!("x"), json!(7), json!([1, 2])]
         .into_iter()
         .enumerate()
     {
         let rid = format!("p{i}");
         let e = refused(
-            cp,
+            &rig.cp,
             &node,
             json!({"command": "training", "request_id": rid, "params": bad}),
         );
         assert!(e.contains("params must be a JSON object"), "{e}");
     }
     let e = refused(
-        cp,
+        &rig.cp,
         &node,
         json!({"command": "inference", "request_id": "absent"}),
     );
     assert!(e.contains("params"), "{e}");
     // workload_received: a null command_params is refused, and the named workload fails (D8).
     let e = refused(
-        cp,
+        &rig.cp,
         &node,
         json!({"command": "workload_received", "request_id": "wr", "params": {"workload_uuid": "wl-wr", "command_type": "training", "command_params": null}}),
     );
     assert!(e.contains("params.command_params"), "{e}");
-    assert!(cp.wait_status("wl-wr", "failed", REPLY).is_some());
-    still_serving(cp, &node, "alive");
+    assert!(rig.cp.wait_status("wl-wr", "failed", REPLY).is_some());
+    still_serving(&rig.cp, &node, "alive");
     nothing_ran(&rig);
 }
 
 #[test]
 fn g8_workload_uuids_with_topic_wildcards_are_refused_and_the_node_stays_connected() {
     let (rig, node) = Scenario::new(MARKING).node();
-    let cp = &rig.cp;
     for (i, bad) in [
         "a/#",
         "+",
@@ -132,7 +130,7 @@ fn g8_workload_uuids_with_topic_wildcards_are_refused_and_the_node_stays_connect
     {
         let rid = format!("topic{i}");
         let e = refused(
-            cp,
+            &rig.cp,
             &node,
             json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": bad}}),
         );
@@ -140,12 +138,12 @@ fn g8_workload_uuids_with_topic_wildcards_are_refused_and_the_node_stays_connect
     }
     // Workflow ids reach ingress topics: the same rule.
     let e = refused(
-        cp,
+        &rig.cp,
         &node,
         json!({"command": "inference", "request_id": "wf", "params": {"workflow_uuid": "w/#", "workflow_execution_uuid": "e", "workflow_node_uuid": "n"}}),
     );
     assert!(e.contains("params.workflow_uuid"), "{e}");
-    still_serving(cp, &node, "alive");
+    still_serving(&rig.cp, &node, "alive");
     nothing_ran(&rig);
     assert!(!node.log().contains("connection lost"), "{}", node.log());
     let outbox = rig.state("outbox");
@@ -162,11 +160,10 @@ fn g5_a_start_whose_workload_uuid_is_the_text_none_names_no_workload() {
     let (rig, node) =
         Scenario::new("cyberwave:\n  training: echo \"wl=[${CYBERWAVE_WORKLOAD_UUID-unset}]\"\n")
             .node();
-    let cp = &rig.cp;
     for (rid, none) in [("nn", "None"), ("ne", "")] {
         Start::training(rid)
             .params(json!({"workload_uuid": none}))
-            .ok(cp, &node);
+            .ok(&rig.cp, &node);
         // The console tag is the request id then, as for a start without a workload uuid.
         assert!(
             node.wait_stdout(&format!("[workload {rid} stdout] wl=[unset]"), DONE),
@@ -185,8 +182,9 @@ fn g5_a_start_whose_workload_uuid_is_the_text_none_names_no_workload() {
             node.log()
         );
     }
-    still_serving(cp, &node, "after-none");
-    let topics: Vec<String> = cp
+    still_serving(&rig.cp, &node, "after-none");
+    let topics: Vec<String> = rig
+        .cp
         .all_requests()
         .into_iter()
         .map(|r| r.topic)
@@ -201,15 +199,14 @@ fn g5_a_start_whose_workload_uuid_is_the_text_none_names_no_workload() {
 #[test]
 fn a_nul_in_a_workload_uuid_is_refused_and_the_node_lives_and_restarts() {
     let (rig, mut node) = Scenario::new("cyberwave:\n  inference: 'true'\n").node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
-    cp.command(
+    rig.cp.command(
         &uuid,
         json!({"command": "inference", "request_id": "nul", "params": {"workload_uuid": "w\u{0}x"}}),
     );
-    let reply = cp.wait_reply("nul", REPLY);
+    let reply = rig.cp.wait_reply("nul", REPLY);
     assert!(
-        cp.status(&uuid, "after-nul", REPLY).is_some(),
+        rig.cp.status(&uuid, "after-nul", REPLY).is_some(),
         "no status reply"
     );
     assert_running(&mut node, "after a NUL in workload_uuid");
@@ -221,17 +218,16 @@ fn a_nul_in_a_workload_uuid_is_refused_and_the_node_lives_and_restarts() {
     node.sigterm();
     assert!(node.wait_exit(REPLY).is_some(), "the node did not stop");
     let mut again = rig.node();
-    assert!(cp.status(&uuid, "after-restart", REPLY).is_some());
+    assert!(rig.cp.status(&uuid, "after-restart", REPLY).is_some());
     assert_running(&mut again, "after a restart");
 }
 
 #[test]
 fn g8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
     let (rig, node) = Scenario::new(MARKING).node();
-    let cp = &rig.cp;
     let long = "r".repeat(16 * 1024 + 1);
     let e = refused(
-        cp,
+        &rig.cp,
         &node,
         json!({"command": "inference", "request_id": long, "params": {}}),
     );
@@ -244,11 +240,11 @@ fn g8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
         "a log line carries the whole id"
     );
     let at_limit = "s".repeat(16 * 1024);
-    cp.command(
+    rig.cp.command(
         &node.uuid(),
         json!({"command": "inference", "request_id": at_limit, "params": {}}),
     );
-    let r = cp.wait_reply(&at_limit, REPLY).expect("reply");
+    let r = rig.cp.wait_reply(&at_limit, REPLY).expect("reply");
     assert_eq!(r["status"], "ok", "{r}; log:\n{}", node.log());
     assert!(
         wait_for(REPLY, || (ran(&rig) == 1).then_some(())).is_some(),
@@ -259,7 +255,6 @@ fn g8_a_request_id_over_16_kib_is_refused_and_one_at_the_limit_runs() {
 #[test]
 fn g8_a_runtime_limit_of_1e19_seconds_is_refused_and_cannot_crash_loop_the_node() {
     let (rig, mut node) = Scenario::new(MARKING).node();
-    let cp = &rig.cp;
     for (i, bad) in [
         json!(1e19),
         json!(-1),
@@ -272,7 +267,7 @@ fn g8_a_runtime_limit_of_1e19_seconds_is_refused_and_cannot_crash_loop_the_node(
     {
         let rid = format!("rt{i}");
         let e = refused(
-            cp,
+            &rig.cp,
             &node,
             json!({"command": "inference", "request_id": rid, "params": {"workload_uuid": format!("w{i}"), "max_runtime_seconds": bad}}),
         );
@@ -281,17 +276,17 @@ fn g8_a_runtime_limit_of_1e19_seconds_is_refused_and_cannot_crash_loop_the_node(
         // The backend named the workload: it hears that it failed, and why.
         let wl = format!("w{i}");
         assert!(
-            cp.wait_status(&wl, "failed", REPLY).is_some(),
+            rig.cp.wait_status(&wl, "failed", REPLY).is_some(),
             "{:?}",
-            cp.statuses(&wl)
+            rig.cp.statuses(&wl)
         );
     }
-    still_serving(cp, &node, "alive-1");
+    still_serving(&rig.cp, &node, "alive-1");
     nothing_ran(&rig);
     // Nothing was persisted for it: a restart comes up and serves.
     node.kill9();
     let node = rig.node();
-    still_serving(cp, &node, "alive-2");
+    still_serving(&rig.cp, &node, "alive-2");
     assert!(!node.log().contains("panicked"), "{}", node.log());
 }
 
@@ -357,15 +352,14 @@ fn g5_d64_a_command_refused_before_its_params_are_read_gets_its_reply_and_a_fail
     let (rig, node) = Scenario::new("cyberwave:\n  inference: 'true'\n")
         .env("CYBERWAVE_NODE_MAX_COMMAND_BYTES", "1048576")
         .node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
     let deep = format!(
         r#"{{"command":"inference","request_id":"deep","params":{{"workload_uuid":"wl-deep","x":{}{}}}}}"#,
         "[".repeat(200),
         "]".repeat(200)
     );
-    cp.command_raw(&uuid, deep.into_bytes());
-    cp.command_raw(
+    rig.cp.command_raw(&uuid, deep.into_bytes());
+    rig.cp.command_raw(
         &uuid,
         br#"{"request_id":"cut","command":"training","params":{"workload_uuid":"wl-cut","x":[1,"#
             .to_vec(),
@@ -374,16 +368,16 @@ fn g5_d64_a_command_refused_before_its_params_are_read_gets_its_reply_and_a_fail
         r#"{{"request_id":"big","command":"simulate","params":{{"workload_uuid":"wl-big","image_bytes_base64":"{}"}}}}"#,
         "A".repeat(2 << 20)
     );
-    cp.command_raw(&uuid, big.into_bytes());
+    rig.cp.command_raw(&uuid, big.into_bytes());
     // A cancel names a workload to act on, not one that failed: a reply, no status.
     let cancel = format!(
         r#"{{"command":"cancel","request_id":"deep-cancel","params":{{"workload_uuid":"wl-other","x":{}{}}}}}"#,
         "{\"a\":".repeat(200),
         "}".repeat(200)
     );
-    cp.command_raw(&uuid, cancel.into_bytes());
+    rig.cp.command_raw(&uuid, cancel.into_bytes());
     // Read twice: which one is meant? No reply.
-    cp.command_raw(
+    rig.cp.command_raw(
         &uuid,
         br#"{"request_id":"twice","request_id":"twice","command":"inference","params":{"workload_uuid":"wl-twice","#
             .to_vec(),
@@ -394,29 +388,28 @@ fn g5_d64_a_command_refused_before_its_params_are_read_gets_its_reply_and_a_fail
         ("big", Some("wl-big"), "the limit is 1048576"),
         ("deep-cancel", None, "recursion limit"),
     ] {
-        let r = cp
+        let r = rig
+            .cp
             .wait_reply(rid, REPLY)
             .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()));
         assert_eq!(r["status"], "error", "{r}");
-        assert!(
-            r["error"].as_str().unwrap_or_default().contains(needle),
-            "{r}"
-        );
+        assert!(error_of(&r).contains(needle), "{r}");
         if let Some(wl) = wl {
-            let st = cp
+            let st = rig
+                .cp
                 .wait_status(wl, "failed", REPLY)
                 .unwrap_or_else(|| panic!("no failed status for {wl}; log:\n{}", node.log()));
             let last = st.last().cloned().unwrap_or_default();
-            assert!(
-                last["error"].as_str().unwrap_or_default().contains(needle),
-                "{last}"
-            );
+            assert!(error_of(&last).contains(needle), "{last}");
         }
     }
-    assert!(cp.statuses("wl-other").is_empty(), "a cancel fails nothing");
-    assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
-    assert!(cp.replies_for("twice").is_empty());
-    assert!(cp.statuses("wl-twice").is_empty());
+    assert!(
+        rig.cp.statuses("wl-other").is_empty(),
+        "a cancel fails nothing"
+    );
+    assert!(rig.cp.status(&uuid, "still-alive", REPLY).is_some());
+    assert!(rig.cp.replies_for("twice").is_empty());
+    assert!(rig.cp.statuses("wl-twice").is_empty());
 }
 
 /// Long enough for tens of MiB through the broker and a debug build's JSON parser.
@@ -428,7 +421,6 @@ const DONE_BIG: Duration = Duration::from_secs(60);
 #[test]
 fn g5_d64_a_start_of_31_mib_runs_and_one_of_33_mib_gets_its_reply_and_a_failed_status() {
     let (rig, node) = Scenario::new("cyberwave:\n  inference: 'true'\n").node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
     let start = |rid: &str, wl: &str, mib: usize| {
         format!(
@@ -437,23 +429,25 @@ fn g5_d64_a_start_of_31_mib_runs_and_one_of_33_mib_gets_its_reply_and_a_failed_s
         )
         .into_bytes()
     };
-    cp.command_raw(&uuid, start("inline", "wl-inline", 31));
-    let r = cp
+    rig.cp.command_raw(&uuid, start("inline", "wl-inline", 31));
+    let r = rig
+        .cp
         .wait_reply("inline", DONE_BIG)
         .expect("a reply to the 31 MiB start");
     assert_eq!(r["status"], "ok", "{r}");
-    assert!(cp.wait_status("wl-inline", "completed", DONE_BIG).is_some());
-    cp.command_raw(&uuid, start("over", "wl-over", 33));
-    let r = cp
+    assert!(rig
+        .cp
+        .wait_status("wl-inline", "completed", DONE_BIG)
+        .is_some());
+    rig.cp.command_raw(&uuid, start("over", "wl-over", 33));
+    let r = rig
+        .cp
         .wait_reply("over", DONE_BIG)
         .expect("a reply to the 33 MiB start");
     assert_eq!(r["status"], "error", "{r}");
-    assert!(
-        r["error"].as_str().unwrap_or_default().contains("limit"),
-        "{r}"
-    );
-    assert!(cp.wait_status("wl-over", "failed", REPLY).is_some());
-    assert!(cp.status(&uuid, "still-alive", REPLY).is_some());
+    assert!(error_of(&r).contains("limit"), "{r}");
+    assert!(rig.cp.wait_status("wl-over", "failed", REPLY).is_some());
+    assert!(rig.cp.status(&uuid, "still-alive", REPLY).is_some());
 }
 
 #[test]

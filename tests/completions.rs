@@ -71,11 +71,7 @@ fn g2_workloads_survive_kill_9_of_the_node_and_are_reported_once_after_restart()
     std::fs::write(rig.work("release-1"), "").expect("release");
     assert!(wait_for(REPLY, || (!procs::exists(pids[0])).then_some(())).is_some());
     let node = rig.node();
-    assert!(
-        node.log().contains("re-adopted running workload k2"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("re-adopted running workload k2");
     // k1's supervisor may still be writing its exit record as the node comes up (it first
     // clears what is left of the group): the node learns of it within its next check.
     let mut st = Value::Null;
@@ -202,9 +198,8 @@ fn g9_processes_a_workload_leaves_behind_are_ended_before_it_is_reported() {
     )
     .env("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1")
     .node();
-    let cp = &rig.cp;
-    Start::training("lb").ok(cp, &node);
-    let done = completion(cp, "wl-lb");
+    Start::training("lb").ok(&rig.cp, &node);
+    let done = completion(&rig.cp, "wl-lb");
     assert_eq!(done["success"], true, "{done}");
     let kids: Vec<u32> = std::fs::read_to_string(rig.work("kids"))
         .unwrap_or_default()
@@ -214,7 +209,7 @@ fn g9_processes_a_workload_leaves_behind_are_ended_before_it_is_reported() {
     assert_eq!(kids.len(), 21, "{kids:?}");
     let left: Vec<u32> = kids.into_iter().filter(|p| procs::alive(*p)).collect();
     assert!(left.is_empty(), "left running after the report: {left:?}");
-    let st = cp.status(&node.uuid(), "idle", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "idle", REPLY).expect("status");
     assert_eq!(st["output"]["is_busy"], false, "{st}");
 }
 
@@ -229,11 +224,10 @@ fn g3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
     .rig();
     let _disk = Tmpfs::on_state_dir(&rig.setup, "size=2m,mode=0700");
     let node = rig.node();
-    let cp = &rig.cp;
-    Start::training("full").ok(cp, &node);
+    Start::training("full").ok(&rig.cp, &node);
     // The disk fills up; the node keeps answering and says so, but not once per attempt.
     assert!(
-        cp.status(&node.uuid(), "while-full", REPLY).is_some(),
+        rig.cp.status(&node.uuid(), "while-full", REPLY).is_some(),
         "{}",
         node.log()
     );
@@ -252,13 +246,14 @@ fn g3_a_completion_survives_a_full_disk_and_goes_out_when_space_returns() {
             .open(&log)
             .map(|f| f.set_len(0));
     }
-    let done = completion(cp, "wl-full");
+    let done = completion(&rig.cp, "wl-full");
     assert_eq!(done["success"], false, "{done}");
     assert_eq!(
         done["exit_code"], 7,
         "the real exit code, not a lost one: {done}"
     );
-    let n = cp
+    let n = rig
+        .cp
         .statuses("wl-full")
         .iter()
         .filter(|b| b["status"] == "completed")

@@ -30,11 +30,7 @@ fn reconnects_and_resubscribes_after_a_broker_outage() {
     );
     let took = back.elapsed();
     assert!(took < Duration::from_secs(15), "took {took:?}");
-    assert!(
-        node.log().contains("MQTT connection problem"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("MQTT connection problem");
     assert!(
         node.log().contains("connection refused"),
         "the reason is logged: {}",
@@ -45,28 +41,27 @@ fn reconnects_and_resubscribes_after_a_broker_outage() {
 #[test]
 fn g1_a_command_sent_while_the_node_is_down_is_answered_once_after_restart() {
     let (rig, mut node) = Scenario::default().node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
     node.kill9();
-    cp.command(
+    rig.cp.command(
         &uuid,
         json!({"command": "status", "request_id": "while-down"}),
     );
     std::thread::sleep(Duration::from_millis(300));
-    assert!(cp.replies_for("while-down").is_empty());
+    assert!(rig.cp.replies_for("while-down").is_empty());
     let again = rig.node();
     assert!(
-        cp.wait_reply("while-down", REPLY).is_some(),
+        rig.cp.wait_reply("while-down", REPLY).is_some(),
         "queued command answered; log:\n{}",
         again.log()
     );
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(
-        cp.replies_for("while-down").len(),
+        rig.cp.replies_for("while-down").len(),
         1,
         "answered exactly once"
     );
-    assert!(again.log().contains("session resumed"), "{}", again.log());
+    again.assert_logged("session resumed");
 }
 
 const ACCUSED: &str = "another client uses this node's MQTT client id";
@@ -139,7 +134,6 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
     )
     .broker(hub)
     .rig();
-    let cp = &rig.cp;
     let node = rig.spawn();
     node.wait_ready(RECONNECT);
     let uuid = node.uuid();
@@ -155,11 +149,11 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
     // machine may not have done yet when the node is ready: the same start is sent again (its
     // request id makes it one start) until it is answered.
     let r = wait_for(RECONNECT, || {
-        cp.command(
+        rig.cp.command(
             &uuid,
             json!({"command": "inference", "request_id": "ep-1", "params": {"workload_uuid": "wl-ep"}}),
         );
-        cp.wait_reply("ep-1", Duration::from_secs(2))
+        rig.cp.wait_reply("ep-1", Duration::from_secs(2))
     })
     .expect("start answered");
     assert_eq!(r["status"], "ok", "{r}");
@@ -186,7 +180,8 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
     );
 
     // Re-subscribed and answering on the other endpoint, same identity.
-    let r = cp
+    let r = rig
+        .cp
         .status_eventually(&uuid, "ep-status", RECONNECT)
         .unwrap_or_else(|| panic!("no status answered; log:\n{}", node.log()));
     assert_eq!(r["status"], "ok", "{r}");
@@ -200,9 +195,16 @@ fn the_node_moves_to_another_endpoint_when_its_broker_goes_and_loses_nothing() {
 
     // The workload started on the first endpoint completes through the second.
     rig.touch("go");
-    let all = cp
+    let all = rig
+        .cp
         .wait_status("wl-ep", "completed", RECONNECT)
-        .unwrap_or_else(|| panic!("no completion: {:?}\n{}", cp.statuses("wl-ep"), node.log()));
+        .unwrap_or_else(|| {
+            panic!(
+                "no completion: {:?}\n{}",
+                rig.cp.statuses("wl-ep"),
+                node.log()
+            )
+        });
     let done: Vec<_> = all.iter().filter(|s| s["status"] == "completed").collect();
     assert_eq!(done.len(), 1, "{all:?}");
     assert_eq!(done[0]["exit_code"], 3);
@@ -255,7 +257,7 @@ fn tls_connects_with_the_right_ca_and_refuses_otherwise() {
     let good = pki.broker("good");
     let node = tls_node(&good, Some(&pki.ca()));
     node.wait_ready(READY);
-    assert!(node.log().contains("(TLS)"), "{}", node.log());
+    node.assert_logged("(TLS)");
     drop(node);
 
     // A certificate for another host name.
@@ -263,7 +265,7 @@ fn tls_connects_with_the_right_ca_and_refuses_otherwise() {
     let node = tls_node(&wrong, Some(&pki.ca()));
     assert!(node.wait_log("TLS handshake", READY), "{}", node.log());
     assert!(!node.log().contains("node ready"));
-    assert!(node.log().contains("another host name"), "{}", node.log());
+    node.assert_logged("another host name");
     drop(node);
 
     // Without the test CA the system trust store does not know the broker.
@@ -316,20 +318,12 @@ fn the_token_check_over_https_verifies_against_the_system_trust_store() {
         .env("SSL_CERT_FILE", &pki.ca().display().to_string())
         .rig();
     let node = rig.node();
-    assert!(
-        node.log().contains("accepted by https://127.0.0.1"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("accepted by https://127.0.0.1");
     drop(node);
     // Without the test CA, the real system store does not trust the server: a warning, not a stop.
     rig.setup.unset("SSL_CERT_FILE");
     let node = rig.node();
-    assert!(
-        node.wait_log("could not validate the API token", REPLY),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("could not validate the API token");
 }
 
 #[test]

@@ -75,11 +75,7 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("container's main process"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("container's main process");
     let pids = [
         Start::new("inference", "inf").pid(cp, &node),
         Start::new("training", "train").pid(cp, &node),
@@ -122,11 +118,7 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
         .to_vec();
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("container's main process"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("container's main process");
     let inner = pid_under_unshare(&node);
     // Pids inside the namespace: nothing of it outlives its PID 1 anyway; what matters is that
     // the backend heard of every workload.
@@ -193,7 +185,7 @@ fn stop_the_container(node: &NodeProcess, times: usize) {
     let pid1 = pid_under_unshare(node);
     for n in 0..times {
         if n > 0 {
-            assert!(node.wait_log("shutting down", REPLY), "{}", node.log());
+            node.assert_logged("shutting down");
         }
         // SAFETY: the test's own process.
         unsafe {
@@ -257,7 +249,7 @@ fn d70_behind_an_init_a_second_sigterm_kills_at_once_and_every_workload_is_still
     let mut node = setup.spawn();
     node.wait_ready(READY);
     assert_a_stop_reports_both(cp, &mut node, 2, Duration::from_secs(20));
-    assert!(node.log().contains("SIGKILL now"), "{}", node.log());
+    node.assert_logged("SIGKILL now");
 }
 
 /// D70: the same as PID 1 itself: a second SIGTERM no longer exits at once, leaving every
@@ -292,11 +284,7 @@ fn d70_a_stop_that_cannot_report_its_workloads_exits_1() {
         .wait_exit(Duration::from_secs(6))
         .expect("the node exits");
     assert_eq!(code, Some(1), "{}", node.log());
-    assert!(
-        node.log().contains("not every workload was reported"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("not every workload was reported");
 }
 
 /// The shipped image (packaging/build-image.sh), unpacked by packaging/check.sh into the root
@@ -339,11 +327,7 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
     setup.bin = Some("/usr/bin/cyberwave-cloud-node".into());
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("container's main process"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("container's main process");
     let uuid =
         std::fs::read_to_string(rootfs.join("var/lib/cyberwave-cloud-node/instance_identity.json"))
             .ok()

@@ -15,9 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use crate::guarantees::{file_of, root, sources, test_fns};
 
 const DECISIONS: &str = "docs/decisions.md";
 const PROTOCOL: &str = "docs/protocol.md";
@@ -124,57 +122,8 @@ fn decisions() -> (BTreeMap<u32, Decision>, Vec<String>) {
     (out, problems)
 }
 
-/// Every `.rs` file below `dir`.
-fn sources(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
-        let p = entry.path();
-        if p.is_dir() {
-            out.extend(sources(&p));
-        } else if p.extension().is_some_and(|e| e == "rs") {
-            out.push(p);
-        }
-    }
-    out.sort();
-    out
-}
-
-/// The names of the `#[test]` functions in this source text.
-fn test_fns(text: &str) -> Vec<String> {
-    let lines: Vec<&str> = text.lines().map(str::trim).collect();
-    let mut out = Vec::new();
-    for (i, l) in lines.iter().enumerate() {
-        if *l != "#[test]" {
-            continue;
-        }
-        let name = lines[i + 1..]
-            .iter()
-            .find(|l| !l.starts_with("#["))
-            .and_then(|l| l.strip_prefix("fn "))
-            .and_then(|l| l.split('(').next());
-        if let Some(name) = name {
-            out.push(name.to_string());
-        }
-    }
-    out
-}
-
 fn tests_in(file: &Path) -> Vec<String> {
     test_fns(&std::fs::read_to_string(file).unwrap_or_default())
-}
-
-/// The source file an end-to-end test path lives in: `tests/a.rs` for `a::name`,
-/// `tests/a/b.rs` for `a::b::name`, or `tests/a.rs` holding an inline `mod b`.
-fn file_of(path: &str) -> Option<PathBuf> {
-    let segs: Vec<&str> = path.split("::").collect();
-    let mods = &segs[..segs.len() - 1];
-    (1..=mods.len()).rev().find_map(|k| {
-        let p = root()
-            .join("tests")
-            .join(mods[..k].join("/"))
-            .with_extension("rs");
-        p.is_file().then_some(p)
-    })
 }
 
 fn rel(p: &Path) -> String {

@@ -16,6 +16,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::{assert_host_busy, error_of};
 use crate::support::timeouts::{DONE, REPLY};
 use crate::support::{wait_for, NodeProcess, Rig, Scenario, Start, TempDir};
 
@@ -219,15 +220,7 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     let fifth = g(5).reply(&rig.cp, &node);
     assert_eq!(fifth["status"], "error", "{fifth}");
     let refusal = refusal_of(&rig, 5);
-    assert_eq!(refusal["rejection_reason"], "host_busy", "{refusal}");
-    assert_eq!(refusal["busy_reason"], "gpus_busy", "{refusal}");
-    assert!(
-        refusal["error"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("Controller host is busy with"),
-        "{refusal}"
-    );
+    assert_host_busy(&refusal, "gpus_busy");
     let st = rig.cp.status(&node.uuid(), "st1", REPLY).expect("status");
     let before = holders(&st);
     assert_eq!(before.len(), 4);
@@ -244,13 +237,9 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     g(6).reply(&rig.cp, &node);
     assert_eq!(refusal_of(&rig, 6)["busy_reason"], "gpus_busy");
     let local = rig.setup.run(&["status"]);
-    assert!(local.stdout.contains("gpus:       4"), "{}", local.stdout);
+    local.assert_stdout("gpus:       4");
     for n in 1..=4 {
-        assert!(
-            local.stdout.contains(&format!("held by g{n}")),
-            "{}",
-            local.stdout
-        );
+        local.assert_stdout(&format!("held by g{n}"));
     }
     let hb = wait_for(DONE, || {
         rig.cp
@@ -344,22 +333,10 @@ fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     assert!(text.contains("cyberwave_node_gpu_power_watts{gpu=\"3\",uuid=\"GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e63\"} 400"), "{text}");
     // doctor names each unhealthy GPU and why.
     let doc = rig.setup.run(&["doctor"]);
-    assert!(doc.stdout.contains("4 GPU(s), 2 healthy"), "{}", doc.stdout);
-    assert!(
-        doc.stdout.contains(&format!("GPU 2 {bad}")),
-        "{}",
-        doc.stdout
-    );
-    assert!(
-        doc.stdout.contains("3 uncorrected volatile ECC error(s)"),
-        "{}",
-        doc.stdout
-    );
-    assert!(
-        doc.stdout.contains("pending retired pages"),
-        "{}",
-        doc.stdout
-    );
+    doc.assert_stdout("4 GPU(s), 2 healthy");
+    doc.assert_stdout(&format!("GPU 2 {bad}"));
+    doc.assert_stdout("3 uncorrected volatile ECC error(s)");
+    doc.assert_stdout("pending retired pages");
     for n in 1..=3 {
         finish(&rig, n);
         g(n).completion(&rig.cp);
@@ -435,11 +412,7 @@ fn a_node_starting_while_nvidia_smi_hangs_starts_and_refuses_gpu_work_as_busy() 
     std::fs::write(smi.dir.join("hang"), "").expect("hang");
     let rig = gpu_rig(2, Some(&smi));
     let node = rig.node();
-    assert!(
-        node.log().contains("nvidia-smi did not answer within 1s"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("nvidia-smi did not answer within 1s");
     g(1).with(json!({"gpus": 1})).reply(&rig.cp, &node);
     let r = refusal_of(&rig, 1);
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
@@ -451,10 +424,10 @@ fn doctor_reads_one_eight_mig_and_garbage() {
     let mut setup = NodeSetup::bare();
     smi.install(&mut setup);
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("1 GPU(s), 1 healthy"), "{}", out.stdout);
+    out.assert_stdout("1 GPU(s), 1 healthy");
     smi.answer("eight-h100.csv");
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("8 GPU(s), 8 healthy"), "{}", out.stdout);
+    out.assert_stdout("8 GPU(s), 8 healthy");
     smi.answer("mig-a100.csv");
     smi.file("list.txt", "mig-a100-list.txt");
     let out = setup.run(&["doctor"]);
@@ -468,20 +441,11 @@ fn doctor_reads_one_eight_mig_and_garbage() {
     std::fs::write(smi.dir.join("old-driver"), "").expect("old driver");
     std::fs::remove_file(smi.dir.join("list.txt")).expect("no MIG");
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("4 GPU(s), 3 healthy"), "{}", out.stdout);
-    assert!(
-        out.stdout.contains("3 uncorrected volatile ECC error(s)"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("4 GPU(s), 3 healthy");
+    out.assert_stdout("3 uncorrected volatile ECC error(s)");
     smi.answer("garbage.txt");
     let out = setup.run(&["doctor"]);
-    assert!(
-        out.stdout
-            .contains("nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate");
 }
 
 #[test]
@@ -599,10 +563,7 @@ fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
     ] {
         let r = g(n).with(json!({"gpus": bad})).reply(&rig.cp, &node);
         assert_eq!(r["status"], "error", "{bad}: {r}");
-        assert!(
-            r["error"].as_str().unwrap_or("").contains("params.gpus"),
-            "{r}"
-        );
+        assert!(error_of(&r).contains("params.gpus"), "{r}");
     }
     // More than the node has: never possible here, so not "busy".
     g(20).with(json!({"gpus": 5})).reply(&rig.cp, &node);
@@ -613,7 +574,7 @@ fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
 fn a_cpu_only_node_runs_workloads_as_before() {
     let rig = gpu_rig(2, None);
     let node = rig.node();
-    assert!(node.log().contains("a CPU-only node"), "{}", node.log());
+    node.assert_logged("a CPU-only node");
     g(1).ok(&rig.cp, &node);
     assert!(
         env_of(&rig, 1).is_empty(),
@@ -633,10 +594,7 @@ fn a_cpu_only_node_runs_workloads_as_before() {
     g(2).with(json!({"gpus": 1})).reply(&rig.cp, &node);
     let r = refusal_of(&rig, 2);
     assert!(r.get("busy_reason").is_none(), "{r}");
-    assert!(
-        r["error"].as_str().unwrap_or("").contains("has none"),
-        "{r}"
-    );
+    assert!(error_of(&r).contains("has none"), "{r}");
 }
 
 /// An `nvidia-smi` that is the script `text`, first on the node's PATH: its folder (removed
@@ -730,11 +688,7 @@ fn g8_a_thread_of_the_node_that_ends_makes_it_exit_1_and_its_workload_keeps_runn
     std::fs::write(&stop, "").expect("write the stop file");
     let exit = node.wait_exit(DONE);
     assert_eq!(exit, Some(Some(1)), "log:\n{}", node.log());
-    assert!(
-        node.log().contains("the GPU monitor thread stopped"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("the GPU monitor thread stopped");
     // SAFETY: signal 0 only asks whether the test's own workload still exists.
     assert_eq!(
         unsafe { libc::kill(pid, 0) },
@@ -919,22 +873,12 @@ fn g15_doctor_names_a_uuid_listed_twice_and_an_unknown_nvml_error() {
     smi.install(&mut setup);
     smi.host("duplicate-uuid");
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("1 GPU(s), 0 healthy"), "{}", out.stdout);
-    assert!(
-        out.stdout
-            .contains("is unhealthy: 2 uncorrected volatile ECC error(s)"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("1 GPU(s), 0 healthy");
+    out.assert_stdout("is unhealthy: 2 uncorrected volatile ECC error(s)");
     smi.host("nvml-unknown-error");
     let out = setup.run(&["doctor"]);
-    assert!(
-        out.stdout
-            .contains("nvidia-smi failed: Failed to initialize NVML: Unknown Error"),
-        "{}",
-        out.stdout
-    );
-    assert!(out.stdout.contains("FAIL"), "{}", out.stdout);
+    out.assert_stdout("nvidia-smi failed: Failed to initialize NVML: Unknown Error");
+    out.assert_stdout("FAIL");
 }
 
 /// Guarantee 10: starts in flight hold their GPUs. Four starts at once on a slow disk on a node
@@ -951,14 +895,14 @@ fn g10_starts_in_flight_hold_their_gpus() {
     let smi = FakeSmi::new("four-a100.csv");
     smi.put_on_path(&mut rig.setup);
     let node = rig.node();
-    let cp = &rig.cp;
     let rids = ["g0", "g1", "g2", "g3"];
     for rid in rids {
-        Start::new("inference", rid).send(cp, &node);
+        Start::new("inference", rid).send(&rig.cp, &node);
     }
     let mut seen = std::collections::BTreeSet::new();
     for rid in rids {
-        let reply = cp
+        let reply = rig
+            .cp
             .wait_reply(rid, Duration::from_secs(20))
             .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()));
         assert_eq!(reply["status"], "ok", "{reply}");

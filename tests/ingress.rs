@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 
 use crate::support::control_plane::Request;
 use crate::support::node::NodeSetup;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{node_bin, wait_for, Broker, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
@@ -47,15 +48,12 @@ fn wait_events(cp: &ControlPlane, prefix: &str, n: usize) -> Vec<Request> {
 
 #[test]
 fn the_node_reports_its_own_workloads_as_node_events() {
-    let rig = Scenario::new("cyberwave:\n  training: sleep 0.3\n  simulate: echo 'physics exploded' >&2; exit 4\n  max_concurrent_workloads: 2\n").rig();
-    let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
+    let (rig, node) = Scenario::new("cyberwave:\n  training: sleep 0.3\n  simulate: echo 'physics exploded' >&2; exit 4\n  max_concurrent_workloads: 2\n").node();
     let ctx = |n: &str| json!({"workload_uuid": format!("wl-{n}"), "workflow_uuid": "wf-1", "workflow_execution_uuid": "ex-1", "workflow_node_uuid": n, "activation_index": 2, "caller_uuid": "caller-1"});
     Start::new("training", "ok")
         .params(ctx("node-ok"))
-        .ok(cp, &node);
-    let ok = wait_events(cp, "wf-1/execution/ex-1/node/node-ok", 2);
+        .ok(&rig.cp, &node);
+    let ok = wait_events(&rig.cp, "wf-1/execution/ex-1/node/node-ok", 2);
     assert_eq!(ok[0].body["status"], "running");
     assert_eq!(ok[0].body["source_type"], "edge");
     assert_eq!(ok[0].body["activation_index"], 2);
@@ -86,8 +84,8 @@ fn the_node_reports_its_own_workloads_as_node_events() {
     // A failing workload (simulate ⇒ source_type sim) reports error with its summary.
     let mut p = ctx("node-bad");
     p["execution_uuid"] = json!("ex-1");
-    Start::new("simulate", "bad").params(p).ok(cp, &node);
-    let bad = wait_events(cp, "wf-1/execution/ex-1/node/node-bad", 2);
+    Start::new("simulate", "bad").params(p).ok(&rig.cp, &node);
+    let bad = wait_events(&rig.cp, "wf-1/execution/ex-1/node/node-bad", 2);
     assert_eq!(bad[1].body["status"], "error");
     assert_eq!(bad[1].body["source_type"], "sim");
     assert_eq!(bad[1].body["error_message"], "physics exploded");
@@ -95,17 +93,18 @@ fn the_node_reports_its_own_workloads_as_node_events() {
     // A refused start reports error; the node never opens or closes the execution itself.
     let mut p = ctx("node-refused");
     p["workflow_node_uuid"] = json!("node-refused");
-    cp.command(
+    rig.cp.command(
         &node.uuid(),
         json!({"command": "inference", "request_id": "nocmd", "params": p}),
     );
-    let refused = wait_events(cp, "wf-1/execution/ex-1/node/node-refused", 1);
+    let refused = wait_events(&rig.cp, "wf-1/execution/ex-1/node/node-refused", 1);
     assert_eq!(refused[0].body["status"], "error");
     assert!(refused[0].body["error_message"]
         .as_str()
         .unwrap_or_default()
         .contains("not configured"));
-    assert!(cp
+    assert!(rig
+        .cp
         .requests("ingress")
         .iter()
         .all(|r| !r.id.ends_with("/started") && !r.id.ends_with("/finished")));
@@ -113,10 +112,8 @@ fn the_node_reports_its_own_workloads_as_node_events() {
 
 #[test]
 fn workloads_emit_events_in_order_and_bad_tokens_are_refused() {
-    let rig = Scenario::new("cyberwave:\n  inference: |\n    E=$(\"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-e --trigger-json '{\"frame\": 7}')\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-e --execution \"$E\" --node n1 --status running --started-at 2026-11-29T10:00:00+01:00\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-e --execution \"$E\" --node n1 --status success --output-json '[{\"k\": 1}]' --execution-time-ms 42 --finished-at 1764410400\n    \"$CYBERWAVE_NODE_BIN\" emit finished --workflow wf-e --execution \"$E\" --status success\n    CYBERWAVE_NODE_EVENT_TOKEN=forged \"$CYBERWAVE_NODE_BIN\" emit finished --workflow wf-e --execution \"$E\" --status error; echo \"forged=$?\" > rc.txt\n  training: |\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-other --execution x1 --node n1 --status running; echo \"other=$?\" >> rc.txt\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-bound --execution x1 --node n2 --status running; echo \"own=$?\" >> rc.txt\n").rig();
+    let (rig, node) = Scenario::new("cyberwave:\n  inference: |\n    E=$(\"$CYBERWAVE_NODE_BIN\" emit started --workflow wf-e --trigger-json '{\"frame\": 7}')\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-e --execution \"$E\" --node n1 --status running --started-at 2026-11-29T10:00:00+01:00\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-e --execution \"$E\" --node n1 --status success --output-json '[{\"k\": 1}]' --execution-time-ms 42 --finished-at 1764410400\n    \"$CYBERWAVE_NODE_BIN\" emit finished --workflow wf-e --execution \"$E\" --status success\n    CYBERWAVE_NODE_EVENT_TOKEN=forged \"$CYBERWAVE_NODE_BIN\" emit finished --workflow wf-e --execution \"$E\" --status error; echo \"forged=$?\" > rc.txt\n  training: |\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-other --execution x1 --node n1 --status running; echo \"other=$?\" >> rc.txt\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-bound --execution x1 --node n2 --status running; echo \"own=$?\" >> rc.txt\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
     Start::new("inference", "em").ok(cp, &node);
     let ev = wait_events(cp, "wf-e/", 4);
     assert_eq!(
@@ -184,8 +181,10 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
     // 3 × 100 KiB: over the 256 KiB payload limit, each argument under the OS's 128 KiB limit.
     let big = format!("{{\"x\": \"{}\"}}", "y".repeat(100 * 1024));
     let big_list = format!("[\"{}\"]", "y".repeat(100 * 1024));
-    let cases: Vec<Vec<&str>> = vec![
-        vec![
+    // Every case is a usage error: a bad status, a bad time, too big, broken JSON, no
+    // execution, an unknown event.
+    let node_event = |rest: &[&str]| -> Vec<String> {
+        [
             "emit",
             "node",
             "--workflow",
@@ -194,10 +193,15 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
             "e",
             "--node",
             "n",
-            "--status",
-            "done",
-        ],
-        vec![
+        ]
+        .iter()
+        .chain(rest)
+        .map(|a| a.to_string())
+        .collect()
+    };
+    let cases: Vec<Vec<String>> = vec![
+        node_event(&["--status", "done"]),
+        [
             "emit",
             "finished",
             "--workflow",
@@ -206,30 +210,11 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
             "e",
             "--status",
             "cancelled",
-        ],
-        vec![
-            "emit",
-            "node",
-            "--workflow",
-            "w",
-            "--execution",
-            "e",
-            "--node",
-            "n",
-            "--status",
-            "running",
-            "--started-at",
-            "last tuesday",
-        ],
-        vec![
-            "emit",
-            "node",
-            "--workflow",
-            "w",
-            "--execution",
-            "e",
-            "--node",
-            "n",
+        ]
+        .map(String::from)
+        .to_vec(),
+        node_event(&["--status", "running", "--started-at", "last tuesday"]),
+        node_event(&[
             "--status",
             "running",
             "--metadata-json",
@@ -238,22 +223,9 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
             &big_list,
             "--output-json",
             &big_list,
-        ],
-        vec![
-            "emit",
-            "node",
-            "--workflow",
-            "w",
-            "--execution",
-            "e",
-            "--node",
-            "n",
-            "--status",
-            "running",
-            "--input-json",
-            "{broken",
-        ],
-        vec![
+        ]),
+        node_event(&["--status", "running", "--input-json", "{broken"]),
+        [
             "emit",
             "node",
             "--workflow",
@@ -262,10 +234,15 @@ fn emit_rejects_bad_input_with_exit_2_and_queues_nothing() {
             "n",
             "--status",
             "running",
-        ],
-        vec!["emit", "restarted", "--workflow", "w"],
+        ]
+        .map(String::from)
+        .to_vec(),
+        ["emit", "restarted", "--workflow", "w"]
+            .map(String::from)
+            .to_vec(),
     ];
     for args in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = s.run(&args);
         assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
         assert!(out.stderr.starts_with("error: "), "{out:?}");
@@ -333,10 +310,8 @@ fn g3_events_survive_a_broker_outage_and_a_sigkill_of_the_node() {
 
 #[test]
 fn emit_while_the_node_is_down_queues_the_event_for_its_return() {
-    let rig = Scenario::new("cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-off --execution ex --node n1 --status success; echo \"rc=$?\" > rc.txt\n    CYBERWAVE_NODE_EVENT_TOKEN=forged \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-off --execution ex --node n2 --status success; echo \"forged=$?\" >> rc.txt\n").rig();
+    let (rig, mut node) = Scenario::new("cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-off --execution ex --node n1 --status success; echo \"rc=$?\" > rc.txt\n    CYBERWAVE_NODE_EVENT_TOKEN=forged \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-off --execution ex --node n2 --status success; echo \"forged=$?\" >> rc.txt\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
     Start::new("inference", "off").ok(cp, &node);
     node.kill9();
     std::fs::write(setup.cwd.join("go"), "").expect("go");
@@ -438,16 +413,14 @@ fn g13_d67_a_workload_emitting_while_the_broker_is_away_fills_its_share_and_no_m
 /// behind them all (strictly in order, it waited five refusals per event ahead of it).
 #[test]
 fn g13_d67_a_workflow_the_broker_refuses_never_holds_back_another_workloads_events() {
-    let rig = Scenario::new(
+    let (rig, node) = Scenario::new(
         "cyberwave:\n  max_concurrent_workloads: 2\n  training: |\n    for i in $(seq 1 20); do \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-denied --execution ex --node n$i --status running; done\n    echo done > denied.txt\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n    \"$CYBERWAVE_NODE_BIN\" emit node --workflow wf-ok --execution ex --node n1 --status success\n",
     )
     .broker(Broker::start_with_acl(
         "pattern deny cyberwave/workflow/wf-denied/#\npattern readwrite #\n",
     ))
-    .rig();
+    .node();
     let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
     Start::new("training", "denied").ok(cp, &node);
     assert!(wait_for(DONE, || std::fs::read_to_string(
         setup.cwd.join("denied.txt")
@@ -476,8 +449,7 @@ fn a_multibyte_time_is_refused_by_emit_and_by_the_control_socket_and_the_node_li
     let (rig, mut node) =
         Scenario::new("cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n")
             .node();
-    let cp = &rig.cp;
-    Start::new("inference", "t1").ok(cp, &node);
+    Start::new("inference", "t1").ok(&rig.cp, &node);
     // The running workload's event token, as its own `emit` would send it.
     let state = rig.setup.config_dir();
     let token = wait_for(REPLY, || {
@@ -529,7 +501,7 @@ fn a_multibyte_time_is_refused_by_emit_and_by_the_control_socket_and_the_node_li
                 "status": "running", field: time}});
             let reply = rig.control(req.to_string().as_bytes());
             assert_eq!(reply["ok"], false, "{time:?}: {reply}");
-            let err = reply["error"].as_str().unwrap_or("");
+            let err = error_of(&reply);
             assert!(err.contains("RFC 3339"), "{time:?}: {reply}");
             assert_running(&mut node, time);
         }
@@ -540,9 +512,9 @@ fn a_multibyte_time_is_refused_by_emit_and_by_the_control_socket_and_the_node_li
         status["status"]["workloads"].as_array().map(Vec::len),
         Some(1)
     );
-    assert!(cp.status(&node.uuid(), "after", REPLY).is_some());
+    assert!(rig.cp.status(&node.uuid(), "after", REPLY).is_some());
     assert!(
-        cp.requests("ingress").is_empty(),
+        rig.cp.requests("ingress").is_empty(),
         "no event was queued for a bad time"
     );
     rig.touch("go");
@@ -560,9 +532,9 @@ fn g10_an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
     .slow_disk(500)
     .dir("t")
     .node();
-    let cp = &rig.cp;
-    Start::new("inference", "em").send(cp, &node);
-    let reply = cp
+    Start::new("inference", "em").send(&rig.cp, &node);
+    let reply = rig
+        .cp
         .wait_reply("em", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
     assert_eq!(reply["status"], "ok", "{reply}");
@@ -578,7 +550,8 @@ fn g10_an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
         node.log()
     );
     let events = wait_for(Duration::from_secs(15), || {
-        Some(cp.requests("ingress")).filter(|r| r.iter().any(|r| r.id == "wf-s/execution/started"))
+        Some(rig.cp.requests("ingress"))
+            .filter(|r| r.iter().any(|r| r.id == "wf-s/execution/started"))
     });
     assert!(events.is_some(), "the event was sent");
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::support::node::NodeSetup;
 use crate::support::timeouts::EXIT;
-use crate::support::{node_bin, Rig, Scenario};
+use crate::support::{node_bin, NodeProcess, Rig, Scenario};
 
 /// A process's command line, its arguments split.
 fn cmdline(pid: i32) -> Vec<String> {
@@ -32,6 +32,18 @@ fn offline() -> NodeSetup {
     s
 }
 
+/// The node `s` starts, once it is starting, and its command line then.
+fn started(s: &NodeSetup) -> (NodeProcess, Vec<String>) {
+    let node = s.spawn();
+    assert!(
+        node.wait_log("starting: state dir", Duration::from_secs(10)),
+        "{}",
+        node.log()
+    );
+    let argv = cmdline(node.pid());
+    (node, argv)
+}
+
 #[test]
 fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     // D43: `cyberwave compute start` runs `<bin> [--config X]`; its `stop` and `restart` look
@@ -39,13 +51,7 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     let bin = node_bin().display().to_string();
     let mut s = offline();
     s.args = vec!["--slug".into(), "reexec-node".into()];
-    let mut node = s.spawn();
-    assert!(
-        node.wait_log("starting: state dir", Duration::from_secs(10)),
-        "{}",
-        node.log()
-    );
-    let argv = cmdline(node.pid());
+    let (mut node, argv) = started(&s);
     let pgrep = std::process::Command::new("pgrep")
         .args(["-f", "cyberwave-cloud-node start"])
         .output()
@@ -63,13 +69,7 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     let mut s = offline();
     s.args = vec![];
     s.set("CYBERWAVE_NODE_REEXECUTED", "1");
-    let mut node = s.spawn();
-    assert!(
-        node.wait_log("starting: state dir", Duration::from_secs(10)),
-        "{}",
-        node.log()
-    );
-    let argv = cmdline(node.pid());
+    let (mut node, argv) = started(&s);
     node.kill9();
     assert_eq!(argv, [bin.as_str()]);
     // --help and --version answer as before, without a re-exec.

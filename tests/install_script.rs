@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::support::scenario::error_of;
 use crate::support::timeouts::REPLY;
 use crate::support::Scenario;
 
@@ -39,25 +40,15 @@ fn install_script_failure_is_reported_and_exits_1() {
         Scenario::new("cyberwave:\n  install: echo preparing; echo 'pip exploded' >&2; exit 7\n")
             .rig();
     let mut node = rig.spawn();
-    let cp = &rig.cp;
-    assert_eq!(
-        node.wait_exit(Duration::from_secs(15)),
-        Some(Some(1)),
-        "{}",
-        node.log()
-    );
-    let fails = cp.requests("fail");
-    assert_eq!(fails.len(), 1, "R6 sent: {:?}", cp.all_requests());
-    let err = fails[0].body["error"].as_str().unwrap_or_default();
+    node.assert_exit(1, Duration::from_secs(15));
+    let fails = rig.cp.requests("fail");
+    assert_eq!(fails.len(), 1, "R6 sent: {:?}", rig.cp.all_requests());
+    let err = error_of(&fails[0].body);
     assert!(
         err.contains("exit code 7") && err.contains("pip exploded"),
         "{err}"
     );
-    assert!(
-        node.log().contains("[install stdout] preparing"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("[install stdout] preparing");
     let logged =
         std::fs::read_to_string(rig.state("install_logs/install.stderr.log")).unwrap_or_default();
     assert!(logged.contains("pip exploded"));
@@ -67,22 +58,9 @@ fn install_script_failure_is_reported_and_exits_1() {
 fn missing_install_script_is_a_clear_error() {
     let rig = Scenario::new("cyberwave:\n  install: ./setup.sh --gpu\n").rig();
     let mut node = rig.spawn();
-    let cp = &rig.cp;
-    assert_eq!(
-        node.wait_exit(Duration::from_secs(15)),
-        Some(Some(1)),
-        "{}",
-        node.log()
-    );
-    assert!(
-        node.log().contains("install script ./setup.sh not found"),
-        "{}",
-        node.log()
-    );
-    let fails = cp.requests("fail");
+    node.assert_exit(1, Duration::from_secs(15));
+    node.assert_logged("install script ./setup.sh not found");
+    let fails = rig.cp.requests("fail");
     assert_eq!(fails.len(), 1);
-    assert!(fails[0].body["error"]
-        .as_str()
-        .unwrap_or_default()
-        .contains("not found"));
+    assert!(error_of(&fails[0].body).contains("not found"));
 }

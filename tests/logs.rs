@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::control_plane::Request;
+use crate::support::scenario::completion;
 use crate::support::timeouts::{DONE, REPLY};
 use crate::support::{procs, wait_for, Broker, ControlPlane, NodeProcess, Scenario, Start};
 
@@ -99,14 +100,9 @@ fn g4_every_line_is_streamed_once_in_order_and_mirrored() {
         "0.2",
     )
     .node();
-    let cp = &rig.cp;
-    Start::training("lines").ok(cp, &node);
-    assert!(
-        cp.wait_status("wl-lines", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
-    let [out, err] = chunks(cp, "wl-lines");
+    Start::training("lines").ok(&rig.cp, &node);
+    completion(&rig.cp, "wl-lines");
+    let [out, err] = chunks(&rig.cp, "wl-lines");
     assert_eq!(rebuild(&out), numbered("out", 100));
     assert_eq!(rebuild(&err), numbered("err", 100));
     // Once, really: with no crash no chunk is sent twice, so the raw chunks as they arrived (not
@@ -115,7 +111,8 @@ fn g4_every_line_is_streamed_once_in_order_and_mirrored() {
         ("stdout", numbered("out", 100)),
         ("stderr", numbered("err", 100)),
     ] {
-        let raw: Vec<(u64, u64)> = cp
+        let raw: Vec<(u64, u64)> = rig
+            .cp
             .requests("logs")
             .iter()
             .filter(|r| {
@@ -139,8 +136,8 @@ fn g4_every_line_is_streamed_once_in_order_and_mirrored() {
             next = offset + len;
         }
     }
-    let logs: Vec<Request> = cp.requests("logs");
-    let done = completion_request(cp, "wl-lines").expect("completion");
+    let logs: Vec<Request> = rig.cp.requests("logs");
+    let done = completion_request(&rig.cp, "wl-lines").expect("completion");
     let first = logs.first().expect("log chunks").at;
     assert!(
         done.at - first > Duration::from_millis(500),
@@ -192,20 +189,17 @@ fn g4_a_node_killed_mid_stream_resumes_without_gap_or_loss() {
         "0.2",
     )
     .node();
-    let cp = &rig.cp;
-    Start::training("kill").ok(cp, &node);
-    assert!(wait_for(REPLY, || (chunks(cp, "wl-kill")[0].len() >= 2)
-        .then_some(()))
-    .is_some());
+    Start::training("kill").ok(&rig.cp, &node);
+    assert!(
+        wait_for(REPLY, || (chunks(&rig.cp, "wl-kill")[0].len() >= 2)
+            .then_some(()))
+        .is_some()
+    );
     node.kill9();
     std::thread::sleep(Duration::from_millis(700));
-    let node = rig.node();
-    assert!(
-        cp.wait_status("wl-kill", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
-    let [out, err] = chunks(cp, "wl-kill");
+    let _node = rig.node();
+    completion(&rig.cp, "wl-kill");
+    let [out, err] = chunks(&rig.cp, "wl-kill");
     assert_eq!(rebuild(&out), numbered("out", 200));
     assert_eq!(rebuild(&err), numbered("err", 200));
 }
@@ -229,11 +223,7 @@ fn g4_a_broker_outage_mid_stream_loses_nothing() {
     // Long enough for the node to notice and for output to be written meanwhile.
     std::thread::sleep(Duration::from_secs(2));
     rig.broker.restart();
-    assert!(
-        rig.cp.wait_status("wl-outage", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    completion(&rig.cp, "wl-outage");
     let [out, _] = chunks(&rig.cp, "wl-outage");
     assert_eq!(rebuild(&out), numbered("out", 300));
 }
@@ -241,13 +231,13 @@ fn g4_a_broker_outage_mid_stream_loses_nothing() {
 #[test]
 fn g6_a_flood_of_output_does_not_starve_commands() {
     let (rig, node) = streaming("cyberwave:\n  training: yes 0123456789abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz | head -c 500000000\n", "0.5").node();
-    let cp = &rig.cp;
-    Start::training("flood").ok(cp, &node);
+    Start::training("flood").ok(&rig.cp, &node);
     let log = rig.state("workload_logs/training_flood.stdout.log");
     let mut answered = 0;
     for i in 0..20 {
         let rid = format!("during-{i}");
-        if cp
+        if rig
+            .cp
             .status(&node.uuid(), &rid, Duration::from_secs(2))
             .is_some()
         {
@@ -265,13 +255,14 @@ fn g6_a_flood_of_output_does_not_starve_commands() {
         Some(500_000_000),
         "the whole output is in the log file"
     );
-    let shipped: u64 = cp
+    let shipped: u64 = rig
+        .cp
         .requests("logs")
         .iter()
         .map(|r| r.body["length"].as_u64().unwrap_or(0))
         .sum();
     assert!(shipped < 500_000_000, "shipping is paced, not all at once");
-    let status: Value = cp.status(&node.uuid(), "after", REPLY).expect("status");
+    let status: Value = rig.cp.status(&node.uuid(), "after", REPLY).expect("status");
     assert_eq!(status["status"], "ok");
 }
 
@@ -309,14 +300,14 @@ fn g4_fifty_megabytes_without_a_newline_keep_node_memory_bounded_and_arrive_whol
     // Every piece is mirrored here: the console's budget (D69) is lifted for this test.
     .env("CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND", "1000000000")
     .rig();
-    let cp = &rig.cp;
     let data = endless_line(LEN);
     std::fs::write(rig.work("endless.txt"), &data).expect("write data");
     let node = rig.node();
     let idle_hwm = procs::status_number(node.pid(), "VmHWM:");
-    Start::training("endless").send(cp, &node);
+    Start::training("endless").send(&rig.cp, &node);
     let shipped_while_running = wait_for(Duration::from_secs(240), || {
-        let n: u64 = cp
+        let n: u64 = rig
+            .cp
             .requests("logs")
             .iter()
             .map(|r| r.body["length"].as_u64().unwrap_or(0))
@@ -330,14 +321,16 @@ fn g4_fifty_megabytes_without_a_newline_keep_node_memory_bounded_and_arrive_whol
     );
     rig.touch("go");
     assert!(
-        cp.wait_status("wl-endless", "completed", Duration::from_secs(240))
+        rig.cp
+            .wait_status("wl-endless", "completed", Duration::from_secs(240))
             .is_some(),
         "{}",
         node.log()
     );
     let hwm = procs::status_number(node.pid(), "VmHWM:");
     // What the backend got: every byte, in order, in pieces of at most 512 KiB (a log chunk).
-    let mut chunks: Vec<(u64, String)> = cp
+    let mut chunks: Vec<(u64, String)> = rig
+        .cp
         .requests("logs")
         .into_iter()
         .filter(|r| r.body["workload_uuid"] == "wl-endless" && r.body["log_type"] == "stdout")
@@ -421,10 +414,12 @@ fn g11_d34_a_log_chunk_over_the_brokers_packet_size_does_not_cost_the_connection
     )
     .broker(Broker::start_with_conf("max_packet_size 65536\n"))
     .node();
-    let cp = &rig.cp;
-    Start::training("big-log").workload("wl-bl").ok(cp, &node);
+    Start::training("big-log")
+        .workload("wl-bl")
+        .ok(&rig.cp, &node);
     let shipped = || -> u64 {
-        cp.requests("logs")
+        rig.cp
+            .requests("logs")
             .iter()
             .filter(|r| r.body["workload_uuid"] == "wl-bl")
             .map(|r| r.body["length"].as_u64().unwrap_or(0))
@@ -441,17 +436,13 @@ fn g11_d34_a_log_chunk_over_the_brokers_packet_size_does_not_cost_the_connection
     for i in 0..3 {
         let rid = format!("during-{i}");
         assert!(
-            cp.status(&node.uuid(), &rid, REPLY).is_some(),
+            rig.cp.status(&node.uuid(), &rid, REPLY).is_some(),
             "{}",
             node.log()
         );
     }
     rig.touch("release");
-    assert!(
-        cp.wait_status("wl-bl", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    completion(&rig.cp, "wl-bl");
     assert_eq!(
         node.log().matches("connected to MQTT broker").count(),
         1,
@@ -473,8 +464,7 @@ fn g11_d34_a_logs_topic_the_broker_denies_is_not_a_warning_per_chunk() {
         "pattern deny cyberwave/cloud-node/+/logs\npattern readwrite #\n",
     ))
     .node();
-    let cp = &rig.cp;
-    Start::training("quiet").ok(cp, &node);
+    Start::training("quiet").ok(&rig.cp, &node);
     // Refusals happen (the PUBACK says 0x87)...
     assert!(
         wait_for(DONE, || node.log().contains("not delivered").then_some(())).is_some(),
@@ -483,7 +473,7 @@ fn g11_d34_a_logs_topic_the_broker_denies_is_not_a_warning_per_chunk() {
     );
     std::thread::sleep(Duration::from_secs(3));
     assert!(
-        cp.status(&node.uuid(), "during", REPLY).is_some(),
+        rig.cp.status(&node.uuid(), "during", REPLY).is_some(),
         "{}",
         node.log()
     );
@@ -504,16 +494,16 @@ fn max_log_bytes_keeps_the_newest_part_and_says_what_was_dropped() {
         "0.2",
     )
     .node();
-    let cp = &rig.cp;
-    Start::training("cap").ok(cp, &node);
+    Start::training("cap").ok(&rig.cp, &node);
     let log = rig.state("workload_logs/training_cap.stdout.log");
     assert!(node.wait_log("over max_log_bytes", DONE), "{}", node.log());
     rig.touch("go");
-    assert!(cp.wait_status("wl-cap", "completed", DONE).is_some());
+    assert!(rig.cp.wait_status("wl-cap", "completed", DONE).is_some());
     let kept = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(kept.len() as u64 <= 100_000, "{} bytes kept", kept.len());
     assert!(kept.ends_with("LAST\n"), "the newest part is kept");
-    let chunks: Vec<Value> = cp
+    let chunks: Vec<Value> = rig
+        .cp
         .requests("logs")
         .into_iter()
         .map(|r| r.body)
@@ -550,7 +540,6 @@ fn old_logs_are_pruned_but_never_a_running_workloads() {
         "0.5",
     )
     .rig();
-    let cp = &rig.cp;
     let old = |rel: &str| {
         let p = rig.setup.plant(rel, "old\n");
         let ok = std::process::Command::new("touch")
@@ -576,7 +565,7 @@ fn old_logs_are_pruned_but_never_a_running_workloads() {
     );
     assert!(fresh.exists(), "recent logs kept");
     // A running workload's log is kept however old its timestamp looks.
-    Start::training("run").ok(cp, &node);
+    Start::training("run").ok(&rig.cp, &node);
     node.kill9();
     let running_log = rig.state("workload_logs/training_run.stdout.log");
     let ok = std::process::Command::new("touch")

@@ -306,12 +306,7 @@ fn merged_values_are_used_and_config_shows_where_each_value_came_from() {
         assert!(s("profile_slug").ends_with("(cyberwave:)"), "{cfg}");
     }
     let out = setup.run(&["config"]);
-    assert!(
-        out.stdout
-            .contains("max_concurrent_workloads: ignored: `cloud_node:` sets it too"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("max_concurrent_workloads: ignored: `cloud_node:` sets it too");
 }
 
 /// What `validate` says about `start` is true: on every corpus file, `config` (which resolves

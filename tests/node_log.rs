@@ -5,6 +5,7 @@
 
 use serde_json::json;
 
+use crate::support::scenario::completion;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Scenario, Start};
 
@@ -32,35 +33,31 @@ fn assert_clean(log: &str) {
 #[test]
 fn g8_outside_text_cannot_forge_or_corrupt_a_node_log_line() {
     let (rig, node) = Scenario::new("cyberwave:\n  training: echo done\n").node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
     // A command the node answers, an unknown command name, and a workload that runs to its
     // completion: each logs the request id (or name) on its way.
-    cp.command(
+    rig.cp.command(
         &uuid,
         json!({"command": "status", "request_id": FORGED_RID}),
     );
     assert!(
-        cp.wait_reply(FORGED_RID, REPLY).is_some(),
+        rig.cp.wait_reply(FORGED_RID, REPLY).is_some(),
         "status answered"
     );
     let bad_cmd = "nope\n2026-11-30T00:00:00Z ERROR FORGED\u{1b}[2J";
-    cp.command(&uuid, json!({"command": bad_cmd, "request_id": "bad-cmd"}));
+    rig.cp
+        .command(&uuid, json!({"command": bad_cmd, "request_id": "bad-cmd"}));
     assert!(
-        cp.wait_reply("bad-cmd", REPLY).is_some(),
+        rig.cp.wait_reply("bad-cmd", REPLY).is_some(),
         "unknown command answered"
     );
     let long_rid = format!("long-{}", "a".repeat(1000));
     for (rid, wl) in [(FORGED_RID, "wl-forged"), (long_rid.as_str(), "wl-long")] {
-        cp.command(
+        rig.cp.command(
             &uuid,
             json!({"command": "training", "request_id": rid, "params": {"workload_uuid": wl}}),
         );
-        assert!(
-            cp.wait_status(wl, "completed", DONE).is_some(),
-            "{}",
-            node.log()
-        );
+        completion(&rig.cp, wl);
     }
     // The completion's log line is written after the workload's own output was mirrored.
     assert!(node.wait_log(") finished: success", DONE), "{}", node.log());
@@ -90,7 +87,7 @@ fn g8_outside_text_cannot_forge_or_corrupt_a_node_log_line() {
         );
     }
     // The node still answers.
-    assert!(cp.status(&uuid, "after", REPLY).is_some());
+    assert!(rig.cp.status(&uuid, "after", REPLY).is_some());
 }
 
 #[test]
@@ -115,11 +112,7 @@ fn g8_a_result_file_name_cannot_forge_a_node_log_line() {
     let w = Start::training("files");
     w.ok(&rig.cp, &node);
     w.completion(&rig.cp);
-    assert!(
-        node.wait_log("result upload finished", REPLY),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("result upload finished");
     let log = node.log();
     assert!(
         log.contains("f\\n2026-11-30T00:00:00Z ERROR FORGED\\u{1b}[31m"),
@@ -145,14 +138,14 @@ fn a_node_started_with_its_standard_streams_closed_writes_its_output_nowhere_it_
         "exec \"$0\" \"$@\" <&- >&- 2>&-".into(),
     ];
     let node = rig.spawn();
-    let cp = &rig.cp;
     let uuid = wait_for(READY, || {
         let u = node.uuid();
         (!u.is_empty()).then_some(u)
     })
     .expect("the node registered");
     // The first may go out before the node subscribed (there is no log line to wait for).
-    let st = cp
+    let st = rig
+        .cp
         .status_eventually(&uuid, "st-closed", READY)
         .expect("status answered");
     assert_eq!(st["status"], "ok", "{st}");
@@ -163,8 +156,8 @@ fn a_node_started_with_its_standard_streams_closed_writes_its_output_nowhere_it_
         assert_eq!(target, std::path::Path::new("/dev/null"), "fd {fd}");
     }
     let w = Start::new("inference", "cl1");
-    w.send(cp, &node);
-    w.completion(cp);
+    w.send(&rig.cp, &node);
+    w.completion(&rig.cp);
     // Nothing of the log or of the mirrored output went into a state file.
     let mut stack = vec![rig.setup.config_dir()];
     while let Some(d) = stack.pop() {
@@ -199,11 +192,10 @@ fn g7_the_http_clients_wire_dump_never_reaches_the_log_at_trace() {
         "cyberwave:\n  training: echo model > \"$CYBERWAVE_RESULTS_DIR/model.bin\"\n  results_folder: out\n",
     )
     .node();
-    let cp = &rig.cp;
     let w = Start::training("dump");
-    w.ok(cp, &node);
-    w.completion(cp);
-    assert_eq!(cp.uploads().len(), 1, "the result went up over HTTP");
+    w.ok(&rig.cp, &node);
+    w.completion(&rig.cp);
+    assert_eq!(rig.cp.uploads().len(), 1, "the result went up over HTTP");
     let log = node.log();
     let row = |msg: &str| {
         // `6765 7420 2f61 …  get /a…`: eight groups of four hex digits (or `--`) then the text.

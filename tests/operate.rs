@@ -2,14 +2,14 @@
 //! is down), `logs`, `doctor`, drain and resume (commands and signals), `--drain-after-one`, the
 //! metrics file; the control socket they use cannot be exhausted by idle connections.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{node_bin, procs, wait_for, Rig, Scenario, Start};
+use crate::support::{procs, wait_for, Rig, Scenario, Start};
 
 fn status_json(setup: &NodeSetup) -> Value {
     let out = setup.run(&["status", "--json"]);
@@ -19,10 +19,8 @@ fn status_json(setup: &NodeSetup) -> Value {
 
 #[test]
 fn status_shows_the_running_node_and_what_the_state_dir_says_when_it_is_down() {
-    let rig = Scenario::new("cyberwave:\n  training: sleep 20\n").rig();
+    let (rig, mut node) = Scenario::new("cyberwave:\n  training: sleep 20\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
     let pid = Start::new("training", "st-1").reply(cp, &node)["output"]["pid"]
         .as_i64()
         .unwrap_or(0);
@@ -53,17 +51,12 @@ fn status_shows_the_running_node_and_what_the_state_dir_says_when_it_is_down() {
 
 #[test]
 fn logs_prints_and_follows_a_workload_until_it_ends() {
-    let rig = Scenario::new("cyberwave:\n  training: |\n    for i in $(seq 1 15); do echo \"line $i\"; echo \"oops $i\" >&2; sleep 0.1; done\n").rig();
+    let (rig, node) = Scenario::new("cyberwave:\n  training: |\n    for i in $(seq 1 15); do echo \"line $i\"; echo \"oops $i\" >&2; sleep 0.1; done\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
     Start::new("training", "lg").reply(cp, &node);
     let t = Instant::now();
-    let out = Command::new(node_bin())
-        .args(["logs", "lg", "-f"])
-        .env_clear()
-        .envs(&setup.env)
-        .stdin(Stdio::null())
+    let out = setup
+        .command(&["logs", "lg", "-f"])
         .output()
         .expect("logs -f");
     assert_eq!(out.status.code(), Some(0));
@@ -166,10 +159,7 @@ fn drain_refuses_new_work_lets_running_work_finish_and_resume_accepts_again() {
     assert_eq!(failed[0]["rejection_reason"], "host_busy");
     assert_eq!(failed[0]["busy_reason"], "draining");
     assert_eq!(failed[0]["rejecting_instance_uuid"], node.uuid());
-    assert!(r["error"]
-        .as_str()
-        .unwrap_or_default()
-        .starts_with("Controller host is busy with"));
+    assert!(error_of(&r).starts_with("Controller host is busy with"));
     assert!(wait_for(REPLY, || cp
         .requests("heartbeat")
         .iter()
@@ -211,7 +201,7 @@ fn drain_after_one_exits_0_once_the_workload_completed() {
         "error",
         "one-shot: no second workload"
     );
-    assert_eq!(node.wait_exit(DONE), Some(Some(0)), "{}", node.log());
+    node.assert_exit(0, DONE);
     assert!(
         cp.statuses("wl-only")
             .iter()
@@ -222,10 +212,8 @@ fn drain_after_one_exits_0_once_the_workload_completed() {
 
 #[test]
 fn g8_idle_control_connections_cannot_exhaust_threads_or_lock_out_status() {
-    let rig = Scenario::new("cyberwave:\n  training: echo done\n").rig();
+    let (rig, node) = Scenario::new("cyberwave:\n  training: echo done\n").node();
     let Rig { setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
     let sock = setup.config_dir().join("control.sock");
     let before = procs::status_number(node.pid(), "Threads:");
     assert!(before > 0);
@@ -385,11 +373,7 @@ fn g13_d65_status_and_doctor_say_when_workloads_share_a_uid() {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("share workload_user nobody"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("share workload_user nobody");
     let st = status_json(setup);
     assert_eq!(st["workload_users"], json!(["nobody"]));
     let human = setup.run(&["status"]);

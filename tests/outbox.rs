@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
+use crate::support::scenario::completion;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
@@ -84,7 +85,6 @@ fn g11_d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_co
             "max_packet_size 65536\nmessage_size_limit 10000\n",
         ))
         .rig();
-    let cp = &rig.cp;
     let status = |wl: &str| format!("cyberwave/cloud-workload/{wl}/update-status");
     let pad = |n: usize| "x".repeat(n);
     plant(
@@ -118,18 +118,20 @@ fn g11_d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_co
         json!({"topic": "cyberwave/workflow/wf/execution/ex/finished", "body": {"ok": true}, "label": "small event"}),
     );
     let node = rig.node();
-    answers(cp, &node, "during");
+    answers(&rig.cp, &node, "during");
     assert!(
         node.wait_log("backend acknowledged the small completion", DONE),
         "the completion queued behind the refused ones was not delivered:\n{}",
         node.log()
     );
     assert!(
-        wait_for(DONE, || (!cp.requests("ingress").is_empty()).then_some(())).is_some(),
+        wait_for(DONE, || (!rig.cp.requests("ingress").is_empty())
+            .then_some(()))
+        .is_some(),
         "the event queued behind the refused one was not delivered:\n{}",
         node.log()
     );
-    let events = cp.requests("ingress");
+    let events = rig.cp.requests("ingress");
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].id, "wf/execution/ex/finished");
     assert!(
@@ -138,9 +140,9 @@ fn g11_d34_messages_too_large_for_the_broker_are_set_aside_without_losing_the_co
         set_aside(&rig),
         node.log()
     );
-    assert!(cp.statuses("wl-huge").is_empty() && cp.statuses("wl-large").is_empty());
+    assert!(rig.cp.statuses("wl-huge").is_empty() && rig.cp.statuses("wl-large").is_empty());
     assert_stayed_up(
-        cp,
+        &rig.cp,
         &node,
         &["huge completion", "large completion", "huge event"],
     );
@@ -158,7 +160,6 @@ fn g11_d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
             "pattern deny cyberwave/cloud-workload/wl-denied/#\npattern deny cyberwave/workflow/wf-denied/#\npattern readwrite #\n",
         ))
         .rig();
-    let cp = &rig.cp;
     plant(
         &rig.setup,
         "ingress",
@@ -172,27 +173,23 @@ fn g11_d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
         json!({"topic": "cyberwave/workflow/wf/execution/started", "body": {"x": 2}, "label": "allowed event"}),
     );
     let node = rig.node();
-    Start::training("denied").ok(cp, &node);
-    answers(cp, &node, "during");
+    Start::training("denied").ok(&rig.cp, &node);
+    answers(&rig.cp, &node, "during");
     assert!(
         wait_for(DONE, || (set_aside(&rig) == 2).then_some(())).is_some(),
         "{} set aside:\n{}",
         set_aside(&rig),
         node.log()
     );
-    let events = cp.requests("ingress");
+    let events = rig.cp.requests("ingress");
     assert!(
         events.iter().any(|e| e.id == "wf/execution/started"),
         "the event behind the denied one was held up: {events:?}\n{}",
         node.log()
     );
     // Another workload's completion goes through.
-    Start::training("allowed").ok(cp, &node);
-    assert!(
-        cp.wait_status("wl-allowed", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    Start::training("allowed").ok(&rig.cp, &node);
+    completion(&rig.cp, "wl-allowed");
     let label = node
         .log()
         .lines()
@@ -202,7 +199,7 @@ fn g11_d34_an_acl_deny_sets_the_entry_aside_and_what_follows_is_delivered() {
         .map(String::from)
         .unwrap_or_default();
     assert!(label.contains("denied"), "{label:?}:\n{}", node.log());
-    assert_stayed_up(cp, &node, &["denied event", &label]);
+    assert_stayed_up(&rig.cp, &node, &["denied event", &label]);
 }
 
 /// D34 meets D33: an outbox entry that the broker refuses by closing the connection (here a
@@ -274,7 +271,6 @@ fn g11_d34_a_set_aside_outbox_entry_is_not_resent_by_the_resumed_session() {
 #[test]
 fn g11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays_connected() {
     let rig = Scenario::new("cyberwave:\n  training: echo done\n").rig();
-    let cp = &rig.cp;
     // What an older version queued for workload `a/#`: the broker would drop the connection
     // at every attempt, and the node would be deaf while saying "connected".
     plant(
@@ -302,7 +298,7 @@ fn g11_a_queued_completion_with_a_wildcard_topic_is_set_aside_and_the_node_stays
         0
     );
     for i in 0..3 {
-        answers(cp, &node, &format!("alive-{i}"));
+        answers(&rig.cp, &node, &format!("alive-{i}"));
     }
     let local = rig.setup.run(&["status", "--json"]);
     let text = &local.stdout;

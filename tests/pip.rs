@@ -8,6 +8,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::support::node::NodeSetup;
 use crate::support::timeouts::{EXIT, READY};
 use crate::support::{node_bin, Rig, Scenario, TempDir};
 
@@ -199,36 +200,23 @@ fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
     setup.unset("CYBERWAVE_NODE_BIN");
     // As written, against the backend: runs until SIGTERM, then 0.
     setup.args = vec![main.display().to_string()];
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
-    node.sigterm();
-    assert_eq!(
-        node.wait_exit(EXIT).expect("exits"),
-        Some(0),
-        "{}",
-        node.log()
-    );
+    runs_until_sigterm(setup);
     // Without an API token: the node's exit 2 is the script's.
     setup.unset("CYBERWAVE_API_KEY");
     let mut node = setup.spawn();
-    assert_eq!(
-        node.wait_exit(EXIT).expect("exits"),
-        Some(2),
-        "{}",
-        node.log()
-    );
-    assert!(node.log().contains("API token"), "{}", node.log());
+    node.assert_exit(2, EXIT);
+    node.assert_logged("API token");
     // Standalone: no backend, no token.
     setup.args = vec![standalone.display().to_string()];
+    runs_until_sigterm(setup);
+}
+
+/// The node `setup` starts becomes ready, and exits 0 on SIGTERM.
+fn runs_until_sigterm(setup: &NodeSetup) {
     let mut node = setup.spawn();
     node.wait_ready(READY);
     node.sigterm();
-    assert_eq!(
-        node.wait_exit(EXIT).expect("exits"),
-        Some(0),
-        "{}",
-        node.log()
-    );
+    node.assert_exit(0, EXIT);
 }
 
 /// D70: the Python API as a container's command (PID 1 of a new PID namespace): `run()` becomes

@@ -329,7 +329,6 @@ fn throw_commands(scope: Scope, seconds: u64) {
     )
     .env("TMPDIR", &tmp.path().display().to_string())
     .node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
     let state = rig.setup.config_dir();
     let before = tree(rig.setup.home.path(), &state);
@@ -348,7 +347,7 @@ fn throw_commands(scope: Scope, seconds: u64) {
         for _ in 0..25 {
             n += 1;
             let payload = command(&mut rng, scope, n);
-            cp.command_raw(&uuid, payload.clone());
+            rig.cp.command_raw(&uuid, payload.clone());
             sent.push(payload);
         }
         let shown = || {
@@ -363,7 +362,7 @@ fn throw_commands(scope: Scope, seconds: u64) {
                 .join("\n")
         };
         let rid = format!("alive-{batch}");
-        let reply = cp.status(&uuid, &rid, REPLY);
+        let reply = rig.cp.status(&uuid, &rid, REPLY);
         assert_running(
             &mut node,
             &format!("seed {seed}, batch {batch}:\n{}", shown()),

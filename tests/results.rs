@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::TOKEN;
+use crate::support::scenario::error_of;
 use crate::support::scenario::{completion, uploaded};
 use crate::support::timeouts::{DONE, REPLY};
 use crate::support::{wait_for, Scenario, Start, TempDir};
@@ -34,34 +35,37 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
         b.put_failures = 1; // the first PUT is retried
     })
     .rig();
-    let cp = &rig.cp;
     let a = pattern(1, 8 * 1024 * 1024);
     let b = pattern(7, 8 * 1024 * 1024);
     std::fs::write(rig.work("a.bin"), &a).expect("a");
     std::fs::write(rig.work("b.bin"), &b).expect("b");
     let node = rig.node();
-    Start::training("up").ok(cp, &node);
+    Start::training("up").ok(&rig.cp, &node);
     // During the upload the node is busy and says why.
     assert!(
-        cp.wait_status("wl-up", "finalizing", DONE).is_some(),
+        rig.cp.wait_status("wl-up", "finalizing", DONE).is_some(),
         "{}",
         node.log()
     );
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(st["output"]["is_busy"], true);
     assert_eq!(st["output"]["active_workloads"][0]["state"], "finalizing");
-    let r = Start::training("during").reply(cp, &node);
+    let r = Start::training("during").reply(&rig.cp, &node);
     assert_eq!(r["status"], "error");
-    let err = r["error"].as_str().unwrap_or_default();
+    let err = error_of(&r);
     assert!(
         err.starts_with("Controller host is busy with 1 active workload(s)")
             && err.contains("uploading results"),
         "{err}"
     );
-    let failed = cp.wait_status("wl-during", "failed", REPLY).expect("R7");
+    let failed = rig
+        .cp
+        .wait_status("wl-during", "failed", REPLY)
+        .expect("R7");
     assert_eq!(failed[0]["busy_reason"], "uploading");
     // Then the completion, after R10.
-    let statuses = cp
+    let statuses = rig
+        .cp
         .wait_status("wl-up", "completed", DONE)
         .unwrap_or_else(|| panic!("{}", node.log()));
     let finalizing = statuses
@@ -73,7 +77,7 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
         finalizing["file_count"], 2,
         "the symlink is not counted: {finalizing}"
     );
-    let uploads = cp.uploads();
+    let uploads = rig.cp.uploads();
     assert_eq!(uploads.len(), 2, "{:?}", uploads.keys().collect::<Vec<_>>());
     let mut got: Vec<&Vec<u8>> = uploads.values().collect();
     got.sort_by_key(|v| v[0]);
@@ -82,7 +86,7 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
         "byte-identical uploads"
     );
     assert!(uploads.values().all(|v| v != b"must not leave the host"));
-    let requests = cp.all_requests();
+    let requests = rig.cp.all_requests();
     let r10 = requests
         .iter()
         .position(|r| r.op == "workload:upload-results" && r.id == "wl-up")
@@ -97,14 +101,14 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let body = &requests[r10].body;
     assert_eq!(body["filenames"], json!(["a.bin", "sub/b.bin"]));
     assert_eq!(body["attachment_uuids"].as_array().map(Vec::len), Some(2));
-    assert!(node.wait_log("skipping symlink", REPLY), "{}", node.log());
+    node.assert_logged("skipping symlink");
     assert!(
         !rig.work("out/a.bin").exists(),
         "uploaded files are removed once the backend knows of them"
     );
     assert!(secret.exists(), "the symlink's target is untouched");
     // And the node is free again.
-    Start::training("after").ok(cp, &node);
+    Start::training("after").ok(&rig.cp, &node);
 }
 
 /// D24, hostile config: a results folder that cannot be created (a file where its parent
@@ -117,23 +121,18 @@ fn a_results_folder_that_cannot_be_created_leaves_the_workload_without_one() {
     )
     .file("blocker", "a file, not a folder")
     .node();
-    let cp = &rig.cp;
     let first = Start::training("nf");
-    first.ok(cp, &node);
+    first.ok(&rig.cp, &node);
     assert!(
-        cp.wait_status(first.wl(), "completed", DONE).is_some(),
+        rig.cp.wait_status(first.wl(), "completed", DONE).is_some(),
         "{}",
         node.log()
     );
     let seen = std::fs::read_to_string(rig.work("seen.txt")).unwrap_or_default();
     assert_eq!(seen.trim(), "dir=unset", "{}", node.log());
-    assert!(
-        node.log().contains("cannot create the results folder"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("cannot create the results folder");
     // The node goes on: the next start is answered too.
-    Start::training("nf2").ok(cp, &node);
+    Start::training("nf2").ok(&rig.cp, &node);
 }
 
 #[test]
@@ -142,9 +141,8 @@ fn g10_concurrent_workloads_upload_only_their_own_results() {
         "cyberwave:\n  training: |\n    id=$CYBERWAVE_REQUEST_ID\n    while [ ! -f go ]; do sleep 0.02; done\n    echo \"result of $id\" > \"$CYBERWAVE_RESULTS_DIR/$id.txt\"\n    mkdir -p out && echo loose > \"out/loose-$id.txt\"\n    while [ ! -f \"release-$id\" ]; do sleep 0.05; done\n  results_folder: out\ncloud_node:\n  max_concurrent_workloads: 2\n",
     )
     .node();
-    let cp = &rig.cp;
     for id in ["ra", "rb"] {
-        Start::training(id).ok(cp, &node);
+        Start::training(id).ok(&rig.cp, &node);
     }
     // Both run before either writes: a loose file is new to both.
     rig.touch("go");
@@ -160,10 +158,10 @@ fn g10_concurrent_workloads_upload_only_their_own_results() {
         "each workload writes into its own CYBERWAVE_RESULTS_DIR"
     );
     rig.touch("release-ra");
-    let done = completion(cp, "wl-ra");
+    let done = completion(&rig.cp, "wl-ra");
     assert_eq!(done["success"], true, "{done}");
     assert_eq!(
-        uploaded(cp, "wl-ra"),
+        uploaded(&rig.cp, "wl-ra"),
         vec!["ra.txt"],
         "A uploads its own file only"
     );
@@ -178,18 +176,14 @@ fn g10_concurrent_workloads_upload_only_their_own_results() {
         serde_json::from_value(done["unattributed_results"].clone()).unwrap_or_default()
     };
     assert_eq!(left(&done), ["loose-ra.txt", "loose-rb.txt"], "{done}");
-    assert!(
-        node.wait_log("unattributed_results", REPLY),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("unattributed_results");
     rig.touch("release-rb");
-    let done_b = completion(cp, "wl-rb");
+    let done_b = completion(&rig.cp, "wl-rb");
     assert_eq!(left(&done_b), ["loose-ra.txt", "loose-rb.txt"], "{done_b}");
     assert!(rig.work("out/loose-rb.txt").exists());
-    assert_eq!(uploaded(cp, "wl-rb"), vec!["rb.txt"]);
+    assert_eq!(uploaded(&rig.cp, "wl-rb"), vec!["rb.txt"]);
     assert!(
-        cp.uploads().values().any(|v| v == b"result of rb\n"),
+        rig.cp.uploads().values().any(|v| v == b"result of rb\n"),
         "B's bytes arrived"
     );
     assert!(
@@ -204,11 +198,10 @@ fn g10_results_over_max_result_bytes_are_skipped_by_name() {
         "cyberwave:\n  training: |\n    head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/big.bin\"\n    printf small > \"$CYBERWAVE_RESULTS_DIR/small.txt\"\n  results_folder: out\ncloud_node:\n  max_result_bytes: 10\n",
     )
     .node();
-    let cp = &rig.cp;
-    Start::training("mx").reply(cp, &node);
-    completion(cp, "wl-mx");
-    assert_eq!(uploaded(cp, "wl-mx"), vec!["small.txt"]);
-    assert!(node.wait_log("big.bin skipped", REPLY), "{}", node.log());
+    Start::training("mx").reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-mx");
+    assert_eq!(uploaded(&rig.cp, "wl-mx"), vec!["small.txt"]);
+    node.assert_logged("big.bin skipped");
 }
 
 /// D24: only a workload's own folder is uploaded and cleaned for it. A result file that workload
@@ -221,17 +214,16 @@ fn g10_d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_nex
         "cyberwave:\n  training: |\n    if [ \"$CYBERWAVE_REQUEST_ID\" = ra ]; then head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/a.bin\"; head -c 60 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/b.txt\"; fi\n  results_folder: out\ncloud_node:\n  max_result_bytes: 150\n",
     )
     .node();
-    let cp = &rig.cp;
     for id in ["ra", "rb"] {
         let w = Start::training(id);
-        w.ok(cp, &node);
-        w.completion(cp);
+        w.ok(&rig.cp, &node);
+        w.completion(&rig.cp);
     }
-    assert_eq!(uploaded(cp, "wl-ra"), vec!["a.bin"], "{}", node.log());
+    assert_eq!(uploaded(&rig.cp, "wl-ra"), vec!["a.bin"], "{}", node.log());
     assert!(
-        uploaded(cp, "wl-rb").is_empty(),
+        uploaded(&rig.cp, "wl-rb").is_empty(),
         "B wrote nothing, yet uploaded {:?}",
-        uploaded(cp, "wl-rb")
+        uploaded(&rig.cp, "wl-rb")
     );
     assert!(
         rig.work("out/ra/b.txt").exists(),
@@ -245,13 +237,12 @@ fn g10_d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_nex
 #[test]
 fn g5_d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
     let rig = Scenario::new("cyberwave:\n  training: echo done\n  results_folder: .\n").rig();
-    let cp = &rig.cp;
     let precious = rig.write("train.py", "print('my code')\n");
     let node = rig.node();
     let w = Start::training("dot");
-    w.ok(cp, &node);
-    w.completion(cp);
-    let up: Vec<String> = cp.uploads().keys().cloned().collect();
+    w.ok(&rig.cp, &node);
+    w.completion(&rig.cp);
+    let up: Vec<String> = rig.cp.uploads().keys().cloned().collect();
     assert!(
         precious.exists() && rig.work("cyberwave.yml").exists(),
         "the operator's files were deleted after upload (uploaded: {up:?})"
@@ -269,20 +260,19 @@ fn two_workloads_ending_together_upload_side_by_side() {
     )
     .backend(|b| b.put_delay = Duration::from_millis(700))
     .node();
-    let cp = &rig.cp;
-    Start::training("pa").ok(cp, &node);
-    Start::training("pb").ok(cp, &node);
+    Start::training("pa").ok(&rig.cp, &node);
+    Start::training("pb").ok(&rig.cp, &node);
     rig.touch("go");
     for wl in ["wl-pa", "wl-pb"] {
         assert!(
-            cp.wait_status(wl, "completed", DONE).is_some(),
+            rig.cp.wait_status(wl, "completed", DONE).is_some(),
             "{wl}: {}",
             node.log()
         );
     }
-    assert_eq!(cp.uploads().len(), 2, "{:?}", cp.uploads().keys());
+    assert_eq!(rig.cp.uploads().len(), 2, "{:?}", rig.cp.uploads().keys());
     assert_eq!(
-        cp.max_puts_in_flight(),
+        rig.cp.max_puts_in_flight(),
         2,
         "the two workloads' uploads went one after the other"
     );
@@ -302,9 +292,9 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
         b.put_failures = 1; // one PUT is refused once and retried 2 s later
     })
     .node();
-    let cp = &rig.cp;
-    Start::training("pf").ok(cp, &node);
-    let statuses = cp
+    Start::training("pf").ok(&rig.cp, &node);
+    let statuses = rig
+        .cp
         .wait_status("wl-pf", "completed", DONE)
         .unwrap_or_else(|| panic!("{}", node.log()));
     assert_eq!(
@@ -315,13 +305,13 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
         1,
         "{statuses:?}"
     );
-    assert_eq!(cp.uploads().len(), 4, "{:?}", cp.uploads().keys());
+    assert_eq!(rig.cp.uploads().len(), 4, "{:?}", rig.cp.uploads().keys());
     assert_eq!(
-        cp.max_puts_in_flight(),
+        rig.cp.max_puts_in_flight(),
         2,
         "one workload's files went one after the other (or more than the pool at once)"
     );
-    let requests = cp.all_requests();
+    let requests = rig.cp.all_requests();
     let r10: Vec<usize> = (0..requests.len())
         .filter(|&i| requests[i].op == "workload:upload-results" && requests[i].id == "wl-pf")
         .collect();
@@ -338,7 +328,7 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
         })
         .expect("R8");
     assert!(r10[0] < completed, "the completion comes after R10");
-    assert!(node.wait_log("attempt 2 of 3", REPLY), "{}", node.log());
+    node.assert_logged("attempt 2 of 3");
 }
 
 #[test]
@@ -362,7 +352,6 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
             b.require_workspace_uuid = true;
         })
         .rig();
-    let cp = &rig.cp;
     let src = rig.work("src");
     std::fs::create_dir_all(src.join("sub")).expect("src");
     let mut files = vec![
@@ -382,16 +371,13 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
         std::fs::write(src.join(name), bytes).expect("write");
     }
     let node = rig.node();
-    Start::training("mp").ok(cp, &node);
-    assert!(
-        cp.wait_status("wl-mp", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
-    let puts = cp.uploads();
-    let forms = cp.form_uploads();
+    Start::training("mp").ok(&rig.cp, &node);
+    completion(&rig.cp, "wl-mp");
+    let puts = rig.cp.uploads();
+    let forms = rig.cp.form_uploads();
     for (name, bytes) in &files {
-        let att = cp
+        let att = rig
+            .cp
             .attachment_name(name)
             .unwrap_or_else(|| panic!("R9 for {name}"));
         let uuid = att.rsplit_once('.').map_or(att.as_str(), |(s, _)| s);
@@ -435,7 +421,7 @@ fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
             }
         }
     }
-    let r10 = cp.requests("workload:upload-results");
+    let r10 = rig.cp.requests("workload:upload-results");
     assert_eq!(r10.len(), 1);
     assert_eq!(
         r10[0].body["filenames"],
@@ -520,32 +506,31 @@ fn g10_d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its
             "    fi\n",
     ))
     .rig();
-    let cp = &rig.cp;
     let uuid = "7d0c6c1e-3c47-4b8f-9d59-2c7d0f6f4a11";
     let node = rig.node();
     let trainer = Start::training("trainer").with(json!({"training_uuid": uuid}));
-    trainer.ok(cp, &node);
+    trainer.ok(&rig.cp, &node);
     let other = Start::training("other");
-    other.ok(cp, &node);
+    other.ok(&rig.cp, &node);
     rig.touch("go");
-    let done = other.completion(cp);
+    let done = other.completion(&rig.cp);
     assert_eq!(done["success"], true, "{done}");
     assert!(done.get("unattributed_results").is_none(), "{done}");
-    assert!(other.uploaded(cp).is_empty(), "{}", node.log());
+    assert!(other.uploaded(&rig.cp).is_empty(), "{}", node.log());
     let archive = rig.work(&format!("runs/artifacts/{uuid}.tar.gz"));
     let bytes = std::fs::read(&archive).unwrap();
     rig.touch("release");
-    let done = trainer.completion(cp);
+    let done = trainer.completion(&rig.cp);
     assert_eq!(done["success"], true, "{done}");
     assert!(done.get("unattributed_results").is_none(), "{done}");
     assert_eq!(
-        trainer.uploaded(cp),
+        trainer.uploaded(&rig.cp),
         [format!("{uuid}.tar.gz")],
         "{}",
         node.log()
     );
     assert!(
-        cp.uploads().values().any(|v| *v == bytes),
+        rig.cp.uploads().values().any(|v| *v == bytes),
         "the archive's bytes arrived"
     );
     assert!(!archive.exists(), "uploaded, then removed");
@@ -560,9 +545,8 @@ fn g10_d61_a_loose_result_is_uploaded_after_the_clock_stepped_back() {
         "cyberwave:\n  results_folder: out\n  training: |\n    while [ ! -f go ]; do sleep 0.02; done\n    echo model > out/model.bin\n",
     )
     .node();
-    let cp = &rig.cp;
     let w = Start::training("clk");
-    w.ok(cp, &node);
+    w.ok(&rig.cp, &node);
     node.kill9();
     let meta_path = rig.state("workloads/clk/meta.json");
     let mut meta: serde_json::Value =
@@ -572,8 +556,8 @@ fn g10_d61_a_loose_result_is_uploaded_after_the_clock_stepped_back() {
     std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
     let _node = rig.node();
     rig.touch("go");
-    let done = w.completion(cp);
+    let done = w.completion(&rig.cp);
     assert_eq!(done["success"], true, "{done}");
-    assert_eq!(w.uploaded(cp), ["model.bin"], "{}", node.log());
+    assert_eq!(w.uploaded(&rig.cp), ["model.bin"], "{}", node.log());
     assert!(!rig.work("out/model.bin").exists());
 }

@@ -16,21 +16,20 @@ fn a_stale_workload_is_terminated_and_its_slot_reused() {
     let (rig, node) = Scenario::new("cyberwave:\n  training: sleep 60\n")
         .env("CYBERWAVE_HEARTBEAT_INTERVAL", "30")
         .node();
-    let cp = &rig.cp;
-    let first = Start::training("old").reply(cp, &node);
+    let first = Start::training("old").reply(&rig.cp, &node);
     let pid = first["output"]["pid"].as_i64().unwrap_or(0);
     // The backend finished with it long ago; a new start must not be refused because of it.
-    cp.set_behaviour(|b| {
+    rig.cp.set_behaviour(|b| {
         b.workloads
             .insert("wl-old".into(), Some((200, json!({"status": "completed"}))));
     });
     let t = Instant::now();
-    let r = Start::training("new").reply(cp, &node);
+    let r = Start::training("new").reply(&rig.cp, &node);
     assert_eq!(r["status"], "ok", "{r}\n{}", node.log());
     assert!(t.elapsed() < Duration::from_secs(8));
     assert!(!procs::exists(pid), "the stale workload is gone");
     std::thread::sleep(Duration::from_millis(500));
-    let old = cp.statuses("wl-old");
+    let old = rig.cp.statuses("wl-old");
     assert!(
         old.iter().all(|s| s["status"] == "running"),
         "no completion for a stale workload: {old:?}"
@@ -48,10 +47,9 @@ fn self_heal_runs_before_heartbeats_and_404_means_stale() {
     let (rig, node) = Scenario::new("cyberwave:\n  training: sleep 60\n")
         .env("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5")
         .node();
-    let cp = &rig.cp;
-    let r = Start::training("gone").reply(cp, &node);
+    let r = Start::training("gone").reply(&rig.cp, &node);
     let pid = r["output"]["pid"].as_i64().unwrap_or(0);
-    cp.set_behaviour(|b| {
+    rig.cp.set_behaviour(|b| {
         b.workloads.insert(
             "wl-gone".into(),
             Some((404, json!({"detail": "not found"}))),
@@ -68,12 +66,13 @@ fn self_heal_runs_before_heartbeats_and_404_means_stale() {
     let mut n = 0;
     let emptied = wait_for(REPLY, || {
         n += 1;
-        let st = cp.status(&node.uuid(), &format!("st-{n}"), REPLY)?;
+        let st = rig.cp.status(&node.uuid(), &format!("st-{n}"), REPLY)?;
         (st["output"]["active_workloads"] == json!([])).then_some(())
     });
     assert!(emptied.is_some(), "the stale workload is no longer tracked");
     assert!(
-        cp.statuses("wl-gone")
+        rig.cp
+            .statuses("wl-gone")
             .iter()
             .all(|s| s["status"] == "running"),
         "and was not reported"
@@ -89,13 +88,12 @@ fn g5_a_workload_id_of_dots_or_a_query_stays_on_its_own_rest_path() {
         .env("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5")
         .env("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "2")
         .node();
-    let cp = &rig.cp;
     for (rid, wl) in [("dots", ".."), ("query", "x?y=1")] {
-        let r = Start::training(rid).workload(wl).reply(cp, &node);
+        let r = Start::training(rid).workload(wl).reply(&rig.cp, &node);
         assert_eq!(r["status"], "ok", "{r}");
     }
     let asked = wait_for(Duration::from_secs(8), || {
-        let hits: Vec<String> = cp.http_hits().into_iter().map(|(url, _)| url).collect();
+        let hits: Vec<String> = rig.cp.http_hits().into_iter().map(|(url, _)| url).collect();
         let both = [
             "/api/v1/cloud-node-workloads/%2E%2E",
             "/api/v1/cloud-node-workloads/x%3Fy%3D1",
@@ -104,8 +102,8 @@ fn g5_a_workload_id_of_dots_or_a_query_stays_on_its_own_rest_path() {
         .all(|want| hits.iter().any(|u| u == want));
         both.then_some(())
     });
-    assert!(asked.is_some(), "{:?}\n{}", cp.http_hits(), node.log());
-    for (url, _) in cp.http_hits() {
+    assert!(asked.is_some(), "{:?}\n{}", rig.cp.http_hits(), node.log());
+    for (url, _) in rig.cp.http_hits() {
         assert!(!url.contains("/..") && !url.contains('?'), "{url}");
     }
 }
@@ -120,20 +118,22 @@ fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
                 b.workloads.insert("wl-hang".into(), None);
             })
             .node();
-    let cp = &rig.cp;
-    let p1 = Start::training("k500").workload("wl-500").reply(cp, &node)["output"]["pid"]
+    let p1 = Start::training("k500")
+        .workload("wl-500")
+        .reply(&rig.cp, &node)["output"]["pid"]
         .as_i64()
         .unwrap_or(0);
     let p2 = Start::training("khang")
         .workload("wl-hang")
-        .reply(cp, &node)["output"]["pid"]
+        .reply(&rig.cp, &node)["output"]["pid"]
         .as_i64()
         .unwrap_or(0);
     let from = Instant::now();
     // Within a second a pass asks about wl-hang, whose lookup hangs for its whole 5 s timeout:
     // 3 s of beats fall inside the hang (the table's timers are unit-tested in node/table.rs).
     std::thread::sleep(Duration::from_secs(3));
-    let beats: Vec<Instant> = cp
+    let beats: Vec<Instant> = rig
+        .cp
         .requests("heartbeat")
         .into_iter()
         .map(|r| r.at)
@@ -148,7 +148,8 @@ fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
         );
     }
     assert!(procs::exists(p1) && procs::exists(p2), "both kept");
-    let hits = cp
+    let hits = rig
+        .cp
         .http_hits()
         .iter()
         .filter(|(u, _)| u.starts_with("/api/v1/cloud-node-workloads/"))

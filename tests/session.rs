@@ -13,9 +13,8 @@ use crate::support::{wait_for, HeartbeatMode, Scenario};
 #[test]
 fn first_start_registers_and_second_start_reuses_the_identity() {
     let (rig, mut node) = Scenario::default().node();
-    let cp = &rig.cp;
-    let creates = cp.requests("request-instance");
-    let registers = cp.requests("register");
+    let creates = rig.cp.requests("request-instance");
+    let registers = rig.cp.requests("register");
     assert_eq!(creates.len(), 1, "one R1");
     assert_eq!(registers.len(), 1, "one R2");
     assert!(creates[0].at <= registers[0].at, "R1 before R2");
@@ -36,8 +35,8 @@ fn first_start_registers_and_second_start_reuses_the_identity() {
     assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
 
     let mut again = rig.node();
-    assert_eq!(cp.requests("request-instance").len(), 1, "no second R1");
-    let registers = cp.requests("register");
+    assert_eq!(rig.cp.requests("request-instance").len(), 1, "no second R1");
+    let registers = rig.cp.requests("register");
     assert_eq!(registers.len(), 2);
     assert_eq!(registers[1].id, uuid, "same instance re-registered");
     assert_eq!(again.uuid(), uuid);
@@ -55,9 +54,8 @@ fn env_uuid_overrides_the_identity_file() {
         r#"{"uuid":"file-uuid","slug":"file-slug"}"#,
     );
     let node = rig.node();
-    let cp = &rig.cp;
-    assert!(cp.requests("request-instance").is_empty());
-    let r = cp.requests("register");
+    assert!(rig.cp.requests("request-instance").is_empty());
+    let r = rig.cp.requests("register");
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].id, "env-uuid");
     assert_eq!(node.uuid(), "env-uuid");
@@ -69,14 +67,15 @@ fn both_command_topics_answer_status_with_the_local_prefix() {
         .prefix("local")
         .env("CYBERWAVE_INFERENCE_CMD", "echo {body}")
         .node();
-    let cp = &rig.cp;
-    assert!(cp.requests("register")[0]
+    assert!(rig.cp.requests("register")[0]
         .topic
         .starts_with("localcyberwave/cloud-node/"));
-    let by_uuid = cp
+    let by_uuid = rig
+        .cp
         .status(&node.uuid(), "s-uuid", REPLY)
         .expect("reply on the uuid topic");
-    let by_slug = cp
+    let by_slug = rig
+        .cp
         .status(&node.slug(), "s-slug", REPLY)
         .expect("reply on the slug topic");
     for r in [&by_uuid, &by_slug] {
@@ -88,7 +87,7 @@ fn both_command_topics_answer_status_with_the_local_prefix() {
         assert!(r["output"]["active_workloads"].is_array(), "{r}");
     }
     assert_eq!(
-        cp.reply_topic("s-slug").unwrap_or_default(),
+        rig.cp.reply_topic("s-slug").unwrap_or_default(),
         format!("localcyberwave/cloud-node/{}/response", node.uuid())
     );
 }
@@ -98,11 +97,10 @@ fn production_environment_means_no_prefix() {
     let (rig, node) = Scenario::default()
         .env("CYBERWAVE_ENVIRONMENT", "production")
         .node();
-    let cp = &rig.cp;
-    assert!(cp.requests("register")[0]
+    assert!(rig.cp.requests("register")[0]
         .topic
         .starts_with("cyberwave/cloud-node/"));
-    assert!(cp.status(&node.uuid(), "p1", REPLY).is_some());
+    assert!(rig.cp.status(&node.uuid(), "p1", REPLY).is_some());
 }
 
 #[test]
@@ -112,22 +110,21 @@ fn g6_heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
         .backend(|b| b.heartbeat = HeartbeatMode::Delay(delay))
         .env("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5")
         .node();
-    let cp = &rig.cp;
-    let first = cp.wait_requests("heartbeat", 1, REPLY);
+    let first = rig.cp.wait_requests("heartbeat", 1, REPLY);
     assert!(!first.is_empty());
     // Status commands while heartbeat replies are outstanding.
     for i in 0..3 {
         std::thread::sleep(Duration::from_millis(400));
-        let hb = cp.requests("heartbeat");
+        let hb = rig.cp.requests("heartbeat");
         let last_hb = hb.last().map(|r| r.at).unwrap_or_else(Instant::now);
         let rid = format!("slow-{i}");
         let sent = Instant::now();
-        cp.command(
+        rig.cp.command(
             &node.uuid(),
             json!({"command": "status", "request_id": rid}),
         );
-        assert!(cp.wait_reply(&rid, REPLY).is_some());
-        let answered = cp.reply_time(&rid).unwrap_or_else(Instant::now);
+        assert!(rig.cp.wait_reply(&rid, REPLY).is_some());
+        let answered = rig.cp.reply_time(&rid).unwrap_or_else(Instant::now);
         assert!(
             answered < last_hb + delay,
             "status answered {:?} after sending, not before the pending heartbeat reply",
@@ -137,7 +134,7 @@ fn g6_heartbeats_keep_cadence_and_commands_never_wait_behind_slow_replies() {
     // Beats go on while their replies are late. (The cadence itself, ±10 % over an hour, is
     // unit-tested with a fake clock in node::session.)
     std::thread::sleep(Duration::from_millis(700));
-    let hb = cp.requests("heartbeat");
+    let hb = rig.cp.requests("heartbeat");
     let span = hb.last().map(|l| l.at - hb[0].at).unwrap_or_default();
     let expected = (span.as_secs_f64() / 0.5) as usize;
     assert!(hb.len() >= 4, "{} heartbeats over {span:?}", hb.len());
@@ -171,30 +168,23 @@ fn persistent_heartbeat_401_exits_3() {
         .env("CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS", "0.05")
         .rig();
     let mut node = rig.spawn();
-    let cp = &rig.cp;
+    node.assert_exit(3, Duration::from_secs(20));
     assert_eq!(
-        node.wait_exit(Duration::from_secs(20)),
-        Some(Some(3)),
-        "{}",
-        node.log()
-    );
-    assert_eq!(
-        cp.requests("heartbeat").len(),
+        rig.cp.requests("heartbeat").len(),
         5,
         "five attempts, then stop"
     );
-    assert!(node.log().contains("invalid or revoked"), "{}", node.log());
+    node.assert_logged("invalid or revoked");
 }
 
 #[test]
 fn token_rejected_at_start_exits_3_without_retrying() {
     let rig = Scenario::default().backend(|b| b.token_status = 401).rig();
     let mut node = rig.spawn();
-    let cp = &rig.cp;
     let started = Instant::now();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(3)), "{}", node.log());
+    node.assert_exit(3, EXIT);
     assert!(started.elapsed() < Duration::from_secs(5));
-    let hits = cp.http_hits();
+    let hits = rig.cp.http_hits();
     assert_eq!(hits.len(), 1, "no retry: {hits:?}");
     assert_eq!(
         hits[0].1.as_deref(),
@@ -207,7 +197,7 @@ fn token_rejected_at_start_exits_3_without_retrying() {
     );
     assert!(!log.contains(TOKEN), "the token never reaches the log");
     assert!(
-        cp.all_requests().is_empty(),
+        rig.cp.all_requests().is_empty(),
         "no MQTT request after a rejected token"
     );
 }
@@ -218,11 +208,7 @@ fn backend_down_at_start_still_becomes_ready() {
     let (_rig, node) = Scenario::default()
         .env("CYBERWAVE_BASE_URL", &nobody_there)
         .node();
-    assert!(
-        node.wait_log("could not validate the API token", REPLY),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("could not validate the API token");
 }
 
 #[test]
@@ -233,19 +219,18 @@ fn standalone_needs_no_backend() {
         .arg("--slug")
         .arg("lab-gpu")
         .node();
-    let cp = &rig.cp;
     let uuid = node.uuid();
     assert!(!uuid.is_empty());
-    assert!(cp.status(&uuid, "sa-1", REPLY).is_some());
-    assert!(cp.status("lab-gpu", "sa-2", REPLY).is_some());
+    assert!(rig.cp.status(&uuid, "sa-1", REPLY).is_some());
+    assert!(rig.cp.status("lab-gpu", "sa-2", REPLY).is_some());
     node.sigterm();
     assert_eq!(node.wait_exit(Duration::from_secs(5)), Some(Some(0)));
     assert!(
-        cp.all_requests().is_empty(),
+        rig.cp.all_requests().is_empty(),
         "no backend requests: {:?}",
-        cp.all_requests()
+        rig.cp.all_requests()
     );
-    assert!(cp.http_hits().is_empty());
+    assert!(rig.cp.http_hits().is_empty());
     // The identity persists across restarts.
     assert_eq!(rig.node().uuid(), uuid);
 }
@@ -262,7 +247,6 @@ fn g11_systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping
     rig.setup
         .set("NOTIFY_SOCKET", &sock_path.display().to_string());
     let mut node = rig.spawn();
-    let cp = &rig.cp;
     let mut got: Vec<String> = Vec::new();
     let mut buf = [0u8; 256];
     let end = Instant::now() + READY;
@@ -281,7 +265,8 @@ fn g11_systemd_hears_ready_after_subscribing_watchdog_on_heartbeats_and_stopping
         "fed by acknowledged heartbeats: {got:?}"
     );
     // No watchdog pings while heartbeats are refused.
-    cp.set_behaviour(|b| b.heartbeat = HeartbeatMode::Code(500, "backend trouble"));
+    rig.cp
+        .set_behaviour(|b| b.heartbeat = HeartbeatMode::Code(500, "backend trouble"));
     std::thread::sleep(Duration::from_millis(700));
     while sock.recv(&mut buf).is_ok() {}
     let quiet_from = Instant::now();
@@ -320,11 +305,11 @@ fn hardware_telemetry_is_opt_in_and_coarse() {
     assert!(hb[0].body.get("hardware").is_none(), "off by default");
     drop(node);
     rig.setup.set("CYBERWAVE_HARDWARE_TELEMETRY", "1");
-    let cp = &rig.cp;
-    let n = cp.requests("heartbeat").len();
+    let n = rig.cp.requests("heartbeat").len();
     let _node = rig.spawn();
     let hw = wait_for(REPLY, || {
-        cp.requests("heartbeat")
+        rig.cp
+            .requests("heartbeat")
             .into_iter()
             .skip(n)
             .find_map(|h| h.body.get("hardware").cloned())
@@ -355,19 +340,20 @@ fn the_sdk_topic_prefix_and_workspace_uuid_are_honoured() {
         .env("CYBERWAVE_TOPIC_PREFIX", "sdkpfx/")
         .env("CYBERWAVE_WORKSPACE_ID", "ws-0000-1111")
         .node();
-    let cp = &rig.cp;
     assert!(
-        cp.requests("register")
+        rig.cp
+            .requests("register")
             .iter()
             .all(|r| r.topic.starts_with("sdkpfx/cyberwave/cloud-node/")),
         "registered under the prefix"
     );
-    let st = cp
+    let st = rig
+        .cp
         .status(&node.uuid(), "st", REPLY)
         .expect("a reply under the prefix");
     assert_eq!(st["status"], "ok");
-    assert!(node.wait_log("accepted by", REPLY), "{}", node.log());
-    let hits = cp.http_hits();
+    node.assert_logged("accepted by");
+    let hits = rig.cp.http_hits();
     assert!(
         hits.iter()
             .any(|(url, _)| url.starts_with("/api/v1/cloud-node/instances")
@@ -381,14 +367,13 @@ fn workspace_required_is_explained_and_the_node_keeps_running() {
     let (rig, node) = Scenario::default()
         .backend(|b| b.require_workspace_uuid = true)
         .node();
-    let cp = &rig.cp;
-    assert!(node.wait_log("workspace_required", REPLY), "{}", node.log());
+    node.assert_logged("workspace_required");
     assert!(node
         .log()
         .lines()
         .any(|l| l.contains("workspace_required") && l.contains("set CYBERWAVE_WORKSPACE_ID")));
     assert_eq!(
-        cp.status(&node.uuid(), "st", REPLY).expect("reply")["status"],
+        rig.cp.status(&node.uuid(), "st", REPLY).expect("reply")["status"],
         "ok"
     );
 }
@@ -404,7 +389,7 @@ fn the_login_workspace_goes_with_the_login_token_only() {
         json!({"token": TOKEN, "workspace_uuid": "ws-login"}).to_string(),
     );
     let mut node = rig.node();
-    assert!(node.wait_log("accepted by", REPLY), "{}", node.log());
+    node.assert_logged("accepted by");
     assert!(rig
         .cp
         .http_hits()
@@ -415,11 +400,11 @@ fn the_login_workspace_goes_with_the_login_token_only() {
     // Another token (from the environment) is not sent with the login's workspace.
     rig.setup
         .set("CYBERWAVE_API_KEY", "cw_another_token_entirely");
-    let cp = &rig.cp;
-    let hits_before = cp.http_hits().len();
+    let hits_before = rig.cp.http_hits().len();
     let node = rig.node();
-    assert!(node.wait_log("workspace_required", REPLY), "{}", node.log());
-    assert!(cp
+    node.assert_logged("workspace_required");
+    assert!(rig
+        .cp
         .http_hits()
         .iter()
         .skip(hits_before)

@@ -6,19 +6,16 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{EXIT, REPLY};
 use crate::support::{procs, wait_for, Scenario, Start};
 
 #[test]
 fn node_starts_connects_and_exits_0_on_sigterm() {
     let (_rig, mut node) = Scenario::default().node();
-    assert!(
-        node.log().contains("connected to MQTT broker"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("connected to MQTT broker");
     node.sigterm();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
+    node.assert_exit(0, EXIT);
 }
 
 #[test]
@@ -33,13 +30,7 @@ fn sigterm_sends_terminate_and_refuses_commands_meanwhile() {
         .status(&node.uuid(), "during-shutdown", REPLY)
         .expect("error reply");
     assert_eq!(reply["status"], "error");
-    assert!(
-        reply["error"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("shutting down"),
-        "{reply}"
-    );
+    assert!(error_of(&reply).contains("shutting down"), "{reply}");
     assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
     assert_eq!(rig.cp.requests("terminate").len(), 1, "R5 sent once");
 }
@@ -49,12 +40,7 @@ fn sigterm_exits_promptly_when_the_broker_is_healthy() {
     let (rig, mut node) = Scenario::default().node();
     let t = Instant::now();
     node.sigterm();
-    assert_eq!(
-        node.wait_exit(Duration::from_secs(5)),
-        Some(Some(0)),
-        "{}",
-        node.log()
-    );
+    node.assert_exit(0, Duration::from_secs(5));
     assert!(
         t.elapsed() < Duration::from_secs(3),
         "took {:?}",
@@ -98,11 +84,7 @@ fn g2_sigterm_leaves_workloads_running_and_names_them() {
         "{}",
         node.log()
     );
-    assert!(
-        node.log().contains("training_keep.stdout.log"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("training_keep.stdout.log");
     assert!(procs::exists(pid));
     procs::kill_group(pid);
 }
@@ -117,17 +99,16 @@ fn g2_a_start_in_flight_at_shutdown_is_answered_before_the_node_exits() {
     .slow_disk(700)
     .dir("t")
     .node();
-    let cp = &rig.cp;
-    Start::new("inference", "late").send(cp, &node);
+    Start::new("inference", "late").send(&rig.cp, &node);
     wait_for(Duration::from_secs(10), || {
         (rig.runs("late") == 1).then_some(())
     })
     .unwrap_or_else(|| panic!("the workload did not run; log:\n{}", node.log()));
-    assert!(cp.replies_for("late").is_empty(), "still in flight");
+    assert!(rig.cp.replies_for("late").is_empty(), "still in flight");
     node.sigterm();
     let code = node.wait_exit(Duration::from_secs(30));
     assert_eq!(code, Some(Some(0)), "log:\n{}", node.log());
-    let replies = cp.replies_for("late");
+    let replies = rig.cp.replies_for("late");
     assert_eq!(replies.len(), 1, "answered once: {replies:?}");
     assert_eq!(replies[0]["status"], "ok", "{replies:?}");
     let pid = replies[0]["output"]["pid"].as_i64().unwrap_or(0);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::support::scenario::completion;
+use crate::support::scenario::{assert_host_busy, completion, error_of};
 use crate::support::timeouts::REPLY;
 use crate::support::{wait_for, Rig, Scenario, Start};
 
@@ -65,19 +65,14 @@ fn g1_the_same_start_twice_spawns_once_and_capacity_is_enforced() {
     for rid in ["busy-1", "busy-2"] {
         let r = rig.cp.wait_reply(rid, REPLY).expect("reply");
         assert_eq!(r["status"], "error");
-        let err = r["error"].as_str().unwrap_or_default();
+        let err = error_of(&r);
         assert!(
             err.starts_with("Controller host is busy with 1 active workload(s)"),
             "{err}"
         );
         let failed = rig.cp.wait_status(rid, "failed", REPLY).expect("R7 failed");
-        assert_eq!(failed[0]["rejection_reason"], "host_busy");
-        assert_eq!(failed[0]["busy_reason"], "capacity");
+        assert_host_busy(&failed[0], "capacity");
         assert_eq!(failed[0]["rejecting_instance_uuid"], node.uuid());
-        assert!(failed[0]["error"]
-            .as_str()
-            .unwrap_or_default()
-            .starts_with("Controller host is busy with"));
     }
     std::thread::sleep(Duration::from_millis(500));
     let starts = std::fs::read_to_string(rig.work("starts.txt")).unwrap_or_default();
@@ -151,18 +146,18 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
         "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; until [ -e t/stop ]; do sleep 0.1; done\n",
     )
     .node();
-    let cp = &rig.cp;
     let rids: Vec<String> = (0..20).map(|i| format!("c{i}")).collect();
     for rid in &rids {
-        Start::new("inference", rid).send(cp, &node);
+        Start::new("inference", rid).send(&rig.cp, &node);
     }
     for rid in &rids {
-        Start::new("inference", rid).send(cp, &node); // a QoS 1 redelivery while the first is in flight
+        Start::new("inference", rid).send(&rig.cp, &node); // a QoS 1 redelivery while the first is in flight
     }
-    let status = cp
+    let status = rig
+        .cp
         .status(&node.uuid(), "st-during", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("status not answered; log:\n{}", node.log()));
-    let status_at = cp.reply_time("st-during").unwrap();
+    let status_at = rig.cp.reply_time("st-during").unwrap();
     let listed = status["output"]["active_workloads"]
         .as_array()
         .cloned()
@@ -180,7 +175,7 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
     // Every start is answered: both deliveries, with the same pid; each workload ran once.
     for rid in &rids {
         let replies = wait_for(Duration::from_secs(60), || {
-            Some(cp.replies_for(rid)).filter(|r| r.len() >= 2)
+            Some(rig.cp.replies_for(rid)).filter(|r| r.len() >= 2)
         })
         .unwrap_or_else(|| panic!("{rid} not answered twice; log:\n{}", node.log()));
         assert_eq!(replies.len(), 2, "{rid}: {replies:?}");
@@ -192,7 +187,11 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
         assert_eq!(pids[0], pids[1], "{rid}: the same answer twice");
         assert!(pids[0].as_i64().unwrap_or(0) > 0, "{rid}: {replies:?}");
     }
-    let last_start = rids.iter().filter_map(|r| cp.reply_time(r)).max().unwrap();
+    let last_start = rids
+        .iter()
+        .filter_map(|r| rig.cp.reply_time(r))
+        .max()
+        .unwrap();
     assert!(
         status_at < last_start,
         "status was answered while starts were still in flight"
@@ -204,7 +203,8 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
         assert_eq!(n, Some(1), "{rid} ran exactly once");
     }
     // All 20 are tracked as running now, none starting.
-    let after = cp
+    let after = rig
+        .cp
         .status(&node.uuid(), "st-after", Duration::from_secs(10))
         .unwrap();
     let listed = after["output"]["active_workloads"].as_array().unwrap();
@@ -216,7 +216,8 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
     rig.touch("t/stop");
     for rid in &rids {
         assert!(
-            cp.wait_status(&format!("wl-{rid}"), "completed", Duration::from_secs(30))
+            rig.cp
+                .wait_status(&format!("wl-{rid}"), "completed", Duration::from_secs(30))
                 .is_some(),
             "{rid} completed"
         );
@@ -247,14 +248,15 @@ fn g1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
     node.kill9();
     rig.setup.unset("CYBERWAVE_TEST_SLOW_FSYNC_MS");
     let node = rig.node();
-    let cp = &rig.cp;
-    Start::new("inference", "k1").send(cp, &node); // the backend asks again: no answer came
-    let reply = cp
+    Start::new("inference", "k1").send(&rig.cp, &node); // the backend asks again: no answer came
+    let reply = rig
+        .cp
         .wait_reply("k1", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
     assert_eq!(reply["status"], "ok", "{reply}");
     assert!(reply["output"]["pid"].as_i64().unwrap_or(0) > 0, "{reply}");
-    let all = cp
+    let all = rig
+        .cp
         .wait_status("wl-k1", "completed", Duration::from_secs(20))
         .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
     let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
@@ -270,20 +272,22 @@ fn g1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
 #[test]
 fn g3_a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once() {
     let (rig, node) = on_a_slow_disk(300, "cyberwave:\n  inference: exit 3\n").node();
-    let cp = &rig.cp;
-    Start::new("inference", "quick").send(cp, &node);
-    let reply = cp
+    Start::new("inference", "quick").send(&rig.cp, &node);
+    let reply = rig
+        .cp
         .wait_reply("quick", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
     assert_eq!(reply["status"], "ok", "{reply}");
-    let all = cp
+    let all = rig
+        .cp
         .wait_status("wl-quick", "completed", Duration::from_secs(20))
         .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
     let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
     assert_eq!(done.len(), 1, "{all:?}");
     assert_eq!(done[0]["exit_code"], 3, "{all:?}");
     std::thread::sleep(Duration::from_millis(500));
-    let again: Vec<Value> = cp
+    let again: Vec<Value> = rig
+        .cp
         .statuses("wl-quick")
         .into_iter()
         .filter(|b| b["status"] == "completed")

@@ -10,17 +10,16 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
+use crate::support::scenario::error_of;
+use crate::support::timeouts::{DONE, EXIT, REPLY};
 use crate::support::{wait_for, Rig, Scenario, Start};
 
 #[test]
 fn g12_a_second_node_on_the_same_state_dir_exits_1_naming_the_first() {
-    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let (rig, first) = Scenario::new("cyberwave:\n  inference: echo hi\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let first = setup.spawn();
-    first.wait_ready(READY);
     let mut second = setup.spawn();
-    assert_eq!(second.wait_exit(EXIT), Some(Some(1)), "{}", second.log());
+    second.assert_exit(1, EXIT);
     assert!(
         second
             .log()
@@ -42,7 +41,7 @@ fn g12_a_state_dir_writable_by_others_is_refused_and_left_as_it_is() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
+    node.assert_exit(2, EXIT);
     assert!(
         node.log().contains("chmod 700"),
         "names the fix: {}",
@@ -68,8 +67,8 @@ fn g12_a_root_node_refuses_a_state_dir_owned_by_another_user() {
     std::os::unix::fs::symlink(&victim, dir.join("lock")).unwrap();
     std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
-    assert!(node.log().contains("owned by uid 65534"), "{}", node.log());
+    node.assert_exit(2, EXIT);
+    node.assert_logged("owned by uid 65534");
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's file\n");
     let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o700);
@@ -87,20 +86,14 @@ fn g12_d30_a_lock_that_is_a_directory_exits_2_like_a_lock_that_is_a_fifo() {
     std::fs::create_dir_all(dir.join("lock")).unwrap();
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
-    assert!(
-        node.log().contains("not a regular lock file"),
-        "{}",
-        node.log()
-    );
+    node.assert_exit(2, EXIT);
+    node.assert_logged("not a regular lock file");
 }
 
 #[test]
 fn g11_a_copied_state_dir_is_named_as_a_duplicate_client_id_and_doctor_fails() {
-    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let (rig, first) = Scenario::new("cyberwave:\n  inference: echo hi\n").node();
     let Rig { setup, .. } = &rig;
-    let first = setup.spawn();
-    first.wait_ready(READY);
     let copy = rig.another_node();
     copy.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     copy.plant(
@@ -129,11 +122,7 @@ fn g11_a_copied_state_dir_is_named_as_a_duplicate_client_id_and_doctor_fails() {
         &copy
     };
     let doctor = which.run(&["doctor"]);
-    assert!(
-        doctor.stdout.contains("FAIL  MQTT client id"),
-        "{}",
-        doctor.stdout
-    );
+    doctor.assert_stdout("FAIL  MQTT client id");
     // They no longer take the session from each other several times a second.
     let takeovers = |n: &crate::support::NodeProcess| n.log().matches("reason 0x8E").count();
     let before = takeovers(&first) + takeovers(&second);
@@ -296,7 +285,6 @@ fn run(style: Style) {
             &(4u64 << 20).to_string(),
         )
         .rig();
-    let cp = &rig.cp;
     let state = rig.setup.config_dir();
     for kind in KINDS {
         write(&path_of(kind, &state), &corrupt(style, kind, &state));
@@ -344,7 +332,8 @@ fn run(style: Style) {
     );
 
     let node = rig.node();
-    let status = cp
+    let status = rig
+        .cp
         .status(&node.uuid(), "st-persist", REPLY)
         .unwrap_or_else(|| panic!("{style:?}: no status reply; log:\n{}", node.log()));
     assert_eq!(status["status"], "ok", "{style:?}: {status}");
@@ -373,16 +362,14 @@ fn run(style: Style) {
         (&wc, "workload record was corrupt"),
         (&wd, "workload record was corrupt"),
     ] {
-        let all = cp
+        let all = rig
+            .cp
             .wait_status(wl, "completed", DONE)
             .unwrap_or_else(|| panic!("{style:?}: no completion for {wl}; log:\n{}", node.log()));
         let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
         assert_eq!(done.len(), 1, "{style:?}: {all:?}");
         assert_eq!(done[0]["success"], false, "{style:?}: {all:?}");
-        assert!(
-            done[0]["error"].as_str().unwrap_or("").contains(why),
-            "{style:?}: {all:?}"
-        );
+        assert!(error_of(done[0]).contains(why), "{style:?}: {all:?}");
     }
     assert!(
         node.wait_log("no known workload uuid", REPLY),
@@ -392,7 +379,10 @@ fn run(style: Style) {
     // A second start finds a clean state dir: nothing more is quarantined, nothing reported twice.
     drop(node);
     let again = rig.node();
-    assert!(cp.status(&again.uuid(), "st-persist-2", REPLY).is_some());
+    assert!(rig
+        .cp
+        .status(&again.uuid(), "st-persist-2", REPLY)
+        .is_some());
     assert!(
         !again.log().contains("quarantined"),
         "{style:?}: {}",
@@ -431,7 +421,6 @@ fn g8_an_enormous_state_dir_is_quarantined_and_the_node_starts() {
 #[test]
 fn g8_files_where_directories_belong_and_directories_where_files_belong_never_stop_the_node() {
     let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
-    let cp = &rig.cp;
     let state = rig.setup.config_dir();
     let files = ["outbox", "ingress", "workloads"];
     let dirs = ["instance_identity.json", "node_id", "ledger.jsonl"];
@@ -443,7 +432,7 @@ fn g8_files_where_directories_belong_and_directories_where_files_belong_never_st
     }
     let node = rig.node();
     assert!(
-        cp.status(&node.uuid(), "st-shape", REPLY).is_some(),
+        rig.cp.status(&node.uuid(), "st-shape", REPLY).is_some(),
         "no status reply; log:\n{}",
         node.log()
     );
@@ -457,6 +446,6 @@ fn g8_files_where_directories_belong_and_directories_where_files_belong_never_st
     assert!(state.join("outbox").is_dir() && state.join("workloads").is_dir());
     // The node works: a workload starts and completes.
     let w = Start::new("inference", "after-shape").workload("wl-shape");
-    w.ok(cp, &node);
-    w.completion(cp);
+    w.ok(&rig.cp, &node);
+    w.completion(&rig.cp);
 }

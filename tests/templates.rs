@@ -258,10 +258,9 @@ fn a_plain_template_runs_through_bash_which_execs_the_program_in_its_place() {
         "cyberwave:\n  inference: ./t/show a,b --x=1 /c@d%e+f:g\n  training: touch t/shell.ran; true\n",
     );
     let node = rig.node();
-    let cp = &rig.cp;
     let w = Start::new("inference", "plain1");
-    let reply = w.ok(cp, &node);
-    let done = w.completion(cp);
+    let reply = w.ok(&rig.cp, &node);
+    let done = w.completion(&rig.cp);
     assert_eq!(done["exit_code"], 5, "{done}");
     let out = rig.stdout_of("inference", "plain1");
     let mut lines = out.lines();
@@ -281,7 +280,7 @@ fn a_plain_template_runs_through_bash_which_execs_the_program_in_its_place() {
     );
     let argv: Vec<&str> = lines.collect();
     assert_eq!(argv, ["<./t/show>", "<a,b>", "<--x=1>", "</c@d%e+f:g>"]);
-    run(cp, &node, "training", "shell1");
+    run(&rig.cp, &node, "training", "shell1");
     assert!(rig.work("t/shell.ran").exists(), "{}", node.log());
     let noted = std::fs::read_to_string(&notes).unwrap_or_default();
     assert!(
@@ -316,9 +315,8 @@ fn a_plain_argv_workload_gets_the_environment_bash_would_give_it() {
         &format!("cyberwave:\n  inference: {env}\n  training: {env} # through bash\n"),
     );
     let node = rig.node();
-    let cp = &rig.cp;
-    run(cp, &node, "inference", "envplain");
-    run(cp, &node, "training", "envbash");
+    run(&rig.cp, &node, "inference", "envplain");
+    run(&rig.cp, &node, "training", "envbash");
     let lines = |rid: &str| {
         let mut v: Vec<String> = stdout_of(&rig, rid)
             .lines()
@@ -354,8 +352,7 @@ fn g13_a_plain_argv_workload_holds_no_descriptor_of_the_node() {
         "cyberwave:\n  inference: ls -l /proc/self/fd\n",
     );
     let node = rig.node();
-    let cp = &rig.cp;
-    run(cp, &node, "inference", "fdplain");
+    run(&rig.cp, &node, "inference", "fdplain");
     let noted = std::fs::read_to_string(&notes).unwrap_or_default();
     assert!(
         noted.contains("-c ls -l /proc/self/fd"),
@@ -397,8 +394,7 @@ fn a_bash_in_path_that_cannot_be_run_leaves_the_next_one_to_run_the_command() {
         "cyberwave:\n  training: touch t/shell.ran; true\n",
     );
     let node = rig.node();
-    let cp = &rig.cp;
-    run(cp, &node, "training", "shell2");
+    run(&rig.cp, &node, "training", "shell2");
     assert!(rig.work("t/shell.ran").exists(), "{}", node.log());
     let noted = std::fs::read_to_string(&notes).unwrap_or_default();
     assert!(
@@ -416,10 +412,9 @@ fn g13_a_plain_template_leads_its_group_with_no_signal_blocked_or_ignored() {
         "cyberwave:\n  training: cat /proc/self/status\n  inference: ls -l /proc/self/fd\n",
     )
     .node();
-    let cp = &rig.cp;
     let st = Start::training("vst");
-    st.ok(cp, &node);
-    assert_eq!(st.completion(cp)["exit_code"], 0, "{}", node.log());
+    st.ok(&rig.cp, &node);
+    assert_eq!(st.completion(&rig.cp)["exit_code"], 0, "{}", node.log());
     let status = rig.stdout_of("training", "vst");
     let field = |name: &str| {
         status
@@ -435,8 +430,8 @@ fn g13_a_plain_template_leads_its_group_with_no_signal_blocked_or_ignored() {
     let ignored = u64::from_str_radix(&field("SigIgn:"), 16).unwrap();
     assert_eq!(ignored & 0x7fff_ffff, 0, "{status}");
     let fd = Start::new("inference", "vfd");
-    fd.ok(cp, &node);
-    assert_eq!(fd.completion(cp)["exit_code"], 0, "{}", node.log());
+    fd.ok(&rig.cp, &node);
+    assert_eq!(fd.completion(&rig.cp)["exit_code"], 0, "{}", node.log());
     let listing = rig.stdout_of("inference", "vfd");
     let numbers: Vec<&str> = listing
         .lines()
@@ -485,7 +480,7 @@ fn d63_a_curl_template_with_body_in_quotes_is_warned_about_by_validate_and_at_st
             out.stdout
         );
     }
-    assert!(out.stdout.contains("OK (1 warning)"), "{}", out.stdout);
+    out.assert_stdout("OK (1 warning)");
 
     let node = rig.node();
     assert!(
@@ -535,10 +530,5 @@ fn d63_validate_shows_every_line_of_a_multi_line_template() {
         "cyberwave:\n  training: python train.py {body}\n",
     );
     let out = setup.run(&["validate"]);
-    assert!(
-        out.stdout
-            .contains("  training: [shell mode] python train.py {body}\n"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("  training: [shell mode] python train.py {body}\n");
 }

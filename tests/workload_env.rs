@@ -80,7 +80,7 @@ fn with_tls_the_workload_gets_the_broker_ca_under_the_sdks_name_too() {
     // Relative to the working dir in the manifest: the workload gets the absolute path.
     std::fs::copy(pki.ca(), rig.work("ca.pem")).unwrap();
     let node = rig.node();
-    assert!(node.log().contains("(TLS)"), "{}", node.log());
+    node.assert_logged("(TLS)");
     Start::new("training", "tls-1")
         .workload("wl-tls")
         .reply(&rig.cp, &node);

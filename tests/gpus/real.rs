@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 
 use super::{env_of, finish, g, gpu_check, gpu_rig, holders, look, refusal_of, visible};
 use crate::support::node::NodeSetup;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, REPLY};
 use crate::support::{wait_for, NodeProcess, Rig, TempDir};
 
@@ -217,7 +218,7 @@ fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_a
     assert_eq!(st["output"]["gpus"], json!([]), "{st}");
     assert_eq!(st["output"]["gpus_error"], why, "{st}");
     let local = rig.setup.run(&["status"]);
-    assert!(local.stdout.contains("gpus:       0"), "{}", local.stdout);
+    local.assert_stdout("gpus:       0");
     assert!(
         local
             .stdout
@@ -253,11 +254,7 @@ fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_a
     assert_eq!(unit["name"], "NVIDIA H200 MIG 3g.71gb", "{st}");
     assert_eq!(unit["memory_total_mib"], 71424, "the GPU instance's: {st}");
     assert_eq!(unit["shared"], true, "{st}");
-    assert!(
-        node.wait_log("GPU query answers again", REPLY),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("GPU query answers again");
     assert_eq!(g(2).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
     assert!(visible(&rig, 2).starts_with("MIG-"));
     finish(&rig, 2);
@@ -416,10 +413,7 @@ fn g15_auto_never_means_zero_on_a_gpu_host() {
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
     assert_eq!(r["rejection_reason"], "host_busy", "{r}");
     assert!(
-        r["error"]
-            .as_str()
-            .unwrap_or("")
-            .contains("Driver/library version mismatch"),
+        error_of(&r).contains("Driver/library version mismatch"),
         "the driver's words: {r}"
     );
     // Only an explicit 0 runs without GPUs.

@@ -165,8 +165,9 @@ fn mosquitto_bin() -> String {
     "mosquitto".to_string()
 }
 
-/// A real mosquitto on a free loopback port, with its own config and log; stopped on drop.
-pub struct Broker(BrokerProcess);
+/// A real broker on a free loopback port, with its own config and log; stopped on drop: a
+/// mosquitto (the constructors below), or a rumqttd (`Rumqttd::start`).
+pub struct Broker(pub(super) BrokerProcess);
 
 impl std::ops::Deref for Broker {
     type Target = BrokerProcess;

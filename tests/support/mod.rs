@@ -23,16 +23,11 @@ pub use control_plane::{ControlPlane, HeartbeatMode};
 pub use node::NodeProcess;
 pub use scenario::{Rig, Scenario, Start};
 
-/// `Scenario::new(manifest).rig()` as a tuple, for tests written before the builder.
+/// `Scenario::new(manifest).rig()` as a tuple, for tests written before the builder (the
+/// tests in this tree use the builder).
 pub fn rig(manifest: &str) -> (Broker, ControlPlane, node::NodeSetup) {
     let scenario::Rig { broker, cp, setup } = scenario::Scenario::new(manifest).rig();
     (broker, cp, setup)
-}
-
-/// A broker and a fake backend whose behaviour `f` adjusts (for tests of failure paths).
-pub fn backend_with(f: impl FnOnce(&mut control_plane::Behaviour)) -> (Broker, ControlPlane) {
-    let scenario::Rig { broker, cp, .. } = scenario::Scenario::default().backend(f).rig();
-    (broker, cp)
 }
 
 /// A test's scratch folder (`tempfile`: `/tmp/cwtest-<tag>-XXXXXX`), removed when it is dropped

@@ -132,21 +132,21 @@ impl NodeSetup {
         NodeProcess::spawn(self)
     }
 
-    /// Runs to completion (for short commands like `validate` or `config`).
-    pub fn run(&self, args: &[&str]) -> Output {
-        let out = Command::new(node_bin())
-            .args(args)
+    /// A CLI command of the node with this setup's environment and working dir, its stdin
+    /// closed (`run` runs one to completion; a test that needs its streams elsewhere takes this).
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(node_bin());
+        cmd.args(args)
             .env_clear()
             .envs(&self.env)
             .current_dir(&self.cwd)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run node");
-        let out = Output {
-            code: out.status.code(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        };
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs to completion (for short commands like `validate` or `config`).
+    pub fn run(&self, args: &[&str]) -> Output {
+        let out = Output::from(self.command(args).output().expect("run node"));
         let leaks = secrets::leaks(&format!("{}\n{}", out.stderr, out.stdout), &self.secrets());
         assert!(
             leaks.is_empty(),
@@ -170,11 +170,33 @@ impl NodeSetup {
     }
 }
 
+/// What a CLI command of the node printed, and its exit code.
 #[derive(Debug)]
 pub struct Output {
     pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
+}
+
+impl From<std::process::Output> for Output {
+    fn from(out: std::process::Output) -> Output {
+        Output {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+impl Output {
+    /// Asserts that stdout holds `needle`; shows stdout if not.
+    pub fn assert_stdout(&self, needle: &str) {
+        assert!(
+            self.stdout.contains(needle),
+            "stdout lacks {needle:?}:\n{}",
+            self.stdout
+        );
+    }
 }
 
 pub struct NodeProcess {
@@ -289,6 +311,22 @@ impl NodeProcess {
 
     pub fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
         wait_for(timeout, || self.log().contains(needle).then_some(())).is_some()
+    }
+
+    /// Asserts that the node's log holds `needle`, waiting for it a while (what the node writes
+    /// reaches the test through a pipe); shows the log if it never comes.
+    pub fn assert_logged(&self, needle: &str) {
+        assert!(
+            self.wait_log(needle, super::timeouts::REPLY),
+            "the node's log lacks {needle:?}:\n{}",
+            self.log()
+        );
+    }
+
+    /// Asserts that the node exits with `code` within `timeout`; shows the log if not.
+    pub fn assert_exit(&mut self, code: i32, timeout: Duration) {
+        let got = self.wait_exit(timeout);
+        assert_eq!(got, Some(Some(code)), "{}", self.log());
     }
 
     /// Waits for the "node ready" line; panics with the log if it does not come.

@@ -1,27 +1,15 @@
 //! A real rumqttd 0.20 (a second MQTT v5 broker) on a free loopback port, started by the
-//! launcher of `broker.rs`; stopped on drop. `scripts/deps.sh` installs it once
+//! launcher of `broker.rs` as a [`Broker`]; stopped on drop. `scripts/deps.sh` installs it once
 //! (`cargo install rumqttd --version 0.20.0`).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use super::broker::BrokerProcess;
-use super::TempDir;
+use super::{Broker, TempDir};
 
-pub struct Rumqttd(BrokerProcess);
-
-impl std::ops::Deref for Rumqttd {
-    type Target = BrokerProcess;
-    fn deref(&self) -> &BrokerProcess {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Rumqttd {
-    fn deref_mut(&mut self) -> &mut BrokerProcess {
-        &mut self.0
-    }
-}
+/// rumqttd, started as a [`Broker`] (so it can be a rig's broker: `Scenario::broker`).
+pub struct Rumqttd;
 
 fn bin() -> PathBuf {
     let home = std::env::var("CARGO_HOME")
@@ -40,8 +28,8 @@ fn bin() -> PathBuf {
 impl Rumqttd {
     /// `max_payload`: rumqttd's `max_payload_size`; it drops a client that publishes more,
     /// without saying so in CONNACK.
-    pub fn start(max_payload: usize) -> Rumqttd {
-        Rumqttd(BrokerProcess::start(
+    pub fn start(max_payload: usize) -> Broker {
+        Broker(BrokerProcess::start(
             TempDir::new("rumqttd"),
             "rumqttd.log",
             "rumqttd did not start (is it installed? scripts/deps.sh installs it)",

@@ -322,6 +322,22 @@ impl Start {
     }
 }
 
+/// The `error` text of a reply or a status update (empty when it has none).
+pub fn error_of(v: &Value) -> &str {
+    v["error"].as_str().unwrap_or_default()
+}
+
+/// Asserts that a `failed` status is the host-busy refusal (D21: retryable on another host or
+/// later) for `reason`.
+pub fn assert_host_busy(failed: &Value, reason: &str) {
+    assert_eq!(failed["rejection_reason"], "host_busy", "{failed}");
+    assert_eq!(failed["busy_reason"], reason, "{failed}");
+    assert!(
+        error_of(failed).starts_with("Controller host is busy with"),
+        "{failed}"
+    );
+}
+
 /// Waits for workload `wl`'s `completed` status update and returns it; there must be exactly one
 /// so far (completions are sent exactly once).
 pub fn completion(cp: &ControlPlane, wl: &str) -> Value {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::disk::Tmpfs;
+use crate::support::scenario::error_of;
 use crate::support::{procs, wait_for, Scenario, Start};
 
 /// The pids of the zombie children of `parent`.
@@ -27,8 +28,7 @@ fn g13_the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
         "cyberwave:\n  inference: for i in $(seq 20); do (sleep 0.01 &) ; done; touch forked; sleep 4\n",
     )
     .node();
-    let cp = &rig.cp;
-    Start::new("inference", "z1").ok(cp, &node);
+    Start::new("inference", "z1").ok(&rig.cp, &node);
     let shim = rig.supervisor_of("z1");
     wait_for(Duration::from_secs(5), || {
         rig.work("forked").exists().then_some(())
@@ -37,7 +37,8 @@ fn g13_the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
     // Each orphan sleeps 10 ms; a second is plenty for all to end and be reaped.
     std::thread::sleep(Duration::from_millis(1000));
     assert!(
-        cp.statuses("wl-z1")
+        rig.cp
+            .statuses("wl-z1")
             .iter()
             .all(|s| s["status"] != "completed"),
         "the workload still runs"
@@ -48,7 +49,8 @@ fn g13_the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
         "the supervisor (pid {shim}) left {} zombie children unreaped while its workload runs: {zombies:?}",
         zombies.len()
     );
-    let done = cp
+    let done = rig
+        .cp
         .wait_status("wl-z1", "completed", Duration::from_secs(15))
         .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
     let done: Vec<&Value> = done.iter().filter(|b| b["status"] == "completed").collect();
@@ -76,11 +78,10 @@ fn g13_a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out
     let rig = full_disk_scenario().rig();
     let _disk = Tmpfs::on_state_dir(&rig.setup, "size=4m,mode=0700");
     let node = rig.node();
-    let cp = &rig.cp;
-    Start::new("inference", "fill").ok(cp, &node);
+    Start::new("inference", "fill").ok(&rig.cp, &node);
     rig.touch("t/go");
     let done = wait_for(Duration::from_secs(15), || {
-        Some(cp.completions("wl-fill")).filter(|d| !d.is_empty())
+        Some(rig.cp.completions("wl-fill")).filter(|d| !d.is_empty())
     })
     .unwrap_or_else(|| panic!("no completion while the disk is full; log:\n{}", node.log()));
     assert_eq!(done[0]["exit_code"], 7, "{done:?}");
@@ -102,7 +103,11 @@ fn g13_a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out
         node.log()
     );
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(cp.completions("wl-fill").len(), 1, "exactly one completion");
+    assert_eq!(
+        rig.cp.completions("wl-fill").len(),
+        1,
+        "exactly one completion"
+    );
 }
 
 /// D54 across a restart: the node is SIGKILLed, then the workload fills the disk and exits; its
@@ -114,8 +119,7 @@ fn g13_a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_t
     let rig = full_disk_scenario().rig();
     let _disk = Tmpfs::on_state_dir(&rig.setup, "size=4m,mode=0700");
     let mut node = rig.node();
-    let cp = &rig.cp;
-    Start::new("inference", "fill2").ok(cp, &node);
+    Start::new("inference", "fill2").ok(&rig.cp, &node);
     // The supervisor writes started.json right after it reports the pid: wait, do not race it.
     let shim = rig.supervisor_of("fill2");
     node.kill9();
@@ -130,7 +134,7 @@ fn g13_a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_t
     );
     let node = rig.node();
     let done = wait_for(Duration::from_secs(15), || {
-        Some(cp.completions("wl-fill2")).filter(|d| !d.is_empty())
+        Some(rig.cp.completions("wl-fill2")).filter(|d| !d.is_empty())
     })
     .unwrap_or_else(|| {
         panic!(
@@ -180,10 +184,9 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
     node.kill9();
     rig.setup.unset("CYBERWAVE_TEST_SLOW_FSYNC_MS");
     let node = rig.node();
-    let cp = &rig.cp;
     for rid in all {
         wait_for(Duration::from_secs(10), || {
-            Some(()).filter(|_| !cp.replies_for(rid).is_empty())
+            Some(()).filter(|_| !rig.cp.replies_for(rid).is_empty())
         })
         .unwrap_or_else(|| panic!("{rid} not answered after the restart; log:\n{}", node.log()));
     }
@@ -191,14 +194,14 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
     let ran: Vec<&str> = all.into_iter().filter(|r| rig.runs(r) == 1).collect();
     assert!(ran.contains(&"r1") && !ran.contains(&"n2"), "{ran:?}");
     for rid in ran.iter().copied() {
-        let replies = cp.replies_for(rid);
+        let replies = rig.cp.replies_for(rid);
         assert_eq!(replies.len(), 1, "{rid}: exactly one answer: {replies:?}");
         assert_eq!(replies[0]["status"], "ok", "{rid}: {replies:?}");
         assert!(
             replies[0]["output"]["pid"].as_i64().unwrap_or(0) > 0,
             "{replies:?}"
         );
-        let statuses = cp.statuses(&format!("wl-{rid}"));
+        let statuses = rig.cp.statuses(&format!("wl-{rid}"));
         assert_eq!(
             statuses.iter().filter(|s| s["status"] == "running").count(),
             1,
@@ -207,16 +210,16 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
         assert_eq!(rig.runs(rid), 1, "{rid} ran exactly once");
     }
     for rid in all.into_iter().filter(|r| !ran.contains(r)) {
-        let replies = cp.replies_for(rid);
+        let replies = rig.cp.replies_for(rid);
         assert_eq!(replies.len(), 1, "{rid}: exactly one answer: {replies:?}");
         assert_eq!(replies[0]["status"], "error", "{rid}: {replies:?}");
-        let text = replies[0]["error"].as_str().unwrap_or_default().to_string();
+        let text = error_of(&replies[0]).to_string();
         assert!(
             text.starts_with("Controller host is busy with")
                 && text.contains("interrupted by a node restart"),
             "{rid}: a retryable refusal that says why: {text}"
         );
-        let statuses = cp.statuses(&format!("wl-{rid}"));
+        let statuses = rig.cp.statuses(&format!("wl-{rid}"));
         let failed: Vec<&Value> = statuses
             .iter()
             .filter(|s| s["status"] == "failed")
@@ -229,11 +232,11 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
     Start::new("inference", "n1").send(&rig.cp, &node);
     Start::new("inference", "r1").send(&rig.cp, &node);
     wait_for(Duration::from_secs(10), || {
-        (cp.replies_for("n1").len() == 2 && cp.replies_for("r1").len() == 2).then_some(())
+        (rig.cp.replies_for("n1").len() == 2 && rig.cp.replies_for("r1").len() == 2).then_some(())
     })
     .unwrap_or_else(|| panic!("redeliveries not answered; log:\n{}", node.log()));
-    assert_eq!(cp.replies_for("n1")[1]["status"], "error");
-    assert_eq!(cp.replies_for("r1")[1]["status"], "ok");
+    assert_eq!(rig.cp.replies_for("n1")[1]["status"], "error");
+    assert_eq!(rig.cp.replies_for("r1")[1]["status"], "ok");
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(rig.runs("n1"), 0, "n1 never ran");
     assert_eq!(rig.runs("r1"), 1, "r1 ran exactly once");
@@ -252,8 +255,7 @@ fn g13_a_supervisor_outlives_the_signals_a_workload_or_a_stopping_node_sends_it(
     ))
     .dir("t")
     .node();
-    let cp = &rig.cp;
-    Start::new("inference", "sig").ok(cp, &node);
+    Start::new("inference", "sig").ok(&rig.cp, &node);
     let sup = rig.pid_in("t/sup");
     for sig in [
         libc::SIGTERM,
@@ -275,7 +277,7 @@ fn g13_a_supervisor_outlives_the_signals_a_workload_or_a_stopping_node_sends_it(
     );
     rig.touch("t/stop");
     let done = wait_for(Duration::from_secs(15), || {
-        Some(cp.completions("wl-sig")).filter(|d| !d.is_empty())
+        Some(rig.cp.completions("wl-sig")).filter(|d| !d.is_empty())
     })
     .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
     assert_eq!(done[0]["exit_code"], 6, "{done:?}");

@@ -3,8 +3,9 @@
 
 use serde_json::json;
 
+use crate::support::scenario::completion;
 use crate::support::scenario::Start;
-use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
+use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{Rig, Scenario};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
@@ -15,21 +16,12 @@ const NOBODY: u32 = 65534;
 /// main at f918294 the workload held the live broker connection and could publish as the node.
 #[test]
 fn g13_a_workload_holds_no_descriptor_of_the_node() {
-    let rig = Scenario::new("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n").rig();
+    let (rig, node) =
+        Scenario::new("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": "fds", "params": {"workload_uuid": "wl-fds"}}),
-    );
-    let r = cp.wait_reply("fds", REPLY).expect("reply");
-    assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-fds", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    let w = Start::training("fds");
+    w.ok(cp, &node);
+    w.completion(cp);
     let listing = std::fs::read_to_string(setup.cwd.join("fds.txt")).unwrap();
     // `ls` runs in a child of the workload's shell and lists the shell's descriptors.
     let numbers: Vec<&str> = listing
@@ -71,17 +63,9 @@ fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
     assert!(chown.success());
     let node = setup.spawn();
     node.wait_ready(READY);
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": "env", "params": {"workload_uuid": "wl-env"}}),
-    );
-    let r = cp.wait_reply("env", REPLY).expect("reply");
-    assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-env", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    let w = Start::training("env");
+    w.ok(cp, &node);
+    w.completion(cp);
     let read = |f: &str| std::fs::read_to_string(setup.cwd.join(f)).unwrap_or_default();
     assert_eq!(read("node.pid").trim(), node.pid().to_string());
     assert_eq!(
@@ -148,11 +132,7 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     );
     let r = cp.wait_reply("wu", REPLY).expect("reply");
     assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-wu", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    completion(cp, "wl-wu");
     let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap_or_default();
     assert_eq!(read("uid").trim(), NOBODY.to_string(), "{}", node.log());
     assert_eq!(read("groups").trim(), NOBODY.to_string());
@@ -169,11 +149,7 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     // Its workflow events still reach the node; nothing else of the control socket does.
     assert!(read("emit").contains("rc=0"), "{}", read("emit"));
     assert!(read("drain").contains("only `emit`"), "{}", read("drain"));
-    assert!(
-        node.log().contains("workloads run as nobody"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("workloads run as nobody");
 }
 
 /// D46.3: a workload user that does not exist is refused at start with exit 2 naming the
@@ -188,7 +164,7 @@ fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() 
     let mut node = setup.spawn();
     let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
-    assert!(node.log().contains("workload_user"), "{}", node.log());
+    node.assert_logged("workload_user");
 }
 
 /// D46.3 for a node without the privilege (root to run it as uid 65534): a workload user it
@@ -208,7 +184,7 @@ fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_sta
     let mut node = setup.spawn();
     let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
-    assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
+    node.assert_logged("CAP_SETUID");
 }
 
 /// Writes its supervisor's pid (`$PPID`) to `t/<rid>.sup`, appends a line to `t/<rid>.runs`

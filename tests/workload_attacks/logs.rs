@@ -27,17 +27,20 @@ const GO: &str = "go() { while [ ! -f \"go$1\" ]; do sleep 0.02; done; }\n";
 /// Starts workload `wl`; at step N the test waits until the backend has the line `steps[N-1]`,
 /// then lets the script go on past `go N`; then waits for the completion.
 fn run(rig: &Rig, node: &NodeProcess, wl: &str, steps: &[&str]) {
-    let cp = &rig.cp;
-    Start::training(wl).workload(wl).ok(cp, node);
+    Start::training(wl).workload(wl).ok(&rig.cp, node);
     for (n, line) in steps.iter().enumerate() {
         let shipped = wait_for(REPLY, || {
-            stream(cp, wl).0.lines().any(|l| l == *line).then_some(())
+            stream(&rig.cp, wl)
+                .0
+                .lines()
+                .any(|l| l == *line)
+                .then_some(())
         });
         assert!(shipped.is_some(), "{line:?} never shipped: {}", node.log());
         rig.touch(&format!("go{}", n + 1));
     }
     assert!(
-        cp.wait_status(wl, "completed", DONE).is_some(),
+        rig.cp.wait_status(wl, "completed", DONE).is_some(),
         "no completion: {}",
         node.log()
     );
@@ -101,9 +104,8 @@ fn g13_a_workload_that_truncates_its_log_loses_no_line_written_after() {
          truncate -s 0 /proc/self/fd/1\n\
          for i in $(seq 1 40); do echo \"again $i\"; done\n");
     let node = rig.node();
-    let cp = &rig.cp;
     run(&rig, &node, "wl-trunc", &["before 20", "after 40"]);
-    let (text, bodies) = stream(cp, "wl-trunc");
+    let (text, bodies) = stream(&rig.cp, "wl-trunc");
     let lines: Vec<&str> = text.lines().collect();
     let shown = console(&node, "wl-trunc");
     let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
@@ -139,9 +141,8 @@ fn g13_a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_aft
          truncate -s \"$size\" /proc/self/fd/1\n\
          for i in $(seq 1 40); do echo \"after $i\"; done\n");
     let node = rig.node();
-    let cp = &rig.cp;
     run(&rig, &node, "wl-mid", &["keep 10", "cut 10"]);
-    let (text, _) = stream(cp, "wl-mid");
+    let (text, _) = stream(&rig.cp, "wl-mid");
     let lines: Vec<&str> = text.lines().collect();
     let shown = console(&node, "wl-mid");
     let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
@@ -177,10 +178,9 @@ fn g13_a_workload_that_makes_its_log_sparse_ships_no_nul_and_floods_nothing() {
          go 2\n\
          truncate -s +1G /proc/self/fd/1\n");
     let node = rig.node();
-    let cp = &rig.cp;
     let t = std::time::Instant::now();
     run(&rig, &node, "wl-sparse", &["before", "after"]);
-    let (text, bodies) = stream(cp, "wl-sparse");
+    let (text, bodies) = stream(&rig.cp, "wl-sparse");
     assert_eq!(text, "before\nafter\n");
     assert!(bodies
         .iter()
@@ -216,10 +216,9 @@ fn g13_a_log_replaced_by_a_file_renamed_over_it_is_followed() {
          for i in $(seq 21 30); do echo \"new $i\"; done >> \"$log\"\n\
          go 3\n");
     let node = rig.node();
-    let cp = &rig.cp;
     // The new file streams while the workload runs (its watch woke), not only at its end.
     run(&rig, &node, "wl-renamed", &["old 1", "new 20", "new 30"]);
-    let (text, _) = stream(cp, "wl-renamed");
+    let (text, _) = stream(&rig.cp, "wl-renamed");
     let lines: Vec<&str> = text.lines().collect();
     let shown = console(&node, "wl-renamed");
     let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
@@ -249,12 +248,13 @@ fn g5_a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
     );
     rig.write("cyberwave.yml", &manifest);
     let node = rig.node();
-    let cp = &rig.cp;
-    Start::training("swap").ok(cp, &node);
-    let all = cp
+    Start::training("swap").ok(&rig.cp, &node);
+    let all = rig
+        .cp
         .wait_status("wl-swap", "completed", DONE)
         .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
-    let shipped: String = cp
+    let shipped: String = rig
+        .cp
         .requests("logs")
         .iter()
         .filter(|r| r.body["workload_uuid"] == json!("wl-swap"))

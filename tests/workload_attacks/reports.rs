@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 use crate::support::disk::Tmpfs;
 use crate::support::node::NodeSetup;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, READY, REPLY};
 use crate::support::{procs, wait_for, ControlPlane, Rig, Scenario, Start};
 
@@ -98,7 +99,7 @@ fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkil
 /// workload is reported once, with its exit code, and its slot freed.
 #[test]
 fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
-    let rig = Scenario::new(concat!(
+    let (rig, node) = Scenario::new(concat!(
         "cyberwave:\n  inference: |\n",
         "    echo $PPID > t/sup\n",
         "    sleep 1\n",
@@ -106,14 +107,11 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
         "    exit 3\n",
     ))
     .dir("t")
-    .rig();
-    let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::new("inference", "stop").ok(cp, &node);
+    .node();
+    Start::new("inference", "stop").ok(&rig.cp, &node);
     let sup = rig.pid_in("t/sup");
     let done = wait_for(Duration::from_secs(15), || {
-        Some(cp.completions("wl-stop")).filter(|d| !d.is_empty())
+        Some(rig.cp.completions("wl-stop")).filter(|d| !d.is_empty())
     })
     .unwrap_or_else(|| {
         panic!(
@@ -126,14 +124,18 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
     assert_eq!(done[0]["success"], false, "{done:?}");
     let gone = wait_for(REPLY, || procs::state(sup).is_none().then_some(()));
     assert!(gone.is_some(), "the supervisor was left stopped");
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(
         st["output"]["active_workloads"],
         json!([]),
         "its slot is free: {st}"
     );
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(cp.completions("wl-stop").len(), 1, "exactly one completion");
+    assert_eq!(
+        rig.cp.completions("wl-stop").len(),
+        1,
+        "exactly one completion"
+    );
 }
 
 /// D66 across a restart: the node is SIGKILLed, then the workload stops its supervisor and
@@ -142,7 +144,7 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
 #[test]
 fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_reported_after_the_restart(
 ) {
-    let rig = Scenario::new(concat!(
+    let (rig, mut node) = Scenario::new(concat!(
         "cyberwave:\n  inference: |\n",
         "    echo $PPID > t/sup\n",
         "    until [ -e t/go ]; do sleep 0.05; done\n",
@@ -150,10 +152,8 @@ fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_report
         "    exit 4\n",
     ))
     .dir("t")
-    .rig();
+    .node();
     let Rig { cp, setup, .. } = &rig;
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
     Start::new("inference", "stop2").ok(cp, &node);
     let sup = rig.pid_in("t/sup");
     node.kill9();
@@ -208,12 +208,12 @@ fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_dead
     let (rig, node) = hung_backend()
         .env("CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS", "3")
         .node();
-    let cp = &rig.cp;
-    Start::training("hung").ok(cp, &node);
-    cp.wait_status("wl-hung", "finalizing", DONE)
+    Start::training("hung").ok(&rig.cp, &node);
+    rig.cp
+        .wait_status("wl-hung", "finalizing", DONE)
         .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
     let done = wait_for(Duration::from_secs(20), || {
-        Some(cp.completions("wl-hung")).filter(|d| !d.is_empty())
+        Some(rig.cp.completions("wl-hung")).filter(|d| !d.is_empty())
     })
     .unwrap_or_else(|| {
         panic!(
@@ -228,9 +228,9 @@ fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_dead
         "{done:?}"
     );
     assert_eq!(results_left(&rig, "hung"), ["a.bin", "b.bin", "c.bin"]);
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
-    assert!(node.log().contains("abandoned"), "{}", node.log());
+    node.assert_logged("abandoned");
 }
 
 /// D68: `cancel` of a finalizing workload (its upload endpoint hangs, the default deadline of
@@ -239,12 +239,12 @@ fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_dead
 #[test]
 fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
     let (rig, node) = hung_backend().node();
-    let cp = &rig.cp;
-    Start::training("fin").ok(cp, &node);
-    cp.wait_status("wl-fin", "finalizing", DONE)
+    Start::training("fin").ok(&rig.cp, &node);
+    rig.cp
+        .wait_status("wl-fin", "finalizing", DONE)
         .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
-    cancel(cp, &node.uuid(), "fin-x", "fin");
-    let answer = cp.wait_reply("fin-x", REPLY).expect("cancel answered");
+    cancel(&rig.cp, &node.uuid(), "fin-x", "fin");
+    let answer = rig.cp.wait_reply("fin-x", REPLY).expect("cancel answered");
     assert_eq!(answer["status"], "ok", "{answer}");
     let message = answer["output"]["message"].as_str().unwrap_or_default();
     assert!(
@@ -252,7 +252,7 @@ fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
         "{answer}"
     );
     let done = wait_for(Duration::from_secs(5), || {
-        Some(cp.completions("wl-fin")).filter(|d| !d.is_empty())
+        Some(rig.cp.completions("wl-fin")).filter(|d| !d.is_empty())
     })
     .unwrap_or_else(|| panic!("no completion after the cancel; log:\n{}", node.log()));
     assert_eq!(done[0]["success"], true, "it exited 0: {done:?}");
@@ -262,7 +262,7 @@ fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
         "{done:?}"
     );
     assert_eq!(results_left(&rig, "fin"), ["a.bin", "b.bin", "c.bin"]);
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
 }
 
@@ -314,7 +314,7 @@ fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
     let start = Start::new("inference", "full").with(image);
     let reply = start.reply(cp, &node);
     assert_eq!(reply["status"], "error", "{reply}");
-    let text = reply["error"].as_str().unwrap_or_default();
+    let text = error_of(&reply);
     assert!(
         text.starts_with("Controller host is busy with low disk space"),
         "a retryable refusal that says why: {text}"

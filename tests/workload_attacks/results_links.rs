@@ -177,11 +177,7 @@ fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
             .is_symlink(),
         "the planted link is left as it was"
     );
-    assert!(
-        node.log().contains("cannot create the results folder"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("cannot create the results folder");
 }
 
 /// D65, the race: a concurrent workload watches `results_folder` and swaps every new folder for
@@ -473,7 +469,7 @@ fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
         "the planted usercustomize ran"
     );
     assert_eq!(read("attacker.uid").trim(), users.uid(1).to_string());
-    assert!(node.log().contains("a pool of 2 users"), "{}", node.log());
+    node.assert_logged("a pool of 2 users");
 }
 
 /// D65: a re-adopted workload keeps its uid of the pool after a node restart, and the next
@@ -529,12 +525,8 @@ fn g13_d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
     let rig = node_as(&users.pool(), 3, "out", "true");
     let Rig { setup, .. } = &rig;
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
-    assert!(
-        node.log().contains("fewer than max_concurrent_workloads"),
-        "{}",
-        node.log()
-    );
+    node.assert_exit(2, EXIT);
+    node.assert_logged("fewer than max_concurrent_workloads");
 }
 
 /// D65: with a workload user the state dir is opened to others (0711), so a `.env` or

@@ -4,14 +4,14 @@
 //! CLI command. Every wait here is bounded, so on a node that blocks a test fails, never hangs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{node_bin, wait_for, NodeProcess, Rig, Scenario};
+use crate::support::{wait_for, NodeProcess, Rig, Scenario};
 
 /// No process has this pid (pid_max is at most 2^22).
 const DEAD_PID: i64 = 2_147_483_000;
@@ -53,12 +53,8 @@ fn unplant(state: &Path) {
 /// Runs a CLI command of the node with a deadline: `None` when it had not returned by then
 /// (it is killed).
 fn run_bounded(setup: &NodeSetup, args: &[&str], timeout: Duration) -> Option<Output> {
-    let mut child = Command::new(node_bin())
-        .args(args)
-        .env_clear()
-        .envs(&setup.env)
-        .current_dir(&setup.cwd)
-        .stdin(Stdio::null())
+    let mut child = setup
+        .command(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -66,12 +62,7 @@ fn run_bounded(setup: &NodeSetup, args: &[&str], timeout: Duration) -> Option<Ou
     let end = Instant::now() + timeout;
     loop {
         if let Ok(Some(_)) = child.try_wait() {
-            let out = child.wait_with_output().expect("output");
-            return Some(Output {
-                code: out.status.code(),
-                stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-            });
+            return Some(Output::from(child.wait_with_output().expect("output")));
         }
         if Instant::now() >= end {
             let _ = child.kill();
@@ -330,7 +321,7 @@ fn g13_a_directory_in_place_of_the_control_socket_is_exit_2_naming_it() {
     let sock = setup.config_dir().join("control.sock");
     std::fs::create_dir_all(sock.join("inner")).unwrap();
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(READY), Some(Some(2)), "{}", node.log());
+    node.assert_exit(2, READY);
     assert!(
         node.log()
             .contains(&format!("{} is a directory", sock.display())),

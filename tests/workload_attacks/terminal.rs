@@ -24,10 +24,8 @@ fn assert_clean(text: &str, what: &str) {
 
 #[test]
 fn g13_d69_escape_sequences_queries_and_invalid_utf8_are_mirrored_escaped() {
-    let rig = Scenario::new("cyberwave:\n  training: |\n    printf 'a\\033]0;pwned\\007\\033[2J\\033[6n\\033P+q544e\\033\\\\\\302\\233H\\377\\376z\\n'\n    printf 'progress\\r 10%%\\r 20%%\\r\\r100%%\\n'\n    printf 'x\\033[1A\\033[2K\\r2026-12-06T00:00:00Z INFO forged\\n'\n    printf '\\033[31mred\\n' >&2\n").rig();
+    let (rig, node) = Scenario::new("cyberwave:\n  training: |\n    printf 'a\\033]0;pwned\\007\\033[2J\\033[6n\\033P+q544e\\033\\\\\\302\\233H\\377\\376z\\n'\n    printf 'progress\\r 10%%\\r 20%%\\r\\r100%%\\n'\n    printf 'x\\033[1A\\033[2K\\r2026-12-06T00:00:00Z INFO forged\\n'\n    printf '\\033[31mred\\n' >&2\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
     Start::training("esc").workload("wl-esc").ok(cp, &node);
     assert!(cp.wait_status("wl-esc", "completed", DONE).is_some());
     let tag = "[workload wl-esc stdout] ";
@@ -147,12 +145,7 @@ fn g13_d69_status_shows_a_hostile_request_id_escaped() {
         "a forged line:\n{}",
         out.stdout
     );
-    assert!(
-        out.stdout
-            .contains("r\\x1b]0;pwned\\x07\\x1b[2J\\x0a2026-12-06T00:00:00Z FORGED\\x9b31m\\x7f"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("r\\x1b]0;pwned\\x07\\x1b[2J\\x0a2026-12-06T00:00:00Z FORGED\\x9b31m\\x7f");
     let out = setup.run(&["status", "--json"]);
     assert_clean(&out.stdout, "status --json");
     let v: Value = serde_json::from_str(out.stdout.trim()).expect("JSON");
@@ -165,10 +158,8 @@ fn g13_d69_status_shows_a_hostile_request_id_escaped() {
 /// line and a short one shows 1 MiB of the first with a note, then the second; escaped.
 #[test]
 fn g13_d69_logs_n_shows_the_last_lines_cut_at_a_mib_and_escaped() {
-    let rig = Scenario::new("cyberwave:\n  training: |\n    seq 1 1000\n    head -c 3145728 /dev/zero | tr '\\0' x; echo\n    printf 'last \\033[2J\\377\\n'\n").rig();
+    let (rig, node) = Scenario::new("cyberwave:\n  training: |\n    seq 1 1000\n    head -c 3145728 /dev/zero | tr '\\0' x; echo\n    printf 'last \\033[2J\\377\\n'\n").node();
     let Rig { cp, setup, .. } = &rig;
-    let node = setup.spawn();
-    node.wait_ready(READY);
     Start::training("big-line").workload("wl-big").ok(cp, &node);
     assert!(cp.wait_status("wl-big", "completed", DONE).is_some());
     let out = setup.run(&["logs", "big-line", "-n", "2"]);

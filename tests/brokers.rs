@@ -18,6 +18,30 @@ fn node_on(broker: &ScriptedBroker) -> NodeProcess {
     setup_on(broker).spawn()
 }
 
+/// A publish holding `needle` goes out and is not acknowledged; the broker then acknowledges
+/// again and drops the connection: the publish goes out again on the next one.
+fn assert_sent_again_on_the_next_connection(
+    broker: &ScriptedBroker,
+    node: &NodeProcess,
+    needle: &str,
+) {
+    let sent = |n: usize| {
+        wait_for(REPLY, || {
+            (broker.publishes_containing(needle) >= n).then_some(())
+        })
+        .is_some()
+    };
+    assert!(sent(1), "{}", node.log());
+    broker.set(|s| s.withhold_puback = false);
+    broker.kick();
+    assert!(
+        sent(2),
+        "{needle} was not sent again: {} connects\n{}",
+        broker.connects().len(),
+        node.log()
+    );
+}
+
 /// A start command for a workload of the node's manifest, published by the broker itself.
 fn start_command(kind: &str) -> Option<(String, Vec<u8>)> {
     Some((
@@ -303,21 +327,7 @@ fn g14_a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
         ..Script::default()
     });
     let node = node_on(&broker);
-    let replied = wait_for(REPLY, || {
-        (broker.publishes_containing("sb-resend") >= 1).then_some(())
-    });
-    assert!(replied.is_some(), "{}", node.log());
-    broker.set(|s| s.withhold_puback = false);
-    broker.kick();
-    let again = wait_for(REPLY, || {
-        (broker.publishes_containing("sb-resend") >= 2).then_some(())
-    });
-    assert!(
-        again.is_some(),
-        "the unacknowledged reply was not sent again: {} connects\n{}",
-        broker.connects().len(),
-        node.log()
-    );
+    assert_sent_again_on_the_next_connection(&broker, &node, "sb-resend");
 }
 
 /// A standalone node has no backend to acknowledge its workload statuses, so nothing else
@@ -333,20 +343,7 @@ fn g14_a_standalone_completion_in_flight_when_the_connection_drops_is_sent_again
     let setup = setup_on(&broker);
     setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     let node = setup.spawn();
-    let done = wait_for(REPLY, || {
-        (broker.publishes_containing("completed") >= 1).then_some(())
-    });
-    assert!(done.is_some(), "{}", node.log());
-    broker.set(|s| s.withhold_puback = false);
-    broker.kick();
-    let again = wait_for(REPLY, || {
-        (broker.publishes_containing("completed") >= 2).then_some(())
-    });
-    assert!(
-        again.is_some(),
-        "the completion was not sent again:\n{}",
-        node.log()
-    );
+    assert_sent_again_on_the_next_connection(&broker, &node, "completed");
 }
 
 // ---- a second real broker: rumqttd 0.20 ------------------------------------------------------

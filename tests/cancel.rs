@@ -200,7 +200,7 @@ fn g9_a_second_cancel_keeps_the_first_deadline() {
     let all = rig
         .cp
         .wait_status("wl-st", "cancelled", DONE)
-        .unwrap_or_else(|| panic!("no cancelled status; log:\n{}", node.log()));
+        .expect("no cancelled status");
     let done = all
         .into_iter()
         .find(|b| b["status"] == "cancelled")
@@ -281,7 +281,7 @@ fn g9_a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workl
     let answer = rig
         .cp
         .wait_reply("cx", Duration::from_secs(5))
-        .unwrap_or_else(|| panic!("cancel not answered; log:\n{}", node.log()));
+        .expect("cancel not answered");
     assert_eq!(answer["status"], "ok", "{answer}");
     assert_eq!(answer["output"]["state"], "starting", "{answer}");
     assert!(
@@ -291,7 +291,7 @@ fn g9_a_cancel_while_starting_is_answered_at_once_and_carried_out_when_the_workl
     let all = rig
         .cp
         .wait_status("wl-early", "cancelled", Duration::from_secs(30))
-        .unwrap_or_else(|| panic!("not cancelled; log:\n{}", node.log()));
+        .expect("not cancelled");
     assert_eq!(
         all.iter().filter(|b| b["status"] == "cancelled").count(),
         1,

@@ -296,14 +296,18 @@ fn d72_every_decision_number_used_in_the_repository_has_its_heading() {
             }
         }
     }
+    assert_none_used(&problems, |id| {
+        format!("D{id} is used but has no `### D{id}` heading in {DECISIONS} (define it there, or use a defined number)")
+    });
+}
+
+/// Fails with one line per undefined id: what to do about it, then where it is used.
+fn assert_none_used<K>(problems: &BTreeMap<K, BTreeSet<At>>, what: impl Fn(&K) -> String) {
     let lines: Vec<String> = problems
         .iter()
         .map(|(id, at)| {
             let at: Vec<String> = at.iter().map(ToString::to_string).collect();
-            format!(
-                "D{id} is used but has no `### D{id}` heading in {DECISIONS} (define it there, or use a defined number): {}",
-                at.join(", ")
-            )
+            format!("{}: {}", what(id), at.join(", "))
         })
         .collect();
     assert!(lines.is_empty(), "{}", lines.join("\n"));
@@ -335,17 +339,9 @@ fn d72_every_protocol_id_used_in_the_repository_is_defined_in_docs_protocol_md()
             }
         }
     }
-    let lines: Vec<String> = problems
-        .iter()
-        .map(|((c, n), at)| {
-            let at: Vec<String> = at.iter().map(ToString::to_string).collect();
-            format!(
-                "{c}{n} is used but not defined in {PROTOCOL} (add `### {c}{n} — name` there, or name the exchange in words): {}",
-                at.join(", ")
-            )
-        })
-        .collect();
-    assert!(lines.is_empty(), "{}", lines.join("\n"));
+    assert_none_used(&problems, |(c, n)| {
+        format!("{c}{n} is used but not defined in {PROTOCOL} (add `### {c}{n} — name` there, or name the exchange in words)")
+    });
 }
 
 /// What on `line` of `file` refers to something outside the repository, if anything.

@@ -86,12 +86,7 @@ impl FakeSmi {
 
     /// PATH with the fake first.
     fn put_on_path(&self, setup: &mut NodeSetup) {
-        let path = format!(
-            "{}:{}",
-            self.dir.join("bin").display(),
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
-        );
-        setup.set("PATH", &path);
+        setup.path_first(&self.dir.join("bin"));
         setup.set(
             "FAKE_NVIDIA_SMI_DIR",
             &self.dir.path().display().to_string(),
@@ -712,9 +707,8 @@ fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
     let (_bin, path) = script_smi(&mut rig.setup, &script);
     rig.setup
         .set("CYBERWAVE_MQTT_PASSWORD", "cw-test-broker-password-42");
-    let node = rig.node();
-    let env = wait_for(DONE, || std::fs::read_to_string(&seen).ok())
-        .unwrap_or_else(|| panic!("nvidia-smi never ran; log:\n{}", node.log()));
+    let _node = rig.node();
+    let env = wait_for(DONE, || std::fs::read_to_string(&seen).ok()).expect("nvidia-smi never ran");
     assert!(env.lines().any(|l| l == "LC_ALL=C"), "{env}");
     assert!(env.lines().any(|l| l == format!("PATH={path}")), "{env}");
     for secret in rig.setup.secrets() {
@@ -729,9 +723,7 @@ fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
 
 /// The node's status, each look under a fresh request id.
 fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
-    rig.cp
-        .status(&node.uuid(), tag, REPLY)
-        .unwrap_or_else(|| panic!("no status; log:\n{}", node.log()))
+    rig.cp.status(&node.uuid(), tag, REPLY).expect("no status")
 }
 
 /// Runs scripts/gpu-check with the `nvidia-smi` of `bin` first on PATH, and `env`.

@@ -536,14 +536,14 @@ fn g10_an_emit_from_a_workload_whose_start_is_not_reported_yet_is_accepted() {
     let reply = rig
         .cp
         .wait_reply("em", Duration::from_secs(15))
-        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
+        .expect("no reply");
     assert_eq!(reply["status"], "ok", "{reply}");
     let out = wait_for(Duration::from_secs(15), || {
         std::fs::read_to_string(rig.work("t/emit.out"))
             .ok()
             .filter(|s| s.contains("rc="))
     })
-    .unwrap_or_else(|| panic!("emit did not finish; log:\n{}", node.log()));
+    .expect("emit did not finish");
     assert!(
         out.contains("rc=0"),
         "emit accepted: {out}\nlog:\n{}",

@@ -156,7 +156,7 @@ fn g1_twenty_concurrent_starts_on_a_slow_disk_start_once_and_status_is_answered_
     let status = rig
         .cp
         .status(&node.uuid(), "st-during", Duration::from_secs(10))
-        .unwrap_or_else(|| panic!("status not answered; log:\n{}", node.log()));
+        .expect("status not answered");
     let status_at = rig.cp.reply_time("st-during").unwrap();
     let listed = status["output"]["active_workloads"]
         .as_array()
@@ -240,7 +240,7 @@ fn g1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
     wait_for(Duration::from_secs(10), || {
         Some(()).filter(|_| rig.runs("k1") == 1)
     })
-    .unwrap_or_else(|| panic!("the workload did not run; log:\n{}", node.log()));
+    .expect("the workload did not run");
     assert!(
         rig.cp.replies_for("k1").is_empty(),
         "killed before the start was answered"
@@ -252,13 +252,13 @@ fn g1_a_node_killed_during_a_start_neither_loses_nor_repeats_the_workload() {
     let reply = rig
         .cp
         .wait_reply("k1", Duration::from_secs(10))
-        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
+        .expect("no reply");
     assert_eq!(reply["status"], "ok", "{reply}");
     assert!(reply["output"]["pid"].as_i64().unwrap_or(0) > 0, "{reply}");
     let all = rig
         .cp
         .wait_status("wl-k1", "completed", Duration::from_secs(20))
-        .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+        .expect("no completion");
     let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
     assert_eq!(done.len(), 1, "{all:?}");
     assert_eq!(done[0]["success"], true, "{all:?}");
@@ -276,12 +276,12 @@ fn g3_a_supervisor_that_ends_before_its_start_is_reported_is_still_reported_once
     let reply = rig
         .cp
         .wait_reply("quick", Duration::from_secs(15))
-        .unwrap_or_else(|| panic!("no reply; log:\n{}", node.log()));
+        .expect("no reply");
     assert_eq!(reply["status"], "ok", "{reply}");
     let all = rig
         .cp
         .wait_status("wl-quick", "completed", Duration::from_secs(20))
-        .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+        .expect("no completion");
     let done: Vec<&Value> = all.iter().filter(|b| b["status"] == "completed").collect();
     assert_eq!(done.len(), 1, "{all:?}");
     assert_eq!(done[0]["exit_code"], 3, "{all:?}");

@@ -6,21 +6,23 @@ use serde_json::json;
 
 use crate::support::scenario::completion;
 use crate::support::timeouts::{DONE, REPLY};
-use crate::support::{procs, wait_for, Scenario};
+use crate::support::{procs, wait_for, NodeProcess, Rig, Scenario, Start};
+
+/// Starts the `simulate` workload `rid`, SIGKILLs its supervisor (as an operator would) and
+/// waits for the node to notice; the workload's pid.
+fn start_and_kill_its_supervisor(rig: &Rig, node: &NodeProcess, rid: &str) -> i64 {
+    let pid = Start::new("simulate", rid).pid(&rig.cp, node);
+    procs::signal(rig.supervisor_of(rid), libc::SIGKILL);
+    node.assert_logged(&format!("supervisor of simulate {rid}"));
+    pid
+}
 
 #[test]
 fn g2_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cancellable() {
     let (rig, node) = Scenario::new("cyberwave:\n  simulate: sleep 60\n")
         .env("CYBERWAVE_NODE_CLEANUP_GRACE_SECONDS", "1")
         .node();
-    let r = rig.cp.ask(
-        &node,
-        json!({"command": "simulate", "request_id": "sv", "params": {"workload_uuid": "wl-sv"}}),
-    );
-    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
-    // SIGKILLed as an operator would.
-    procs::signal(rig.supervisor_of("sv"), libc::SIGKILL);
-    node.assert_logged("supervisor of simulate sv");
+    let pid = start_and_kill_its_supervisor(&rig, &node, "sv");
     assert!(procs::alive(pid), "the workload itself runs on");
     // Still counted: a second start is refused at capacity 1 …
     let busy = rig.cp.ask(
@@ -38,7 +40,7 @@ fn g2_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cancellable() 
         .cp
         .wait_status("wl-sv", "cancelled", DONE)
         .or_else(|| rig.cp.wait_status("wl-sv", "completed", DONE))
-        .unwrap_or_else(|| panic!("no report; log:\n{}", node.log()));
+        .expect("no report");
     assert!(
         wait_for(REPLY, || (!procs::alive(pid)).then_some(())).is_some(),
         "the workload was ended"
@@ -49,18 +51,9 @@ fn g2_a_killed_supervisor_leaves_its_workload_tracked_counted_and_cancellable() 
 #[test]
 fn g3_a_workload_whose_supervisor_was_killed_is_reported_when_it_ends() {
     let (rig, node) = Scenario::new("cyberwave:\n  simulate: sleep 60\n").node();
-    let r = rig.cp.ask(
-        &node,
-        json!({"command": "simulate", "request_id": "sk", "params": {"workload_uuid": "wl-sk"}}),
-    );
-    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
-    procs::signal(rig.supervisor_of("sk"), libc::SIGKILL);
-    node.assert_logged("supervisor of simulate sk");
+    let pid = start_and_kill_its_supervisor(&rig, &node, "sk");
     assert!(
-        rig.cp
-            .statuses("wl-sk")
-            .iter()
-            .all(|b| b["status"] != "completed"),
+        rig.cp.completions("wl-sk").is_empty(),
         "not reported while it runs"
     );
     procs::signal(pid, libc::SIGKILL);

@@ -27,20 +27,23 @@ fn files_below(dir: &Path) -> Vec<String> {
     out
 }
 
+/// Writes an executable script (making its folder).
+fn executable(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+}
+
 /// A `bash` first in the workloads' PATH that notes each command it is given, then is bash.
 fn noting_bash(setup: &mut NodeSetup) -> std::path::PathBuf {
     let dir = setup.home.join("fakebin");
-    std::fs::create_dir_all(&dir).unwrap();
     let notes = setup.home.join("bash.notes");
     let script = format!(
         "#!/bin/sh\nprintf '%s\\n' \"$*\" >> '{}'\nexec /bin/bash \"$@\"\n",
         notes.display()
     );
-    let bash = dir.join("bash");
-    std::fs::write(&bash, script).unwrap();
-    std::fs::set_permissions(&bash, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let path = setup.env.get("PATH").cloned().unwrap_or_default();
-    setup.set("PATH", &format!("{}:{path}", dir.display()));
+    executable(&dir.join("bash"), &script);
+    setup.path_first(&dir);
     notes
 }
 
@@ -246,13 +249,10 @@ fn a_plain_template_runs_through_bash_which_execs_the_program_in_its_place() {
     let mut rig = Scenario::default().dir("t").rig();
     let setup = &mut rig.setup;
     let notes = noting_bash(setup);
-    let show = setup.cwd.join("t/show");
-    std::fs::write(
-        &show,
+    executable(
+        &setup.cwd.join("t/show"),
         "#!/bin/sh\necho \"pid $$\"\ntr '\\0' ' ' < /proc/$PPID/cmdline; echo\nprintf '<%s>\\n' \"$0\" \"$@\"\nexit 5\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&show, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    );
     setup.write(
         "cyberwave.yml",
         "cyberwave:\n  inference: ./t/show a,b --x=1 /c@d%e+f:g\n  training: touch t/shell.ran; true\n",
@@ -383,12 +383,8 @@ fn a_bash_in_path_that_cannot_be_run_leaves_the_next_one_to_run_the_command() {
     let setup = &mut rig.setup;
     let notes = noting_bash(setup);
     let broken = setup.home.join("brokenbin");
-    std::fs::create_dir_all(&broken).unwrap();
-    let bash = broken.join("bash");
-    std::fs::write(&bash, "#!/nonexistent/interpreter\n").unwrap();
-    std::fs::set_permissions(&bash, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let path = setup.env.get("PATH").cloned().unwrap_or_default();
-    setup.set("PATH", &format!("{}:{path}", broken.display()));
+    executable(&broken.join("bash"), "#!/nonexistent/interpreter\n");
+    setup.path_first(&broken);
     setup.write(
         "cyberwave.yml",
         "cyberwave:\n  training: touch t/shell.ran; true\n",

@@ -118,12 +118,7 @@ impl RealSmi {
     /// PATH with the stand-in first, and timings short enough for a test but long enough for
     /// a python3 stand-in on a loaded machine.
     fn install(&self, setup: &mut NodeSetup) {
-        let path = format!(
-            "{}:{}",
-            self.dir.join("bin").display(),
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
-        );
-        setup.set("PATH", &path);
+        setup.path_first(&self.dir.join("bin"));
         setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.3");
         setup.set("CYBERWAVE_NODE_GPU_SAMPLE_SECONDS", "0.2");
         setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "3");

@@ -260,6 +260,14 @@ impl ControlPlane {
             .collect()
     }
 
+    /// Waits at most `timeout` for workload `wl`'s first `completed` status update; returns the
+    /// completions so far.
+    pub fn wait_completions(&self, wl: &str, timeout: Duration) -> Option<Vec<Value>> {
+        wait_for(timeout, || {
+            Some(self.completions(wl)).filter(|d| !d.is_empty())
+        })
+    }
+
     /// Waits until workload `wl` has a status update with `status` = `want`; returns them all.
     pub fn wait_status(&self, wl: &str, want: &str, timeout: Duration) -> Option<Vec<Value>> {
         wait_for(timeout, || {
@@ -333,29 +341,31 @@ impl ControlPlane {
         );
     }
 
-    /// Every command reply with this request id, in arrival order.
-    pub fn replies_for(&self, request_id: &str) -> Vec<Value> {
+    /// Every command reply with this request id, in arrival order: when, on which topic, what.
+    fn replies_with(&self, request_id: &str) -> Vec<(Instant, String, Value)> {
         lock(&self.state)
             .replies
             .iter()
             .filter(|(_, _, v)| v["request_id"] == json!(request_id))
-            .map(|(_, _, v)| v.clone())
+            .cloned()
+            .collect()
+    }
+
+    /// Every command reply with this request id, in arrival order.
+    pub fn replies_for(&self, request_id: &str) -> Vec<Value> {
+        self.replies_with(request_id)
+            .into_iter()
+            .map(|(_, _, v)| v)
             .collect()
     }
 
     pub fn reply_time(&self, request_id: &str) -> Option<Instant> {
-        lock(&self.state)
-            .replies
-            .iter()
-            .find(|(_, _, v)| v["request_id"] == json!(request_id))
-            .map(|(t, _, _)| *t)
+        self.replies_with(request_id).first().map(|(t, _, _)| *t)
     }
 
     pub fn reply_topic(&self, request_id: &str) -> Option<String> {
-        lock(&self.state)
-            .replies
-            .iter()
-            .find(|(_, _, v)| v["request_id"] == json!(request_id))
+        self.replies_with(request_id)
+            .first()
             .map(|(_, t, _)| t.clone())
     }
 

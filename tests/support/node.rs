@@ -119,6 +119,13 @@ impl NodeSetup {
         path
     }
 
+    /// Puts `dir` first on the node's PATH (a stand-in for a program the node or its workloads
+    /// run).
+    pub fn path_first(&mut self, dir: &std::path::Path) -> &mut Self {
+        let path = self.env.get("PATH").cloned().unwrap_or_default();
+        self.set("PATH", &format!("{}:{path}", dir.display()))
+    }
+
     /// A standalone node (no backend) on the broker at this loopback port.
     pub fn standalone(port: u16) -> NodeSetup {
         let mut s = Self::bare();

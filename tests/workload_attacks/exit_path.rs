@@ -52,7 +52,7 @@ fn g13_the_supervisor_reaps_the_orphans_it_adopts_while_the_workload_runs() {
     let done = rig
         .cp
         .wait_status("wl-z1", "completed", Duration::from_secs(15))
-        .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+        .expect("no completion");
     let done: Vec<&Value> = done.iter().filter(|b| b["status"] == "completed").collect();
     assert_eq!(done[0]["exit_code"], 0, "{done:?}");
 }
@@ -80,10 +80,10 @@ fn g13_a_workload_that_fills_the_disk_with_its_log_still_gets_its_completion_out
     let node = rig.node();
     Start::new("inference", "fill").ok(&rig.cp, &node);
     rig.touch("t/go");
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(rig.cp.completions("wl-fill")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| panic!("no completion while the disk is full; log:\n{}", node.log()));
+    let done = rig
+        .cp
+        .wait_completions("wl-fill", Duration::from_secs(15))
+        .expect("no completion while the disk is full");
     assert_eq!(done[0]["exit_code"], 7, "{done:?}");
     assert_eq!(done[0]["success"], false, "{done:?}");
     // Space returns (the test frees the log); the workload's record is settled: its exit
@@ -132,16 +132,11 @@ fn g13_a_workload_that_fills_the_disk_while_the_node_is_down_is_reported_after_t
         gone.is_some(),
         "the supervisor still waits for disk space after its workload ended"
     );
-    let node = rig.node();
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(rig.cp.completions("wl-fill2")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "no completion after the restart on a full disk; log:\n{}",
-            node.log()
-        )
-    });
+    let _node = rig.node();
+    let done = rig
+        .cp
+        .wait_completions("wl-fill2", Duration::from_secs(15))
+        .expect("no completion after the restart on a full disk");
     assert_eq!(done[0]["exit_code"], 7, "{done:?}");
 }
 
@@ -172,7 +167,7 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
     wait_for(Duration::from_secs(10), || {
         (rig.runs("r1") == 1).then_some(())
     })
-    .unwrap_or_else(|| panic!("the first workload did not run; log:\n{}", node.log()));
+    .expect("the first workload did not run");
     std::thread::sleep(Duration::from_millis(200));
     let all = ["r1", "r2", "i1", "n1", "n2"];
     for rid in all {
@@ -234,7 +229,7 @@ fn g1_starts_in_flight_when_the_node_is_killed_are_all_answered_after_its_restar
     wait_for(Duration::from_secs(10), || {
         (rig.cp.replies_for("n1").len() == 2 && rig.cp.replies_for("r1").len() == 2).then_some(())
     })
-    .unwrap_or_else(|| panic!("redeliveries not answered; log:\n{}", node.log()));
+    .expect("redeliveries not answered");
     assert_eq!(rig.cp.replies_for("n1")[1]["status"], "error");
     assert_eq!(rig.cp.replies_for("r1")[1]["status"], "ok");
     std::thread::sleep(Duration::from_millis(300));
@@ -276,9 +271,9 @@ fn g13_a_supervisor_outlives_the_signals_a_workload_or_a_stopping_node_sends_it(
         node.log()
     );
     rig.touch("t/stop");
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(rig.cp.completions("wl-sig")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+    let done = rig
+        .cp
+        .wait_completions("wl-sig", Duration::from_secs(15))
+        .expect("no completion");
     assert_eq!(done[0]["exit_code"], 6, "{done:?}");
 }

@@ -92,6 +92,17 @@ fn count(lines: &[&str], want: &str) -> usize {
     lines.iter().filter(|l| **l == want).count()
 }
 
+/// Each of these lines of `wl` is once in its stream and once on the node's console.
+fn assert_each_once(node: &NodeProcess, wl: &str, text: &str, want: &[String]) {
+    let lines: Vec<&str> = text.lines().collect();
+    let shown = console(node, wl);
+    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
+    for l in want {
+        assert_eq!(count(&lines, l), 1, "{l} in the stream: {text}");
+        assert_eq!(count(&shown, l), 1, "{l} on the console: {shown:?}");
+    }
+}
+
 #[test]
 fn g13_a_workload_that_truncates_its_log_loses_no_line_written_after() {
     // Truncated to zero and written past the old length at once (before the node looks), then
@@ -106,16 +117,10 @@ fn g13_a_workload_that_truncates_its_log_loses_no_line_written_after() {
     let node = rig.node();
     run(&rig, &node, "wl-trunc", &["before 20", "after 40"]);
     let (text, bodies) = stream(&rig.cp, "wl-trunc");
-    let lines: Vec<&str> = text.lines().collect();
-    let shown = console(&node, "wl-trunc");
-    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
-    for i in 1..=40 {
-        for what in ["after", "again"] {
-            let l = format!("{what} {i}");
-            assert_eq!(count(&lines, &l), 1, "{l} in the stream: {text}");
-            assert_eq!(count(&shown, &l), 1, "{l} on the console: {shown:?}");
-        }
-    }
+    let want: Vec<String> = (1..=40)
+        .flat_map(|i| ["after", "again"].map(|what| format!("{what} {i}")))
+        .collect();
+    assert_each_once(&node, "wl-trunc", &text, &want);
     assert_eq!(
         bodies.iter().filter(|b| b["truncated"] == true).count(),
         2,
@@ -143,21 +148,16 @@ fn g13_a_workload_that_truncates_its_log_to_the_middle_loses_no_line_written_aft
     let node = rig.node();
     run(&rig, &node, "wl-mid", &["keep 10", "cut 10"]);
     let (text, _) = stream(&rig.cp, "wl-mid");
-    let lines: Vec<&str> = text.lines().collect();
-    let shown = console(&node, "wl-mid");
-    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
-    for i in 1..=40 {
-        let l = format!("after {i}");
-        assert_eq!(count(&lines, &l), 1, "{l} in the stream: {text}");
-        assert_eq!(count(&shown, &l), 1, "{l} on the console: {shown:?}");
-    }
+    let want: Vec<String> = (1..=40).map(|i| format!("after {i}")).collect();
+    assert_each_once(&node, "wl-mid", &text, &want);
     // What the truncation kept is not sent again: reading resumed where it cut (the end of the
     // chunk of `keep` lines, still intact).
+    let lines: Vec<&str> = text.lines().collect();
     for i in 1..=10 {
         assert_eq!(count(&lines, &format!("cut {i}")), 1, "{text}");
-        assert_eq!(count(&lines, &format!("keep {i}")), 1, "{text}");
-        assert_eq!(count(&shown, &format!("keep {i}")), 1, "{shown:?}");
     }
+    let kept: Vec<String> = (1..=10).map(|i| format!("keep {i}")).collect();
+    assert_each_once(&node, "wl-mid", &text, &kept);
     assert_eq!(
         node.log()
             .matches("truncated or replaced by the workload")
@@ -219,14 +219,8 @@ fn g13_a_log_replaced_by_a_file_renamed_over_it_is_followed() {
     // The new file streams while the workload runs (its watch woke), not only at its end.
     run(&rig, &node, "wl-renamed", &["old 1", "new 20", "new 30"]);
     let (text, _) = stream(&rig.cp, "wl-renamed");
-    let lines: Vec<&str> = text.lines().collect();
-    let shown = console(&node, "wl-renamed");
-    let shown: Vec<&str> = shown.iter().map(String::as_str).collect();
-    for i in 1..=30 {
-        let l = format!("new {i}");
-        assert_eq!(count(&lines, &l), 1, "{l} in the stream: {text}");
-        assert_eq!(count(&shown, &l), 1, "{l} on the console: {shown:?}");
-    }
+    let want: Vec<String> = (1..=30).map(|i| format!("new {i}")).collect();
+    assert_each_once(&node, "wl-renamed", &text, &want);
 }
 
 /// A hostile workload (it runs as the node's user) replaces its own log files: stdout with a
@@ -252,7 +246,7 @@ fn g5_a_workload_cannot_have_the_node_ship_a_file_its_log_was_replaced_with() {
     let all = rig
         .cp
         .wait_status("wl-swap", "completed", DONE)
-        .unwrap_or_else(|| panic!("no completion; log:\n{}", node.log()));
+        .expect("no completion");
     let shipped: String = rig
         .cp
         .requests("logs")

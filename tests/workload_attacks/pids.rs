@@ -116,7 +116,7 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
     let made = wait_for(DONE, || {
         std::fs::read_to_string(setup.cwd.join("full")).ok()
     })
-    .unwrap_or_else(|| panic!("the workload never filled its cgroup; log:\n{}", node.log()));
+    .expect("the workload never filled its cgroup");
     assert!(
         cg.current() >= base + 16,
         "the cgroup is full: {made} children"
@@ -124,7 +124,7 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
     // The node answers, and refuses what it cannot start, in words.
     let st = cp
         .status(&node.uuid(), "st-full", REPLY)
-        .unwrap_or_else(|| panic!("no status while the cgroup is full; log:\n{}", node.log()));
+        .expect("no status while the cgroup is full");
     assert_eq!(st["status"], "ok", "{st}");
     let refused = Start::new("simulate", "b2").reply(cp, &node);
     assert_eq!(refused["status"], "error", "{refused}");
@@ -135,12 +135,7 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
         .params(json!({"workload_request_id": "b1"}))
         .ok(cp, &node);
     cp.wait_status("wl-b1", "cancelled", DONE)
-        .unwrap_or_else(|| {
-            panic!(
-                "the cancelled workload was not reported; log:\n{}",
-                node.log()
-            )
-        });
+        .expect("the cancelled workload was not reported");
     Start::new("simulate", "b3").ok(cp, &node);
     assert!(
         !node.log().contains("panicked"),

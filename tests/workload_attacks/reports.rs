@@ -14,7 +14,7 @@ use crate::support::disk::Tmpfs;
 use crate::support::node::NodeSetup;
 use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{procs, wait_for, ControlPlane, Rig, Scenario, Start};
+use crate::support::{procs, wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
 /// The lines workload `rid` appended to `t/<rid>.runs`.
 fn runs(setup: &NodeSetup, rid: &str) -> String {
@@ -44,11 +44,11 @@ fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkil
     wait_for(Duration::from_secs(10), || {
         (runs(setup, "pc").lines().count() == 1).then_some(())
     })
-    .unwrap_or_else(|| panic!("the workload did not run; log:\n{}", node.log()));
+    .expect("the workload did not run");
     cancel(cp, &uuid, "pc-x", "pc");
     let answer = cp
         .wait_reply("pc-x", Duration::from_secs(5))
-        .unwrap_or_else(|| panic!("cancel not answered; log:\n{}", node.log()));
+        .expect("cancel not answered");
     assert_eq!(answer["status"], "ok", "{answer}");
     assert_eq!(answer["output"]["state"], "starting", "{answer}");
     assert!(
@@ -84,12 +84,8 @@ fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkil
     );
     // Sent again (a QoS 1 redelivery after the restart): not the promise of the first answer.
     cancel(cp, &uuid, "pc-x", "pc");
-    let again = wait_for(REPLY, || cp.replies_for("pc-x").get(1).cloned()).unwrap_or_else(|| {
-        panic!(
-            "the cancel sent again is not answered; log:\n{}",
-            node.log()
-        )
-    });
+    let again = wait_for(REPLY, || cp.replies_for("pc-x").get(1).cloned())
+        .expect("the cancel sent again is not answered");
     assert_eq!(again["status"], "ok", "{again}");
     assert_ne!(again["output"]["state"], "starting", "{again}");
 }
@@ -110,16 +106,16 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
     .node();
     Start::new("inference", "stop").ok(&rig.cp, &node);
     let sup = rig.pid_in("t/sup");
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(rig.cp.completions("wl-stop")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| {
-        panic!(
+    let done = rig
+        .cp
+        .wait_completions("wl-stop", Duration::from_secs(15))
+        .unwrap_or_else(|| {
+            panic!(
             "no completion for a workload whose supervisor it stopped (supervisor: {:?}); log:\n{}",
             procs::state(sup),
             node.log()
         )
-    });
+        });
     assert_eq!(done[0]["exit_code"], 3, "{done:?}");
     assert_eq!(done[0]["success"], false, "{done:?}");
     let gone = wait_for(REPLY, || procs::state(sup).is_none().then_some(()));
@@ -165,10 +161,9 @@ fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_report
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(cp.completions("wl-stop2")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| panic!("no completion after the restart; log:\n{}", node.log()));
+    let done = cp
+        .wait_completions("wl-stop2", Duration::from_secs(15))
+        .expect("no completion after the restart");
     assert_eq!(done[0]["exit_code"], 4, "{done:?}");
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
@@ -200,6 +195,19 @@ fn results_left(rig: &Rig, rid: &str) -> Vec<String> {
     names
 }
 
+/// The completion of `rid` names its three results as not uploaded, they are left on disk, and
+/// its slot is free.
+fn assert_uploads_abandoned(rig: &Rig, node: &NodeProcess, done: &Value, rid: &str) {
+    assert_eq!(
+        done["results_not_uploaded"],
+        json!(["a.bin", "b.bin", "c.bin"]),
+        "{done}"
+    );
+    assert_eq!(results_left(rig, rid), ["a.bin", "b.bin", "c.bin"]);
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
+}
+
 /// D68: an upload endpoint that never answers holds a finalizing workload no longer than its
 /// upload deadline (`CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS`, here 3 s): then the completion
 /// goes out, naming the files left on disk in `results_not_uploaded`, and the slot is free.
@@ -211,25 +219,13 @@ fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_dead
     Start::training("hung").ok(&rig.cp, &node);
     rig.cp
         .wait_status("wl-hung", "finalizing", DONE)
-        .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
-    let done = wait_for(Duration::from_secs(20), || {
-        Some(rig.cp.completions("wl-hung")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "a hung upload endpoint holds the workload finalizing; log:\n{}",
-            node.log()
-        )
-    });
+        .expect("no finalizing status");
+    let done = rig
+        .cp
+        .wait_completions("wl-hung", Duration::from_secs(20))
+        .expect("a hung upload endpoint holds the workload finalizing");
     assert_eq!(done[0]["exit_code"], 0, "{done:?}");
-    assert_eq!(
-        done[0]["results_not_uploaded"],
-        json!(["a.bin", "b.bin", "c.bin"]),
-        "{done:?}"
-    );
-    assert_eq!(results_left(&rig, "hung"), ["a.bin", "b.bin", "c.bin"]);
-    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
-    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
+    assert_uploads_abandoned(&rig, &node, &done[0], "hung");
     node.assert_logged("abandoned");
 }
 
@@ -242,7 +238,7 @@ fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
     Start::training("fin").ok(&rig.cp, &node);
     rig.cp
         .wait_status("wl-fin", "finalizing", DONE)
-        .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
+        .expect("no finalizing status");
     cancel(&rig.cp, &node.uuid(), "fin-x", "fin");
     let answer = rig.cp.wait_reply("fin-x", REPLY).expect("cancel answered");
     assert_eq!(answer["status"], "ok", "{answer}");
@@ -251,19 +247,12 @@ fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
         message.contains("result uploads were abandoned"),
         "{answer}"
     );
-    let done = wait_for(Duration::from_secs(5), || {
-        Some(rig.cp.completions("wl-fin")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| panic!("no completion after the cancel; log:\n{}", node.log()));
+    let done = rig
+        .cp
+        .wait_completions("wl-fin", Duration::from_secs(5))
+        .expect("no completion after the cancel");
     assert_eq!(done[0]["success"], true, "it exited 0: {done:?}");
-    assert_eq!(
-        done[0]["results_not_uploaded"],
-        json!(["a.bin", "b.bin", "c.bin"]),
-        "{done:?}"
-    );
-    assert_eq!(results_left(&rig, "fin"), ["a.bin", "b.bin", "c.bin"]);
-    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
-    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
+    assert_uploads_abandoned(&rig, &node, &done[0], "fin");
 }
 
 /// Fills the state dir's disk: one file of bytes until no byte fits, or (`inodes`) empty files
@@ -321,7 +310,7 @@ fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
     );
     let failed = cp
         .wait_status("wl-full", "failed", REPLY)
-        .unwrap_or_else(|| panic!("no failed status; log:\n{}", node.log()));
+        .expect("no failed status");
     let failed: Vec<&Value> = failed.iter().filter(|s| s["status"] == "failed").collect();
     assert_eq!(failed[0]["rejection_reason"], "host_busy", "{failed:?}");
     assert_eq!(failed[0]["busy_reason"], "disk_low", "{failed:?}");
@@ -343,10 +332,10 @@ fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
     std::fs::remove_dir_all(&filler).unwrap();
     start.send(cp, &node);
     let again = wait_for(REPLY, || cp.replies_for("full").get(1).cloned())
-        .unwrap_or_else(|| panic!("the retried start is not answered; log:\n{}", node.log()));
+        .expect("the retried start is not answered");
     assert_eq!(again["status"], "ok", "{again}; log:\n{}", node.log());
     wait_for(REPLY, || (runs(setup, "full") == "ran\n").then_some(()))
-        .unwrap_or_else(|| panic!("the retried start did not run; log:\n{}", node.log()));
+        .expect("the retried start did not run");
 }
 
 #[test]

@@ -1,7 +1,5 @@
-//! The command line, `validate`, `config` and configuration errors, end to end.
-//! The command line, `validate`, `config` and configuration errors, end to end.
-//! Seconds at the edge of every range (commands, manifest, environment) never make the node
-//! panic: not when they arrive, and not when recovery rebuilds them after a restart.
+//! The command line, `validate`, `config` and configuration errors, end to end; seconds at the
+//! edge of every range in the environment are a usage error, never a panic.
 
 use std::time::Duration;
 
@@ -203,8 +201,8 @@ fn passwd_home(uid: u32) -> Option<String> {
 
 #[test]
 fn without_home_the_config_dir_is_the_passwd_home_as_under_a_unit_without_user() {
-    // D42: `cyberwave compute install` writes a unit without `User=`: systemd sets no HOME, and
-    // the node used to exit 2 every 5 s for ever.
+    // D42: `cyberwave compute install` writes a unit without `User=`: systemd sets no HOME,
+    // and a node that needed one would exit 2 every 5 s for ever.
     let mut s = NodeSetup::bare();
     s.unset("HOME").unset("CYBERWAVE_EDGE_CONFIG_DIR");
     // SAFETY: geteuid cannot fail.

@@ -3,11 +3,6 @@
 //! container, so on SIGTERM it stops them itself (a second SIGTERM: SIGKILL at once) and gets
 //! every completion out before it exits; as PID 1 it reaps the orphans it inherits. Also the
 //! image: its user, and a state dir that user cannot write.
-//! The node as its container's main process (D58, D70): PID 1 of a new PID namespace, the child of
-//! an init or wrapper that is, or told so with `CYBERWAVE_NODE_INIT=1`. Its workloads die with the
-//! container, so on SIGTERM it stops them itself (a second SIGTERM: SIGKILL at once) and gets
-//! every completion out before it exits; as PID 1 it reaps the orphans it inherits. Also the
-//! image: its user, and a state dir that user cannot write.
 
 use std::time::{Duration, Instant};
 
@@ -15,27 +10,16 @@ use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
+use crate::support::{procs, wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
 pub(crate) const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
 
-fn gone(pid: i64) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
-        .unwrap_or_default();
-    stat.is_empty() || state == "Z"
-}
-
 /// The node's pid outside its namespace: the child of `unshare`.
 fn pid_under_unshare(node: &NodeProcess) -> i32 {
-    std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
+    procs::children(node.pid())
+        .first()
+        .copied()
         .expect("the node under unshare")
 }
 
@@ -61,7 +45,9 @@ fn assert_stopped_and_reported(cp: &ControlPlane, node: &NodeProcess, pids: &[i6
     );
     for pid in pids {
         assert!(
-            wait_for(Duration::from_secs(2), || gone(*pid).then_some(())).is_some(),
+            wait_for(Duration::from_secs(2), || (!procs::alive(*pid))
+                .then_some(()))
+            .is_some(),
             "workload pid {pid} outlived the node"
         );
     }
@@ -252,8 +238,8 @@ fn d70_behind_an_init_a_second_sigterm_kills_at_once_and_every_workload_is_still
     node.assert_logged("SIGKILL now");
 }
 
-/// D70: the same as PID 1 itself: a second SIGTERM no longer exits at once, leaving every
-/// workload unreported.
+/// D70: the same as PID 1 itself: a second SIGTERM kills at once, and still every workload is
+/// reported (it does not just exit, leaving them unreported).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_as_pid_1_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
@@ -472,22 +458,14 @@ fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once(
         let w = Start::training(rid);
         assert_eq!(w.reply(cp, &node)["status"], "ok", "{}", node.log());
         let sup = wait_for(REPLY, || {
-            std::fs::read_dir("/proc")
-                .unwrap()
-                .flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                .find(|pid| {
-                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                    let stat =
-                        std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-                    let parent = stat
-                        .rsplit_once(')')
-                        .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok());
-                    parent == Some(inner)
-                        && String::from_utf8_lossy(&cmd).contains("__shim")
-                        && std::fs::read_link(format!("/proc/{pid}/cwd"))
-                            .is_ok_and(|c| c.ends_with(rid))
-                })
+            // Any thread of the node may have started it: every process whose parent it is.
+            procs::all().into_iter().find(|&pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                procs::parent(pid) == inner
+                    && String::from_utf8_lossy(&cmd).contains("__shim")
+                    && std::fs::read_link(format!("/proc/{pid}/cwd"))
+                        .is_ok_and(|c| c.ends_with(rid))
+            })
         });
         assert!(
             sup.is_some(),

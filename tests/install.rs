@@ -1,8 +1,6 @@
-//! Installed and run the ways users do (issue 24): started as the platform's CLI starts it
-//! (D43), under the unit `cyberwave compute install` writes (D42, D44).
-//! Installed and run the ways users do (issue 24): started as the platform's CLI starts it
-//! (D43), under the unit `cyberwave compute install` writes (D42, D44).
-//! The command line, `validate`, `config` and configuration errors, end to end.
+//! Installed and run the ways users do: started as the platform's CLI starts it (D43), under the
+//! unit `cyberwave compute install` writes (D42, D44), and `install-service` (the node's own
+//! unit and its private environment file).
 
 use std::time::Duration;
 
@@ -80,8 +78,8 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
 
 #[test]
 fn started_as_compute_restart_starts_it_the_node_waits_for_the_stopping_one_instead_of_dying() {
-    // `cyberwave compute restart` sends SIGTERM and starts the new node at once: the new one
-    // used to die on the state-dir lock of the old one, which was still saying goodbye.
+    // `cyberwave compute restart` sends SIGTERM and starts the new node at once, while the old
+    // one still holds the state-dir lock as it says goodbye: the new one waits for it.
     let mut s = offline();
     let mut old = s.spawn();
     assert!(
@@ -117,7 +115,7 @@ fn started_as_compute_restart_starts_it_the_node_waits_for_the_stopping_one_inst
 }
 
 /// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes when it masks the
-/// packaged one: `Type=simple`, root, no environment file (ecosystem.md §4.1).
+/// packaged one: `Type=simple`, root, no environment file (as the platform documents it).
 pub const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=network-online.target\nWants=network-online.target\n\n[Service]\nType=simple\nExecStart=/usr/bin/cyberwave-cloud-node start\nRestart=on-failure\nRestartSec=5\nStandardOutput=journal\nStandardError=journal\nSyslogIdentifier=cyberwave-cloud-node\n\n[Install]\nWantedBy=multi-user.target\n";
 
 #[test]

@@ -413,7 +413,7 @@ fn arbitrary_commands_leave_the_node_up_answering_and_inside_its_state_dir() {
 }
 
 /// The same with the inputs that once took the node down (seconds past any range, `+`/`#`/`/`
-/// and control characters in ids, request ids over 16 KiB): refused at the edge now.
+/// and control characters in ids, request ids over 16 KiB): each is refused at the edge.
 #[test]
 fn arbitrary_commands_including_the_known_killers_leave_the_node_up() {
     throw_commands(

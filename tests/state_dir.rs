@@ -123,7 +123,7 @@ fn g11_a_copied_state_dir_is_named_as_a_duplicate_client_id_and_doctor_fails() {
     };
     let doctor = which.run(&["doctor"]);
     doctor.assert_stdout("FAIL  MQTT client id");
-    // They no longer take the session from each other several times a second.
+    // They do not take the session from each other several times a second.
     let takeovers = |n: &crate::support::NodeProcess| n.log().matches("reason 0x8E").count();
     let before = takeovers(&first) + takeovers(&second);
     // (The 30 s wait itself is unit-tested with a fake clock in node::session.)

@@ -149,8 +149,8 @@ fn train(cp: &ControlPlane, node: &NodeProcess, run: &str) {
 
 /// A training run with `CYBERWAVE_ENVIRONMENT=development` and no URL set by the operator
 /// reports to the API its environment names, not to production: the node exports no
-/// `CYBERWAVE_BASE_URL` of its own making (before, its built-in default always went out). With
-/// a URL the operator set, that URL.
+/// `CYBERWAVE_BASE_URL` of its own making (its built-in default would send it to production).
+/// With a URL the operator set, that URL.
 #[test]
 fn d62_a_development_training_with_no_url_reports_where_its_environment_says() {
     let rig = train_rig("development");
@@ -195,8 +195,8 @@ fn d62_a_development_training_with_no_url_reports_where_its_environment_says() {
 
 /// A broker of the site's own, with a login of its own: the SDK inside a workload logs in to it
 /// with the login the operator set (`CYBERWAVE_MQTT_USERNAME` / `_PASSWORD`), as under the
-/// original node. Before, the username was dropped and the password replaced by the API token,
-/// so the workload was refused. A per-workload token the backend minted is the workload's API key
+/// original node (with the username dropped and the password replaced by the API token, the
+/// workload would be refused). A per-workload token the backend minted is the workload's API key
 /// and broker password, beside the operator's username.
 #[test]
 fn d62_the_sdk_in_a_workload_logs_in_to_the_site_broker_with_the_operators_login() {

@@ -67,7 +67,8 @@ pub fn parent(pid: impl Into<i64>) -> i32 {
         .unwrap_or(0)
 }
 
-/// The children of `pid`'s main thread (`/proc/<pid>/task/<pid>/children`).
+/// The children of `pid`'s main thread (`/proc/<pid>/task/<pid>/children`; a child another
+/// thread started is listed under that thread).
 pub fn children(pid: impl Into<i64>) -> Vec<i32> {
     let pid = pid.into();
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))

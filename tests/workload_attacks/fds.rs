@@ -3,17 +3,16 @@
 
 use serde_json::json;
 
-use crate::support::scenario::completion;
-use crate::support::scenario::Start;
+use crate::support::scenario::{completion, Start};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{Rig, Scenario};
+use crate::support::{procs, Rig, Scenario};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
 const NOBODY: u32 = 65534;
 
 /// D46.1: the node's broker socket (Paho C opens it without close-on-exec) and every other
-/// descriptor of the node stay out of the workload: it holds exactly its three streams. On
-/// main at f918294 the workload held the live broker connection and could publish as the node.
+/// descriptor of the node stay out of the workload: it holds exactly its three streams (with the
+/// live broker connection it could publish as the node).
 #[test]
 fn g13_a_workload_holds_no_descriptor_of_the_node() {
     let (rig, node) =
@@ -38,7 +37,7 @@ fn g13_a_workload_holds_no_descriptor_of_the_node() {
 
 /// D46.2: a workload of the node's own uid cannot read the node's environment (its API key) nor
 /// list its descriptors through /proc. The node runs as an unprivileged uid here: root reads
-/// everything, so the attack is only meaningful without it. On main the workload read the key.
+/// everything, so the attack is only meaningful without it.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
@@ -89,8 +88,7 @@ fn chown_nobody(path: &std::path::Path) {
 
 /// D46.3: with `cloud_node.workload_user` the workload runs as that uid with that user's
 /// groups only, reads its own params file, and can neither list, read nor write the node's
-/// state dir (its identity, other records, its own record). On main the key was unknown and
-/// the workload ran as root.
+/// state dir (its identity, other records, its own record).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
@@ -198,17 +196,6 @@ fn proc_text(pid: i32, what: &str) -> String {
         .unwrap_or_default()
 }
 
-/// The parent of `pid`, from `/proc/<pid>/stat`.
-fn parent_of(pid: i32) -> i32 {
-    let stat = proc_text(pid, "stat");
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    after
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(0)
-}
-
 /// Descriptor number → what it points at.
 fn fds_of(pid: i32) -> Vec<(i32, String)> {
     let mut v: Vec<(i32, String)> = std::fs::read_dir(format!("/proc/{pid}/fd"))
@@ -284,7 +271,7 @@ fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment()
     let w = Start::training("fs1");
     assert_eq!(w.reply(cp, &node)["status"], "ok");
     let sup = supervisor_of(&setup.cwd, "fs1");
-    assert_eq!(parent_of(sup), node.pid(), "the node's child");
+    assert_eq!(procs::parent(sup), node.pid(), "the node's child");
     let cmdline = proc_text(sup, "cmdline");
     assert!(cmdline.contains(" __shim "), "{cmdline}");
     let cwd = std::fs::read_link(format!("/proc/{sup}/cwd")).unwrap();

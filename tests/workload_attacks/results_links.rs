@@ -143,9 +143,9 @@ fn run(cp: &ControlPlane, node: &NodeProcess, rid: &str) -> serde_json::Value {
 }
 
 /// D65: a workload plants a symlink named like the next request id in `results_folder`
-/// (pointing at a folder of root's); on main the node (root) made the next workload's results
-/// folder through it and chmod-ed the folder it points at to 0400. Now the folder is made with
-/// `mkdirat` from a descriptor: a name that exists is refused, never followed.
+/// (pointing at a folder of root's). The node (root) must not make the next workload's results
+/// folder through it, nor change the folder it points at: the folder is made with `mkdirat`
+/// from a descriptor, so a name that exists is refused, never followed.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
@@ -181,9 +181,9 @@ fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
 }
 
 /// D65, the race: a concurrent workload watches `results_folder` and swaps every new folder for
-/// a link to a folder of root's as soon as it appears (ids it cannot guess do not help). On main
-/// root then handed the link's target over about once in 7 starts; now every step after the
-/// `mkdirat` is on the folder's own descriptor.
+/// a link to a folder of root's as soon as it appears (ids it cannot guess do not help). Every
+/// step after the `mkdirat` is on the folder's own descriptor, so root never hands the link's
+/// target over (a path-based step would, about once in 7 starts).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside() {
@@ -238,9 +238,9 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
 }
 
 /// D65: a workload that can write the folder above `results_folder` replaces `results` with a
-/// link to a folder of root's; on main the node then made the next workload's results folder
-/// inside it, owned by the workload user. A link there that another user could have planted is
-/// not followed.
+/// link to a folder of root's. The node must not make the next workload's results folder inside
+/// it, owned by the workload user: a link there that another user could have planted is not
+/// followed.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
@@ -281,8 +281,8 @@ fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
 }
 
 /// D65: a folder already there under a request id's name (an operator's, root-only) is not
-/// handed over to the workload of that id, nor are its files uploaded or deleted as its results.
-/// On main the node chowned it to the workload user and uploaded and deleted what it held.
+/// handed over to the workload of that id (chowned to the workload user), nor are its files
+/// uploaded or deleted as its results.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
@@ -323,9 +323,9 @@ fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
 }
 
 /// D65 with one slot: a workload renames a root-only file of the operator's (one it cannot
-/// read, in a folder it can write) into `results_folder`. The rename made it look new (its
-/// status-change time), and on main the node uploaded it and deleted it. Now a result must be
-/// the workload user's own.
+/// read, in a folder it can write) into `results_folder`. The rename makes it look new (its
+/// status-change time), yet it is neither uploaded nor deleted: a result must be the workload
+/// user's own.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_nor_deleted() {
@@ -363,8 +363,8 @@ fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_
 
 /// D65 with one slot: a hard link to a root-only file put into `results_folder` while the
 /// workload runs (its own `ln` where `fs.protected_hardlinks=0`, the kernel's default; where
-/// the host forbids it, the test makes the link in its stead). On main the node uploaded the
-/// file and deleted the link. Now a result must have a single link.
+/// the host forbids it, the test makes the link in its stead). The file is neither uploaded nor
+/// the link deleted: a result must have a single link.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
@@ -411,8 +411,7 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
 
 /// D65: workloads under one pool run as distinct uids: one cannot read another's environment
 /// (its token and event token: so it cannot emit as it either) or params, nor plant a
-/// `usercustomize.py` in its HOME that runs inside it. On main a pool could not be named at all
-/// (the node refused `a,b` as one unknown user), and workloads of one user could do all this.
+/// `usercustomize.py` in its HOME that runs inside it (workloads of one user could do all this).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
@@ -531,8 +530,8 @@ fn g13_d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
 
 /// D65: with a workload user the state dir is opened to others (0711), so a `.env` or
 /// `credentials.json` there that group or others may read (the node's token) is refused at
-/// start (exit 2), naming the file and the `chmod` to run. On main the node started and left
-/// the token readable by the workload user and every local user.
+/// start (exit 2), naming the file and the `chmod` to run, rather than leave the token readable
+/// by the workload user and every local user.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_user() {

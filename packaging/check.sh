@@ -44,10 +44,10 @@ fi
 
 # The static binary passes the end-to-end workload and TLS tests (no SSL_CERT_FILE help).
 env -u SSL_CERT_FILE -u SSL_CERT_DIR CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
-  cargo test --test main -- workloads::completions_carry_the_real_exit_code wire::tls_connects_with_the_right_ca_and_refuses_otherwise logs::g4_every_line_is_streamed_once_in_order_and_mirrored
+  cargo test --test main -- completions::completions_carry_the_real_exit_code connection::tls_connects_with_the_right_ca_and_refuses_otherwise logs::g4_every_line_is_streamed_once_in_order_and_mirrored
 # The OCI image (README "Running in a container"): built from the static binary, read back by
 # umoci, its entrypoint and volume as documented, no shell in it; then the node runs from its root
-# filesystem as PID 1 of a new PID and mount namespace (tests/container.rs, with a static busybox
+# filesystem as PID 1 of a new PID and mount namespace (tests/containers.rs, with a static busybox
 # added there as the workload's shell) and reports its workload on SIGTERM.
 ./packaging/build-image.sh "$PWD/target/static/cyberwave-cloud-node"
 umoci stat --image "target/image/oci:$version" >/dev/null || fail "umoci stat"
@@ -97,7 +97,7 @@ chroot "$rootfs" /bin/busybox --install -s /bin
 mknod -m 0666 "$rootfs/dev/null" c 1 3
 mknod -m 0444 "$rootfs/dev/urandom" c 1 9
 CYBERWAVE_TEST_IMAGE_ROOTFS="$rootfs" CYBERWAVE_NODE_BIN="$PWD/target/static/cyberwave-cloud-node" \
-  cargo test --test main -- --ignored container::d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop
+  cargo test --test main -- --ignored containers::d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop
 
 # Debian's own package checker: nothing to say about any of the three packages (overrides, each
 # with its reason, are in packaging/deb/lintian-overrides).

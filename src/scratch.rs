@@ -1,42 +1,49 @@
-//! Unit tests' scratch folders: `/tmp/cw-<tag>-<pid>`, made empty when taken and removed when
-//! the test that took it ends (a failing test's stays, to be looked at).
+//! Unit tests' scratch folders (`tempfile`): `/tmp/cw-<tag>-XXXXXX`, new and empty when taken,
+//! removed when the test that took it ends (a failing test's stays, to be looked at).
 
 use std::ops::Deref;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-pub struct Scratch(PathBuf);
+pub struct Scratch {
+    dir: tempfile::TempDir,
+    path: PathBuf,
+}
 
 impl Scratch {
     pub fn new(tag: &str) -> Scratch {
-        let d = std::env::temp_dir().join(format!("cw-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
+        // Searchable by other users, as a folder made with the default umask is: some tests
+        // hand a part of it to another uid.
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("cw-{tag}-"))
+            .permissions(std::fs::Permissions::from_mode(0o755))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().to_path_buf();
+        Scratch { dir, path }
     }
 
     pub fn path(&self) -> &Path {
-        &self.0
+        &self.path
     }
 }
 
 impl Deref for Scratch {
     type Target = PathBuf;
     fn deref(&self) -> &PathBuf {
-        &self.0
+        &self.path
     }
 }
 
 impl AsRef<Path> for Scratch {
     fn as_ref(&self) -> &Path {
-        &self.0
+        &self.path
     }
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+        self.dir.disable_cleanup(std::thread::panicking());
     }
 }
 

@@ -1,5 +1,5 @@
-//! Brokers other than mosquitto (issue 22): a scripted broker (`support::mqtt5::ScriptedBroker`)
-//! does what real ones do — refuse subscriptions in SUBACK, answer as a v3-only broker, hold the
+//! Brokers other than mosquitto: a scripted broker (`support::mqtt5::ScriptedBroker`) does what
+//! real ones do — refuse subscriptions in SUBACK, answer as a v3-only broker, hold the
 //! CONNACK, drop the connection after a publish over a limit it never announced — and the node
 //! neither crashes nor storms, and says what happened in the broker's own terms.
 
@@ -11,15 +11,35 @@ use crate::support::timeouts::{EXIT, READY, REPLY};
 use crate::support::{wait_for, NodeProcess};
 
 fn setup_on(broker: &ScriptedBroker) -> NodeSetup {
-    let mut s = NodeSetup::bare();
-    s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
-    s.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
-    s.arg("--standalone");
-    s
+    NodeSetup::standalone(broker.port)
 }
 
 fn node_on(broker: &ScriptedBroker) -> NodeProcess {
     setup_on(broker).spawn()
+}
+
+/// A publish holding `needle` goes out and is not acknowledged; the broker then acknowledges
+/// again and drops the connection: the publish goes out again on the next one.
+fn assert_sent_again_on_the_next_connection(
+    broker: &ScriptedBroker,
+    node: &NodeProcess,
+    needle: &str,
+) {
+    let sent = |n: usize| {
+        wait_for(REPLY, || {
+            (broker.publishes_containing(needle) >= n).then_some(())
+        })
+        .is_some()
+    };
+    assert!(sent(1), "{}", node.log());
+    broker.set(|s| s.withhold_puback = false);
+    broker.kick();
+    assert!(
+        sent(2),
+        "{needle} was not sent again: {} connects\n{}",
+        broker.connects().len(),
+        node.log()
+    );
 }
 
 /// A start command for a workload of the node's manifest, published by the broker itself.
@@ -52,14 +72,7 @@ fn g14_no_reconnect_asks_for_a_clean_session_while_qos1_messages_are_in_flight()
     });
     let setup = setup_on(&broker);
     // Install logs: shipped (QoS 1) as soon as the node is registered.
-    let dir = setup.config_dir();
-    std::fs::create_dir_all(dir.join("install_logs")).unwrap();
-    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-    std::fs::write(
-        dir.join("install_logs/install.stdout.log"),
-        "pip install ok\n",
-    )
-    .unwrap();
+    setup.plant("install_logs/install.stdout.log", "pip install ok\n");
     let node = setup.spawn();
     node.wait_ready(READY);
     let sent = wait_for(REPLY, || {
@@ -145,7 +158,7 @@ fn g14_d50_refused_command_subscriptions_are_an_error_and_never_node_ready() {
         });
         let node = node_on(&broker);
         let shown = format!("{code:#04x}");
-        assert!(node.wait_log(&shown, REPLY), "{}", node.log());
+        node.assert_logged(&shown);
         std::thread::sleep(Duration::from_millis(500));
         let log = node.log();
         let line = log
@@ -213,13 +226,8 @@ fn g14_connect_errors_say_what_the_broker_said() {
         assert!(!log.contains("node ready"), "{log}");
     }
     // Nothing listens.
-    let port = crate::support::free_port();
-    let mut setup = NodeSetup::bare();
-    setup.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
-    setup.set("CYBERWAVE_MQTT_PORT", &port.to_string());
-    setup.arg("--standalone");
-    let node = setup.spawn();
-    assert!(node.wait_log("connection refused", REPLY), "{}", node.log());
+    let node = NodeSetup::standalone(crate::support::free_port()).spawn();
+    node.assert_logged("connection refused");
 }
 
 /// The node's stdout mirrors workload output: nothing of Paho's goes there.
@@ -233,7 +241,7 @@ fn g14_nothing_of_paho_reaches_the_nodes_stdout() {
     node.wait_ready(READY);
     // C's stdout reaches a pipe when it is flushed: at the latest at exit.
     node.sigterm();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
+    node.assert_exit(0, EXIT);
     let out = node.stdout();
     assert!(
         !out.contains("checking") && !out.contains("tcp://") && !out.contains("Connection lost"),
@@ -248,12 +256,8 @@ fn g14_nothing_of_paho_reaches_the_nodes_stdout() {
 fn g14_connack_maximum_qos_and_receive_maximum_are_honoured() {
     let setup_with_install = |broker: &ScriptedBroker| {
         let setup = setup_on(broker);
-        let dir = setup.config_dir();
-        std::fs::create_dir_all(dir.join("install_logs")).unwrap();
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .unwrap();
-        std::fs::write(dir.join("install_logs/install.stdout.log"), "out\n").unwrap();
-        std::fs::write(dir.join("install_logs/install.stderr.log"), "err\n").unwrap();
+        setup.plant("install_logs/install.stdout.log", "out\n");
+        setup.plant("install_logs/install.stderr.log", "err\n");
         setup
     };
     // Maximum QoS (0x24) = 0.
@@ -296,7 +300,7 @@ fn g14_a_standalone_node_does_not_warn_of_unacknowledged_statuses() {
     setup.set("CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS", "0.5");
     setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     let node = setup.spawn();
-    assert!(node.wait_log("finished: success", REPLY), "{}", node.log());
+    node.assert_logged("finished: success");
     std::thread::sleep(Duration::from_millis(1500));
     let log = node.log();
     assert!(
@@ -323,21 +327,7 @@ fn g14_a_reply_in_flight_when_the_connection_drops_is_sent_again_on_the_next() {
         ..Script::default()
     });
     let node = node_on(&broker);
-    let replied = wait_for(REPLY, || {
-        (broker.publishes_containing("sb-resend") >= 1).then_some(())
-    });
-    assert!(replied.is_some(), "{}", node.log());
-    broker.set(|s| s.withhold_puback = false);
-    broker.kick();
-    let again = wait_for(REPLY, || {
-        (broker.publishes_containing("sb-resend") >= 2).then_some(())
-    });
-    assert!(
-        again.is_some(),
-        "the unacknowledged reply was not sent again: {} connects\n{}",
-        broker.connects().len(),
-        node.log()
-    );
+    assert_sent_again_on_the_next_connection(&broker, &node, "sb-resend");
 }
 
 /// A standalone node has no backend to acknowledge its workload statuses, so nothing else
@@ -353,20 +343,7 @@ fn g14_a_standalone_completion_in_flight_when_the_connection_drops_is_sent_again
     let setup = setup_on(&broker);
     setup.write("cyberwave.yml", "cyberwave:\n  inference: echo hi\n");
     let node = setup.spawn();
-    let done = wait_for(REPLY, || {
-        (broker.publishes_containing("completed") >= 1).then_some(())
-    });
-    assert!(done.is_some(), "{}", node.log());
-    broker.set(|s| s.withhold_puback = false);
-    broker.kick();
-    let again = wait_for(REPLY, || {
-        (broker.publishes_containing("completed") >= 2).then_some(())
-    });
-    assert!(
-        again.is_some(),
-        "the completion was not sent again:\n{}",
-        node.log()
-    );
+    assert_sent_again_on_the_next_connection(&broker, &node, "completed");
 }
 
 // ---- a second real broker: rumqttd 0.20 ------------------------------------------------------
@@ -376,52 +353,42 @@ mod rumqttd {
 
     use serde_json::json;
 
-    use crate::support::node::{NodeSetup, TOKEN};
     use crate::support::rumqttd::Rumqttd;
     use crate::support::timeouts::{EXIT, RECONNECT};
-    use crate::support::ControlPlane;
-
-    fn node_setup(broker: &Rumqttd, cp: &ControlPlane) -> NodeSetup {
-        let mut s = NodeSetup::bare();
-        s.set("CYBERWAVE_BASE_URL", &cp.http_url);
-        s.set("CYBERWAVE_API_KEY", TOKEN);
-        s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
-        s.set("CYBERWAVE_MQTT_PORT", &broker.port.to_string());
-        s
-    }
+    use crate::support::Scenario;
 
     /// Connect, registration, `status`, a workload printing 64 KiB lines to its completion
     /// (rumqttd drops a client that publishes more than its `max_payload_size`, which it never
     /// announces), and a broker restart: the node neither crashes nor storms.
     #[test]
     fn g14_rumqttd_serves_a_node_through_a_64k_line_flood_and_a_restart() {
-        let mut broker = Rumqttd::start(100 * 1024);
-        let cp = ControlPlane::start(broker.port, "");
-        let setup = node_setup(&broker, &cp);
-        setup.write(
-            "cyberwave.yml",
+        let mut rig = Scenario::new(
             "cyberwave:\n  training: |\n    for i in $(seq 40); do head -c 65536 /dev/zero | tr '\\0' z; echo; done\n    echo flood-done\n",
-        );
-        let mut node = setup.spawn();
+        )
+        .broker(Rumqttd::start(100 * 1024))
+        .rig();
+        let mut node = rig.spawn();
         node.wait_ready(RECONNECT);
         let uuid = node.uuid();
         assert!(
-            cp.status(&uuid, "rq-1", RECONNECT).is_some(),
+            rig.cp.status(&uuid, "rq-1", RECONNECT).is_some(),
             "{}",
             node.log()
         );
-        cp.command(
+        rig.cp.command(
             &uuid,
             json!({"command": "training", "request_id": "rq-2", "params": {"workload_uuid": "wl-rq"}}),
         );
         assert!(
-            cp.wait_status("wl-rq", "completed", Duration::from_secs(60))
+            rig.cp
+                .wait_status("wl-rq", "completed", Duration::from_secs(60))
                 .is_some(),
             "{}\n{}",
             node.log(),
-            broker.log()
+            rig.broker.log()
         );
-        let logs: String = cp
+        let logs: String = rig
+            .cp
             .requests("logs")
             .iter()
             .filter(|r| r.body["workload_uuid"] == json!("wl-rq"))
@@ -432,12 +399,8 @@ mod rumqttd {
         assert!(losses <= 10, "{losses} connection losses:\n{}", node.log());
         // A broker restart (its sessions gone): back, and serving. A command published before
         // the node resubscribed is lost with the broker's session: ask until one is answered.
-        broker.restart();
-        let mut n = 0;
-        let answered = crate::support::wait_for(RECONNECT, || {
-            n += 1;
-            cp.status(&uuid, &format!("rq-3-{n}"), Duration::from_secs(2))
-        });
+        rig.broker.restart();
+        let answered = rig.cp.status_eventually(&uuid, "rq-3", RECONNECT);
         assert!(answered.is_some(), "{}", node.log());
         node.sigterm();
         assert!(node.wait_exit(EXIT).is_some());

@@ -1,11 +1,12 @@
-//! The command line, `validate`, `config` and configuration errors, end to end.
+//! The command line, `validate`, `config` and configuration errors, end to end; seconds at the
+//! edge of every range in the environment are a usage error, never a panic.
+
+use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::node::NodeSetup;
-use crate::support::timeouts::{EXIT, READY};
-use crate::support::{Broker, ControlPlane};
-use std::time::Duration;
+use crate::support::node::{NodeSetup, TOKEN};
+use crate::support::timeouts::EXIT;
 
 fn config_json(setup: &NodeSetup, extra: &[&str]) -> Value {
     let mut args = vec!["config", "--json"];
@@ -200,8 +201,8 @@ fn passwd_home(uid: u32) -> Option<String> {
 
 #[test]
 fn without_home_the_config_dir_is_the_passwd_home_as_under_a_unit_without_user() {
-    // D42: `cyberwave compute install` writes a unit without `User=`: systemd sets no HOME, and
-    // the node used to exit 2 every 5 s for ever.
+    // D42: `cyberwave compute install` writes a unit without `User=`: systemd sets no HOME,
+    // and a node that needed one would exit 2 every 5 s for ever.
     let mut s = NodeSetup::bare();
     s.unset("HOME").unset("CYBERWAVE_EDGE_CONFIG_DIR");
     // SAFETY: geteuid cannot fail.
@@ -390,69 +391,6 @@ fn config_precedence_end_to_end() {
 }
 
 #[test]
-fn node_starts_connects_and_exits_0_on_sigterm() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut node = NodeSetup::new(&broker, &cp).spawn();
-    node.wait_ready(READY);
-    assert!(
-        node.log().contains("connected to MQTT broker"),
-        "{}",
-        node.log()
-    );
-    node.sigterm();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(0)), "{}", node.log());
-}
-
-#[test]
-fn g7_install_service_user_writes_the_unit_and_a_private_env_file() {
-    let mut s = NodeSetup::bare();
-    let xdg = s.home.join("xdg");
-    s.set("XDG_CONFIG_HOME", &xdg.display().to_string());
-    s.set("CYBERWAVE_API_KEY", "cw_never_in_the_unit_1234");
-    let out = s.run(&["install-service", "--user"]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    let unit = std::fs::read_to_string(xdg.join("systemd/user/cyberwave-cloud-node.service"))
-        .expect("unit written");
-    assert!(unit.contains("\nKillMode=process\n"), "{unit}");
-    assert!(unit.contains("\nType=notify\n"));
-    assert!(
-        unit.contains(&format!(
-            "EnvironmentFile=-{}",
-            xdg.join("cyberwave/cloud-node.env").display()
-        )),
-        "{unit}"
-    );
-    assert!(unit.contains("WantedBy=default.target"));
-    assert!(
-        !unit.contains("User=cyberwave"),
-        "a user unit runs as its user"
-    );
-    assert!(
-        !unit.contains("cw_never_in_the_unit_1234"),
-        "the API key is never in the unit"
-    );
-    let env = xdg.join("cyberwave/cloud-node.env");
-    let mode = std::os::unix::fs::PermissionsExt::mode(
-        &std::fs::metadata(&env).expect("env file").permissions(),
-    ) & 0o777;
-    assert_eq!(mode, 0o600);
-    assert!(out.stdout.contains("loginctl enable-linger"), "{out:?}");
-    // Installing again keeps the operator's env file; uninstall removes only the unit.
-    std::fs::write(&env, "CYBERWAVE_API_KEY=cw_mine\n").expect("edit");
-    assert_eq!(s.run(&["install-service", "--user"]).code, Some(0));
-    assert_eq!(
-        std::fs::read_to_string(&env).unwrap_or_default(),
-        "CYBERWAVE_API_KEY=cw_mine\n"
-    );
-    assert_eq!(s.run(&["uninstall-service", "--user"]).code, Some(0));
-    assert!(!xdg
-        .join("systemd/user/cyberwave-cloud-node.service")
-        .exists());
-    assert!(env.exists());
-}
-
-#[test]
 fn the_manifest_path_can_come_from_the_environment() {
     let mut s = NodeSetup::bare();
     let m = s
@@ -467,4 +405,36 @@ fn the_manifest_path_can_come_from_the_environment() {
         .as_str()
         .unwrap_or_default()
         .ends_with("repo"));
+}
+
+#[test]
+fn g8_huge_seconds_in_the_environment_are_no_panic() {
+    let mut base = NodeSetup::bare();
+    base.set("CYBERWAVE_API_KEY", TOKEN);
+    base.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+    for var in [
+        "CYBERWAVE_HEARTBEAT_INTERVAL",
+        "CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL",
+        "CYBERWAVE_NODE_REQUEST_TIMEOUT_SECONDS",
+        "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
+    ] {
+        for v in ["1e300", "1e19", "18446744073709551616"] {
+            let mut s = NodeSetup {
+                home: base.home.clone(),
+                env: base.env.clone(),
+                args: base.args.clone(),
+                cwd: base.cwd.clone(),
+                uid: None,
+                under: Vec::new(),
+                bin: None,
+            };
+            s.set(var, v);
+            let out = s.run(&["config", "--json"]);
+            assert!(!out.stderr.contains("panicked"), "{var}={v}: {out:?}");
+            assert!(
+                out.code == Some(0) || out.code == Some(2),
+                "{var}={v}: accepted or a usage error, nothing else: {out:?}"
+            );
+        }
+    }
 }

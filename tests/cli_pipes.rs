@@ -2,10 +2,9 @@
 //! never a panic with a backtrace.
 
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use crate::support::node::{NodeSetup, TOKEN};
-use crate::support::node_bin;
 
 /// A pipe whose read end is already closed: every write to the returned end fails with EPIPE,
 /// whatever the size of the output and however fast the command is.
@@ -20,12 +19,8 @@ fn closed_pipe() -> OwnedFd {
 }
 
 fn run_into_closed_pipe(setup: &NodeSetup, args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(node_bin())
-        .args(args)
-        .env_clear()
-        .envs(&setup.env)
-        .current_dir(&setup.cwd)
-        .stdin(Stdio::null())
+    let out = setup
+        .command(args)
         .stdout(Stdio::from(closed_pipe()))
         .stderr(Stdio::piped())
         .output()

@@ -5,24 +5,17 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use crate::support::node::NodeSetup;
-use crate::support::node_bin;
 
 /// Runs the CLI with SIGINT and SIGTERM blocked and SIGINT ignored, as its parent left them.
 fn spawn_hostile_parent(setup: &NodeSetup, args: &[&str]) -> Child {
-    let mut cmd = Command::new(node_bin());
-    cmd.args(args)
-        .env_clear()
-        .envs(&setup.env)
-        .current_dir(&setup.cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = setup.command(args);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     // SAFETY: sigprocmask and signal are async-signal-safe; nothing is allocated.
     unsafe {
         cmd.pre_exec(|| {

@@ -15,9 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use crate::guarantees::{file_of, root, sources, test_fns};
 
 const DECISIONS: &str = "docs/decisions.md";
 const PROTOCOL: &str = "docs/protocol.md";
@@ -124,57 +122,8 @@ fn decisions() -> (BTreeMap<u32, Decision>, Vec<String>) {
     (out, problems)
 }
 
-/// Every `.rs` file below `dir`.
-fn sources(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
-        let p = entry.path();
-        if p.is_dir() {
-            out.extend(sources(&p));
-        } else if p.extension().is_some_and(|e| e == "rs") {
-            out.push(p);
-        }
-    }
-    out.sort();
-    out
-}
-
-/// The names of the `#[test]` functions in this source text.
-fn test_fns(text: &str) -> Vec<String> {
-    let lines: Vec<&str> = text.lines().map(str::trim).collect();
-    let mut out = Vec::new();
-    for (i, l) in lines.iter().enumerate() {
-        if *l != "#[test]" {
-            continue;
-        }
-        let name = lines[i + 1..]
-            .iter()
-            .find(|l| !l.starts_with("#["))
-            .and_then(|l| l.strip_prefix("fn "))
-            .and_then(|l| l.split('(').next());
-        if let Some(name) = name {
-            out.push(name.to_string());
-        }
-    }
-    out
-}
-
 fn tests_in(file: &Path) -> Vec<String> {
     test_fns(&std::fs::read_to_string(file).unwrap_or_default())
-}
-
-/// The source file an end-to-end test path lives in: `tests/a.rs` for `a::name`,
-/// `tests/a/b.rs` for `a::b::name`, or `tests/a.rs` holding an inline `mod b`.
-fn file_of(path: &str) -> Option<PathBuf> {
-    let segs: Vec<&str> = path.split("::").collect();
-    let mods = &segs[..segs.len() - 1];
-    (1..=mods.len()).rev().find_map(|k| {
-        let p = root()
-            .join("tests")
-            .join(mods[..k].join("/"))
-            .with_extension("rs");
-        p.is_file().then_some(p)
-    })
 }
 
 fn rel(p: &Path) -> String {
@@ -347,14 +296,18 @@ fn d72_every_decision_number_used_in_the_repository_has_its_heading() {
             }
         }
     }
+    assert_none_used(&problems, |id| {
+        format!("D{id} is used but has no `### D{id}` heading in {DECISIONS} (define it there, or use a defined number)")
+    });
+}
+
+/// Fails with one line per undefined id: what to do about it, then where it is used.
+fn assert_none_used<K>(problems: &BTreeMap<K, BTreeSet<At>>, what: impl Fn(&K) -> String) {
     let lines: Vec<String> = problems
         .iter()
         .map(|(id, at)| {
             let at: Vec<String> = at.iter().map(ToString::to_string).collect();
-            format!(
-                "D{id} is used but has no `### D{id}` heading in {DECISIONS} (define it there, or use a defined number): {}",
-                at.join(", ")
-            )
+            format!("{}: {}", what(id), at.join(", "))
         })
         .collect();
     assert!(lines.is_empty(), "{}", lines.join("\n"));
@@ -386,17 +339,9 @@ fn d72_every_protocol_id_used_in_the_repository_is_defined_in_docs_protocol_md()
             }
         }
     }
-    let lines: Vec<String> = problems
-        .iter()
-        .map(|((c, n), at)| {
-            let at: Vec<String> = at.iter().map(ToString::to_string).collect();
-            format!(
-                "{c}{n} is used but not defined in {PROTOCOL} (add `### {c}{n} — name` there, or name the exchange in words): {}",
-                at.join(", ")
-            )
-        })
-        .collect();
-    assert!(lines.is_empty(), "{}", lines.join("\n"));
+    assert_none_used(&problems, |(c, n)| {
+        format!("{c}{n} is used but not defined in {PROTOCOL} (add `### {c}{n} — name` there, or name the exchange in words)")
+    });
 }
 
 /// What on `line` of `file` refers to something outside the repository, if anything.

@@ -6,7 +6,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
+/// The repository's root (also for `decisions.rs`).
+pub(crate) fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
@@ -39,8 +40,8 @@ fn index() -> (BTreeMap<String, Vec<u32>>, BTreeSet<String>) {
     (e2e, other)
 }
 
-/// Every `.rs` file below `dir`.
-fn sources(dir: &Path) -> Vec<PathBuf> {
+/// Every `.rs` file below `dir`, in order.
+pub(crate) fn sources(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
         let p = entry.path();
@@ -50,11 +51,12 @@ fn sources(dir: &Path) -> Vec<PathBuf> {
             out.push(p);
         }
     }
+    out.sort();
     out
 }
 
 /// The names of the `#[test]` functions in this source text.
-fn test_fns(text: &str) -> Vec<String> {
+pub(crate) fn test_fns(text: &str) -> Vec<String> {
     let lines: Vec<&str> = text.lines().map(str::trim).collect();
     let mut out = Vec::new();
     for (i, l) in lines.iter().enumerate() {
@@ -75,7 +77,7 @@ fn test_fns(text: &str) -> Vec<String> {
 
 /// The source file an end-to-end test path lives in: `tests/a.rs` for `a::name`,
 /// `tests/a/b.rs` for `a::b::name`, or `tests/a.rs` holding an inline `mod b`.
-fn file_of(path: &str) -> Option<PathBuf> {
+pub(crate) fn file_of(path: &str) -> Option<PathBuf> {
     let segs: Vec<&str> = path.split("::").collect();
     let mods = &segs[..segs.len() - 1];
     (1..=mods.len()).rev().find_map(|k| {

@@ -1,11 +1,12 @@
-//! Installed and run the ways users do (issue 24): started as the platform's CLI starts it
-//! (D43), under the unit `cyberwave compute install` writes (D42, D44).
+//! Installed and run the ways users do: started as the platform's CLI starts it (D43), under the
+//! unit `cyberwave compute install` writes (D42, D44), and `install-service` (the node's own
+//! unit and its private environment file).
 
 use std::time::Duration;
 
 use crate::support::node::NodeSetup;
-use crate::support::node_bin;
 use crate::support::timeouts::EXIT;
+use crate::support::{node_bin, NodeProcess, Rig, Scenario};
 
 /// A process's command line, its arguments split.
 fn cmdline(pid: i32) -> Vec<String> {
@@ -29,6 +30,18 @@ fn offline() -> NodeSetup {
     s
 }
 
+/// The node `s` starts, once it is starting, and its command line then.
+fn started(s: &NodeSetup) -> (NodeProcess, Vec<String>) {
+    let node = s.spawn();
+    assert!(
+        node.wait_log("starting: state dir", Duration::from_secs(10)),
+        "{}",
+        node.log()
+    );
+    let argv = cmdline(node.pid());
+    (node, argv)
+}
+
 #[test]
 fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     // D43: `cyberwave compute start` runs `<bin> [--config X]`; its `stop` and `restart` look
@@ -36,13 +49,7 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     let bin = node_bin().display().to_string();
     let mut s = offline();
     s.args = vec!["--slug".into(), "reexec-node".into()];
-    let mut node = s.spawn();
-    assert!(
-        node.wait_log("starting: state dir", Duration::from_secs(10)),
-        "{}",
-        node.log()
-    );
-    let argv = cmdline(node.pid());
+    let (mut node, argv) = started(&s);
     let pgrep = std::process::Command::new("pgrep")
         .args(["-f", "cyberwave-cloud-node start"])
         .output()
@@ -60,13 +67,7 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
     let mut s = offline();
     s.args = vec![];
     s.set("CYBERWAVE_NODE_REEXECUTED", "1");
-    let mut node = s.spawn();
-    assert!(
-        node.wait_log("starting: state dir", Duration::from_secs(10)),
-        "{}",
-        node.log()
-    );
-    let argv = cmdline(node.pid());
+    let (mut node, argv) = started(&s);
     node.kill9();
     assert_eq!(argv, [bin.as_str()]);
     // --help and --version answer as before, without a re-exec.
@@ -77,8 +78,8 @@ fn without_a_subcommand_the_node_becomes_start_in_the_same_process_once() {
 
 #[test]
 fn started_as_compute_restart_starts_it_the_node_waits_for_the_stopping_one_instead_of_dying() {
-    // `cyberwave compute restart` sends SIGTERM and starts the new node at once: the new one
-    // used to die on the state-dir lock of the old one, which was still saying goodbye.
+    // `cyberwave compute restart` sends SIGTERM and starts the new node at once, while the old
+    // one still holds the state-dir lock as it says goodbye: the new one waits for it.
     let mut s = offline();
     let mut old = s.spawn();
     assert!(
@@ -114,13 +115,14 @@ fn started_as_compute_restart_starts_it_the_node_waits_for_the_stopping_one_inst
 }
 
 /// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes when it masks the
-/// packaged one: `Type=simple`, root, no environment file (ecosystem.md §4.1).
+/// packaged one: `Type=simple`, root, no environment file (as the platform documents it).
 pub const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=network-online.target\nWants=network-online.target\n\n[Service]\nType=simple\nExecStart=/usr/bin/cyberwave-cloud-node start\nRestart=on-failure\nRestartSec=5\nStandardOutput=journal\nStandardError=journal\nSyslogIdentifier=cyberwave-cloud-node\n\n[Install]\nWantedBy=multi-user.target\n";
 
 #[test]
 fn doctor_warns_that_the_cli_unit_masks_the_packaged_one_and_says_how_to_go_back() {
     // D44. The unit dirs of a test host: /etc's beside the package's /lib.
-    let (_broker, _cp, mut setup) = crate::support::rig("cyberwave:\n  training: sleep 1\n");
+    let mut rig = Scenario::new("cyberwave:\n  training: sleep 1\n").rig();
+    let Rig { setup, .. } = &mut rig;
     let units = crate::support::TempDir::new("units");
     let packaged = std::process::Command::new(node_bin())
         .arg("__print-unit")
@@ -282,7 +284,8 @@ type Env = std::collections::BTreeMap<String, String>;
 fn the_platform_cli_starts_shows_restarts_and_stops_the_node_and_its_unit_runs_without_home() {
     crate::support::assert_root("for a private PID namespace");
     let Some(venv) = cli_venv() else { return };
-    let (_broker, cp, setup) = crate::support::rig("cyberwave:\n  training: sleep 1\n");
+    let rig = Scenario::new("cyberwave:\n  training: sleep 1\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let manifest = setup.cwd.join("cyberwave.yml");
     // The CLI finds the node on PATH (it prefers /usr/bin/cyberwave-cloud-node, absent here).
     let bin = crate::support::TempDir::new("bin");
@@ -536,4 +539,52 @@ fn unit_runs_without_home(ns: &Namespace, env: &Env, base_url: &str, unit: &str)
         root_home.join(".cyberwave/instance_identity.json").exists(),
         "{log}"
     );
+}
+
+#[test]
+fn g7_install_service_user_writes_the_unit_and_a_private_env_file() {
+    let mut s = NodeSetup::bare();
+    let xdg = s.home.join("xdg");
+    s.set("XDG_CONFIG_HOME", &xdg.display().to_string());
+    s.set("CYBERWAVE_API_KEY", "cw_never_in_the_unit_1234");
+    let out = s.run(&["install-service", "--user"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let unit = std::fs::read_to_string(xdg.join("systemd/user/cyberwave-cloud-node.service"))
+        .expect("unit written");
+    assert!(unit.contains("\nKillMode=process\n"), "{unit}");
+    assert!(unit.contains("\nType=notify\n"));
+    assert!(
+        unit.contains(&format!(
+            "EnvironmentFile=-{}",
+            xdg.join("cyberwave/cloud-node.env").display()
+        )),
+        "{unit}"
+    );
+    assert!(unit.contains("WantedBy=default.target"));
+    assert!(
+        !unit.contains("User=cyberwave"),
+        "a user unit runs as its user"
+    );
+    assert!(
+        !unit.contains("cw_never_in_the_unit_1234"),
+        "the API key is never in the unit"
+    );
+    let env = xdg.join("cyberwave/cloud-node.env");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&env).expect("env file").permissions(),
+    ) & 0o777;
+    assert_eq!(mode, 0o600);
+    assert!(out.stdout.contains("loginctl enable-linger"), "{out:?}");
+    // Installing again keeps the operator's env file; uninstall removes only the unit.
+    std::fs::write(&env, "CYBERWAVE_API_KEY=cw_mine\n").expect("edit");
+    assert_eq!(s.run(&["install-service", "--user"]).code, Some(0));
+    assert_eq!(
+        std::fs::read_to_string(&env).unwrap_or_default(),
+        "CYBERWAVE_API_KEY=cw_mine\n"
+    );
+    assert_eq!(s.run(&["uninstall-service", "--user"]).code, Some(0));
+    assert!(!xdg
+        .join("systemd/user/cyberwave-cloud-node.service")
+        .exists());
+    assert!(env.exists());
 }

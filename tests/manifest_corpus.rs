@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use crate::support::node::NodeSetup;
 use crate::support::timeouts::{EXIT, READY};
+use crate::support::{Rig, Scenario};
 
 /// Where the node deliberately differs from the platform, with the reason (README: "Where the
 /// node differs"). `(file, mode)`: mode is "strict", "lenient" or "both".
@@ -238,7 +239,8 @@ fn platform_refusals_the_node_can_live_with_say_start_still_runs() {
 fn start_runs_the_python_originals_example_manifest() {
     let text = std::fs::read_to_string(corpus_dir().join("25-python-original-example.yml"))
         .expect("corpus file");
-    let (_broker, _cp, setup) = crate::support::rig(&text);
+    let rig = Scenario::new(&text).rig();
+    let Rig { setup, .. } = &rig;
     let install = setup.write("install.sh", "#!/bin/sh\nexit 0\n");
     std::fs::set_permissions(
         &install,
@@ -304,12 +306,7 @@ fn merged_values_are_used_and_config_shows_where_each_value_came_from() {
         assert!(s("profile_slug").ends_with("(cyberwave:)"), "{cfg}");
     }
     let out = setup.run(&["config"]);
-    assert!(
-        out.stdout
-            .contains("max_concurrent_workloads: ignored: `cloud_node:` sets it too"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("max_concurrent_workloads: ignored: `cloud_node:` sets it too");
 }
 
 /// What `validate` says about `start` is true: on every corpus file, `config` (which resolves

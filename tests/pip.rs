@@ -8,37 +8,16 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::support::node::NodeSetup;
 use crate::support::timeouts::{EXIT, READY};
-use crate::support::{node_bin, rig};
+use crate::support::{node_bin, Rig, Scenario, TempDir};
 
 /// One wheel and one virtualenv for the whole test run (building and installing take seconds).
-/// The wheel's build folder: the static below is never dropped, so it lives under cargo's
-/// own scratch folder (`target/tmp`), one per test process, and those of test processes that
-/// have ended are removed here.
-fn build_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    if let Ok(rd) = std::fs::read_dir(root) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let ended = name
-                .strip_prefix("pip-")
-                .and_then(|pid| pid.parse::<u32>().ok())
-                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
-            if ended {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    let dir = root.join(format!("pip-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create the wheel's build folder");
-    dir
-}
-
-fn venv() -> &'static (PathBuf, PathBuf) {
-    static VENV: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+/// The wheel is built in a scratch folder that goes once it is installed.
+fn venv() -> &'static PathBuf {
+    static VENV: OnceLock<PathBuf> = OnceLock::new();
     VENV.get_or_init(|| {
-        let dir = build_dir();
+        let dir = TempDir::new("wheel");
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let wheels = dir.join("wheels");
         // The binary under test without its debug sections (a debug build is ~60 MB of them):
@@ -112,13 +91,13 @@ fn venv() -> &'static (PathBuf, PathBuf) {
             .unwrap();
         assert!(pip.status.success(), "pip install: {pip:?}");
         drop(lock);
-        (dir, env)
+        env
     })
 }
 
 #[test]
 fn pip_install_puts_the_binary_on_path_and_python_m_runs_it() {
-    let (_, env) = venv();
+    let env = venv();
     let v = Command::new(env.join("bin/cyberwave-cloud-node"))
         .arg("--version")
         .output()
@@ -158,8 +137,9 @@ fn pip_install_puts_the_binary_on_path_and_python_m_runs_it() {
 /// its exit code.
 #[test]
 fn the_python_api_runs_the_node_and_forwards_sigterm() {
-    let (_, env) = venv();
-    let (_b, _cp, mut setup) = rig("");
+    let env = venv();
+    let mut rig = Scenario::new("").rig();
+    let Rig { setup, .. } = &mut rig;
     let script = setup.write(
         "run_node.py",
         "import sys\nfrom cyberwave_cloud_node import CloudNode, CloudNodeConfig\nconfig = CloudNodeConfig(training='echo from-python {body}', heartbeat_interval=30)\ncode = CloudNode(config=config, slug='py-node', args=['--standalone']).run()\nprint('run returned', code, flush=True)\nsys.exit(code)\n",
@@ -211,52 +191,41 @@ fn d70_the_readmes_python_examples_exit_with_the_nodes_code() {
     for code in &examples {
         assert!(code.contains("sys.exit("), "{code}");
     }
-    let (_, env) = venv();
-    let (_b, _cp, mut setup) = rig("cyberwave:\n  inference: exec sleep 60\n");
+    let env = venv();
+    let mut rig = Scenario::new("cyberwave:\n  inference: exec sleep 60\n").rig();
+    let Rig { setup, .. } = &mut rig;
     let main = setup.write("readme_example.py", &examples[0]);
     let standalone = setup.write("readme_standalone.py", &examples[1]);
     setup.bin = Some(env.join("bin/python"));
     setup.unset("CYBERWAVE_NODE_BIN");
     // As written, against the backend: runs until SIGTERM, then 0.
     setup.args = vec![main.display().to_string()];
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
-    node.sigterm();
-    assert_eq!(
-        node.wait_exit(EXIT).expect("exits"),
-        Some(0),
-        "{}",
-        node.log()
-    );
+    runs_until_sigterm(setup);
     // Without an API token: the node's exit 2 is the script's.
     setup.unset("CYBERWAVE_API_KEY");
     let mut node = setup.spawn();
-    assert_eq!(
-        node.wait_exit(EXIT).expect("exits"),
-        Some(2),
-        "{}",
-        node.log()
-    );
-    assert!(node.log().contains("API token"), "{}", node.log());
+    node.assert_exit(2, EXIT);
+    node.assert_logged("API token");
     // Standalone: no backend, no token.
     setup.args = vec![standalone.display().to_string()];
+    runs_until_sigterm(setup);
+}
+
+/// The node `setup` starts becomes ready, and exits 0 on SIGTERM.
+fn runs_until_sigterm(setup: &NodeSetup) {
     let mut node = setup.spawn();
     node.wait_ready(READY);
     node.sigterm();
-    assert_eq!(
-        node.wait_exit(EXIT).expect("exits"),
-        Some(0),
-        "{}",
-        node.log()
-    );
+    node.assert_exit(0, EXIT);
 }
 
 /// D70: the Python API as a container's command (PID 1 of a new PID namespace): `run()` becomes
 /// the node, which as PID 1 stops and reports its workloads on SIGTERM, once or twice (the
 /// second sends SIGKILL at once); the grace is long, so only that can end the stop this soon.
 fn the_python_api_as_pid_1(times: usize) {
-    let (_, env) = venv();
-    let (_b, cp, mut setup) = rig(crate::container::MANIFEST);
+    let env = venv();
+    let mut rig = Scenario::new(crate::containers::MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set(
         "CYBERWAVE_NODE_STOP_GRACE_SECONDS",
         if times == 1 { "3" } else { "60" },
@@ -265,13 +234,13 @@ fn the_python_api_as_pid_1(times: usize) {
         "run_node.py",
         "import sys\nfrom cyberwave_cloud_node import CloudNode\nsys.exit(CloudNode.from_config_file(slug='py-pid1').run())\n",
     );
-    crate::container::in_a_pid_namespace(&mut setup, &[]);
+    crate::containers::in_a_pid_namespace(setup, &[]);
     setup.bin = Some(env.join("bin/python"));
     setup.args = vec![script.display().to_string()];
     setup.unset("CYBERWAVE_NODE_BIN");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    crate::container::assert_a_stop_reports_both(&cp, &mut node, times, Duration::from_secs(20));
+    crate::containers::assert_a_stop_reports_both(cp, &mut node, times, Duration::from_secs(20));
     assert!(
         node.log()
             .contains("(the node is PID 1 of its PID namespace)"),

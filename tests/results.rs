@@ -1,15 +1,20 @@
-//! Result uploads and stale-workload self-healing, end to end.
+//! A workload's results: what is uploaded (its own folder, and loose files only it can have
+//! written; never a link, nor another workload's, nor the operator's files: D24, D61), how (each
+//! file by the route its attachment reply names, the API token only to the API's origin: D40),
+//! side by side on the upload pool, byte-identical, before its completion (guarantee 10).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
-use crate::support::node::NodeSetup;
-use crate::support::scenario::Start;
-use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{wait_for, Broker, ControlPlane, HeartbeatMode, TempDir};
+use crate::support::node::TOKEN;
+use crate::support::scenario::error_of;
+use crate::support::scenario::{completion, uploaded};
+use crate::support::timeouts::{DONE, REPLY};
+use crate::support::{wait_for, Scenario, Start, TempDir};
 
-pub(crate) fn pattern(seed: u8, len: usize) -> Vec<u8> {
+/// `len` bytes of a pattern that differs with `seed`.
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
@@ -17,52 +22,50 @@ pub(crate) fn pattern(seed: u8, len: usize) -> Vec<u8> {
 
 #[test]
 fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    cp.set_behaviour(|b| {
+    let outside = TempDir::new("outside");
+    let secret = outside.write("secret.txt", "must not leave the host");
+    let rig = Scenario::new(&format!(
+        "cyberwave:\n  training: mkdir -p out/sub && cp a.bin out/ && cp b.bin out/sub/ && ln -s {} out/leak.txt\n  results_folder: out\n",
+        secret.display()
+    ))
+    .backend(|b| {
         // The failed first PUT and its 2 s back-off keep the upload going for ~3 s, time
         // enough to see the node busy; the back-off itself is unit-tested (node/table.rs).
         b.put_delay = Duration::from_millis(800);
         b.put_failures = 1; // the first PUT is retried
-    });
-    let outside = TempDir::new("outside");
-    let secret = outside.write("secret.txt", "must not leave the host");
-    let setup = NodeSetup::new(&broker, &cp);
+    })
+    .rig();
     let a = pattern(1, 8 * 1024 * 1024);
     let b = pattern(7, 8 * 1024 * 1024);
-    std::fs::write(setup.cwd.join("a.bin"), &a).expect("a");
-    std::fs::write(setup.cwd.join("b.bin"), &b).expect("b");
-    setup.write(
-        "cyberwave.yml",
-        &format!(
-            "cyberwave:\n  training: mkdir -p out/sub && cp a.bin out/ && cp b.bin out/sub/ && ln -s {} out/leak.txt\n  results_folder: out\n",
-            secret.display()
-        ),
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("up").ok(&cp, &node);
+    std::fs::write(rig.work("a.bin"), &a).expect("a");
+    std::fs::write(rig.work("b.bin"), &b).expect("b");
+    let node = rig.node();
+    Start::training("up").ok(&rig.cp, &node);
     // During the upload the node is busy and says why.
     assert!(
-        cp.wait_status("wl-up", "finalizing", DONE).is_some(),
+        rig.cp.wait_status("wl-up", "finalizing", DONE).is_some(),
         "{}",
         node.log()
     );
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(st["output"]["is_busy"], true);
     assert_eq!(st["output"]["active_workloads"][0]["state"], "finalizing");
-    let r = Start::training("during").reply(&cp, &node);
+    let r = Start::training("during").reply(&rig.cp, &node);
     assert_eq!(r["status"], "error");
-    let err = r["error"].as_str().unwrap_or_default();
+    let err = error_of(&r);
     assert!(
         err.starts_with("Controller host is busy with 1 active workload(s)")
             && err.contains("uploading results"),
         "{err}"
     );
-    let failed = cp.wait_status("wl-during", "failed", REPLY).expect("R7");
+    let failed = rig
+        .cp
+        .wait_status("wl-during", "failed", REPLY)
+        .expect("R7");
     assert_eq!(failed[0]["busy_reason"], "uploading");
     // Then the completion, after R10.
-    let statuses = cp
+    let statuses = rig
+        .cp
         .wait_status("wl-up", "completed", DONE)
         .unwrap_or_else(|| panic!("{}", node.log()));
     let finalizing = statuses
@@ -74,7 +77,7 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
         finalizing["file_count"], 2,
         "the symlink is not counted: {finalizing}"
     );
-    let uploads = cp.uploads();
+    let uploads = rig.cp.uploads();
     assert_eq!(uploads.len(), 2, "{:?}", uploads.keys().collect::<Vec<_>>());
     let mut got: Vec<&Vec<u8>> = uploads.values().collect();
     got.sort_by_key(|v| v[0]);
@@ -83,7 +86,7 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
         "byte-identical uploads"
     );
     assert!(uploads.values().all(|v| v != b"must not leave the host"));
-    let requests = cp.all_requests();
+    let requests = rig.cp.all_requests();
     let r10 = requests
         .iter()
         .position(|r| r.op == "workload:upload-results" && r.id == "wl-up")
@@ -98,274 +101,200 @@ fn g10_results_are_uploaded_byte_identical_while_the_node_stays_busy() {
     let body = &requests[r10].body;
     assert_eq!(body["filenames"], json!(["a.bin", "sub/b.bin"]));
     assert_eq!(body["attachment_uuids"].as_array().map(Vec::len), Some(2));
-    assert!(node.wait_log("skipping symlink", REPLY), "{}", node.log());
+    node.assert_logged("skipping symlink");
     assert!(
-        !setup.cwd.join("out/a.bin").exists(),
+        !rig.work("out/a.bin").exists(),
         "uploaded files are removed once the backend knows of them"
     );
     assert!(secret.exists(), "the symlink's target is untouched");
     // And the node is free again.
-    Start::training("after").ok(&cp, &node);
+    Start::training("after").ok(&rig.cp, &node);
 }
 
-#[test]
-fn a_stale_workload_is_terminated_and_its_slot_reused() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "30");
-    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    let first = Start::training("old").reply(&cp, &node);
-    let pid = first["output"]["pid"].as_i64().unwrap_or(0);
-    // The backend finished with it long ago; a new start must not be refused because of it.
-    cp.set_behaviour(|b| {
-        b.workloads
-            .insert("wl-old".into(), Some((200, json!({"status": "completed"}))));
-    });
-    let t = Instant::now();
-    let r = Start::training("new").reply(&cp, &node);
-    assert_eq!(r["status"], "ok", "{r}\n{}", node.log());
-    assert!(t.elapsed() < Duration::from_secs(8));
-    // SAFETY: probing a pid.
-    assert!(
-        unsafe { libc::kill(pid as i32, 0) } != 0,
-        "the stale workload is gone"
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    let old = cp.statuses("wl-old");
-    assert!(
-        old.iter().all(|s| s["status"] == "running"),
-        "no completion for a stale workload: {old:?}"
-    );
-    assert!(
-        node.log()
-            .contains("is stale (the backend says it is completed)"),
-        "{}",
-        node.log()
-    );
-}
-
-#[test]
-fn self_heal_runs_before_heartbeats_and_404_means_stale() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
-    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    let r = Start::training("gone").reply(&cp, &node);
-    let pid = r["output"]["pid"].as_i64().unwrap_or(0);
-    cp.set_behaviour(|b| {
-        b.workloads.insert(
-            "wl-gone".into(),
-            Some((404, json!({"detail": "not found"}))),
-        );
-    });
-    // SAFETY: probing a pid.
-    let gone = wait_for(Duration::from_secs(8), || {
-        (unsafe { libc::kill(pid as i32, 0) } != 0).then_some(())
-    });
-    assert!(
-        gone.is_some(),
-        "terminated by the pass before a heartbeat; log:\n{}",
-        node.log()
-    );
-    let mut n = 0;
-    let emptied = wait_for(REPLY, || {
-        n += 1;
-        let st = cp.status(&node.uuid(), &format!("st-{n}"), REPLY)?;
-        (st["output"]["active_workloads"] == json!([])).then_some(())
-    });
-    assert!(emptied.is_some(), "the stale workload is no longer tracked");
-    assert!(
-        cp.statuses("wl-gone")
-            .iter()
-            .all(|s| s["status"] == "running"),
-        "and was not reported"
-    );
-}
-
-/// D20 allows `.`, `?` and `=` in a workload id: a workload named `..` or `x?y=1` is still asked
-/// about on its own REST path (`…/cloud-node-workloads/%2E%2E`), never on another endpoint, nor
-/// with a query of its choosing, with the node's token.
-#[test]
-fn g5_a_workload_id_of_dots_or_a_query_stays_on_its_own_rest_path() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
-    setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "2");
-    setup.write("cyberwave.yml", "cyberwave:\n  training: sleep 60\n");
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    for (rid, wl) in [("dots", ".."), ("query", "x?y=1")] {
-        let r = Start::training(rid).workload(wl).reply(&cp, &node);
-        assert_eq!(r["status"], "ok", "{r}");
-    }
-    let asked = wait_for(Duration::from_secs(8), || {
-        let hits: Vec<String> = cp.http_hits().into_iter().map(|(url, _)| url).collect();
-        let both = [
-            "/api/v1/cloud-node-workloads/%2E%2E",
-            "/api/v1/cloud-node-workloads/x%3Fy%3D1",
-        ]
-        .iter()
-        .all(|want| hits.iter().any(|u| u == want));
-        both.then_some(())
-    });
-    assert!(asked.is_some(), "{:?}\n{}", cp.http_hits(), node.log());
-    for (url, _) in cp.http_hits() {
-        assert!(!url.contains("/..") && !url.contains('?'), "{url}");
-    }
-}
-
-#[test]
-fn g6_an_inconclusive_backend_keeps_the_workload_and_heartbeats_stay_on_time() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
-    setup.write(
-        "cyberwave.yml",
-        "cyberwave:\n  training: sleep 60\n  max_concurrent_workloads: 2\n",
-    );
-    cp.set_behaviour(|b| {
-        b.workloads.insert("wl-500".into(), Some((500, json!({}))));
-        b.workloads.insert("wl-hang".into(), None);
-        b.heartbeat = HeartbeatMode::Ok;
-    });
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    let p1 = Start::training("k500").workload("wl-500").reply(&cp, &node)["output"]["pid"]
-        .as_i64()
-        .unwrap_or(0);
-    let p2 = Start::training("khang")
-        .workload("wl-hang")
-        .reply(&cp, &node)["output"]["pid"]
-        .as_i64()
-        .unwrap_or(0);
-    let from = Instant::now();
-    // Within a second a pass asks about wl-hang, whose lookup hangs for its whole 5 s timeout:
-    // 3 s of beats fall inside the hang (the table's timers are unit-tested in node/table.rs).
-    std::thread::sleep(Duration::from_secs(3));
-    let beats: Vec<Instant> = cp
-        .requests("heartbeat")
-        .into_iter()
-        .map(|r| r.at)
-        .filter(|t| *t >= from)
-        .collect();
-    assert!(beats.len() >= 5, "{} heartbeats in 3 s", beats.len());
-    for w in beats.windows(2) {
-        assert!(
-            w[1] - w[0] < Duration::from_millis(900),
-            "a heartbeat was late: {:?}",
-            w[1] - w[0]
-        );
-    }
-    // SAFETY: probing pids.
-    assert!(
-        unsafe { libc::kill(p1 as i32, 0) } == 0 && unsafe { libc::kill(p2 as i32, 0) } == 0,
-        "both kept"
-    );
-    let hits = cp
-        .http_hits()
-        .iter()
-        .filter(|(u, _)| u.starts_with("/api/v1/cloud-node-workloads/"))
-        .count();
-    assert!(hits >= 2, "the backend was asked: {hits}");
-}
-
-/// Issue 25: two workloads that end together upload side by side (a pool of upload workers,
-/// `CYBERWAVE_NODE_UPLOAD_WORKERS`, default 2), so the second's files do not wait behind the
-/// first's. Proven by the fake sink seeing both PUTs at once, not by timing. On main at f918294
-/// one upload thread sent them one after the other.
 /// D24, hostile config: a results folder that cannot be created (a file where its parent
-/// should be). The spawner creates the folder now (issue 25 item 5, off the node's loop): the
-/// workload still starts, without `CYBERWAVE_RESULTS_DIR`, the node says why, and goes on.
+/// should be). The spawner creates the folder, off the node's loop: the workload still starts,
+/// without `CYBERWAVE_RESULTS_DIR`, the node says why, and goes on.
 #[test]
 fn a_results_folder_that_cannot_be_created_leaves_the_workload_without_one() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    std::fs::write(setup.cwd.join("blocker"), "a file, not a folder").unwrap();
-    setup.write(
-        "cyberwave.yml",
+    let (rig, node) = Scenario::new(
         "cyberwave:\n  training: echo \"dir=${CYBERWAVE_RESULTS_DIR-unset}\" > seen.txt\n  results_folder: blocker/out\n",
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
+    )
+    .file("blocker", "a file, not a folder")
+    .node();
     let first = Start::training("nf");
-    first.ok(&cp, &node);
+    first.ok(&rig.cp, &node);
     assert!(
-        cp.wait_status(first.wl(), "completed", DONE).is_some(),
+        rig.cp.wait_status(first.wl(), "completed", DONE).is_some(),
         "{}",
         node.log()
     );
-    let seen = std::fs::read_to_string(setup.cwd.join("seen.txt")).unwrap_or_default();
+    let seen = std::fs::read_to_string(rig.work("seen.txt")).unwrap_or_default();
     assert_eq!(seen.trim(), "dir=unset", "{}", node.log());
-    assert!(
-        node.log().contains("cannot create the results folder"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("cannot create the results folder");
     // The node goes on: the next start is answered too.
-    Start::training("nf2").ok(&cp, &node);
+    Start::training("nf2").ok(&rig.cp, &node);
 }
 
 #[test]
-fn two_workloads_ending_together_upload_side_by_side() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    cp.set_behaviour(|b| b.put_delay = Duration::from_millis(700));
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write(
-        "cyberwave.yml",
-        "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  training: |\n    while [ ! -f go ]; do sleep 0.02; done\n    head -c 100000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/model.bin\"\n  results_folder: out\n",
+fn g10_concurrent_workloads_upload_only_their_own_results() {
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: |\n    id=$CYBERWAVE_REQUEST_ID\n    while [ ! -f go ]; do sleep 0.02; done\n    echo \"result of $id\" > \"$CYBERWAVE_RESULTS_DIR/$id.txt\"\n    mkdir -p out && echo loose > \"out/loose-$id.txt\"\n    while [ ! -f \"release-$id\" ]; do sleep 0.05; done\n  results_folder: out\ncloud_node:\n  max_concurrent_workloads: 2\n",
+    )
+    .node();
+    for id in ["ra", "rb"] {
+        Start::training(id).ok(&rig.cp, &node);
+    }
+    // Both run before either writes: a loose file is new to both.
+    rig.touch("go");
+    let own_b = rig.work("out/rb/rb.txt");
+    let out = |f: &str| rig.work("out").join(f);
+    assert!(
+        wait_for(REPLY, || (own_b.exists()
+            && out("ra/ra.txt").exists()
+            && out("loose-ra.txt").exists()
+            && out("loose-rb.txt").exists())
+        .then_some(()))
+        .is_some(),
+        "each workload writes into its own CYBERWAVE_RESULTS_DIR"
     );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("pa").ok(&cp, &node);
-    Start::training("pb").ok(&cp, &node);
-    std::fs::write(setup.cwd.join("go"), "").unwrap();
+    rig.touch("release-ra");
+    let done = completion(&rig.cp, "wl-ra");
+    assert_eq!(done["success"], true, "{done}");
+    assert_eq!(
+        uploaded(&rig.cp, "wl-ra"),
+        vec!["ra.txt"],
+        "A uploads its own file only"
+    );
+    assert!(own_b.exists(), "B's result is untouched while B runs");
+    // D61: a loose file either could have written (no name of its own in it: `ra` is too
+    // short to tell) is neither's: it stays, and each completion names it.
+    assert!(
+        rig.work("out/loose-ra.txt").exists(),
+        "a loose file either could have written stays on disk"
+    );
+    let left = |done: &serde_json::Value| -> Vec<String> {
+        serde_json::from_value(done["unattributed_results"].clone()).unwrap_or_default()
+    };
+    assert_eq!(left(&done), ["loose-ra.txt", "loose-rb.txt"], "{done}");
+    node.assert_logged("unattributed_results");
+    rig.touch("release-rb");
+    let done_b = completion(&rig.cp, "wl-rb");
+    assert_eq!(left(&done_b), ["loose-ra.txt", "loose-rb.txt"], "{done_b}");
+    assert!(rig.work("out/loose-rb.txt").exists());
+    assert_eq!(uploaded(&rig.cp, "wl-rb"), vec!["rb.txt"]);
+    assert!(
+        rig.cp.uploads().values().any(|v| v == b"result of rb\n"),
+        "B's bytes arrived"
+    );
+    assert!(
+        !rig.work("out/rb").exists(),
+        "B's folder is cleaned after its upload"
+    );
+}
+
+#[test]
+fn g10_results_over_max_result_bytes_are_skipped_by_name() {
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: |\n    head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/big.bin\"\n    printf small > \"$CYBERWAVE_RESULTS_DIR/small.txt\"\n  results_folder: out\ncloud_node:\n  max_result_bytes: 10\n",
+    )
+    .node();
+    Start::training("mx").reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-mx");
+    assert_eq!(uploaded(&rig.cp, "wl-mx"), vec!["small.txt"]);
+    node.assert_logged("big.bin skipped");
+}
+
+/// D24: only a workload's own folder is uploaded and cleaned for it. A result file that workload
+/// A left in its own folder (skipped by max_result_bytes) is not uploaded as workload B's
+/// (`<A's safe id>/b.txt`) nor deleted, with capacity 1, where every file below
+/// `results_folder` could pass for B's loose result.
+#[test]
+fn g10_d24_a_file_left_in_a_finished_workloads_folder_is_not_uploaded_as_the_next_ones() {
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: |\n    if [ \"$CYBERWAVE_REQUEST_ID\" = ra ]; then head -c 100 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/a.bin\"; head -c 60 /dev/zero > \"$CYBERWAVE_RESULTS_DIR/b.txt\"; fi\n  results_folder: out\ncloud_node:\n  max_result_bytes: 150\n",
+    )
+    .node();
+    for id in ["ra", "rb"] {
+        let w = Start::training(id);
+        w.ok(&rig.cp, &node);
+        w.completion(&rig.cp);
+    }
+    assert_eq!(uploaded(&rig.cp, "wl-ra"), vec!["a.bin"], "{}", node.log());
+    assert!(
+        uploaded(&rig.cp, "wl-rb").is_empty(),
+        "B wrote nothing, yet uploaded {:?}",
+        uploaded(&rig.cp, "wl-rb")
+    );
+    assert!(
+        rig.work("out/ra/b.txt").exists(),
+        "A's skipped result was deleted by B's upload"
+    );
+}
+
+/// A careless operator's `results_folder: .` (or `~`, or the folder the code lives in): with
+/// capacity 1 every regular file below it could pass for the workload's result. The operator's
+/// own files there (the manifest, scripts) are neither uploaded nor deleted.
+#[test]
+fn g5_d24_a_results_folder_holding_the_manifest_does_not_upload_and_delete_it() {
+    let rig = Scenario::new("cyberwave:\n  training: echo done\n  results_folder: .\n").rig();
+    let precious = rig.write("train.py", "print('my code')\n");
+    let node = rig.node();
+    let w = Start::training("dot");
+    w.ok(&rig.cp, &node);
+    w.completion(&rig.cp);
+    let up: Vec<String> = rig.cp.uploads().keys().cloned().collect();
+    assert!(
+        precious.exists() && rig.work("cyberwave.yml").exists(),
+        "the operator's files were deleted after upload (uploaded: {up:?})"
+    );
+    assert!(up.is_empty(), "the operator's files were uploaded: {up:?}");
+}
+
+/// Two workloads that end together upload side by side (a pool of upload workers,
+/// `CYBERWAVE_NODE_UPLOAD_WORKERS`, default 2), so the second's files do not wait behind the
+/// first's. Proven by the fake sink seeing both PUTs at once, not by timing.
+#[test]
+fn two_workloads_ending_together_upload_side_by_side() {
+    let (rig, node) = Scenario::new(
+        "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  training: |\n    while [ ! -f go ]; do sleep 0.02; done\n    head -c 100000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/model.bin\"\n  results_folder: out\n",
+    )
+    .backend(|b| b.put_delay = Duration::from_millis(700))
+    .node();
+    Start::training("pa").ok(&rig.cp, &node);
+    Start::training("pb").ok(&rig.cp, &node);
+    rig.touch("go");
     for wl in ["wl-pa", "wl-pb"] {
         assert!(
-            cp.wait_status(wl, "completed", DONE).is_some(),
+            rig.cp.wait_status(wl, "completed", DONE).is_some(),
             "{wl}: {}",
             node.log()
         );
     }
-    assert_eq!(cp.uploads().len(), 2, "{:?}", cp.uploads().keys());
+    assert_eq!(rig.cp.uploads().len(), 2, "{:?}", rig.cp.uploads().keys());
     assert_eq!(
-        cp.max_puts_in_flight(),
+        rig.cp.max_puts_in_flight(),
         2,
         "the two workloads' uploads went one after the other"
     );
 }
 
-/// Issue 25 item 3: the files of ONE workload go up side by side on the upload pool (default 2
-/// workers), never more at once than the pool holds, a retried file not holding up the others;
-/// the backend is told of every file (in their order) and the completion comes once, after
-/// all of them. Proven by the fake sink seeing two PUTs at once, not by timing. On main at
-/// 24ce237 one workload's files went one after the other.
+/// The files of ONE workload go up side by side on the upload pool (default 2 workers), never
+/// more at once than the pool holds, a retried file not holding up the others; the backend is
+/// told of every file (in their order) and the completion comes once, after all of them.
+/// Proven by the fake sink seeing two PUTs at once, not by timing.
 #[test]
 fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    cp.set_behaviour(|b| {
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: |\n    for f in a b c d; do head -c 50000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/$f.bin\"; done\n  results_folder: out\n",
+    )
+    .backend(|b| {
         b.put_delay = Duration::from_millis(600);
         b.put_failures = 1; // one PUT is refused once and retried 2 s later
-    });
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write(
-        "cyberwave.yml",
-        "cyberwave:\n  training: |\n    for f in a b c d; do head -c 50000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/$f.bin\"; done\n  results_folder: out\n",
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("pf").ok(&cp, &node);
-    let statuses = cp
+    })
+    .node();
+    Start::training("pf").ok(&rig.cp, &node);
+    let statuses = rig
+        .cp
         .wait_status("wl-pf", "completed", DONE)
         .unwrap_or_else(|| panic!("{}", node.log()));
     assert_eq!(
@@ -376,13 +305,13 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
         1,
         "{statuses:?}"
     );
-    assert_eq!(cp.uploads().len(), 4, "{:?}", cp.uploads().keys());
+    assert_eq!(rig.cp.uploads().len(), 4, "{:?}", rig.cp.uploads().keys());
     assert_eq!(
-        cp.max_puts_in_flight(),
+        rig.cp.max_puts_in_flight(),
         2,
         "one workload's files went one after the other (or more than the pool at once)"
     );
-    let requests = cp.all_requests();
+    let requests = rig.cp.all_requests();
     let r10: Vec<usize> = (0..requests.len())
         .filter(|&i| requests[i].op == "workload:upload-results" && requests[i].id == "wl-pf")
         .collect();
@@ -399,22 +328,172 @@ fn g10_the_files_of_one_workload_upload_side_by_side_and_complete_once() {
         })
         .expect("R8");
     assert!(r10[0] < completed, "the completion comes after R10");
-    assert!(node.wait_log("attempt 2 of 3", REPLY), "{}", node.log());
+    node.assert_logged("attempt 2 of 3");
+}
+
+#[test]
+fn each_file_goes_up_by_the_route_its_attachment_reply_names() {
+    // Names with a quote, a CR-free unicode name and a boundary-looking body test the framing.
+    let odd = "sub/r\u{e9}sultat \"final\".txt";
+    let rig = Scenario::new("cyberwave:\n  training: cp -r src/. out/\n  results_folder: out\n")
+        .env("CYBERWAVE_WORKSPACE_ID", "ws-1")
+        .backend(|b| {
+            for (name, method) in [
+                ("big.bin", json!("multipart")),
+                (odd, json!("multipart")),
+                ("explicit.bin", json!("signed_url")),
+                ("null.bin", Value::Null),
+                ("weird.bin", json!("ftp")),
+                ("number.bin", json!(7)),
+            ] {
+                b.upload_methods.insert(name.to_string(), method);
+            }
+            // The form upload is an API call: scoped like every other one.
+            b.require_workspace_uuid = true;
+        })
+        .rig();
+    let src = rig.work("src");
+    std::fs::create_dir_all(src.join("sub")).expect("src");
+    let mut files = vec![
+        ("big.bin", pattern(3, 6 * 1024 * 1024 + 17)),
+        (
+            odd,
+            b"--cyberwave-node-\r\n\r\nnot a boundary\r\n--".to_vec(),
+        ),
+        ("explicit.bin", pattern(5, 1000)),
+        ("null.bin", pattern(9, 10)),
+        ("plain.bin", Vec::new()),
+        ("weird.bin", pattern(11, 100)),
+        ("number.bin", pattern(13, 100)),
+    ];
+    files.sort();
+    for (name, bytes) in &files {
+        std::fs::write(src.join(name), bytes).expect("write");
+    }
+    let node = rig.node();
+    Start::training("mp").ok(&rig.cp, &node);
+    completion(&rig.cp, "wl-mp");
+    let puts = rig.cp.uploads();
+    let forms = rig.cp.form_uploads();
+    for (name, bytes) in &files {
+        let att = rig
+            .cp
+            .attachment_name(name)
+            .unwrap_or_else(|| panic!("R9 for {name}"));
+        let uuid = att.rsplit_once('.').map_or(att.as_str(), |(s, _)| s);
+        match *name {
+            "big.bin" | "sub/r\u{e9}sultat \"final\".txt" => {
+                let f = forms
+                    .get(uuid)
+                    .unwrap_or_else(|| panic!("{name} by multipart"));
+                assert_eq!(&f.bytes, bytes, "{name} byte-identical");
+                assert_eq!((f.field.as_str(), f.parts), ("file", 1));
+                let expect = name
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or_default()
+                    .replace('"', "%22");
+                assert_eq!(f.filename, expect);
+                assert_eq!(f.authorization, Some(format!("Token {TOKEN}")));
+                assert!(!puts.contains_key(&att), "{name} not PUT as well");
+            }
+            "explicit.bin" | "null.bin" | "plain.bin" => {
+                assert_eq!(puts.get(&att), Some(bytes), "{name} PUT byte-identical");
+                assert!(!forms.contains_key(uuid), "{name} not POSTed as well");
+            }
+            _ => {
+                assert!(
+                    !puts.contains_key(&att) && !forms.contains_key(uuid),
+                    "{name}"
+                );
+                let why = if *name == "weird.bin" {
+                    "\"ftp\""
+                } else {
+                    "\"7\""
+                };
+                assert!(
+                    node.log()
+                        .lines()
+                        .any(|l| l.contains(name) && l.contains(why)),
+                    "the error names {name} and the method: {}",
+                    node.log()
+                );
+            }
+        }
+    }
+    let r10 = rig.cp.requests("workload:upload-results");
+    assert_eq!(r10.len(), 1);
+    assert_eq!(
+        r10[0].body["filenames"],
+        json!(["big.bin", "explicit.bin", "null.bin", "plain.bin", odd]),
+        "the failed files are left out"
+    );
+}
+
+/// D40, secrets never reach an unintended party: a `multipart` attachment reply whose URL is not
+/// on the platform's API host (another origin: here another port; in the field a storage host,
+/// or whatever a proxied or compromised reply names) does not get the node's API token, which
+/// goes only to the API base URL's origin.
+#[test]
+fn g7_d40_the_api_token_is_not_sent_to_a_multipart_url_off_the_api_host() {
+    use std::io::{Read, Write};
+    let foreign = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = foreign.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        for s in foreign.incoming().flatten() {
+            let mut s = s;
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut head = Vec::new();
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                head.extend_from_slice(&buf[..n]);
+                if head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            seen2
+                .lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&head));
+            let _ =
+                s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: echo r > \"$CYBERWAVE_RESULTS_DIR/r.txt\"\n  results_folder: out\n",
+    )
+    .backend(|b| {
+        b.upload_methods
+            .insert("r.txt".to_string(), json!("multipart"));
+        b.multipart_url = Some(format!("http://127.0.0.1:{port}/collect"));
+    })
+    .node();
+    Start::training("tk").ok(&rig.cp, &node);
+    assert!(
+        wait_for(DONE, || (!seen.lock().unwrap().is_empty()).then_some(())).is_some(),
+        "the foreign URL was never called:\n{}",
+        node.log()
+    );
+    let got = seen.lock().unwrap().clone();
+    assert!(
+        !got.contains(crate::support::node::TOKEN),
+        "the API token went to http://127.0.0.1:{port} (not the API host):\n{got}"
+    );
 }
 
 /// D61, the platform's trainer: with two slots, a training that writes
 /// `<its training uuid>.tar.gz` straight into `results_folder` (as the SmolVLA trainer writes
 /// `./runs/artifacts/<training uuid>.tar.gz`, not into `$CYBERWAVE_RESULTS_DIR`) has it uploaded
 /// with its own completion, though another workload ran beside it and ended first, once the
-/// archive was there. On main, with more than one slot, the archive was never uploaded.
+/// archive was there.
 #[test]
 fn g10_d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its_completion() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write(
-        "cyberwave.yml",
-        concat!(
+    let rig = Scenario::new(concat!(
             "cloud_node:\n  max_concurrent_workloads: 2\n",
             "cyberwave:\n  results_folder: runs/artifacts\n  training: |\n",
             "    while [ ! -f go ]; do sleep 0.02; done\n",
@@ -425,34 +504,33 @@ fn g10_d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its
             "    else\n",
             "      until ls runs/artifacts/*.tar.gz > /dev/null 2>&1; do sleep 0.02; done\n",
             "    fi\n",
-        ),
-    );
+    ))
+    .rig();
     let uuid = "7d0c6c1e-3c47-4b8f-9d59-2c7d0f6f4a11";
-    let node = setup.spawn();
-    node.wait_ready(READY);
+    let node = rig.node();
     let trainer = Start::training("trainer").with(json!({"training_uuid": uuid}));
-    trainer.ok(&cp, &node);
+    trainer.ok(&rig.cp, &node);
     let other = Start::training("other");
-    other.ok(&cp, &node);
-    std::fs::write(setup.cwd.join("go"), "").unwrap();
-    let done = other.completion(&cp);
+    other.ok(&rig.cp, &node);
+    rig.touch("go");
+    let done = other.completion(&rig.cp);
     assert_eq!(done["success"], true, "{done}");
     assert!(done.get("unattributed_results").is_none(), "{done}");
-    assert!(other.uploaded(&cp).is_empty(), "{}", node.log());
-    let archive = setup.cwd.join(format!("runs/artifacts/{uuid}.tar.gz"));
+    assert!(other.uploaded(&rig.cp).is_empty(), "{}", node.log());
+    let archive = rig.work(&format!("runs/artifacts/{uuid}.tar.gz"));
     let bytes = std::fs::read(&archive).unwrap();
-    std::fs::write(setup.cwd.join("release"), "").unwrap();
-    let done = trainer.completion(&cp);
+    rig.touch("release");
+    let done = trainer.completion(&rig.cp);
     assert_eq!(done["success"], true, "{done}");
     assert!(done.get("unattributed_results").is_none(), "{done}");
     assert_eq!(
-        trainer.uploaded(&cp),
+        trainer.uploaded(&rig.cp),
         [format!("{uuid}.tar.gz")],
         "{}",
         node.log()
     );
     assert!(
-        cp.uploads().values().any(|v| *v == bytes),
+        rig.cp.uploads().values().any(|v| *v == bytes),
         "the archive's bytes arrived"
     );
     assert!(!archive.exists(), "uploaded, then removed");
@@ -460,33 +538,26 @@ fn g10_d61_a_trainers_archive_named_after_its_training_uuid_is_uploaded_with_its
 
 /// D61: a workload's loose result is known as new by its identity, not by comparing times with
 /// the wall clock: after the clock stepped back (here: the start was recorded an hour ahead, the
-/// node restarted meanwhile) what the workload writes is still uploaded. On main it was neither
-/// uploaded nor cleaned up, without a word.
+/// node restarted meanwhile) what the workload writes is still uploaded, and cleaned up.
 #[test]
 fn g10_d61_a_loose_result_is_uploaded_after_the_clock_stepped_back() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write(
-        "cyberwave.yml",
+    let (rig, mut node) = Scenario::new(
         "cyberwave:\n  results_folder: out\n  training: |\n    while [ ! -f go ]; do sleep 0.02; done\n    echo model > out/model.bin\n",
-    );
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
+    )
+    .node();
     let w = Start::training("clk");
-    w.ok(&cp, &node);
+    w.ok(&rig.cp, &node);
     node.kill9();
-    let meta_path = setup.config_dir().join("workloads/clk/meta.json");
+    let meta_path = rig.state("workloads/clk/meta.json");
     let mut meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
     let ahead = meta["created_unix"].as_f64().unwrap() + 3600.0;
     meta["created_unix"] = json!(ahead);
     std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    std::fs::write(setup.cwd.join("go"), "").unwrap();
-    let done = w.completion(&cp);
+    let _node = rig.node();
+    rig.touch("go");
+    let done = w.completion(&rig.cp);
     assert_eq!(done["success"], true, "{done}");
-    assert_eq!(w.uploaded(&cp), ["model.bin"], "{}", node.log());
-    assert!(!setup.cwd.join("out/model.bin").exists());
+    assert_eq!(w.uploaded(&rig.cp), ["model.bin"], "{}", node.log());
+    assert!(!rig.work("out/model.bin").exists());
 }

@@ -1,7 +1,8 @@
-//! What a workload finds in its environment and how its template reads, shaped like the
-//! platform's own compute repositories run unmodified on a node: a training that derives its API
-//! from `CYBERWAVE_ENVIRONMENT` when no URL is set, a workload whose SDK logs in to a site
-//! broker, and a model served from a snap that is called with `curl -d '{body}'` (D62, D63).
+//! What a workload finds in its environment: its own credentials and context (guarantee 7),
+//! the broker's CA under the SDK's name too, and nothing the node made up, shaped like the
+//! platform's own compute repositories run unmodified on a node: a training that derives its
+//! API from `CYBERWAVE_ENVIRONMENT` when no URL is set, a workload whose SDK logs in to a site
+//! broker (D62).
 
 use std::path::Path;
 use std::process::Command;
@@ -9,9 +10,92 @@ use std::process::Command;
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, TOKEN};
-use crate::support::scenario::{completion, Start};
+use crate::support::scenario::completion;
 use crate::support::timeouts::{DONE, EXIT, READY};
-use crate::support::{wait_for, Broker, ControlPlane, NodeProcess};
+use crate::support::tls::Pki;
+use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, Rig, Scenario, Start};
+
+#[test]
+fn g7_the_workload_gets_its_own_credentials_and_context() {
+    let (rig, node) =
+        Scenario::new("cyberwave:\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n")
+            .node();
+    Start::new("training", "env-1").params(json!({"workload_uuid": "wl-env", "cyberwave_workload_token": "cw_scoped_workload_token"})).reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-env");
+    let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
+    assert!(
+        env.contains("CYBERWAVE_API_KEY=cw_scoped_workload_token\n"),
+        "{env}"
+    );
+    assert!(
+        env.contains("CYBERWAVE_MQTT_PASSWORD=cw_scoped_workload_token\n"),
+        "{env}"
+    );
+    assert!(env.contains("CYBERWAVE_REQUEST_ID=env-1\n"), "{env}");
+    assert!(env.contains("CYBERWAVE_WORKLOAD_UUID=wl-env\n"), "{env}");
+    assert!(env.contains("CYBERWAVE_WORKLOAD_TYPE=training\n"), "{env}");
+    assert!(env.contains("CYBERWAVE_PARAMS_FILE=/"), "{env}");
+    // D45: edge-core labels the containers a workload starts with these two.
+    assert!(
+        env.contains(&format!("CYBERWAVE_CLOUD_NODE_ID={}\n", node.uuid())),
+        "{env}"
+    );
+    // Without TLS there is no CA to pass on.
+    assert!(!env.contains("CYBERWAVE_MQTT_TLS_CA_CERT"), "{env}");
+    assert!(
+        !env.contains(TOKEN),
+        "the node's own token is not passed on when a workload token came: {env}"
+    );
+    // Without a workload token the node's token is used (as the original does).
+    Start::new("training", "env-2")
+        .workload("wl-env2")
+        .reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-env2");
+    let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
+    assert!(
+        env.contains(&format!("CYBERWAVE_API_KEY={TOKEN}\n")),
+        "{env}"
+    );
+    // The params file holds no token.
+    assert!(
+        !node.log().contains("cw_scoped_workload_token"),
+        "a workload token reached the log"
+    );
+}
+
+#[test]
+fn with_tls_the_workload_gets_the_broker_ca_under_the_sdks_name_too() {
+    // D45: the platform SDK reads `CYBERWAVE_MQTT_TLS_CA_CERT`; the node's own name is
+    // `…_CERTS`. A workload's SDK client must reach the same broker the same way.
+    let pki = Pki::new();
+    // One broker: plain for the fake backend, TLS for the node.
+    let tls_port = crate::support::free_port();
+    let rig = Scenario::new(
+        "cyberwave:\n  mqtt_tls_ca_certs: ca.pem\n  training: env | grep -E '^CYBERWAVE_' | sort > env.txt\n",
+    )
+    .broker(Broker::start_with_conf(&pki.listener(tls_port)))
+    .env("CYBERWAVE_MQTT_PORT", &tls_port.to_string())
+    .env("CYBERWAVE_MQTT_USE_TLS", "true")
+    .rig();
+    // Relative to the working dir in the manifest: the workload gets the absolute path.
+    std::fs::copy(pki.ca(), rig.work("ca.pem")).unwrap();
+    let node = rig.node();
+    node.assert_logged("(TLS)");
+    Start::new("training", "tls-1")
+        .workload("wl-tls")
+        .reply(&rig.cp, &node);
+    completion(&rig.cp, "wl-tls");
+    let env = std::fs::read_to_string(rig.work("env.txt")).unwrap_or_default();
+    let ca = rig.setup.cwd.join("ca.pem").display().to_string();
+    for name in ["CYBERWAVE_MQTT_TLS_CA_CERT", "CYBERWAVE_MQTT_TLS_CA_CERTS"] {
+        assert!(env.contains(&format!("{name}={ca}\n")), "{name}: {env}");
+    }
+    assert!(env.contains("CYBERWAVE_MQTT_USE_TLS=true\n"), "{env}");
+    assert!(
+        env.contains(&format!("CYBERWAVE_MQTT_PORT={tls_port}\n")),
+        "{env}"
+    );
+}
 
 /// A training entry point as the platform's repositories write it (not their code): the API is
 /// `CYBERWAVE_API_URL`, else `CYBERWAVE_BASE_URL`, else derived from `CYBERWAVE_ENVIRONMENT`
@@ -44,16 +128,16 @@ fn lines_of<'a>(env: &'a str, prefix: &str) -> Vec<&'a str> {
     env.lines().filter(|l| l.starts_with(prefix)).collect()
 }
 
-fn train_rig(prefix: &str) -> (Broker, ControlPlane, NodeSetup) {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, prefix);
-    let mut setup = NodeSetup::new(&broker, &cp);
-    // No backend: the node is standalone, so that it needs no URL of its own either.
-    setup.unset("CYBERWAVE_BASE_URL").arg("--standalone");
-    setup.write("cyberwave.yml", TRAIN_MANIFEST);
-    setup.write("venv.sh", "export VIRTUAL_ENV=/opt/venv\n");
-    setup.write("train.sh", TRAIN_SH);
-    (broker, cp, setup)
+/// A standalone node (no backend, so that it needs no URL of its own either) whose backend
+/// speaks under `prefix`, with the training of [`TRAIN_MANIFEST`].
+fn train_rig(prefix: &str) -> Rig {
+    Scenario::new(TRAIN_MANIFEST)
+        .prefix(prefix)
+        .unset("CYBERWAVE_BASE_URL")
+        .arg("--standalone")
+        .file("venv.sh", "export VIRTUAL_ENV=/opt/venv\n")
+        .file("train.sh", TRAIN_SH)
+        .rig()
 }
 
 fn train(cp: &ControlPlane, node: &NodeProcess, run: &str) {
@@ -65,18 +149,18 @@ fn train(cp: &ControlPlane, node: &NodeProcess, run: &str) {
 
 /// A training run with `CYBERWAVE_ENVIRONMENT=development` and no URL set by the operator
 /// reports to the API its environment names, not to production: the node exports no
-/// `CYBERWAVE_BASE_URL` of its own making (before, its built-in default always went out). With
-/// a URL the operator set, that URL.
+/// `CYBERWAVE_BASE_URL` of its own making (its built-in default would send it to production).
+/// With a URL the operator set, that URL.
 #[test]
 fn d62_a_development_training_with_no_url_reports_where_its_environment_says() {
-    let (_broker, cp, setup) = train_rig("development");
+    let rig = train_rig("development");
+    let Rig { cp, setup, .. } = &rig;
     assert_eq!(
         setup.env.get("CYBERWAVE_ENVIRONMENT").map(String::as_str),
         Some("development")
     );
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
-    train(&cp, &node, "dev-1");
+    let mut node = rig.node();
+    train(cp, &node, "dev-1");
     let env = read_when_there(&setup.cwd.join("reported-dev-1"));
     assert!(
         env.contains("metrics go to http://localhost:8000/api/v1/mltrainings"),
@@ -94,15 +178,14 @@ fn d62_a_development_training_with_no_url_reports_where_its_environment_says() {
         env.contains(&format!("CYBERWAVE_API_KEY={TOKEN}\n")),
         "{env}"
     );
-    completion(&cp, "wl-dev-1");
+    completion(cp, "wl-dev-1");
     node.sigterm();
     assert_eq!(node.wait_exit(EXIT), Some(Some(0)));
 
     // The operator's URL, when there is one, in a `.env` this time.
     setup.write(".env", "CYBERWAVE_BASE_URL=http://api.site.lan:8000/\n");
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    train(&cp, &node, "dev-2");
+    let node = rig.node();
+    train(cp, &node, "dev-2");
     let env = read_when_there(&setup.cwd.join("reported-dev-2"));
     assert!(
         env.contains("metrics go to http://api.site.lan:8000/api/v1/mltrainings"),
@@ -112,20 +195,17 @@ fn d62_a_development_training_with_no_url_reports_where_its_environment_says() {
 
 /// A broker of the site's own, with a login of its own: the SDK inside a workload logs in to it
 /// with the login the operator set (`CYBERWAVE_MQTT_USERNAME` / `_PASSWORD`), as under the
-/// original node. Before, the username was dropped and the password replaced by the API token,
-/// so the workload was refused. A per-workload token the backend minted is the workload's API key
+/// original node (with the username dropped and the password replaced by the API token, the
+/// workload would be refused). A per-workload token the backend minted is the workload's API key
 /// and broker password, beside the operator's username.
 #[test]
 fn d62_the_sdk_in_a_workload_logs_in_to_the_site_broker_with_the_operators_login() {
     let broker = Broker::start_with_password("site-user", "site-pass");
-    let mut setup = NodeSetup::bare();
+    let mut setup = NodeSetup::standalone(broker.port);
     setup
-        .set("CYBERWAVE_MQTT_HOST", "127.0.0.1")
-        .set("CYBERWAVE_MQTT_PORT", &broker.port.to_string())
         .set("CYBERWAVE_MQTT_USERNAME", "site-user")
         .set("CYBERWAVE_MQTT_PASSWORD", "site-pass")
-        .set("CYBERWAVE_API_KEY", TOKEN)
-        .arg("--standalone");
+        .set("CYBERWAVE_API_KEY", TOKEN);
     // The SDK's rule (`cyberwave.config`): username `CYBERWAVE_MQTT_USERNAME`, else its
     // placeholder; password `CYBERWAVE_MQTT_PASSWORD`, else the API key.
     setup.write(
@@ -145,8 +225,7 @@ fn d62_the_sdk_in_a_workload_logs_in_to_the_site_broker_with_the_operators_login
             ])
             .args(["-m", &body.to_string()])
             .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
+            .is_ok_and(|s| s.success());
         assert!(ok, "mosquitto_pub of the command");
     };
     command("site-1", json!({"run": "site-1"}));
@@ -177,107 +256,4 @@ fn d62_the_sdk_in_a_workload_logs_in_to_the_site_broker_with_the_operators_login
     );
     assert!(!env.contains("site-pass"), "{env}");
     let _ = node;
-}
-
-/// The snap-served model's manifest: its inference posts `{body}` with `curl -d '{body}'`, which
-/// sends the params file's path as text. `validate` says so (still valid: the platform accepts
-/// it) and shows the whole template, every line; `start` says so in its log.
-#[test]
-fn d63_a_curl_template_with_body_in_quotes_is_warned_about_by_validate_and_at_start() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write(
-        "cyberwave.yml",
-        "# A model served from a snap.\ncyberwave-cloud-node:\n  profile_slug: openvla-oft\n  install_script: ./install.sh\n  inference: |\n    curl -sf -X POST http://localhost:8080/act \\\n      -H \"Content-Type: application/json\" \\\n      -d '{body}'\n",
-    );
-    let install = setup.write("install.sh", "#!/bin/sh\nexit 0\n");
-    std::fs::set_permissions(
-        &install,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let out = setup.run(&["validate"]);
-    assert_eq!(out.code, Some(0), "{}", out.stdout);
-    let warning = out
-        .stdout
-        .lines()
-        .find(|l| l.contains("warning: inference:"))
-        .unwrap_or_else(|| panic!("no warning: {}", out.stdout));
-    assert!(warning.contains("cyberwave.yml:5:"), "{warning}");
-    assert!(
-        warning.contains("`{body}` inside single quotes (line 3 of the template)"),
-        "{warning}"
-    );
-    assert!(warning.contains("path as text, not the JSON"), "{warning}");
-    assert!(warning.contains("`-d @{body}`"), "{warning}");
-    for line in [
-        "    curl -sf -X POST http://localhost:8080/act \\",
-        "      -H \"Content-Type: application/json\" \\",
-        "      -d '{body}'",
-    ] {
-        assert!(
-            out.stdout.lines().any(|l| l == line),
-            "{line}: {}",
-            out.stdout
-        );
-    }
-    assert!(out.stdout.contains("OK (1 warning)"), "{}", out.stdout);
-
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    assert!(
-        node.log()
-            .lines()
-            .any(|l| l.contains("WARN") && l.contains("`{body}` inside single quotes")),
-        "{}",
-        node.log()
-    );
-}
-
-/// The SmolVLA manifest's templates (`source …/activate && \` then `python … {body}`): no
-/// warning, and `validate` shows both lines of each, not only the `source` line.
-#[test]
-fn d63_validate_shows_every_line_of_a_multi_line_template() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write(
-        "cyberwave.yml",
-        "cyberwave-cloud-node:\n  install_script: ./install.sh\n  inference: |\n    source \"$HOME/.venv/smolvla/bin/activate\" && \\\n    python preview.py {body}\n  training: |\n    source \"$HOME/.venv/smolvla/bin/activate\" && \\\n    python train.py {body}\n  results_folder: ./runs/artifacts\n  upload_results: true\n  profile_slug: smolvla-policy-preview\n",
-    );
-    setup.write("install.sh", "#!/bin/sh\nexit 0\n");
-    let out = setup.run(&["validate"]);
-    assert_eq!(out.code, Some(0), "{}", out.stdout);
-    assert!(!out.stdout.contains("warning:"), "{}", out.stdout);
-    let lines: Vec<&str> = out.stdout.lines().collect();
-    for (kind, script) in [("inference", "preview.py"), ("training", "train.py")] {
-        let at = lines
-            .iter()
-            .position(|l| *l == format!("  {kind}: [shell mode]"))
-            .unwrap_or_else(|| panic!("{kind}: {}", out.stdout));
-        assert_eq!(
-            lines.get(at + 1..at + 3),
-            Some(
-                &[
-                    "    source \"$HOME/.venv/smolvla/bin/activate\" && \\",
-                    &*format!("    python {script} {{body}}"),
-                ][..]
-            ),
-            "{}",
-            out.stdout
-        );
-    }
-    // A one-line template stays on one line.
-    setup.write(
-        "cyberwave.yml",
-        "cyberwave:\n  training: python train.py {body}\n",
-    );
-    let out = setup.run(&["validate"]);
-    assert!(
-        out.stdout
-            .contains("  training: [shell mode] python train.py {body}\n"),
-        "{}",
-        out.stdout
-    );
 }

@@ -252,6 +252,22 @@ impl ControlPlane {
             .collect()
     }
 
+    /// The `completed` status updates of workload `wl` so far.
+    pub fn completions(&self, wl: &str) -> Vec<Value> {
+        self.statuses(wl)
+            .into_iter()
+            .filter(|b| b["status"] == "completed")
+            .collect()
+    }
+
+    /// Waits at most `timeout` for workload `wl`'s first `completed` status update; returns the
+    /// completions so far.
+    pub fn wait_completions(&self, wl: &str, timeout: Duration) -> Option<Vec<Value>> {
+        wait_for(timeout, || {
+            Some(self.completions(wl)).filter(|d| !d.is_empty())
+        })
+    }
+
     /// Waits until workload `wl` has a status update with `status` = `want`; returns them all.
     pub fn wait_status(&self, wl: &str, want: &str, timeout: Duration) -> Option<Vec<Value>> {
         wait_for(timeout, || {
@@ -325,34 +341,59 @@ impl ControlPlane {
         );
     }
 
-    /// Every command reply with this request id, in arrival order.
-    pub fn replies_for(&self, request_id: &str) -> Vec<Value> {
+    /// Every command reply with this request id, in arrival order: when, on which topic, what.
+    fn replies_with(&self, request_id: &str) -> Vec<(Instant, String, Value)> {
         lock(&self.state)
             .replies
             .iter()
             .filter(|(_, _, v)| v["request_id"] == json!(request_id))
-            .map(|(_, _, v)| v.clone())
+            .cloned()
+            .collect()
+    }
+
+    /// Every command reply with this request id, in arrival order.
+    pub fn replies_for(&self, request_id: &str) -> Vec<Value> {
+        self.replies_with(request_id)
+            .into_iter()
+            .map(|(_, _, v)| v)
             .collect()
     }
 
     pub fn reply_time(&self, request_id: &str) -> Option<Instant> {
-        lock(&self.state)
-            .replies
-            .iter()
-            .find(|(_, _, v)| v["request_id"] == json!(request_id))
-            .map(|(t, _, _)| *t)
+        self.replies_with(request_id).first().map(|(t, _, _)| *t)
     }
 
     pub fn reply_topic(&self, request_id: &str) -> Option<String> {
-        lock(&self.state)
-            .replies
-            .iter()
-            .find(|(_, _, v)| v["request_id"] == json!(request_id))
+        self.replies_with(request_id)
+            .first()
             .map(|(_, t, _)| t.clone())
     }
 
     pub fn wait_reply(&self, request_id: &str, timeout: Duration) -> Option<Value> {
         wait_for(timeout, || self.replies_for(request_id).into_iter().next())
+    }
+
+    /// Asks `id` for `status` again and again (request ids `<tag>-1`, `<tag>-2`, …) until one
+    /// is answered or `timeout` passes: after a broker restart a command published before the
+    /// node (or this fake backend) subscribed again is lost with the broker's sessions.
+    pub fn status_eventually(&self, id: &str, tag: &str, timeout: Duration) -> Option<Value> {
+        let mut n = 0;
+        wait_for(timeout, || {
+            n += 1;
+            self.status(id, &format!("{tag}-{n}"), Duration::from_secs(2))
+        })
+    }
+
+    /// Sends a command to `node` and returns its reply (panics, with the node's log, when none
+    /// comes). The request id is the body's, a string or whatever JSON it is.
+    pub fn ask(&self, node: &super::NodeProcess, body: Value) -> Value {
+        let rid = match &body["request_id"] {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        self.command(&node.uuid(), body);
+        self.wait_reply(&rid, super::timeouts::REPLY)
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()))
     }
 
     /// Sends `status` to `id` and waits for the reply.

@@ -5,13 +5,16 @@
 
 pub mod broker;
 pub mod control_plane;
+pub mod disk;
 pub mod mqtt5;
 pub mod node;
 pub mod preview;
+pub mod procs;
 pub mod rumqttd;
 pub mod scenario;
 pub mod secrets;
 pub mod timeouts;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -19,47 +22,39 @@ use std::time::{Duration, Instant};
 pub use broker::Broker;
 pub use control_plane::{ControlPlane, HeartbeatMode};
 pub use node::NodeProcess;
+pub use scenario::{Rig, Scenario, Start};
 
-/// A broker, the fake backend and a node set up on them with this manifest.
+/// `Scenario::new(manifest).rig()` as a tuple, for tests written before the builder (the
+/// tests in this tree use the builder).
 pub fn rig(manifest: &str) -> (Broker, ControlPlane, node::NodeSetup) {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = node::NodeSetup::new(&broker, &cp);
-    setup.write("cyberwave.yml", manifest);
+    let scenario::Rig { broker, cp, setup } = scenario::Scenario::new(manifest).rig();
     (broker, cp, setup)
 }
 
-/// A broker and a fake backend whose behaviour `f` adjusts (for tests of failure paths).
-pub fn backend_with(f: impl FnOnce(&mut control_plane::Behaviour)) -> (Broker, ControlPlane) {
-    let broker = Broker::start();
-    let mut behaviour = control_plane::Behaviour::default();
-    f(&mut behaviour);
-    let cp = ControlPlane::start_with(broker.port, "", behaviour);
-    (broker, cp)
-}
-
-/// A directory removed on drop.
-pub struct TempDir(PathBuf);
+/// A test's scratch folder (`tempfile`: `/tmp/cwtest-<tag>-XXXXXX`), removed when it is dropped
+/// at the end of the test, pass or fail; kept when `CW_KEEP_TEST_DIRS` is set, to be looked at.
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!(
-            "cwtest-{tag}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("create temp dir");
-        TempDir(p)
+        // Searchable by other users, as a folder made with the default umask is: a node or a
+        // workload run as another uid works below it.
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("cwtest-{tag}-"))
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .disable_cleanup(std::env::var_os("CW_KEEP_TEST_DIRS").is_some())
+            .tempdir()
+            .expect("create a scratch folder");
+        TempDir(dir)
     }
     pub fn path(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
     pub fn join(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
+        self.path().join(rel)
     }
     pub fn write(&self, rel: &str, text: &str) -> PathBuf {
-        let p = self.0.join(rel);
+        let p = self.join(rel);
         if let Some(d) = p.parent() {
             std::fs::create_dir_all(d).expect("mkdir");
         }
@@ -70,20 +65,19 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        if std::env::var_os("CW_KEEP_TEST_DIRS").is_none() {
-            // A process of the test that is still ending may write into it meanwhile (the
-            // removal then fails with ENOTEMPTY): tried again a few times.
-            for _ in 0..20 {
-                if std::fs::remove_dir_all(&self.0).is_ok() || !self.0.exists() {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
+        if std::env::var_os("CW_KEEP_TEST_DIRS").is_some() {
+            return;
+        }
+        // A process of the test that is still ending may write into it meanwhile (the removal
+        // then fails with ENOTEMPTY): tried a few times before `tempfile`'s own last try.
+        for _ in 0..20 {
+            if std::fs::remove_dir_all(self.path()).is_ok() || !self.path().exists() {
+                break;
             }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
-
-static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A free TCP port on loopback (there is a small window before the user binds it; callers
 /// that bind retry on a clash).

@@ -14,7 +14,9 @@ use super::{node_bin, secrets, wait_for, Broker, ControlPlane, TempDir};
 
 pub const TOKEN: &str = "cw_test_token_0123456789abcdef";
 
-/// Environment and arguments for a node; `spawn` starts it.
+/// Environment and arguments for a node; `spawn` starts it. A clone is another node on the same
+/// home and state dir.
+#[derive(Clone)]
 pub struct NodeSetup {
     pub home: Arc<TempDir>,
     pub env: BTreeMap<String, String>,
@@ -105,25 +107,53 @@ impl NodeSetup {
         self.home.write(&format!("work/{rel}"), text)
     }
 
+    /// Writes a file of the node's state dir before the node starts (what an earlier run, or a
+    /// workload, left there), the state dir private as the node makes it.
+    pub fn plant(&self, rel: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
+        let dir = self.config_dir();
+        let path = dir.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap_or(&dir)).expect("a folder of the state dir");
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .expect("the state dir private");
+        std::fs::write(&path, bytes).expect("a file of the state dir");
+        path
+    }
+
+    /// Puts `dir` first on the node's PATH (a stand-in for a program the node or its workloads
+    /// run).
+    pub fn path_first(&mut self, dir: &std::path::Path) -> &mut Self {
+        let path = self.env.get("PATH").cloned().unwrap_or_default();
+        self.set("PATH", &format!("{}:{path}", dir.display()))
+    }
+
+    /// A standalone node (no backend) on the broker at this loopback port.
+    pub fn standalone(port: u16) -> NodeSetup {
+        let mut s = Self::bare();
+        s.set("CYBERWAVE_MQTT_HOST", "127.0.0.1");
+        s.set("CYBERWAVE_MQTT_PORT", &port.to_string());
+        s.arg("--standalone");
+        s
+    }
+
     pub fn spawn(&self) -> NodeProcess {
         NodeProcess::spawn(self)
     }
 
-    /// Runs to completion (for short commands like `validate` or `config`).
-    pub fn run(&self, args: &[&str]) -> Output {
-        let out = Command::new(node_bin())
-            .args(args)
+    /// A CLI command of the node with this setup's environment and working dir, its stdin
+    /// closed (`run` runs one to completion; a test that needs its streams elsewhere takes this).
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(node_bin());
+        cmd.args(args)
             .env_clear()
             .envs(&self.env)
             .current_dir(&self.cwd)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run node");
-        let out = Output {
-            code: out.status.code(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        };
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs to completion (for short commands like `validate` or `config`).
+    pub fn run(&self, args: &[&str]) -> Output {
+        let out = Output::from(self.command(args).output().expect("run node"));
         let leaks = secrets::leaks(&format!("{}\n{}", out.stderr, out.stdout), &self.secrets());
         assert!(
             leaks.is_empty(),
@@ -147,11 +177,33 @@ impl NodeSetup {
     }
 }
 
+/// What a CLI command of the node printed, and its exit code.
 #[derive(Debug)]
 pub struct Output {
     pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
+}
+
+impl From<std::process::Output> for Output {
+    fn from(out: std::process::Output) -> Output {
+        Output {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+impl Output {
+    /// Asserts that stdout holds `needle`; shows stdout if not.
+    pub fn assert_stdout(&self, needle: &str) {
+        assert!(
+            self.stdout.contains(needle),
+            "stdout lacks {needle:?}:\n{}",
+            self.stdout
+        );
+    }
 }
 
 pub struct NodeProcess {
@@ -266,6 +318,22 @@ impl NodeProcess {
 
     pub fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
         wait_for(timeout, || self.log().contains(needle).then_some(())).is_some()
+    }
+
+    /// Asserts that the node's log holds `needle`, waiting for it a while (what the node writes
+    /// reaches the test through a pipe); shows the log if it never comes.
+    pub fn assert_logged(&self, needle: &str) {
+        assert!(
+            self.wait_log(needle, super::timeouts::REPLY),
+            "the node's log lacks {needle:?}:\n{}",
+            self.log()
+        );
+    }
+
+    /// Asserts that the node exits with `code` within `timeout`; shows the log if not.
+    pub fn assert_exit(&mut self, code: i32, timeout: Duration) {
+        let got = self.wait_exit(timeout);
+        assert_eq!(got, Some(Some(code)), "{}", self.log());
     }
 
     /// Waits for the "node ready" line; panics with the log if it does not come.

@@ -3,32 +3,24 @@
 
 use serde_json::json;
 
-use crate::support::rig;
-use crate::support::scenario::Start;
-use crate::support::timeouts::{DONE, EXIT, READY, REPLY};
+use crate::support::scenario::{completion, Start};
+use crate::support::timeouts::{EXIT, READY, REPLY};
+use crate::support::{procs, Rig, Scenario};
 
 /// The uid an unprivileged same-uid attacker runs as (the node runs as it too).
 const NOBODY: u32 = 65534;
 
 /// D46.1: the node's broker socket (Paho C opens it without close-on-exec) and every other
-/// descriptor of the node stay out of the workload: it holds exactly its three streams. On
-/// main at f918294 the workload held the live broker connection and could publish as the node.
+/// descriptor of the node stay out of the workload: it holds exactly its three streams (with the
+/// live broker connection it could publish as the node).
 #[test]
 fn g13_a_workload_holds_no_descriptor_of_the_node() {
-    let (_b, cp, setup) = rig("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n");
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": "fds", "params": {"workload_uuid": "wl-fds"}}),
-    );
-    let r = cp.wait_reply("fds", REPLY).expect("reply");
-    assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-fds", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    let (rig, node) =
+        Scenario::new("cyberwave:\n  training: |\n    ls -l /proc/$$/fd > fds.txt\n").node();
+    let Rig { cp, setup, .. } = &rig;
+    let w = Start::training("fds");
+    w.ok(cp, &node);
+    w.completion(cp);
     let listing = std::fs::read_to_string(setup.cwd.join("fds.txt")).unwrap();
     // `ls` runs in a child of the workload's shell and lists the shell's descriptors.
     let numbers: Vec<&str> = listing
@@ -45,18 +37,19 @@ fn g13_a_workload_holds_no_descriptor_of_the_node() {
 
 /// D46.2: a workload of the node's own uid cannot read the node's environment (its API key) nor
 /// list its descriptors through /proc. The node runs as an unprivileged uid here: root reads
-/// everything, so the attack is only meaningful without it. On main the workload read the key.
+/// everything, so the attack is only meaningful without it.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
     crate::support::assert_root(&format!("to run the node as uid {NOBODY}"));
-    let (_b, cp, mut setup) = rig(concat!(
+    let mut rig = Scenario::new(concat!(
         "cyberwave:\n  training: |\n",
         "    node=$(awk '{print $4}' /proc/$PPID/stat)\n",
         "    echo \"$node\" > node.pid\n",
         "    if cat /proc/$node/environ > environ.txt 2>/dev/null; then echo read > environ.rc; else echo refused > environ.rc; fi\n",
         "    if ls /proc/$node/fd > nodefds.txt 2>/dev/null; then echo read > fd.rc; else echo refused > fd.rc; fi\n",
-    ));
+    )).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.uid = Some(NOBODY);
     // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
     // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
@@ -69,17 +62,9 @@ fn g13_a_same_uid_workload_cannot_read_the_nodes_environment() {
     assert!(chown.success());
     let node = setup.spawn();
     node.wait_ready(READY);
-    cp.command(
-        &node.uuid(),
-        json!({"command": "training", "request_id": "env", "params": {"workload_uuid": "wl-env"}}),
-    );
-    let r = cp.wait_reply("env", REPLY).expect("reply");
-    assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-env", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    let w = Start::training("env");
+    w.ok(cp, &node);
+    w.completion(cp);
     let read = |f: &str| std::fs::read_to_string(setup.cwd.join(f)).unwrap_or_default();
     assert_eq!(read("node.pid").trim(), node.pid().to_string());
     assert_eq!(
@@ -103,13 +88,13 @@ fn chown_nobody(path: &std::path::Path) {
 
 /// D46.3: with `cloud_node.workload_user` the workload runs as that uid with that user's
 /// groups only, reads its own params file, and can neither list, read nor write the node's
-/// state dir (its identity, other records, its own record). On main the key was unknown and
-/// the workload ran as root.
+/// state dir (its identity, other records, its own record).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     crate::support::assert_root(&format!("to run workloads as uid {NOBODY}"));
-    let (_b, cp, setup) = rig("");
+    let rig = Scenario::new("").rig();
+    let Rig { cp, setup, .. } = &rig;
     let state = setup.config_dir().display().to_string();
     setup.write(
         "cyberwave.yml",
@@ -145,11 +130,7 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     );
     let r = cp.wait_reply("wu", REPLY).expect("reply");
     assert_eq!(r["status"], "ok", "{r}");
-    assert!(
-        cp.wait_status("wl-wu", "completed", DONE).is_some(),
-        "{}",
-        node.log()
-    );
+    completion(cp, "wl-wu");
     let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap_or_default();
     assert_eq!(read("uid").trim(), NOBODY.to_string(), "{}", node.log());
     assert_eq!(read("groups").trim(), NOBODY.to_string());
@@ -166,23 +147,22 @@ fn g13_a_workload_user_cannot_read_or_write_the_state_dir() {
     // Its workflow events still reach the node; nothing else of the control socket does.
     assert!(read("emit").contains("rc=0"), "{}", read("emit"));
     assert!(read("drain").contains("only `emit`"), "{}", read("drain"));
-    assert!(
-        node.log().contains("workloads run as nobody"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("workloads run as nobody");
 }
 
 /// D46.3: a workload user that does not exist is refused at start with exit 2 naming the
 /// setting, before anything runs (one the node lacks the privilege to become: the next test).
 #[test]
 fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() {
-    let (_b, _cp, setup) =
-        rig("cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n");
+    let rig = Scenario::new(
+        "cloud_node:\n  workload_user: no-such-user-cw\ncyberwave:\n  training: echo x\n",
+    )
+    .rig();
+    let Rig { setup, .. } = &rig;
     let mut node = setup.spawn();
     let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
-    assert!(node.log().contains("workload_user"), "{}", node.log());
+    node.assert_logged("workload_user");
 }
 
 /// D46.3 for a node without the privilege (root to run it as uid 65534): a workload user it
@@ -191,8 +171,9 @@ fn g13_a_workload_user_the_node_cannot_become_is_refused_at_start_with_exit_2() 
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_start_with_exit_2() {
     crate::support::assert_root(&format!("to run the node as uid {NOBODY}"));
-    let (_b, _cp, mut setup) =
-        rig("cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n");
+    let mut rig =
+        Scenario::new("cloud_node:\n  workload_user: root\ncyberwave:\n  training: echo x\n").rig();
+    let Rig { setup, .. } = &mut rig;
     setup.uid = Some(NOBODY);
     // Only directories that uid may search: an unsearchable one on PATH (/root/.cargo/bin)
     // makes every exec of a PATH name fail with EACCES (nvidia-smi included: a "broken driver").
@@ -201,7 +182,7 @@ fn g13_a_workload_user_a_node_without_cap_setuid_cannot_become_is_refused_at_sta
     let mut node = setup.spawn();
     let code = node.wait_exit(EXIT).expect("exits");
     assert_eq!(code, Some(2), "{}", node.log());
-    assert!(node.log().contains("CAP_SETUID"), "{}", node.log());
+    node.assert_logged("CAP_SETUID");
 }
 
 /// Writes its supervisor's pid (`$PPID`) to `t/<rid>.sup`, appends a line to `t/<rid>.runs`
@@ -213,17 +194,6 @@ fn proc_text(pid: i32, what: &str) -> String {
     std::fs::read(format!("/proc/{pid}/{what}"))
         .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
         .unwrap_or_default()
-}
-
-/// The parent of `pid`, from `/proc/<pid>/stat`.
-fn parent_of(pid: i32) -> i32 {
-    let stat = proc_text(pid, "stat");
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    after
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Descriptor number → what it points at.
@@ -293,14 +263,15 @@ fn memory_contains(pid: i32, needle: &[u8]) -> bool {
 /// line and then `/dev/null`, stderr `shim.log`.
 #[test]
 fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment() {
-    let (_b, cp, setup) = rig(WAITING);
+    let rig = Scenario::new(WAITING).rig();
+    let Rig { cp, setup, .. } = &rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
     let w = Start::training("fs1");
-    assert_eq!(w.reply(&cp, &node)["status"], "ok");
+    assert_eq!(w.reply(cp, &node)["status"], "ok");
     let sup = supervisor_of(&setup.cwd, "fs1");
-    assert_eq!(parent_of(sup), node.pid(), "the node's child");
+    assert_eq!(procs::parent(sup), node.pid(), "the node's child");
     let cmdline = proc_text(sup, "cmdline");
     assert!(cmdline.contains(" __shim "), "{cmdline}");
     let cwd = std::fs::read_link(format!("/proc/{sup}/cwd")).unwrap();
@@ -335,7 +306,7 @@ fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment()
         "the workload's environment"
     );
     std::fs::write(setup.cwd.join("t/fs1.stop"), "").unwrap();
-    assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert_eq!(w.completion(cp)["exit_code"], 0, "{}", node.log());
 }
 
 /// D46.2 / each workload its own token: start A carries a token of its own; start B, after it,
@@ -343,22 +314,23 @@ fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment()
 /// token (every supervisor is exec'd from a fresh image).
 #[test]
 fn g13_a_supervisor_does_not_hold_an_earlier_start_token() {
-    let (_b, cp, setup) = rig(WAITING);
+    let rig = Scenario::new(WAITING).rig();
+    let Rig { cp, setup, .. } = &rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
     let token = "LEAKED-TOKEN-OF-A-".repeat(400);
     let a = Start::training("exa").with(json!({ "cyberwave_workload_token": token }));
-    assert_eq!(a.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    assert_eq!(a.reply(cp, &node)["status"], "ok", "{}", node.log());
     let _ = supervisor_of(&setup.cwd, "exa");
     std::fs::write(setup.cwd.join("t/exa.stop"), "").unwrap();
-    assert_eq!(a.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert_eq!(a.completion(cp)["exit_code"], 0, "{}", node.log());
     let b = Start::training("exb");
-    assert_eq!(b.reply(&cp, &node)["status"], "ok", "{}", node.log());
+    assert_eq!(b.reply(cp, &node)["status"], "ok", "{}", node.log());
     let sup_b = supervisor_of(&setup.cwd, "exb");
     let leaked = memory_contains(sup_b, b"LEAKED-TOKEN-OF-A-LEAKED-TOKEN-OF-A-");
     std::fs::write(setup.cwd.join("t/exb.stop"), "").unwrap();
-    assert_eq!(b.completion(&cp)["exit_code"], 0, "{}", node.log());
+    assert_eq!(b.completion(cp)["exit_code"], 0, "{}", node.log());
     assert!(!leaked, "a supervisor holds an earlier start's token");
 }
 
@@ -367,7 +339,8 @@ fn g13_a_supervisor_does_not_hold_an_earlier_start_token() {
 /// supervisor holds exactly its three streams.
 #[test]
 fn g13_a_node_started_with_stdin_and_stdout_closed_still_starts_its_workloads() {
-    let (_b, cp, mut setup) = rig(WAITING);
+    let mut rig = Scenario::new(WAITING).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     setup.under = ["sh", "-c", "exec \"$@\" 0<&- 1>&-", "sh"]
         .map(String::from)
@@ -376,12 +349,12 @@ fn g13_a_node_started_with_stdin_and_stdout_closed_still_starts_its_workloads() 
     node.wait_ready(READY);
     for rid in ["cl1", "cl2", "cl3"] {
         let w = Start::training(rid);
-        assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+        assert_eq!(w.reply(cp, &node)["status"], "ok", "{}", node.log());
         let sup = supervisor_of(&setup.cwd, rid);
         let settled = crate::support::wait_for(REPLY, || (fds_of(sup).len() == 3).then_some(()));
         assert!(settled.is_some(), "{rid}: {:?}", fds_of(sup));
         std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
-        assert_eq!(w.completion(&cp)["exit_code"], 0, "{}", node.log());
+        assert_eq!(w.completion(cp)["exit_code"], 0, "{}", node.log());
         let runs = std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap();
         assert_eq!(runs.lines().count(), 1, "{rid}");
     }

@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::node::NodeSetup;
+use crate::support::scenario::error_of;
 use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{wait_for, Broker, ControlPlane};
+use crate::support::{wait_for, Rig, Scenario};
 
 /// A pids cgroup of its own (cgroup v1's `pids` hierarchy, or v2's unified one), every process
 /// in it killed and the cgroup removed when dropped. Making one needs root.
@@ -99,26 +99,24 @@ const BOMB: &str = "import os, time\nn = 0\nwhile True:\n    try:\n        pid =
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_wedges_the_node() {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.write("bomb.py", BOMB);
-    setup.write(
-        "cyberwave.yml",
+    let mut rig = Scenario::new(
         "cyberwave:\n  inference: python3 bomb.py\n  simulate: touch simulated\n  max_concurrent_workloads: 4\n",
-    );
+    )
+    .file("bomb.py", BOMB)
+    .rig();
     let cg = PidsCgroup::new("pids");
-    setup.under = cg.under();
+    rig.setup.under = cg.under();
+    let Rig { cp, setup, .. } = &rig;
     let node = setup.spawn();
     node.wait_ready(READY);
     // Room for the workload's supervisor, its shell or python, and a few children.
     let base = cg.current();
     cg.set_max(base + 16);
-    Start::new("inference", "b1").ok(&cp, &node);
+    Start::new("inference", "b1").ok(cp, &node);
     let made = wait_for(DONE, || {
         std::fs::read_to_string(setup.cwd.join("full")).ok()
     })
-    .unwrap_or_else(|| panic!("the workload never filled its cgroup; log:\n{}", node.log()));
+    .expect("the workload never filled its cgroup");
     assert!(
         cg.current() >= base + 16,
         "the cgroup is full: {made} children"
@@ -126,24 +124,19 @@ fn g13_a_workload_that_takes_every_process_of_the_nodes_cgroup_neither_ends_nor_
     // The node answers, and refuses what it cannot start, in words.
     let st = cp
         .status(&node.uuid(), "st-full", REPLY)
-        .unwrap_or_else(|| panic!("no status while the cgroup is full; log:\n{}", node.log()));
+        .expect("no status while the cgroup is full");
     assert_eq!(st["status"], "ok", "{st}");
-    let refused = Start::new("simulate", "b2").reply(&cp, &node);
+    let refused = Start::new("simulate", "b2").reply(cp, &node);
     assert_eq!(refused["status"], "error", "{refused}");
-    let why = refused["error"].as_str().unwrap_or("");
+    let why = error_of(&refused);
     assert!(why.contains("Failed to start simulate"), "{refused}");
     // The workload that did it is cancelled and reported; then starts work again.
     Start::new("cancel", "c1")
         .params(json!({"workload_request_id": "b1"}))
-        .ok(&cp, &node);
+        .ok(cp, &node);
     cp.wait_status("wl-b1", "cancelled", DONE)
-        .unwrap_or_else(|| {
-            panic!(
-                "the cancelled workload was not reported; log:\n{}",
-                node.log()
-            )
-        });
-    Start::new("simulate", "b3").ok(&cp, &node);
+        .expect("the cancelled workload was not reported");
+    Start::new("simulate", "b3").ok(cp, &node);
     assert!(
         !node.log().contains("panicked"),
         "the node panicked; log:\n{}",

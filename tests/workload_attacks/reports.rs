@@ -5,34 +5,20 @@
 //! upload deadline and a cancel ends its uploads at once (D68), and a start that meets a full
 //! state disk (of bytes or of inodes) is a retryable `disk_low` refusal that leaves nothing.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use crate::support::disk::Tmpfs;
 use crate::support::node::NodeSetup;
-use crate::support::scenario::Start;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{wait_for, Broker, ControlPlane};
+use crate::support::{procs, wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
-fn rig(manifest: &str) -> (Broker, ControlPlane, NodeSetup) {
-    let broker = Broker::start();
-    let cp = ControlPlane::start(broker.port, "");
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write("cyberwave.yml", manifest);
-    std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
-    (broker, cp, setup)
-}
-
+/// The lines workload `rid` appended to `t/<rid>.runs`.
 fn runs(setup: &NodeSetup, rid: &str) -> String {
     std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap_or_default()
-}
-
-fn completions(cp: &ControlPlane, wl: &str) -> Vec<Value> {
-    cp.statuses(wl)
-        .into_iter()
-        .filter(|b| b["status"] == "completed")
-        .collect()
 }
 
 fn cancel(cp: &ControlPlane, uuid: &str, rid: &str, target: &str) {
@@ -48,22 +34,21 @@ fn cancel(cp: &ControlPlane, uuid: &str, rid: &str, target: &str) {
 /// cancelled, and the same cancel sent again is not answered with the promise again.
 #[test]
 fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkill_of_the_node() {
-    let (_broker, cp, mut setup) = rig(
-        "cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; trap 'echo term >> t/$CYBERWAVE_REQUEST_ID.runs; exit 143' TERM; sleep 10 & wait\n",
-    );
+    let mut rig = Scenario::new("cyberwave:\n  inference: echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs; trap 'echo term >> t/$CYBERWAVE_REQUEST_ID.runs; exit 143' TERM; sleep 10 & wait\n").dir("t").rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_TEST_SLOW_FSYNC_MS", "3000");
     let mut node = setup.spawn();
     node.wait_ready(READY);
     let uuid = node.uuid();
-    Start::new("inference", "pc").send(&cp, &node);
+    Start::new("inference", "pc").send(cp, &node);
     wait_for(Duration::from_secs(10), || {
-        (runs(&setup, "pc").lines().count() == 1).then_some(())
+        (runs(setup, "pc").lines().count() == 1).then_some(())
     })
-    .unwrap_or_else(|| panic!("the workload did not run; log:\n{}", node.log()));
-    cancel(&cp, &uuid, "pc-x", "pc");
+    .expect("the workload did not run");
+    cancel(cp, &uuid, "pc-x", "pc");
     let answer = cp
         .wait_reply("pc-x", Duration::from_secs(5))
-        .unwrap_or_else(|| panic!("cancel not answered; log:\n{}", node.log()));
+        .expect("cancel not answered");
     assert_eq!(answer["status"], "ok", "{answer}");
     assert_eq!(answer["output"]["state"], "starting", "{answer}");
     assert!(
@@ -92,19 +77,15 @@ fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkil
         all.iter().all(|b| b["status"] != "completed"),
         "reported once: {all:?}"
     );
-    let lines = runs(&setup, "pc");
+    let lines = runs(setup, "pc");
     assert!(
         lines.lines().count() == 2 && lines.ends_with("term\n"),
         "ran once and got SIGTERM: {lines:?}"
     );
     // Sent again (a QoS 1 redelivery after the restart): not the promise of the first answer.
-    cancel(&cp, &uuid, "pc-x", "pc");
-    let again = wait_for(REPLY, || cp.replies_for("pc-x").get(1).cloned()).unwrap_or_else(|| {
-        panic!(
-            "the cancel sent again is not answered; log:\n{}",
-            node.log()
-        )
-    });
+    cancel(cp, &uuid, "pc-x", "pc");
+    let again = wait_for(REPLY, || cp.replies_for("pc-x").get(1).cloned())
+        .expect("the cancel sent again is not answered");
     assert_eq!(again["status"], "ok", "{again}");
     assert_ne!(again["output"]["state"], "starting", "{again}");
 }
@@ -114,41 +95,32 @@ fn g11_a_cancel_answered_while_its_workload_starts_is_carried_out_after_a_sigkil
 /// workload is reported once, with its exit code, and its slot freed.
 #[test]
 fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
-    let (_broker, cp, setup) = rig(concat!(
+    let (rig, node) = Scenario::new(concat!(
         "cyberwave:\n  inference: |\n",
         "    echo $PPID > t/sup\n",
         "    sleep 1\n",
         "    kill -STOP $PPID\n",
         "    exit 3\n",
-    ));
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::new("inference", "stop").ok(&cp, &node);
-    let sup: i32 = wait_for(REPLY, || {
-        std::fs::read_to_string(setup.cwd.join("t/sup"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    })
-    .expect("the workload wrote its supervisor's pid");
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(completions(&cp, "wl-stop")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| {
-        let state = std::fs::read_to_string(format!("/proc/{sup}/stat")).unwrap_or_default();
-        panic!(
-            "no completion for a workload whose supervisor it stopped (supervisor: {state:?}); log:\n{}",
+    ))
+    .dir("t")
+    .node();
+    Start::new("inference", "stop").ok(&rig.cp, &node);
+    let sup = rig.pid_in("t/sup");
+    let done = rig
+        .cp
+        .wait_completions("wl-stop", Duration::from_secs(15))
+        .unwrap_or_else(|| {
+            panic!(
+            "no completion for a workload whose supervisor it stopped (supervisor: {:?}); log:\n{}",
+            procs::state(sup),
             node.log()
         )
-    });
+        });
     assert_eq!(done[0]["exit_code"], 3, "{done:?}");
     assert_eq!(done[0]["success"], false, "{done:?}");
-    let gone = wait_for(REPLY, || {
-        (!Path::new(&format!("/proc/{sup}")).exists()).then_some(())
-    });
+    let gone = wait_for(REPLY, || procs::state(sup).is_none().then_some(()));
     assert!(gone.is_some(), "the supervisor was left stopped");
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     assert_eq!(
         st["output"]["active_workloads"],
         json!([]),
@@ -156,7 +128,7 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
     );
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
-        completions(&cp, "wl-stop").len(),
+        rig.cp.completions("wl-stop").len(),
         1,
         "exactly one completion"
     );
@@ -168,48 +140,34 @@ fn g13_d66_a_workload_that_stops_its_supervisor_and_exits_is_reported_once() {
 #[test]
 fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_reported_after_the_restart(
 ) {
-    let (_broker, cp, setup) = rig(concat!(
+    let (rig, mut node) = Scenario::new(concat!(
         "cyberwave:\n  inference: |\n",
         "    echo $PPID > t/sup\n",
         "    until [ -e t/go ]; do sleep 0.05; done\n",
         "    kill -STOP $PPID\n",
         "    exit 4\n",
-    ));
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
-    Start::new("inference", "stop2").ok(&cp, &node);
-    let sup: i32 = wait_for(REPLY, || {
-        std::fs::read_to_string(setup.cwd.join("t/sup"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    })
-    .expect("the workload wrote its supervisor's pid");
+    ))
+    .dir("t")
+    .node();
+    let Rig { cp, setup, .. } = &rig;
+    Start::new("inference", "stop2").ok(cp, &node);
+    let sup = rig.pid_in("t/sup");
     node.kill9();
-    std::fs::write(setup.cwd.join("t/go"), "").unwrap();
-    let stopped = wait_for(REPLY, || {
-        let stat = std::fs::read_to_string(format!("/proc/{sup}/stat")).ok()?;
-        stat.rsplit_once(')')?
-            .1
-            .trim_start()
-            .starts_with('T')
-            .then_some(())
-    });
+    rig.touch("t/go");
+    let stopped = wait_for(REPLY, || (procs::state(sup) == Some('T')).then_some(()));
     assert!(
         stopped.is_some(),
         "the workload did not stop its supervisor"
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    let done = wait_for(Duration::from_secs(15), || {
-        Some(completions(&cp, "wl-stop2")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| panic!("no completion after the restart; log:\n{}", node.log()));
+    let done = cp
+        .wait_completions("wl-stop2", Duration::from_secs(15))
+        .expect("no completion after the restart");
     assert_eq!(done[0]["exit_code"], 4, "{done:?}");
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
-        completions(&cp, "wl-stop2").len(),
+        cp.completions("wl-stop2").len(),
         1,
         "exactly one completion"
     );
@@ -218,13 +176,14 @@ fn g13_d66_a_workload_that_stops_its_supervisor_while_the_node_is_down_is_report
 /// A training that writes three result files into its own results folder.
 const THREE_RESULTS: &str = "cyberwave:\n  training: for f in a b c; do head -c 20000 /dev/urandom > \"$CYBERWAVE_RESULTS_DIR/$f.bin\"; done\n  results_folder: out\n";
 
-/// An upload endpoint that takes the bytes and never answers (for ten minutes).
-fn hung_backend() -> (Broker, ControlPlane) {
-    crate::support::backend_with(|b| b.put_delay = Duration::from_secs(600))
+/// A node running [`THREE_RESULTS`] whose upload endpoint takes the bytes and never answers
+/// (for ten minutes).
+fn hung_backend() -> Scenario {
+    Scenario::new(THREE_RESULTS).backend(|b| b.put_delay = Duration::from_secs(600))
 }
 
-fn results_left(setup: &NodeSetup, rid: &str) -> Vec<String> {
-    let dir = setup.cwd.join("out").join(rid);
+fn results_left(rig: &Rig, rid: &str) -> Vec<String> {
+    let dir = rig.work("out").join(rid);
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .map(|d| {
             d.flatten()
@@ -236,39 +195,38 @@ fn results_left(setup: &NodeSetup, rid: &str) -> Vec<String> {
     names
 }
 
+/// The completion of `rid` names its three results as not uploaded, they are left on disk, and
+/// its slot is free.
+fn assert_uploads_abandoned(rig: &Rig, node: &NodeProcess, done: &Value, rid: &str) {
+    assert_eq!(
+        done["results_not_uploaded"],
+        json!(["a.bin", "b.bin", "c.bin"]),
+        "{done}"
+    );
+    assert_eq!(results_left(rig, rid), ["a.bin", "b.bin", "c.bin"]);
+    let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
+    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
+}
+
 /// D68: an upload endpoint that never answers holds a finalizing workload no longer than its
 /// upload deadline (`CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS`, here 3 s): then the completion
 /// goes out, naming the files left on disk in `results_not_uploaded`, and the slot is free.
 #[test]
 fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_deadline() {
-    let (broker, cp) = hung_backend();
-    let mut setup = NodeSetup::new(&broker, &cp);
-    setup.set("CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS", "3");
-    setup.write("cyberwave.yml", THREE_RESULTS);
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("hung").ok(&cp, &node);
-    cp.wait_status("wl-hung", "finalizing", DONE)
-        .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
-    let done = wait_for(Duration::from_secs(20), || {
-        Some(completions(&cp, "wl-hung")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "a hung upload endpoint holds the workload finalizing; log:\n{}",
-            node.log()
-        )
-    });
+    let (rig, node) = hung_backend()
+        .env("CYBERWAVE_NODE_UPLOAD_DEADLINE_SECONDS", "3")
+        .node();
+    Start::training("hung").ok(&rig.cp, &node);
+    rig.cp
+        .wait_status("wl-hung", "finalizing", DONE)
+        .expect("no finalizing status");
+    let done = rig
+        .cp
+        .wait_completions("wl-hung", Duration::from_secs(20))
+        .expect("a hung upload endpoint holds the workload finalizing");
     assert_eq!(done[0]["exit_code"], 0, "{done:?}");
-    assert_eq!(
-        done[0]["results_not_uploaded"],
-        json!(["a.bin", "b.bin", "c.bin"]),
-        "{done:?}"
-    );
-    assert_eq!(results_left(&setup, "hung"), ["a.bin", "b.bin", "c.bin"]);
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
-    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
-    assert!(node.log().contains("abandoned"), "{}", node.log());
+    assert_uploads_abandoned(&rig, &node, &done[0], "hung");
+    node.assert_logged("abandoned");
 }
 
 /// D68: `cancel` of a finalizing workload (its upload endpoint hangs, the default deadline of
@@ -276,68 +234,25 @@ fn g3_d68_a_hung_upload_endpoint_holds_a_workload_no_longer_than_its_upload_dead
 /// the workload's own exit code and the files left on disk named.
 #[test]
 fn g3_d68_a_cancel_of_a_finalizing_workload_abandons_its_uploads_at_once() {
-    let (broker, cp) = hung_backend();
-    let setup = NodeSetup::new(&broker, &cp);
-    setup.write("cyberwave.yml", THREE_RESULTS);
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("fin").ok(&cp, &node);
-    cp.wait_status("wl-fin", "finalizing", DONE)
-        .unwrap_or_else(|| panic!("no finalizing status; log:\n{}", node.log()));
-    cancel(&cp, &node.uuid(), "fin-x", "fin");
-    let answer = cp.wait_reply("fin-x", REPLY).expect("cancel answered");
+    let (rig, node) = hung_backend().node();
+    Start::training("fin").ok(&rig.cp, &node);
+    rig.cp
+        .wait_status("wl-fin", "finalizing", DONE)
+        .expect("no finalizing status");
+    cancel(&rig.cp, &node.uuid(), "fin-x", "fin");
+    let answer = rig.cp.wait_reply("fin-x", REPLY).expect("cancel answered");
     assert_eq!(answer["status"], "ok", "{answer}");
     let message = answer["output"]["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("result uploads were abandoned"),
         "{answer}"
     );
-    let done = wait_for(Duration::from_secs(5), || {
-        Some(completions(&cp, "wl-fin")).filter(|d| !d.is_empty())
-    })
-    .unwrap_or_else(|| panic!("no completion after the cancel; log:\n{}", node.log()));
+    let done = rig
+        .cp
+        .wait_completions("wl-fin", Duration::from_secs(5))
+        .expect("no completion after the cancel");
     assert_eq!(done[0]["success"], true, "it exited 0: {done:?}");
-    assert_eq!(
-        done[0]["results_not_uploaded"],
-        json!(["a.bin", "b.bin", "c.bin"]),
-        "{done:?}"
-    );
-    assert_eq!(results_left(&setup, "fin"), ["a.bin", "b.bin", "c.bin"]);
-    let st = cp.status(&node.uuid(), "st", REPLY).expect("status");
-    assert_eq!(st["output"]["active_workloads"], json!([]), "{st}");
-}
-
-/// A tmpfs mounted on the node's state dir with `options` (unmounted when dropped: declare it
-/// after the `NodeSetup`, before the node). Mounting needs root.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(setup: &NodeSetup, options: &str) -> Tmpfs {
-        crate::support::assert_root("a full state dir is a small tmpfs, and mounting one");
-        let dir = setup.config_dir();
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
-            .arg(&dir)
-            .output()
-            .expect("run mount");
-        assert!(
-            out.status.success(),
-            "cannot mount a tmpfs ({options}) on {} as root: {}",
-            dir.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Tmpfs(dir)
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .output();
-    }
+    assert_uploads_abandoned(&rig, &node, &done[0], "fin");
 }
 
 /// Fills the state dir's disk: one file of bytes until no byte fits, or (`inodes`) empty files
@@ -365,12 +280,15 @@ fn fill(setup: &NodeSetup, inodes: bool) -> PathBuf {
 /// refusal (host busy), not a permanent failure; nothing of it is left (no record, no note, no
 /// inline image); once space returns the same request starts.
 fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
-    let (_broker, cp, mut setup) =
-        rig("cyberwave:\n  inference: echo ran >> t/$CYBERWAVE_REQUEST_ID.runs\n");
+    let mut rig =
+        Scenario::new("cyberwave:\n  inference: echo ran >> t/$CYBERWAVE_REQUEST_ID.runs\n")
+            .dir("t")
+            .rig();
+    let Rig { cp, setup, .. } = &mut rig;
     // The admission's own check of free space is off: the start itself meets the full disk.
     setup.set("CYBERWAVE_MIN_FREE_DISK_MB", "0");
-    let _disk = Tmpfs::mount(
-        &setup,
+    let _disk = Tmpfs::on_state_dir(
+        setup,
         if inodes {
             "size=64m,nr_inodes=200,mode=0700"
         } else {
@@ -379,20 +297,20 @@ fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
     );
     let node = setup.spawn();
     node.wait_ready(READY);
-    let filler = fill(&setup, inodes);
+    let filler = fill(setup, inodes);
     // An inline image, as a preview sends it: what the start writes first.
     let image = json!({"image_bytes_base64": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="});
     let start = Start::new("inference", "full").with(image);
-    let reply = start.reply(&cp, &node);
+    let reply = start.reply(cp, &node);
     assert_eq!(reply["status"], "error", "{reply}");
-    let text = reply["error"].as_str().unwrap_or_default();
+    let text = error_of(&reply);
     assert!(
         text.starts_with("Controller host is busy with low disk space"),
         "a retryable refusal that says why: {text}"
     );
     let failed = cp
         .wait_status("wl-full", "failed", REPLY)
-        .unwrap_or_else(|| panic!("no failed status; log:\n{}", node.log()));
+        .expect("no failed status");
     let failed: Vec<&Value> = failed.iter().filter(|s| s["status"] == "failed").collect();
     assert_eq!(failed[0]["rejection_reason"], "host_busy", "{failed:?}");
     assert_eq!(failed[0]["busy_reason"], "disk_low", "{failed:?}");
@@ -409,15 +327,15 @@ fn a_start_on_a_full_disk_is_refused_retryably(inodes: bool) {
     assert_eq!(left("workloads"), Vec::<String>::new(), "no record left");
     assert_eq!(left("starts"), Vec::<String>::new(), "no note left");
     assert_eq!(left("inputs"), Vec::<String>::new(), "no image left");
-    assert_eq!(runs(&setup, "full"), "", "nothing ran");
+    assert_eq!(runs(setup, "full"), "", "nothing ran");
     // Space returns: the same request, retried, starts.
     std::fs::remove_dir_all(&filler).unwrap();
-    start.send(&cp, &node);
+    start.send(cp, &node);
     let again = wait_for(REPLY, || cp.replies_for("full").get(1).cloned())
-        .unwrap_or_else(|| panic!("the retried start is not answered; log:\n{}", node.log()));
+        .expect("the retried start is not answered");
     assert_eq!(again["status"], "ok", "{again}; log:\n{}", node.log());
-    wait_for(REPLY, || (runs(&setup, "full") == "ran\n").then_some(()))
-        .unwrap_or_else(|| panic!("the retried start did not run; log:\n{}", node.log()));
+    wait_for(REPLY, || (runs(setup, "full") == "ran\n").then_some(()))
+        .expect("the retried start did not run");
 }
 
 #[test]

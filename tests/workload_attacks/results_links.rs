@@ -1,4 +1,4 @@
-//! D61 and D65: what a workload under `workload_user` can make the node (root) do through the
+//! D24, D61 and D65: what a workload under `workload_user` can make the node (root) do through the
 //! folders it can write — `results_folder`, or the folder above it — by a link, a rename, a race
 //! or a hard link, and what workloads under one user could do to each other. Each test is the
 //! attack as a workload would run it, and checks that nothing outside `results_folder` changed
@@ -10,10 +10,9 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::node::NodeSetup;
-use crate::support::scenario::{completion, uploaded, Start};
+use crate::support::scenario::{completion, uploaded};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{rig, wait_for, Broker, ControlPlane, TempDir};
+use crate::support::{wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start, TempDir};
 
 /// Throwaway users for one test (`useradd` as root, each with a home of its own), removed with
 /// their homes when the test ends.
@@ -91,19 +90,14 @@ fn chown(path: &Path, uid: u32) {
 
 /// A node whose workloads run as `users` (a name or a pool) with `slots` slots and this
 /// training script, its results in `results` (relative to its working dir).
-fn node_as(
-    users: &str,
-    slots: u32,
-    results: &str,
-    script: &str,
-) -> (Broker, ControlPlane, NodeSetup) {
+fn node_as(users: &str, slots: u32, results: &str, script: &str) -> Rig {
     let indented: String = script.lines().map(|l| format!("    {l}\n")).collect();
-    let (b, cp, mut setup) = rig(&format!(
+    Scenario::new(&format!(
         "cloud_node:\n  workload_user: {users}\n  max_concurrent_workloads: {slots}\ncyberwave:\n  training: |\n{indented}  results_folder: {results}\n"
-    ));
+    ))
     // Only directories every user may search on PATH.
-    setup.set("PATH", "/usr/local/bin:/usr/bin:/bin");
-    (b, cp, setup)
+    .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+    .rig()
 }
 
 /// A folder of root's outside the results folder, holding a file: what an attack must not reach.
@@ -142,22 +136,22 @@ impl Outside {
 }
 
 /// Starts `rid` and waits for its completion.
-fn run(cp: &ControlPlane, node: &crate::support::NodeProcess, rid: &str) -> serde_json::Value {
+fn run(cp: &ControlPlane, node: &NodeProcess, rid: &str) -> serde_json::Value {
     let w = Start::training(rid);
     w.ok(cp, node);
     w.completion(cp)
 }
 
 /// D65: a workload plants a symlink named like the next request id in `results_folder`
-/// (pointing at a folder of root's); on main the node (root) made the next workload's results
-/// folder through it and chmod-ed the folder it points at to 0400. Now the folder is made with
-/// `mkdirat` from a descriptor: a name that exists is refused, never followed.
+/// (pointing at a folder of root's). The node (root) must not make the next workload's results
+/// folder through it, nor change the folder it points at: the folder is made with `mkdirat`
+/// from a descriptor, so a name that exists is refused, never followed.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
     let users = Users::new("ln", 1);
     let outside = Outside::new("ln");
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         1,
         "out",
@@ -166,13 +160,14 @@ fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
             outside.path.display()
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     std::fs::create_dir(&out).unwrap();
     chown(&out, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "plant");
-    let done = run(&cp, &node, "victim");
+    run(cp, &node, "plant");
+    let done = run(cp, &node, "victim");
     assert_eq!(done["success"], true, "{done}");
     outside.assert_untouched(&node.log());
     assert!(
@@ -182,17 +177,13 @@ fn g10_d65_a_link_named_like_the_next_request_id_reaches_nothing_outside() {
             .is_symlink(),
         "the planted link is left as it was"
     );
-    assert!(
-        node.log().contains("cannot create the results folder"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("cannot create the results folder");
 }
 
 /// D65, the race: a concurrent workload watches `results_folder` and swaps every new folder for
-/// a link to a folder of root's as soon as it appears (ids it cannot guess do not help). On main
-/// root then handed the link's target over about once in 7 starts; now every step after the
-/// `mkdirat` is on the folder's own descriptor.
+/// a link to a folder of root's as soon as it appears (ids it cannot guess do not help). Every
+/// step after the `mkdirat` is on the folder's own descriptor, so root never hands the link's
+/// target over (a path-based step would, about once in 7 starts).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside() {
@@ -216,12 +207,13 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
         ),
         outside.path.display()
     );
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         2,
         "out",
         "if [ \"$CYBERWAVE_REQUEST_ID\" = racer ]; then python3 racer.py; fi",
     );
+    let Rig { cp, setup, .. } = &rig;
     setup.write("racer.py", &racer);
     let out = setup.cwd.join("out");
     std::fs::create_dir(&out).unwrap();
@@ -229,7 +221,7 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
     chown(&setup.cwd, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("racer").ok(&cp, &node);
+    Start::training("racer").ok(cp, &node);
     assert!(
         wait_for(REPLY, || setup.cwd.join("racing").exists().then_some(())).is_some(),
         "{}",
@@ -237,24 +229,24 @@ fn g10_d65_a_race_swapping_new_results_folders_for_links_reaches_nothing_outside
     );
     for i in 0..30 {
         let w = Start::training(&format!("v{i}"));
-        w.ok(&cp, &node);
-        w.completion(&cp);
+        w.ok(cp, &node);
+        w.completion(cp);
     }
     std::fs::write(setup.cwd.join("stop"), "").unwrap();
-    completion(&cp, "wl-racer");
+    completion(cp, "wl-racer");
     outside.assert_untouched(&node.log());
 }
 
 /// D65: a workload that can write the folder above `results_folder` replaces `results` with a
-/// link to a folder of root's; on main the node then made the next workload's results folder
-/// inside it, owned by the workload user. A link there that another user could have planted is
-/// not followed.
+/// link to a folder of root's. The node must not make the next workload's results folder inside
+/// it, owned by the workload user: a link there that another user could have planted is not
+/// followed.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
     let users = Users::new("sw", 1);
     let outside = Outside::new("sw");
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         1,
         "shared/results",
@@ -266,35 +258,37 @@ fn g10_d65_a_results_folder_swapped_for_a_link_makes_nothing_outside() {
             outside.path.display()
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let shared = setup.cwd.join("shared");
     std::fs::create_dir(&shared).unwrap();
     chown(&shared, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    run(&cp, &node, "plant");
+    run(cp, &node, "plant");
     assert!(std::fs::symlink_metadata(shared.join("results"))
         .unwrap()
         .file_type()
         .is_symlink());
     // Looked at while the victim runs (once it ends, an empty folder of its is removed again).
-    Start::training("victim").ok(&cp, &node);
+    Start::training("victim").ok(cp, &node);
     let running = shared.join("running");
     assert!(wait_for(REPLY, || running.exists().then_some(())).is_some());
     outside.assert_untouched(&node.log());
     std::fs::write(setup.cwd.join("go"), "").unwrap();
-    let done = completion(&cp, "wl-victim");
+    let done = completion(cp, "wl-victim");
     assert_eq!(done["success"], true, "{done}");
     outside.assert_untouched(&node.log());
 }
 
 /// D65: a folder already there under a request id's name (an operator's, root-only) is not
-/// handed over to the workload of that id, nor are its files uploaded or deleted as its results.
-/// On main the node chowned it to the workload user and uploaded and deleted what it held.
+/// handed over to the workload of that id (chowned to the workload user), nor are its files
+/// uploaded or deleted as its results.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
     let users = Users::new("ex", 1);
-    let (_b, cp, setup) = node_as(users.name(0), 1, "out", "true");
+    let rig = node_as(users.name(0), 1, "out", "true");
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     let keep = out.join("keep");
     std::fs::create_dir_all(&keep).unwrap();
@@ -308,7 +302,7 @@ fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
     .unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let done = run(&cp, &node, "keep");
+    let done = run(cp, &node, "keep");
     assert_eq!(done["success"], true, "{done}");
     let md = std::fs::metadata(&keep).unwrap();
     assert_eq!(
@@ -322,21 +316,22 @@ fn g10_d65_a_folder_already_named_like_the_request_id_is_not_handed_over() {
         "the operator's model"
     );
     assert!(
-        uploaded(&cp, "wl-keep").is_empty(),
+        uploaded(cp, "wl-keep").is_empty(),
         "{:?}",
         cp.uploads().keys()
     );
 }
 
 /// D65 with one slot: a workload renames a root-only file of the operator's (one it cannot
-/// read, in a folder it can write) into `results_folder`. The rename made it look new (its
-/// status-change time), and on main the node uploaded it and deleted it. Now a result must be
-/// the workload user's own.
+/// read, in a folder it can write) into `results_folder`. The rename makes it look new (its
+/// status-change time), yet it is neither uploaded nor deleted: a result must be the workload
+/// user's own.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_nor_deleted() {
     let users = Users::new("mv", 1);
-    let (_b, cp, setup) = node_as(users.name(0), 1, "out", "mv drop/secret.txt out/secret.txt");
+    let rig = node_as(users.name(0), 1, "out", "mv drop/secret.txt out/secret.txt");
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     let drop = setup.cwd.join("drop");
     for d in [&out, &drop] {
@@ -351,7 +346,7 @@ fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_
     .unwrap();
     let node = setup.spawn();
     node.wait_ready(READY);
-    let done = run(&cp, &node, "mv");
+    let done = run(cp, &node, "mv");
     assert_eq!(done["success"], true, "{done}");
     assert!(
         cp.uploads().values().all(|v| v != b"operator secret"),
@@ -368,8 +363,8 @@ fn g10_d65_a_root_only_file_renamed_into_the_results_folder_is_neither_uploaded_
 
 /// D65 with one slot: a hard link to a root-only file put into `results_folder` while the
 /// workload runs (its own `ln` where `fs.protected_hardlinks=0`, the kernel's default; where
-/// the host forbids it, the test makes the link in its stead). On main the node uploaded the
-/// file and deleted the link. Now a result must have a single link.
+/// the host forbids it, the test makes the link in its stead). The file is neither uploaded nor
+/// the link deleted: a result must have a single link.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
@@ -378,7 +373,7 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
     let secret = secret_dir.join("secret.txt");
     std::fs::write(&secret, "operator secret").unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         users.name(0),
         1,
         "out",
@@ -387,12 +382,13 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
             secret.display()
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let out = setup.cwd.join("out");
     std::fs::create_dir(&out).unwrap();
     chown(&out, users.uid(0));
     let node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("hl").ok(&cp, &node);
+    Start::training("hl").ok(cp, &node);
     let asked = wait_for(REPLY, || {
         (out.join(".want-link").exists() || out.join("leak.txt").exists()).then_some(())
     });
@@ -402,7 +398,7 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
         std::fs::hard_link(&secret, out.join("leak.txt")).unwrap();
         std::fs::write(setup.cwd.join("linked"), "").unwrap();
     }
-    let done = completion(&cp, "wl-hl");
+    let done = completion(cp, "wl-hl");
     assert_eq!(done["success"], true, "{done}");
     assert!(
         cp.uploads().values().all(|v| v != b"operator secret"),
@@ -415,8 +411,7 @@ fn g10_d65_a_hard_link_to_a_root_only_file_is_neither_uploaded_nor_deleted() {
 
 /// D65: workloads under one pool run as distinct uids: one cannot read another's environment
 /// (its token and event token: so it cannot emit as it either) or params, nor plant a
-/// `usercustomize.py` in its HOME that runs inside it. On main a pool could not be named at all
-/// (the node refused `a,b` as one unknown user), and workloads of one user could do all this.
+/// `usercustomize.py` in its HOME that runs inside it (workloads of one user could do all this).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
@@ -424,7 +419,7 @@ fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
     let shared = TempDir::new("pool-shared");
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let s = shared.path().display().to_string();
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         &users.pool(),
         2,
         "out",
@@ -452,14 +447,15 @@ fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
             s = s
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let node = setup.spawn();
     node.wait_ready(READY);
     Start::training("victim")
         .with(json!({"cyberwave_workload_token": "victim-secret-token-0123", "note": "victim-param-secret"}))
-        .ok(&cp, &node);
-    Start::training("attacker").ok(&cp, &node);
+        .ok(cp, &node);
+    Start::training("attacker").ok(cp, &node);
     for wl in ["wl-victim", "wl-attacker"] {
-        let done = completion(&cp, wl);
+        let done = completion(cp, wl);
         assert_eq!(done["success"], true, "{wl}: {done}\n{}", node.log());
     }
     let read = |f: &str| std::fs::read_to_string(shared.join(f)).unwrap_or_default();
@@ -472,7 +468,7 @@ fn g13_d65_workloads_of_a_pool_cannot_reach_each_other() {
         "the planted usercustomize ran"
     );
     assert_eq!(read("attacker.uid").trim(), users.uid(1).to_string());
-    assert!(node.log().contains("a pool of 2 users"), "{}", node.log());
+    node.assert_logged("a pool of 2 users");
 }
 
 /// D65: a re-adopted workload keeps its uid of the pool after a node restart, and the next
@@ -484,7 +480,7 @@ fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
     let shared = TempDir::new("keep-shared");
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let s = shared.path().display().to_string();
-    let (_b, cp, setup) = node_as(
+    let rig = node_as(
         &users.pool(),
         2,
         "out",
@@ -492,22 +488,31 @@ fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
             "id -u > {s}/$CYBERWAVE_REQUEST_ID.uid\nwhile [ ! -f {s}/go ]; do sleep 0.02; done"
         ),
     );
+    let Rig { cp, setup, .. } = &rig;
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("first").ok(&cp, &node);
+    Start::training("first").ok(cp, &node);
+    // `id -u > file` makes the file before it writes: wait for its line.
+    let written = |p: &Path| {
+        wait_for(REPLY, || {
+            let text = std::fs::read_to_string(p).ok()?;
+            text.ends_with('\n').then_some(())
+        })
+        .is_some()
+    };
     let first = shared.join("first.uid");
-    assert!(wait_for(REPLY, || first.exists().then_some(())).is_some());
+    assert!(written(&first));
     node.kill9();
     let node = setup.spawn();
     node.wait_ready(READY);
-    Start::training("second").ok(&cp, &node);
+    Start::training("second").ok(cp, &node);
     let second = shared.join("second.uid");
-    assert!(wait_for(REPLY, || second.exists().then_some(())).is_some());
+    assert!(written(&second));
     std::fs::write(shared.join("go"), "").unwrap();
     let uid = |p: &Path| std::fs::read_to_string(p).unwrap().trim().to_string();
     assert_eq!(uid(&first), users.uid(0).to_string());
     assert_eq!(uid(&second), users.uid(1).to_string(), "{}", node.log());
-    completion(&cp, "wl-second");
+    completion(cp, "wl-second");
 }
 
 /// D65: a pool of two or more users smaller than `max_concurrent_workloads` is refused at start
@@ -516,27 +521,26 @@ fn g13_d65_a_readopted_workload_keeps_its_uid_of_the_pool() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_d65_a_pool_smaller_than_the_slots_is_refused_at_start() {
     let users = Users::new("small", 2);
-    let (_b, _cp, setup) = node_as(&users.pool(), 3, "out", "true");
+    let rig = node_as(&users.pool(), 3, "out", "true");
+    let Rig { setup, .. } = &rig;
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(EXIT), Some(Some(2)), "{}", node.log());
-    assert!(
-        node.log().contains("fewer than max_concurrent_workloads"),
-        "{}",
-        node.log()
-    );
+    node.assert_exit(2, EXIT);
+    node.assert_logged("fewer than max_concurrent_workloads");
 }
 
 /// D65: with a workload user the state dir is opened to others (0711), so a `.env` or
 /// `credentials.json` there that group or others may read (the node's token) is refused at
-/// start (exit 2), naming the file and the `chmod` to run. On main the node started and left
-/// the token readable by the workload user and every local user.
+/// start (exit 2), naming the file and the `chmod` to run, rather than leave the token readable
+/// by the workload user and every local user.
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g13_d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_user() {
     crate::support::assert_root("to run workloads as nobody");
     for name in [".env", "credentials.json"] {
-        let (_b, _cp, setup) =
-            rig("cloud_node:\n  workload_user: nobody\ncyberwave:\n  training: true\n");
+        let rig =
+            Scenario::new("cloud_node:\n  workload_user: nobody\ncyberwave:\n  training: true\n")
+                .rig();
+        let Rig { setup, .. } = &rig;
         let state = setup.config_dir();
         std::fs::create_dir_all(&state).unwrap();
         std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
@@ -558,4 +562,26 @@ fn g13_d65_a_readable_token_file_in_the_state_dir_is_refused_with_a_workload_use
         let want = format!("chmod 600 {}", file.display());
         assert!(node.log().contains(&want), "{name}: {}", node.log());
     }
+}
+
+/// D24, nothing outside is written because of a request: a workload that replaces its own
+/// results folder with a symlink to another folder (`rmdir $CYBERWAVE_RESULTS_DIR; ln -s …`) is
+/// not uploaded, and the node's cleanup of empty folders does not follow the link to delete the
+/// empty folders below its target, outside the results folder.
+#[test]
+fn g5_d24_cleanup_does_not_follow_a_results_folder_replaced_by_a_symlink() {
+    let (rig, node) = Scenario::new(
+        "cyberwave:\n  training: rmdir \"$CYBERWAVE_RESULTS_DIR\" && ln -s \"$PWD/keep\" \"$CYBERWAVE_RESULTS_DIR\"\n  results_folder: out\n",
+    )
+    .dir("keep/empty/deeper")
+    .node();
+    let keep = rig.work("keep/empty/deeper");
+    let w = Start::training("ln");
+    w.ok(&rig.cp, &node);
+    w.completion(&rig.cp);
+    assert!(
+        keep.exists(),
+        "the node deleted {} (outside the results folder) through a symlink the workload planted",
+        keep.display()
+    );
 }

@@ -4,14 +4,14 @@
 //! CLI command. Every wait here is bounded, so on a node that blocks a test fails, never hangs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::support::node::{NodeSetup, Output};
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{node_bin, rig, wait_for, NodeProcess};
+use crate::support::{wait_for, NodeProcess, Rig, Scenario};
 
 /// No process has this pid (pid_max is at most 2^22).
 const DEAD_PID: i64 = 2_147_483_000;
@@ -53,12 +53,8 @@ fn unplant(state: &Path) {
 /// Runs a CLI command of the node with a deadline: `None` when it had not returned by then
 /// (it is killed).
 fn run_bounded(setup: &NodeSetup, args: &[&str], timeout: Duration) -> Option<Output> {
-    let mut child = Command::new(node_bin())
-        .args(args)
-        .env_clear()
-        .envs(&setup.env)
-        .current_dir(&setup.cwd)
-        .stdin(Stdio::null())
+    let mut child = setup
+        .command(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -66,12 +62,7 @@ fn run_bounded(setup: &NodeSetup, args: &[&str], timeout: Duration) -> Option<Ou
     let end = Instant::now() + timeout;
     loop {
         if let Ok(Some(_)) = child.try_wait() {
-            let out = child.wait_with_output().expect("output");
-            return Some(Output {
-                code: out.status.code(),
-                stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-            });
+            return Some(Output::from(child.wait_with_output().expect("output")));
         }
         if Instant::now() >= end {
             let _ = child.kill();
@@ -119,7 +110,8 @@ fn record(state: &Path, id: &str) {
 /// it (naming it in the log), answers a `status` command and the `status` CLI, and exits on
 /// SIGTERM.
 fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
-    let (_broker, cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();
     prepare(&state);
@@ -127,9 +119,9 @@ fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
     mkfifo(&fifo);
     let guard = Unplant(state.clone());
 
-    let offline = run_bounded(&setup, &["status", "--json"], EXIT);
+    let offline = run_bounded(setup, &["status", "--json"], EXIT);
     assert!(offline.is_some(), "{rel}: `status` hangs on a FIFO");
-    let logs = run_bounded(&setup, &["logs", "r-wa"], EXIT);
+    let logs = run_bounded(setup, &["logs", "r-wa"], EXIT);
     assert!(logs.is_some(), "{rel}: `logs` hangs on a FIFO");
     assert!(is_fifo(&fifo), "{rel}: the CLI moves nothing");
 
@@ -150,7 +142,7 @@ fn a_fifo_at(rel: &str, prepare: impl FnOnce(&Path)) {
         node.log()
     );
     assert!(!is_fifo(&fifo), "{rel}: moved away");
-    let online = run_bounded(&setup, &["status", "--json"], EXIT)
+    let online = run_bounded(setup, &["status", "--json"], EXIT)
         .unwrap_or_else(|| panic!("{rel}: `status` hangs while the node runs"));
     assert_eq!(online.code, Some(0), "{rel}: {online:?}");
     node.sigterm();
@@ -238,7 +230,8 @@ fn g13_d48_a_fifo_for_what_a_workload_left_running_never_wedges_the_node() {
 /// cursor replaced by FIFOs (what the workload itself could do), the node started again.
 #[test]
 fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted_node() {
-    let (_broker, cp, setup) = rig("cyberwave:\n  inference: sleep 30\n");
+    let rig = Scenario::new("cyberwave:\n  inference: sleep 30\n").rig();
+    let Rig { cp, setup, .. } = &rig;
     let state = setup.config_dir();
     let _guard = Unplant(state.clone());
     let mut node = setup.spawn();
@@ -268,11 +261,11 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
         mkfifo(&dirs[0].join(f));
     }
     assert!(
-        run_bounded(&setup, &["status"], EXIT).is_some(),
+        run_bounded(setup, &["status"], EXIT).is_some(),
         "`status` hangs on a FIFO"
     );
     assert!(
-        run_bounded(&setup, &["logs", "r-fifo"], EXIT).is_some(),
+        run_bounded(setup, &["logs", "r-fifo"], EXIT).is_some(),
         "`logs` hangs on a FIFO"
     );
     let mut again = setup.spawn();
@@ -287,7 +280,7 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
         "{}",
         again.log()
     );
-    let online = run_bounded(&setup, &["status", "--json"], EXIT).expect("`status` hangs");
+    let online = run_bounded(setup, &["status", "--json"], EXIT).expect("`status` hangs");
     assert_eq!(online.code, Some(0), "{online:?}");
     again.sigterm();
     assert!(again.wait_exit(EXIT).is_some(), "{}", again.log());
@@ -300,13 +293,14 @@ fn g13_d48_fifos_planted_in_a_running_workloads_record_never_wedge_the_restarted
 /// Files of the state dir that are not records: the login, an env file, the doctor's marker.
 #[test]
 fn g13_d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_or_doctor() {
-    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let Rig { setup, .. } = &rig;
     let state = setup.config_dir();
     std::fs::create_dir_all(&state).unwrap();
     let _guard = Unplant(state.clone());
     mkfifo(&state.join("credentials.json"));
     mkfifo(&state.join("client_id_conflict"));
-    let doctor = run_bounded(&setup, &["doctor"], Duration::from_secs(20));
+    let doctor = run_bounded(setup, &["doctor"], Duration::from_secs(20));
     assert!(doctor.is_some(), "`doctor` hangs on a FIFO");
     // A FIFO login is no login: the API key from the environment is used.
     let node = setup.spawn();
@@ -332,11 +326,12 @@ fn g13_d48_fifos_for_the_login_env_file_and_conflict_marker_never_hang_the_node_
 /// under systemd) naming the path.
 #[test]
 fn g13_a_directory_in_place_of_the_control_socket_is_exit_2_naming_it() {
-    let (_broker, _cp, setup) = rig("cyberwave:\n  inference: echo hi\n");
+    let rig = Scenario::new("cyberwave:\n  inference: echo hi\n").rig();
+    let Rig { setup, .. } = &rig;
     let sock = setup.config_dir().join("control.sock");
     std::fs::create_dir_all(sock.join("inner")).unwrap();
     let mut node = setup.spawn();
-    assert_eq!(node.wait_exit(READY), Some(Some(2)), "{}", node.log());
+    node.assert_exit(2, READY);
     assert!(
         node.log()
             .contains(&format!("{} is a directory", sock.display())),

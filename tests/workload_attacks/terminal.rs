@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use crate::support::scenario::Start;
 use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{rig, wait_for};
+use crate::support::{wait_for, Rig, Scenario};
 
 /// No control character but a newline or TAB, no DEL or C1 control.
 fn assert_clean(text: &str, what: &str) {
@@ -24,12 +24,9 @@ fn assert_clean(text: &str, what: &str) {
 
 #[test]
 fn g13_d69_escape_sequences_queries_and_invalid_utf8_are_mirrored_escaped() {
-    let (_b, cp, setup) = rig(
-        "cyberwave:\n  training: |\n    printf 'a\\033]0;pwned\\007\\033[2J\\033[6n\\033P+q544e\\033\\\\\\302\\233H\\377\\376z\\n'\n    printf 'progress\\r 10%%\\r 20%%\\r\\r100%%\\n'\n    printf 'x\\033[1A\\033[2K\\r2026-12-06T00:00:00Z INFO forged\\n'\n    printf '\\033[31mred\\n' >&2\n",
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("esc").workload("wl-esc").ok(&cp, &node);
+    let (rig, node) = Scenario::new("cyberwave:\n  training: |\n    printf 'a\\033]0;pwned\\007\\033[2J\\033[6n\\033P+q544e\\033\\\\\\302\\233H\\377\\376z\\n'\n    printf 'progress\\r 10%%\\r 20%%\\r\\r100%%\\n'\n    printf 'x\\033[1A\\033[2K\\r2026-12-06T00:00:00Z INFO forged\\n'\n    printf '\\033[31mred\\n' >&2\n").node();
+    let Rig { cp, setup, .. } = &rig;
+    Start::training("esc").workload("wl-esc").ok(cp, &node);
     assert!(cp.wait_status("wl-esc", "completed", DONE).is_some());
     let tag = "[workload wl-esc stdout] ";
     let want = format!(
@@ -73,13 +70,16 @@ fn g13_d69_escape_sequences_queries_and_invalid_utf8_are_mirrored_escaped() {
 /// second and says how many bytes it left out; the stream still gets them all.
 #[test]
 fn g13_d69_a_flood_of_newlines_is_not_amplified_on_the_nodes_stdout() {
-    let (_b, cp, mut setup) =
-        rig("cyberwave:\n  training: head -c 1000000 /dev/zero | tr '\\0' '\\n'; echo done\n");
+    let mut rig = Scenario::new(
+        "cyberwave:\n  training: head -c 1000000 /dev/zero | tr '\\0' '\\n'; echo done\n",
+    )
+    .rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND", "65536");
     let node = setup.spawn();
     node.wait_ready(READY);
     let t0 = Instant::now();
-    Start::training("nl").workload("wl-nl").ok(&cp, &node);
+    Start::training("nl").workload("wl-nl").ok(cp, &node);
     assert!(cp.wait_status("wl-nl", "completed", DONE).is_some());
     let tag = "[workload wl-nl stdout] ";
     // The last line may itself be over the budget: wait for the final count instead.
@@ -125,8 +125,10 @@ fn g13_d69_a_flood_of_newlines_is_not_amplified_on_the_nodes_stdout() {
 /// valid JSON with no raw DEL or C1 (as `--json`).
 #[test]
 fn g13_d69_status_shows_a_hostile_request_id_escaped() {
-    let (_b, cp, setup) =
-        rig("cyberwave:\n  training: |\n    while [ ! -f go ]; do sleep 0.05; done\n");
+    let rig =
+        Scenario::new("cyberwave:\n  training: |\n    while [ ! -f go ]; do sleep 0.05; done\n")
+            .rig();
+    let Rig { cp, setup, .. } = &rig;
     let node = setup.spawn();
     node.wait_ready(READY);
     let rid = "r\u{1b}]0;pwned\u{7}\u{1b}[2J\n2026-12-06T00:00:00Z FORGED\u{9b}31m\u{7f}";
@@ -143,12 +145,7 @@ fn g13_d69_status_shows_a_hostile_request_id_escaped() {
         "a forged line:\n{}",
         out.stdout
     );
-    assert!(
-        out.stdout
-            .contains("r\\x1b]0;pwned\\x07\\x1b[2J\\x0a2026-12-06T00:00:00Z FORGED\\x9b31m\\x7f"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("r\\x1b]0;pwned\\x07\\x1b[2J\\x0a2026-12-06T00:00:00Z FORGED\\x9b31m\\x7f");
     let out = setup.run(&["status", "--json"]);
     assert_clean(&out.stdout, "status --json");
     let v: Value = serde_json::from_str(out.stdout.trim()).expect("JSON");
@@ -161,14 +158,9 @@ fn g13_d69_status_shows_a_hostile_request_id_escaped() {
 /// line and a short one shows 1 MiB of the first with a note, then the second; escaped.
 #[test]
 fn g13_d69_logs_n_shows_the_last_lines_cut_at_a_mib_and_escaped() {
-    let (_b, cp, setup) = rig(
-        "cyberwave:\n  training: |\n    seq 1 1000\n    head -c 3145728 /dev/zero | tr '\\0' x; echo\n    printf 'last \\033[2J\\377\\n'\n",
-    );
-    let node = setup.spawn();
-    node.wait_ready(READY);
-    Start::training("big-line")
-        .workload("wl-big")
-        .ok(&cp, &node);
+    let (rig, node) = Scenario::new("cyberwave:\n  training: |\n    seq 1 1000\n    head -c 3145728 /dev/zero | tr '\\0' x; echo\n    printf 'last \\033[2J\\377\\n'\n").node();
+    let Rig { cp, setup, .. } = &rig;
+    Start::training("big-line").workload("wl-big").ok(cp, &node);
     assert!(cp.wait_status("wl-big", "completed", DONE).is_some());
     let out = setup.run(&["logs", "big-line", "-n", "2"]);
     assert_eq!(out.code, Some(0), "{}", out.stderr);

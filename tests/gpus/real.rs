@@ -8,10 +8,11 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use super::{g, gpu_check, holders, look, Rig};
+use super::{env_of, finish, g, gpu_check, gpu_rig, holders, look, refusal_of, visible};
 use crate::support::node::NodeSetup;
+use crate::support::scenario::error_of;
 use crate::support::timeouts::{DONE, REPLY};
-use crate::support::{wait_for, NodeProcess, TempDir};
+use crate::support::{wait_for, NodeProcess, Rig, TempDir};
 
 /// The folder of the captures and their stand-in.
 fn real() -> PathBuf {
@@ -117,12 +118,7 @@ impl RealSmi {
     /// PATH with the stand-in first, and timings short enough for a test but long enough for
     /// a python3 stand-in on a loaded machine.
     fn install(&self, setup: &mut NodeSetup) {
-        let path = format!(
-            "{}:{}",
-            self.dir.join("bin").display(),
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
-        );
-        setup.set("PATH", &path);
+        setup.path_first(&self.dir.join("bin"));
         setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.3");
         setup.set("CYBERWAVE_NODE_GPU_SAMPLE_SECONDS", "0.2");
         setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "3");
@@ -201,7 +197,7 @@ fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_a
     let why = "nvidia-smi failed: No devices were found";
     let smi = RealSmi::new(&capture("h200-mig"), "load");
     smi.set(&[("NVSMI_FAIL", "no-devices")]);
-    let mut rig = Rig::new(2, None);
+    let mut rig = gpu_rig(2, None);
     smi.install(&mut rig.setup);
     let node = rig.node();
     smi.wait_queries(3);
@@ -217,7 +213,7 @@ fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_a
     assert_eq!(st["output"]["gpus"], json!([]), "{st}");
     assert_eq!(st["output"]["gpus_error"], why, "{st}");
     let local = rig.setup.run(&["status"]);
-    assert!(local.stdout.contains("gpus:       0"), "{}", local.stdout);
+    local.assert_stdout("gpus:       0");
     assert!(
         local
             .stdout
@@ -231,7 +227,7 @@ fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_a
     assert_eq!(json["gpus_error"], why, "{json}");
     // A start is refused in the documented words (docs/workloads.md).
     g(1).reply(&rig.cp, &node);
-    let r = rig.refusal(1);
+    let r = refusal_of(&rig, 1);
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
     assert_eq!(
         r["error"],
@@ -253,14 +249,10 @@ fn g15_a_node_whose_first_gpu_query_fails_says_why_and_learns_its_gpus_once_it_a
     assert_eq!(unit["name"], "NVIDIA H200 MIG 3g.71gb", "{st}");
     assert_eq!(unit["memory_total_mib"], 71424, "the GPU instance's: {st}");
     assert_eq!(unit["shared"], true, "{st}");
-    assert!(
-        node.wait_log("GPU query answers again", REPLY),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("GPU query answers again");
     assert_eq!(g(2).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
-    assert!(rig.visible(2).starts_with("MIG-"));
-    rig.stop(2);
+    assert!(visible(&rig, 2).starts_with("MIG-"));
+    finish(&rig, 2);
     g(2).completion(&rig.cp);
 }
 
@@ -301,7 +293,7 @@ fn step(
 #[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_health_follows_the_driver_switched_on_and_off_while_the_node_runs() {
     let smi = RealSmi::new(&capture("h200__590"), "load");
-    let mut rig = Rig::new(2, None);
+    let mut rig = gpu_rig(2, None);
     smi.install(&mut rig.setup);
     let node = rig.node();
     // A workload without GPUs runs throughout: the node's reaper is at work while nvidia-smi
@@ -347,7 +339,7 @@ fn g15_health_follows_the_driver_switched_on_and_off_while_the_node_runs() {
         Some(remap),
     );
     g(2).with(json!({"gpus": 1})).reply(&rig.cp, &node);
-    let r = rig.refusal(2);
+    let r = refusal_of(&rig, 2);
     assert_eq!(
         r["error"], "Controller host is busy with unhealthy GPUs: 1 needed, 0 of 1 GPU(s) healthy",
         "{r}"
@@ -398,7 +390,7 @@ fn g15_health_follows_the_driver_switched_on_and_off_while_the_node_runs() {
     // healthy, lost, healthy, hung, healthy.
     let lines = said(&node, "GPU 0 ") - before;
     assert_eq!(lines, 8, "{}", node.log());
-    rig.stop(1);
+    finish(&rig, 1);
     g(1).completion(&rig.cp);
 }
 
@@ -408,24 +400,21 @@ fn g15_auto_never_means_zero_on_a_gpu_host() {
     // The driver down (an NVML version mismatch): a start without `gpus` is refused.
     let smi = RealSmi::new(&capture("l40s"), "idle");
     smi.set(&[("NVSMI_FAIL", "nvml-mismatch")]);
-    let mut rig = Rig::new(4, None);
+    let mut rig = gpu_rig(4, None);
     smi.install(&mut rig.setup);
     let node = rig.node();
     g(1).reply(&rig.cp, &node);
-    let r = rig.refusal(1);
+    let r = refusal_of(&rig, 1);
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
     assert_eq!(r["rejection_reason"], "host_busy", "{r}");
     assert!(
-        r["error"]
-            .as_str()
-            .unwrap_or("")
-            .contains("Driver/library version mismatch"),
+        error_of(&r).contains("Driver/library version mismatch"),
         "the driver's words: {r}"
     );
     // Only an explicit 0 runs without GPUs.
     g(2).with(json!({"gpus": 0})).ok(&rig.cp, &node);
-    assert!(rig.env_of(2).contains(&"CUDA_VISIBLE_DEVICES=".to_string()));
-    rig.stop(2);
+    assert!(env_of(&rig, 2).contains(&"CUDA_VISIBLE_DEVICES=".to_string()));
+    finish(&rig, 2);
     g(2).completion(&rig.cp);
     // The driver is back; one L40S and four slots: auto is one GPU, not ⌊1 ÷ 4⌋ = 0.
     smi.set(&[]);
@@ -433,11 +422,11 @@ fn g15_auto_never_means_zero_on_a_gpu_host() {
         st["output"]["gpus"][0]["health"] == "healthy"
     });
     assert_eq!(g(3).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
-    assert_eq!(rig.visible(3), BOARD);
+    assert_eq!(visible(&rig, 3), BOARD);
     // The only GPU is held: the next auto start waits for it (busy), never runs GPU-less.
     g(4).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(4)["busy_reason"], "gpus_busy");
-    rig.stop(3);
+    assert_eq!(refusal_of(&rig, 4)["busy_reason"], "gpus_busy");
+    finish(&rig, 3);
     g(3).completion(&rig.cp);
 }
 
@@ -449,7 +438,7 @@ fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words
     let four = host.join("rtx2080ti-x4.capture");
     capture_of_list("open-gpu-kernel-modules-387-L.txt", &four);
     let smi = RealSmi::new(&four, "idle");
-    let mut rig = Rig::new(4, None);
+    let mut rig = gpu_rig(4, None);
     smi.install(&mut rig.setup);
     rig.setup.set("CYBERWAVE_HEARTBEAT_INTERVAL", "0.5");
     let node = rig.node();
@@ -483,7 +472,7 @@ fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words
     assert_eq!(hb.body["gpus_total"], 4, "{}", hb.body);
     // Four can no longer be had.
     g(1).with(json!({"gpus": 4})).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(1)["busy_reason"], "gpus_unhealthy");
+    assert_eq!(refusal_of(&rig, 1)["busy_reason"], "gpus_unhealthy");
     // doctor (which has seen nothing before) counts it from the driver's line, on stderr or
     // on stdout, at its bus id as the driver spells it.
     for stream in ["stderr", "stdout"] {
@@ -510,7 +499,7 @@ fn g15_a_gpu_that_falls_off_the_bus_stays_counted_unhealthy_in_the_drivers_words
 #[cfg_attr(no_gpu_captures, ignore = "needs ../shared/fixtures/gpu/real")]
 fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
     let smi = RealSmi::new(&capture("h200-mig"), "load");
-    let mut rig = Rig::new(5, None);
+    let mut rig = gpu_rig(5, None);
     smi.install(&mut rig.setup);
     let metrics = rig.setup.home.join("metrics.prom");
     rig.setup
@@ -557,7 +546,7 @@ fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
     let mut seen = BTreeSet::new();
     for n in 1..=4 {
         assert_eq!(g(n).reply(&rig.cp, &node)["status"], "ok", "{}", node.log());
-        let v = rig.visible(n);
+        let v = visible(&rig, n);
         assert!(
             v.starts_with("MIG-") && !v.contains(','),
             "one MIG device: {v}"
@@ -570,16 +559,16 @@ fn g15_an_h200_in_mig_mode_gives_one_instance_per_workload_billed_once() {
         "the second compute instance of a held GPU instance is not another GPU"
     );
     g(5).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(5)["busy_reason"], "gpus_busy");
+    assert_eq!(refusal_of(&rig, 5)["busy_reason"], "gpus_busy");
     g(6).with(json!({"gpus": 2})).reply(&rig.cp, &node);
-    let r = rig.refusal(6);
+    let r = refusal_of(&rig, 6);
     assert_eq!(r["busy_reason"], "gpus_unsatisfiable", "{r}");
     assert_eq!(r["rejection_reason"], "host_busy", "{r}");
     let st = look(&rig, &node, "held");
     assert!(holders(&st).iter().all(|(_, h)| h.is_string()), "{st}");
     smi.wait_queries(3);
     for n in 1..=4 {
-        rig.stop(n);
+        finish(&rig, n);
     }
     for n in 1..=4 {
         let done = g(n).completion(&rig.cp);

@@ -1,6 +1,7 @@
 //! GPUs end to end (D35–D38), against the fake `nvidia-smi` in tests/fixtures: exclusive
-//! assignment across a kill -9, the busy / unhealthy refusals, health changes mid-run, a
-//! hanging `nvidia-smi`, the completion's accounting, `doctor`, and a CPU-only node.
+//! assignment across a kill -9 and for starts still in flight, the busy / unhealthy refusals,
+//! health changes mid-run, a hanging `nvidia-smi`, the completion's accounting, `doctor`, and a
+//! CPU-only node.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -9,9 +10,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
-use crate::support::scenario::Start;
-use crate::support::timeouts::{DONE, READY, REPLY};
-use crate::support::{wait_for, Broker, ControlPlane, NodeProcess, TempDir};
+use crate::support::scenario::{assert_host_busy, error_of};
+use crate::support::timeouts::{DONE, REPLY};
+use crate::support::{procs, wait_for, NodeProcess, Rig, Scenario, Start, TempDir};
 
 mod real;
 
@@ -77,28 +78,22 @@ impl FakeSmi {
             .count()
     }
 
-    /// PATH with the fake first, and the knobs that shorten the monitor's timings.
-    fn install(&self, setup: &mut NodeSetup) {
-        let path = format!(
-            "{}:{}",
-            self.dir.join("bin").display(),
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
-        );
-        setup.set("PATH", &path);
+    /// PATH with the fake first.
+    fn put_on_path(&self, setup: &mut NodeSetup) {
+        setup.path_first(&self.dir.join("bin"));
         setup.set(
             "FAKE_NVIDIA_SMI_DIR",
             &self.dir.path().display().to_string(),
         );
+    }
+
+    /// PATH with the fake first, and the knobs that shorten the monitor's timings.
+    fn install(&self, setup: &mut NodeSetup) {
+        self.put_on_path(setup);
         setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.3");
         setup.set("CYBERWAVE_NODE_GPU_SAMPLE_SECONDS", "0.1");
         setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "1");
     }
-}
-
-struct Rig {
-    _broker: Broker,
-    cp: ControlPlane,
-    setup: NodeSetup,
 }
 
 /// Each workload writes its GPU variables to `env-<n>` and runs until `stop-<n>` exists; with
@@ -110,60 +105,50 @@ fn g(n: u32) -> Start {
     Start::training(&format!("g{n}")).with(json!({ "n": n }))
 }
 
-impl Rig {
-    fn new(capacity: u32, smi: Option<&FakeSmi>) -> Rig {
-        let broker = Broker::start();
-        let cp = ControlPlane::start(broker.port, "");
-        let mut setup = NodeSetup::new(&broker, &cp);
-        setup.write(
-            "cyberwave.yml",
-            &format!("{RECORDING}  max_concurrent_workloads: {capacity}\n"),
-        );
-        if let Some(s) = smi {
-            s.install(&mut setup);
-        }
-        Rig {
-            _broker: broker,
-            cp,
-            setup,
-        }
+/// A node with `capacity` slots that runs [`RECORDING`] workloads, with the fake `nvidia-smi`
+/// (or none) first on its PATH.
+fn gpu_rig(capacity: u32, smi: Option<&FakeSmi>) -> Rig {
+    let mut rig = Scenario::new(&format!(
+        "{RECORDING}  max_concurrent_workloads: {capacity}\n"
+    ))
+    .rig();
+    if let Some(s) = smi {
+        s.install(&mut rig.setup);
     }
+    rig
+}
 
-    fn node(&self) -> NodeProcess {
-        let node = self.setup.spawn();
-        node.wait_ready(READY);
-        node
-    }
+/// The GPU variables workload `n` saw.
+fn env_of(rig: &Rig, n: u32) -> Vec<String> {
+    let path = rig.work(&format!("env-{n}"));
+    wait_for(REPLY, || std::fs::read_to_string(&path).ok())
+        .unwrap_or_else(|| panic!("workload {n} wrote no env"))
+        .lines()
+        .map(String::from)
+        .collect()
+}
 
-    /// The GPU variables workload `n` saw.
-    fn env_of(&self, n: u32) -> Vec<String> {
-        let path = self.setup.cwd.join(format!("env-{n}"));
-        wait_for(REPLY, || std::fs::read_to_string(&path).ok())
-            .unwrap_or_else(|| panic!("workload {n} wrote no env"))
-            .lines()
-            .map(String::from)
-            .collect()
-    }
+/// The `CUDA_VISIBLE_DEVICES` workload `n` saw.
+fn visible(rig: &Rig, n: u32) -> String {
+    env_of(rig, n)
+        .iter()
+        .find_map(|l| l.strip_prefix("CUDA_VISIBLE_DEVICES="))
+        .map(String::from)
+        .unwrap_or_else(|| panic!("no CUDA_VISIBLE_DEVICES for {n}"))
+}
 
-    fn visible(&self, n: u32) -> String {
-        self.env_of(n)
-            .iter()
-            .find_map(|l| l.strip_prefix("CUDA_VISIBLE_DEVICES="))
-            .map(String::from)
-            .unwrap_or_else(|| panic!("no CUDA_VISIBLE_DEVICES for {n}"))
-    }
+/// Lets workload `n` end.
+fn finish(rig: &Rig, n: u32) {
+    rig.touch(&format!("stop-{n}"));
+}
 
-    fn stop(&self, n: u32) {
-        std::fs::write(self.setup.cwd.join(format!("stop-{n}")), "").expect("stop");
-    }
-
-    fn refusal(&self, n: u32) -> Value {
-        let wl = format!("wl-g{n}");
-        self.cp
-            .wait_status(&wl, "failed", REPLY)
-            .and_then(|all| all.into_iter().find(|b| b["status"] == "failed"))
-            .unwrap_or_else(|| panic!("no refusal for {wl}"))
-    }
+/// The `failed` status that refused workload `n`.
+fn refusal_of(rig: &Rig, n: u32) -> Value {
+    let wl = format!("wl-g{n}");
+    rig.cp
+        .wait_status(&wl, "failed", REPLY)
+        .and_then(|all| all.into_iter().find(|b| b["status"] == "failed"))
+        .unwrap_or_else(|| panic!("no refusal for {wl}"))
 }
 
 /// The fixture's GPU line for this UUID: (utilisation, memory used).
@@ -194,7 +179,7 @@ fn holders(status: &Value) -> Vec<(String, Value)> {
 #[test]
 fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accounted() {
     let smi = FakeSmi::new("four-a100.csv");
-    let mut rig = Rig::new(4, Some(&smi));
+    let mut rig = gpu_rig(4, Some(&smi));
     // Only the samples taken because workloads hold GPUs: none from the inventory timer.
     rig.setup.set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "300");
     let mut node = rig.node();
@@ -203,8 +188,8 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     }
     let mut seen = BTreeSet::new();
     for n in 1..=4 {
-        let env = rig.env_of(n);
-        let uuid = rig.visible(n);
+        let env = env_of(&rig, n);
+        let uuid = visible(&rig, n);
         assert!(
             uuid.starts_with("GPU-") && !uuid.contains(','),
             "one GPU: {env:?}"
@@ -223,16 +208,8 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     // A fifth: every GPU is held.
     let fifth = g(5).reply(&rig.cp, &node);
     assert_eq!(fifth["status"], "error", "{fifth}");
-    let refusal = rig.refusal(5);
-    assert_eq!(refusal["rejection_reason"], "host_busy", "{refusal}");
-    assert_eq!(refusal["busy_reason"], "gpus_busy", "{refusal}");
-    assert!(
-        refusal["error"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("Controller host is busy with"),
-        "{refusal}"
-    );
+    let refusal = refusal_of(&rig, 5);
+    assert_host_busy(&refusal, "gpus_busy");
     let st = rig.cp.status(&node.uuid(), "st1", REPLY).expect("status");
     let before = holders(&st);
     assert_eq!(before.len(), 4);
@@ -247,15 +224,11 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     let st = rig.cp.status(&node.uuid(), "st2", REPLY).expect("status");
     assert_eq!(holders(&st), before, "assignment kept across the restart");
     g(6).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(6)["busy_reason"], "gpus_busy");
+    assert_eq!(refusal_of(&rig, 6)["busy_reason"], "gpus_busy");
     let local = rig.setup.run(&["status"]);
-    assert!(local.stdout.contains("gpus:       4"), "{}", local.stdout);
+    local.assert_stdout("gpus:       4");
     for n in 1..=4 {
-        assert!(
-            local.stdout.contains(&format!("held by g{n}")),
-            "{}",
-            local.stdout
-        );
+        local.assert_stdout(&format!("held by g{n}"));
     }
     let hb = wait_for(DONE, || {
         rig.cp
@@ -273,12 +246,12 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     let q = smi.queries();
     assert!(wait_for(DONE, || (smi.queries() >= q + 4).then_some(())).is_some());
     for n in 1..=4 {
-        rig.stop(n);
+        finish(&rig, n);
     }
     for n in 1..=4 {
         let done = g(n).completion(&rig.cp);
         let gpu = &done["gpu"];
-        let (util, mem) = fixture_reading("four-a100.csv", &rig.visible(n));
+        let (util, mem) = fixture_reading("four-a100.csv", &visible(&rig, n));
         assert_eq!(gpu["count"], 1, "{done}");
         assert_eq!(gpu["util_avg_pct"].as_f64(), Some(util as f64), "{done}");
         assert_eq!(gpu["util_max_pct"], util, "{done}");
@@ -288,15 +261,15 @@ fn g10_four_gpus_four_workloads_each_get_their_own_kept_across_kill_9_and_accoun
     }
     // Released: a new workload gets a GPU again.
     g(7).ok(&rig.cp, &node);
-    assert!(rig.visible(7).starts_with("GPU-"));
-    rig.stop(7);
+    assert!(visible(&rig, 7).starts_with("GPU-"));
+    finish(&rig, 7);
     g(7).completion(&rig.cp);
 }
 
 #[test]
 fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     let smi = FakeSmi::new("four-a100-ecc.csv");
-    let mut rig = Rig::new(4, Some(&smi));
+    let mut rig = gpu_rig(4, Some(&smi));
     let metrics = rig.setup.home.join("metrics.prom");
     rig.setup
         .set("CYBERWAVE_METRICS_FILE", &metrics.display().to_string())
@@ -305,14 +278,14 @@ fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     let bad = "GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e62";
     for n in 1..=3 {
         g(n).with(json!({"gpus": 1})).ok(&rig.cp, &node);
-        assert_ne!(rig.visible(n), bad, "the GPU with ECC errors got work");
+        assert_ne!(visible(&rig, n), bad, "the GPU with ECC errors got work");
     }
     // The only GPU left is unhealthy: busy (waiting for the others helps).
     g(4).with(json!({"gpus": 1})).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(4)["busy_reason"], "gpus_busy");
+    assert_eq!(refusal_of(&rig, 4)["busy_reason"], "gpus_busy");
     // Four healthy GPUs can never be had now: unhealthy.
     g(5).with(json!({"gpus": 4})).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(5)["busy_reason"], "gpus_unhealthy");
+    assert_eq!(refusal_of(&rig, 5)["busy_reason"], "gpus_unhealthy");
     let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     let g2 = &st["output"]["gpus"][2];
     assert_eq!(g2["health"], "unhealthy", "{st}");
@@ -349,24 +322,12 @@ fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
     assert!(text.contains("cyberwave_node_gpu_power_watts{gpu=\"3\",uuid=\"GPU-6b1f8a3e-1d3c-4c7b-9f1a-0a2b3c4d5e63\"} 400"), "{text}");
     // doctor names each unhealthy GPU and why.
     let doc = rig.setup.run(&["doctor"]);
-    assert!(doc.stdout.contains("4 GPU(s), 2 healthy"), "{}", doc.stdout);
-    assert!(
-        doc.stdout.contains(&format!("GPU 2 {bad}")),
-        "{}",
-        doc.stdout
-    );
-    assert!(
-        doc.stdout.contains("3 uncorrected volatile ECC error(s)"),
-        "{}",
-        doc.stdout
-    );
-    assert!(
-        doc.stdout.contains("pending retired pages"),
-        "{}",
-        doc.stdout
-    );
+    doc.assert_stdout("4 GPU(s), 2 healthy");
+    doc.assert_stdout(&format!("GPU 2 {bad}"));
+    doc.assert_stdout("3 uncorrected volatile ECC error(s)");
+    doc.assert_stdout("pending retired pages");
     for n in 1..=3 {
-        rig.stop(n);
+        finish(&rig, n);
         g(n).completion(&rig.cp);
     }
 }
@@ -374,7 +335,7 @@ fn g10_unhealthy_gpus_get_nothing_and_health_is_followed_mid_run() {
 #[test]
 fn g10_a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
     let smi = FakeSmi::new("four-a100.csv");
-    let mut rig = Rig::new(4, Some(&smi));
+    let mut rig = gpu_rig(4, Some(&smi));
     rig.setup.set("CYBERWAVE_NODE_GPU_TIMEOUT_SECONDS", "0.3");
     let node = rig.node();
     let q0 = smi.queries();
@@ -391,7 +352,7 @@ fn g10_a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
         .expect("status while hanging");
     assert_eq!(st["output"]["gpus"][0]["health"], "unhealthy", "{st}");
     g(1).with(json!({"gpus": 1})).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(1)["busy_reason"], "gpus_unhealthy");
+    assert_eq!(refusal_of(&rig, 1)["busy_reason"], "gpus_unhealthy");
     // Each hanging query was killed with its whole process group (the fake's `sleep` too).
     assert!(wait_for(DONE, || (smi.queries() >= q0 + 3).then_some(())).is_some());
     let mine = smi.dir.path().display().to_string();
@@ -408,14 +369,14 @@ fn g10_a_hanging_nvidia_smi_marks_gpus_unhealthy_and_delays_nothing() {
         (g(n).with(json!({"gpus": 1})).reply(&rig.cp, &node)["status"] == "ok").then_some(n)
     })
     .expect("a GPU once nvidia-smi answers again");
-    assert!(rig.visible(ok).starts_with("GPU-"));
+    assert!(visible(&rig, ok).starts_with("GPU-"));
     // Nothing of any hung query is left: neither the tool nor the child it started.
     assert!(
         wait_for(REPLY, || (hanging_sleeps(&mine) == 0).then_some(())).is_some(),
         "{} hanging sleeps left behind",
         hanging_sleeps(&mine)
     );
-    rig.stop(ok);
+    finish(&rig, ok);
     g(ok).completion(&rig.cp);
 }
 
@@ -438,15 +399,11 @@ fn hanging_sleeps(dir: &str) -> usize {
 fn a_node_starting_while_nvidia_smi_hangs_starts_and_refuses_gpu_work_as_busy() {
     let smi = FakeSmi::new("four-a100.csv");
     std::fs::write(smi.dir.join("hang"), "").expect("hang");
-    let rig = Rig::new(2, Some(&smi));
+    let rig = gpu_rig(2, Some(&smi));
     let node = rig.node();
-    assert!(
-        node.log().contains("nvidia-smi did not answer within 1s"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("nvidia-smi did not answer within 1s");
     g(1).with(json!({"gpus": 1})).reply(&rig.cp, &node);
-    let r = rig.refusal(1);
+    let r = refusal_of(&rig, 1);
     assert_eq!(r["busy_reason"], "gpus_unhealthy", "{r}");
 }
 
@@ -456,10 +413,10 @@ fn doctor_reads_one_eight_mig_and_garbage() {
     let mut setup = NodeSetup::bare();
     smi.install(&mut setup);
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("1 GPU(s), 1 healthy"), "{}", out.stdout);
+    out.assert_stdout("1 GPU(s), 1 healthy");
     smi.answer("eight-h100.csv");
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("8 GPU(s), 8 healthy"), "{}", out.stdout);
+    out.assert_stdout("8 GPU(s), 8 healthy");
     smi.answer("mig-a100.csv");
     smi.file("list.txt", "mig-a100-list.txt");
     let out = setup.run(&["doctor"]);
@@ -473,26 +430,17 @@ fn doctor_reads_one_eight_mig_and_garbage() {
     std::fs::write(smi.dir.join("old-driver"), "").expect("old driver");
     std::fs::remove_file(smi.dir.join("list.txt")).expect("no MIG");
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("4 GPU(s), 3 healthy"), "{}", out.stdout);
-    assert!(
-        out.stdout.contains("3 uncorrected volatile ECC error(s)"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("4 GPU(s), 3 healthy");
+    out.assert_stdout("3 uncorrected volatile ECC error(s)");
     smi.answer("garbage.txt");
     let out = setup.run(&["doctor"]);
-    assert!(
-        out.stdout
-            .contains("nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate");
 }
 
 #[test]
 fn the_manifest_sets_gpus_per_workload_and_params_win() {
     let smi = FakeSmi::new("four-a100.csv");
-    let rig = Rig::new(4, Some(&smi));
+    let rig = gpu_rig(4, Some(&smi));
     rig.setup.write(
         "cyberwave.yml",
         &format!("{RECORDING}cloud_node:\n  max_concurrent_workloads: 4\n  gpus_per_workload: 2\n"),
@@ -500,20 +448,20 @@ fn the_manifest_sets_gpus_per_workload_and_params_win() {
     let node = rig.node();
     g(1).ok(&rig.cp, &node);
     assert_eq!(
-        rig.visible(1).split(',').count(),
+        visible(&rig, 1).split(',').count(),
         2,
         "two GPUs from the manifest"
     );
     g(2).with(json!({"gpus": 1})).ok(&rig.cp, &node);
-    assert_eq!(rig.visible(2).split(',').count(), 1, "params win");
+    assert_eq!(visible(&rig, 2).split(',').count(), 1, "params win");
     g(3).reply(&rig.cp, &node);
     assert_eq!(
-        rig.refusal(3)["busy_reason"],
+        refusal_of(&rig, 3)["busy_reason"],
         "gpus_busy",
         "one GPU left, two needed"
     );
     for n in 1..=2 {
-        rig.stop(n);
+        finish(&rig, n);
         g(n).completion(&rig.cp);
     }
 }
@@ -521,10 +469,10 @@ fn the_manifest_sets_gpus_per_workload_and_params_win() {
 #[test]
 fn g10_a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
     let smi = FakeSmi::new("four-a100.csv");
-    let rig = Rig::new(4, Some(&smi));
+    let rig = gpu_rig(4, Some(&smi));
     let mut node = rig.node();
     g(1).with(json!({"gpus": 1})).ok(&rig.cp, &node);
-    let held = rig.visible(1);
+    let held = visible(&rig, 1);
     node.kill9();
     let meta = rig.setup.config_dir().join("workloads/g1/meta.json");
     assert!(meta.exists(), "{}", meta.display());
@@ -532,21 +480,21 @@ fn g10_a_workload_whose_record_is_rebuilt_keeps_its_gpus() {
     let node = rig.node();
     // Its GPU is still its own: four cannot be had, and status names the holder.
     g(2).with(json!({"gpus": 4})).reply(&rig.cp, &node);
-    assert_eq!(rig.refusal(2)["busy_reason"], "gpus_busy");
+    assert_eq!(refusal_of(&rig, 2)["busy_reason"], "gpus_busy");
     let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
     let holder = holders(&st)
         .into_iter()
         .find(|(u, _)| *u == held)
         .map(|(_, h)| h);
     assert_eq!(holder, Some(json!("g1")), "{st}");
-    rig.stop(1);
+    finish(&rig, 1);
 }
 
 #[test]
 fn mig_instances_are_assigned_by_their_uuid() {
     let smi = FakeSmi::new("mig-a100.csv");
     smi.file("list.txt", "mig-a100-list.txt");
-    let rig = Rig::new(3, Some(&smi));
+    let rig = gpu_rig(3, Some(&smi));
     let node = rig.node();
     // Workload 1's own processes use 777 MiB (a stranger, pid 1, uses more).
     std::fs::write(smi.dir.join("apps.csv"), "1, 5000\n").expect("apps");
@@ -555,13 +503,13 @@ fn mig_instances_are_assigned_by_their_uuid() {
     for n in 1..=3 {
         g(n).ok(&rig.cp, &node);
     }
-    assert_eq!(rig.visible(1), "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f");
-    assert_eq!(rig.visible(2), "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb");
-    assert_eq!(rig.visible(3), "GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78");
+    assert_eq!(visible(&rig, 1), "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f");
+    assert_eq!(visible(&rig, 2), "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb");
+    assert_eq!(visible(&rig, 3), "GPU-7e6ca1d0-d33d-2b2c-524d-9e3d8d2b8a78");
     let q = smi.queries();
     assert!(wait_for(DONE, || (smi.queries() >= q + 3).then_some(())).is_some());
     for n in 1..=3 {
-        rig.stop(n);
+        finish(&rig, n);
     }
     let one = g(1).completion(&rig.cp);
     assert_eq!(
@@ -576,10 +524,10 @@ fn mig_instances_are_assigned_by_their_uuid() {
 #[test]
 fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
     let smi = FakeSmi::new("four-a100.csv");
-    let rig = Rig::new(4, Some(&smi));
+    let rig = gpu_rig(4, Some(&smi));
     let node = rig.node();
     g(1).with(json!({"gpus": 0})).ok(&rig.cp, &node);
-    let env = rig.env_of(1);
+    let env = env_of(&rig, 1);
     assert!(
         env.contains(&"CUDA_VISIBLE_DEVICES=".to_string()),
         "{env:?}"
@@ -588,7 +536,7 @@ fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
         env.contains(&"NVIDIA_VISIBLE_DEVICES=none".to_string()),
         "{env:?}"
     );
-    rig.stop(1);
+    finish(&rig, 1);
     assert!(
         g(1).completion(&rig.cp).get("gpu").is_none(),
         "no GPU, no accounting"
@@ -604,24 +552,21 @@ fn g10_zero_gpus_hides_every_gpu_and_bad_counts_are_refused_at_the_edge() {
     ] {
         let r = g(n).with(json!({"gpus": bad})).reply(&rig.cp, &node);
         assert_eq!(r["status"], "error", "{bad}: {r}");
-        assert!(
-            r["error"].as_str().unwrap_or("").contains("params.gpus"),
-            "{r}"
-        );
+        assert!(error_of(&r).contains("params.gpus"), "{r}");
     }
     // More than the node has: never possible here, so not "busy".
     g(20).with(json!({"gpus": 5})).reply(&rig.cp, &node);
-    assert!(rig.refusal(20).get("busy_reason").is_none());
+    assert!(refusal_of(&rig, 20).get("busy_reason").is_none());
 }
 
 #[test]
 fn a_cpu_only_node_runs_workloads_as_before() {
-    let rig = Rig::new(2, None);
+    let rig = gpu_rig(2, None);
     let node = rig.node();
-    assert!(node.log().contains("a CPU-only node"), "{}", node.log());
+    node.assert_logged("a CPU-only node");
     g(1).ok(&rig.cp, &node);
     assert!(
-        rig.env_of(1).is_empty(),
+        env_of(&rig, 1).is_empty(),
         "no GPU variables on a CPU-only node"
     );
     let st = rig.cp.status(&node.uuid(), "st", REPLY).expect("status");
@@ -630,18 +575,15 @@ fn a_cpu_only_node_runs_workloads_as_before() {
         st["output"]["active_workloads"][0].get("gpus").is_none(),
         "{st}"
     );
-    rig.stop(1);
+    finish(&rig, 1);
     assert_eq!(
         g(1).completion(&rig.cp),
         json!({"status": "completed", "success": true, "exit_code": 0})
     );
     g(2).with(json!({"gpus": 1})).reply(&rig.cp, &node);
-    let r = rig.refusal(2);
+    let r = refusal_of(&rig, 2);
     assert!(r.get("busy_reason").is_none(), "{r}");
-    assert!(
-        r["error"].as_str().unwrap_or("").contains("has none"),
-        "{r}"
-    );
+    assert!(error_of(&r).contains("has none"), "{r}");
 }
 
 /// An `nvidia-smi` that is the script `text`, first on the node's PATH: its folder (removed
@@ -658,22 +600,22 @@ fn script_smi(setup: &mut NodeSetup, text: &str) -> (TempDir, String) {
 }
 
 /// A host without a usable `nvidia-smi` is looked at again at every inventory, and each look's
-/// exec fails. When a reaper thread of the node waited for any child (`waitpid(-1)`), it often
-/// collected such a child first and `std::process::Command` panicked ("wait() should either
-/// return Ok or panic"): the packaged build (`panic = "abort"`) aborted within a minute of its
-/// first start on every such host. Now nothing of the node waits for another's child: every look
-/// is waited for by the GPU thread, and none is left a zombie. Here one `nvidia-smi` names a
+/// exec fails. A reaper thread that waited for any child (`waitpid(-1)`) would often collect
+/// such a child first, and `std::process::Command` would panic ("wait() should either return Ok
+/// or panic"): the packaged build (`panic = "abort"`) would abort within a minute on every such
+/// host. Nothing of the node waits for another's child: every look is waited for by the GPU
+/// thread, and none is left a zombie. Here one `nvidia-smi` names a
 /// missing interpreter (its exec fails) and the node looks twenty times a second, while a
 /// workload's supervisor runs and ends.
 #[test]
 fn g8_a_host_whose_nvidia_smi_cannot_run_is_looked_at_again_and_again_and_the_node_lives() {
-    let mut rig = Rig::new(1, None);
+    let mut rig = gpu_rig(1, None);
     let _bin = script_smi(&mut rig.setup, "#!/nonexistent/cw-no-such-interpreter\n");
     rig.setup
         .set("CYBERWAVE_NODE_GPU_INVENTORY_SECONDS", "0.05");
     let node = rig.node();
     g(1).ok(&rig.cp, &node);
-    rig.stop(1);
+    finish(&rig, 1);
     g(1).completion(&rig.cp);
     // Twenty looks or so.
     std::thread::sleep(Duration::from_secs(1));
@@ -716,7 +658,7 @@ fn g8_a_host_whose_nvidia_smi_cannot_run_is_looked_at_again_and_again_and_the_no
 /// and exits 1 to be started again (crash-only), and its workload keeps running.
 #[test]
 fn g8_a_thread_of_the_node_that_ends_makes_it_exit_1_and_its_workload_keeps_running() {
-    let mut rig = Rig::new(1, None);
+    let mut rig = gpu_rig(1, None);
     let stop = rig.setup.cwd.join("stop-gpu-monitor");
     rig.setup.set(
         "CYBERWAVE_TEST_GPU_MONITOR_STOP_FILE",
@@ -735,25 +677,16 @@ fn g8_a_thread_of_the_node_that_ends_makes_it_exit_1_and_its_workload_keeps_runn
     std::fs::write(&stop, "").expect("write the stop file");
     let exit = node.wait_exit(DONE);
     assert_eq!(exit, Some(Some(1)), "log:\n{}", node.log());
-    assert!(
-        node.log().contains("the GPU monitor thread stopped"),
-        "{}",
-        node.log()
-    );
-    // SAFETY: signal 0 only asks whether the test's own workload still exists.
-    assert_eq!(
-        unsafe { libc::kill(pid, 0) },
-        0,
-        "the workload died with the node"
-    );
-    rig.stop(1);
+    node.assert_logged("the GPU monitor thread stopped");
+    assert!(procs::exists(pid), "the workload died with the node");
+    finish(&rig, 1);
 }
 
 /// D47: the `nvidia-smi` the node runs gets the node's environment (its `PATH`, library
 /// paths) with `LC_ALL=C`, but not the node's API key or broker password.
 #[test]
 fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
-    let mut rig = Rig::new(1, None);
+    let mut rig = gpu_rig(1, None);
     let out = TempDir::new("smi-env");
     let seen = out.path().join("seen.env");
     let script = format!(
@@ -763,9 +696,8 @@ fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
     let (_bin, path) = script_smi(&mut rig.setup, &script);
     rig.setup
         .set("CYBERWAVE_MQTT_PASSWORD", "cw-test-broker-password-42");
-    let node = rig.node();
-    let env = wait_for(DONE, || std::fs::read_to_string(&seen).ok())
-        .unwrap_or_else(|| panic!("nvidia-smi never ran; log:\n{}", node.log()));
+    let _node = rig.node();
+    let env = wait_for(DONE, || std::fs::read_to_string(&seen).ok()).expect("nvidia-smi never ran");
     assert!(env.lines().any(|l| l == "LC_ALL=C"), "{env}");
     assert!(env.lines().any(|l| l == format!("PATH={path}")), "{env}");
     for secret in rig.setup.secrets() {
@@ -780,9 +712,7 @@ fn g7_the_nvidia_smi_the_node_runs_sees_none_of_its_secrets() {
 
 /// The node's status, each look under a fresh request id.
 fn look(rig: &Rig, node: &NodeProcess, tag: &str) -> Value {
-    rig.cp
-        .status(&node.uuid(), tag, REPLY)
-        .unwrap_or_else(|| panic!("no status; log:\n{}", node.log()))
+    rig.cp.status(&node.uuid(), tag, REPLY).expect("no status")
 }
 
 /// Runs scripts/gpu-check with the `nvidia-smi` of `bin` first on PATH, and `env`.
@@ -924,22 +854,51 @@ fn g15_doctor_names_a_uuid_listed_twice_and_an_unknown_nvml_error() {
     smi.install(&mut setup);
     smi.host("duplicate-uuid");
     let out = setup.run(&["doctor"]);
-    assert!(out.stdout.contains("1 GPU(s), 0 healthy"), "{}", out.stdout);
-    assert!(
-        out.stdout
-            .contains("is unhealthy: 2 uncorrected volatile ECC error(s)"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout("1 GPU(s), 0 healthy");
+    out.assert_stdout("is unhealthy: 2 uncorrected volatile ECC error(s)");
     smi.host("nvml-unknown-error");
     let out = setup.run(&["doctor"]);
-    assert!(
-        out.stdout
-            .contains("nvidia-smi failed: Failed to initialize NVML: Unknown Error"),
-        "{}",
-        out.stdout
-    );
-    assert!(out.stdout.contains("FAIL"), "{}", out.stdout);
+    out.assert_stdout("nvidia-smi failed: Failed to initialize NVML: Unknown Error");
+    out.assert_stdout("FAIL");
+}
+
+/// Guarantee 10: starts in flight hold their GPUs. Four starts at once on a slow disk on a node
+/// with four GPUs (one each) get four different GPUs, although none was reported yet when the
+/// next was accepted.
+#[test]
+fn g10_starts_in_flight_hold_their_gpus() {
+    let mut rig = Scenario::new(
+        "cyberwave:\n  max_concurrent_workloads: 4\n  inference: |\n    echo \"$CUDA_VISIBLE_DEVICES\" > t/$CYBERWAVE_REQUEST_ID.gpu\n    sleep 2\n",
+    )
+    .slow_disk(300)
+    .dir("t")
+    .rig();
+    let smi = FakeSmi::new("four-a100.csv");
+    smi.put_on_path(&mut rig.setup);
+    let node = rig.node();
+    let rids = ["g0", "g1", "g2", "g3"];
+    for rid in rids {
+        Start::new("inference", rid).send(&rig.cp, &node);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for rid in rids {
+        let reply = rig
+            .cp
+            .wait_reply(rid, Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("no reply to {rid}; log:\n{}", node.log()));
+        assert_eq!(reply["status"], "ok", "{reply}");
+        let gpu = wait_for(Duration::from_secs(10), || {
+            std::fs::read_to_string(rig.work(&format!("t/{rid}.gpu")))
+                .ok()
+                .filter(|g| !g.trim().is_empty())
+        })
+        .unwrap_or_else(|| panic!("{rid} saw no GPU; log:\n{}", node.log()));
+        assert!(
+            seen.insert(gpu.trim().to_string()),
+            "{rid} got a GPU another start holds: {gpu} (all: {seen:?})"
+        );
+    }
+    assert_eq!(seen.len(), 4, "{seen:?}");
 }
 
 /// D59: a GPU a service uses (a model server a workload left running, seen in `nvidia-smi`'s
@@ -949,7 +908,7 @@ fn g15_doctor_names_a_uuid_listed_twice_and_an_unknown_nvml_error() {
 #[test]
 fn g10_d59_a_new_workload_gets_a_gpu_no_service_uses_and_is_never_refused_for_one() {
     let smi = FakeSmi::new("four-a100.csv");
-    let rig = Rig::new(2, Some(&smi));
+    let rig = gpu_rig(2, Some(&smi));
     rig.setup.write(
         "cyberwave.yml",
         concat!(

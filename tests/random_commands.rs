@@ -1,34 +1,19 @@
-//! Hostile input against a running node (issue 11): a malformed time through `emit` and the
-//! control socket (finding 2), and a property test that throws arbitrary command-shaped JSON at
-//! the node over the real broker and checks, after each batch, that it is alive, answers
-//! `status` on MQTT and on its control socket, and wrote nothing outside its state dir
-//! (guarantees 5 and 8).
+//! A property test of the command edge: random command-shaped JSON, thrown at a running node
+//! over the real broker in batches; after each batch the node is alive, answers `status` on MQTT
+//! and on its control socket, and wrote nothing outside its state dir (guarantees 5 and 8). It
+//! prints its seed; `CW_PROP_SEED=N` replays one.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use crate::support::timeouts::{READY, REPLY};
-use crate::support::{rig, wait_for, NodeProcess, TempDir};
+use crate::support::timeouts::REPLY;
+use crate::support::{NodeProcess, Scenario, TempDir};
 
-/// One request line on the node's control socket, its one reply line back.
-fn socket_call(sock: &Path, line: &[u8]) -> Value {
-    let mut s = UnixStream::connect(sock).expect("connect to the control socket");
-    s.set_read_timeout(Some(REPLY)).expect("timeout");
-    s.write_all(line).expect("write request");
-    s.write_all(b"\n").expect("write newline");
-    let mut reply = String::new();
-    BufReader::new(s)
-        .read_line(&mut reply)
-        .expect("read the reply");
-    serde_json::from_str(&reply).unwrap_or_else(|e| panic!("reply {reply:?}: {e}"))
-}
-
-fn assert_alive(node: &mut NodeProcess, what: &str) {
+/// The node has not exited.
+fn assert_running(node: &mut NodeProcess, what: &str) {
     assert!(
         node.wait_exit(Duration::ZERO).is_none(),
         "the node died ({what}); log:\n{}",
@@ -36,6 +21,7 @@ fn assert_alive(node: &mut NodeProcess, what: &str) {
     );
 }
 
+/// The last 6000 bytes of a log (from a character boundary).
 fn tail(log: &str) -> &str {
     let mut start = log.len().saturating_sub(6000);
     while !log.is_char_boundary(start) {
@@ -43,97 +29,6 @@ fn tail(log: &str) -> &str {
     }
     &log[start..]
 }
-
-/// Issue 11, finding 2: `--started-at '2026-11-30T15:48:12+0é00'` panicked the RFC 3339
-/// parser, which the node runs on its main thread for every `emit` on the control socket.
-#[test]
-fn a_multibyte_time_is_refused_by_emit_and_by_the_control_socket_and_the_node_lives() {
-    let (_b, cp, setup) =
-        rig("cyberwave:\n  inference: |\n    while [ ! -f go ]; do sleep 0.05; done\n");
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
-    cp.command(
-        &node.uuid(),
-        json!({"command": "inference", "request_id": "t1", "params": {"workload_uuid": "wl-t1"}}),
-    );
-    assert_eq!(
-        cp.wait_reply("t1", REPLY).expect("reply to t1")["status"],
-        "ok"
-    );
-    // The running workload's event token, as its own `emit` would send it.
-    let state = setup.config_dir();
-    let token = wait_for(REPLY, || {
-        let rd = std::fs::read_dir(state.join("workloads")).ok()?;
-        rd.flatten().find_map(|e| {
-            let meta: Value =
-                serde_json::from_slice(&std::fs::read(e.path().join("meta.json")).ok()?).ok()?;
-            meta["event_token"]
-                .as_str()
-                .filter(|t| !t.is_empty())
-                .map(String::from)
-        })
-    })
-    .expect("the workload's event token");
-    let bad = "2026-11-30T15:48:12+0é00";
-    let sock = state.join("control.sock");
-
-    // The CLI: a usage error (exit 2), nothing sent.
-    let mut cli = crate::support::node::NodeSetup::bare();
-    cli.env = setup.env.clone();
-    cli.set("CYBERWAVE_NODE_EVENT_TOKEN", &token);
-    cli.set("CYBERWAVE_NODE_SOCKET", &sock.display().to_string());
-    let out = cli.run(&[
-        "emit",
-        "node",
-        "--workflow",
-        "wf-t",
-        "--execution",
-        "ex-t",
-        "--node",
-        "n1",
-        "--status",
-        "running",
-        "--started-at",
-        bad,
-    ]);
-    assert_eq!(out.code, Some(2), "{out:?}");
-    assert!(out.stderr.starts_with("error: --started-at: "), "{out:?}");
-    assert!(!out.stderr.contains("panicked"), "{out:?}");
-
-    // The socket, as a workload could write it directly: an error reply, the node keeps going.
-    for time in [
-        bad,
-        "2026-11-30T15:48:12+é:00",
-        "🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒🕒",
-    ] {
-        for field in ["started_at", "finished_at"] {
-            let req = json!({"op": "emit", "token": token, "fields": {
-                "kind": "node", "workflow": "wf-t", "execution": "ex-t", "node": "n1",
-                "status": "running", field: time}});
-            let reply = socket_call(&sock, req.to_string().as_bytes());
-            assert_eq!(reply["ok"], false, "{time:?}: {reply}");
-            let err = reply["error"].as_str().unwrap_or("");
-            assert!(err.contains("RFC 3339"), "{time:?}: {reply}");
-            assert_alive(&mut node, time);
-        }
-    }
-    let status = socket_call(&sock, br#"{"op":"status"}"#);
-    assert_eq!(status["ok"], true, "{status}");
-    assert_eq!(
-        status["status"]["workloads"].as_array().map(Vec::len),
-        Some(1)
-    );
-    assert!(cp.status(&node.uuid(), "after", REPLY).is_some());
-    assert!(
-        cp.requests("ingress").is_empty(),
-        "no event was queued for a bad time"
-    );
-    std::fs::write(setup.cwd.join("go"), "").expect("go");
-    assert_alive(&mut node, "at the end");
-    assert!(!node.log().contains("panicked"), "{}", tail(&node.log()));
-}
-
-// ---- the property test ---------------------------------------------------------------------
 
 /// splitmix64: small, fast, and the same sequence for the same seed on every machine.
 struct Rng(u64);
@@ -157,9 +52,9 @@ impl Rng {
     }
 }
 
-/// What the generator may produce. `known_killers` adds the inputs that still take the node down
-/// or wedge it before the typed protocol edge lands (issue 11, findings 1, 3 and 5, and a NUL
-/// in a workload uuid, which panics paho's message builder).
+/// What the generator may produce. `known_killers` adds the inputs that took the node down or
+/// wedged it before its commands were typed at the edge: seconds past any range, `+`/`#`/`/` and
+/// control characters in ids (a NUL panics paho's message builder), request ids over 16 KiB.
 #[derive(Clone, Copy)]
 struct Scope {
     known_killers: bool,
@@ -186,7 +81,7 @@ fn numbers(rng: &mut Rng, scope: Scope) -> Value {
         json!(-1e300),
         json!(1e-300),
     ];
-    // Seconds past Duration/Instant range: finding 1 (a panic, then a crash loop).
+    // Seconds past the range of Duration and Instant (once a panic, then a crash loop).
     let killers = [
         json!(1e19),
         json!(u64::MAX),
@@ -244,9 +139,10 @@ fn text(rng: &mut Rng, scope: Scope) -> String {
     s
 }
 
-/// An id for a field that reaches a topic or a path. `+`, `#`, `/` (finding 3: the broker drops
-/// the node's connection and the node never notices) and control characters (a NUL panics
-/// paho's message builder; the broker drops a connection for the others) only with the killers.
+/// An id for a field that reaches a topic or a path. `+`, `#`, `/` (the broker drops the node's
+/// connection for them, and a node that did not check would never notice) and control
+/// characters (a NUL panics paho's message builder; the broker drops a connection for the
+/// others) only with the killers.
 fn id(rng: &mut Rng, scope: Scope) -> String {
     let mut s = text(rng, scope);
     if scope.known_killers && rng.chance(30) {
@@ -424,19 +320,18 @@ fn throw_commands(scope: Scope, seconds: u64) {
                 .map(|d| d.as_secs())
                 .unwrap_or(1)
         });
-    // Printed so a failure can be replayed: CW_PROP_SEED=<seed> cargo test --test main hostile
+    // Printed so a failure can be replayed: CW_PROP_SEED=<seed> cargo test --test main random_commands
     println!("property test seed: {seed} (replay with CW_PROP_SEED={seed})");
     let mut rng = Rng(seed);
-    let (_b, cp, mut setup) = rig(
-        "cyberwave:\n  inference: 'true'\n  simulate: 'true'\n  training: sleep 0.2\n  max_concurrent_workloads: 3\n",
-    );
     let tmp = TempDir::new("prop-tmp");
-    setup.set("TMPDIR", &tmp.path().display().to_string());
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
+    let (rig, mut node) = Scenario::new(
+        "cyberwave:\n  inference: 'true'\n  simulate: 'true'\n  training: sleep 0.2\n  max_concurrent_workloads: 3\n",
+    )
+    .env("TMPDIR", &tmp.path().display().to_string())
+    .node();
     let uuid = node.uuid();
-    let state = setup.config_dir();
-    let before = tree(setup.home.path(), &state);
+    let state = rig.setup.config_dir();
+    let before = tree(rig.setup.home.path(), &state);
     let before_tmp = tree(tmp.path(), &state);
     assert!(
         escaped_to_tmp().is_empty(),
@@ -452,7 +347,7 @@ fn throw_commands(scope: Scope, seconds: u64) {
         for _ in 0..25 {
             n += 1;
             let payload = command(&mut rng, scope, n);
-            cp.command_raw(&uuid, payload.clone());
+            rig.cp.command_raw(&uuid, payload.clone());
             sent.push(payload);
         }
         let shown = || {
@@ -467,8 +362,8 @@ fn throw_commands(scope: Scope, seconds: u64) {
                 .join("\n")
         };
         let rid = format!("alive-{batch}");
-        let reply = cp.status(&uuid, &rid, REPLY);
-        assert_alive(
+        let reply = rig.cp.status(&uuid, &rid, REPLY);
+        assert_running(
             &mut node,
             &format!("seed {seed}, batch {batch}:\n{}", shown()),
         );
@@ -478,9 +373,9 @@ fn throw_commands(scope: Scope, seconds: u64) {
             shown(),
             tail(&node.log())
         );
-        let local = socket_call(&state.join("control.sock"), br#"{"op":"status"}"#);
+        let local = rig.control(br#"{"op":"status"}"#);
         assert_eq!(local["ok"], true, "seed {seed}, batch {batch}: {local}");
-        let after = tree(setup.home.path(), &state);
+        let after = tree(rig.setup.home.path(), &state);
         let new: Vec<_> = after.difference(&before).collect();
         assert!(
             new.is_empty(),
@@ -506,8 +401,7 @@ fn throw_commands(scope: Scope, seconds: u64) {
 }
 
 /// Guarantees 5 and 8: arbitrary command-shaped JSON never takes the node down, leaves it
-/// answering, and writes nothing outside its state dir. (The inputs that still do harm today
-/// are in the ignored test below.)
+/// answering, and writes nothing outside its state dir.
 #[test]
 fn arbitrary_commands_leave_the_node_up_answering_and_inside_its_state_dir() {
     throw_commands(
@@ -518,10 +412,8 @@ fn arbitrary_commands_leave_the_node_up_answering_and_inside_its_state_dir() {
     );
 }
 
-/// The same with the inputs of issue 11's findings 1, 3 and 5 (seconds past any range,
-/// `+`/`#`/`/` and control characters in ids, request ids over 16 KiB). Ignored until the typed
-/// protocol edge lands;
-/// run it with `cargo test --test main hostile -- --ignored`.
+/// The same with the inputs that once took the node down (seconds past any range, `+`/`#`/`/`
+/// and control characters in ids, request ids over 16 KiB): each is refused at the edge.
 #[test]
 fn arbitrary_commands_including_the_known_killers_leave_the_node_up() {
     throw_commands(
@@ -530,37 +422,4 @@ fn arbitrary_commands_including_the_known_killers_leave_the_node_up() {
         },
         20,
     );
-}
-
-/// Found by the property test: a NUL in `workload_uuid` reaches a topic, and paho's message
-/// builder panics on it (`CString::new(topic).unwrap()`), killing the node; the completion in the
-/// outbox then carries the same topic. D20 refuses the id at the edge. Ignored until the typed
-/// protocol edge of issue 11 lands.
-#[test]
-fn a_nul_in_a_workload_uuid_is_refused_and_the_node_lives_and_restarts() {
-    let (_b, cp, setup) = rig("cyberwave:\n  inference: 'true'\n");
-    let mut node = setup.spawn();
-    node.wait_ready(READY);
-    let uuid = node.uuid();
-    cp.command(
-        &uuid,
-        json!({"command": "inference", "request_id": "nul", "params": {"workload_uuid": "w\u{0}x"}}),
-    );
-    let reply = cp.wait_reply("nul", REPLY);
-    assert!(
-        cp.status(&uuid, "after-nul", REPLY).is_some(),
-        "no status reply"
-    );
-    assert_alive(&mut node, "after a NUL in workload_uuid");
-    assert_eq!(
-        reply.expect("a reply to the start")["status"],
-        "error",
-        "refused at the edge"
-    );
-    node.sigterm();
-    assert!(node.wait_exit(REPLY).is_some(), "the node did not stop");
-    let mut again = setup.spawn();
-    again.wait_ready(READY);
-    assert!(cp.status(&uuid, "after-restart", REPLY).is_some());
-    assert_alive(&mut again, "after a restart");
 }

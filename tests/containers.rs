@@ -9,29 +9,17 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::node::NodeSetup;
-use crate::support::scenario::Start;
 use crate::support::timeouts::{EXIT, READY, REPLY};
-use crate::support::{rig, wait_for, ControlPlane, NodeProcess};
+use crate::support::{procs, wait_for, ControlPlane, NodeProcess, Rig, Scenario, Start};
 
 /// One workload that ends on SIGTERM and one that ignores it (it needs the SIGKILL).
 pub(crate) const MANIFEST: &str = "cloud_node:\n  max_concurrent_workloads: 2\ncyberwave:\n  inference: exec sleep 60\n  training: |\n    trap '' TERM\n    while :; do sleep 0.1; done\n";
 
-fn gone(pid: i64) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, r)| r.split_whitespace().next().map(String::from))
-        .unwrap_or_default();
-    stat.is_empty() || state == "Z"
-}
-
 /// The node's pid outside its namespace: the child of `unshare`.
 fn pid_under_unshare(node: &NodeProcess) -> i32 {
-    std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", node.pid()))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
+    procs::children(node.pid())
+        .first()
+        .copied()
         .expect("the node under unshare")
 }
 
@@ -57,7 +45,9 @@ fn assert_stopped_and_reported(cp: &ControlPlane, node: &NodeProcess, pids: &[i6
     );
     for pid in pids {
         assert!(
-            wait_for(Duration::from_secs(2), || gone(*pid).then_some(())).is_some(),
+            wait_for(Duration::from_secs(2), || (!procs::alive(*pid))
+                .then_some(()))
+            .is_some(),
             "workload pid {pid} outlived the node"
         );
     }
@@ -65,19 +55,16 @@ fn assert_stopped_and_reported(cp: &ControlPlane, node: &NodeProcess, pids: &[i6
 
 #[test]
 fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_INIT", "1");
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("container's main process"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("container's main process");
     let pids = [
-        Start::new("inference", "inf").pid(&cp, &node),
-        Start::new("training", "train").pid(&cp, &node),
+        Start::new("inference", "inf").pid(cp, &node),
+        Start::new("training", "train").pid(cp, &node),
     ];
     // The training workload's trap is set once it loops.
     std::thread::sleep(Duration::from_millis(300));
@@ -92,7 +79,7 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
         took < Duration::from_secs(3),
         "exited {took:?} after SIGTERM: past the 3 s grace"
     );
-    assert_stopped_and_reported(&cp, &node, &pids);
+    assert_stopped_and_reported(cp, &node, &pids);
     assert!(node
         .log()
         .contains("every workload of the container is reported"));
@@ -105,7 +92,8 @@ fn d58_a_container_init_stops_and_reports_every_workload_before_its_grace_ends()
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads() {
     crate::support::assert_root("to make a PID namespace");
-    let (_b, cp, mut setup) = rig("");
+    let mut rig = Scenario::new("").rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.write(
         "cyberwave.yml",
         &format!("{MANIFEST}  install: for i in 1 2 3 4 5; do (sleep 0.2; exit 0) & done\n"),
@@ -116,16 +104,12 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
         .to_vec();
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("container's main process"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("container's main process");
     let inner = pid_under_unshare(&node);
     // Pids inside the namespace: nothing of it outlives its PID 1 anyway; what matters is that
     // the backend heard of every workload.
-    Start::new("inference", "inf").pid(&cp, &node);
-    Start::new("training", "train").pid(&cp, &node);
+    Start::new("inference", "inf").pid(cp, &node);
+    Start::new("training", "train").pid(cp, &node);
     // The install script's five orphans ended 0.2 s after start; none is left a zombie.
     let zombies = || {
         std::fs::read_dir("/proc")
@@ -155,7 +139,7 @@ fn d58_as_pid_1_of_its_namespace_the_node_reaps_orphans_and_stops_its_workloads(
         .wait_exit(Duration::from_secs(6))
         .expect("the node exits");
     assert_eq!(code, Some(0), "{}", node.log());
-    assert_stopped_and_reported(&cp, &node, &[]);
+    assert_stopped_and_reported(cp, &node, &[]);
 }
 
 /// A minimal init of the container's own, the shape of `docker run --init` and of an entrypoint
@@ -187,7 +171,7 @@ fn stop_the_container(node: &NodeProcess, times: usize) {
     let pid1 = pid_under_unshare(node);
     for n in 0..times {
         if n > 0 {
-            assert!(node.wait_log("shutting down", REPLY), "{}", node.log());
+            node.assert_logged("shutting down");
         }
         // SAFETY: the test's own process.
         unsafe {
@@ -221,13 +205,14 @@ pub(crate) fn assert_a_stop_reports_both(
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_behind_an_init_the_node_stops_and_reports_every_workload_on_sigterm() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "3");
-    let init = mini_init(&setup);
-    in_a_pid_namespace(&mut setup, &init);
+    let init = mini_init(setup);
+    in_a_pid_namespace(setup, &init);
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_a_stop_reports_both(&cp, &mut node, 1, Duration::from_secs(6));
+    assert_a_stop_reports_both(cp, &mut node, 1, Duration::from_secs(6));
     assert!(
         node.log()
             .contains("is PID 1 of its PID namespace, a shell entrypoint in front of it"),
@@ -242,27 +227,29 @@ fn d70_behind_an_init_the_node_stops_and_reports_every_workload_on_sigterm() {
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_behind_an_init_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "60");
-    let init = mini_init(&setup);
-    in_a_pid_namespace(&mut setup, &init);
+    let init = mini_init(setup);
+    in_a_pid_namespace(setup, &init);
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_a_stop_reports_both(&cp, &mut node, 2, Duration::from_secs(20));
-    assert!(node.log().contains("SIGKILL now"), "{}", node.log());
+    assert_a_stop_reports_both(cp, &mut node, 2, Duration::from_secs(20));
+    node.assert_logged("SIGKILL now");
 }
 
-/// D70: the same as PID 1 itself: a second SIGTERM no longer exits at once, leaving every
-/// workload unreported.
+/// D70: the same as PID 1 itself: a second SIGTERM kills at once, and still every workload is
+/// reported (it does not just exit, leaving them unreported).
 #[test]
 #[cfg_attr(not_root, ignore = "needs root")]
 fn d70_as_pid_1_a_second_sigterm_kills_at_once_and_every_workload_is_still_reported() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "60");
-    in_a_pid_namespace(&mut setup, &[]);
+    in_a_pid_namespace(setup, &[]);
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert_a_stop_reports_both(&cp, &mut node, 2, Duration::from_secs(20));
+    assert_a_stop_reports_both(cp, &mut node, 2, Duration::from_secs(20));
 }
 
 /// D70: a completion the backend never acknowledges before the grace ends: the node exits 1 and
@@ -270,23 +257,20 @@ fn d70_as_pid_1_a_second_sigterm_kills_at_once_and_every_workload_is_still_repor
 /// SIGTERM, so nothing of it outlives the test.)
 #[test]
 fn d70_a_stop_that_cannot_report_its_workloads_exits_1() {
-    let (_b, cp, mut setup) = rig(MANIFEST);
+    let mut rig = Scenario::new(MANIFEST).rig();
+    let Rig { cp, setup, .. } = &mut rig;
     setup.set("CYBERWAVE_NODE_INIT", "1");
     setup.set("CYBERWAVE_NODE_STOP_GRACE_SECONDS", "2");
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    Start::new("inference", "inf").pid(&cp, &node);
+    Start::new("inference", "inf").pid(cp, &node);
     cp.set_behaviour(|b| b.mute = true);
     node.sigterm();
     let code = node
         .wait_exit(Duration::from_secs(6))
         .expect("the node exits");
     assert_eq!(code, Some(1), "{}", node.log());
-    assert!(
-        node.log().contains("not every workload was reported"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("not every workload was reported");
 }
 
 /// The shipped image (packaging/build-image.sh), unpacked by packaging/check.sh into the root
@@ -302,7 +286,8 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
             .expect("CYBERWAVE_TEST_IMAGE_ROOTFS: the unpacked image's root filesystem"),
     );
     assert!(rootfs.join("usr/bin/cyberwave-cloud-node").is_file());
-    let (_b, cp, mut setup) = rig("");
+    let mut rig = Scenario::new("").rig();
+    let Rig { cp, setup, .. } = &mut rig;
     std::fs::write(
         rootfs.join("work/cyberwave.yml"),
         "cyberwave:\n  training: |\n    echo from-the-image\n    exec sleep 60\n",
@@ -328,11 +313,7 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
     setup.bin = Some("/usr/bin/cyberwave-cloud-node".into());
     let mut node = setup.spawn();
     node.wait_ready(READY);
-    assert!(
-        node.log().contains("container's main process"),
-        "{}",
-        node.log()
-    );
+    node.assert_logged("container's main process");
     let uuid =
         std::fs::read_to_string(rootfs.join("var/lib/cyberwave-cloud-node/instance_identity.json"))
             .ok()
@@ -359,7 +340,7 @@ fn d58_the_image_runs_the_node_as_pid_1_and_reports_its_workload_on_stop() {
         .wait_exit(Duration::from_secs(6))
         .expect("the node exits");
     assert_eq!(code, Some(0), "{}", node.log());
-    let st = last_status(&cp, "wl-img");
+    let st = last_status(cp, "wl-img");
     assert_eq!(st["status"], "failed", "{st}");
     assert_eq!(st["reason"], "the node's container is stopping", "{st}");
 }
@@ -457,13 +438,15 @@ fn the_container_examples_manifests_validate() {
 #[cfg_attr(not_root, ignore = "needs root")]
 fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once() {
     crate::support::assert_root("to make a PID namespace");
-    let (_b, cp, mut setup) = rig(concat!(
+    let mut rig = Scenario::new(concat!(
         "cyberwave:\n  training: |\n",
         "    echo $PPID > t/$CYBERWAVE_REQUEST_ID.sup\n",
         "    echo $$ >> t/$CYBERWAVE_REQUEST_ID.runs\n",
         "    until [ -e t/$CYBERWAVE_REQUEST_ID.stop ]; do sleep 0.05; done\n",
         "    exit 4\n",
-    ));
+    ))
+    .rig();
+    let Rig { cp, setup, .. } = &mut rig;
     std::fs::create_dir_all(setup.cwd.join("t")).unwrap();
     setup.under = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
         .map(String::from)
@@ -473,24 +456,16 @@ fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once(
     let inner = pid_under_unshare(&node);
     for rid in ["pid1", "pid2"] {
         let w = Start::training(rid);
-        assert_eq!(w.reply(&cp, &node)["status"], "ok", "{}", node.log());
+        assert_eq!(w.reply(cp, &node)["status"], "ok", "{}", node.log());
         let sup = wait_for(REPLY, || {
-            std::fs::read_dir("/proc")
-                .unwrap()
-                .flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                .find(|pid| {
-                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                    let stat =
-                        std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-                    let parent = stat
-                        .rsplit_once(')')
-                        .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok());
-                    parent == Some(inner)
-                        && String::from_utf8_lossy(&cmd).contains("__shim")
-                        && std::fs::read_link(format!("/proc/{pid}/cwd"))
-                            .is_ok_and(|c| c.ends_with(rid))
-                })
+            // Any thread of the node may have started it: every process whose parent it is.
+            procs::all().into_iter().find(|&pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                procs::parent(pid) == inner
+                    && String::from_utf8_lossy(&cmd).contains("__shim")
+                    && std::fs::read_link(format!("/proc/{pid}/cwd"))
+                        .is_ok_and(|c| c.ends_with(rid))
+            })
         });
         assert!(
             sup.is_some(),
@@ -498,7 +473,7 @@ fn g8_d58_as_pid_1_its_supervisors_are_its_children_and_each_workload_runs_once(
             node.log()
         );
         std::fs::write(setup.cwd.join(format!("t/{rid}.stop")), "").unwrap();
-        assert_eq!(w.completion(&cp)["exit_code"], 4, "{}", node.log());
+        assert_eq!(w.completion(cp)["exit_code"], 4, "{}", node.log());
         let runs = std::fs::read_to_string(setup.cwd.join(format!("t/{rid}.runs"))).unwrap();
         assert_eq!(runs.lines().count(), 1, "{rid}");
     }

@@ -391,8 +391,13 @@ fn g13_d67_a_workload_emitting_while_the_broker_is_away_fills_its_share_and_no_m
     })
     .expect("the second workload emitted");
     assert_eq!(small.trim(), "small=0");
+    // The fake backend's subscription must be back before the node sends: an event the broker
+    // acknowledged while nobody subscribed is gone (the broker keeps no session across a
+    // restart), and the node, rightly, does not send it again.
+    node.signal(libc::SIGSTOP);
     broker.restart();
     cp.wait_subscribed();
+    node.signal(libc::SIGCONT);
     let ev = wait_events(cp, "wf-big/", at - 1);
     assert_eq!(ev.len(), at - 1, "nothing refused was queued");
     for ex in ["ex-0", "ex-1"] {

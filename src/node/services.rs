@@ -458,27 +458,39 @@ mod tests {
     use super::*;
     use crate::workload::services::Scope;
 
+    /// A service as a workload leaves one: `sleep` in a session of its own (`setsid` execs it
+    /// in place, so the pid is the child's). Its own session also keeps the record valid where
+    /// the test runner's session id is 0 or 1 (a container's `exec`), which a record refuses.
+    fn sleeper() -> std::process::Child {
+        let child = std::process::Command::new("setsid")
+            .args(["sleep", "30"])
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // SAFETY: getsid takes any pid.
+        while unsafe { libc::getsid(pid) } != pid || svc::cmdline(pid) != "sleep 30" {
+            assert!(
+                Instant::now() < deadline,
+                "setsid did not run sleep in a session"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child
+    }
+
     fn found_of(child: &std::process::Child) -> Found {
         let pid = i32::try_from(child.id()).unwrap();
         Found {
             pid,
             start_ticks: procinfo::start_ticks(pid).unwrap(),
-            scope: Scope::Group,
+            scope: Scope::Session,
             scope_id: pid,
-            sid: unsafe { libc::getsid(pid) },
+            sid: pid,
             leader_start: procinfo::start_ticks(pid),
             uid: unsafe { libc::getuid() },
             cmdline: svc::cmdline(pid),
         }
-    }
-
-    fn sleeper() -> std::process::Child {
-        use std::os::unix::process::CommandExt;
-        std::process::Command::new("sleep")
-            .arg("30")
-            .process_group(0)
-            .spawn()
-            .unwrap()
     }
 
     #[test]

@@ -1,6 +1,5 @@
 //! Small helpers with no better home: randomness, time formatting, secret masking, backoff.
 
-use std::io::Read;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The longest span the node ever waits for: timers further out are clamped to it.
@@ -29,21 +28,12 @@ pub fn set(v: &mut serde_json::Value, key: &str, x: serde_json::Value) {
     }
 }
 
-/// `n` bytes from the kernel's CSPRNG: one `getrandom(2)` (never blocking: these name files and
-/// requests, they guard nothing), else `/dev/urandom`. Falls back to a time-and-pid mix if both
-/// fail (never on Linux in practice), so ids stay unique even then. Each temporary file name of
-/// a start took an open, a read and a close of `/dev/urandom` before (issue 25 item 5).
+/// `N` bytes from the kernel's CSPRNG (the `getrandom` crate: `getrandom(2)`, else
+/// `/dev/urandom`). These name files and requests and guard nothing, so if the kernel gives none
+/// (never on Linux in practice) a time-and-pid mix keeps the ids unique.
 pub fn random_bytes<const N: usize>() -> [u8; N] {
     let mut buf = [0u8; N];
-    // SAFETY: getrandom writes at most `N` bytes into the buffer we own.
-    let got = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), N, libc::GRND_NONBLOCK) };
-    if usize::try_from(got).ok() == Some(N) {
-        return buf;
-    }
-    let ok = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .is_ok();
-    if !ok {
+    if getrandom::fill(&mut buf).is_err() {
         let mut x = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -60,35 +50,18 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
     buf
 }
 
-/// `N` bytes for a secret (an event token), from the kernel's CSPRNG (`getrandom`, else
-/// `/dev/urandom`), or `None`: a secret never falls back to guessable bytes.
+/// `N` bytes for a secret (an event token), from the kernel's CSPRNG, or `None`: a secret never
+/// falls back to guessable bytes.
 pub fn secret_bytes<const N: usize>() -> Option<[u8; N]> {
-    let mut buf = [0u8; N];
-    let getrandom = |rest: &mut [u8]| {
-        // SAFETY: getrandom writes at most `rest.len()` bytes into the slice we own.
-        let got = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-        usize::try_from(got).map_err(|_| std::io::Error::last_os_error())
-    };
-    let urandom = |all: &mut [u8]| std::fs::File::open("/dev/urandom")?.read_exact(all);
-    fill_secret(&mut buf, getrandom, urandom).then_some(buf)
+    secret_from(getrandom::fill)
 }
 
-/// Fills `buf` from `getrandom` (retried on EINTR and short reads), else from `urandom`;
-/// false when neither gave every byte.
-fn fill_secret(
-    buf: &mut [u8],
-    mut getrandom: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
-    urandom: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
-) -> bool {
-    let mut filled = 0usize;
-    while let Some(rest) = buf.get_mut(filled..).filter(|r| !r.is_empty()) {
-        match getrandom(rest) {
-            Ok(n) if n > 0 => filled = filled.saturating_add(n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            _ => return urandom(buf).is_ok(),
-        }
-    }
-    true
+/// `N` bytes that `fill` gave in full, or `None` when it failed.
+fn secret_from<const N: usize>(
+    fill: impl FnOnce(&mut [u8]) -> Result<(), getrandom::Error>,
+) -> Option<[u8; N]> {
+    let mut buf = [0u8; N];
+    fill(&mut buf).ok().map(|()| buf)
 }
 
 #[cfg(test)]
@@ -104,28 +77,13 @@ mod secret_tests {
 
     #[test]
     fn g13_a_secret_fails_closed_when_the_kernel_gives_no_random_bytes() {
-        let none = |_: &mut [u8]| Err(std::io::Error::from_raw_os_error(libc::ENOSYS));
-        let no_file = |_: &mut [u8]| Err(std::io::Error::from(std::io::ErrorKind::NotFound));
-        let mut buf = [0u8; 16];
-        assert!(!fill_secret(&mut buf, none, no_file));
-        // Short reads and EINTR are retried; the fallback is used when getrandom is missing.
-        let mut calls = 0;
-        let short = |r: &mut [u8]| {
-            calls += 1;
-            if calls == 1 {
-                return Err(std::io::Error::from_raw_os_error(libc::EINTR));
-            }
-            r[0] = 7;
-            Ok(1)
-        };
-        assert!(fill_secret(&mut buf, short, no_file));
-        assert_eq!(buf, [7u8; 16]);
-        let ones = |all: &mut [u8]| {
-            all.fill(1);
+        let none = |_: &mut [u8]| Err(getrandom::Error::UNSUPPORTED);
+        assert_eq!(secret_from::<16>(none), None);
+        let ones = |b: &mut [u8]| {
+            b.fill(1);
             Ok(())
         };
-        assert!(fill_secret(&mut buf, none, ones));
-        assert_eq!(buf, [1u8; 16]);
+        assert_eq!(secret_from::<16>(ones), Some([1u8; 16]));
         let (a, b) = (secret_bytes::<16>(), secret_bytes::<16>());
         assert!(a.is_some() && a != b);
     }

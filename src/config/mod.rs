@@ -99,8 +99,10 @@ pub struct Tuning {
     pub reconnect_base: Duration,
     pub reconnect_max: Duration,
     pub register_retry_max: Duration,
+    /// How long a heartbeat or status request waits for its reply (fixed: no variable sets it).
     pub heartbeat_timeout: Duration,
     pub auth_retry_base: Duration,
+    /// The MQTT session expiry the node asks for (fixed: no variable sets it).
     pub session_expiry: Duration,
     pub token_check_timeout: Duration,
     pub shutdown_flush: Duration,

@@ -844,7 +844,7 @@ impl Resolver<'_> {
     /// The timings tests shorten (env `CYBERWAVE_NODE_*_SECONDS`).
     fn tuning(&mut self) -> Tuning {
         let mut tuning = Tuning::default();
-        let knobs: [(&str, &mut Duration); 13] = [
+        let knobs: [(&str, &mut Duration); 11] = [
             (
                 "CYBERWAVE_NODE_RECONNECT_BASE_SECONDS",
                 &mut tuning.reconnect_base,
@@ -858,16 +858,8 @@ impl Resolver<'_> {
                 &mut tuning.register_retry_max,
             ),
             (
-                "CYBERWAVE_NODE_HEARTBEAT_TIMEOUT_SECONDS",
-                &mut tuning.heartbeat_timeout,
-            ),
-            (
                 "CYBERWAVE_NODE_AUTH_RETRY_BASE_SECONDS",
                 &mut tuning.auth_retry_base,
-            ),
-            (
-                "CYBERWAVE_NODE_SESSION_EXPIRY_SECONDS",
-                &mut tuning.session_expiry,
             ),
             (
                 "CYBERWAVE_NODE_CONNECT_TIMEOUT_SECONDS",

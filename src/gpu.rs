@@ -1200,9 +1200,11 @@ pub fn start(timing: Timing) -> std::io::Result<(Monitor, Receiver<Snapshot>)> {
 }
 
 fn monitor(timing: Timing, tx: Sender<Snapshot>, hold: Receiver<bool>) {
-    // Tests only: the thread ends once this file exists (the loop must then exit, not spin).
-    let stop =
-        std::env::var_os("CYBERWAVE_TEST_GPU_MONITOR_STOP_FILE").map(std::path::PathBuf::from);
+    // Test builds only (`test-hooks`): the thread ends once this file exists (the loop must
+    // then exit, not spin).
+    let stop = std::env::var_os("CYBERWAVE_TEST_GPU_MONITOR_STOP_FILE")
+        .filter(|_| cfg!(feature = "test-hooks"))
+        .map(std::path::PathBuf::from);
     let mut known = Known::default();
     let mut holding = false;
     let mut next_list = Instant::now();

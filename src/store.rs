@@ -140,9 +140,9 @@ fn remove_logged(dir: &Path) {
 }
 
 /// A slow disk, simulated for the start benchmark and the tests: with
-/// `CYBERWAVE_TEST_SLOW_FSYNC_MS` set, every sync of the node's state first sleeps that long. It is
-/// honoured by every build (a test of a release build must be able to prove the slow disk is on),
-/// and the node says so with a WARN at start ([`slow_disk_delay`]): it only ever slows the node.
+/// `CYBERWAVE_TEST_SLOW_FSYNC_MS` set, every sync of the node's state first sleeps that long. Only
+/// builds with the `test-hooks` feature honour it (what `cargo test` and `cargo bench` build, never
+/// a release), and the node says so with a WARN at start ([`slow_disk_delay`]).
 pub fn slow_disk_pause() {
     if let Some(d) = slow_disk_delay() {
         std::thread::sleep(d);
@@ -152,6 +152,9 @@ pub fn slow_disk_pause() {
 /// The simulated slow disk's delay, when `CYBERWAVE_TEST_SLOW_FSYNC_MS` sets one (read once).
 pub fn slow_disk_delay() -> Option<std::time::Duration> {
     static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    if !cfg!(feature = "test-hooks") {
+        return None;
+    }
     *DELAY.get_or_init(|| {
         std::env::var("CYBERWAVE_TEST_SLOW_FSYNC_MS")
             .ok()

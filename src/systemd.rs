@@ -205,11 +205,12 @@ pub fn uninstall(user: bool) -> Result<(), ServiceError> {
     Ok(())
 }
 
-/// The unit directories systemd reads, highest precedence first (D44). Tests only:
-/// `CYBERWAVE_NODE_SYSTEMD_DIRS` (colon-separated) replaces them, and the user unit is then not
-/// looked at. A directory whose path ends in `lib/systemd/system` holds packaged units.
+/// The unit directories systemd reads, highest precedence first (D44). Test builds only
+/// (`test-hooks`): `CYBERWAVE_NODE_SYSTEMD_DIRS` (colon-separated) replaces them, and the user
+/// unit is then not looked at. A directory whose path ends in `lib/systemd/system` holds
+/// packaged units.
 pub fn unit_dirs() -> (Vec<PathBuf>, bool) {
-    match std::env::var_os("CYBERWAVE_NODE_SYSTEMD_DIRS") {
+    match std::env::var_os("CYBERWAVE_NODE_SYSTEMD_DIRS").filter(|_| cfg!(feature = "test-hooks")) {
         Some(v) => (std::env::split_paths(&v).collect(), false),
         None => (
             [

@@ -8,7 +8,7 @@
 //! it without bash), by the node from the same words with a `# comment` (shell syntax), and by
 //! the benchmark itself with a bare fork+exec, the floor. Elsewhere it is a shell writing `$EPOCHREALTIME`. The slow disk is
 //! `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every fsync of the node's state sleeps that long first;
-//! honoured by every build).
+//! honoured by builds with the `test-hooks` feature, as `cargo bench` builds the node).
 
 use std::time::{Duration, Instant, SystemTime};
 

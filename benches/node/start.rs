@@ -56,6 +56,9 @@ fn stamper() -> String {
 /// `inference`: the stamper as a plain word list; `training`: the same through bash (a comment
 /// is shell syntax; bash still execs the one command in its place); `simulate`: a shell script
 /// (the slow-disk cases).
+/// The results folder is one of the run's own (`out` in the node's working directory), not the
+/// machine's `/results`: every start records what its results folder holds before the workload
+/// runs, so what other runs left in `/results` would be measured too.
 fn setup(broker: &Broker, cp: &ControlPlane, slow_ms: Option<u64>) -> NodeSetup {
     let mut setup = NodeSetup::new(broker, cp);
     setup.set("CYBERWAVE_MAX_CONCURRENT_WORKLOADS", "64");
@@ -65,7 +68,7 @@ fn setup(broker: &Broker, cp: &ControlPlane, slow_ms: Option<u64>) -> NodeSetup 
     let exe = stamper();
     setup.write(
         "cyberwave.yml",
-        &format!("cyberwave:\n  inference: {exe} __stamp\n  training: {exe} __stamp # through bash\n  simulate: |\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.start\n    sleep ${{SLEEP_S:-0}}\n"),
+        &format!("cyberwave:\n  inference: {exe} __stamp\n  training: {exe} __stamp # through bash\n  simulate: |\n    echo $EPOCHREALTIME > t/$CYBERWAVE_REQUEST_ID.start\n    sleep ${{SLEEP_S:-0}}\n  results_folder: out\n"),
     );
     std::fs::create_dir_all(setup.cwd.join("t")).ok();
     setup

@@ -81,7 +81,7 @@ pub struct Node {
 
 impl Node {
     /// A feeder thread ended while the loop runs (none does by design; a panic in one aborts
-    /// the packaged build, `panic = "abort"`, and ends just that thread in other builds): its
+    /// release and packaged builds, `panic = "abort"`, and ends just that thread in debug builds): its
     /// closed channel would be ready at every `select!` and spin the loop.
     /// Crash-only: the node exits, to be started again; its workloads keep running.
     fn lost(&mut self, what: &str) {

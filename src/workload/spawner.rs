@@ -12,7 +12,7 @@
 //! across a host crash), while the workload itself runs before either sync completed.
 //!
 //! A panic while handling one request is caught and reported as that request's failure (in builds
-//! that unwind; the shipped static binary aborts instead, which the node recovers from as from a
+//! that unwind, debug and test builds; release and packaged builds abort instead, which the node recovers from as from a
 //! kill -9: see `panic` in Cargo.toml). If the thread ends anyway, the channel disconnects: the
 //! loop notices, fails the starts in flight and refuses new ones with a clear error.
 

@@ -70,11 +70,11 @@ pub(super) fn on_outcome(w: &mut Work<'_>, op: Op, body: Option<Reply>, corr: &[
             .on_ack(&key, body.as_ref().is_some_and(|b| b.success)),
         Op::SignedUrl(id) => {
             let body = body.map(|b| b.body);
-            w.with_table(|t, out, now| t.on_signed_url_reply(&id, body, now, out));
+            w.with_table(|t, w, fx, now| t.on_signed_url_reply(&id, body, now, w, fx));
         }
         Op::UploadResults(id) => {
             let ok = body.as_ref().is_some_and(|b| b.success);
-            w.with_table(|t, out, now| t.on_upload_reply(&id, ok, now, out));
+            w.with_table(|t, w, fx, now| t.on_upload_reply(&id, ok, now, w, fx));
         }
         Op::WorkloadStatus => on_status_outcome(body, w.s.standalone),
         Op::Terminate | Op::Fail => {

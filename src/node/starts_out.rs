@@ -285,8 +285,8 @@ impl Start<'_> {
                         "carrying out the cancel recorded while {} was starting",
                         shown(&rid)
                     );
-                    let cancelled = self.work.with_table(|t, out, now| {
-                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, out)
+                    let cancelled = self.work.with_table(|t, w, fx, now| {
+                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, w, fx)
                     });
                     if let Err(e) = cancelled {
                         log::warn!(
@@ -482,7 +482,7 @@ impl Start<'_> {
             let grace = admit::STALE_GRACE;
             if let Err(e) = self
                 .work
-                .with_table(|t, out, now| t.cancel_stale(key, grace, now, out))
+                .with_table(|t, w, fx, now| t.cancel_stale(key, grace, now, w, fx))
             {
                 log::error!(
                     "self-heal: cannot terminate {}: {e}; it stays tracked",

@@ -19,7 +19,7 @@
 //!
 //! [`Uploads`] is a value of its own that the table owns: the uploads of every workload in its
 //! `Uploading` phase, keyed by safe id. It reaches the outside only through [`Out`] (the
-//! table's `Outbound` carries it out), and tells the table when a workload's uploads are over;
+//! table's `Outbound` carries it fx), and tells the table when a workload's uploads are over;
 //! the table then moves the workload on. It never sees the table.
 
 use crate::protocol::commands::TopicId;
@@ -35,26 +35,12 @@ use serde_json::{json, Value};
 
 use crate::backend::{Attachment, BackendError, UploadMethod};
 use crate::workers::{Done, Job};
+
+use super::effect::{Effect, Fx};
 use crate::workload::shim::Exit;
 use crate::workload::Meta;
 
 const ATTEMPTS: u32 = 3;
-
-/// Everything the uploads do to the outside world.
-pub trait Out {
-    /// The broker connection is up (requests go over MQTT, else over REST on the workers).
-    fn connected(&self) -> bool;
-    /// A non-terminal workload status (R7), fire and forget.
-    fn workload_status(&mut self, wl: &TopicId, body: Value);
-    /// R9 over MQTT: a signed URL for `filename`, one result file of workload `id`; the
-    /// answer comes back through [`Uploads::on_signed_url_reply`].
-    fn ask_signed_url(&mut self, id: &str, wl: &TopicId, filename: &str);
-    /// R10 over MQTT: the backend is told which result files were uploaded; the answer comes
-    /// back through [`Uploads::on_upload_reply`].
-    fn tell_uploaded(&mut self, id: &str, wl: &TopicId, body: Value);
-    /// An HTTP job for the worker threads.
-    fn submit(&mut self, job: Job);
-}
 
 /// What the result uploads need from the configuration.
 #[derive(Debug, Clone)]
@@ -568,7 +554,7 @@ impl Uploads {
         exit: Option<&Exit>,
         tracked: &[Tracked],
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> bool {
         // D61: the folder is looked at as every workload ends, whatever its end: what was
         // written while it ran is decided before it is no longer a candidate.
@@ -596,7 +582,11 @@ impl Uploads {
             .filter_map(|(_, b)| b.listed().map(|l| l.size))
             .fold(0u64, u64::saturating_add);
         let deadline = crate::util::later(now, deadline_for(self.cfg.deadline, bytes));
-        out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
+        let body = json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count});
+        fx.push(Effect::WorkloadStatus {
+            wl: wl.clone(),
+            body,
+        });
         let files = files
             .into_iter()
             .map(|(name, path)| File {
@@ -617,16 +607,16 @@ impl Uploads {
             },
         );
         // Files to upload: the first step never ends the uploads.
-        let _ = self.pump(id, now, out);
+        let _ = self.pump(id, now, fx);
         true
     }
 
     /// Moves every workload's uploads on as far as they can go now (retries that fell due,
     /// workers freed); the ids whose uploads are over (the table then moves them on).
-    pub fn pump_all(&mut self, now: Instant, out: &mut dyn Out) -> Vec<String> {
+    pub fn pump_all(&mut self, now: Instant, fx: &mut Fx) -> Vec<String> {
         let ids: Vec<String> = self.active.keys().cloned().collect();
         ids.into_iter()
-            .filter(|id| self.expired(id, now) || self.pump(id, now, out))
+            .filter(|id| self.expired(id, now) || self.pump(id, now, fx))
             .collect()
     }
 
@@ -671,20 +661,20 @@ impl Uploads {
 
     /// After an event of workload `id`: it moves on first, then the others (a worker may
     /// have been freed for them).
-    fn after(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> Vec<String> {
+    fn after(&mut self, id: &str, now: Instant, fx: &mut Fx) -> Vec<String> {
         let mut over: Vec<String> = Vec::new();
-        if self.pump(id, now, out) {
+        if self.pump(id, now, fx) {
             over.push(id.to_string());
         }
-        over.extend(self.pump_all(now, out));
+        over.extend(self.pump_all(now, fx));
         over
     }
 
     /// Moves the uploads of `id` on: transfers for the URLs in hand while the pool allows,
     /// the next URL asked for, and once every file is sent or given up on, R10. True when
     /// its uploads are over.
-    fn pump(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> bool {
-        let connected = out.connected();
+    fn pump(&mut self, id: &str, now: Instant, fx: &mut Fx) -> bool {
+        let connected = fx.connected;
         let workers = self.cfg.workers.max(1);
         let mut sending_all: usize = self.active.values().map(Upload::sending).sum();
         let Some(u) = self.active.get_mut(id) else {
@@ -708,7 +698,7 @@ impl Uploads {
                 UploadMethod::Multipart => Some(f.name.clone()),
                 _ => None,
             };
-            out.submit(Job::Put {
+            fx.submit(Job::Put {
                 key: id.to_string(),
                 file: i,
                 url: found.url.clone(),
@@ -730,9 +720,13 @@ impl Uploads {
                 f.retry_at = None;
                 let filename = f.name.clone();
                 if connected {
-                    out.ask_signed_url(id, &u.wl, &filename);
+                    fx.push(Effect::AskSignedUrl {
+                        id: id.to_string(),
+                        wl: u.wl.clone(),
+                        filename,
+                    });
                 } else {
-                    out.submit(Job::SignedUrl {
+                    fx.submit(Job::SignedUrl {
                         key: id.to_string(),
                         wl: u.wl.to_string(),
                         filename,
@@ -751,9 +745,13 @@ impl Uploads {
             u.notifying = true;
             let body = notice(u);
             if connected {
-                out.tell_uploaded(id, &u.wl, body);
+                fx.push(Effect::TellUploaded {
+                    id: id.to_string(),
+                    wl: u.wl.clone(),
+                    body,
+                });
             } else {
-                out.submit(Job::UploadResults {
+                fx.submit(Job::UploadResults {
                     key: id.to_string(),
                     wl: u.wl.to_string(),
                     body,
@@ -771,7 +769,7 @@ impl Uploads {
         id: &str,
         body: Option<Value>,
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> Vec<String> {
         let Some(u) = self.active.get(id) else {
             return Vec::new();
@@ -780,10 +778,10 @@ impl Uploads {
             return Vec::new();
         };
         match body.as_ref().map(crate::backend::parse_signed_url) {
-            Some(Ok(found)) => self.url_came(id, i, found, now, out),
+            Some(Ok(found)) => self.url_came(id, i, found, now, fx),
             _ => {
                 if let Some(f) = u.files.get(i) {
-                    out.submit(Job::SignedUrl {
+                    fx.submit(Job::SignedUrl {
                         key: id.to_string(),
                         wl: u.wl.to_string(),
                         filename: f.name.clone(),
@@ -802,7 +800,7 @@ impl Uploads {
         i: usize,
         found: Attachment,
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> Vec<String> {
         let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
             return Vec::new();
@@ -814,22 +812,22 @@ impl Uploads {
                 method,
                 name: f.name.clone(),
             };
-            return self.attempt_failed(id, i, &why, now, out);
+            return self.attempt_failed(id, i, &why, now, fx);
         }
         f.state = State::Ready(found);
-        self.after(id, now, out)
+        self.after(id, now, fx)
     }
 
     /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback). True when
     /// the uploads of `id` are over.
-    pub fn on_upload_reply(&mut self, id: &str, ok: bool, out: &mut dyn Out) -> bool {
+    pub fn on_upload_reply(&mut self, id: &str, ok: bool, fx: &mut Fx) -> bool {
         if ok {
             return self.finish(id, true);
         }
         let Some(u) = self.active.get(id) else {
             return false;
         };
-        out.submit(Job::UploadResults {
+        fx.submit(Job::UploadResults {
             key: id.to_string(),
             wl: u.wl.to_string(),
             body: notice(u),
@@ -839,15 +837,15 @@ impl Uploads {
 
     /// A worker's answer to an upload job (other answers are not the uploads': ignored).
     /// The ids whose uploads are over.
-    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Out) -> Vec<String> {
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, fx: &mut Fx) -> Vec<String> {
         match done {
             Done::SignedUrl { key, result } => {
                 let Some(i) = self.active.get(&key).and_then(Upload::asking) else {
                     return Vec::new();
                 };
                 match result {
-                    Ok(found) => self.url_came(&key, i, found, now, out),
-                    Err(e) => self.attempt_failed(&key, i, &Failure::NoUrl(e), now, out),
+                    Ok(found) => self.url_came(&key, i, found, now, fx),
+                    Err(e) => self.attempt_failed(&key, i, &Failure::NoUrl(e), now, fx),
                 }
             }
             Done::Put { key, file, result } => {
@@ -869,9 +867,9 @@ impl Uploads {
                         {
                             f.state = State::Sent(found);
                         }
-                        self.after(&key, now, out)
+                        self.after(&key, now, fx)
                     }
-                    Err(e) => self.attempt_failed(&key, file, &Failure::Transfer(e), now, out),
+                    Err(e) => self.attempt_failed(&key, file, &Failure::Transfer(e), now, fx),
                 }
             }
             Done::UploadResults { key, result } => {
@@ -899,7 +897,7 @@ impl Uploads {
         i: usize,
         why: &Failure,
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> Vec<String> {
         let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
             return Vec::new();
@@ -926,7 +924,7 @@ impl Uploads {
             );
             f.state = State::Failed;
         }
-        self.after(id, now, out)
+        self.after(id, now, fx)
     }
 
     /// Uploads are over: delete the uploaded files once the backend knows of them. True when

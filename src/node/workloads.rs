@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 
 use std::time::{Duration, Instant};
 
+use super::effect::Fx;
 use super::gpus::{self, Gpus};
 use super::ingress::{self, Ingress};
 use super::io::{Io, Replies};
@@ -18,7 +19,6 @@ use super::starts::{self, Starts, Taken};
 use super::streams::Streams;
 use super::streams_out;
 use super::table::{self, Table, SALVAGED};
-use super::table_out;
 use crate::config::Settings;
 use crate::logtext::shown;
 use crate::logtext::Throttle;
@@ -435,7 +435,7 @@ fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
 pub(super) type Recovered = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
 
 /// What a workload's events touch, borrowed apart from the node for one call (the loop builds
-/// it): the table and its [`table::Outbound`] (the session, io handles and settings), the
+/// it): the table (and, to carry out its effects, the session, io handles and settings), the
 /// streams (logs to ship), the outbox (completions), the ingress part (workflow reports), the
 /// GPUs (accounting) and the starts that hold some, the node's life (its counters) and the
 /// throttles of repeated errors.
@@ -519,37 +519,24 @@ impl Work<'_> {
         self.request(Op::WorkloadStatus, &topic, body, timeout);
     }
 
-    /// Runs `f` on the workload table with the real [`table::Outbound`], then does what it
-    /// left for the loop (logs to ship, completions to queue).
+    /// Runs `f` on the workload table with the host's [`table::World`], then carries out
+    /// what it asked for ([`Work::carry_out`]).
     pub(super) fn with_table<R>(
         &mut self,
-        f: impl FnOnce(&mut Table, &mut dyn table::Outbound, Instant) -> R,
+        f: impl FnOnce(&mut Table, &mut dyn table::World, &mut Fx, Instant) -> R,
     ) -> R {
         let now = self.now();
-        let mut out = table_out::NodeOut::new(self.session, self.io, self.s, now);
-        let r = f(self.active, &mut out, now);
-        let mut shipped = false;
-        for l in out.into_later() {
-            match l {
-                table_out::Later::ShipLogs if !shipped => {
-                    shipped = true;
-                    self.logs().pump();
-                }
-                table_out::Later::ShipLogs => {}
-                table_out::Later::Report {
-                    id,
-                    meta,
-                    exit,
-                    lost,
-                    left,
-                } => self.complete(&id, *meta, exit, lost, &left),
-            }
-        }
+        let mut fx = Fx::new(self.session.connected());
+        let mut world = table::Procs {
+            layout: &self.io.layout,
+        };
+        let r = f(self.active, &mut world, &mut fx, now);
+        self.carry_out(fx);
         r
     }
 
     pub(super) fn on_reaped(&mut self, id: &str) {
-        self.with_table(|t, out, now| t.on_reaped(id, now, out));
+        self.with_table(|t, w, fx, now| t.on_reaped(id, now, w, fx));
     }
 
     /// Tracks a workload: in the table, its supervisor watched by the reaper thread (`child`:
@@ -568,17 +555,17 @@ impl Work<'_> {
     }
 
     /// Reports the end of a workload exactly once (through the outbox); the table no longer
-    /// tracks it, and its record goes once the completion is safe
-    /// ([`Table::completion_queued`]). Deferred starts that it made room for go ahead at the
-    /// loop's next tick, in the same turn.
-    fn complete(
+    /// tracks it, and its record goes once the completion is safe (the caller tells the table,
+    /// [`Table::completion_queued`]: `Some(seq)`, queued but not on disk, D28). Deferred starts
+    /// that it made room for go ahead at the loop's next tick, in the same turn.
+    pub(super) fn complete(
         &mut self,
         safe_id: &str,
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&str>,
         left: &table::Left,
-    ) {
+    ) -> Option<u64> {
         let pid = meta.pid();
         let rid = meta.request_id_text();
         self.services_left(safe_id, &meta);
@@ -589,8 +576,7 @@ impl Work<'_> {
                 shown(&rid)
             );
             self.life.metrics.count_completion("stale");
-            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
-            return;
+            return None;
         }
         let mut wire = ingress::Wire {
             connected: self.session.connected(),
@@ -617,18 +603,10 @@ impl Work<'_> {
             crate::util::set(&mut body, "results_not_uploaded", json!(left.not_uploaded));
         }
         self.update_sampling();
-        match self
-            .outgoing()
+        // D28: `Some(seq)`, kept in memory and sent all the same; the workload's record stays
+        // until the backend acknowledged it, so a restart still knows.
+        self.outgoing()
             .send_completion(safe_id, &meta, body, label, &rid)
-        {
-            // D28: kept in memory and sent all the same; the workload's record stays until the
-            // backend acknowledged it, so a restart still knows.
-            Some(seq) => {
-                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
-                self.outgoing().flush();
-            }
-            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
-        }
     }
 
     /// D59: what the workload's supervisor kept running (services, taken on) and cleared
@@ -656,12 +634,12 @@ impl Work<'_> {
             .into_iter()
             .filter(|id| streams_out::drained(self.streams, self.active, id, now))
             .collect();
-        self.with_table(|t, out, now| t.tick(now, &drained, out));
+        self.with_table(|t, w, fx, now| t.tick(now, &drained, w, fx));
     }
 
     /// A worker's result other than a self-heal lookup.
     pub(super) fn on_worker_done(&mut self, done: Done) {
-        self.with_table(|t, out, now| t.on_worker_done(done, now, out));
+        self.with_table(|t, w, fx, now| t.on_worker_done(done, now, w, fx));
     }
 
     /// The outbox and what sending from it touches.
@@ -677,7 +655,12 @@ impl Work<'_> {
 
     pub(super) fn on_outbox_reply(&mut self, seq: u64, body: Option<Reply>) {
         if self.outgoing().on_reply(seq, body) {
-            self.with_table(|t, out, _| t.acknowledged(seq, out));
+            if let Some(e) = self.active.acknowledged(seq) {
+                self.carry_out(Fx {
+                    connected: self.session.connected(),
+                    list: vec![e],
+                });
+            }
         }
     }
 
@@ -743,7 +726,7 @@ impl Work<'_> {
                 Some((exit, lost)) => {
                     self.active
                         .insert(name.clone(), table::Active::new(meta, now));
-                    self.with_table(|t, out, now| t.end(&name, exit, lost, now, out));
+                    self.with_table(|t, w, fx, now| t.end(&name, exit, lost, now, w, fx));
                 }
                 None => self.track(&name, meta, false),
             },
@@ -767,8 +750,8 @@ impl Work<'_> {
             "carrying out the cancel of {} recorded while it was starting, before the node's restart",
             shown(&crate::protocol::commands::request_id_text(&taken.request_id))
         );
-        let r = self.with_table(|t, out, now| {
-            t.cancel(safe_id, c.signal, c.name, c.grace, false, now, out)
+        let r = self.with_table(|t, w, fx, now| {
+            t.cancel(safe_id, c.signal, c.name, c.grace, false, now, w, fx)
         });
         if let Err(e) = r {
             log::warn!(

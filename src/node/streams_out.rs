@@ -1,20 +1,20 @@
 //! The loop's side of the streams part ([`super::streams`]): it tells the part which workloads
-//! exist and whether the node may publish, carries out what the part asks ([`Outbound`] as
-//! `StreamsOut`: tailer jobs, publishes as requests, console lines) and maps a log request's outcome
+//! exist and whether the node may publish, has what the part asks for carried out (tailer jobs,
+//! publishes as requests, console lines: [`Effect`]s) and maps a log request's outcome
 //! (`Op::Log(key)`) back to the part. Only this file sees both the part and the loop's types.
 
-use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::io::{Io, Wire};
-use super::parts::{Clock, Op};
+use super::effect::{self, Effect};
+use super::io::Io;
+use super::parts::Op;
 use super::session::Session;
-use super::streams::{self, Cursor, Outbound, Source, Streams};
+use super::streams::{self, Cursor, Source, Streams};
 use super::table::Table;
 use crate::config::Settings;
 use crate::logtext::Throttle;
 use crate::workload::lifecycle::Phase;
-use crate::workload::tail::{Event, Key, Request};
+use crate::workload::tail::{Event, Key};
 
 /// The part's settings, from the node's.
 pub(super) fn settings(s: &crate::config::Settings) -> streams::Settings {
@@ -23,65 +23,6 @@ pub(super) fn settings(s: &crate::config::Settings) -> streams::Settings {
         max_log_bytes: s.max_log_bytes.value,
         standalone: s.standalone,
         mirror_per_second: s.tuning.mirror_bytes_per_second,
-    }
-}
-
-/// The streams part's [`Outbound`] on the loop's pieces: the tailer, the broker session (a
-/// chunk is a request kept until its reply) and the console.
-struct StreamsOut<'a> {
-    session: &'a mut Session<Op>,
-    wire: Wire<'a>,
-    clock: &'a dyn Clock,
-    /// The logs topic of this node.
-    topic: String,
-    timeout: Duration,
-}
-
-impl StreamsOut<'_> {
-    /// A request on the logs topic whose body is already encoded (the chunk's text is escaped
-    /// once, straight into the payload).
-    fn publish_log(&mut self, op: Op, payload: Vec<u8>) {
-        let now = self.clock.now();
-        self.session
-            .request_payload(op, &self.topic, payload, self.timeout, now, &mut self.wire);
-    }
-}
-
-impl Outbound for StreamsOut<'_> {
-    fn tail(&mut self, req: Request) {
-        self.wire.io.tailer.request(req);
-    }
-
-    fn publish(&mut self, key: &Key, payload: Vec<u8>) {
-        self.publish_log(Op::Log(key.clone()), payload);
-    }
-
-    fn publish_install(&mut self, payload: Vec<u8>) {
-        self.publish_log(Op::WorkloadStatus, payload);
-    }
-
-    fn mirror(&mut self, stream: usize, text: &[u8]) {
-        static WIDEN: std::sync::Once = std::sync::Once::new();
-        WIDEN.call_once(|| {
-            // A journal or a terminal multiplexer reads the node's stdout and stderr through a
-            // pipe of 64 KiB: a flood's console lines then cost a context switch per 64 KiB.
-            // A wider pipe (1 MiB, the default most a user may ask for) lets one write go at
-            // once. Not a pipe (a file, a terminal): nothing changes.
-            for fd in [1, 2] {
-                // SAFETY: F_SETPIPE_SZ on a standard descriptor touches no memory; failures
-                // (not a pipe, a lower limit) are harmless and ignored.
-                unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, 1 << 20) };
-            }
-        });
-        if stream == 0 {
-            let mut o = std::io::stdout().lock();
-            let _ = o.write_all(text);
-            let _ = o.flush();
-        } else {
-            let mut e = std::io::stderr().lock();
-            let _ = e.write_all(text);
-            let _ = e.flush();
-        }
     }
 }
 
@@ -100,17 +41,15 @@ pub(super) struct Logs<'a> {
 }
 
 impl Logs<'_> {
-    /// Runs `f` on the streams part with its [`Outbound`].
-    fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut dyn Outbound) -> R) -> R {
-        let topic = self.io.topics.logs(self.session.uuid());
-        let mut out = StreamsOut {
-            session: self.session,
-            wire: self.io.wire(self.s),
-            clock: self.io.clock.as_ref(),
-            topic,
-            timeout: self.s.tuning.request_timeout,
-        };
-        f(self.streams, &mut out)
+    /// Runs `f` on the streams part, then carries out what it asked for ([`effect::send`]).
+    fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut Vec<Effect>) -> R) -> R {
+        let mut fx = Vec::new();
+        let r = f(self.streams, &mut fx);
+        for e in fx {
+            // A streams call asks for nothing that needs the node's other parts.
+            let _ = effect::send(e, self.session, self.io, self.s);
+        }
+        r
     }
 
     /// Tells the part the link state and the workloads: new ones are tracked from their
@@ -144,9 +83,9 @@ impl Logs<'_> {
                 ended.push(id.clone());
             }
         }
-        self.with_streams(|part, out| {
+        self.with_streams(|part, fx| {
             for id in &ended {
-                part.end(id, now, out);
+                part.end(id, now, fx);
             }
         });
     }
@@ -155,7 +94,7 @@ impl Logs<'_> {
     pub(super) fn pump(mut self) {
         self.sync();
         let now = self.io.clock.now();
-        self.with_streams(|part, out| part.pump(now, out));
+        self.with_streams(|part, fx| part.pump(now, fx));
     }
 
     /// What the tailer thread did.
@@ -177,14 +116,14 @@ impl Logs<'_> {
         }
         self.sync();
         let now = self.io.clock.now();
-        let n = self.with_streams(|part, out| part.on_tail(ev, now, out));
+        let n = self.with_streams(|part, fx| part.on_tail(ev, now, fx));
         *self.log_bytes = self.log_bytes.saturating_add(n);
     }
 
     /// A log chunk's request ended: acknowledged (`ok`), refused or timed out.
     pub(super) fn on_ack(mut self, key: &Key, ok: bool) {
         let now = self.io.clock.now();
-        let n = self.with_streams(|part, out| part.on_ack(key, ok, now, out));
+        let n = self.with_streams(|part, fx| part.on_ack(key, ok, now, fx));
         *self.log_bytes = self.log_bytes.saturating_add(n);
     }
 
@@ -202,7 +141,7 @@ impl Logs<'_> {
                 streams::INSTALL_TAIL,
             )
         });
-        self.with_streams(|part, out| part.ship_install(texts, out));
+        self.with_streams(|part, fx| part.ship_install(texts, fx));
     }
 }
 

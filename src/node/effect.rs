@@ -137,20 +137,20 @@ impl Work<'_> {
 pub(super) fn send(e: Effect, session: &mut Session<Op>, io: &Io, s: &Settings) -> Option<Effect> {
     let timeout = s.tuning.request_timeout;
     let now = io.clock.now();
-    let wire = &mut io.wire(s);
+    let link = &mut io.link(s);
     match e {
         Effect::WorkloadStatus { wl, body } => {
             let topic = io.topics.workload_status(&wl);
-            session.request(Op::WorkloadStatus, &topic, &body, timeout, now, wire);
+            session.request(Op::WorkloadStatus, &topic, &body, timeout, now, link);
         }
         Effect::AskSignedUrl { id, wl, filename } => {
             let topic = io.topics.signed_url(&wl);
             let body = json!({ "filename": filename });
-            session.request(Op::SignedUrl(id), &topic, &body, timeout, now, wire);
+            session.request(Op::SignedUrl(id), &topic, &body, timeout, now, link);
         }
         Effect::TellUploaded { id, wl, body } => {
             let topic = io.topics.upload_results(&wl);
-            session.request(Op::UploadResults(id), &topic, &body, timeout, now, wire);
+            session.request(Op::UploadResults(id), &topic, &body, timeout, now, link);
         }
         Effect::Submit(job) => io.workers.submit(job),
         Effect::SaveMeta { meta, what } => {
@@ -163,11 +163,11 @@ pub(super) fn send(e: Effect, session: &mut Session<Op>, io: &Io, s: &Settings) 
         Effect::Tail(req) => io.tailer.request(req),
         Effect::PublishLog { key, payload } => {
             let topic = io.topics.logs(session.uuid());
-            session.request_payload(Op::Log(key), &topic, payload, timeout, now, wire);
+            session.request_payload(Op::Log(key), &topic, payload, timeout, now, link);
         }
         Effect::PublishInstall(payload) => {
             let topic = io.topics.logs(session.uuid());
-            session.request_payload(Op::WorkloadStatus, &topic, payload, timeout, now, wire);
+            session.request_payload(Op::WorkloadStatus, &topic, payload, timeout, now, link);
         }
         Effect::Mirror { stream, text } => mirror(stream, &text),
         e @ (Effect::ShipLogs | Effect::Report { .. }) => return Some(e),

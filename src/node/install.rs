@@ -132,8 +132,14 @@ pub(super) fn run(
             let (found, _) = left_behind(s, since);
             if !found.is_empty() {
                 let now = Instant::now();
-                let mut tracked = super::services::Services::load(&s.config_dir.value, now);
-                tracked.adopt(found, &super::services::Origin::install(), None, &[], now);
+                let mut tracked = super::service_watch::Services::load(&s.config_dir.value, now);
+                tracked.adopt(
+                    found,
+                    &super::service_watch::Origin::install(),
+                    None,
+                    &[],
+                    now,
+                );
             }
             return Err(stopped);
         }

@@ -2,9 +2,9 @@
 //! (broker events, reaped pids, spawn outcomes, log growth, worker results, acknowledgements,
 //! control-socket requests, GPU snapshots) and the threads the loop sends work to (tailer,
 //! workers, the ack thread, the GPU monitor), and the replies to the backend's commands
-//! published on them ([`Replies`]). The parts never see it: each reaches the world
-//! through its own `Outbound`, which the loop builds from these handles (one adapter pattern:
-//! a struct that borrows the handles it needs for the length of one call).
+//! published on them ([`Replies`]). The parts never see it: the broker session reaches the
+//! world through [`MqttLink`], built from these handles for the length of one call, and the
+//! other parts return [`super::effect::Effect`]s that are carried out on them.
 
 use std::path::PathBuf;
 use std::time::SystemTime;
@@ -88,29 +88,24 @@ pub struct Io {
 }
 
 impl Io {
-    /// The broker session's [`super::session::Outbound`] on these handles.
-    pub fn wire<'a>(&'a self, s: &Settings) -> Wire<'a> {
-        Wire {
+    /// The broker session's [`super::session::Link`] on these handles.
+    pub fn link<'a>(&'a self, s: &Settings) -> MqttLink<'a> {
+        MqttLink {
             io: self,
             identity_path: s.identity_path(),
             state: &self.layout.state,
         }
     }
-
-    /// The GPU part's [`super::gpus::Outbound`] on the monitor thread.
-    pub(super) fn gpu_wire(&self) -> GpuWire<'_> {
-        GpuWire(self.gpu_monitor.as_ref())
-    }
 }
 
 /// What the session does to the world, done with the node's MQTT client and state dir.
-pub struct Wire<'a> {
+pub struct MqttLink<'a> {
     pub io: &'a Io,
     identity_path: PathBuf,
     state: &'a std::path::Path,
 }
 
-impl super::session::Outbound for Wire<'_> {
+impl super::session::Link for MqttLink<'_> {
     fn connect(&mut self) {
         self.io.mqtt.start_connect();
     }
@@ -159,23 +154,6 @@ impl super::session::Outbound for Wire<'_> {
     }
     fn notify(&mut self, state: &str) {
         crate::systemd::notify(state);
-    }
-}
-
-/// The GPU part's [`super::gpus::Outbound`] on the monitor thread (none when it could not start).
-pub struct GpuWire<'a>(pub Option<&'a crate::gpu::Monitor>);
-
-impl super::gpus::Outbound for GpuWire<'_> {
-    fn set_holding(&self, holding: bool) {
-        if let Some(m) = self.0 {
-            m.set_holding(holding);
-        }
-    }
-    fn sample_every(&self) -> Duration {
-        self.0.map_or(crate::gpu::SAMPLE_EVERY, |m| m.timing.sample)
-    }
-    fn pgid_of(&self, pid: i32) -> Option<i32> {
-        crate::gpu::pgid_of(pid)
     }
 }
 

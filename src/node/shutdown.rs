@@ -44,7 +44,7 @@ pub(super) fn goodbye(
             &json!({}),
             timeout,
             sent,
-            &mut io.wire(s),
+            &mut io.link(s),
         ))
     };
     let deadline = match (&waiting_for, limit) {

@@ -160,7 +160,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         dir.join("outbox").display()
     )))?;
     let (chunk_tx, chunks) = unbounded();
-    let streams = super::streams::Streams::new(&super::streams_out::settings(&s));
+    let streams = super::streams::Streams::new(&super::logs::settings(&s));
     let tailer = Tailer::start(chunk_tx).map_err(runtime("cannot start the tailer thread"))?;
     let (done_tx, worker_done) = unbounded();
     let backend = Backend::of(&s, &token);
@@ -233,13 +233,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         starts: super::starts::Starts::new(spawner, spawned),
         streams,
         heal: Default::default(),
-        ingress: super::ingress::Ingress::new(
+        ingress: super::events::Ingress::new(
             ingress,
             s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
             s.topic_prefix.value.clone(),
         ),
         gpu,
-        services: super::services::Services::load(&dir, now),
+        services: super::service_watch::Services::load(&dir, now),
         timers: super::parts::Timers {
             due: super::parts::Due {
                 watchdog: now,
@@ -253,18 +253,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     };
     node.services.adopt(
         installed.services,
-        &super::services::Origin::install(),
+        &super::service_watch::Origin::install(),
         None,
         &installed.children,
         now,
     );
     node.recover();
-    super::gpus_out::update_sampling(
-        &node.gpu,
-        &node.active,
-        &node.starts,
-        node.io.gpu_monitor.as_ref(),
-    ); // re-adopted workloads holding GPUs are sampled at once
+    // Re-adopted workloads holding GPUs are sampled at once.
+    node.work().update_sampling();
     if !node.durable.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",

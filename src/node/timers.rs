@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::operate;
 use super::parts::{Due, Exit};
 use super::shutdown;
-use super::starts_out::Start;
+use super::start_path::Start;
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`next_wake`].

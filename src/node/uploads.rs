@@ -18,8 +18,8 @@
 //! never keeps a workload finalizing, and its slot taken, for longer.
 //!
 //! [`Uploads`] is a value of its own that the table owns: the uploads of every workload in its
-//! `Uploading` phase, keyed by safe id. It reaches the outside only through [`Out`] (the
-//! table's `Outbound` carries it fx), and tells the table when a workload's uploads are over;
+//! `Uploading` phase, keyed by safe id. What it wants done (requests, worker jobs, statuses) it
+//! adds to the table's [`Effect`]s, and it tells the table when a workload's uploads are over;
 //! the table then moves the workload on. It never sees the table.
 
 use crate::protocol::commands::TopicId;

@@ -10,14 +10,14 @@ use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 use super::effect::Fx;
+use super::events::{self, Ingress};
 use super::gpus::{self, Gpus};
-use super::ingress::{self, Ingress};
 use super::io::{Io, Replies};
+use super::logs;
 use super::parts::{Life, Metrics, Op, Throttles};
 use super::session::Session;
 use super::starts::{self, Starts, Taken};
 use super::streams::Streams;
-use super::streams_out;
 use super::table::{self, Table, SALVAGED};
 use crate::config::Settings;
 use crate::logtext::shown;
@@ -98,7 +98,7 @@ pub(super) fn recover_workloads(
         if let Some(taken) = notes.remove(&name) {
             started.push((name.clone(), taken, start_output(&meta)));
         }
-        // Its log streams resume from its cursor (node/streams_out.rs reads it).
+        // Its log streams resume from its cursor (node/logs.rs reads it).
         if salvaged && (exit.is_some() || !alive(&st)) {
             adopt(name, meta, Some((exit, Some(SALVAGED))));
         } else if exit.is_some() {
@@ -171,7 +171,7 @@ impl Outgoing<'_> {
     ) -> Vec<u8> {
         let now = self.io.clock.now();
         self.session
-            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
+            .request(op, topic, &body, timeout, now, &mut self.io.link(self.s))
     }
 
     /// Sends a workload's end: through the outbox (once per workload), or published once by a
@@ -298,7 +298,7 @@ pub(super) fn cancelled_body(
     rid: &str,
     metrics: &mut Metrics,
     ingress: &mut Ingress,
-    out: &mut dyn ingress::Outbound,
+    out: &mut dyn events::Publisher,
 ) -> (Value, String) {
     let pid = meta.pid();
     let status = if meta.kind == crate::protocol::commands::Kind::Training {
@@ -331,7 +331,7 @@ pub(super) fn finished_body(
     rid: &str,
     metrics: &mut Metrics,
     ingress: &mut Ingress,
-    out: &mut dyn ingress::Outbound,
+    out: &mut dyn events::Publisher,
 ) -> (Value, String) {
     let pid = meta.pid();
     let code = exit.map(Exit::code);
@@ -387,6 +387,11 @@ pub(super) fn finished_body(
         code.map(|c| format!(", exit code {c}")).unwrap_or_default()
     );
     (body, format!("completion of {} {rid}", meta.kind))
+}
+
+/// The GPU holds of the node's tracked workloads and starts in flight.
+pub(super) fn holds_of<'a>(active: &'a Table, starts: &'a Starts) -> Vec<gpus::Hold<'a>> {
+    active.holds().chain(starts.holds()).collect()
 }
 
 /// At shutdown: the workloads left running, one line each.
@@ -451,7 +456,7 @@ pub(super) struct Work<'a> {
     pub(super) ingress: &'a mut Ingress,
     pub(super) gpu: &'a mut Gpus,
     /// The services workloads left (D59): a completion takes on those its supervisor kept.
-    pub(super) services: &'a mut super::services::Services,
+    pub(super) services: &'a mut super::service_watch::Services,
     pub(super) throttle: &'a mut Throttles,
 }
 
@@ -509,7 +514,7 @@ impl Work<'_> {
     ) -> Vec<u8> {
         let now = self.now();
         self.session
-            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
+            .request(op, topic, &body, timeout, now, &mut self.io.link(self.s))
     }
 
     /// A non-terminal workload status (R7): sent once, its failure only logged.
@@ -578,7 +583,7 @@ impl Work<'_> {
             self.life.metrics.count_completion("stale");
             return None;
         }
-        let mut wire = ingress::Wire {
+        let mut publisher = events::MqttPublisher {
             connected: self.session.connected(),
             now: self.io.clock.now(),
             io: self.io,
@@ -586,10 +591,24 @@ impl Work<'_> {
         };
         let (metrics, events) = (&mut self.life.metrics, &mut *self.ingress);
         let (mut body, label) = match &meta.cancel {
-            Some(c) if !c.timed_out => {
-                cancelled_body(&meta, c, exit.as_ref(), &rid, metrics, events, &mut wire)
-            }
-            _ => finished_body(&meta, exit.as_ref(), lost, &rid, metrics, events, &mut wire),
+            Some(c) if !c.timed_out => cancelled_body(
+                &meta,
+                c,
+                exit.as_ref(),
+                &rid,
+                metrics,
+                events,
+                &mut publisher,
+            ),
+            _ => finished_body(
+                &meta,
+                exit.as_ref(),
+                lost,
+                &rid,
+                metrics,
+                events,
+                &mut publisher,
+            ),
         };
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             gpus::put(&mut body, "gpu", g); // D38
@@ -612,7 +631,7 @@ impl Work<'_> {
     /// D59: what the workload's supervisor kept running (services, taken on) and cleared
     /// (logged), from its record.
     fn services_left(&mut self, safe_id: &str, meta: &Meta) {
-        let origin = super::services::Origin {
+        let origin = super::service_watch::Origin {
             started_by: meta.kind.to_string(),
             request_id: Some(store::clip(&meta.request_id_text(), 200)),
             workload_uuid: meta.workload_uuid.as_ref().map(|w| w.as_str().to_string()),
@@ -632,7 +651,7 @@ impl Work<'_> {
             .active
             .draining()
             .into_iter()
-            .filter(|id| streams_out::drained(self.streams, self.active, id, now))
+            .filter(|id| logs::drained(self.streams, self.active, id, now))
             .collect();
         self.with_table(|t, w, fx, now| t.tick(now, &drained, w, fx));
     }
@@ -666,38 +685,39 @@ impl Work<'_> {
 
     /// The GPU holds of the tracked workloads and the starts in flight.
     pub(super) fn holds(&self) -> Vec<gpus::Hold<'_>> {
-        self.active.holds().chain(self.starts.holds()).collect()
+        holds_of(self.active, self.starts)
     }
 
     /// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
     pub(super) fn update_sampling(&self) {
-        self.gpu.update_sampling(&self.holds(), &self.io.gpu_wire());
+        self.gpu
+            .update_sampling(&self.holds(), &self.io.gpu_monitor.as_ref());
     }
 
-    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
+    /// Runs `f` on the ingress part with its [`events::MqttPublisher`] (the io handles and the
     /// full-disk throttle).
     pub(super) fn with_ingress<R>(
         &mut self,
-        f: impl FnOnce(&mut Ingress, &mut dyn ingress::Outbound) -> R,
+        f: impl FnOnce(&mut Ingress, &mut dyn events::Publisher) -> R,
     ) -> R {
-        let mut wire = ingress::Wire {
+        let mut publisher = events::MqttPublisher {
             connected: self.session.connected(),
             now: self.io.clock.now(),
             io: self.io,
             disk_errors: &mut self.throttle.disk,
         };
-        f(self.ingress, &mut wire)
+        f(self.ingress, &mut publisher)
     }
 
     /// `emit` from a workload, through the control socket: its owner found by its token.
     pub(super) fn on_emit(&mut self, body: &Value) -> Value {
-        let owner = ingress::owner_of(self.active, body);
+        let owner = events::owner_of(self.active, body);
         self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
     }
 
     /// The streams part and what its calls touch.
-    pub(super) fn logs(&mut self) -> streams_out::Logs<'_> {
-        streams_out::Logs {
+    pub(super) fn logs(&mut self) -> logs::Logs<'_> {
+        logs::Logs {
             streams: self.streams,
             session: self.session,
             io: self.io,

@@ -1,4 +1,4 @@
-//! The broker session driven with a fake clock (milliseconds) and a recording [`Outbound`]:
+//! The broker session driven with a fake clock (milliseconds) and a recording [`Link`]:
 //! no broker, no backend, no sleeping.
 
 use super::*;
@@ -24,7 +24,7 @@ struct Rec {
     notes: Vec<String>,
 }
 
-impl Outbound for Rec {
+impl Link for Rec {
     fn connect(&mut self) {
         self.connects += 1;
     }

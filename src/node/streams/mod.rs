@@ -1,6 +1,5 @@
 //! Live log streaming (R4) and console mirroring: a part that owns every workload's stream
-//! state and reaches the outside only through [`Outbound`] (the tailer thread, a publish, the
-//! console). It never sees the loop's types: the loop tells it which workloads exist
+//! state and returns what it wants done as [`Effect`]s (a tailer job, a publish, console lines). It never sees the loop's types: the loop tells it which workloads exist
 //! ([`Streams::track`], [`Streams::end`], [`Streams::forget`]), whether the node may publish
 //! ([`Streams::link`]), what the tailer found ([`Streams::on_tail`]) and how a chunk's request
 //! ended ([`Streams::on_ack`]); it asks for its next deadline ([`Streams::next_due`]).

@@ -1,17 +1,20 @@
-//! The loop's side of the broker session ([`super::session`]): what the loop does when the
-//! session reports ([`super::session::Happening`], dispatched in `mod.rs`) a connection made or lost, a
-//! request's reply or timeout, a refusal (D34) or a heartbeat due, and the heartbeat's body
-//! (R3). A command goes from the dispatch straight to `commands.rs`.
+//! The loop's side of the broker session ([`super::session`]): what the loop does with each
+//! [`Happening`] the session reports ([`carry_out`]): a command (to `dispatch.rs`), a connection
+//! made or lost, a request's reply or timeout, a refusal (D34) or a heartbeat due, and the
+//! heartbeat's body (R3).
 
 use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use super::events::Ingress;
 use super::gpus::{Gpus, Hold};
-use super::ingress::Ingress;
+use super::parts::Exit;
 use super::parts::{refused_in, Life, Op, Shutdown};
 use super::selfheal::Heal;
-use super::session::Session;
+use super::session::{Happening, Session};
+use super::shutdown;
+use super::start_path::Start;
 use super::streams::Streams;
 use super::workloads::Work;
 use crate::config::Settings;
@@ -58,7 +61,7 @@ pub(super) fn on_heartbeat_due(w: &mut Work<'_>, heal: &mut Heal) {
     // D59: the services workloads left running, beside (not among) the active workloads.
     util::set(&mut body, "services", json!(w.services.len()));
     let now = w.now();
-    w.session.send_heartbeat(&body, now, &mut w.io.wire(w.s));
+    w.session.send_heartbeat(&body, now, &mut w.io.link(w.s));
 }
 
 /// A request's reply (`Some`) or its timeout (`None`).
@@ -116,7 +119,7 @@ pub(super) fn connection_lost(
     // The refused message sat in the MQTT client too: the next connect uses a fresh client
     // (never a clean session, see `Mqtt::start_connect`), which resends nothing of the
     // loop's requests but a standalone node's (`Mqtt::resend_requests`).
-    super::streams_out::reset(streams, session, now);
+    super::logs::reset(streams, session, now);
 }
 
 /// What the loop does once a refusal was noted ([`refused`]).
@@ -232,4 +235,37 @@ pub(super) fn heartbeat_body(
         util::set(&mut body, "hardware", h);
     }
     body
+}
+
+/// What the session reports, each to the part it concerns.
+pub(super) fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
+    for h in happened {
+        let w = &mut st.work;
+        match h {
+            Happening::Command(payload) => super::dispatch::on_command(st, &payload),
+            Happening::Connected { reconnect } => on_connected(w, reconnect),
+            Happening::Lost => on_lost(w),
+            Happening::Registered => {
+                w.logs().ship_install();
+                st.answer_interrupted();
+            }
+            Happening::RegisteredAfterFailedStart(err) => shutdown::report_failed_start(w, err),
+            Happening::Outcome {
+                tag,
+                reply,
+                correlation,
+            } => on_outcome(w, tag, reply, &correlation),
+            Happening::Refused {
+                tag,
+                why,
+                permanent,
+            } => on_refused(w, tag, &why, permanent),
+            Happening::HeartbeatDue => on_heartbeat_due(w, st.heal),
+            Happening::HeartbeatFailed => {
+                let m = &mut w.life.metrics;
+                m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);
+            }
+            Happening::TokenRejected => shutdown::begin(w, Exit::Credentials, "token rejected"),
+        }
+    }
 }

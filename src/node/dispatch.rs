@@ -10,8 +10,8 @@ use super::gpus::Gpus;
 use super::io::Io;
 use super::parts::{Life, Op};
 use super::session::Session;
+use super::start_path::Start;
 use super::starts::Starts;
-use super::starts_out::Start;
 use super::table::Table;
 use super::workloads::Work;
 use crate::config::Settings;
@@ -115,7 +115,7 @@ pub(super) struct View<'a> {
     /// The ingress queue.
     pub(super) events: &'a crate::ingress_queue::EventQueue,
     /// What workloads and the install script left running (D59).
-    pub(super) services: &'a super::services::Services,
+    pub(super) services: &'a super::service_watch::Services,
 }
 
 impl View<'_> {
@@ -138,7 +138,7 @@ impl View<'_> {
             "services": self.services.status(),
         });
         self.gpu.add_status(
-            &super::gpus_out::holds_of(self.active, self.starts),
+            &super::workloads::holds_of(self.active, self.starts),
             &mut out,
         );
         self.add_starting(&mut out, "active_workloads");
@@ -151,7 +151,7 @@ impl View<'_> {
             self.active
                 .values()
                 .map(|a| {
-                    super::gpus_out::with_gpus(
+                    super::gpus::with_gpus(
                         json!({
                             "pid": a.meta.pid(),
                             "type": a.meta.kind,
@@ -208,7 +208,7 @@ impl View<'_> {
                         "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
             "draining": self.life.drain.on,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| super::gpus_out::with_gpus(json!({
+            "workloads": self.active.values().map(|a| super::gpus::with_gpus(json!({
                 "pid": a.meta.pid(),
                 "type": a.meta.kind,
                 "request_id": a.meta.request_id,
@@ -224,7 +224,7 @@ impl View<'_> {
             "ingress_queue_bytes": self.events.bytes(),
         });
         self.gpu.add_status(
-            &super::gpus_out::holds_of(self.active, self.starts),
+            &super::workloads::holds_of(self.active, self.starts),
             &mut out,
         );
         self.add_users(&mut out);

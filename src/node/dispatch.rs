@@ -1,6 +1,6 @@
 //! Commands from the backend (`status`, `start`, `cancel`, `received`) and their replies, and
 //! requests on the local control socket (`emit`, `drain`, `resume`, `status`): a command read
-//! and checked ([`accept`]), then answered (the status answers: [`View`], the parts they read)
+//! and checked ([`accept`]), then answered (the status answers: [`StatusView`], the parts they read)
 //! or handed to the start path ([`Start`]) or to [`cancel`].
 
 use serde_json::{json, Value};
@@ -103,7 +103,7 @@ pub(super) fn wrong_environment(s: &Settings, params: &StartParams) -> Option<St
 }
 
 /// What the status answers read of the node, borrowed for one answer.
-pub(super) struct View<'a> {
+pub(super) struct StatusView<'a> {
     pub(super) s: &'a Settings,
     pub(super) session: &'a Session<Op>,
     pub(super) io: &'a Io,
@@ -118,7 +118,7 @@ pub(super) struct View<'a> {
     pub(super) services: &'a super::service_watch::Services,
 }
 
-impl View<'_> {
+impl StatusView<'_> {
     /// The `status` command's output.
     pub(super) fn status(&self) -> Value {
         let mut out = json!({
@@ -250,10 +250,10 @@ impl View<'_> {
     }
 }
 
-impl<'a> View<'a> {
+impl<'a> StatusView<'a> {
     /// The status answers' view of a workload's parts.
-    pub(super) fn of(w: &'a Work<'_>) -> View<'a> {
-        View {
+    pub(super) fn of(w: &'a Work<'_>) -> StatusView<'a> {
+        StatusView {
             s: w.s,
             session: w.session,
             io: w.io,
@@ -288,7 +288,7 @@ pub(super) fn on_command(st: &mut Start<'_>, payload: &[u8]) {
     let rid = request_id.value();
     match command {
         Command::Status => {
-            let status = View::of(&st.work).status();
+            let status = StatusView::of(&st.work).status();
             st.work.replies().ok(rid, status);
         }
         Command::Start(kind, params) | Command::Received(Received::Start(kind, params)) => {
@@ -323,7 +323,7 @@ pub(super) fn on_control(w: &mut Work<'_>, req: crate::control::Request) {
                 .set(op == "drain", "asked on the control socket", in_use);
             json!({"ok": true, "draining": w.life.drain.on, "active_workloads": in_use})
         }
-        "status" => json!({"ok": true, "status": View::of(w).local()}),
+        "status" => json!({"ok": true, "status": StatusView::of(w).local()}),
         other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
     };
     let _ = req.reply.send(reply);

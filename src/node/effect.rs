@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use super::io::Io;
 use super::parts::Op;
 use super::session::Session;
-use super::table::Left;
+use super::table::LeftOnDisk;
 use super::workloads::Work;
 use crate::config::Settings;
 use crate::protocol::commands::TopicId;
@@ -52,7 +52,7 @@ pub enum Effect {
         meta: Box<Meta>,
         exit: Option<Exit>,
         lost: Option<&'static str>,
-        left: Left,
+        left: LeftOnDisk,
     },
     /// Remove a reported workload's record from disk.
     Retire(String),

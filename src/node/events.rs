@@ -381,13 +381,13 @@ mod tests {
     use super::*;
 
     /// A recording fake: what was published, and whether it is connected.
-    struct Fake {
+    struct FakePublisher {
         connected: bool,
         now: Instant,
         published: Vec<(u64, String)>,
         prunes: usize,
     }
-    impl Publisher for Fake {
+    impl Publisher for FakePublisher {
         fn connected(&self) -> bool {
             self.connected
         }
@@ -409,8 +409,8 @@ mod tests {
         }
     }
 
-    fn fake(connected: bool) -> Fake {
-        Fake {
+    fn fake(connected: bool) -> FakePublisher {
+        FakePublisher {
             connected,
             now: Instant::now(),
             published: Vec::new(),

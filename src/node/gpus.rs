@@ -615,10 +615,10 @@ mod tests {
 
     /// A recording fake of the monitor and `/proc`.
     #[derive(Default)]
-    struct Fake {
+    struct FakeSampler {
         holding: RefCell<Vec<bool>>,
     }
-    impl Sampler for Fake {
+    impl Sampler for FakeSampler {
         fn set_holding(&self, holding: bool) {
             self.holding.borrow_mut().push(holding);
         }
@@ -664,7 +664,7 @@ mod tests {
         g.on_snapshot(
             snapshot(&["GPU-a", "GPU-b", "GPU-c"], Instant::now()),
             &[],
-            &Fake::default(),
+            &FakeSampler::default(),
         );
         g.avoid = ["GPU-a".to_string(), "GPU-b".to_string()].into();
         let none = holders(&[]);
@@ -691,7 +691,7 @@ mod tests {
     #[test]
     fn a_tracked_workload_holding_gpus_is_sampled_and_accounted_a_start_only_holds() {
         let mut g = Gpus::default();
-        let fake = Fake::default();
+        let fake = FakeSampler::default();
         let a = vec!["GPU-a".to_string()];
         let b = vec!["GPU-b".to_string()];
         let starting = [Hold {

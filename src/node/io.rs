@@ -33,11 +33,11 @@ use crate::workload::tail::{Event as TailEvent, Tailer};
 /// refused it, `Err(None)` when no acknowledgement came.
 pub type Acked = (u64, Result<(), Option<(String, bool)>>);
 /// An ingress event's sequence number and its delivery token, for the ack thread.
-pub type Tracked = (u64, paho_mqtt::DeliveryToken);
+pub type AwaitedAck = (u64, paho_mqtt::DeliveryToken);
 
 /// Waits for delivery tokens, in order, off the event loop.
-pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)> {
-    let (tx, rx) = unbounded::<Tracked>();
+pub fn start_ack_thread() -> std::io::Result<(Sender<AwaitedAck>, Receiver<Acked>)> {
+    let (tx, rx) = unbounded::<AwaitedAck>();
     let (atx, arx) = unbounded();
     std::thread::Builder::new()
         .name("acks".into())
@@ -74,7 +74,7 @@ pub struct Io {
     pub chunks: Receiver<TailEvent>,
     pub workers: Workers,
     pub worker_done: Receiver<Done>,
-    pub acks_tx: Sender<Tracked>,
+    pub acks_tx: Sender<AwaitedAck>,
     pub acked: Receiver<Acked>,
     pub control: Receiver<crate::control::Request>,
     pub gpu_rx: Receiver<crate::gpu::Snapshot>,

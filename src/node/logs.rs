@@ -9,7 +9,7 @@ use super::effect::{self, Effect};
 use super::io::Io;
 use super::parts::Op;
 use super::session::Session;
-use super::streams::{self, Cursor, Source, Streams};
+use super::streams::{self, Cursor, StreamSource, Streams};
 use super::table::Table;
 use crate::config::Settings;
 use crate::logtext::Throttle;
@@ -17,8 +17,8 @@ use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Event, Key};
 
 /// The part's settings, from the node's.
-pub(super) fn settings(s: &crate::config::Settings) -> streams::Settings {
-    streams::Settings {
+pub(super) fn settings(s: &crate::config::Settings) -> streams::StreamSettings {
+    streams::StreamSettings {
         interval: s.log_stream_interval.value,
         max_log_bytes: s.max_log_bytes.value,
         standalone: s.standalone,
@@ -70,7 +70,7 @@ impl Logs<'_> {
                 let cursor: Cursor =
                     crate::workload::load_json(&dir.join("cursor.json"), "log cursor")
                         .unwrap_or_default();
-                let src = Source {
+                let src = StreamSource {
                     kind: a.meta.kind.to_string(),
                     request_id: a.meta.request_id.clone(),
                     workload_uuid: a.meta.workload_uuid.as_deref().map(String::from),

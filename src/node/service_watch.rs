@@ -52,7 +52,7 @@ impl Origin {
 }
 
 /// One tracked service.
-struct Entry {
+struct ServiceEntry {
     rec: Service,
     /// The GPUs its processes use (`nvidia-smi`'s compute-apps list).
     gpus: Vec<String>,
@@ -67,7 +67,7 @@ struct Stopping {
     kill_at: Option<Instant>,
 }
 
-impl Entry {
+impl ServiceEntry {
     fn describe(&self) -> String {
         let origin = Origin {
             started_by: self.rec.started_by.clone(),
@@ -86,7 +86,7 @@ impl Entry {
 /// The services the node tracks.
 pub(super) struct Services {
     path: PathBuf,
-    list: Vec<Entry>,
+    list: Vec<ServiceEntry>,
     next_look: Instant,
     /// A container's node stopping (D58): when SIGKILL goes to its services, those a workload
     /// stopped meanwhile leaves included.
@@ -110,7 +110,7 @@ impl Services {
         };
         let before = saved.services.len();
         for rec in saved.services {
-            let entry = Entry {
+            let entry = ServiceEntry {
                 rec,
                 gpus: Vec::new(),
                 children: Vec::new(),
@@ -168,7 +168,7 @@ impl Services {
                 boot_id: procinfo::boot_id(),
                 process: f,
             };
-            let entry = Entry {
+            let entry = ServiceEntry {
                 gpus: Vec::new(),
                 children: children.to_vec(),
                 stopping: None,
@@ -436,7 +436,7 @@ fn reap(children: &mut Vec<i32>) {
     });
 }
 
-fn entry_json(e: &Entry, now_unix: f64) -> Value {
+fn entry_json(e: &ServiceEntry, now_unix: f64) -> Value {
     let p = &e.rec.process;
     json!({
         "pid": p.pid,

@@ -474,9 +474,9 @@ impl Start<'_> {
     /// A self-heal lookup's answer: a stale workload is terminated without a completion.
     pub(super) fn on_workload_check(&mut self, key: &str, check: crate::backend::WorkloadCheck) {
         let what = match self.heal.on_check(key, check, self.work.active) {
-            selfheal::Checked::Moot => return,
-            selfheal::Checked::Kept => None,
-            selfheal::Checked::Stale(what) => Some(what),
+            selfheal::HealCheck::Moot => return,
+            selfheal::HealCheck::Kept => None,
+            selfheal::HealCheck::Stale(what) => Some(what),
         };
         if let Some(what) = what {
             let grace = admit::STALE_GRACE;

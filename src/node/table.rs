@@ -99,7 +99,7 @@ impl World for Procs<'_> {
 
 /// The result files a workload's end left on disk, each list named by its completion.
 #[derive(Debug, Default, Clone, PartialEq)]
-pub struct Left {
+pub struct LeftOnDisk {
     /// D61: loose files it could have written, none of its own for sure.
     pub unattributed: Vec<String>,
     /// D68: its own result files, not uploaded (given up on, past the deadline, cancelled).
@@ -592,7 +592,7 @@ impl Table {
                 }
                 Action::Report { exit, lost } => {
                     let tracked = self.tracked();
-                    let left = Left {
+                    let left = LeftOnDisk {
                         unattributed: self.uploads.unattributed(id, &tracked),
                         not_uploaded: self.uploads.not_uploaded(id),
                     };
@@ -611,10 +611,10 @@ impl Table {
     }
 
     /// The tracked workloads, as the uploads see them.
-    fn tracked(&self) -> Vec<super::uploads::Tracked> {
+    fn tracked(&self) -> Vec<super::uploads::Owner> {
         self.active
             .iter()
-            .map(|(id, a)| super::uploads::Tracked {
+            .map(|(id, a)| super::uploads::Owner {
                 id: id.clone(),
                 uid: a.meta.uid,
             })
@@ -818,7 +818,7 @@ pub(crate) mod fake {
     use crate::workers::Job;
 
     #[derive(Default)]
-    pub struct Procs {
+    pub struct FakeProcs {
         /// Safe ids whose group is provably theirs (group = pid).
         pub provable: BTreeSet<String>,
         pub exits: BTreeMap<String, Exit>,
@@ -829,7 +829,7 @@ pub(crate) mod fake {
         pub continued: Vec<String>,
     }
 
-    impl World for Procs {
+    impl World for FakeProcs {
         fn provable_group(&self, meta: &Meta) -> Option<i32> {
             self.provable.contains(&meta.safe_id).then(|| meta.pid())
         }
@@ -868,12 +868,12 @@ pub(crate) mod fake {
 
     /// The fake world and every effect the table asked for so far.
     #[derive(Default)]
-    pub struct Fake {
-        pub w: Procs,
+    pub struct FakeWorld {
+        pub w: FakeProcs,
         pub fx: Fx,
     }
 
-    impl Fake {
+    impl FakeWorld {
         fn each<T>(&self, f: impl FnMut(&Effect) -> Option<T>) -> Vec<T> {
             self.fx.list.iter().filter_map(f).collect()
         }
@@ -941,7 +941,7 @@ pub(crate) mod fake {
 
 #[cfg(test)]
 mod tests {
-    use super::fake::{Fake, Request};
+    use super::fake::{FakeWorld, Request};
     use super::*;
     use crate::workers::Job;
     use crate::workload::shim::Started;
@@ -1009,16 +1009,16 @@ mod tests {
 
     /// A table with one running child workload "w" (pid 100, supervisor 99) whose group is
     /// provably its own, and no results folder.
-    fn one(t0: Instant, max_runtime_s: Option<f64>) -> (Table, Fake) {
+    fn one(t0: Instant, max_runtime_s: Option<f64>) -> (Table, FakeWorld) {
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
         t.insert("w".into(), Active::new(meta("w", 100, max_runtime_s), t0));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         f.w.provable.insert("w".into());
         f.fx.connected = true;
         (t, f)
     }
 
-    fn cancel(t: &mut Table, f: &mut Fake, sig: i32, grace_ms: u64, now: Instant) -> String {
+    fn cancel(t: &mut Table, f: &mut FakeWorld, sig: i32, grace_ms: u64, now: Instant) -> String {
         let name = if sig == KILL { "SIGKILL" } else { "SIGTERM" };
         t.cancel(
             "w",
@@ -1180,7 +1180,7 @@ mod tests {
     fn a_supervisor_that_ended_without_a_record_is_lost_and_nothing_is_polled() {
         let t0 = Instant::now();
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         t.insert("w".into(), Active::new(meta("w", 100, None), t0));
         assert_eq!(t.next_due(), None, "nothing to poll while it runs");
         t.on_reaped("x", t0, &mut f.w, &mut f.fx);
@@ -1250,10 +1250,10 @@ mod tests {
     }
 
     /// Workload `w` exited 0 with its logs shipped: its uploads begin at `now`.
-    fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, Fake) {
+    fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, FakeWorld) {
         let mut t = Table::new(cfg(root.to_path_buf()));
         t.insert("w".into(), Active::new(meta("w", 100, None), now));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         f.fx.connected = connected;
         f.w.exits.insert("w".into(), exit(0));
         t.on_reaped("w", now, &mut f.w, &mut f.fx);
@@ -1265,7 +1265,7 @@ mod tests {
         serde_json::json!({"signed_url": format!("http://store/{name}"), "filename": format!("att-{name}")})
     }
 
-    fn last_signed_url_request(f: &Fake) -> Option<String> {
+    fn last_signed_url_request(f: &FakeWorld) -> Option<String> {
         match f.requests().last().cloned() {
             Some(Request::SignedUrl { filename, .. }) => Some(filename.clone()),
             _ => None,
@@ -1385,13 +1385,13 @@ mod tests {
         let mut t = Table::new(cfg(root.clone()));
         t.insert("w".into(), Active::new(meta("w", 100, None), t0));
         t.insert("v".into(), Active::new(meta("v", 200, None), t0));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         f.fx.connected = true;
         f.w.exits.insert("w".into(), exit(0));
         f.w.exits.insert("v".into(), exit(0));
         t.on_reaped("w", t0, &mut f.w, &mut f.fx);
         t.tick(t0, &["w".to_string()], &mut f.w, &mut f.fx);
-        let puts = |f: &Fake, id: &str| {
+        let puts = |f: &FakeWorld, id: &str| {
             f.jobs()
                 .iter()
                 .filter(|j| matches!(j, Job::Put { key, .. } if key == id))
@@ -1515,7 +1515,7 @@ mod tests {
         let mut m = meta("w", 100, None);
         m.salvaged = Some("bad json".into());
         t.insert("w".into(), Active::new(m, t0));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         f.w.exits.insert("w".into(), exit(0));
         t.on_reaped("w", t0, &mut f.w, &mut f.fx);
         t.tick(at(t0, 1), &["w".to_string()], &mut f.w, &mut f.fx);
@@ -1546,7 +1546,7 @@ mod tests {
         c.deadline = Some(Duration::from_secs(10));
         let mut t = Table::new(c);
         t.insert("w".into(), Active::new(meta("w", 100, None), t0));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         f.fx.connected = true;
         f.w.exits.insert("w".into(), exit(0));
         t.on_reaped("w", t0, &mut f.w, &mut f.fx);

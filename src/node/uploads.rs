@@ -101,14 +101,14 @@ impl UploadCfg {
 pub const LEDGER_FILE: &str = "loose_results.json";
 
 /// A tracked workload, as the uploads see it: its safe id and the uid it runs as.
-pub struct Tracked {
+pub struct Owner {
     pub id: String,
     pub uid: Option<u32>,
 }
 
-/// Why one attempt at a file failed; [`Failure::retriable`] decides whether it is tried again.
+/// Why one attempt at a file failed; [`UploadFailure::retriable`] decides whether it is tried again.
 #[derive(Debug)]
-enum Failure {
+enum UploadFailure {
     /// No signed URL (E8 after R9): always asked for again.
     NoUrl(BackendError),
     /// The transfer failed: tried again when the backend error says another try may help.
@@ -117,22 +117,22 @@ enum Failure {
     UnknownMethod { method: String, name: String },
 }
 
-impl Failure {
+impl UploadFailure {
     fn retriable(&self) -> bool {
         match self {
-            Failure::NoUrl(_) => true,
-            Failure::Transfer(e) => e.retriable(),
-            Failure::UnknownMethod { .. } => false,
+            UploadFailure::NoUrl(_) => true,
+            UploadFailure::Transfer(e) => e.retriable(),
+            UploadFailure::UnknownMethod { .. } => false,
         }
     }
 }
 
-impl std::fmt::Display for Failure {
+impl std::fmt::Display for UploadFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Failure::NoUrl(e) => write!(f, "no signed URL: {e}"),
-            Failure::Transfer(e) => write!(f, "{e}"),
-            Failure::UnknownMethod { method, name } => write!(
+            UploadFailure::NoUrl(e) => write!(f, "no signed URL: {e}"),
+            UploadFailure::Transfer(e) => write!(f, "{e}"),
+            UploadFailure::UnknownMethod { method, name } => write!(
                 f,
                 "the backend asked for upload_method {method:?} for {name}, which this node does not know (it knows signed_url and multipart)"
             ),
@@ -287,15 +287,15 @@ impl store::Validate for LedgerFile {
 /// with a candidate, and never again while it is there (a workload that ends later does not
 /// take a file that others could have written). Kept in the state dir across restarts.
 #[derive(Default)]
-struct Ledger {
+struct LooseLedger {
     entries: BTreeMap<Identity, Decided>,
 }
 
-impl Ledger {
-    fn load(path: &Path) -> Ledger {
+impl LooseLedger {
+    fn load(path: &Path) -> LooseLedger {
         const CAP: u64 = 16 * 1024 * 1024;
         let file: LedgerFile = store::read_record(path, CAP).unwrap_or_default();
-        Ledger {
+        LooseLedger {
             entries: file.files.into_iter().map(|d| (d.id, d)).collect(),
         }
     }
@@ -321,7 +321,7 @@ pub struct Uploads {
     cfg: UploadCfg,
     active: BTreeMap<String, Upload>,
     /// D61: the loose files decided.
-    ledger: Ledger,
+    ledger: LooseLedger,
     /// Workloads whose end the results folder was looked at for: no longer candidates.
     ended: BTreeSet<String>,
     /// The workloads' [`Claim`]s read so far (`None`: a record without one).
@@ -335,9 +335,9 @@ pub struct Uploads {
 impl Uploads {
     pub fn new(cfg: UploadCfg) -> Uploads {
         let ledger = if cfg.enabled {
-            Ledger::load(&cfg.ledger)
+            LooseLedger::load(&cfg.ledger)
         } else {
-            Ledger::default()
+            LooseLedger::default()
         };
         Uploads {
             cfg,
@@ -360,7 +360,7 @@ impl Uploads {
     /// files first seen now among the `tracked` workloads still running (and `id`); `id` is
     /// then no longer a candidate. The loose files that are `id`'s results, and those it could
     /// have written that stay on disk (kept for its completion).
-    fn observe(&mut self, id: &str, tracked: &[Tracked]) -> Vec<(String, Beneath)> {
+    fn observe(&mut self, id: &str, tracked: &[Owner]) -> Vec<(String, Beneath)> {
         if !self.cfg.enabled || self.ended.contains(id) {
             return Vec::new();
         }
@@ -420,7 +420,7 @@ impl Uploads {
 
     /// Decides each of `files` not decided yet among the workloads still running ([`results::attribute`]);
     /// whether any was.
-    fn decide(&mut self, files: &[(String, Beneath)], tracked: &[Tracked]) -> bool {
+    fn decide(&mut self, files: &[(String, Beneath)], tracked: &[Owner]) -> bool {
         let fallback = self.cfg.checked.flatten();
         let running: Vec<results::Runner> = tracked
             .iter()
@@ -484,7 +484,7 @@ impl Uploads {
 
     /// The loose files workload `id` could have written that were left on disk (D61: its
     /// completion names them); looked for first if its end was not looked at yet.
-    pub fn unattributed(&mut self, id: &str, tracked: &[Tracked]) -> Vec<String> {
+    pub fn unattributed(&mut self, id: &str, tracked: &[Owner]) -> Vec<String> {
         self.observe(id, tracked);
         self.unattributed.remove(id).unwrap_or_default()
     }
@@ -496,7 +496,7 @@ impl Uploads {
         &mut self,
         id: &str,
         uid: Option<u32>,
-        tracked: &[Tracked],
+        tracked: &[Owner],
     ) -> Vec<(String, Beneath)> {
         let loose = self.observe(id, tracked);
         let owner = self
@@ -552,7 +552,7 @@ impl Uploads {
         id: &str,
         meta: &Meta,
         exit: Option<&Exit>,
-        tracked: &[Tracked],
+        tracked: &[Owner],
         now: Instant,
         fx: &mut Fx,
     ) -> bool {
@@ -808,7 +808,7 @@ impl Uploads {
         if let UploadMethod::Other(m) = &found.method {
             // The backend's text, bounded: it goes into the log.
             let method: String = m.chars().take(80).collect();
-            let why = Failure::UnknownMethod {
+            let why = UploadFailure::UnknownMethod {
                 method,
                 name: f.name.clone(),
             };
@@ -845,7 +845,7 @@ impl Uploads {
                 };
                 match result {
                     Ok(found) => self.url_came(&key, i, found, now, fx),
-                    Err(e) => self.attempt_failed(&key, i, &Failure::NoUrl(e), now, fx),
+                    Err(e) => self.attempt_failed(&key, i, &UploadFailure::NoUrl(e), now, fx),
                 }
             }
             Done::Put { key, file, result } => {
@@ -869,7 +869,7 @@ impl Uploads {
                         }
                         self.after(&key, now, fx)
                     }
-                    Err(e) => self.attempt_failed(&key, file, &Failure::Transfer(e), now, fx),
+                    Err(e) => self.attempt_failed(&key, file, &UploadFailure::Transfer(e), now, fx),
                 }
             }
             Done::UploadResults { key, result } => {
@@ -895,7 +895,7 @@ impl Uploads {
         &mut self,
         id: &str,
         i: usize,
-        why: &Failure,
+        why: &UploadFailure,
         now: Instant,
         fx: &mut Fx,
     ) -> Vec<String> {

@@ -437,7 +437,7 @@ fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
 
 /// The notes of the starts that the node before this one took and did not answer (D53):
 /// those whose workload started (with the `ok` output of their start), and the others.
-pub(super) type Recovered = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
+pub(super) type RecoveredStarts = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
 
 /// What a workload's events touch, borrowed apart from the node for one call (the loop builds
 /// it): the table (and, to carry out its effects, the session, io handles and settings), the
@@ -569,7 +569,7 @@ impl Work<'_> {
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&str>,
-        left: &table::Left,
+        left: &table::LeftOnDisk,
     ) -> Option<u64> {
         let pid = meta.pid();
         let rid = meta.request_id_text();
@@ -731,7 +731,7 @@ impl Work<'_> {
     /// Re-adopts every workload in the state dir (run once, before the loop); returns the
     /// notes of the starts the node before this one took and did not answer (D53), those
     /// whose workload started apart, to be settled on the ledger.
-    pub(super) fn recover(&mut self) -> Recovered {
+    pub(super) fn recover(&mut self) -> RecoveredStarts {
         let layout = self.io.layout.clone();
         let mut notes: BTreeMap<String, Taken> = starts::load_notes(&layout).into_iter().collect();
         let mut started = Vec::new();

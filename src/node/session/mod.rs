@@ -22,7 +22,7 @@ use crate::mqtt::MqttEvent;
 use crate::protocol::replies::Reply;
 use crate::protocol::topics::Topics;
 use crate::util;
-pub use heartbeat::{Heartbeat, Verdict, MAX_AUTH_FAILURES};
+pub use heartbeat::{Heartbeat, HeartbeatVerdict, MAX_AUTH_FAILURES};
 
 /// Commands kept while the node is not yet registered (a resumed session delivers them first).
 const MAX_EARLY_COMMANDS: usize = 1000;
@@ -1059,24 +1059,24 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             self.cfg.tuning.auth_retry_base,
         );
         match verdict {
-            Verdict::Ok { recovered } => {
+            HeartbeatVerdict::Ok { recovered } => {
                 if recovered {
                     log::info!("heartbeats acknowledged again");
                 }
                 // The watchdog is fed only while the backend acknowledges heartbeats.
                 out.notify("WATCHDOG=1");
             }
-            Verdict::GiveUp { n } => {
+            HeartbeatVerdict::GiveUp { n } => {
                 log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
                 happened.push(Happening::TokenRejected);
             }
-            Verdict::AuthRetry { n, delay } => {
+            HeartbeatVerdict::AuthRetry { n, delay } => {
                 log::warn!(
                     "heartbeat rejected: authentication failed ({n}/{MAX_AUTH_FAILURES}); retrying in {:.1}s",
                     delay.as_secs_f64()
                 );
             }
-            Verdict::Gone => {
+            HeartbeatVerdict::Gone => {
                 // D5: the instance is gone; register a new one and move the subscriptions.
                 log::warn!(
                     "the backend says instance {} is gone ({}); registering a new instance",
@@ -1094,7 +1094,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
                     create: true,
                 };
             }
-            Verdict::Failed { n, alarm } => {
+            HeartbeatVerdict::Failed { n, alarm } => {
                 happened.push(Happening::HeartbeatFailed);
                 let why = match &reply {
                     Some(b) => format!("refused: {}", b.message),

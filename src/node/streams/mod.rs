@@ -145,7 +145,7 @@ impl crate::store::Validate for Cursor {
 
 /// The node's settings the part follows.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
+pub struct StreamSettings {
     /// `CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL`: the longest a byte waits, and the budget's period.
     pub interval: Duration,
     /// `max_log_bytes`: a log file over this keeps its newest half.
@@ -158,7 +158,7 @@ pub struct Settings {
 
 /// What the part needs to know of a workload.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Source {
+pub struct StreamSource {
     pub kind: String,
     pub request_id: Value,
     pub workload_uuid: Option<String>,
@@ -206,7 +206,7 @@ struct Stream {
 }
 
 struct Workload {
-    src: Source,
+    src: StreamSource,
     /// `[workload <tag> <stream>] ` per stream.
     prefix: [Vec<u8>; 2],
     /// Its process ended: the rest goes at once.
@@ -254,7 +254,7 @@ pub struct Streams {
 
 impl Default for Streams {
     fn default() -> Self {
-        Streams::new(&Settings {
+        Streams::new(&StreamSettings {
             interval: Duration::from_secs(3),
             max_log_bytes: 1 << 30,
             standalone: false,
@@ -264,7 +264,7 @@ impl Default for Streams {
 }
 
 impl Streams {
-    pub fn new(s: &Settings) -> Streams {
+    pub fn new(s: &StreamSettings) -> Streams {
         Streams {
             rules: Rules::new(s.interval),
             max_log_bytes: s.max_log_bytes.max(1),
@@ -318,7 +318,7 @@ impl Streams {
     /// Starts streaming a workload's logs from its persisted cursor (a re-adopted workload
     /// resumes at the first unacknowledged byte). What is in its files already is read after
     /// the batching window; growth is watched from then on.
-    pub fn track(&mut self, id: &str, src: Source, cursor: Cursor, now: Instant) {
+    pub fn track(&mut self, id: &str, src: StreamSource, cursor: Cursor, now: Instant) {
         let tag = src
             .workload_uuid
             .clone()
@@ -923,7 +923,7 @@ fn fitted_body(
     uuid: &str,
     i: usize,
     data: &mut Vec<u8>,
-    src: &Source,
+    src: &StreamSource,
     at: u64,
     notes: &Notes,
     payload_cap: u64,
@@ -961,7 +961,7 @@ fn chunk_body(
     uuid: &str,
     stream: usize,
     data: &[u8],
-    src: &Source,
+    src: &StreamSource,
     offset: u64,
     notes: &Notes,
 ) -> Vec<u8> {

@@ -72,8 +72,8 @@ struct Sim {
     answered: usize,
 }
 
-fn settings(interval_ms: u64) -> Settings {
-    Settings {
+fn settings(interval_ms: u64) -> StreamSettings {
+    StreamSettings {
         interval: Duration::from_millis(interval_ms),
         max_log_bytes: 1 << 30,
         standalone: false,
@@ -82,17 +82,17 @@ fn settings(interval_ms: u64) -> Settings {
 }
 
 impl Sim {
-    fn new(s: Settings) -> Sim {
+    fn new(s: StreamSettings) -> Sim {
         Sim::resumed(s, Cursor::default(), [Vec::new(), Vec::new()])
     }
 
-    fn resumed(s: Settings, cursor: Cursor, files: [Vec<u8>; 2]) -> Sim {
+    fn resumed(s: StreamSettings, cursor: Cursor, files: [Vec<u8>; 2]) -> Sim {
         let t0 = Instant::now();
         let mut st = Streams::new(&s);
         st.link(true, "inst-1", t0);
         st.track(
             ID,
-            Source {
+            StreamSource {
                 kind: "training".into(),
                 request_id: Value::from("req-1"),
                 workload_uuid: Some("wl-1".into()),
@@ -692,7 +692,7 @@ fn install_logs_go_once_in_chunks_that_end_at_line_ends() {
 
 #[test]
 fn a_chunk_body_matches_the_wire_format() {
-    let src = Source {
+    let src = StreamSource {
         kind: "inference".into(),
         request_id: serde_json::json!(42),
         workload_uuid: None,
@@ -768,7 +768,7 @@ impl Disk {
         crate::store::Validate::validate(&cursor).unwrap();
         self.st.track(
             ID,
-            Source {
+            StreamSource {
                 kind: "training".into(),
                 request_id: Value::from("req-1"),
                 workload_uuid: Some("wl-1".into()),

@@ -408,8 +408,8 @@ mod tests {
 
     #[test]
     fn a_line_is_admitted_or_not_as_a_whole_and_charged_what_it_printed() {
-        struct Rec(Vec<(u64, u64)>, Vec<u64>);
-        impl Gate for Rec {
+        struct RecGate(Vec<(u64, u64)>, Vec<u64>);
+        impl Gate for RecGate {
             fn admit(&mut self, cost: u64, used: u64) -> bool {
                 self.0.push((cost, used));
                 cost != 8
@@ -418,7 +418,7 @@ mod tests {
                 self.1.push(extra);
             }
         }
-        let mut gate = Rec(Vec::new(), Vec::new());
+        let mut gate = RecGate(Vec::new(), Vec::new());
         let mut out = Vec::new();
         let used = tag_lines(
             b"[T] ",

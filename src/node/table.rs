@@ -851,7 +851,7 @@ pub(crate) mod fake {
 
     /// A request the table asked for, as the tests read it.
     #[derive(Debug, Clone, PartialEq)]
-    pub enum Request {
+    pub enum Asked {
         /// R9: a signed URL for one result file of workload `id`.
         SignedUrl {
             id: String,
@@ -889,14 +889,14 @@ pub(crate) mod fake {
                 _ => None,
             })
         }
-        pub fn requests(&self) -> Vec<Request> {
+        pub fn requests(&self) -> Vec<Asked> {
             self.each(|e| match e {
-                Effect::AskSignedUrl { id, wl, filename } => Some(Request::SignedUrl {
+                Effect::AskSignedUrl { id, wl, filename } => Some(Asked::SignedUrl {
                     id: id.clone(),
                     wl: wl.clone(),
                     filename: filename.clone(),
                 }),
-                Effect::TellUploaded { id, wl, body } => Some(Request::UploadResults {
+                Effect::TellUploaded { id, wl, body } => Some(Asked::UploadResults {
                     id: id.clone(),
                     wl: wl.clone(),
                     body: body.clone(),
@@ -941,7 +941,7 @@ pub(crate) mod fake {
 
 #[cfg(test)]
 mod tests {
-    use super::fake::{FakeWorld, Request};
+    use super::fake::{FakeWorld, Asked};
     use super::*;
     use crate::workers::Job;
     use crate::workload::shim::Started;
@@ -1267,7 +1267,7 @@ mod tests {
 
     fn last_signed_url_request(f: &FakeWorld) -> Option<String> {
         match f.requests().last().cloned() {
-            Some(Request::SignedUrl { filename, .. }) => Some(filename.clone()),
+            Some(Asked::SignedUrl { filename, .. }) => Some(filename.clone()),
             _ => None,
         }
     }
@@ -1348,7 +1348,7 @@ mod tests {
         }
         assert_eq!(asked, vec![t0, at(t0, 2100), at(t0, 6200)]);
         // Given up on a.txt: the backend is told of b.txt alone.
-        let Some(Request::UploadResults { body, .. }) = f.requests().last().cloned() else {
+        let Some(Asked::UploadResults { body, .. }) = f.requests().last().cloned() else {
             panic!("R10 expected: {:?}", f.requests());
         };
         assert_eq!(body["filenames"], serde_json::json!(["b.txt"]));

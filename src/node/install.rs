@@ -193,7 +193,7 @@ fn run_as<'a>(s: &Settings, users: &'a [WorkloadUser]) -> Option<&'a WorkloadUse
 /// node, an empty signal mask.
 fn command(s: &Settings, shell: &str, script: &str, user: Option<&WorkloadUser>) -> Command {
     let mut env = s.env.merged();
-    for k in super::startup::NODE_SECRETS {
+    for k in crate::workload::NODE_ONLY_VARS {
         env.remove(*k);
     }
     if let Some(u) = user {

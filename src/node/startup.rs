@@ -26,10 +26,6 @@ use crate::workload::tail::Tailer;
 use crate::workload::Layout;
 use crate::{store, util};
 
-/// Environment variables that hold the node's own secrets; never passed to child processes
-/// (workloads get their own credentials explicitly).
-pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
-
 /// D46.3: the workload user exists and the node may become it (else exit 2); the state dir is
 /// then passed through by it (0711), never listed, its files all the node's own (0600). D65: a
 /// pool of users, each its own, at least as many as the slots; the node's secrets in the state

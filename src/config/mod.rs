@@ -92,6 +92,10 @@ pub struct Flags {
     pub metrics_file: Option<PathBuf>,
 }
 
+/// What the console mirror prints per workload stream and second by default
+/// (`CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`, D69).
+pub const MIRROR_BYTES_PER_SECOND: u64 = 1024 * 1024;
+
 /// Timings that production never changes but tests shorten (env `CYBERWAVE_NODE_*`, listed in
 /// the README under "Tuning").
 #[derive(Debug, Clone, PartialEq)]
@@ -149,7 +153,7 @@ impl Default for Tuning {
             lock_wait: Duration::ZERO,
             connect_timeout: Duration::from_secs(30),
             max_command_bytes: crate::protocol::commands::MAX_COMMAND_BYTES,
-            mirror_bytes_per_second: crate::node::streams::MIRROR_BYTES_PER_SECOND,
+            mirror_bytes_per_second: MIRROR_BYTES_PER_SECOND,
             ingress_queue_bytes: crate::ingress::MAX_QUEUE_BYTES,
             upload_deadline: None,
         }

@@ -1,24 +1,16 @@
-//! What the workload table, its uploads and the log streams ask the loop to do ([`Effect`]),
-//! and the one place that does it ([`send`], and [`Work::carry_out`] for what needs the
-//! node's other parts). The parts decide and record what they want; they never hold the
-//! session, the outbox, the workers or the tailer, so their decisions are unit-tested by
-//! reading the list they return.
+//! What the workload table, its uploads and the log streams ask the loop to do: one
+//! [`Effect`] each. The parts decide and record what they want; they never hold the session,
+//! the outbox, the workers or the tailer, so their decisions are unit-tested by reading the
+//! list they return. One place carries effects out: `io.rs` ([`super::io::send`]), and
+//! `workloads.rs` (`Work::carry_out`) for the two that need the node's other parts.
 
-use std::io::Write;
+use serde_json::Value;
 
-use serde_json::{json, Value};
-
-use super::io::Io;
-use super::parts::Op;
-use super::session::Session;
-use super::table::LeftOnDisk;
-use super::workloads::Work;
-use crate::config::Settings;
 use crate::protocol::commands::TopicId;
 use crate::workers::Job;
 use crate::workload::shim::Exit;
 use crate::workload::tail::{Key, Request};
-use crate::workload::{self, Layout, Meta};
+use crate::workload::Meta;
 
 /// One thing the table or its uploads want done.
 #[derive(Debug)]
@@ -93,127 +85,11 @@ impl Fx {
     }
 }
 
-impl Work<'_> {
-    /// Carries out what the table asked for, in its order; shipping logs (once) and reporting
-    /// ends come after the rest, so the requests and records of the same call are out first.
-    pub(super) fn carry_out(&mut self, fx: Fx) {
-        let mut last = Vec::new();
-        for e in fx.list {
-            if let Some(e) = send(e, self.session, self.io, self.s) {
-                last.push(e);
-            }
-        }
-        let mut shipped = false;
-        for e in last {
-            match e {
-                Effect::ShipLogs if !shipped => {
-                    shipped = true;
-                    self.logs().pump();
-                }
-                Effect::Report {
-                    id,
-                    meta,
-                    exit,
-                    lost,
-                    left,
-                } => {
-                    let held = self.complete(&id, *meta, exit, lost, &left);
-                    if let Some(e) = self.active.completion_queued(&id, held) {
-                        let _ = send(e, self.session, self.io, self.s);
-                    }
-                    if held.is_some() {
-                        self.outgoing().flush();
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-}
-
-/// Carries out an effect that needs no more than the broker session and the I/O handles
-/// (requests are kept by the session until their reply); returns the ones that need the
-/// node's other parts ([`Effect::ShipLogs`], [`Effect::Report`]).
-pub(super) fn send(e: Effect, session: &mut Session<Op>, io: &Io, s: &Settings) -> Option<Effect> {
-    let timeout = s.tuning.request_timeout;
-    let now = io.clock.now();
-    let link = &mut io.link(s);
-    match e {
-        Effect::WorkloadStatus { wl, body } => {
-            let topic = io.topics.workload_status(&wl);
-            session.request(Op::WorkloadStatus, &topic, &body, timeout, now, link);
-        }
-        Effect::AskSignedUrl { id, wl, filename } => {
-            let topic = io.topics.signed_url(&wl);
-            let body = json!({ "filename": filename });
-            session.request(Op::SignedUrl(id), &topic, &body, timeout, now, link);
-        }
-        Effect::TellUploaded { id, wl, body } => {
-            let topic = io.topics.upload_results(&wl);
-            session.request(Op::UploadResults(id), &topic, &body, timeout, now, link);
-        }
-        Effect::Submit(job) => io.workers.submit(job),
-        Effect::SaveMeta { meta, what } => {
-            if let Err(e) = workload::save_meta(&io.layout, &meta) {
-                let id = crate::logtext::shown(&meta.safe_id);
-                log::warn!("workload {id}: cannot record {what}: {e}");
-            }
-        }
-        Effect::Retire(id) => retire(&io.layout, &io.sweeper, &id),
-        Effect::Tail(req) => io.tailer.request(req),
-        Effect::PublishLog { key, payload } => {
-            let topic = io.topics.logs(session.uuid());
-            session.request_payload(Op::Log(key), &topic, payload, timeout, now, link);
-        }
-        Effect::PublishInstall(payload) => {
-            let topic = io.topics.logs(session.uuid());
-            session.request_payload(Op::WorkloadStatus, &topic, payload, timeout, now, link);
-        }
-        Effect::Mirror { stream, text } => mirror(stream, &text),
-        e @ (Effect::ShipLogs | Effect::Report { .. }) => return Some(e),
-    }
-    None
-}
-
-/// Tagged lines of a workload's output on the node's stdout (stream 0) or stderr.
-fn mirror(stream: usize, text: &[u8]) {
-    static WIDEN: std::sync::Once = std::sync::Once::new();
-    WIDEN.call_once(|| {
-        // A journal or a terminal multiplexer reads the node's stdout and stderr through a
-        // pipe of 64 KiB: a flood's console lines then cost a context switch per 64 KiB.
-        // A wider pipe (1 MiB, the default most a user may ask for) lets one write go at
-        // once. Not a pipe (a file, a terminal): nothing changes.
-        for fd in [1, 2] {
-            // SAFETY: F_SETPIPE_SZ on a standard descriptor touches no memory; failures
-            // (not a pipe, a lower limit) are harmless and ignored.
-            unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, 1 << 20) };
-        }
-    });
-    if stream == 0 {
-        let mut o = std::io::stdout().lock();
-        let _ = o.write_all(text);
-        let _ = o.flush();
-    } else {
-        let mut e = std::io::stderr().lock();
-        let _ = e.write_all(text);
-        let _ = e.flush();
-    }
-}
-
-/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
-/// a half-deleted record that a restart would misread), then the deletion, off the loop.
-fn retire(layout: &Layout, sweeper: &crate::store::Sweeper, safe_id: &str) {
-    let dir = layout.dir(safe_id);
-    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
-    let target = match std::fs::rename(&dir, &trash) {
-        Ok(()) => trash,
-        Err(e) => {
-            log::warn!(
-                "cannot retire {}: {e}",
-                crate::logtext::shown(&dir.display().to_string())
-            );
-            return;
-        }
-    };
-    sweeper.sweep(target);
+/// The result files a workload's end left on disk, each list named by its completion.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct LeftOnDisk {
+    /// D61: loose files it could have written, none of its own for sure.
+    pub unattributed: Vec<String>,
+    /// D68: its own result files, not uploaded (given up on, past the deadline, cancelled).
+    pub not_uploaded: Vec<String>,
 }

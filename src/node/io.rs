@@ -6,6 +6,7 @@
 //! world through [`MqttLink`], built from these handles for the length of one call, and the
 //! other parts return [`super::effect::Effect`]s that are carried out on them.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::SystemTime;
 
@@ -15,12 +16,13 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 
 use serde_json::{json, Value};
 
+use super::effect::Effect;
 use super::parts::Op;
 use super::session::Session;
 use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::store::CLIENT_ID_CONFLICT;
-use crate::workload::Layout;
+use crate::workload::{self, Layout};
 
 use crate::mqtt::{Mqtt, MqttEvent};
 use crate::protocol::commands;
@@ -190,4 +192,91 @@ impl Replies<'_> {
             .mqtt
             .publish(&topic, payload, 1, paho_mqtt::Properties::new());
     }
+}
+
+/// Carries out an effect that needs no more than the broker session and the I/O handles
+/// (requests are kept by the session until their reply); returns the ones that need the
+/// node's other parts ([`Effect::ShipLogs`], [`Effect::Report`]).
+pub(super) fn send(e: Effect, session: &mut Session<Op>, io: &Io, s: &Settings) -> Option<Effect> {
+    let timeout = s.tuning.request_timeout;
+    let now = io.clock.now();
+    let link = &mut io.link(s);
+    match e {
+        Effect::WorkloadStatus { wl, body } => {
+            let topic = io.topics.workload_status(&wl);
+            session.request(Op::WorkloadStatus, &topic, &body, timeout, now, link);
+        }
+        Effect::AskSignedUrl { id, wl, filename } => {
+            let topic = io.topics.signed_url(&wl);
+            let body = json!({ "filename": filename });
+            session.request(Op::SignedUrl(id), &topic, &body, timeout, now, link);
+        }
+        Effect::TellUploaded { id, wl, body } => {
+            let topic = io.topics.upload_results(&wl);
+            session.request(Op::UploadResults(id), &topic, &body, timeout, now, link);
+        }
+        Effect::Submit(job) => io.workers.submit(job),
+        Effect::SaveMeta { meta, what } => {
+            if let Err(e) = workload::save_meta(&io.layout, &meta) {
+                let id = crate::logtext::shown(&meta.safe_id);
+                log::warn!("workload {id}: cannot record {what}: {e}");
+            }
+        }
+        Effect::Retire(id) => retire(&io.layout, &io.sweeper, &id),
+        Effect::Tail(req) => io.tailer.request(req),
+        Effect::PublishLog { key, payload } => {
+            let topic = io.topics.logs(session.uuid());
+            session.request_payload(Op::Log(key), &topic, payload, timeout, now, link);
+        }
+        Effect::PublishInstall(payload) => {
+            let topic = io.topics.logs(session.uuid());
+            session.request_payload(Op::WorkloadStatus, &topic, payload, timeout, now, link);
+        }
+        Effect::Mirror { stream, text } => mirror(stream, &text),
+        e @ (Effect::ShipLogs | Effect::Report { .. }) => return Some(e),
+    }
+    None
+}
+
+/// Tagged lines of a workload's output on the node's stdout (stream 0) or stderr.
+fn mirror(stream: usize, text: &[u8]) {
+    static WIDEN: std::sync::Once = std::sync::Once::new();
+    WIDEN.call_once(|| {
+        // A journal or a terminal multiplexer reads the node's stdout and stderr through a
+        // pipe of 64 KiB: a flood's console lines then cost a context switch per 64 KiB.
+        // A wider pipe (1 MiB, the default most a user may ask for) lets one write go at
+        // once. Not a pipe (a file, a terminal): nothing changes.
+        for fd in [1, 2] {
+            // SAFETY: F_SETPIPE_SZ on a standard descriptor touches no memory; failures
+            // (not a pipe, a lower limit) are harmless and ignored.
+            unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, 1 << 20) };
+        }
+    });
+    if stream == 0 {
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(text);
+        let _ = o.flush();
+    } else {
+        let mut e = std::io::stderr().lock();
+        let _ = e.write_all(text);
+        let _ = e.flush();
+    }
+}
+
+/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
+/// a half-deleted record that a restart would misread), then the deletion, off the loop.
+fn retire(layout: &Layout, sweeper: &crate::store::Sweeper, safe_id: &str) {
+    let dir = layout.dir(safe_id);
+    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
+    let target = match std::fs::rename(&dir, &trash) {
+        Ok(()) => trash,
+        Err(e) => {
+            log::warn!(
+                "cannot retire {}: {e}",
+                crate::logtext::shown(&dir.display().to_string())
+            );
+            return;
+        }
+    };
+    sweeper.sweep(target);
 }

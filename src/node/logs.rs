@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::effect::{self, Effect};
+use super::effect::Effect;
 use super::io::Io;
 use super::parts::Op;
 use super::session::Session;
@@ -41,13 +41,13 @@ pub(super) struct Logs<'a> {
 }
 
 impl Logs<'_> {
-    /// Runs `f` on the streams part, then carries out what it asked for ([`effect::send`]).
+    /// Runs `f` on the streams part, then carries out what it asked for ([`super::io::send`]).
     fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut Vec<Effect>) -> R) -> R {
         let mut fx = Vec::new();
         let r = f(self.streams, &mut fx);
         for e in fx {
             // A streams call asks for nothing that needs the node's other parts.
-            let _ = effect::send(e, self.session, self.io, self.s);
+            let _ = super::io::send(e, self.session, self.io, self.s);
         }
         r
     }

@@ -27,7 +27,7 @@ use crate::workload::lifecycle::{self, Action, Event, Phase};
 use crate::workload::shim::Exit;
 use crate::workload::{self, procinfo, Cancel, Layout, Meta};
 
-use super::effect::{Effect, Fx};
+use super::effect::{Effect, Fx, LeftOnDisk};
 
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
@@ -95,15 +95,6 @@ impl World for Procs<'_> {
         };
         procinfo::signal_process(st.shim_pid, st.shim_start_ticks, libc::SIGCONT)
     }
-}
-
-/// The result files a workload's end left on disk, each list named by its completion.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct LeftOnDisk {
-    /// D61: loose files it could have written, none of its own for sure.
-    pub unattributed: Vec<String>,
-    /// D68: its own result files, not uploaded (given up on, past the deadline, cancelled).
-    pub not_uploaded: Vec<String>,
 }
 
 /// A workload the node tracks.
@@ -941,7 +932,7 @@ pub(crate) mod fake {
 
 #[cfg(test)]
 mod tests {
-    use super::fake::{FakeWorld, Asked};
+    use super::fake::{Asked, FakeWorld};
     use super::*;
     use crate::workers::Job;
     use crate::workload::shim::Started;

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use std::time::{Duration, Instant};
 
-use super::effect::Fx;
+use super::effect::{Effect, Fx};
 use super::events::{self, Ingress};
 use super::gpus::{self, Gpus};
 use super::io::{Io, Replies};
@@ -524,6 +524,42 @@ impl Work<'_> {
         self.request(Op::WorkloadStatus, &topic, body, timeout);
     }
 
+    /// Carries out what the table asked for, in its order; shipping logs (once) and reporting
+    /// ends come after the rest, so the requests and records of the same call are out first.
+    pub(super) fn carry_out(&mut self, fx: Fx) {
+        let mut last = Vec::new();
+        for e in fx.list {
+            if let Some(e) = super::io::send(e, self.session, self.io, self.s) {
+                last.push(e);
+            }
+        }
+        let mut shipped = false;
+        for e in last {
+            match e {
+                Effect::ShipLogs if !shipped => {
+                    shipped = true;
+                    self.logs().pump();
+                }
+                Effect::Report {
+                    id,
+                    meta,
+                    exit,
+                    lost,
+                    left,
+                } => {
+                    let held = self.complete(&id, *meta, exit, lost, &left);
+                    if let Some(e) = self.active.completion_queued(&id, held) {
+                        let _ = super::io::send(e, self.session, self.io, self.s);
+                    }
+                    if held.is_some() {
+                        self.outgoing().flush();
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Runs `f` on the workload table with the host's [`table::World`], then carries out
     /// what it asked for ([`Work::carry_out`]).
     pub(super) fn with_table<R>(
@@ -569,7 +605,7 @@ impl Work<'_> {
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&str>,
-        left: &table::LeftOnDisk,
+        left: &super::effect::LeftOnDisk,
     ) -> Option<u64> {
         let pid = meta.pid();
         let rid = meta.request_id_text();

@@ -54,9 +54,7 @@ pub const INSTALL_CHUNK: usize = 64 * 1024;
 /// The install script's output shipped, per stream: its last MiB.
 pub const INSTALL_TAIL: u64 = 1024 * 1024;
 
-/// What the console mirror prints per workload stream and second by default
-/// (`CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`, D69).
-pub const MIRROR_BYTES_PER_SECOND: u64 = 1024 * 1024;
+pub use crate::config::MIRROR_BYTES_PER_SECOND;
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
 /// How many [`Mark`]s a stream keeps (the ends of its last chunks read): a truncation is found

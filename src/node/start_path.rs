@@ -405,7 +405,7 @@ impl Start<'_> {
         }
     }
 
-    /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
+    /// An error reply and, when the backend named the workload, R7 `failed` (docs/protocol.md).
     /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
     pub(super) fn reject_start(
         &mut self,

@@ -475,7 +475,7 @@ type SpawnerParts = (
     (Reaper, Receiver<crate::workload::reaper::Reaped>),
 );
 
-/// The reaper, then the spawner thread starts run on (issue 15): without the spawner the node
+/// The reaper, then the spawner thread starts run on: without the spawner the node
 /// still runs, reports and cancels its workloads, and refuses starts with a clear error.
 fn spawner(
     s: &Settings,

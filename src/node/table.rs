@@ -1365,7 +1365,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
-    /// Issue 25: never more transfers at once than the pool holds, the next file's URL in hand
+    /// Never more transfers at once than the pool holds, the next file's URL in hand
     /// while they are sent, and a second workload always gets one of its own at once.
     #[test]
     fn one_workloads_files_share_the_pool_without_keeping_another_workload_waiting() {

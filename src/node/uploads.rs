@@ -3,7 +3,7 @@
 //! file), then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
 //! workload stays busy ("finalizing") the whole time.
 //!
-//! The files of one workload go up side by side (issue 25): up to the pool's size
+//! The files of one workload go up side by side: up to the pool's size
 //! (`CYBERWAVE_NODE_UPLOAD_WORKERS`) at once, the next file's signed URL asked for while the
 //! current ones are sent (one request at a time per workload). A workload with nothing being
 //! sent may always send one file, and a second one only while a worker is idle, so the

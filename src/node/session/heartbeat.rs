@@ -1,4 +1,4 @@
-//! The heartbeat part of the broker session (issue 12, item 8): its state and every decision
+//! The heartbeat part of the broker session: its state and every decision
 //! about a heartbeat's reply, as pure functions of (state, reply, now). The loop carries out
 //! the verdict (log lines, watchdog, re-registration, shutdown); the cadence, the 401 back-off,
 //! the 404 re-registration and the failure alarm are unit-tested here with a fake clock.

@@ -1,4 +1,4 @@
-//! The broker session (issue 12, item 8): the connection and its reconnects, the registration
+//! The broker session: the connection and its reconnects, the registration
 //! (R1, R2), the heartbeat (R3) and every request waiting for its reply. It owns that state and
 //! reaches the outside only through [`Link`]; it takes the time as an argument and tells the
 //! loop what happened as [`Happening`]s, so each of its decisions is unit-tested here with a

@@ -819,8 +819,9 @@ fn a_refused_registration_fails_at_once_and_is_retried() {
     assert_eq!(rec.requests.len(), sent + 1);
 }
 
-/// Issue 22: each broker address has its own back-off. A dead address that refuses at once
-/// does not lengthen the wait before a live one (one counter for all doubled it each round).
+/// Each broker address has its own back-off. A dead address that refuses at once
+/// does not lengthen the wait before a live one (one counter for all would double it at each
+/// failure of the dead one).
 #[test]
 fn each_broker_address_backs_off_on_its_own_failures() {
     let t0 = Instant::now();
@@ -862,7 +863,7 @@ fn each_broker_address_backs_off_on_its_own_failures() {
     assert_eq!(s.failures.get("b:1"), Some(&8));
 }
 
-/// Issue 22: a connection the broker drops within seconds of accepting it is a failed attempt
+/// A connection the broker drops within seconds of accepting it is a failed attempt
 /// for the back-off: a broker that accepts and drops at once gets no reconnect storm.
 #[test]
 fn a_connection_that_dies_within_seconds_counts_as_a_failure_for_the_backoff() {

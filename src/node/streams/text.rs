@@ -1,12 +1,12 @@
-//! The text work of log streaming, written for speed (issue 15 item 3: every byte of a flood
-//! passes here twice): the chunk's JSON body, `log_content`, console tagging (escaped for the
+//! The text work of log streaming, written for speed (every byte of a flood passes here
+//! twice): the chunk's JSON body, `log_content`, console tagging (escaped for the
 //! terminal, D69), and cutting on character boundaries. Valid UTF-8 (the usual case) is checked once per chunk and then only
 //! copied; lines and characters that need escaping are found a word (8 bytes) at a time.
 
 use std::borrow::Cow;
 
 /// The `log_content` of a chunk: its lines joined with `\n`, with no trailing newline
-/// (protocol §2.6.4), so the one line end a chunk stops at is left out. `offset` and `length`
+/// (R4 in docs/protocol.md), so the one line end a chunk stops at is left out. `offset` and `length`
 /// still count the bytes of the file, that line end included, so the next chunk starts at
 /// `offset + length`; a backend rebuilding the file by offset adds a `\n` wherever `length`
 /// exceeds the content's bytes by one. Invalid UTF-8 becomes U+FFFD.

@@ -31,7 +31,7 @@ pub(super) fn on_connected(w: &mut Work<'_>, reconnect: bool) {
     if reconnect {
         w.life.metrics.reconnects = w.life.metrics.reconnects.saturating_add(1);
     }
-    w.outgoing().flush();
+    w.flush_outbox();
     w.with_ingress(|i, out| i.send(out));
 }
 
@@ -48,7 +48,7 @@ pub(super) fn on_refused(w: &mut Work<'_>, tag: Op, why: &str, permanent: bool) 
     let (outbox, mqtt) = (&mut *w.outbox, &w.io.mqtt);
     match refused(tag, why, permanent, outbox, mqtt, throttle, now) {
         AfterRefusal::Nothing => {}
-        AfterRefusal::SkipLog(key) => w.logs().on_ack(&key, true),
+        AfterRefusal::SkipLog(key) => w.on_log_ack(&key, true),
         AfterRefusal::Fail(op) => on_outcome(w, op, None, &[]),
     }
 }
@@ -68,9 +68,7 @@ pub(super) fn on_heartbeat_due(w: &mut Work<'_>, heal: &mut Heal) {
 pub(super) fn on_outcome(w: &mut Work<'_>, op: Op, body: Option<Reply>, corr: &[u8]) {
     match op {
         Op::Outbox(seq) => w.on_outbox_reply(seq, body),
-        Op::Log(key) => w
-            .logs()
-            .on_ack(&key, body.as_ref().is_some_and(|b| b.success)),
+        Op::Log(key) => w.on_log_ack(&key, body.as_ref().is_some_and(|b| b.success)),
         Op::SignedUrl(id) => {
             let body = body.map(|b| b.body);
             w.with_table(|t, w, fx, now| t.on_signed_url_reply(&id, body, now, w, fx));
@@ -246,7 +244,7 @@ pub(super) fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
             Happening::Connected { reconnect } => on_connected(w, reconnect),
             Happening::Lost => on_lost(w),
             Happening::Registered => {
-                w.logs().ship_install();
+                w.ship_install_logs();
                 st.answer_interrupted();
             }
             Happening::RegisteredAfterFailedStart(err) => shutdown::report_failed_start(w, err),

@@ -1,4 +1,4 @@
-//! The loop's side of the streams part ([`super::streams`]): it tells the part which workloads
+//! The loop's side of the streams part ([`super::streams`]), as methods of [`Work`]: it tells the part which workloads
 //! exist and whether the node may publish, has what the part asks for carried out (tailer jobs,
 //! publishes as requests, console lines: [`Effect`]s) and maps a log request's outcome
 //! (`Op::Log(key)`) back to the part. Only this file sees both the part and the loop's types.
@@ -6,13 +6,11 @@
 use std::time::Instant;
 
 use super::effect::Effect;
-use super::io::Io;
 use super::parts::Op;
 use super::session::Session;
 use super::streams::{self, Cursor, StreamSource, Streams};
 use super::table::Table;
-use crate::config::Settings;
-use crate::logtext::Throttle;
+use super::workloads::Work;
 use crate::workload::lifecycle::Phase;
 use crate::workload::tail::{Event, Key};
 
@@ -26,21 +24,7 @@ pub(super) fn settings(s: &crate::config::Settings) -> streams::StreamSettings {
     }
 }
 
-/// The parts a streams call touches, borrowed apart from the node for the length of one call
-/// (built by `workloads::Work::logs`): the part itself, the broker session its
-/// chunks go through, the loop's I/O handles, the settings, the workloads it follows, the
-/// throttle of full-disk warnings and the counter of log bytes acknowledged.
-pub(super) struct Logs<'a> {
-    pub(super) streams: &'a mut Streams,
-    pub(super) session: &'a mut Session<Op>,
-    pub(super) io: &'a Io,
-    pub(super) s: &'a Settings,
-    pub(super) active: &'a Table,
-    pub(super) disk: &'a mut Throttle,
-    pub(super) log_bytes: &'a mut u64,
-}
-
-impl Logs<'_> {
+impl Work<'_> {
     /// Runs `f` on the streams part, then carries out what it asked for ([`super::io::send`]).
     fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut Vec<Effect>) -> R) -> R {
         let mut fx = Vec::new();
@@ -54,14 +38,14 @@ impl Logs<'_> {
 
     /// Tells the part the link state and the workloads: new ones are tracked from their
     /// persisted cursor, ended ones ship their rest, forgotten ones are dropped.
-    pub(super) fn sync(&mut self) {
+    pub(super) fn sync_logs(&mut self) {
         let now = self.io.clock.now();
         let connected = self.session.connected() && self.session.registered();
         let uuid = self.session.uuid();
         self.streams.link(connected, uuid, now);
         self.streams
             .set_packet_limit(self.io.mqtt.max_packet_size().map(u64::from));
-        let active = self.active;
+        let active = &*self.active;
         self.streams.retain(|id| active.contains_key(id));
         let mut ended = Vec::new();
         for (id, a) in active {
@@ -91,14 +75,14 @@ impl Logs<'_> {
     }
 
     /// Reads whatever is due (and, for a workload that just ended, its rest at once).
-    pub(super) fn pump(mut self) {
-        self.sync();
+    pub(super) fn pump_logs(&mut self) {
+        self.sync_logs();
         let now = self.io.clock.now();
         self.with_streams(|part, fx| part.pump(now, fx));
     }
 
     /// What the tailer thread did.
-    pub(super) fn on_tail(mut self, ev: Event) {
+    pub(super) fn on_tail(&mut self, ev: Event) {
         if let Event::Persisted {
             result: Err(e),
             path,
@@ -106,7 +90,7 @@ impl Logs<'_> {
         } = &ev
         {
             // A full disk: once a minute, not once per chunk (D28).
-            if let Some(held) = self.disk.ready(self.io.clock.now()) {
+            if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
                 log::warn!(
                     "cannot persist the log cursor {}: {e}{}",
                     crate::logtext::shown(&path.display().to_string()),
@@ -114,26 +98,28 @@ impl Logs<'_> {
                 );
             }
         }
-        self.sync();
+        self.sync_logs();
         let now = self.io.clock.now();
         let n = self.with_streams(|part, fx| part.on_tail(ev, now, fx));
-        *self.log_bytes = self.log_bytes.saturating_add(n);
+        let m = &mut self.life.metrics;
+        m.log_bytes = m.log_bytes.saturating_add(n);
     }
 
     /// A log chunk's request ended: acknowledged (`ok`), refused or timed out.
-    pub(super) fn on_ack(mut self, key: &Key, ok: bool) {
+    pub(super) fn on_log_ack(&mut self, key: &Key, ok: bool) {
         let now = self.io.clock.now();
         let n = self.with_streams(|part, fx| part.on_ack(key, ok, now, fx));
-        *self.log_bytes = self.log_bytes.saturating_add(n);
+        let m = &mut self.life.metrics;
+        m.log_bytes = m.log_bytes.saturating_add(n);
     }
 
     /// Ships the install script's output (captured in `install_logs/`) once, after the first
     /// registration: the last 1 MiB of each stream at most, in 64 KiB chunks.
-    pub(super) fn ship_install(mut self) {
+    pub(super) fn ship_install_logs(&mut self) {
         if self.streams.install_shipped() || !self.session.registered() {
             return;
         }
-        self.sync();
+        self.sync_logs();
         let dir = self.s.config_dir.value.join("install_logs");
         let texts = streams::STREAM_NAMES.map(|name| {
             crate::workload::tail(

@@ -106,7 +106,7 @@ impl Node {
                     Ok(o) => self.start().on_spawn_outcome(o),
                     Err(_) => self.start().on_spawner_gone(),
                 },
-                recv(self.io.chunks) -> c => match c { Ok(c) => self.work().logs().on_tail(c), Err(_) => self.lost("log tailer") },
+                recv(self.io.chunks) -> c => match c { Ok(c) => self.work().on_tail(c), Err(_) => self.lost("log tailer") },
                 recv(self.io.worker_done) -> d => match d { Ok(d) => self.on_worker_done(d), Err(_) => self.lost("HTTP and upload") },
                 recv(self.io.acked) -> a => match a { Ok(a) => self.work().with_ingress(|i, out| i.on_ack(a, out)), Err(_) => self.lost("acknowledgement") },
                 recv(self.io.control) -> r => match r { Ok(r) => dispatch::on_control(&mut self.work(), r), Err(_) => self.lost("control socket") },

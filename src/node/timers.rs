@@ -60,8 +60,8 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
         due.watchdog = crate::util::later(now, Duration::from_secs(10));
     }
     w.services.tick(now);
-    w.outgoing().flush();
-    w.logs().pump();
+    w.flush_outbox();
+    w.pump_logs();
     shutdown::finish_stopping_workloads(w);
     let overdue = w.life.shutdown.as_ref().is_some_and(|s| now >= s.deadline);
     if overdue && w.life.exit.is_none() {

@@ -21,7 +21,6 @@ use super::streams::Streams;
 use super::table::{self, Table, SALVAGED};
 use crate::config::Settings;
 use crate::logtext::shown;
-use crate::logtext::Throttle;
 use crate::outbox::Item;
 use crate::outbox::Outbox;
 use crate::protocol::commands::TopicId;
@@ -148,145 +147,6 @@ fn report_unprovable(
         ),
     }
     adopt(name, meta, Some((None, Some(SALVAGED))));
-}
-
-/// The outbox and what sending from it touches, borrowed apart from the node for one call
-/// (built by [`Work::outgoing`]): the broker session its messages go through, the
-/// io handles, the settings and the throttle of full-disk errors.
-pub(super) struct Outgoing<'a> {
-    pub(super) outbox: &'a mut Outbox,
-    pub(super) session: &'a mut Session<Op>,
-    pub(super) io: &'a Io,
-    pub(super) s: &'a Settings,
-    pub(super) disk: &'a mut Throttle,
-}
-
-impl Outgoing<'_> {
-    fn request(
-        &mut self,
-        op: Op,
-        topic: &str,
-        body: Value,
-        timeout: std::time::Duration,
-    ) -> Vec<u8> {
-        let now = self.io.clock.now();
-        self.session
-            .request(op, topic, &body, timeout, now, &mut self.io.link(self.s))
-    }
-
-    /// Sends a workload's end: through the outbox (once per workload), or published once by a
-    /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
-    pub(super) fn send_completion(
-        &mut self,
-        safe_id: &str,
-        meta: &Meta,
-        body: Value,
-        label: String,
-        rid: &str,
-    ) -> Option<u64> {
-        if let Some(wl) = &meta.workload_uuid {
-            let topic = self.io.topics.workload_status(wl);
-            let key = format!("end:{safe_id}");
-            if self.s.standalone {
-                // No backend to acknowledge: published once for the site's own dispatcher.
-                self.request(
-                    Op::WorkloadStatus,
-                    &topic,
-                    body,
-                    self.s.tuning.request_timeout,
-                );
-            } else if !self.outbox.has_key(&key) {
-                let item = Item {
-                    topic,
-                    body,
-                    label,
-                    key: Some(key),
-                    owner: None,
-                };
-                match self.outbox.push(item) {
-                    Ok(_) => self.flush(),
-                    Err((seq, e)) => {
-                        if let Some(held) = self.disk.ready(self.io.clock.now()) {
-                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), crate::logtext::held_note(held));
-                        }
-                        return Some(seq);
-                    }
-                }
-            }
-        }
-        None
-    }
-
-    /// Writes what the disk refused before, then sends what is due (while connected).
-    pub(super) fn flush(&mut self) {
-        if self.outbox.has_pending_writes() {
-            let left = self.outbox.persist_pending();
-            if left > 0 {
-                if let Some(held) = self.disk.ready(self.io.clock.now()) {
-                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", crate::logtext::held_note(held));
-                }
-            }
-        }
-        if !self.session.connected() {
-            return;
-        }
-        let now = self.io.clock.now();
-        for (seq, item) in self.outbox.due(now) {
-            if !crate::protocol::topics::publishable(&item.topic) {
-                // Queued by an older version or planted: no broker would take it (D34).
-                if let Some((item, aside)) = self.outbox.quarantine(seq) {
-                    log::error!(
-                        "the {} has an invalid topic; set aside in {} and not sent",
-                        crate::logtext::shown(&item.label),
-                        aside.display()
-                    );
-                }
-                continue;
-            }
-            let corr = self.request(
-                Op::Outbox(seq),
-                &item.topic,
-                item.body.clone(),
-                self.s.tuning.request_timeout,
-            );
-            self.outbox.sent(seq, corr);
-        }
-    }
-
-    /// The reply to outbox message `seq` (or its timeout); true when the backend acknowledged
-    /// it (the table then lets the workload's record go).
-    pub(super) fn on_reply(
-        &mut self,
-        seq: u64,
-        body: Option<crate::protocol::replies::Reply>,
-    ) -> bool {
-        match body {
-            Some(b) if b.success => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
-                    log::info!(
-                        "backend acknowledged the {}",
-                        crate::logtext::shown(&item.label)
-                    );
-                }
-                true
-            }
-            Some(b) if b.code.is_some_and(|c| c < 500) => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
-                    log::error!(
-                        "backend refused the {} ({}); not retried",
-                        crate::logtext::shown(&item.label),
-                        crate::logtext::shown(&b.message)
-                    );
-                }
-                false
-            }
-            _ => {
-                log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.outbox.retry_later(seq, self.io.clock.now());
-                false
-            }
-        }
-    }
 }
 
 /// The status a cancelled workload ends with (training: `failed`, else `cancelled`), and
@@ -538,7 +398,7 @@ impl Work<'_> {
             match e {
                 Effect::ShipLogs if !shipped => {
                     shipped = true;
-                    self.logs().pump();
+                    self.pump_logs();
                 }
                 Effect::Report {
                     id,
@@ -552,10 +412,120 @@ impl Work<'_> {
                         let _ = super::io::send(e, self.session, self.io, self.s);
                     }
                     if held.is_some() {
-                        self.outgoing().flush();
+                        self.flush_outbox();
                     }
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// Sends a workload's end: through the outbox (once per workload), or published once by a
+    /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
+    pub(super) fn send_completion(
+        &mut self,
+        safe_id: &str,
+        meta: &Meta,
+        body: Value,
+        label: String,
+        rid: &str,
+    ) -> Option<u64> {
+        if let Some(wl) = &meta.workload_uuid {
+            let topic = self.io.topics.workload_status(wl);
+            let key = format!("end:{safe_id}");
+            if self.s.standalone {
+                // No backend to acknowledge: published once for the site's own dispatcher.
+                self.request(
+                    Op::WorkloadStatus,
+                    &topic,
+                    body,
+                    self.s.tuning.request_timeout,
+                );
+            } else if !self.outbox.has_key(&key) {
+                let item = Item {
+                    topic,
+                    body,
+                    label,
+                    key: Some(key),
+                    owner: None,
+                };
+                match self.outbox.push(item) {
+                    Ok(_) => self.flush_outbox(),
+                    Err((seq, e)) => {
+                        if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), crate::logtext::held_note(held));
+                        }
+                        return Some(seq);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Writes what the disk refused before, then sends what is due (while connected).
+    pub(super) fn flush_outbox(&mut self) {
+        if self.outbox.has_pending_writes() {
+            let left = self.outbox.persist_pending();
+            if left > 0 {
+                if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", crate::logtext::held_note(held));
+                }
+            }
+        }
+        if !self.session.connected() {
+            return;
+        }
+        let now = self.io.clock.now();
+        for (seq, item) in self.outbox.due(now) {
+            if !crate::protocol::topics::publishable(&item.topic) {
+                // Queued by an older version or planted: no broker would take it (D34).
+                if let Some((item, aside)) = self.outbox.quarantine(seq) {
+                    log::error!(
+                        "the {} has an invalid topic; set aside in {} and not sent",
+                        crate::logtext::shown(&item.label),
+                        aside.display()
+                    );
+                }
+                continue;
+            }
+            let corr = self.request(
+                Op::Outbox(seq),
+                &item.topic,
+                item.body.clone(),
+                self.s.tuning.request_timeout,
+            );
+            self.outbox.sent(seq, corr);
+        }
+    }
+
+    /// The reply to outbox message `seq` (or its timeout); true when the backend acknowledged
+    /// it (the table then lets the workload's record go).
+    fn outbox_reply(&mut self, seq: u64, body: Option<crate::protocol::replies::Reply>) -> bool {
+        match body {
+            Some(b) if b.success => {
+                if let Some(item) = self.outbox.acknowledged(seq) {
+                    log::info!(
+                        "backend acknowledged the {}",
+                        crate::logtext::shown(&item.label)
+                    );
+                }
+                true
+            }
+            Some(b) if b.code.is_some_and(|c| c < 500) => {
+                if let Some(item) = self.outbox.acknowledged(seq) {
+                    log::error!(
+                        "backend refused the {} ({}); not retried",
+                        crate::logtext::shown(&item.label),
+                        crate::logtext::shown(&b.message)
+                    );
+                }
+                false
+            }
+            _ => {
+                log::warn!("no acknowledgement for outbox message {seq}; retrying later");
+                self.outbox.retry_later(seq, self.io.clock.now());
+                false
             }
         }
     }
@@ -660,8 +630,7 @@ impl Work<'_> {
         self.update_sampling();
         // D28: `Some(seq)`, kept in memory and sent all the same; the workload's record stays
         // until the backend acknowledged it, so a restart still knows.
-        self.outgoing()
-            .send_completion(safe_id, &meta, body, label, &rid)
+        self.send_completion(safe_id, &meta, body, label, &rid)
     }
 
     /// D59: what the workload's supervisor kept running (services, taken on) and cleared
@@ -697,19 +666,8 @@ impl Work<'_> {
         self.with_table(|t, w, fx, now| t.on_worker_done(done, now, w, fx));
     }
 
-    /// The outbox and what sending from it touches.
-    pub(super) fn outgoing(&mut self) -> Outgoing<'_> {
-        Outgoing {
-            outbox: self.outbox,
-            session: self.session,
-            io: self.io,
-            s: self.s,
-            disk: &mut self.throttle.disk,
-        }
-    }
-
     pub(super) fn on_outbox_reply(&mut self, seq: u64, body: Option<Reply>) {
-        if self.outgoing().on_reply(seq, body) {
+        if self.outbox_reply(seq, body) {
             if let Some(e) = self.active.acknowledged(seq) {
                 self.carry_out(Fx {
                     connected: self.session.connected(),
@@ -749,19 +707,6 @@ impl Work<'_> {
     pub(super) fn on_emit(&mut self, body: &Value) -> Value {
         let owner = events::owner_of(self.active, body);
         self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
-    }
-
-    /// The streams part and what its calls touch.
-    pub(super) fn logs(&mut self) -> logs::Logs<'_> {
-        logs::Logs {
-            streams: self.streams,
-            session: self.session,
-            io: self.io,
-            s: self.s,
-            active: self.active,
-            disk: &mut self.throttle.disk,
-            log_bytes: &mut self.life.metrics.log_bytes,
-        }
     }
 
     /// Re-adopts every workload in the state dir (run once, before the loop); returns the

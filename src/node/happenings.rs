@@ -1,7 +1,6 @@
-//! The loop's side of the broker session ([`super::session`]): what the loop does with each
-//! [`Happening`] the session reports ([`carry_out`]): a command (to `dispatch.rs`), a connection
-//! made or lost, a request's reply or timeout, a refusal (D34) or a heartbeat due, and the
-//! heartbeat's body (R3).
+//! The loop's side of the broker session ([`super::session`]): what the loop does when the
+//! session reports (dispatched in `mod.rs`) a connection made or lost, a request's reply or
+//! timeout, a refusal (D34) or a heartbeat due, and the heartbeat's body (R3).
 
 use std::time::Instant;
 
@@ -9,12 +8,9 @@ use serde_json::{json, Value};
 
 use super::events::Ingress;
 use super::gpus::{Gpus, Hold};
-use super::parts::Exit;
 use super::parts::{refused_in, Life, Op, Shutdown};
 use super::selfheal::Heal;
-use super::session::{Happening, Session};
-use super::shutdown;
-use super::start_path::Start;
+use super::session::Session;
 use super::streams::Streams;
 use super::workloads::Work;
 use crate::config::Settings;
@@ -233,37 +229,4 @@ pub(super) fn heartbeat_body(
         util::set(&mut body, "hardware", h);
     }
     body
-}
-
-/// What the session reports, each to the part it concerns.
-pub(super) fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
-    for h in happened {
-        let w = &mut st.work;
-        match h {
-            Happening::Command(payload) => super::dispatch::on_command(st, &payload),
-            Happening::Connected { reconnect } => on_connected(w, reconnect),
-            Happening::Lost => on_lost(w),
-            Happening::Registered => {
-                w.ship_install_logs();
-                st.answer_interrupted();
-            }
-            Happening::RegisteredAfterFailedStart(err) => shutdown::report_failed_start(w, err),
-            Happening::Outcome {
-                tag,
-                reply,
-                correlation,
-            } => on_outcome(w, tag, reply, &correlation),
-            Happening::Refused {
-                tag,
-                why,
-                permanent,
-            } => on_refused(w, tag, &why, permanent),
-            Happening::HeartbeatDue => on_heartbeat_due(w, st.heal),
-            Happening::HeartbeatFailed => {
-                let m = &mut w.life.metrics;
-                m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);
-            }
-            Happening::TokenRejected => shutdown::begin(w, Exit::Credentials, "token rejected"),
-        }
-    }
 }

@@ -4,9 +4,10 @@
 //! back as events. The loop sleeps until the next real deadline ([`timers::next_wake`]). Each
 //! event goes to its handler with the parts it touches, borrowed apart from the node: a
 //! workload's ([`Work`]) or the start path's ([`Start`]). A broker event goes through the
-//! session, and what the session reports goes to `happenings.rs` (a command on to
-//! `dispatch.rs`). The workload table and the log streams return what they want done as
-//! [`effect::Effect`]s, carried out in `effect.rs`.
+//! session, and what the session reports is dispatched here too ([`carry_out`]): a command to
+//! `dispatch.rs`, the rest to `happenings.rs`, `shutdown.rs` and the parts. The workload table
+//! and the log streams return what they want done as [`effect::Effect`]s, carried out by
+//! [`io::send`] (and `Work::carry_out` for the two that need the node's other parts).
 
 mod admit;
 mod cancel;
@@ -43,7 +44,7 @@ use crate::mqtt::MqttEvent;
 use crate::signals::Signal;
 use crate::workers::Done;
 use parts::{Durable, Exit, Life, Op, Timers};
-use session::Session;
+use session::{Happening, Session};
 use start_path::Start;
 use workloads::Work;
 
@@ -137,7 +138,7 @@ impl Node {
         let now = w.now();
         let publishing = happenings::publishing(w.session, w.outbox, &w.ingress.queue);
         let happened = w.session.tick(publishing, now, &mut w.io.link(w.s));
-        happenings::carry_out(&mut st, happened);
+        carry_out(&mut st, happened);
         timers::tick(&mut st, due, now);
     }
 
@@ -149,7 +150,7 @@ impl Node {
         let happened = w
             .session
             .on_mqtt(ev, publishing, w.now(), &mut w.io.link(w.s));
-        happenings::carry_out(&mut st, happened);
+        carry_out(&mut st, happened);
     }
 
     fn on_worker_done(&mut self, done: Done) {
@@ -220,5 +221,38 @@ impl Node {
 
     fn work(&mut self) -> Work<'_> {
         self.parts().0.work
+    }
+}
+
+/// What the session reports, each to the part it concerns.
+fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
+    for h in happened {
+        let w = &mut st.work;
+        match h {
+            Happening::Command(payload) => dispatch::on_command(st, &payload),
+            Happening::Connected { reconnect } => happenings::on_connected(w, reconnect),
+            Happening::Lost => happenings::on_lost(w),
+            Happening::Registered => {
+                w.ship_install_logs();
+                st.answer_interrupted();
+            }
+            Happening::RegisteredAfterFailedStart(err) => shutdown::report_failed_start(w, err),
+            Happening::Outcome {
+                tag,
+                reply,
+                correlation,
+            } => happenings::on_outcome(w, tag, reply, &correlation),
+            Happening::Refused {
+                tag,
+                why,
+                permanent,
+            } => happenings::on_refused(w, tag, &why, permanent),
+            Happening::HeartbeatDue => happenings::on_heartbeat_due(w, st.heal),
+            Happening::HeartbeatFailed => {
+                let m = &mut w.life.metrics;
+                m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);
+            }
+            Happening::TokenRejected => shutdown::begin(w, Exit::Credentials, "token rejected"),
+        }
     }
 }

@@ -25,6 +25,16 @@ pub(super) fn settings(s: &crate::config::Settings) -> streams::StreamSettings {
 }
 
 impl Work<'_> {
+    /// The ending workloads whose logs were shipped to their end, or whose drain limit passed.
+    pub(super) fn drained_logs(&self, now: Instant) -> Vec<String> {
+        let (streams, active) = (&*self.streams, &*self.active);
+        active
+            .draining()
+            .into_iter()
+            .filter(|id| drained(streams, active, id, now))
+            .collect()
+    }
+
     /// Runs `f` on the streams part, then carries out what it asked for ([`super::io::send`]).
     fn with_streams<R>(&mut self, f: impl FnOnce(&mut Streams, &mut Vec<Effect>) -> R) -> R {
         let mut fx = Vec::new();
@@ -139,7 +149,7 @@ pub(super) fn reset(streams: &mut Streams, session: &mut Session<Op>, now: Insta
 
 /// True once every stream of a finished workload was shipped to its end, or the drain limit
 /// passed.
-pub(super) fn drained(streams: &Streams, active: &Table, id: &str, now: Instant) -> bool {
+fn drained(streams: &Streams, active: &Table, id: &str, now: Instant) -> bool {
     let Some(a) = active.get(id) else {
         return true;
     };

@@ -13,7 +13,6 @@ use super::effect::{Effect, Fx};
 use super::events::{self, Ingress};
 use super::gpus::{self, Gpus};
 use super::io::{Io, Replies};
-use super::logs;
 use super::parts::{Life, Metrics, Op, Throttles};
 use super::session::Session;
 use super::starts::{self, Starts, Taken};
@@ -652,12 +651,7 @@ impl Work<'_> {
     pub(super) fn tick(&mut self) {
         let now = self.now();
         // The streams' verdict, read before the table is borrowed.
-        let drained: Vec<String> = self
-            .active
-            .draining()
-            .into_iter()
-            .filter(|id| logs::drained(self.streams, self.active, id, now))
-            .collect();
+        let drained = self.drained_logs(now);
         self.with_table(|t, w, fx, now| t.tick(now, &drained, w, fx));
     }
 

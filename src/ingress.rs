@@ -1,4 +1,4 @@
-//! Workflow execution ingress (docs/protocol.md, "Workflow events"; D18): the three event
+//! Workflow execution ingress (docs/protocol.md, "Workflow events"; D18, D19): the three event
 //! kinds, their JSON (optional fields left out, never null), validation, and timestamps.
 
 use serde_json::{json, Map, Value};

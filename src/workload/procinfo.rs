@@ -10,7 +10,7 @@ pub fn boot_id() -> String {
 
 /// A /proc file's text in one read where it fits in 1 KiB (`/proc/<pid>/stat` does): /proc
 /// files say they are empty, so `fs::read_to_string` would grow its buffer from 32 bytes, a read
-/// each time (issue 25 item 5: this is on a start's path). Bytes that are not UTF-8 (a process
+/// each time (this is on a start's path). Bytes that are not UTF-8 (a process
 /// may name itself anything, `prctl(PR_SET_NAME)`) are replaced, not an error: a workload that
 /// names itself so must not drop out of the scans that find it (D25, D26).
 pub(crate) fn read_proc(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {

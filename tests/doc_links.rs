@@ -10,6 +10,9 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::guarantees::root;
 
+/// The most lines the README may have.
+const README_MAX_LINES: usize = 400;
+
 /// The pages whose links are checked, relative to the root.
 fn pages() -> Vec<String> {
     let mut out: Vec<String> = ["README.md", "CONTRIBUTING.md", "GUARANTEES.md"]
@@ -250,5 +253,17 @@ fn every_relative_link_and_anchor_in_the_documentation_resolves() {
         problems.is_empty(),
         "links that lead nowhere (fix the link, or the heading it names):\n{}",
         problems.join("\n")
+    );
+}
+
+#[test]
+fn the_readme_is_a_page_a_user_reads_through() {
+    let lines = std::fs::read_to_string(root().join("README.md"))
+        .expect("README.md")
+        .lines()
+        .count();
+    assert!(
+        lines <= README_MAX_LINES,
+        "README.md has {lines} lines, at most {README_MAX_LINES}: move reference detail to docs/ and link it"
     );
 }

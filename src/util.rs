@@ -32,7 +32,7 @@ pub fn set(v: &mut serde_json::Value, key: &str, x: serde_json::Value) {
 /// `n` bytes from the kernel's CSPRNG: one `getrandom(2)` (never blocking: these name files and
 /// requests, they guard nothing), else `/dev/urandom`. Falls back to a time-and-pid mix if both
 /// fail (never on Linux in practice), so ids stay unique even then. Each temporary file name of
-/// a start took an open, a read and a close of `/dev/urandom` before (issue 25 item 5).
+/// a start would otherwise take an open, a read and a close of `/dev/urandom`.
 pub fn random_bytes<const N: usize>() -> [u8; N] {
     let mut buf = [0u8; N];
     // SAFETY: getrandom writes at most `N` bytes into the buffer we own.

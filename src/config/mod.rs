@@ -1,7 +1,7 @@
 //! Configuration, resolved once into one [`Settings`] value. Precedence, for every setting that
 //! has all three: command-line flag > `cyberwave.yml` > environment variable (process env >
 //! `./.env` > `<config dir>/.env`) > `credentials.json` > default. Exceptions, each documented in
-//! the README: the command-template env vars (`CYBERWAVE_*_CMD`, `CYBERWAVE_INSTALL_SCRIPT`)
+//! docs/configuration.md: the command-template env vars (`CYBERWAVE_*_CMD`, `CYBERWAVE_INSTALL_SCRIPT`)
 //! override the file, so a deployment can swap a command without editing the repository's
 //! manifest; and the API token comes from the environment layers, then `credentials.json`.
 
@@ -97,7 +97,7 @@ pub struct Flags {
 pub const MIRROR_BYTES_PER_SECOND: u64 = 1024 * 1024;
 
 /// Timings that production never changes but tests shorten (env `CYBERWAVE_NODE_*`, listed in
-/// the README under "Tuning").
+/// docs/configuration.md under "Tuning").
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tuning {
     pub reconnect_base: Duration,

@@ -647,7 +647,7 @@ impl Resolver<'_> {
                 self.env_str("CYBERWAVE_MQTT_PASSWORD")
                     .map(|(v, s)| sourced(v, s))
             });
-        // The newest SDK's rule (ecosystem §2.2, credentials::derived_mqtt_username): its
+        // The newest SDK's rule (its `credentials::derived_mqtt_username`): its
         // placeholder username becomes `cwh_` + hex SHA-256 of the token, which the broker
         // checks at CONNECT. Opt-in: only the placeholder triggers it; any other username is
         // used as it is.

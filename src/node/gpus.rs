@@ -733,8 +733,8 @@ mod tests {
     }
 }
 
-/// Assignment on every real capture and listing (tests/fixtures: `src/gpu/real.rs`), as the
-/// README says: `gpus` absent (auto), 1, 2, 0.
+/// Assignment on every real capture and listing (tests/fixtures: `src/gpu/real.rs`), as
+/// docs/gpus.md says: `gpus` absent (auto), 1, 2, 0.
 #[cfg(test)]
 mod on_real_hosts {
     use super::*;
@@ -754,7 +754,7 @@ mod on_real_hosts {
         g
     }
 
-    /// What the README promises for each count on this host.
+    /// What docs/gpus.md promises for each count on this host.
     fn check(case: &str, g: &Gpus) {
         let held = Holders::new();
         let ids = |us: &[&Gpu]| Ok(Some(us.iter().map(|u| u.uuid.clone()).collect::<Vec<_>>()));

@@ -438,9 +438,16 @@ fn reap(children: &mut Vec<i32>) {
 
 fn entry_json(e: &ServiceEntry, now_unix: f64) -> Value {
     let p = &e.rec.process;
+    // What it runs now: a daemon found the moment after its fork may not have run `exec` yet,
+    // and the command line recorded then is its parent shell's.
+    let command = if procinfo::same_process_alive(p.pid, p.start_ticks) {
+        svc::cmdline(p.pid)
+    } else {
+        p.cmdline.clone()
+    };
     json!({
         "pid": p.pid,
-        "command": p.cmdline,
+        "command": command,
         "started_by": e.rec.started_by,
         "request_id": e.rec.request_id,
         "workload_uuid": e.rec.workload_uuid,

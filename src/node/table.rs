@@ -71,7 +71,10 @@ pub struct Procs<'a> {
 impl World for Procs<'_> {
     fn provable_group(&self, meta: &Meta) -> Option<i32> {
         let st = meta.started.as_ref()?;
-        (st.boot_id == procinfo::boot_id() && procinfo::group_members(st.pid, st.shim_pid) > 0)
+        // A supervisor is a session leader below the node: never session 0 or 1.
+        (st.boot_id == procinfo::boot_id()
+            && st.shim_pid > 1
+            && procinfo::group_members(st.pid, st.shim_pid) > 0)
             .then_some(st.pid)
     }
 

@@ -1,11 +1,11 @@
-//! The typed edge for commands (DESIGN §2, decisions D8 and D20): a command's params are parsed
+//! The typed edge for commands (decisions D8 and D20): a command's params are parsed
 //! once, here, into values that validated themselves. Past this module no code sees a raw
 //! `workload_uuid`, a raw number of seconds or a raw pid: an id that reaches a topic is
 //! topic-safe, seconds are finite and bounded, a pid is in range. What does not validate is an
 //! error naming the field and the allowed range, and nothing is spawned, queued or persisted.
-//! A command message is read here whole: its envelope (protocol §4.1: JSON object, request
-//! id, `command`, size; [`parse_command`]), then its params; the reply's envelope (§2.7, D1:
-//! [`reply`]) is built here too.
+//! A command message is read here whole: its envelope (docs/protocol.md, "Commands": JSON
+//! object, request id, `command`, size; [`parse_command`]), then its params; the reply's
+//! envelope ("Command replies", D1: [`reply`]) is built here too.
 
 use std::fmt;
 use std::time::Duration;
@@ -120,7 +120,7 @@ impl RequestId {
 }
 
 /// What a Python sender writes for a missing workload id (`str(None)`): no workload topic is
-/// ever `…/None/…` (protocol §2.6, R7–R10).
+/// ever `…/None/…` (R7–R10).
 const NO_WORKLOAD: &str = "None";
 
 /// A workload id as it is read from a command, a workload's record or a note of a start:
@@ -537,7 +537,7 @@ impl CancelParams {
     }
 }
 
-/// The params of `workload_received` (protocol §4.5): a start wrapped with its workload uuid,
+/// The params of `workload_received` (docs/protocol.md, "Commands"): a start wrapped with its workload uuid,
 /// or a bare acknowledgement.
 // One value per command, moved once into its handler: boxing the start would buy nothing.
 #[allow(clippy::large_enum_variant)]
@@ -669,13 +669,15 @@ fn object<'a>(params: Option<&'a Value>, path: &str) -> Result<&'a Map<String, V
     }
 }
 
-// The command message's envelope (protocol §4.1) and the reply envelope (§2.7, D1).
+// The command message's envelope and the reply envelope (docs/protocol.md, "Commands" and
+// "Command replies"; D1).
 
 /// Commands larger than this are refused, by default (`CYBERWAVE_NODE_MAX_COMMAND_BYTES`): a
 /// preview sends its image inline, base64 in the params (D64).
 pub const MAX_COMMAND_BYTES: usize = 32 * 1024 * 1024;
 
-/// A command message after the envelope rules of protocol §4.1, typed ([`Command`]).
+/// A command message after the envelope rules (JSON object, request id, `command`, size),
+/// typed ([`Command`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Incoming {
     /// A well-formed command with valid params.
@@ -779,7 +781,7 @@ fn unread(payload: &[u8], reason: String) -> Incoming {
     }
 }
 
-/// The reply envelope of protocol §2.7 with `output` as an object (decision D1).
+/// The reply envelope (docs/protocol.md, "Command replies") with `output` as an object (D1).
 pub fn reply(ok: bool, request_id: &Value, slug: &str, uuid: &str, body: Value) -> Vec<u8> {
     let mut m = Map::new();
     m.insert("status".into(), json!(if ok { "ok" } else { "error" }));

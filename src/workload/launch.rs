@@ -103,7 +103,7 @@ fn launch_in(
     let params = std::mem::take(&mut req.params);
     let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
     let meta = record(layout, &req, workload_uuid, command, &stem);
-    // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
+    // The workload's environment (D2/D3, D45, and the per-workload token the backend mints, D62).
     let env = environment::of(
         s,
         &meta,

@@ -685,8 +685,7 @@ pub fn open_root(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
     if !link.file_type().is_symlink() {
         return Err(refused);
     }
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::util::euid();
     let trusted = |uid: u32| uid == 0 || uid == me;
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -937,8 +936,7 @@ pub fn move_to_quarantine(path: &Path) -> io::Result<PathBuf> {
     // service's files, nor leaves it a quarantine folder it cannot write (D30).
     {
         use std::os::unix::fs::MetadataExt;
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
+        let me = crate::util::euid();
         if fs::metadata(&state)?.uid() != me {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,

@@ -479,8 +479,7 @@ impl std::fmt::Display for PasswdError {
 /// uid's passwd entry + `/.cyberwave` (a systemd unit without `User=`, `env -i`, cron set no
 /// `HOME`; the Python original falls back to the passwd entry too). The source says which.
 pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> {
-    // SAFETY: geteuid cannot fail and touches no memory.
-    let euid = unsafe { libc::geteuid() };
+    let euid = crate::util::euid();
     config_dir_with(process, euid, passwd_home)
 }
 

@@ -220,8 +220,7 @@ fn unsearchable(dir: &Path) -> Option<String> {
     if err.kind() != std::io::ErrorKind::PermissionDenied {
         return None;
     }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::util::euid();
     let owner = std::fs::metadata(dir).map_or_else(
         |_| String::new(),
         |m| {

@@ -306,8 +306,7 @@ fn stop(
     exited: &Receiver<std::io::Result<std::process::ExitStatus>>,
     sig: Signal,
 ) {
-    // SAFETY: getsid has no preconditions.
-    let sid = unsafe { libc::getsid(0) };
+    let (_, sid) = procinfo::own_group_and_session();
     // The group is signalled only while it has members in the node's session: its id cannot be
     // another's then.
     let signal = |s: i32| {
@@ -416,8 +415,7 @@ fn pipe_inode(fd: i32) -> u64 {
 /// session (D59). With `services: stop` they are stopped now instead, and logged.
 fn left_behind(s: &Settings, since: u64) -> (Vec<Found>, Vec<i32>) {
     let me = my_pid();
-    // SAFETY: getsid has no preconditions.
-    let sid = unsafe { libc::getsid(0) };
+    let (_, sid) = procinfo::own_group_and_session();
     let procs = services::scan();
     let members: Vec<services::Proc> = services::descendants(&procs, me)
         .into_iter()

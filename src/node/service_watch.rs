@@ -194,8 +194,7 @@ impl Services {
     /// Why `f` is not taken on as a service, if it is not.
     fn refusal(&self, f: &Found, uid: Option<u32>) -> Option<String> {
         let me = i32::try_from(std::process::id()).unwrap_or(0);
-        // SAFETY: getpgrp and getsid have no preconditions.
-        let (pgrp, sid) = unsafe { (libc::getpgrp(), libc::getsid(0)) };
+        let (pgrp, sid) = procinfo::own_group_and_session();
         if f.pid == me || [me, pgrp, sid].contains(&f.scope_id) {
             return Some("it is the node's own process, group or session".into());
         }

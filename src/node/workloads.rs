@@ -640,8 +640,7 @@ impl Work<'_> {
             request_id: Some(store::clip(&meta.request_id_text(), 200)),
             workload_uuid: meta.workload_uuid.as_ref().map(|w| w.as_str().to_string()),
         };
-        // SAFETY: geteuid has no preconditions.
-        let uid = meta.uid.unwrap_or_else(|| unsafe { libc::geteuid() });
+        let uid = meta.uid.unwrap_or_else(crate::util::euid);
         let now = self.now();
         let dir = self.io.layout.dir(safe_id);
         self.services.adopt_left(&dir, &origin, uid, now);

@@ -122,6 +122,12 @@ fn group_and_session(stat: &str) -> Option<(i32, i32)> {
     Some((pgrp, session))
 }
 
+/// This process's group and session ids.
+pub fn own_group_and_session() -> (i32, i32) {
+    // SAFETY: getpgrp and getsid(0) have no preconditions and touch no memory.
+    unsafe { (libc::getpgrp(), libc::getsid(0)) }
+}
+
 /// How many live processes are in process group `pgid` AND session `sid` (a scan of /proc).
 ///
 /// This is how the node proves a workload's group is still its own (D26, D27): the workload's

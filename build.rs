@@ -13,7 +13,7 @@ fn main() {
     }
     gpu_captures();
     // The static musl binary (the shipped one) relocates itself at every start, the supervisor's
-    // too (issue 25 item 5): packed relative relocations (DT_RELR, musl ≥ 1.2.4, GNU ld ≥ 2.38)
+    // too: packed relative relocations (DT_RELR, musl ≥ 1.2.4, GNU ld ≥ 2.38)
     // replace a 660 KiB table of 28 000 entries read on every exec with a few KiB.
     if std::env::var("CARGO_CFG_TARGET_ENV").as_deref() == Ok("musl") {
         println!("cargo::rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");

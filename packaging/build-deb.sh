@@ -127,8 +127,8 @@ for pkg in "${all[@]}"; do
   doc="$root/usr/share/doc/$pkg"
   install -D -m 0644 README.md "$doc/README.md"
   # The README links these reference pages as docs/…: they go beside it, links intact.
-  for page in workloads gpus protocol decisions; do
-    install -D -m 0644 "docs/$page.md" "$doc/docs/$page.md"
+  for page in docs/*.md; do
+    install -D -m 0644 "$page" "$doc/$page"
   done
   copyright > "$doc/copyright"
   ./packaging/changelog.sh "$pkg" "$version" | gzip -9n > "$doc/changelog.gz"

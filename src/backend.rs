@@ -50,7 +50,7 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
     agent_with(timeout, None)
 }
 
-/// What a result transfer reads and sends at a time (issue 25): with ureq's 128 KiB default a
+/// What a result transfer reads and sends at a time: with ureq's 128 KiB default a
 /// multi-GB upload spent most of its CPU in the kernel, one small send after another; 1 MiB
 /// took the same file from ~1,800 to ~2,500 MiB/s on loopback. REST calls keep the default.
 pub const TRANSFER_BUFFER: usize = 1 << 20;

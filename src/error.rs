@@ -1,4 +1,4 @@
-//! Errors as types (DESIGN §5): one error type per concern, each knowing the exit code it leads
+//! Errors as types: one error type per concern, each knowing the exit code it leads
 //! to, so exit codes are chosen here and nowhere else. The codes are the README's "Exit codes".
 
 use std::fmt;

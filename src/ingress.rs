@@ -1,5 +1,5 @@
-//! Workflow execution ingress (`execution-ingress.md`, ecosystem §1): the three event kinds,
-//! their JSON (optional fields left out, never null), validation, and timestamps.
+//! Workflow execution ingress (docs/protocol.md, "Workflow events"; D18, D19): the three event
+//! kinds, their JSON (optional fields left out, never null), validation, and timestamps.
 
 use serde_json::{json, Map, Value};
 
@@ -474,8 +474,8 @@ mod tests {
         }
     }
 
-    /// Finding 2 of issue 11: a multibyte character inside the offset panicked the hand-written
-    /// parser (byte slicing in the middle of `é`), on the node's main thread for `emit`.
+    /// A multibyte character inside the offset must be an error: a parser that slices bytes
+    /// would panic in the middle of `é`, on the node's main thread for `emit`.
     #[test]
     fn a_multibyte_character_in_a_time_is_an_error_not_a_panic() {
         let hostile = [

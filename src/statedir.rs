@@ -116,11 +116,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StateDirError + '_ {
     }
 }
 
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 /// Checks an existing state dir, or creates a new one 0700. Never changes the mode or owner of
 /// a dir that exists.
 pub fn check_or_create(dir: &Path) -> Result<(), StateDirError> {
@@ -138,7 +133,7 @@ fn check(path: &Path, m: &fs::Metadata) -> Result<(), StateDirError> {
     if !m.is_dir() {
         return Err(StateDirError::NotADir(path.to_path_buf()));
     }
-    let me = euid();
+    let me = crate::util::euid();
     if m.uid() != me {
         return Err(StateDirError::NotOwned {
             path: path.to_path_buf(),
@@ -196,11 +191,11 @@ pub fn lock(dir: &Path) -> Result<Lock, StateDirError> {
     if !m.is_file() {
         return Err(StateDirError::NotADir(path));
     }
-    if m.uid() != euid() {
+    if m.uid() != crate::util::euid() {
         return Err(StateDirError::NotOwned {
             path,
             owner: m.uid(),
-            me: euid(),
+            me: crate::util::euid(),
         });
     }
     // SAFETY: a valid open descriptor; LOCK_NB never blocks.

@@ -37,7 +37,7 @@ pub fn write_new(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
 
 /// The umask may have narrowed a new file's `mode`; it must never widen it, but make it exact.
 /// The node never changes its umask, so the one it started with tells whether there is
-/// anything to do (issue 25 item 5: one system call less per file a start writes).
+/// anything to do (one system call less per file a start writes).
 fn exact_mode(f: &fs::File, mode: u32) -> io::Result<()> {
     static UMASK: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     let umask = *UMASK.get_or_init(|| {
@@ -166,7 +166,7 @@ pub fn slow_disk_delay() -> Option<std::time::Duration> {
 
 /// Creates `dir` (and parents) and makes it 0700: the state dir holds secrets.
 pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
-    // The common case, on every start: one stat, no write (issue 25 item 5).
+    // The common case, on every start: one stat, no write.
     if let Ok(m) = fs::metadata(dir) {
         if m.is_dir() && m.permissions().mode() & 0o7777 == 0o700 {
             return Ok(());
@@ -688,8 +688,7 @@ pub fn open_root(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
     if !link.file_type().is_symlink() {
         return Err(refused);
     }
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::util::euid();
     let trusted = |uid: u32| uid == 0 || uid == me;
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -875,7 +874,7 @@ where
     }
 }
 
-/// The state dir a persisted file belongs to (the layout of DESIGN §4): `<state>/<file>`,
+/// The state dir a persisted file belongs to, by the state dir's layout: `<state>/<file>`,
 /// `<state>/outbox|ingress/<file>`, `<state>/workloads/<id>[/<file>]`.
 pub fn state_dir_of(path: &Path) -> PathBuf {
     let name = |p: Option<&Path>| {
@@ -940,8 +939,7 @@ pub fn move_to_quarantine(path: &Path) -> io::Result<PathBuf> {
     // service's files, nor leaves it a quarantine folder it cannot write (D30).
     {
         use std::os::unix::fs::MetadataExt;
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
+        let me = crate::util::euid();
         if fs::metadata(&state)?.uid() != me {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,

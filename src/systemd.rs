@@ -365,8 +365,8 @@ pub fn doctor_lines(dirs: &[PathBuf], user_unit: Option<PathBuf>) -> Vec<(&'stat
 mod tests {
     use super::*;
 
-    /// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes, as documented in
-    /// ecosystem.md §4.1: `Type=simple`, root, no environment file.
+    /// The unit `cyberwave compute install` (cyberwave-cli 0.12.7) writes: `Type=simple`,
+    /// root, no environment file.
     const CLI_UNIT: &str = "[Unit]\nDescription=Cyberwave Cloud Node\nAfter=network-online.target\n\n[Service]\nType=simple\nExecStart=/usr/bin/cyberwave-cloud-node start\nRestart=on-failure\nRestartSec=5\n\n[Install]\nWantedBy=multi-user.target\n";
 
     struct Dirs(PathBuf);

@@ -160,6 +160,18 @@ pub fn backoff_full_jitter(attempt: u32, base: Duration, cap: Duration) -> Durat
 }
 
 /// SHA-256 of `data` (FIPS 180-4): the token-derived MQTT username, hashed long request ids.
+/// This process's effective uid (the owner its files get, and whom it acts as).
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// This process's real uid.
+pub fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
 pub fn sha256(data: &[u8]) -> [u8; 32] {
     use sha2::Digest;
     sha2::Sha256::digest(data).into()

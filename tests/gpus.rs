@@ -903,7 +903,7 @@ fn g10_starts_in_flight_hold_their_gpus() {
 
 /// D59: a GPU a service uses (a model server a workload left running, seen in `nvidia-smi`'s
 /// compute-apps list) is the last one a new workload gets, and never a reason to refuse one;
-/// `status` lists the service with its GPU. On the node before the next workload got the
+/// `status` lists the service with its GPU. Without this the next workload would get the
 /// first GPU, the one the server holds.
 #[test]
 fn g10_d59_a_new_workload_gets_a_gpu_no_service_uses_and_is_never_refused_for_one() {

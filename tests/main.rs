@@ -21,6 +21,7 @@ mod completions;
 mod connection;
 mod containers;
 mod decisions;
+mod doc_links;
 mod gpus;
 mod guarantees;
 mod ingress;

@@ -13,8 +13,8 @@ use crate::support::node::NodeSetup;
 use crate::support::timeouts::{EXIT, READY};
 use crate::support::{Rig, Scenario};
 
-/// Where the node deliberately differs from the platform, with the reason (README: "Where the
-/// node differs"). `(file, mode)`: mode is "strict", "lenient" or "both".
+/// Where the node deliberately differs from the platform, with the reason (docs/configuration.md:
+/// "Where the node deliberately differs"). `(file, mode)`: mode is "strict", "lenient" or "both".
 const EXCEPTIONS: &[(&str, &str, &str)] = &[
     (
         "20-port-out-of-range.yml",

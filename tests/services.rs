@@ -89,8 +89,8 @@ fn service_pids(status: &Value) -> Vec<i64> {
 /// D59: the second preview finds the server the first one started still warm (same pid,
 /// started once) and is answered by it; the server is listed in `status` as a service of the
 /// first preview, counted in the heartbeat and not as a workload, and the log says once that
-/// it was kept. On the node before, the first preview's end killed the server: every preview
-/// paid the model load again.
+/// it was kept. Without D59 the first preview's end would kill the server, and every preview
+/// would pay the model load again.
 #[test]
 fn g2_d59_a_warm_model_server_outlives_its_preview_and_serves_the_next_one() {
     let (_b, cp, setup) = preview_rig("0.5", "");
@@ -146,8 +146,8 @@ fn g2_d59_a_warm_model_server_outlives_its_preview_and_serves_the_next_one() {
 }
 
 /// D59: two previews at once share one server (the first to take the lock starts it), and the
-/// first preview's end does not kill the server the second is still waiting on. On the node
-/// before, the clean-up of the first killed the server under the second's request.
+/// first preview's end does not kill the server the second is still waiting on: the clean-up
+/// of the first must not kill the server under the second's request.
 #[test]
 fn g2_d59_two_previews_at_once_share_one_server_and_neither_kills_it() {
     let (_b, cp, setup) = preview_rig("0.5", "");
@@ -169,8 +169,8 @@ fn g2_d59_two_previews_at_once_share_one_server_and_neither_kills_it() {
 
 /// D59: a service is kept across a node restart (the new node lists it with its pid, command
 /// and workload), and `cancel` with its pid stops it: SIGTERM to its session, the reply says
-/// so, the log says when it ended, and `status` no longer lists it. On the node before there
-/// were no services, and a cancel with the server's pid found no workload.
+/// so, the log says when it ended, and `status` no longer lists it. Without services a cancel
+/// with the server's pid would find no workload.
 #[test]
 fn g2_d59_a_service_survives_a_node_restart_and_a_cancel_with_its_pid_stops_it() {
     let (_b, cp, setup) = preview_rig("0", "");
@@ -265,7 +265,7 @@ fn g9_d59_a_containers_node_stops_its_services_when_it_stops_and_says_so() {
 
 /// D59: `cloud_node.services: stop` restores the strict rule: the server the preview started
 /// is cleared when the preview ends, and the log names it (pid and command line) and the
-/// workload it came from. On the node before it was cleared without a word.
+/// workload it came from, so that the operator learns why the server went.
 #[test]
 fn g9_d59_services_stop_clears_the_server_and_says_what_and_from_which_workload() {
     let (_b, cp, setup) = preview_rig("0", "  services: stop\n");
@@ -373,7 +373,7 @@ fn g9_d60_sigterm_or_sigint_during_a_long_install_stops_it_within_the_grace() {
 /// D60: an install script that starts a server with `cmd &` and leaves its output on the
 /// install's pipe does not hang start-up: the node is ready, a WARN names the process that
 /// still holds the output (pid and command line), and that process is a service started by
-/// `install`. On the node before start-up waited for the end of the output for ever.
+/// `install`. Waiting for the end of that output would hold start-up for ever.
 #[test]
 fn g13_d60_an_install_that_leaves_a_job_holding_its_output_does_not_hang_start_up() {
     let (_b, cp, setup) = rig(

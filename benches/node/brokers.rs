@@ -1,5 +1,5 @@
 //! `./scripts/bench brokers [KILLS]`: a 64 KiB-line flood on each broker, then failover on a
-//! clustered broker (issue 22 item 9). `CW_BROKERS_CASES` (default `flood,failover`) chooses.
+//! clustered broker. `CW_BROKERS_CASES` (default `flood,failover`) chooses.
 //!
 //! Flood: on mosquitto, rumqttd 0.20 (100 KiB `max_payload_size`, unannounced), one rmqtt 0.24
 //! node and the 3-node rmqtt raft cluster, the real node (production back-off) runs a workload
@@ -716,7 +716,7 @@ fn running(node: &NodeProcess) -> bool {
         .is_some_and(|state| state != "Z" && state != "X")
 }
 
-// ---- flood: a workload printing 64 KiB lines, on each broker (issue 22's goal figure) ----------
+// ---- flood: a workload printing 64 KiB lines, on each broker ----------------------------------
 
 /// The flood on every broker available: mosquitto, rumqttd 0.20 (when installed), one rmqtt
 /// 0.24 node and the 3-node rmqtt raft cluster (with `CW_RMQTT_BIN`).

@@ -8,8 +8,8 @@
 //! Each round: a cold preview (no server: it is started and loads) and then a warm one (the
 //! server the first left running), each measured from the command to the `completed` status at
 //! the fake backend (the answer the platform waits for); then the server is stopped. The same
-//! rounds run on `CYBERWAVE_NODE_BIN_B` when set (e.g. the build before D59, where the first
-//! preview's end killed the server) and on the Python original when `CYBERWAVE_BENCH_ORIGINAL`
+//! rounds run on `CYBERWAVE_NODE_BIN_B` when set (e.g. a build without D59, where the first
+//! preview's end kills the server) and on the Python original when `CYBERWAVE_BENCH_ORIGINAL`
 //! names it (which leaves the server alone, and notices an exit by a 5 s poll).
 
 use std::path::Path;

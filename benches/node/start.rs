@@ -4,7 +4,7 @@
 //! "Process started" is the workload's own first action: it writes the wall clock to a file named
 //! after its request id. In the normal-disk case the workload is this benchmark's own binary
 //! (`… __stamp`, see [`stamp`]) started three ways, interleaved round by round: by the node from a
-//! plain word list (run as `bash -c`, which execs it in its own place; builds before D71 exec'd
+//! plain word list (run as `bash -c`, which execs it in its own place; a build without D71 execs
 //! it without bash), by the node from the same words with a `# comment` (shell syntax), and by
 //! the benchmark itself with a bare fork+exec, the floor. Elsewhere it is a shell writing `$EPOCHREALTIME`. The slow disk is
 //! `CYBERWAVE_TEST_SLOW_FSYNC_MS` (every fsync of the node's state sleeps that long first;

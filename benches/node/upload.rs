@@ -1,5 +1,5 @@
 //! `./scripts/bench upload [MiB,MiB,…]`: the GPU's idle gap between two jobs — a workload's
-//! result upload (issue 25). Prints figures; judges nothing.
+//! result upload. Prints figures; judges nothing.
 //!
 //! The sink: a discard server on loopback (plain HTTP, and HTTPS with a throwaway certificate
 //! made with `openssl`), one thread per connection, 1 MiB reads, keep-alive, chunked or sized
@@ -17,7 +17,7 @@
 //! URL, the transfer, the report. Files are real bytes (not sparse), written once and hard-linked
 //! into each workload's results folder.
 //!
-//! Two more cases (issue 25 items 3 and 4): one workload with four files of the smallest size,
+//! Two more cases: one workload with four files of the smallest size,
 //! with 1, 2 and 4 upload workers (`CYBERWAVE_NODE_UPLOAD_WORKERS`); and a **slow link**: a
 //! sink that paces each connection's reads to `CYBERWAVE_BENCH_LINK_MIBS` MiB/s (default 20),
 //! so that one stream is bounded by its window, not the CPU, and parallel streams show their
@@ -736,7 +736,7 @@ pub fn run(sizes_mib: &[u64]) {
     if case("small") {
         small_files(&broker, &http, &data);
     }
-    // One workload, four files: its files side by side on the pool (issue 25 item 3).
+    // One workload, four files: its files side by side on the pool.
     if case("files") {
         println!("-- one workload, 4 files of {mib} MiB, plain HTTP, signed-URL PUT:");
         by_workers(
@@ -747,7 +747,7 @@ pub fn run(sizes_mib: &[u64]) {
             &format!("node 4x{mib} MiB"),
         );
     }
-    // A slow link (issue 25 item 4): each connection read at a fixed pace, so one stream is
+    // A slow link: each connection read at a fixed pace, so one stream is
     // bounded by its window and the pace, not the CPU.
     if case("slow") {
         let link = std::env::var("CYBERWAVE_BENCH_LINK_MIBS")

@@ -1,7 +1,7 @@
 //! Configuration, resolved once into one [`Settings`] value. Precedence, for every setting that
 //! has all three: command-line flag > `cyberwave.yml` > environment variable (process env >
 //! `./.env` > `<config dir>/.env`) > `credentials.json` > default. Exceptions, each documented in
-//! the README: the command-template env vars (`CYBERWAVE_*_CMD`, `CYBERWAVE_INSTALL_SCRIPT`)
+//! docs/configuration.md: the command-template env vars (`CYBERWAVE_*_CMD`, `CYBERWAVE_INSTALL_SCRIPT`)
 //! override the file, so a deployment can swap a command without editing the repository's
 //! manifest; and the API token comes from the environment layers, then `credentials.json`.
 
@@ -92,8 +92,12 @@ pub struct Flags {
     pub metrics_file: Option<PathBuf>,
 }
 
+/// What the console mirror prints per workload stream and second by default
+/// (`CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`, D69).
+pub const MIRROR_BYTES_PER_SECOND: u64 = 1024 * 1024;
+
 /// Timings that production never changes but tests shorten (env `CYBERWAVE_NODE_*`, listed in
-/// the README under "Tuning").
+/// docs/configuration.md under "Tuning").
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tuning {
     pub reconnect_base: Duration,
@@ -151,7 +155,7 @@ impl Default for Tuning {
             lock_wait: Duration::ZERO,
             connect_timeout: Duration::from_secs(30),
             max_command_bytes: crate::protocol::commands::MAX_COMMAND_BYTES,
-            mirror_bytes_per_second: crate::node::streams::MIRROR_BYTES_PER_SECOND,
+            mirror_bytes_per_second: MIRROR_BYTES_PER_SECOND,
             ingress_queue_bytes: crate::ingress::MAX_QUEUE_BYTES,
             upload_deadline: None,
         }
@@ -477,8 +481,7 @@ impl std::fmt::Display for PasswdError {
 /// uid's passwd entry + `/.cyberwave` (a systemd unit without `User=`, `env -i`, cron set no
 /// `HOME`; the Python original falls back to the passwd entry too). The source says which.
 pub fn config_dir(process: &EnvLayers) -> Result<Sourced<PathBuf>, ConfigError> {
-    // SAFETY: geteuid cannot fail and touches no memory.
-    let euid = unsafe { libc::geteuid() };
+    let euid = crate::util::euid();
     config_dir_with(process, euid, passwd_home)
 }
 

@@ -220,8 +220,7 @@ fn unsearchable(dir: &Path) -> Option<String> {
     if err.kind() != std::io::ErrorKind::PermissionDenied {
         return None;
     }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::util::euid();
     let owner = std::fs::metadata(dir).map_or_else(
         |_| String::new(),
         |m| {
@@ -647,7 +646,7 @@ impl Resolver<'_> {
                 self.env_str("CYBERWAVE_MQTT_PASSWORD")
                     .map(|(v, s)| sourced(v, s))
             });
-        // The newest SDK's rule (ecosystem §2.2, credentials::derived_mqtt_username): its
+        // The newest SDK's rule (its `credentials::derived_mqtt_username`): its
         // placeholder username becomes `cwh_` + hex SHA-256 of the token, which the broker
         // checks at CONNECT. Opt-in: only the placeholder triggers it; any other username is
         // used as it is.

@@ -1,7 +1,7 @@
 //! Whether a start is taken: one pure decision ([`decide`]) over what the node knows (its
 //! ledger, the workload running or starting for the request, its configuration, guards,
 //! capacity and GPUs), unit-tested below with a fake clock. The loop gathers the facts and
-//! carries out the decision (`starts_out.rs`); nothing here does I/O.
+//! carries out the decision (`start_path.rs`); nothing here does I/O.
 //!
 //! The order of the checks is the contract: exactly once first (the ledger, a running
 //! workload, a start in flight), then what can never succeed here (no command configured),

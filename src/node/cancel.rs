@@ -221,8 +221,8 @@ pub(super) fn cancel(
             grace,
         } => {
             let named = named(w.active, &safe_id);
-            let r = w.with_table(|t, out, now| {
-                t.cancel(&safe_id, sig, sig_name, grace, false, now, out)
+            let r = w.with_table(|t, w, fx, now| {
+                t.cancel(&safe_id, sig, sig_name, grace, false, now, w, fx)
             });
             answer(ledger, named, request_id, sig_name, r)
         }

@@ -152,8 +152,7 @@ impl Place {
     fn read() -> Place {
         use std::os::unix::fs::MetadataExt;
         let pid = std::process::id();
-        // SAFETY: getppid has no preconditions and cannot fail.
-        let ppid = u32::try_from(unsafe { libc::getppid() }).unwrap_or(0);
+        let ppid = std::os::unix::process::parent_id();
         let own_namespace =
             std::fs::metadata("/proc/self/ns/pid").is_ok_and(|m| m.ino() != INITIAL_PID_NAMESPACE);
         // /proc/1 is this namespace's PID 1 only when /proc is this namespace's (it names this

@@ -347,13 +347,36 @@ pub struct Hold<'a> {
 }
 
 /// What the GPU part needs of the world: the monitor thread's sampling switch and the process
-/// groups of the processes using GPUs.
-pub trait Outbound {
+/// groups of the processes using GPUs. On the node: the monitor thread, none when it could not
+/// start; the unit tests fake it.
+pub trait Sampler {
     /// Sampling every few seconds on (a workload holds GPUs) or off.
     fn set_holding(&self, holding: bool);
     /// How often the monitor samples.
     fn sample_every(&self) -> Duration;
     fn pgid_of(&self, pid: i32) -> Option<i32>;
+}
+
+impl Sampler for Option<&crate::gpu::Monitor> {
+    fn set_holding(&self, holding: bool) {
+        if let Some(m) = self {
+            m.set_holding(holding);
+        }
+    }
+    fn sample_every(&self) -> Duration {
+        self.map_or(crate::gpu::SAMPLE_EVERY, |m| m.timing.sample)
+    }
+    fn pgid_of(&self, pid: i32) -> Option<i32> {
+        crate::gpu::pgid_of(pid)
+    }
+}
+
+/// A workload's status entry, with its GPUs when it has an assignment.
+pub(super) fn with_gpus(mut w: Value, meta: &crate::workload::Meta) -> Value {
+    if let Some(g) = &meta.gpus {
+        put(&mut w, "gpus", serde_json::json!(g));
+    }
+    w
 }
 
 /// GPU UUID → the request id of the workload holding it (its safe id when the request id is
@@ -371,7 +394,7 @@ pub fn holders(holds: &[Hold<'_>]) -> Holders {
 impl Gpus {
     /// A monitor snapshot: the accounting of each tracked workload holding GPUs (D38), then
     /// the inventory and health (D37).
-    pub fn on_snapshot(&mut self, s: Snapshot, holds: &[Hold<'_>], out: &dyn Outbound) {
+    pub fn on_snapshot(&mut self, s: Snapshot, holds: &[Hold<'_>], out: &dyn Sampler) {
         if let Snapshot::Gpus {
             gpus,
             apps,
@@ -414,7 +437,7 @@ impl Gpus {
     }
 
     /// Sampling runs every few seconds only while a tracked workload holds GPUs.
-    pub fn update_sampling(&self, holds: &[Hold<'_>], out: &dyn Outbound) {
+    pub fn update_sampling(&self, holds: &[Hold<'_>], out: &dyn Sampler) {
         let holding = holds.iter().any(|h| h.pid.is_some() && !h.gpus.is_empty());
         out.set_holding(holding);
     }
@@ -592,10 +615,10 @@ mod tests {
 
     /// A recording fake of the monitor and `/proc`.
     #[derive(Default)]
-    struct Fake {
+    struct FakeSampler {
         holding: RefCell<Vec<bool>>,
     }
-    impl Outbound for Fake {
+    impl Sampler for FakeSampler {
         fn set_holding(&self, holding: bool) {
             self.holding.borrow_mut().push(holding);
         }
@@ -641,7 +664,7 @@ mod tests {
         g.on_snapshot(
             snapshot(&["GPU-a", "GPU-b", "GPU-c"], Instant::now()),
             &[],
-            &Fake::default(),
+            &FakeSampler::default(),
         );
         g.avoid = ["GPU-a".to_string(), "GPU-b".to_string()].into();
         let none = holders(&[]);
@@ -668,7 +691,7 @@ mod tests {
     #[test]
     fn a_tracked_workload_holding_gpus_is_sampled_and_accounted_a_start_only_holds() {
         let mut g = Gpus::default();
-        let fake = Fake::default();
+        let fake = FakeSampler::default();
         let a = vec!["GPU-a".to_string()];
         let b = vec!["GPU-b".to_string()];
         let starting = [Hold {
@@ -710,8 +733,8 @@ mod tests {
     }
 }
 
-/// Assignment on every real capture and listing (tests/fixtures: `src/gpu/real.rs`), as the
-/// README says: `gpus` absent (auto), 1, 2, 0.
+/// Assignment on every real capture and listing (tests/fixtures: `src/gpu/real.rs`), as
+/// docs/gpus.md says: `gpus` absent (auto), 1, 2, 0.
 #[cfg(test)]
 mod on_real_hosts {
     use super::*;
@@ -731,7 +754,7 @@ mod on_real_hosts {
         g
     }
 
-    /// What the README promises for each count on this host.
+    /// What docs/gpus.md promises for each count on this host.
     fn check(case: &str, g: &Gpus) {
         let held = Holders::new();
         let ids = |us: &[&Gpu]| Ok(Some(us.iter().map(|u| u.uuid.clone()).collect::<Vec<_>>()));

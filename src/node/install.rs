@@ -132,8 +132,14 @@ pub(super) fn run(
             let (found, _) = left_behind(s, since);
             if !found.is_empty() {
                 let now = Instant::now();
-                let mut tracked = super::services::Services::load(&s.config_dir.value, now);
-                tracked.adopt(found, &super::services::Origin::install(), None, &[], now);
+                let mut tracked = super::service_watch::Services::load(&s.config_dir.value, now);
+                tracked.adopt(
+                    found,
+                    &super::service_watch::Origin::install(),
+                    None,
+                    &[],
+                    now,
+                );
             }
             return Err(stopped);
         }
@@ -187,7 +193,7 @@ fn run_as<'a>(s: &Settings, users: &'a [WorkloadUser]) -> Option<&'a WorkloadUse
 /// node, an empty signal mask.
 fn command(s: &Settings, shell: &str, script: &str, user: Option<&WorkloadUser>) -> Command {
     let mut env = s.env.merged();
-    for k in super::startup::NODE_SECRETS {
+    for k in crate::workload::NODE_ONLY_VARS {
         env.remove(*k);
     }
     if let Some(u) = user {
@@ -300,8 +306,7 @@ fn stop(
     exited: &Receiver<std::io::Result<std::process::ExitStatus>>,
     sig: Signal,
 ) {
-    // SAFETY: getsid has no preconditions.
-    let sid = unsafe { libc::getsid(0) };
+    let (_, sid) = procinfo::own_group_and_session();
     // The group is signalled only while it has members in the node's session: its id cannot be
     // another's then.
     let signal = |s: i32| {
@@ -410,8 +415,7 @@ fn pipe_inode(fd: i32) -> u64 {
 /// session (D59). With `services: stop` they are stopped now instead, and logged.
 fn left_behind(s: &Settings, since: u64) -> (Vec<Found>, Vec<i32>) {
     let me = my_pid();
-    // SAFETY: getsid has no preconditions.
-    let sid = unsafe { libc::getsid(0) };
+    let (_, sid) = procinfo::own_group_and_session();
     let procs = services::scan();
     let members: Vec<services::Proc> = services::descendants(&procs, me)
         .into_iter()

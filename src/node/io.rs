@@ -2,10 +2,11 @@
 //! (broker events, reaped pids, spawn outcomes, log growth, worker results, acknowledgements,
 //! control-socket requests, GPU snapshots) and the threads the loop sends work to (tailer,
 //! workers, the ack thread, the GPU monitor), and the replies to the backend's commands
-//! published on them ([`Replies`]). The parts never see it: each reaches the world
-//! through its own `Outbound`, which the loop builds from these handles (one adapter pattern:
-//! a struct that borrows the handles it needs for the length of one call).
+//! published on them ([`Replies`]). The parts never see it: the broker session reaches the
+//! world through [`MqttLink`], built from these handles for the length of one call, and the
+//! other parts return [`super::effect::Effect`]s that are carried out on them.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::SystemTime;
 
@@ -15,12 +16,13 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 
 use serde_json::{json, Value};
 
+use super::effect::Effect;
 use super::parts::Op;
 use super::session::Session;
 use crate::config::credentials::Identity;
 use crate::config::Settings;
 use crate::store::CLIENT_ID_CONFLICT;
-use crate::workload::Layout;
+use crate::workload::{self, Layout};
 
 use crate::mqtt::{Mqtt, MqttEvent};
 use crate::protocol::commands;
@@ -33,11 +35,11 @@ use crate::workload::tail::{Event as TailEvent, Tailer};
 /// refused it, `Err(None)` when no acknowledgement came.
 pub type Acked = (u64, Result<(), Option<(String, bool)>>);
 /// An ingress event's sequence number and its delivery token, for the ack thread.
-pub type Tracked = (u64, paho_mqtt::DeliveryToken);
+pub type AwaitedAck = (u64, paho_mqtt::DeliveryToken);
 
 /// Waits for delivery tokens, in order, off the event loop.
-pub fn start_ack_thread() -> std::io::Result<(Sender<Tracked>, Receiver<Acked>)> {
-    let (tx, rx) = unbounded::<Tracked>();
+pub fn start_ack_thread() -> std::io::Result<(Sender<AwaitedAck>, Receiver<Acked>)> {
+    let (tx, rx) = unbounded::<AwaitedAck>();
     let (atx, arx) = unbounded();
     std::thread::Builder::new()
         .name("acks".into())
@@ -74,7 +76,7 @@ pub struct Io {
     pub chunks: Receiver<TailEvent>,
     pub workers: Workers,
     pub worker_done: Receiver<Done>,
-    pub acks_tx: Sender<Tracked>,
+    pub acks_tx: Sender<AwaitedAck>,
     pub acked: Receiver<Acked>,
     pub control: Receiver<crate::control::Request>,
     pub gpu_rx: Receiver<crate::gpu::Snapshot>,
@@ -88,29 +90,24 @@ pub struct Io {
 }
 
 impl Io {
-    /// The broker session's [`super::session::Outbound`] on these handles.
-    pub fn wire<'a>(&'a self, s: &Settings) -> Wire<'a> {
-        Wire {
+    /// The broker session's [`super::session::Link`] on these handles.
+    pub fn link<'a>(&'a self, s: &Settings) -> MqttLink<'a> {
+        MqttLink {
             io: self,
             identity_path: s.identity_path(),
             state: &self.layout.state,
         }
     }
-
-    /// The GPU part's [`super::gpus::Outbound`] on the monitor thread.
-    pub(super) fn gpu_wire(&self) -> GpuWire<'_> {
-        GpuWire(self.gpu_monitor.as_ref())
-    }
 }
 
 /// What the session does to the world, done with the node's MQTT client and state dir.
-pub struct Wire<'a> {
+pub struct MqttLink<'a> {
     pub io: &'a Io,
     identity_path: PathBuf,
     state: &'a std::path::Path,
 }
 
-impl super::session::Outbound for Wire<'_> {
+impl super::session::Link for MqttLink<'_> {
     fn connect(&mut self) {
         self.io.mqtt.start_connect();
     }
@@ -162,23 +159,6 @@ impl super::session::Outbound for Wire<'_> {
     }
 }
 
-/// The GPU part's [`super::gpus::Outbound`] on the monitor thread (none when it could not start).
-pub struct GpuWire<'a>(pub Option<&'a crate::gpu::Monitor>);
-
-impl super::gpus::Outbound for GpuWire<'_> {
-    fn set_holding(&self, holding: bool) {
-        if let Some(m) = self.0 {
-            m.set_holding(holding);
-        }
-    }
-    fn sample_every(&self) -> Duration {
-        self.0.map_or(crate::gpu::SAMPLE_EVERY, |m| m.timing.sample)
-    }
-    fn pgid_of(&self, pid: i32) -> Option<i32> {
-        crate::gpu::pgid_of(pid)
-    }
-}
-
 /// Replies to the backend's commands, on the node's MQTT client and under its session's names.
 pub(super) struct Replies<'a> {
     pub(super) io: &'a Io,
@@ -212,4 +192,91 @@ impl Replies<'_> {
             .mqtt
             .publish(&topic, payload, 1, paho_mqtt::Properties::new());
     }
+}
+
+/// Carries out an effect that needs no more than the broker session and the I/O handles
+/// (requests are kept by the session until their reply); returns the ones that need the
+/// node's other parts ([`Effect::ShipLogs`], [`Effect::Report`]).
+pub(super) fn send(e: Effect, session: &mut Session<Op>, io: &Io, s: &Settings) -> Option<Effect> {
+    let timeout = s.tuning.request_timeout;
+    let now = io.clock.now();
+    let link = &mut io.link(s);
+    match e {
+        Effect::WorkloadStatus { wl, body } => {
+            let topic = io.topics.workload_status(&wl);
+            session.request(Op::WorkloadStatus, &topic, &body, timeout, now, link);
+        }
+        Effect::AskSignedUrl { id, wl, filename } => {
+            let topic = io.topics.signed_url(&wl);
+            let body = json!({ "filename": filename });
+            session.request(Op::SignedUrl(id), &topic, &body, timeout, now, link);
+        }
+        Effect::TellUploaded { id, wl, body } => {
+            let topic = io.topics.upload_results(&wl);
+            session.request(Op::UploadResults(id), &topic, &body, timeout, now, link);
+        }
+        Effect::Submit(job) => io.workers.submit(job),
+        Effect::SaveMeta { meta, what } => {
+            if let Err(e) = workload::save_meta(&io.layout, &meta) {
+                let id = crate::logtext::shown(&meta.safe_id);
+                log::warn!("workload {id}: cannot record {what}: {e}");
+            }
+        }
+        Effect::Retire(id) => retire(&io.layout, &io.sweeper, &id),
+        Effect::Tail(req) => io.tailer.request(req),
+        Effect::PublishLog { key, payload } => {
+            let topic = io.topics.logs(session.uuid());
+            session.request_payload(Op::Log(key), &topic, payload, timeout, now, link);
+        }
+        Effect::PublishInstall(payload) => {
+            let topic = io.topics.logs(session.uuid());
+            session.request_payload(Op::WorkloadStatus, &topic, payload, timeout, now, link);
+        }
+        Effect::Mirror { stream, text } => mirror(stream, &text),
+        e @ (Effect::ShipLogs | Effect::Report { .. }) => return Some(e),
+    }
+    None
+}
+
+/// Tagged lines of a workload's output on the node's stdout (stream 0) or stderr.
+fn mirror(stream: usize, text: &[u8]) {
+    static WIDEN: std::sync::Once = std::sync::Once::new();
+    WIDEN.call_once(|| {
+        // A journal or a terminal multiplexer reads the node's stdout and stderr through a
+        // pipe of 64 KiB: a flood's console lines then cost a context switch per 64 KiB.
+        // A wider pipe (1 MiB, the default most a user may ask for) lets one write go at
+        // once. Not a pipe (a file, a terminal): nothing changes.
+        for fd in [1, 2] {
+            // SAFETY: F_SETPIPE_SZ on a standard descriptor touches no memory; failures
+            // (not a pipe, a lower limit) are harmless and ignored.
+            unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, 1 << 20) };
+        }
+    });
+    if stream == 0 {
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(text);
+        let _ = o.flush();
+    } else {
+        let mut e = std::io::stderr().lock();
+        let _ = e.write_all(text);
+        let _ = e.flush();
+    }
+}
+
+/// Removes a reported workload's directory: first an atomic rename (so a crash never leaves
+/// a half-deleted record that a restart would misread), then the deletion, off the loop.
+fn retire(layout: &Layout, sweeper: &crate::store::Sweeper, safe_id: &str) {
+    let dir = layout.dir(safe_id);
+    let trash = layout.workloads().join(format!(".retired-{safe_id}"));
+    let target = match std::fs::rename(&dir, &trash) {
+        Ok(()) => trash,
+        Err(e) => {
+            log::warn!(
+                "cannot retire {}: {e}",
+                crate::logtext::shown(&dir.display().to_string())
+            );
+            return;
+        }
+    };
+    sweeper.sweep(target);
 }

@@ -5,31 +5,32 @@
 //! event goes to its handler with the parts it touches, borrowed apart from the node: a
 //! workload's ([`Work`]) or the start path's ([`Start`]). A broker event goes through the
 //! session, and what the session reports is dispatched here too ([`carry_out`]): a command to
-//! `commands.rs`, the rest to `session_in.rs`, `shutdown.rs` and the parts.
+//! `dispatch.rs`, the rest to `happenings.rs`, `shutdown.rs` and the parts. The workload table
+//! and the log streams return what they want done as [`effect::Effect`]s, carried out by
+//! [`io::send`] (and `Work::carry_out` for the two that need the node's other parts).
 
 mod admit;
 mod cancel;
-mod commands;
 mod container;
+mod dispatch;
+mod effect;
+mod events;
 mod gpus;
-mod gpus_out;
-mod ingress;
+mod happenings;
 mod install;
 mod io;
+mod logs;
 pub mod operate;
 mod parts;
 mod selfheal;
-mod services;
+mod service_watch;
 mod session;
-mod session_in;
 mod shutdown;
+mod start_path;
 mod starts;
-mod starts_out;
 pub mod startup;
 pub mod streams;
-mod streams_out;
 mod table;
-mod table_out;
 mod timers;
 mod uploads;
 mod workloads;
@@ -44,7 +45,7 @@ use crate::signals::Signal;
 use crate::workers::Done;
 use parts::{Durable, Exit, Life, Op, Timers};
 use session::{Happening, Session};
-use starts_out::Start;
+use start_path::Start;
 use workloads::Work;
 
 /// Written into the state dir when another client takes the session over twice within a
@@ -70,11 +71,11 @@ pub struct Node {
     streams: streams::Streams,
     heal: selfheal::Heal,
     /// Workflow execution events and the node's own reports of them.
-    ingress: ingress::Ingress,
+    ingress: events::Ingress,
     /// GPU inventory, health, accounting (D35–D38) and the telemetry's count and VRAM tier.
     gpu: gpus::Gpus,
     /// What workloads and the install script left running in a session of their own (D59).
-    services: services::Services,
+    services: service_watch::Services,
     /// When the loop's own periodic work is next due, and when errors may next be logged.
     timers: Timers,
 }
@@ -106,10 +107,10 @@ impl Node {
                     Ok(o) => self.start().on_spawn_outcome(o),
                     Err(_) => self.start().on_spawner_gone(),
                 },
-                recv(self.io.chunks) -> c => match c { Ok(c) => self.work().logs().on_tail(c), Err(_) => self.lost("log tailer") },
+                recv(self.io.chunks) -> c => match c { Ok(c) => self.work().on_tail(c), Err(_) => self.lost("log tailer") },
                 recv(self.io.worker_done) -> d => match d { Ok(d) => self.on_worker_done(d), Err(_) => self.lost("HTTP and upload") },
                 recv(self.io.acked) -> a => match a { Ok(a) => self.work().with_ingress(|i, out| i.on_ack(a, out)), Err(_) => self.lost("acknowledgement") },
-                recv(self.io.control) -> r => match r { Ok(r) => commands::on_control(&mut self.work(), r), Err(_) => self.lost("control socket") },
+                recv(self.io.control) -> r => match r { Ok(r) => dispatch::on_control(&mut self.work(), r), Err(_) => self.lost("control socket") },
                 recv(self.io.gpu_rx) -> s => match s { Ok(s) => self.on_gpu_snapshot(s), Err(_) => self.lost("GPU monitor") },
                 default(wait) => {}
             }
@@ -135,8 +136,8 @@ impl Node {
         let w = &mut st.work;
         // One moment for the whole turn's periodic work, the session's included.
         let now = w.now();
-        let publishing = session_in::publishing(w.session, w.outbox, &w.ingress.queue);
-        let happened = w.session.tick(publishing, now, &mut w.io.wire(w.s));
+        let publishing = happenings::publishing(w.session, w.outbox, &w.ingress.queue);
+        let happened = w.session.tick(publishing, now, &mut w.io.link(w.s));
         carry_out(&mut st, happened);
         timers::tick(&mut st, due, now);
     }
@@ -145,10 +146,10 @@ impl Node {
     fn on_mqtt(&mut self, ev: MqttEvent) {
         let mut st = self.start();
         let w = &mut st.work;
-        let publishing = session_in::publishing(w.session, w.outbox, &w.ingress.queue);
+        let publishing = happenings::publishing(w.session, w.outbox, &w.ingress.queue);
         let happened = w
             .session
-            .on_mqtt(ev, publishing, w.now(), &mut w.io.wire(w.s));
+            .on_mqtt(ev, publishing, w.now(), &mut w.io.link(w.s));
         carry_out(&mut st, happened);
     }
 
@@ -165,14 +166,9 @@ impl Node {
             self.services.on_apps(app_gpus);
             self.gpu.avoid = self.services.gpus();
         }
-        let (active, starts) = (&self.active, &self.starts);
-        gpus_out::on_snapshot(
-            &mut self.gpu,
-            active,
-            starts,
-            self.io.gpu_monitor.as_ref(),
-            s,
-        );
+        let holds = workloads::holds_of(&self.active, &self.starts);
+        self.gpu
+            .on_snapshot(s, &holds, &self.io.gpu_monitor.as_ref());
     }
 
     /// Re-adopts every workload in the state dir (run once, before the loop), and settles the
@@ -233,11 +229,11 @@ fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
     for h in happened {
         let w = &mut st.work;
         match h {
-            Happening::Command(payload) => commands::on_command(st, &payload),
-            Happening::Connected { reconnect } => session_in::on_connected(w, reconnect),
-            Happening::Lost => session_in::on_lost(w),
+            Happening::Command(payload) => dispatch::on_command(st, &payload),
+            Happening::Connected { reconnect } => happenings::on_connected(w, reconnect),
+            Happening::Lost => happenings::on_lost(w),
             Happening::Registered => {
-                w.logs().ship_install();
+                w.ship_install_logs();
                 st.answer_interrupted();
             }
             Happening::RegisteredAfterFailedStart(err) => shutdown::report_failed_start(w, err),
@@ -245,13 +241,13 @@ fn carry_out(st: &mut Start<'_>, happened: Vec<Happening<Op>>) {
                 tag,
                 reply,
                 correlation,
-            } => session_in::on_outcome(w, tag, reply, &correlation),
+            } => happenings::on_outcome(w, tag, reply, &correlation),
             Happening::Refused {
                 tag,
                 why,
                 permanent,
-            } => session_in::on_refused(w, tag, &why, permanent),
-            Happening::HeartbeatDue => session_in::on_heartbeat_due(w, st.heal),
+            } => happenings::on_refused(w, tag, &why, permanent),
+            Happening::HeartbeatDue => happenings::on_heartbeat_due(w, st.heal),
             Happening::HeartbeatFailed => {
                 let m = &mut w.life.metrics;
                 m.heartbeat_failures = m.heartbeat_failures.saturating_add(1);

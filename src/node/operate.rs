@@ -282,7 +282,7 @@ pub(super) fn write_metrics(
         "1 while the node refuses new workloads.",
         vec![(String::new(), u64::from(life.drain.on))],
     );
-    gpu.metrics(&super::gpus_out::holds_of(active, starts), &mut t);
+    gpu.metrics(&super::workloads::holds_of(active, starts), &mut t);
     if let Err(e) = crate::store::write_atomic(&path, t.as_bytes(), 0o644) {
         log::warn!("cannot write the metrics file {}: {e}", path.display());
     }

@@ -26,7 +26,7 @@ pub struct Heal {
 }
 
 /// What a lookup's answer comes to ([`Heal::on_check`]).
-pub(super) enum Checked {
+pub(super) enum HealCheck {
     /// Nothing more to do: the workload is gone, or finished meanwhile (its own completion
     /// owns it).
     Moot,
@@ -73,33 +73,38 @@ impl Heal {
     }
 
     /// A lookup's answer for the workload `key`.
-    pub(super) fn on_check(&mut self, key: &str, check: WorkloadCheck, active: &Table) -> Checked {
+    pub(super) fn on_check(
+        &mut self,
+        key: &str,
+        check: WorkloadCheck,
+        active: &Table,
+    ) -> HealCheck {
         self.checking.remove(key);
         let Some(a) = active.get(key) else {
-            return Checked::Moot;
+            return HealCheck::Moot;
         };
         let what = format!("{} {}", a.meta.kind, a.meta.request_id_text());
         match check {
-            WorkloadCheck::Active => Checked::Kept,
+            WorkloadCheck::Active => HealCheck::Kept,
             WorkloadCheck::Inconclusive(why) => {
                 log::debug!(
                     "self-heal: {} kept ({})",
                     crate::logtext::shown(&what),
                     crate::logtext::shown(&why)
                 );
-                Checked::Kept
+                HealCheck::Kept
             }
             WorkloadCheck::Stale(why) => {
                 if a.phase != crate::workload::lifecycle::Phase::Running || a.meta.cancel.is_some()
                 {
-                    return Checked::Moot; // finished meanwhile: its own completion owns it
+                    return HealCheck::Moot; // finished meanwhile: its own completion owns it
                 }
                 log::warn!(
                     "self-heal: {} is stale ({}); terminating it without a completion",
                     crate::logtext::shown(&what),
                     crate::logtext::shown(&why)
                 );
-                Checked::Stale(what)
+                HealCheck::Stale(what)
             }
         }
     }

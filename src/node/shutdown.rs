@@ -44,7 +44,7 @@ pub(super) fn goodbye(
             &json!({}),
             timeout,
             sent,
-            &mut io.wire(s),
+            &mut io.link(s),
         ))
     };
     let deadline = match (&waiting_for, limit) {
@@ -120,7 +120,7 @@ fn late_kill(w: &Work<'_>) -> Duration {
 
 /// SIGTERM to every running workload not yet stopped, SIGKILL after `kill`; returns how many.
 fn stop_all(w: &mut Work<'_>, kill: Duration) -> usize {
-    w.with_table(|t, out, now| t.cancel_all(container::REASON, kill, now, out))
+    w.with_table(|t, w, fx, now| t.cancel_all(container::REASON, kill, now, w, fx))
 }
 
 pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
@@ -130,7 +130,7 @@ pub(super) fn on_signal(w: &mut Work<'_>, sig: Signal) {
             Some(sd) if sd.stopping_workloads => {
                 // D70: the container's workloads would die unreported if the node left now.
                 sd.killed = true;
-                let n = w.with_table(|t, out, now| t.kill_all_now(container::REASON, now, out));
+                let n = w.with_table(|t, w, fx, now| t.kill_all_now(container::REASON, now, w, fx));
                 let now = w.now();
                 w.services.kill_now(now);
                 log::warn!(

@@ -26,10 +26,6 @@ use crate::workload::tail::Tailer;
 use crate::workload::Layout;
 use crate::{store, util};
 
-/// Environment variables that hold the node's own secrets; never passed to child processes
-/// (workloads get their own credentials explicitly).
-pub use crate::workload::NODE_ONLY_VARS as NODE_SECRETS;
-
 /// D46.3: the workload user exists and the node may become it (else exit 2); the state dir is
 /// then passed through by it (0711), never listed, its files all the node's own (0600). D65: a
 /// pool of users, each its own, at least as many as the slots; the node's secrets in the state
@@ -160,7 +156,7 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         dir.join("outbox").display()
     )))?;
     let (chunk_tx, chunks) = unbounded();
-    let streams = super::streams::Streams::new(&super::streams_out::settings(&s));
+    let streams = super::streams::Streams::new(&super::logs::settings(&s));
     let tailer = Tailer::start(chunk_tx).map_err(runtime("cannot start the tailer thread"))?;
     let (done_tx, worker_done) = unbounded();
     let backend = Backend::of(&s, &token);
@@ -233,13 +229,13 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
         starts: super::starts::Starts::new(spawner, spawned),
         streams,
         heal: Default::default(),
-        ingress: super::ingress::Ingress::new(
+        ingress: super::events::Ingress::new(
             ingress,
             s.manifest.as_ref().and_then(|m| m.workflow_reporting) != Some(false),
             s.topic_prefix.value.clone(),
         ),
         gpu,
-        services: super::services::Services::load(&dir, now),
+        services: super::service_watch::Services::load(&dir, now),
         timers: super::parts::Timers {
             due: super::parts::Due {
                 watchdog: now,
@@ -253,18 +249,14 @@ pub fn prepare(s: Settings) -> Result<(Node, Receiver<Signal>), StartupError> {
     };
     node.services.adopt(
         installed.services,
-        &super::services::Origin::install(),
+        &super::service_watch::Origin::install(),
         None,
         &installed.children,
         now,
     );
     node.recover();
-    super::gpus_out::update_sampling(
-        &node.gpu,
-        &node.active,
-        &node.starts,
-        node.io.gpu_monitor.as_ref(),
-    ); // re-adopted workloads holding GPUs are sampled at once
+    // Re-adopted workloads holding GPUs are sampled at once.
+    node.work().update_sampling();
     if !node.durable.outbox.is_empty() {
         log::info!(
             "{} message(s) in the outbox will be sent once connected",
@@ -483,7 +475,7 @@ type SpawnerParts = (
     (Reaper, Receiver<crate::workload::reaper::Reaped>),
 );
 
-/// The reaper, then the spawner thread starts run on (issue 15): without the spawner the node
+/// The reaper, then the spawner thread starts run on: without the spawner the node
 /// still runs, reports and cancels its workloads, and refuses starts with a clear error.
 fn spawner(
     s: &Settings,

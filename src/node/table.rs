@@ -1,13 +1,14 @@
-//! The workload table (issue 12 item 8): every workload the node tracks, its phase in the
-//! lifecycle machine ([`lifecycle::step`]), its runtime limit, the checks of a workload whose
-//! supervisor was killed (D27) or stopped (D66) and the progress of its result uploads. The table owns that state; it reaches the outside
-//! only through [`Outbound`] (signals, requests, worker jobs, records on disk, reports), and
-//! every method takes `now`, so escalation, max runtime and upload retries are unit-tested with
-//! a recording fake and a fake clock (the tests below).
+//! The workload table: every workload the node tracks, its phase in the lifecycle machine
+//! ([`lifecycle::step`]), its runtime limit, the checks of a workload whose supervisor was
+//! killed (D27) or stopped (D66) and the progress of its result uploads. The table owns that
+//! state; it reads the processes through [`World`] and returns what it wants done as
+//! [`Effect`]s (requests, worker jobs, records on disk, reports) that the loop carries out
+//! (`effect.rs`). Every method takes `now`, so escalation, max runtime and upload retries are
+//! unit-tested with a fake world and a fake clock (the tests below).
 //!
 //! The result uploads are a value of their own ([`Uploads`]) that the table owns and drives:
-//! they go out through the table's [`Outbound`] and tell the table when a workload's uploads
-//! are over. Only the table and the loop that owns it see [`Active`]; the table never sees the
+//! they add their effects to the table's and tell the table when a workload's uploads are
+//! over. Only the table and the loop that owns it see [`Active`]; the table never sees the
 //! connection, the pending requests or the outbox.
 
 use std::collections::{BTreeMap, HashMap};
@@ -18,13 +19,15 @@ use serde_json::Value;
 
 use super::gpus::Hold;
 pub use super::uploads::UploadCfg;
-use super::uploads::{self, Uploads};
+use super::uploads::Uploads;
 use crate::logtext::shown;
-use crate::protocol::commands::{Seconds, TopicId};
-use crate::workers::{Done, Job};
+use crate::protocol::commands::Seconds;
+use crate::workers::Done;
 use crate::workload::lifecycle::{self, Action, Event, Phase};
 use crate::workload::shim::Exit;
-use crate::workload::{self, Cancel, Meta};
+use crate::workload::{self, procinfo, Cancel, Layout, Meta};
+
+use super::effect::{Effect, Fx, LeftOnDisk};
 
 /// Default grace between the cancel signal and SIGKILL of the whole group (D10).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
@@ -42,34 +45,14 @@ pub const SUPERVISOR_STOPPED: &str =
 pub const SALVAGED: &str =
     "workload record was corrupt (moved to the quarantine folder); its outcome cannot be trusted";
 
-/// A request the table needs answered; the answer comes back through the loop
-/// ([`Table::on_signed_url_reply`], [`Table::on_upload_reply`]).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Request {
-    /// R9: a signed URL for one result file of workload `id`.
-    SignedUrl {
-        id: String,
-        wl: TopicId,
-        filename: String,
-    },
-    /// R10: the backend is told which result files were uploaded.
-    UploadResults {
-        id: String,
-        wl: TopicId,
-        body: Value,
-    },
-}
-
-/// Everything the table does to the outside world. The loop's adapter carries these out on the
-/// real pieces; the unit tests record them.
-pub trait Outbound {
-    /// The broker connection is up (requests go over MQTT, else over REST on the workers).
-    fn connected(&self) -> bool;
+/// What the table reads of the processes when it decides, and the signals it sends at once
+/// (their answer is the cancel's answer). [`Procs`] on the host; the unit tests fake it.
+pub trait World {
     /// The workload's process group when it can be proven at this moment to be the one its
     /// supervisor created (D26); None: nothing of it is left, and a signal could reach a
     /// stranger.
     fn provable_group(&self, meta: &Meta) -> Option<i32>;
-    /// Sends `sig` to process group `group` (only ever one [`Outbound::provable_group`] just
+    /// Sends `sig` to process group `group` (only ever one [`World::provable_group`] just
     /// returned).
     fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()>;
     /// The supervisor's exit record of workload `id`, if it wrote one.
@@ -78,65 +61,42 @@ pub trait Outbound {
     fn supervisor_stopped(&self, meta: &Meta) -> bool;
     /// SIGCONT to the workload's supervisor, if it is provably still the one it was (D66).
     fn continue_supervisor(&mut self, meta: &Meta) -> std::io::Result<()>;
-    /// Writes the workload's record.
-    fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()>;
-    /// A non-terminal workload status (R7), fire and forget.
-    fn workload_status(&mut self, wl: &TopicId, body: Value);
-    /// Sends a request to the backend; its correlation comes back.
-    fn request(&mut self, req: Request) -> Vec<u8>;
-    /// An HTTP job for the worker threads.
-    fn submit(&mut self, job: Job);
-    /// Ship what is left of the workloads' output now.
-    fn ship_logs(&mut self);
-    /// Report the end of workload `id` (it is no longer in the table), naming the result files
-    /// it left on disk (`left`); the loop answers with [`Table::completion_queued`].
-    fn report(
-        &mut self,
-        id: &str,
-        meta: Meta,
-        exit: Option<Exit>,
-        lost: Option<&'static str>,
-        left: Left,
-    );
-    /// Remove the reported workload's record from disk.
-    fn retire(&mut self, id: &str);
 }
 
-/// The result files a workload's end left on disk, each list named by its completion.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct Left {
-    /// D61: loose files it could have written, none of its own for sure.
-    pub unattributed: Vec<String>,
-    /// D68: its own result files, not uploaded (given up on, past the deadline, cancelled).
-    pub not_uploaded: Vec<String>,
+/// The [`World`] of this host: procinfo, and the exit records in the state dir.
+pub struct Procs<'a> {
+    pub layout: &'a Layout,
 }
 
-/// The uploads' way out: the table's [`Outbound`].
-struct Via<'a>(&'a mut dyn Outbound);
+impl World for Procs<'_> {
+    fn provable_group(&self, meta: &Meta) -> Option<i32> {
+        let st = meta.started.as_ref()?;
+        // A supervisor is a session leader below the node: never session 0 or 1.
+        (st.boot_id == procinfo::boot_id()
+            && st.shim_pid > 1
+            && procinfo::group_members(st.pid, st.shim_pid) > 0)
+            .then_some(st.pid)
+    }
 
-impl uploads::Out for Via<'_> {
-    fn connected(&self) -> bool {
-        self.0.connected()
+    fn signal_group(&mut self, group: i32, sig: i32) -> std::io::Result<()> {
+        procinfo::signal_group(group, sig)
     }
-    fn workload_status(&mut self, wl: &TopicId, body: Value) {
-        self.0.workload_status(wl, body);
+
+    fn exit_record(&self, id: &str) -> Option<Exit> {
+        workload::load_exit(&self.layout.dir(id))
     }
-    fn ask_signed_url(&mut self, id: &str, wl: &TopicId, filename: &str) {
-        let _ = self.0.request(Request::SignedUrl {
-            id: id.to_string(),
-            wl: wl.clone(),
-            filename: filename.to_string(),
-        });
+
+    fn supervisor_stopped(&self, meta: &Meta) -> bool {
+        meta.started
+            .as_ref()
+            .is_some_and(|st| procinfo::stopped(st.shim_pid, st.shim_start_ticks))
     }
-    fn tell_uploaded(&mut self, id: &str, wl: &TopicId, body: Value) {
-        let _ = self.0.request(Request::UploadResults {
-            id: id.to_string(),
-            wl: wl.clone(),
-            body,
-        });
-    }
-    fn submit(&mut self, job: Job) {
-        self.0.submit(job);
+
+    fn continue_supervisor(&mut self, meta: &Meta) -> std::io::Result<()> {
+        let Some(st) = meta.started.as_ref() else {
+            return Ok(());
+        };
+        procinfo::signal_process(st.shim_pid, st.shim_start_ticks, libc::SIGCONT)
     }
 }
 
@@ -323,7 +283,8 @@ impl Table {
         grace: Duration,
         timed_out: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        w: &mut dyn World,
+        fx: &mut Fx,
     ) -> Result<String, String> {
         let Some(a) = self.active.get_mut(id) else {
             return Err("No active workload found".into());
@@ -339,7 +300,7 @@ impl Table {
             {
                 // D68: what is not uploaded stays on disk, and the completion goes out now.
                 let left = self.uploads.left(id);
-                self.advance(id, Event::UploadsDone, now, out);
+                self.advance(id, Event::UploadsDone, now, w, fx);
                 return Ok(format!(
                     "Workload already finished; its result uploads were abandoned: {left} file(s) stay on disk, named in its completion's results_not_uploaded"
                 ));
@@ -351,8 +312,8 @@ impl Table {
             // asked for now goes out now.
             let first = c.signal.clone();
             if sig == libc::SIGKILL {
-                if let Some(g) = out.provable_group(&a.meta) {
-                    out.signal_group(g, sig)
+                if let Some(g) = w.provable_group(&a.meta) {
+                    w.signal_group(g, sig)
                         .map_err(|e| format!("Failed to cancel workload: {e}"))?;
                 }
                 return Ok(format!(
@@ -363,8 +324,8 @@ impl Table {
                 "Workload is already being cancelled with {first}; anything left of it gets SIGKILL at the original deadline"
             ));
         }
-        let sent = match out.provable_group(&a.meta) {
-            Some(g) => out.signal_group(g, sig),
+        let sent = match w.provable_group(&a.meta) {
+            Some(g) => w.signal_group(g, sig),
             // Its group is gone: the exit is about to be noticed, and reported as it was.
             None => return Ok(format!("Process {pid} was already terminated")),
         };
@@ -392,10 +353,11 @@ impl Table {
             stale: false,
             reason: None,
         });
-        if let Err(e) = out.save_meta(&a.meta) {
-            log::warn!("workload {}: cannot record the cancel: {e}", shown(id));
-        }
-        self.advance(id, Event::Cancelled { grace }, now, out);
+        fx.push(Effect::SaveMeta {
+            meta: Box::new(a.meta.clone()),
+            what: "the cancel",
+        });
+        self.advance(id, Event::Cancelled { grace }, now, w, fx);
         Ok(message)
     }
 
@@ -406,7 +368,8 @@ impl Table {
         reason: &str,
         kill_after: Duration,
         now: Instant,
-        out: &mut dyn Outbound,
+        w: &mut dyn World,
+        fx: &mut Fx,
     ) -> usize {
         let ids: Vec<String> = self
             .active
@@ -416,16 +379,17 @@ impl Table {
             .collect();
         let mut n = 0usize;
         for id in ids {
-            match self.cancel(&id, libc::SIGTERM, "SIGTERM", kill_after, false, now, out) {
+            match self.cancel(&id, libc::SIGTERM, "SIGTERM", kill_after, false, now, w, fx) {
                 Ok(_) => n = n.saturating_add(1),
                 Err(e) => log::warn!("cannot stop workload {}: {e}", shown(&id)),
             }
             if let Some(a) = self.active.get_mut(&id) {
                 if let Some(c) = a.meta.cancel.as_mut() {
                     c.reason = Some(reason.to_string());
-                    if let Err(e) = out.save_meta(&a.meta) {
-                        log::warn!("workload {}: cannot record the cancel: {e}", shown(&id));
-                    }
+                    fx.push(Effect::SaveMeta {
+                        meta: Box::new(a.meta.clone()),
+                        what: "the cancel",
+                    });
                 }
             }
         }
@@ -443,7 +407,13 @@ impl Table {
     /// D70: a second SIGTERM to a container's main process while it stops its workloads: SIGKILL
     /// now to what is left of each one, `reason` in each completion (the grace it names is the
     /// time the workload had). Returns how many still ran.
-    pub fn kill_all_now(&mut self, reason: &str, now: Instant, out: &mut dyn Outbound) -> usize {
+    pub fn kill_all_now(
+        &mut self,
+        reason: &str,
+        now: Instant,
+        w: &mut dyn World,
+        fx: &mut Fx,
+    ) -> usize {
         let ids: Vec<String> = self
             .active
             .iter()
@@ -456,16 +426,17 @@ impl Table {
                 c.grace_s = (had * 10.0).round() / 10.0;
             }
             let sig = (libc::SIGKILL, "SIGKILL");
-            if let Err(e) = self.cancel(id, sig.0, sig.1, Duration::ZERO, false, now, out) {
+            if let Err(e) = self.cancel(id, sig.0, sig.1, Duration::ZERO, false, now, w, fx) {
                 log::warn!("cannot kill workload {}: {e}", shown(id));
             }
             if let Some(a) = self.active.get_mut(id) {
                 if let Some(c) = a.meta.cancel.as_mut() {
                     c.reason = Some(reason.to_string());
                 }
-                if let Err(e) = out.save_meta(&a.meta) {
-                    log::warn!("workload {}: cannot record the kill: {e}", shown(id));
-                }
+                fx.push(Effect::SaveMeta {
+                    meta: Box::new(a.meta.clone()),
+                    what: "the kill",
+                });
             }
         }
         ids.len()
@@ -477,16 +448,18 @@ impl Table {
         id: &str,
         grace: Duration,
         now: Instant,
-        out: &mut dyn Outbound,
+        w: &mut dyn World,
+        fx: &mut Fx,
     ) -> Result<(), String> {
-        self.cancel(id, libc::SIGTERM, "SIGTERM", grace, false, now, out)?;
+        self.cancel(id, libc::SIGTERM, "SIGTERM", grace, false, now, w, fx)?;
         if let Some(a) = self.active.get_mut(id) {
             if let Some(c) = a.meta.cancel.as_mut() {
                 c.stale = true;
             }
-            if let Err(e) = out.save_meta(&a.meta) {
-                log::warn!("workload {}: cannot record the stale mark: {e}", shown(id));
-            }
+            fx.push(Effect::SaveMeta {
+                meta: Box::new(a.meta.clone()),
+                what: "the stale mark",
+            });
         }
         Ok(())
     }
@@ -495,22 +468,29 @@ impl Table {
 
     /// The supervisor of workload `id` ended (the reaper reports each one the loop handed it,
     /// fresh or re-adopted, once it is in the table).
-    pub fn on_reaped(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+    pub fn on_reaped(&mut self, id: &str, now: Instant, w: &mut dyn World, fx: &mut Fx) {
         if !self.active.contains_key(id) {
             return log::debug!("the supervisor of {} ended; not tracked", shown(id));
         }
         log::debug!("the supervisor of workload {} exited", shown(id));
-        let exit = out.exit_record(id);
-        self.on_exit(id, exit, now, out);
+        let exit = w.exit_record(id);
+        self.on_exit(id, exit, now, w, fx);
     }
 
     /// The workload's supervisor ended (`exit` is its record, if it wrote one).
-    fn on_exit(&mut self, id: &str, exit: Option<Exit>, now: Instant, out: &mut dyn Outbound) {
+    fn on_exit(
+        &mut self,
+        id: &str,
+        exit: Option<Exit>,
+        now: Instant,
+        w: &mut dyn World,
+        fx: &mut Fx,
+    ) {
         log::debug!("workload {} ended: {exit:?}", shown(id));
         let Some(a) = self.active.get(id) else {
             return;
         };
-        let group_alive = out.provable_group(&a.meta).is_some();
+        let group_alive = w.provable_group(&a.meta).is_some();
         if group_alive && exit.is_none() {
             // D27: the supervisor was killed; the workload stays tracked, counted and
             // cancellable until its group is empty.
@@ -527,9 +507,9 @@ impl Table {
                 exit,
                 reason: SALVAGED,
             };
-            return self.advance(id, event, now, out);
+            return self.advance(id, event, now, w, fx);
         }
-        self.advance(id, Event::SupervisorEnded { exit, group_alive }, now, out);
+        self.advance(id, Event::SupervisorEnded { exit, group_alive }, now, w, fx);
     }
 
     /// A workload known to have ended (found at recovery): ship what is left of its logs, then
@@ -540,7 +520,8 @@ impl Table {
         exit: Option<Exit>,
         lost: Option<&'static str>,
         now: Instant,
-        out: &mut dyn Outbound,
+        w: &mut dyn World,
+        fx: &mut Fx,
     ) {
         let salvaged = self
             .active
@@ -557,12 +538,19 @@ impl Table {
                 group_alive: false,
             },
         };
-        self.advance(id, event, now, out);
+        self.advance(id, event, now, w, fx);
     }
 
     /// Feeds `event` to the workload's lifecycle ([`lifecycle::step`]) and carries out what it
     /// says. The only place a workload's phase changes.
-    pub fn advance(&mut self, id: &str, event: Event, now: Instant, out: &mut dyn Outbound) {
+    pub fn advance(
+        &mut self,
+        id: &str,
+        event: Event,
+        now: Instant,
+        w: &mut dyn World,
+        fx: &mut Fx,
+    ) {
         let Some(a) = self.active.get_mut(id) else {
             return;
         };
@@ -572,16 +560,16 @@ impl Table {
             match action {
                 Action::KillGroup => {
                     if let Some(a) = self.active.get(id) {
-                        if let Some(g) = out.provable_group(&a.meta) {
+                        if let Some(g) = w.provable_group(&a.meta) {
                             log::warn!(
                                 "workload pid {} outlived its grace period; SIGKILL to its process group",
                                 a.meta.pid()
                             );
-                            let _ = out.signal_group(g, libc::SIGKILL);
+                            let _ = w.signal_group(g, libc::SIGKILL);
                         }
                     }
                 }
-                Action::ShipLogs => out.ship_logs(),
+                Action::ShipLogs => fx.push(Effect::ShipLogs),
                 Action::StartUploads => {
                     let exit = match self.active.get(id).map(|a| &a.phase) {
                         Some(Phase::Uploading { exit }) => exit.clone(),
@@ -589,22 +577,27 @@ impl Table {
                     };
                     let tracked = self.tracked();
                     let begun = self.active.get(id).is_some_and(|a| {
-                        let via = &mut Via(&mut *out);
                         self.uploads
-                            .begin(id, &a.meta, exit.as_ref(), &tracked, now, via)
+                            .begin(id, &a.meta, exit.as_ref(), &tracked, now, fx)
                     });
                     if !begun {
-                        self.advance(id, Event::UploadsDone, now, out);
+                        self.advance(id, Event::UploadsDone, now, w, fx);
                     }
                 }
                 Action::Report { exit, lost } => {
                     let tracked = self.tracked();
-                    let left = Left {
+                    let left = LeftOnDisk {
                         unattributed: self.uploads.unattributed(id, &tracked),
                         not_uploaded: self.uploads.not_uploaded(id),
                     };
                     if let Some(a) = self.active.remove(id) {
-                        out.report(id, a.meta, exit, lost, left);
+                        fx.push(Effect::Report {
+                            id: id.to_string(),
+                            meta: Box::new(a.meta),
+                            exit,
+                            lost,
+                            left,
+                        });
                     }
                 }
             }
@@ -612,10 +605,10 @@ impl Table {
     }
 
     /// The tracked workloads, as the uploads see them.
-    fn tracked(&self) -> Vec<super::uploads::Tracked> {
+    fn tracked(&self) -> Vec<super::uploads::Owner> {
         self.active
             .iter()
-            .map(|(id, a)| super::uploads::Tracked {
+            .map(|(id, a)| super::uploads::Owner {
                 id: id.clone(),
                 uid: a.meta.uid,
             })
@@ -627,20 +620,19 @@ impl Table {
     /// The loop queued the completion of `id`: with `held` None it is on disk and the record
     /// goes now; with `Some(seq)` the outbox could not write it, and the record stays until the
     /// backend acknowledged `seq`, so a restart still knows of the workload.
-    pub fn completion_queued(&mut self, id: &str, held: Option<u64>, out: &mut dyn Outbound) {
+    pub fn completion_queued(&mut self, id: &str, held: Option<u64>) -> Option<Effect> {
         match held {
             Some(seq) => {
                 self.retire_on_ack.insert(seq, id.to_string());
+                None
             }
-            None => out.retire(id),
+            None => Some(Effect::Retire(id.to_string())),
         }
     }
 
     /// The backend acknowledged outbox message `seq`.
-    pub fn acknowledged(&mut self, seq: u64, out: &mut dyn Outbound) {
-        if let Some(id) = self.retire_on_ack.remove(&seq) {
-            out.retire(&id);
-        }
+    pub fn acknowledged(&mut self, seq: u64) -> Option<Effect> {
+        self.retire_on_ack.remove(&seq).map(Effect::Retire)
     }
 
     // ---- result uploads ([`Uploads`]) --------------------------------------------------------
@@ -661,31 +653,37 @@ impl Table {
         id: &str,
         body: Option<Value>,
         now: Instant,
-        out: &mut dyn Outbound,
+        w: &mut dyn World,
+        fx: &mut Fx,
     ) {
-        let over = self
-            .uploads
-            .on_signed_url_reply(id, body, now, &mut Via(&mut *out));
-        self.uploads_over(over, now, out);
+        let over = self.uploads.on_signed_url_reply(id, body, now, fx);
+        self.uploads_over(over, now, w, fx);
     }
 
     /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback).
-    pub fn on_upload_reply(&mut self, id: &str, ok: bool, now: Instant, out: &mut dyn Outbound) {
-        if self.uploads.on_upload_reply(id, ok, &mut Via(&mut *out)) {
-            self.advance(id, Event::UploadsDone, now, out);
+    pub fn on_upload_reply(
+        &mut self,
+        id: &str,
+        ok: bool,
+        now: Instant,
+        w: &mut dyn World,
+        fx: &mut Fx,
+    ) {
+        if self.uploads.on_upload_reply(id, ok, fx) {
+            self.advance(id, Event::UploadsDone, now, w, fx);
         }
     }
 
     /// A worker's answer to an upload job (other answers are not the table's: ignored).
-    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Outbound) {
-        let over = self.uploads.on_worker_done(done, now, &mut Via(&mut *out));
-        self.uploads_over(over, now, out);
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, w: &mut dyn World, fx: &mut Fx) {
+        let over = self.uploads.on_worker_done(done, now, fx);
+        self.uploads_over(over, now, w, fx);
     }
 
     /// The workloads whose uploads are over move on.
-    fn uploads_over(&mut self, ids: Vec<String>, now: Instant, out: &mut dyn Outbound) {
+    fn uploads_over(&mut self, ids: Vec<String>, now: Instant, w: &mut dyn World, fx: &mut Fx) {
         for id in ids {
-            self.advance(&id, Event::UploadsDone, now, out);
+            self.advance(&id, Event::UploadsDone, now, w, fx);
         }
     }
 
@@ -693,12 +691,12 @@ impl Table {
 
     /// Everything due at `now`: max runtime, escalation and drain deadlines, logs that finished
     /// draining (`drained`: the loop's verdict, by safe id), upload retries and lingering groups.
-    pub fn tick(&mut self, now: Instant, drained: &[String], out: &mut dyn Outbound) {
+    pub fn tick(&mut self, now: Instant, drained: &[String], w: &mut dyn World, fx: &mut Fx) {
         let active = &self.active;
         self.uploads.retain(|id| active.contains_key(id));
         // Upload retries that fell due.
-        let over = self.uploads.pump_all(now, &mut Via(&mut *out));
-        self.uploads_over(over, now, out);
+        let over = self.uploads.pump_all(now, fx);
+        self.uploads_over(over, now, w, fx);
         let ids: Vec<String> = self.active.keys().cloned().collect();
         for id in ids {
             let Some(a) = self.active.get(&id) else {
@@ -717,31 +715,40 @@ impl Table {
                 if let Some(a) = self.active.get_mut(&id) {
                     a.runtime_deadline = None;
                 }
-                let _ = self.cancel(&id, libc::SIGTERM, "SIGTERM", DEFAULT_GRACE, true, now, out);
+                let _ = self.cancel(
+                    &id,
+                    libc::SIGTERM,
+                    "SIGTERM",
+                    DEFAULT_GRACE,
+                    true,
+                    now,
+                    w,
+                    fx,
+                );
                 continue;
             }
             // Deadlines of its phase (escalation, drain limit).
             if a.phase.deadline().is_some_and(|t| now >= t) {
-                self.advance(&id, Event::Tick, now, out);
+                self.advance(&id, Event::Tick, now, w, fx);
             }
             let Some(a) = self.active.get(&id) else {
                 continue;
             };
             match &a.phase {
                 Phase::Draining { .. } if drained.contains(&id) => {
-                    self.advance(&id, Event::LogsDrained, now, out);
+                    self.advance(&id, Event::LogsDrained, now, w, fx);
                 }
                 Phase::Lingering { .. } if now >= a.next_check => {
-                    let gone = out.provable_group(&a.meta).is_none();
+                    let gone = w.provable_group(&a.meta).is_none();
                     if let Some(a) = self.active.get_mut(&id) {
                         a.next_check = crate::util::later(now, LINGER_CHECK);
                     }
                     if gone {
-                        self.advance(&id, Event::GroupEmpty, now, out);
+                        self.advance(&id, Event::GroupEmpty, now, w, fx);
                     }
                 }
                 Phase::Running | Phase::Cancelling { .. } if now >= a.supervisor_check => {
-                    self.check_supervisor(&id, now, out);
+                    self.check_supervisor(&id, now, w, fx);
                 }
                 _ => {}
             }
@@ -753,12 +760,12 @@ impl Table {
     /// workload has nothing left but zombies gets SIGCONT, then reaps and reports it as usual;
     /// found stopped again with nothing left, the workload counts as ended (reported once). A
     /// workload that still runs keeps its supervisor as it is: it is running.
-    fn check_supervisor(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+    fn check_supervisor(&mut self, id: &str, now: Instant, w: &mut dyn World, fx: &mut Fx) {
         let Some(a) = self.active.get_mut(id) else {
             return;
         };
         a.supervisor_check = crate::util::later(now, SUPERVISOR_CHECK);
-        if !out.supervisor_stopped(&a.meta) || out.provable_group(&a.meta).is_some() {
+        if !w.supervisor_stopped(&a.meta) || w.provable_group(&a.meta).is_some() {
             return;
         }
         let (kind, rid, shim) = (
@@ -772,7 +779,7 @@ impl Table {
             log::warn!(
                 "the supervisor of {kind} {rid} (pid {shim}) is stopped and nothing of its workload runs any more; SIGCONT to it, so that it reaps and reports the workload"
             );
-            if let Err(e) = out.continue_supervisor(&a.meta) {
+            if let Err(e) = w.continue_supervisor(&a.meta) {
                 log::warn!("cannot continue the supervisor of {rid} (pid {shim}): {e}");
             }
             return;
@@ -780,7 +787,7 @@ impl Table {
         log::error!(
             "the supervisor of {kind} {rid} (pid {shim}) is stopped again and nothing of its workload runs any more; reporting its end"
         );
-        let event = match out.exit_record(id) {
+        let event = match w.exit_record(id) {
             Some(exit) => Event::SupervisorEnded {
                 exit: Some(exit),
                 group_alive: false,
@@ -790,44 +797,33 @@ impl Table {
                 reason: SUPERVISOR_STOPPED,
             },
         };
-        self.advance(id, event, now, out);
+        self.advance(id, event, now, w, fx);
     }
 }
 
 #[cfg(test)]
 pub(crate) mod fake {
-    //! A recording [`Outbound`] whose process world is a few sets.
+    //! A [`World`] whose processes are a few sets, and the readings of a table's effects.
 
     use std::collections::{BTreeMap, BTreeSet};
 
     use super::*;
+    use crate::protocol::commands::TopicId;
+    use crate::workers::Job;
 
     #[derive(Default)]
-    pub struct Fake {
-        pub connected: bool,
+    pub struct FakeProcs {
         /// Safe ids whose group is provably theirs (group = pid).
         pub provable: BTreeSet<String>,
         pub exits: BTreeMap<String, Exit>,
         pub signals: Vec<(i32, i32)>,
-        pub saved: Vec<String>,
-        pub statuses: Vec<(String, Value)>,
-        pub requests: Vec<Request>,
-        pub jobs: Vec<Job>,
-        pub shipped: u32,
-        pub reports: Vec<(String, Option<Exit>, Option<&'static str>)>,
-        pub unattributed: Vec<(String, Vec<String>)>,
-        pub not_uploaded: Vec<(String, Vec<String>)>,
-        pub retired: Vec<String>,
         /// Safe ids whose supervisor is stopped.
         pub stopped: BTreeSet<String>,
         /// Safe ids whose supervisor got SIGCONT.
         pub continued: Vec<String>,
     }
 
-    impl Outbound for Fake {
-        fn connected(&self) -> bool {
-            self.connected
-        }
+    impl World for FakeProcs {
         fn provable_group(&self, meta: &Meta) -> Option<i32> {
             self.provable.contains(&meta.safe_id).then(|| meta.pid())
         }
@@ -845,45 +841,103 @@ pub(crate) mod fake {
             self.continued.push(meta.safe_id.clone());
             Ok(())
         }
-        fn save_meta(&mut self, meta: &Meta) -> std::io::Result<()> {
-            self.saved.push(meta.safe_id.clone());
-            Ok(())
+    }
+
+    /// A request the table asked for, as the tests read it.
+    #[derive(Debug, Clone, PartialEq)]
+    pub enum Asked {
+        /// R9: a signed URL for one result file of workload `id`.
+        SignedUrl {
+            id: String,
+            wl: TopicId,
+            filename: String,
+        },
+        /// R10: the backend is told which result files were uploaded.
+        UploadResults {
+            id: String,
+            wl: TopicId,
+            body: Value,
+        },
+    }
+
+    /// The fake world and every effect the table asked for so far.
+    #[derive(Default)]
+    pub struct FakeWorld {
+        pub w: FakeProcs,
+        pub fx: Fx,
+    }
+
+    impl FakeWorld {
+        fn each<T>(&self, f: impl FnMut(&Effect) -> Option<T>) -> Vec<T> {
+            self.fx.list.iter().filter_map(f).collect()
         }
-        fn workload_status(&mut self, wl: &TopicId, body: Value) {
-            self.statuses.push((wl.to_string(), body));
+        pub fn saved(&self) -> Vec<String> {
+            self.each(|e| match e {
+                Effect::SaveMeta { meta, .. } => Some(meta.safe_id.clone()),
+                _ => None,
+            })
         }
-        fn request(&mut self, req: Request) -> Vec<u8> {
-            self.requests.push(req);
-            vec![u8::try_from(self.requests.len() % 256).unwrap_or(0)]
+        pub fn statuses(&self) -> Vec<(String, Value)> {
+            self.each(|e| match e {
+                Effect::WorkloadStatus { wl, body } => Some((wl.to_string(), body.clone())),
+                _ => None,
+            })
         }
-        fn submit(&mut self, job: Job) {
-            self.jobs.push(job);
+        pub fn requests(&self) -> Vec<Asked> {
+            self.each(|e| match e {
+                Effect::AskSignedUrl { id, wl, filename } => Some(Asked::SignedUrl {
+                    id: id.clone(),
+                    wl: wl.clone(),
+                    filename: filename.clone(),
+                }),
+                Effect::TellUploaded { id, wl, body } => Some(Asked::UploadResults {
+                    id: id.clone(),
+                    wl: wl.clone(),
+                    body: body.clone(),
+                }),
+                _ => None,
+            })
         }
-        fn ship_logs(&mut self) {
-            self.shipped += 1;
+        pub fn jobs(&self) -> Vec<&Job> {
+            self.fx
+                .list
+                .iter()
+                .filter_map(|e| match e {
+                    Effect::Submit(j) => Some(j),
+                    _ => None,
+                })
+                .collect()
         }
-        fn report(
-            &mut self,
-            id: &str,
-            _: Meta,
-            exit: Option<Exit>,
-            lost: Option<&'static str>,
-            left: Left,
-        ) {
-            self.reports.push((id.to_string(), exit, lost));
-            self.unattributed.push((id.to_string(), left.unattributed));
-            self.not_uploaded.push((id.to_string(), left.not_uploaded));
+        pub fn shipped(&self) -> usize {
+            self.each(|e| matches!(e, Effect::ShipLogs).then_some(()))
+                .len()
         }
-        fn retire(&mut self, id: &str) {
-            self.retired.push(id.to_string());
+        pub fn reports(&self) -> Vec<(String, Option<Exit>, Option<&'static str>)> {
+            self.each(|e| match e {
+                Effect::Report { id, exit, lost, .. } => Some((id.clone(), exit.clone(), *lost)),
+                _ => None,
+            })
+        }
+        pub fn not_uploaded(&self) -> Vec<(String, Vec<String>)> {
+            self.each(|e| match e {
+                Effect::Report { id, left, .. } => Some((id.clone(), left.not_uploaded.clone())),
+                _ => None,
+            })
+        }
+        pub fn retired(&self) -> Vec<String> {
+            self.each(|e| match e {
+                Effect::Retire(id) => Some(id.clone()),
+                _ => None,
+            })
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::fake::Fake;
+    use super::fake::{Asked, FakeWorld};
     use super::*;
+    use crate::workers::Job;
     use crate::workload::shim::Started;
 
     const TERM: i32 = libc::SIGTERM;
@@ -949,16 +1003,16 @@ mod tests {
 
     /// A table with one running child workload "w" (pid 100, supervisor 99) whose group is
     /// provably its own, and no results folder.
-    fn one(t0: Instant, max_runtime_s: Option<f64>) -> (Table, Fake) {
+    fn one(t0: Instant, max_runtime_s: Option<f64>) -> (Table, FakeWorld) {
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
         t.insert("w".into(), Active::new(meta("w", 100, max_runtime_s), t0));
-        let mut f = Fake::default();
-        f.provable.insert("w".into());
-        f.connected = true;
+        let mut f = FakeWorld::default();
+        f.w.provable.insert("w".into());
+        f.fx.connected = true;
         (t, f)
     }
 
-    fn cancel(t: &mut Table, f: &mut Fake, sig: i32, grace_ms: u64, now: Instant) -> String {
+    fn cancel(t: &mut Table, f: &mut FakeWorld, sig: i32, grace_ms: u64, now: Instant) -> String {
         let name = if sig == KILL { "SIGKILL" } else { "SIGTERM" };
         t.cancel(
             "w",
@@ -967,7 +1021,8 @@ mod tests {
             Duration::from_millis(grace_ms),
             false,
             now,
-            f,
+            &mut f.w,
+            &mut f.fx,
         )
         .unwrap_or_else(|e| panic!("{e}"))
     }
@@ -978,15 +1033,15 @@ mod tests {
         let (mut t, mut f) = one(t0, None);
         let msg = cancel(&mut t, &mut f, TERM, 1000, t0);
         assert_eq!(msg, "Workload cancelled with SIGTERM");
-        assert_eq!(f.signals, vec![(100, TERM)]);
-        assert_eq!(f.saved, vec!["w".to_string()], "the cancel is recorded");
+        assert_eq!(f.w.signals, vec![(100, TERM)]);
+        assert_eq!(f.saved(), vec!["w".to_string()], "the cancel is recorded");
         assert_eq!(t.next_due(), Some(at(t0, 1000)));
-        t.tick(at(t0, 999), &[], &mut f);
-        assert_eq!(f.signals.len(), 1, "nothing before the deadline");
-        t.tick(at(t0, 1000), &[], &mut f);
-        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
-        t.tick(at(t0, 5000), &[], &mut f);
-        assert_eq!(f.signals.len(), 2, "SIGKILL goes once");
+        t.tick(at(t0, 999), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals.len(), 1, "nothing before the deadline");
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals, vec![(100, TERM), (100, KILL)]);
+        t.tick(at(t0, 5000), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals.len(), 2, "SIGKILL goes once");
         assert_eq!(t.next_due(), None, "no deadline left to spin on");
     }
 
@@ -1000,10 +1055,10 @@ mod tests {
             msg.contains("already being cancelled with SIGTERM"),
             "{msg}"
         );
-        assert_eq!(f.signals, vec![(100, TERM)]);
+        assert_eq!(f.w.signals, vec![(100, TERM)]);
         assert_eq!(t.next_due(), Some(at(t0, 1000)), "the original deadline");
-        t.tick(at(t0, 1000), &[], &mut f);
-        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals, vec![(100, TERM), (100, KILL)]);
     }
 
     #[test]
@@ -1013,7 +1068,7 @@ mod tests {
         cancel(&mut t, &mut f, TERM, 1000, t0);
         let msg = cancel(&mut t, &mut f, KILL, 0, at(t0, 10));
         assert!(msg.contains("SIGKILL sent"), "{msg}");
-        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+        assert_eq!(f.w.signals, vec![(100, TERM), (100, KILL)]);
         assert_eq!(t.next_due(), Some(at(t0, 1000)));
     }
 
@@ -1023,40 +1078,40 @@ mod tests {
         let (mut t, mut f) = one(t0, Some(2.0));
         let due = t.next_due().unwrap_or_else(|| panic!("a runtime deadline"));
         assert!(due > at(t0, 1900) && due <= at(t0, 2000), "{due:?}");
-        t.tick(at(t0, 1000), &[], &mut f);
-        assert!(f.signals.is_empty());
-        t.tick(due, &[], &mut f);
-        assert_eq!(f.signals, vec![(100, TERM)]);
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
+        assert!(f.w.signals.is_empty());
+        t.tick(due, &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals, vec![(100, TERM)]);
         let a = t.get("w").unwrap_or_else(|| panic!("tracked"));
         assert!(a.meta.cancel.as_ref().is_some_and(|c| c.timed_out));
         let kill_at = due + DEFAULT_GRACE;
         assert_eq!(t.next_due(), Some(kill_at), "only the escalation is due");
-        t.tick(kill_at - Duration::from_millis(1), &[], &mut f);
-        assert_eq!(f.signals.len(), 1);
-        t.tick(kill_at, &[], &mut f);
-        assert_eq!(f.signals, vec![(100, TERM), (100, KILL)]);
+        t.tick(kill_at - Duration::from_millis(1), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals.len(), 1);
+        t.tick(kill_at, &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.signals, vec![(100, TERM), (100, KILL)]);
     }
 
     #[test]
     fn a_cancel_after_the_exit_is_answered_already_finished_and_signals_nothing() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        f.exits.insert("w".into(), exit(0));
+        f.w.exits.insert("w".into(), exit(0));
         // The supervisor ends with the group gone; the pid could be anyone's now.
-        f.provable.clear();
-        t.on_reaped("w", at(t0, 5), &mut f);
-        assert_eq!(f.shipped, 1, "its logs are shipped");
-        f.provable.insert("w".into()); // even a group that looks like it is not signalled
+        f.w.provable.clear();
+        t.on_reaped("w", at(t0, 5), &mut f.w, &mut f.fx);
+        assert_eq!(f.shipped(), 1, "its logs are shipped");
+        f.w.provable.insert("w".into()); // even a group that looks like it is not signalled
         let msg = cancel(&mut t, &mut f, TERM, 1000, at(t0, 10));
         assert_eq!(
             msg,
             "Workload already finished; its completion reports how it ended"
         );
-        assert!(f.signals.is_empty());
+        assert!(f.w.signals.is_empty());
         assert!(t.get("w").is_some_and(|a| a.meta.cancel.is_none()));
         // Its logs drain: reported once, as the success it was (no results to upload).
-        t.tick(at(t0, 20), &["w".to_string()], &mut f);
-        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        t.tick(at(t0, 20), &["w".to_string()], &mut f.w, &mut f.fx);
+        assert_eq!(f.reports(), vec![("w".to_string(), Some(exit(0)), None)]);
         assert!(t.is_empty());
     }
 
@@ -1064,19 +1119,19 @@ mod tests {
     fn a_group_that_can_no_longer_be_proven_is_never_signalled() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, Some(1.0));
-        f.provable.clear();
+        f.w.provable.clear();
         let msg = cancel(&mut t, &mut f, TERM, 1000, t0);
         assert_eq!(msg, "Process 100 was already terminated");
         assert!(t.get("w").is_some_and(|a| a.phase == Phase::Running));
         // Nor by the max runtime, nor by an escalation whose group vanished meanwhile.
-        t.tick(at(t0, 1000), &[], &mut f);
-        assert!(f.signals.is_empty());
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
+        assert!(f.w.signals.is_empty());
         let (mut t, mut f) = one(t0, None);
         cancel(&mut t, &mut f, TERM, 1000, t0);
-        f.provable.clear();
-        t.tick(at(t0, 1000), &[], &mut f);
+        f.w.provable.clear();
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
         assert_eq!(
-            f.signals,
+            f.w.signals,
             vec![(100, TERM)],
             "no SIGKILL to a group not proven"
         );
@@ -1086,26 +1141,30 @@ mod tests {
     fn a_killed_supervisor_lingers_counted_then_is_reported_lost_when_its_group_empties() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        t.on_reaped("w", at(t0, 1), &mut f); // no exit record, group alive
+        t.on_reaped("w", at(t0, 1), &mut f.w, &mut f.fx); // no exit record, group alive
         assert!(matches!(
             t.get("w").map(|a| &a.phase),
             Some(Phase::Lingering { .. })
         ));
         assert_eq!(t.len(), 1, "still counted");
         assert_eq!(t.next_due(), Some(t0), "its group is checked");
-        t.tick(at(t0, 2), &[], &mut f);
-        assert!(f.reports.is_empty(), "its group still runs");
+        t.tick(at(t0, 2), &[], &mut f.w, &mut f.fx);
+        assert!(f.reports().is_empty(), "its group still runs");
         assert_eq!(t.next_due(), Some(at(t0, 252)));
         cancel(&mut t, &mut f, TERM, 1000, at(t0, 100));
-        assert_eq!(f.signals, vec![(100, TERM)], "cancellable while it lingers");
-        f.provable.clear();
-        t.tick(at(t0, 252), &[], &mut f);
-        t.tick(at(t0, 253), &["w".to_string()], &mut f);
         assert_eq!(
-            f.reports,
+            f.w.signals,
+            vec![(100, TERM)],
+            "cancellable while it lingers"
+        );
+        f.w.provable.clear();
+        t.tick(at(t0, 252), &[], &mut f.w, &mut f.fx);
+        t.tick(at(t0, 253), &["w".to_string()], &mut f.w, &mut f.fx);
+        assert_eq!(
+            f.reports(),
             vec![("w".to_string(), None, Some(lifecycle::SUPERVISOR_KILLED))]
         );
-        assert_eq!(f.signals.len(), 1, "no SIGKILL to an empty group");
+        assert_eq!(f.w.signals.len(), 1, "no SIGKILL to an empty group");
     }
 
     /// Fresh or re-adopted, a running workload has no timer of its own (the reaper thread says
@@ -1115,17 +1174,17 @@ mod tests {
     fn a_supervisor_that_ended_without_a_record_is_lost_and_nothing_is_polled() {
         let t0 = Instant::now();
         let mut t = Table::new(cfg(PathBuf::from("/nonexistent/results")));
-        let mut f = Fake::default();
+        let mut f = FakeWorld::default();
         t.insert("w".into(), Active::new(meta("w", 100, None), t0));
         assert_eq!(t.next_due(), None, "nothing to poll while it runs");
-        t.on_reaped("x", t0, &mut f);
+        t.on_reaped("x", t0, &mut f.w, &mut f.fx);
         assert_eq!(t.get("w").map(|a| &a.phase), Some(&Phase::Running));
-        t.on_reaped("w", at(t0, 1), &mut f);
+        t.on_reaped("w", at(t0, 1), &mut f.w, &mut f.fx);
         assert!(matches!(
             t.get("w").map(|a| &a.phase),
             Some(Phase::Draining { lost: Some(_), .. })
         ));
-        assert!(f.reports.is_empty() && f.signals.is_empty());
+        assert!(f.reports().is_empty() && f.w.signals.is_empty());
     }
 
     #[test]
@@ -1133,19 +1192,19 @@ mod tests {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
         t.insert("v".into(), Active::new(meta("v", 200, None), t0));
-        f.provable.insert("v".into());
+        f.w.provable.insert("v".into());
         cancel(&mut t, &mut f, TERM, 1000, t0);
         assert_eq!(t.len(), 2, "running and cancelling count");
-        f.exits.insert("w".into(), exit(0));
-        f.provable.remove("w");
-        t.on_reaped("w", at(t0, 1), &mut f);
+        f.w.exits.insert("w".into(), exit(0));
+        f.w.provable.remove("w");
+        t.on_reaped("w", at(t0, 1), &mut f.w, &mut f.fx);
         assert!(t.get("w").is_some_and(Active::finished));
         assert_eq!(
             t.len(),
             2,
             "an exited workload holds its slot while it drains"
         );
-        t.tick(at(t0, 2), &["w".to_string()], &mut f);
+        t.tick(at(t0, 2), &["w".to_string()], &mut f.w, &mut f.fx);
         assert_eq!(t.len(), 1, "reported: the slot is free");
         assert_eq!(t.uploading(), 0);
     }
@@ -1154,22 +1213,22 @@ mod tests {
     fn a_completion_the_disk_refused_keeps_its_record_until_the_ack() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        t.completion_queued("w", Some(7), &mut f);
+        f.fx.list.extend(t.completion_queued("w", Some(7)));
         assert!(
-            f.retired.is_empty(),
+            f.retired().is_empty(),
             "the record stays while only memory holds it"
         );
-        t.acknowledged(6, &mut f);
+        f.fx.list.extend(t.acknowledged(6));
         assert!(
-            f.retired.is_empty(),
+            f.retired().is_empty(),
             "another message's ack changes nothing"
         );
-        t.acknowledged(7, &mut f);
-        assert_eq!(f.retired, vec!["w".to_string()]);
-        t.acknowledged(7, &mut f);
-        assert_eq!(f.retired.len(), 1, "retired once");
-        t.completion_queued("v", None, &mut f);
-        assert_eq!(f.retired, vec!["w".to_string(), "v".to_string()]);
+        f.fx.list.extend(t.acknowledged(7));
+        assert_eq!(f.retired(), vec!["w".to_string()]);
+        f.fx.list.extend(t.acknowledged(7));
+        assert_eq!(f.retired().len(), 1, "retired once");
+        f.fx.list.extend(t.completion_queued("v", None));
+        assert_eq!(f.retired(), vec!["w".to_string(), "v".to_string()]);
     }
 
     /// A results folder of its own for one test, with workload `w`'s files in it.
@@ -1185,16 +1244,14 @@ mod tests {
     }
 
     /// Workload `w` exited 0 with its logs shipped: its uploads begin at `now`.
-    fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, Fake) {
+    fn exited_ok(root: &std::path::Path, connected: bool, now: Instant) -> (Table, FakeWorld) {
         let mut t = Table::new(cfg(root.to_path_buf()));
         t.insert("w".into(), Active::new(meta("w", 100, None), now));
-        let mut f = Fake {
-            connected,
-            ..Fake::default()
-        };
-        f.exits.insert("w".into(), exit(0));
-        t.on_reaped("w", now, &mut f);
-        t.tick(now, &["w".to_string()], &mut f);
+        let mut f = FakeWorld::default();
+        f.fx.connected = connected;
+        f.w.exits.insert("w".into(), exit(0));
+        t.on_reaped("w", now, &mut f.w, &mut f.fx);
+        t.tick(now, &["w".to_string()], &mut f.w, &mut f.fx);
         (t, f)
     }
 
@@ -1202,9 +1259,9 @@ mod tests {
         serde_json::json!({"signed_url": format!("http://store/{name}"), "filename": format!("att-{name}")})
     }
 
-    fn last_signed_url_request(f: &Fake) -> Option<String> {
-        match f.requests.last() {
-            Some(Request::SignedUrl { filename, .. }) => Some(filename.clone()),
+    fn last_signed_url_request(f: &FakeWorld) -> Option<String> {
+        match f.requests().last().cloned() {
+            Some(Asked::SignedUrl { filename, .. }) => Some(filename.clone()),
             _ => None,
         }
     }
@@ -1215,29 +1272,35 @@ mod tests {
         let t0 = Instant::now();
         let root = results("retry", &["a.txt", "b.txt"]);
         let (mut t, mut f) = exited_ok(&root, true, t0);
-        assert_eq!(f.statuses.len(), 1);
-        assert_eq!(f.statuses[0].1["status"], "finalizing");
-        assert_eq!(f.statuses[0].1["file_count"], 2);
+        assert_eq!(f.statuses().len(), 1);
+        assert_eq!(f.statuses()[0].1["status"], "finalizing");
+        assert_eq!(f.statuses()[0].1["file_count"], 2);
         assert_eq!(t.uploading(), 1);
         assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
         // a.txt's URL first; b.txt's is asked for while a.txt is sent, and with two upload
         // workers b.txt goes beside it.
         assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
-        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f);
-        assert!(matches!(f.jobs.last(), Some(Job::Put { file: 0, .. })));
+        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f.w, &mut f.fx);
+        assert!(matches!(
+            f.jobs().last().copied(),
+            Some(Job::Put { file: 0, .. })
+        ));
         assert_eq!(
             last_signed_url_request(&f).as_deref(),
             Some("b.txt"),
             "the next URL while a.txt is sent"
         );
-        t.on_signed_url_reply("w", Some(signed("b.txt")), t0, &mut f);
-        assert!(matches!(f.jobs.last(), Some(Job::Put { file: 1, .. })));
+        t.on_signed_url_reply("w", Some(signed("b.txt")), t0, &mut f.w, &mut f.fx);
+        assert!(matches!(
+            f.jobs().last().copied(),
+            Some(Job::Put { file: 1, .. })
+        ));
         let ok = Done::Put {
             key: "w".into(),
             file: 1,
             result: Ok(()),
         };
-        t.on_worker_done(ok, t0, &mut f);
+        t.on_worker_done(ok, t0, &mut f.w, &mut f.fx);
         // Three attempts at a.txt, each PUT refused with a retriable error.
         let mut asked = vec![t0];
         let mut now = t0;
@@ -1245,8 +1308,11 @@ mod tests {
             if attempt > 1 {
                 assert_eq!(last_signed_url_request(&f).as_deref(), Some("a.txt"));
                 asked.push(now);
-                t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f);
-                assert!(matches!(f.jobs.last(), Some(Job::Put { file: 0, .. })));
+                t.on_signed_url_reply("w", Some(signed("a.txt")), now, &mut f.w, &mut f.fx);
+                assert!(matches!(
+                    f.jobs().last().copied(),
+                    Some(Job::Put { file: 0, .. })
+                ));
             }
             now += Duration::from_millis(100);
             let done = Done::Put {
@@ -1257,31 +1323,36 @@ mod tests {
                     detail: "HTTP 503".into(),
                 }),
             };
-            t.on_worker_done(done, now, &mut f);
+            t.on_worker_done(done, now, &mut f.w, &mut f.fx);
             if attempt < 3 {
                 let wait = Duration::from_secs(2 << (attempt - 1));
                 assert_eq!(t.next_due(), Some(now + wait), "attempt {attempt}");
-                let before = f.requests.len();
-                t.tick(now + wait - Duration::from_millis(1), &[], &mut f);
-                assert_eq!(f.requests.len(), before, "no retry before its time");
+                let before = f.requests().len();
+                t.tick(
+                    now + wait - Duration::from_millis(1),
+                    &[],
+                    &mut f.w,
+                    &mut f.fx,
+                );
+                assert_eq!(f.requests().len(), before, "no retry before its time");
                 now += wait;
-                t.tick(now, &[], &mut f);
-                assert_eq!(f.requests.len(), before + 1, "retried at its time");
+                t.tick(now, &[], &mut f.w, &mut f.fx);
+                assert_eq!(f.requests().len(), before + 1, "retried at its time");
             }
         }
         assert_eq!(asked, vec![t0, at(t0, 2100), at(t0, 6200)]);
         // Given up on a.txt: the backend is told of b.txt alone.
-        let Some(Request::UploadResults { body, .. }) = f.requests.last() else {
-            panic!("R10 expected: {:?}", f.requests);
+        let Some(Asked::UploadResults { body, .. }) = f.requests().last().cloned() else {
+            panic!("R10 expected: {:?}", f.requests());
         };
         assert_eq!(body["filenames"], serde_json::json!(["b.txt"]));
         assert_eq!(body["attachment_uuids"], serde_json::json!(["att-b"]));
-        assert!(f.reports.is_empty(), "not before the backend knows");
-        t.on_upload_reply("w", true, now, &mut f);
-        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        assert!(f.reports().is_empty(), "not before the backend knows");
+        t.on_upload_reply("w", true, now, &mut f.w, &mut f.fx);
+        assert_eq!(f.reports(), vec![("w".to_string(), Some(exit(0)), None)]);
         assert!(root.join("w/a.txt").exists(), "a file not uploaded stays");
         assert_eq!(
-            f.not_uploaded,
+            f.not_uploaded(),
             vec![("w".to_string(), vec!["a.txt".to_string()])],
             "and its completion names it"
         );
@@ -1290,14 +1361,14 @@ mod tests {
             "an uploaded file is deleted"
         );
         // Late answers change nothing.
-        t.on_upload_reply("w", true, now, &mut f);
-        t.tick(now + Duration::from_secs(60), &[], &mut f);
-        assert_eq!(f.reports.len(), 1);
+        t.on_upload_reply("w", true, now, &mut f.w, &mut f.fx);
+        t.tick(now + Duration::from_secs(60), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.reports().len(), 1);
         assert!(t.is_empty());
         let _ = std::fs::remove_dir_all(&root);
     }
 
-    /// Issue 25: never more transfers at once than the pool holds, the next file's URL in hand
+    /// Never more transfers at once than the pool holds, the next file's URL in hand
     /// while they are sent, and a second workload always gets one of its own at once.
     #[test]
     fn one_workloads_files_share_the_pool_without_keeping_another_workload_waiting() {
@@ -1308,31 +1379,33 @@ mod tests {
         let mut t = Table::new(cfg(root.clone()));
         t.insert("w".into(), Active::new(meta("w", 100, None), t0));
         t.insert("v".into(), Active::new(meta("v", 200, None), t0));
-        let mut f = Fake {
-            connected: true,
-            ..Fake::default()
-        };
-        f.exits.insert("w".into(), exit(0));
-        f.exits.insert("v".into(), exit(0));
-        t.on_reaped("w", t0, &mut f);
-        t.tick(t0, &["w".to_string()], &mut f);
-        let puts = |f: &Fake, id: &str| {
-            f.jobs
+        let mut f = FakeWorld::default();
+        f.fx.connected = true;
+        f.w.exits.insert("w".into(), exit(0));
+        f.w.exits.insert("v".into(), exit(0));
+        t.on_reaped("w", t0, &mut f.w, &mut f.fx);
+        t.tick(t0, &["w".to_string()], &mut f.w, &mut f.fx);
+        let puts = |f: &FakeWorld, id: &str| {
+            f.jobs()
                 .iter()
                 .filter(|j| matches!(j, Job::Put { key, .. } if key == id))
                 .count()
         };
         for name in ["a", "b", "c"] {
             assert_eq!(last_signed_url_request(&f).as_deref(), Some(name));
-            t.on_signed_url_reply("w", Some(signed(name)), t0, &mut f);
+            t.on_signed_url_reply("w", Some(signed(name)), t0, &mut f.w, &mut f.fx);
         }
         assert_eq!(puts(&f, "w"), 2, "two workers: two transfers, c waits");
-        assert_eq!(f.requests.len(), 3, "one URL in hand beyond the transfers");
+        assert_eq!(
+            f.requests().len(),
+            3,
+            "one URL in hand beyond the transfers"
+        );
         // v ends while w holds both workers: it still sends its file at once.
-        t.on_reaped("v", t0, &mut f);
-        t.tick(t0, &["v".to_string()], &mut f);
+        t.on_reaped("v", t0, &mut f.w, &mut f.fx);
+        t.tick(t0, &["v".to_string()], &mut f.w, &mut f.fx);
         assert_eq!(last_signed_url_request(&f).as_deref(), Some("x"));
-        t.on_signed_url_reply("v", Some(signed("x")), t0, &mut f);
+        t.on_signed_url_reply("v", Some(signed("x")), t0, &mut f.w, &mut f.fx);
         assert_eq!(puts(&f, "v"), 1);
         // One of w's transfers ends: c takes its place only when a worker is idle.
         let ok = |file| Done::Put {
@@ -1340,7 +1413,7 @@ mod tests {
             file,
             result: Ok(()),
         };
-        t.on_worker_done(ok(0), t0, &mut f);
+        t.on_worker_done(ok(0), t0, &mut f.w, &mut f.fx);
         assert_eq!(puts(&f, "w"), 2, "w:1 + v:1 fill the pool");
         assert_eq!(last_signed_url_request(&f).as_deref(), Some("d"));
         t.on_worker_done(
@@ -1350,7 +1423,8 @@ mod tests {
                 result: Ok(()),
             },
             t0,
-            &mut f,
+            &mut f.w,
+            &mut f.fx,
         );
         assert_eq!(puts(&f, "w"), 3, "a worker is free: c goes");
         let _ = std::fs::remove_dir_all(&root);
@@ -1361,10 +1435,13 @@ mod tests {
         let t0 = Instant::now();
         let root = results("rest", &["a.txt", "sub/b.txt"]);
         let (mut t, mut f) = exited_ok(&root, false, t0);
-        assert!(f.requests.is_empty(), "no MQTT request while disconnected");
+        assert!(
+            f.requests().is_empty(),
+            "no MQTT request while disconnected"
+        );
         for (i, name) in ["a.txt", "sub/b.txt"].into_iter().enumerate() {
-            let Some(Job::SignedUrl { filename, .. }) = f.jobs.last() else {
-                panic!("E8 expected: {:?}", f.jobs.len());
+            let Some(Job::SignedUrl { filename, .. }) = f.jobs().last().copied() else {
+                panic!("E8 expected: {:?}", f.jobs().len());
             };
             assert_eq!(filename, name);
             let attachment = crate::backend::parse_signed_url(&signed("x.txt"))
@@ -1373,8 +1450,8 @@ mod tests {
                 key: "w".into(),
                 result: Ok(attachment),
             };
-            t.on_worker_done(done, t0, &mut f);
-            let put = f.jobs.iter().find_map(|j| match j {
+            t.on_worker_done(done, t0, &mut f.w, &mut f.fx);
+            let put = f.jobs().into_iter().find_map(|j| match j {
                 Job::Put { file, path, .. } if *file == i => Some(path.clone()),
                 _ => None,
             });
@@ -1390,15 +1467,18 @@ mod tests {
                 file: i,
                 result: Ok(()),
             };
-            t.on_worker_done(ok, t0, &mut f);
+            t.on_worker_done(ok, t0, &mut f.w, &mut f.fx);
         }
-        assert!(matches!(f.jobs.last(), Some(Job::UploadResults { .. })));
+        assert!(matches!(
+            f.jobs().last().copied(),
+            Some(Job::UploadResults { .. })
+        ));
         let told = Done::UploadResults {
             key: "w".into(),
             result: Ok(()),
         };
-        t.on_worker_done(told, t0, &mut f);
-        assert_eq!(f.reports.len(), 1);
+        t.on_worker_done(told, t0, &mut f.w, &mut f.fx);
+        assert_eq!(f.reports().len(), 1);
         assert!(!root.join("w").exists(), "files and folders removed");
         let _ = std::fs::remove_dir_all(&root);
     }
@@ -1407,15 +1487,15 @@ mod tests {
     fn a_stale_workload_is_terminated_and_marked_so_its_end_is_not_reported_as_a_cancel() {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        t.cancel_stale("w", Duration::from_millis(500), t0, &mut f)
+        t.cancel_stale("w", Duration::from_millis(500), t0, &mut f.w, &mut f.fx)
             .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(f.signals, vec![(100, TERM)]);
+        assert_eq!(f.w.signals, vec![(100, TERM)]);
         assert!(t
             .get("w")
             .and_then(|a| a.meta.cancel.as_ref())
             .is_some_and(|c| c.stale && !c.timed_out));
         assert_eq!(
-            f.saved.len(),
+            f.saved().len(),
             2,
             "the cancel, then the stale mark, are recorded"
         );
@@ -1429,22 +1509,22 @@ mod tests {
         let mut m = meta("w", 100, None);
         m.salvaged = Some("bad json".into());
         t.insert("w".into(), Active::new(m, t0));
-        let mut f = Fake::default();
-        f.exits.insert("w".into(), exit(0));
-        t.on_reaped("w", t0, &mut f);
-        t.tick(at(t0, 1), &["w".to_string()], &mut f);
+        let mut f = FakeWorld::default();
+        f.w.exits.insert("w".into(), exit(0));
+        t.on_reaped("w", t0, &mut f.w, &mut f.fx);
+        t.tick(at(t0, 1), &["w".to_string()], &mut f.w, &mut f.fx);
         assert_eq!(
-            f.reports,
+            f.reports(),
             vec![("w".to_string(), Some(exit(0)), Some(SALVAGED))]
         );
         // At recovery the same: `end` with no reason still reports it lost.
         let mut m = meta("v", 200, None);
         m.salvaged = Some("bad json".into());
         t.insert("v".into(), Active::new(m, t0));
-        t.end("v", None, None, at(t0, 2), &mut f);
-        t.tick(at(t0, 3), &["v".to_string()], &mut f);
+        t.end("v", None, None, at(t0, 2), &mut f.w, &mut f.fx);
+        t.tick(at(t0, 3), &["v".to_string()], &mut f.w, &mut f.fx);
         assert_eq!(
-            f.reports.get(1),
+            f.reports().get(1),
             Some(&("v".to_string(), None, Some(SALVAGED)))
         );
     }
@@ -1460,17 +1540,15 @@ mod tests {
         c.deadline = Some(Duration::from_secs(10));
         let mut t = Table::new(c);
         t.insert("w".into(), Active::new(meta("w", 100, None), t0));
-        let mut f = Fake {
-            connected: true,
-            ..Fake::default()
-        };
-        f.exits.insert("w".into(), exit(0));
-        t.on_reaped("w", t0, &mut f);
-        t.tick(t0, &["w".to_string()], &mut f);
+        let mut f = FakeWorld::default();
+        f.fx.connected = true;
+        f.w.exits.insert("w".into(), exit(0));
+        t.on_reaped("w", t0, &mut f.w, &mut f.fx);
+        t.tick(t0, &["w".to_string()], &mut f.w, &mut f.fx);
         assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
-        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f);
-        let Some(Job::Put { until, .. }) = f.jobs.last() else {
-            panic!("a transfer: {:?}", f.jobs);
+        t.on_signed_url_reply("w", Some(signed("a.txt")), t0, &mut f.w, &mut f.fx);
+        let Some(Job::Put { until, .. }) = f.jobs().last().copied() else {
+            panic!("a transfer: {:?}", f.jobs());
         };
         assert_eq!(
             *until,
@@ -1479,13 +1557,13 @@ mod tests {
         );
         // The endpoint hangs: no answer comes.
         assert_eq!(t.next_due(), Some(at(t0, 10_000)), "the loop wakes for it");
-        t.tick(at(t0, 9_999), &[], &mut f);
-        assert!(f.reports.is_empty(), "not before the deadline");
-        t.tick(at(t0, 10_000), &[], &mut f);
-        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        t.tick(at(t0, 9_999), &[], &mut f.w, &mut f.fx);
+        assert!(f.reports().is_empty(), "not before the deadline");
+        t.tick(at(t0, 10_000), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.reports(), vec![("w".to_string(), Some(exit(0)), None)]);
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(
-            f.not_uploaded,
+            f.not_uploaded(),
             vec![("w".to_string(), names(&["a.txt", "b.txt", "c.txt"]))]
         );
         for name in ["a.txt", "b.txt", "c.txt"] {
@@ -1499,15 +1577,21 @@ mod tests {
             file: 0,
             result: Ok(()),
         };
-        t.on_worker_done(late, at(t0, 20_000), &mut f);
-        t.on_signed_url_reply("w", Some(signed("b.txt")), at(t0, 20_000), &mut f);
-        assert_eq!(f.reports.len(), 1, "reported once");
+        t.on_worker_done(late, at(t0, 20_000), &mut f.w, &mut f.fx);
+        t.on_signed_url_reply(
+            "w",
+            Some(signed("b.txt")),
+            at(t0, 20_000),
+            &mut f.w,
+            &mut f.fx,
+        );
+        assert_eq!(f.reports().len(), 1, "reported once");
         let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]
     fn d68_the_default_upload_deadline_is_half_an_hour_and_a_second_per_mib() {
-        use super::uploads::deadline_for;
+        use crate::node::uploads::deadline_for;
         let s = Duration::from_secs;
         assert_eq!(deadline_for(None, 0), s(1800));
         assert_eq!(deadline_for(None, 1), s(1801));
@@ -1528,16 +1612,16 @@ mod tests {
         let root = results("cancel-up", &["a.txt", "b.txt"]);
         let (mut t, mut f) = exited_ok(&root, true, t0);
         assert_eq!(t.get("w").map(Active::state), Some("finalizing"));
-        f.provable.insert("w".into()); // even a group that looks alive is not signalled
+        f.w.provable.insert("w".into()); // even a group that looks alive is not signalled
         let msg = cancel(&mut t, &mut f, TERM, 1000, at(t0, 5));
         assert!(
             msg.contains("result uploads were abandoned: 2 file(s)"),
             "{msg}"
         );
-        assert!(f.signals.is_empty());
-        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        assert!(f.w.signals.is_empty());
+        assert_eq!(f.reports(), vec![("w".to_string(), Some(exit(0)), None)]);
         assert_eq!(
-            f.not_uploaded,
+            f.not_uploaded(),
             vec![(
                 "w".to_string(),
                 vec!["a.txt".to_string(), "b.txt".to_string()]
@@ -1557,23 +1641,23 @@ mod tests {
     ) {
         let t0 = Instant::now();
         let (mut t, mut f) = one(t0, None);
-        f.stopped.insert("w".into());
-        t.tick(t0, &[], &mut f);
-        assert!(f.continued.is_empty(), "its workload still runs");
-        f.provable.clear(); // only zombies left
-        t.tick(at(t0, 500), &[], &mut f);
-        assert!(f.continued.is_empty(), "looked at once a second");
-        t.tick(at(t0, 1000), &[], &mut f);
+        f.w.stopped.insert("w".into());
+        t.tick(t0, &[], &mut f.w, &mut f.fx);
+        assert!(f.w.continued.is_empty(), "its workload still runs");
+        f.w.provable.clear(); // only zombies left
+        t.tick(at(t0, 500), &[], &mut f.w, &mut f.fx);
+        assert!(f.w.continued.is_empty(), "looked at once a second");
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
         assert_eq!(
-            f.continued,
+            f.w.continued,
             vec!["w".to_string()],
             "SIGCONT to the supervisor"
         );
-        assert!(f.signals.is_empty(), "nothing to the workload's group");
+        assert!(f.w.signals.is_empty(), "nothing to the workload's group");
         assert_eq!(t.get("w").map(Active::state), Some("running"));
         // Stopped again (a leftover of the workload stops it): counts as ended.
-        t.tick(at(t0, 2000), &[], &mut f);
-        assert_eq!(f.continued.len(), 1, "continued once");
+        t.tick(at(t0, 2000), &[], &mut f.w, &mut f.fx);
+        assert_eq!(f.w.continued.len(), 1, "continued once");
         assert!(matches!(
             t.get("w").map(|a| &a.phase),
             Some(Phase::Draining {
@@ -1581,22 +1665,22 @@ mod tests {
                 ..
             })
         ));
-        t.tick(at(t0, 2001), &["w".to_string()], &mut f);
+        t.tick(at(t0, 2001), &["w".to_string()], &mut f.w, &mut f.fx);
         assert_eq!(
-            f.reports,
+            f.reports(),
             vec![("w".to_string(), None, Some(SUPERVISOR_STOPPED))]
         );
         // Its supervisor's end, when it comes, reports nothing more.
-        t.on_reaped("w", at(t0, 3000), &mut f);
-        assert_eq!(f.reports.len(), 1);
+        t.on_reaped("w", at(t0, 3000), &mut f.w, &mut f.fx);
+        assert_eq!(f.reports().len(), 1);
         // One that wrote its exit record before it was stopped again is reported with it.
         let (mut t, mut f) = one(t0, None);
-        f.stopped.insert("w".into());
-        f.provable.clear();
-        t.tick(t0, &[], &mut f);
-        f.exits.insert("w".into(), exit(0));
-        t.tick(at(t0, 1000), &[], &mut f);
-        t.tick(at(t0, 1001), &["w".to_string()], &mut f);
-        assert_eq!(f.reports, vec![("w".to_string(), Some(exit(0)), None)]);
+        f.w.stopped.insert("w".into());
+        f.w.provable.clear();
+        t.tick(t0, &[], &mut f.w, &mut f.fx);
+        f.w.exits.insert("w".into(), exit(0));
+        t.tick(at(t0, 1000), &[], &mut f.w, &mut f.fx);
+        t.tick(at(t0, 1001), &["w".to_string()], &mut f.w, &mut f.fx);
+        assert_eq!(f.reports(), vec![("w".to_string(), Some(exit(0)), None)]);
     }
 }

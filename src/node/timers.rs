@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::operate;
 use super::parts::{Due, Exit};
 use super::shutdown;
-use super::starts_out::Start;
+use super::start_path::Start;
 
 /// The loop's longest sleep while a workload is tracked: a safety net under the workload timers,
 /// each of which has its own deadline in [`next_wake`].
@@ -60,8 +60,8 @@ pub(super) fn tick(st: &mut Start<'_>, due: &mut Due, now: Instant) {
         due.watchdog = crate::util::later(now, Duration::from_secs(10));
     }
     w.services.tick(now);
-    w.outgoing().flush();
-    w.logs().pump();
+    w.flush_outbox();
+    w.pump_logs();
     shutdown::finish_stopping_workloads(w);
     let overdue = w.life.shutdown.as_ref().is_some_and(|s| now >= s.deadline);
     if overdue && w.life.exit.is_none() {

@@ -3,7 +3,7 @@
 //! file), then the backend is told (R10, REST E9 as fallback), then the completion is sent. The
 //! workload stays busy ("finalizing") the whole time.
 //!
-//! The files of one workload go up side by side (issue 25): up to the pool's size
+//! The files of one workload go up side by side: up to the pool's size
 //! (`CYBERWAVE_NODE_UPLOAD_WORKERS`) at once, the next file's signed URL asked for while the
 //! current ones are sent (one request at a time per workload). A workload with nothing being
 //! sent may always send one file, and a second one only while a worker is idle, so the
@@ -18,8 +18,8 @@
 //! never keeps a workload finalizing, and its slot taken, for longer.
 //!
 //! [`Uploads`] is a value of its own that the table owns: the uploads of every workload in its
-//! `Uploading` phase, keyed by safe id. It reaches the outside only through [`Out`] (the
-//! table's `Outbound` carries it out), and tells the table when a workload's uploads are over;
+//! `Uploading` phase, keyed by safe id. What it wants done (requests, worker jobs, statuses) it
+//! adds to the table's [`Effect`]s, and it tells the table when a workload's uploads are over;
 //! the table then moves the workload on. It never sees the table.
 
 use crate::protocol::commands::TopicId;
@@ -35,26 +35,12 @@ use serde_json::{json, Value};
 
 use crate::backend::{Attachment, BackendError, UploadMethod};
 use crate::workers::{Done, Job};
+
+use super::effect::{Effect, Fx};
 use crate::workload::shim::Exit;
 use crate::workload::Meta;
 
 const ATTEMPTS: u32 = 3;
-
-/// Everything the uploads do to the outside world.
-pub trait Out {
-    /// The broker connection is up (requests go over MQTT, else over REST on the workers).
-    fn connected(&self) -> bool;
-    /// A non-terminal workload status (R7), fire and forget.
-    fn workload_status(&mut self, wl: &TopicId, body: Value);
-    /// R9 over MQTT: a signed URL for `filename`, one result file of workload `id`; the
-    /// answer comes back through [`Uploads::on_signed_url_reply`].
-    fn ask_signed_url(&mut self, id: &str, wl: &TopicId, filename: &str);
-    /// R10 over MQTT: the backend is told which result files were uploaded; the answer comes
-    /// back through [`Uploads::on_upload_reply`].
-    fn tell_uploaded(&mut self, id: &str, wl: &TopicId, body: Value);
-    /// An HTTP job for the worker threads.
-    fn submit(&mut self, job: Job);
-}
 
 /// What the result uploads need from the configuration.
 #[derive(Debug, Clone)]
@@ -115,14 +101,14 @@ impl UploadCfg {
 pub const LEDGER_FILE: &str = "loose_results.json";
 
 /// A tracked workload, as the uploads see it: its safe id and the uid it runs as.
-pub struct Tracked {
+pub struct Owner {
     pub id: String,
     pub uid: Option<u32>,
 }
 
-/// Why one attempt at a file failed; [`Failure::retriable`] decides whether it is tried again.
+/// Why one attempt at a file failed; [`UploadFailure::retriable`] decides whether it is tried again.
 #[derive(Debug)]
-enum Failure {
+enum UploadFailure {
     /// No signed URL (E8 after R9): always asked for again.
     NoUrl(BackendError),
     /// The transfer failed: tried again when the backend error says another try may help.
@@ -131,22 +117,22 @@ enum Failure {
     UnknownMethod { method: String, name: String },
 }
 
-impl Failure {
+impl UploadFailure {
     fn retriable(&self) -> bool {
         match self {
-            Failure::NoUrl(_) => true,
-            Failure::Transfer(e) => e.retriable(),
-            Failure::UnknownMethod { .. } => false,
+            UploadFailure::NoUrl(_) => true,
+            UploadFailure::Transfer(e) => e.retriable(),
+            UploadFailure::UnknownMethod { .. } => false,
         }
     }
 }
 
-impl std::fmt::Display for Failure {
+impl std::fmt::Display for UploadFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Failure::NoUrl(e) => write!(f, "no signed URL: {e}"),
-            Failure::Transfer(e) => write!(f, "{e}"),
-            Failure::UnknownMethod { method, name } => write!(
+            UploadFailure::NoUrl(e) => write!(f, "no signed URL: {e}"),
+            UploadFailure::Transfer(e) => write!(f, "{e}"),
+            UploadFailure::UnknownMethod { method, name } => write!(
                 f,
                 "the backend asked for upload_method {method:?} for {name}, which this node does not know (it knows signed_url and multipart)"
             ),
@@ -301,15 +287,15 @@ impl store::Validate for LedgerFile {
 /// with a candidate, and never again while it is there (a workload that ends later does not
 /// take a file that others could have written). Kept in the state dir across restarts.
 #[derive(Default)]
-struct Ledger {
+struct LooseLedger {
     entries: BTreeMap<Identity, Decided>,
 }
 
-impl Ledger {
-    fn load(path: &Path) -> Ledger {
+impl LooseLedger {
+    fn load(path: &Path) -> LooseLedger {
         const CAP: u64 = 16 * 1024 * 1024;
         let file: LedgerFile = store::read_record(path, CAP).unwrap_or_default();
-        Ledger {
+        LooseLedger {
             entries: file.files.into_iter().map(|d| (d.id, d)).collect(),
         }
     }
@@ -335,7 +321,7 @@ pub struct Uploads {
     cfg: UploadCfg,
     active: BTreeMap<String, Upload>,
     /// D61: the loose files decided.
-    ledger: Ledger,
+    ledger: LooseLedger,
     /// Workloads whose end the results folder was looked at for: no longer candidates.
     ended: BTreeSet<String>,
     /// The workloads' [`Claim`]s read so far (`None`: a record without one).
@@ -349,9 +335,9 @@ pub struct Uploads {
 impl Uploads {
     pub fn new(cfg: UploadCfg) -> Uploads {
         let ledger = if cfg.enabled {
-            Ledger::load(&cfg.ledger)
+            LooseLedger::load(&cfg.ledger)
         } else {
-            Ledger::default()
+            LooseLedger::default()
         };
         Uploads {
             cfg,
@@ -374,7 +360,7 @@ impl Uploads {
     /// files first seen now among the `tracked` workloads still running (and `id`); `id` is
     /// then no longer a candidate. The loose files that are `id`'s results, and those it could
     /// have written that stay on disk (kept for its completion).
-    fn observe(&mut self, id: &str, tracked: &[Tracked]) -> Vec<(String, Beneath)> {
+    fn observe(&mut self, id: &str, tracked: &[Owner]) -> Vec<(String, Beneath)> {
         if !self.cfg.enabled || self.ended.contains(id) {
             return Vec::new();
         }
@@ -434,7 +420,7 @@ impl Uploads {
 
     /// Decides each of `files` not decided yet among the workloads still running ([`results::attribute`]);
     /// whether any was.
-    fn decide(&mut self, files: &[(String, Beneath)], tracked: &[Tracked]) -> bool {
+    fn decide(&mut self, files: &[(String, Beneath)], tracked: &[Owner]) -> bool {
         let fallback = self.cfg.checked.flatten();
         let running: Vec<results::Runner> = tracked
             .iter()
@@ -498,7 +484,7 @@ impl Uploads {
 
     /// The loose files workload `id` could have written that were left on disk (D61: its
     /// completion names them); looked for first if its end was not looked at yet.
-    pub fn unattributed(&mut self, id: &str, tracked: &[Tracked]) -> Vec<String> {
+    pub fn unattributed(&mut self, id: &str, tracked: &[Owner]) -> Vec<String> {
         self.observe(id, tracked);
         self.unattributed.remove(id).unwrap_or_default()
     }
@@ -510,7 +496,7 @@ impl Uploads {
         &mut self,
         id: &str,
         uid: Option<u32>,
-        tracked: &[Tracked],
+        tracked: &[Owner],
     ) -> Vec<(String, Beneath)> {
         let loose = self.observe(id, tracked);
         let owner = self
@@ -566,9 +552,9 @@ impl Uploads {
         id: &str,
         meta: &Meta,
         exit: Option<&Exit>,
-        tracked: &[Tracked],
+        tracked: &[Owner],
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> bool {
         // D61: the folder is looked at as every workload ends, whatever its end: what was
         // written while it ran is decided before it is no longer a candidate.
@@ -596,7 +582,11 @@ impl Uploads {
             .filter_map(|(_, b)| b.listed().map(|l| l.size))
             .fold(0u64, u64::saturating_add);
         let deadline = crate::util::later(now, deadline_for(self.cfg.deadline, bytes));
-        out.workload_status(&wl, json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count}));
+        let body = json!({"status": "finalizing", "message": "Starting result file upload", "file_count": count});
+        fx.push(Effect::WorkloadStatus {
+            wl: wl.clone(),
+            body,
+        });
         let files = files
             .into_iter()
             .map(|(name, path)| File {
@@ -617,16 +607,16 @@ impl Uploads {
             },
         );
         // Files to upload: the first step never ends the uploads.
-        let _ = self.pump(id, now, out);
+        let _ = self.pump(id, now, fx);
         true
     }
 
     /// Moves every workload's uploads on as far as they can go now (retries that fell due,
     /// workers freed); the ids whose uploads are over (the table then moves them on).
-    pub fn pump_all(&mut self, now: Instant, out: &mut dyn Out) -> Vec<String> {
+    pub fn pump_all(&mut self, now: Instant, fx: &mut Fx) -> Vec<String> {
         let ids: Vec<String> = self.active.keys().cloned().collect();
         ids.into_iter()
-            .filter(|id| self.expired(id, now) || self.pump(id, now, out))
+            .filter(|id| self.expired(id, now) || self.pump(id, now, fx))
             .collect()
     }
 
@@ -671,20 +661,20 @@ impl Uploads {
 
     /// After an event of workload `id`: it moves on first, then the others (a worker may
     /// have been freed for them).
-    fn after(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> Vec<String> {
+    fn after(&mut self, id: &str, now: Instant, fx: &mut Fx) -> Vec<String> {
         let mut over: Vec<String> = Vec::new();
-        if self.pump(id, now, out) {
+        if self.pump(id, now, fx) {
             over.push(id.to_string());
         }
-        over.extend(self.pump_all(now, out));
+        over.extend(self.pump_all(now, fx));
         over
     }
 
     /// Moves the uploads of `id` on: transfers for the URLs in hand while the pool allows,
     /// the next URL asked for, and once every file is sent or given up on, R10. True when
     /// its uploads are over.
-    fn pump(&mut self, id: &str, now: Instant, out: &mut dyn Out) -> bool {
-        let connected = out.connected();
+    fn pump(&mut self, id: &str, now: Instant, fx: &mut Fx) -> bool {
+        let connected = fx.connected;
         let workers = self.cfg.workers.max(1);
         let mut sending_all: usize = self.active.values().map(Upload::sending).sum();
         let Some(u) = self.active.get_mut(id) else {
@@ -708,7 +698,7 @@ impl Uploads {
                 UploadMethod::Multipart => Some(f.name.clone()),
                 _ => None,
             };
-            out.submit(Job::Put {
+            fx.submit(Job::Put {
                 key: id.to_string(),
                 file: i,
                 url: found.url.clone(),
@@ -730,9 +720,13 @@ impl Uploads {
                 f.retry_at = None;
                 let filename = f.name.clone();
                 if connected {
-                    out.ask_signed_url(id, &u.wl, &filename);
+                    fx.push(Effect::AskSignedUrl {
+                        id: id.to_string(),
+                        wl: u.wl.clone(),
+                        filename,
+                    });
                 } else {
-                    out.submit(Job::SignedUrl {
+                    fx.submit(Job::SignedUrl {
                         key: id.to_string(),
                         wl: u.wl.to_string(),
                         filename,
@@ -751,9 +745,13 @@ impl Uploads {
             u.notifying = true;
             let body = notice(u);
             if connected {
-                out.tell_uploaded(id, &u.wl, body);
+                fx.push(Effect::TellUploaded {
+                    id: id.to_string(),
+                    wl: u.wl.clone(),
+                    body,
+                });
             } else {
-                out.submit(Job::UploadResults {
+                fx.submit(Job::UploadResults {
                     key: id.to_string(),
                     wl: u.wl.to_string(),
                     body,
@@ -771,7 +769,7 @@ impl Uploads {
         id: &str,
         body: Option<Value>,
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> Vec<String> {
         let Some(u) = self.active.get(id) else {
             return Vec::new();
@@ -780,10 +778,10 @@ impl Uploads {
             return Vec::new();
         };
         match body.as_ref().map(crate::backend::parse_signed_url) {
-            Some(Ok(found)) => self.url_came(id, i, found, now, out),
+            Some(Ok(found)) => self.url_came(id, i, found, now, fx),
             _ => {
                 if let Some(f) = u.files.get(i) {
-                    out.submit(Job::SignedUrl {
+                    fx.submit(Job::SignedUrl {
                         key: id.to_string(),
                         wl: u.wl.to_string(),
                         filename: f.name.clone(),
@@ -802,7 +800,7 @@ impl Uploads {
         i: usize,
         found: Attachment,
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> Vec<String> {
         let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
             return Vec::new();
@@ -810,26 +808,26 @@ impl Uploads {
         if let UploadMethod::Other(m) = &found.method {
             // The backend's text, bounded: it goes into the log.
             let method: String = m.chars().take(80).collect();
-            let why = Failure::UnknownMethod {
+            let why = UploadFailure::UnknownMethod {
                 method,
                 name: f.name.clone(),
             };
-            return self.attempt_failed(id, i, &why, now, out);
+            return self.attempt_failed(id, i, &why, now, fx);
         }
         f.state = State::Ready(found);
-        self.after(id, now, out)
+        self.after(id, now, fx)
     }
 
     /// R10's answer over MQTT (`ok` false: refused or silent, so the REST fallback). True when
     /// the uploads of `id` are over.
-    pub fn on_upload_reply(&mut self, id: &str, ok: bool, out: &mut dyn Out) -> bool {
+    pub fn on_upload_reply(&mut self, id: &str, ok: bool, fx: &mut Fx) -> bool {
         if ok {
             return self.finish(id, true);
         }
         let Some(u) = self.active.get(id) else {
             return false;
         };
-        out.submit(Job::UploadResults {
+        fx.submit(Job::UploadResults {
             key: id.to_string(),
             wl: u.wl.to_string(),
             body: notice(u),
@@ -839,15 +837,15 @@ impl Uploads {
 
     /// A worker's answer to an upload job (other answers are not the uploads': ignored).
     /// The ids whose uploads are over.
-    pub fn on_worker_done(&mut self, done: Done, now: Instant, out: &mut dyn Out) -> Vec<String> {
+    pub fn on_worker_done(&mut self, done: Done, now: Instant, fx: &mut Fx) -> Vec<String> {
         match done {
             Done::SignedUrl { key, result } => {
                 let Some(i) = self.active.get(&key).and_then(Upload::asking) else {
                     return Vec::new();
                 };
                 match result {
-                    Ok(found) => self.url_came(&key, i, found, now, out),
-                    Err(e) => self.attempt_failed(&key, i, &Failure::NoUrl(e), now, out),
+                    Ok(found) => self.url_came(&key, i, found, now, fx),
+                    Err(e) => self.attempt_failed(&key, i, &UploadFailure::NoUrl(e), now, fx),
                 }
             }
             Done::Put { key, file, result } => {
@@ -869,9 +867,9 @@ impl Uploads {
                         {
                             f.state = State::Sent(found);
                         }
-                        self.after(&key, now, out)
+                        self.after(&key, now, fx)
                     }
-                    Err(e) => self.attempt_failed(&key, file, &Failure::Transfer(e), now, out),
+                    Err(e) => self.attempt_failed(&key, file, &UploadFailure::Transfer(e), now, fx),
                 }
             }
             Done::UploadResults { key, result } => {
@@ -897,9 +895,9 @@ impl Uploads {
         &mut self,
         id: &str,
         i: usize,
-        why: &Failure,
+        why: &UploadFailure,
         now: Instant,
-        out: &mut dyn Out,
+        fx: &mut Fx,
     ) -> Vec<String> {
         let Some(f) = self.active.get_mut(id).and_then(|u| u.files.get_mut(i)) else {
             return Vec::new();
@@ -926,7 +924,7 @@ impl Uploads {
             );
             f.state = State::Failed;
         }
-        self.after(id, now, out)
+        self.after(id, now, fx)
     }
 
     /// Uploads are over: delete the uploaded files once the backend knows of them. True when

@@ -9,19 +9,17 @@ use serde_json::{json, Value};
 
 use std::time::{Duration, Instant};
 
+use super::effect::{Effect, Fx};
+use super::events::{self, Ingress};
 use super::gpus::{self, Gpus};
-use super::ingress::{self, Ingress};
 use super::io::{Io, Replies};
 use super::parts::{Life, Metrics, Op, Throttles};
 use super::session::Session;
 use super::starts::{self, Starts, Taken};
 use super::streams::Streams;
-use super::streams_out;
 use super::table::{self, Table, SALVAGED};
-use super::table_out;
 use crate::config::Settings;
 use crate::logtext::shown;
-use crate::logtext::Throttle;
 use crate::outbox::Item;
 use crate::outbox::Outbox;
 use crate::protocol::commands::TopicId;
@@ -98,7 +96,7 @@ pub(super) fn recover_workloads(
         if let Some(taken) = notes.remove(&name) {
             started.push((name.clone(), taken, start_output(&meta)));
         }
-        // Its log streams resume from its cursor (node/streams_out.rs reads it).
+        // Its log streams resume from its cursor (node/logs.rs reads it).
         if salvaged && (exit.is_some() || !alive(&st)) {
             adopt(name, meta, Some((exit, Some(SALVAGED))));
         } else if exit.is_some() {
@@ -150,145 +148,6 @@ fn report_unprovable(
     adopt(name, meta, Some((None, Some(SALVAGED))));
 }
 
-/// The outbox and what sending from it touches, borrowed apart from the node for one call
-/// (built by [`Work::outgoing`]): the broker session its messages go through, the
-/// io handles, the settings and the throttle of full-disk errors.
-pub(super) struct Outgoing<'a> {
-    pub(super) outbox: &'a mut Outbox,
-    pub(super) session: &'a mut Session<Op>,
-    pub(super) io: &'a Io,
-    pub(super) s: &'a Settings,
-    pub(super) disk: &'a mut Throttle,
-}
-
-impl Outgoing<'_> {
-    fn request(
-        &mut self,
-        op: Op,
-        topic: &str,
-        body: Value,
-        timeout: std::time::Duration,
-    ) -> Vec<u8> {
-        let now = self.io.clock.now();
-        self.session
-            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
-    }
-
-    /// Sends a workload's end: through the outbox (once per workload), or published once by a
-    /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
-    pub(super) fn send_completion(
-        &mut self,
-        safe_id: &str,
-        meta: &Meta,
-        body: Value,
-        label: String,
-        rid: &str,
-    ) -> Option<u64> {
-        if let Some(wl) = &meta.workload_uuid {
-            let topic = self.io.topics.workload_status(wl);
-            let key = format!("end:{safe_id}");
-            if self.s.standalone {
-                // No backend to acknowledge: published once for the site's own dispatcher.
-                self.request(
-                    Op::WorkloadStatus,
-                    &topic,
-                    body,
-                    self.s.tuning.request_timeout,
-                );
-            } else if !self.outbox.has_key(&key) {
-                let item = Item {
-                    topic,
-                    body,
-                    label,
-                    key: Some(key),
-                    owner: None,
-                };
-                match self.outbox.push(item) {
-                    Ok(_) => self.flush(),
-                    Err((seq, e)) => {
-                        if let Some(held) = self.disk.ready(self.io.clock.now()) {
-                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), crate::logtext::held_note(held));
-                        }
-                        return Some(seq);
-                    }
-                }
-            }
-        }
-        None
-    }
-
-    /// Writes what the disk refused before, then sends what is due (while connected).
-    pub(super) fn flush(&mut self) {
-        if self.outbox.has_pending_writes() {
-            let left = self.outbox.persist_pending();
-            if left > 0 {
-                if let Some(held) = self.disk.ready(self.io.clock.now()) {
-                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", crate::logtext::held_note(held));
-                }
-            }
-        }
-        if !self.session.connected() {
-            return;
-        }
-        let now = self.io.clock.now();
-        for (seq, item) in self.outbox.due(now) {
-            if !crate::protocol::topics::publishable(&item.topic) {
-                // Queued by an older version or planted: no broker would take it (D34).
-                if let Some((item, aside)) = self.outbox.quarantine(seq) {
-                    log::error!(
-                        "the {} has an invalid topic; set aside in {} and not sent",
-                        crate::logtext::shown(&item.label),
-                        aside.display()
-                    );
-                }
-                continue;
-            }
-            let corr = self.request(
-                Op::Outbox(seq),
-                &item.topic,
-                item.body.clone(),
-                self.s.tuning.request_timeout,
-            );
-            self.outbox.sent(seq, corr);
-        }
-    }
-
-    /// The reply to outbox message `seq` (or its timeout); true when the backend acknowledged
-    /// it (the table then lets the workload's record go).
-    pub(super) fn on_reply(
-        &mut self,
-        seq: u64,
-        body: Option<crate::protocol::replies::Reply>,
-    ) -> bool {
-        match body {
-            Some(b) if b.success => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
-                    log::info!(
-                        "backend acknowledged the {}",
-                        crate::logtext::shown(&item.label)
-                    );
-                }
-                true
-            }
-            Some(b) if b.code.is_some_and(|c| c < 500) => {
-                if let Some(item) = self.outbox.acknowledged(seq) {
-                    log::error!(
-                        "backend refused the {} ({}); not retried",
-                        crate::logtext::shown(&item.label),
-                        crate::logtext::shown(&b.message)
-                    );
-                }
-                false
-            }
-            _ => {
-                log::warn!("no acknowledgement for outbox message {seq}; retrying later");
-                self.outbox.retry_later(seq, self.io.clock.now());
-                false
-            }
-        }
-    }
-}
-
 /// The status a cancelled workload ends with (training: `failed`, else `cancelled`), and
 /// its outbox label.
 pub(super) fn cancelled_body(
@@ -298,7 +157,7 @@ pub(super) fn cancelled_body(
     rid: &str,
     metrics: &mut Metrics,
     ingress: &mut Ingress,
-    out: &mut dyn ingress::Outbound,
+    out: &mut dyn events::Publisher,
 ) -> (Value, String) {
     let pid = meta.pid();
     let status = if meta.kind == crate::protocol::commands::Kind::Training {
@@ -331,7 +190,7 @@ pub(super) fn finished_body(
     rid: &str,
     metrics: &mut Metrics,
     ingress: &mut Ingress,
-    out: &mut dyn ingress::Outbound,
+    out: &mut dyn events::Publisher,
 ) -> (Value, String) {
     let pid = meta.pid();
     let code = exit.map(Exit::code);
@@ -389,6 +248,11 @@ pub(super) fn finished_body(
     (body, format!("completion of {} {rid}", meta.kind))
 }
 
+/// The GPU holds of the node's tracked workloads and starts in flight.
+pub(super) fn holds_of<'a>(active: &'a Table, starts: &'a Starts) -> Vec<gpus::Hold<'a>> {
+    active.holds().chain(starts.holds()).collect()
+}
+
 /// At shutdown: the workloads left running, one line each.
 pub(super) fn log_running(active: &super::table::Table) {
     for a in active.values() {
@@ -432,10 +296,10 @@ fn cancel_message(c: &workload::Cancel, exit: Option<&Exit>) -> String {
 
 /// The notes of the starts that the node before this one took and did not answer (D53):
 /// those whose workload started (with the `ok` output of their start), and the others.
-pub(super) type Recovered = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
+pub(super) type RecoveredStarts = (Vec<(String, Taken, Value)>, BTreeMap<String, Taken>);
 
 /// What a workload's events touch, borrowed apart from the node for one call (the loop builds
-/// it): the table and its [`table::Outbound`] (the session, io handles and settings), the
+/// it): the table (and, to carry out its effects, the session, io handles and settings), the
 /// streams (logs to ship), the outbox (completions), the ingress part (workflow reports), the
 /// GPUs (accounting) and the starts that hold some, the node's life (its counters) and the
 /// throttles of repeated errors.
@@ -451,7 +315,7 @@ pub(super) struct Work<'a> {
     pub(super) ingress: &'a mut Ingress,
     pub(super) gpu: &'a mut Gpus,
     /// The services workloads left (D59): a completion takes on those its supervisor kept.
-    pub(super) services: &'a mut super::services::Services,
+    pub(super) services: &'a mut super::service_watch::Services,
     pub(super) throttle: &'a mut Throttles,
 }
 
@@ -509,7 +373,7 @@ impl Work<'_> {
     ) -> Vec<u8> {
         let now = self.now();
         self.session
-            .request(op, topic, &body, timeout, now, &mut self.io.wire(self.s))
+            .request(op, topic, &body, timeout, now, &mut self.io.link(self.s))
     }
 
     /// A non-terminal workload status (R7): sent once, its failure only logged.
@@ -519,37 +383,170 @@ impl Work<'_> {
         self.request(Op::WorkloadStatus, &topic, body, timeout);
     }
 
-    /// Runs `f` on the workload table with the real [`table::Outbound`], then does what it
-    /// left for the loop (logs to ship, completions to queue).
-    pub(super) fn with_table<R>(
-        &mut self,
-        f: impl FnOnce(&mut Table, &mut dyn table::Outbound, Instant) -> R,
-    ) -> R {
-        let now = self.now();
-        let mut out = table_out::NodeOut::new(self.session, self.io, self.s, now);
-        let r = f(self.active, &mut out, now);
+    /// Carries out what the table asked for, in its order; shipping logs (once) and reporting
+    /// ends come after the rest, so the requests and records of the same call are out first.
+    pub(super) fn carry_out(&mut self, fx: Fx) {
+        let mut last = Vec::new();
+        for e in fx.list {
+            if let Some(e) = super::io::send(e, self.session, self.io, self.s) {
+                last.push(e);
+            }
+        }
         let mut shipped = false;
-        for l in out.into_later() {
-            match l {
-                table_out::Later::ShipLogs if !shipped => {
+        for e in last {
+            match e {
+                Effect::ShipLogs if !shipped => {
                     shipped = true;
-                    self.logs().pump();
+                    self.pump_logs();
                 }
-                table_out::Later::ShipLogs => {}
-                table_out::Later::Report {
+                Effect::Report {
                     id,
                     meta,
                     exit,
                     lost,
                     left,
-                } => self.complete(&id, *meta, exit, lost, &left),
+                } => {
+                    let held = self.complete(&id, *meta, exit, lost, &left);
+                    if let Some(e) = self.active.completion_queued(&id, held) {
+                        let _ = super::io::send(e, self.session, self.io, self.s);
+                    }
+                    if held.is_some() {
+                        self.flush_outbox();
+                    }
+                }
+                _ => {}
             }
         }
+    }
+
+    /// Sends a workload's end: through the outbox (once per workload), or published once by a
+    /// standalone node. `Some(seq)`: queued, but the outbox could not write it to disk (D28).
+    pub(super) fn send_completion(
+        &mut self,
+        safe_id: &str,
+        meta: &Meta,
+        body: Value,
+        label: String,
+        rid: &str,
+    ) -> Option<u64> {
+        if let Some(wl) = &meta.workload_uuid {
+            let topic = self.io.topics.workload_status(wl);
+            let key = format!("end:{safe_id}");
+            if self.s.standalone {
+                // No backend to acknowledge: published once for the site's own dispatcher.
+                self.request(
+                    Op::WorkloadStatus,
+                    &topic,
+                    body,
+                    self.s.tuning.request_timeout,
+                );
+            } else if !self.outbox.has_key(&key) {
+                let item = Item {
+                    topic,
+                    body,
+                    label,
+                    key: Some(key),
+                    owner: None,
+                };
+                match self.outbox.push(item) {
+                    Ok(_) => self.flush_outbox(),
+                    Err((seq, e)) => {
+                        if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                            log::error!("cannot write the completion of {} to disk ({e}); it is kept in memory and sent anyway, and the workload's record stays until it is acknowledged{}", shown(rid), crate::logtext::held_note(held));
+                        }
+                        return Some(seq);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Writes what the disk refused before, then sends what is due (while connected).
+    pub(super) fn flush_outbox(&mut self) {
+        if self.outbox.has_pending_writes() {
+            let left = self.outbox.persist_pending();
+            if left > 0 {
+                if let Some(held) = self.throttle.disk.ready(self.io.clock.now()) {
+                    log::error!("{left} outbox message(s) still cannot be written to disk; they are kept in memory{}", crate::logtext::held_note(held));
+                }
+            }
+        }
+        if !self.session.connected() {
+            return;
+        }
+        let now = self.io.clock.now();
+        for (seq, item) in self.outbox.due(now) {
+            if !crate::protocol::topics::publishable(&item.topic) {
+                // Queued by an older version or planted: no broker would take it (D34).
+                if let Some((item, aside)) = self.outbox.quarantine(seq) {
+                    log::error!(
+                        "the {} has an invalid topic; set aside in {} and not sent",
+                        crate::logtext::shown(&item.label),
+                        aside.display()
+                    );
+                }
+                continue;
+            }
+            let corr = self.request(
+                Op::Outbox(seq),
+                &item.topic,
+                item.body.clone(),
+                self.s.tuning.request_timeout,
+            );
+            self.outbox.sent(seq, corr);
+        }
+    }
+
+    /// The reply to outbox message `seq` (or its timeout); true when the backend acknowledged
+    /// it (the table then lets the workload's record go).
+    fn outbox_reply(&mut self, seq: u64, body: Option<crate::protocol::replies::Reply>) -> bool {
+        match body {
+            Some(b) if b.success => {
+                if let Some(item) = self.outbox.acknowledged(seq) {
+                    log::info!(
+                        "backend acknowledged the {}",
+                        crate::logtext::shown(&item.label)
+                    );
+                }
+                true
+            }
+            Some(b) if b.code.is_some_and(|c| c < 500) => {
+                if let Some(item) = self.outbox.acknowledged(seq) {
+                    log::error!(
+                        "backend refused the {} ({}); not retried",
+                        crate::logtext::shown(&item.label),
+                        crate::logtext::shown(&b.message)
+                    );
+                }
+                false
+            }
+            _ => {
+                log::warn!("no acknowledgement for outbox message {seq}; retrying later");
+                self.outbox.retry_later(seq, self.io.clock.now());
+                false
+            }
+        }
+    }
+
+    /// Runs `f` on the workload table with the host's [`table::World`], then carries out
+    /// what it asked for ([`Work::carry_out`]).
+    pub(super) fn with_table<R>(
+        &mut self,
+        f: impl FnOnce(&mut Table, &mut dyn table::World, &mut Fx, Instant) -> R,
+    ) -> R {
+        let now = self.now();
+        let mut fx = Fx::new(self.session.connected());
+        let mut world = table::Procs {
+            layout: &self.io.layout,
+        };
+        let r = f(self.active, &mut world, &mut fx, now);
+        self.carry_out(fx);
         r
     }
 
     pub(super) fn on_reaped(&mut self, id: &str) {
-        self.with_table(|t, out, now| t.on_reaped(id, now, out));
+        self.with_table(|t, w, fx, now| t.on_reaped(id, now, w, fx));
     }
 
     /// Tracks a workload: in the table, its supervisor watched by the reaper thread (`child`:
@@ -568,17 +565,17 @@ impl Work<'_> {
     }
 
     /// Reports the end of a workload exactly once (through the outbox); the table no longer
-    /// tracks it, and its record goes once the completion is safe
-    /// ([`Table::completion_queued`]). Deferred starts that it made room for go ahead at the
-    /// loop's next tick, in the same turn.
-    fn complete(
+    /// tracks it, and its record goes once the completion is safe (the caller tells the table,
+    /// [`Table::completion_queued`]: `Some(seq)`, queued but not on disk, D28). Deferred starts
+    /// that it made room for go ahead at the loop's next tick, in the same turn.
+    pub(super) fn complete(
         &mut self,
         safe_id: &str,
         meta: Meta,
         exit: Option<Exit>,
         lost: Option<&str>,
-        left: &table::Left,
-    ) {
+        left: &super::effect::LeftOnDisk,
+    ) -> Option<u64> {
         let pid = meta.pid();
         let rid = meta.request_id_text();
         self.services_left(safe_id, &meta);
@@ -589,10 +586,9 @@ impl Work<'_> {
                 shown(&rid)
             );
             self.life.metrics.count_completion("stale");
-            self.with_table(|t, out, _| t.completion_queued(safe_id, None, out));
-            return;
+            return None;
         }
-        let mut wire = ingress::Wire {
+        let mut publisher = events::MqttPublisher {
             connected: self.session.connected(),
             now: self.io.clock.now(),
             io: self.io,
@@ -600,10 +596,24 @@ impl Work<'_> {
         };
         let (metrics, events) = (&mut self.life.metrics, &mut *self.ingress);
         let (mut body, label) = match &meta.cancel {
-            Some(c) if !c.timed_out => {
-                cancelled_body(&meta, c, exit.as_ref(), &rid, metrics, events, &mut wire)
-            }
-            _ => finished_body(&meta, exit.as_ref(), lost, &rid, metrics, events, &mut wire),
+            Some(c) if !c.timed_out => cancelled_body(
+                &meta,
+                c,
+                exit.as_ref(),
+                &rid,
+                metrics,
+                events,
+                &mut publisher,
+            ),
+            _ => finished_body(
+                &meta,
+                exit.as_ref(),
+                lost,
+                &rid,
+                metrics,
+                events,
+                &mut publisher,
+            ),
         };
         if let Some(g) = self.gpu.usage_of(safe_id, &meta) {
             gpus::put(&mut body, "gpu", g); // D38
@@ -617,30 +627,20 @@ impl Work<'_> {
             crate::util::set(&mut body, "results_not_uploaded", json!(left.not_uploaded));
         }
         self.update_sampling();
-        match self
-            .outgoing()
-            .send_completion(safe_id, &meta, body, label, &rid)
-        {
-            // D28: kept in memory and sent all the same; the workload's record stays until the
-            // backend acknowledged it, so a restart still knows.
-            Some(seq) => {
-                self.with_table(|t, out, _| t.completion_queued(safe_id, Some(seq), out));
-                self.outgoing().flush();
-            }
-            None => self.with_table(|t, out, _| t.completion_queued(safe_id, None, out)),
-        }
+        // D28: `Some(seq)`, kept in memory and sent all the same; the workload's record stays
+        // until the backend acknowledged it, so a restart still knows.
+        self.send_completion(safe_id, &meta, body, label, &rid)
     }
 
     /// D59: what the workload's supervisor kept running (services, taken on) and cleared
     /// (logged), from its record.
     fn services_left(&mut self, safe_id: &str, meta: &Meta) {
-        let origin = super::services::Origin {
+        let origin = super::service_watch::Origin {
             started_by: meta.kind.to_string(),
             request_id: Some(store::clip(&meta.request_id_text(), 200)),
             workload_uuid: meta.workload_uuid.as_ref().map(|w| w.as_str().to_string()),
         };
-        // SAFETY: geteuid has no preconditions.
-        let uid = meta.uid.unwrap_or_else(|| unsafe { libc::geteuid() });
+        let uid = meta.uid.unwrap_or_else(crate::util::euid);
         let now = self.now();
         let dir = self.io.layout.dir(safe_id);
         self.services.adopt_left(&dir, &origin, uid, now);
@@ -650,85 +650,62 @@ impl Work<'_> {
     pub(super) fn tick(&mut self) {
         let now = self.now();
         // The streams' verdict, read before the table is borrowed.
-        let drained: Vec<String> = self
-            .active
-            .draining()
-            .into_iter()
-            .filter(|id| streams_out::drained(self.streams, self.active, id, now))
-            .collect();
-        self.with_table(|t, out, now| t.tick(now, &drained, out));
+        let drained = self.drained_logs(now);
+        self.with_table(|t, w, fx, now| t.tick(now, &drained, w, fx));
     }
 
     /// A worker's result other than a self-heal lookup.
     pub(super) fn on_worker_done(&mut self, done: Done) {
-        self.with_table(|t, out, now| t.on_worker_done(done, now, out));
-    }
-
-    /// The outbox and what sending from it touches.
-    pub(super) fn outgoing(&mut self) -> Outgoing<'_> {
-        Outgoing {
-            outbox: self.outbox,
-            session: self.session,
-            io: self.io,
-            s: self.s,
-            disk: &mut self.throttle.disk,
-        }
+        self.with_table(|t, w, fx, now| t.on_worker_done(done, now, w, fx));
     }
 
     pub(super) fn on_outbox_reply(&mut self, seq: u64, body: Option<Reply>) {
-        if self.outgoing().on_reply(seq, body) {
-            self.with_table(|t, out, _| t.acknowledged(seq, out));
+        if self.outbox_reply(seq, body) {
+            if let Some(e) = self.active.acknowledged(seq) {
+                self.carry_out(Fx {
+                    connected: self.session.connected(),
+                    list: vec![e],
+                });
+            }
         }
     }
 
     /// The GPU holds of the tracked workloads and the starts in flight.
     pub(super) fn holds(&self) -> Vec<gpus::Hold<'_>> {
-        self.active.holds().chain(self.starts.holds()).collect()
+        holds_of(self.active, self.starts)
     }
 
     /// GPU sampling runs every few seconds only while a tracked workload holds GPUs.
     pub(super) fn update_sampling(&self) {
-        self.gpu.update_sampling(&self.holds(), &self.io.gpu_wire());
+        self.gpu
+            .update_sampling(&self.holds(), &self.io.gpu_monitor.as_ref());
     }
 
-    /// Runs `f` on the ingress part with its [`ingress::Wire`] (the io handles and the
+    /// Runs `f` on the ingress part with its [`events::MqttPublisher`] (the io handles and the
     /// full-disk throttle).
     pub(super) fn with_ingress<R>(
         &mut self,
-        f: impl FnOnce(&mut Ingress, &mut dyn ingress::Outbound) -> R,
+        f: impl FnOnce(&mut Ingress, &mut dyn events::Publisher) -> R,
     ) -> R {
-        let mut wire = ingress::Wire {
+        let mut publisher = events::MqttPublisher {
             connected: self.session.connected(),
             now: self.io.clock.now(),
             io: self.io,
             disk_errors: &mut self.throttle.disk,
         };
-        f(self.ingress, &mut wire)
+        f(self.ingress, &mut publisher)
     }
 
     /// `emit` from a workload, through the control socket: its owner found by its token.
     pub(super) fn on_emit(&mut self, body: &Value) -> Value {
-        let owner = ingress::owner_of(self.active, body);
+        let owner = events::owner_of(self.active, body);
         self.with_ingress(|i, out| i.emit(body, owner.as_ref(), out))
-    }
-
-    /// The streams part and what its calls touch.
-    pub(super) fn logs(&mut self) -> streams_out::Logs<'_> {
-        streams_out::Logs {
-            streams: self.streams,
-            session: self.session,
-            io: self.io,
-            s: self.s,
-            active: self.active,
-            disk: &mut self.throttle.disk,
-            log_bytes: &mut self.life.metrics.log_bytes,
-        }
     }
 
     /// Re-adopts every workload in the state dir (run once, before the loop); returns the
     /// notes of the starts the node before this one took and did not answer (D53), those
     /// whose workload started apart, to be settled on the ledger.
-    pub(super) fn recover(&mut self) -> Recovered {
+    pub(super) fn recover(&mut self) -> RecoveredStarts {
         let layout = self.io.layout.clone();
         let mut notes: BTreeMap<String, Taken> = starts::load_notes(&layout).into_iter().collect();
         let mut started = Vec::new();
@@ -743,7 +720,7 @@ impl Work<'_> {
                 Some((exit, lost)) => {
                     self.active
                         .insert(name.clone(), table::Active::new(meta, now));
-                    self.with_table(|t, out, now| t.end(&name, exit, lost, now, out));
+                    self.with_table(|t, w, fx, now| t.end(&name, exit, lost, now, w, fx));
                 }
                 None => self.track(&name, meta, false),
             },
@@ -767,8 +744,8 @@ impl Work<'_> {
             "carrying out the cancel of {} recorded while it was starting, before the node's restart",
             shown(&crate::protocol::commands::request_id_text(&taken.request_id))
         );
-        let r = self.with_table(|t, out, now| {
-            t.cancel(safe_id, c.signal, c.name, c.grace, false, now, out)
+        let r = self.with_table(|t, w, fx, now| {
+            t.cancel(safe_id, c.signal, c.name, c.grace, false, now, w, fx)
         });
         if let Err(e) = r {
             log::warn!(

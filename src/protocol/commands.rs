@@ -1,63 +1,24 @@
-//! The typed edge for commands (DESIGN §2, decisions D8 and D20): a command's params are parsed
+//! The typed edge for commands (decisions D8 and D20): a command's params are parsed
 //! once, here, into values that validated themselves. Past this module no code sees a raw
 //! `workload_uuid`, a raw number of seconds or a raw pid: an id that reaches a topic is
 //! topic-safe, seconds are finite and bounded, a pid is in range. What does not validate is an
 //! error naming the field and the allowed range, and nothing is spawned, queued or persisted.
-//! A command message is read here whole: its envelope (protocol §4.1: JSON object, request
-//! id, `command`, size; [`parse_command`]), then its params; the reply's envelope (§2.7, D1:
-//! [`reply`]) is built here too.
+//! A command message is read here whole: its envelope (docs/protocol.md, "Commands": JSON
+//! object, request id, `command`, size; [`parse_command`]), then its params; the reply's
+//! envelope ("Command replies", D1: [`reply`]) is built here too.
 
-use std::fmt;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-/// `request_id` may be at most this long (D20); a longer one is refused.
-pub const MAX_REQUEST_ID_BYTES: usize = 16 * 1024;
-/// Ids that reach a topic (D20).
-pub const MAX_ID_BYTES: usize = 256;
+use super::ids::NO_WORKLOAD;
+pub use super::ids::{workload_id, FieldError, Kind, TopicId, MAX_ID_BYTES, MAX_REQUEST_ID_BYTES};
+
 /// The longest accepted number of seconds: 30 days (D20).
 pub const MAX_SECONDS: f64 = 30.0 * 86_400.0;
 /// The largest pid the kernel can hand out (D20).
 pub const MAX_PID: i64 = i32::MAX as i64;
-
-/// A field that did not validate: the reply names the field and what is allowed
-/// (`params.pid must be …`). An empty field means the reason is a whole sentence.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FieldError {
-    pub field: String,
-    pub reason: String,
-    /// The reason is a whole sentence (the Python original's wording): shown alone.
-    pub sentence: bool,
-}
-
-impl FieldError {
-    fn new(field: &str, reason: impl Into<String>) -> FieldError {
-        FieldError {
-            field: field.to_string(),
-            reason: reason.into(),
-            sentence: false,
-        }
-    }
-
-    fn sentence(field: &str, text: impl Into<String>) -> FieldError {
-        FieldError {
-            sentence: true,
-            ..FieldError::new(field, text)
-        }
-    }
-}
-
-impl fmt::Display for FieldError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.sentence {
-            f.write_str(&self.reason)
-        } else {
-            write!(f, "{} {}", self.field, self.reason)
-        }
-    }
-}
 
 /// The JSON type of a value, for error messages (never the value itself).
 pub fn type_name(v: &Value) -> &'static str {
@@ -119,55 +80,14 @@ impl RequestId {
     }
 }
 
-/// What a Python sender writes for a missing workload id (`str(None)`): no workload topic is
-/// ever `…/None/…` (protocol §2.6, R7–R10).
-const NO_WORKLOAD: &str = "None";
-
-/// A workload id as it is read from a command, a workload's record or a note of a start:
-/// `None` when it is absent, empty or the text `"None"`. Parsed here, where the value enters,
-/// so that nothing past the edge compares with that text.
-pub fn workload_id(s: Option<String>) -> Option<String> {
-    s.filter(|u| !u.is_empty() && u != NO_WORKLOAD)
-}
-
-/// An id that may be part of an MQTT topic (D20): 1 to 256 bytes of printable ASCII without
-/// `+`, `#`, `/` or whitespace.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TopicId(String);
-
 impl TopicId {
-    pub fn new(field: &str, s: &str) -> Result<TopicId, FieldError> {
-        if s.is_empty() || s.len() > MAX_ID_BYTES {
-            return Err(FieldError::new(
-                field,
-                format!(
-                    "must be 1 to {MAX_ID_BYTES} bytes long (it is {} bytes)",
-                    s.len()
-                ),
-            ));
-        }
-        if let Some(c) = s
-            .chars()
-            .find(|c| !c.is_ascii_graphic() || matches!(c, '+' | '#' | '/'))
-        {
-            return Err(FieldError::new(
-                field,
-                format!(
-                    "may hold only printable ASCII without '+', '#', '/' or whitespace (found {})",
-                    c.escape_default()
-                ),
-            ));
-        }
-        Ok(TopicId(s.to_string()))
-    }
-
     /// The `workload_uuid` field of a params object: as [`TopicId::field`], and the text
     /// `"None"` means none too ([`workload_id`]).
     fn workload_field(
         params: &Map<String, Value>,
         path: &str,
     ) -> Result<Option<TopicId>, FieldError> {
-        Ok(TopicId::field(params, "workload_uuid", path)?.filter(|u| u.0 != NO_WORKLOAD))
+        Ok(TopicId::field(params, "workload_uuid", path)?.filter(|u| u.as_str() != NO_WORKLOAD))
     }
 
     /// An optional id field of a params object: absent, `null` or `""` mean none.
@@ -186,25 +106,6 @@ impl TopicId {
             )),
         }
     }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-/// Read as the text it is (it validated itself when it was made).
-impl std::ops::Deref for TopicId {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-/// Written as the string it is.
-impl Serialize for TopicId {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.0)
-    }
 }
 
 /// A workload id read back from a file the node wrote (a workload's record, the note of a
@@ -218,12 +119,6 @@ pub fn persisted_workload_id<'de, D: serde::Deserializer<'de>>(
         .map(|s| TopicId::new("workload_uuid", &s))
         .transpose()
         .map_err(serde::de::Error::custom)
-}
-
-impl fmt::Display for TopicId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
 }
 
 /// A number of seconds: finite, greater than 0 and at most [`MAX_SECONDS`] (D20), so every
@@ -289,33 +184,6 @@ impl Sig {
             Sig::Term => "SIGTERM",
             Sig::Int => "SIGINT",
             Sig::Kill => "SIGKILL",
-        }
-    }
-}
-
-/// The workload kinds a start can name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Inference,
-    Simulate,
-    Training,
-}
-
-impl Kind {
-    pub fn parse(s: &str) -> Option<Kind> {
-        match s {
-            "inference" => Some(Kind::Inference),
-            "simulate" => Some(Kind::Simulate),
-            "training" => Some(Kind::Training),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Kind::Inference => "inference",
-            Kind::Simulate => "simulate",
-            Kind::Training => "training",
         }
     }
 }
@@ -537,7 +405,7 @@ impl CancelParams {
     }
 }
 
-/// The params of `workload_received` (protocol §4.5): a start wrapped with its workload uuid,
+/// The params of `workload_received` (docs/protocol.md, "Commands"): a start wrapped with its workload uuid,
 /// or a bare acknowledgement.
 // One value per command, moved once into its handler: boxing the start would buy nothing.
 #[allow(clippy::large_enum_variant)]
@@ -669,13 +537,15 @@ fn object<'a>(params: Option<&'a Value>, path: &str) -> Result<&'a Map<String, V
     }
 }
 
-// The command message's envelope (protocol §4.1) and the reply envelope (§2.7, D1).
+// The command message's envelope and the reply envelope (docs/protocol.md, "Commands" and
+// "Command replies"; D1).
 
 /// Commands larger than this are refused, by default (`CYBERWAVE_NODE_MAX_COMMAND_BYTES`): a
 /// preview sends its image inline, base64 in the params (D64).
 pub const MAX_COMMAND_BYTES: usize = 32 * 1024 * 1024;
 
-/// A command message after the envelope rules of protocol §4.1, typed ([`Command`]).
+/// A command message after the envelope rules (JSON object, request id, `command`, size),
+/// typed ([`Command`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Incoming {
     /// A well-formed command with valid params.
@@ -779,7 +649,7 @@ fn unread(payload: &[u8], reason: String) -> Incoming {
     }
 }
 
-/// The reply envelope of protocol §2.7 with `output` as an object (decision D1).
+/// The reply envelope (docs/protocol.md, "Command replies") with `output` as an object (D1).
 pub fn reply(ok: bool, request_id: &Value, slug: &str, uuid: &str, body: Value) -> Vec<u8> {
     let mut m = Map::new();
     m.insert("status".into(), json!(if ok { "ok" } else { "error" }));

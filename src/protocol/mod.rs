@@ -1,4 +1,5 @@
 pub mod commands;
+pub mod ids;
 pub mod replies;
 pub mod shallow;
 pub mod topics;

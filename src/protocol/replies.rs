@@ -1,4 +1,4 @@
-//! The backend's replies to the node's MQTT requests, typed once at the edge (DESIGN §2): past
+//! The backend's replies to the node's MQTT requests, typed once at the edge: past
 //! this module no code probes a reply's JSON for `success`, `code` or ids. Ids that become part
 //! of a topic (`uuid`, `slug`) are kept only when they are topic-safe (D20): a hostile backend
 //! cannot subscribe the node to a wildcard.

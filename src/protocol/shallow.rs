@@ -13,7 +13,7 @@
 
 use serde_json::Value;
 
-use super::commands::{workload_id, Kind, TopicId, MAX_REQUEST_ID_BYTES};
+use super::ids::{workload_id, Kind, TopicId, MAX_REQUEST_ID_BYTES};
 
 /// What the scan read of a command.
 #[derive(Debug, Default, Clone, PartialEq)]

@@ -1,6 +1,6 @@
 //! Every topic string the node uses, in one place. The prefix (from `CYBERWAVE_ENVIRONMENT`,
 //! `production` = none) is glued on without a separator, for wire compatibility: `local` gives
-//! `localcyberwave/…` (protocol §2.3).
+//! `localcyberwave/…` (docs/protocol.md, "Topic prefix").
 
 use super::commands::TopicId;
 

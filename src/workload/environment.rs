@@ -1,6 +1,6 @@
 //! A workload's environment: the node's own environment files without the node's secrets, and
-//! what the workload needs to reach its node, the platform and its GPUs. The README's table
-//! ("The workload's environment") says what a workload gets in each case; keep it true.
+//! what the workload needs to reach its node, the platform and its GPUs. The table in
+//! docs/workloads.md ("The workload's environment") says what a workload gets in each case; keep it true.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -13,11 +13,21 @@ use super::record::{unix_now, Layout, Meta};
 use super::request::StartRequest;
 use super::results;
 use super::shim::ShimArgs;
-use super::spawner::Launched;
 use super::user::{self, WorkloadUser};
 use crate::config::Settings;
 use crate::protocol::commands::TopicId;
 use crate::store;
+
+/// A shim that was started and has not reported the workload's pid yet.
+pub struct Launched {
+    /// The record as written (not yet synced), no pid.
+    pub meta: Meta,
+    /// The shim, its stdout our end of its pid line. Not waited for here once it reported: the
+    /// reaper thread reaps it when it ends.
+    pub child: std::process::Child,
+    /// The shim's start time (its identity, read right after the start).
+    pub shim_start_ticks: u64,
+}
 
 /// Starts a workload under the shim, step 1 of 2 (on the spawner thread): its directory, params
 /// and record (`meta.json`, without a pid, written atomically but not yet synced), then the
@@ -103,7 +113,7 @@ fn launch_in(
     let params = std::mem::take(&mut req.params);
     let command = inputs::command_line(s, dir, &req, module.as_ref(), &params_file, user)?;
     let meta = record(layout, &req, workload_uuid, command, &stem);
-    // The workload's environment (D2/D3 and the per-workload token of ecosystem §5).
+    // The workload's environment (D2/D3, D45, and the per-workload token the backend mints, D62).
     let env = environment::of(
         s,
         &meta,

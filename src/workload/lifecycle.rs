@@ -1,4 +1,4 @@
-//! A workload's life as one explicit state machine (DESIGN §3, issue 12): one [`Phase`] per
+//! A workload's life as one explicit state machine: one [`Phase`] per
 //! workload and one pure transition function, [`step`], from `(phase, event, now)` to the next
 //! phase and the actions the node must carry out. Every path that changes where a workload is —
 //! a cancel, its supervisor ending, its group emptying, its logs drained, its uploads done, a
@@ -473,7 +473,7 @@ mod tests {
             t0,
         );
         assert_eq!(p.label(), "cancelling");
-        // A second cancel changes nothing (finding 10: the deadline is not pushed out).
+        // A second cancel changes nothing: the deadline is not pushed out.
         let (p2, a) = step(
             &p,
             Event::Cancelled {

@@ -28,11 +28,12 @@ pub use error::SpawnError;
 pub use exit::load_exit;
 pub use inputs::{base64_decode, module_function, module_of, shell_quote};
 pub use launch::launch;
+pub use launch::Launched;
 pub use record::{
     load_json, load_meta, parse_meta_bytes, read_json, save_meta, unix_now, Cancel, Layout, Meta,
     MetaKind, WorkflowCtx, KINDS, UNKNOWN_KIND,
 };
 pub use recover::{recover_meta, Recovered};
 pub use request::StartRequest;
-pub use spawner::{make_durable, settle, Launched};
+pub use spawner::{make_durable, settle};
 pub use summary::{failure_summary, tail};

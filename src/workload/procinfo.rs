@@ -10,7 +10,7 @@ pub fn boot_id() -> String {
 
 /// A /proc file's text in one read where it fits in 1 KiB (`/proc/<pid>/stat` does): /proc
 /// files say they are empty, so `fs::read_to_string` would grow its buffer from 32 bytes, a read
-/// each time (issue 25 item 5: this is on a start's path). Bytes that are not UTF-8 (a process
+/// each time (this is on a start's path). Bytes that are not UTF-8 (a process
 /// may name itself anything, `prctl(PR_SET_NAME)`) are replaced, not an error: a workload that
 /// names itself so must not drop out of the scans that find it (D25, D26).
 pub(crate) fn read_proc(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {
@@ -122,14 +122,24 @@ fn group_and_session(stat: &str) -> Option<(i32, i32)> {
     Some((pgrp, session))
 }
 
+/// This process's group and session ids.
+pub fn own_group_and_session() -> (i32, i32) {
+    // SAFETY: getpgrp and getsid(0) have no preconditions and touch no memory.
+    unsafe { (libc::getpgrp(), libc::getsid(0)) }
+}
+
 /// How many live processes are in process group `pgid` AND session `sid` (a scan of /proc).
 ///
 /// This is how the node proves a workload's group is still its own (D26, D27): the workload's
 /// group lives in the session its supervisor created, and the kernel never hands out a pid
 /// that is still some process's group or session id. A recycled pid that became a new group
 /// (`setsid`) has its own session, so it never matches; an emptied group matches nothing.
+///
+/// `sid` may be 1 or 0: the node's own session when it runs as a container's first process
+/// (session 1), or when its session leader is outside its pid namespace (`/proc` shows 0, as
+/// for a command started by `docker exec`). The install script's group lives there.
 pub fn group_members(pgid: i32, sid: i32) -> usize {
-    if pgid <= 1 || sid <= 1 {
+    if pgid <= 1 || sid < 0 {
         return 0;
     }
     let Ok(rd) = std::fs::read_dir("/proc") else {
@@ -277,6 +287,7 @@ mod tests {
         }
         assert_eq!(group_members(0, 5), 0);
         assert_eq!(group_members(1, 1), 0);
+        assert_eq!(group_members(pgrp, -1), 0);
         assert_eq!(group_and_session("12 (a) b) c) S 1 7 9 0"), Some((7, 9)));
         assert_eq!(group_and_session("12 (x) S 1"), None);
         assert_eq!(group_and_session("garbage"), None);

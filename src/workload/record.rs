@@ -352,7 +352,7 @@ mod tests {
             ("binary", vec![0x00, 0xff, 0x1b, b'[', 0x80]),
             ("array", b"[]".to_vec()),
             (
-                "huge runtime (finding 1)",
+                "huge runtime (overflows a deadline)",
                 with("/max_runtime_s", serde_json::json!(1e19)),
             ),
             (

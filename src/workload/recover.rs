@@ -95,8 +95,7 @@ pub fn recover_meta(layout: &Layout, dir: &Path, name: &str, params_cap: u64) ->
         .filter(|s| procinfo::same_process_alive(s.pid, s.start_ticks))
         .and_then(|s| crate::gpu::assigned_in_environ(s.pid));
     // Its uid, when it runs as another user than the node's (D65: kept from the pool).
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::util::euid();
     let uid = started
         .as_ref()
         .filter(|s| procinfo::same_process_alive(s.pid, s.start_ticks))
@@ -180,8 +179,7 @@ fn shim_of(dir: &Path) -> Option<(i32, u64)> {
 fn ours(pid: i32) -> bool {
     // The `Uid:` line of its status (real, effective, saved, filesystem), not the owner of its
     // /proc entries, which is root for a process that made itself not dumpable.
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() }.to_string();
+    let me = crate::util::euid().to_string();
     let Ok(status) = std::fs::read(format!("/proc/{pid}/status")) else {
         return false;
     };

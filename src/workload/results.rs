@@ -274,8 +274,7 @@ pub fn make_dir(
     // The folder just made, not another one renamed into its place meanwhile: that would be
     // another user's (one of the node's own is never handed over twice, see below).
     let md = std::fs::File::from(dir.try_clone()?).metadata()?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::util::euid();
     if std::os::unix::fs::MetadataExt::uid(&md) != me {
         return Err(std::io::Error::other(
             "the folder was replaced by another user's as it was made",

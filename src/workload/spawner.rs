@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde_json::Value;
 
+use super::launch::Launched;
 use super::procinfo;
 use super::record::{Layout, Meta};
 use super::shim::Started;
@@ -181,17 +182,6 @@ fn record(path: &Path, entries: &[ledger::Entry]) {
 
 /// How long a shim has to report the workload's pid.
 pub const PID_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A shim that was started and has not reported the workload's pid yet.
-pub struct Launched {
-    /// The record as written (not yet synced), no pid.
-    pub meta: Meta,
-    /// The shim, its stdout our end of its pid line. Not waited for here once it reported: the
-    /// reaper thread reaps it when it ends.
-    pub child: std::process::Child,
-    /// The shim's start time (its identity, read right after the start).
-    pub shim_start_ticks: u64,
-}
 
 /// Syncs the records of freshly launched workloads (each `meta.json` and its directory, and the
 /// workloads folder once, which holds their new directories), one after the other on the

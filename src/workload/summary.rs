@@ -20,7 +20,7 @@ pub fn tail(path: &Path, max: u64) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
-/// The failure summary of protocol §2.6.8: (`error` ≤ 300 chars, `stderr` tail ≤ 2000 chars).
+/// The failure summary of a completion (R8): (`error` ≤ 300 chars, `stderr` tail ≤ 2000 chars).
 pub fn failure_summary(meta: &Meta, what: &str) -> (String, Option<String>) {
     let err_text = tail(&meta.stderr_log, 16 * 1024);
     let trimmed = err_text.trim();

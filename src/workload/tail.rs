@@ -4,7 +4,7 @@
 //! asked to watch a file that is `len` bytes long, it says once when the file changed.
 //! The loop owns every cursor and decides what to do; this thread only does the I/O.
 //!
-//! **How the node learns that a log grew** (issue 15, live logs): with inotify. A watch is a
+//! **How the node learns that a log grew** (live logs): with inotify. A watch is a
 //! one-shot `IN_MODIFY` watch armed only while the loop waits for new bytes of that stream (it
 //! asks after a read found nothing more to send), so a workload writing a flood costs one event
 //! per send, not one per `write()`, and an idle or finished workload costs nothing. The moment

@@ -294,11 +294,15 @@ fn g13_a_supervisor_holds_only_its_three_streams_and_its_workloads_environment()
             .map(<[u8]>::to_vec)
             .collect()
     };
-    let workload: i32 = std::fs::read_to_string(setup.cwd.join("t/fs1.runs"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    // The workload writes its pid as it starts: wait for it (the start's reply can come first).
+    let workload: i32 = crate::support::wait_for(REPLY, || {
+        std::fs::read_to_string(setup.cwd.join("t/fs1.runs"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
+    .expect("the workload wrote its pid");
     assert!(proc_text(sup, "environ").contains("CYBERWAVE_REQUEST_ID=fs1"));
     assert_eq!(
         entries(sup),

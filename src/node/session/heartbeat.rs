@@ -1,4 +1,4 @@
-//! The heartbeat part of the broker session (issue 12, item 8): its state and every decision
+//! The heartbeat part of the broker session: its state and every decision
 //! about a heartbeat's reply, as pure functions of (state, reply, now). The loop carries out
 //! the verdict (log lines, watchdog, re-registration, shutdown); the cadence, the 401 back-off,
 //! the 404 re-registration and the failure alarm are unit-tested here with a fake clock.
@@ -22,7 +22,7 @@ pub struct Heartbeat {
 
 /// What the loop does after a heartbeat's reply (or its timeout).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub enum HeartbeatVerdict {
     /// Acknowledged; `recovered` after failures (say so once). Feed the watchdog.
     Ok { recovered: bool },
     /// The token was refused (`n` in a row); the next beat is due after `delay`.
@@ -44,33 +44,33 @@ impl Heartbeat {
         now: Instant,
         interval: Duration,
         auth_base: Duration,
-    ) -> Verdict {
+    ) -> HeartbeatVerdict {
         match reply {
             Some(b) if b.success => {
                 let recovered = self.failures > 0 || self.auth_failures > 0;
                 self.failures = 0;
                 self.auth_failures = 0;
                 self.last_ok = Some(SystemTime::now());
-                Verdict::Ok { recovered }
+                HeartbeatVerdict::Ok { recovered }
             }
             Some(b) if b.code == Some(401) => {
                 self.auth_failures = self.auth_failures.saturating_add(1);
                 let n = self.auth_failures;
                 if n >= MAX_AUTH_FAILURES {
-                    return Verdict::GiveUp { n };
+                    return HeartbeatVerdict::GiveUp { n };
                 }
                 let delay = auth_base
                     .saturating_mul(2u32.saturating_pow(n.saturating_sub(1)))
                     .min(AUTH_RETRY_CAP);
                 self.next_due = now.checked_add(delay).or(Some(now));
-                Verdict::AuthRetry { n, delay }
+                HeartbeatVerdict::AuthRetry { n, delay }
             }
             Some(b) if b.instance_gone() => {
                 *self = Heartbeat {
                     last_ok: self.last_ok,
                     ..Heartbeat::default()
                 };
-                Verdict::Gone
+                HeartbeatVerdict::Gone
             }
             _ => {
                 self.failures = self.failures.saturating_add(1);
@@ -78,7 +78,7 @@ impl Heartbeat {
                 let threshold =
                     u32::try_from(120u64.checked_div(interval.as_secs()).unwrap_or(120).max(1))
                         .unwrap_or(u32::MAX);
-                Verdict::Failed {
+                HeartbeatVerdict::Failed {
                     n: self.failures,
                     alarm: self.failures >= threshold,
                 }
@@ -127,7 +127,7 @@ mod tests {
         let mut delays = Vec::new();
         for i in 0..4u64 {
             match hb.on_reply(Some(&r401), ms(t0, i * 10), Duration::from_secs(30), base) {
-                Verdict::AuthRetry { n, delay } => {
+                HeartbeatVerdict::AuthRetry { n, delay } => {
                     assert_eq!(n, u32::try_from(i + 1).unwrap());
                     assert_eq!(hb.next_due, Some(ms(t0, i * 10) + delay));
                     delays.push(delay.as_millis());
@@ -138,7 +138,7 @@ mod tests {
         assert_eq!(delays, vec![2000, 4000, 8000, 16000]);
         assert_eq!(
             hb.on_reply(Some(&r401), ms(t0, 50), Duration::from_secs(30), base),
-            Verdict::GiveUp { n: 5 }
+            HeartbeatVerdict::GiveUp { n: 5 }
         );
         // The cap holds for a large base.
         let mut hb = Heartbeat::default();
@@ -150,7 +150,7 @@ mod tests {
         );
         assert_eq!(
             v,
-            Verdict::AuthRetry {
+            HeartbeatVerdict::AuthRetry {
                 n: 1,
                 delay: AUTH_RETRY_CAP
             }
@@ -168,13 +168,13 @@ mod tests {
         let ok = reply(json!({"success": true}));
         assert_eq!(
             hb.on_reply(Some(&ok), t0, i, b),
-            Verdict::Ok { recovered: true }
+            HeartbeatVerdict::Ok { recovered: true }
         );
         assert_eq!((hb.failures, hb.auth_failures), (0, 0));
         assert!(hb.last_ok.is_some());
         assert_eq!(
             hb.on_reply(Some(&ok), t0, i, b),
-            Verdict::Ok { recovered: false }
+            HeartbeatVerdict::Ok { recovered: false }
         );
     }
 
@@ -193,7 +193,10 @@ mod tests {
             json!({"code": 400, "message": "Instance was terminated"}),
         ] {
             hb.failures = 3;
-            assert_eq!(hb.on_reply(Some(&reply(gone)), t0, i, i), Verdict::Gone);
+            assert_eq!(
+                hb.on_reply(Some(&reply(gone)), t0, i, i),
+                HeartbeatVerdict::Gone
+            );
             assert_eq!((hb.next_due, hb.failures, hb.auth_failures), (None, 0, 0));
             assert_eq!(hb.last_ok, Some(SystemTime::UNIX_EPOCH), "kept for status");
         }
@@ -204,7 +207,7 @@ mod tests {
             i,
             i,
         );
-        assert!(matches!(v, Verdict::Failed { n: 1, alarm: false }));
+        assert!(matches!(v, HeartbeatVerdict::Failed { n: 1, alarm: false }));
     }
 
     #[test]
@@ -215,7 +218,7 @@ mod tests {
             let i = Duration::from_secs(interval_s);
             let mut first_alarm = None;
             for n in 1..=130u32 {
-                if let Verdict::Failed { alarm: true, .. } = hb.on_reply(None, t0, i, i) {
+                if let HeartbeatVerdict::Failed { alarm: true, .. } = hb.on_reply(None, t0, i, i) {
                     first_alarm.get_or_insert(n);
                 }
             }

@@ -1,6 +1,6 @@
-//! The broker session (issue 12, item 8): the connection and its reconnects, the registration
+//! The broker session: the connection and its reconnects, the registration
 //! (R1, R2), the heartbeat (R3) and every request waiting for its reply. It owns that state and
-//! reaches the outside only through [`Outbound`]; it takes the time as an argument and tells the
+//! reaches the outside only through [`Link`]; it takes the time as an argument and tells the
 //! loop what happened as [`Happening`]s, so each of its decisions is unit-tested here with a
 //! recording fake and a fake clock in milliseconds.
 //!
@@ -22,7 +22,7 @@ use crate::mqtt::MqttEvent;
 use crate::protocol::replies::Reply;
 use crate::protocol::topics::Topics;
 use crate::util;
-pub use heartbeat::{Heartbeat, Verdict, MAX_AUTH_FAILURES};
+pub use heartbeat::{Heartbeat, HeartbeatVerdict, MAX_AUTH_FAILURES};
 
 /// Commands kept while the node is not yet registered (a resumed session delivers them first).
 const MAX_EARLY_COMMANDS: usize = 1000;
@@ -42,7 +42,7 @@ fn encode(body: &Value) -> Vec<u8> {
 }
 
 /// Everything the session does to the world.
-pub trait Outbound {
+pub trait Link {
     /// Starts a connect attempt to the current broker address (never asking for a clean
     /// session). Its outcome comes back as an `MqttEvent`.
     fn connect(&mut self);
@@ -328,7 +328,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         body: &Value,
         timeout: Duration,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) -> Vec<u8> {
         self.send(Tag::Loop(tag), topic, encode(body), timeout, now, out)
     }
@@ -342,7 +342,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         payload: Vec<u8>,
         timeout: Duration,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) -> Vec<u8> {
         self.send(Tag::Loop(tag), topic, payload, timeout, now, out)
     }
@@ -354,7 +354,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         payload: Vec<u8>,
         timeout: Duration,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) -> Vec<u8> {
         let corr = util::random_bytes::<16>().to_vec();
         out.request(topic, payload, &corr);
@@ -370,7 +370,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
 
     /// Sends the heartbeat the loop built after [`Happening::HeartbeatDue`]; counts a failure
     /// when there is no connection to send it on.
-    pub fn send_heartbeat(&mut self, body: &Value, now: Instant, out: &mut dyn Outbound) {
+    pub fn send_heartbeat(&mut self, body: &Value, now: Instant, out: &mut dyn Link) {
         if !self.connected() {
             self.hb.failures = self.hb.failures.saturating_add(1);
             log::debug!("heartbeat skipped: not connected");
@@ -388,7 +388,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         ev: MqttEvent,
         publishing: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) -> Vec<Happening<T>> {
         let mut happened = Vec::new();
         match ev {
@@ -466,7 +466,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         &mut self,
         publishing: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) -> Vec<Happening<T>> {
         let mut happened = Vec::new();
         if self.verify_connection_at.is_some_and(|v| now >= v) {
@@ -528,7 +528,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
 
     // ---- connection -------------------------------------------------------------------------
 
-    fn start_connect(&mut self, out: &mut dyn Outbound) {
+    fn start_connect(&mut self, out: &mut dyn Link) {
         let attempt = match self.conn {
             Conn::Disconnected { attempt, .. } => attempt,
             _ => 0,
@@ -547,7 +547,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         resumed: bool,
         publishing: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         log::info!(
@@ -605,7 +605,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         why: &str,
         publishing: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         // A connection that dies within seconds of its CONNACK is a failed attempt for the
@@ -627,7 +627,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         &mut self,
         publishing: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         let recent = self
@@ -651,7 +651,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
 
     /// Not every broker or client library reports reason 0x8E: a connection that the broker
     /// closes within seconds of accepting it, three times within a minute, is the same sign.
-    fn note_short_connection(&mut self, now: Instant, out: &mut dyn Outbound) {
+    fn note_short_connection(&mut self, now: Instant, out: &mut dyn Link) {
         // A broker that restarts refuses the first reconnect; a takeover does not: only a
         // connection made at the first attempt after a loss counts.
         let short = self.connected_first_try
@@ -679,7 +679,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
     /// Says that another client uses this node's client id, records it for `doctor`, and waits
     /// at least 30 s between attempts so the two do not take the session from each other
     /// several times a second (D33).
-    fn duplicate_client_id(&mut self, sign: &str, now: Instant, out: &mut dyn Outbound) {
+    fn duplicate_client_id(&mut self, sign: &str, now: Instant, out: &mut dyn Link) {
         // Recorded before it is said, so whoever reads the line finds the record (`doctor`).
         out.mark_client_id_conflict();
         log::error!(
@@ -707,7 +707,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         failed: bool,
         why: &str,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) {
         let n = self.failures.entry(out.endpoint()).or_insert(0);
         *n = if failed { n.saturating_add(1) } else { 0 };
@@ -748,7 +748,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         correlation: Option<Vec<u8>>,
         payload: &[u8],
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         let Some(corr) = correlation else {
@@ -769,7 +769,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         reply: Option<Reply>,
         correlation: Vec<u8>,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         match tag {
@@ -799,7 +799,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         attempt: u32,
         create: bool,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) {
         if create {
             let mut body = self.registration_body();
@@ -825,7 +825,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         uuid: String,
         slug: Option<String>,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) {
         log::info!("registering instance {} (R2)", shown(&uuid));
         let topic = self.cfg.topics.register(&uuid);
@@ -871,7 +871,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         };
     }
 
-    fn on_create_reply(&mut self, reply: Option<Reply>, now: Instant, out: &mut dyn Outbound) {
+    fn on_create_reply(&mut self, reply: Option<Reply>, now: Instant, out: &mut dyn Link) {
         let Registration::AwaitingCreate { attempt } = self.reg else {
             return;
         };
@@ -898,7 +898,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         &mut self,
         reply: Option<Reply>,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         let Registration::AwaitingRegister { uuid, slug, .. } = self.reg.clone() else {
@@ -945,7 +945,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
     fn become_registered(
         &mut self,
         identity: Identity,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         if let Err(e) = out.save_identity(&identity) {
@@ -986,7 +986,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         &mut self,
         result: Result<Vec<i32>, String>,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
     ) {
         if self.ready_announced || !self.registered() || self.command_topics.len() < 2 {
             return;
@@ -1046,7 +1046,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
         &mut self,
         reply: Option<Reply>,
         now: Instant,
-        out: &mut dyn Outbound,
+        out: &mut dyn Link,
         happened: &mut Vec<Happening<T>>,
     ) {
         if self.closing || !self.registered() {
@@ -1059,24 +1059,24 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
             self.cfg.tuning.auth_retry_base,
         );
         match verdict {
-            Verdict::Ok { recovered } => {
+            HeartbeatVerdict::Ok { recovered } => {
                 if recovered {
                     log::info!("heartbeats acknowledged again");
                 }
                 // The watchdog is fed only while the backend acknowledges heartbeats.
                 out.notify("WATCHDOG=1");
             }
-            Verdict::GiveUp { n } => {
+            HeartbeatVerdict::GiveUp { n } => {
                 log::error!("the backend rejected the API token on {n} heartbeats in a row: it is invalid or revoked; shutting down");
                 happened.push(Happening::TokenRejected);
             }
-            Verdict::AuthRetry { n, delay } => {
+            HeartbeatVerdict::AuthRetry { n, delay } => {
                 log::warn!(
                     "heartbeat rejected: authentication failed ({n}/{MAX_AUTH_FAILURES}); retrying in {:.1}s",
                     delay.as_secs_f64()
                 );
             }
-            Verdict::Gone => {
+            HeartbeatVerdict::Gone => {
                 // D5: the instance is gone; register a new one and move the subscriptions.
                 log::warn!(
                     "the backend says instance {} is gone ({}); registering a new instance",
@@ -1094,7 +1094,7 @@ impl<T: Clone + std::fmt::Debug> Session<T> {
                     create: true,
                 };
             }
-            Verdict::Failed { n, alarm } => {
+            HeartbeatVerdict::Failed { n, alarm } => {
                 happened.push(Happening::HeartbeatFailed);
                 let why = match &reply {
                     Some(b) => format!("refused: {}", b.message),

@@ -1,4 +1,4 @@
-//! The broker session driven with a fake clock (milliseconds) and a recording [`Outbound`]:
+//! The broker session driven with a fake clock (milliseconds) and a recording [`Link`]:
 //! no broker, no backend, no sleeping.
 
 use super::*;
@@ -6,7 +6,7 @@ use serde_json::json;
 
 /// Records everything the session does to the world.
 #[derive(Default)]
-struct Rec {
+struct RecLink {
     /// What `is_connected` answers (the client's view).
     up: bool,
     connects: usize,
@@ -24,7 +24,7 @@ struct Rec {
     notes: Vec<String>,
 }
 
-impl Outbound for Rec {
+impl Link for RecLink {
     fn connect(&mut self) {
         self.connects += 1;
     }
@@ -70,7 +70,7 @@ impl Outbound for Rec {
     }
 }
 
-impl Rec {
+impl RecLink {
     fn last_request(&self) -> (String, Value, Vec<u8>) {
         self.requests.last().cloned().expect("a request was sent")
     }
@@ -107,9 +107,9 @@ fn reply_to(corr: &[u8], topics: &Topics, body: Value) -> MqttEvent {
 }
 
 /// A connected session at `t0`: its connect started and was accepted.
-fn connected(cfg: Config, t0: Instant) -> (S, Rec) {
+fn connected(cfg: Config, t0: Instant) -> (S, RecLink) {
     let mut s = S::new(cfg, None, None, t0);
-    let mut rec = Rec::default();
+    let mut rec = RecLink::default();
     assert!(s.tick(false, t0, &mut rec).is_empty());
     assert_eq!(rec.connects, 1, "the first connect starts at once");
     rec.up = true;
@@ -120,11 +120,11 @@ fn connected(cfg: Config, t0: Instant) -> (S, Rec) {
 }
 
 /// A session that registered (R1, R2) and is ready (SUBACK) at `t0`.
-fn ready(t0: Instant) -> (S, Rec) {
+fn ready(t0: Instant) -> (S, RecLink) {
     ready_with(cfg(), t0)
 }
 
-fn ready_with(cfg: Config, t0: Instant) -> (S, Rec) {
+fn ready_with(cfg: Config, t0: Instant) -> (S, RecLink) {
     let topics = cfg.topics.clone();
     let (mut s, mut rec) = connected(cfg, t0);
     s.tick(false, t0, &mut rec);
@@ -457,7 +457,7 @@ fn a_refused_token_backs_off_then_ends_the_node_and_unanswered_beats_are_counted
 fn reconnects_back_off_with_full_jitter_up_to_the_cap() {
     let t0 = Instant::now();
     let mut s = S::new(cfg(), None, None, t0);
-    let mut rec = Rec::default();
+    let mut rec = RecLink::default();
     let mut now = t0;
     for n in 0..12u32 {
         s.tick(false, now, &mut rec);
@@ -511,7 +511,7 @@ fn a_silent_loss_is_noticed_at_the_next_tick_and_a_loss_racing_the_connect_is_ch
 
 /// Sleeps from deadline to deadline, from `now`, until the session starts a connect; returns
 /// when it did.
-fn next_connect(s: &mut S, rec: &mut Rec, now: Instant) -> Instant {
+fn next_connect(s: &mut S, rec: &mut RecLink, now: Instant) -> Instant {
     let connects = rec.connects;
     let mut due = now;
     while rec.connects == connects {
@@ -562,7 +562,7 @@ fn d33_two_takeovers_within_a_minute_mark_a_conflict_and_wait_thirty_seconds() {
 }
 
 /// Connects at `now` at the first attempt after a loss and loses it 1 s later.
-fn short_connection(s: &mut S, rec: &mut Rec, now: Instant, publishing: bool) -> Instant {
+fn short_connection(s: &mut S, rec: &mut RecLink, now: Instant, publishing: bool) -> Instant {
     let due = next_connect(s, rec, now);
     s.on_mqtt(MqttEvent::Connect(Ok(false)), false, due, rec);
     let lost = due + Duration::from_millis(1_000);
@@ -694,7 +694,7 @@ fn a_closing_session_starts_nothing_but_its_requests_still_end() {
 fn a_failed_start_registers_to_report_it_and_subscribes_to_no_command() {
     let t0 = Instant::now();
     let mut s = S::new(cfg(), None, Some("install failed".into()), t0);
-    let mut rec = Rec::default();
+    let mut rec = RecLink::default();
     let topics = cfg().topics;
     s.tick(false, t0, &mut rec);
     rec.up = true;
@@ -732,7 +732,7 @@ fn standalone_uses_its_own_identity_and_sends_no_request() {
         ..Identity::default()
     };
     let mut s = S::new(c, Some(me), None, t0);
-    let mut rec = Rec::default();
+    let mut rec = RecLink::default();
     s.tick(false, t0, &mut rec);
     rec.up = true;
     s.on_mqtt(MqttEvent::Connect(Ok(false)), false, t0, &mut rec);
@@ -790,9 +790,9 @@ fn a_refused_request_comes_back_refused_once_and_never_times_out() {
 fn a_refused_registration_fails_at_once_and_is_retried() {
     let t0 = Instant::now();
     let mut s: S = Session::new(cfg(), None, None, t0);
-    let mut rec = Rec {
+    let mut rec = RecLink {
         up: true,
-        ..Rec::default()
+        ..RecLink::default()
     };
     s.tick(false, t0, &mut rec);
     s.on_mqtt(MqttEvent::Connect(Ok(false)), false, t0, &mut rec);
@@ -819,15 +819,16 @@ fn a_refused_registration_fails_at_once_and_is_retried() {
     assert_eq!(rec.requests.len(), sent + 1);
 }
 
-/// Issue 22: each broker address has its own back-off. A dead address that refuses at once
-/// does not lengthen the wait before a live one (one counter for all doubled it each round).
+/// Each broker address has its own back-off. A dead address that refuses at once
+/// does not lengthen the wait before a live one (one counter for all would double it at each
+/// failure of the dead one).
 #[test]
 fn each_broker_address_backs_off_on_its_own_failures() {
     let t0 = Instant::now();
     let mut s = S::new(cfg(), None, None, t0);
-    let mut rec = Rec {
+    let mut rec = RecLink {
         endpoints: vec!["a:1".into(), "b:1".into()],
-        ..Rec::default()
+        ..RecLink::default()
     };
     let mut now = t0;
     for i in 0..16u32 {
@@ -862,7 +863,7 @@ fn each_broker_address_backs_off_on_its_own_failures() {
     assert_eq!(s.failures.get("b:1"), Some(&8));
 }
 
-/// Issue 22: a connection the broker drops within seconds of accepting it is a failed attempt
+/// A connection the broker drops within seconds of accepting it is a failed attempt
 /// for the back-off: a broker that accepts and drops at once gets no reconnect storm.
 #[test]
 fn a_connection_that_dies_within_seconds_counts_as_a_failure_for_the_backoff() {

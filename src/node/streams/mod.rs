@@ -1,6 +1,5 @@
 //! Live log streaming (R4) and console mirroring: a part that owns every workload's stream
-//! state and reaches the outside only through [`Outbound`] (the tailer thread, a publish, the
-//! console). It never sees the loop's types: the loop tells it which workloads exist
+//! state and returns what it wants done as [`Effect`]s (a tailer job, a publish, console lines). It never sees the loop's types: the loop tells it which workloads exist
 //! ([`Streams::track`], [`Streams::end`], [`Streams::forget`]), whether the node may publish
 //! ([`Streams::link`]), what the tailer found ([`Streams::on_tail`]) and how a chunk's request
 //! ended ([`Streams::on_ack`]); it asks for its next deadline ([`Streams::next_due`]).
@@ -37,6 +36,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use super::effect::Effect;
 use crate::workload::tail::{Chunk, Event, Key, Mark, Request, MARK_BYTES};
 use pace::{Pace, Rules, MIN_READ};
 
@@ -54,9 +54,7 @@ pub const INSTALL_CHUNK: usize = 64 * 1024;
 /// The install script's output shipped, per stream: its last MiB.
 pub const INSTALL_TAIL: u64 = 1024 * 1024;
 
-/// What the console mirror prints per workload stream and second by default
-/// (`CYBERWAVE_NODE_MIRROR_BYTES_PER_SECOND`, D69).
-pub const MIRROR_BYTES_PER_SECOND: u64 = 1024 * 1024;
+pub use crate::config::MIRROR_BYTES_PER_SECOND;
 
 pub const STREAM_NAMES: [&str; 2] = ["stdout", "stderr"];
 /// How many [`Mark`]s a stream keeps (the ends of its last chunks read): a truncation is found
@@ -143,22 +141,9 @@ impl crate::store::Validate for Cursor {
     }
 }
 
-/// The effects the part asks for; the loop carries them out (a recording fake in the tests).
-pub trait Outbound {
-    /// A job for the tailer thread; its answer comes back through [`Streams::on_tail`].
-    fn tail(&mut self, req: Request);
-    /// Publish a log chunk (a JSON body) as a request; its outcome comes back through
-    /// [`Streams::on_ack`] with the same key.
-    fn publish(&mut self, key: &Key, payload: Vec<u8>);
-    /// Publish an install-log chunk (no acknowledgement is waited for).
-    fn publish_install(&mut self, payload: Vec<u8>);
-    /// Tagged lines for the console: stream 0 to stdout, 1 to stderr.
-    fn mirror(&mut self, stream: usize, text: &[u8]);
-}
-
 /// The node's settings the part follows.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
+pub struct StreamSettings {
     /// `CYBERWAVE_WORKLOAD_LOG_STREAM_INTERVAL`: the longest a byte waits, and the budget's period.
     pub interval: Duration,
     /// `max_log_bytes`: a log file over this keeps its newest half.
@@ -171,7 +156,7 @@ pub struct Settings {
 
 /// What the part needs to know of a workload.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Source {
+pub struct StreamSource {
     pub kind: String,
     pub request_id: Value,
     pub workload_uuid: Option<String>,
@@ -219,7 +204,7 @@ struct Stream {
 }
 
 struct Workload {
-    src: Source,
+    src: StreamSource,
     /// `[workload <tag> <stream>] ` per stream.
     prefix: [Vec<u8>; 2],
     /// Its process ended: the rest goes at once.
@@ -267,7 +252,7 @@ pub struct Streams {
 
 impl Default for Streams {
     fn default() -> Self {
-        Streams::new(&Settings {
+        Streams::new(&StreamSettings {
             interval: Duration::from_secs(3),
             max_log_bytes: 1 << 30,
             standalone: false,
@@ -277,7 +262,7 @@ impl Default for Streams {
 }
 
 impl Streams {
-    pub fn new(s: &Settings) -> Streams {
+    pub fn new(s: &StreamSettings) -> Streams {
         Streams {
             rules: Rules::new(s.interval),
             max_log_bytes: s.max_log_bytes.max(1),
@@ -331,7 +316,7 @@ impl Streams {
     /// Starts streaming a workload's logs from its persisted cursor (a re-adopted workload
     /// resumes at the first unacknowledged byte). What is in its files already is read after
     /// the batching window; growth is watched from then on.
-    pub fn track(&mut self, id: &str, src: Source, cursor: Cursor, now: Instant) {
+    pub fn track(&mut self, id: &str, src: StreamSource, cursor: Cursor, now: Instant) {
         let tag = src
             .workload_uuid
             .clone()
@@ -370,7 +355,7 @@ impl Streams {
     }
 
     /// The workload's process ended: ship the rest now, as fast as it is acknowledged.
-    pub fn end(&mut self, id: &str, now: Instant, out: &mut dyn Outbound) {
+    pub fn end(&mut self, id: &str, now: Instant, fx: &mut Vec<Effect>) {
         let Some(w) = self.workloads.get_mut(id) else {
             return;
         };
@@ -383,13 +368,13 @@ impl Streams {
             if std::mem::take(&mut s.watching) {
                 // Its files no longer grow: no watch is left behind (inotify watches are
                 // a limited resource, and a finished log stays for days).
-                out.tail(Request::Unwatch(Key {
+                fx.push(Effect::Tail(Request::Unwatch(Key {
                     safe_id: id.to_string(),
                     stream: i,
-                }));
+                })));
             }
         }
-        self.pump(now, out);
+        self.pump(now, fx);
     }
 
     pub fn forget(&mut self, id: &str) {
@@ -430,13 +415,16 @@ impl Streams {
     }
 
     /// Asks the tailer for the next slice of every stream that is due.
-    pub fn pump(&mut self, now: Instant, out: &mut dyn Outbound) {
+    pub fn pump(&mut self, now: Instant, fx: &mut Vec<Effect>) {
         let cap = self.read_cap();
         for (id, w) in &mut self.workloads {
             for (i, s) in w.streams.iter_mut().enumerate() {
                 if let Some(held) = s.budget.take_note(now, false) {
                     let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
-                    out.mirror(i, &mirror::note(prefix, held));
+                    fx.push(Effect::Mirror {
+                        stream: i,
+                        text: mirror::note(prefix, held),
+                    });
                 }
                 if s.reading || s.inflight.is_some() || s.persisting {
                     continue;
@@ -460,7 +448,7 @@ impl Streams {
                     s.mirrored.max(s.acked)
                 };
                 s.reading = true;
-                out.tail(Request::Read {
+                fx.push(Effect::Tail(Request::Read {
                     key: Key {
                         safe_id: id.clone(),
                         stream: i,
@@ -469,18 +457,18 @@ impl Streams {
                     offset,
                     max: usize::try_from(max).unwrap_or(usize::MAX),
                     marks: s.marks.iter().rev().cloned().collect(),
-                });
+                }));
             }
         }
     }
 
     /// What the tailer did. Returns the bytes newly acknowledged (for the metrics): always 0
     /// here except in standalone mode, where a publish counts as delivered.
-    pub fn on_tail(&mut self, ev: Event, now: Instant, out: &mut dyn Outbound) -> u64 {
+    pub fn on_tail(&mut self, ev: Event, now: Instant, fx: &mut Vec<Effect>) -> u64 {
         let delivered = match ev {
-            Event::Chunk(c) => self.on_chunk(c, now, out),
+            Event::Chunk(c) => self.on_chunk(c, now, fx),
             Event::Cut { key, result } => {
-                self.on_cut(&key, result, now, out);
+                self.on_cut(&key, result, now, fx);
                 0
             }
             Event::Grew(key) => {
@@ -497,7 +485,7 @@ impl Streams {
                 0
             }
         };
-        self.pump(now, out);
+        self.pump(now, fx);
         delivered
     }
 
@@ -512,7 +500,7 @@ impl Streams {
         key: &Key,
         result: std::io::Result<u64>,
         now: Instant,
-        _: &mut dyn Outbound,
+        _: &mut Vec<Effect>,
     ) {
         let cap = self.max_log_bytes;
         let Some(w) = self.workloads.get_mut(&key.safe_id) else {
@@ -548,7 +536,7 @@ impl Streams {
         }
     }
 
-    fn on_chunk(&mut self, chunk: Chunk, now: Instant, out: &mut dyn Outbound) -> u64 {
+    fn on_chunk(&mut self, chunk: Chunk, now: Instant, fx: &mut Vec<Effect>) -> u64 {
         let cap = self.max_log_bytes;
         let payload_cap = self.payload_cap();
         let piece = MIN_READ.min(self.read_cap());
@@ -570,11 +558,11 @@ impl Streams {
         // skipped, never cut by copying them as zeros).
         if chunk.file_len.min(chunk.disk_len) > cap {
             s.reading = true;
-            out.tail(Request::Cut {
+            fx.push(Effect::Tail(Request::Cut {
                 key: chunk.key,
                 path,
                 keep: cap / 2,
-            });
+            }));
             return 0;
         }
         let publishing = connected && chunk.offset == s.acked && s.inflight.is_none();
@@ -593,7 +581,7 @@ impl Streams {
         }
         if chunk.skipped > 0 && skipped(s, &chunk, mirroring, &what) {
             // The line the console holds ends where the hole starts.
-            end_partial_line(s, w.prefix.get(i), i, now, out);
+            end_partial_line(s, w.prefix.get(i), i, now, fx);
         }
         // From here on the chunk is the bytes at `offset`.
         let offset = chunk.at();
@@ -627,7 +615,7 @@ impl Streams {
             let prefix = w.prefix.get(i).map(Vec::as_slice).unwrap_or_default();
             // Text a hole ends is a whole line for the console too.
             let (last, partial) = (chunk.gap_follows, &mut s.partial);
-            mirror::mirror(prefix, i, fresh, last, partial, &mut s.budget, now, out);
+            mirror::mirror(prefix, i, fresh, last, partial, &mut s.budget, now, fx);
             s.mirrored = end;
         }
         // (A chunk cut to fit the broker leaves whole lines behind.)
@@ -639,13 +627,13 @@ impl Streams {
                 // forever). Nothing to ship needs no connection.
                 s.drained = true;
                 s.pace.caught_up();
-                end_partial_line(s, w.prefix.get(i), i, now, out);
+                end_partial_line(s, w.prefix.get(i), i, now, fx);
                 return 0;
             }
             if all_sent_or_partial {
                 s.pace.caught_up();
                 if !ending {
-                    watch(s, chunk.key, path, chunk.file_len, out);
+                    watch(s, chunk.key, path, chunk.file_len, fx);
                 }
             } else {
                 s.pace.unsent(now);
@@ -659,25 +647,28 @@ impl Streams {
         s.pace
             .sent(now, data.len() as u64, !all_sent_or_partial, &rules);
         if all_sent_or_partial && !ending {
-            watch(s, chunk.key.clone(), path, chunk.file_len, out);
+            watch(s, chunk.key.clone(), path, chunk.file_len, fx);
         }
-        out.publish(&chunk.key, body);
+        fx.push(Effect::PublishLog {
+            key: chunk.key.clone(),
+            payload: body,
+        });
         if self.standalone {
             // No backend acknowledges logs: published once, counted as delivered.
-            return self.ack(&chunk.key, true, now, out);
+            return self.ack(&chunk.key, true, now, fx);
         }
         0
     }
 
     /// The outcome of a chunk's request: `ok` when the backend acknowledged it; a refusal or a
     /// timeout sends it again from the acknowledged cursor. Returns the bytes acknowledged.
-    pub fn on_ack(&mut self, key: &Key, ok: bool, now: Instant, out: &mut dyn Outbound) -> u64 {
-        let n = self.ack(key, ok, now, out);
-        self.pump(now, out);
+    pub fn on_ack(&mut self, key: &Key, ok: bool, now: Instant, fx: &mut Vec<Effect>) -> u64 {
+        let n = self.ack(key, ok, now, fx);
+        self.pump(now, fx);
         n
     }
 
-    fn ack(&mut self, key: &Key, ok: bool, now: Instant, out: &mut dyn Outbound) -> u64 {
+    fn ack(&mut self, key: &Key, ok: bool, now: Instant, fx: &mut Vec<Effect>) -> u64 {
         let Some(w) = self.workloads.get_mut(&key.safe_id) else {
             return 0;
         };
@@ -698,11 +689,11 @@ impl Streams {
         s.truncated_unsent = false;
         s.persisting = true;
         let data = serde_json::to_vec(&w.cursor()).unwrap_or_default();
-        out.tail(Request::Persist {
+        fx.push(Effect::Tail(Request::Persist {
             key: key.clone(),
             path: w.src.cursor_path.clone(),
             data,
-        });
+        }));
         len
     }
 
@@ -750,7 +741,7 @@ impl Streams {
 
     /// Ships the install script's output once: `texts` are the tails of its stdout and stderr,
     /// sent in chunks that end at line ends.
-    pub fn ship_install(&mut self, texts: [String; 2], out: &mut dyn Outbound) {
+    pub fn ship_install(&mut self, texts: [String; 2], fx: &mut Vec<Effect>) {
         if self.install_shipped {
             return;
         }
@@ -766,7 +757,9 @@ impl Streams {
                     "log_content": piece.strip_suffix('\n').unwrap_or(piece),
                     "source": "install",
                 });
-                out.publish_install(serde_json::to_vec(&body).unwrap_or_default());
+                fx.push(Effect::PublishInstall(
+                    serde_json::to_vec(&body).unwrap_or_default(),
+                ));
                 offset = end;
             }
         }
@@ -873,10 +866,10 @@ fn skipped(s: &mut Stream, chunk: &Chunk, mirroring: bool, what: &Said<'_>) -> b
     flush
 }
 
-fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, out: &mut dyn Outbound) {
+fn watch(s: &mut Stream, key: Key, path: PathBuf, len: u64, fx: &mut Vec<Effect>) {
     if !s.watching {
         s.watching = true;
-        out.tail(Request::Watch { key, path, len });
+        fx.push(Effect::Tail(Request::Watch { key, path, len }));
     }
 }
 
@@ -886,7 +879,7 @@ fn end_partial_line(
     prefix: Option<&Vec<u8>>,
     i: usize,
     now: Instant,
-    out: &mut dyn Outbound,
+    fx: &mut Vec<Effect>,
 ) {
     let rest = std::mem::take(&mut s.partial);
     let prefix = prefix.map(Vec::as_slice).unwrap_or_default();
@@ -898,7 +891,7 @@ fn end_partial_line(
         &mut Vec::new(),
         &mut s.budget,
         now,
-        out,
+        fx,
     );
 }
 
@@ -928,7 +921,7 @@ fn fitted_body(
     uuid: &str,
     i: usize,
     data: &mut Vec<u8>,
-    src: &Source,
+    src: &StreamSource,
     at: u64,
     notes: &Notes,
     payload_cap: u64,
@@ -966,7 +959,7 @@ fn chunk_body(
     uuid: &str,
     stream: usize,
     data: &[u8],
-    src: &Source,
+    src: &StreamSource,
     offset: u64,
     notes: &Notes,
 ) -> Vec<u8> {

@@ -1,4 +1,4 @@
-//! When a running workload's stream sends (issue 15 item 5): a pure decision over a fake-able
+//! When a running workload's stream sends: a pure decision over a fake-able
 //! clock. New bytes go once the oldest unsent byte is [`WINDOW`] old (batching, like Nagle's
 //! algorithm: a line alone goes after 250 ms, a burst of lines goes together), at most one
 //! message per [`GAP`] (4 per second per stream), and within a byte budget: a bucket of

@@ -7,8 +7,10 @@ use serde_json::Value;
 
 use super::*;
 
+/// What the part asked for: `fx` as it returned it, the rest as read so far ([`Fake::seen`]).
 #[derive(Default)]
 struct Fake {
+    fx: Vec<Effect>,
     tail: Vec<Request>,
     /// Chunks published, in order, with their decoded bodies.
     published: Vec<(Key, Value)>,
@@ -16,20 +18,27 @@ struct Fake {
     console: [String; 2],
 }
 
-impl Outbound for Fake {
-    fn tail(&mut self, req: Request) {
-        self.tail.push(req);
-    }
-    fn publish(&mut self, key: &Key, payload: Vec<u8>) {
-        let body: Value = serde_json::from_slice(&payload).expect("a chunk body is JSON");
-        self.published.push((key.clone(), body));
-    }
-    fn publish_install(&mut self, payload: Vec<u8>) {
-        self.install
-            .push(serde_json::from_slice(&payload).expect("JSON"));
-    }
-    fn mirror(&mut self, stream: usize, text: &[u8]) {
-        self.console[stream].push_str(std::str::from_utf8(text).expect("UTF-8"));
+impl Fake {
+    /// Reads what the part asked for since the last reading.
+    fn seen(&mut self) -> &mut Fake {
+        for e in std::mem::take(&mut self.fx) {
+            match e {
+                Effect::Tail(req) => self.tail.push(req),
+                Effect::PublishLog { key, payload } => {
+                    let body: Value =
+                        serde_json::from_slice(&payload).expect("a chunk body is JSON");
+                    self.published.push((key, body));
+                }
+                Effect::PublishInstall(payload) => self
+                    .install
+                    .push(serde_json::from_slice(&payload).expect("JSON")),
+                Effect::Mirror { stream, text } => {
+                    self.console[stream].push_str(std::str::from_utf8(&text).expect("UTF-8"))
+                }
+                other => panic!("not a streams effect: {other:?}"),
+            }
+        }
+        self
     }
 }
 
@@ -63,8 +72,8 @@ struct Sim {
     answered: usize,
 }
 
-fn settings(interval_ms: u64) -> Settings {
-    Settings {
+fn settings(interval_ms: u64) -> StreamSettings {
+    StreamSettings {
         interval: Duration::from_millis(interval_ms),
         max_log_bytes: 1 << 30,
         standalone: false,
@@ -73,17 +82,17 @@ fn settings(interval_ms: u64) -> Settings {
 }
 
 impl Sim {
-    fn new(s: Settings) -> Sim {
+    fn new(s: StreamSettings) -> Sim {
         Sim::resumed(s, Cursor::default(), [Vec::new(), Vec::new()])
     }
 
-    fn resumed(s: Settings, cursor: Cursor, files: [Vec<u8>; 2]) -> Sim {
+    fn resumed(s: StreamSettings, cursor: Cursor, files: [Vec<u8>; 2]) -> Sim {
         let t0 = Instant::now();
         let mut st = Streams::new(&s);
         st.link(true, "inst-1", t0);
         st.track(
             ID,
-            Source {
+            StreamSource {
                 kind: "training".into(),
                 request_id: Value::from("req-1"),
                 workload_uuid: Some("wl-1".into()),
@@ -119,13 +128,13 @@ impl Sim {
                 Some(d) if d <= target => {
                     assert!(d >= self.t0, "a deadline before the start");
                     self.now = self.now.max(d);
-                    self.st.pump(self.now, &mut self.out);
+                    self.st.pump(self.now, &mut self.out.fx);
                 }
                 _ => break,
             }
         }
         self.now = target;
-        self.st.pump(self.now, &mut self.out);
+        self.st.pump(self.now, &mut self.out.fx);
         self.serve();
     }
 
@@ -140,15 +149,15 @@ impl Sim {
             .collect();
         self.watches.retain(|(s, _)| *s != stream);
         for s in fired {
-            self.st.on_tail(Event::Grew(key(s)), now, &mut self.out);
+            self.st.on_tail(Event::Grew(key(s)), now, &mut self.out.fx);
         }
         self.serve();
     }
 
     /// Answers the tailer's jobs until none is left.
     fn serve(&mut self) {
-        while !self.out.tail.is_empty() {
-            let jobs = std::mem::take(&mut self.out.tail);
+        while !self.out.seen().tail.is_empty() {
+            let jobs = std::mem::take(&mut self.out.seen().tail);
             for job in jobs {
                 let ev = match job {
                     Request::Read {
@@ -204,7 +213,7 @@ impl Sim {
                     }
                 };
                 let now = self.now;
-                self.st.on_tail(ev, now, &mut self.out);
+                self.st.on_tail(ev, now, &mut self.out.fx);
             }
         }
     }
@@ -212,18 +221,18 @@ impl Sim {
     fn release_persists(&mut self) {
         self.hold_persists = false;
         let held = std::mem::take(&mut self.held);
-        self.out.tail.extend(held);
+        self.out.seen().tail.extend(held);
         self.serve();
     }
 
     /// Answers every chunk published and not answered yet (not those that go in answer).
     fn answer(&mut self, ok: bool) {
-        let upto = self.out.published.len();
+        let upto = self.out.seen().published.len();
         while self.answered < upto {
-            let k = self.out.published[self.answered].0.clone();
+            let k = self.out.seen().published[self.answered].0.clone();
             self.answered += 1;
             let now = self.now;
-            self.st.on_ack(&k, ok, now, &mut self.out);
+            self.st.on_ack(&k, ok, now, &mut self.out.fx);
             self.serve();
         }
     }
@@ -282,10 +291,10 @@ fn a_line_goes_after_the_batching_window_and_nothing_wakes_an_idle_stream() {
     sim.at(1100);
     sim.write(0, b"world\n");
     sim.at(1249);
-    assert!(sim.out.published.is_empty());
+    assert!(sim.out.seen().published.is_empty());
     sim.at(1250);
     assert_eq!(sim.chunks(0), vec![(0, 12, "hello\nworld".to_string())]);
-    let body = &sim.out.published[0].1;
+    let body = &sim.out.seen().published[0].1;
     assert_eq!(body["instance_uuid"], "inst-1");
     assert_eq!(body["log_type"], "stdout");
     assert_eq!(body["workload_request_id"], "req-1");
@@ -299,7 +308,7 @@ fn a_line_goes_after_the_batching_window_and_nothing_wakes_an_idle_stream() {
     );
     assert_eq!(sim.st.next_due(), None);
     assert_eq!(
-        sim.out.console[0],
+        sim.out.seen().console[0],
         "[workload wl-1 stdout] hello\n[workload wl-1 stdout] world\n"
     );
 }
@@ -312,14 +321,14 @@ fn chunks_go_in_order_one_at_a_time_and_the_cursor_is_written_before_the_next() 
         sim.write(0, format!("line {i}\n").as_bytes());
         sim.at(i * 100);
         // At most one chunk in flight: nothing more goes until the backend answers.
-        let unanswered = sim.out.published.len() - sim.answered;
+        let unanswered = sim.out.seen().published.len() - sim.answered;
         assert!(unanswered <= 1);
         if i % 3 == 0 {
             sim.hold_persists = true;
             sim.answer(true);
             sim.at(i * 100 + 50);
             assert_eq!(
-                sim.out.published.len(),
+                sim.out.seen().published.len(),
                 sim.answered,
                 "no chunk goes while the cursor of the last is being written"
             );
@@ -385,11 +394,11 @@ fn a_lost_connection_forgets_the_chunk_in_flight_and_resends_it_after_the_reconn
         "nothing is published while disconnected"
     );
     assert!(
-        sim.out.console[0].contains("] two\n"),
+        sim.out.seen().console[0].contains("] two\n"),
         "the console still gets the output"
     );
     // A reply of the old connection's request is not mistaken for a new chunk's.
-    sim.st.on_ack(&key(0), true, now, &mut sim.out);
+    sim.st.on_ack(&key(0), true, now, &mut sim.out.fx);
     assert_eq!(sim.cursor, None);
     sim.at(3000);
     sim.st.link(true, "inst-1", sim.now);
@@ -399,8 +408,8 @@ fn a_lost_connection_forgets_the_chunk_in_flight_and_resends_it_after_the_reconn
     sim.answer(true);
     assert_eq!(sim.rebuilt(0), "one\ntwo\n");
     // The console saw each line once.
-    assert_eq!(sim.out.console[0].matches("] one\n").count(), 1);
-    assert_eq!(sim.out.console[0].matches("] two\n").count(), 1);
+    assert_eq!(sim.out.seen().console[0].matches("] one\n").count(), 1);
+    assert_eq!(sim.out.seen().console[0].matches("] two\n").count(), 1);
 }
 
 #[test]
@@ -428,7 +437,7 @@ fn a_workload_that_ended_ships_its_rest_at_once_and_is_drained() {
     assert!(!sim.st.drained(ID), "running: not drained");
     assert_eq!(sim.watches.len(), 2, "waiting for more output");
     let now = sim.now;
-    sim.st.end(ID, now, &mut sim.out);
+    sim.st.end(ID, now, &mut sim.out.fx);
     sim.serve();
     assert!(
         sim.watches.is_empty(),
@@ -445,7 +454,7 @@ fn a_workload_that_ended_ships_its_rest_at_once_and_is_drained() {
     sim.answer(true);
     assert!(sim.st.drained(ID));
     assert!(sim.st.undrained(ID).is_empty());
-    assert!(sim.out.console[0].ends_with("] last without end\n"));
+    assert!(sim.out.seen().console[0].ends_with("] last without end\n"));
     assert_eq!(sim.st.next_due(), None);
 }
 
@@ -458,7 +467,7 @@ fn during_an_outage_an_ended_workload_is_drained_only_if_everything_was_acknowle
     let now = sim.now;
     sim.st.reset(now);
     sim.st.link(false, "inst-1", now);
-    sim.st.end(ID, now, &mut sim.out);
+    sim.st.end(ID, now, &mut sim.out.fx);
     sim.serve();
     assert!(
         sim.st.drained(ID),
@@ -469,19 +478,19 @@ fn during_an_outage_an_ended_workload_is_drained_only_if_everything_was_acknowle
     let now = sim.now;
     sim.st.link(false, "inst-1", now);
     sim.write(1, b"unsent\n");
-    sim.st.end(ID, now, &mut sim.out);
+    sim.st.end(ID, now, &mut sim.out.fx);
     sim.serve();
     assert!(!sim.st.drained(ID));
     assert_eq!(sim.st.undrained(ID), vec!["stderr"]);
     assert!(
-        sim.out.console[1].contains("] unsent\n"),
+        sim.out.seen().console[1].contains("] unsent\n"),
         "mirrored meanwhile"
     );
     assert_eq!(sim.st.next_due(), None, "and nothing spins while it waits");
     sim.at(10_000);
-    assert!(sim.out.published.is_empty());
+    assert!(sim.out.seen().published.is_empty());
     sim.st.link(true, "inst-1", sim.now);
-    sim.st.pump(sim.now, &mut sim.out);
+    sim.st.pump(sim.now, &mut sim.out.fx);
     sim.serve();
     sim.answer(true);
     assert!(sim.st.drained(ID));
@@ -493,7 +502,7 @@ fn an_ended_workload_is_not_drained_while_its_chunks_are_unacknowledged() {
     let mut sim = Sim::new(settings(3000));
     sim.write(1, &vec![b'x'; 3 << 20]); // 3 MiB on stderr, one line
     let now = sim.now;
-    sim.st.end(ID, now, &mut sim.out);
+    sim.st.end(ID, now, &mut sim.out.fx);
     sim.serve();
     let n = (3 << 20) / MAX_CHUNK;
     for _ in 0..n {
@@ -533,7 +542,7 @@ fn a_flood_is_paced_by_the_budget_in_big_chunks_and_never_more_than_four_a_secon
     assert!(sim.reads.iter().all(|r| r.2 as u64 <= MAX_CHUNK));
     // Once it ends, the rest goes as fast as it is acknowledged.
     let now = sim.now;
-    sim.st.end(ID, now, &mut sim.out);
+    sim.st.end(ID, now, &mut sim.out.fx);
     sim.serve();
     let before = sim.chunks(0).len();
     for _ in 0..100 {
@@ -569,7 +578,7 @@ fn chunks_fit_the_brokers_packet_size_even_when_escaping_makes_them_longer() {
         sim.answer(true);
     }
     assert_eq!(sim.rebuilt(1).len(), 50_001);
-    for (_, body) in &sim.out.published {
+    for (_, body) in &sim.out.seen().published {
         let size = serde_json::to_vec(body).unwrap().len() as u64;
         assert!(size <= 65_536 - PACKET_OVERHEAD, "a body of {size} bytes");
     }
@@ -591,7 +600,7 @@ fn a_log_over_max_log_bytes_keeps_its_newest_half_and_announces_what_was_dropped
     let cut = total - 500;
     let c = sim.chunks(0);
     assert_eq!(c.len(), 2);
-    let body = &sim.out.published[1].1;
+    let body = &sim.out.seen().published[1].1;
     assert_eq!(body["dropped"], cut - first, "cut bytes never shipped");
     assert_eq!(c[1].0, cut, "stream offsets go on past the cut");
     sim.answer(true);
@@ -601,7 +610,7 @@ fn a_log_over_max_log_bytes_keeps_its_newest_half_and_announces_what_was_dropped
     // Later chunks carry the base in their offset and no second `dropped`.
     sim.write(0, b"tail\n");
     sim.at(1000);
-    let last = &sim.out.published.last().unwrap().1;
+    let last = &sim.out.seen().published.last().unwrap().1;
     assert_eq!(last["offset"], total);
     assert!(last.get("dropped").is_none());
 }
@@ -626,7 +635,7 @@ fn a_resumed_workload_continues_at_its_cursor() {
         Some(text.len() as u64)
     );
     assert!(
-        !sim.out.console[0].contains("] x 1\n"),
+        !sim.out.seen().console[0].contains("] x 1\n"),
         "what was mirrored before the restart is not again"
     );
 }
@@ -658,8 +667,9 @@ fn install_logs_go_once_in_chunks_that_end_at_line_ends() {
     let mut out = Fake::default();
     st.link(true, "inst-9", Instant::now());
     let big = "y".repeat(99) + "\n";
-    st.ship_install([big.repeat(1000), "oops\n".into()], &mut out);
-    st.ship_install(["again\n".into(), String::new()], &mut out);
+    st.ship_install([big.repeat(1000), "oops\n".into()], &mut out.fx);
+    st.ship_install(["again\n".into(), String::new()], &mut out.fx);
+    out.seen();
     assert!(st.install_shipped());
     let stdout: Vec<&Value> = out
         .install
@@ -682,7 +692,7 @@ fn install_logs_go_once_in_chunks_that_end_at_line_ends() {
 
 #[test]
 fn a_chunk_body_matches_the_wire_format() {
-    let src = Source {
+    let src = StreamSource {
         kind: "inference".into(),
         request_id: serde_json::json!(42),
         workload_uuid: None,
@@ -758,7 +768,7 @@ impl Disk {
         crate::store::Validate::validate(&cursor).unwrap();
         self.st.track(
             ID,
-            Source {
+            StreamSource {
                 kind: "training".into(),
                 request_id: Value::from("req-1"),
                 workload_uuid: Some("wl-1".into()),
@@ -796,17 +806,17 @@ impl Disk {
         for _ in 0..100 {
             self.now += Duration::from_secs(1);
             let now = self.now;
-            self.st.on_tail(Event::Grew(key(0)), now, &mut self.out);
+            self.st.on_tail(Event::Grew(key(0)), now, &mut self.out.fx);
             self.serve();
             let before = self.answered;
-            while self.answered < self.out.published.len() {
-                let k = self.out.published[self.answered].0.clone();
+            while self.answered < self.out.seen().published.len() {
+                let k = self.out.seen().published[self.answered].0.clone();
                 self.answered += 1;
                 let ok = self.ok;
-                self.st.on_ack(&k, ok, now, &mut self.out);
+                self.st.on_ack(&k, ok, now, &mut self.out.fx);
                 self.serve();
             }
-            if (before == self.answered || !self.ok) && self.out.tail.is_empty() {
+            if (before == self.answered || !self.ok) && self.out.seen().tail.is_empty() {
                 return;
             }
         }
@@ -814,8 +824,8 @@ impl Disk {
     }
 
     fn serve(&mut self) {
-        while !self.out.tail.is_empty() {
-            for job in std::mem::take(&mut self.out.tail) {
+        while !self.out.seen().tail.is_empty() {
+            for job in std::mem::take(&mut self.out.seen().tail) {
                 let ev = match job {
                     Request::Read {
                         key,
@@ -839,7 +849,7 @@ impl Disk {
                     Request::Watch { .. } | Request::Unwatch(_) => continue,
                 };
                 let now = self.now;
-                self.st.on_tail(ev, now, &mut self.out);
+                self.st.on_tail(ev, now, &mut self.out.fx);
             }
         }
     }
@@ -910,7 +920,7 @@ fn a_log_truncated_to_zero_continues_with_what_is_written_after() {
         (b[1]["truncated"].clone(), b[2]["truncated"].clone()),
         (json!(true), json!(true))
     );
-    let console: String = d.out.console[0].replace("[workload wl-1 stdout] ", "");
+    let console: String = d.out.seen().console[0].replace("[workload wl-1 stdout] ", "");
     assert_eq!(console, want, "each line once on the console");
 }
 
@@ -930,7 +940,7 @@ fn a_log_truncated_to_a_middle_offset_loses_and_repeats_nothing() {
     assert_eq!(last["truncated"], true);
     assert_eq!(last["log_content"], lines("b", 1, 10).trim_end());
     assert_eq!(
-        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        d.out.seen().console[0].replace("[workload wl-1 stdout] ", ""),
         want
     );
 }
@@ -949,7 +959,7 @@ fn a_hole_in_the_middle_is_skipped_and_announced_as_a_gap() {
     assert_eq!(b[1]["offset"], 64 << 20);
     assert_eq!(b[1]["gap"], (64 << 20) - 7);
     assert_eq!(
-        d.out.console[0],
+        d.out.seen().console[0],
         "[workload wl-1 stdout] before\n[workload wl-1 stdout] after\n"
     );
 }
@@ -962,11 +972,11 @@ fn a_hole_at_the_end_is_skipped_and_the_stream_drains() {
     d.set_len(1 << 20);
     d.settle();
     let now = d.now;
-    d.st.end(ID, now, &mut d.out);
+    d.st.end(ID, now, &mut d.out.fx);
     d.settle();
     assert_eq!(d.rebuilt(), "partial");
     assert!(d.st.drained(ID), "{:?}", d.st.undrained(ID));
-    assert_eq!(d.out.console[0], "[workload wl-1 stdout] partial\n");
+    assert_eq!(d.out.seen().console[0], "[workload wl-1 stdout] partial\n");
 }
 
 #[test]
@@ -980,7 +990,7 @@ fn a_huge_sparse_log_ships_only_its_text_in_milliseconds() {
     d.settle();
     assert_eq!(d.rebuilt(), "x\ny\n");
     assert_eq!(
-        d.out.console[0],
+        d.out.seen().console[0],
         "[workload wl-1 stdout] x\n[workload wl-1 stdout] y\n"
     );
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
@@ -1031,7 +1041,7 @@ fn a_truncation_during_an_outage_is_mirrored_once_and_shipped_after_it() {
     d.settle();
     let want = lines("old", 1, 5) + &lines("new", 1, 20);
     assert_eq!(
-        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        d.out.seen().console[0].replace("[workload wl-1 stdout] ", ""),
         want,
         "mirrored once while disconnected"
     );
@@ -1040,7 +1050,7 @@ fn a_truncation_during_an_outage_is_mirrored_once_and_shipped_after_it() {
     d.settle();
     assert_eq!(d.rebuilt(), want);
     assert_eq!(
-        d.out.console[0].replace("[workload wl-1 stdout] ", ""),
+        d.out.seen().console[0].replace("[workload wl-1 stdout] ", ""),
         want
     );
 }
@@ -1088,7 +1098,7 @@ fn text_with_nul_bytes_inside_goes_in_one_chunk_without_them() {
     assert_eq!(d.bodies().len(), 1, "not a chunk per character");
     assert_eq!(d.rebuilt(), "wide\n".repeat(100).trim_end());
     assert_eq!(
-        d.out.console[0],
+        d.out.seen().console[0],
         "[workload wl-1 stdout] wide\n".repeat(100)
     );
 }

@@ -1,5 +1,5 @@
-//! The text work of log streaming, written for speed (issue 15 item 3: every byte of a flood
-//! passes here twice): the chunk's JSON body, `log_content`, console tagging (escaped for the
+//! The text work of log streaming, written for speed (every byte of a flood passes here
+//! twice): the chunk's JSON body, `log_content`, console tagging (escaped for the
 //! terminal, D69), and cutting on character boundaries. Valid UTF-8 (the usual case) is checked once per chunk and then only
 //! copied; line ends are found by `memchr` and characters that need escaping a word (8 bytes) at
 //! a time.
@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 
 /// The `log_content` of a chunk: its lines joined with `\n`, with no trailing newline
-/// (protocol §2.6.4), so the one line end a chunk stops at is left out. `offset` and `length`
+/// (R4 in docs/protocol.md), so the one line end a chunk stops at is left out. `offset` and `length`
 /// still count the bytes of the file, that line end included, so the next chunk starts at
 /// `offset + length`; a backend rebuilding the file by offset adds a `\n` wherever `length`
 /// exceeds the content's bytes by one. Invalid UTF-8 becomes U+FFFD.
@@ -405,8 +405,8 @@ mod tests {
 
     #[test]
     fn a_line_is_admitted_or_not_as_a_whole_and_charged_what_it_printed() {
-        struct Rec(Vec<(u64, u64)>, Vec<u64>);
-        impl Gate for Rec {
+        struct RecGate(Vec<(u64, u64)>, Vec<u64>);
+        impl Gate for RecGate {
             fn admit(&mut self, cost: u64, used: u64) -> bool {
                 self.0.push((cost, used));
                 cost != 8
@@ -415,7 +415,7 @@ mod tests {
                 self.1.push(extra);
             }
         }
-        let mut gate = Rec(Vec::new(), Vec::new());
+        let mut gate = RecGate(Vec::new(), Vec::new());
         let mut out = Vec::new();
         let used = tag_lines(
             b"[T] ",

@@ -31,7 +31,7 @@ pub struct Ingress {
 }
 
 /// What the ingress part needs of the world.
-pub trait Outbound {
+pub trait Publisher {
     fn connected(&self) -> bool;
     fn now(&self) -> Instant;
     /// The MQTT client id, the session of every event (the backend dedups on it).
@@ -56,7 +56,7 @@ impl Ingress {
 
     /// Queues the node's own event durably (in memory when the disk refuses, D28), then sends
     /// what is due.
-    fn queue_own(&mut self, item: Item, out: &mut dyn Outbound) {
+    fn queue_own(&mut self, item: Item, out: &mut dyn Publisher) {
         if let Err(e) = self.queue.push(item, true) {
             // Kept in memory and sent all the same (D28); written once the disk allows.
             if let Some(held) = out.disk_error_due() {
@@ -70,7 +70,7 @@ impl Ingress {
     }
 
     /// Publishes what is due: the oldest event of each execution with none in flight.
-    pub fn send(&mut self, out: &mut dyn Outbound) {
+    pub fn send(&mut self, out: &mut dyn Publisher) {
         if !out.connected() {
             return;
         }
@@ -87,7 +87,7 @@ impl Ingress {
     }
 
     /// Sends one event; true when it was set aside instead.
-    fn send_one(&mut self, seq: u64, out: &mut dyn Outbound) -> bool {
+    fn send_one(&mut self, seq: u64, out: &mut dyn Publisher) -> bool {
         let item = match self.queue.item(seq) {
             Ok(item) => item,
             // Changed under the node: set aside, never sent as it is now.
@@ -156,7 +156,7 @@ impl Ingress {
 
     /// Holds the quarantine to its bounds, at most every [`PRUNE_EVERY`] (the hourly pass
     /// catches the rest).
-    fn prune(&mut self, out: &mut dyn Outbound) {
+    fn prune(&mut self, out: &mut dyn Publisher) {
         let now = out.now();
         if self
             .pruned
@@ -168,7 +168,7 @@ impl Ingress {
         out.prune_quarantine();
     }
 
-    pub fn on_ack(&mut self, (seq, acked): Acked, out: &mut dyn Outbound) {
+    pub fn on_ack(&mut self, (seq, acked): Acked, out: &mut dyn Publisher) {
         if !self.queue.in_flight(seq) {
             return; // from before a reconnect: that event is sent again
         }
@@ -196,7 +196,7 @@ impl Ingress {
     /// whose event token the request carries, if any. An event that does not fit the queue's
     /// bounds (D67) is refused at once (`not_queued`, `full`) naming the bound it hit; nothing
     /// is queued.
-    pub fn emit(&mut self, body: &Value, owner: Option<&Meta>, out: &mut dyn Outbound) -> Value {
+    pub fn emit(&mut self, body: &Value, owner: Option<&Meta>, out: &mut dyn Publisher) -> Value {
         let Some(fields) = body.get("fields").and_then(Value::as_object) else {
             return json!({"ok": false, "error": "emit needs fields"});
         };
@@ -238,7 +238,7 @@ impl Ingress {
     }
 
     /// The node's own workload as a workflow node event: `running` at spawn.
-    pub fn report_started(&mut self, meta: &Meta, out: &mut dyn Outbound) {
+    pub fn report_started(&mut self, meta: &Meta, out: &mut dyn Publisher) {
         let Some(ctx) = meta.workflow.clone().filter(|_| self.reporting) else {
             return;
         };
@@ -254,7 +254,7 @@ impl Ingress {
         success: bool,
         exit_code: Option<i32>,
         error: Option<String>,
-        out: &mut dyn Outbound,
+        out: &mut dyn Publisher,
     ) {
         let Some(ctx) = meta.workflow.clone().filter(|_| self.reporting) else {
             return;
@@ -281,7 +281,12 @@ impl Ingress {
     }
 
     /// A start that was refused, for a workload with workflow context.
-    pub fn report_rejected(&mut self, ctx: Option<WorkflowCtx>, why: &str, out: &mut dyn Outbound) {
+    pub fn report_rejected(
+        &mut self,
+        ctx: Option<WorkflowCtx>,
+        why: &str,
+        out: &mut dyn Publisher,
+    ) {
         let Some(ctx) = ctx.filter(|_| self.reporting) else {
             return;
         };
@@ -291,7 +296,7 @@ impl Ingress {
         self.report(f, &ctx, out);
     }
 
-    fn report(&mut self, f: Map<String, Value>, ctx: &WorkflowCtx, out: &mut dyn Outbound) {
+    fn report(&mut self, f: Map<String, Value>, ctx: &WorkflowCtx, out: &mut dyn Publisher) {
         match ingress::build(&f) {
             Ok(ev) => {
                 let label = format!(
@@ -314,15 +319,15 @@ impl Ingress {
     }
 }
 
-/// The ingress part's [`Outbound`] on the node's MQTT client and the ack thread.
-pub(super) struct Wire<'a> {
+/// The ingress part's [`Publisher`] on the node's MQTT client and the ack thread.
+pub(super) struct MqttPublisher<'a> {
     pub connected: bool,
     pub now: Instant,
     pub io: &'a Io,
     pub disk_errors: &'a mut crate::logtext::Throttle,
 }
 
-impl Outbound for Wire<'_> {
+impl Publisher for MqttPublisher<'_> {
     fn connected(&self) -> bool {
         self.connected
     }
@@ -376,13 +381,13 @@ mod tests {
     use super::*;
 
     /// A recording fake: what was published, and whether it is connected.
-    struct Fake {
+    struct FakePublisher {
         connected: bool,
         now: Instant,
         published: Vec<(u64, String)>,
         prunes: usize,
     }
-    impl Outbound for Fake {
+    impl Publisher for FakePublisher {
         fn connected(&self) -> bool {
             self.connected
         }
@@ -404,8 +409,8 @@ mod tests {
         }
     }
 
-    fn fake(connected: bool) -> Fake {
-        Fake {
+    fn fake(connected: bool) -> FakePublisher {
+        FakePublisher {
             connected,
             now: Instant::now(),
             published: Vec::new(),

@@ -285,8 +285,8 @@ impl Start<'_> {
                         "carrying out the cancel recorded while {} was starting",
                         shown(&rid)
                     );
-                    let cancelled = self.work.with_table(|t, out, now| {
-                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, out)
+                    let cancelled = self.work.with_table(|t, w, fx, now| {
+                        t.cancel(&safe_id, c.signal, c.name, c.grace, false, now, w, fx)
                     });
                     if let Err(e) = cancelled {
                         log::warn!(
@@ -405,7 +405,7 @@ impl Start<'_> {
         }
     }
 
-    /// An error reply and, when the backend named the workload, R7 `failed` (protocol §4.3.3).
+    /// An error reply and, when the backend named the workload, R7 `failed` (docs/protocol.md).
     /// A `busy` refusal keeps the host-busy contract (D13, D21); any other cannot succeed here.
     pub(super) fn reject_start(
         &mut self,
@@ -474,15 +474,15 @@ impl Start<'_> {
     /// A self-heal lookup's answer: a stale workload is terminated without a completion.
     pub(super) fn on_workload_check(&mut self, key: &str, check: crate::backend::WorkloadCheck) {
         let what = match self.heal.on_check(key, check, self.work.active) {
-            selfheal::Checked::Moot => return,
-            selfheal::Checked::Kept => None,
-            selfheal::Checked::Stale(what) => Some(what),
+            selfheal::HealCheck::Moot => return,
+            selfheal::HealCheck::Kept => None,
+            selfheal::HealCheck::Stale(what) => Some(what),
         };
         if let Some(what) = what {
             let grace = admit::STALE_GRACE;
             if let Err(e) = self
                 .work
-                .with_table(|t, out, now| t.cancel_stale(key, grace, now, out))
+                .with_table(|t, w, fx, now| t.cancel_stale(key, grace, now, w, fx))
             {
                 log::error!(
                     "self-heal: cannot terminate {}: {e}; it stays tracked",

@@ -1,14 +1,13 @@
 //! The loop's side of the broker session ([`super::session`]): what the loop does when the
-//! session reports ([`super::session::Happening`], dispatched in `mod.rs`) a connection made or lost, a
-//! request's reply or timeout, a refusal (D34) or a heartbeat due, and the heartbeat's body
-//! (R3). A command goes from the dispatch straight to `commands.rs`.
+//! session reports (dispatched in `mod.rs`) a connection made or lost, a request's reply or
+//! timeout, a refusal (D34) or a heartbeat due, and the heartbeat's body (R3).
 
 use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use super::events::Ingress;
 use super::gpus::{Gpus, Hold};
-use super::ingress::Ingress;
 use super::parts::{refused_in, Life, Op, Shutdown};
 use super::selfheal::Heal;
 use super::session::Session;
@@ -28,7 +27,7 @@ pub(super) fn on_connected(w: &mut Work<'_>, reconnect: bool) {
     if reconnect {
         w.life.metrics.reconnects = w.life.metrics.reconnects.saturating_add(1);
     }
-    w.outgoing().flush();
+    w.flush_outbox();
     w.with_ingress(|i, out| i.send(out));
 }
 
@@ -45,7 +44,7 @@ pub(super) fn on_refused(w: &mut Work<'_>, tag: Op, why: &str, permanent: bool) 
     let (outbox, mqtt) = (&mut *w.outbox, &w.io.mqtt);
     match refused(tag, why, permanent, outbox, mqtt, throttle, now) {
         AfterRefusal::Nothing => {}
-        AfterRefusal::SkipLog(key) => w.logs().on_ack(&key, true),
+        AfterRefusal::SkipLog(key) => w.on_log_ack(&key, true),
         AfterRefusal::Fail(op) => on_outcome(w, op, None, &[]),
     }
 }
@@ -58,23 +57,21 @@ pub(super) fn on_heartbeat_due(w: &mut Work<'_>, heal: &mut Heal) {
     // D59: the services workloads left running, beside (not among) the active workloads.
     util::set(&mut body, "services", json!(w.services.len()));
     let now = w.now();
-    w.session.send_heartbeat(&body, now, &mut w.io.wire(w.s));
+    w.session.send_heartbeat(&body, now, &mut w.io.link(w.s));
 }
 
 /// A request's reply (`Some`) or its timeout (`None`).
 pub(super) fn on_outcome(w: &mut Work<'_>, op: Op, body: Option<Reply>, corr: &[u8]) {
     match op {
         Op::Outbox(seq) => w.on_outbox_reply(seq, body),
-        Op::Log(key) => w
-            .logs()
-            .on_ack(&key, body.as_ref().is_some_and(|b| b.success)),
+        Op::Log(key) => w.on_log_ack(&key, body.as_ref().is_some_and(|b| b.success)),
         Op::SignedUrl(id) => {
             let body = body.map(|b| b.body);
-            w.with_table(|t, out, now| t.on_signed_url_reply(&id, body, now, out));
+            w.with_table(|t, w, fx, now| t.on_signed_url_reply(&id, body, now, w, fx));
         }
         Op::UploadResults(id) => {
             let ok = body.as_ref().is_some_and(|b| b.success);
-            w.with_table(|t, out, now| t.on_upload_reply(&id, ok, now, out));
+            w.with_table(|t, w, fx, now| t.on_upload_reply(&id, ok, now, w, fx));
         }
         Op::WorkloadStatus => on_status_outcome(body, w.s.standalone),
         Op::Terminate | Op::Fail => {
@@ -116,7 +113,7 @@ pub(super) fn connection_lost(
     // The refused message sat in the MQTT client too: the next connect uses a fresh client
     // (never a clean session, see `Mqtt::start_connect`), which resends nothing of the
     // loop's requests but a standalone node's (`Mqtt::resend_requests`).
-    super::streams_out::reset(streams, session, now);
+    super::logs::reset(streams, session, now);
 }
 
 /// What the loop does once a refusal was noted ([`refused`]).

@@ -1,21 +1,14 @@
 //! Commands from the backend (`status`, `start`, `cancel`, `received`) and their replies, and
 //! requests on the local control socket (`emit`, `drain`, `resume`, `status`): a command read
-//! and checked ([`accept`]), then answered (the status answers: [`View`], the parts they read)
+//! and checked ([`accept`]), then answered (the status answers: methods of [`Work`])
 //! or handed to the start path ([`Start`]) or to [`cancel`].
 
 use serde_json::{json, Value};
 
 use super::cancel;
-use super::gpus::Gpus;
-use super::io::Io;
-use super::parts::{Life, Op};
-use super::session::Session;
-use super::starts::Starts;
-use super::starts_out::Start;
-use super::table::Table;
+use super::start_path::Start;
 use super::workloads::Work;
 use crate::config::Settings;
-use crate::outbox::Outbox;
 use crate::protocol::commands::{
     self as protocol, Command, Incoming, Received, RequestId, StartParams, TopicId,
 };
@@ -102,25 +95,10 @@ pub(super) fn wrong_environment(s: &Settings, params: &StartParams) -> Option<St
     (mine.value != theirs.as_str()).then(|| format!("this node is reserved for environment {}; refusing a workload for environment {theirs}", mine.value))
 }
 
-/// What the status answers read of the node, borrowed for one answer.
-pub(super) struct View<'a> {
-    pub(super) s: &'a Settings,
-    pub(super) session: &'a Session<Op>,
-    pub(super) io: &'a Io,
-    pub(super) life: &'a Life,
-    pub(super) active: &'a Table,
-    pub(super) starts: &'a Starts,
-    pub(super) gpu: &'a Gpus,
-    pub(super) outbox: &'a Outbox,
-    /// The ingress queue.
-    pub(super) events: &'a crate::ingress_queue::EventQueue,
-    /// What workloads and the install script left running (D59).
-    pub(super) services: &'a super::services::Services,
-}
-
-impl View<'_> {
+/// The status answers, from what a workload's events touch.
+impl Work<'_> {
     /// The `status` command's output.
-    pub(super) fn status(&self) -> Value {
+    pub(super) fn status_answer(&self) -> Value {
         let mut out = json!({
             "slug": self.session.slug(),
             "instance_uuid": self.session.uuid(),
@@ -138,7 +116,7 @@ impl View<'_> {
             "services": self.services.status(),
         });
         self.gpu.add_status(
-            &super::gpus_out::holds_of(self.active, self.starts),
+            &super::workloads::holds_of(self.active, self.starts),
             &mut out,
         );
         self.add_starting(&mut out, "active_workloads");
@@ -151,7 +129,7 @@ impl View<'_> {
             self.active
                 .values()
                 .map(|a| {
-                    super::gpus_out::with_gpus(
+                    super::gpus::with_gpus(
                         json!({
                             "pid": a.meta.pid(),
                             "type": a.meta.kind,
@@ -194,7 +172,7 @@ impl View<'_> {
     }
 
     /// What `cyberwave-cloud-node status` shows about a running node.
-    pub(super) fn local(&self) -> Value {
+    pub(super) fn local_status(&self) -> Value {
         let mut out = json!({
             "running": true,
             "pid": std::process::id(),
@@ -208,7 +186,7 @@ impl View<'_> {
                         "accepting": self.life.shutdown.is_none() && !self.life.drain.on,
             "draining": self.life.drain.on,
             "max_concurrent_workloads": self.s.max_concurrent_workloads.value,
-            "workloads": self.active.values().map(|a| super::gpus_out::with_gpus(json!({
+            "workloads": self.active.values().map(|a| super::gpus::with_gpus(json!({
                 "pid": a.meta.pid(),
                 "type": a.meta.kind,
                 "request_id": a.meta.request_id,
@@ -220,11 +198,11 @@ impl View<'_> {
             }), &a.meta)).collect::<Vec<_>>(),
             "services": self.services.status(),
             "outbox": self.outbox.len(),
-            "ingress_queue": self.events.len(),
-            "ingress_queue_bytes": self.events.bytes(),
+            "ingress_queue": self.ingress.queue.len(),
+            "ingress_queue_bytes": self.ingress.queue.bytes(),
         });
         self.gpu.add_status(
-            &super::gpus_out::holds_of(self.active, self.starts),
+            &super::workloads::holds_of(self.active, self.starts),
             &mut out,
         );
         self.add_users(&mut out);
@@ -250,24 +228,6 @@ impl View<'_> {
     }
 }
 
-impl<'a> View<'a> {
-    /// The status answers' view of a workload's parts.
-    pub(super) fn of(w: &'a Work<'_>) -> View<'a> {
-        View {
-            s: w.s,
-            session: w.session,
-            io: w.io,
-            life: w.life,
-            active: w.active,
-            starts: w.starts,
-            gpu: w.gpu,
-            outbox: w.outbox,
-            events: &w.ingress.queue,
-            services: w.services,
-        }
-    }
-}
-
 /// A command from the backend: read and checked, then answered or carried out.
 pub(super) fn on_command(st: &mut Start<'_>, payload: &[u8]) {
     let max = st.work.s.tuning.max_command_bytes;
@@ -288,7 +248,7 @@ pub(super) fn on_command(st: &mut Start<'_>, payload: &[u8]) {
     let rid = request_id.value();
     match command {
         Command::Status => {
-            let status = View::of(&st.work).status();
+            let status = st.work.status_answer();
             st.work.replies().ok(rid, status);
         }
         Command::Start(kind, params) | Command::Received(Received::Start(kind, params)) => {
@@ -323,7 +283,7 @@ pub(super) fn on_control(w: &mut Work<'_>, req: crate::control::Request) {
                 .set(op == "drain", "asked on the control socket", in_use);
             json!({"ok": true, "draining": w.life.drain.on, "active_workloads": in_use})
         }
-        "status" => json!({"ok": true, "status": View::of(w).local()}),
+        "status" => json!({"ok": true, "status": w.local_status()}),
         other => json!({"ok": false, "error": format!("unknown op {other:?}")}),
     };
     let _ = req.reply.send(reply);

@@ -52,7 +52,7 @@ impl Origin {
 }
 
 /// One tracked service.
-struct Entry {
+struct ServiceEntry {
     rec: Service,
     /// The GPUs its processes use (`nvidia-smi`'s compute-apps list).
     gpus: Vec<String>,
@@ -67,7 +67,7 @@ struct Stopping {
     kill_at: Option<Instant>,
 }
 
-impl Entry {
+impl ServiceEntry {
     fn describe(&self) -> String {
         let origin = Origin {
             started_by: self.rec.started_by.clone(),
@@ -86,7 +86,7 @@ impl Entry {
 /// The services the node tracks.
 pub(super) struct Services {
     path: PathBuf,
-    list: Vec<Entry>,
+    list: Vec<ServiceEntry>,
     next_look: Instant,
     /// A container's node stopping (D58): when SIGKILL goes to its services, those a workload
     /// stopped meanwhile leaves included.
@@ -110,7 +110,7 @@ impl Services {
         };
         let before = saved.services.len();
         for rec in saved.services {
-            let entry = Entry {
+            let entry = ServiceEntry {
                 rec,
                 gpus: Vec::new(),
                 children: Vec::new(),
@@ -168,7 +168,7 @@ impl Services {
                 boot_id: procinfo::boot_id(),
                 process: f,
             };
-            let entry = Entry {
+            let entry = ServiceEntry {
                 gpus: Vec::new(),
                 children: children.to_vec(),
                 stopping: None,
@@ -194,8 +194,7 @@ impl Services {
     /// Why `f` is not taken on as a service, if it is not.
     fn refusal(&self, f: &Found, uid: Option<u32>) -> Option<String> {
         let me = i32::try_from(std::process::id()).unwrap_or(0);
-        // SAFETY: getpgrp and getsid have no preconditions.
-        let (pgrp, sid) = unsafe { (libc::getpgrp(), libc::getsid(0)) };
+        let (pgrp, sid) = procinfo::own_group_and_session();
         if f.pid == me || [me, pgrp, sid].contains(&f.scope_id) {
             return Some("it is the node's own process, group or session".into());
         }
@@ -436,11 +435,18 @@ fn reap(children: &mut Vec<i32>) {
     });
 }
 
-fn entry_json(e: &Entry, now_unix: f64) -> Value {
+fn entry_json(e: &ServiceEntry, now_unix: f64) -> Value {
     let p = &e.rec.process;
+    // What it runs now: a daemon found the moment after its fork may not have run `exec` yet,
+    // and the command line recorded then is its parent shell's.
+    let command = if procinfo::same_process_alive(p.pid, p.start_ticks) {
+        svc::cmdline(p.pid)
+    } else {
+        p.cmdline.clone()
+    };
     json!({
         "pid": p.pid,
-        "command": p.cmdline,
+        "command": command,
         "started_by": e.rec.started_by,
         "request_id": e.rec.request_id,
         "workload_uuid": e.rec.workload_uuid,

@@ -458,7 +458,6 @@ fn outside_reference_catches_each_form_and_passes_plain_words() {
 }
 
 #[test]
-#[ignore = "until the comment sweep"]
 fn d72_no_file_names_an_issue_or_a_document_outside_the_repository() {
     let mut problems = Vec::new();
     for (file, text) in repository_files() {

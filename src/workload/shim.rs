@@ -207,6 +207,10 @@ fn parse_grace(arg: &str) -> Option<(u64, bool)> {
     }
 }
 
+/// How long a supervisor waits, when its workload left processes in its session, before it
+/// looks at them again (a service may still be on its way to a session of its own).
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Terminates what is left of the workload (D25): its process group `pgid`, every other
 /// process in this shim's session `me` (a job the workload put in a group of its own), and,
 /// unless `keep_services`, every child of this shim in another session too. With
@@ -283,6 +287,12 @@ fn clear_group(
             }
         }
     };
+    // A process the workload started just before it ended may not have left the session yet
+    // (`setsid server &` as a script's last line: the child runs `setsid` a moment after the
+    // fork): with services kept, it is looked at once more before anything is signalled.
+    if keep_services && !left().is_empty() {
+        std::thread::sleep(SETTLE);
+    }
     if !left().is_empty() {
         signal_all(libc::SIGTERM);
         wait_empty(grace, None);

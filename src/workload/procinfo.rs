@@ -62,7 +62,8 @@ pub fn stopped(pid: i32, start: u64) -> bool {
 }
 
 /// Sends `sig` to process `pid` if it is still the one that started at `start`: checked
-/// through a pidfd, so the signal cannot reach a process that got the pid after the check.
+/// through a pidfd, so the signal cannot reach a process that got the pid after the check
+/// (where the kernel has no pidfds, a check right before `kill`).
 pub fn signal_process(pid: i32, start: u64, sig: i32) -> std::io::Result<()> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     if pid <= 1 {
@@ -78,7 +79,16 @@ pub fn signal_process(pid: i32, start: u64, sig: i32) -> std::io::Result<()> {
             .map(|fd| OwnedFd::from_raw_fd(fd))
     };
     let Some(fd) = fd else {
-        return Err(std::io::Error::last_os_error());
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::ENOSYS) && same_process_alive(pid, start) {
+            // A kernel without pidfds (before 5.3): checked a moment before the kill.
+            // SAFETY: kill with a positive pid, checked above.
+            return match unsafe { libc::kill(pid, sig) } {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            };
+        }
+        return Err(err);
     };
     // The pidfd names one process from now on: is it the one that started at `start`?
     if start_ticks(pid) != Some(start) {

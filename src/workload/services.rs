@@ -26,7 +26,6 @@
 //! so a pid recycled meanwhile never gets it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use serde::{Deserialize, Serialize};
 
@@ -211,38 +210,11 @@ pub fn signal(f: &Found, sig: i32) -> usize {
         .count()
 }
 
-/// Sends `sig` to process `pid` only if it is the one that started at `start`: through a pidfd
-/// opened before the start time is read, so a pid recycled in between never gets it (where the
-/// kernel has no pidfds, a check right before `kill`).
+/// Sends `sig` to process `pid` only if it is the one that started at `start`
+/// ([`procinfo::signal_process`]), and never to the node itself.
 pub fn signal_proven(pid: i32, start: u64, sig: i32) -> bool {
-    if pid <= 1 || i64::from(pid) == i64::from(std::process::id()) {
-        return false;
-    }
-    // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    let Ok(raw) = i32::try_from(raw) else {
-        return false;
-    };
-    if raw < 0 {
-        // SAFETY: kill with a positive pid checked a moment ago.
-        return procinfo::same_process_alive(pid, start) && unsafe { libc::kill(pid, sig) } == 0;
-    }
-    // SAFETY: a descriptor pidfd_open just returned, owned here alone.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    if procinfo::start_ticks(pid) != Some(start) {
-        return false;
-    }
-    // SAFETY: pidfd_send_signal on our own pidfd, no siginfo, no flags.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            fd.as_raw_fd(),
-            sig,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    rc == 0
+    i64::from(pid) != i64::from(std::process::id())
+        && procinfo::signal_process(pid, start, sig).is_ok()
 }
 
 /// A process's command line as one line of text: its arguments joined by spaces, escaped and
